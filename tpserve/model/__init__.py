@@ -1,0 +1,1 @@
+"""The model: configs, layers, weight loading, KV pool, attention back-ends, sampling."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, the communicator, sharded layers, rank launching."""

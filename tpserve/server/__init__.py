@@ -1,0 +1,1 @@
+"""The server: config, CLI, HTTP API, engine, scheduler, block manager."""

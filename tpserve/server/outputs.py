@@ -1,0 +1,44 @@
+"""What the engine hands back to the HTTP layer, one delta per step and sibling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives (token id, decoded text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """New output of sibling ``index`` (0..n-1) since its previous delta.
+
+    ``finish_reason`` is None while the sibling runs, then one of ``stop``, ``length``,
+    ``abort`` or ``error``; ``stop_reason`` is the matched stop string or token id.
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One batch of deltas for a request; ``finished`` once every sibling has finished."""
+
+    request_id: str
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finished: bool = False
+    error: str | None = None
