@@ -1,1 +1,1 @@
-
+"""Small model layers: RMSNorm, rotary embedding, the SwiGLU MLP."""

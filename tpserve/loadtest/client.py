@@ -1,0 +1,186 @@
+"""One streaming request to an OpenAI-compatible server, measured: a RequestResult.
+
+Times come from time.perf_counter(). TTFT is the time to the first chunk that carries
+text; ITL the gaps between text chunks; token counts come from the final ``usage``
+chunk (``stream_options.include_usage``). Every failure (HTTP status, error event in
+the stream, timeout, connection error, malformed stream) becomes a failed result with
+a message; cancellation (Ctrl-C) is not a failure and propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tpserve.loadtest.datasets import PromptSpec
+from tpserve.loadtest.sse import iter_events
+
+MAX_ERROR_CHARS = 300
+
+
+@dataclass
+class RequestResult:
+    """What one request measured. Times in seconds; ``start`` and ``chunk_times`` are
+    relative to the run's start so that runs can be plotted over time."""
+
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    target_input_len: int | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); None with fewer than two output tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+class StreamError(Exception):
+    """The server reported an error, or the stream broke the protocol."""
+
+
+class RequestSender:
+    """Sends PromptSpecs as streaming completions or chat completions."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        model: str,
+        endpoint: str,
+        ignore_eos: bool,
+        timeout: float,
+        api_key: str | None,
+    ) -> None:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        self._client = client
+        self._url = base_url + path
+        self._model = model
+        self._chat = endpoint == "chat"
+        self._ignore_eos = ignore_eos
+        self._timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def payload(self, spec: PromptSpec) -> dict:
+        """The JSON body for spec."""
+        body: dict = {
+            "model": self._model,
+            "max_tokens": spec.output_len,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self._chat:
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt
+        if self._ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def send(self, spec: PromptSpec, run_start: float) -> RequestResult:
+        """Send spec and measure it; never raises except CancelledError."""
+        result = RequestResult(target_input_len=spec.target_input_len)
+        sent = time.perf_counter()
+        result.start = sent - run_start
+        try:
+            await asyncio.wait_for(self._stream(spec, result, sent, run_start), self._timeout)
+            result.success = True
+        except asyncio.TimeoutError:
+            result.error = f"timeout after {self._timeout:g}s"
+        except httpx.TimeoutException as e:
+            result.error = f"timeout ({type(e).__name__})"
+        except httpx.HTTPError as e:
+            result.error = _clip(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        except StreamError as e:
+            result.error = _clip(str(e))
+        except Exception as e:  # any other failure is a failed request, never a crash
+            result.error = _clip(f"{type(e).__name__}: {e}")
+        result.latency = time.perf_counter() - sent
+        if result.success and not result.chunk_times:
+            result.ttft = result.latency
+        return result
+
+    async def _stream(
+        self, spec: PromptSpec, result: RequestResult, sent: float, run_start: float
+    ) -> None:
+        body = self.payload(spec)
+        async with self._client.stream(
+            "POST", self._url, json=body, headers=self._headers
+        ) as response:
+            if response.status_code != 200:
+                raw = await response.aread()
+                raise StreamError(f"HTTP {response.status_code}: {_error_message(raw)}")
+            done = False
+            last = sent
+            async for event in iter_events(response.aiter_lines()):
+                if event.data.strip() == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(event.data)
+                except json.JSONDecodeError:
+                    raise StreamError(f"malformed stream chunk: {event.data[:80]!r}") from None
+                if event.event == "error" or (isinstance(chunk, dict) and "error" in chunk):
+                    raise StreamError(f"stream error: {_message_of(chunk)}")
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    result.usage_reported = True
+                if _chunk_text(chunk, self._chat):
+                    now = time.perf_counter()
+                    if not result.chunk_times:
+                        result.ttft = now - sent
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.chunk_times.append(now - run_start)
+            if not done:
+                raise StreamError("stream ended without data: [DONE]")
+        if not result.usage_reported:
+            result.output_tokens = len(result.chunk_times)
+
+
+def _chunk_text(chunk: dict, chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if chat:
+        delta = choice.get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choice.get("text") or ""
+
+
+def _message_of(obj: object) -> str:
+    """The human message of an OpenAI-style error body (or the body itself)."""
+    if isinstance(obj, dict):
+        error = obj.get("error", obj)
+        if isinstance(error, dict):
+            return str(error.get("message") or error.get("detail") or error)
+        return str(error)
+    return str(obj)
+
+
+def _error_message(raw: bytes) -> str:
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        return _message_of(json.loads(text))
+    except json.JSONDecodeError:
+        return text or "(empty body)"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."

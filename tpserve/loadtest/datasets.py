@@ -1,0 +1,212 @@
+"""The prompts of a load test: random words, a shared prefix plus random words, or a JSONL file.
+
+Random prompts are made of common English words (one token each in the usual BPE
+vocabularies) and fitted to the requested length with a TokenCounter: the word count is
+corrected until the server's /tokenize says the prompt has exactly the target number of
+tokens (BOS included), or as close as whole words allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tpserve.loadtest.token_count import TokenCounter
+
+WORDS = tuple(dict.fromkeys(
+    "the of and to in is was for on are with as at be by this from or have an they which "
+    "one you were her all she there would their we him been has when who will more no if "
+    "out so said what up its about into than them can only other new some could time these "
+    "two may then do first any my now such like our over man me even most made after also "
+    "did many before must through back years where much your way well down should because "
+    "each just those people how too little state good very make world still own see men "
+    "work long get here between both life being under never day same another know while "
+    "last might us great old year off come since against go came right used take three "
+    "house water small place number part sound again home read hand large spell add land "
+    "big high such follow act why ask change went light kind need try picture animal point "
+    "mother near build self earth father head stand page country found answer school grow "
+    "study learn plant cover food sun four thought let keep eye never city tree cross farm "
+    "hard start story saw far sea draw left late run while press close night real few north"
+    .split()
+))
+
+MAX_FIT_STEPS = 8
+FIT_CONCURRENCY = 16
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One request to send: the prompt text, its max_tokens and the prompt length aimed at."""
+
+    prompt: str
+    output_len: int
+    target_input_len: int | None = None
+
+
+def sample_lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> list[int]:
+    """n integers drawn uniformly from [mean*(1-r), mean*(1+r)], each at least 1."""
+    low = max(1, int(np.floor(mean * (1.0 - range_ratio))))
+    high = max(low, int(np.ceil(mean * (1.0 + range_ratio))))
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def random_words(rng: np.random.Generator, n: int) -> list[str]:
+    """n words drawn uniformly (with replacement) from WORDS."""
+    return [WORDS[i] for i in rng.integers(0, len(WORDS), size=n)]
+
+
+async def fit_text(
+    counter: TokenCounter,
+    make: Callable[[int], str],
+    target: int,
+    first_guess: int,
+) -> tuple[str, int]:
+    """Find k so that counter.count(make(k)) == target; returns (text, its token count).
+
+    ``make(k)`` must grow by about one token per unit of k. Each step moves k by the
+    remaining difference; when whole words cannot hit the target exactly, the closest
+    text seen is returned.
+    """
+    k = max(1, first_guess)
+    tried: set[int] = set()
+    best: tuple[int, str, int] | None = None
+    for _ in range(MAX_FIT_STEPS):
+        tried.add(k)
+        text = make(k)
+        n = await counter.count(text)
+        if best is None or abs(n - target) < best[0]:
+            best = (abs(n - target), text, n)
+        if n == target:
+            break
+        k_next = max(1, k + target - n)
+        if k_next in tried:
+            break
+        k = k_next
+    assert best is not None
+    return best[1], best[2]
+
+
+class _WordSource:
+    """Words of one prompt, drawn lazily so that fitting may ask for more than guessed."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._words: list[str] = []
+
+    def text(self, k: int, prefix: str = "") -> str:
+        if k > len(self._words):
+            self._words += random_words(self._rng, k - len(self._words) + 16)
+        body = " ".join(self._words[:k])
+        return f"{prefix} {body}" if prefix else body
+
+
+async def _overhead(counter: TokenCounter) -> int:
+    """Tokens the server adds to any prompt (a BOS, usually): count('the') - 1."""
+    return max(0, await counter.count("the") - 1)
+
+
+async def _fit_many(
+    counter: TokenCounter,
+    rng: np.random.Generator,
+    targets: list[int],
+    output_lens: list[int],
+    prefix: str,
+    guess_offset: int,
+) -> list[PromptSpec]:
+    sources = [_WordSource(np.random.default_rng(rng.integers(2**63))) for _ in targets]
+    limit = asyncio.Semaphore(FIT_CONCURRENCY)
+
+    async def one(source: _WordSource, target: int, output_len: int) -> PromptSpec:
+        async with limit:
+            text, _ = await fit_text(
+                counter, lambda k: source.text(k, prefix), target, target - guess_offset
+            )
+        return PromptSpec(prompt=text, output_len=output_len, target_input_len=target)
+
+    return list(await asyncio.gather(
+        *(one(s, t, o) for s, t, o in zip(sources, targets, output_lens, strict=True))
+    ))
+
+
+async def random_dataset(
+    counter: TokenCounter,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+) -> list[PromptSpec]:
+    """num_prompts distinct prompts of random words, each fitted to its drawn length."""
+    rng = np.random.default_rng(seed)
+    inputs = sample_lengths(rng, input_len, range_ratio, num_prompts)
+    outputs = sample_lengths(rng, output_len, range_ratio, num_prompts)
+    overhead = await _overhead(counter)
+    return await _fit_many(counter, rng, inputs, outputs, "", overhead)
+
+
+async def prefix_dataset(
+    counter: TokenCounter,
+    num_prompts: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+) -> list[PromptSpec]:
+    """Prompts that all start with the same prefix_len-token prefix, then differ.
+
+    Each prompt has prefix_len + (its drawn input length) tokens, as with vLLM's
+    ``--random-prefix-len``.
+    """
+    rng = np.random.default_rng(seed)
+    overhead = await _overhead(counter)
+    prefix_source = _WordSource(np.random.default_rng(rng.integers(2**63)))
+    prefix, prefix_tokens = await fit_text(
+        counter, prefix_source.text, prefix_len, prefix_len - overhead
+    )
+    inputs = sample_lengths(rng, input_len, range_ratio, num_prompts)
+    outputs = sample_lengths(rng, output_len, range_ratio, num_prompts)
+    targets = [prefix_len + n for n in inputs]
+    return await _fit_many(counter, rng, targets, outputs, prefix, prefix_tokens)
+
+
+def file_dataset(path: Path, num_prompts: int, default_output_len: int) -> list[PromptSpec]:
+    """Prompts from a JSONL file, in file order, repeated if it has fewer than num_prompts.
+
+    Each line: {"prompt": "...", "output_len": 128}; output_len is optional.
+    Blank lines are skipped.
+    """
+    specs: list[PromptSpec] = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                specs.append(_parse_line(path, number, line, default_output_len))
+    if not specs:
+        raise DatasetError(f"{path}: no prompts in the file")
+    return [specs[i % len(specs)] for i in range(num_prompts)]
+
+
+def _parse_line(path: Path, number: int, line: str, default_output_len: int) -> PromptSpec:
+    where = f"{path}:{number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(item, dict):
+        raise DatasetError(f"{where}: expected a JSON object")
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise DatasetError(f'{where}: "prompt" must be a non-empty string')
+    output_len = item.get("output_len", default_output_len)
+    if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1:
+        raise DatasetError(f'{where}: "output_len" must be a positive integer')
+    return PromptSpec(prompt=prompt, output_len=output_len)

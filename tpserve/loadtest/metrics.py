@@ -1,0 +1,96 @@
+"""From a RunRecord to the result dictionary, with vLLM ``bench serve`` key names.
+
+Only successful requests enter the token totals and latency statistics; failed ones
+are counted and their messages tallied in ``errors``. Statistics of an empty set are
+0.0. Per-request lists (seconds) are kept so that plots can be redrawn from the JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from tpserve.loadtest.runner import RunRecord
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+TIMELINE_BINS = 60
+
+
+def summarize(record: RunRecord) -> dict:
+    """The measured metrics of one run (parameters are added by the caller)."""
+    ok = [r for r in record.results if r.success]
+    failed = [r for r in record.results if not r.success]
+    duration = record.duration
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    samples = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [t for r in ok if (t := r.tpot) is not None],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    out: dict = {
+        "request_rate": _json_rate(record.request_rate),
+        "interrupted": record.interrupted,
+        "completed": len(ok),
+        "failed": len(failed),
+        "cancelled": record.cancelled,
+        "not_sent": record.not_sent,
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": _per_second(len(ok), duration),
+        "output_throughput": _per_second(total_out, duration),
+        "total_token_throughput": _per_second(total_in + total_out, duration),
+    }
+    for name in LATENCIES:
+        values_ms = np.asarray(samples[name], dtype=float) * 1000.0
+        out[f"mean_{name}_ms"] = _stat(np.mean, values_ms)
+        out[f"median_{name}_ms"] = _stat(np.median, values_ms)
+        out[f"std_{name}_ms"] = _stat(np.std, values_ms)
+        out[f"p99_{name}_ms"] = _stat(lambda v: np.percentile(v, 99), values_ms)
+    out["errors"] = [
+        {"message": message, "count": count}
+        for message, count in Counter(r.error for r in failed).most_common()
+    ]
+    out["requests_without_usage"] = sum(1 for r in ok if not r.usage_reported)
+    out["output_throughput_timeline"] = output_timeline(record)
+    out["input_lens"] = [r.prompt_tokens for r in ok]
+    out["target_input_lens"] = [r.target_input_len for r in ok]
+    out["output_lens"] = [r.output_tokens for r in ok]
+    out["ttfts"] = samples["ttft"]
+    out["tpots"] = samples["tpot"]
+    out["e2els"] = samples["e2el"]
+    out["itls"] = [list(r.itl) for r in ok]
+    return out
+
+
+def output_timeline(record: RunRecord) -> dict:
+    """Output tokens per second over the run, in TIMELINE_BINS equal bins.
+
+    A request's usage count is spread evenly over its text chunks, so chunks that
+    carry several tokens are still counted right in total.
+    """
+    width = max(record.duration, 1e-9) / TIMELINE_BINS
+    tokens = np.zeros(TIMELINE_BINS)
+    for r in record.results:
+        if r.success and r.chunk_times:
+            per_chunk = r.output_tokens / len(r.chunk_times)
+            bins = np.minimum((np.asarray(r.chunk_times) / width).astype(int), TIMELINE_BINS - 1)
+            np.add.at(tokens, bins, per_chunk)
+    return {"bin_s": width, "tokens_per_s": (tokens / width).tolist()}
+
+
+def _per_second(count: float, duration: float) -> float:
+    return count / duration if duration > 0 else 0.0
+
+
+def _stat(fn, values: np.ndarray) -> float:
+    return float(fn(values)) if values.size else 0.0
+
+
+def _json_rate(rate: float) -> float | str:
+    """JSON has no infinity: an unlimited rate is written "inf", as vLLM does."""
+    return "inf" if math.isinf(rate) else rate

@@ -1,0 +1,88 @@
+"""Human-readable summary tables and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WIDTH = 50
+MAX_ERRORS_SHOWN = 5
+SECTIONS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
+
+
+def format_summary(result: dict) -> str:
+    """The summary table of one run, in the layout of vLLM's ``bench serve``."""
+    lines = [_rule(" Load Test Result ", "=")]
+    if result.get("label"):
+        lines.append(_row("Label:", result["label"]))
+    lines += [
+        _row("Request rate (req/s):", result["request_rate"]),
+        _row("Successful requests:", result["completed"]),
+        _row("Failed requests:", result["failed"]),
+    ]
+    if result["interrupted"]:
+        lines += [
+            _row("Interrupted:", "yes"),
+            _row("Cancelled in flight:", result["cancelled"]),
+            _row("Not sent:", result["not_sent"]),
+        ]
+    lines += [
+        _row("Benchmark duration (s):", f"{result['duration']:.2f}"),
+        _row("Total input tokens:", result["total_input_tokens"]),
+        _row("Total generated tokens:", result["total_output_tokens"]),
+        _row("Request throughput (req/s):", f"{result['request_throughput']:.2f}"),
+        _row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"),
+        _row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
+    ]
+    for key, short, title in SECTIONS:
+        lines.append(_rule(title, "-"))
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(_row(f"{name} {short} (ms):", f"{result[f'{stat}_{key}_ms']:.2f}"))
+    lines.append("=" * WIDTH)
+    errors = result["errors"]
+    if errors:
+        lines.append("Errors (count: message):")
+        lines += [f"  {e['count']}: {e['message']}" for e in errors[:MAX_ERRORS_SHOWN]]
+        if len(errors) > MAX_ERRORS_SHOWN:
+            lines.append(f"  ... and {len(errors) - MAX_ERRORS_SHOWN} other messages")
+    if result.get("requests_without_usage"):
+        lines.append(f"Warning: {result['requests_without_usage']} responses had no usage; "
+                     "their output tokens were counted as text chunks")
+    return "\n".join(lines)
+
+
+def format_sweep(results: list[dict]) -> str:
+    """One line per rate: throughput against median and p99 TTFT and TPOT."""
+    header = (f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}")
+    lines = [_rule(" Sweep (latencies in ms) ", "="), header]
+    for r in results:
+        rate = r["request_rate"]
+        rate_text = rate if isinstance(rate, str) else f"{rate:g}"
+        lines.append(
+            f"{rate_text:>8} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
+            f"{r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>9.1f} "
+            f"{r['median_tpot_ms']:>9.2f} {r['p99_tpot_ms']:>9.2f} {r['failed']:>7}"
+        )
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def write_json(path: Path, document: dict) -> None:
+    """Write document as strict JSON (no NaN/Infinity), creating the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(document, indent=2, allow_nan=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def _rule(title: str, fill: str) -> str:
+    return title.center(WIDTH, fill)
+
+
+def _row(name: str, value: object) -> str:
+    return f"{name:<40}{value!s:<10}"

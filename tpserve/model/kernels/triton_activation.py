@@ -1,0 +1,45 @@
+"""SwiGLU gate, ``silu(gate) * up``, as a Triton kernel (same semantics as torch_ops).
+
+Layout: ``x`` is ``[..., 2 * D]`` = ``[gate | up]`` along the last dimension, viewed as rows;
+the output is ``[..., D]`` in ``x.dtype``. The grid is ``(rows, cdiv(D, BLOCK))``. As in the
+reference, ``silu(gate)`` is computed in float32 and rounded to the input dtype before the
+multiply by ``up``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
+    two_d = x.shape[-1]
+    assert two_d % 2 == 0, f"last dimension must be even, got {two_d}"
+    d = two_d // 2
+    x2 = x.reshape(-1, two_d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, d)
+    rows = x2.shape[0]
+    if rows and d:
+        block = min(_BLOCK, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,186 @@
+"""Paged decode attention (one query token per sequence) with GQA packing and split-K.
+
+Layouts:
+- ``q [B, Hq, D]`` (one new token per sequence; head dim contiguous), ``out`` likewise;
+- ``k_cache``/``v_cache [num_blocks, PAGE_SIZE, Hkv, D]``; ``block_tables [B, max_blocks]``
+  int32; ``seq_lens [B]`` int32 (context length including the new token, already cached).
+
+Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
+all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
+(``BLOCK_G >= 16`` so the matmuls map onto tensor cores), so every K/V row is loaded once per
+KV head. The ``ceil(L / BLOCK_N)`` key tiles of a sequence of length ``L`` are dealt out in
+contiguous runs of ``ceil(tiles / NUM_SPLITS)`` tiles to the splits; a split past the end does
+nothing and reports an empty softmax (max ``-inf``, sum 0). Keys are gathered through the
+block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
+
+With one split the kernel normalises and writes ``out`` directly. Otherwise it writes
+unnormalised partials ``part_out [B, Hq, NUM_SPLITS, D]`` and ``part_max``/``part_sum
+[B, Hq, NUM_SPLITS]`` (float32, maxima in the log2 domain), and a second kernel combines them.
+
+CUDA graphs: the launch grid depends only on host ints (``B``, ``Hkv``, the split count) and
+sequence lengths are read on the device, so one capture is valid for any lengths; a sequence
+of length 0 (batch padding) yields zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.model.kernels.triton_support import check_head_dim, dot_config
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per inner-loop tile
+MAX_SPLITS = 16
+MIN_TOKENS_PER_SPLIT = 256  # below this a split is not worth its partial write + reduction
+TARGET_PROGRAMS = 528  # ~4 programs per SM on a 132-SM H200
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    io_dtype = q.dtype
+    q = q.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + offs_n
+        valid = toks < end
+        blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        off = toks % PAGE_SIZE
+        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(io_dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(io_dtype).to(DOT_DTYPE),
+                                            v.to(io_dtype).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_max_ptr + rows)
+    l_s = tl.load(part_sum_ptr + rows)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :])
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights 0
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l_s, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Split count (a power of two <= MAX_SPLITS) from host ints only.
+
+    Splits are added while the grid is below TARGET_PROGRAMS and each split still gets at
+    least MIN_TOKENS_PER_SPLIT keys of the longest sequence.
+    """
+    splits = 1
+    while (splits * 2 <= MAX_SPLITS
+           and num_seqs * num_kv_heads * splits < TARGET_PROGRAMS
+           and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+) -> torch.Tensor:
+    """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
+
+    ``num_splits`` must be a power of two; no host synchronisation happens here.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    check_head_dim(head_dim)
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
+    assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    dot_dtype, precision = dot_config(q.dtype, q.device)
+    if num_splits == 1:
+        part_out = part_max = part_sum = out  # unused by the single-split variant
+    else:
+        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim,
+                               dtype=torch.float32, device=q.device)
+        part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+        part_sum = torch.empty_like(part_max)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+        )
+    return out

@@ -1,0 +1,84 @@
+"""RMSNorm and fused residual-add + RMSNorm as Triton kernels (same semantics as torch_ops).
+
+Layout: ``x`` is ``[..., H]`` and is viewed as ``rows = numel // H`` rows of ``H``; one program
+normalises one row held entirely in registers (``BLOCK_H = next_power_of_2(H)``), so each
+element is read once and written once. Statistics are float32. As in the reference, the
+normalised row is rounded to the input dtype *before* the weight multiply, and the output
+dtype is ``promote_types(weight.dtype, x.dtype)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_x, stride_r, stride_o, stride_s,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        # Round the sum to its storage dtype: the norm is taken of the stored sum.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block_h: int) -> int:
+    return 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} vs hidden {hidden}"
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype),
+                      device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is None:
+        r2, summed, s2 = x2, None, out2  # dummies: HAS_RESIDUAL=False never touches them
+    else:
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+        s2 = summed.view(-1, hidden)
+    rows = x2.shape[0]
+    if rows:
+        block_h = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight.contiguous(), out2, s2,
+            x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+        )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (see torch_ops.rms_norm)."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(rms_norm(x + residual), x + residual)`` in one pass over the row."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,159 @@
+"""Paged varlen causal attention for prefill (and chunked-prefill) sequences.
+
+Layouts:
+- ``q``/``out [T, Hq, D]``: the flat batch of new tokens (head dim contiguous);
+- ``k_cache``/``v_cache [num_blocks, PAGE_SIZE, Hkv, D]`` already holding every sequence's
+  context *including* its new tokens; ``block_tables [B, max_blocks]`` int32;
+- ``query_start_loc [B + 1]`` and ``seq_lens [B]`` int32 as in AttentionMetadata.
+
+Sequence ``i`` (``first_seq <= i < first_seq + num_seqs``) has ``n = qsl[i+1] - qsl[i]`` new
+tokens at positions ``ctx .. ctx + n - 1`` with ``ctx = seq_lens[i] - n`` cached tokens before
+them; query ``j`` attends to keys ``0 .. ctx + j``. Program ``(i, head, m)`` computes query
+tokens ``m * BLOCK_M ..`` of one query head with a flash-attention online softmax (float32,
+log2 domain). Key tiles entirely left of the tile's first query are processed without masks;
+only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. K/V rows are
+gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # query tokens per program
+BLOCK_N = 64  # keys per inner-loop tile
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+    stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, IO_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1``."""
+    toks = tok0 + offs_n
+    if MASKED:
+        valid = toks < seq_len
+        blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + toks // PAGE_SIZE).to(tl.int64)
+    off = toks % PAGE_SIZE
+    k_ptrs = k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko + offs_d[None, :]
+    v_ptrs = v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k.to(IO_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    s = s * scale_log2
+    if MASKED:
+        keep = valid[None, :] & (toks[None, :] <= pos_q[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    # Finite: the first tile reached has a visible key for every row (see the caller).
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(IO_DTYPE).to(DOT_DTYPE),
+                                        v.to(IO_DTYPE).to(DOT_DTYPE),
+                                        input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    first_seq, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IO_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = first_seq + tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        m_mask = offs_m < q_len
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        q = q.to(DOT_DTYPE)
+        pos_q = ctx + offs_m  # padded rows (>= q_len) see keys < seq_len; never stored
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        kv_head = head // GROUP
+        k_head = k_cache_ptr + kv_head * stride_kh
+        v_head = v_cache_ptr + kv_head * stride_vh
+        first_pos = ctx + m_block * BLOCK_M
+        # Keys < first_pos are visible to every row: whole tiles of them need no mask. The
+        # first masked tile starts at or before first_pos, so each row sees a key in it.
+        unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+        for tok0 in range(0, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+                stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+                PAGE_SIZE, False, IO_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        for tok0 in range(unmasked_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+                stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+                PAGE_SIZE, True, IO_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
+    max_query_len: int, scale: float, out: torch.Tensor,
+    block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Writes attention of sequences ``first_seq .. first_seq + num_seqs - 1`` into ``out``.
+
+    ``max_query_len`` (host int) bounds every one of those sequences' new-token counts.
+    """
+    _, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    check_head_dim(head_dim)
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
+    assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    dot_dtype, precision = dot_config(q.dtype, q.device)
+    block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
+    grid = (num_seqs, num_q_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        first_seq, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, IO_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+    )
+    return out

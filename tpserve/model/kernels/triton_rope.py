@@ -1,0 +1,121 @@
+"""Fused rotary embedding + paged KV-cache write as one Triton kernel (see torch_ops).
+
+Layouts:
+- ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]``: any token/head strides, unit stride along ``D``
+  (views into a fused QKV projection output are fine).
+- ``cos_sin_cache [max_positions, R]`` float32, ``R = rotary_dim <= D``: cosines in
+  ``[:R/2]``, sines in ``[R/2:]``; rotate-half pairing of element ``i`` with ``i + R/2``.
+  Dimensions ``R..D`` pass through unrotated.
+- ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``; token ``t`` is written at flat
+  slot ``slot_mapping[t]`` unless that slot is negative.
+
+One program handles one token: all its q and k heads are rotated **in place** (rounded to
+their dtype as the reference does) and its rotated k and its v are stored to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_half(x1, x2, cos, sin):
+    """Rotated halves ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in float32."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+    num_q_heads, num_kv_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    r_mask = offs_r < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_r, mask=r_mask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
+
+    # q: rotate all heads in place.
+    hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (hq[:, None] < num_q_heads) & r_mask[None, :]
+    q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs_r[None, :]
+    q1 = tl.load(q_row, mask=q_mask, other=0.0)
+    q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    o1, o2 = _rotate_half(q1, q2, cos, sin)
+    tl.store(q_row, o1.to(q1.dtype), mask=q_mask)
+    tl.store(q_row + HALF, o2.to(q1.dtype), mask=q_mask)
+
+    # k: rotate in place, and write the rotated head to the cache slot (if any).
+    hk = tl.arange(0, BLOCK_HKV)
+    h_mask = hk < num_kv_heads
+    k_mask = h_mask[:, None] & r_mask[None, :]
+    k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_r[None, :]
+    k1 = tl.load(k_row, mask=k_mask, other=0.0)
+    k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    r1, r2 = _rotate_half(k1, k2, cos, sin)
+    r1 = r1.to(k1.dtype)
+    r2 = r2.to(k1.dtype)
+    tl.store(k_row, r1, mask=k_mask)
+    tl.store(k_row + HALF, r2, mask=k_mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    write = slot >= 0
+    blk = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    kc_row = kc_ptr + blk * stride_kcb + off * stride_kco + hk[:, None] * stride_kch
+    kc_dt = kc_ptr.dtype.element_ty
+    tl.store(kc_row + offs_r[None, :], r1.to(kc_dt), mask=k_mask & write)
+    tl.store(kc_row + HALF + offs_r[None, :], r2.to(kc_dt), mask=k_mask & write)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of the head passes through unrotated
+        tail = h_mask[:, None] & (offs_d[None, :] >= 2 * HALF) & write
+        k_tail = tl.load(k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_d[None, :],
+                         mask=tail, other=0.0)
+        tl.store(kc_row + offs_d[None, :], k_tail.to(kc_dt), mask=tail)
+    v_mask = h_mask[:, None] & write
+    v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :],
+                mask=v_mask, other=0.0)
+    vc_row = vc_ptr + blk * stride_vcb + off * stride_vco + hk[:, None] * stride_vch
+    tl.store(vc_row + offs_d[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q and k (in place), then the K/V cache write; returns the rotated ``(q, k)``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rotary_dim = cos_sin_cache.shape[-1]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    if num_tokens == 0:
+        return q, k
+    half = rotary_dim // 2
+    _rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_q_heads, num_kv_heads,
+        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )
+    return q, k

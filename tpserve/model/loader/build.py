@@ -1,0 +1,35 @@
+"""Builds the model for this rank and loads its shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.model.kernels.backend import Ops
+from tpserve.model.loader.checkpoint import Checkpoint
+from tpserve.model.registry import model_class
+from tpserve.parallel.comm import Communicator
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on GPU and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown --dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
+                dtype: torch.dtype, ops: Ops, max_positions: int,
+                show_progress: bool = False) -> nn.Module:
+    cfg = ckpt.config
+    cfg.check_tensor_parallel(comm.world_size)
+    with torch.device(device):
+        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions)
+    ckpt.load_into(model, show_progress)
+    return model.eval()

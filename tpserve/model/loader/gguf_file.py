@@ -1,0 +1,157 @@
+"""GGUF checkpoints (llama.cpp's format) through the ``gguf`` package.
+
+Tensors are dequantized lazily, shard by shard: a rank reads only its rows (or, for
+row-parallel weights, its quantization-block-aligned columns).
+
+The trap: llama.cpp stores the rows of each ``attn_q`` / ``attn_k`` head reordered for its
+rotary layout (the two halves of the head interleaved). ``read`` undoes that per head
+(``attn_k`` with the KV head count), which Hugging Face's layout and our RoPE expect.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpserve.model.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+def open_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base not in _GLOBAL_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def read_config(r, path: Path) -> ModelConfig:
+    """Model shape from the GGUF metadata of reader ``r``."""
+    arch = _field(r, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r} in {path.name}; supported GGUF "
+                         f"architectures: {', '.join(sorted(ARCHITECTURES))}")
+    names = {t.name for t in r.tensors}
+    heads = int(_field(r, f"{arch}.attention.head_count"))
+    hidden = int(_field(r, f"{arch}.embedding_length"))
+    vocab = _field(r, f"{arch}.vocab_size") or len(_field(r, "tokenizer.ggml.tokens"))
+    eos = _field(r, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(r, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(r, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(r, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(r, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+class GGUFSource:
+    """One GGUF tensor in torch orientation ``[out, in]``, dequantized on ``read``."""
+
+    def __init__(self, tensor, unpermute_heads: int | None):
+        from gguf.constants import GGML_QUANT_SIZES
+
+        self.data = tensor.data
+        self.qtype = tensor.tensor_type
+        self.shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+        self.block_elems, self.block_bytes = GGML_QUANT_SIZES[self.qtype]
+        self.unpermute_heads = unpermute_heads
+
+    def _dequantize(self, data: np.ndarray) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(np.array(dequantize(data, self.qtype), dtype=np.float32))
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        data = self.data
+        rows = self.shape[0]
+        if dim is not None:
+            length = self.shape[dim] - start if length is None else length
+        if dim == 0:
+            data = data[start:start + length]
+            rows = length
+        col_slice = None
+        if dim == 1:
+            be = self.block_elems
+            if be == 1:
+                data = data[:, start:start + length]
+            elif start % be == 0 and length % be == 0:
+                nb = self.block_bytes
+                data = data[:, start // be * nb:(start + length) // be * nb]
+            else:
+                col_slice = (start, length)
+        out = self._dequantize(data)
+        if len(self.shape) > 1:
+            out = out.reshape(rows, -1)
+        if col_slice is not None:
+            out = out[:, col_slice[0]:col_slice[0] + col_slice[1]]
+        if self.unpermute_heads is not None:
+            out = self._unpermute(out, start if dim == 0 else 0)
+        return out
+
+    def _unpermute(self, w: torch.Tensor, row_start: int) -> torch.Tensor:
+        """Undo llama.cpp's per-head row interleaving for the heads in ``w``."""
+        head_dim = self.shape[0] // self.unpermute_heads
+        if row_start % head_dim or w.shape[0] % head_dim:
+            raise ValueError("GGUF q/k shards must be whole heads")
+        n = w.shape[0] // head_dim
+        return (w.reshape(n, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2)
+                .reshape(w.shape))
+
+
+def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
+    permute = cfg.architecture == "LlamaForCausalLM"
+    for t in r.tensors:
+        heads = None
+        if permute and ".attn_q." in t.name:
+            heads = cfg.num_attention_heads
+        elif permute and ".attn_k." in t.name:
+            heads = cfg.num_key_value_heads
+        yield hf_name(t.name), GGUFSource(t, heads)
+
+

@@ -1,0 +1,21 @@
+"""Architecture string -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tpserve.model.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"unknown architecture {architecture!r}; supported: "
+                         f"{', '.join(sorted(MODEL_CLASSES))}") from None

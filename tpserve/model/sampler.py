@@ -1,0 +1,272 @@
+"""Token sampling on rank 0: penalties, min_tokens, logprobs, greedy and random sampling.
+
+Pipeline, per row of ``logits`` (always computed in float32 on the logits' device):
+
+1. penalties (:func:`apply_penalties`): repetition penalty over prompt + output tokens
+   (Hugging Face style: positive logits divided, negative ones multiplied), then frequency
+   (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
+2. min_tokens (:func:`apply_min_tokens`): while the output is shorter than ``min_tokens``,
+   every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
+3. logprobs: ``log_softmax`` of the logits after steps 1-2 and *before* temperature and the
+   top-k / top-p / min-p filters. They describe the model's (penalized, constrained)
+   distribution, not the request's sampling knobs, so a greedy request and a sampled one
+   report the same numbers for the same logits, and a sampled token's logprob is never -inf;
+4. greedy rows (``temperature == 0``): argmax, ties going to the lowest token id;
+5. other rows: divide by temperature, keep the top-k tokens, then the smallest prefix (by
+   descending probability) whose mass reaches ``top_p`` (the top token is always kept),
+   then drop tokens whose probability is below ``min_p x`` the top probability, and draw
+   with an exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d. per token, which picks
+   token ``i`` with probability exactly ``p_i``.
+
+Reproducibility invariant: a row that comes with its own generator draws its noise from that
+generator only, exactly one ``[V]`` draw per sampled (non-greedy) step, so its tokens depend
+only on its seed, its logits and its step count, never on the other rows, their order or
+their number. Rows without a generator share the sampler's generator in one batched draw.
+Generators must live on the logits' device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.model.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step, one entry per logits row.
+
+    ``logprobs`` holds the sampled token's logprob for every row, or is None when no row asked
+    for logprobs. ``top_logprobs[i]`` lists ``params[i].logprobs`` ``(token_id, logprob)``
+    pairs in descending logprob order (an empty list for rows that did not ask); it is None
+    exactly when ``logprobs`` is.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[len(token_ids), vocab_size]`` float32 occurrence counts (ids out of range ignored)."""
+    rows = len(token_ids)
+    longest = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if longest:
+        padded = [list(t) + [vocab_size] * (longest - len(t)) for t in token_ids]
+        index = torch.tensor(padded, dtype=torch.long).clamp_(0, vocab_size).to(device)
+        counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def _penalize_(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+) -> None:
+    """In-place penalties on float32 ``logits``; rows without penalties are left untouched."""
+    rows = [
+        i for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits.index_select(0, index)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        seen = _token_counts(
+            [list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rows], vocab, device
+        ) > 0
+        rep = column([params[i].repetition_penalty for i in rows])
+        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+    if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows):
+        counts = _token_counts([output_token_ids[i] for i in rows], vocab, device)
+        freq = column([params[i].frequency_penalty for i in rows])
+        pres = column([params[i].presence_penalty for i in rows])
+        sub = sub - (freq * counts + pres * (counts > 0).to(torch.float32))
+    logits.index_copy_(0, index, sub)
+
+
+def _mask_min_tokens_(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: frozenset[int],
+) -> None:
+    """In place: -inf on EOS and stop token ids of rows still short of ``min_tokens``."""
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) < p.min_tokens:
+            for t in sorted(set(eos_token_ids) | set(p.stop_token_ids)):
+                if 0 <= t < vocab:
+                    row_idx.append(i)
+                    col_idx.append(t)
+    if row_idx:
+        rows = torch.tensor(row_idx, dtype=torch.long, device=logits.device)
+        cols = torch.tensor(col_idx, dtype=torch.long, device=logits.device)
+        logits[rows, cols] = -math.inf
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Step 1 of the pipeline on a float32 copy of ``logits`` (the input is not modified)."""
+    out = logits.to(torch.float32, copy=True)
+    _penalize_(out, params, prompt_token_ids, output_token_ids)
+    return out
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: frozenset[int],
+) -> torch.Tensor:
+    """Step 2 of the pipeline on a float32 copy of ``logits`` (the input is not modified)."""
+    out = logits.to(torch.float32, copy=True)
+    _mask_min_tokens_(out, params, output_token_ids, eos_token_ids)
+    return out
+
+
+def apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p on temperature-scaled float32 ``logits`` ``[M, V]``.
+
+    ``top_k``, ``top_p`` and ``min_p`` are ``[M]`` tensors; ``top_k >= V`` disables top-k,
+    ``top_p >= 1`` top-p and ``min_p == 0`` min-p. Returns a new tensor where dropped tokens
+    are -inf. Ties are ranked by token id (stable sort), so the top-ranked token — always
+    kept — is the greedy one.
+    """
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    ordered = ordered.masked_fill(rank >= top_k.unsqueeze(1), -math.inf)
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0
+    # top_p == 1 must keep everything even if rounding pushes the running mass past 1.
+    limit = torch.where(top_p >= 1.0, torch.full_like(top_p, math.inf), top_p)
+    ordered = ordered.masked_fill(mass_before >= limit.unsqueeze(1), -math.inf)
+    floor = ordered[:, :1] + torch.log(min_p).unsqueeze(1)  # p_i >= min_p * p_max, in logits
+    ordered = ordered.masked_fill(ordered < floor, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+class Sampler:
+    """Turns one step's logits into tokens (and logprobs) following the module pipeline.
+
+    Holds the generator shared by unseeded requests, seeded once from ``seed``; the object
+    is otherwise stateless, so one instance serves every step of every request.
+    """
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def new_request_generator(self, seed: int | None) -> torch.Generator | None:
+        """A private generator for a request with ``seed`` (None for unseeded requests)."""
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: frozenset[int],
+    ) -> SamplerOutput:
+        n = logits.shape[0]
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators) == n:
+            raise ValueError("sampler: one params/prompt/output/generator entry per logits row")
+        if n == 0:
+            return SamplerOutput(token_ids=[])
+        x = logits.to(torch.float32, copy=True)
+        _penalize_(x, params, prompt_token_ids, output_token_ids)
+        _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
+
+        tokens = x.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            sampled = self._sample(
+                x, random_rows, [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            )
+            tokens[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = sampled
+
+        if all(p.logprobs is None for p in params):
+            return SamplerOutput(token_ids=tokens.tolist())
+        return self._with_logprobs(x, tokens, params)
+
+    def _sample(
+        self,
+        x: torch.Tensor,
+        rows: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Draws one token for each of ``rows`` of the processed logits ``x``."""
+        device, vocab = x.device, x.shape[-1]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        sub = x.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+        sub = sub / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            sub = apply_filters(
+                sub,
+                torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            )
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if len(shared) == len(rows):
+            noise.exponential_(generator=self.generator)
+        else:
+            if shared:
+                draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device)
+                draw.exponential_(generator=self.generator)
+                noise[torch.tensor(shared, dtype=torch.long, device=device)] = draw
+            for j, gen in enumerate(generators):
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+        # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _with_logprobs(
+        x: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> SamplerOutput:
+        logprobs = x.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k_max = min(max(p.logprobs or 0 for p in params), x.shape[-1])
+        top: list[list[tuple[int, float]]] = [[] for _ in params]
+        if k_max > 0:
+            values, ids = logprobs.topk(k_max, dim=-1, sorted=True)
+            values_l, ids_l = values.tolist(), ids.tolist()
+            for i, p in enumerate(params):
+                k = min(p.logprobs or 0, k_max)
+                top[i] = list(zip(ids_l[i][:k], values_l[i][:k], strict=True))
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=chosen.tolist(), top_logprobs=top)

@@ -1,0 +1,108 @@
+"""Process groups for tensor parallelism: NCCL on CUDA, gloo on CPU.
+
+Two ways in: ``init_tp_group`` with an explicit rank, world size and rendezvous address
+(the launcher picks a free port), or ``init_tp_group_from_env`` under torchrun, which sets
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (the multi-node path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor-parallel layout, validated at start-up."""
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective timeout must be positive")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group.
+
+    ``group`` is None at world size 1 (no process group is created then).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS picks it); never a fixed port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int, device: str = "auto") -> torch.device:
+    """``auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank needs GPU {local_rank} but only {torch.cuda.device_count()} are visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
+def init_tp_group(
+    rank: int, world_size: int, init_method: str | None, device: torch.device,
+    timeout_s: float = 120.0,
+) -> TPGroup:
+    """Joins (or, at world size 1, skips) the process group.
+
+    ``init_method`` is e.g. ``tcp://127.0.0.1:PORT``; None means the torchrun environment.
+    """
+    if world_size == 1:
+        return TPGroup(0, 1, device, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend=backend, init_method=init_method or "env://", rank=rank,
+        world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return TPGroup(rank, world_size, device, dist.group.WORLD)
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` when launched by torchrun, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
+def init_tp_group_from_env(device: str = "auto", timeout_s: float = 120.0) -> TPGroup:
+    """Joins the group described by torchrun's environment variables."""
+    env = torchrun_env()
+    if env is None:
+        raise RuntimeError("not launched by torchrun: RANK and WORLD_SIZE are not set")
+    rank, world, local = env
+    return init_tp_group(rank, world, None, pick_device(local, device), timeout_s)
+
+
+def destroy_tp_group(group: TPGroup) -> None:
+    if group.group is not None and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,278 @@
+"""Paged KV-cache block allocator with reference counts and a hashed prefix cache.
+
+Every block id ``0..num_blocks-1`` is in exactly one of three places:
+
+- **used**: refcount >= 1, held by one or more sequences' block tables;
+- **free**: refcount 0 and holds no cached hash (never-cached or dropped); a LIFO stack,
+  so a freshly built manager hands out ``0, 1, 2, ...`` and the most recently freed
+  block is reused first;
+- **evictable**: refcount 0 but still registered in the prefix cache, so a later
+  lookup can revive it; an LRU queue (front = least recently freed = evicted first).
+
+Allocation takes free blocks first and only then evicts the LRU evictable block,
+dropping its hash. Sequences are freed tail first, so a sequence's last blocks are
+evicted before its first ones (which are the ones other prompts are likely to share).
+
+Prefix cache: the hash of a sequence's full block ``i`` is chained through its parent,
+``h_i = block_hash(h_{i-1}, tokens_i)`` with ``h_{-1} = ROOT_HASH``. The cache maps
+``hash -> block id`` and remembers each cached block's ``(parent hash, tokens)``; a
+lookup only hits when that key compares equal, so a hash collision never returns a block
+holding other tokens. A block is registered only once it is full and its K/V computed;
+from then on nobody writes to it, so sharing it is safe.
+
+All operations on the hot path (allocate, free, lookup per block) are O(1) per block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
+
+from tpserve.server.sequence import Sequence
+
+ROOT_HASH = 0x7470_7365_7276_65  # h_{-1}: the parent hash of every sequence's block 0
+
+
+def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """The chained hash of one full block given its parent's hash."""
+    return hash((parent_hash, tokens))
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and caches full blocks by content.
+
+    Invariants (see ``check_integrity``):
+    - free + evictable + used == num_blocks, each block in exactly one of them;
+    - ``refcount > 0`` exactly for used blocks;
+    - a block has a hash iff it is in the cache map under that hash; free blocks have none,
+      evictable blocks always have one;
+    - per sequence, ``_seq_hashes[seq_id]`` lists the chained hashes of its first full
+      blocks in order, computed from its tokens (whether or not the blocks are cached).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, "
+                             f"got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_blocks
+        # Free (uncached) blocks, a stack: the last entry is handed out first.
+        self._free: list[int] = list(reversed(range(num_blocks)))
+        # Refcount-0 cached blocks in LRU order: the first key is evicted first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._key_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        self._cache: dict[int, int] = {}
+        self._seq_hashes: dict[int, list[int]] = {}
+
+    # ----------------------------------------------------------------- accounting
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._hash_of[block_id] is not None
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----------------------------------------------------------------- prefix cache
+
+    def get_computed_blocks(self, token_ids: SequenceABC[int]) -> tuple[list[int], int]:
+        """The longest cached prefix of full blocks, and the number of tokens it covers.
+
+        Never covers all of ``token_ids``: at least one token is left to compute (its
+        logits are needed), so at most ``(len(token_ids) - 1) // block_size`` blocks.
+        Takes no references; pass the blocks to ``allocate`` right away.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        blocks: list[int] = []
+        parent = ROOT_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block_id = self._cache.get(h)
+            if block_id is None or self._key_of[block_id] != (parent, tokens):
+                break
+            blocks.append(block_id)
+            parent = h
+        return blocks, len(blocks) * bs
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that became full and computed since last time.
+
+        A block whose hash is already cached under another block id is left unregistered
+        (the existing entry stays), so it returns to the free list when released.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            tokens = tuple(seq.token_slice(i * bs, (i + 1) * bs))
+            h = block_hash(parent, tokens)
+            hashes.append(h)
+            block_id = seq.block_ids[i]
+            if self._hash_of[block_id] is not None:
+                # Shared from the cache or a fork: registered with the same content.
+                assert self._hash_of[block_id] == h, f"block {block_id} re-hashed differently"
+                continue
+            if h in self._cache:
+                continue
+            self._cache[h] = block_id
+            self._hash_of[block_id] = h
+            self._key_of[block_id] = (parent, tokens)
+
+    # ----------------------------------------------------------------- allocation
+
+    def can_allocate(self, num_new_blocks: int) -> bool:
+        return num_new_blocks <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 computed_blocks: list[int] | None = None) -> bool:
+        """Grow ``seq.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        With ``computed_blocks`` (first admission with prefix-cache hits, from
+        ``get_computed_blocks``), ``seq`` must hold no blocks; the hits are taken first
+        (refcount + 1, revived from the evictable queue) and count as computed, i.e. the
+        table covers ``len(computed_blocks) * block_size + num_new_tokens`` tokens; the
+        caller then sets ``seq.num_computed_tokens`` to that prefix.
+
+        All or nothing: returns False and changes nothing when too few blocks are free.
+        """
+        computed = computed_blocks or []
+        if computed:
+            assert not seq.block_ids, f"seq {seq.seq_id} already holds blocks"
+            base = len(computed) * self.block_size
+            assert seq.num_computed_tokens in (0, base), (
+                f"seq {seq.seq_id}: num_computed_tokens={seq.num_computed_tokens} does not "
+                f"match {len(computed)} computed blocks")
+        else:
+            base = seq.num_computed_tokens
+        needed = self.num_blocks_for(base + num_new_tokens) - len(seq.block_ids) - len(computed)
+        revived = sum(1 for b in computed if self._refcount[b] == 0)
+        if max(needed, 0) > self.num_free_blocks - revived:
+            return False
+        for b in computed:
+            assert self._hash_of[b] is not None, f"computed block {b} is not cached"
+            if self._refcount[b] == 0:
+                del self._evictable[b]
+            self._refcount[b] += 1
+        seq.block_ids.extend(computed)
+        for _ in range(needed):
+            seq.block_ids.append(self._take_block())
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """Let ``child`` share ``parent``'s first ``num_tokens // block_size`` full blocks.
+
+        The shared blocks must be computed in ``parent`` and hold the same tokens as the
+        child's prefix (siblings share the prompt). ``child`` must hold no blocks; it ends
+        with those blocks (refcount + 1) and that many tokens computed.
+        """
+        k = num_tokens // self.block_size
+        n = k * self.block_size
+        assert not child.block_ids, f"seq {child.seq_id} already holds blocks"
+        assert n <= parent.num_computed_tokens and k <= len(parent.block_ids), (
+            f"parent seq {parent.seq_id} has not computed {n} tokens")
+        assert child.token_slice(0, n) == parent.token_slice(0, n), (
+            f"seq {child.seq_id} does not share its first {n} tokens with seq {parent.seq_id}")
+        shared = parent.block_ids[:k]
+        for b in shared:
+            self._refcount[b] += 1
+        child.block_ids = list(shared)
+        child.num_computed_tokens = n
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first, and clear its block table."""
+        for b in reversed(seq.block_ids):
+            self._refcount[b] -= 1
+            assert self._refcount[b] >= 0, f"block {b} freed more often than taken"
+            if self._refcount[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        seq.block_ids = []
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def _take_block(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            h = self._hash_of[b]
+            del self._cache[h]
+            self._hash_of[b] = None
+            self._key_of[b] = None
+        self._refcount[b] = 1
+        return b
+
+    # ----------------------------------------------------------------- checking
+
+    def check_integrity(self, seqs: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError unless the invariants hold.
+
+        With ``seqs`` (every sequence that holds blocks), also check that each block's
+        refcount equals the number of block tables listing it.
+        """
+        n = self.num_blocks
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        used = {b for b in range(n) if self._refcount[b] > 0}
+        assert all(0 <= b < n for b in free | evictable), "block id out of range"
+        assert not free & evictable, f"blocks both free and evictable: {sorted(free & evictable)}"
+        assert not used & free, f"used blocks on the free list: {sorted(used & free)}"
+        assert not used & evictable, f"used blocks evictable: {sorted(used & evictable)}"
+        assert len(free) + len(evictable) + len(used) == n, (
+            f"free {len(free)} + evictable {len(evictable)} + used {len(used)} != total {n}; "
+            f"lost: {sorted(set(range(n)) - free - evictable - used)}")
+        negative = [b for b in range(n) if self._refcount[b] < 0]
+        assert not negative, f"negative refcounts: {negative}"
+        for b in free:
+            assert self._hash_of[b] is None, f"free block {b} still has a hash"
+        for b in evictable:
+            assert self._hash_of[b] is not None, f"evictable block {b} has no hash"
+        for h, b in self._cache.items():
+            assert self._hash_of[b] == h, (
+                f"cache maps hash {h} to block {b}, which is hashed {self._hash_of[b]}")
+            key = self._key_of[b]
+            assert key is not None and block_hash(*key) == h, f"block {b}: key does not hash to {h}"
+            assert len(key[1]) == self.block_size, f"cached block {b} is not full"
+        num_hashed = sum(h is not None for h in self._hash_of)
+        assert num_hashed == len(self._cache), (
+            f"{num_hashed} blocks carry a hash but the cache holds {len(self._cache)}")
+        if not self.enable_prefix_caching:
+            assert not self._cache, "prefix cache populated while disabled"
+        if seqs is not None:
+            counts = [0] * n
+            for seq in seqs:
+                for b in seq.block_ids:
+                    counts[b] += 1
+            pairs = enumerate(zip(self._refcount, counts, strict=True))
+            wrong = [(b, r, c) for b, (r, c) in pairs if r != c]
+            assert not wrong, f"(block, refcount, references) mismatches: {wrong[:10]}"

@@ -1,0 +1,36 @@
+"""The interface the HTTP layer needs from the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.outputs import RequestOutput
+
+
+class EngineClient(Protocol):
+    """What ``build_app`` drives; the engine implements it.
+
+    ``generate`` is an async generator: it raises ``EngineError`` subclasses (before the
+    first output or while running), yields one ``RequestOutput`` per step with a delta for
+    each sibling that advanced, and its last output has ``finished=True`` and the usage
+    counts. If the consumer stops early (``aclose()`` or task cancellation) the engine
+    aborts the request itself. ``abort`` must be idempotent and ignore unknown ids.
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+    accepting: bool
+    dead_reason: str | None
+
+    def is_healthy(self) -> bool: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...

@@ -1,0 +1,75 @@
+"""Driving one engine request from the HTTP layer: metrics, early abort, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.engine_client import EngineClient
+from tpserve.server.errors import EngineError
+from tpserve.server.http_errors import ClientDisconnected
+from tpserve.server.metrics import RequestTracker
+from tpserve.server.outputs import RequestOutput
+
+T = TypeVar("T")
+
+
+async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list[int],
+                         params: SamplingParams, tracker: RequestTracker
+                         ) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, ending with the finished one.
+
+    Closing this generator early (``aclose()``, cancellation, an error) closes the engine's
+    generator and aborts the request in the engine.
+    """
+    finished = False
+    outputs = engine.generate(request_id, prompt_ids, params)
+    try:
+        async for out in outputs:
+            if out.error:
+                raise EngineError(out.error)
+            tracker.on_output(out)
+            finished = out.finished
+            yield out
+            if finished:
+                return
+        raise EngineError(f"engine stopped request {request_id} before it finished")
+    finally:
+        if not finished:
+            engine.abort(request_id)
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``; if the client disconnects first, cancels it and raises
+    ``ClientDisconnected``. Call only after the request body has been read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    disconnected = not task.done()
+    if disconnected:
+        task.cancel()
+    # Let both finish their cleanup (the cancelled work aborts the engine request).
+    await asyncio.gather(task, watcher, return_exceptions=True)
+    if disconnected:
+        raise ClientDisconnected()
+    return task.result()

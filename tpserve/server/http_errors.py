@@ -1,0 +1,132 @@
+"""OpenAI's error envelope and the exception handlers that produce it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tpserve.server.errors import EngineError, EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+def error_type_for(status: int) -> str:
+    return _TYPE_BY_STATUS.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error to send to the client in OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or error_type_for(status)
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> APIError:
+        return cls(400, message, param=param)
+
+    @classmethod
+    def from_engine(cls, exc: EngineError) -> APIError:
+        headers = {}
+        if isinstance(exc, EngineOverloadedError):
+            headers["Retry-After"] = str(max(0, int(exc.retry_after)))
+        message = str(exc) or type(exc).__name__
+        return cls(exc.status, message, type=exc.type, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def _loc_str(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts)
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """One 400 from pydantic's error list: every problem in the message, the first as param."""
+    messages, first_param = [], None
+    for err in errors:
+        where = _loc_str(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            messages.append(f"invalid JSON body: {detail}".rstrip(": "))
+            continue
+        if first_param is None and where:
+            first_param = where
+        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return APIError.bad_request("; ".join(messages) or "invalid request", param=first_param)
+
+
+async def _on_api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _on_validation(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    return validation_error(exc.errors()).response()
+
+
+async def _on_engine_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, EngineError)
+    if exc.status >= 500 and exc.status != 503:
+        logger.error("engine error: %s", exc, exc_info=exc)
+    return APIError.from_engine(exc).response()
+
+
+async def _on_http_exception(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    return APIError(exc.status_code, message, headers=exc.headers).response()
+
+
+async def _on_disconnect(_: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(ValidationError, _on_validation)
+    app.add_exception_handler(EngineError, _on_engine_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(ClientDisconnected, _on_disconnect)

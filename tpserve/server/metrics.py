@@ -1,0 +1,155 @@
+"""Prometheus metrics (vLLM's names, ``tpserve:`` prefix) on a registry owned per app.
+
+Engine-side values are read from ``engine.stats()`` at scrape time by a custom collector;
+per-request histograms are observed by the HTTP layer through ``RequestTracker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tpserve.server.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tpserve:"
+LABELS = ("model_name",)
+
+# stats() key -> help text; exported as gauges named PREFIX + key.
+ENGINE_GAUGES = {
+    "num_requests_running": "Number of requests currently running on the engine.",
+    "num_requests_waiting": "Number of requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0..1).",
+    "kv_blocks_total": "Total number of KV-cache blocks.",
+    "kv_blocks_free": "Number of free KV-cache blocks.",
+    "kv_blocks_cached": "Number of KV-cache blocks holding reusable cached prefixes.",
+    "device_memory_allocated_bytes": "Device memory allocated by tensors, in bytes.",
+    "device_memory_reserved_bytes": "Device memory reserved by the allocator, in bytes.",
+    "device_memory_free_bytes": "Free device memory, in bytes.",
+    "step_token_budget": "Current per-step token budget of the scheduler.",
+}
+# stats() key (cumulative) -> help text; exported as counters named PREFIX + key.
+ENGINE_COUNTERS = {
+    "num_preemptions_total": "Cumulative number of preemptions.",
+    "prompt_tokens_total": "Number of prefill tokens processed.",
+    "generation_tokens_total": "Number of generation tokens processed.",
+}
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000, 200000, 500000, 1000000)
+
+
+class EngineStatsCollector(Collector):
+    """Exports ``stats()`` as gauges and (from cumulative values) counters at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def _families(self, values: Mapping[str, float] | None) -> Iterator[Metric]:
+        for key, doc in ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + key, doc, labels=LABELS)
+            if values is not None and key in values:
+                family.add_metric([self.model_name], float(values[key]))
+            if values is None or family.samples:
+                yield family
+        for key, doc in ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + key, doc, labels=LABELS)
+            if values is not None and key in values:
+                family.add_metric([self.model_name], float(values[key]))
+            if values is None or family.samples:
+                yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            values = dict(self.stats())
+        except Exception:  # a dead engine must not break /metrics
+            logger.warning("engine.stats() failed; engine metrics omitted", exc_info=True)
+            return iter(())
+        return self._families(values)
+
+
+class ServerMetrics:
+    """All metrics of one app, on its own ``CollectorRegistry``."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to first token in seconds.", LABELS,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between successive streamed outputs in seconds.", LABELS,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", LABELS,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens",
+                                       "Number of prompt tokens per request.", LABELS,
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                           "Number of generated tokens per request.", LABELS,
+                                           buckets=TOKEN_BUCKETS, registry=r)
+        self.success = Counter(PREFIX + "request_success",
+                               "Count of finished sequences by finish reason.",
+                               (*LABELS, "finished_reason"), registry=r)
+        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
+                          self.generation_tokens):
+            histogram.labels(model_name)  # export zero-valued series from the start
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+        r.register(EngineStatsCollector(stats, model_name))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes one request's latencies and token counts as its outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic):
+        self.m = metrics
+        self.clock = clock
+        self.start = clock()
+        self.last_token_time: float | None = None
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self.done:
+            return
+        now = self.clock()
+        model = self.m.model_name
+        if any(d.token_ids for d in out.deltas):
+            if self.last_token_time is None:
+                self.m.ttft.labels(model).observe(now - self.start)
+            else:
+                self.m.itl.labels(model).observe(now - self.last_token_time)
+            self.last_token_time = now
+        for d in out.deltas:
+            if d.finish_reason is not None:
+                self.m.success.labels(model, d.finish_reason).inc()
+        if out.finished:
+            self.done = True
+            self.m.e2e.labels(model).observe(now - self.start)
+            self.m.prompt_tokens.labels(model).observe(out.num_prompt_tokens)
+            self.m.generation_tokens.labels(model).observe(out.num_output_tokens)

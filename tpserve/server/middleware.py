@@ -1,0 +1,118 @@
+"""ASGI middlewares: API-key check, request-body size limit, last-resort 500 envelope."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tpserve.server.http_errors import error_body, error_type_for
+
+logger = logging.getLogger(__name__)
+
+
+async def send_error(send: Send, status: int, message: str, *, code: str | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(message, error_type_for(status), None, code)).encode()
+    raw_headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on the paths ``protected(path)`` selects."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, protected: Callable[[str], bool]):
+        self.app = app
+        self.expected = api_key.encode()
+        self.protected = protected
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(token.strip(), self.expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.protected(scope["path"]):
+            return await self.app(scope, receive, send)
+        if self._authorized(scope):
+            return await self.app(scope, receive, send)
+        await send_error(send, 401, "Invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyLimitMiddleware:
+    """Answers 413 when a request body is, or turns out while read to be, over ``max_bytes``."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: int) -> str:
+        return f"Request body of {size} bytes exceeds the limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await send_error(send, 400, "Invalid Content-Length header")
+            if size > self.max_bytes:
+                return await send_error(send, 413, self._too_large(size),
+                                        code="request_too_large")
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self._too_large(received))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class CatchAllMiddleware:
+    """Turns an unhandled exception into a logged 500 in the envelope (if nothing was sent)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("unhandled error serving %s %s", scope.get("method"), scope["path"])
+            if started:
+                raise
+            await send_error(send, 500, "Internal server error", code="internal_error")

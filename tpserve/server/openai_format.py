@@ -1,0 +1,136 @@
+"""Engine outputs to OpenAI response objects: logprobs, usage, whole (non-stream) responses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tpserve.server.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if not math.isnan(value) else LOGPROB_FLOOR
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+@dataclass(frozen=True)
+class ResponseContext:
+    """What every response or chunk of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    logprobs: bool
+    include_usage: bool = False
+
+
+def usage_info(out: RequestOutput) -> UsageInfo:
+    return UsageInfo(prompt_tokens=out.num_prompt_tokens,
+                     completion_tokens=out.num_output_tokens,
+                     total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    """Completions-API logprobs; ``text_offset`` is where the first token starts."""
+    result = CompletionLogprobs()
+    for lp in lps:
+        top = {lp.text: clamp_logprob(lp.logprob)}
+        for _, text, logprob in lp.top:
+            top.setdefault(text, clamp_logprob(logprob))
+        result.tokens.append(lp.text)
+        result.token_logprobs.append(clamp_logprob(lp.logprob))
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(lp.text)
+    return result
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(
+            token=lp.text, logprob=clamp_logprob(lp.logprob), bytes=_utf8(lp.text),
+            top_logprobs=[TopLogprob(token=text, logprob=clamp_logprob(logprob),
+                                     bytes=_utf8(text)) for _, text, logprob in lp.top])
+        for lp in lps])
+
+
+@dataclass
+class ChoiceState:
+    """Everything one sibling has produced so far."""
+
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_len: int = 0  # characters emitted so far (completions text_offset)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text_parts.append(delta.text)
+        self.text_len += len(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class OutputAccumulator:
+    """Collects a whole request's outputs for a non-streaming response."""
+
+    def __init__(self, n: int):
+        self.choices = [ChoiceState() for _ in range(n)]
+        self.final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        for delta in out.deltas:
+            self.choices[delta.index].add(delta)
+        if out.finished:
+            self.final = out
+
+    def usage(self) -> UsageInfo | None:
+        return usage_info(self.final) if self.final is not None else None
+
+
+def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> CompletionResponse:
+    choices = [
+        CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                         stop_reason=c.stop_reason,
+                         logprobs=completion_logprobs(c.logprobs, 0) if ctx.logprobs else None)
+        for i, c in enumerate(acc.choices)]
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                              choices=choices, usage=acc.usage())
+
+
+def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                   logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None)
+        for i, c in enumerate(acc.choices)]
+    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
+                                  choices=choices, usage=acc.usage())

@@ -1,0 +1,102 @@
+"""Prompt preprocessing: text and chat messages to token ids, ids back to text.
+
+Tokenizer calls run on a single worker thread so that long prompts do not stall the event
+loop (and Hugging Face fast tokenizers are never used from two threads at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from tpserve.server.http_errors import APIError
+from tpserve.server.protocol import ChatMessage
+
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+def _as_ids(value: Any) -> list[int]:
+    if hasattr(value, "keys") and "input_ids" in value:  # BatchEncoding
+        value = value["input_ids"]
+    return [int(t) for t in value]
+
+
+class PromptProcessor:
+    def __init__(self, tokenizer: Any, executor: Executor):
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.vocab_size = len(tokenizer)
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise APIError.bad_request(
+                    f"token id {t} is out of range [0, {self.vocab_size})", param=param)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return _as_ids(await self._run(self.tokenizer.encode, text,
+                                       add_special_tokens=add_special_tokens))
+
+    async def decode(self, ids: Sequence[int], param: str = "tokens") -> str:
+        self.check_ids(ids, param)
+        return await self._run(self.tokenizer.decode, list(ids))
+
+    async def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return list(await self._run(self.tokenizer.convert_ids_to_tokens, list(ids)))
+
+    async def completion_ids(self, prompt: CompletionPrompt) -> list[int]:
+        """The token ids of a completions ``prompt`` (one string or one list of ids)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError.bad_request(
+                    f"only one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = await self.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            self.check_ids(ids, "prompt")
+        if not ids:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        return ids
+
+    async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
+                          continue_final_message: bool = False) -> str:
+        conversation = []
+        for m in messages:
+            item: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                item["name"] = m.name
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
+            conversation.append(item)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError.bad_request("this model has no chat template", "messages")
+        kwargs: dict[str, Any] = {"tokenize": False,
+                                  "add_generation_prompt": add_generation_prompt}
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            text = await self._run(self.tokenizer.apply_chat_template, conversation, **kwargs)
+        except Exception as exc:  # jinja2 errors, template raise_exception(), bad roles
+            raise APIError.bad_request(f"could not apply the chat template: {exc}",
+                                       "messages") from exc
+        if not isinstance(text, str):
+            raise APIError(500, "chat template did not render to text")
+        return text
+
+    async def chat_ids(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       add_special_tokens: bool = False) -> list[int]:
+        text = await self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message)
+        ids = await self.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise APIError.bad_request("messages render to an empty prompt", "messages")
+        return ids

@@ -1,0 +1,72 @@
+"""Turns an OpenAI request into ``SamplingParams`` and checks it against the context length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.http_errors import APIError
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+def _max_tokens(req: SamplingRequest) -> tuple[int | None, str]:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def _logprobs(req: SamplingRequest) -> int | None:
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    assert isinstance(req, ChatCompletionRequest)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int
+                          ) -> SamplingParams:
+    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context."""
+    max_tokens, max_tokens_field = _max_tokens(req)
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt has {prompt_len} tokens, which leaves no room for the completion.",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        max_tokens = room
+    elif max_tokens > room and max_tokens >= 1:
+        raise APIError.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or {max_tokens_field}.",
+            max_tokens_field)
+
+    stop: tuple[str, ...] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    kwargs: dict[str, Any] = {
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "seed"}
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=stop,
+                              stop_token_ids=tuple(req.stop_token_ids or ()),
+                              logprobs=_logprobs(req), **kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        if param == "max_tokens":
+            param = max_tokens_field
+        raise APIError.bad_request(message, param=param) from exc

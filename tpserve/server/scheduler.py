@@ -1,0 +1,284 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+Each ``schedule()`` builds one step. Running sequences go first, oldest first, each getting
+its next chunk (one token when decoding, otherwise as much of its remaining prefill as the
+token budget allows). A running sequence that cannot get KV blocks preempts the newest
+running sequence (possibly itself), which frees its blocks and returns to the front of the
+waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
+admitted strictly first come, first served while the budget, ``max_num_seqs`` and the
+block pool allow; the first one that does not fit stops admission.
+
+Queue invariants (checked by ``check_integrity``):
+- ``running`` holds RUNNING sequences in increasing ``seq_id``; ``waiting`` holds WAITING
+  ones in increasing ``seq_id``; every running id is below every waiting id. (Admission
+  takes the front of ``waiting``; a preempted sequence is the newest running one and goes
+  back to the front; new arrivals have the largest ids.) So the oldest running sequence
+  always gets its blocks, and the scheduler makes progress as long as one sequence of
+  ``max_model_len`` tokens fits in the pool.
+- Only running sequences hold blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tpserve.server.block_manager import BlockManager
+from tpserve.server.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """``seq`` computes tokens ``seq.num_computed_tokens .. + num_new_tokens`` this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: ``scheduled`` lists the first ``num_decodes`` entries as decodes (one new
+    token, prompt already computed), then prefill chunks. ``preempted`` sequences lost
+    their KV this step and wait to recompute."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_decodes: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    return num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if block_manager.block_size != config.block_size:
+            raise ValueError(f"block manager block_size {block_manager.block_size} != "
+                             f"scheduler block_size {config.block_size}")
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(f"the KV pool holds {capacity} tokens, less than one sequence of "
+                             f"max_model_len={config.max_model_len}; scheduling could stall")
+        self.config = config
+        self.block_manager = block_manager
+        self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing seq_id
+        self._waiting: deque[Sequence] = deque()
+        self._requests: dict[str, list[Sequence]] = {}  # live sequences per request
+
+    # ----------------------------------------------------------------- queues
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running.values())
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; its ``seq_id`` must exceed every id seen before."""
+        last = self._waiting[-1] if self._waiting else None
+        if last is None and self._running:
+            last = self._running[next(reversed(self._running))]
+        if last is not None and seq.seq_id <= last.seq_id:
+            raise ValueError(f"seq_id {seq.seq_id} is not above the newest queued "
+                             f"seq_id {last.seq_id}")
+        if seq.status is not SequenceStatus.WAITING or seq.block_ids:
+            raise ValueError(f"seq {seq.seq_id} is not a fresh waiting sequence")
+        self._waiting.append(seq)
+        self._requests.setdefault(seq.request_id, []).append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark ``seq`` finished with ``status``, take it off the queues, free its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            del self._running[seq.seq_id]
+        else:
+            self._waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.fork_parent = None
+        siblings = self._requests.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every live sequence of ``request_id`` as aborted; returns them."""
+        seqs = list(self._requests.get(request_id, ()))
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    # ----------------------------------------------------------------- scheduling
+
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Build the next step under ``min(max_num_batched_tokens, token_budget)`` tokens."""
+        budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = max(0, min(budget, token_budget))
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        for seq in list(self._running.values()):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue  # nothing to compute until a token is appended
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self._running[next(reversed(self._running))]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+
+        # Admitting right after a preemption could just take back the victim's blocks.
+        if not preempted:
+            budget = self._admit(scheduled, budget)
+
+        decodes = [s for s in scheduled if _is_decode(s.seq, s.num_new_tokens)]
+        prefills = [s for s in scheduled if not _is_decode(s.seq, s.num_new_tokens)]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            preempted=preempted,
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_decodes=len(decodes),
+        )
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Admit waiting sequences FCFS into ``scheduled``; returns the budget left."""
+        bm = self.block_manager
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            fork_tokens = self._fork_tokens(seq)
+            if fork_tokens is None:
+                break  # a sibling waiting for its parent's prompt blocks
+            if fork_tokens:
+                parent = seq.fork_parent
+                assert parent is not None
+                bm.fork(parent, seq, fork_tokens)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not bm.allocate(seq, num_new):
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
+                    break
+            else:
+                computed, num_cached = bm.get_computed_blocks(seq.all_token_ids)
+                num_new = min(seq.num_tokens - num_cached, budget)
+                if not bm.allocate(seq, num_new, computed):
+                    break
+                seq.num_computed_tokens = num_cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_cached
+            seq.fork_parent = None
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running[seq.seq_id] = seq
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _fork_tokens(self, seq: Sequence) -> int | None:
+        """How many prompt tokens ``seq`` can take from its fork parent now: 0 to prefill
+        on its own, None to keep waiting for the parent to compute its prompt."""
+        parent = seq.fork_parent
+        if parent is None:
+            return 0
+        bs = self.config.block_size
+        wanted = (seq.num_prompt_tokens - 1) // bs * bs
+        if wanted == 0 or parent.status is not SequenceStatus.RUNNING:
+            seq.fork_parent = None  # nothing to share, or the parent finished / was preempted
+            return 0
+        return wanted if parent.num_computed_tokens >= wanted else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop ``seq``'s KV and put it back at the front of the waiting queue."""
+        del self._running[seq.seq_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Record that ``output``'s step ran: advance computed tokens, append the tokens
+        sampled for sequences whose tokens are now all computed, cache full blocks."""
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (e.g. aborted) while the step ran
+            seq.num_computed_tokens += item.num_new_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens, (
+                f"seq {seq.seq_id} computed past its tokens")
+            if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
+                seq.append_token(sampled[seq.seq_id])
+            self.block_manager.cache_full_blocks(seq)
+
+    # ----------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless queue, sequence and block invariants hold."""
+        running, waiting = list(self._running.values()), list(self._waiting)
+        ids = [s.seq_id for s in running] + [s.seq_id for s in waiting]
+        assert ids == sorted(ids) and len(set(ids)) == len(ids), (
+            f"queues out of seq_id order: running {ids[:len(running)]}, "
+            f"waiting {ids[len(running):]}")
+        assert len(running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        for sid, seq in self._running.items():
+            assert sid == seq.seq_id and seq.status is SequenceStatus.RUNNING, (
+                f"seq {seq.seq_id} in running with status {seq.status}")
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens, (
+                f"seq {seq.seq_id}: computed {seq.num_computed_tokens} of {seq.num_tokens}")
+            covered = len(seq.block_ids) * self.config.block_size
+            assert covered >= seq.num_computed_tokens, (
+                f"seq {seq.seq_id}: {len(seq.block_ids)} blocks cannot hold "
+                f"{seq.num_computed_tokens} computed tokens")
+        for seq in waiting:
+            assert seq.status is SequenceStatus.WAITING, f"seq {seq.seq_id} waiting as {seq.status}"
+            assert not seq.block_ids and seq.num_computed_tokens == 0, (
+                f"waiting seq {seq.seq_id} holds blocks or computed tokens")
+        live = {s.seq_id for s in running} | {s.seq_id for s in waiting}
+        by_request = {s.seq_id for seqs in self._requests.values() for s in seqs}
+        assert live == by_request, "request index out of sync with the queues"
+        self.block_manager.check_integrity(running)

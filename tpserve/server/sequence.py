@@ -1,0 +1,106 @@
+"""One generated continuation: its tokens, progress, block table and status.
+
+A request with ``n`` choices becomes ``n`` sibling sequences sharing ``request_id``, told
+apart by ``index``. The scheduler and block manager own the mutable progress fields
+(``status``, ``num_computed_tokens``, ``block_ids``); the engine appends sampled tokens
+through the scheduler and decides when a sequence stops.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from tpserve.model.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = MappingProxyType({
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+})
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated after it so far.
+
+    Invariants (kept by the scheduler and block manager):
+    - ``seq_id`` is unique and increases with arrival; siblings of one request get
+      consecutive ids with the parent (``index == 0``) first.
+    - ``0 <= num_computed_tokens <= num_tokens``: the first ``num_computed_tokens`` of
+      ``all_token_ids`` have their K/V in the pool, in the blocks ``block_ids`` lists in
+      order (block ``i`` holds token positions ``i*block_size .. (i+1)*block_size - 1``).
+    - A WAITING sequence holds no blocks and has ``num_computed_tokens == 0``.
+    - ``fork_parent`` is set only while a sibling (``index > 0``) waits to share its
+      parent's prompt blocks; the scheduler clears it at admission.
+    - Equality is identity (``eq=False``), so sequences can key sets and dicts.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    fork_parent: Sequence | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish reason: "stop", "length", "abort", "error", or None while live."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]

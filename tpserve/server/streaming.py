@@ -1,0 +1,165 @@
+"""Server-sent events: the SSE response and the OpenAI chunk streams for both endpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tpserve.server.errors import EngineError
+from tpserve.server.http_errors import APIError, error_body
+from tpserve.server.openai_format import (
+    ChoiceState,
+    ResponseContext,
+    chat_logprobs,
+    completion_logprobs,
+    usage_info,
+)
+from tpserve.server.outputs import CompletionDelta, RequestOutput
+from tpserve.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionChunk,
+    DeltaMessage,
+)
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Streams ``text/event-stream``; a client disconnect cancels the stream at once, and the
+    body iterator is always closed, whichever ASGI spec version the server speaks."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]):
+        super().__init__(content, headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _dump(chunk: CompletionChunk | ChatCompletionChunk, ctx: ResponseContext) -> bytes:
+    return sse_event(chunk.model_dump(exclude=None if ctx.include_usage else {"usage"}))
+
+
+def _error_event(exc: Exception) -> bytes:
+    if isinstance(exc, EngineError):
+        return sse_event(APIError.from_engine(exc).body())
+    logger.exception("error while streaming a response", exc_info=exc)
+    return sse_event(error_body("Internal server error", "internal_error"))
+
+
+async def _all(first: RequestOutput, rest: AsyncIterator[RequestOutput]
+               ) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+def _has_content(delta: CompletionDelta, ctx: ResponseContext) -> bool:
+    return bool(delta.text) or bool(ctx.logprobs and delta.logprobs)
+
+
+async def completion_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                            ctx: ResponseContext) -> AsyncIterator[bytes]:
+    """``/v1/completions`` chunks: text per delta, a finish chunk per choice, usage, [DONE]."""
+    states = [ChoiceState() for _ in range(ctx.n)]
+
+    def chunk(choice: CompletionChoice) -> bytes:
+        return _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                     choices=[choice]), ctx)
+
+    try:
+        final = None
+        async for out in _all(first, outputs):
+            for d in out.deltas:
+                state = states[d.index]
+                if _has_content(d, ctx):
+                    lps = completion_logprobs(d.logprobs or (), state.text_len) \
+                        if ctx.logprobs else None
+                    yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps))
+                state.add(d)
+                if d.finish_reason is not None:
+                    yield chunk(CompletionChoice(index=d.index, text="",
+                                                 finish_reason=d.finish_reason,
+                                                 stop_reason=d.stop_reason))
+            if out.finished:
+                final = out
+        if ctx.include_usage and final is not None:
+            yield _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                        choices=[], usage=usage_info(final)), ctx)
+    except Exception as exc:
+        yield _error_event(exc)
+    finally:
+        await _close(outputs)
+    yield DONE
+
+
+async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                      ctx: ResponseContext) -> AsyncIterator[bytes]:
+    """``/v1/chat/completions`` chunks: a role chunk per choice, content deltas, a finish
+    chunk per choice, usage, [DONE]."""
+
+    def chunk(choice: ChatChunkChoice) -> bytes:
+        return _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                         choices=[choice]), ctx)
+
+    try:
+        for i in range(ctx.n):
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        final = None
+        async for out in _all(first, outputs):
+            for d in out.deltas:
+                if _has_content(d, ctx):
+                    lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
+                    yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
+                                                logprobs=lps))
+                if d.finish_reason is not None:
+                    yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
+                                                finish_reason=d.finish_reason,
+                                                stop_reason=d.stop_reason))
+            if out.finished:
+                final = out
+        if ctx.include_usage and final is not None:
+            yield _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                            choices=[], usage=usage_info(final)), ctx)
+    except Exception as exc:
+        yield _error_event(exc)
+    finally:
+        await _close(outputs)
+    yield DONE
+
+
+async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
