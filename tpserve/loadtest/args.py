@@ -45,12 +45,15 @@ class LoadtestConfig:
     result_file: Path | None
     timeout: float
     label: str | None
+    plot: bool
     progress: bool
 
     @property
     def plot_file(self) -> Path | None:
         """The PNG written beside the JSON result: same folder, same stem."""
-        return None if self.result_file is None else self.result_file.with_suffix(".png")
+        if self.result_file is None or not self.plot:
+            return None
+        return self.result_file.with_suffix(".png")
 
     def parameters(self) -> dict:
         """The run's parameters as stored in the JSON result (never the API key)."""
@@ -137,6 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="write the JSON result here and a PNG with the same stem beside it")
     out.add_argument("--label", default=None,
                      help="free text stored in the JSON and shown in the plot title")
+    out.add_argument("--no-plot", dest="plot", action="store_false",
+                     help="write only the JSON result, no PNG")
     out.add_argument("--no-progress", dest="progress", action="store_false",
                      help="hide the progress bar")
 
@@ -196,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         result_file=args.result_file,
         timeout=args.timeout,
         label=args.label,
+        plot=args.plot,
         progress=args.progress,
     )
 

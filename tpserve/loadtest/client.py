@@ -52,7 +52,10 @@ class StreamError(Exception):
 
 
 class RequestSender:
-    """Sends PromptSpecs as streaming completions or chat completions."""
+    """Sends PromptSpecs as streaming completions or chat completions.
+
+    The httpx client carries the headers (API key) and the connection pool.
+    """
 
     def __init__(
         self,
@@ -62,7 +65,6 @@ class RequestSender:
         endpoint: str,
         ignore_eos: bool,
         timeout: float,
-        api_key: str | None,
     ) -> None:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         self._client = client
@@ -71,7 +73,6 @@ class RequestSender:
         self._chat = endpoint == "chat"
         self._ignore_eos = ignore_eos
         self._timeout = timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def payload(self, spec: PromptSpec) -> dict:
         """The JSON body for spec."""
@@ -116,9 +117,7 @@ class RequestSender:
         self, spec: PromptSpec, result: RequestResult, sent: float, run_start: float
     ) -> None:
         body = self.payload(spec)
-        async with self._client.stream(
-            "POST", self._url, json=body, headers=self._headers
-        ) as response:
+        async with self._client.stream("POST", self._url, json=body) as response:
             if response.status_code != 200:
                 raw = await response.aread()
                 raise StreamError(f"HTTP {response.status_code}: {_error_message(raw)}")

@@ -60,7 +60,8 @@ def format_sweep(results: list[dict]) -> str:
     """One line per rate: throughput against median and p99 TTFT and TPOT."""
     header = (f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}")
-    lines = [_rule(" Sweep (latencies in ms) ", "="), header]
+    width = len(header)
+    lines = [" Sweep (latencies in ms) ".center(width, "="), header]
     for r in results:
         rate = r["request_rate"]
         rate_text = rate if isinstance(rate, str) else f"{rate:g}"
@@ -69,7 +70,7 @@ def format_sweep(results: list[dict]) -> str:
             f"{r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>9.1f} "
             f"{r['median_tpot_ms']:>9.2f} {r['p99_tpot_ms']:>9.2f} {r['failed']:>7}"
         )
-    lines.append("=" * WIDTH)
+    lines.append("=" * width)
     return "\n".join(lines)
 
 
@@ -85,4 +86,4 @@ def _rule(title: str, fill: str) -> str:
 
 
 def _row(name: str, value: object) -> str:
-    return f"{name:<40}{value!s:<10}"
+    return f"{name:<40}{value!s}"

@@ -30,10 +30,13 @@ class Communicator:
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group.group)
+        flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                           device=x.device)
+        dist.all_gather_into_tensor(flat, x, group=self.group.group)
         dim = dim % x.dim()
-        return torch.cat(out.unbind(0), dim=dim) if dim else out.flatten(0, 1)
+        if dim == 0:
+            return flat
+        return torch.cat(flat.view(self.world_size, *x.shape).unbind(0), dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copies rank ``src``'s ``x`` into every rank's ``x`` (same shape and dtype)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import queue
 import threading
 import traceback
@@ -94,7 +95,9 @@ def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, init_method: s
             out = fn(group, *args)
         finally:
             destroy_tp_group(group)
-        results.put((rank, True, out))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die
+        # with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the caller
         results.put((rank, False, traceback.format_exc()))
 
@@ -122,7 +125,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                 raise TimeoutError(f"ranks did not finish within {timeout_s} s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10.0)

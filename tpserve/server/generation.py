@@ -23,13 +23,20 @@ async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list
                          ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, ending with the finished one.
 
-    Closing this generator early (``aclose()``, cancellation, an error) closes the engine's
-    generator and aborts the request in the engine.
+    Stopping early (``aclose()``, cancellation, an error output) closes the engine's
+    generator and also calls ``engine.abort`` (unless the engine itself raised).
     """
-    finished = False
+    finished = engine_failed = False
     outputs = engine.generate(request_id, prompt_ids, params)
     try:
-        async for out in outputs:
+        while True:
+            try:
+                out = await anext(outputs)
+            except StopAsyncIteration:
+                break
+            except Exception:
+                engine_failed = True  # the engine raised: it has dropped the request itself
+                raise
             if out.error:
                 raise EngineError(out.error)
             tracker.on_output(out)
@@ -39,7 +46,7 @@ async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list
                 return
         raise EngineError(f"engine stopped request {request_id} before it finished")
     finally:
-        if not finished:
+        if not finished and not engine_failed:
             engine.abort(request_id)
         aclose = getattr(outputs, "aclose", None)
         if aclose is not None:

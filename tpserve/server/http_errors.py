@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpserve.server.errors import EngineError, EngineOverloadedError
@@ -76,8 +75,18 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names union members in ``loc`` (``str``, ``list[int]``, a model's class)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part
+                                      or part[:1].isupper())
+
+
 def _loc_str(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for i, p in enumerate(loc)
+             if not (i == 0 and p == "body") and not _is_union_tag(p)]
     return ".".join(parts)
 
 
@@ -92,8 +101,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
             continue
         if first_param is None and where:
             first_param = where
-        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return APIError.bad_request("; ".join(messages) or "invalid request", param=first_param)
+        messages.append(f"{where or 'request body'}: {err.get('msg')}")
+    unique = dict.fromkeys(messages)  # union members repeat the same complaint
+    return APIError.bad_request("; ".join(unique) or "invalid request", param=first_param)
 
 
 async def _on_api_error(_: Request, exc: Exception) -> Response:
@@ -102,7 +112,7 @@ async def _on_api_error(_: Request, exc: Exception) -> Response:
 
 
 async def _on_validation(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError | ValidationError)
+    assert isinstance(exc, RequestValidationError)
     return validation_error(exc.errors()).response()
 
 
@@ -126,7 +136,6 @@ async def _on_disconnect(_: Request, exc: Exception) -> Response:
 def install_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation)
-    app.add_exception_handler(ValidationError, _on_validation)
     app.add_exception_handler(EngineError, _on_engine_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(ClientDisconnected, _on_disconnect)

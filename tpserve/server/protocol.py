@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+TokenIds = list[StrictInt]  # no bools or floats posing as token ids
 
 
 # ----------------------------------------------------------------------------- requests
@@ -32,7 +33,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     min_tokens: int | None = 0
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
@@ -47,7 +48,7 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = None
     echo: bool | None = False
 
@@ -99,7 +100,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # ----------------------------------------------------------------------------- responses

@@ -143,10 +143,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+    block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
-    ``num_splits`` must be a power of two; no host synchronisation happens here.
+    ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
+    and launch keywords are tuning knobs (results do not depend on them beyond rounding).
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -174,9 +176,9 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

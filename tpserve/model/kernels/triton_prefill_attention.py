@@ -129,11 +129,13 @@ def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
     max_query_len: int, scale: float, out: torch.Tensor,
-    block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+    block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Writes attention of sequences ``first_seq .. first_seq + num_seqs - 1`` into ``out``.
 
-    ``max_query_len`` (host int) bounds every one of those sequences' new-token counts.
+    ``max_query_len`` (host int) bounds every one of those sequences' new-token counts. The
+    tile and launch keywords are tuning knobs (results do not depend on them beyond rounding).
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -153,7 +155,8 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, IO_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, IO_DTYPE=tl_dtype(q.dtype),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=num_warps or (4 if head_dim <= 64 else 8), num_stages=num_stages,
     )
     return out

@@ -1,0 +1,22 @@
+"""Shared fixtures: the embedded SmolLM2 GGUF and its Hugging Face reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.model.loader.checkpoint import embedded_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(smollm2_path.parent), smollm2_path.name
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(d, gguf_file=name)

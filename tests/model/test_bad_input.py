@@ -1,0 +1,80 @@
+"""Bad input at load time: each a clear error naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpserve.model.loader.build import resolve_dtype
+from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.loader.dummy import shape_config
+
+
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"model not found: {missing}"):
+        open_checkpoint(str(missing))
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    with pytest.raises(FileNotFoundError, match="has no \\*.safetensors files"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    with pytest.raises(ValueError, match="unknown architecture 'GPTNeoXForCausalLM'.*"
+                                         "LlamaForCausalLM"):
+        open_checkpoint(str(tmp_path), "dummy")
+
+
+def test_tp_size_that_does_not_divide_the_heads(smollm2_path):
+    cfg = open_checkpoint(str(smollm2_path)).config
+    for ok in (1, 3):
+        cfg.check_tensor_parallel(ok)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not divide the "
+                                         r"model: num_attention_heads=9"):
+        cfg.check_tensor_parallel(2)
+    with pytest.raises(ValueError, match=r"intermediate_size=1536"):
+        cfg.check_tensor_parallel(9)  # the heads split 9 ways, the MLP does not
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8"):
+        shape_config("llama3-8b").check_tensor_parallel(3)
+
+
+def test_unknown_formats_and_dtypes():
+    with pytest.raises(ValueError, match="unknown --load-format 'pickle'"):
+        open_checkpoint(None, "pickle")
+    with pytest.raises(ValueError, match="unknown dummy shape|needs a shape name"):
+        open_checkpoint("gpt5", "dummy")
+    with pytest.raises(ValueError, match="unknown --dtype 'int3'"):
+        import torch
+
+        resolve_dtype("int3", torch.device("cpu"))
+
+
+def test_dummy_shapes_are_real_shapes():
+    cfg = shape_config("llama3-8b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (4096, 32, 8)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+    assert shape_config("llama3-70b").num_hidden_layers == 80

@@ -1,0 +1,62 @@
+"""The embedded SmolLM2 GGUF: our logits equal transformers' at tp 1 and tp 3, and greedy
+decoding through the paged KV pool matches transformers' generate() token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.parallel.launch import run_ranks
+from tests.model.util import full_logits, greedy, load
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+    "<|im_start|>user\nWrite a haiku about GPUs.<|im_end|>\n<|im_start|>assistant\n",
+    "Paged attention stores the KV cache in fixed-size blocks, so",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2):
+    model, tok = hf_smollm2
+    ids = [tok(p).input_ids for p in PROMPTS]
+    with torch.no_grad():
+        logits = [model(torch.tensor([i])).logits[0] for i in ids]
+    return ids, logits
+
+
+def _logits_on_rank(group, path, ids_list):
+    model, comm = load(path, group)
+    return [full_logits(model, comm, ids) for ids in ids_list]
+
+
+def test_logits_equal_transformers_tp1(smollm2_path, reference):
+    ids, ref = reference
+    model, comm = load(str(smollm2_path))
+    for i, r in zip(ids, ref, strict=True):
+        ours = full_logits(model, comm, i)
+        assert ours.shape == r.shape
+        assert (ours - r).abs().max().item() < 1e-3
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_tp3(smollm2_path, reference):
+    ids, ref = reference
+    per_rank = run_ranks(_logits_on_rank, 3, str(smollm2_path), ids, timeout_s=400)
+    for rank_logits in per_rank:  # every rank ends with the full-vocabulary logits
+        for ours, r in zip(rank_logits, ref, strict=True):
+            assert (ours - r).abs().max().item() < 1e-3
+
+
+def test_greedy_32_tokens_identical_to_transformers(smollm2_path, hf_smollm2):
+    hf, tok = hf_smollm2
+    model, comm = load(str(smollm2_path))
+    for prompt in PROMPTS[:2]:
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              min_new_tokens=32)[0, len(ids):].tolist()
+        assert greedy(model, comm, ids, 32) == ref
+    ids = tok(PROMPTS[0]).input_ids
+    assert tok.decode(greedy(model, comm, ids, 2)) == " Paris."

@@ -1,0 +1,87 @@
+"""Tiny random Llama / Qwen2 / Mistral checkpoints written as sharded Hugging Face folders:
+our logits equal transformers' at tp 1, 2 and 4 (tp 4 replicates the 2 KV heads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.parallel.launch import run_ranks
+from tests.model.util import full_logits, load, save_hf_folder
+
+TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def _hf_model(kind: str):
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "mistral": 3}[kind])
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**TINY, rope_theta=10000.0)
+    elif kind == "llama3":
+        cfg = tf.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=True,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32})
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**TINY, rope_theta=10000.0)
+    else:
+        cfg = tf.MistralConfig(**TINY, rope_theta=10000.0, sliding_window=None)
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM",
+                          "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[kind]]
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # make biases and norms non-trivial so they are really tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (folder, reference logits); each tiny checkpoint is written once."""
+    made: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def get(kind: str) -> tuple[str, torch.Tensor]:
+        if kind not in made:
+            hf = _hf_model(kind)
+            folder = save_hf_folder(hf, tmp_path_factory.mktemp(kind))
+            with torch.no_grad():
+                made[kind] = (str(folder), hf(torch.tensor([TOKENS])).logits[0])
+        return made[kind]
+
+    return get
+
+
+def _logits(group, folder):
+    model, comm = load(folder, group)
+    return full_logits(model, comm, TOKENS)
+
+
+def test_folder_is_sharded_with_index(checkpoints):
+    import json
+    import pathlib
+
+    folder = pathlib.Path(checkpoints("llama")[0])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+def test_tp1_equals_transformers(checkpoints, kind):
+    folder, ref = checkpoints(kind)
+    model, comm = load(folder)
+    assert (full_logits(model, comm, TOKENS) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("llama3", 2),
+                                     ("qwen2", 2), ("mistral", 2)])
+def test_tensor_parallel_equals_transformers(checkpoints, kind, tp):
+    folder, ref = checkpoints(kind)
+    results = run_ranks(_logits, tp, folder, timeout_s=300)
+    assert len(results) == tp
+    for logits in results:
+        assert (logits - ref).abs().max().item() < 1e-4

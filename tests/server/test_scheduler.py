@@ -1,0 +1,379 @@
+"""Scheduler: chunked prefill, limits, FCFS, preemption, n>1 forks, abort, random driver."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.block_manager import BlockManager
+from tpserve.server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tpserve.server.sequence import Sequence, SequenceStatus
+
+
+class Harness:
+    """A scheduler plus a fake engine: the "model" samples the step number, and a sequence
+    finishes with "length" once it has ``max_tokens`` outputs. Integrity is checked after
+    every schedule and every update."""
+
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                 max_model_len=None, prefix_caching=False):
+        max_model_len = max_model_len or num_blocks * block_size
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, block_size),
+            self.bm)
+        self.ids = itertools.count()
+        self.steps = 0
+        self.seqs: list[Sequence] = []
+
+    def add(self, prompt, max_tokens=4, n=1, request_id=None) -> list[Sequence]:
+        params = SamplingParams(n=n, max_tokens=max_tokens)
+        request_id = request_id or f"req{len(self.seqs)}"
+        seqs: list[Sequence] = []
+        for index in range(n):
+            seq = Sequence(seq_id=next(self.ids), request_id=request_id, index=index,
+                           prompt_token_ids=list(prompt), params=params,
+                           fork_parent=seqs[0] if seqs else None)
+            seqs.append(seq)
+            self.sched.add(seq)
+        self.sched.check_integrity()
+        self.seqs += seqs
+        return seqs
+
+    def schedule(self, token_budget=None) -> SchedulerOutput:
+        out = self.sched.schedule(token_budget)
+        self.sched.check_integrity()
+        decode_flags = [s.num_new_tokens == 1
+                        and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
+                        for s in out.scheduled]
+        assert decode_flags == [i < out.num_decodes for i in range(len(out.scheduled))]
+        for item in out.scheduled:  # the step's block tables cover its tokens
+            seq = item.seq
+            assert len(seq.block_ids) * self.bm.block_size >= (
+                seq.num_computed_tokens + item.num_new_tokens)
+        return out
+
+    def run(self, out: SchedulerOutput) -> None:
+        self.steps += 1
+        sampled = {s.seq.seq_id: self.steps for s in out.scheduled
+                   if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens}
+        self.sched.update(out, sampled)
+        self.sched.check_integrity()
+        for item in out.scheduled:
+            seq = item.seq
+            if not seq.is_finished and seq.num_output_tokens >= seq.params.max_tokens:
+                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        self.sched.check_integrity()
+
+    def step(self, token_budget=None) -> SchedulerOutput:
+        out = self.schedule(token_budget)
+        self.run(out)
+        return out
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[int, int]]:
+    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(0, 8, 8, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        SchedulerConfig(1, 8, 8, -4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        Scheduler(SchedulerConfig(1, 8, 100, 4), BlockManager(8, 4, False))
+
+
+def test_chunked_prefill_splits_prompt_under_budget():
+    h = Harness(max_num_batched_tokens=4)
+    (a,) = h.add(range(10), max_tokens=3)
+    assert chunks(h.step()) == [(0, 4)]
+    assert chunks(h.step()) == [(0, 4)]
+    assert a.num_output_tokens == 0  # no token sampled from a partial prefill
+    out = h.step()
+    assert chunks(out) == [(0, 2)] and out.num_decodes == 0
+    assert a.output_token_ids == [3]
+    out = h.step()
+    assert chunks(out) == [(0, 1)] and out.num_decodes == 1
+    h.step()
+    assert a.finish_reason == "length" and a.output_token_ids == [3, 4, 5]
+    assert not h.sched.has_unfinished and h.bm.num_used_blocks == 0
+
+
+def test_chunks_mix_with_decodes_and_decodes_come_first():
+    h = Harness(max_num_batched_tokens=64)
+    (a,) = h.add([7], max_tokens=5)
+    (b,) = h.add(range(10), max_tokens=5)
+    (c,) = h.add([8], max_tokens=5)
+    out = h.step(token_budget=5)
+    assert chunks(out) == [(0, 1), (1, 4)]  # budget spent: c is not admitted
+    out = h.step(token_budget=5)
+    assert chunks(out) == [(0, 1), (1, 4)] and out.num_decodes == 1
+    out = h.step(token_budget=5)
+    assert chunks(out) == [(0, 1), (1, 2), (2, 1)] and out.num_decodes == 1
+    assert out.num_batched_tokens == 4
+    out = h.step(token_budget=5)
+    assert chunks(out) == [(0, 1), (1, 1), (2, 1)] and out.num_decodes == 3
+    assert a.output_token_ids == [1, 2, 3, 4]
+    assert b.output_token_ids == [3, 4] and c.output_token_ids == [3, 4]
+
+
+def test_admitted_decode_is_moved_before_an_older_prefill():
+    """A recomputing sequence whose tokens are all cached but the last is admitted as a
+    decode; it must precede the older sequence's prefill in the step."""
+    h = Harness(block_size=2, prefix_caching=True)
+    h.add([1, 2, 3, 4, 5], max_tokens=1)
+    h.step()  # caches blocks [1, 2] and [3, 4], then finishes
+    (x,) = h.add(range(100, 110))
+    y = Sequence(seq_id=next(h.ids), request_id="y", index=0, prompt_token_ids=[1, 2, 3],
+                 params=SamplingParams(max_tokens=4), output_token_ids=[4, 5])
+    h.sched.add(y)
+    out = h.schedule()
+    assert chunks(out) == [(y.seq_id, 1), (x.seq_id, 10)] and out.num_decodes == 1
+    assert y.num_computed_tokens == 4 and y.num_cached_tokens == 4
+
+
+def test_token_budget_zero_schedules_nothing():
+    h = Harness()
+    h.add(range(5))
+    out = h.step(token_budget=0)
+    assert out.is_empty and h.sched.num_waiting == 1
+
+
+def test_max_num_seqs_respected():
+    h = Harness(max_num_seqs=2)
+    a, b, c = (h.add([i, i + 1], max_tokens=2)[0] for i in range(3))
+    out = h.step()
+    assert chunks(out) == [(0, 2), (1, 2)]
+    assert (h.sched.num_running, h.sched.num_waiting) == (2, 1)
+    out = h.step()  # a and b decode and finish
+    assert chunks(out) == [(0, 1), (1, 1)]
+    assert a.is_finished and b.is_finished and c.status is SequenceStatus.WAITING
+    assert chunks(h.step()) == [(2, 2)]
+
+
+def test_fcfs_does_not_skip_a_blocked_sequence():
+    h = Harness(num_blocks=4, block_size=4)
+    h.add(range(12), max_tokens=1)  # 3 blocks
+    h.add(range(8))  # 2 blocks: does not fit next to the first
+    h.add([1, 2])  # 1 block would fit, but must not jump the queue
+    out = h.schedule()
+    assert chunks(out) == [(0, 12)]
+    assert [s.seq_id for s in h.sched.waiting] == [1, 2]
+    h.run(out)  # seq 0 finishes
+    assert chunks(h.schedule()) == [(1, 8), (2, 2)]
+
+
+def test_preemption_recomputes_newest_and_it_finishes_with_all_tokens():
+    h = Harness(num_blocks=4, block_size=2, max_model_len=8)
+    s0, = h.add([10, 11, 12], max_tokens=4)
+    s1, = h.add([20, 21, 22], max_tokens=4)
+    assert chunks(h.step()) == [(0, 3), (1, 3)]
+    assert (s0.block_ids, s1.block_ids) == ([0, 1], [2, 3])
+    assert chunks(h.step()) == [(0, 1), (1, 1)]
+    out = h.step()  # s0 needs a third block: the newest, s1, is preempted
+    assert out.preempted == [s1] and chunks(out) == [(0, 1)]
+    assert s1.status is SequenceStatus.WAITING and s1.num_preemptions == 1
+    assert s1.num_computed_tokens == 0 and s1.block_ids == []
+    assert s0.block_ids == [0, 1, 2]
+    out = h.step()  # s1 needs 3 blocks for its 5 tokens; only 1 is free
+    assert chunks(out) == [(0, 1)] and s0.finish_reason == "length"
+    out = h.step()  # s1 recomputes prompt + the 2 outputs it had
+    assert chunks(out) == [(1, 5)] and out.num_decodes == 0
+    h.step()
+    assert s0.output_token_ids == [1, 2, 3, 4]
+    assert s1.output_token_ids == [1, 2, 5, 6] and s1.finish_reason == "length"
+    assert h.bm.num_free_blocks == 4
+
+
+def test_sequence_needing_blocks_preempts_itself_when_newest():
+    h = Harness(num_blocks=4, block_size=2, max_model_len=8)
+    s0, = h.add([1, 2, 3], max_tokens=4)  # its next token fits block 1
+    s1, = h.add([4, 5, 6, 7], max_tokens=4)  # its next token needs a third block
+    h.step()
+    out = h.step()
+    assert chunks(out) == [(0, 1)] and out.preempted == [s1]
+    assert s0.block_ids == [0, 1] and s1.status is SequenceStatus.WAITING
+
+
+def test_no_admission_in_a_step_that_preempted():
+    h = Harness(num_blocks=4, block_size=2, max_model_len=8)
+    s0, = h.add([1, 2, 3], max_tokens=4)
+    s1, = h.add([4, 5, 6, 7], max_tokens=4)
+    h.step()
+    h.add([9])  # would fit in the block s1 releases
+    out = h.step()
+    assert out.preempted == [s1] and chunks(out) == [(0, 1)]
+    assert [s.seq_id for s in h.sched.waiting] == [1, 2]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_n_siblings_fork_the_prompt_blocks(prefix_caching):
+    h = Harness(block_size=4, prefix_caching=prefix_caching)
+    parent, child = h.add(range(10), max_tokens=2, n=2)
+    (other,) = h.add([50, 51, 52], max_tokens=2)
+    out = h.step()
+    # The sibling waits for its parent's prompt, and FCFS keeps `other` behind it.
+    assert chunks(out) == [(0, 10)] and parent.block_ids == [0, 1, 2]
+    assert [s.seq_id for s in h.sched.waiting] == [1, 2]
+    out = h.schedule()
+    # Forked 8 tokens (2 full blocks); only the last 2 prompt tokens are prefilled.
+    assert chunks(out) == [(0, 1), (1, 2), (2, 3)]
+    assert child.block_ids == [0, 1, 3] and child.fork_parent is None
+    assert child.num_cached_tokens == 0
+    assert [h.bm.refcount(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    h.run(out)
+    while h.sched.has_unfinished:
+        h.step()
+    assert parent.output_token_ids == [1, 2] and child.output_token_ids == [2, 3]
+    assert h.bm.num_used_blocks == 0
+
+
+def test_sibling_of_finished_parent_prefills_itself_with_prefix_hits():
+    h = Harness(block_size=4, prefix_caching=True)
+    parent, child = h.add(range(10), max_tokens=1, n=2)
+    h.step()
+    assert parent.finish_reason == "length"
+    out = h.schedule()
+    assert chunks(out) == [(1, 2)] and child.num_cached_tokens == 8
+    assert child.block_ids == [0, 1, 2] and child.fork_parent is None
+    h.run(out)
+    assert child.output_token_ids == [2]
+
+
+def test_short_prompt_siblings_do_not_wait():
+    h = Harness(block_size=4)
+    parent, child = h.add([1, 2, 3, 4], max_tokens=1, n=2)  # (4-1)//4 = 0 blocks to share
+    assert chunks(h.step()) == [(0, 4), (1, 4)]
+
+
+def test_abort_frees_blocks_and_leaves_other_requests():
+    h = Harness(block_size=4)
+    p, c = h.add(range(10), n=2, request_id="x", max_tokens=8)
+    (other,) = h.add(range(5), request_id="y", max_tokens=8)
+    h.step()
+    assert h.bm.num_used_blocks == 3
+    aborted = h.sched.abort("x")
+    h.sched.check_integrity()
+    assert aborted == [p, c]
+    assert [s.finish_reason for s in aborted] == ["abort", "abort"]
+    assert p.block_ids == [] and h.bm.num_used_blocks == 0
+    assert h.sched.abort("x") == [] and h.sched.abort("nope") == []
+    assert (h.sched.num_running, h.sched.num_waiting) == (0, 1)
+    assert chunks(h.step()) == [(2, 5)]
+
+
+def test_abort_while_step_runs_is_ignored_by_update():
+    h = Harness()
+    (a,) = h.add(range(5), request_id="x")
+    (b,) = h.add(range(6), request_id="y")
+    out = h.schedule()
+    h.sched.abort("x")
+    h.run(out)
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    assert b.num_computed_tokens == 6 and b.output_token_ids == [1]
+
+
+def test_sequence_without_sampled_token_is_not_rescheduled():
+    h = Harness()
+    (a,) = h.add([1, 2, 3])
+    out = h.schedule()
+    h.sched.update(out, {})  # the engine sampled nothing for it
+    h.sched.check_integrity()
+    assert h.schedule().is_empty
+    h.sched.finish(a, SequenceStatus.FINISHED_ERROR)
+    assert a.finish_reason == "error" and not h.sched.has_unfinished
+
+
+def test_add_rejects_out_of_order_ids():
+    h = Harness()
+    h.add([1])
+    late = Sequence(seq_id=0, request_id="z", index=0, prompt_token_ids=[1],
+                    params=SamplingParams())
+    with pytest.raises(ValueError, match="seq_id"):
+        h.sched.add(late)
+
+
+def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int = 24,
+          max_num_seqs: int = 6, max_num_batched_tokens: int = 32, max_model_len: int = 64,
+          num_requests: int = 40, max_steps: int = 3000) -> Harness:
+    """Run random requests (shared prefixes, n in 1..3, random budgets and aborts) to
+    completion, checking integrity after every step. A fake KV pool checks that every
+    token a step attends to sits in the slot its block table names, which catches a wrong
+    prefix hit, a bad fork, or two sequences writing one block."""
+    rng = random.Random(seed)
+    bs = block_size
+    h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                prefix_caching=prefix_caching)
+    kv: list[int | None] = [None] * (num_blocks * bs)
+    bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
+    aborted: set[str] = set()
+    max_new = max_model_len // 4
+
+    def new_request(i: int) -> None:
+        prompt = rng.choice(bases)[:rng.randrange(13)] + [
+            rng.randrange(1000) for _ in range(rng.randrange(1, max_model_len // 3))]
+        prompt = prompt[:max_model_len - max_new]  # the engine's length check
+        h.add(prompt, max_tokens=rng.randrange(1, max_new + 1), n=rng.choice([1, 1, 1, 2, 3]),
+              request_id=f"req{i}")
+
+    def slot(seq: Sequence, pos: int) -> int:
+        return seq.block_ids[pos // bs] * bs + pos % bs
+
+    added = 0
+    for _ in range(max_steps):
+        while added < num_requests and rng.random() < 0.3:
+            new_request(added)
+            added += 1
+        if added == num_requests and not h.sched.has_unfinished:
+            break
+        out = h.schedule(token_budget=rng.choice([None, None, 3, 10]))
+        for item in out.scheduled:  # the "model" writes the new tokens' K/V
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            for pos in range(start, start + item.num_new_tokens):
+                kv[slot(seq, pos)] = tokens[pos]
+        for item in out.scheduled:  # ... and each sequence attends to exactly its tokens
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_new_tokens
+            seen = [kv[slot(seq, pos)] for pos in range(end)]
+            assert seen == seq.all_token_ids[:end], f"seq {seq.seq_id} reads wrong KV"
+        h.run(out)
+        if rng.random() < 0.02 and h.seqs:
+            victim = rng.choice(h.seqs).request_id
+            aborted.add(victim)
+            h.sched.abort(victim)
+            h.sched.check_integrity()
+    else:
+        pytest.fail("requests did not finish")
+
+    assert added == num_requests
+    assert h.bm.num_used_blocks == 0 and h.bm.num_free_blocks == num_blocks
+    h.bm.check_integrity([])
+    for seq in h.seqs:
+        assert seq.is_finished
+        if seq.finish_reason == "length":
+            assert seq.num_output_tokens == seq.params.max_tokens
+        else:
+            assert seq.finish_reason == "abort" and seq.request_id in aborted
+    return h
+
+
+@pytest.mark.parametrize("seed,prefix_caching", [(0, False), (1, True), (2, True)])
+def test_random_driver_runs_every_request_to_completion(seed, prefix_caching):
+    h = drive(seed, prefix_caching)
+    assert any(s.num_preemptions for s in h.seqs), "the pool was never tight"
+    assert any(s.index > 0 and s.num_computed_tokens for s in h.seqs), "no sibling ran"
+    if prefix_caching:
+        assert any(s.num_cached_tokens for s in h.seqs), "no prefix cache hit"
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_random_driver_on_a_pool_of_one_sequence(prefix_caching):
+    """Block size 1, one sequence at a time, a pool that holds exactly max_model_len."""
+    drive(3, prefix_caching, block_size=1, num_blocks=24, max_num_seqs=1,
+          max_num_batched_tokens=8, max_model_len=24, num_requests=15)

@@ -1,0 +1,62 @@
+"""The FastAPI application: OpenAI-compatible routes over an ``EngineClient``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+import tpserve
+from tpserve.server.engine_client import EngineClient
+from tpserve.server.http_errors import install_exception_handlers
+from tpserve.server.metrics import ServerMetrics
+from tpserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
+from tpserve.server.prompts import PromptProcessor
+from tpserve.server.routes_extra import make_extra_router
+from tpserve.server.routes_openai import make_openai_router
+from tpserve.server.state import ServerState
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+
+
+def needs_api_key(path: str) -> bool:
+    """The paths ``--api-key`` protects; /health, /metrics, /version and docs stay open."""
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
+              api_key: str | None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model."""
+    if not served_model_names:
+        raise ValueError("served_model_names must name at least one model")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="tpserve", version=tpserve.__version__, lifespan=lifespan,
+                  description="Tensor-parallel, OpenAI-compatible LLM inference server")
+    app.state.tpserve = ServerState(
+        engine=engine,
+        served_model_names=tuple(served_model_names),
+        prompts=PromptProcessor(engine.tokenizer, executor),
+        metrics=ServerMetrics(engine.stats, engine.model_name),
+        created=int(time.time()),
+    )
+    install_exception_handlers(app)
+    app.include_router(make_openai_router())
+    app.include_router(make_extra_router())
+    # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=needs_api_key)
+    app.add_middleware(CatchAllMiddleware)
+    return app

@@ -1,0 +1,76 @@
+"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/version``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+import tpserve
+from tpserve.server.http_errors import APIError
+from tpserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeCompletionRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tpserve.server.state import get_state
+
+TOKENIZER_ERRORS: dict[int | str, dict] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
+
+
+def make_extra_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=TOKENIZER_ERRORS,
+                 tags=["tokenizer"])
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        state = get_state(request)
+        state.resolve_model(body.model)
+        if isinstance(body, TokenizeCompletionRequest):
+            ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
+        else:
+            if body.add_generation_prompt and body.continue_final_message:
+                raise APIError.bad_request("add_generation_prompt and continue_final_message "
+                                           "cannot both be true", "continue_final_message")
+            ids = await state.prompts.chat_ids(
+                body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens)
+        strs = await state.prompts.token_strs(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len,
+                                tokens=ids, token_strs=strs)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENIZER_ERRORS,
+                 tags=["tokenizer"])
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        state = get_state(request)
+        state.resolve_model(body.model)
+        return DetokenizeResponse(prompt=await state.prompts.decode(body.tokens))
+
+    @router.get("/health", tags=["server"], responses={503: {"model": ErrorResponse}})
+    async def health(request: Request) -> Response:
+        """200 while the engine is healthy and accepting requests, else 503."""
+        engine = get_state(request).engine
+        if engine.dead_reason is not None:
+            raise APIError(503, f"engine is dead: {engine.dead_reason}")
+        if not engine.accepting:
+            raise APIError(503, "server is shutting down")
+        if not engine.is_healthy():
+            raise APIError(503, "engine is unhealthy")
+        return Response(status_code=200)
+
+    @router.get("/metrics", tags=["server"], response_class=Response,
+                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics(request: Request) -> Response:
+        m = get_state(request).metrics
+        return Response(m.render(), media_type=m.content_type)
+
+    @router.get("/version", tags=["server"], response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=tpserve.__version__)
+
+    return router

@@ -1,0 +1,42 @@
+"""What the routes of one app share: the engine, model names, prompt processor, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tpserve.server.engine_client import EngineClient
+from tpserve.server.errors import EngineDeadError, EngineShuttingDownError
+from tpserve.server.http_errors import APIError
+from tpserve.server.metrics import ServerMetrics
+from tpserve.server.prompts import PromptProcessor
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    served_model_names: tuple[str, ...]
+    prompts: PromptProcessor
+    metrics: ServerMetrics
+    created: int
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested in self.served_model_names:
+            return requested
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model",
+                       code="model_not_found")
+
+    def check_available(self) -> None:
+        """503 before doing any work when the engine is dead or draining."""
+        if self.engine.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self.engine.dead_reason}")
+        if not self.engine.accepting:
+            raise EngineShuttingDownError("server is shutting down")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tpserve
