@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from tpserve.model.plan import SeqChunk, StepPlan
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import full_logits, load, new_pool, run, save_hf_folder
+from tpserve.model.plan import SeqChunk, StepPlan
 
 BLOCK = 4
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.parallel.launch import run_ranks
 from tests.model.util import full_logits, greedy, load
+from tpserve.parallel.launch import run_ranks
 
 PROMPTS = [
     "The capital of France is",

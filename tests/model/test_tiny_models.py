@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.parallel.launch import run_ranks
 from tests.model.util import full_logits, load, save_hf_folder
+from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
