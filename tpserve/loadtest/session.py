@@ -88,7 +88,8 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
         try:
             model = config.model or await unless_stopped(
                 resolve_model(client, config.base_url), stop)
-            counter = await unless_stopped(choose_counter(client, config.base_url, model), stop)
+            counter = await unless_stopped(
+                choose_counter(client, config.base_url, model, config.endpoint == "chat"), stop)
             tokenizer = counter.name
             _log(f"model {model!r}; prompt lengths by {tokenizer}")
             sender = RequestSender(client, config.base_url, model, config.endpoint,

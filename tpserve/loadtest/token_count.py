@@ -29,30 +29,49 @@ class WordCounter:
 
 
 class ServerTokenCounter:
-    """POST {base}/tokenize {"model", "prompt"} -> {"count"} (tpserve and vLLM)."""
+    """POST {base}/tokenize (tpserve and vLLM): {"model", "prompt"} -> {"count"}.
 
-    name = "server /tokenize"
+    With ``chat`` the text is sent as one user message ({"model", "messages",
+    "add_generation_prompt": true}), so the count includes the chat template.
+    """
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, base_url: str, model: str, chat: bool = False
+    ) -> None:
         self._client = client
         self._url = f"{base_url}/tokenize"
         self._model = model
+        self._chat = chat
+        self.name = "server /tokenize (chat template included)" if chat else "server /tokenize"
 
     async def count(self, text: str) -> int:
-        response = await self._client.post(self._url, json={"model": self._model, "prompt": text})
+        body: dict = {"model": self._model}
+        if self._chat:
+            body["messages"] = [{"role": "user", "content": text}]
+            body["add_generation_prompt"] = True
+        else:
+            body["prompt"] = text
+        response = await self._client.post(self._url, json=body)
         response.raise_for_status()
-        body = response.json()
-        if "count" in body:
-            return int(body["count"])
-        return len(body["tokens"])
+        result = response.json()
+        if "count" in result:
+            return int(result["count"])
+        return len(result["tokens"])
 
 
-async def choose_counter(client: httpx.AsyncClient, base_url: str, model: str) -> TokenCounter:
-    """The server's tokenizer when /tokenize answers sensibly, else word counting."""
-    counter = ServerTokenCounter(client, base_url, model)
-    try:
-        if await counter.count("hello world") >= 1:
-            return counter
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
+async def choose_counter(
+    client: httpx.AsyncClient, base_url: str, model: str, chat: bool = False
+) -> TokenCounter:
+    """The server's tokenizer when /tokenize answers sensibly, else word counting.
+
+    For chat, a server that cannot tokenize messages still counts the message text.
+    """
+    candidates = [ServerTokenCounter(client, base_url, model, chat=True)] if chat else []
+    candidates.append(ServerTokenCounter(client, base_url, model))
+    for counter in candidates:
+        try:
+            if await counter.count("hello world") >= 1:
+                return counter
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            continue
     return WordCounter()

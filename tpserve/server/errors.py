@@ -40,3 +40,10 @@ class PromptTooLongError(EngineError):
 
     status = 400
     type = "invalid_request_error"
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot be served as given (empty prompt, token ids out of range)."""
+
+    status = 400
+    type = "invalid_request_error"

@@ -59,7 +59,11 @@ def make_extra_router() -> APIRouter:
             raise APIError(503, f"engine is dead: {engine.dead_reason}")
         if not engine.accepting:
             raise APIError(503, "server is shutting down")
-        if not engine.is_healthy():
+        try:
+            healthy = engine.is_healthy()
+        except Exception as exc:
+            raise APIError(503, f"engine health check failed: {exc}") from exc
+        if not healthy:
             raise APIError(503, "engine is unhealthy")
         return Response(status_code=200)
 

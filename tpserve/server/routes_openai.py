@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.generation import engine_outputs, unless_disconnected
 from tpserve.server.http_errors import APIError
+from tpserve.server.metrics import RequestTracker
 from tpserve.server.openai_format import (
     OutputAccumulator,
     ResponseContext,
@@ -49,14 +50,14 @@ async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: 
 
 
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
-                 prompt_ids: list[int], params: SamplingParams, model: str) -> Response:
+                 prompt_ids: list[int], params: SamplingParams, model: str,
+                 tracker: RequestTracker) -> Response:
     """Runs the request on the engine and answers it, streamed or whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model, n=params.n,
                           logprobs=params.logprobs is not None,
                           include_usage=body.include_usage)
-    outputs = engine_outputs(state.engine, request_id, prompt_ids, params,
-                             state.metrics.track())
+    outputs = engine_outputs(state.engine, request_id, prompt_ids, params, tracker)
     handed_over = False
     try:
         # The first output is awaited before answering, so that errors raised on submission
@@ -90,22 +91,24 @@ def make_openai_router() -> APIRouter:
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         state = get_state(request)
+        tracker = state.metrics.track()  # latencies count from here
         model = state.resolve_model(body.model)
         if body.echo:
             raise APIError.bad_request("echo is not supported", "echo")
         state.check_available()
         prompt_ids = await state.prompts.completion_ids(body.prompt)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len)
-        return await _serve(request, state, body, "cmpl", prompt_ids, params, model)
+        return await _serve(request, state, body, "cmpl", prompt_ids, params, model, tracker)
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         state = get_state(request)
+        tracker = state.metrics.track()
         model = state.resolve_model(body.model)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(body.messages, add_generation_prompt=True)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len)
-        return await _serve(request, state, body, "chatcmpl", prompt_ids, params, model)
+        return await _serve(request, state, body, "chatcmpl", prompt_ids, params, model, tracker)
 
     return router

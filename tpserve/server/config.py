@@ -1,0 +1,124 @@
+"""The one frozen config tree, built from the command line and validated once at start-up.
+
+``Config`` = ``RunnerConfig`` (what every rank needs to build the model and KV pool)
++ ``ParallelConfig`` + ``EngineConfig`` (rank 0's scheduling) + ``ServerConfig`` (HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from tpserve.model.runner import RunnerConfig
+from tpserve.parallel.state import ParallelConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+    check_integrity: bool = False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = 16 * 2**20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("--max-request-body-bytes must be at least 1024")
+
+
+@dataclass(frozen=True)
+class Config:
+    runner: RunnerConfig
+    parallel: ParallelConfig
+    engine: EngineConfig
+    server: ServerConfig
+
+    @property
+    def served_model_name(self) -> str:
+        if self.engine.served_model_name:
+            return self.engine.served_model_name
+        if self.runner.model is None:
+            return "SmolLM2-135M-Instruct"
+        return os.path.basename(os.path.normpath(self.runner.model)) or self.runner.model
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``1e9`` or a plain integer number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower()
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = RunnerConfig()
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face model folder, a .gguf file, or (with --load-format "
+                        "dummy) a shape name; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="number of ranks (GPUs) the model is sharded over")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default: the model's")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (chunked prefill splits longer prompts)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="tokens per KV cache block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of device memory (on CPU: of available RAM) to use")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV pool size in bytes (e.g. 2GiB); overrides the plan")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--load-format", default="auto",
+                   choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in the API; default: the model's folder or file name")
+    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (env TPSERVE_API_KEY)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20)
+    p.add_argument("--collective-timeout", type=float, default=120.0,
+                   help="seconds any collective may wait before the rank gives up")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the KV pool accounting after every step (debugging)")
+
+
+def config_from_args(a: argparse.Namespace) -> Config:
+    """Builds and validates the whole tree; raises ValueError with the flag's name."""
+    return Config(
+        runner=RunnerConfig(
+            model=a.model, load_format=a.load_format, dtype=a.dtype, seed=a.seed,
+            device=a.device, kernel_backend=a.kernel_backend, block_size=a.block_size,
+            max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager),
+        parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
+        engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity),
+        server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level),
+    )

@@ -1,0 +1,56 @@
+"""Engine-side state of one request: its sibling sequences, detokenizers and generators."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.detokenizer import IncrementalDetokenizer
+from tpserve.server.outputs import RequestOutput
+from tpserve.server.sequence import Sequence
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Owned by the engine thread once submitted. ``emit`` hands an output (or the
+    exception that ends the request) to the consumer, thread-safely."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[RequestOutput | BaseException], None]
+    arrival: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    done: bool = False
+
+    def start(self, first_seq_id: int, tokenizer: Any, make_generator) -> None:
+        """Creates the ``n`` sibling sequences; siblings wait to share the first one's
+        prompt blocks. With a seed, sibling ``i`` samples from ``seed + i``."""
+        n = self.params.n
+        for i in range(n):
+            seq = Sequence(seq_id=first_seq_id + i, request_id=self.request_id, index=i,
+                           prompt_token_ids=list(self.prompt_token_ids), params=self.params,
+                           arrival_time=self.arrival)
+            if i > 0:
+                seq.fork_parent = self.seqs[0]
+            self.seqs.append(seq)
+            self.detoks.append(IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
+                                                      self.params))
+            seed = None if self.params.seed is None else self.params.seed + i
+            self.generators.append(make_generator(seed))
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def usage(self) -> dict[str, int]:
+        return {"num_prompt_tokens": len(self.prompt_token_ids),
+                "num_output_tokens": sum(s.num_output_tokens for s in self.seqs),
+                "num_cached_tokens": self.seqs[0].num_cached_tokens if self.seqs else 0}
