@@ -8,7 +8,9 @@ and the process exits non-zero so that a supervisor restarts it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 
 import torch
@@ -45,6 +47,15 @@ class _Exit:
         with self.lock:
             if self.code == 0:
                 self.code, self.reason = 1, reason
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM/SIGINT stop serving through our
+    handler, so a clean shutdown exits 0 (uvicorn would re-raise the signal)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 def _join_group(cfg: Config, on_worker_failure) -> tuple[TPGroup, WorkerProcesses | None]:
@@ -113,9 +124,11 @@ def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
     holder["engine"] = engine
     app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     engine.start()
     logger.info("serving %s on http://%s:%d", name, cfg.server.host, cfg.server.port)
     try:

@@ -103,7 +103,9 @@ def paged_attention(
         maxlen = max(seq_lens[:nd])
         bs = k_cache.shape[1]
         nblocks = (maxlen + bs - 1) // bs
-        blocks = meta.block_tables[:nd, :nblocks].long()
+        # entries past a shorter sequence's blocks are padding: clamp them to a valid id
+        # (what they point at is masked out below)
+        blocks = meta.block_tables[:nd, :nblocks].long().clamp(0, k_cache.shape[0] - 1)
         k = k_cache[blocks].flatten(1, 2)[:, :maxlen]  # [nd, L, Hkv, D]
         v = v_cache[blocks].flatten(1, 2)[:, :maxlen]
         qd = q[:nd].float().view(nd, hkv, group, -1)

@@ -1,0 +1,308 @@
+"""Triton kernels against the torch reference ops.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1``
+is set below before any kernel module is imported (``@triton.jit`` picks the interpreter when
+the kernel is defined; kernel modules imported earlier without it are re-imported). With
+CUDA the same tests run the compiled kernels on the GPU. Cases are kept tiny: the interpreter
+executes every program instance in Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from tpserve.model.attention.metadata import AttentionMetadata  # noqa: E402
+from tpserve.model.kernels import torch_ops  # noqa: E402
+
+_KERNEL_MODULES = (  # dependency order, for re-import
+    "triton_support", "triton_norm", "triton_activation", "triton_rope",
+    "triton_decode_attention", "triton_prefill_attention", "triton_ops",
+)
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-4}
+
+
+def _kernel_modules() -> dict:
+    """The triton_* modules, built for the interpreter when running on CPU."""
+    names = [f"tpserve.model.kernels.{m}" for m in _KERNEL_MODULES]
+    if DEVICE.type == "cpu" and names[1] in sys.modules:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(sys.modules[names[1]]._rms_norm_kernel, InterpretedFunction):
+            for name in names:
+                if name in sys.modules:
+                    importlib.reload(sys.modules[name])
+    return {m: importlib.import_module(n) for m, n in zip(_KERNEL_MODULES, names, strict=True)}
+
+
+def _fix_interpreter_index(mp: pytest.MonkeyPatch) -> None:
+    """Let the interpreter use runtime scalars as ``range`` bounds under NumPy >= 2.4.
+
+    Triton 3.6.0's interpreter holds scalars as 1-element arrays and converts them with
+    ``int(array)``, which NumPy 2.4 rejects (triton-lang/triton#9171, fixed upstream by
+    converting the single element instead). Compiled kernels are unaffected.
+    """
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+@pytest.fixture(scope="module")
+def mods():
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE.type == "cpu":
+            _fix_interpreter_index(mp)
+        yield _kernel_modules()
+
+
+@pytest.fixture(scope="module")
+def ops(mods):
+    return mods["triton_ops"]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = ATOL[dtype] * scale
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _randn(*shape, dtype, gen):
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 64), (2, 3, 100)])
+def test_rms_norm(ops, dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x = _randn(*shape, dtype=dtype, gen=gen) * 3
+    w = _randn(shape[-1], dtype=dtype, gen=gen)
+    _close(ops.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6), dtype)
+
+
+def test_rms_norm_fp32_weight_promotes(ops):
+    gen = torch.Generator().manual_seed(1)
+    x = _randn(5, 64, dtype=torch.bfloat16, gen=gen)
+    w = _randn(64, dtype=torch.float32, gen=gen)
+    _close(ops.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(ops, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = _randn(7, 96, dtype=dtype, gen=gen)
+    res = _randn(7, 96, dtype=dtype, gen=gen)
+    w = _randn(96, dtype=dtype, gen=gen)
+    x_before, res_before = x.clone(), res.clone()
+    out, summed = ops.add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_summed = torch_ops.add_rms_norm(x, res, w, 1e-6)
+    _close(summed, ref_summed, dtype)
+    _close(out, ref_out, dtype)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 2 * 96), (2, 3, 2 * 1100)])
+def test_silu_and_mul(ops, dtype, shape):
+    gen = torch.Generator().manual_seed(3)
+    x = _randn(*shape, dtype=dtype, gen=gen) * 4
+    _close(ops.silu_and_mul(x), torch_ops.silu_and_mul(x), dtype)
+
+
+# ----------------------------------------------------------------------------- rope + cache
+
+
+def _cos_sin_cache(max_pos: int, rotary_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,page", [(64, 64, 16), (128, 64, 8)])
+def test_rope_and_write_kv(ops, dtype, head_dim, rotary_dim, page):
+    gen = torch.Generator().manual_seed(4)
+    tokens, hq, hkv, num_blocks = 7, 12, 3, 5
+    # q/k/v as strided views of one fused projection output, as the model produces them.
+    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.tensor([0, 5, 6, 7, 100, 3, 64], device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 39, -1, 8], device=DEVICE)
+    cs = _cos_sin_cache(128, rotary_dim)
+    k_cache = _randn(num_blocks, page, hkv, head_dim, dtype=dtype, gen=gen)
+    v_cache = _randn(num_blocks, page, hkv, head_dim, dtype=dtype, gen=gen)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
+                                               ref_kc, ref_vc, slots)
+    out_q, out_k = ops.rope_and_write_kv(q, k, v, positions, cs, k_cache, v_cache, slots)
+    _close(out_q, ref_q, dtype)
+    _close(out_k, ref_k, dtype)
+    _close(k_cache, ref_kc, dtype)  # also: the slots of the -1 tokens stay untouched
+    assert torch.equal(v_cache, ref_vc)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _make_batch(seqs, page, hkv, head_dim, dtype, gen):
+    """KV pool and metadata for ``seqs = [(ctx, q_len), ...]``; leading q_len 1 are decodes.
+
+    Blocks are a shuffled permutation of a pool larger than needed; block-table padding is
+    out of range so a stray read by a kernel would fail loudly (see ``_ref``).
+    """
+    lens = [c + n for c, n in seqs]
+    nblocks = [(n + page - 1) // page for n in lens]
+    pool = sum(nblocks) + 3
+    perm = torch.randperm(pool, generator=gen)
+    table = torch.full((len(seqs), max(nblocks) + 2), pool + 10_000, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(nblocks):
+        table[i, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    qlens = torch.tensor([n for _, n in seqs])
+    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    qsl[1:] = qlens.cumsum(0)
+    slot_mapping = torch.cat([
+        table[i, (pos := torch.arange(c, c + n)) // page].long() * page + pos % page
+        for i, (c, n) in enumerate(seqs)])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(DEVICE), query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=table.to(DEVICE),
+        num_decodes=len(list(itertools.takewhile(lambda s: s[1] == 1, seqs))),
+        max_query_len=int(qlens.max()), max_seq_len=max(lens))
+    k_cache = _randn(pool, page, hkv, head_dim, dtype=dtype, gen=gen)
+    v_cache = _randn(pool, page, hkv, head_dim, dtype=dtype, gen=gen)
+    return meta, k_cache, v_cache
+
+
+def _ref(q, k_cache, v_cache, meta, scale):
+    """torch_ops.paged_attention on a copy of ``meta`` with in-range block-table padding.
+
+    The reference's batched decode path gathers block-table entries up to the longest decode
+    context for every decode (then masks them), so it needs padding that is a valid block.
+    """
+    tables = meta.block_tables.clone()
+    tables[tables >= k_cache.shape[0]] = 0
+    return torch_ops.paged_attention(q, k_cache, v_cache, replace(meta, block_tables=tables),
+                                     scale)
+
+
+ATTN_SHAPES = [  # (group = Hq / Hkv, page size, head dim)
+    (1, 16, 64),
+    (4, 8, 128),
+    (8, 32, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention(mods, dtype, group, page, head_dim, splits):
+    gen = torch.Generator().manual_seed(5)
+    hkv = 2
+    lens = [1, 7, 33, 100, 300] if splits > 1 else [1, 7, 33, 100]
+    meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
+                                         dtype, gen)
+    assert meta.num_decodes == len(lens)
+    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    mods["triton_decode_attention"].decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits)
+    _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
+
+
+def test_decode_padding_sequence_gives_zeros(mods):
+    """A zero-length (CUDA-graph padding) decode slot must not produce NaN."""
+    gen = torch.Generator().manual_seed(6)
+    meta, k_cache, v_cache = _make_batch([(9, 1)], 16, 1, 64, torch.float16, gen)
+    seq_lens = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
+    tables = torch.cat([meta.block_tables, meta.block_tables])
+    q = _randn(2, 4, 64, dtype=torch.float16, gen=gen)
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        mods["triton_decode_attention"].decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 0.125, out, splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        _close(out[:1], _ref(q[:1], k_cache, v_cache, meta, 0.125),
+               torch.float16)
+
+
+def test_decode_num_splits(mods):
+    pick = mods["triton_decode_attention"].decode_num_splits
+    assert pick(1, 8, 100) == 1  # short context: never split
+    assert pick(1, 8, 32768) == 32  # one long sequence: split up to the cap
+    assert pick(256, 8, 32768) == 1  # grid already fills the GPU
+    assert pick(4, 8, 1024) == 4  # limited by MIN_TOKENS_PER_SPLIT (256 keys each)
+
+
+MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
+def test_paged_attention_mixed_batch(ops, dtype, group, page, head_dim):
+    """Decodes, fresh prefills and chunked prefills over a cached prefix, in one batch."""
+    gen = torch.Generator().manual_seed(7)
+    hkv = 2
+    meta, k_cache, v_cache = _make_batch(MIXED, page, hkv, head_dim, dtype, gen)
+    assert meta.num_decodes == 2
+    num_tokens = int(meta.query_start_loc[-1])
+    q = _randn(num_tokens, hkv * group, head_dim, dtype=dtype, gen=gen)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_small_tiles(mods, dtype):
+    """16x16 tiles: several unmasked key tiles, several query blocks, q_len 100."""
+    gen = torch.Generator().manual_seed(8)
+    seqs = [(0, 1), (37, 100), (0, 19)]
+    meta, k_cache, v_cache = _make_batch(seqs, 16, 1, 64, dtype, gen)
+    meta.num_decodes = 0
+    q = _randn(120, 4, 64, dtype=dtype, gen=gen)
+    out = torch.full_like(q, float("nan"))
+    mods["triton_prefill_attention"].prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 3,
+        meta.max_query_len, 0.125, out, block_m=16, block_n=16)
+    _close(out, _ref(q, k_cache, v_cache, meta, 0.125), dtype)
+
+
+def test_end_to_end_rope_write_then_attend(ops):
+    """The layer's order of ops: rope + cache write of new tokens, then paged attention."""
+    gen = torch.Generator().manual_seed(9)
+    dtype, hq, hkv, d, page = torch.bfloat16, 8, 2, 64, 16
+    seqs = [(12, 1), (0, 9), (17, 5)]
+    meta, k_cache, v_cache = _make_batch(seqs, page, hkv, d, dtype, gen)
+    n = int(meta.query_start_loc[-1])
+    positions = torch.cat([torch.arange(c, c + m) for c, m in seqs]).to(DEVICE)
+    q, k, v = (_randn(n, h, d, dtype=dtype, gen=gen) for h in (hq, hkv, hkv))
+    cs = _cos_sin_cache(64, d)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    rq, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cs, ref_kc, ref_vc,
+                                        meta.slot_mapping)
+    ref = _ref(rq, ref_kc, ref_vc, meta, d ** -0.5)
+    tq, _ = ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, k_cache, v_cache,
+                                  meta.slot_mapping)
+    _close(ops.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5), ref, dtype)
