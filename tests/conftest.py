@@ -20,3 +20,10 @@ def hf_smollm2(smollm2_path):
     d, name = str(smollm2_path.parent), smollm2_path.name
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(d, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
