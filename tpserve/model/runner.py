@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.model.cuda_graphs import DecodeGraphs, buckets_for
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import build_model, resolve_dtype
@@ -138,7 +139,10 @@ class ModelRunner:
         static = (HEADER_LEN + self.max_payload) * 8
         workspace, measured = self._profile()
         workspace += static
-        graphs = 0  # CUDA graphs are not captured yet: decode runs eagerly
+        use_graphs = device.type == "cuda" and not cfg.enforce_eager
+        # reserve for the graphs' pool: their logits outputs plus a margin; measured below
+        graphs = (sum(buckets_for(cfg.max_num_seqs)) * mcfg.vocab_size * 4 + 512 * 2**20
+                  if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
@@ -156,6 +160,11 @@ class ModelRunner:
                 "--max-model-len, raise --gpu-memory-utilization or use more GPUs")
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
                               mcfg.head_dim, self.dtype, device)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
+                                       self.max_blocks_per_seq, self.max_model_len, device)
+            graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
                                cfg.block_size, per_block, self.max_model_len, how)
@@ -238,6 +247,8 @@ class ModelRunner:
     def _run(self, plan: StepPlan) -> torch.Tensor:
         self.steps += 1
         self.fault.check(self.steps)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                             plan.metadata())
         return self.model.compute_logits(hidden[plan.logits_indices]).float()
