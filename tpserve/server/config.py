@@ -19,6 +19,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
     check_integrity: bool = False
+    max_num_queued_requests: int = 1024
+    max_num_queued_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
+            raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -28,12 +34,15 @@ class ServerConfig:
     api_key: str | None = None
     max_request_body_bytes: int = 16 * 2**20
     log_level: str = "info"
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.max_request_body_bytes < 1024:
             raise ValueError("--max-request-body-bytes must be at least 1024")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20)
+    p.add_argument("--max-num-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond --max-num-seqs before new ones get 429")
+    p.add_argument("--max-num-queued-tokens", type=int, default=1 << 20,
+                   help="prompt tokens waiting beyond one step's budget before 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish")
     p.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds any collective may wait before the rank gives up")
     p.add_argument("--log-level", default="info",
@@ -119,6 +134,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
             gpu_memory_utilization=a.gpu_memory_utilization,
             kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager),
         parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
-        engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity),
-        server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level),
+        engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
+                            a.max_num_queued_requests, a.max_num_queued_tokens),
+        server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
+                            a.shutdown_timeout),
     )

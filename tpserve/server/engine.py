@@ -22,6 +22,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine_core import EngineCore
 from tpserve.server.errors import (
     EngineDeadError,
+    EngineOverloadedError,
     EngineShuttingDownError,
     InvalidRequestError,
     PromptTooLongError,
@@ -38,7 +39,8 @@ class AsyncEngine:
     """Implements ``EngineClient`` for the HTTP layer."""
 
     def __init__(self, core: EngineCore, model_name: str,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, *,
+                 max_queued_requests: int = 1024, max_queued_tokens: int = 1 << 20):
         self.core = core
         self.model_name = model_name
         self.max_model_len = core.max_model_len
@@ -47,6 +49,12 @@ class AsyncEngine:
         self.accepting = True
         self.dead_reason: str | None = None
         self._on_fatal = on_fatal
+        # backpressure: requests (and their prompt tokens) accepted but not yet finished,
+        # beyond what one step can run; touched only on the event loop thread
+        self.max_outstanding = core.scheduler.config.max_num_seqs + max_queued_requests
+        self.max_outstanding_tokens = max_queued_tokens + core.max_num_batched_tokens
+        self.outstanding = 0
+        self.outstanding_tokens = 0
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -104,6 +112,23 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self._validate(prompt_token_ids, params)
+        if (self.outstanding >= self.max_outstanding
+                or self.outstanding_tokens + len(prompt_token_ids) > self.max_outstanding_tokens):
+            raise EngineOverloadedError(
+                f"server is at capacity ({self.outstanding} requests, "
+                f"{self.outstanding_tokens} prompt tokens queued or running); retry later",
+                retry_after=1)
+        self.outstanding += 1
+        self.outstanding_tokens += len(prompt_token_ids)
+        try:
+            async for out in self._generate(request_id, prompt_token_ids, params):
+                yield out
+        finally:
+            self.outstanding -= 1
+            self.outstanding_tokens -= len(prompt_token_ids)
+
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
@@ -130,6 +155,20 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def drain(self, timeout: float) -> bool:
+        """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
+        then aborts the rest (their clients get finish_reason ``abort``). Returns True when
+        everything finished on its own."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.core.requests and time.monotonic() < deadline and self.is_healthy():
+            time.sleep(0.05)
+        clean = not self.core.requests
+        self._inbox.put(("abort_all", None))
+        while self.core.requests and self.is_healthy() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        return clean
+
     def stats(self) -> dict[str, float]:
         s = dict(self.core.stats())
         mem = allocator_stats(self.core.runner.device)
@@ -153,6 +192,9 @@ class AsyncEngine:
                     self.core.add(arg)
             elif kind == "abort":
                 self.core.abort(arg)
+            elif kind == "abort_all":
+                for rid in list(self.core.requests):
+                    self.core.abort(rid)
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:

@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
@@ -52,7 +54,8 @@ class EngineCore:
         self.token_budget = self.max_num_batched_tokens
         self._last_read = 0.0
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
-                         "num_preemptions_total": 0, "steps_total": 0}
+                         "num_preemptions_total": 0, "steps_total": 0,
+                         "oom_recoveries_total": 0}
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
@@ -107,7 +110,11 @@ class EngineCore:
             chunks.append(SeqChunk(seq.token_slice(start, end), start, seq.block_ids, sample))
             if sample:
                 sampling.append(seq)
-        logits = self.runner.execute(StepPlan.build(chunks, self.block_size))
+        try:
+            logits = self.runner.execute(StepPlan.build(chunks, self.block_size))
+        except torch.OutOfMemoryError:
+            self._recover_from_oom()
+            return
         self.counters["steps_total"] += 1
         sampled: dict[int, int] = {}
         result = None
@@ -136,6 +143,22 @@ class EngineCore:
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
+
+    def _recover_from_oom(self) -> None:
+        """A step ran out of device memory before any collective (tp 1, or the failure hit
+        every rank alike): nothing was computed, so the step is dropped, the newest half of
+        the running sequences is preempted and the token budget halved for a while."""
+        if self.runner.comm.world_size > 1:
+            raise  # ranks may have diverged mid-step: not recoverable in place
+        victims = self.scheduler.preempt_newest(0.5)
+        self.counters["num_preemptions_total"] += len(victims)
+        self.counters["oom_recoveries_total"] += 1
+        self.token_budget = max(self.block_size, self.token_budget // 2)
+        self._last_read = time.monotonic() + 5.0  # keep the halved budget ~5 s
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.warning("step ran out of memory: preempted %d sequences, token budget %d",
+                       len(victims), self.token_budget)
 
     def _advance(self, seq: Sequence, row: int, result) -> CompletionDelta | None:
         """Detokenizes the sequence's new token and applies the stop rules."""

@@ -241,6 +241,16 @@ class Scheduler:
         seq.num_preemptions += 1
         self._waiting.appendleft(seq)
 
+    def preempt_newest(self, fraction: float = 0.5) -> list[Sequence]:
+        """Preempts the newest ``fraction`` of the running sequences (at least one, never
+        the oldest), e.g. after a step ran out of device memory. Returns them."""
+        running = sorted(self._running.values(), key=lambda s: s.seq_id)
+        count = min(max(1, int(len(running) * fraction)), len(running) - 1)
+        victims = running[len(running) - count:] if count > 0 else []
+        for seq in reversed(victims):  # newest first, so waiting stays in seq_id order
+            self._preempt(seq)
+        return victims
+
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record that ``output``'s step ran: advance computed tokens, append the tokens
         sampled for sequences whose tokens are now all computed, cache full blocks."""

@@ -120,15 +120,34 @@ def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
             server.should_exit = True
 
     name = cfg.served_model_name
-    engine = AsyncEngine(core, name, on_fatal)
+    engine = AsyncEngine(core, name, on_fatal,
+                         max_queued_requests=cfg.engine.max_num_queued_requests,
+                         max_queued_tokens=cfg.engine.max_num_queued_tokens)
     holder["engine"] = engine
     app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))
+    draining = threading.Event()
+
+    def drain_then_exit() -> None:
+        clean = engine.drain(cfg.server.shutdown_timeout_s)
+        logger.info("drained: %s", "all requests finished" if clean
+                    else "requests still running were aborted")
+        server.should_exit = True
+
+    def on_signal(signum, _frame) -> None:
+        if draining.is_set():  # a second signal: stop now
+            server.should_exit = True
+            return
+        draining.set()
+        logger.info("signal %d: no new requests; draining for up to %.0f s", signum,
+                    cfg.server.shutdown_timeout_s)
+        threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+        signal.signal(sig, on_signal)
     engine.start()
     logger.info("serving %s on http://%s:%d", name, cfg.server.host, cfg.server.port)
     try:

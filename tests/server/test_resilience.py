@@ -1,0 +1,132 @@
+"""Overload, shutdown, out-of-memory and bad input against a real server process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tests.server.serverproc import SMALL, ServerProcess
+
+PROMPT = "The capital of France is"
+LONG = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def _stream_until_first_token(base: str, body: dict, opened: threading.Event,
+                              result: dict) -> None:
+    """Streams ``body``; records the finish reasons and whether [DONE] came."""
+    reasons, done = [], False
+    with httpx.Client(timeout=120) as c, c.stream("POST", base + "/v1/completions",
+                                                  json=body) as r:
+        result["status"] = r.status_code
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                opened.set()
+                for ch in chunk.get("choices", []):
+                    if ch.get("finish_reason"):
+                        reasons.append(ch["finish_reason"])
+    opened.set()
+    result.update(reasons=reasons, done=done)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(*SMALL, "--max-num-seqs", "2", "--max-num-queued-requests", "1",
+                      "--shutdown-timeout", "4")
+    yield s
+    s.stop()
+
+
+def test_bad_input_gets_400_in_the_envelope(server):
+    url = server.base + "/v1/completions"
+    chat = server.base + "/v1/chat/completions"
+    cases = [
+        (url, {"prompt": PROMPT, "temperature": float("nan")}),
+        (url, {"prompt": PROMPT, "max_tokens": 10**12}),
+        (url, {"prompt": PROMPT, "max_tokens": -5}),
+        (url, {"prompt": PROMPT, "n": -1}),
+        (url, {"prompt": PROMPT, "n": 10**9}),
+        (url, {"prompt": PROMPT, "top_p": "high"}),
+        (url, {"prompt": list(range(1_000_000)), "max_tokens": 1}),  # a million tokens
+        (url, {"prompt": [49152 + 5], "max_tokens": 1}),  # outside the vocabulary
+        (url, {"prompt": ""}),
+        (chat, {"messages": []}),
+        (chat, {"messages": [{"role": "wizard", "content": "hi"}]}),
+        (chat, {"messages": "hello"}),
+    ]
+    for u, body in cases:
+        r = httpx.post(u, content=json.dumps(body, allow_nan=True),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (body if len(str(body)) < 200 else "1M tokens", r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    bad_utf8 = b'{"prompt": "\xff\xfe", "max_tokens": 2}'
+    r = httpx.post(url, content=bad_utf8, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.post(url, content=b"x" * (17 * 2**20),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "error" in r.json()
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_overload_is_answered_with_429(server):
+    opened = [threading.Event() for _ in range(3)]
+    results = [{} for _ in range(3)]
+    threads = [threading.Thread(target=_stream_until_first_token,
+                                args=(server.base, LONG, opened[i], results[i]))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for e in opened[:2]:  # two run (--max-num-seqs 2) ...
+        assert e.wait(120)
+    for _ in range(600):  # ... and the third waits in the queue
+        if server.metric("num_requests_waiting") == 1:
+            break
+        threading.Event().wait(0.1)
+    assert server.metric("num_requests_waiting") == 1
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    server.proc.send_signal(signal.SIGTERM)  # graceful shutdown with 3 streams in flight
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 503
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    for res in results:  # the long streams were ended explicitly, not cut off
+        assert res["status"] == 200 and res["done"] and res["reasons"] == ["abort"]
+    assert server.proc.wait(timeout=60) == 0
+
+
+def test_out_of_memory_in_a_step_is_survived():
+    s = ServerProcess(*SMALL, env={"TPSERVE_TEST_FAULT": "0:4:oom"})
+    try:
+        bodies = [{"prompt": f"{PROMPT} {i}", "max_tokens": 12, "ignore_eos": True}
+                  for i in range(4)]
+        results = [None] * 4
+
+        def go(i: int) -> None:
+            results[i] = httpx.post(s.base + "/v1/completions", json=bodies[i], timeout=120)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        for r in results:
+            assert r.status_code == 200
+            assert r.json()["usage"]["completion_tokens"] == 12
+        assert httpx.get(s.base + "/health").status_code == 200
+        assert s.metric("num_preemptions_total") >= 1
+        assert s.metric("kv_cache_usage_perc") == 0
+    finally:
+        assert s.stop() == 0
