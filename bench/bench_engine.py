@@ -1,0 +1,621 @@
+"""Engine benchmark: one rank, dummy weights of a real shape, driven through ``EngineCore``.
+
+Measures, in one process and one run: the device's copy bandwidth and bf16 matmul rate (the
+two ceilings), start-up time and memory plan, batch-1 decode (TPOT, MBU), pure-prefill steps
+(tokens/s, MFU), a closed-loop serving run (at most ``--concurrency`` requests in flight, a
+new one added whenever one finishes; TTFT, TPOT, ITL), allocator segments created during the
+serving run, KV-block waste, and a short torch.profiler look at decode steps. Writes JSON
+(rewritten after every section, so a run cut short still leaves its figures) and prints a
+summary.
+
+    python bench/bench_engine.py --out bench/results/h200-2026-11-29.json \
+        --git-commit "$(git rev-parse HEAD)"
+    python bench/bench_engine.py --small --device cpu --out /tmp/bench.json   # logic check
+
+Detokenization uses a stub tokenizer (one character per token): dummy shapes have no
+tokenizer of their own, and the figures are then the model's and the engine's, without the
+cost of a real tokenizer's ``decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
+from tpserve.model.sampling_params import SamplingParams  # noqa: E402
+from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
+from tpserve.server.engine_core import EngineCore  # noqa: E402
+from tpserve.server.outputs import RequestOutput  # noqa: E402
+from tpserve.server.request_state import RequestState  # noqa: E402
+
+FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=2048,
+            max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+            kv_cache_memory=None, num_prompts=640, concurrency=64, input_len=1024,
+            output_len=256, serving_time_limit=120.0, decode_input_len=1024,
+            decode_output_len=256, prefill_seqs=8, prefill_reps=5, warmup_prompts=64,
+            warmup_output_len=16, profile_steps=8, copy_mib=2048, matmul_n=8192)
+SMALL = dict(model="smollm2-135m", device="cpu", dtype="float32", max_model_len=512,
+             max_num_seqs=4, max_num_batched_tokens=256, gpu_memory_utilization=0.9,
+             kv_cache_memory=64 << 20, num_prompts=6, concurrency=4, input_len=64,
+             output_len=8, serving_time_limit=60.0, decode_input_len=64, decode_output_len=8,
+             prefill_seqs=4, prefill_reps=2, warmup_prompts=2, warmup_output_len=2,
+             profile_steps=2, copy_mib=64, matmul_n=512)
+
+
+class StubTokenizer:
+    """Just enough of a tokenizer for the detokenizer: one character per token, no EOS."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return ["x"] * len(ids) if isinstance(ids, list) else "x"
+
+
+class Tracker:
+    """Per-request timestamps, filled by the engine's ``emit`` callback."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.t_add = time.perf_counter()
+        self.token_times: list[float] = []
+        self.finished = False
+        self.error: str | None = None
+
+    def emit(self, out: RequestOutput | BaseException) -> None:
+        now = time.perf_counter()
+        if isinstance(out, BaseException):
+            self.error, self.finished = repr(out), True
+            return
+        for d in out.deltas:
+            self.token_times.extend([now] * len(d.token_ids))
+        if out.finished:
+            self.finished = True
+
+
+# --------------------------------------------------------------------------- helpers
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds of ``fn()``: CUDA events on GPU, the host clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms_stats(xs: list[float]) -> dict[str, float | None]:
+    r = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
+    return {"mean": r(statistics.fmean(xs)) if xs else None, "p50": r(pct(xs, 50)),
+            "p99": r(pct(xs, 99))}
+
+
+def alloc_stats(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    keys = ("segment.all.current", "segment.all.allocated", "num_alloc_retries",
+            "num_device_alloc", "reserved_bytes.all.current", "allocated_bytes.all.peak")
+    return {k: int(s.get(k, 0)) for k in keys}
+
+
+def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
+    if arg:
+        return arg, None
+    if os.environ.get("TPSERVE_GIT_COMMIT"):
+        return os.environ["TPSERVE_GIT_COMMIT"], None
+    try:
+        root = Path(__file__).resolve().parents[1]
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root,
+                                    capture_output=True, text=True).stdout.strip())
+        return head, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+
+
+# --------------------------------------------------------------------------- sections
+def measure_limits(device: torch.device, copy_mib: int, n: int) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    numel = copy_mib * 2**20 // 2
+    src = torch.randn(numel, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t = time_op(lambda: dst.copy_(src), device, reps=20)
+    copy_gbps = 2 * src.numel() * src.element_size() / t / 1e9
+    # two operand sets, alternated, so repeated products do not run from the cache
+    sets = [(torch.randn(n, n, dtype=dtype, device=device),
+             torch.randn(n, n, dtype=dtype, device=device)) for _ in range(2)]
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    i = [0]
+
+    def mm():
+        a, b = sets[i[0] % 2]
+        i[0] += 1
+        torch.matmul(a, b, out=out)
+
+    t = time_op(mm, device, warmup=5, reps=20)
+    tflops = 2 * n**3 / t / 1e12
+    return {"copy_GBps": round(copy_gbps, 2), "bf16_tflops": round(tflops, 3),
+            "copy_bytes": 2 * numel * 2, "matmul_n": n,
+            "matmul_dtype": str(dtype).replace("torch.", "")}
+
+
+def weight_bytes_read_per_step(runner: ModelRunner) -> tuple[int, int, int, int]:
+    """(bytes a decode step reads from the weights, total params, params applied to every
+    prefill token, LM-head params). The embedding is a gather (a few rows), so its bytes are
+    left out unless it is tied to the LM head, which reads all of it."""
+    model = runner.model
+    emb = model.model.embed_tokens.weight
+    head = model.lm_head.weight
+    params = list(model.parameters())  # tied weights appear once
+    total = sum(p.numel() for p in params)
+    read = sum(p.numel() * p.element_size() for p in params)
+    if head is not emb:
+        read -= emb.numel() * emb.element_size()
+        per_token = total - emb.numel() - head.numel()
+    else:
+        per_token = total - emb.numel()
+    return read, total, per_token, head.numel()
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
+                    concurrency: int, time_limit: float | None, waste: list[float] | None,
+                    tag: str) -> tuple[list[Tracker], float, int]:
+    """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
+    until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
+    Returns the trackers, the wall time and the number of steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    pending = deque(enumerate(prompts))
+    inflight: list[Tracker] = []
+    done: list[Tracker] = []
+    bm, bs = core.block_manager, core.block_size
+    steps = 0
+    t0 = time.perf_counter()
+    while pending or inflight:
+        if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            pending.clear()
+        while pending and len(inflight) < concurrency:
+            i, p = pending.popleft()
+            tr = Tracker(f"{tag}-{i}")
+            core.add(RequestState(tr.rid, p, params, tr.emit))
+            inflight.append(tr)
+        if not inflight:
+            break
+        core.step()
+        steps += 1
+        if waste is not None:
+            used = bm.num_used_blocks * bs
+            if used:
+                live = sum(s.num_computed_tokens for s in core.scheduler.running)
+                waste.append(1.0 - live / used)
+        still = []
+        for tr in inflight:
+            if tr.finished:
+                if tr.error:
+                    raise RuntimeError(f"request {tr.rid} failed: {tr.error}")
+                done.append(tr)
+            else:
+                still.append(tr)
+        inflight = still
+    return done, time.perf_counter() - t0, steps
+
+
+def decode_batch1(core: EngineCore, rng: random.Random, vocab: int, input_len: int,
+                  output_len: int, weight_bytes: int, kv_per_token: int,
+                  copy_gbps: float) -> dict[str, Any]:
+    done, wall, steps = run_closed_loop(core, [random_prompt(rng, input_len, vocab)],
+                                        output_len, 1, None, None, "b1")
+    tr = done[0]
+    n = len(tr.token_times)
+    tpot = (tr.token_times[-1] - tr.token_times[0]) / (n - 1)
+    # average context read per decode step: positions input_len+1 .. input_len+output_len-1
+    avg_ctx = input_len + output_len / 2
+    step_bytes = weight_bytes + kv_per_token * avg_ctx
+    return {"input_len": input_len, "output_len": n, "tok_per_s": round(1 / tpot, 2),
+            "tpot_ms": round(tpot * 1e3, 3),
+            "ttft_ms": round((tr.token_times[0] - tr.t_add) * 1e3, 2),
+            "itl_ms_p50": round(statistics.median(
+                b - a for a, b in zip(tr.token_times[:-1], tr.token_times[1:], strict=True))
+                * 1e3, 3),
+            "bytes_per_step": int(step_bytes),
+            "mbu": round(step_bytes / tpot / (copy_gbps * 1e9), 4)}
+
+
+def prefill(core: EngineCore, rng: random.Random, vocab: int, seqs: int, input_len: int,
+            reps: int, flops_per_step: float, tflops: float, device: torch.device
+            ) -> dict[str, Any]:
+    """Steps that are pure prefill: ``seqs`` fresh prompts admitted and computed in one step
+    (``max_tokens=1``, so each request ends in that same step)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for r in range(reps + 1):  # the first is a warm-up
+        trackers = []
+        for i in range(seqs):
+            tr = Tracker(f"pf-{r}-{i}")
+            core.add(RequestState(tr.rid, random_prompt(rng, input_len, vocab), params,
+                                  tr.emit))
+            trackers.append(tr)
+        sync(device)
+        t0 = time.perf_counter()
+        core.step()
+        sync(device)
+        dt = time.perf_counter() - t0
+        if core.has_unfinished or not all(t.finished for t in trackers):
+            raise RuntimeError("the prefill step did not take all prompts in one step")
+        if r:
+            times.append(dt)
+    t = statistics.median(times)
+    tokens = seqs * input_len
+    return {"seqs": seqs, "input_len": input_len, "tokens_per_step": tokens,
+            "step_ms_median": round(t * 1e3, 3), "step_ms_all": [round(x * 1e3, 3) for x in times],
+            "tok_per_s": round(tokens / t, 1), "flops_per_step": flops_per_step,
+            "mfu": round(flops_per_step / t / (tflops * 1e12), 4)}
+
+
+def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.device
+            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(a.num_prompts)]
+    waste: list[float] = []
+    before = alloc_stats(device)
+    done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
+                                        a.serving_time_limit, waste, "srv")
+    sync(device)
+    after = alloc_stats(device)
+    ttft = [t.token_times[0] - t.t_add for t in done]
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in done
+            if len(t.token_times) > 1]
+    itl = [b - a_ for t in done for a_, b in zip(t.token_times[:-1], t.token_times[1:], strict=True)]
+    out_tokens = sum(len(t.token_times) for t in done)
+    e2e = [t.token_times[-1] - t.t_add for t in done]
+    srv = {"concurrency": a.concurrency, "num_prompts_requested": a.num_prompts,
+           "num_prompts": len(done), "time_limit_s": a.serving_time_limit,
+           "input_len": a.input_len, "output_len": a.output_len, "duration_s": round(wall, 3),
+           "steps": steps, "output_tokens": out_tokens,
+           "output_tok_per_s": round(out_tokens / wall, 1),
+           "total_tok_per_s": round((out_tokens + len(done) * a.input_len) / wall, 1),
+           "request_per_s": round(len(done) / wall, 3),
+           "ttft_ms": ms_stats(ttft), "tpot_ms": ms_stats(tpot), "itl_ms": ms_stats(itl),
+           "e2e_ms": ms_stats(e2e)}
+    seg = {"before": before, "after": after}
+    if before:
+        seg["new_segments"] = after["segment.all.allocated"] - before["segment.all.allocated"]
+        seg["segment_current_delta"] = (after["segment.all.current"]
+                                        - before["segment.all.current"])
+        seg["new_alloc_retries"] = after["num_alloc_retries"] - before["num_alloc_retries"]
+    kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
+          "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
+    return srv, seg, kv
+
+
+def profile_decode(core: EngineCore, rng: random.Random, vocab: int, batch: int,
+                   input_len: int, steps: int, device: torch.device, table_path: Path
+                   ) -> list[dict[str, Any]]:
+    """Profiles ``steps`` pure-decode steps at ``batch`` sequences of ~``input_len`` context:
+    wall time per step against GPU kernel time per step, launches per step, top kernels."""
+    runner = core.runner
+    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True)
+    trackers = []
+    for i in range(batch):
+        tr = Tracker(f"prof{batch}-{i}")
+        core.add(RequestState(tr.rid, random_prompt(rng, input_len, vocab), params, tr.emit))
+        trackers.append(tr)
+    while core.scheduler.num_waiting or any(not t.token_times for t in trackers):
+        core.step()
+    core.step()  # one plain decode step
+    sync(device)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    results = []
+    graphs = runner.graphs
+    try:
+        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+            runner.graphs = graphs if mode == "graphs" else None
+            core.step()  # settle into the mode outside the profile
+            sync(device)
+            results.append(_profile_steps(core, batch, input_len, steps, mode, acts, device,
+                                          table_path))
+    finally:
+        runner.graphs = graphs
+        for t in trackers:
+            core.abort(t.rid)
+    return results
+
+
+def _profile_steps(core: EngineCore, batch: int, input_len: int, steps: int, mode: str,
+                   acts: list, device: torch.device, table_path: Path) -> dict[str, Any]:
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(device)
+        wall = time.perf_counter() - t0
+    res: dict[str, Any] = {"batch": batch, "mode": mode, "context": input_len,
+                           "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3)}
+    try:
+        kernels = [e for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(e.time_range.elapsed_us() for e in kernels)
+        res["gpu_kernel_ms_per_step"] = round(gpu_us / steps / 1e3, 3)
+        res["kernels_per_step"] = round(len(kernels) / steps, 1)
+        res["gpu_busy_fraction"] = round(gpu_us / 1e6 / wall, 3) if device.type == "cuda" \
+            else None
+    except Exception as e:  # noqa: BLE001 - profiler internals differ between versions
+        res["kernel_sum_error"] = repr(e)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort, row_limit=25)
+    except Exception:  # noqa: BLE001
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(table_path, "a") as f:
+        f.write(f"=== decode batch {batch} ({mode}), context ~{input_len}, {steps} steps, "
+                f"wall {res['wall_ms_per_step']} ms/step ===\n{table}\n")
+    return res
+
+
+# --------------------------------------------------------------------------- main
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="where the JSON goes")
+    p.add_argument("--small", action="store_true", help="tiny CPU-friendly defaults")
+    p.add_argument("--git-commit", default=None,
+                   help="commit of the code (else $TPSERVE_GIT_COMMIT, else git rev-parse)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--note", action="append", default=[], help="a note to record")
+    for k, v in FULL.items():
+        typ = float if isinstance(v, float) else int if isinstance(v, int) else str
+        p.add_argument("--" + k.replace("_", "-"), type=typ, default=None,
+                       help=f"default {v} (small: {SMALL[k]})")
+    a = p.parse_args()
+    base = SMALL if a.small else FULL
+    for k, v in base.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    return a
+
+
+def main() -> int:
+    a = parse_args()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table_path = out.with_suffix(".profile.txt")
+    table_path.unlink(missing_ok=True)
+    device = pick_device(0, a.device)
+    commit, dirty = git_commit(a.git_commit)
+    R: dict[str, Any] = {
+        "git_commit": commit, "git_dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__, "triton": None, "python": platform.python_version(),
+        "config": {k: getattr(a, k) for k in FULL}, "notes": []}
+    try:
+        import triton
+        R["triton"] = triton.__version__
+    except ImportError:
+        pass
+    notes = R["notes"]
+    notes.extend(a.note)
+
+    def save() -> None:
+        out.write_text(json.dumps(R, indent=2) + "\n")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    save()
+    log(f"device {R['device']}, torch {R['torch']}, triton {R['triton']}")
+    lim = measure_limits(device, a.copy_mib, a.matmul_n)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the plan reads free memory: give the buffers back first
+    R["limits"] = lim
+    save()
+    log(f"limits: copy {lim['copy_GBps']} GB/s, matmul {lim['bf16_tflops']} TFLOP/s")
+
+    cfg = RunnerConfig(model=a.model, load_format="dummy", dtype=a.dtype, seed=a.seed,
+                       device=device.type, max_model_len=a.max_model_len,
+                       max_num_seqs=a.max_num_seqs,
+                       max_num_batched_tokens=a.max_num_batched_tokens,
+                       gpu_memory_utilization=a.gpu_memory_utilization,
+                       kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager)
+    group = TPGroup(0, 1, device, None)
+    t0 = time.perf_counter()
+    runner, failure = None, None
+    try:
+        runner = ModelRunner(cfg, group)
+    except Exception as e:  # noqa: BLE001 - fall back to eager below, outside this frame
+        if cfg.enforce_eager or device.type != "cuda":
+            raise
+        failure = repr(e)
+    if runner is None:
+        log(f"start-up with CUDA graphs failed ({failure}); retrying with enforce_eager")
+        notes.append(f"start-up with CUDA graphs failed: {failure}; measured eagerly")
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        runner = ModelRunner(dataclasses.replace(cfg, enforce_eager=True), group)
+    R["startup_s"] = round(runner.startup_s, 2)
+    R["startup_wall_s"] = round(time.perf_counter() - t0, 2)
+    R["kernels"] = runner.ops.name
+    graphs = runner.graphs
+    R["cuda_graphs"] = None if graphs is None else {
+        "buckets": graphs.buckets, "captured_bytes": graphs.captured_bytes}
+    R["memory_plan"] = runner.plan.describe()
+    pl = runner.plan
+    R["memory_plan_bytes"] = {"weights": pl.weights, "workspace": pl.workspace,
+                              "kv_pool": pl.kv_pool, "num_blocks": pl.num_blocks,
+                              "block_size": pl.block_size, "total": pl.total}
+    save()
+    log(f"start-up {R['startup_s']} s, kernels {runner.ops.name}")
+    for line in R["memory_plan"]:
+        print("   ", line)
+
+    core = EngineCore(runner, StubTokenizer(), enable_prefix_caching=True, seed=a.seed)
+    mcfg = runner.model_config
+    vocab = mcfg.vocab_size
+    rng = random.Random(a.seed)
+    kv_per_token = pl.bytes_per_block // pl.block_size
+    weight_bytes, total_params, per_token_params, head_params = \
+        weight_bytes_read_per_step(runner)
+    R["model"] = {"shape": a.model, "params": total_params, "weight_bytes_per_decode_step":
+                  weight_bytes, "kv_bytes_per_token": kv_per_token,
+                  "params_per_prefill_token": per_token_params}
+
+    # warm-up: compiles the kernels for prefill and large-batch decode shapes
+    t = time.perf_counter()
+    run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)
+                           for _ in range(a.warmup_prompts)], a.warmup_output_len,
+                    a.concurrency, None, None, "warm")
+    R["warmup_s"] = round(time.perf_counter() - t, 2)
+    log(f"warm-up {R['warmup_s']} s")
+
+    R["decode_batch1"] = decode_batch1(core, rng, vocab, a.decode_input_len,
+                                       a.decode_output_len, weight_bytes, kv_per_token,
+                                       lim["copy_GBps"])
+    save()
+    d = R["decode_batch1"]
+    log(f"batch-1 decode: {d['tok_per_s']} tok/s, TPOT {d['tpot_ms']} ms, MBU {d['mbu']}")
+    if graphs is not None:  # the same decode with the graphs switched off, for comparison
+        runner.graphs = None
+        try:  # a short request first, so that kernel compiles stay out of the figure
+            run_closed_loop(core, [random_prompt(rng, a.decode_input_len, vocab)], 4, 1,
+                            None, None, "b1-eager-warm")
+            R["decode_batch1_eager"] = decode_batch1(
+                core, rng, vocab, a.decode_input_len, a.decode_output_len, weight_bytes,
+                kv_per_token, lim["copy_GBps"])
+        finally:
+            runner.graphs = graphs
+        save()
+        e = R["decode_batch1_eager"]
+        log(f"batch-1 decode, eager: {e['tok_per_s']} tok/s, TPOT {e['tpot_ms']} ms")
+
+    # prefill flops: linear layers on every token, the head on the sampled rows, and causal
+    # attention (QK^T and PV over the lower triangle)
+    L, s = a.input_len, a.prefill_seqs
+    attn = 4 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.head_dim \
+        * (L * (L + 1) / 2) * s
+    head = 2 * head_params * s
+    flops = 2 * per_token_params * L * s + head + attn
+    R["prefill"] = prefill(core, rng, vocab, s, L, a.prefill_reps, flops,
+                           lim["bf16_tflops"], device)
+    R["prefill"]["attention_flops_included"] = attn
+    save()
+    p = R["prefill"]
+    log(f"prefill: {p['tok_per_s']} tok/s, step {p['step_ms_median']} ms, MFU {p['mfu']}")
+
+    srv, seg, kv = serving(core, rng, vocab, a, device)
+    R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
+    R["new_segments_after_warmup"] = seg.get("new_segments")
+    R["tpot_p50_over_batch1"] = (round(srv["tpot_ms"]["p50"] / d["tpot_ms"], 3)
+                                 if srv["tpot_ms"]["p50"] else None)
+    save()
+    log(f"serving: {srv['num_prompts']} prompts, {srv['output_tok_per_s']} out tok/s, "
+        f"TTFT p50/p99 {srv['ttft_ms']['p50']}/{srv['ttft_ms']['p99']} ms, TPOT p50/p99 "
+        f"{srv['tpot_ms']['p50']}/{srv['tpot_ms']['p99']} ms, ITL p50/p99 "
+        f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
+    log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
+
+    if not a.skip_profile:
+        R["profile"] = []
+        for batch in (1, a.concurrency):
+            try:
+                R["profile"].extend(profile_decode(core, rng, vocab, batch, a.input_len,
+                                                   a.profile_steps, device, table_path))
+            except Exception as e:  # noqa: BLE001 - the profile is a bonus, not a figure
+                R["profile"].append({"batch": batch, "error": repr(e)})
+            save()
+            for r in R["profile"]:
+                if r["batch"] == batch:
+                    log(f"profile: {r}")
+
+    R["hf_baseline"] = None
+    R["ratio_vs_hf"] = None
+    R["serving_http"] = None
+    notes.append("hf_baseline / ratio_vs_hf not run: transformers generate() on 8B random "
+                 "weights costs minutes of device time this session did not have; see "
+                 "/work/shared/GUIDE.md section 3 for earlier peer figures on this card.")
+    notes.append("serving_http not run: this run drives EngineCore directly (no HTTP, no "
+                 "asyncio thread hop).")
+    if runner.graphs is None:
+        notes.append("decode ran eagerly (no CUDA graphs): Triton kernels for norms, RoPE+KV "
+                     "write and attention, cuBLAS for matmuls, one launch each.")
+    else:
+        notes.append("pure-decode steps replay CUDA graphs (one per batch bucket); steps with "
+                     "any prefill run eagerly. decode_batch1_eager is the same decode with "
+                     "the graphs switched off.")
+    notes.append("Detokenization uses a stub tokenizer (one char per token): dummy shapes have "
+                 "no tokenizer, and the embedded SmolLM2 one is not on the GPU machine.")
+    notes.append("MBU counts every parameter but the embedding (a gather) plus 128 KiB of KV "
+                 "per context token at the average context of the run.")
+    notes.append("prefill MFU counts linear layers on every token, the LM head on sampled "
+                 "rows only, and causal attention flops (4*layers*heads*head_dim*L(L+1)/2).")
+    if srv["num_prompts"] < a.num_prompts:
+        notes.append(f"serving stopped admitting after {a.serving_time_limit} s: "
+                     f"{srv['num_prompts']} of {a.num_prompts} prompts ran.")
+    if commit and dirty is None:
+        notes.append("git_commit given by the caller (HEAD where the run was launched); the "
+                     "bench script itself may have been uncommitted at that point.")
+    save()
+    print(json.dumps({k: R.get(k) for k in ("limits", "startup_s", "decode_batch1",
+                                            "prefill", "new_segments_after_warmup",
+                                            "kv_waste", "tpot_p50_over_batch1")}, indent=1))
+    print(json.dumps(R["serving"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
