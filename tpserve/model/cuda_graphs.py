@@ -97,7 +97,7 @@ class DecodeGraphs:
         graphs hold."""
         device = self.input_ids.device
         torch.cuda.synchronize(device)
-        before = torch.cuda.memory_reserved(device)
+        before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         self.slot_mapping.fill_(-1)  # capture must not write into real blocks
@@ -112,5 +112,6 @@ class DecodeGraphs:
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize(device)
-        self.captured_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
+        # the graphs' private pool and their outputs: free device memory they took
+        self.captured_bytes = max(before - torch.cuda.mem_get_info(device)[0], 0)
         return self.captured_bytes
