@@ -32,12 +32,20 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = False, gather_output: bool = False,
                  dtype: torch.dtype | None = None):
         super().__init__()
+        self._init_shard(in_features,
+                         split_evenly(out_features, comm.world_size, "output features"),
+                         comm, bias, gather_output, dtype)
+
+    def _init_shard(self, in_features: int, out_per_rank: int, comm: Communicator,
+                    bias: bool, gather_output: bool, dtype: torch.dtype | None) -> None:
+        """This rank's ``[out_per_rank, in_features]`` weight (and bias), each loaded by
+        ``weight_loader``."""
         self.comm = comm
         self.gather_output = gather_output
-        self.out_per_rank = split_evenly(out_features, comm.world_size, "output features")
-        self.weight = _param((self.out_per_rank, in_features), dtype)
+        self.out_per_rank = out_per_rank
+        self.weight = _param((out_per_rank, in_features), dtype)
         self.weight.weight_loader = self.weight_loader
-        self.bias = _param((self.out_per_rank,), dtype) if bias else None
+        self.bias = _param((out_per_rank,), dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
@@ -98,15 +106,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = comm.rank // replicas
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.sizes = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        nn.Module.__init__(self)
-        self.comm = comm
-        self.gather_output = False
-        self.out_per_rank = q + 2 * kv
-        self.weight = _param((self.out_per_rank, hidden), dtype)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = _param((self.out_per_rank,), dtype) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+        nn.Module.__init__(self)  # sizes are per head, not an even split of the output
+        self._init_shard(hidden, q + 2 * kv, comm, bias, False, dtype)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
