@@ -185,27 +185,40 @@ class ModelRunner:
             est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_size // tp,
                                             q, m.vocab_size, rows, self.dtype.itemsize)
             return est, False
-        lens = [min(self.max_model_len, tokens - i) for i in range(0, tokens, self.max_model_len)]
-        nblocks = [math.ceil(n / cfg.block_size) for n in lens]
-        tmp = KVPool(m.num_hidden_layers, sum(nblocks), cfg.block_size,
+        # pass 1: pure prefill of the whole budget; pass 2: a mixed step of (rows - 1)
+        # decodes plus prefill, so the allocator also sees the shapes of serving steps
+        prefill_only = self._profile_chunks([], tokens)
+        mixed = self._profile_chunks([1] * (rows - 1), tokens - (rows - 1))
+        nblocks = max(sum(len(c.block_ids) for c in p) for p in (prefill_only, mixed))
+        tmp = KVPool(m.num_hidden_layers, nblocks, cfg.block_size,
                      m.kv_heads_for(self.comm.world_size), m.head_dim, self.dtype, self.device)
-        chunks, first = [], 0
-        for n, nb in zip(lens, nblocks, strict=True):
-            chunks.append(SeqChunk([0] * n, 0, list(range(first, first + nb)), True))
-            first += nb
-        plan = StepPlan.build(chunks, cfg.block_size).to(self.device)
+        plans = [StepPlan.build(c, cfg.block_size).to(self.device) for c in (prefill_only, mixed)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            hidden = self.model(plan.input_ids, plan.positions, tmp.layers, plan.metadata())
-            idx = torch.arange(rows, device=self.device) % hidden.shape[0]
-            logits = self.model.compute_logits(hidden[idx]).float()
-            torch.sort(logits.softmax(-1), dim=-1)
+            for plan in plans:
+                hidden = self.model(plan.input_ids, plan.positions, tmp.layers, plan.metadata())
+                idx = torch.arange(rows, device=self.device) % hidden.shape[0]
+                logits = self.model.compute_logits(hidden[idx]).float()
+                torch.sort(logits.softmax(-1), dim=-1)
+                del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del tmp, hidden, logits
+        del tmp
         return int(peak), True
+
+    def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
+        """Chunks of a profiling step: single-token decodes, then prefills of at most
+        ``max_model_len`` tokens, each sequence on its own consecutive blocks."""
+        bs, chunks, first = self.cfg.block_size, [], 0
+        sizes = decodes + [min(self.max_model_len, prefill_tokens - i)
+                           for i in range(0, max(prefill_tokens, 0), self.max_model_len)]
+        for n in sizes:
+            nb = math.ceil(n / bs)
+            chunks.append(SeqChunk([0] * n, 0, list(range(first, first + nb)), True))
+            first += nb
+        return chunks
 
     # ----------------------------------------------------------------------- stepping
     def execute(self, plan: StepPlan) -> torch.Tensor:
