@@ -15,18 +15,23 @@ SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m")
 
 
 def shape_config(name: str) -> ModelConfig:
-    """The Hugging Face config of a named shape."""
-    base = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5}
+    """The model config of a named shape."""
+    return ModelConfig.from_hf(shape_hf_config(name))
+
+
+def shape_hf_config(name: str) -> dict:
+    """The Hugging Face ``config.json`` contents of a named shape."""
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
     if name == "llama3-8b":
         d = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  rope_theta=500000.0, max_position_embeddings=131072,
-                 rope_scaling=_LLAMA3_ROPE, eos_token_id=[128001, 128009])
+                 rope_scaling=dict(_LLAMA3_ROPE), eos_token_id=[128001, 128009])
     elif name == "llama3-70b":
         d = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                  num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                  rope_theta=500000.0, max_position_embeddings=131072,
-                 rope_scaling=_LLAMA3_ROPE, eos_token_id=[128001, 128009])
+                 rope_scaling=dict(_LLAMA3_ROPE), eos_token_id=[128001, 128009])
     elif name == "smollm2-135m":
         d = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -34,7 +39,7 @@ def shape_config(name: str) -> ModelConfig:
                  eos_token_id=2)
     else:
         raise ValueError(f"unknown dummy shape {name!r}; choose one of {', '.join(SHAPES)}")
-    return ModelConfig.from_hf({**base, **d})
+    return {**base, **d}
 
 
 def fill_random(model: nn.Module, seed: int, show_progress: bool) -> None:
