@@ -56,6 +56,9 @@ class AsyncEngine:
         self.outstanding = 0
         self.outstanding_tokens = 0
         self._inbox: queue.Queue = queue.Queue()
+        # outputs of the current step, handed to the event loop in one call per step:
+        # one wake-up of the loop instead of one per request (less GIL ping-pong)
+        self._pending: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -133,7 +136,10 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
 
         def emit(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            if threading.current_thread() is self._thread:
+                self._pending.append((loop, outputs, item))  # flushed once per step
+            else:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         state = RequestState(request_id, list(prompt_token_ids), params, emit)
         self._inbox.put(("add", state))
@@ -200,6 +206,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _flush(self) -> None:
+        """Delivers the step's outputs: one ``call_soon_threadsafe`` per event loop."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q, item in batch:
+            by_loop.setdefault(loop, []).append((q, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _loop(self) -> None:
         last_sent = time.monotonic()
         try:
@@ -213,13 +230,21 @@ class AsyncEngine:
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
                     self.core.runner.send_command(CMD_NOOP)
                     last_sent = time.monotonic()
+                self._flush()
             if self.dead_reason is None:
                 self.core.fail_all(EngineShuttingDownError("server shut down"))
+                self._flush()
                 self.core.runner.send_command(CMD_SHUTDOWN)
         except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
             logger.exception("engine step failed")
             self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+            self._flush()
             self.fail(f"engine step failed: {e!r}")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def describe(engine: AsyncEngine) -> dict[str, Any]:
