@@ -160,6 +160,8 @@ class ModelRunner:
                 "--max-model-len, raise --gpu-memory-utilization or use more GPUs")
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
                               mcfg.head_dim, self.dtype, device)
+        if device.type == "cuda":
+            self._warm_kernels()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
@@ -207,6 +209,27 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tmp
         return int(peak), True
+
+    def _warm_kernels(self) -> None:
+        """Runs small mixed steps (d decodes at short and full context plus one prefill
+        chunk) for every decode batch bucket, so Triton compiles each kernel variant
+        (split counts, batch-offset specialisations) at start-up, not under load. The
+        steps write into free blocks of the pool, which are overwritten before use."""
+        bs = self.cfg.block_size
+        nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
+        table = list(range(nblocks))
+        for d in buckets_for(self.cfg.max_num_seqs):
+            contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
+                                        if c < nblocks * bs}
+            for ctx in sorted(contexts):
+                chunks = [SeqChunk([0], ctx - 1, table, True) for _ in range(d)]
+                chunks.append(SeqChunk([0] * bs, 0, table[:1], True))
+                plan = StepPlan.build(chunks, bs).to(self.device)
+                with torch.inference_mode():
+                    hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
+                                        plan.metadata())
+                    self.model.compute_logits(hidden[plan.logits_indices])
+        torch.cuda.synchronize(self.device)
 
     def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
         """Chunks of a profiling step: single-token decodes, then prefills of at most
