@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import sys
 import threading
 
 import torch
@@ -78,13 +77,7 @@ def _join_group(cfg: Config, on_worker_failure) -> tuple[TPGroup, WorkerProcesse
     return init_tp_group(0, tp, init_method, device, timeout), workers
 
 
-# The engine thread releases the GIL while the GPU works and must get it back at once
-# when the step ends; CPython's default 5 ms switch interval added ~5 ms per step.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def serve(cfg: Config) -> int:
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     status = _Exit()
     holder: dict[str, object] = {}
 
