@@ -5,35 +5,65 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
 from tpserve.parallel.state import find_free_port
 
 
+def wait_healthy(base: str, exited: Callable[[], str | None], timeout: float) -> None:
+    """Polls ``base``/health until it answers 200. ``exited()`` returns a message when the
+    server's process(es) have died (raises RuntimeError with it); TimeoutError after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gone = exited()
+        if gone is not None:
+            raise RuntimeError(gone)
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"server not healthy within {timeout} s")
+
+
 class ServerProcess:
+    """``tpserve serve ARGS`` on a free port; its output goes to a temporary log file (never
+    a pipe nobody reads, which would block a chatty server), read with ``output()``."""
+
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240):
         self.port = find_free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tpserve.server.cli", "serve", *args,
                "--port", str(self.port), "--log-level", "warning"]
+        self._log = tempfile.NamedTemporaryFile("w", prefix="tpserve-", suffix=".log",
+                                                delete=False)
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                   f"{self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"server not healthy within {timeout} s")
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+        def exited() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            return f"server exited with {self.proc.returncode}:\n{self.output()}"
+
+        try:
+            wait_healthy(self.base, exited, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def output(self) -> str:
+        """Everything the server printed so far (stdout and stderr)."""
+        try:
+            with open(self._log.name, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
 
     def metric(self, name: str) -> float:
         """Sum of every sample of ``tpserve:<name>`` in /metrics."""
@@ -50,6 +80,8 @@ class ServerProcess:
         return total
 
     def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (if still running), wait, SIGKILL after ``timeout`` s; removes the log
+        file. Returns the exit status."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -57,6 +89,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        self._log.close()
+        if os.path.exists(self._log.name):
+            os.unlink(self._log.name)
         return self.proc.returncode
 
 

@@ -83,12 +83,12 @@ def test_overload_is_answered_with_429(server):
                for i in range(3)]
     for t in threads:
         t.start()
-    for e in opened[:2]:  # two run (--max-num-seqs 2) ...
-        assert e.wait(120)
-    for _ in range(600):  # ... and the third waits in the queue
-        if server.metric("num_requests_waiting") == 1:
+    for _ in range(1200):  # two run (--max-num-seqs 2) and the third waits, whichever
+        if (server.metric("num_requests_running") == 2
+                and server.metric("num_requests_waiting") == 1):
             break
         threading.Event().wait(0.1)
+    assert server.metric("num_requests_running") == 2
     assert server.metric("num_requests_waiting") == 1
     r = httpx.post(server.base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
                    timeout=30)

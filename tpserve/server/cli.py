@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
+from typing import NoReturn
 
 from tpserve import __version__
 
@@ -49,10 +52,24 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        return serve(cfg)
+        code = serve(cfg)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"tpserve: error: {e}", file=sys.stderr)
         return 2
+    _exit_without_finalization(code)
+
+
+def _exit_without_finalization(code: int) -> NoReturn:
+    """Ends a finished server process the way multiprocessing ends its workers: flush, then
+    ``os._exit``. Interpreter finalization would destroy a process group that objects still
+    reference after ``destroy_process_group`` (gloo's threads then abort the process:
+    "terminate called without an active exception") and would tear down around an engine
+    thread still blocked in a collective after a rank died."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -237,9 +237,10 @@ class AsyncEngine:
                 self.core.runner.send_command(CMD_SHUTDOWN)
         except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
             logger.exception("engine step failed")
+            # dead first, then tell the clients: /health is 503 before anyone sees the error
+            self.fail(f"engine step failed: {e!r}")
             self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
             self._flush()
-            self.fail(f"engine step failed: {e!r}")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
