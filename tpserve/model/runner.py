@@ -157,7 +157,8 @@ class ModelRunner:
                 f"pool = {num_blocks} blocks of {cfg.block_size} tokens, but one sequence of "
                 f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
                 f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
-                "--max-model-len, raise --gpu-memory-utilization or use more GPUs")
+                "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
+                "more GPUs")
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
                               mcfg.head_dim, self.dtype, device)
         if device.type == "cuda":
