@@ -40,6 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from measure import measure_limits, sync  # noqa: E402  (bench/measure.py)
+
 from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
@@ -95,32 +97,6 @@ class Tracker:
 
 
 # --------------------------------------------------------------------------- helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_op(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of ``fn()``: CUDA events on GPU, the host clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -162,32 +138,6 @@ def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
 
 
 # --------------------------------------------------------------------------- sections
-def measure_limits(device: torch.device, copy_mib: int, n: int) -> dict[str, float]:
-    """Device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    numel = copy_mib * 2**20 // 2
-    src = torch.randn(numel, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    t = time_op(lambda: dst.copy_(src), device, reps=20)
-    copy_gbps = 2 * src.numel() * src.element_size() / t / 1e9
-    # two operand sets, alternated, so repeated products do not run from the cache
-    sets = [(torch.randn(n, n, dtype=dtype, device=device),
-             torch.randn(n, n, dtype=dtype, device=device)) for _ in range(2)]
-    out = torch.empty(n, n, dtype=dtype, device=device)
-    i = [0]
-
-    def mm():
-        a, b = sets[i[0] % 2]
-        i[0] += 1
-        torch.matmul(a, b, out=out)
-
-    t = time_op(mm, device, warmup=5, reps=20)
-    tflops = 2 * n**3 / t / 1e12
-    return {"copy_GBps": round(copy_gbps, 2), "bf16_tflops": round(tflops, 3),
-            "copy_bytes": 2 * numel * 2, "matmul_n": n,
-            "matmul_dtype": str(dtype).replace("torch.", "")}
-
-
 def weight_bytes_read_per_step(runner: ModelRunner) -> tuple[int, int, int, int]:
     """(bytes a decode step reads from the weights, total params, params applied to every
     prefill token, LM-head params). The embedding is a gather (a few rows), so its bytes are

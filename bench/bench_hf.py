@@ -42,6 +42,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from measure import measure_limits, sync  # noqa: E402  (bench/measure.py)
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -93,57 +94,6 @@ class StopAfter(StoppingCriteria):
         done = input_ids.shape[1] >= self.stop_at
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
                           device=input_ids.device)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_op(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of ``fn()``: CUDA events on GPU, the host clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_limits(device: torch.device, copy_mib: int, n: int) -> dict[str, Any]:
-    """Device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data,
-    as in ``bench_engine.py``: median of 20 timed runs after a warm-up."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    numel = copy_mib * 2**20 // 2
-    src = torch.randn(numel, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    t = time_op(lambda: dst.copy_(src), device, reps=20)
-    copy_gbps = 2 * src.numel() * src.element_size() / t / 1e9
-    sets = [(torch.randn(n, n, dtype=dtype, device=device),
-             torch.randn(n, n, dtype=dtype, device=device)) for _ in range(2)]
-    out = torch.empty(n, n, dtype=dtype, device=device)
-    i = [0]
-
-    def mm():
-        a, b = sets[i[0] % 2]
-        i[0] += 1
-        torch.matmul(a, b, out=out)
-
-    t = time_op(mm, device, warmup=5, reps=20)
-    return {"copy_GBps": round(copy_gbps, 2), "bf16_tflops": round(2 * n**3 / t / 1e12, 3),
-            "copy_bytes": 2 * numel * 2, "matmul_n": n,
-            "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
 def build_model(shape: dict, device: torch.device, dtype: torch.dtype,
