@@ -159,6 +159,31 @@ def test_new_request_generator():
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
 
 
+def test_seeds_wrap_mod_2_64():
+    """The API takes seeds in [-2**63, 2**64); sibling i samples from seed + i, which can
+    pass 2**64 (it used to kill the engine thread with an overflow)."""
+    sampler = Sampler()
+
+    def draw(seed: int) -> torch.Tensor:
+        return torch.rand(4, generator=sampler.new_request_generator(seed))
+
+    assert torch.equal(draw(2**64), draw(0))
+    assert torch.equal(draw(2**64 - 1 + 127), draw(126))
+    assert torch.equal(draw(-5), draw(2**64 - 5))  # what torch does with negative seeds
+
+
+def test_top_k_past_int64_is_no_top_k(logits):
+    """Any top_k >= V keeps every token; one past int64 used to overflow the tensor."""
+    sampler = Sampler()
+
+    def tokens(top_k: int) -> list[int]:
+        gens = [sampler.new_request_generator(3 + i) for i in range(8)]
+        params = [SamplingParams(temperature=1.0, top_k=top_k)] * 8
+        return run(sampler, logits, params, gens=gens).token_ids
+
+    assert tokens(2**70) == tokens(V)
+
+
 def test_repetition_penalty_exact():
     x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.0, 3.0]])
     p = SamplingParams(repetition_penalty=2.0)

@@ -416,6 +416,26 @@ def test_malformed_bodies_400(http):
                            headers={"Content-Type": "text/plain"}), 400)
 
 
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "model": "\\udfff"}', "model"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["x", "\\ud800"]}', "stop.1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/detokenize", b'{"tokens": [1], "model": "\\ud800"}', "model"),
+])
+def test_lone_surrogates_400(http, engine, path, body, where):
+    """JSON can escape a lone UTF-16 surrogate; it is no Unicode and used to be a 500."""
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    err = assert_error(r, 400)
+    assert f"{where} is not valid Unicode" in err["message"]
+    assert engine.started == []
+    pair = body.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udfff", b"\\ud83d\\ude00")
+    ok = http.post(path, content=pair, headers={"Content-Type": "application/json"})
+    assert "Unicode" not in ok.text  # a surrogate pair is a valid character
+
+
 def test_too_long_400(client, http):
     err = assert_error(http.post("/v1/completions",
                                  json={"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}),

@@ -186,7 +186,9 @@ class Sampler:
         if seed is None:
             return None
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        # torch takes seeds in [-2**63, 2**64); it maps a negative one to itself mod 2**64,
+        # so wrapping changes no accepted seed and keeps ``seed + sibling`` from overflowing.
+        gen.manual_seed(seed % 2**64)
         return gen
 
     def __call__(
@@ -234,7 +236,9 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             sub = apply_filters(
                 sub,
-                torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device),
+                # top_k >= vocab keeps every token; clamping keeps huge values in int64.
+                torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                             device=device),
                 torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
                 torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             )

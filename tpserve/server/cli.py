@@ -14,6 +14,7 @@ from tpserve import __version__
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from tpserve import loadtest
+    from tpserve.loadtest.soak import add_soak_arguments
     from tpserve.server.config import add_serve_arguments
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -21,7 +22,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog="tpserve", formatter_class=fmt,
         description="Tensor-parallel, OpenAI-compatible LLM inference server.")
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest,soak}")
     serve = sub.add_parser("serve", formatter_class=fmt,
                            help="serve a model over the OpenAI API",
                            description="Serve a model over the OpenAI API.")
@@ -30,7 +31,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="load-test an OpenAI-compatible server",
                         description="Load-test an OpenAI-compatible server.")
     loadtest.add_arguments(lt)
-    return parser, {"serve": serve, "loadtest": lt}
+    soak = sub.add_parser("soak", formatter_class=fmt,
+                          help="soak-test a server: mixed requests, aborts, leak checks",
+                          description="Soak-test a running server: thousands of mixed "
+                                      "requests with client aborts; then every request must "
+                                      "have ended cleanly, the KV pool be free and resident "
+                                      "memory bounded.")
+    add_soak_arguments(soak)
+    return parser, {"serve": serve, "loadtest": lt, "soak": soak}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from tpserve import loadtest
 
         return loadtest.main(args)
+    if args.command == "soak":
+        from tpserve.loadtest.soak import soak_main
+
+        return soak_main(args)
     from tpserve.server.config import config_from_args
     from tpserve.server.serve import serve
 

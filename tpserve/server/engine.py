@@ -22,6 +22,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine_core import EngineCore
 from tpserve.server.errors import (
     EngineDeadError,
+    EngineError,
     EngineOverloadedError,
     EngineShuttingDownError,
     InvalidRequestError,
@@ -87,10 +88,19 @@ class AsyncEngine:
         self._stop.set()
         # The engine thread may be stuck in a collective with the dead rank: end the
         # requests from here too (emit is thread-safe, and done states are skipped).
+        error = EngineDeadError(f"engine failed: {reason.splitlines()[0]}")
         for state in list(self.core.requests.values()):
             if not state.done:
                 state.done = True
-                state.emit(EngineDeadError(f"engine failed: {reason.splitlines()[0]}"))
+                state.emit(error)
+        while True:  # requests still in the inbox were never registered: end them too
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add" and not arg.done:
+                arg.done = True
+                arg.emit(error)
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -195,7 +205,7 @@ class AsyncEngine:
                 if self.dead_reason is not None or arg.done:
                     arg.emit(EngineDeadError("engine is dead"))
                 else:
-                    self.core.add(arg)
+                    self._add(arg)
             elif kind == "abort":
                 self.core.abort(arg)
             elif kind == "abort_all":
@@ -216,6 +226,16 @@ class AsyncEngine:
             by_loop.setdefault(loop, []).append((q, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+    def _add(self, state: RequestState) -> None:
+        """Admits one request; a failure there ends that request only."""
+        try:
+            self.core.add(state)
+        except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
+            logger.exception("could not add request %s", state.request_id)
+            self.core.abort(state.request_id)
+            state.done = True
+            state.emit(EngineError(f"could not start the request: {e!r}"))
 
     def _loop(self) -> None:
         last_sent = time.monotonic()

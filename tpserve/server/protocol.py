@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -14,11 +14,50 @@ TokenIds = list[StrictInt]  # no bools or floats posing as token ids
 # ----------------------------------------------------------------------------- requests
 
 
+def _lone_surrogate_at(data: Any) -> str | None:
+    """Where in parsed JSON a string (or key) holds a lone UTF-16 surrogate, else None.
+
+    JSON may escape one (``"\\ud800"``), but it is no Unicode character: UTF-8 encoding,
+    the tokenizer and the JSON answer that echoes it would all fail.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _lone_surrogate_at(key) is not None:
+                    return path or "a key"
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item)
+                         for i, item in enumerate(value))
+    return None
+
+
+class RequestModel(BaseModel):
+    """A request body: every string in it must be valid Unicode (400 otherwise)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where or 'a string'} is not valid Unicode: it holds a lone "
+                             "UTF-16 surrogate")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI plus vLLM extensions)."""
 
     model: str | None = None
@@ -79,14 +118,14 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -98,7 +137,7 @@ class TokenizeChatRequest(BaseModel):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: TokenIds
 

@@ -1,0 +1,48 @@
+"""``tpserve soak`` against a real ``tpserve serve``: a few hundred mixed requests, a fifth
+of them aborted by the client, then an idle server with a free KV pool and bounded RSS."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.serverproc import SMALL, ServerProcess
+from tpserve.loadtest import soak
+
+NUM_REQUESTS = 300
+
+
+@pytest.mark.slow
+def test_soak_ends_every_request_and_frees_the_pool(tmp_path):
+    server = ServerProcess(*SMALL, "--max-num-seqs", "16")
+    try:
+        result = tmp_path / "soak.json"
+        rc = soak.main([
+            "--base-url", server.base, "--num-requests", str(NUM_REQUESTS),
+            "--concurrency", "16", "--warmup-requests", "30", "--seed", "7",
+            # short prompts and answers keep it near a minute on two CPU cores
+            "--max-tokens", "8", "--max-prompt-words", "60",
+            "--server-pid", str(server.proc.pid), "--result-file", str(result),
+            "--no-progress",
+        ])
+        doc = json.loads(result.read_text())
+        c = doc["counts"]
+        assert rc == 0 and doc["passed"], json.dumps(doc, indent=1)
+        assert c["total"] == NUM_REQUESTS == c["completed"] + c["errored"] + c["aborted"]
+        assert c["failed"] == 0 and doc["warmup"]["failed"] == 0
+        # Nothing here is over the context or the queue: any error would be a bug.
+        assert c["errored"] == 0 and doc["warmup"]["errored"] == 0, c["error_examples"]
+        assert c["aborted"] > 0 and c["completed"] > 0
+        assert c["mix"]["n2"] > 0 and c["mix"]["with_stop"] > 0 and c["mix"]["streamed"] > 0
+
+        assert doc["pool"]["ok"] and doc["health_status"] == 200
+        assert server.metric("num_requests_running") == 0
+        assert server.metric("num_requests_waiting") == 0
+        assert server.metric("kv_cache_usage_perc") == 0
+        assert server.metric("kv_blocks_free") == server.metric("kv_blocks_total")
+        assert doc["rss"]["ok"] and doc["rss"]["growth_mib"] < 200
+        assert "Traceback" not in server.output(), server.output()[-6000:]
+    finally:
+        status = server.stop()
+    assert status == 0
