@@ -24,15 +24,11 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import random
-import statistics
-import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +36,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from measure import measure_limits, sync  # noqa: E402  (bench/measure.py)
+from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
+    StubTokenizer,
+    decode_batch1,
+    git_commit,
+    prefill,
+    profile_decode,
+    random_prompt,
+    run_closed_loop,
+    serving,
+    weight_bytes_read_per_step,
+)
+from measure import measure_limits  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
-from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
 from tpserve.server.engine_core import EngineCore  # noqa: E402
-from tpserve.server.outputs import RequestOutput  # noqa: E402
-from tpserve.server.request_state import RequestState  # noqa: E402
 
 FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=2048,
             max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
@@ -61,298 +65,6 @@ SMALL = dict(model="smollm2-135m", device="cpu", dtype="float32", max_model_len=
              output_len=8, serving_time_limit=60.0, decode_input_len=64, decode_output_len=8,
              prefill_seqs=4, prefill_reps=2, warmup_prompts=2, warmup_output_len=2,
              profile_steps=2, copy_mib=64, matmul_n=512)
-
-
-class StubTokenizer:
-    """Just enough of a tokenizer for the detokenizer: one character per token, no EOS."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "x" * len(ids)
-
-    def convert_ids_to_tokens(self, ids):
-        return ["x"] * len(ids) if isinstance(ids, list) else "x"
-
-
-class Tracker:
-    """Per-request timestamps, filled by the engine's ``emit`` callback."""
-
-    def __init__(self, rid: str):
-        self.rid = rid
-        self.t_add = time.perf_counter()
-        self.token_times: list[float] = []
-        self.finished = False
-        self.error: str | None = None
-
-    def emit(self, out: RequestOutput | BaseException) -> None:
-        now = time.perf_counter()
-        if isinstance(out, BaseException):
-            self.error, self.finished = repr(out), True
-            return
-        for d in out.deltas:
-            self.token_times.extend([now] * len(d.token_ids))
-        if out.finished:
-            self.finished = True
-
-
-# --------------------------------------------------------------------------- helpers
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def ms_stats(xs: list[float]) -> dict[str, float | None]:
-    r = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
-    return {"mean": r(statistics.fmean(xs)) if xs else None, "p50": r(pct(xs, 50)),
-            "p99": r(pct(xs, 99))}
-
-
-def alloc_stats(device: torch.device) -> dict[str, int]:
-    if device.type != "cuda":
-        return {}
-    s = torch.cuda.memory_stats(device)
-    keys = ("segment.all.current", "segment.all.allocated", "num_alloc_retries",
-            "num_device_alloc", "reserved_bytes.all.current", "allocated_bytes.all.peak")
-    return {k: int(s.get(k, 0)) for k in keys}
-
-
-def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
-    if arg:
-        return arg, None
-    if os.environ.get("TPSERVE_GIT_COMMIT"):
-        return os.environ["TPSERVE_GIT_COMMIT"], None
-    try:
-        root = Path(__file__).resolve().parents[1]
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root,
-                                    capture_output=True, text=True).stdout.strip())
-        return head, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
-
-
-# --------------------------------------------------------------------------- sections
-def weight_bytes_read_per_step(runner: ModelRunner) -> tuple[int, int, int, int]:
-    """(bytes a decode step reads from the weights, total params, params applied to every
-    prefill token, LM-head params). The embedding is a gather (a few rows), so its bytes are
-    left out unless it is tied to the LM head, which reads all of it."""
-    model = runner.model
-    emb = model.model.embed_tokens.weight
-    head = model.lm_head.weight
-    params = list(model.parameters())  # tied weights appear once
-    total = sum(p.numel() for p in params)
-    read = sum(p.numel() * p.element_size() for p in params)
-    if head is not emb:
-        read -= emb.numel() * emb.element_size()
-        per_token = total - emb.numel() - head.numel()
-    else:
-        per_token = total - emb.numel()
-    return read, total, per_token, head.numel()
-
-
-def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
-                    concurrency: int, time_limit: float | None, waste: list[float] | None,
-                    tag: str) -> tuple[list[Tracker], float, int]:
-    """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
-    until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
-    Returns the trackers, the wall time and the number of steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    pending = deque(enumerate(prompts))
-    inflight: list[Tracker] = []
-    done: list[Tracker] = []
-    bm, bs = core.block_manager, core.block_size
-    steps = 0
-    t0 = time.perf_counter()
-    while pending or inflight:
-        if time_limit is not None and time.perf_counter() - t0 > time_limit:
-            pending.clear()
-        while pending and len(inflight) < concurrency:
-            i, p = pending.popleft()
-            tr = Tracker(f"{tag}-{i}")
-            core.add(RequestState(tr.rid, p, params, tr.emit))
-            inflight.append(tr)
-        if not inflight:
-            break
-        core.step()
-        steps += 1
-        if waste is not None:
-            used = bm.num_used_blocks * bs
-            if used:
-                live = sum(s.num_computed_tokens for s in core.scheduler.running)
-                waste.append(1.0 - live / used)
-        still = []
-        for tr in inflight:
-            if tr.finished:
-                if tr.error:
-                    raise RuntimeError(f"request {tr.rid} failed: {tr.error}")
-                done.append(tr)
-            else:
-                still.append(tr)
-        inflight = still
-    return done, time.perf_counter() - t0, steps
-
-
-def decode_batch1(core: EngineCore, rng: random.Random, vocab: int, input_len: int,
-                  output_len: int, weight_bytes: int, kv_per_token: int,
-                  copy_gbps: float) -> dict[str, Any]:
-    done, wall, steps = run_closed_loop(core, [random_prompt(rng, input_len, vocab)],
-                                        output_len, 1, None, None, "b1")
-    tr = done[0]
-    n = len(tr.token_times)
-    tpot = (tr.token_times[-1] - tr.token_times[0]) / (n - 1)
-    # average context read per decode step: positions input_len+1 .. input_len+output_len-1
-    avg_ctx = input_len + output_len / 2
-    step_bytes = weight_bytes + kv_per_token * avg_ctx
-    return {"input_len": input_len, "output_len": n, "tok_per_s": round(1 / tpot, 2),
-            "tpot_ms": round(tpot * 1e3, 3),
-            "ttft_ms": round((tr.token_times[0] - tr.t_add) * 1e3, 2),
-            "itl_ms_p50": round(statistics.median(
-                b - a for a, b in zip(tr.token_times[:-1], tr.token_times[1:], strict=True))
-                * 1e3, 3),
-            "bytes_per_step": int(step_bytes),
-            "mbu": round(step_bytes / tpot / (copy_gbps * 1e9), 4)}
-
-
-def prefill(core: EngineCore, rng: random.Random, vocab: int, seqs: int, input_len: int,
-            reps: int, flops_per_step: float, tflops: float, device: torch.device
-            ) -> dict[str, Any]:
-    """Steps that are pure prefill: ``seqs`` fresh prompts admitted and computed in one step
-    (``max_tokens=1``, so each request ends in that same step)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times = []
-    for r in range(reps + 1):  # the first is a warm-up
-        trackers = []
-        for i in range(seqs):
-            tr = Tracker(f"pf-{r}-{i}")
-            core.add(RequestState(tr.rid, random_prompt(rng, input_len, vocab), params,
-                                  tr.emit))
-            trackers.append(tr)
-        sync(device)
-        t0 = time.perf_counter()
-        core.step()
-        sync(device)
-        dt = time.perf_counter() - t0
-        if core.has_unfinished or not all(t.finished for t in trackers):
-            raise RuntimeError("the prefill step did not take all prompts in one step")
-        if r:
-            times.append(dt)
-    t = statistics.median(times)
-    tokens = seqs * input_len
-    return {"seqs": seqs, "input_len": input_len, "tokens_per_step": tokens,
-            "step_ms_median": round(t * 1e3, 3), "step_ms_all": [round(x * 1e3, 3) for x in times],
-            "tok_per_s": round(tokens / t, 1), "flops_per_step": flops_per_step,
-            "mfu": round(flops_per_step / t / (tflops * 1e12), 4)}
-
-
-def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.device
-            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(a.num_prompts)]
-    waste: list[float] = []
-    before = alloc_stats(device)
-    done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
-                                        a.serving_time_limit, waste, "srv")
-    sync(device)
-    after = alloc_stats(device)
-    ttft = [t.token_times[0] - t.t_add for t in done]
-    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in done
-            if len(t.token_times) > 1]
-    itl = [b - a_ for t in done for a_, b in zip(t.token_times[:-1], t.token_times[1:], strict=True)]
-    out_tokens = sum(len(t.token_times) for t in done)
-    e2e = [t.token_times[-1] - t.t_add for t in done]
-    srv = {"concurrency": a.concurrency, "num_prompts_requested": a.num_prompts,
-           "num_prompts": len(done), "time_limit_s": a.serving_time_limit,
-           "input_len": a.input_len, "output_len": a.output_len, "duration_s": round(wall, 3),
-           "steps": steps, "output_tokens": out_tokens,
-           "output_tok_per_s": round(out_tokens / wall, 1),
-           "total_tok_per_s": round((out_tokens + len(done) * a.input_len) / wall, 1),
-           "request_per_s": round(len(done) / wall, 3),
-           "ttft_ms": ms_stats(ttft), "tpot_ms": ms_stats(tpot), "itl_ms": ms_stats(itl),
-           "e2e_ms": ms_stats(e2e)}
-    seg = {"before": before, "after": after}
-    if before:
-        seg["new_segments"] = after["segment.all.allocated"] - before["segment.all.allocated"]
-        seg["segment_current_delta"] = (after["segment.all.current"]
-                                        - before["segment.all.current"])
-        seg["new_alloc_retries"] = after["num_alloc_retries"] - before["num_alloc_retries"]
-    kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
-          "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
-    return srv, seg, kv
-
-
-def profile_decode(core: EngineCore, rng: random.Random, vocab: int, batch: int,
-                   input_len: int, steps: int, device: torch.device, table_path: Path
-                   ) -> list[dict[str, Any]]:
-    """Profiles ``steps`` pure-decode steps at ``batch`` sequences of ~``input_len`` context:
-    wall time per step against GPU kernel time per step, launches per step, top kernels."""
-    runner = core.runner
-    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True)
-    trackers = []
-    for i in range(batch):
-        tr = Tracker(f"prof{batch}-{i}")
-        core.add(RequestState(tr.rid, random_prompt(rng, input_len, vocab), params, tr.emit))
-        trackers.append(tr)
-    while core.scheduler.num_waiting or any(not t.token_times for t in trackers):
-        core.step()
-    core.step()  # one plain decode step
-    sync(device)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    results = []
-    graphs = runner.graphs
-    try:
-        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
-            runner.graphs = graphs if mode == "graphs" else None
-            core.step()  # settle into the mode outside the profile
-            sync(device)
-            results.append(_profile_steps(core, batch, input_len, steps, mode, acts, device,
-                                          table_path))
-    finally:
-        runner.graphs = graphs
-        for t in trackers:
-            core.abort(t.rid)
-    return results
-
-
-def _profile_steps(core: EngineCore, batch: int, input_len: int, steps: int, mode: str,
-                   acts: list, device: torch.device, table_path: Path) -> dict[str, Any]:
-    with torch.profiler.profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        sync(device)
-        wall = time.perf_counter() - t0
-    res: dict[str, Any] = {"batch": batch, "mode": mode, "context": input_len,
-                           "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3)}
-    try:
-        kernels = [e for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_us = sum(e.time_range.elapsed_us() for e in kernels)
-        res["gpu_kernel_ms_per_step"] = round(gpu_us / steps / 1e3, 3)
-        res["kernels_per_step"] = round(len(kernels) / steps, 1)
-        res["gpu_busy_fraction"] = round(gpu_us / 1e6 / wall, 3) if device.type == "cuda" \
-            else None
-    except Exception as e:  # noqa: BLE001 - profiler internals differ between versions
-        res["kernel_sum_error"] = repr(e)
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        table = prof.key_averages().table(sort_by=sort, row_limit=25)
-    except Exception:  # noqa: BLE001
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    with open(table_path, "a") as f:
-        f.write(f"=== decode batch {batch} ({mode}), context ~{input_len}, {steps} steps, "
-                f"wall {res['wall_ms_per_step']} ms/step ===\n{table}\n")
-    return res
 
 
 # --------------------------------------------------------------------------- main
