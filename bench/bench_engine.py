@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     StubTokenizer,
     decode_batch1,
-    git_commit,
     prefill,
     profile_decode,
     random_prompt,
@@ -47,7 +46,7 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     serving,
     weight_bytes_read_per_step,
 )
-from measure import measure_limits  # noqa: E402  (bench/measure.py)
+from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402

@@ -35,14 +35,13 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from measure import measure_limits, sync  # noqa: E402  (bench/measure.py)
+from measure import git_commit, measure_limits, sync  # noqa: E402  (bench/measure.py)
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -123,16 +122,6 @@ def random_prompts(batch: int, length: int, vocab: int, g: torch.Generator,
     return torch.randint(0, vocab, (batch, length), generator=g, device=device)
 
 
-def git_commit(arg: str | None) -> str | None:
-    if arg:
-        return arg
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where the JSON goes")
@@ -171,7 +160,7 @@ def main() -> int:
         return a.budget_s - (time.perf_counter() - T0)
 
     R: dict[str, Any] = {
-        "git_commit": git_commit(a.git_commit),
+        "git_commit": git_commit(a.git_commit)[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if on_gpu
         else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",

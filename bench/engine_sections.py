@@ -4,10 +4,8 @@ their bookkeeping; run through ``bench_engine.py``."""
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -83,22 +81,6 @@ def alloc_stats(device: torch.device) -> dict[str, int]:
     keys = ("segment.all.current", "segment.all.allocated", "num_alloc_retries",
             "num_device_alloc", "reserved_bytes.all.current", "allocated_bytes.all.peak")
     return {k: int(s.get(k, 0)) for k in keys}
-
-
-def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
-    if arg:
-        return arg, None
-    if os.environ.get("TPSERVE_GIT_COMMIT"):
-        return os.environ["TPSERVE_GIT_COMMIT"], None
-    try:
-        root = Path(__file__).resolve().parents[1]
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root,
-                                    capture_output=True, text=True).stdout.strip())
-        return head, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
 
 
 # --------------------------------------------------------------------------- sections

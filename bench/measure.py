@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,3 +62,20 @@ def measure_limits(device: torch.device, copy_mib: int, n: int) -> dict[str, flo
     return {"copy_GBps": round(copy_gbps, 2), "bf16_tflops": round(tflops, 3),
             "copy_bytes": 2 * numel * 2, "matmul_n": n,
             "matmul_dtype": str(dtype).replace("torch.", "")}
+
+
+def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
+    """``(commit, dirty)``: the argument, else $TPSERVE_GIT_COMMIT, else git here."""
+    if arg:
+        return arg, None
+    if os.environ.get("TPSERVE_GIT_COMMIT"):
+        return os.environ["TPSERVE_GIT_COMMIT"], None
+    try:
+        root = Path(__file__).resolve().parents[1]
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root,
+                                    capture_output=True, text=True).stdout.strip())
+        return head, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
