@@ -76,6 +76,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-profile", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
+                   help="largest mixed-step graph (0: pure-decode graphs only)")
+    p.add_argument("--max-mixed-tokens", type=int, default=None,
+                   help="step budget while sequences decode (default: the largest graph)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
     for k, v in FULL.items():
         typ = float if isinstance(v, float) else int if isinstance(v, int) else str
@@ -132,7 +138,8 @@ def main() -> int:
                        max_num_seqs=a.max_num_seqs,
                        max_num_batched_tokens=a.max_num_batched_tokens,
                        gpu_memory_utilization=a.gpu_memory_utilization,
-                       kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager)
+                       kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
+                       cuda_graph_max_tokens=a.cuda_graph_max_tokens)
     group = TPGroup(0, 1, device, None)
     t0 = time.perf_counter()
     runner, failure = None, None
@@ -154,7 +161,8 @@ def main() -> int:
     R["kernels"] = runner.ops.name
     graphs = runner.graphs
     R["cuda_graphs"] = None if graphs is None else {
-        "buckets": graphs.buckets, "captured_bytes": graphs.captured_bytes}
+        "decode_buckets": graphs.decode_buckets, "mixed_buckets": graphs.mixed_buckets,
+        "captured_bytes": graphs.captured_bytes}
     R["memory_plan"] = runner.plan.describe()
     pl = runner.plan
     R["memory_plan_bytes"] = {"weights": pl.weights, "workspace": pl.workspace,
@@ -165,7 +173,11 @@ def main() -> int:
     for line in R["memory_plan"]:
         print("   ", line)
 
-    core = EngineCore(runner, StubTokenizer(), enable_prefix_caching=True, seed=a.seed)
+    core = EngineCore(runner, StubTokenizer(), enable_prefix_caching=True, seed=a.seed,
+                      async_scheduling=not a.no_async_scheduling,
+                      max_mixed_tokens=a.max_mixed_tokens)
+    R["engine"] = {"async_scheduling": core.async_scheduling,
+                   "max_mixed_tokens": core.scheduler.config.max_mixed_tokens}
     mcfg = runner.model_config
     vocab = mcfg.vocab_size
     rng = random.Random(a.seed)
@@ -255,9 +267,10 @@ def main() -> int:
         notes.append("decode ran eagerly (no CUDA graphs): Triton kernels for norms, RoPE+KV "
                      "write and attention, cuBLAS for matmuls, one launch each.")
     else:
-        notes.append("pure-decode steps replay CUDA graphs (one per batch bucket); steps with "
-                     "any prefill run eagerly. decode_batch1_eager is the same decode with "
-                     "the graphs switched off.")
+        notes.append("pure-decode steps replay CUDA graphs (one per batch bucket), steps with "
+                     "prefill replay one per token bucket up to cuda_graphs.mixed_buckets[-1] "
+                     "tokens, larger steps run eagerly. decode_batch1_eager is the same "
+                     "decode with the graphs switched off.")
     notes.append("Detokenization uses a stub tokenizer (one char per token): dummy shapes have "
                  "no tokenizer, and the embedded SmolLM2 one is not on the GPU machine.")
     notes.append("MBU counts every parameter but the embedding (a gather) plus 128 KiB of KV "

@@ -176,6 +176,16 @@ def prefill(core: EngineCore, rng: random.Random, vocab: int, seqs: int, input_l
     (``max_tokens=1``, so each request ends in that same step)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     times = []
+    overlap, core.async_scheduling = core.async_scheduling, False  # one step, read back
+    try:
+        return _prefill_steps(core, rng, vocab, seqs, input_len, reps, flops_per_step,
+                              tflops, device, params, times)
+    finally:
+        core.async_scheduling = overlap
+
+
+def _prefill_steps(core, rng, vocab, seqs, input_len, reps, flops_per_step, tflops, device,
+                   params, times) -> dict[str, Any]:
     for r in range(reps + 1):  # the first is a warm-up
         trackers = []
         for i in range(seqs):
@@ -205,10 +215,12 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(a.num_prompts)]
     waste: list[float] = []
     before = alloc_stats(device)
+    segs_before = _segments(device)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv")
     sync(device)
     after = alloc_stats(device)
+    new_segs = [s for addr, s in _segments(device).items() if addr not in segs_before]
     ttft = [t.token_times[0] - t.t_add for t in done]
     tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in done
             if len(t.token_times) > 1]
@@ -230,9 +242,21 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
         seg["segment_current_delta"] = (after["segment.all.current"]
                                         - before["segment.all.current"])
         seg["new_alloc_retries"] = after["num_alloc_retries"] - before["num_alloc_retries"]
+        # what the segments created during the run hold now (sizes only: no stack traces,
+        # which would slow every allocation of the measured run)
+        seg["new_segment_contents"] = [
+            {"pool": s["segment_type"], "total_size": s["total_size"],
+             "blocks": [[b["size"], b["state"]] for b in s["blocks"]][:32]}
+            for s in new_segs]
     kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
           "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
     return srv, seg, kv
+
+
+def _segments(device: torch.device) -> dict[int, dict]:
+    if device.type != "cuda":
+        return {}
+    return {s["address"]: s for s in torch.cuda.memory_snapshot()}
 
 
 def profile_decode(core: EngineCore, rng: random.Random, vocab: int, batch: int,

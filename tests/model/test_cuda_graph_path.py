@@ -1,13 +1,16 @@
-"""The padded static-buffer decode path that CUDA graphs replay gives the logits of the
-plain forward (run eagerly here on CPU; on CUDA the same path is captured)."""
+"""The padded static-buffer paths that CUDA graphs replay (pure decode per batch bucket,
+mixed steps per token bucket) give the logits of the plain forward (run eagerly here on
+CPU; on CUDA the same paths are captured; the kernels' padded launch shapes are tested in
+test_triton_kernels.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import load, new_pool, run, save_hf_folder
-from tpserve.model.cuda_graphs import DecodeGraphs, buckets_for
+from tpserve.model.cuda_graphs import MIXED, StepGraphs, buckets_for, mixed_buckets_for
 from tpserve.model.plan import SeqChunk, StepPlan
 
 
@@ -16,6 +19,9 @@ def test_buckets():
     assert buckets_for(8) == [1, 2, 4, 8]
     assert buckets_for(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert buckets_for(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert mixed_buckets_for(0) == []
+    assert mixed_buckets_for(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert mixed_buckets_for(100) == [16, 32, 64, 100]
 
 
 def test_padded_decode_equals_plain_forward(tmp_path):
@@ -24,12 +30,12 @@ def test_padded_decode_equals_plain_forward(tmp_path):
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     tables = [[3, 17, 4], [9], [21, 0, 30]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
-    graphs = DecodeGraphs(model, pool, max_num_seqs=8, max_blocks_per_seq=16,
-                          max_model_len=64, device=torch.device("cpu"))
+    graphs = StepGraphs(model, pool, max_num_seqs=8, max_blocks_per_seq=16,
+                        max_model_len=64, device=torch.device("cpu"))
     step = [SeqChunk([42 + i], len(s), t + [31 - i], True)
             for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
     plan = StepPlan.build(step, 4)
-    assert graphs.can_run(plan) and graphs.bucket(3) == 4
+    assert graphs.select(plan) == ("decode", 4)
     before = pool.buffer.clone()
     got = graphs.run(plan)
     written = pool.buffer.clone()
@@ -40,4 +46,75 @@ def test_padded_decode_equals_plain_forward(tmp_path):
     assert (got - want).abs().max().item() < 1e-5
     torch.testing.assert_close(written, pool.buffer)  # padding rows wrote nothing
     mixed = StepPlan.build([step[0], SeqChunk([1, 2], 0, [5], True)], 4)
-    assert not graphs.can_run(mixed)  # prefills never take the graph path
+    assert not graphs.can_run(mixed)  # no mixed buckets were asked for
+
+
+def test_padded_mixed_step_equals_plain_forward(tmp_path):
+    """Decodes, a chunk over a cached prefix, a fresh prompt and a chunk that samples
+    nothing, padded to the 32-token bucket."""
+    model, comm = load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")))
+    pool = new_pool(model, comm, num_blocks=32, block_size=4)
+    seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
+    tables = [[3, 17, 4], [9], [21, 0, 30]]
+    run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
+    graphs = StepGraphs(model, pool, max_num_seqs=6, max_blocks_per_seq=16,
+                        max_model_len=64, device=torch.device("cpu"), max_mixed_tokens=32)
+    step = [SeqChunk([42], 7, tables[0] + [31], True),
+            SeqChunk([43], 3, tables[1], True),
+            SeqChunk([11, 12, 13, 14, 15], 8, tables[2] + [6, 7], True),
+            SeqChunk(list(range(20, 29)), 0, [10, 11, 12], True),
+            SeqChunk([50, 51, 52], 0, [13], False)]
+    plan = StepPlan.build(step, 4)
+    assert plan.num_tokens == 19 and plan.num_decodes == 2
+    assert graphs.select(plan) == (MIXED, 32)
+    before = pool.buffer.clone()
+    got = graphs.run(plan)
+    written = pool.buffer.clone()
+    pool.buffer.copy_(before)
+    want = run(model, pool, step)
+    assert got.shape == want.shape == (4, 256)
+    assert (got - want).abs().max().item() < 1e-5
+    torch.testing.assert_close(written, pool.buffer)  # padding tokens wrote nothing
+    assert not graphs.can_run(StepPlan.build([SeqChunk(list(range(33)), 0, list(range(9)),
+                                                       True)], 4))  # past the largest bucket
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+def test_captured_graphs_equal_eager_steps_on_the_gpu():
+    """On a GPU: the same steps (a prefill, mixed steps with a pending token filled in on
+    the device, pure decodes) through captured graphs and through the eager forward."""
+    from dataclasses import replace
+
+    from tpserve.model.runner import ModelRunner, RunnerConfig
+    from tpserve.parallel.state import TPGroup
+
+    dev = torch.device("cuda", 0)
+    cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
+                       max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512,
+                       kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
+    runners = [ModelRunner(cfg, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(cfg, enforce_eager=True), TPGroup(0, 1, dev, None))]
+    assert runners[0].graphs is not None and runners[1].graphs is None
+    a, b, c = list(range(5, 45)), list(range(100, 107)), list(range(200, 300))
+    steps = [
+        ([SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3], True),
+          SeqChunk(c, 0, [4, 5, 6, 7, 8, 9, 10], True)], None),                  # eager: 147
+        ([SeqChunk([7], 40, [0, 1, 2], True), SeqChunk([-1], 7, [3], True, 1),
+          SeqChunk([9], 100, [4, 5, 6, 7, 8, 9, 10], True),
+          SeqChunk(list(range(50, 80)), 0, [11, 12], True)], ("mixed", 64)),
+        ([SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([4], 8, [3], True),
+          SeqChunk([-1], 101, [4, 5, 6, 7, 8, 9, 10], True, 2),
+          SeqChunk([6], 30, [11, 12], True)], ("decode", 4)),
+    ]
+    outs = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        for chunks, kind in steps:
+            plan = StepPlan.build(chunks, 16)
+            if runner.graphs is not None:
+                assert runner.graphs.select(plan) == kind
+            logits = runner.execute(plan)
+            out.append(logits.clone())
+            # the same "sampled" tokens for both (argmax of random weights could differ)
+            runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

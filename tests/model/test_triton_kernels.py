@@ -23,7 +23,11 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from tpserve.model.attention.metadata import AttentionMetadata  # noqa: E402
+from tpserve.model.attention.metadata import (  # noqa: E402
+    AttentionMetadata,
+    max_prefill_tiles,
+    prefill_tiles,
+)
 from tpserve.model.kernels import torch_ops  # noqa: E402
 
 _KERNEL_MODULES = (  # dependency order, for re-import
@@ -283,10 +287,50 @@ def test_prefill_small_tiles(mods, dtype):
     meta.num_decodes = 0
     q = _randn(120, 4, 64, dtype=dtype, gen=gen)
     out = torch.full_like(q, float("nan"))
+    tiles = prefill_tiles([1, 100, 19], 0, tile_m=16)
+    assert len(tiles) == 1 + 7 + 2 and tiles[1] == (1 << 16) | 0 and tiles[7] == (1 << 16) | 6
     mods["triton_prefill_attention"].prefill_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 3,
-        meta.max_query_len, 0.125, out, block_m=16, block_n=16)
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        torch.tensor(tiles, dtype=torch.int32, device=DEVICE), 0.125, out, block_m=16,
+        block_n=16)
     _close(out, _ref(q, k_cache, v_cache, meta, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_attention_with_graph_padding(ops, dtype, group):
+    """The launch shapes a mixed-step CUDA graph fixes: more decode slots than decodes,
+    padding tokens after the real ones, padding sequences, and -1 tiles. The real rows
+    must equal the reference; padding changes nothing else (the cache is read-only)."""
+    gen = torch.Generator().manual_seed(10)
+    hkv, page, d = 2, 16, 64
+    real = [(4, 1), (39, 1), (20, 33), (0, 70), (0, 1)]  # 2 decodes, 3 prefills
+    meta, k_cache, v_cache = _make_batch(real, page, hkv, d, dtype, gen)
+    n = int(meta.query_start_loc[-1])
+    q = _randn(n, hkv * group, d, dtype=dtype, gen=gen)
+    want = _ref(q, k_cache, v_cache, meta, d ** -0.5)
+    tokens, slots_n, seqs_n = 128, 16, 9  # the "bucket": T, decode slots, sequence slots
+    pad_t, pad_s = tokens - n, seqs_n - len(real)
+    qp = torch.cat([q, _randn(pad_t, hkv * group, d, dtype=dtype, gen=gen)])
+    qsl = torch.cat([meta.query_start_loc, torch.full((pad_s,), n, dtype=torch.int32,
+                                                      device=DEVICE)])
+    lens = torch.cat([meta.seq_lens, torch.zeros(pad_s, dtype=torch.int32, device=DEVICE)])
+    tables = torch.cat([meta.block_tables, torch.zeros(pad_s, meta.block_tables.shape[1],
+                                                       dtype=torch.int32, device=DEVICE)])
+    dlens = torch.zeros(slots_n, dtype=torch.int32, device=DEVICE)
+    dlens[:2] = meta.seq_lens[:2]
+    tiles = prefill_tiles([33, 70, 1], 2)
+    tiles += [-1] * (max_prefill_tiles(tokens, seqs_n) - len(tiles))
+    padded = AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad_t,), -1, device=DEVICE)]),
+        query_start_loc=qsl, seq_lens=lens, block_tables=tables, num_decodes=0,
+        max_query_len=tokens, max_seq_len=512,
+        prefill_tiles=torch.tensor(tiles, dtype=torch.int32, device=DEVICE),
+        decode_slots=slots_n, decode_seq_lens=dlens)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = ops.paged_attention(qp, k_cache, v_cache, padded, d ** -0.5)
+    _close(got[:n], want, dtype)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
 
 
 def test_end_to_end_rope_write_then_attend(ops):
@@ -306,3 +350,40 @@ def test_end_to_end_rope_write_then_attend(ops):
     tq, _ = ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, k_cache, v_cache,
                                   meta.slot_mapping)
     _close(ops.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5), ref, dtype)
+
+
+def test_mixed_step_graph_shapes_through_the_model(mods, tmp_path):
+    """The exact forward a mixed-step CUDA graph captures (capture-shaped metadata: decode
+    slots for every sequence slot, a -1-padded tile table, padding tokens and sequences),
+    through a tiny model on the Triton ops, equals the plain torch-ops forward."""
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import load, new_pool, run, save_hf_folder
+    from tpserve.model.cuda_graphs import MIXED, StepGraphs
+    from tpserve.model.loader.build import build_model
+    from tpserve.model.loader.checkpoint import open_checkpoint
+    from tpserve.model.plan import SeqChunk, StepPlan
+
+    if DEVICE.type != "cpu":
+        pytest.skip("CPU oracle check; on CUDA the runner captures this path at start-up")
+    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
+    ref_model, comm = load(folder)
+    model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
+                        mods["triton_ops"], 512)
+    pool = new_pool(ref_model, comm, num_blocks=32, block_size=16)
+    seqs = [list(range(3, 40)), [7, 7, 100]]
+    run(ref_model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, [[3, 17, 4], [9]],
+                                                                   strict=True)])
+    step = [SeqChunk([42], 37, [3, 17, 4], True), SeqChunk([43], 3, [9], True),
+            SeqChunk(list(range(50, 70)), 0, [10, 11], True)]
+    plan = StepPlan.build(step, 16)
+    graphs = StepGraphs(model, pool, max_num_seqs=4, max_blocks_per_seq=8, max_model_len=128,
+                        device=DEVICE, max_mixed_tokens=32)
+    assert graphs.select(plan) == (MIXED, 32)
+    before = pool.buffer.clone()
+    graphs._fill(MIXED, 32, plan)
+    with torch.inference_mode():
+        got = graphs._forward(MIXED, 32)[:3]
+    pool.buffer.copy_(before)
+    want = run(ref_model, pool, step)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

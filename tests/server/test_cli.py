@@ -14,7 +14,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
          "--kv-cache-memory", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
-         "--enforce-eager", "--seed"]
+         "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
+         "--async-scheduling", "--no-async-scheduling"]
 
 
 def test_help_lists_every_flag_with_defaults():

@@ -28,12 +28,14 @@ def folder(tmp_path_factory):
 
 
 def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: int = 64,
-              max_seqs: int = 8) -> EngineCore:
+              max_seqs: int = 8, async_scheduling: bool = True,
+              max_mixed_tokens: int | None = None) -> EngineCore:
     cfg = RunnerConfig(model=folder, block_size=16, max_model_len=256, max_num_seqs=max_seqs,
                        max_num_batched_tokens=budget,
                        kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
     runner = ModelRunner(cfg, TPGroup(0, 1, CPU, None))
-    return EngineCore(runner, tokenizer, enable_prefix_caching=prefix, check_integrity=True)
+    return EngineCore(runner, tokenizer, enable_prefix_caching=prefix, check_integrity=True,
+                      async_scheduling=async_scheduling, max_mixed_tokens=max_mixed_tokens)
 
 
 def submit(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams):
@@ -74,6 +76,75 @@ def test_batched_greedy_equals_single_sequence_greedy(folder, smollm2_tokenizer)
     bm = core.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     bm.check_integrity()
+
+
+def _mixed_requests(stop_id: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    rng = random.Random(3)
+    def prompt(n):
+        return [rng.randrange(256) for _ in range(n)]
+    return {
+        "greedy": (prompt(40), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        "seeded": (prompt(9), SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=10,
+                                             ignore_eos=True)),
+        "stop_id": (prompt(21), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                               stop_token_ids=(stop_id,))),
+        "logprobs": (prompt(5), SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                               ignore_eos=True)),
+        "min_tokens": (prompt(70), SamplingParams(temperature=0.5, seed=1, max_tokens=8,
+                                                  min_tokens=8)),
+        "short": (prompt(3), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+    }
+
+
+def _outcome(outs: list[RequestOutput]):
+    deltas = [d for o in outs for d in o.deltas]
+    return ([(d.index, d.text, d.token_ids, d.finish_reason, d.logprobs) for d in deltas],
+            outs[-1].finished, outs[-1].num_output_tokens)
+
+
+@pytest.mark.parametrize("penalty", [False, True])
+def test_async_scheduling_changes_no_output(folder, smollm2_tokenizer, penalty):
+    """Launching each step before reading back the last one's tokens gives exactly the
+    outputs of the synchronous engine: tokens, text, logprobs, finish reasons (early stops
+    included), with the pool free at the end. A penalty request makes every step fall back
+    to synchronous, and the outputs still match."""
+    model, comm = load(folder)
+    stop_id = greedy(model, comm, _mixed_requests(0)["stop_id"][0], 6)[4]
+    requests = _mixed_requests(stop_id)
+    if penalty:
+        requests["penalty"] = (list(range(30, 60)), SamplingParams(
+            temperature=0, max_tokens=9, repetition_penalty=1.5, frequency_penalty=0.3,
+            ignore_eos=True))
+    results, pending_steps = [], []
+    for mode in (False, True):
+        core = make_core(folder, smollm2_tokenizer, num_blocks=24, budget=48,
+                         async_scheduling=mode, max_mixed_tokens=20)
+        plans = []
+        execute = core.runner.execute
+        core.runner.execute = lambda plan, execute=execute, plans=plans: (
+            plans.append(plan), execute(plan))[1]
+        sample, penalized = core.sampler.sample, []
+
+        def checked(logits, params, prompts, outputs, *rest, sample=sample,
+                    penalized=penalized):
+            for p, out in zip(params, outputs, strict=True):
+                if p.repetition_penalty != 1:  # its history must be real tokens
+                    assert -1 not in out
+                    penalized.append(len(out))
+            return sample(logits, params, prompts, outputs, *rest)
+        core.sampler.sample = checked
+        outs = {rid: submit(core, rid, p, params) for rid, (p, params) in requests.items()}
+        run_to_end(core)
+        results.append({rid: _outcome(o) for rid, o in outs.items()})
+        pending_steps.append(sum(p.pending_rows.shape[0] > 0 for p in plans))
+        assert penalized == (list(range(9)) if penalty else [])
+        assert core.block_manager.num_used_blocks == 0
+        assert max(p.num_tokens for p in plans if p.num_decodes) <= 20  # the mixed cap
+    assert results[0] == results[1]
+    stop = results[1]["stop_id"][0]
+    assert stop[-1][3] == "stop" and stop[-1][2] == (stop_id,) and len(stop) == 5
+    assert pending_steps[0] == 0
+    assert pending_steps[1] > 5
 
 
 def test_prefix_cache_hit_and_n_siblings(folder, smollm2_tokenizer):

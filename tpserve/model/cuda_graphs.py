@@ -1,14 +1,23 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+"""Whole steps replayed from CUDA graphs: pure-decode steps per batch-size bucket, and mixed
+steps (decodes plus prefill chunks) per token-count bucket.
 
-A step qualifies when every sequence decodes one token and samples it. Its inputs are
-copied into static buffers sized for ``max_num_seqs``, padded up to the next bucket, and
-the bucket's graph replays the whole forward (collectives included) plus the LM head.
+A step's inputs are copied into static buffers sized for the largest bucket and padded up
+to its bucket; the bucket's graph replays the whole forward (collectives included) plus the
+LM head. Steps larger than every bucket run eagerly.
 
-Invariants: the graphs are captured after the KV pool exists (its addresses are baked
-in) and share one memory pool; padding rows have token 0, position 0, slot -1 (no KV
-write) and context length 0 (attention reads nothing); rows past the real batch are
-discarded. Without capture (CPU, ``--enforce-eager``, tests) the same padded static-buffer
-path runs eagerly, so it is tested on CPU against the plain forward.
+- decode bucket ``B``: every sequence decodes one token and samples it; attention is the
+  decode kernel alone over ``B`` rows.
+- mixed bucket ``T``: any step of at most ``T`` tokens. The decode kernel runs over
+  ``min(max_num_seqs, T)`` slots (context length 0 past the real decodes) and the prefill
+  kernel over a tile table sized by ``max_prefill_tiles(T, max_num_seqs)`` (-1 past the
+  real tiles); logits are taken for ``min(max_num_seqs, T)`` rows.
+
+Invariants: the graphs are captured after the KV pool exists (its addresses are baked in)
+and share one memory pool; padding tokens have token 0, position 0 and slot -1 (no KV
+write); padding sequences have no new tokens and context length 0 (attention reads nothing);
+rows past the real batch are discarded. Without capture (CPU, tests) the same padded
+static-buffer path runs eagerly with the real host-side sizes, so it is tested on CPU
+against the plain forward.
 """
 
 from __future__ import annotations
@@ -16,80 +25,166 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.attention.metadata import AttentionMetadata, max_prefill_tiles
 from tpserve.model.kv_pool import KVPool
 from tpserve.model.plan import StepPlan
 
+DECODE, MIXED = "decode", "mixed"
+
 
 def buckets_for(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (which is always a bucket)."""
+    """Decode buckets: 1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (always a bucket)."""
     sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
     sizes.update(range(16, max_num_seqs, 16))
     sizes.add(max_num_seqs)
     return sorted(sizes)
 
 
-class DecodeGraphs:
+def mixed_buckets_for(max_tokens: int) -> list[int]:
+    """Mixed-step buckets: 16, 32, 64, then every 64 up to ``max_tokens`` (a bucket when
+    it is at least 16); none when ``max_tokens`` is 0."""
+    if max_tokens < 16:
+        return []
+    sizes = {b for b in (16, 32, 64) if b < max_tokens}
+    sizes.update(range(128, max_tokens, 64))
+    sizes.add(max_tokens)
+    return sorted(sizes)
+
+
+def graph_reserve_bytes(max_num_seqs: int, max_mixed_tokens: int, vocab_size: int) -> int:
+    """What capturing is expected to take, set aside before the KV pool is sized: every
+    graph's float32 logits plus a margin for the graphs' activations."""
+    rows = sum(buckets_for(max_num_seqs)) + sum(
+        min(max_num_seqs, b) for b in mixed_buckets_for(max_mixed_tokens))
+    return rows * vocab_size * 4 + 512 * 2**20
+
+
+def _smallest_at_least(buckets: list[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class StepGraphs:
     def __init__(self, model: nn.Module, kv_pool: KVPool, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int, device: torch.device):
+                 max_blocks_per_seq: int, max_model_len: int, device: torch.device,
+                 max_mixed_tokens: int = 0):
         self.model = model
         self.kv_pool = kv_pool
-        self.buckets = buckets_for(max_num_seqs)
+        self.decode_buckets = buckets_for(max_num_seqs)
+        self.mixed_buckets = mixed_buckets_for(max_mixed_tokens)
+        self.max_num_seqs = s = max_num_seqs
         self.max_model_len = max_model_len
-        n = max_num_seqs
+        t = max([s, *self.mixed_buckets])
         i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(n, dtype=i64, device=device)
-        self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=i32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=i32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.input_ids = torch.zeros(t, dtype=i64, device=device)
+        self.positions = torch.zeros(t, dtype=i64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.zeros(s, dtype=i32, device=device)
+        self.decode_lens = torch.zeros(s, dtype=i32, device=device)
+        self.block_tables = torch.zeros((s, max_blocks_per_seq), dtype=i32, device=device)
+        self.decode_qsl = torch.arange(s + 1, dtype=i32, device=device)
+        self.query_start_loc = torch.zeros(s + 1, dtype=i32, device=device)
+        self.logits_indices = torch.zeros(s, dtype=i64, device=device)
+        n_tiles = max_prefill_tiles(self.mixed_buckets[-1], s) if self.mixed_buckets else 0
+        self.tiles = torch.full((n_tiles,), -1, dtype=i32, device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.captured_bytes = 0
 
-    def bucket(self, batch: int) -> int | None:
-        for b in self.buckets:
-            if b >= batch:
-                return b
+    @property
+    def max_mixed_tokens(self) -> int:
+        return self.mixed_buckets[-1] if self.mixed_buckets else 0
+
+    def select(self, plan: StepPlan) -> tuple[str, int] | None:
+        """The graph that can run ``plan``: ``(kind, bucket)``, or None."""
+        b = plan.seq_lens.shape[0]
+        if b == 0:
+            return None
+        if plan.num_decodes == b and plan.logits_indices.shape[0] == b:
+            bucket = _smallest_at_least(self.decode_buckets, b)
+            if bucket is not None:
+                return DECODE, bucket
+        if b <= self.max_num_seqs:
+            bucket = _smallest_at_least(self.mixed_buckets, plan.num_tokens)
+            if bucket is not None:
+                return MIXED, bucket
         return None
 
     def can_run(self, plan: StepPlan) -> bool:
-        b = plan.seq_lens.shape[0]
-        return (b > 0 and plan.num_decodes == b and plan.logits_indices.shape[0] == b
-                and self.bucket(b) is not None)
+        return self.select(plan) is not None
 
-    def _metadata(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:b], self.query_start_loc[: b + 1],
-                                 self.seq_lens[:b], self.block_tables[:b], b, 1,
-                                 self.max_model_len)
+    def _rows(self, kind: str, bucket: int) -> int:
+        return bucket if kind == DECODE else min(self.max_num_seqs, bucket)
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_pool.layers,
-                            self._metadata(b))
+    def _metadata(self, kind: str, bucket: int, plan: StepPlan | None = None
+                  ) -> AttentionMetadata:
+        """Capture-shaped metadata; with ``plan`` (eager replay on CPU) the mixed kind
+        gets the real sequence count and host sizes the torch reference needs."""
+        if kind == DECODE:
+            return AttentionMetadata(self.slot_mapping[:bucket], self.decode_qsl[: bucket + 1],
+                                     self.seq_lens[:bucket], self.block_tables[:bucket],
+                                     bucket, 1, self.max_model_len)
+        s = self.max_num_seqs
+        slot = self.slot_mapping[:bucket]
+        if plan is not None:
+            b = plan.seq_lens.shape[0]
+            return AttentionMetadata(slot, self.query_start_loc[: b + 1], self.seq_lens[:b],
+                                     self.block_tables[:b], plan.num_decodes,
+                                     plan.max_query_len, plan.max_seq_len)
+        slots = min(s, bucket)
+        return AttentionMetadata(
+            slot, self.query_start_loc, self.seq_lens, self.block_tables, 0, bucket,
+            self.max_model_len, prefill_tiles=self.tiles[: max_prefill_tiles(bucket, s)],
+            decode_slots=slots, decode_seq_lens=self.decode_lens[:slots])
+
+    def _forward(self, kind: str, bucket: int, plan: StepPlan | None = None) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
+                            self.kv_pool.layers, self._metadata(kind, bucket, plan))
+        if kind == MIXED:
+            hidden = hidden[self.logits_indices[: self._rows(kind, bucket)]]
         return self.model.compute_logits(hidden).float()
+
+    def _fill(self, kind: str, bucket: int, plan: StepPlan) -> None:
+        t, b = plan.num_tokens, plan.seq_lens.shape[0]
+        m = plan.block_tables.shape[1]
+        self.input_ids[:t].copy_(plan.input_ids)
+        self.positions[:t].copy_(plan.positions)
+        self.slot_mapping[:t].copy_(plan.slot_mapping)
+        self.seq_lens[:b].copy_(plan.seq_lens)
+        self.block_tables[:b, :m].copy_(plan.block_tables)
+        if bucket > t:
+            self.input_ids[t:bucket].zero_()
+            self.positions[t:bucket].zero_()
+            self.slot_mapping[t:bucket].fill_(-1)
+        if kind == DECODE:
+            if bucket > b:
+                self.seq_lens[b:bucket].zero_()
+            return
+        s, nd = self.max_num_seqs, plan.num_decodes
+        n, rows = plan.prefill_tiles.shape[0], plan.logits_indices.shape[0]
+        self.seq_lens[b:].zero_()
+        self.query_start_loc[: b + 1].copy_(plan.query_start_loc)
+        self.query_start_loc[b + 1:].fill_(t)
+        self.decode_lens[:nd].copy_(plan.seq_lens[:nd])
+        self.decode_lens[nd:].zero_()
+        self.tiles[:n].copy_(plan.prefill_tiles)
+        self.tiles[n:].fill_(-1)
+        self.logits_indices[:rows].copy_(plan.logits_indices)
+        self.logits_indices[rows:s].zero_()
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of a pure-decode step, replayed or run eagerly."""
-        b = plan.seq_lens.shape[0]
-        bucket = self.bucket(b)
-        m = plan.block_tables.shape[1]
-        self.input_ids[:b].copy_(plan.input_ids)
-        self.positions[:b].copy_(plan.positions)
-        self.slot_mapping[:b].copy_(plan.slot_mapping)
-        self.seq_lens[:b].copy_(plan.seq_lens)
-        self.block_tables[:b, :m].copy_(plan.block_tables)
-        if bucket > b:
-            self.input_ids[b:bucket].zero_()
-            self.positions[b:bucket].zero_()
-            self.slot_mapping[b:bucket].fill_(-1)
-            self.seq_lens[b:bucket].zero_()
-        graph = self.graphs.get(bucket)
+        """Logits ``[S, vocab]`` of the plan's sampled rows, replayed or run eagerly."""
+        kind, bucket = self.select(plan)
+        self._fill(kind, bucket, plan)
+        rows = plan.logits_indices.shape[0]
+        graph = self.graphs.get((kind, bucket))
         if graph is None:
-            return self._forward(bucket)[:b]
+            return self._forward(kind, bucket, plan)[:rows]
         graph.replay()
-        return self.outputs[bucket][:b]
+        return self.outputs[(kind, bucket)][:rows]
 
     @torch.inference_mode()
     def capture(self) -> int:
@@ -102,15 +197,20 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device)
         self.slot_mapping.fill_(-1)  # capture must not write into real blocks
         self.seq_lens.zero_()
-        for b in reversed(self.buckets):
+        self.decode_lens.zero_()
+        self.tiles.fill_(-1)
+        self.query_start_loc.zero_()
+        keys = ([(MIXED, b) for b in reversed(self.mixed_buckets)]
+                + [(DECODE, b) for b in reversed(self.decode_buckets)])
+        for key in keys:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._forward(b)  # warm-up: Triton compiles, allocator settles
+                self._forward(*key)  # warm-up: Triton compiles, allocator settles
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.outputs[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize(device)
         # the graphs' private pool and their outputs: free device memory they took
         self.captured_bytes = max(before - torch.cuda.mem_get_info(device)[0], 0)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.attention.metadata import AttentionMetadata, prefill_tiles
 
-HEADER_LEN = 8
+HEADER_LEN = 10
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP, CMD_PROFILE = 1, 2, 3, 4
 
 
@@ -21,12 +21,16 @@ CMD_STEP, CMD_SHUTDOWN, CMD_NOOP, CMD_PROFILE = 1, 2, 3, 4
 class SeqChunk:
     """One sequence's share of a step: ``token_ids`` are its new tokens, starting at
     position ``num_computed``; ``block_ids`` cover ``num_computed + len(token_ids)``
-    tokens; ``sample`` asks for logits of its last new token."""
+    tokens; ``sample`` asks for logits of its last new token. ``pending_src >= 0`` says the
+    last new token is not known on the host yet: it is row ``pending_src`` of the previous
+    step's sampled tokens, which every rank fills in on the device (``token_ids[-1]`` is a
+    placeholder)."""
 
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]
     sample: bool
+    pending_src: int = -1
 
 
 @dataclass
@@ -41,11 +45,15 @@ class StepPlan:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
+    prefill_tiles: torch.Tensor   # int32 [N]: the prefill kernel's work list
+    pending_rows: torch.Tensor    # int64 [P]: input_ids rows to fill on the device ...
+    pending_src: torch.Tensor     # int64 [P]: ... from these rows of the last sampled tokens
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int) -> StepPlan:
         """Chunks must come decodes first (single-token chunks of running sequences)."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
+        pend_rows, pend_src = [], []
         num_decodes = 0
         for c in chunks:
             n = len(c.token_ids)
@@ -54,21 +62,28 @@ class StepPlan:
             ids.extend(c.token_ids)
             p = range(c.num_computed, c.num_computed + n)
             pos.extend(p)
-            slots.extend(c.block_ids[i // block_size] * block_size + i % block_size for i in p)
+            blocks = c.block_ids
+            slots.extend(blocks[i // block_size] * block_size + i % block_size for i in p)
             qsl.append(qsl[-1] + n)
             lens.append(c.num_computed + n)
             if c.sample:
                 sample_idx.append(qsl[-1] - 1)
+            if c.pending_src >= 0:
+                pend_rows.append(qsl[-1] - 1)
+                pend_src.append(c.pending_src)
         width = max((len(c.block_ids) for c in chunks), default=1) or 1
-        table = torch.zeros((len(chunks), width), dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            table[i, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+        table = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks],
+                             dtype=torch.int32).view(len(chunks), width)
+        tiles = prefill_tiles([len(c.token_ids) for c in chunks[num_decodes:]], num_decodes)
+        i64 = torch.int64
         return cls(
-            torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-            torch.tensor(slots, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
+            torch.tensor(slots, dtype=i64), torch.tensor(qsl, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32), table,
-            torch.tensor(sample_idx, dtype=torch.int64), num_decodes,
-            max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0))
+            torch.tensor(sample_idx, dtype=i64), num_decodes,
+            max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0),
+            torch.tensor(tiles, dtype=torch.int32), torch.tensor(pend_rows, dtype=i64),
+            torch.tensor(pend_src, dtype=i64))
 
     @property
     def num_tokens(self) -> int:
@@ -78,33 +93,43 @@ class StepPlan:
         """``(header, payload)``: the header holds the sizes needed to receive the payload."""
         b, m = self.block_tables.shape
         header = torch.tensor([CMD_STEP, self.num_tokens, b, m, self.logits_indices.shape[0],
-                               self.num_decodes, self.max_query_len, self.max_seq_len],
+                               self.num_decodes, self.max_query_len, self.max_seq_len,
+                               self.prefill_tiles.shape[0], self.pending_rows.shape[0]],
                               dtype=torch.int64)
         payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
                              self.query_start_loc.long(), self.seq_lens.long(),
-                             self.block_tables.flatten().long(), self.logits_indices])
+                             self.block_tables.flatten().long(), self.logits_indices,
+                             self.prefill_tiles.long(), self.pending_rows, self.pending_src])
         return header, payload
 
     @staticmethod
+    def _sizes(header: list[int]) -> list[int]:
+        _, t, b, m, s, _, _, _, n, p = header
+        return [t, t, t, b + 1, b, b * m, s, n, p, p]
+
+    @staticmethod
     def payload_len(header: torch.Tensor) -> int:
-        _, t, b, m, s = (int(x) for x in header[:5].tolist())
-        return 3 * t + (b + 1) + b + b * m + s
+        return sum(StepPlan._sizes([int(x) for x in header.tolist()]))
 
     @classmethod
     def unpack(cls, header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
-        _, t, b, m, s, nd, mq, ms = (int(x) for x in header.tolist())
-        parts = payload.split([t, t, t, b + 1, b, b * m, s])
+        h = [int(x) for x in header.tolist()]
+        _, t, b, m, s, nd, mq, ms, n, p = h
+        parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
-                   parts[5].int().view(b, m), parts[6], nd, mq, ms)
+                   parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7].int(),
+                   parts[8], parts[9])
+
+    _TENSORS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                "block_tables", "logits_indices", "prefill_tiles", "pending_rows",
+                "pending_src")
 
     def to(self, device: torch.device) -> StepPlan:
-        move = {k: getattr(self, k).to(device, non_blocking=True) for k in (
-            "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-            "block_tables", "logits_indices")}
+        move = {k: getattr(self, k).to(device, non_blocking=True) for k in self._TENSORS}
         return StepPlan(**move, num_decodes=self.num_decodes,
                         max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
 
     def metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping, self.query_start_loc, self.seq_lens,
                                  self.block_tables, self.num_decodes, self.max_query_len,
-                                 self.max_seq_len)
+                                 self.max_seq_len, prefill_tiles=self.prefill_tiles)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.cuda_graphs import DecodeGraphs, buckets_for
+from tpserve.model.attention.metadata import max_prefill_tiles
+from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import build_model, resolve_dtype
@@ -62,6 +63,7 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     enforce_eager: bool = False
+    cuda_graph_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -75,6 +77,8 @@ class RunnerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
 
@@ -133,16 +137,20 @@ class ModelRunner:
         tp = self.comm.world_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
         t, b = cfg.max_num_batched_tokens, cfg.max_num_seqs
-        self.max_payload = 3 * t + (b + 1) + b + b * self.max_blocks_per_seq + b
+        self.max_payload = (3 * t + (b + 1) + b + b * self.max_blocks_per_seq + b
+                            + max_prefill_tiles(t, b) + 2 * b)
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
-        static = (HEADER_LEN + self.max_payload) * 8
+        # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
+        self.sampled_buf = torch.zeros(b, dtype=torch.int64, device=device)
+        self._pin = device.type == "cuda"
+        static = (HEADER_LEN + self.max_payload + b) * 8
         workspace, measured = self._profile()
         workspace += static
         use_graphs = device.type == "cuda" and not cfg.enforce_eager
+        max_mixed = min(cfg.cuda_graph_max_tokens, t)
         # reserve for the graphs' pool: their logits outputs plus a margin; measured below
-        graphs = (sum(buckets_for(cfg.max_num_seqs)) * mcfg.vocab_size * 4 + 512 * 2**20
-                  if use_graphs else 0)
+        graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size) if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
@@ -163,10 +171,11 @@ class ModelRunner:
                               mcfg.head_dim, self.dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
-                                       self.max_blocks_per_seq, self.max_model_len, device)
+            self.graphs = StepGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
+                                     self.max_blocks_per_seq, self.max_model_len, device,
+                                     max_mixed)
             graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
@@ -247,15 +256,25 @@ class ModelRunner:
     # ----------------------------------------------------------------------- stepping
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: send the plan to every rank, run it; returns float32 logits of the
-        sampled rows ``[S, vocab]``."""
+        sampled rows ``[S, vocab]``. Nothing here waits for the device: on CUDA the plan
+        goes up from pinned memory, so the host can prepare the next step meanwhile."""
         header, payload = plan.pack()
         n = payload.shape[0]
-        self.header_buf.copy_(header)
-        self.payload_buf[:n].copy_(payload)
+        if self._pin:  # the caching host allocator keeps each block until its copy is done
+            header, payload = header.pin_memory(), payload.pin_memory()
+        self.header_buf.copy_(header, non_blocking=True)
+        self.payload_buf[:n].copy_(payload, non_blocking=True)
         if self.comm.world_size > 1:
             self.comm.broadcast(self.header_buf)
             self.comm.broadcast(self.payload_buf[:n])
+            if plan.pending_rows.shape[0]:
+                self.comm.broadcast(self.sampled_buf)
         return self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+
+    def store_sampled(self, token_ids: torch.Tensor) -> None:
+        """Rank 0: keep this step's sampled tokens (device) for the next step's pending
+        rows (``SeqChunk.pending_src``)."""
+        self.sampled_buf[: token_ids.shape[0]].copy_(token_ids)
 
     def send_command(self, cmd: int) -> None:
         """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
@@ -278,12 +297,17 @@ class ModelRunner:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
             n = StepPlan.payload_len(header)
             self.comm.broadcast(self.payload_buf[:n])
-            self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+            plan = StepPlan.unpack(header, self.payload_buf[:n])
+            if plan.pending_rows.shape[0]:
+                self.comm.broadcast(self.sampled_buf)
+            self._run(plan)
 
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> torch.Tensor:
         self.steps += 1
         self.fault.check(self.steps)
+        if plan.pending_rows.shape[0]:
+            plan.input_ids[plan.pending_rows] = self.sampled_buf[plan.pending_src]
         if self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,

@@ -51,6 +51,42 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass
+class PendingSample:
+    """A step's sampled tokens (and logprobs) still on the device, or on their way to the
+    host: ``to_host`` starts non-blocking copies into pinned memory (on CUDA), after which
+    ``resolve`` is valid once the device has passed the copies (e.g. after an event
+    recorded behind them has completed; resolving earlier waits for them)."""
+
+    token_ids: torch.Tensor                 # int64 [M]
+    logprobs: torch.Tensor | None = None    # float32 [M]
+    top_values: torch.Tensor | None = None  # float32 [M, k_max]
+    top_ids: torch.Tensor | None = None     # int64 [M, k_max]
+    top_counts: list[int] | None = None     # how many of the k_max each row asked for
+
+    def to_host(self) -> PendingSample:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type != "cuda":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True)
+
+        return PendingSample(move(self.token_ids), move(self.logprobs), move(self.top_values),
+                             move(self.top_ids), self.top_counts)
+
+    def resolve(self) -> SamplerOutput:
+        tokens = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids=tokens)
+        top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+        if self.top_values is not None:
+            values_l, ids_l = self.top_values.tolist(), self.top_ids.tolist()
+            for i, k in enumerate(self.top_counts):
+                top[i] = list(zip(ids_l[i][:k], values_l[i][:k], strict=True))
+        return SamplerOutput(token_ids=tokens, logprobs=self.logprobs.tolist(),
+                             top_logprobs=top)
+
+
 def _token_counts(
     token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -200,11 +236,25 @@ class Sampler:
         generators: list[torch.Generator | None],
         eos_token_ids: frozenset[int],
     ) -> SamplerOutput:
+        return self.sample(logits, params, prompt_token_ids, output_token_ids, generators,
+                           eos_token_ids).resolve()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: frozenset[int],
+    ) -> PendingSample:
+        """The pipeline without reading anything back: results stay on the device. Only
+        the lengths of ``output_token_ids`` are read unless a row has penalties."""
         n = logits.shape[0]
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators) == n:
             raise ValueError("sampler: one params/prompt/output/generator entry per logits row")
         if n == 0:
-            return SamplerOutput(token_ids=[])
+            return PendingSample(torch.zeros(0, dtype=torch.int64))
         x = logits.to(torch.float32, copy=True)
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
@@ -218,7 +268,7 @@ class Sampler:
             tokens[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = sampled
 
         if all(p.logprobs is None for p in params):
-            return SamplerOutput(token_ids=tokens.tolist())
+            return PendingSample(tokens)
         return self._with_logprobs(x, tokens, params)
 
     def _sample(
@@ -262,15 +312,12 @@ class Sampler:
     @staticmethod
     def _with_logprobs(
         x: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-    ) -> SamplerOutput:
+    ) -> PendingSample:
         logprobs = x.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k_max = min(max(p.logprobs or 0 for p in params), x.shape[-1])
-        top: list[list[tuple[int, float]]] = [[] for _ in params]
-        if k_max > 0:
-            values, ids = logprobs.topk(k_max, dim=-1, sorted=True)
-            values_l, ids_l = values.tolist(), ids.tolist()
-            for i, p in enumerate(params):
-                k = min(p.logprobs or 0, k_max)
-                top[i] = list(zip(ids_l[i][:k], values_l[i][:k], strict=True))
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
+        if k_max == 0:
+            return PendingSample(tokens, chosen, top_counts=[0] * len(params))
+        values, ids = logprobs.topk(k_max, dim=-1, sorted=True)
+        return PendingSample(tokens, chosen, values, ids,
+                             [min(p.logprobs or 0, k_max) for p in params])

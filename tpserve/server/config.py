@@ -21,10 +21,14 @@ class EngineConfig:
     check_integrity: bool = False
     max_num_queued_requests: int = 1024
     max_num_queued_tokens: int = 1 << 20
+    async_scheduling: bool = True
+    max_mixed_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
             raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")
+        if self.max_mixed_tokens is not None and self.max_mixed_tokens < 1:
+            raise ValueError("--max-mixed-tokens must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
+                   help="capture mixed prefill+decode steps of up to this many tokens "
+                        "(0: pure-decode graphs only)")
+    p.add_argument("--max-mixed-tokens", type=int, default=None,
+                   help="token budget of a step while sequences decode (default: "
+                        "--cuda-graph-max-tokens when graphs are on, else no cap)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each step before reading back the previous step's tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -132,10 +144,12 @@ def config_from_args(a: argparse.Namespace) -> Config:
             max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             gpu_memory_utilization=a.gpu_memory_utilization,
-            kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager),
+            kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
+            cuda_graph_max_tokens=a.cuda_graph_max_tokens),
         parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
         engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
-                            a.max_num_queued_requests, a.max_num_queued_tokens),
+                            a.max_num_queued_requests, a.max_num_queued_tokens,
+                            a.async_scheduling, a.max_mixed_tokens),
         server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
                             a.shutdown_timeout),
     )

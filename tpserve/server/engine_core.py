@@ -1,13 +1,29 @@
-"""The synchronous heart of the engine on rank 0: schedule, run, sample, detokenize, stop.
+"""The heart of the engine on rank 0: schedule, run, sample, detokenize, stop.
 
 ``EngineCore.step`` is one iteration of continuous batching. It is driven by one thread
 only (``AsyncEngine``'s loop) and has no locks; everything it touches is its own.
+
+Asynchronous scheduling (the default): step N is launched on the device *before* the
+tokens of step N-1 are read back, so the host schedules, builds and launches while the
+device still computes, and then detokenizes step N-1 while step N runs. Invariants:
+- at most one step is in flight (``_inflight``); its sampling sequences got a placeholder
+  token (``PLACEHOLDER``) appended by ``scheduler.update``. A placeholder is never hashed
+  (only computed blocks are cached, and a placeholder is computed only by the step after,
+  whose update runs after the placeholder was filled in);
+- a decode whose input is a placeholder names its row of the in-flight step's samples
+  (``SeqChunk.pending_src``), and every rank fills it in on the device;
+- ``_finalize`` fills placeholders with the real tokens, then applies stop rules, so a
+  sequence that stopped at step N-1 was computed once more at step N; that extra token is
+  dropped, and its blocks were freed in between (later steps run after it on the stream);
+- rows with penalties need their token history on the host: while any running sequence
+  has them, each step is finalized before the next is scheduled (synchronous fallback).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +31,7 @@ import torch
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
-from tpserve.model.sampler import Sampler
+from tpserve.model.sampler import PendingSample, Sampler
 from tpserve.server.block_manager import BlockManager
 from tpserve.server.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.request_state import RequestState
@@ -25,11 +41,29 @@ from tpserve.server.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 MEMORY_READ_INTERVAL_S = 0.5
+PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are not read back yet."""
+
+    sampling: list[Sequence]     # row i of the samples belongs to sampling[i]
+    sample: PendingSample        # host copies, valid once ``event`` completed
+    event: Any                   # torch.cuda.Event, or None on CPU
+    rows: dict[int, int]         # seq_id -> row, for sequences given a placeholder
+
+
+def _has_penalties(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0)
 
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, tokenizer: Any, *, enable_prefix_caching: bool,
-                 seed: int = 0, check_integrity: bool = False):
+                 seed: int = 0, check_integrity: bool = False, async_scheduling: bool = True,
+                 max_mixed_tokens: int | None = None):
         cfg = runner.cfg
         self.runner = runner
         self.tokenizer = tokenizer
@@ -38,9 +72,13 @@ class EngineCore:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.block_manager = BlockManager(runner.kv_pool.num_blocks, cfg.block_size,
                                           enable_prefix_caching)
+        if max_mixed_tokens is None and runner.graphs is not None:
+            max_mixed_tokens = runner.graphs.max_mixed_tokens or None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                            cfg.block_size), self.block_manager)
+                            cfg.block_size, max_mixed_tokens), self.block_manager)
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
         self.sampler = Sampler(seed, runner.device)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
@@ -78,6 +116,7 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
+        # an in-flight step whose requests all ended has nothing left to emit
         return bool(self.requests)
 
     # ---------------------------------------------------------------- live sizing
@@ -95,41 +134,90 @@ class EngineCore:
 
     # ----------------------------------------------------------------------- step
     def step(self) -> None:
-        """One iteration: schedule, run the model on every rank, sample, emit deltas."""
+        """One iteration: schedule and launch a step on every rank, then read back the
+        previous step's tokens (or, without asynchronous scheduling, this step's) and emit
+        their deltas."""
         self._read_live_memory()
+        prev = self._inflight
+        if prev is not None and not self._can_overlap():
+            self._finish_inflight()
+            prev = None
         out = self.scheduler.schedule(self.token_budget)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
+            self._finish_inflight()
             return
+        pending = prev.rows if prev is not None else {}
         chunks, sampling = [], []
         for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             sample = end == seq.num_tokens
-            chunks.append(SeqChunk(seq.token_slice(start, end), start, seq.block_ids, sample))
+            tokens = seq.token_slice(start, end)
+            src = pending.get(seq.seq_id, -1) if sample else -1
+            if (src >= 0) != (tokens[-1] == PLACEHOLDER):
+                raise RuntimeError(f"seq {seq.seq_id}: placeholder bookkeeping is broken")
+            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src))
             if sample:
                 sampling.append(seq)
         try:
             logits = self.runner.execute(StepPlan.build(chunks, self.block_size))
         except torch.OutOfMemoryError:
+            self._finish_inflight()
             self._recover_from_oom()
             return
         self.counters["steps_total"] += 1
-        sampled: dict[int, int] = {}
-        result = None
-        if sampling:
-            states = [self.requests[s.request_id] for s in sampling]
-            result = self.sampler(
-                logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
-                [s.output_token_ids for s in sampling],
-                [st.generators[s.index] for st, s in zip(states, sampling, strict=True)],
-                self.eos_token_ids)
-            sampled = {s.seq_id: t for s, t in zip(sampling, result.token_ids, strict=True)}
-        self.scheduler.update(out, sampled)
-        self.counters["generation_tokens_total"] += len(sampled)
+        launched = self._sample(logits, sampling)
+        self._finish_inflight()
+        self.scheduler.update(out, {s.seq_id: PLACEHOLDER for s in sampling})
+        launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
+                         if s.status is SequenceStatus.RUNNING
+                         and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
+        self._inflight = launched
+        if not self.async_scheduling:
+            self._finish_inflight()
+        if self.check_integrity:
+            self.scheduler.check_integrity()
+            self.block_manager.check_integrity()
+
+    def _can_overlap(self) -> bool:
+        return self.async_scheduling and not any(
+            _has_penalties(s) for s in self.scheduler.running)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
+        """Samples on the device and starts copying the results to the host."""
+        if not sampling:
+            return _InFlight([], PendingSample(torch.zeros(0, dtype=torch.int64)), None, {})
+        states = [self.requests[s.request_id] for s in sampling]
+        pending = self.sampler.sample(
+            logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
+            [s.output_token_ids for s in sampling],
+            [st.generators[s.index] for st, s in zip(states, sampling, strict=True)],
+            self.eos_token_ids)
+        self.runner.store_sampled(pending.token_ids)
+        host = pending.to_host()
+        event = None
+        if logits.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return _InFlight(sampling, host, event, {})
+
+    def _finish_inflight(self) -> None:
+        """Reads back the in-flight step's tokens, fills in the placeholders, applies the
+        stop rules and emits the deltas. Sequences that ended meanwhile are skipped."""
+        flight, self._inflight = self._inflight, None
+        if flight is None or not flight.sampling:
+            return
+        if flight.event is not None:
+            flight.event.synchronize()
+        result = flight.sample.resolve()
         touched: dict[str, list[CompletionDelta]] = {}
-        for row, seq in enumerate(sampling):
+        for row, seq in enumerate(flight.sampling):
+            if seq.seq_id not in flight.rows or seq.is_finished:
+                continue
+            seq.output_token_ids[-1] = result.token_ids[row]
+            self.counters["generation_tokens_total"] += 1
             delta = self._advance(seq, row, result)
             if delta is not None:
                 touched.setdefault(seq.request_id, []).append(delta)
@@ -140,9 +228,6 @@ class EngineCore:
             if finished:
                 state.done = True
                 del self.requests[rid]
-        if self.check_integrity:
-            self.scheduler.check_integrity()
-            self.block_manager.check_integrity()
 
     def _recover_from_oom(self) -> None:
         """A step ran out of device memory before any collective (tp 1, or the failure hit
@@ -193,6 +278,7 @@ class EngineCore:
 
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine is going down)."""
+        self._inflight = None
         for state in list(self.requests.values()):
             state.done = True
             state.emit(error)

@@ -2,7 +2,10 @@
 
 Each ``schedule()`` builds one step. Running sequences go first, oldest first, each getting
 its next chunk (one token when decoding, otherwise as much of its remaining prefill as the
-token budget allows). A running sequence that cannot get KV blocks preempts the newest
+token budget allows once a token is set aside for every decoding sequence after it, so a
+long prefill never starves decodes). While any sequence decodes, the step's budget is
+capped at ``max_mixed_tokens`` (when set): steps that carry decodes stay short, which keeps
+inter-token latency steady and lets such steps replay CUDA graphs. A running sequence that cannot get KV blocks preempts the newest
 running sequence (possibly itself), which frees its blocks and returns to the front of the
 waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
 admitted strictly first come, first served while the budget, ``max_num_seqs`` and the
@@ -33,12 +36,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
+    max_mixed_tokens: int | None = None  # step budget while sequences decode (None: no cap)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_mixed_tokens is not None and self.max_mixed_tokens <= 0:
+            raise ValueError(f"max_mixed_tokens must be positive or None, got "
+                             f"{self.max_mixed_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -154,15 +161,25 @@ class Scheduler:
             budget = max(0, min(budget, token_budget))
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        running = list(self._running.values())
+        decoding = sum(1 for s in running if _is_decode(s, s.num_tokens - s.num_computed_tokens))
+        cap = self.config.max_mixed_tokens
+        if decoding and cap is not None:
+            budget = min(budget, max(cap, decoding))
 
-        for seq in list(self._running.values()):
+        for seq in running:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            if _is_decode(seq, left):
+                decoding -= 1
+                num_new = 1
+            else:  # a prefill chunk leaves one token for each decode after it
+                num_new = min(left, budget - decoding)
             if num_new <= 0:
-                continue  # nothing to compute until a token is appended
+                continue  # nothing to compute until a token is appended, or no room
             while not self.block_manager.allocate(seq, num_new):
                 victim = self._running[next(reversed(self._running))]
                 self._preempt(victim)

@@ -111,7 +111,9 @@ def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
                 runner.ops.name, group.world_size, runner.startup_s)
     tokenizer = runner.ckpt.tokenizer()
     core = EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                      seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity)
+                      seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity,
+                      async_scheduling=cfg.engine.async_scheduling,
+                      max_mixed_tokens=cfg.engine.max_mixed_tokens)
     server: uvicorn.Server | None = None
 
     def on_fatal(reason: str) -> None:

@@ -27,19 +27,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached context.
 
-    The K/V of the new tokens must already be in the cache. The first ``meta.num_decodes``
-    sequences go to the split-K decode kernel (launch shape from host ints only, so a batch of
-    pure decodes is CUDA-graph capturable); the rest to the varlen prefill kernel. Rows of
-    ``out`` past ``meta.query_start_loc[-1]`` (padding tokens) are left unwritten.
+    The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
+    rows go to the split-K decode kernel, then the prefill kernel works through
+    ``meta.prefill_tiles`` (and overwrites any prefill row a padding decode slot zeroed).
+    Both launch shapes come from host ints and tensor sizes only, so any step is CUDA-graph
+    capturable once its buffers are static. Rows no tile or slot covers (padding tokens)
+    are left unwritten.
     """
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        splits = decode_num_splits(nd, k_cache.shape[2], meta.max_seq_len)
-        decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                         scale, out[:nd], splits)
-    num_prefills = meta.num_seqs - nd
-    if num_prefills:
+    slots = meta.num_decode_slots
+    if slots:
+        splits = decode_num_splits(slots, k_cache.shape[2], meta.max_seq_len)
+        decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
+                         meta.decode_lens(), scale, out[:slots], splits)
+    if meta.num_seqs > meta.num_decodes:
         prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, nd, num_prefills, meta.max_query_len, scale, out)
+                          meta.query_start_loc, meta.tiles(), scale, out)
     return out

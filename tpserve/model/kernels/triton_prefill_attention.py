@@ -6,11 +6,14 @@ Layouts:
   context *including* its new tokens; ``block_tables [B, max_blocks]`` int32;
 - ``query_start_loc [B + 1]`` and ``seq_lens [B]`` int32 as in AttentionMetadata.
 
-Sequence ``i`` (``first_seq <= i < first_seq + num_seqs``) has ``n = qsl[i+1] - qsl[i]`` new
-tokens at positions ``ctx .. ctx + n - 1`` with ``ctx = seq_lens[i] - n`` cached tokens before
-them; query ``j`` attends to keys ``0 .. ctx + j``. Program ``(i, head, m)`` computes query
-tokens ``m * BLOCK_M ..`` of one query head with a flash-attention online softmax (float32,
-log2 domain). Key tiles entirely left of the tile's first query are processed without masks;
+Work list: ``tiles`` (int32, see ``attention.metadata.prefill_tiles``) names one query tile
+per entry, ``(i << 16) | m``; entries < 0 are padding and do nothing, so a CUDA graph can be
+captured with a grid sized for the largest step and replayed for any smaller one. Sequence
+``i`` has ``n = qsl[i+1] - qsl[i]`` new tokens at positions ``ctx .. ctx + n - 1`` with
+``ctx = seq_lens[i] - n`` cached tokens before them; query ``j`` attends to keys
+``0 .. ctx + j``. Program ``(tile, head)`` computes query tokens ``m * BLOCK_M ..`` of
+sequence ``i`` for one query head with a flash-attention online softmax (float32, log2
+domain). Key tiles entirely left of the tile's first query are processed without masks;
 only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
 """
@@ -21,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.attention.metadata import PREFILL_TILE_M
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
 
 LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): 64x64 tiles with 4 warps and 2 stages were the best or
 # near-best single choice across long, chunked and short-batch prefills.
-BLOCK_M = 64  # query tokens per program
+BLOCK_M = PREFILL_TILE_M  # query tokens per program (the tile table is built for it)
 BLOCK_N = 64  # keys per inner-loop tile
 
 
@@ -74,7 +78,7 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    first_seq, scale_log2,
+    tiles_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
@@ -82,12 +86,13 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IO_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seq = first_seq + tl.program_id(0)
+    tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    seq = tl.maximum(tile, 0) >> 16
+    m_block = tile & 0xFFFF
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M < q_len:
+    if (tile >= 0) & (m_block * BLOCK_M < q_len):
         seq_len = tl.load(seq_lens_ptr + seq)
         ctx = seq_len - q_len
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -129,28 +134,29 @@ def _prefill_kernel(
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
-    max_query_len: int, scale: float, out: torch.Tensor,
-    block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
+    out: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Writes attention of sequences ``first_seq .. first_seq + num_seqs - 1`` into ``out``.
+    """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
-    ``max_query_len`` (host int) bounds every one of those sequences' new-token counts. The
-    tile and launch keywords are tuning knobs (results do not depend on them beyond rounding).
+    ``tiles`` must have been built for ``block_m`` (``prefill_tiles(..., tile_m=block_m)``);
+    its length fixes the launch grid and nothing here reads the device, so the launch is
+    CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
+    depend on them beyond rounding).
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
-    if num_seqs == 0 or max_query_len == 0:
+    assert tiles.dtype == torch.int32, tiles.dtype
+    if tiles.numel() == 0:
         return out
     dot_dtype, precision = dot_config(q.dtype, q.device)
-    block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
-    grid = (num_seqs, num_q_heads, triton.cdiv(max_query_len, block_m))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        first_seq, scale * LOG2E,
+    _prefill_kernel[(tiles.numel(), num_q_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
