@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
                    help="commit of the code (else $TPSERVE_GIT_COMMIT, else git rev-parse)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--serving-only", action="store_true",
+                   help="batch-1 decode and serving only (no eager decode, prefill, profile)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
                    help="largest mixed-step graph (0: pure-decode graphs only)")
@@ -202,7 +204,7 @@ def main() -> int:
     save()
     d = R["decode_batch1"]
     log(f"batch-1 decode: {d['tok_per_s']} tok/s, TPOT {d['tpot_ms']} ms, MBU {d['mbu']}")
-    if graphs is not None:  # the same decode with the graphs switched off, for comparison
+    if graphs is not None and not a.serving_only:  # the same decode without the graphs
         runner.graphs = None
         try:  # a short request first, so that kernel compiles stay out of the figure
             run_closed_loop(core, [random_prompt(rng, a.decode_input_len, vocab)], 4, 1,
@@ -223,12 +225,13 @@ def main() -> int:
         * (L * (L + 1) / 2) * s
     head = 2 * head_params * s
     flops = 2 * per_token_params * L * s + head + attn
-    R["prefill"] = prefill(core, rng, vocab, s, L, a.prefill_reps, flops,
-                           lim["bf16_tflops"], device)
-    R["prefill"]["attention_flops_included"] = attn
-    save()
-    p = R["prefill"]
-    log(f"prefill: {p['tok_per_s']} tok/s, step {p['step_ms_median']} ms, MFU {p['mfu']}")
+    if not a.serving_only:
+        R["prefill"] = prefill(core, rng, vocab, s, L, a.prefill_reps, flops,
+                               lim["bf16_tflops"], device)
+        R["prefill"]["attention_flops_included"] = attn
+        save()
+        p = R["prefill"]
+        log(f"prefill: {p['tok_per_s']} tok/s, step {p['step_ms_median']} ms, MFU {p['mfu']}")
 
     srv, seg, kv = serving(core, rng, vocab, a, device)
     R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
@@ -242,7 +245,7 @@ def main() -> int:
         f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
     log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
 
-    if not a.skip_profile:
+    if not (a.skip_profile or a.serving_only):
         R["profile"] = []
         for batch in (1, a.concurrency):
             try:

@@ -27,6 +27,7 @@ def test_buckets():
 def test_padded_decode_equals_plain_forward(tmp_path):
     model, comm = load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")))
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
+    pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     tables = [[3, 17, 4], [9], [21, 0, 30]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
@@ -54,6 +55,7 @@ def test_padded_mixed_step_equals_plain_forward(tmp_path):
     nothing, padded to the 32-token bucket."""
     model, comm = load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")))
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
+    pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
     tables = [[3, 17, 4], [9], [21, 0, 30]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])

@@ -266,3 +266,16 @@ def test_mixed_batch_shapes_and_empty():
     assert run(sampler, torch.zeros(0, V), []).token_ids == []
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, V), [SamplingParams()], [[]], [[]], [None], NO_EOS)
+
+
+def test_argmax_rows_equals_argmax_with_ties():
+    from tpserve.model.sampler import argmax_rows
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (128256, 49152, 1000, 151936):
+        x = torch.randint(-3, 4, (5, vocab), generator=gen).float()  # many ties
+        x[2, 77] = 10.0
+        x[3, vocab - 1] = 10.0
+        x[4] = 0.0  # all tied: index 0
+        got = argmax_rows(x)
+        assert torch.equal(got, x.argmax(dim=-1)), vocab
+        assert got[2] == 77 and got[3] == vocab - 1 and got[4] == 0

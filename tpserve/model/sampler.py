@@ -205,6 +205,20 @@ def apply_filters(
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for 2-D ``x`` (ties to the lowest index), in two passes when rows are
+    long: one long row otherwise reduces in a single block (~27 us for 128k logits on an
+    H200). Groups are contiguous, so the first maximal group's first maximum is the first
+    maximum of the row."""
+    n, v = x.shape
+    groups = 256
+    if v < 32 * groups or v % groups:
+        return x.argmax(dim=-1)
+    vals, idx = x.view(n, groups, v // groups).max(dim=-1)
+    best = vals.argmax(dim=-1, keepdim=True)
+    return (best * (v // groups) + idx.gather(1, best)).squeeze(1)
+
+
 class Sampler:
     """Turns one step's logits into tokens (and logprobs) following the module pipeline.
 
@@ -259,7 +273,7 @@ class Sampler:
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
 
-        tokens = x.argmax(dim=-1)
+        tokens = argmax_rows(x)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             sampled = self._sample(
