@@ -41,6 +41,7 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     decode_batch1,
     prefill,
     profile_decode,
+    profile_mixed,
     random_prompt,
     run_closed_loop,
     serving,
@@ -257,6 +258,13 @@ def main() -> int:
             for r in R["profile"]:
                 if r["batch"] == batch:
                     log(f"profile: {r}")
+        try:
+            R["profile"].append(profile_mixed(core, rng, vocab, a.concurrency, a.input_len,
+                                              a.profile_steps, device, table_path))
+        except Exception as e:  # noqa: BLE001 - the profile is a bonus, not a figure
+            R["profile"].append({"mode": "mixed", "error": repr(e)})
+        save()
+        log(f"profile: {R['profile'][-1]}")
 
     R["hf_baseline"] = None
     R["ratio_vs_hf"] = None

@@ -294,6 +294,39 @@ def profile_decode(core: EngineCore, rng: random.Random, vocab: int, batch: int,
     return results
 
 
+def profile_mixed(core: EngineCore, rng: random.Random, vocab: int, batch: int,
+                  input_len: int, steps: int, device: torch.device, table_path: Path
+                  ) -> dict[str, Any]:
+    """Profiles ``steps`` mixed steps: ``batch - 4`` decoding sequences of ~``input_len``
+    context plus 4 waiting long prompts that are prefilled in chunks alongside them (at
+    most the engine's mixed-step budget per step)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 16, ignore_eos=True)
+    trackers = []
+    for i in range(batch - 4):
+        tr = Tracker(f"mix{batch}-{i}")
+        core.add(RequestState(tr.rid, random_prompt(rng, input_len, vocab), params, tr.emit))
+        trackers.append(tr)
+    while core.scheduler.num_waiting or any(not t.token_times for t in trackers):
+        core.step()
+    long_len = core.max_model_len - params.max_tokens - 8
+    for i in range(4):
+        tr = Tracker(f"mixlong-{i}")
+        core.add(RequestState(tr.rid, random_prompt(rng, long_len, vocab), params, tr.emit))
+        trackers.append(tr)
+    core.step()
+    sync(device)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        res = _profile_steps(core, batch, input_len, steps, "mixed", acts, device, table_path)
+    finally:
+        for t in trackers:
+            core.abort(t.rid)
+    res["step_tokens"] = core.scheduler.config.max_mixed_tokens
+    return res
+
+
 def _profile_steps(core: EngineCore, batch: int, input_len: int, steps: int, mode: str,
                    acts: list, device: torch.device, table_path: Path) -> dict[str, Any]:
     with torch.profiler.profile(activities=acts) as prof:

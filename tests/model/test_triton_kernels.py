@@ -257,7 +257,8 @@ def test_decode_num_splits(mods):
     assert pick(1, 8, 100) == 1  # short context: never split
     assert pick(1, 8, 32768) == 32  # one long sequence: split up to the cap
     assert pick(256, 8, 32768) == 1  # grid already fills the GPU
-    assert pick(4, 8, 1024) == 4  # limited by MIN_TOKENS_PER_SPLIT (256 keys each)
+    assert pick(4, 8, 1024) == 8  # limited by the grid (4 * 8 * 8 = 256 programs)
+    assert pick(1, 8, 512) == 4  # limited by MIN_TOKENS_PER_SPLIT (128 keys each)
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

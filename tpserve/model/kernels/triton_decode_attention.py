@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 # reach 3.7-4.3 TB/s of KV reads for batches that fill the GPU; small batches need splits.
 BLOCK_N = 64  # keys per inner-loop tile
 MAX_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256  # below this a split is not worth its partial write + reduction
+MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more only costs)
 
 
