@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import git_commit  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     decode_attention,
@@ -63,7 +66,9 @@ def main() -> None:
                          "kv_TBps": round(kv_bytes / us / 1e6, 3),
                          "heuristic": decode_num_splits(batch, hkv, 2048) == splits})
             print(rows[-1], flush=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+    meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
+    Path(a.out).write_text(json.dumps(meta, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""Prefill attention tile shapes on the GPU: the chunked-prefill case of serving (a few
+query tiles over long cached contexts, latency-bound) and a pure 8 x 1024 prefill
+(compute-bound), for several query-tile heights, key-tile widths and warp counts.
+
+    python bench/tune_prefill.py --out results/prefill-tiles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import git_commit  # noqa: E402  (bench/measure.py)
+from tune_decode import time_graph  # noqa: E402  (bench/tune_decode.py)
+
+from tpserve.model.attention.metadata import prefill_tiles  # noqa: E402
+from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
+
+CASES = {  # name: [(cached context, new tokens)] per sequence
+    "chunks_long_ctx": [(1700, 113)] * 4,
+    "chunk_448_at_576": [(576, 448)],
+    "pure_8x1024": [(0, 1024)] * 8,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    rows = []
+    for name, seqs in CASES.items():
+        lens = [c + n for c, n in seqs]
+        nblk = [-(-n // page) for n in lens]
+        width = max(nblk)
+        kc = torch.randn(sum(nblk), page, hkv, d, dtype=torch.bfloat16, device=dev)
+        vc = torch.randn_like(kc)
+        perm = torch.randperm(sum(nblk)).int()
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        first = 0
+        for i, nb in enumerate(nblk):
+            table[i, :nb] = perm[first:first + nb]
+            first += nb
+        qlens = [n for _, n in seqs]
+        qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
+        q = torch.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=dev)
+        out = torch.empty_like(q)
+        flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in seqs)
+        for bm in (16, 32, 64, 128):
+            tiles = torch.tensor(prefill_tiles(qlens, 0, bm), dtype=torch.int32, device=dev)
+            for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+                args = (q, kc, vc, table.to(dev), torch.tensor(lens, dtype=torch.int32,
+                                                                  device=dev),
+                        qsl.to(dev), tiles, 0.088, out)
+                kw = dict(block_m=bm, block_n=bn, num_warps=warps)
+                try:
+                    us = time_graph(lambda args=args, kw=kw: prefill_attention(*args, **kw))
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile
+                    rows.append({"case": name, "block_m": bm, "block_n": bn, "warps": warps,
+                                 "error": repr(e)[:200]})
+                    continue
+                rows.append({"case": name, "block_m": bm, "block_n": bn, "warps": warps,
+                             "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
+                print(rows[-1], flush=True)
+    meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
+    Path(a.out).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
