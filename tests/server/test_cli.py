@@ -15,7 +15,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--kv-cache-memory", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
-         "--async-scheduling", "--no-async-scheduling"]
+         "--async-scheduling", "--no-async-scheduling", "--engine-process",
+         "--no-engine-process"]
 
 
 def test_help_lists_every_flag_with_defaults():
@@ -43,6 +44,8 @@ def test_config_tree_from_flags():
     assert _cfg().served_model_name == "SmolLM2-135M-Instruct"
     assert _cfg("/models/Llama-3-8B/").served_model_name == "Llama-3-8B"
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
+    assert _cfg().engine.engine_process is False
+    assert _cfg("--engine-process").engine.engine_process is True
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -57,9 +60,11 @@ def test_bad_flags_are_clear_errors(argv, message):
         _cfg(*argv)
 
 
-def test_serve_refuses_a_missing_model_with_exit_2(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--engine-process"]],
+                         ids=["in-process", "engine-process"])
+def test_serve_refuses_a_missing_model_with_exit_2(tmp_path, flags):
     out = subprocess.run([sys.executable, "-m", "tpserve.server.cli", "serve",
-                          str(tmp_path / "missing.gguf")],
+                          str(tmp_path / "missing.gguf"), *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"model not found: {tmp_path / 'missing.gguf'}" in out.stderr

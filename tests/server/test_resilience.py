@@ -35,10 +35,11 @@ def _stream_until_first_token(base: str, body: dict, opened: threading.Event,
     result.update(reasons=reasons, done=done)
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=[(), ("--engine-process",)],
+                ids=["in-process", "engine-process"])
+def server(request):
     s = ServerProcess(*SMALL, "--max-num-seqs", "2", "--max-num-queued-requests", "1",
-                      "--shutdown-timeout", "4")
+                      "--shutdown-timeout", "4", *request.param)
     yield s
     s.stop()
 

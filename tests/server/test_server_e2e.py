@@ -20,19 +20,46 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def server_engine_process():
+    s = ServerProcess(*SMALL, "--api-key", KEY, "--served-model-name", "smol",
+                      "--engine-process")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
 
 
-def test_completion_greedy(client):
-    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0)
+@pytest.fixture(scope="module", params=["server", "server_engine_process"],
+                ids=["in-process", "engine-process"])
+def any_server(request):
+    """The server with the engine in process, then in its own process."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def any_client(any_server):
+    return openai.OpenAI(base_url=any_server.base + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_completion_greedy(any_server, any_client):
+    r = any_client.completions.create(model="smol", prompt=PROMPT, max_tokens=8,
+                                      temperature=0)
     assert r.choices[0].text.startswith(" Paris.")
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 8)
     assert r.usage.total_tokens == 13
+    # the engine's stats are current once the answer is back (the engine process sends
+    # them with the output that leaves it idle)
+    assert any_server.metric("num_requests_running") == 0
+    assert any_server.metric("kv_cache_usage_perc") == 0
+    assert any_server.metric("generation_tokens_total") >= 8
 
 
-def test_chat_and_streaming_equal_non_streaming(client):
+def test_chat_and_streaming_equal_non_streaming(any_client):
+    client = any_client
     msgs = [{"role": "user", "content": "Name three colours."}]
     full = client.chat.completions.create(model="smol", messages=msgs, max_tokens=24,
                                           temperature=0)

@@ -88,6 +88,13 @@ def smol_tp3():
 
 
 @pytest.fixture(scope="module")
+def smol_tp3_engine_process():
+    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--engine-process")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> str:
     """The tiny random Llama as a sharded Hugging Face folder, with SmolLM2's tokenizer
     (its first 256 ids are the tiny vocabulary) so that it can be served."""
@@ -114,10 +121,12 @@ def tiny_reference(tiny_folder):
 
 
 # -------------------------------------------------------------------------- tp 3 = tp 1
-def test_tp3_serves_the_same_greedy_text_as_tp1(smol_tp1, smol_tp3):
+@pytest.mark.parametrize("tp3", ["smol_tp3", "smol_tp3_engine_process"],
+                         ids=["in-process", "engine-process"])
+def test_tp3_serves_the_same_greedy_text_as_tp1(smol_tp1, tp3, request):
     want = _smol_answers(smol_tp1.base)
     assert all(want) and want[0].startswith(" Paris")
-    assert _smol_answers(smol_tp3.base) == want
+    assert _smol_answers(request.getfixturevalue(tp3).base) == want
 
 
 def test_tp3_streaming_equals_tp1(smol_tp1, smol_tp3):
@@ -236,10 +245,15 @@ def _health_status(base: str) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["raise", "exit"])
-def test_worker_death_fails_requests_and_exits_nonzero(tiny_folder, kind):
-    s = ServerProcess(tiny_folder, "--tensor-parallel-size", "2", *TINY_FLAGS,
-                      env={FAULT_ENV: f"1:{FAULT_STEP}:{kind}"})
+@pytest.mark.parametrize("kind,rank,flags", [
+    ("raise", 1, ()), ("exit", 1, ()),
+    ("raise", 1, ("--engine-process",)), ("exit", 1, ("--engine-process",)),
+    ("exit", 0, ("--engine-process",)),  # the engine process itself dies
+], ids=["raise", "exit", "raise-engine-process", "exit-engine-process",
+        "engine-process-exits"])
+def test_worker_death_fails_requests_and_exits_nonzero(tiny_folder, kind, rank, flags):
+    s = ServerProcess(tiny_folder, "--tensor-parallel-size", "2", *TINY_FLAGS, *flags,
+                      env={FAULT_ENV: f"{rank}:{FAULT_STEP}:{kind}"})
     try:
         body = {"model": "tiny", "prompt": TOKEN_PROMPTS[0], "max_tokens": 240,
                 "temperature": 0, "ignore_eos": True}

@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_queued_tokens: int = 1 << 20
     async_scheduling: bool = True
     max_mixed_tokens: int | None = None
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
@@ -117,6 +118,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "--cuda-graph-max-tokens when graphs are on, else no cap)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading back the previous step's tokens")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine (rank 0's model, scheduler and step loop, and the "
+                        "spawning of the other ranks) in its own process, so that HTTP does "
+                        "not share the GIL with it; ignored under torchrun")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -149,7 +154,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
         engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
                             a.max_num_queued_requests, a.max_num_queued_tokens,
-                            a.async_scheduling, a.max_mixed_tokens),
+                            a.async_scheduling, a.max_mixed_tokens,
+                            engine_process=a.engine_process),
         server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
                             a.shutdown_timeout),
     )

@@ -1,9 +1,22 @@
 """The async front of the engine: the HTTP side submits, streams and aborts requests; the
 model runs in the engine's own thread, so the event loop never waits on it.
 
-Thread ownership: ``EngineCore`` and everything under it belong to the engine thread.
-Other threads talk to it only through ``_inbox`` (add / abort) and read plain counters.
-Outputs cross back to the event loop with ``loop.call_soon_threadsafe``.
+Three pieces, shared by the in-process engine (``AsyncEngine``) and the engine process
+(``engine_process`` + ``engine_proxy.EngineProxy``):
+
+- ``EngineFront``: what the HTTP side checks before a request reaches the engine
+  (validation, backpressure with 429, drain). Its counters are touched only on the event
+  loop thread.
+- ``StepLoop``: the engine thread. ``EngineCore`` and everything under it belong to it;
+  other threads talk to it only through its inbox (add / abort / abort_all / stop) and
+  read plain counters. Idle, it sends heartbeats (``CMD_NOOP``) to the worker ranks; at
+  the end, ``CMD_SHUTDOWN``; a step that raises kills the engine (``fail``).
+- ``Outbox``: where outputs go. Outputs emitted on the engine thread are collected per
+  step and handed over in one ``send_step`` call (one wake-up of the consumer per step,
+  less GIL ping-pong); outputs emitted on any other thread (failure fan-out) go at once
+  through ``send_now``. In process, the targets are ``(event loop, asyncio.Queue)`` pairs
+  and delivery is ``loop.call_soon_threadsafe``; in the engine process they are request
+  ids and delivery is one pipe message per step.
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tpserve.model.memory import allocator_stats
 from tpserve.model.plan import CMD_NOOP, CMD_SHUTDOWN
@@ -35,60 +48,105 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
 
+Item = RequestOutput | BaseException
 
-class AsyncEngine:
-    """Implements ``EngineClient`` for the HTTP layer."""
 
-    def __init__(self, core: EngineCore, model_name: str,
-                 on_fatal: Callable[[str], None] | None = None, *,
-                 max_queued_requests: int = 1024, max_queued_tokens: int = 1 << 20):
+def engine_stats(core: EngineCore) -> dict[str, float]:
+    """The core's counters plus the device allocator's readings (what /metrics exports)."""
+    s = dict(core.stats())
+    mem = allocator_stats(core.runner.device)
+    s["device_memory_allocated_bytes"] = mem["allocated"]
+    s["device_memory_reserved_bytes"] = mem["reserved"]
+    s["allocator_segments"] = mem["segments"]
+    return s
+
+
+def dead_error(reason: str) -> EngineDeadError:
+    """The error every in-flight request ends with when the engine fails."""
+    return EngineDeadError(f"engine failed: {reason.splitlines()[0]}")
+
+
+class Outbox(Protocol):
+    """Delivers the step loop's outputs to their consumers."""
+
+    def send_now(self, target: Any, item: Item) -> None:
+        """One output, at once; called from threads other than the engine thread."""
+
+    def send_step(self, batch: list[tuple[Any, Item]], idle: bool) -> None:
+        """Once per loop iteration on the engine thread, with that iteration's outputs
+        (possibly none); ``idle`` when no request is left."""
+
+
+class StepLoop:
+    """The engine thread around an ``EngineCore`` (see the module docstring)."""
+
+    def __init__(self, core: EngineCore, outbox: Outbox,
+                 on_fatal: Callable[[str], None] | None = None):
         self.core = core
-        self.model_name = model_name
-        self.max_model_len = core.max_model_len
-        self.tokenizer = core.tokenizer
-        self.vocab_size = core.runner.model_config.vocab_size
-        self.accepting = True
+        self.outbox = outbox
         self.dead_reason: str | None = None
         self._on_fatal = on_fatal
-        # backpressure: requests (and their prompt tokens) accepted but not yet finished,
-        # beyond what one step can run; touched only on the event loop thread
-        self.max_outstanding = core.scheduler.config.max_num_seqs + max_queued_requests
-        self.max_outstanding_tokens = max_queued_tokens + core.max_num_batched_tokens
-        self.outstanding = 0
-        self.outstanding_tokens = 0
         self._inbox: queue.Queue = queue.Queue()
-        # outputs of the current step, handed to the event loop in one call per step:
-        # one wake-up of the loop instead of one per request (less GIL ping-pong)
-        self._pending: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        self._pending: list[tuple[Any, Item]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------ any thread
     def start(self) -> None:
         self._thread.start()
 
-    def is_healthy(self) -> bool:
-        return self.dead_reason is None and self._thread.is_alive()
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops accepting, ends the loop, tells the workers to exit."""
-        self.accepting = False
-        self._stop.set()
-        self._inbox.put(("wake", None))
+    def join(self, timeout: float) -> None:
         self._thread.join(timeout=timeout)
 
+    def request_stop(self) -> None:
+        """Ends the loop after the current step: running requests end with
+        ``EngineShuttingDownError`` and the workers are told to exit."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+
+    def emitter(self, target: Any) -> Callable[[Item], None]:
+        """A ``RequestState.emit`` delivering to ``target`` through the outbox."""
+
+        def emit(item: Item) -> None:
+            if threading.current_thread() is self._thread:
+                self._pending.append((target, item))  # sent once per step
+            else:
+                self.outbox.send_now(target, item)
+
+        return emit
+
+    def submit(self, state: RequestState) -> None:
+        self._inbox.put(("add", state))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self._inbox.put(("abort_all", None))
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.core.requests)
+
+    def stats(self) -> dict[str, float]:
+        return engine_stats(self.core)
+
     def fail(self, reason: str) -> None:
-        """Called from any thread when a rank died: every request ends with an error."""
+        """Called from any thread when a rank died or a step raised: the engine is dead
+        first (so /health fails before anyone sees an error), then every request ends
+        with ``EngineDeadError``, then ``on_fatal``."""
         if self.dead_reason is not None:
             return
         logger.error("engine failed: %s", reason)
         self.dead_reason = reason
-        self.accepting = False
         self._inbox.put(("fail", reason))
         self._stop.set()
         # The engine thread may be stuck in a collective with the dead rank: end the
         # requests from here too (emit is thread-safe, and done states are skipped).
-        error = EngineDeadError(f"engine failed: {reason.splitlines()[0]}")
+        error = dead_error(reason)
         for state in list(self.core.requests.values()):
             if not state.done:
                 state.done = True
@@ -104,7 +162,112 @@ class AsyncEngine:
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
-    # ---------------------------------------------------------------- HTTP side
+    # ----------------------------------------------------------- engine thread
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, arg = self._inbox.get(timeout=HEARTBEAT_S) if block else \
+                self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                if self.dead_reason is not None or arg.done:
+                    arg.emit(EngineDeadError("engine is dead"))
+                else:
+                    self._add(arg)
+            elif kind == "abort":
+                self.core.abort(arg)
+            elif kind == "abort_all":
+                for rid in list(self.core.requests):
+                    self.core.abort(rid)
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        self.outbox.send_step(batch, not self.core.has_unfinished)
+
+    def _add(self, state: RequestState) -> None:
+        """Admits one request; a failure there ends that request only."""
+        try:
+            self.core.add(state)
+        except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
+            logger.exception("could not add request %s", state.request_id)
+            self.core.abort(state.request_id)
+            state.done = True
+            state.emit(EngineError(f"could not start the request: {e!r}"))
+
+    def _run(self) -> None:
+        last_sent = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.core.has_unfinished)
+                if self._stop.is_set():
+                    break
+                if self.core.has_unfinished:
+                    self.core.step()
+                    last_sent = time.monotonic()
+                elif time.monotonic() - last_sent >= HEARTBEAT_S:
+                    self.core.runner.send_command(CMD_NOOP)
+                    last_sent = time.monotonic()
+                self._flush()
+            if self.dead_reason is None:
+                self.core.fail_all(EngineShuttingDownError("server shut down"))
+                self._flush()
+                self.core.runner.send_command(CMD_SHUTDOWN)
+        except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
+            logger.exception("engine step failed")
+            self.fail(f"engine step failed: {e!r}")
+            self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+            self._flush()
+
+
+class EngineFront:
+    """The HTTP side of an engine: validation, backpressure, the per-request output
+    queue, drain. Subclasses provide ``dead_reason``, ``is_healthy``, ``abort``,
+    ``_submit`` (start a request whose outputs go to an ``asyncio.Queue``),
+    ``_has_requests`` and ``_abort_all``."""
+
+    dead_reason: str | None
+
+    def _init_front(self, model_name: str, max_model_len: int, tokenizer: Any,
+                    vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                    max_queued_requests: int, max_queued_tokens: int) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.accepting = True
+        # backpressure: requests (and their prompt tokens) accepted but not yet finished,
+        # beyond what one step can run; touched only on the event loop thread
+        self.max_outstanding = max_num_seqs + max_queued_requests
+        self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
+        self.outstanding = 0
+        self.outstanding_tokens = 0
+
+    def is_healthy(self) -> bool:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                outputs: asyncio.Queue) -> None:
+        """Starts the request; its outputs (or the error ending it) arrive in ``outputs``.
+        Raises ``EngineError`` (and has registered nothing) when it cannot start."""
+        raise NotImplementedError
+
+    def _release(self, request_id: str) -> None:
+        """The consumer of ``request_id`` is gone (finished, failed or stopped early)."""
+
+    def _has_requests(self) -> bool:
+        raise NotImplementedError
+
+    def _abort_all(self) -> None:
+        raise NotImplementedError
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")
@@ -142,17 +305,8 @@ class AsyncEngine:
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-
-        def emit(item: RequestOutput | BaseException) -> None:
-            if threading.current_thread() is self._thread:
-                self._pending.append((loop, outputs, item))  # flushed once per step
-            else:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        state = RequestState(request_id, list(prompt_token_ids), params, emit)
-        self._inbox.put(("add", state))
+        self._submit(request_id, prompt_token_ids, params, outputs)
         finished = False
         try:
             while True:
@@ -165,11 +319,9 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self._release(request_id)
             if not finished:
                 self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
 
     def drain(self, timeout: float) -> bool:
         """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
@@ -177,90 +329,90 @@ class AsyncEngine:
         everything finished on its own."""
         self.accepting = False
         deadline = time.monotonic() + timeout
-        while self.core.requests and time.monotonic() < deadline and self.is_healthy():
+        while self._has_requests() and time.monotonic() < deadline and self.is_healthy():
             time.sleep(0.05)
-        clean = not self.core.requests
-        self._inbox.put(("abort_all", None))
-        while self.core.requests and self.is_healthy() and time.monotonic() < deadline + 5:
+        clean = not self._has_requests()
+        self._abort_all()
+        while self._has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
             time.sleep(0.05)
         return clean
 
-    def stats(self) -> dict[str, float]:
-        s = dict(self.core.stats())
-        mem = allocator_stats(self.core.runner.device)
-        s["device_memory_allocated_bytes"] = mem["allocated"]
-        s["device_memory_reserved_bytes"] = mem["reserved"]
-        s["allocator_segments"] = mem["segments"]
-        return s
 
-    # -------------------------------------------------------------- engine thread
-    def _drain(self, block: bool) -> None:
-        try:
-            kind, arg = self._inbox.get(timeout=HEARTBEAT_S) if block else \
-                self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if kind == "add":
-                if self.dead_reason is not None or arg.done:
-                    arg.emit(EngineDeadError("engine is dead"))
-                else:
-                    self._add(arg)
-            elif kind == "abort":
-                self.core.abort(arg)
-            elif kind == "abort_all":
-                for rid in list(self.core.requests):
-                    self.core.abort(rid)
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+class _LoopOutbox:
+    """In-process delivery: targets are ``(event loop, asyncio.Queue)`` pairs."""
 
-    def _flush(self) -> None:
-        """Delivers the step's outputs: one ``call_soon_threadsafe`` per event loop."""
-        if not self._pending:
-            return
-        batch, self._pending = self._pending, []
+    def send_now(self, target: tuple[asyncio.AbstractEventLoop, asyncio.Queue],
+                 item: Item) -> None:
+        loop, q = target
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def send_step(self, batch: list, idle: bool) -> None:
+        """One ``call_soon_threadsafe`` per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, q, item in batch:
+        for (loop, q), item in batch:
             by_loop.setdefault(loop, []).append((q, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _add(self, state: RequestState) -> None:
-        """Admits one request; a failure there ends that request only."""
-        try:
-            self.core.add(state)
-        except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
-            logger.exception("could not add request %s", state.request_id)
-            self.core.abort(state.request_id)
-            state.done = True
-            state.emit(EngineError(f"could not start the request: {e!r}"))
 
-    def _loop(self) -> None:
-        last_sent = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                self._drain(block=not self.core.has_unfinished)
-                if self._stop.is_set():
-                    break
-                if self.core.has_unfinished:
-                    self.core.step()
-                    last_sent = time.monotonic()
-                elif time.monotonic() - last_sent >= HEARTBEAT_S:
-                    self.core.runner.send_command(CMD_NOOP)
-                    last_sent = time.monotonic()
-                self._flush()
-            if self.dead_reason is None:
-                self.core.fail_all(EngineShuttingDownError("server shut down"))
-                self._flush()
-                self.core.runner.send_command(CMD_SHUTDOWN)
-        except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
-            logger.exception("engine step failed")
-            # dead first, then tell the clients: /health is 503 before anyone sees the error
-            self.fail(f"engine step failed: {e!r}")
-            self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
-            self._flush()
+class AsyncEngine(EngineFront):
+    """Implements ``EngineClient`` for the HTTP layer, with the engine thread in this
+    process."""
+
+    def __init__(self, core: EngineCore, model_name: str,
+                 on_fatal: Callable[[str], None] | None = None, *,
+                 max_queued_requests: int = 1024, max_queued_tokens: int = 1 << 20):
+        self.core = core
+        self._on_fatal = on_fatal
+        self.steps = StepLoop(core, _LoopOutbox(), self._fatal)
+        self._init_front(model_name, core.max_model_len, core.tokenizer,
+                         core.runner.model_config.vocab_size,
+                         core.scheduler.config.max_num_seqs, core.max_num_batched_tokens,
+                         max_queued_requests, max_queued_tokens)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.steps.dead_reason
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.steps.start()
+
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and self.steps.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops accepting, ends the loop, tells the workers to exit."""
+        self.accepting = False
+        self.steps.request_stop()
+        self.steps.join(timeout)
+
+    def fail(self, reason: str) -> None:
+        """Called from any thread when a rank died: every request ends with an error."""
+        self.steps.fail(reason)
+
+    def _fatal(self, reason: str) -> None:
+        self.accepting = False
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
+
+    # ---------------------------------------------------------------- HTTP side
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                outputs: asyncio.Queue) -> None:
+        emit = self.steps.emitter((asyncio.get_running_loop(), outputs))
+        self.steps.submit(RequestState(request_id, list(prompt_token_ids), params, emit))
+
+    def abort(self, request_id: str) -> None:
+        self.steps.abort(request_id)
+
+    def _has_requests(self) -> bool:
+        return self.steps.has_requests
+
+    def _abort_all(self) -> None:
+        self.steps.abort_all()
+
+    def stats(self) -> dict[str, float]:
+        return self.steps.stats()
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

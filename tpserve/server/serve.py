@@ -4,6 +4,10 @@ Rank 0 is this process; with ``--tensor-parallel-size N`` it spawns ranks 1..N-1
 or, under torchrun, every process runs this and ranks > 0 become workers. A rank that
 dies or raises is reported within seconds: requests end with errors, /health turns 503,
 and the process exits non-zero so that a supervisor restarts it.
+
+With ``--engine-process`` (not under torchrun) rank 0's engine runs in a child process
+instead (``engine_process``; it spawns ranks 1..N-1), and this process only serves HTTP
+through an ``EngineProxy``; failures and shutdown behave the same.
 """
 
 from __future__ import annotations
@@ -16,37 +20,34 @@ import threading
 import torch
 import uvicorn
 
-from tpserve.model.runner import ModelRunner, run_worker
+from tpserve.model.runner import ModelRunner
 from tpserve.parallel.launch import WorkerProcesses
-from tpserve.parallel.state import (
-    TPGroup,
-    destroy_tp_group,
-    find_free_port,
-    init_tp_group,
-    init_tp_group_from_env,
-    pick_device,
-    torchrun_env,
-)
+from tpserve.parallel.state import TPGroup, torchrun_env
 from tpserve.server.app import build_app
 from tpserve.server.config import Config
 from tpserve.server.engine import AsyncEngine
-from tpserve.server.engine_core import EngineCore
+from tpserve.server.engine_proxy import EngineProxy
+from tpserve.server.startup import build_engine_core, join_group, leave_group
 
 logger = logging.getLogger("tpserve")
 
 
 class _Exit:
-    """The process's exit status, set once by whoever notices a fatal failure first."""
+    """The process's exit status, set once by whoever notices a fatal failure first; a
+    fatal failure also stops the HTTP server once there is one."""
 
     def __init__(self):
         self.code = 0
         self.reason: str | None = None
         self.lock = threading.Lock()
+        self.server: uvicorn.Server | None = None
 
     def fatal(self, reason: str) -> None:
         with self.lock:
             if self.code == 0:
                 self.code, self.reason = 1, reason
+            if self.server is not None:
+                self.server.should_exit = True
 
 
 class _Server(uvicorn.Server):
@@ -58,26 +59,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _join_group(cfg: Config, on_worker_failure) -> tuple[TPGroup, WorkerProcesses | None]:
-    tp = cfg.parallel.tensor_parallel_size
-    timeout = cfg.parallel.collective_timeout_s
-    env = torchrun_env()
-    if env is not None:
-        if env[1] != tp:
-            raise ValueError(f"torchrun started {env[1]} processes but "
-                             f"--tensor-parallel-size is {tp}")
-        return init_tp_group_from_env(cfg.runner.device, timeout), None
-    device = pick_device(0, cfg.runner.device)
-    if tp == 1:
-        return TPGroup(0, 1, device, None), None
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
-    workers = WorkerProcesses(run_worker, tp, init_method, (cfg.runner, timeout),
-                              on_failure=on_worker_failure)
-    workers.start()
-    return init_tp_group(0, tp, init_method, device, timeout), workers
-
-
 def serve(cfg: Config) -> int:
+    if cfg.engine.engine_process and torchrun_env() is None:
+        return _serve_engine_process(cfg)
     status = _Exit()
     holder: dict[str, object] = {}
 
@@ -89,7 +73,7 @@ def serve(cfg: Config) -> int:
         else:
             logger.error("a worker failed during start-up: %s", reason)
 
-    group, workers = _join_group(cfg, on_worker_failure)
+    group, workers = join_group(cfg, on_worker_failure)
     try:
         if group.rank != 0:
             torch.set_num_threads(max(1, torch.get_num_threads() // group.world_size))
@@ -97,40 +81,37 @@ def serve(cfg: Config) -> int:
             return 0
         return _serve_rank0(cfg, group, workers, status, holder)
     finally:
-        if workers is not None:
-            workers.stop(timeout=10.0)
-        destroy_tp_group(group)
+        leave_group(group, workers)
 
 
 def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
                  status: _Exit, holder: dict) -> int:
-    runner = ModelRunner(cfg.runner, group, show_progress=True)
-    for line in runner.plan.describe():
-        logger.info(line)
-    logger.info("kernels: %s; tensor parallel size %d; start-up took %.1f s",
-                runner.ops.name, group.world_size, runner.startup_s)
-    tokenizer = runner.ckpt.tokenizer()
-    core = EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                      seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity,
-                      async_scheduling=cfg.engine.async_scheduling,
-                      max_mixed_tokens=cfg.engine.max_mixed_tokens)
-    server: uvicorn.Server | None = None
-
-    def on_fatal(reason: str) -> None:
-        status.fatal(reason)
-        if server is not None:
-            server.should_exit = True
-
-    name = cfg.served_model_name
-    engine = AsyncEngine(core, name, on_fatal,
+    core = build_engine_core(cfg, group)
+    engine = AsyncEngine(core, cfg.served_model_name, status.fatal,
                          max_queued_requests=cfg.engine.max_num_queued_requests,
                          max_queued_tokens=cfg.engine.max_num_queued_tokens)
     holder["engine"] = engine
+    return _serve_http(cfg, engine, status)
+
+
+def _serve_engine_process(cfg: Config) -> int:
+    status = _Exit()
+    engine = EngineProxy(cfg, status.fatal)  # raises the engine's start-up error
+    return _serve_http(cfg, engine, status)
+
+
+def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit) -> int:
+    """Runs uvicorn over ``engine`` until a signal (drain first) or a fatal failure; then
+    shuts the engine down. Returns the exit status."""
+    name = cfg.served_model_name
     app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))
+    with status.lock:
+        status.server = server
+        server.should_exit = status.code != 0  # a worker failed before serving began
     draining = threading.Event()
 
     def drain_then_exit() -> None:
