@@ -44,8 +44,8 @@ def test_config_tree_from_flags():
     assert _cfg().served_model_name == "SmolLM2-135M-Instruct"
     assert _cfg("/models/Llama-3-8B/").served_model_name == "Llama-3-8B"
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
-    assert _cfg().engine.engine_process is False
-    assert _cfg("--engine-process").engine.engine_process is True
+    assert _cfg().engine.engine_process is True
+    assert _cfg("--no-engine-process").engine.engine_process is False
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -60,7 +60,7 @@ def test_bad_flags_are_clear_errors(argv, message):
         _cfg(*argv)
 
 
-@pytest.mark.parametrize("flags", [[], ["--engine-process"]],
+@pytest.mark.parametrize("flags", [["--no-engine-process"], []],
                          ids=["in-process", "engine-process"])
 def test_serve_refuses_a_missing_model_with_exit_2(tmp_path, flags):
     out = subprocess.run([sys.executable, "-m", "tpserve.server.cli", "serve",

@@ -35,7 +35,7 @@ def _stream_until_first_token(base: str, body: dict, opened: threading.Event,
     result.update(reasons=reasons, done=done)
 
 
-@pytest.fixture(scope="module", params=[(), ("--engine-process",)],
+@pytest.fixture(scope="module", params=[("--no-engine-process",), ("--engine-process",)],
                 ids=["in-process", "engine-process"])
 def server(request):
     s = ServerProcess(*SMALL, "--max-num-seqs", "2", "--max-num-queued-requests", "1",

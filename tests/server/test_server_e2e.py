@@ -14,7 +14,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(*SMALL, "--api-key", KEY, "--served-model-name", "smol")
+    s = ServerProcess(*SMALL, "--api-key", KEY, "--served-model-name", "smol",
+                      "--no-engine-process")
     yield s
     assert s.stop() == 0
 

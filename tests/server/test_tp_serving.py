@@ -82,7 +82,7 @@ def smol_tp1():
 
 @pytest.fixture(scope="module")
 def smol_tp3():
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3")
+    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process")
     yield s
     assert s.stop() == 0, s.output()
 
@@ -246,7 +246,7 @@ def _health_status(base: str) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,rank,flags", [
-    ("raise", 1, ()), ("exit", 1, ()),
+    ("raise", 1, ("--no-engine-process",)), ("exit", 1, ("--no-engine-process",)),
     ("raise", 1, ("--engine-process",)), ("exit", 1, ("--engine-process",)),
     ("exit", 0, ("--engine-process",)),  # the engine process itself dies
 ], ids=["raise", "exit", "raise-engine-process", "exit-engine-process",

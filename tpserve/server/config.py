@@ -23,7 +23,7 @@ class EngineConfig:
     max_num_queued_tokens: int = 1 << 20
     async_scheduling: bool = True
     max_mixed_tokens: int | None = None
-    engine_process: bool = False
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
@@ -118,10 +118,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "--cuda-graph-max-tokens when graphs are on, else no cap)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading back the previous step's tokens")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine (rank 0's model, scheduler and step loop, and the "
                         "spawning of the other ranks) in its own process, so that HTTP does "
-                        "not share the GIL with it; ignored under torchrun")
+                        "not share the GIL with it (--no-engine-process: one process, the "
+                        "engine in a thread); ignored under torchrun")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
