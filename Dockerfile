@@ -12,6 +12,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# NVLink multicast (NVLS) off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a
+# program that uses it can take the host's GPUs out of service. Override to opt in.
+ENV NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1
+
 # The unprivileged user the server runs as; /results receives load-test output.
 RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin tpserve \
     && mkdir -p /results \

@@ -96,6 +96,9 @@ def test_dockerfile_layout():
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
     assert 'ENTRYPOINT ["tpserve", "serve"]' in text
     assert 'CMD ["--host", "0.0.0.0", "--port", "8000"]' in text
+    for var in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+                "NVSHMEM_DISABLE_NVLS=1"):
+        assert var in text, f"the image keeps NVLink multicast off ({var})"
 
 
 def test_compose_reserves_one_gpu_by_default():
@@ -110,6 +113,9 @@ def test_compose_reserves_one_gpu_by_default():
     assert command[command.index("--tensor-parallel-size") + 1] == "1"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert server["ipc"] == "host"
+    assert server["environment"] == {"NCCL_NVLS_ENABLE": "0",
+                                     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                     "NVSHMEM_DISABLE_NVLS": "1"}
     assert volume(server["volumes"][0]) == (str(REPO / "models"), "/models", True)
     assert [str(p["published"]) for p in server["ports"]] == ["8000"]
     assert seconds(server["healthcheck"]["start_period"]) >= 600
