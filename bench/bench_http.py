@@ -151,6 +151,25 @@ def _versions() -> dict[str, Any]:
     return out
 
 
+ENGINE_COUNTERS = ("steps_total", "step_host_seconds_total", "device_wait_seconds_total",
+                   "generation_tokens_total", "prompt_tokens_total")
+
+
+def _engine_counters(base: str) -> dict[str, float]:
+    """The engine's cumulative counters from /metrics (loadtest warm-up included)."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0].removeprefix("tpserve:")
+        if not line.startswith("#") and name in ENGINE_COUNTERS:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve, wait for /health, load-test, SIGTERM; returns 0 only if all of it worked."""
     deadline = time.monotonic() + args.deadline_s
@@ -196,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 record["startup_s"] = round(time.monotonic() - t0, 2)
                 print(f"[bench_http] server ready after {record['startup_s']} s", flush=True)
                 save()
+                before = _engine_counters(base)
                 t1 = time.monotonic()
                 budget = deadline - t1 - args.stop_timeout_s
                 try:
@@ -204,6 +224,16 @@ def run(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     record["error"] = f"loadtest still running after {budget:.0f} s; killed"
                 record["loadtest_wall_s"] = round(time.monotonic() - t1, 2)
+                after = _engine_counters(base)
+                record["engine_counters"] = {k: round(after[k] - before.get(k, 0.0), 4)
+                                             for k in after}
+                steps = record["engine_counters"].get("steps_total")
+                if steps:
+                    record["engine_ms_per_step"] = {
+                        "host": round(record["engine_counters"]["step_host_seconds_total"]
+                                      / steps * 1e3, 3),
+                        "device_wait": round(record["engine_counters"][
+                            "device_wait_seconds_total"] / steps * 1e3, 3)}
                 save()
         finally:
             if server.poll() is None:

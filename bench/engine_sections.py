@@ -216,6 +216,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     waste: list[float] = []
     before = alloc_stats(device)
     segs_before = _segments(device)
+    c0 = dict(core.counters)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv")
     sync(device)
@@ -235,7 +236,11 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
            "total_tok_per_s": round((out_tokens + len(done) * a.input_len) / wall, 1),
            "request_per_s": round(len(done) / wall, 3),
            "ttft_ms": ms_stats(ttft), "tpot_ms": ms_stats(tpot), "itl_ms": ms_stats(itl),
-           "e2e_ms": ms_stats(e2e)}
+           "e2e_ms": ms_stats(e2e),
+           "engine_ms_per_step": {  # where the engine loop's time went, per step
+               k: round((core.counters[key] - c0[key]) / max(steps, 1) * 1e3, 3)
+               for k, key in (("host", "step_host_seconds_total"),
+                              ("device_wait", "device_wait_seconds_total"))}}
     seg = {"before": before, "after": after}
     if before:
         seg["new_segments"] = after["segment.all.allocated"] - before["segment.all.allocated"]

@@ -147,3 +147,7 @@ def test_tokenize_detokenize_version_metrics(server):
     assert httpx.get(server.base + "/version").status_code == 200
     assert server.metric("kv_blocks_total") > 0
     assert server.metric("generation_tokens_total") > 0
+    # where the engine loop's time went: its own host work and waits for the device
+    assert server.metric("steps_total") > 0
+    assert server.metric("step_host_seconds_total") > 0
+    assert server.metric("device_wait_seconds_total") == 0  # on CPU the host does it all

@@ -93,7 +93,8 @@ class EngineCore:
         self._last_read = 0.0
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "num_preemptions_total": 0, "steps_total": 0,
-                         "oom_recoveries_total": 0}
+                         "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
+                         "device_wait_seconds_total": 0.0}
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
@@ -136,7 +137,17 @@ class EngineCore:
     def step(self) -> None:
         """One iteration: schedule and launch a step on every rank, then read back the
         previous step's tokens (or, without asynchronous scheduling, this step's) and emit
-        their deltas."""
+        their deltas. Its time is split into waiting for the device (reading back a step's
+        tokens) and everything else, the host's own work (both exported as counters)."""
+        start = time.perf_counter()
+        wait = self.counters["device_wait_seconds_total"]
+        try:
+            self._step()
+        finally:
+            waited = self.counters["device_wait_seconds_total"] - wait
+            self.counters["step_host_seconds_total"] += time.perf_counter() - start - waited
+
+    def _step(self) -> None:
         self._read_live_memory()
         prev = self._inflight
         if prev is not None and not self._can_overlap():
@@ -210,7 +221,9 @@ class EngineCore:
         if flight is None or not flight.sampling:
             return
         if flight.event is not None:
+            t = time.perf_counter()
             flight.event.synchronize()
+            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
         result = flight.sample.resolve()
         touched: dict[str, list[CompletionDelta]] = {}
         for row, seq in enumerate(flight.sampling):

@@ -45,6 +45,12 @@ ENGINE_COUNTERS = {
     "num_preemptions_total": "Cumulative number of preemptions.",
     "prompt_tokens_total": "Number of prefill tokens processed.",
     "generation_tokens_total": "Number of generation tokens processed.",
+    "steps_total": "Number of model steps the engine ran.",
+    "step_host_seconds_total": "Seconds the engine loop worked on the host (scheduling, "
+                               "plans, launches, detokenization), waits for the device "
+                               "excluded.",
+    "device_wait_seconds_total": "Seconds the engine loop waited for the device to finish "
+                                 "a step (near 0: the host is the bottleneck).",
 }
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
