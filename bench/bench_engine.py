@@ -58,13 +58,14 @@ FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=20
             kv_cache_memory=None, num_prompts=640, concurrency=64, input_len=1024,
             output_len=256, serving_time_limit=120.0, decode_input_len=1024,
             decode_output_len=256, prefill_seqs=8, prefill_reps=5, warmup_prompts=64,
-            warmup_output_len=16, profile_steps=8, copy_mib=2048, matmul_n=8192)
+            warmup_output_len=16, profile_steps=8, copy_mib=2048, matmul_n=8192,
+            temperature=0.0)
 SMALL = dict(model="smollm2-135m", device="cpu", dtype="float32", max_model_len=512,
              max_num_seqs=4, max_num_batched_tokens=256, gpu_memory_utilization=0.9,
              kv_cache_memory=64 << 20, num_prompts=6, concurrency=4, input_len=64,
              output_len=8, serving_time_limit=60.0, decode_input_len=64, decode_output_len=8,
              prefill_seqs=4, prefill_reps=2, warmup_prompts=2, warmup_output_len=2,
-             profile_steps=2, copy_mib=64, matmul_n=512)
+             profile_steps=2, copy_mib=64, matmul_n=512, temperature=0.0)
 
 
 # --------------------------------------------------------------------------- main

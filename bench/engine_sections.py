@@ -108,11 +108,11 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     concurrency: int, time_limit: float | None, waste: list[float] | None,
-                    tag: str) -> tuple[list[Tracker], float, int]:
+                    tag: str, temperature: float = 0.0) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
     Returns the trackers, the wall time and the number of steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     pending = deque(enumerate(prompts))
     inflight: list[Tracker] = []
     done: list[Tracker] = []
@@ -218,7 +218,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     segs_before = _segments(device)
     c0 = dict(core.counters)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
-                                        a.serving_time_limit, waste, "srv")
+                                        a.serving_time_limit, waste, "srv", a.temperature)
     sync(device)
     after = alloc_stats(device)
     new_segs = [s for addr, s in _segments(device).items() if addr not in segs_before]
@@ -228,7 +228,8 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     itl = [b - a_ for t in done for a_, b in zip(t.token_times[:-1], t.token_times[1:], strict=True)]
     out_tokens = sum(len(t.token_times) for t in done)
     e2e = [t.token_times[-1] - t.t_add for t in done]
-    srv = {"concurrency": a.concurrency, "num_prompts_requested": a.num_prompts,
+    srv = {"concurrency": a.concurrency, "temperature": a.temperature,
+           "num_prompts_requested": a.num_prompts,
            "num_prompts": len(done), "time_limit_s": a.serving_time_limit,
            "input_len": a.input_len, "output_len": a.output_len, "duration_s": round(wall, 3),
            "steps": steps, "output_tokens": out_tokens,

@@ -101,6 +101,7 @@ def test_every_request_completes_and_tokens_match_the_server(basic_run):
     body = stats.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 12 and body["ignore_eos"] is True
+    assert body["temperature"] == 0.0  # greedy unless --temperature says otherwise
     assert body["model"] == MODEL_ID and result["model"] == MODEL_ID
     assert len(set(stats.prompts)) == 20, "random prompts are distinct"
 

@@ -39,6 +39,7 @@ class LoadtestConfig:
     prefix_len: int
     dataset_path: Path | None
     ignore_eos: bool
+    temperature: float
     seed: int
     num_warmups: int
     api_key: str | None
@@ -71,6 +72,7 @@ class LoadtestConfig:
             "random_range_ratio": self.random_range_ratio,
             "prefix_len": self.prefix_len if self.dataset == "prefix" else 0,
             "ignore_eos": self.ignore_eos,
+            "temperature": self.temperature,
             "seed": self.seed,
             "num_warmups": self.num_warmups,
             "timeout": self.timeout,
@@ -134,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--ignore-eos", action="store_true",
                       help="ask the server to generate max_tokens whatever the model says "
                            "(vLLM's ignore_eos extension)")
+    data.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature sent with every request (default: "
+                           "%(default)s, greedy, as vLLM's bench serve)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--result-file", type=Path, default=None,
@@ -195,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         prefix_len=args.prefix_len,
         dataset_path=args.dataset_path,
         ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
         seed=args.seed,
         num_warmups=args.num_warmups,
         api_key=api_key,

@@ -65,6 +65,7 @@ class RequestSender:
         endpoint: str,
         ignore_eos: bool,
         timeout: float,
+        temperature: float = 0.0,
     ) -> None:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         self._client = client
@@ -73,12 +74,14 @@ class RequestSender:
         self._chat = endpoint == "chat"
         self._ignore_eos = ignore_eos
         self._timeout = timeout
+        self._temperature = temperature
 
     def payload(self, spec: PromptSpec) -> dict:
         """The JSON body for spec."""
         body: dict = {
             "model": self._model,
             "max_tokens": spec.output_len,
+            "temperature": self._temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

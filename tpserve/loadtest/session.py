@@ -93,7 +93,7 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
             tokenizer = counter.name
             _log(f"model {model!r}; prompt lengths by {tokenizer}")
             sender = RequestSender(client, config.base_url, model, config.endpoint,
-                                   config.ignore_eos, config.timeout)
+                                   config.ignore_eos, config.timeout, config.temperature)
             for index, rate in enumerate(config.request_rates):
                 records.append(await _run_rate(config, counter, sender, index, rate, stop))
                 if records[-1].interrupted:

@@ -87,6 +87,16 @@ class PendingSample:
                              top_logprobs=top)
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
+    it goes up from pinned memory, non-blocking (a pageable copy would wait for every step
+    queued before it, which would undo asynchronous scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _token_counts(
     token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -96,7 +106,7 @@ def _token_counts(
     counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32, device=device)
     if longest:
         padded = [list(t) + [vocab_size] * (longest - len(t)) for t in token_ids]
-        index = torch.tensor(padded, dtype=torch.long).clamp_(0, vocab_size).to(device)
+        index = to_device(padded, torch.long, device).clamp_(0, vocab_size)
         counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
 
@@ -115,11 +125,11 @@ def _penalize_(
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
-    index = torch.tensor(rows, dtype=torch.long, device=device)
+    index = to_device(rows, torch.long, device)
     sub = logits.index_select(0, index)
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+        return to_device(values, torch.float32, device).unsqueeze(1)
 
     if any(params[i].repetition_penalty != 1.0 for i in rows):
         seen = _token_counts(
@@ -152,8 +162,8 @@ def _mask_min_tokens_(
                     row_idx.append(i)
                     col_idx.append(t)
     if row_idx:
-        rows = torch.tensor(row_idx, dtype=torch.long, device=logits.device)
-        cols = torch.tensor(col_idx, dtype=torch.long, device=logits.device)
+        rows = to_device(row_idx, torch.long, logits.device)
+        cols = to_device(col_idx, torch.long, logits.device)
         logits[rows, cols] = -math.inf
 
 
@@ -273,13 +283,17 @@ class Sampler:
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
 
-        tokens = argmax_rows(x)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(random_rows) < n:
+            tokens = argmax_rows(x)
         if random_rows:
             sampled = self._sample(
                 x, random_rows, [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
-            tokens[torch.tensor(random_rows, dtype=torch.long, device=x.device)] = sampled
+            if len(random_rows) == n:
+                tokens = sampled
+            else:
+                tokens[to_device(random_rows, torch.long, x.device)] = sampled
 
         if all(p.logprobs is None for p in params):
             return PendingSample(tokens)
@@ -294,17 +308,18 @@ class Sampler:
     ) -> torch.Tensor:
         """Draws one token for each of ``rows`` of the processed logits ``x``."""
         device, vocab = x.device, x.shape[-1]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        sub = x.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+        temps = to_device([p.temperature for p in params], torch.float32, device)
+        sub = x if len(rows) == x.shape[0] else x.index_select(
+            0, to_device(rows, torch.long, device))
         sub = sub / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             sub = apply_filters(
                 sub,
                 # top_k >= vocab keeps every token; clamping keeps huge values in int64.
-                torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                             device=device),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+                to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                          torch.long, device),
+                to_device([p.top_p for p in params], torch.float32, device),
+                to_device([p.min_p for p in params], torch.float32, device),
             )
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
@@ -315,13 +330,13 @@ class Sampler:
             if shared:
                 draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device)
                 draw.exponential_(generator=self.generator)
-                noise[torch.tensor(shared, dtype=torch.long, device=device)] = draw
+                noise[to_device(shared, torch.long, device)] = draw
             for j, gen in enumerate(generators):
                 if gen is not None:
                     noise[j].exponential_(generator=gen)
         # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
         noise.clamp_(min=torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     @staticmethod
     def _with_logprobs(
