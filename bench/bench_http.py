@@ -281,6 +281,8 @@ def report(args: argparse.Namespace) -> int:
         "startup_s": rec["startup_s"],
         "server_rc": rec["server_rc"],
         "server_stop_s": rec["server_stop_s"],
+        "engine_counters": rec.get("engine_counters"),
+        "engine_ms_per_step": rec.get("engine_ms_per_step"),
         "engine_output_throughput": engine_tps,
         "engine_json": Path(args.engine_json).name,
         "ratio_vs_engine": round(lt["output_throughput"] / engine_tps, 4),
