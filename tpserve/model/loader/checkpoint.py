@@ -149,7 +149,10 @@ class DummyCheckpoint:
         self.seed = seed
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
-        dummy.fill_random(model, self.seed, show_progress)
+        device = next(model.parameters()).device
+        tensors = dummy.hf_tensors(self.config)
+        _load_all(model, dummy.iter_weights(self.config, self.seed, device), len(tensors),
+                  self.description, show_progress)
 
     def tokenizer(self) -> Any:
         if self.folder is not None and (self.folder / "tokenizer_config.json").is_file():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Iterator
+
 import torch
-from torch import nn
-from tqdm import tqdm
 
 from tpserve.model.config import ModelConfig
 
@@ -42,18 +44,91 @@ def shape_hf_config(name: str) -> dict:
     return {**base, **d}
 
 
-def fill_random(model: nn.Module, seed: int, show_progress: bool) -> None:
-    """Fills every parameter in place on its device: norms with ones, the rest with small
-    normal noise (std 0.02), so no full host copy of any weight is ever made."""
-    params = list(model.named_parameters())
-    gens: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, p in tqdm(params, desc="Initialising dummy weights", unit="tensor",
-                            disable=not show_progress, leave=False):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            g = gens.get(p.device)
-            if g is None:
-                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.normal_(0.0, 0.02, generator=g)
+def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor a Hugging Face checkpoint of this Llama-family config holds, by name."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter))]
+        if cfg.qkv_bias:
+            out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                    (p + "self_attn.v_proj.bias", (kv,))]
+        if cfg.o_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,)))
+    out.append(("model.norm.weight", (h,)))
+    if not cfg.tie_word_embeddings:
+        out.append(("lm_head.weight", (cfg.vocab_size, h)))
+    return out
+
+
+_MASK32 = 0xFFFFFFFF
+_HALF_WIDTH = 0.02 * 3 ** 0.5  # uniform on [-a, a] has std a / sqrt(3) = 0.02
+_CHUNK = 1 << 24  # elements hashed at a time (bounds the temporaries)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (two multiply-xorshift rounds) on int64 values < 2**32."""
+    for mult in (0x7FEB352D, 0x846CA68B):
+        x = (x ^ (x >> 16)) * mult & _MASK32
+    return x ^ (x >> 15)
+
+
+class HashedSource:
+    """A dummy tensor whose every element is a pure function of (seed, name, index):
+    ones for norm weights, else uniform noise of std 0.02. ``read`` computes only the
+    requested slice, on ``device``, so every tensor-parallel rank gets exactly its shard
+    of the same full tensor (dummy weights do not change with ``--tensor-parallel-size``)
+    and no full copy is ever made."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int, device: torch.device):
+        self.shape = shape
+        self.ones = name.endswith("norm.weight")
+        self.key = zlib.crc32(f"{seed}:{name}".encode())
+        self.device = device
+        if math.prod(shape) > _MASK32:
+            raise ValueError(f"{name}: {math.prod(shape)} elements exceed 32-bit indices")
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        shape = list(self.shape)
+        if dim is None:
+            dim, start, length = 0, 0, shape[0]
+        length = shape[dim] - start if length is None else length
+        out_shape = shape.copy()
+        out_shape[dim] = length
+        if self.ones:
+            return torch.ones(out_shape, device=self.device)
+        # rows and columns of the slice in the full tensor viewed as 2-D; hashed a block
+        # of rows at a time so that no temporary grows with the tensor
+        rows_full, cols_full = (1, shape[0]) if len(shape) == 1 else shape
+        row0, col0 = 0, 0
+        rows, cols = (1, length) if len(shape) == 1 else out_shape
+        if len(shape) == 1:
+            col0 = start
+        elif dim == 0:
+            row0 = start
+        else:
+            col0 = start
+        out = torch.empty((rows, cols), dtype=torch.float32, device=self.device)
+        col_index = torch.arange(col0, col0 + cols, dtype=torch.int64, device=self.device)
+        step = max(1, _CHUNK // max(cols, 1))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            row_index = torch.arange(row0 + r, row0 + r + n, dtype=torch.int64,
+                                     device=self.device)
+            h = _hash32((row_index[:, None] * cols_full + col_index[None, :]) ^ self.key)
+            out[r:r + n] = (h.to(torch.float32) * (2.0 / _MASK32) - 1.0) * _HALF_WIDTH
+        return out.view(out_shape)
+
+
+def iter_weights(cfg: ModelConfig, seed: int, device: torch.device
+                 ) -> Iterator[tuple[str, HashedSource]]:
+    for name, shape in hf_tensors(cfg):
+        yield name, HashedSource(name, shape, seed, device)

@@ -1,0 +1,53 @@
+"""Dummy weights are a pure function of (seed, tensor name, index): every rank reads its
+shard of the same full tensor, so a dummy model's logits do not depend on the tensor-parallel
+size (what the multi-GPU correctness runs compare)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.util import full_logits, load
+from tpserve.model.loader.dummy import HashedSource, hf_tensors, shape_config
+from tpserve.parallel.launch import run_ranks
+
+CPU = torch.device("cpu")
+TOKENS = [1, 504, 3575, 282, 4649, 314, 17, 9000, 42]
+
+
+def test_slices_are_slices_of_the_one_full_tensor():
+    w = HashedSource("model.layers.3.mlp.up_proj.weight", (300, 70), 7, CPU)
+    full = w.read()
+    assert full.shape == (300, 70) and full.dtype == torch.float32
+    assert torch.equal(w.read(0, 100, 50), full[100:150])
+    assert torch.equal(w.read(1, 10, 20), full[:, 10:30])
+    assert abs(full.std().item() - 0.02) < 0.002 and full.abs().max().item() <= 0.0347
+    other = HashedSource("model.layers.3.mlp.down_proj.weight", (300, 70), 7, CPU).read()
+    reseeded = HashedSource("model.layers.3.mlp.up_proj.weight", (300, 70), 8, CPU).read()
+    assert not torch.equal(full, other) and not torch.equal(full, reseeded)
+    bias = HashedSource("model.layers.0.self_attn.q_proj.bias", (77,), 7, CPU)
+    assert torch.equal(bias.read(0, 7, 9), bias.read()[7:16])
+    assert torch.equal(HashedSource("model.norm.weight", (5,), 7, CPU).read(), torch.ones(5))
+
+
+def test_hf_tensor_list_matches_the_shape():
+    cfg = shape_config("llama3-8b")
+    tensors = dict(hf_tensors(cfg))
+    assert len(tensors) == 2 + 9 * 32 + 1
+    assert tensors["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)
+    assert tensors["lm_head.weight"] == (128256, 4096)
+    assert sum(torch.Size(s).numel() for s in tensors.values()) == 8_030_261_248
+
+
+def _dummy_logits(group):
+    model, comm = load("smollm2-135m", group, "dummy")
+    return full_logits(model, comm, TOKENS)
+
+
+@pytest.mark.slow
+def test_dummy_logits_do_not_depend_on_tensor_parallel_size():
+    model, comm = load("smollm2-135m", None, "dummy")
+    want = full_logits(model, comm, TOKENS)
+    assert want.abs().max().item() > 0
+    for logits in run_ranks(_dummy_logits, 3, timeout_s=400):
+        assert (logits - want).abs().max().item() < 1e-4
