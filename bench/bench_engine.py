@@ -49,9 +49,16 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
 )
 from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
+from tpserve.model.plan import CMD_SHUTDOWN  # noqa: E402
 from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
-from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
+from tpserve.parallel.state import (  # noqa: E402
+    ParallelConfig,  # noqa: E402
+    TPGroup,
+    pick_device,
+)
+from tpserve.server.config import Config, EngineConfig, ServerConfig  # noqa: E402
 from tpserve.server.engine_core import EngineCore  # noqa: E402
+from tpserve.server.startup import join_group, leave_group  # noqa: E402
 
 FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=2048,
             max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
@@ -84,6 +91,8 @@ def parse_args() -> argparse.Namespace:
                    help="largest mixed-step graph (0: pure-decode graphs only)")
     p.add_argument("--max-mixed-tokens", type=int, default=None,
                    help="step budget while sequences decode (default: the largest graph)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks; 1..N-1 are spawned (one GPU each on CUDA, gloo on CPU)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
@@ -144,13 +153,28 @@ def main() -> int:
                        gpu_memory_utilization=a.gpu_memory_utilization,
                        kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
                        cuda_graph_max_tokens=a.cuda_graph_max_tokens)
-    group = TPGroup(0, 1, device, None)
+    tp = a.tensor_parallel_size
+    group, workers = TPGroup(0, 1, device, None), None
+    if tp > 1:  # the server's own start-up: spawn and watch ranks 1..tp-1
+        group, workers = join_group(
+            Config(cfg, ParallelConfig(tp), EngineConfig(), ServerConfig()),
+            lambda reason: log(f"a worker rank failed: {reason}"))
+    try:
+        return _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path,
+                    commit, dirty)
+    finally:
+        if workers is not None:
+            leave_group(group, workers)
+
+
+def _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path, commit, dirty
+         ) -> int:
     t0 = time.perf_counter()
     runner, failure = None, None
     try:
         runner = ModelRunner(cfg, group)
     except Exception as e:  # noqa: BLE001 - fall back to eager below, outside this frame
-        if cfg.enforce_eager or device.type != "cuda":
+        if cfg.enforce_eager or device.type != "cuda" or group.world_size > 1:
             raise
         failure = repr(e)
     if runner is None:
@@ -188,7 +212,8 @@ def main() -> int:
     kv_per_token = pl.bytes_per_block // pl.block_size
     weight_bytes, total_params, per_token_params, head_params = \
         weight_bytes_read_per_step(runner)
-    R["model"] = {"shape": a.model, "params": total_params, "weight_bytes_per_decode_step":
+    R["model"] = {"shape": a.model, "tp": group.world_size,
+                  "params_on_rank0": total_params, "weight_bytes_per_decode_step":
                   weight_bytes, "kv_bytes_per_token": kv_per_token,
                   "params_per_prefill_token": per_token_params}
 
@@ -300,6 +325,7 @@ def main() -> int:
                                             "prefill", "new_segments_after_warmup",
                                             "kv_waste", "tpot_p50_over_batch1")}, indent=1))
     print(json.dumps(R["serving"], indent=1))
+    runner.send_command(CMD_SHUTDOWN)  # workers leave their loop (no-op at tp 1)
     return 0
 
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from tpserve.parallel.state import TPGroup, destroy_tp_group, find_free_port, init_tp_group
+from tpserve.parallel.state import (
+    TPGroup,
+    destroy_tp_group,
+    find_free_port,
+    init_tp_group,
+    pick_device,
+)
 
 
 def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_method: str,
@@ -87,10 +93,11 @@ class WorkerProcesses:
 
 
 def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, init_method: str,
-              args: tuple, results: mp.Queue) -> None:
+              args: tuple, results: mp.Queue, device: str) -> None:
     try:
-        torch.set_num_threads(1)
-        group = init_tp_group(rank, world_size, init_method, torch.device("cpu"))
+        if device == "cpu":
+            torch.set_num_threads(1)
+        group = init_tp_group(rank, world_size, init_method, pick_device(rank, device))
         try:
             out = fn(group, *args)
         finally:
@@ -103,16 +110,16 @@ def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, init_method: s
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = 300.0) -> list[Any]:
-    """Runs ``fn(group: TPGroup, *args)`` on ``world_size`` spawned CPU (gloo) ranks and
-    returns the results in rank order. Raises with the failing rank's traceback, or on
-    timeout; never hangs.
+              timeout_s: float = 300.0, device: str = "cpu") -> list[Any]:
+    """Runs ``fn(group: TPGroup, *args)`` on ``world_size`` spawned ranks (CPU and gloo, or
+    ``device="cuda"``: rank r on GPU r with NCCL) and returns the results in rank order.
+    Raises with the failing rank's traceback, or on timeout; never hangs.
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{find_free_port()}"
     procs = [ctx.Process(target=_run_rank, daemon=True,
-                         args=(fn, r, world_size, init_method, args, results))
+                         args=(fn, r, world_size, init_method, args, results, device))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 7 on a machine with several H200s (nvidia-h200-x2 or -x4), two device calls:
+#   bash bench/run_tp.sh OUT SHA correctness   # bench_tp.py: tp 1/2/4 vs tp 1, collectives
+#   bash bench/run_tp.sh OUT SHA engine        # bench_engine.py --serving-only at tp 2 and 4,
+#                                              # then tpserve serve -tp 4 with llama3-70b
+# (.whl and .benchdata carried; TP sizes above the GPU count are skipped.)
+set -uo pipefail
+out=$1 sha=$2 stage=$3
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+gpus=$(nvidia-smi -L | wc -l)
+sizes=""; for t in 1 2 4; do [ "$t" -le "$gpus" ] && sizes="$sizes $t"; done
+nvidia-smi topo -m > "$out/topo.txt" 2>&1
+if [ "$stage" = correctness ]; then
+  timeout 540 python3 bench/bench_tp.py --tp $sizes --out "$out/tp.json" --git-commit "$sha" \
+    2>&1 | tee "$out/tp.log"
+else
+  for t in $sizes; do
+    [ "$t" = 1 ] && continue
+    timeout 200 python3 bench/bench_engine.py --serving-only --tensor-parallel-size "$t" \
+      --out "$out/engine-tp$t.json" --git-commit "$sha" 2>&1 | grep -E "batch-1|serving:"
+  done
+  if [ "$gpus" -ge 4 ]; then
+    timeout 280 python3 bench/bench_http.py run --out "$out/http70b" --deadline-s 260 \
+      --serve-flags "--load-format dummy --dtype bfloat16 --max-model-len 2048 \
+--max-num-seqs 64 --max-num-batched-tokens 8192 --tensor-parallel-size 4" \
+      --model llama3-70b --loadtest-flags "--num-prompts 128 --max-concurrency 64 \
+--random-input-len 1024 --random-output-len 128 --random-range-ratio 0 --ignore-eos \
+--dataset random --seed 0 --num-warmups 8 --no-progress --no-plot" 2>&1 | tail -20
+  fi
+fi
