@@ -1,7 +1,8 @@
 """The heart of the engine on rank 0: schedule, run, sample, detokenize, stop.
 
 ``EngineCore.step`` is one iteration of continuous batching. It is driven by one thread
-only (``AsyncEngine``'s loop) and has no locks; everything it touches is its own.
+only (the engine's ``StepLoop``, in the server process or in the engine process) and has
+no locks; everything it touches is its own.
 
 Asynchronous scheduling (the default): step N is launched on the device *before* the
 tokens of step N-1 are read back, so the host schedules, builds and launches while the
