@@ -43,6 +43,13 @@ def time_graph(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def write_rows(path: str, rows: list[dict]) -> None:
+    """The sweep's rows with the commit, device and versions they were measured with."""
+    meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
+    Path(path).write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -66,9 +73,7 @@ def main() -> None:
                          "kv_TBps": round(kv_bytes / us / 1e6, 3),
                          "heuristic": decode_num_splits(batch, hkv, 2048) == splits})
             print(rows[-1], flush=True)
-    meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
-    Path(a.out).write_text(json.dumps(meta, indent=1) + "\n")
+    write_rows(a.out, rows)
 
 
 if __name__ == "__main__":

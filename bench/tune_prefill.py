@@ -8,17 +8,14 @@ query tiles over long cached contexts, latency-bound) and a pure 8 x 1024 prefil
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from measure import git_commit  # noqa: E402  (bench/measure.py)
-from tune_decode import time_graph  # noqa: E402  (bench/tune_decode.py)
+from tune_decode import time_graph, write_rows  # noqa: E402  (bench/tune_decode.py)
 
 from tpserve.model.attention.metadata import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
@@ -70,9 +67,7 @@ def main() -> None:
                 rows.append({"case": name, "block_m": bm, "block_n": bn, "warps": warps,
                              "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
                 print(rows[-1], flush=True)
-    meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
-    Path(a.out).write_text(json.dumps(meta, indent=1) + "\n")
+    write_rows(a.out, rows)
 
 
 if __name__ == "__main__":
