@@ -62,8 +62,7 @@ class StepPlan:
             ids.extend(c.token_ids)
             p = range(c.num_computed, c.num_computed + n)
             pos.extend(p)
-            blocks = c.block_ids
-            slots.extend(blocks[i // block_size] * block_size + i % block_size for i in p)
+            slots.extend(c.block_ids[i // block_size] * block_size + i % block_size for i in p)
             qsl.append(qsl[-1] + n)
             lens.append(c.num_computed + n)
             if c.sample:
@@ -103,9 +102,17 @@ class StepPlan:
         return header, payload
 
     @staticmethod
+    def payload_sizes(tokens: int, seqs: int, blocks_per_seq: int, sampled: int, tiles: int,
+                      pending: int) -> list[int]:
+        """The payload's parts in order (see ``pack``); their sum bounds the receive
+        buffer when the arguments are the largest a step can have."""
+        t, b = tokens, seqs
+        return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, tiles, pending, pending]
+
+    @staticmethod
     def _sizes(header: list[int]) -> list[int]:
         _, t, b, m, s, _, _, _, n, p = header
-        return [t, t, t, b + 1, b, b * m, s, n, p, p]
+        return StepPlan.payload_sizes(t, b, m, s, n, p)
 
     @staticmethod
     def payload_len(header: torch.Tensor) -> int:
@@ -114,7 +121,8 @@ class StepPlan:
     @classmethod
     def unpack(cls, header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         h = [int(x) for x in header.tolist()]
-        _, t, b, m, s, nd, mq, ms, n, p = h
+        b, m = h[2], h[3]
+        nd, mq, ms = h[5:8]
         parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
                    parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7].int(),

@@ -137,8 +137,8 @@ class ModelRunner:
         tp = self.comm.world_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
         t, b = cfg.max_num_batched_tokens, cfg.max_num_seqs
-        self.max_payload = (3 * t + (b + 1) + b + b * self.max_blocks_per_seq + b
-                            + max_prefill_tiles(t, b) + 2 * b)
+        self.max_payload = sum(StepPlan.payload_sizes(
+            t, b, self.max_blocks_per_seq, sampled=b, tiles=max_prefill_tiles(t, b), pending=b))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
         # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
