@@ -67,7 +67,10 @@ def _rope_write_kv_kernel(
     tl.store(k_row, r1, mask=k_mask)
     tl.store(k_row + HALF, r2, mask=k_mask)
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # The slot is loaded once per head (one value broadcast) so that ``write`` is a block
+    # mask, not a scalar: masks must be blocks of int1 (triton 3.9's interpreter refuses a
+    # scalar combined into a store mask).
+    slot = tl.load(slot_ptr + t + 0 * hk).to(tl.int64)[:, None]
     write = slot >= 0
     blk = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
