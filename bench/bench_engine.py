@@ -57,7 +57,7 @@ from tpserve.parallel.state import (  # noqa: E402
     pick_device,
 )
 from tpserve.server.config import Config, EngineConfig, ServerConfig  # noqa: E402
-from tpserve.server.engine_core import EngineCore  # noqa: E402
+from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
 from tpserve.server.startup import join_group, leave_group  # noqa: E402
 
 FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=2048,

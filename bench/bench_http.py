@@ -11,7 +11,7 @@ never produced by encoding, because no merge leads to it. Without the padding, i
 decode to "", the server sends no chunk for them, and the client's TTFT and ITL would be
 measured between the tokens that happen to have text.
 
-``run`` (on the GPU machine) starts ``python -m tpserve.server.cli serve FOLDER
+``run`` (on the GPU machine) starts ``python -m tpserve.cli serve FOLDER
 --load-format dummy ...`` in the background, takes the time from launch until ``/health``
 answers 200 (start-up), runs ``python -m tpserve.loadtest``, stops the server with SIGTERM,
 and checks that it exits 0. Everything goes under ``--out``: ``http.json`` (the load
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{args.port}"
-    serve_cmd = [sys.executable, "-m", "tpserve.server.cli", "serve", args.model,
+    serve_cmd = [sys.executable, "-m", "tpserve.cli", "serve", args.model,
                  *shlex.split(args.serve_flags), "--port", str(args.port)]
     loadtest_cmd = [sys.executable, "-m", "tpserve.loadtest", "--base-url", base,
                     *shlex.split(args.loadtest_flags), "--result-file", str(out / "http.json")]

@@ -20,9 +20,9 @@ from measure import sync  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
-from tpserve.server.engine_core import EngineCore  # noqa: E402
-from tpserve.server.outputs import RequestOutput  # noqa: E402
-from tpserve.server.request_state import RequestState  # noqa: E402
+from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
+from tpserve.server.engine.outputs import RequestOutput  # noqa: E402
+from tpserve.server.engine.request_state import RequestState  # noqa: E402
 
 
 class StubTokenizer:

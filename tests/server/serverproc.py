@@ -39,7 +39,7 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240):
         self.port = find_free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tpserve.server.cli", "serve", *args,
+        cmd = [sys.executable, "-m", "tpserve.cli", "serve", *args,
                "--port", str(self.port), "--log-level", "warning"]
         self._log = tempfile.NamedTemporaryFile("w", prefix="tpserve-", suffix=".log",
                                                 delete=False)

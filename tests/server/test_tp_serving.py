@@ -150,7 +150,7 @@ class TorchrunNodes:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                "--rdzv-id", f"tpserve-test-{self.port}",
-               "-m", "tpserve.server.cli", "serve", folder, "--tensor-parallel-size", "2",
+               "-m", "tpserve.cli", "serve", folder, "--tensor-parallel-size", "2",
                "--port", str(self.port), "--log-level", "warning", *TINY_FLAGS]
         self.logs = [logs / f"node{i}.log" for i in range(2)]
         self.procs: list[subprocess.Popen] = []

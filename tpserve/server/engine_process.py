@@ -54,9 +54,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tpserve.server.config import Config
-from tpserve.server.engine import HEARTBEAT_S, Item, StepLoop, engine_stats
-from tpserve.server.engine_core import EngineCore
-from tpserve.server.request_state import RequestState
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.step_loop import HEARTBEAT_S, Item, StepLoop, engine_stats
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
 logger = logging.getLogger("tpserve")

@@ -29,9 +29,9 @@ from typing import Any
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
-from tpserve.server.engine import EngineFront, dead_error
+from tpserve.server.engine.errors import EngineDeadError
+from tpserve.server.engine.step_loop import EngineFront, dead_error
 from tpserve.server.engine_process import run_engine_process
-from tpserve.server.errors import EngineDeadError
 
 logger = logging.getLogger("tpserve")
 

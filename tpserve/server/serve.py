@@ -23,10 +23,10 @@ import uvicorn
 from tpserve.model.runner import ModelRunner
 from tpserve.parallel.launch import WorkerProcesses
 from tpserve.parallel.state import TPGroup, torchrun_env
-from tpserve.server.app import build_app
 from tpserve.server.config import Config
-from tpserve.server.engine import AsyncEngine
+from tpserve.server.engine.step_loop import AsyncEngine
 from tpserve.server.engine_proxy import EngineProxy
+from tpserve.server.http.app import build_app
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
 logger = logging.getLogger("tpserve")

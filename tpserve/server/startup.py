@@ -19,7 +19,7 @@ from tpserve.parallel.state import (
     torchrun_env,
 )
 from tpserve.server.config import Config
-from tpserve.server.engine_core import EngineCore
+from tpserve.server.engine.engine_core import EngineCore
 
 logger = logging.getLogger("tpserve")
 

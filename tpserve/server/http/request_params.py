@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.http_errors import APIError
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 def _max_tokens(req: SamplingRequest) -> tuple[int | None, str]:

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.errors import EngineDeadError, EngineOverloadedError
-from tpserve.server.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.engine.errors import EngineDeadError, EngineOverloadedError
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 
 TEXT = " The quick brown fox jumps over the lazy dog."
 FAIL_MODES = (None, "overload", "dead", "midway", "crash", "error_output")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tpserve.server.cli import build_parser
+from tpserve.cli import build_parser
 from tpserve.server.config import config_from_args, parse_bytes
 
 FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs",
@@ -20,7 +20,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
 
 
 def test_help_lists_every_flag_with_defaults():
-    out = subprocess.run([sys.executable, "-m", "tpserve.server.cli", "--help"],
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
@@ -63,7 +63,7 @@ def test_bad_flags_are_clear_errors(argv, message):
 @pytest.mark.parametrize("flags", [["--no-engine-process"], []],
                          ids=["in-process", "engine-process"])
 def test_serve_refuses_a_missing_model_with_exit_2(tmp_path, flags):
-    out = subprocess.run([sys.executable, "-m", "tpserve.server.cli", "serve",
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve",
                           str(tmp_path / "missing.gguf"), *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2

@@ -15,9 +15,9 @@ from tpserve.model import memory
 from tpserve.model.runner import ModelRunner, RunnerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import TPGroup
-from tpserve.server.engine_core import EngineCore
-from tpserve.server.outputs import RequestOutput
-from tpserve.server.request_state import RequestState
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.request_state import RequestState
 
 CPU = torch.device("cpu")
 
@@ -179,7 +179,7 @@ def test_abort_returns_blocks(folder, smollm2_tokenizer):
 def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer, monkeypatch):
     core = make_core(folder, smollm2_tokenizer, num_blocks=30, budget=64)
     floor = core.memory_floor
-    monkeypatch.setattr("tpserve.server.engine_core.read_memory",
+    monkeypatch.setattr("tpserve.server.engine.engine_core.read_memory",
                         lambda device: (floor // 4, floor * 8))
     core._last_read = 0.0
     outs = submit(core, "y", list(range(100)), SamplingParams(temperature=0, max_tokens=2))
@@ -188,7 +188,7 @@ def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer, monkey
     assert core.token_budget == 16  # a quarter of 64
     assert core.stats()["step_token_budget"] == 16
     assert core.requests["y"].seqs[0].num_computed_tokens == 16
-    monkeypatch.setattr("tpserve.server.engine_core.read_memory", lambda device: (floor, floor))
+    monkeypatch.setattr("tpserve.server.engine.engine_core.read_memory", lambda device: (floor, floor))
     core._last_read = 0.0
     core.step()
     assert core.token_budget == 64

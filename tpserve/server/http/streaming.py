@@ -12,17 +12,17 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tpserve.server.errors import EngineError
-from tpserve.server.http_errors import APIError, error_body
-from tpserve.server.openai_format import (
+from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
+from tpserve.server.http.http_errors import APIError, error_body
+from tpserve.server.http.openai_format import (
     ChoiceState,
     ResponseContext,
     chat_logprobs,
     completion_logprobs,
     usage_info,
 )
-from tpserve.server.outputs import CompletionDelta, RequestOutput
-from tpserve.server.protocol import (
+from tpserve.server.http.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,

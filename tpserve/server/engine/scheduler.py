@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tpserve.server.block_manager import BlockManager
-from tpserve.server.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

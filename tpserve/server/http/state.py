@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tpserve.server.engine_client import EngineClient
-from tpserve.server.errors import EngineDeadError, EngineShuttingDownError
-from tpserve.server.http_errors import APIError
-from tpserve.server.metrics import ServerMetrics
-from tpserve.server.prompts import PromptProcessor
+from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
+from tpserve.server.http.engine_client import EngineClient
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.metrics import ServerMetrics
+from tpserve.server.http.prompts import PromptProcessor
 
 
 @dataclass

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from tpserve.server.http_errors import APIError
-from tpserve.server.protocol import ChatMessage
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import ChatMessage
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 

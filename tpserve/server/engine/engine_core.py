@@ -33,11 +33,11 @@ from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler
-from tpserve.server.block_manager import BlockManager
-from tpserve.server.outputs import CompletionDelta, RequestOutput, TokenLogprob
-from tpserve.server.request_state import RequestState
-from tpserve.server.scheduler import Scheduler, SchedulerConfig
-from tpserve.server.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.server.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.outputs import RequestOutput
+from tpserve.server.engine.outputs import RequestOutput
 
 
 class EngineClient(Protocol):

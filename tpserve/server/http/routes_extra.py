@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import tpserve
-from tpserve.server.http_errors import APIError
-from tpserve.server.protocol import (
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -16,7 +16,7 @@ from tpserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from tpserve.server.state import get_state
+from tpserve.server.http.state import get_state
 
 TOKENIZER_ERRORS: dict[int | str, dict] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}

@@ -10,17 +10,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.generation import engine_outputs, unless_disconnected
-from tpserve.server.http_errors import APIError
-from tpserve.server.metrics import RequestTracker
-from tpserve.server.openai_format import (
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.generation import engine_outputs, unless_disconnected
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.metrics import RequestTracker
+from tpserve.server.http.openai_format import (
     OutputAccumulator,
     ResponseContext,
     chat_response,
     completion_response,
 )
-from tpserve.server.outputs import RequestOutput
-from tpserve.server.protocol import (
+from tpserve.server.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -30,9 +30,9 @@ from tpserve.server.protocol import (
     ModelList,
     SamplingRequest,
 )
-from tpserve.server.request_params import build_sampling_params
-from tpserve.server.state import ServerState, get_state
-from tpserve.server.streaming import SSEResponse, chat_events, completion_events
+from tpserve.server.http.request_params import build_sampling_params
+from tpserve.server.http.state import ServerState, get_state
+from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}

@@ -20,7 +20,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tpserve.server.outputs import RequestOutput
+from tpserve.server.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.detokenizer import IncrementalDetokenizer
+from tpserve.server.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world, this is a plain sentence.",

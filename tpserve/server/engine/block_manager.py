@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
-from tpserve.server.sequence import Sequence
+from tpserve.server.engine.sequence import Sequence
 
 ROOT_HASH = 0x7470_7365_7276_65  # h_{-1}: the parent hash of every sequence's block 0
 

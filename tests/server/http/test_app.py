@@ -15,9 +15,9 @@ import openai
 import pytest
 import uvicorn
 
-from tests.server.fake_engine import FakeEngine
-from tpserve.server.app import build_app
-from tpserve.server.metrics import ServerMetrics
+from tests.server.http.fake_engine import FakeEngine
+from tpserve.server.http.app import build_app
+from tpserve.server.http.metrics import ServerMetrics
 
 API_KEY = "test-key"
 MODEL = "smol"

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.detokenizer import IncrementalDetokenizer
-from tpserve.server.outputs import RequestOutput
-from tpserve.server.sequence import Sequence
+from tpserve.server.engine.detokenizer import IncrementalDetokenizer
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.sequence import Sequence
 
 
 @dataclass(eq=False)

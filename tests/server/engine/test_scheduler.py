@@ -8,9 +8,9 @@ import random
 import pytest
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.block_manager import BlockManager
-from tpserve.server.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tpserve.server.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tpserve.server.engine.sequence import Sequence, SequenceStatus
 
 
 class Harness:

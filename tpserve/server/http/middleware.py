@@ -10,7 +10,7 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tpserve.server.http_errors import error_body, error_type_for
+from tpserve.server.http.http_errors import error_body, error_type_for
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server import block_manager as bm_module
-from tpserve.server.block_manager import BlockManager
-from tpserve.server.sequence import Sequence
+from tpserve.server.engine import block_manager as bm_module
+from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.sequence import Sequence
 
 PARAMS = SamplingParams()
 

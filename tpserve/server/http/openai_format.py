@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tpserve.server.outputs import CompletionDelta, RequestOutput, TokenLogprob
-from tpserve.server.protocol import (
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.http.protocol import (
     ChatChoice,
     ChatCompletionResponse,
     ChatLogprobs,

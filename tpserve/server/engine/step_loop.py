@@ -32,8 +32,8 @@ from typing import Any, Protocol
 from tpserve.model.memory import allocator_stats
 from tpserve.model.plan import CMD_NOOP, CMD_SHUTDOWN
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.engine_core import EngineCore
-from tpserve.server.errors import (
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
@@ -41,8 +41,8 @@ from tpserve.server.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from tpserve.server.outputs import RequestOutput
-from tpserve.server.request_state import RequestState
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.request_state import RequestState
 
 logger = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import tpserve
-from tpserve.server.engine_client import EngineClient
-from tpserve.server.http_errors import install_exception_handlers
-from tpserve.server.metrics import ServerMetrics
-from tpserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
-from tpserve.server.prompts import PromptProcessor
-from tpserve.server.routes_extra import make_extra_router
-from tpserve.server.routes_openai import make_openai_router
-from tpserve.server.state import ServerState
+from tpserve.server.http.engine_client import EngineClient
+from tpserve.server.http.http_errors import install_exception_handlers
+from tpserve.server.http.metrics import ServerMetrics
+from tpserve.server.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
+from tpserve.server.http.prompts import PromptProcessor
+from tpserve.server.http.routes_extra import make_extra_router
+from tpserve.server.http.routes_openai import make_openai_router
+from tpserve.server.http.state import ServerState
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 

@@ -9,11 +9,11 @@ from typing import TypeVar
 from fastapi import Request
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.engine_client import EngineClient
-from tpserve.server.errors import EngineError
-from tpserve.server.http_errors import ClientDisconnected
-from tpserve.server.metrics import RequestTracker
-from tpserve.server.outputs import RequestOutput
+from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.engine_client import EngineClient
+from tpserve.server.http.http_errors import ClientDisconnected
+from tpserve.server.http.metrics import RequestTracker
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tpserve.server.errors import EngineError, EngineOverloadedError
+from tpserve.server.engine.errors import EngineError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
