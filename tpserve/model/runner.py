@@ -39,7 +39,14 @@ from tpserve.model.plan import (
     StepPlan,
 )
 from tpserve.parallel.comm import Communicator
-from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pick_device
+from tpserve.parallel.p2p_all_reduce import P2PAllReduce
+from tpserve.parallel.state import (
+    TPGroup,
+    destroy_tp_group,
+    init_tp_group,
+    is_single_host,
+    pick_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ class RunnerConfig:
     kv_cache_memory: int | None = None
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 512
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -118,7 +126,9 @@ class _Fault:
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, group: TPGroup, show_progress: bool = False):
         self.cfg = cfg
-        self.comm = Communicator(group)
+        p2p = None if cfg.disable_custom_all_reduce else P2PAllReduce.create(
+            group.group, group.world_size, group.device, is_single_host(group.world_size))
+        self.comm = Communicator(group, p2p)
         self.device = device = group.device
         self.fault = _Fault(group.rank)
         self.steps = 0

@@ -5,24 +5,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import TPGroup
 
 
 class Communicator:
     """All-reduce, all-gather and broadcast over the tensor-parallel group.
 
-    Layers call these explicitly in ``forward()``; nothing is hidden in hooks.
+    Layers call these explicitly in ``forward()``; nothing is hidden in hooks. With ``p2p``
+    (GPUs of one host), small all-reduces go over peer-to-peer memory instead of NCCL.
     """
 
-    def __init__(self, group: TPGroup):
+    def __init__(self, group: TPGroup, p2p: P2PAllReduce | None = None):
         self.group = group
         self.rank = group.rank
         self.world_size = group.world_size
+        self.p2p = p2p
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over ranks, in place; returns it."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group.group)
+        """The sum of ``x`` over ranks: ``x`` itself, summed in place (NCCL, gloo, tp 1), or a
+        new tensor (the peer-to-peer path); callers use the returned tensor."""
+        if self.world_size == 1:
+            return x
+        if self.p2p is not None and self.p2p.handles(x):
+            return self.p2p.all_reduce(x)
+        dist.all_reduce(x, group=self.group.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

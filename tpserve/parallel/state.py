@@ -94,6 +94,12 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
 
 
+def is_single_host(world_size: int) -> bool:
+    """Whether all ``world_size`` ranks run on this host: spawned ranks always do; under
+    torchrun, when the local world is the whole world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+
+
 def init_tp_group_from_env(device: str = "auto", timeout_s: float = 120.0) -> TPGroup:
     """Joins the group described by torchrun's environment variables."""
     env = torchrun_env()

@@ -110,6 +110,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="all-reduce through NCCL only (by default small all-reduces between "
+                        "GPUs of one host go over peer-to-peer memory)")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
                    help="capture mixed prefill+decode steps of up to this many tokens "
                         "(0: pure-decode graphs only)")
@@ -151,6 +154,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
             max_num_batched_tokens=a.max_num_batched_tokens,
             gpu_memory_utilization=a.gpu_memory_utilization,
             kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
+            disable_custom_all_reduce=a.disable_custom_all_reduce,
             cuda_graph_max_tokens=a.cuda_graph_max_tokens),
         parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
         engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
