@@ -1,0 +1,1 @@
+"""Weight quantization: how a linear layer's weight is stored and multiplied."""
