@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.server.serverproc import SMALL, ServerProcess, wait_healthy
-from tpserve.model.runner import FAULT_ENV
+from tpserve.model.fault import FAULT_ENV
 from tpserve.parallel.state import find_free_port
 
 SMOL = "SmolLM2-135M-Instruct"
