@@ -104,7 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"])
     p.add_argument("--served-model-name", default=None,
                    help="model id in the API; default: the model's folder or file name")
-    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1 (env TPSERVE_API_KEY)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
