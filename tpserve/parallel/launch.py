@@ -1,7 +1,7 @@
 """Starting and watching rank processes.
 
-``WorkerProcesses`` spawns ranks 1..N-1 of a server (rank 0 is the calling process) and
-watches them from a thread: a worker that raises reports its traceback through a queue,
+``WorkerProcesses`` spawns ranks 1..N-1 of a server (rank 0 is the calling process), all
+meeting at a private single-host rendezvous (``LocalRendezvous``), and watches them from a thread: a worker that raises reports its traceback through a queue,
 and any worker exit that was not asked for is reported through ``on_failure`` within
 ``poll_s`` seconds. ``run_ranks`` runs a function on N fresh ranks and returns every
 rank's result (tests and one-shot jobs).
@@ -20,13 +20,8 @@ from typing import Any
 
 import torch
 
-from tpserve.parallel.state import (
-    TPGroup,
-    destroy_tp_group,
-    find_free_port,
-    init_tp_group,
-    pick_device,
-)
+from tpserve.parallel.rendezvous import LocalRendezvous
+from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pick_device
 
 
 def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_method: str,
@@ -39,11 +34,14 @@ def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_m
 
 
 class WorkerProcesses:
-    """Ranks ``1..world_size-1`` running ``target(rank, world_size, init_method, *args)``."""
+    """Ranks ``1..world_size-1`` running ``target(rank, world_size, init_method, *args)``;
+    rank 0 joins with ``init_method`` too. ``stop`` removes the rendezvous folder."""
 
-    def __init__(self, target: Callable[..., Any], world_size: int, init_method: str,
+    def __init__(self, target: Callable[..., Any], world_size: int,
                  args: tuple, on_failure: Callable[[str], None], poll_s: float = 0.5):
         ctx = mp.get_context("spawn")
+        self._rendezvous = LocalRendezvous()
+        self.init_method = init_method = self._rendezvous.init_method
         self.errors: mp.Queue = ctx.Queue()
         self.on_failure = on_failure
         self.poll_s = poll_s
@@ -89,6 +87,7 @@ class WorkerProcesses:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+        self._rendezvous.close()
         return [p.exitcode for p in self.procs]
 
 
@@ -117,9 +116,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
+    rendezvous = LocalRendezvous()
     procs = [ctx.Process(target=_run_rank, daemon=True,
-                         args=(fn, r, world_size, init_method, args, results, device))
+                         args=(fn, r, world_size, rendezvous.init_method, args, results,
+                               device))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -138,6 +138,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             p.join(timeout=10.0)
             if p.is_alive():
                 p.kill()
+        rendezvous.close()
     return [out[r] for r in range(world_size)]
 
 
