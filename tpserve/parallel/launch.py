@@ -9,6 +9,7 @@ rank's result (tests and one-shot jobs).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import pickle
@@ -24,8 +25,17 @@ from tpserve.parallel.rendezvous import LocalRendezvous
 from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pick_device
 
 
+def name_this_process(name: str) -> None:
+    """Shows ``name`` (at most 15 bytes) as this process's name in ``ps``, ``top`` and
+    ``/proc/<pid>/comm`` (the soak's memory report uses it); a no-op off Linux."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w", encoding="utf-8") as f:
+            f.write(name[:15])
+
+
 def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_method: str,
                   args: tuple, errors: mp.Queue) -> None:
+    name_this_process(f"tpserve-rank{rank}")
     try:
         target(rank, world_size, init_method, *args)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the process exits
