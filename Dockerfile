@@ -4,6 +4,9 @@
 #   docker run --gpus all --ipc=host -p 8000:8000 -v /path/to/model:/models:ro \
 #       tpserve /models --tensor-parallel-size 1 --host 0.0.0.0 --port 8000
 # compose.yaml wires one or several GPUs, a CPU variant and the load test.
+# The server listens on 0.0.0.0: set an API key (-e TPSERVE_API_KEY=...; clients send
+# "Authorization: Bearer ..."), or anyone who reaches the published port can use the
+# model; without one the server logs a warning at start-up.
 
 # PyTorch with CUDA 12.4 runtime libraries (NVIDIA driver >= 550 on the host); Python 3.11.
 FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime

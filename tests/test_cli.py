@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -68,3 +69,19 @@ def test_serve_refuses_a_missing_model_with_exit_2(tmp_path, flags):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"model not found: {tmp_path / 'missing.gguf'}" in out.stderr
+
+
+def test_serve_refuses_an_index_naming_a_shard_outside_the_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "../x.safetensors"}}))
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "names the shard '../x.safetensors', which is not a file inside the model " \
+           "folder" in out.stderr

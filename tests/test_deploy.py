@@ -24,7 +24,8 @@ DOCKERFILE = REPO / "Dockerfile"
 COMPOSE = REPO / "compose.yaml"
 COMPOSE_VARIABLES = ("TPSERVE_GPUS", "MODEL", "MODEL_DIR", "PORT", "LOADTEST_NUM_PROMPTS",
                      "LOADTEST_RATE", "LOADTEST_MAX_CONCURRENCY", "LOADTEST_INPUT_LEN",
-                     "LOADTEST_OUTPUT_LEN", "COMPOSE_PROFILES", "COMPOSE_FILE")
+                     "LOADTEST_OUTPUT_LEN", "COMPOSE_PROFILES", "COMPOSE_FILE",
+                     "TPSERVE_API_KEY")
 
 
 def tool(name: str, install: str) -> str:
@@ -115,7 +116,8 @@ def test_compose_reserves_one_gpu_by_default():
     assert server["ipc"] == "host"
     assert server["environment"] == {"NCCL_NVLS_ENABLE": "0",
                                      "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                     "NVSHMEM_DISABLE_NVLS": "1"}
+                                     "NVSHMEM_DISABLE_NVLS": "1",
+                                     "TPSERVE_API_KEY": ""}  # unset: no key (and a warning)
     assert volume(server["volumes"][0]) == (str(REPO / "models"), "/models", True)
     assert [str(p["published"]) for p in server["ports"]] == ["8000"]
     assert seconds(server["healthcheck"]["start_period"]) >= 600
@@ -134,6 +136,16 @@ def test_compose_with_four_gpus_reserves_four_and_shards_four_ways(tmp_path):
     assert command[0] == "/models/llama-3-8b"
     assert volume(server["volumes"][0]) == (str(tmp_path), "/models", True)
     assert [str(p["published"]) for p in server["ports"]] == ["9000"]
+
+
+def test_compose_passes_the_api_key_from_the_environment():
+    services = render("--profile", "cpu", "--profile", "loadtest",
+                      TPSERVE_API_KEY="s3cret")["services"]
+    for name in ("tpserve", "tpserve-cpu"):
+        assert services[name]["environment"]["TPSERVE_API_KEY"] == "s3cret"
+    for name in ("loadtest", "loadtest-cpu"):  # the load tests send it as their bearer token
+        assert services[name]["environment"]["OPENAI_API_KEY"] == "s3cret"
+    assert "TPSERVE_API_KEY" in DOCKERFILE.read_text()
 
 
 def test_compose_cpu_variant_and_load_test_services():

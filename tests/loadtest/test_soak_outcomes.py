@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +27,10 @@ from tpserve.loadtest.soak import (
     make_plans,
     metric_value,
     read_rss_mib,
+    read_tree,
 )
+from tpserve.loadtest.soak.memory import compare
+from tpserve.loadtest.soak.report import memory_lines
 
 BASE = "http://soak.test"
 MODEL = "fake"
@@ -207,6 +212,41 @@ def test_metric_value_and_rss():
     assert read_rss_mib(os.getpid()) > 1
 
 
+def test_tree_memory_covers_descendants_and_names_the_grower(tmp_path):
+    """A child that grows by 64 MiB between two readings of this process's tree."""
+    go = tmp_path / "go"
+    code = ("import os, sys, time\n"
+            "from tpserve.parallel.launch import name_this_process\n"
+            "name_this_process('soak-child')\n"
+            "kept = []\n"
+            "print('ready', flush=True)\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+            "kept.append(bytearray(b'x') * (64 << 20))\n"
+            "print('grown', flush=True)\n"
+            "sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        before = read_tree(os.getpid())
+        go.touch()
+        assert child.stdout.readline() == "grown\n"
+        after = read_tree(os.getpid())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    names = {p.pid: p.name for p in after.processes}
+    assert after.processes[0].pid == os.getpid() and names[child.pid] == "soak-child"
+    rss = compare(os.getpid(), before, after, limit_mib=32)
+    assert not rss["ok"] and rss["growth_mib"] >= 60
+    assert rss["largest_growth"]["name"] == "soak-child"
+    assert rss["largest_growth"]["growth_mib"] >= 60
+    assert rss["gpu"] == {"measured": False, "note": after.gpu_note}
+    assert after.gpu_note.startswith("not measured")
+    lines = "\n".join(memory_lines(rss))
+    assert f"most growth: soak-child (pid {child.pid})" in lines and "TOO MUCH" in lines
+
+
 class FakeServer:
     """A MockTransport handler with /v1/models, /metrics and /health; ``running`` is what
     /metrics reports as running requests."""
@@ -238,7 +278,7 @@ def run_main(tmp_path: Path, server: FakeServer, monkeypatch, *extra: str) -> tu
     def client(**kw) -> httpx.AsyncClient:
         return real(transport=transport, **kw)
 
-    monkeypatch.setattr(soak.httpx, "AsyncClient", client)
+    monkeypatch.setattr(httpx, "AsyncClient", client)  # every soak module uses it
     result = tmp_path / "soak.json"
     rc = soak.main(["--base-url", BASE + "/v1", "--num-requests", "40", "--concurrency", "8",
                     "--warmup-requests", "5", "--seed", "3", "--result-file", str(result),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,6 +29,33 @@ def test_folder_without_weights(tmp_path):
 def test_folder_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         open_checkpoint(str(tmp_path))
+
+
+def _folder_with_index(folder, *shards: str):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    return folder
+
+
+@pytest.mark.parametrize("shard", ["../x.safetensors", "/etc/x.safetensors",
+                                   "sub/../../x.safetensors", ""])
+def test_index_shard_paths_must_stay_inside_the_folder(tmp_path, shard):
+    folder = _folder_with_index(tmp_path / "model", "model-00001.safetensors", shard)
+    (tmp_path / "x.safetensors").write_bytes(b"")  # exists, but outside the folder
+    with pytest.raises(ValueError, match=f"names the shard '{re.escape(shard)}', which is "
+                                         "not a file inside the model folder"):
+        open_checkpoint(str(folder))
+
+
+def test_index_shard_in_a_subfolder_is_fine(tmp_path):
+    folder = _folder_with_index(tmp_path / "model", "sub/model-00001.safetensors")
+    with pytest.raises(FileNotFoundError, match="sub/model-00001.safetensors is named in the "
+                                                "index but missing"):
+        open_checkpoint(str(folder))
 
 
 def test_index_naming_a_missing_shard(tmp_path):

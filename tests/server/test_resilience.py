@@ -13,6 +13,7 @@ from tests.server.serverproc import SMALL, ServerProcess
 
 PROMPT = "The capital of France is"
 LONG = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+TOKEN_LIMIT = 2048  # prompt tokens (times n) queued or running before 429
 
 
 def _stream_until_first_token(base: str, body: dict, opened: threading.Event,
@@ -39,6 +40,7 @@ def _stream_until_first_token(base: str, body: dict, opened: threading.Event,
                 ids=["in-process", "engine-process"])
 def server(request):
     s = ServerProcess(*SMALL, "--max-num-seqs", "2", "--max-num-queued-requests", "1",
+                      "--max-num-queued-tokens", str(TOKEN_LIMIT - 512),  # SMALL: 512 a step
                       "--shutdown-timeout", "4", *request.param)
     yield s
     s.stop()
@@ -74,6 +76,24 @@ def test_bad_input_gets_400_in_the_envelope(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 413 and "error" in r.json()
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_queued_tokens_count_the_prompt_n_times(server):
+    url = server.base + "/v1/completions"
+
+    def post(num_tokens: int, n: int) -> httpx.Response:
+        body = {"prompt": [100] * num_tokens, "n": n, "max_tokens": 1, "temperature": 0}
+        return httpx.post(url, json=body, timeout=120)
+
+    half = TOKEN_LIMIT // 2
+    r = post(half, 2)  # 2 x 1024 = the limit exactly: accepted
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    r = post(half + 1, 2)  # 2 x 1025 = limit + 2: refused although the prompt is 1025
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    assert "adds 2050 = n x prompt tokens" in r.json()["error"]["message"]
+    assert post(half + 1, 1).status_code == 200  # the same prompt once fits
+    assert server.metric("num_requests_running") == 0
 
 
 def test_overload_is_answered_with_429(server):

@@ -1,5 +1,6 @@
 """``tpserve soak`` against a real ``tpserve serve``: a few hundred mixed requests, a fifth
-of them aborted by the client, then an idle server with a free KV pool and bounded RSS."""
+of them aborted by the client, then an idle server with a free KV pool and bounded RSS over
+its whole process tree; and a leak planted in the engine process is caught and named."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.server.serverproc import SMALL, ServerProcess
 from tpserve.loadtest import soak
+from tpserve.model.fault import FAULT_ENV
 
 NUM_REQUESTS = 300
 
@@ -42,7 +44,41 @@ def test_soak_ends_every_request_and_frees_the_pool(tmp_path):
         assert server.metric("kv_cache_usage_perc") == 0
         assert server.metric("kv_blocks_free") == server.metric("kv_blocks_total")
         assert doc["rss"]["ok"] and doc["rss"]["growth_mib"] < 200
+        # the tree: the HTTP process (root) and the engine process (the default layout)
+        names = [p["name"] for p in doc["rss"]["processes"]]
+        assert doc["rss"]["processes"][0]["pid"] == server.proc.pid
+        assert "tpserve-engine" in names, names
         assert "Traceback" not in server.output(), server.output()[-6000:]
     finally:
         status = server.stop()
     assert status == 0
+
+
+LEAK_MIB = 4  # kept by the engine process at every step
+
+
+@pytest.mark.slow
+def test_soak_catches_a_leak_in_the_engine_process(tmp_path, capsys):
+    server = ServerProcess(*SMALL, "--max-num-seqs", "8",
+                           env={FAULT_ENV: f"0:1:leak{LEAK_MIB}"})  # rank 0: the engine
+    try:
+        result = tmp_path / "soak.json"
+        rc = soak.main([
+            "--base-url", server.base, "--num-requests", "40", "--concurrency", "8",
+            "--warmup-requests", "4", "--seed", "3", "--max-tokens", "8",
+            "--max-prompt-words", "20", "--abort-fraction", "0",
+            "--server-pid", str(server.proc.pid), "--max-rss-growth-mib", "100",
+            "--result-file", str(result), "--no-progress",
+        ])
+        doc = json.loads(result.read_text())
+        rss = doc["rss"]
+        # 40 requests of up to 8 tokens take far more than 25 steps: > 100 MiB kept
+        assert rc == 1 and not doc["passed"] and doc["checks"]["rss"] is False, rss
+        assert doc["checks"]["outcomes"] and doc["checks"]["pool_free"]
+        assert rss["largest_growth"]["name"] == "tpserve-engine", rss
+        assert rss["largest_growth"]["growth_mib"] > 100
+        engine = next(p for p in rss["processes"] if p["name"] == "tpserve-engine")
+        assert engine["growth_mib"] == rss["largest_growth"]["growth_mib"]
+        assert f"most growth: tpserve-engine (pid {engine['pid']})" in capsys.readouterr().out
+    finally:
+        server.stop()

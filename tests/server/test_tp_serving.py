@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.server.serverproc import SMALL, ServerProcess, wait_healthy
-from tpserve.model.runner import FAULT_ENV
+from tpserve.model.fault import FAULT_ENV
 from tpserve.parallel.state import find_free_port
 
 SMOL = "SmolLM2-135M-Instruct"
@@ -136,6 +136,31 @@ def test_tp3_streaming_equals_tp1(smol_tp1, smol_tp3):
         return "".join(c.choices[0].text for c in chunks)
 
     assert streamed(smol_tp3.base) == streamed(smol_tp1.base) != ""
+
+
+# ------------------------------------------------------------ nothing listens off loopback
+LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+@pytest.mark.parametrize("tp3,num_procs", [("smol_tp3", 3), ("smol_tp3_engine_process", 4)],
+                         ids=["in-process", "engine-process"])
+def test_only_the_http_port_listens_beyond_loopback(tp3, num_procs, request):
+    """The rendezvous store and gloo's sockets of a spawned group stay on 127.0.0.1 (torch's
+    TCPStore would listen on every interface, unauthenticated, for the server's life)."""
+    import psutil
+
+    server = request.getfixturevalue(tp3)
+    root = psutil.Process(server.proc.pid)
+    ranks = [p for p in [root, *root.children(recursive=True)]
+             if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(ranks) == num_procs, [p.cmdline() for p in ranks]  # HTTP, engine?, 2 workers
+    listening = {p.pid: [c.laddr for c in p.net_connections("inet")
+                         if c.status == psutil.CONN_LISTEN] for p in ranks}
+    exposed = [(pid, a) for pid, addrs in listening.items() for a in addrs
+               if a.ip not in LOOPBACK_IPS and a.port != server.port]
+    assert exposed == [], listening
+    # every rank does listen (gloo's pairs), on loopback
+    assert all(listening[p.pid] for p in ranks if p.pid != root.pid or num_procs == 3)
 
 
 # --------------------------------------------------------------------- torchrun, 2 nodes

@@ -19,6 +19,7 @@ import torch
 
 from tpserve.model.attention.metadata import max_prefill_tiles
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
+from tpserve.model.fault import fault_from_env
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import build_model, resolve_dtype
@@ -49,8 +50,6 @@ from tpserve.parallel.state import (
 )
 
 logger = logging.getLogger(__name__)
-
-FAULT_ENV = "TPSERVE_TEST_FAULT"  # test hook: "RANK:STEP:raise|exit|oom"
 
 
 @dataclass(frozen=True)
@@ -102,27 +101,6 @@ def resolve_max_model_len(requested: int | None, model_max: int, sliding_window:
     return requested
 
 
-class _Fault:
-    """Parses the test hook once; ``check(step)`` raises or exits on the chosen step."""
-
-    def __init__(self, rank: int):
-        spec = os.environ.get(FAULT_ENV, "")
-        self.step = self.kind = None
-        if spec:
-            r, step, kind = spec.split(":")
-            if int(r) == rank:
-                self.step, self.kind = int(step), kind
-
-    def check(self, step: int) -> None:
-        if step != self.step:
-            return
-        if self.kind == "exit":
-            os._exit(3)
-        if self.kind == "oom":
-            raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
-        raise RuntimeError(f"injected failure at step {step} (test hook)")
-
-
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, group: TPGroup, show_progress: bool = False):
         self.cfg = cfg
@@ -130,7 +108,7 @@ class ModelRunner:
             group.group, group.world_size, group.device, is_single_host(group.world_size))
         self.comm = Communicator(group, p2p)
         self.device = device = group.device
-        self.fault = _Fault(group.rank)
+        self.fault = fault_from_env(group.rank)  # test hook, parsed once; None when off
         self.steps = 0
         t0 = time.monotonic()
         free0, total = read_memory(device)
@@ -315,7 +293,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> torch.Tensor:
         self.steps += 1
-        self.fault.check(self.steps)
+        if self.fault is not None:
+            self.fault.fire(self.steps)
         if plan.pending_rows.shape[0]:
             plan.input_ids[plan.pending_rows] = self.sampled_buf[plan.pending_src]
         if self.graphs is not None and self.graphs.can_run(plan):

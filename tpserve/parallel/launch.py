@@ -1,7 +1,7 @@
 """Starting and watching rank processes.
 
-``WorkerProcesses`` spawns ranks 1..N-1 of a server (rank 0 is the calling process) and
-watches them from a thread: a worker that raises reports its traceback through a queue,
+``WorkerProcesses`` spawns ranks 1..N-1 of a server (rank 0 is the calling process), all
+meeting at a private single-host rendezvous (``LocalRendezvous``), and watches them from a thread: a worker that raises reports its traceback through a queue,
 and any worker exit that was not asked for is reported through ``on_failure`` within
 ``poll_s`` seconds. ``run_ranks`` runs a function on N fresh ranks and returns every
 rank's result (tests and one-shot jobs).
@@ -9,6 +9,7 @@ rank's result (tests and one-shot jobs).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import pickle
@@ -20,17 +21,21 @@ from typing import Any
 
 import torch
 
-from tpserve.parallel.state import (
-    TPGroup,
-    destroy_tp_group,
-    find_free_port,
-    init_tp_group,
-    pick_device,
-)
+from tpserve.parallel.rendezvous import LocalRendezvous
+from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pick_device
+
+
+def name_this_process(name: str) -> None:
+    """Shows ``name`` (at most 15 bytes) as this process's name in ``ps``, ``top`` and
+    ``/proc/<pid>/comm`` (the soak's memory report uses it); a no-op off Linux."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w", encoding="utf-8") as f:
+            f.write(name[:15])
 
 
 def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_method: str,
                   args: tuple, errors: mp.Queue) -> None:
+    name_this_process(f"tpserve-rank{rank}")
     try:
         target(rank, world_size, init_method, *args)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the process exits
@@ -39,11 +44,14 @@ def _worker_entry(target: Callable[..., Any], rank: int, world_size: int, init_m
 
 
 class WorkerProcesses:
-    """Ranks ``1..world_size-1`` running ``target(rank, world_size, init_method, *args)``."""
+    """Ranks ``1..world_size-1`` running ``target(rank, world_size, init_method, *args)``;
+    rank 0 joins with ``init_method`` too. ``stop`` removes the rendezvous folder."""
 
-    def __init__(self, target: Callable[..., Any], world_size: int, init_method: str,
+    def __init__(self, target: Callable[..., Any], world_size: int,
                  args: tuple, on_failure: Callable[[str], None], poll_s: float = 0.5):
         ctx = mp.get_context("spawn")
+        self._rendezvous = LocalRendezvous()
+        self.init_method = init_method = self._rendezvous.init_method
         self.errors: mp.Queue = ctx.Queue()
         self.on_failure = on_failure
         self.poll_s = poll_s
@@ -89,6 +97,7 @@ class WorkerProcesses:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+        self._rendezvous.close()
         return [p.exitcode for p in self.procs]
 
 
@@ -117,9 +126,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
+    rendezvous = LocalRendezvous()
     procs = [ctx.Process(target=_run_rank, daemon=True,
-                         args=(fn, r, world_size, init_method, args, results, device))
+                         args=(fn, r, world_size, rendezvous.init_method, args, results,
+                               device))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -138,6 +148,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             p.join(timeout=10.0)
             if p.is_alive():
                 p.kill()
+        rendezvous.close()
     return [out[r] for r in range(world_size)]
 
 

@@ -1,8 +1,9 @@
 """Process groups for tensor parallelism: NCCL on CUDA, gloo on CPU.
 
-Two ways in: ``init_tp_group`` with an explicit rank, world size and rendezvous address
-(the launcher picks a free port), or ``init_tp_group_from_env`` under torchrun, which sets
-RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (the multi-node path).
+Two ways in: ``init_tp_group`` with an explicit rank, world size and rendezvous (single
+host: a private ``FileStore``, see ``rendezvous``; gloo then binds loopback only), or
+``init_tp_group_from_env`` under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT (the multi-node path: the endpoint the user gives).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tpserve.parallel.rendezvous import LOOPBACK, is_local
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,17 @@ def init_tp_group(
 ) -> TPGroup:
     """Joins (or, at world size 1, skips) the process group.
 
-    ``init_method`` is e.g. ``tcp://127.0.0.1:PORT``; None means the torchrun environment.
+    ``init_method`` is a ``LocalRendezvous``'s (``file://``: all ranks on this host, gloo
+    bound to 127.0.0.1) or e.g. ``tcp://HOST:PORT``; None means the torchrun environment.
     """
     if world_size == 1:
         return TPGroup(0, 1, device, None)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+    if backend == "gloo" and is_local(init_method):
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+        kwargs["pg_options"] = options
     dist.init_process_group(
         backend=backend, init_method=init_method or "env://", rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)

@@ -104,7 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"])
     p.add_argument("--served-model-name", default=None,
                    help="model id in the API; default: the model's folder or file name")
-    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1 (env TPSERVE_API_KEY)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -133,7 +133,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-queued-requests", type=int, default=1024,
                    help="requests waiting beyond --max-num-seqs before new ones get 429")
     p.add_argument("--max-num-queued-tokens", type=int, default=1 << 20,
-                   help="prompt tokens waiting beyond one step's budget before 429")
+                   help="prompt tokens (times n) waiting beyond one step's budget before 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")
     p.add_argument("--collective-timeout", type=float, default=120.0,

@@ -53,6 +53,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tpserve.parallel.launch import name_this_process
 from tpserve.server.config import Config
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.request_state import RequestState
@@ -139,6 +140,7 @@ def _read_commands(conn: Connection, steps: StepLoop) -> None:
 def run_engine_process(cfg: Config, commands: Connection, outputs: Connection) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn target); exits with
     status 0 after a requested shutdown, 1 after a failure."""
+    name_this_process("tpserve-engine")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the HTTP process's to handle
     logging.basicConfig(level=cfg.server.log_level.upper(), format=LOG_FORMAT)
     code = 1

@@ -26,6 +26,7 @@ from tpserve.parallel.state import TPGroup, torchrun_env
 from tpserve.server.config import Config
 from tpserve.server.engine.step_loop import AsyncEngine
 from tpserve.server.engine_proxy import EngineProxy
+from tpserve.server.exposure import exposure_warning
 from tpserve.server.http.app import build_app
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
@@ -60,6 +61,9 @@ class _Server(uvicorn.Server):
 
 
 def serve(cfg: Config) -> int:
+    warning = exposure_warning(cfg.server.host, cfg.server.port, cfg.server.api_key)
+    if warning is not None and (torchrun_env() or (0,))[0] == 0:  # the rank serving HTTP
+        logger.warning(warning)
     if cfg.engine.engine_process and torchrun_env() is None:
         return _serve_engine_process(cfg)
     status = _Exit()

@@ -12,7 +12,6 @@ from tpserve.parallel.launch import WorkerProcesses
 from tpserve.parallel.state import (
     TPGroup,
     destroy_tp_group,
-    find_free_port,
     init_tp_group,
     init_tp_group_from_env,
     pick_device,
@@ -39,11 +38,10 @@ def join_group(cfg: Config, on_worker_failure: Callable[[str], None]
     device = pick_device(0, cfg.runner.device)
     if tp == 1:
         return TPGroup(0, 1, device, None), None
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
-    workers = WorkerProcesses(run_worker, tp, init_method, (cfg.runner, timeout),
+    workers = WorkerProcesses(run_worker, tp, (cfg.runner, timeout),
                               on_failure=on_worker_failure)
     workers.start()
-    return init_tp_group(0, tp, init_method, device, timeout), workers
+    return init_tp_group(0, tp, workers.init_method, device, timeout), workers
 
 
 def leave_group(group: TPGroup | None, workers: WorkerProcesses | None) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.server.engine import block_manager as bm_module
 from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.prefix_hash import sha256_block_hash
 from tpserve.server.engine.sequence import Sequence
 
 PARAMS = SamplingParams()
@@ -189,9 +191,8 @@ def test_prefix_caching_disabled():
     check(bm)
 
 
-def test_hash_collision_is_caught_by_token_comparison(monkeypatch):
-    monkeypatch.setattr(bm_module, "block_hash", lambda parent, tokens: 42)
-    bm = BlockManager(8, 4, enable_prefix_caching=True)
+def test_hash_collision_is_caught_by_token_comparison():
+    bm = BlockManager(8, 4, enable_prefix_caching=True, hash_fn=lambda parent, tokens, extra: b"42")
     a = make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     compute_all(bm, a)
     # Block 0 owns hash 42; block 1 collides with it and stays unregistered.
@@ -203,6 +204,89 @@ def test_hash_collision_is_caught_by_token_comparison(monkeypatch):
     bm.free(a)
     assert bm.num_cached_free_blocks == 1  # block 1 went back to the free list
     check(bm)
+
+
+def mod100_hash(parent: bytes, tokens: tuple[int, ...], extra: bytes) -> bytes:
+    """A deliberately weak hash: token ids that differ by a multiple of 100 collide, so two
+    prefixes that differ only there collide at every level of the chain."""
+    return hashlib.sha256(parent + bytes(t % 100 for t in tokens) + extra).digest()
+
+
+P0, Q0 = [1, 2, 3, 4], [101, 2, 3, 4]  # collide under mod100_hash
+T1, T2 = [5, 6, 7, 8], [9, 10, 11, 12]
+
+
+def test_colliding_prefix_is_never_served_at_any_level():
+    bm = BlockManager(16, 4, enable_prefix_caching=True, hash_fn=mod100_hash)
+    a = make_seq(0, P0 + T1 + T2 + [13])
+    compute_all(bm, a)
+    assert a.block_ids == [0, 1, 2, 3] and [bm.is_cached(b) for b in range(4)] == [
+        True, True, True, False]
+    # Q0's block 0 hashes like P0's: the token comparison refuses it, so nothing deeper.
+    for depth in range(1, 4):
+        q = Q0 + (T1 + T2)[:4 * (depth - 1)] + [99]
+        assert bm.get_computed_blocks(q) == ([], 0)
+    b = make_seq(1, Q0 + T1 + T2 + [14])
+    compute_all(bm, b)
+    assert b.block_ids == [4, 5, 6, 7]
+    # b's blocks collide with a's at every level, so none of them is registered.
+    assert not any(bm.is_cached(x) for x in b.block_ids)
+    check(bm, a, b)
+    assert bm.get_computed_blocks(Q0 + T1 + T2 + [15]) == ([], 0)
+    assert bm.get_computed_blocks(P0 + T1 + T2 + [15]) == ([0, 1, 2], 12)
+
+
+def test_colliding_parent_after_eviction_never_revives_the_other_chain():
+    """The hole of a one-level key check: P0's entry is evicted while a's deeper blocks stay
+    cached, then Q0 (same hash as P0) is cached in its place. A lookup of Q0 + T1 + T2 must
+    hit Q0's own block only, never a's T1/T2 blocks, whose K/V were computed after P0."""
+    bm = BlockManager(6, 4, enable_prefix_caching=True, hash_fn=mod100_hash)
+    e = make_seq(0, P0 + [20])
+    compute_all(bm, e)  # block 0 holds P0, cached
+    a = make_seq(1, P0 + T1 + T2 + [13])
+    assert bm.allocate(a, 13)  # admitted without a hit (as if both were admitted at once)
+    a.num_computed_tokens = 13
+    bm.cache_full_blocks(a)
+    assert a.block_ids == [2, 3, 4, 5]
+    # a's block 2 holds P0 again (unregistered); 3 and 4 chain to block 0's entry.
+    assert [bm.is_cached(x) for x in a.block_ids] == [False, True, True, False]
+    bm.free(e)  # 1 free; evictable: [0]
+    bm.free(a)  # 5 and 2 free; evictable: [0, 4, 3]
+    check(bm)
+    filler = make_seq(2, [30] * 13)
+    assert bm.allocate(filler, 13)  # the free blocks 2, 5, 1, then block 0 is evicted
+    assert filler.block_ids == [2, 5, 1, 0]
+    bm.free(filler)
+    assert bm.get_computed_blocks(P0 + T1 + [15]) == ([], 0)  # P0's entry is gone
+    b = make_seq(3, Q0 + [21])
+    compute_all(bm, b)  # Q0 is cached under P0's old hash
+    assert b.block_ids == [2, 5] and bm.is_cached(2)
+    check(bm, b)
+    for depth in (1, 2, 3):
+        q = Q0 + (T1 + T2)[:4 * (depth - 1)] + [99]
+        assert bm.get_computed_blocks(q) == ([2], 4), depth  # never a's blocks 3 or 4
+    c = make_seq(4, Q0 + T1 + [22])
+    blocks, n = bm.get_computed_blocks(c.all_token_ids)
+    assert bm.allocate(c, 5, blocks)
+    c.num_computed_tokens = 9
+    bm.cache_full_blocks(c)
+    # c computed its own T1 block; its hash is still taken by a's unreachable block 3, so
+    # it stays unregistered (a cost only a colliding hash pays), and a's block is never hit.
+    assert c.block_ids == [2, 1, 0] and not bm.is_cached(1) and bm.is_cached(3)
+    check(bm, b, c)
+    assert bm.get_computed_blocks(Q0 + T1 + [23]) == ([2], 4)
+
+
+def test_hashes_are_sha256_chained_from_a_random_root():
+    h = sha256_block_hash(b"r" * 32, (1, 2, 3, 4))
+    assert len(h) == 32 and h != sha256_block_hash(b"s" * 32, (1, 2, 3, 4))
+    assert h != sha256_block_hash(b"r" * 32, (1, 2, 3, 4), b"lora-1")
+    # Two managers draw different roots: the same prompt hashes differently in each.
+    one, two = (BlockManager(4, 4, enable_prefix_caching=True) for _ in range(2))
+    for bm in (one, two):
+        compute_all(bm, make_seq(0, [1, 2, 3, 4, 5]))
+    assert set(one._cache) != set(two._cache)
+    assert one.get_computed_blocks([1, 2, 3, 4, 5]) == ([0], 4)
 
 
 def test_identical_blocks_computed_twice_keep_the_first_mapping():
@@ -295,6 +379,6 @@ def test_check_integrity_detects_corruption():
     bm.check_integrity([a])
     with pytest.raises(AssertionError, match="mismatch"):
         bm.check_integrity([a, a])
-    bm._cache[123] = 0
+    bm._cache[b"123"] = 0
     with pytest.raises(AssertionError, match="cache maps hash"):
         bm.check_integrity()

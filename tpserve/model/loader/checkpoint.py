@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -65,6 +65,23 @@ def _load_all(model: nn.Module, weights: Iterator[tuple[str, TensorSource]], tot
                          f"{missing[:3]}")
 
 
+def index_shard_paths(folder: Path, index: Any) -> list[Path]:
+    """The shard files a ``model.safetensors.index.json`` names, each checked to stay
+    inside ``folder``: a relative path without ``..`` (a shard may itself be a symlink, as
+    in the Hugging Face cache; the name is what is checked). ValueError otherwise."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{folder / 'model.safetensors.index.json'} has no weight_map object")
+    paths = []
+    for name in sorted(set(weight_map.values()), key=str):
+        pure = PurePosixPath(name) if isinstance(name, str) else None
+        if pure is None or not name or pure.is_absolute() or ".." in pure.parts:
+            raise ValueError(f"{folder / 'model.safetensors.index.json'} names the shard "
+                             f"{name!r}, which is not a file inside the model folder")
+        paths.append(folder / pure)
+    return paths
+
+
 class SafetensorsCheckpoint:
     """A Hugging Face folder: ``config.json`` and one or many ``*.safetensors`` (with
     ``model.safetensors.index.json`` when sharded); tokenizer through AutoTokenizer."""
@@ -78,8 +95,7 @@ class SafetensorsCheckpoint:
         self.config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            self.files = [folder / f for f in files]
+            self.files = index_shard_paths(folder, json.loads(index.read_text()))
         else:
             self.files = sorted(folder.glob("*.safetensors"))
         if not self.files:

@@ -14,11 +14,19 @@ dropping its hash. Sequences are freed tail first, so a sequence's last blocks a
 evicted before its first ones (which are the ones other prompts are likely to share).
 
 Prefix cache: the hash of a sequence's full block ``i`` is chained through its parent,
-``h_i = block_hash(h_{i-1}, tokens_i)`` with ``h_{-1} = ROOT_HASH``. The cache maps
-``hash -> block id`` and remembers each cached block's ``(parent hash, tokens)``; a
-lookup only hits when that key compares equal, so a hash collision never returns a block
-holding other tokens. A block is registered only once it is full and its K/V computed;
-from then on nobody writes to it, so sharing it is safe.
+``h_i = hash_fn(h_{i-1}, tokens_i, extra_key)`` with ``h_{-1}`` a random per-manager root
+(``prefix_hash``: sha256, so collisions cannot be built offline). The cache maps
+``hash -> block id``. Hits never rely on the hash alone: each cached block records a
+unique, never reused *serial* and its key ``(parent serial, tokens, extra_key)``, where the
+parent serial names the cache entry that holds exactly the content of the block before it
+(0 for the root). A lookup hits block ``i`` only when the entry's key equals (serial of the
+entry it matched at ``i - 1``, the block's tokens, extra_key); by induction the whole
+prefix, not just the last block, equals the one the K/V was computed from, whatever the
+hash function. A block whose chain cannot be verified (its predecessor collided with a
+cache entry of other content) is never registered. An evicted entry's serial is gone for
+good, so its cached descendants become unreachable and age out through the LRU queue.
+A block is registered only once it is full and its K/V computed; from then on nobody
+writes to it, so sharing it is safe.
 
 All operations on the hot path (allocate, free, lookup per block) are O(1) per block.
 """
@@ -28,15 +36,23 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
+from tpserve.server.engine.prefix_hash import BlockHashFn, random_root, sha256_block_hash
 from tpserve.server.engine.sequence import Sequence
 
-ROOT_HASH = 0x7470_7365_7276_65  # h_{-1}: the parent hash of every sequence's block 0
+ROOT_SERIAL = 0  # the parent serial of every sequence's block 0; entries count from 1
 
 
-def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """The chained hash of one full block given its parent's hash."""
-    return hash((parent_hash, tokens))
+class CacheEntry(NamedTuple):
+    """A cached block: its hash and serial, and the key a hit must match exactly."""
+
+    hash: bytes
+    serial: int
+    parent_hash: bytes
+    parent_serial: int
+    tokens: tuple[int, ...]
+    extra_key: bytes
 
 
 class BlockManager:
@@ -45,13 +61,19 @@ class BlockManager:
     Invariants (see ``check_integrity``):
     - free + evictable + used == num_blocks, each block in exactly one of them;
     - ``refcount > 0`` exactly for used blocks;
-    - a block has a hash iff it is in the cache map under that hash; free blocks have none,
-      evictable blocks always have one;
-    - per sequence, ``_seq_hashes[seq_id]`` lists the chained hashes of its first full
-      blocks in order, computed from its tokens (whether or not the blocks are cached).
+    - a block has a cache entry iff it is in the cache map under the entry's hash; free
+      blocks have none, evictable blocks always have one; an entry's hash is
+      ``hash_fn(parent_hash, tokens, extra_key)`` and its parent serial is older than it;
+    - per sequence, ``_seq_links[seq_id]`` lists, for its first full blocks in order, the
+      chained hash computed from its tokens and the serial of the cache entry holding the
+      same content (None when that content's chain could not be verified), whether or not
+      the sequence's own blocks are the cached ones.
+
+    ``hash_fn`` and ``root`` are seams for tests (e.g. a deliberately colliding hash).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 hash_fn: BlockHashFn = sha256_block_hash, root: bytes | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, "
                              f"got {num_blocks} and {block_size}")
@@ -63,10 +85,12 @@ class BlockManager:
         self._free: list[int] = list(reversed(range(num_blocks)))
         # Refcount-0 cached blocks in LRU order: the first key is evicted first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._key_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
-        self._cache: dict[int, int] = {}
-        self._seq_hashes: dict[int, list[int]] = {}
+        self._hash_fn = hash_fn
+        self._root = random_root() if root is None else root
+        self._entry_of: list[CacheEntry | None] = [None] * num_blocks
+        self._cache: dict[bytes, int] = {}
+        self._next_serial = ROOT_SERIAL + 1
+        self._seq_links: dict[int, list[tuple[bytes, int | None]]] = {}
 
     # ----------------------------------------------------------------- accounting
 
@@ -91,61 +115,81 @@ class BlockManager:
         return self._refcount[block_id]
 
     def is_cached(self, block_id: int) -> bool:
-        return self._hash_of[block_id] is not None
+        return self._entry_of[block_id] is not None
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # ----------------------------------------------------------------- prefix cache
 
-    def get_computed_blocks(self, token_ids: SequenceABC[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: SequenceABC[int], extra_key: bytes = b""
+                            ) -> tuple[list[int], int]:
         """The longest cached prefix of full blocks, and the number of tokens it covers.
 
         Never covers all of ``token_ids``: at least one token is left to compute (its
         logits are needed), so at most ``(len(token_ids) - 1) // block_size`` blocks.
-        Takes no references; pass the blocks to ``allocate`` right away.
+        Every returned block's whole chain was compared token by token (see the module
+        docstring). Takes no references; pass the blocks to ``allocate`` right away.
         """
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
         blocks: list[int] = []
-        parent = ROOT_HASH
+        parent, parent_serial = self._root, ROOT_SERIAL
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(parent, tokens)
+            h = self._hash_fn(parent, tokens, extra_key)
             block_id = self._cache.get(h)
-            if block_id is None or self._key_of[block_id] != (parent, tokens):
+            if block_id is None:
                 break
+            entry = self._entry_of[block_id]
+            if (entry.parent_serial != parent_serial or entry.tokens != tokens
+                    or entry.extra_key != extra_key):
+                break  # a collision: another prefix's block under this hash
             blocks.append(block_id)
-            parent = h
+            parent, parent_serial = h, entry.serial
         return blocks, len(blocks) * bs
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, extra_key: bytes = b"") -> None:
         """Register the blocks of ``seq`` that became full and computed since last time.
 
-        A block whose hash is already cached under another block id is left unregistered
-        (the existing entry stays), so it returns to the free list when released.
+        ``extra_key`` must be the same on every call for one sequence. A block whose hash
+        is already cached (the same content computed twice, or a collision) is left
+        unregistered, so it returns to the free list when released; so is a block whose
+        predecessor's chain could not be verified.
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
-        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
-        for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else ROOT_HASH
+        links = self._seq_links.setdefault(seq.seq_id, [])
+        for i in range(len(links), num_full):
+            parent, parent_serial = links[-1] if links else (self._root, ROOT_SERIAL)
             tokens = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            h = block_hash(parent, tokens)
-            hashes.append(h)
+            h = self._hash_fn(parent, tokens, extra_key)
             block_id = seq.block_ids[i]
-            if self._hash_of[block_id] is not None:
-                # Shared from the cache or a fork: registered with the same content.
-                assert self._hash_of[block_id] == h, f"block {block_id} re-hashed differently"
+            own = self._entry_of[block_id]
+            if own is not None:
+                # Shared from the cache or a fork: the sequence attends to exactly this block.
+                assert own.tokens == tokens, f"block {block_id} holds other tokens"
+                links.append((h, own.serial))
                 continue
-            if h in self._cache:
+            if parent_serial is None:
+                links.append((h, None))
                 continue
+            cached = self._cache.get(h)
+            if cached is not None:
+                entry = self._entry_of[cached]
+                same = (entry.parent_serial, entry.tokens, entry.extra_key) == (
+                    parent_serial, tokens, extra_key)
+                links.append((h, entry.serial if same else None))
+                continue
+            serial = self._next_serial
+            self._next_serial += 1
             self._cache[h] = block_id
-            self._hash_of[block_id] = h
-            self._key_of[block_id] = (parent, tokens)
+            self._entry_of[block_id] = CacheEntry(h, serial, parent, parent_serial, tokens,
+                                                  extra_key)
+            links.append((h, serial))
 
     # ----------------------------------------------------------------- allocation
 
@@ -178,7 +222,7 @@ class BlockManager:
         if max(needed, 0) > self.num_free_blocks - revived:
             return False
         for b in computed:
-            assert self._hash_of[b] is not None, f"computed block {b} is not cached"
+            assert self._entry_of[b] is not None, f"computed block {b} is not cached"
             if self._refcount[b] == 0:
                 del self._evictable[b]
             self._refcount[b] += 1
@@ -213,22 +257,20 @@ class BlockManager:
             self._refcount[b] -= 1
             assert self._refcount[b] >= 0, f"block {b} freed more often than taken"
             if self._refcount[b] == 0:
-                if self._hash_of[b] is not None:
+                if self._entry_of[b] is not None:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
         seq.block_ids = []
-        self._seq_hashes.pop(seq.seq_id, None)
+        self._seq_links.pop(seq.seq_id, None)
 
     def _take_block(self) -> int:
         if self._free:
             b = self._free.pop()
         else:
             b, _ = self._evictable.popitem(last=False)
-            h = self._hash_of[b]
-            del self._cache[h]
-            self._hash_of[b] = None
-            self._key_of[b] = None
+            del self._cache[self._entry_of[b].hash]
+            self._entry_of[b] = None
         self._refcount[b] = 1
         return b
 
@@ -254,16 +296,18 @@ class BlockManager:
         negative = [b for b in range(n) if self._refcount[b] < 0]
         assert not negative, f"negative refcounts: {negative}"
         for b in free:
-            assert self._hash_of[b] is None, f"free block {b} still has a hash"
+            assert self._entry_of[b] is None, f"free block {b} still has a hash"
         for b in evictable:
-            assert self._hash_of[b] is not None, f"evictable block {b} has no hash"
+            assert self._entry_of[b] is not None, f"evictable block {b} has no hash"
         for h, b in self._cache.items():
-            assert self._hash_of[b] == h, (
-                f"cache maps hash {h} to block {b}, which is hashed {self._hash_of[b]}")
-            key = self._key_of[b]
-            assert key is not None and block_hash(*key) == h, f"block {b}: key does not hash to {h}"
-            assert len(key[1]) == self.block_size, f"cached block {b} is not full"
-        num_hashed = sum(h is not None for h in self._hash_of)
+            e = self._entry_of[b]
+            assert e is not None and e.hash == h, (
+                f"cache maps hash {h!r} to block {b}, whose entry is {e}")
+            assert self._hash_fn(e.parent_hash, e.tokens, e.extra_key) == h, (
+                f"block {b}: key does not hash to {h!r}")
+            assert e.parent_serial < e.serial < self._next_serial, f"block {b}: bad serials"
+            assert len(e.tokens) == self.block_size, f"cached block {b} is not full"
+        num_hashed = sum(e is not None for e in self._entry_of)
         assert num_hashed == len(self._cache), (
             f"{num_hashed} blocks carry a hash but the cache holds {len(self._cache)}")
         if not self.enable_prefix_caching:

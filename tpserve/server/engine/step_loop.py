@@ -240,8 +240,8 @@ class EngineFront:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.accepting = True
-        # backpressure: requests (and their prompt tokens) accepted but not yet finished,
-        # beyond what one step can run; touched only on the event loop thread
+        # backpressure: requests (and their prompt tokens, times n) accepted but not yet
+        # finished, beyond what one step can run; touched only on the event loop thread
         self.max_outstanding = max_num_seqs + max_queued_requests
         self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
         self.outstanding = 0
@@ -288,20 +288,23 @@ class EngineFront:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self._validate(prompt_token_ids, params)
+        # each of the n sibling sequences holds the whole prompt (their K/V is shared only
+        # while the prefix cache keeps it), so the request counts n times its prompt
+        tokens = len(prompt_token_ids) * params.n
         if (self.outstanding >= self.max_outstanding
-                or self.outstanding_tokens + len(prompt_token_ids) > self.max_outstanding_tokens):
+                or self.outstanding_tokens + tokens > self.max_outstanding_tokens):
             raise EngineOverloadedError(
                 f"server is at capacity ({self.outstanding} requests, "
-                f"{self.outstanding_tokens} prompt tokens queued or running); retry later",
-                retry_after=1)
+                f"{self.outstanding_tokens} prompt tokens queued or running; this request "
+                f"adds {tokens} = n x prompt tokens); retry later", retry_after=1)
         self.outstanding += 1
-        self.outstanding_tokens += len(prompt_token_ids)
+        self.outstanding_tokens += tokens
         try:
             async for out in self._generate(request_id, prompt_token_ids, params):
                 yield out
         finally:
             self.outstanding -= 1
-            self.outstanding_tokens -= len(prompt_token_ids)
+            self.outstanding_tokens -= tokens
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:

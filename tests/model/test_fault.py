@@ -1,0 +1,35 @@
+"""The test-only fault hook is parsed once into a frozen object; malformed specs are clear
+errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.model.fault import FAULT_ENV, FaultHook, MiB, parse_fault
+
+
+def test_parse_fault():
+    assert parse_fault("", 0) is None
+    assert parse_fault("1:5:exit", 0) is None  # another rank's
+    assert parse_fault("1:5:exit", 1) == FaultHook(5, "exit")
+    assert parse_fault("0:4:oom", 0) == FaultHook(4, "oom")
+    assert parse_fault("0:2:leak3", 0) == FaultHook(2, "leak3", 3 * MiB)
+
+
+@pytest.mark.parametrize("spec", ["0:4", "x:4:oom", "0:4:explode", "0:4:leak", "0:4:leak0",
+                                  "0:-1:raise", "0:1:2:raise"])
+def test_malformed_fault_is_a_clear_error(spec):
+    with pytest.raises(ValueError, match=f"{FAULT_ENV}=.*expected RANK:STEP:KIND"):
+        parse_fault(spec, 0)
+
+
+def test_fault_fires_at_its_step_and_a_leak_keeps_growing():
+    hook = parse_fault("0:3:raise", 0)
+    hook.fire(2)
+    with pytest.raises(RuntimeError, match="injected failure at step 3"):
+        hook.fire(3)
+    hook.fire(4)
+    leak = parse_fault("0:2:leak1", 0)
+    for step in range(1, 5):
+        leak.fire(step)
+    assert [len(b) for b in leak.kept] == [MiB] * 3

@@ -1,0 +1,71 @@
+"""The test-only fault hook: ``TPSERVE_TEST_FAULT=RANK:STEP:KIND`` makes one rank fail.
+
+KIND is ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``) or ``oom`` (a
+``torch.OutOfMemoryError``) at step STEP, or ``leakN``: from step STEP on, keep N MiB more
+host memory every step (a planted leak for the soak's memory check). The variable is read
+and parsed once, when the runner is built; with it unset the runner holds None and pays one
+attribute check per step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+FAULT_ENV = "TPSERVE_TEST_FAULT"
+KINDS = ("raise", "exit", "oom", "leakN")
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class FaultHook:
+    """One rank's planted fault. ``kept`` holds what a leak keeps (it never shrinks)."""
+
+    step: int
+    kind: str
+    leak_bytes: int = 0
+    kept: list[bytearray] = field(default_factory=list, compare=False, repr=False)
+
+    def fire(self, step: int) -> None:
+        """Called by the runner at every step; acts at ``self.step`` (a leak: from then on)."""
+        if self.leak_bytes:
+            if step >= self.step:
+                self.kept.append(bytearray(b"\xa5") * self.leak_bytes)  # touched: resident
+            return
+        if step != self.step:
+            return
+        if self.kind == "exit":
+            os._exit(3)
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
+        raise RuntimeError(f"injected failure at step {step} (test hook)")
+
+
+def parse_fault(spec: str, rank: int) -> FaultHook | None:
+    """The hook for ``rank`` described by ``spec`` (None when empty or for another rank);
+    ValueError naming the variable when it is malformed."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    bad = ValueError(f"{FAULT_ENV}={spec!r}: expected RANK:STEP:KIND with KIND one of "
+                     f"{', '.join(KINDS)}")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise bad
+    kind = parts[2]
+    leak_bytes = 0
+    if kind.startswith("leak"):
+        if not kind[4:].isdigit() or int(kind[4:]) < 1:
+            raise bad
+        leak_bytes = int(kind[4:]) * MiB
+    elif kind not in KINDS:
+        raise bad
+    if int(parts[0]) != rank:
+        return None
+    return FaultHook(int(parts[1]), kind, leak_bytes)
+
+
+def fault_from_env(rank: int) -> FaultHook | None:
+    """Reads ``TPSERVE_TEST_FAULT`` once (start-up only)."""
+    return parse_fault(os.environ.get(FAULT_ENV, ""), rank)
