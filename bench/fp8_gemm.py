@@ -56,8 +56,8 @@ def main() -> None:
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             xq, xs = quantize_per_row(x)
             t_bf16 = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-            t_fp8 = timed(lambda x=x: fp8_linear(x, wq, ws, None, torch.bfloat16))
-            t_mm = timed(lambda xq=xq, xs=xs: torch._scaled_mm(
+            t_fp8 = timed(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws, None, torch.bfloat16))
+            t_mm = timed(lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
                 xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16))
             rows.append({"shape": name, "m": m, "n": n, "k": k, "bf16_us": t_bf16,
                          "fp8_us": t_fp8, "fp8_gemm_only_us": t_mm,
