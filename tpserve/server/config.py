@@ -83,7 +83,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = RunnerConfig()
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face model folder, a .gguf file, or (with --load-format "
-                        "dummy) a shape name; default: the embedded SmolLM2-135M-Instruct")
+                        "dummy) a shape name; default (or empty): the embedded "
+                        "SmolLM2-135M-Instruct")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
     p.add_argument("--dtype", default=d.dtype,
@@ -163,7 +164,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     """Builds and validates the whole tree; raises ValueError with the flag's name."""
     return Config(
         runner=RunnerConfig(
-            model=a.model, load_format=a.load_format, dtype=a.dtype, seed=a.seed,
+            model=a.model or None,  # "" (compose's default MODEL): the embedded model
+            load_format=a.load_format, dtype=a.dtype, seed=a.seed,
             device=a.device, kernel_backend=a.kernel_backend, block_size=a.block_size,
             max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
