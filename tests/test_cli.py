@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -20,15 +21,86 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--no-engine-process"]
 
 
-def test_help_lists_every_flag_with_defaults():
-    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "--help"],
-                         capture_output=True, text=True, timeout=120)
+def tpserve(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpserve.cli", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_serve_help_lists_every_flag_with_defaults():
+    out = tpserve("serve", "--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     for flag in FLAGS:
         assert flag in text, flag
     assert "(default: 256)" in text and "(default: 2048)" in text and "(default: 0.9)" in text
-    assert "loadtest" in text
+
+
+def test_top_level_help_lists_the_commands_in_one_screen():
+    for argv in ((), ("--help",)):
+        out = tpserve(*argv)
+        assert out.returncode == 0
+        lines = out.stdout.splitlines()
+        assert len(lines) <= 40, out.stdout
+        for command in ("serve", "loadtest", "soak"):
+            assert any(line.split()[:1] == [command] for line in lines), command
+        assert "--max-model-len" not in out.stdout  # serve's flags are in serve --help
+
+
+def option_helps(help_text: str) -> dict[str, str]:
+    """The help of every option in an argparse help screen, by its first flag, joined
+    into one line (an entry starts at two spaces' indent, its lines continue deeper)."""
+    helps: dict[str, list[str]] = {}
+    current = None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            head, _, rest = line.strip().partition("  ")
+            flags = [f.split(" ")[0] for f in head.split(", ")]
+            current = next((f for f in flags if f.startswith("--")), flags[0])
+            helps[current] = [rest.strip()]
+        elif current is not None and line.startswith("    ") and line.strip():
+            helps[current].append(line.strip())
+        else:
+            current = None
+    return {flag: " ".join(p for p in parts if p) for flag, parts in helps.items()}
+
+
+@pytest.mark.parametrize("command", ["serve", "loadtest", "soak"])
+def test_every_option_has_help_and_states_its_default_once(command):
+    _, subs = build_parser()
+    helps = option_helps(subs[command].format_help())
+    assert "--help" in helps and len(helps) > 10
+    for flag, text in helps.items():
+        assert text, f"{command} {flag} has no help"
+        assert text.count("default:") <= 1, f"{command} {flag}: {text}"
+    if command == "serve":
+        assert helps["--port"].endswith("(default: 8000)")
+        assert helps["--max-model-len"].endswith("default: the model's")
+    if command == "loadtest":
+        assert helps["--request-rate"].count("inf") >= 1
+        assert "(default: inf) (default: inf)" not in helps["--request-rate"]
+
+
+def test_a_mistyped_flag_gets_the_closest_one():
+    out = tpserve("serve", "--max-model-length", "5")
+    assert out.returncode == 2
+    assert ("unrecognized argument --max-model-length; did you mean --max-model-len?"
+            in out.stderr)
+    out = tpserve("loadtest", "--num-promtps", "5", "--no-such-thing-at-all")
+    assert out.returncode == 2
+    assert "unrecognized argument --num-promtps; did you mean --num-prompts?" in out.stderr
+    assert "unrecognized argument --no-such-thing-at-all\n" in out.stderr
+
+
+def test_a_port_in_use_stops_the_start_before_the_model_loads():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = tpserve("serve", "--port", str(port))
+    assert out.returncode == 2
+    assert (f"tpserve: error: port {port} on 127.0.0.1 is already in use; stop what listens "
+            f"there or choose another --port") in out.stderr
+    assert "loading" not in out.stderr and "memory plan" not in out.stderr
 
 
 def _cfg(*argv: str):

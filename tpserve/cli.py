@@ -4,12 +4,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
 from tpserve import __version__
+
+# help text that states its default itself ("default: the model's", "%(default)s")
+_STATES_DEFAULT = re.compile(r"default:|%\(default\)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help at most once: not when the help states its
+    default itself, and not for a None default (the help says what no value means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or _STATES_DEFAULT.search(text):
+            return text
+        return super()._get_help_string(action)
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" error, with the closest option named for each
+    mistyped flag: "unrecognized argument --max-model-length; did you mean
+    --max-model-len?"."""
+    options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extras:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        hints.append(f"unrecognized argument {flag}{hint}")
+    return "\n".join(hints) or f"unrecognized arguments: {' '.join(extras)}"
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -17,10 +49,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from tpserve.loadtest.soak import add_soak_arguments
     from tpserve.server.config import add_serve_arguments
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(
         prog="tpserve", formatter_class=fmt,
-        description="Tensor-parallel, OpenAI-compatible LLM inference server.")
+        description="Tensor-parallel, OpenAI-compatible LLM inference server.",
+        epilog="Each command's flags: tpserve COMMAND --help (e.g. tpserve serve --help).")
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest,soak}")
     serve = sub.add_parser("serve", formatter_class=fmt,
@@ -44,11 +77,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, subs = build_parser()
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
         parser.print_help()
-        print("\n" + subs["serve"].format_help())
         return 0
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = subs.get(args.command, parser)
+        sub.error(unrecognized_message(sub, extras))  # exits 2
     if args.command == "loadtest":
         from tpserve import loadtest
 

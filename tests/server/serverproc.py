@@ -36,11 +36,13 @@ class ServerProcess:
     """``tpserve serve ARGS`` on a free port; its output goes to a temporary log file (never
     a pipe nobody reads, which would block a chatty server), read with ``output()``."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
+                 log_level: str = "warning"):
         self.port = find_free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self._final_output: str | None = None
         cmd = [sys.executable, "-m", "tpserve.cli", "serve", *args,
-               "--port", str(self.port), "--log-level", "warning"]
+               "--port", str(self.port), "--log-level", log_level]
         self._log = tempfile.NamedTemporaryFile("w", prefix="tpserve-", suffix=".log",
                                                 delete=False)
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
@@ -58,7 +60,10 @@ class ServerProcess:
             raise
 
     def output(self) -> str:
-        """Everything the server printed so far (stdout and stderr)."""
+        """Everything the server printed so far (stdout and stderr); after ``stop``, all
+        it printed."""
+        if self._final_output is not None:
+            return self._final_output
         try:
             with open(self._log.name, errors="replace") as f:
                 return f.read()
@@ -90,6 +95,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
+        if self._final_output is None:
+            self._final_output = self.output()
         if os.path.exists(self._log.name):
             os.unlink(self._log.name)
         return self.proc.returncode

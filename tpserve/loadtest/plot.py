@@ -1,7 +1,8 @@
 """PNG plots of load-test results, drawn with matplotlib's Agg canvas (no display needed).
 
-matplotlib is optional: it is imported here, lazily, and when it is missing the plot is
-skipped with a warning while the JSON result is still written.
+matplotlib is a dependency of tpserve, imported here lazily; where it is missing anyway
+(a bare install with --no-deps) the plot is skipped with a warning while the JSON result
+is still written.
 """
 
 from __future__ import annotations

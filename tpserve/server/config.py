@@ -40,6 +40,8 @@ class ServerConfig:
     max_request_body_bytes: int = 16 * 2**20
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
+    generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
+    log_requests: bool = True  # one access-log line per request
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -81,7 +83,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = RunnerConfig()
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face model folder, a .gguf file, or (with --load-format "
-                        "dummy) a shape name; default: the embedded SmolLM2-135M-Instruct")
+                        "dummy) a shape name; default (or empty): the embedded "
+                        "SmolLM2-135M-Instruct")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
     p.add_argument("--dtype", default=d.dtype,
@@ -97,17 +100,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of device memory (on CPU: of available RAM) to use")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV pool size in bytes (e.g. 2GiB); overrides the plan")
+                   help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
+                        "planned from --gpu-memory-utilization")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--load-format", default="auto",
-                   choices=["auto", "safetensors", "gguf", "dummy"])
+                   choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="how to read MODEL: auto (by the path), safetensors, gguf, or dummy "
+                        "(random weights of a real shape)")
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="sampling defaults for fields a request omits: auto = the model "
+                        "folder's generation_config.json (the embedded model: its own), "
+                        "vllm = OpenAI's defaults, or a folder holding that file")
     p.add_argument("--served-model-name", default=None,
                    help="model id in the API; default: the model's folder or file name")
     p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (env TPSERVE_API_KEY)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+                   help="require 'Authorization: Bearer KEY' on /v1; default: "
+                        "$TPSERVE_API_KEY, else no key")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on; checked before the model loads")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -127,9 +140,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "not share the GIL with it (--no-engine-process: one process, the "
                         "engine in a thread); ignored under torchrun")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="where the model runs: auto = CUDA when available, else CPU")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention and norm kernels: auto = Triton on CUDA, torch otherwise")
+    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20,
+                   help="larger request bodies get 413 (e.g. 16MiB)")
     p.add_argument("--max-num-queued-requests", type=int, default=1024,
                    help="requests waiting beyond --max-num-seqs before new ones get 429")
     p.add_argument("--max-num-queued-tokens", type=int, default=1 << 20,
@@ -139,7 +155,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds any collective may wait before the rank gives up")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"], help="logging threshold")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per request (method, path, status, tokens, "
+                        "latency)")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the KV pool accounting after every step (debugging)")
 
@@ -148,7 +167,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     """Builds and validates the whole tree; raises ValueError with the flag's name."""
     return Config(
         runner=RunnerConfig(
-            model=a.model, load_format=a.load_format, dtype=a.dtype, seed=a.seed,
+            model=a.model or None,  # "" (compose's default MODEL): the embedded model
+            load_format=a.load_format, dtype=a.dtype, seed=a.seed,
             device=a.device, kernel_backend=a.kernel_backend, block_size=a.block_size,
             max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
@@ -162,5 +182,6 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             a.async_scheduling, a.max_mixed_tokens,
                             engine_process=a.engine_process),
         server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
-                            a.shutdown_timeout),
+                            a.shutdown_timeout, generation_config=a.generation_config,
+                            log_requests=not a.disable_log_requests),
     )

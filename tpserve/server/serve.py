@@ -13,13 +13,16 @@ through an ``EngineProxy``; failures and shutdown behave the same.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import threading
 
 import torch
 import uvicorn
 
+from tpserve.model.generation_config import GenerationDefaults, resolve_generation_defaults
 from tpserve.model.runner import ModelRunner
 from tpserve.parallel.launch import WorkerProcesses
 from tpserve.parallel.state import TPGroup, torchrun_env
@@ -60,12 +63,39 @@ class _Server(uvicorn.Server):
         yield
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Binds ``host:port`` once and lets go, so that a taken port stops the start before
+    the model loads (uvicorn binds only after). ValueError (exit 2) names the port."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use; stop what "
+                                 f"listens there or choose another --port") from None
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def serve(cfg: Config) -> int:
-    warning = exposure_warning(cfg.server.host, cfg.server.port, cfg.server.api_key)
-    if warning is not None and (torchrun_env() or (0,))[0] == 0:  # the rank serving HTTP
-        logger.warning(warning)
-    if cfg.engine.engine_process and torchrun_env() is None:
-        return _serve_engine_process(cfg)
+    env = torchrun_env()
+    if env is None or env[0] == 0:  # rank 0 serves HTTP
+        check_port_free(cfg.server.host, cfg.server.port)
+        warning = exposure_warning(cfg.server.host, cfg.server.port, cfg.server.api_key)
+        if warning is not None:
+            logger.warning(warning)
+    defaults = resolve_generation_defaults(cfg.server.generation_config, cfg.runner.model,
+                                           cfg.runner.load_format)
+    if cfg.engine.engine_process and env is None:
+        return _serve_engine_process(cfg, defaults)
     status = _Exit()
     holder: dict[str, object] = {}
 
@@ -83,33 +113,37 @@ def serve(cfg: Config) -> int:
             torch.set_num_threads(max(1, torch.get_num_threads() // group.world_size))
             ModelRunner(cfg.runner, group).worker_loop()
             return 0
-        return _serve_rank0(cfg, group, workers, status, holder)
+        return _serve_rank0(cfg, group, workers, status, holder, defaults)
     finally:
         leave_group(group, workers)
 
 
 def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
-                 status: _Exit, holder: dict) -> int:
+                 status: _Exit, holder: dict, defaults: GenerationDefaults) -> int:
     core = build_engine_core(cfg, group)
     engine = AsyncEngine(core, cfg.served_model_name, status.fatal,
                          max_queued_requests=cfg.engine.max_num_queued_requests,
                          max_queued_tokens=cfg.engine.max_num_queued_tokens)
     holder["engine"] = engine
-    return _serve_http(cfg, engine, status)
+    return _serve_http(cfg, engine, status, defaults)
 
 
-def _serve_engine_process(cfg: Config) -> int:
+def _serve_engine_process(cfg: Config, defaults: GenerationDefaults) -> int:
     status = _Exit()
     engine = EngineProxy(cfg, status.fatal)  # raises the engine's start-up error
-    return _serve_http(cfg, engine, status)
+    return _serve_http(cfg, engine, status, defaults)
 
 
-def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit) -> int:
+def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
+                defaults: GenerationDefaults) -> int:
     """Runs uvicorn over ``engine`` until a signal (drain first) or a fatal failure; then
     shuts the engine down. Returns the exit status."""
     name = cfg.served_model_name
+    logger.info(defaults.describe())
     app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
-                    max_request_body_bytes=cfg.server.max_request_body_bytes)
+                    max_request_body_bytes=cfg.server.max_request_body_bytes,
+                    default_sampling_params=defaults.params,
+                    log_requests=cfg.server.log_requests)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))

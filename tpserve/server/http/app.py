@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 import tpserve
+from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import install_exception_handlers
 from tpserve.server.http.metrics import ServerMetrics
@@ -29,8 +30,12 @@ def needs_api_key(path: str) -> bool:
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               api_key: str | None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model."""
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              default_sampling_params: Mapping[str, float | int] | None = None,
+              log_requests: bool = False) -> FastAPI:
+    """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
+    ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
+    writes one access-log line per request."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -50,6 +55,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         prompts=PromptProcessor(engine.tokenizer, executor),
         metrics=ServerMetrics(engine.stats, engine.model_name),
         created=int(time.time()),
+        default_sampling_params=dict(default_sampling_params or {}),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())
@@ -59,4 +65,6 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=needs_api_key)
     app.add_middleware(CatchAllMiddleware)
+    if log_requests:  # outermost: it sees the status CatchAll answers with
+        app.add_middleware(AccessLogMiddleware)
     return app

@@ -11,6 +11,7 @@ from fastapi import Request
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.access_log import AccessRecord
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import ClientDisconnected
 from tpserve.server.http.metrics import RequestTracker
@@ -19,9 +20,10 @@ T = TypeVar("T")
 
 
 async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list[int],
-                         params: SamplingParams, tracker: RequestTracker
-                         ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request, ending with the finished one.
+                         params: SamplingParams, tracker: RequestTracker,
+                         record: AccessRecord | None = None) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, ending with the finished one (whose token
+    counts go into ``record`` for the access log).
 
     Stopping early (``aclose()``, cancellation, an error output) closes the engine's
     generator and also calls ``engine.abort`` (unless the engine itself raised).
@@ -41,6 +43,9 @@ async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list
                 raise EngineError(out.error)
             tracker.on_output(out)
             finished = out.finished
+            if finished and record is not None:
+                record.prompt_tokens = out.num_prompt_tokens
+                record.completion_tokens = out.num_output_tokens
             yield out
             if finished:
                 return

@@ -265,6 +265,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # tpserve's extension (vLLM has none): the defaults that replace OpenAI's for sampling
+    # fields a request omits (the model's generation config); {} = OpenAI's defaults
+    default_sampling_params: dict[str, float | int] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+# the fields a model's generation config may default (max_tokens is handled apart)
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _max_tokens(req: SamplingRequest) -> tuple[int | None, str]:
@@ -24,9 +28,14 @@ def _logprobs(req: SamplingRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int
-                          ) -> SamplingParams:
-    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context."""
+def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
+                          defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context.
+
+    ``defaults`` (the model's generation config, by ``SamplingParams`` field) fill only
+    the sampling fields the request omits; a default ``max_tokens`` is cut to the room
+    the prompt leaves, while a requested one over the room is refused."""
+    defaults = defaults or {}
     max_tokens, max_tokens_field = _max_tokens(req)
     room = max_model_len - prompt_len
     if max_tokens is None:
@@ -35,7 +44,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
                 f"This model's maximum context length is {max_model_len} tokens. However, "
                 f"your prompt has {prompt_len} tokens, which leaves no room for the completion.",
                 "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-        max_tokens = room
+        max_tokens = min(room, int(defaults.get("max_tokens", room)))
     elif max_tokens > room and max_tokens >= 1:
         raise APIError.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -59,6 +68,9 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
     }
+    for name in DEFAULTABLE:
+        if kwargs[name] is None and name in defaults:
+            kwargs[name] = defaults[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "seed"}
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop,

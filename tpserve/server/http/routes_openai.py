@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.access_log import access_record
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import RequestTracker
@@ -57,7 +58,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model, n=params.n,
                           logprobs=params.logprobs is not None,
                           include_usage=body.include_usage)
-    outputs = engine_outputs(state.engine, request_id, prompt_ids, params, tracker)
+    outputs = engine_outputs(state.engine, request_id, prompt_ids, params, tracker,
+                             access_record(request))
     handed_over = False
     try:
         # The first output is awaited before answering, so that errors raised on submission
@@ -84,7 +86,8 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         return ModelList(data=[
             ModelCard(id=name, created=state.created, root=state.engine.model_name,
-                      max_model_len=state.engine.max_model_len)
+                      max_model_len=state.engine.max_model_len,
+                      default_sampling_params=state.default_sampling_params)
             for name in state.served_model_names])
 
     @router.post("/completions", response_model=CompletionResponse,
@@ -97,7 +100,8 @@ def make_openai_router() -> APIRouter:
             raise APIError.bad_request("echo is not supported", "echo")
         state.check_available()
         prompt_ids = await state.prompts.completion_ids(body.prompt)
-        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len)
+        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
+                                       state.default_sampling_params)
         return await _serve(request, state, body, "cmpl", prompt_ids, params, model, tracker)
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
@@ -108,7 +112,8 @@ def make_openai_router() -> APIRouter:
         model = state.resolve_model(body.model)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(body.messages, add_generation_prompt=True)
-        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len)
+        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
+                                       state.default_sampling_params)
         return await _serve(request, state, body, "chatcmpl", prompt_ids, params, model, tracker)
 
     return router

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -20,6 +20,8 @@ class ServerState:
     prompts: PromptProcessor
     metrics: ServerMetrics
     created: int
+    # the model's sampling defaults for fields a request omits (--generation-config)
+    default_sampling_params: dict[str, float | int] = field(default_factory=dict)
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

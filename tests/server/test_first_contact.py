@@ -1,0 +1,140 @@
+"""First contact as the README shows it, against real servers of the embedded SmolLM2: the
+model's own sampling defaults (``--generation-config``), one access-log line per request,
+log lines instead of a progress bar off a terminal, and a SIGTERM that exits 0 without a
+leaked-semaphore warning."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.serverproc import SMALL, ServerProcess
+
+README_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "SmolLM2-135M-Instruct"
+STORY = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The README's `tpserve serve` (engine process, --generation-config auto), logging
+    at info."""
+    s = ServerProcess(*SMALL, log_level="info")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def server_vllm_defaults():
+    """OpenAI's defaults, no access log, the engine in the HTTP process."""
+    s = ServerProcess(*SMALL, "--generation-config", "vllm", "--disable-log-requests",
+                      "--no-engine-process", log_level="info")
+    yield s
+    s.stop()
+
+
+def client(s: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0)
+
+
+def story_texts(s: ServerProcess, **fields) -> set[str]:
+    """The continuations of STORY for seeds 0-4."""
+    c = client(s)
+    return {c.completions.create(model=MODEL, prompt=STORY, max_tokens=16, seed=seed,
+                                 **fields).choices[0].text for seed in range(5)}
+
+
+def access_lines(s: ServerProcess, path: str) -> list[str]:
+    return [line.split("tpserve.access: ", 1)[1] for line in s.output().splitlines()
+            if f"tpserve.access: POST {path} " in line]
+
+
+def wait_for_lines(s: ServerProcess, path: str, count: int, timeout: float = 30.0
+                   ) -> list[str]:
+    """The access lines of ``path`` once there are ``count`` (a line is written just
+    after its response has been sent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = access_lines(s, path)
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)
+
+
+def test_the_readme_example_answers_paris_for_every_seed(server):
+    c = client(server)
+    for seed in range(10):
+        r = c.chat.completions.create(model=MODEL, messages=README_MESSAGES, seed=seed)
+        assert "Paris" in r.choices[0].message.content, (seed, r.choices[0].message.content)
+
+
+def test_the_defaults_are_on_the_model_card_and_in_the_log(server):
+    card = httpx.get(server.base + "/v1/models", timeout=10).json()["data"][0]
+    assert card["default_sampling_params"] == {"temperature": 0.0}
+    assert [m.id for m in client(server).models.list()] == [MODEL]
+    assert ("default sampling parameters (the embedded SmolLM2's measured defaults): "
+            "temperature=0.0") in server.output()
+
+
+def test_a_requests_temperature_overrides_the_default(server):
+    assert len(story_texts(server)) == 1  # greedy: the seed does not matter
+    assert len(story_texts(server, temperature=1.0)) > 1
+
+
+def test_generation_config_vllm_reverts_to_openai_defaults(server_vllm_defaults):
+    s = server_vllm_defaults
+    card = httpx.get(s.base + "/v1/models", timeout=10).json()["data"][0]
+    assert card["default_sampling_params"] == {}
+    assert len(story_texts(s)) > 1  # temperature 1: each seed its own continuation
+    assert len(story_texts(s, temperature=0)) == 1
+    assert "default sampling parameters (--generation-config vllm): OpenAI's defaults" in (
+        s.output())
+    assert "tpserve.access" not in s.output()  # --disable-log-requests
+
+
+def test_one_access_log_line_per_request(server):
+    c = client(server)
+    before = len(access_lines(server, "/v1/completions"))
+    expected = []
+    for max_tokens in (3, 4):
+        r = c.completions.create(model=MODEL, prompt=STORY, max_tokens=max_tokens,
+                                 extra_body={"ignore_eos": True})
+        expected.append(f"POST /v1/completions 200 prompt_tokens={r.usage.prompt_tokens} "
+                        f"completion_tokens={max_tokens}")
+    stream = c.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True,
+                                  extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    prompt_tokens = httpx.post(server.base + "/tokenize", json={"prompt": "Hello"},
+                               timeout=10).json()["count"]
+    expected.append(f"POST /v1/completions 200 prompt_tokens={prompt_tokens} "
+                    f"completion_tokens=5")
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt=STORY, max_tokens=0)
+    expected.append("POST /v1/completions 400 prompt_tokens=- completion_tokens=-")
+
+    lines = wait_for_lines(server, "/v1/completions", before + len(expected))
+    new = lines[before:]
+    assert [line.rsplit(" latency_ms=", 1)[0] for line in new] == expected
+    for line in new:
+        assert float(line.rsplit(" latency_ms=", 1)[1]) >= 0
+    assert '"POST /v1/completions HTTP/1.1"' not in server.output()  # uvicorn's log is off
+
+
+def test_weights_loading_logs_lines_not_a_bar(server):
+    out = server.output()
+    assert "\r" not in out
+    assert "loading SmolLM2-135M-Instruct.Q4_1.gguf: 272 tensors" in out
+    assert "loaded SmolLM2-135M-Instruct.Q4_1.gguf: 272 tensors in " in out
+
+
+@pytest.mark.parametrize("name", ["server", "server_vllm_defaults"])
+def test_sigterm_exits_0_without_a_leaked_semaphore(request, name):
+    s = request.getfixturevalue(name)
+    assert s.stop() == 0
+    out = s.output()
+    assert "drained: all requests finished" in out
+    assert "leaked semaphore" not in out and "resource_tracker" not in out, out[-2000:]
