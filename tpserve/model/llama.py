@@ -23,7 +23,7 @@ from tpserve.parallel.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tpserve.parallel.shard import TensorSource, as_source, copy_into
+from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,8 +43,11 @@ class LlamaAttention(nn.Module):
         self.ops = ops
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype)
+        # o_proj's input columns follow the (padded) query heads of this rank
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        comm, cfg.o_bias, dtype)
+                                        comm, cfg.o_bias, dtype,
+                                        in_map=self.qkv_proj.layout.q_map(comm.rank,
+                                                                          cfg.head_dim))
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
@@ -63,7 +66,9 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
                                                        dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, comm, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, comm, dtype=dtype,
+            in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

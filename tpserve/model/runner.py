@@ -193,8 +193,9 @@ class ModelRunner:
         rows = min(cfg.max_num_seqs, tokens)
         if self.device.type != "cuda":
             tp = self.comm.world_size
-            q = (m.num_attention_heads // tp + 2 * m.kv_heads_for(tp)) * m.head_dim
-            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_size // tp,
+            heads = m.head_layout(tp)
+            q = (heads.heads_per_rank + 2 * heads.kv_heads_per_rank) * m.head_dim
+            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_per_rank(tp),
                                             q, m.vocab_size, rows, self.dtype.itemsize)
             return est, False
         # pass 1: pure prefill of the whole budget; pass 2: a mixed step of (rows - 1)
