@@ -89,6 +89,26 @@ def _errors(group: TPGroup) -> dict[str, float]:
     emb.weight.weight_loader(emb.weight, emb_w)
     err["embedding"] = (emb(ids) - F.embedding(ids, emb_w)).abs().max().item()
 
+    # sequence parallel: the same layers ending in a reduce-scatter over tokens
+    rows = slice(r * 6 // tp, (r + 1) * 6 // tp)  # 6 tokens: divisible by 2 and 3
+    x6 = torch.randn(6, OUT, generator=g)
+    row_rs = RowParallelLinear(OUT, HID, comm, bias=True, reduce="reduce_scatter")
+    row_rs.weight.weight_loader(row_rs.weight, wr)
+    row_rs.bias.weight_loader(row_rs.bias, br)
+    err["row_reduce_scatter"] = (row_rs(x6[:, shard]) - F.linear(x6, wr, br)[rows]
+                                 ).abs().max().item()
+    emb_rs = VocabParallelEmbedding(VOCAB, HID, comm, reduce="reduce_scatter")
+    emb_rs.weight.weight_loader(emb_rs.weight, emb_w)
+    err["embedding_reduce_scatter"] = (emb_rs(ids[:6]) - F.embedding(ids[:6], emb_w)[rows]
+                                       ).abs().max().item()
+    mine = torch.full((2, 3), float(r + 1))
+    gathered = comm.all_gather(mine, dim=0)
+    assert gathered.shape == (2 * tp, 3)
+    assert gathered[:, 0].tolist() == [float(i // 2 + 1) for i in range(2 * tp)]
+    summed = comm.reduce_scatter(torch.arange(6.0 * tp).view(2 * tp, 3) * (r + 1))
+    want = torch.arange(6.0 * tp).view(2 * tp, 3)[2 * r:2 * r + 2] * (tp * (tp + 1) / 2)
+    err["reduce_scatter"] = (summed - want).abs().max().item()
+
     head = ParallelLMHead(VOCAB, HID, comm)
     head.weight.weight_loader(head.weight, emb_w)
     logits = head(x)
@@ -103,7 +123,9 @@ def test_parallel_layers_equal_unsharded(tp):
     assert len(results) == tp
     for rank, errs in enumerate(results):
         assert set(errs) == {"column_gathered", "column_shard", "row", "merged_gate_up",
-                             "qkv_kv1", f"qkv_kv{tp}", "embedding", "lm_head"}
+                             "qkv_kv1", f"qkv_kv{tp}", "embedding", "lm_head",
+                             "row_reduce_scatter", "embedding_reduce_scatter",
+                             "reduce_scatter"}
         for name, e in errs.items():
             assert e < 1e-5, f"rank {rank} {name}: max error {e}"
 
@@ -114,6 +136,8 @@ def test_single_rank_layers_do_no_communication():
     assert comm.all_reduce(x) is x
     assert comm.all_gather(x) is x
     assert comm.broadcast(x) is x
+    assert comm.reduce_scatter(x) is x
+    assert comm.all_gather(x, dim=0) is x
 
 
 def test_split_that_does_not_divide_is_a_clear_error():

@@ -16,7 +16,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
-         "--no-engine-process"]
+         "--no-engine-process", "--tp-comm"]
 
 
 def test_help_lists_every_flag_with_defaults():
@@ -46,6 +46,19 @@ def test_config_tree_from_flags():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
     assert _cfg().engine.engine_process is True
     assert _cfg("--no-engine-process").engine.engine_process is False
+    assert _cfg().runner.tp_comm == "allreduce"
+    assert _cfg("--tp-comm", "allgather").runner.tp_comm == "allgather"
+
+
+def test_tp_comm_is_validated():
+    from tpserve.model.runner import RunnerConfig
+
+    with pytest.raises(ValueError, match="--tp-comm must be one of allreduce, allgather; got "
+                                         "'ring'"):
+        RunnerConfig(tp_comm="ring")
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):  # argparse refuses it first on the command line
+        parser.parse_args(["serve", "--tp-comm", "ring"])
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -134,8 +134,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's input columns split over ranks; the input is the matching
-    shard of ``x`` (as produced by a column-parallel layer). Partial sums are all-reduced,
-    then the (unsharded) bias is added once.
+    shard of ``x`` (as produced by a column-parallel layer). Partial sums are all-reduced
+    (``reduce="all_reduce"``) or reduce-scattered over tokens (``"reduce_scatter"``: rank
+    r returns rows ``[r*T/tp, (r+1)*T/tp)``; T must divide by tp), then the (unsharded)
+    bias is added once.
 
     ``in_map`` says which checkpoint columns this rank holds (default: an even split); its
     padding columns are zero, so padded inputs (zero heads, zero MLP columns) add nothing.
@@ -143,9 +145,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator,
                  bias: bool = False, dtype: torch.dtype | None = None,
-                 in_map: ShardMap | None = None):
+                 in_map: ShardMap | None = None, reduce: str = "all_reduce"):
         super().__init__()
+        if reduce not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"unknown reduce {reduce!r}")
         self.comm = comm
+        self.reduce = reduce
         if in_map is None:
             per = split_evenly(in_features, comm.world_size, "input features")
             in_map = ShardMap(per, ((0, comm.rank * per, per),))
@@ -166,5 +171,9 @@ class RowParallelLinear(nn.Module):
         copy_into(param, as_source(source).read(), "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce == "all_reduce":
+            y = self.comm.all_reduce(y)
+        else:
+            y = self.comm.reduce_scatter(y)
         return y + self.bias if self.bias is not None else y

@@ -30,13 +30,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                 dtype: torch.dtype, ops: Ops, max_positions: int,
-                show_progress: bool = False) -> nn.Module:
+                show_progress: bool = False, tp_comm: str = "allreduce") -> nn.Module:
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
     padding = cfg.describe_padding(comm.world_size)
     if padding and comm.rank == 0:
         logger.warning(padding)  # a cost the user chose by --tensor-parallel-size
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions)
+        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions,
+                                                  tp_comm=tp_comm)
     ckpt.load_into(model, show_progress)
     return model.eval()
