@@ -18,7 +18,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
-         "--no-engine-process"]
+         "--no-engine-process", "--tp-comm", "--disable-custom-all-reduce"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -119,6 +119,21 @@ def test_config_tree_from_flags():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
     assert _cfg().engine.engine_process is True
     assert _cfg("--no-engine-process").engine.engine_process is False
+    assert _cfg().runner.tp_comm == "allreduce"
+    assert _cfg("--tp-comm", "allgather").runner.tp_comm == "allgather"
+    assert _cfg().runner.disable_custom_all_reduce is False
+    assert _cfg("--disable-custom-all-reduce").runner.disable_custom_all_reduce is True
+
+
+def test_tp_comm_is_validated():
+    from tpserve.model.runner import RunnerConfig
+
+    with pytest.raises(ValueError, match="--tp-comm must be one of allreduce, allgather; got "
+                                         "'ring'"):
+        RunnerConfig(tp_comm="ring")
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):  # argparse refuses it first on the command line
+        parser.parse_args(["serve", "--tp-comm", "ring"])
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -77,17 +77,24 @@ def test_unknown_architecture(tmp_path):
         open_checkpoint(str(tmp_path), "dummy")
 
 
-def test_tp_size_that_does_not_divide_the_heads(smollm2_path):
+def test_any_tp_is_served_with_zero_padding(smollm2_path):
+    """Head counts and the MLP width that tp does not divide are zero-padded, not refused;
+    only a tp below 1 is."""
     cfg = open_checkpoint(str(smollm2_path)).config
-    for ok in (1, 3):
-        cfg.check_tensor_parallel(ok)
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not divide the "
-                                         r"model: num_attention_heads=9"):
-        cfg.check_tensor_parallel(2)
-    with pytest.raises(ValueError, match=r"intermediate_size=1536"):
-        cfg.check_tensor_parallel(9)  # the heads split 9 ways, the MLP does not
-    with pytest.raises(ValueError, match=r"num_key_value_heads=8"):
-        shape_config("llama3-8b").check_tensor_parallel(3)
+    for tp in (1, 2, 3, 4, 5, 9, 12):
+        cfg.check_tensor_parallel(tp)
+    assert cfg.describe_padding(3) is None
+    assert cfg.describe_padding(2) == ("tp 2: padding 9 q heads -> 12, 3 KV heads -> 4 "
+                                       "(+33% attention FLOPs and KV cache per rank)")
+    assert (cfg.kv_heads_for(2), cfg.kv_heads_for(4), cfg.kv_heads_for(9)) == (2, 1, 1)
+    assert cfg.intermediate_per_rank(9) == 171  # 1536 -> 1539 columns
+    assert "MLP width 1536 -> 1539" in cfg.describe_padding(9)
+    llama = shape_config("llama3-8b")
+    llama.check_tensor_parallel(3)
+    assert llama.describe_padding(3).startswith("tp 3: padding 32 q heads -> 36, 8 KV heads "
+                                                "-> 9")
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be >= 1, got 0"):
+        cfg.check_tensor_parallel(0)
 
 
 def test_unknown_formats_and_dtypes():

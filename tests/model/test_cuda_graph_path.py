@@ -1,7 +1,8 @@
 """The padded static-buffer paths that CUDA graphs replay (pure decode per batch bucket,
 mixed steps per token bucket) give the logits of the plain forward (run eagerly here on
 CPU; on CUDA the same paths are captured; the kernels' padded launch shapes are tested in
-test_triton_kernels.py)."""
+test_triton_kernels.py), also sequence parallel at tp 3 with buckets rounded up to
+multiples of tp."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.model.test_tiny_models import _hf_model
 from tests.model.util import load, new_pool, run, save_hf_folder
 from tpserve.model.cuda_graphs import MIXED, StepGraphs, buckets_for, mixed_buckets_for
 from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.parallel.launch import run_ranks
 
 
 def test_buckets():
@@ -22,6 +24,10 @@ def test_buckets():
     assert mixed_buckets_for(0) == []
     assert mixed_buckets_for(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     assert mixed_buckets_for(100) == [16, 32, 64, 100]
+    # sequence parallel at tp 3: every bucket a multiple of 3 (the largest may pass the cap)
+    assert buckets_for(8, 3) == [3, 6, 9]
+    assert buckets_for(40, 4) == [4, 8, 16, 32, 40]
+    assert mixed_buckets_for(100, 3) == [18, 33, 66, 102]
 
 
 def test_padded_decode_equals_plain_forward(tmp_path):
@@ -79,6 +85,44 @@ def test_padded_mixed_step_equals_plain_forward(tmp_path):
     torch.testing.assert_close(written, pool.buffer)  # padding tokens wrote nothing
     assert not graphs.can_run(StepPlan.build([SeqChunk(list(range(33)), 0, list(range(9)),
                                                        True)], 4))  # past the largest bucket
+
+
+def _sequence_parallel_graph_paths(group, folder: str) -> dict[str, object]:
+    """On each of 3 gloo ranks, ``--tp-comm allgather``: a decode of 2 sequences (bucket 3,
+    one padding sequence) and a 19-token mixed step (bucket 33) through the static
+    buffers, against the plain forward on the same cache."""
+    model, comm = load(folder, group, tp_comm="allgather")
+    pool = new_pool(model, comm, num_blocks=32, block_size=4)
+    pool.buffer.zero_()
+    seqs, tables = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100]], [[3, 17, 4], [9]]
+    run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
+    graphs = StepGraphs(model, pool, max_num_seqs=8, max_blocks_per_seq=16,
+                        max_model_len=64, device=torch.device("cpu"), max_mixed_tokens=32,
+                        token_multiple=3)
+    decode = [SeqChunk([42], 7, tables[0] + [31], True), SeqChunk([43], 3, tables[1], True)]
+    mixed = decode + [SeqChunk(list(range(20, 37)), 0, [10, 11, 12, 13, 14], True)]
+    out: dict[str, object] = {"buffers": graphs.seq_lens.shape[0]}
+    for name, step in (("decode", decode), ("mixed", mixed)):
+        plan = StepPlan.build(step, 4)
+        out[name + "_bucket"] = graphs.select(plan)
+        before = pool.buffer.clone()
+        got = graphs.run(plan)
+        written = pool.buffer.clone()
+        pool.buffer.copy_(before)
+        want = run(model, pool, step)
+        out[name] = (got - want).abs().max().item()
+        out[name + "_writes"] = (written - pool.buffer).abs().max().item()
+    return out
+
+
+def test_sequence_parallel_buckets_are_multiples_of_tp(tmp_path):
+    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
+    for res in run_ranks(_sequence_parallel_graph_paths, 3, folder, timeout_s=300):
+        assert res["buffers"] == 9  # decode buckets 3, 6, 9 for max_num_seqs 8
+        assert res["decode_bucket"] == ("decode", 3)
+        assert res["mixed_bucket"] == (MIXED, 33)
+        for name in ("decode", "mixed", "decode_writes", "mixed_writes"):
+            assert res[name] < 1e-5, (name, res[name])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")

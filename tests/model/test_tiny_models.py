@@ -1,5 +1,6 @@
 """Tiny random Llama / Qwen2 / Mistral checkpoints written as sharded Hugging Face folders:
-our logits equal transformers' at tp 1, 2 and 4 (tp 4 replicates the 2 KV heads)."""
+our logits equal transformers' at tp 1, 2 and 4 (tp 4 replicates the 2 KV heads) and at
+tp 3 (zero padding: 4 -> 6 query heads, 2 -> 3 KV heads with their biases, MLP 128 -> 129)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_tp1_equals_transformers(checkpoints, kind):
 
 
 @pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("llama3", 2),
-                                     ("qwen2", 2), ("mistral", 2)])
+                                     ("qwen2", 2), ("qwen2", 3), ("mistral", 2)])
 def test_tensor_parallel_equals_transformers(checkpoints, kind, tp):
     folder, ref = checkpoints(kind)
     results = run_ranks(_logits, tp, folder, timeout_s=300)

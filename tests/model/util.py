@@ -19,11 +19,13 @@ from tpserve.parallel.state import TPGroup
 CPU = torch.device("cpu")
 
 
-def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto"):
+def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
+         tp_comm: str = "allreduce"):
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format)
     comm = Communicator(group)
-    return build_model(ckpt, comm, CPU, torch.float32, select_ops(CPU), 512), comm
+    return build_model(ckpt, comm, CPU, torch.float32, select_ops(CPU), 512,
+                       tp_comm=tp_comm), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:

@@ -1,5 +1,6 @@
 """Tensor-parallel serving through real server processes: tp 3 answers exactly like tp 1,
-two torchrun "nodes" answer exactly like tp 1, and a rank that dies mid-request ends every
+so do tp 2 and tp 4 (SmolLM2's 9 query / 3 KV heads zero-padded to 12 / 4; tp 4 sequence
+parallel), two torchrun "nodes" answer exactly like tp 1, and a rank that dies mid-request ends every
 request with an explicit error and makes the server exit non-zero (never a hang)."""
 
 from __future__ import annotations
@@ -161,6 +162,24 @@ def test_only_the_http_port_listens_beyond_loopback(tp3, num_procs, request):
     assert exposed == [], listening
     # every rank does listen (gloo's pairs), on loopback
     assert all(listening[p.pid] for p in ranks if p.pid != root.pid or num_procs == 3)
+
+
+# ------------------------------------------------------ tp 2 and 4: zero-padded heads = tp 1
+@pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allgather")])
+def test_padded_heads_serve_the_same_greedy_text_as_tp1(smol_tp1, tp, tp_comm):
+    """tp 4 also runs sequence parallel (--tp-comm allgather), so the flag is tested from
+    the command line to every rank without another server start-up."""
+    want = _smol_answers(smol_tp1.base)
+    assert all(want) and want[0].startswith(" Paris")
+    # one server at a time (not a module fixture): tp 4 is four processes on two cores
+    server = ServerProcess(*SMALL, "--tensor-parallel-size", str(tp), "--tp-comm", tp_comm,
+                           "--no-engine-process")
+    try:
+        assert _smol_answers(server.base) == want
+        assert (f"tp {tp}: padding 9 q heads -> 12, 3 KV heads -> 4 (+33% attention FLOPs "
+                "and KV cache per rank)") in server.output()
+    finally:
+        assert server.stop() == 0, server.output()
 
 
 # --------------------------------------------------------------------- torchrun, 2 nodes

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tpserve.parallel.heads import HeadLayout
+from tpserve.parallel.shard import padded_split
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -46,22 +49,40 @@ class ModelConfig:
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raises a clear error when the heads cannot be split over ``tp`` ranks."""
-        problems = []
-        if self.num_attention_heads % tp:
-            problems.append(f"num_attention_heads={self.num_attention_heads}")
-        kv = self.num_key_value_heads
-        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-            problems.append(f"num_key_value_heads={kv} (tp must divide it or be a multiple)")
-        if self.intermediate_size % tp:
-            problems.append(f"intermediate_size={self.intermediate_size}")
-        if problems:
-            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model: "
-                             + "; ".join(problems))
+        """Raises a clear error for a ``tp`` the model cannot be sharded over.
+
+        Head counts and the MLP width need not divide by tp: ``head_layout`` and
+        ``intermediate_per_rank`` pad them with zero heads/columns (the function is
+        unchanged), so any ``tp >= 1`` is served; ``describe_padding`` states the cost.
+        """
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+        self.head_layout(tp)  # raises if the heads do not form GQA groups
+
+    def head_layout(self, tp: int) -> HeadLayout:
+        """The attention heads over ``tp`` ranks, zero-padded where they do not divide."""
+        return HeadLayout.plan(self.num_attention_heads, self.num_key_value_heads, tp)
+
+    def intermediate_per_rank(self, tp: int) -> int:
+        """MLP columns per rank (zero-padded to ``ceil(intermediate_size / tp)``)."""
+        return padded_split(self.intermediate_size, tp)
 
     def kv_heads_for(self, tp: int) -> int:
-        """KV heads each rank holds (replicated heads count once per rank)."""
-        return max(self.num_key_value_heads // tp, 1)
+        """KV heads each rank holds, padding included (replicated heads count once per
+        rank): what the KV pool is sized by."""
+        return self.head_layout(tp).kv_heads_per_rank
+
+    def describe_padding(self, tp: int) -> str | None:
+        """One line on the zero padding at ``tp`` and its cost; None when nothing is padded."""
+        layout = self.head_layout(tp)
+        inter = self.intermediate_per_rank(tp) * tp
+        parts = [layout.describe()] if layout.padded else []
+        if inter != self.intermediate_size:
+            parts.append(f"MLP width {self.intermediate_size} -> {inter} "
+                         f"(+{inter / self.intermediate_size - 1:.1%} MLP FLOPs)")
+        if not parts:
+            return None
+        return "; ".join(parts) if layout.padded else f"tp {tp}: padding " + parts[0]
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:

@@ -12,6 +12,10 @@ LM head. Steps larger than every bucket run eagerly.
   kernel over a tile table sized by ``max_prefill_tiles(T, max_num_seqs)`` (-1 past the
   real tiles); logits are taken for ``min(max_num_seqs, T)`` rows.
 
+Sequence parallel (``--tp-comm allgather``): every bucket is a multiple of tp
+(``token_multiple``), so a replayed step needs no padding inside the model; a decode bucket
+rounded up past ``max_num_seqs`` holds padding sequences (the buffers are sized for it).
+
 Invariants: the graphs are captured after the KV pool exists (its addresses are baked in)
 and share one memory pool; padding tokens have token 0, position 0 and slot -1 (no KV
 write); padding sequences have no new tokens and context length 0 (attention reads nothing);
@@ -32,30 +36,38 @@ from tpserve.model.plan import StepPlan
 DECODE, MIXED = "decode", "mixed"
 
 
-def buckets_for(max_num_seqs: int) -> list[int]:
-    """Decode buckets: 1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (always a bucket)."""
+def _round_up(sizes: set[int], multiple: int) -> list[int]:
+    return sorted({-(-b // multiple) * multiple for b in sizes})
+
+
+def buckets_for(max_num_seqs: int, multiple: int = 1) -> list[int]:
+    """Decode buckets: 1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (always a bucket),
+    each rounded up to a multiple of ``multiple`` (sequence parallel: tp), so the largest
+    bucket can exceed ``max_num_seqs``."""
     sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
     sizes.update(range(16, max_num_seqs, 16))
     sizes.add(max_num_seqs)
-    return sorted(sizes)
+    return _round_up(sizes, multiple)
 
 
-def mixed_buckets_for(max_tokens: int) -> list[int]:
+def mixed_buckets_for(max_tokens: int, multiple: int = 1) -> list[int]:
     """Mixed-step buckets: 16, 32, 64, then every 64 up to ``max_tokens`` (a bucket when
-    it is at least 16); none when ``max_tokens`` is 0."""
+    it is at least 16), each rounded up to a multiple of ``multiple``; none when
+    ``max_tokens`` is below 16."""
     if max_tokens < 16:
         return []
     sizes = {b for b in (16, 32, 64) if b < max_tokens}
     sizes.update(range(128, max_tokens, 64))
     sizes.add(max_tokens)
-    return sorted(sizes)
+    return _round_up(sizes, multiple)
 
 
-def graph_reserve_bytes(max_num_seqs: int, max_mixed_tokens: int, vocab_size: int) -> int:
+def graph_reserve_bytes(max_num_seqs: int, max_mixed_tokens: int, vocab_size: int,
+                        multiple: int = 1) -> int:
     """What capturing is expected to take, set aside before the KV pool is sized: every
     graph's float32 logits plus a margin for the graphs' activations."""
-    rows = sum(buckets_for(max_num_seqs)) + sum(
-        min(max_num_seqs, b) for b in mixed_buckets_for(max_mixed_tokens))
+    rows = sum(buckets_for(max_num_seqs, multiple)) + sum(
+        min(max_num_seqs, b) for b in mixed_buckets_for(max_mixed_tokens, multiple))
     return rows * vocab_size * 4 + 512 * 2**20
 
 
@@ -69,12 +81,15 @@ def _smallest_at_least(buckets: list[int], n: int) -> int | None:
 class StepGraphs:
     def __init__(self, model: nn.Module, kv_pool: KVPool, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, device: torch.device,
-                 max_mixed_tokens: int = 0):
+                 max_mixed_tokens: int = 0, token_multiple: int = 1):
         self.model = model
         self.kv_pool = kv_pool
-        self.decode_buckets = buckets_for(max_num_seqs)
-        self.mixed_buckets = mixed_buckets_for(max_mixed_tokens)
-        self.max_num_seqs = s = max_num_seqs
+        self.decode_buckets = buckets_for(max_num_seqs, token_multiple)
+        self.mixed_buckets = mixed_buckets_for(max_mixed_tokens, token_multiple)
+        self.max_num_seqs = max_num_seqs
+        # sequence slots of the static buffers: the largest decode bucket may pass
+        # max_num_seqs when rounded up to token_multiple
+        self.seq_slots = s = self.decode_buckets[-1]
         self.max_model_len = max_model_len
         t = max([s, *self.mixed_buckets])
         i64, i32 = torch.int64, torch.int32

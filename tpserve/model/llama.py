@@ -2,13 +2,22 @@
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
 which ``STACKED`` maps checkpoint names onto.
+
+``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
+between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
+multiple of tp, and rank r holds tokens ``[r*T'/tp, (r+1)*T'/tp)`` of the residual
+stream: the embedding and every row-parallel layer end in a reduce-scatter over tokens,
+each RMSNorm runs on the local tokens, an all-gather feeds the column-parallel layers
+(qkv, gate_up), and the final hidden states are all-gathered before the LM head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tpserve.model.attention.metadata import AttentionMetadata
@@ -16,14 +25,14 @@ from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
-from tpserve.parallel.comm import Communicator
+from tpserve.parallel.comm import TP_COMM_MODES, Communicator
 from tpserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.parallel.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tpserve.parallel.shard import TensorSource, as_source, copy_into
+from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,13 +47,18 @@ STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+                 reduce: str):
         super().__init__()
         self.ops = ops
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype)
+        # o_proj's input columns follow the (padded) query heads of this rank
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        comm, cfg.o_bias, dtype)
+                                        comm, cfg.o_bias, dtype,
+                                        in_map=self.qkv_proj.layout.q_map(comm.rank,
+                                                                          cfg.head_dim),
+                                        reduce=reduce)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
@@ -57,56 +71,78 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+                 reduce: str):
         super().__init__()
         self.ops = ops
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
                                                        dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, comm, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, comm, dtype=dtype,
+            in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank), reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+                 sequence_parallel: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, comm, ops, dtype)
-        self.mlp = LlamaMLP(cfg, comm, ops, dtype)
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
+        self.self_attn = LlamaAttention(cfg, comm, ops, dtype, reduce)
+        self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
     def forward(self, x, residual, positions, rope, kv, meta):
-        """Pre-norm block; the residual stream is carried separately so the add fuses."""
+        """Pre-norm block; the residual stream is carried separately so the add fuses.
+        Sequence parallel: ``x`` and ``residual`` are this rank's tokens; the normed tokens
+        are all-gathered before each column-parallel layer."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
+        if self.sequence_parallel:
+            h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
         h, residual = self.post_attention_layernorm(h, residual)
+        if self.sequence_parallel:
+            h = self.comm.all_gather(h, dim=0)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+                 sequence_parallel: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype)
+        reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
+                                                   reduce=reduce)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, dtype) for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, comm, ops, dtype, sequence_parallel)
+            for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns the final hidden states of every new token; ``compute_logits``
-    turns the selected ones into full-vocabulary logits (on every rank)."""
+    """``forward`` returns the final hidden states of every new token (all T rows, on every
+    rank, in either ``tp_comm`` mode); ``compute_logits`` turns the selected ones into
+    full-vocabulary logits (on every rank)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 max_positions: int):
+                 max_positions: int, tp_comm: str = "allreduce"):
         super().__init__()
+        if tp_comm not in TP_COMM_MODES:
+            raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
         self.cfg = cfg
-        self.model = LlamaModel(cfg, comm, ops, dtype)
+        self.comm = comm
+        self.sequence_parallel = tp_comm == "allgather" and comm.world_size > 1
+        self.model = LlamaModel(cfg, comm, ops, dtype, self.sequence_parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -117,12 +153,31 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        if self.sequence_parallel:
+            input_ids, positions, meta = self._pad_to_ranks(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rope_cache, kv, meta)
         x, _ = self.model.norm(x, residual)
+        if self.sequence_parallel:
+            x = self.comm.all_gather(x, dim=0)[:num_tokens]
         return x
+
+    def _pad_to_ranks(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pads the step with dummy tokens up to a multiple of tp: token 0, position 0,
+        slot -1 (never written to the KV cache). No sequence owns them (the metadata's
+        ``query_start_loc`` ends before them), so attention leaves their rows alone; every
+        other op is row-wise, so they never touch a real token, and ``forward`` drops them
+        after the final all-gather."""
+        pad = -input_ids.shape[0] % self.comm.world_size
+        if pad == 0:
+            return input_ids, positions, meta
+        return (F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)),
+                replace(meta, slot_mapping=F.pad(meta.slot_mapping, (0, pad), value=-1)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

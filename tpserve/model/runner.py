@@ -39,7 +39,7 @@ from tpserve.model.plan import (
     SeqChunk,
     StepPlan,
 )
-from tpserve.parallel.comm import Communicator
+from tpserve.parallel.comm import TP_COMM_MODES, Communicator
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
     TPGroup,
@@ -71,6 +71,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
+    tp_comm: str = "allreduce"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -88,6 +89,9 @@ class RunnerConfig:
             raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.tp_comm not in TP_COMM_MODES:
+            raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
+                             f"{self.tp_comm!r}")
 
 
 def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
@@ -120,7 +124,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, device)
         self.ops = select_ops(device, cfg.kernel_backend)
         self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
-                                 self.max_model_len, show_progress)
+                                 self.max_model_len, show_progress, tp_comm=cfg.tp_comm)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
@@ -137,8 +141,11 @@ class ModelRunner:
         workspace += static
         use_graphs = device.type == "cuda" and not cfg.enforce_eager
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
+        # sequence parallel: graph buckets are whole multiples of tp (no padding inside)
+        multiple = tp if cfg.tp_comm == "allgather" else 1
         # reserve for the graphs' pool: their logits outputs plus a margin; measured below
-        graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size) if use_graphs else 0)
+        graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size, multiple)
+                  if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
@@ -163,7 +170,7 @@ class ModelRunner:
         if use_graphs:
             self.graphs = StepGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
                                      self.max_blocks_per_seq, self.max_model_len, device,
-                                     max_mixed)
+                                     max_mixed, token_multiple=multiple)
             graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
@@ -181,8 +188,9 @@ class ModelRunner:
         rows = min(cfg.max_num_seqs, tokens)
         if self.device.type != "cuda":
             tp = self.comm.world_size
-            q = (m.num_attention_heads // tp + 2 * m.kv_heads_for(tp)) * m.head_dim
-            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_size // tp,
+            heads = m.head_layout(tp)
+            q = (heads.heads_per_rank + 2 * heads.kv_heads_per_rank) * m.head_dim
+            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_per_rank(tp),
                                             q, m.vocab_size, rows, self.dtype.itemsize)
             return est, False
         # pass 1: pure prefill of the whole budget; pass 2: a mixed step of (rows - 1)

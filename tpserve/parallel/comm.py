@@ -8,9 +8,16 @@ import torch.distributed as dist
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import TPGroup
 
+# How the residual stream travels between tensor-parallel layers (``--tp-comm``):
+# "allreduce": every rank holds every token; row-parallel layers end in an all-reduce.
+# "allgather": sequence parallel; each rank holds 1/tp of the tokens between layers,
+#   column-parallel layers are fed by an all-gather of the tokens and row-parallel layers
+#   end in a reduce-scatter over tokens (the same bytes as one all-reduce, split in two).
+TP_COMM_MODES = ("allreduce", "allgather")
+
 
 class Communicator:
-    """All-reduce, all-gather and broadcast over the tensor-parallel group.
+    """All-reduce, all-gather, reduce-scatter and broadcast over the tensor-parallel group.
 
     Layers call these explicitly in ``forward()``; nothing is hidden in hooks. With ``p2p``
     (GPUs of one host), small all-reduces go over peer-to-peer memory instead of NCCL.
@@ -21,6 +28,9 @@ class Communicator:
         self.rank = group.rank
         self.world_size = group.world_size
         self.p2p = p2p
+        # gloo has no reduce-scatter: all-reduce, then keep this rank's slice
+        self.native_reduce_scatter = (group.group is not None
+                                      and dist.get_backend(group.group) != "gloo")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over ranks: ``x`` itself, summed in place (NCCL, gloo, tp 1), or a
@@ -44,6 +54,21 @@ class Communicator:
         if dim == 0:
             return flat
         return torch.cat(flat.view(self.world_size, *x.shape).unbind(0), dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over ranks and returns this rank's slice of rows: rows
+        ``[rank*n, (rank+1)*n)`` with ``n = x.shape[0] / world_size`` (which must divide)."""
+        if self.world_size == 1:
+            return x
+        n = x.shape[0] // self.world_size
+        if n * self.world_size != x.shape[0]:
+            raise ValueError(f"reduce_scatter of {x.shape[0]} rows over {self.world_size} "
+                             "ranks: the rows must divide evenly")
+        if not self.native_reduce_scatter:
+            return self.all_reduce(x).narrow(0, self.rank * n, n)
+        out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group.group)
+        return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copies rank ``src``'s ``x`` into every rank's ``x`` (same shape and dtype)."""

@@ -15,12 +15,17 @@ from tpserve.parallel.shard import TensorSource, as_source, copy_into
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank looks up the ids in its range (zeros elsewhere); an all-reduce sums them."""
+    """Each rank looks up the ids in its range (zeros elsewhere); an all-reduce sums them
+    (``reduce="all_reduce"``), or a reduce-scatter over tokens leaves each rank its
+    ``T/tp`` rows (``"reduce_scatter"``: sequence parallel; T must divide by tp)."""
 
     def __init__(self, vocab_size: int, hidden: int, comm: Communicator,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, reduce: str = "all_reduce"):
         super().__init__()
+        if reduce not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"unknown reduce {reduce!r}")
         self.comm = comm
+        self.reduce = reduce
         self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // comm.world_size)
         self.start = comm.rank * self.per_rank
@@ -39,11 +44,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight)  # (a reduce-scatter over 1 rank is a no-op)
         inside = (ids >= self.start) & (ids < self.end)
         out = F.embedding((ids - self.start) * inside, self.weight)
         out = out * inside.unsqueeze(-1).to(out.dtype)
-        return self.comm.all_reduce(out)
+        if self.reduce == "all_reduce":
+            return self.comm.all_reduce(out)
+        return self.comm.reduce_scatter(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

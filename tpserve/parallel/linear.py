@@ -5,6 +5,9 @@ Weights follow torch's ``[out_features, in_features]`` layout:
 - column parallel splits ``out_features`` (dim 0); ``gather_output`` all-gathers the shards;
 - row parallel splits ``in_features`` (dim 1) and all-reduces the partial sums; the bias is
   added once, after the reduction.
+
+Where a size does not divide by tp (attention heads, the MLP width) the shards are padded
+with zero rows/columns (``ShardMap``, ``HeadLayout``) so the function is unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.parallel.comm import Communicator
-from tpserve.parallel.shard import TensorSource, as_source, copy_into, split_evenly
+from tpserve.parallel.heads import HeadLayout
+from tpserve.parallel.shard import (
+    ShardMap,
+    TensorSource,
+    as_source,
+    copy_into,
+    split_evenly,
+)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
@@ -64,62 +74,59 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate/up).
 
     Each rank's weight is the concatenation of its shard of every part, in part order;
-    ``shard_id`` (the part index) tells the loader where a checkpoint tensor goes.
+    ``shard_id`` (the part index) tells the loader where a checkpoint tensor goes. A part
+    that tp does not divide is zero-padded to ``ceil(size / tp)`` rows per rank (padding
+    rows at the end of the part; only the last ranks hold them).
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], comm: Communicator,
                  bias: bool = False, dtype: torch.dtype | None = None):
-        self.part_per_rank = [split_evenly(s, comm.world_size, "output features")
-                              for s in out_sizes]
-        super().__init__(in_features, sum(out_sizes), comm, bias, False, dtype)
+        self.parts = [ShardMap.contiguous(s, comm.world_size, comm.rank) for s in out_sizes]
+        nn.Module.__init__(self)
+        self._init_shard(in_features, sum(p.numel for p in self.parts), comm, bias, False,
+                         dtype)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
-        src = as_source(source)
         idx = int(shard_id)
-        size = self.part_per_rank[idx]
-        offset = sum(self.part_per_rank[:idx])
-        copy_into(param.narrow(0, offset, size),
-                  src.read(0, self.comm.rank * size, size), f"merged part {idx}")
+        offset = sum(p.numel for p in self.parts[:idx])
+        part = self.parts[idx]
+        part.load(param.narrow(0, offset, part.numel), as_source(source), 0,
+                  f"merged part {idx}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The fused q/k/v projection, split by attention heads.
+    """The fused q/k/v projection, split by attention heads as ``HeadLayout`` says.
 
-    Rank r holds query heads ``[r*Hq/tp, (r+1)*Hq/tp)``. KV heads are split the same way
-    when ``Hkv >= tp``; when ``tp > Hkv`` each KV head is replicated on ``tp / Hkv``
-    consecutive ranks (rank r holds KV head ``r // (tp / Hkv)``), so every rank keeps the
-    KV head its query heads attend to.
+    Rank r holds query heads ``[r*Hq'/tp, (r+1)*Hq'/tp)`` of the padded layout and the
+    KV heads they use: split when ``Hkv' >= tp``, else one replicated KV head per rank.
+    Padded heads' rows (and bias) are zero.
     """
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  comm: Communicator, bias: bool = False, dtype: torch.dtype | None = None):
-        tp = comm.world_size
+        self.layout = HeadLayout.plan(num_heads, num_kv_heads, comm.world_size)
         self.head_dim = head_dim
-        self.num_heads = split_evenly(num_heads, tp, "number of attention heads")
-        if num_kv_heads >= tp:
-            self.num_kv_heads = split_evenly(num_kv_heads, tp, "number of KV heads")
-            self.kv_head_start = comm.rank * self.num_kv_heads
-        else:
-            replicas = split_evenly(tp, num_kv_heads, "tensor-parallel size over KV heads")
-            self.num_kv_heads = 1
-            self.kv_head_start = comm.rank // replicas
-        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.sizes = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        self.num_heads = self.layout.heads_per_rank
+        self.num_kv_heads = self.layout.kv_heads_per_rank
+        self.kv_head_start = self.layout.kv_head_start(comm.rank)
+        q_map = self.layout.q_map(comm.rank, head_dim)
+        kv_map = self.layout.kv_map(comm.rank, head_dim)
+        q, kv = q_map.numel, kv_map.numel
+        self.maps = {"q": (0, q_map), "k": (q, kv_map), "v": (q + kv, kv_map)}
         nn.Module.__init__(self)  # sizes are per head, not an even split of the output
         self._init_shard(hidden, q + 2 * kv, comm, bias, False, dtype)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
-        src = as_source(source)
-        offset, size = self.sizes[str(shard_id)]
-        head0 = (self.comm.rank * self.num_heads if shard_id == "q" else self.kv_head_start)
-        copy_into(param.narrow(0, offset, size), src.read(0, head0 * self.head_dim, size),
-                  f"{shard_id}_proj shard")
+        offset, shard = self.maps[str(shard_id)]
+        shard.load(param.narrow(0, offset, shard.numel), as_source(source), 0,
+                   f"{shard_id}_proj shard")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+2kv] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` (this rank's heads)."""
-        q, k, v = qkv.split([self.sizes["q"][1], self.sizes["k"][1], self.sizes["v"][1]], -1)
+        q_size, kv_size = self.maps["q"][1].numel, self.maps["k"][1].numel
+        q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
         d = self.head_dim
         return (q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d),
                 v.reshape(-1, self.num_kv_heads, d))
@@ -127,15 +134,28 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's input columns split over ranks; the input is the matching
-    shard of ``x`` (as produced by a column-parallel layer). Partial sums are all-reduced,
-    then the (unsharded) bias is added once.
+    shard of ``x`` (as produced by a column-parallel layer). Partial sums are all-reduced
+    (``reduce="all_reduce"``) or reduce-scattered over tokens (``"reduce_scatter"``: rank
+    r returns rows ``[r*T/tp, (r+1)*T/tp)``; T must divide by tp), then the (unsharded)
+    bias is added once.
+
+    ``in_map`` says which checkpoint columns this rank holds (default: an even split); its
+    padding columns are zero, so padded inputs (zero heads, zero MLP columns) add nothing.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator,
-                 bias: bool = False, dtype: torch.dtype | None = None):
+                 bias: bool = False, dtype: torch.dtype | None = None,
+                 in_map: ShardMap | None = None, reduce: str = "all_reduce"):
         super().__init__()
+        if reduce not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"unknown reduce {reduce!r}")
         self.comm = comm
-        self.in_per_rank = split_evenly(in_features, comm.world_size, "input features")
+        self.reduce = reduce
+        if in_map is None:
+            per = split_evenly(in_features, comm.world_size, "input features")
+            in_map = ShardMap(per, ((0, comm.rank * per, per),))
+        self.in_map = in_map
+        self.in_per_rank = in_map.numel
         self.weight = _param((out_features, self.in_per_rank), dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param((out_features,), dtype) if bias else None
@@ -144,14 +164,16 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
-        src = as_source(source)
-        start = self.comm.rank * self.in_per_rank
-        copy_into(param, src.read(1, start, self.in_per_rank), "row-parallel weight")
+        self.in_map.load(param, as_source(source), 1, "row-parallel weight")
 
     def bias_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                     shard_id: object = None) -> None:
         copy_into(param, as_source(source).read(), "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce == "all_reduce":
+            y = self.comm.all_reduce(y)
+        else:
+            y = self.comm.reduce_scatter(y)
         return y + self.bias if self.bias is not None else y

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -45,6 +47,69 @@ def split_evenly(total: int, parts: int, what: str) -> int:
         raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size "
                          f"({parts})")
     return total // parts
+
+
+def padded_split(total: int, parts: int) -> int:
+    """``ceil(total / parts)``: the per-rank size when the remainder is zero padding."""
+    return -(-total // parts)
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Which checkpoint units one rank holds along one dimension, with zero padding.
+
+    A unit is ``unit`` consecutive rows (or columns): one attention head, or one row. The
+    rank's dimension has ``size`` units; ``runs`` lists ``(local, source, length)``: local
+    units ``[local, local+length)`` are checkpoint units ``[source, source+length)``. Local
+    units in no run are padding and load as zeros. Each run is one ``read``, so a rank
+    never materialises more of the checkpoint tensor than its own units.
+    """
+
+    size: int
+    runs: tuple[tuple[int, int, int], ...]
+    unit: int = 1
+
+    @classmethod
+    def from_sources(cls, sources: Sequence[int | None], unit: int = 1) -> ShardMap:
+        """``sources[i]`` is the checkpoint unit of local unit ``i`` (None: padding)."""
+        runs: list[tuple[int, int, int]] = []
+        for i, src in enumerate(sources):
+            if src is None:
+                continue
+            if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == src:
+                local, first, n = runs[-1]
+                runs[-1] = (local, first, n + 1)
+            else:
+                runs.append((i, src, 1))
+        return cls(len(sources), tuple(runs), unit)
+
+    @classmethod
+    def contiguous(cls, total: int, parts: int, rank: int, unit: int = 1) -> ShardMap:
+        """Rank ``rank``'s ``ceil(total / parts)`` units; units past ``total`` are padding
+        (only the last ranks can have them)."""
+        per = padded_split(total, parts)
+        start = rank * per
+        n = max(min(per, total - start), 0)
+        return cls(per, ((0, start, n),) if n else (), unit)
+
+    @property
+    def numel(self) -> int:
+        """Rows (or columns) this rank holds: ``size * unit``."""
+        return self.size * self.unit
+
+    @property
+    def padded(self) -> bool:
+        return sum(n for _, _, n in self.runs) < self.size
+
+    def load(self, dest: torch.Tensor, source: TensorSource, dim: int, name: str) -> None:
+        """Fills ``dest`` (``numel`` long along ``dim``) from ``source``; padding is zero."""
+        u = self.unit
+        if self.padded:
+            with torch.no_grad():
+                dest.zero_()
+        for local, src, n in self.runs:
+            copy_into(dest.narrow(dim, local * u, n * u), source.read(dim, src * u, n * u),
+                      name)
 
 
 def copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:

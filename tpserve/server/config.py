@@ -87,6 +87,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
+    p.add_argument("--tp-comm", default=d.tp_comm, choices=["allreduce", "allgather"],
+                   help="how tensor-parallel layers communicate: allreduce (every rank holds "
+                        "every token; row-parallel layers all-reduce) or allgather (sequence "
+                        "parallel: tokens sharded between layers, all-gather before and "
+                        "reduce-scatter after each tensor-parallel block)")
     p.add_argument("--dtype", default=d.dtype,
                    help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -175,7 +180,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
             gpu_memory_utilization=a.gpu_memory_utilization,
             kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
             disable_custom_all_reduce=a.disable_custom_all_reduce,
-            cuda_graph_max_tokens=a.cuda_graph_max_tokens),
+            cuda_graph_max_tokens=a.cuda_graph_max_tokens, tp_comm=a.tp_comm),
         parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
         engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
                             a.max_num_queued_requests, a.max_num_queued_tokens,

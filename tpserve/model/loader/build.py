@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,6 +11,8 @@ from tpserve.model.kernels.backend import Ops
 from tpserve.model.loader.checkpoint import Checkpoint
 from tpserve.model.registry import model_class
 from tpserve.parallel.comm import Communicator
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -26,10 +30,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                 dtype: torch.dtype, ops: Ops, max_positions: int,
-                show_progress: bool = False) -> nn.Module:
+                show_progress: bool = False, tp_comm: str = "allreduce") -> nn.Module:
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
+    padding = cfg.describe_padding(comm.world_size)
+    if padding and comm.rank == 0:
+        logger.warning(padding)  # a cost the user chose by --tensor-parallel-size
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions)
+        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions,
+                                                  tp_comm=tp_comm)
     ckpt.load_into(model, show_progress)
     return model.eval()
