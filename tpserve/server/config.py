@@ -40,6 +40,7 @@ class ServerConfig:
     max_request_body_bytes: int = 16 * 2**20
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
+    chat_template: str | None = None  # a Jinja template replacing the model's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +65,19 @@ class Config:
         if self.runner.model is None:
             return "SmolLM2-135M-Instruct"
         return os.path.basename(os.path.normpath(self.runner.model)) or self.runner.model
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the argument itself if it is a Jinja
+    template (vLLM's rule); ValueError for neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def parse_bytes(text: str) -> int:
@@ -135,6 +149,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds in-flight requests may take to finish")
     p.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds any collective may wait before the rank gives up")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--check-integrity", action="store_true",
@@ -158,5 +175,6 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             a.async_scheduling, a.max_mixed_tokens,
                             engine_process=a.engine_process),
         server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
-                            a.shutdown_timeout),
+                            a.shutdown_timeout,
+                            chat_template=read_chat_template(a.chat_template)),
     )

@@ -24,9 +24,10 @@ def _logprobs(req: SamplingRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int
-                          ) -> SamplingParams:
-    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context."""
+def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
+                          constraints: dict[str, Any] | None = None) -> SamplingParams:
+    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context.
+    ``constraints`` (``logit_bias``, ``structured``) were validated by ``http/structured``."""
     max_tokens, max_tokens_field = _max_tokens(req)
     room = max_model_len - prompt_len
     if max_tokens is None:
@@ -60,6 +61,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         "skip_special_tokens": req.skip_special_tokens,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "seed"}
+    kwargs.update(constraints or {})
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -20,6 +20,7 @@ class ServerState:
     prompts: PromptProcessor
     metrics: ServerMetrics
     created: int
+    warned_fields: set[str] = field(default_factory=set)  # unknown request fields logged
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
