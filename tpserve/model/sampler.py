@@ -7,6 +7,8 @@ Pipeline, per row of ``logits`` (always computed in float32 on the logits' devic
    (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
 2. min_tokens (:func:`apply_min_tokens`): while the output is shorter than ``min_tokens``,
    every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
+   then ``logit_bias`` is added, and the grammar bitmask of structured-output rows (built
+   by the engine) sets every token the grammar forbids to -inf;
 3. logprobs: ``log_softmax`` of the logits after steps 1-2 and *before* temperature and the
    top-k / top-p / min-p filters. They describe the model's (penalized, constrained)
    distribution, not the request's sampling knobs, so a greedy request and a sampled one
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.model.sampling_params import SamplingParams
+from tpserve.model.token_bitmask import TokenBitmask, apply_token_bitmask_
 
 
 @dataclass
@@ -109,6 +112,23 @@ def _token_counts(
         index = to_device(padded, torch.long, device).clamp_(0, vocab_size)
         counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
+
+
+def _bias_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: adds each row's ``logit_bias`` (ids outside the vocabulary are ignored;
+    the HTTP layer refuses them)."""
+    vocab = logits.shape[-1]
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            if 0 <= token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if rows:
+        device = logits.device
+        logits.index_put_((to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+                          to_device(values, torch.float32, device), accumulate=True)
 
 
 def _penalize_(
@@ -271,9 +291,11 @@ class Sampler:
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
         eos_token_ids: frozenset[int],
+        bitmask: TokenBitmask | None = None,
     ) -> PendingSample:
         """The pipeline without reading anything back: results stay on the device. Only
-        the lengths of ``output_token_ids`` are read unless a row has penalties."""
+        the lengths of ``output_token_ids`` are read unless a row has penalties.
+        ``bitmask`` (grammar masks of the constrained rows) is applied after logit_bias."""
         n = logits.shape[0]
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators) == n:
             raise ValueError("sampler: one params/prompt/output/generator entry per logits row")
@@ -282,6 +304,9 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
+        _bias_(x, params)
+        if bitmask is not None:
+            apply_token_bitmask_(x, bitmask)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < n:

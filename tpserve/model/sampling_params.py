@@ -5,6 +5,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output: ``kind`` is ``json`` (``value`` is a JSON schema as
+    text), ``json_object`` (any JSON object; ``value`` is empty), ``regex`` (a pattern the
+    whole output matches) or ``grammar`` (an EBNF grammar in xgrammar's dialect). Pure data:
+    the engine compiles it (cached by ``(kind, value)``)."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,9 +50,12 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    structured: StructuredOutput | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -71,6 +92,16 @@ class SamplingParams:
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise bad("logit_bias", f"keys must be non-negative token ids, got {token}")
+            if not (isinstance(bias, (int, float)) and math.isfinite(bias)
+                    and -self.MAX_LOGIT_BIAS <= bias <= self.MAX_LOGIT_BIAS):
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r} "
+                          f"for token {token}")
+        if self.structured is not None and self.min_tokens > 0:
+            # the grammar may allow only EOS where min_tokens forbids it
+            raise bad("min_tokens", "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
     log_requests: bool = True  # one access-log line per request
+    chat_template: str | None = None  # a Jinja template replacing the model's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,6 +67,19 @@ class Config:
         if self.runner.model is None:
             return "SmolLM2-135M-Instruct"
         return os.path.basename(os.path.normpath(self.runner.model)) or self.runner.model
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the argument itself if it is a Jinja
+    template (vLLM's rule); ValueError for neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def parse_bytes(text: str) -> int:
@@ -159,6 +173,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds in-flight requests may take to finish")
     p.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds any collective may wait before the rank gives up")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="logging threshold")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -188,5 +205,6 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             engine_process=a.engine_process),
         server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
                             a.shutdown_timeout, generation_config=a.generation_config,
-                            log_requests=not a.disable_log_requests),
+                            log_requests=not a.disable_log_requests,
+                            chat_template=read_chat_template(a.chat_template)),
     )

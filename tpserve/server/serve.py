@@ -143,7 +143,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
     app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes,
                     default_sampling_params=defaults.params,
-                    log_requests=cfg.server.log_requests)
+                    log_requests=cfg.server.log_requests,
+                    chat_template=cfg.server.chat_template)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))

@@ -61,7 +61,12 @@ def build_engine_core(cfg: Config, group: TPGroup) -> EngineCore:
     logger.info("kernels: %s; tensor parallel size %d; start-up took %.1f s",
                 runner.ops.name, group.world_size, runner.startup_s)
     tokenizer = runner.ckpt.tokenizer()
-    return EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
+    core = EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
                       seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity,
                       async_scheduling=cfg.engine.async_scheduling,
                       max_mixed_tokens=cfg.engine.max_mixed_tokens)
+    try:
+        core.grammars.prepare()  # the tokenizer's vocabulary for structured output, once
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer larger than the logits
+        logger.warning("structured output is unavailable for this tokenizer: %s", exc)
+    return core

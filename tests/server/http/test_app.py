@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import pathlib
 import socket
 import threading
@@ -16,6 +17,7 @@ import pytest
 import uvicorn
 
 from tests.server.http.fake_engine import FakeEngine
+from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.http.app import build_app
 from tpserve.server.http.metrics import ServerMetrics
 
@@ -379,7 +381,15 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 1}}, "logit_bias"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
 ])
@@ -647,3 +657,137 @@ def test_openapi(http):
     except ImportError:
         return
     validate(spec)
+
+
+# ------------------------------------------------------- OpenAI fields beyond sampling
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("web_search_options", {}),
+    ("store", True),
+    ("reasoning_effort", "low"),
+    ("verbosity", "low"),
+])
+def test_chat_fields_refused(http, engine, field, value):
+    err = assert_error(http.post("/v1/chat/completions",
+                                 json={"model": MODEL, "messages": MESSAGES, field: value}),
+                       400, "invalid_request_error")
+    assert err["param"] == field
+    assert not engine.started
+
+
+def test_noop_and_advisory_fields_accepted(client, engine):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, store=False, modalities=["text"],
+        tool_choice="none", service_tier="auto", metadata={"k": "v"}, parallel_tool_calls=True,
+        extra_body={"prompt_cache_key": "a", "safety_identifier": "b"})
+    assert r.choices[0].message.content == engine.expected_text(0, 2)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=1, suffix="")
+    assert r.choices[0].text == engine.expected_text(0, 2)
+
+
+def test_unknown_fields_logged_once_and_ignored(http, caplog):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": 1, "zap": {"a": 1}}
+    with caplog.at_level(logging.WARNING, logger="tpserve.server.http.unsupported"):
+        for _ in range(3):
+            assert http.post("/v1/completions", json=body).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(logged) == 2
+    assert "'frobnicate'" in logged[0] and "'zap'" in logged[1]
+
+
+def test_several_prompts(client, http, engine):
+    r = client.completions.create(model=MODEL, prompt=[[4, 5], [1, 2, 3]], n=2,
+                                  max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [engine.expected_text(i, 3) for i in (0, 1, 0, 1)]
+    first = [4, 5]
+    assert engine.prompts[r.id + "-0"] == first
+    assert engine.prompts[r.id + "-1"] == [1, 2, 3]
+    assert r.usage.prompt_tokens == len(first) + 3
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == len(first) + 3 + 12
+
+    resp = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        if c["finish_reason"]:
+            finishes[c["index"]] = c["finish_reason"]
+    assert texts == {i: engine.expected_text(0, 2) for i in range(3)}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert events[-2]["usage"]["completion_tokens"] == 6
+
+
+def test_several_prompts_all_checked_before_any_starts(http, engine):
+    err = assert_error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": ["a", [10**9]], "max_tokens": 2}), 400)
+    assert err["param"] == "prompt"
+    assert not engine.started
+
+
+def test_developer_role_is_the_system_role(client, engine):
+    dev = [{"role": "developer", "content": "Be brief."}, MESSAGES[1]]
+    r = client.chat.completions.create(model=MODEL, messages=dev, max_tokens=1)
+    s = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert engine.prompts[r.id] == engine.prompts[s.id]
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "file", "file": {"file_id": "f"}},
+])
+def test_media_parts_400(http, engine, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    err = assert_error(http.post("/v1/chat/completions",
+                                 json={"model": MODEL, "messages": messages}), 400)
+    assert err["param"] == "messages.0.content" and part["type"] in err["message"]
+    assert not engine.started
+
+
+def test_retrieve_model(client, http):
+    m = client.models.retrieve("smol-alias")
+    assert (m.id, m.object, m.owned_by) == ("smol-alias", "model", "tpserve")
+    assert m.model_extra["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    err = assert_error(http.get("/v1/models/gpt-4"), 404)
+    assert err["code"] == "model_not_found"
+
+
+def test_logit_bias_and_constraints_reach_the_engine(client, engine):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  logit_bias={"5": 1.5, "7": -100})
+    assert engine.params[r.id].logit_bias == ((5, 1.5), (7, -100.0))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert engine.params[r.id].structured == StructuredOutput("json", json.dumps(schema))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       response_format={"type": "json_object"})
+    assert engine.params[r.id].structured == StructuredOutput("json_object")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       response_format={"type": "text"})
+    assert engine.params[r.id].structured is None
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"guided_choice": ["a b", 'c"d']})
+    assert engine.params[r.id].structured == StructuredOutput(
+        "grammar", 'root ::= "a b" | "c\\"d"')
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    assert engine.params[r.id].structured == StructuredOutput("regex", "[0-9]+")

@@ -17,7 +17,13 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   sequence that stopped at step N-1 was computed once more at step N; that extra token is
   dropped, and its blocks were freed in between (later steps run after it on the stream);
 - rows with penalties need their token history on the host: while any running sequence
-  has them, each step is finalized before the next is scheduled (synchronous fallback).
+  has them, each step is finalized before the next is scheduled (synchronous fallback);
+- structured output: a sequence's grammar matcher has accepted exactly its output tokens
+  read back so far (placeholders excluded; preemption by recompute keeps the output
+  tokens, so the matcher stays valid). A step that samples constrained rows reads back
+  the previous step's tokens after its forward is launched and before it samples (the
+  device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
+  free rows are sampled unmasked and the step is still finalized asynchronously.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenL
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.structured.bitmask import fill_bitmask
+from tpserve.server.engine.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +92,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())
+        self.grammars = GrammarCompiler(tokenizer, runner.model_config.vocab_size,
+                                        self.eos_token_ids)
         self.check_integrity = check_integrity
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -99,8 +109,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
+        spec = state.params.structured
+        matchers = [] if spec is None else [self.grammars.matcher(spec)
+                                            for _ in range(state.params.n)]
         state.start(self._next_seq_id, self.tokenizer, self.sampler.new_request_generator)
         self._next_seq_id += state.params.n
+        state.matchers = matchers
         self.requests[state.request_id] = state
         for seq in state.seqs:
             self.scheduler.add(seq)
@@ -180,7 +194,14 @@ class EngineCore:
             self._recover_from_oom()
             return
         self.counters["steps_total"] += 1
-        launched = self._sample(logits, sampling)
+        generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
+        bitmask = None
+        if any(s.params.structured is not None for s in sampling):
+            # the matchers need the previous step's tokens: read them back now, while the
+            # device runs this step's forward
+            self._finish_inflight()
+            bitmask = self._grammar_bitmask(sampling, logits.device)
+        launched = self._sample(logits, sampling, generators, bitmask)
         self._finish_inflight()
         self.scheduler.update(out, {s.seq_id: PLACEHOLDER for s in sampling})
         launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
@@ -197,16 +218,24 @@ class EngineCore:
         return self.async_scheduling and not any(
             _has_penalties(s) for s in self.scheduler.running)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
+    def _grammar_bitmask(self, sampling: list[Sequence], device: torch.device):
+        """The bitmask of the constrained rows that still run (their matchers are up to
+        date: the previous step has been read back)."""
+        rows = []
+        for row, seq in enumerate(sampling):
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.matchers and not seq.is_finished:
+                rows.append((row, state.matchers[seq.index]))
+        return fill_bitmask(rows, self.grammars.vocab_size, device)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence],
+                generators: list[torch.Generator | None], bitmask=None) -> _InFlight:
         """Samples on the device and starts copying the results to the host."""
         if not sampling:
             return _InFlight([], PendingSample(torch.zeros(0, dtype=torch.int64)), None, {})
-        states = [self.requests[s.request_id] for s in sampling]
         pending = self.sampler.sample(
             logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
-            [s.output_token_ids for s in sampling],
-            [st.generators[s.index] for st, s in zip(states, sampling, strict=True)],
-            self.eos_token_ids)
+            [s.output_token_ids for s in sampling], generators, self.eos_token_ids, bitmask)
         self.runner.store_sampled(pending.token_ids)
         host = pending.to_host()
         event = None
@@ -268,12 +297,24 @@ class EngineCore:
         text = detok.add_token(token)
         status, reason = None, None
         n_out = seq.num_output_tokens
-        if detok.stopped:
+        matcher = state.matchers[seq.index] if state.matchers else None
+        grammar_ended = False
+        if matcher is not None:
+            if not matcher.accept_token(token):  # the mask allowed it: a bookkeeping bug
+                logger.error("request %s: grammar refused sampled token %d",
+                             seq.request_id, token)
+                status = SequenceStatus.FINISHED_ERROR
+            grammar_ended = matcher.is_terminated()
+        if status is not None:
+            pass
+        elif detok.stopped:
             status, reason = SequenceStatus.FINISHED_STOPPED, detok.stop_reason
         elif n_out >= params.min_tokens and token in params.stop_token_ids:
             status, reason = SequenceStatus.FINISHED_STOPPED, token
         elif (n_out >= params.min_tokens and not params.ignore_eos
               and token in self.eos_token_ids):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif grammar_ended:
             status = SequenceStatus.FINISHED_STOPPED
         elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH

@@ -28,6 +28,8 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
     generators: list[torch.Generator | None] = field(default_factory=list)
+    # one grammar matcher per sibling (structured output), else empty; see EngineCore
+    matchers: list[Any] = field(default_factory=list)
     done: bool = False
 
     def start(self, first_seq_id: int, tokenizer: Any, make_generator) -> None:

@@ -32,10 +32,11 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               api_key: str | None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_sampling_params: Mapping[str, float | int] | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, chat_template: str | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
-    writes one access-log line per request."""
+    writes one access-log line per request; ``chat_template`` (Jinja) replaces the
+    tokenizer's."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -52,7 +53,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     app.state.tpserve = ServerState(
         engine=engine,
         served_model_names=tuple(served_model_names),
-        prompts=PromptProcessor(engine.tokenizer, executor),
+        prompts=PromptProcessor(engine.tokenizer, executor, chat_template),
         metrics=ServerMetrics(engine.stats, engine.model_name),
         created=int(time.time()),
         default_sampling_params=dict(default_sampling_params or {}),

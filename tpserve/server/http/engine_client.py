@@ -21,6 +21,7 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    vocab_size: int  # the width of the model's logits (token ids the sampler knows)
     tokenizer: Any
     accepting: bool
     dead_reason: str | None

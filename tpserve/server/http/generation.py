@@ -43,9 +43,10 @@ async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list
                 raise EngineError(out.error)
             tracker.on_output(out)
             finished = out.finished
-            if finished and record is not None:
-                record.prompt_tokens = out.num_prompt_tokens
-                record.completion_tokens = out.num_output_tokens
+            if finished and record is not None:  # summed over the prompts of one request
+                record.prompt_tokens = (record.prompt_tokens or 0) + out.num_prompt_tokens
+                record.completion_tokens = ((record.completion_tokens or 0)
+                                            + out.num_output_tokens)
             yield out
             if finished:
                 return

@@ -24,10 +24,11 @@ def _as_ids(value: Any) -> list[int]:
 
 
 class PromptProcessor:
-    def __init__(self, tokenizer: Any, executor: Executor):
+    def __init__(self, tokenizer: Any, executor: Executor, chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.executor = executor
         self.vocab_size = len(tokenizer)
+        self.chat_template = chat_template  # replaces the tokenizer's when set
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -50,13 +51,17 @@ class PromptProcessor:
     async def token_strs(self, ids: Sequence[int]) -> list[str]:
         return list(await self._run(self.tokenizer.convert_ids_to_tokens, list(ids)))
 
-    async def completion_ids(self, prompt: CompletionPrompt) -> list[int]:
-        """The token ids of a completions ``prompt`` (one string or one list of ids)."""
+    async def completion_prompts(self, prompt: CompletionPrompt) -> list[list[int]]:
+        """The token ids of each prompt of a completions ``prompt``: one string, one list
+        of ids, or a list of either."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError.bad_request(
-                    f"only one prompt per request is supported, got {len(prompt)}", "prompt")
-            prompt = prompt[0]
+            return [await self.completion_ids(p) for p in prompt]
+        if isinstance(prompt, list) and not prompt:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        return [await self.completion_ids(prompt)]
+
+    async def completion_ids(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of one completions prompt (a string or a list of ids)."""
         if isinstance(prompt, str):
             ids = await self.encode(prompt, add_special_tokens=True)
         else:
@@ -69,17 +74,25 @@ class PromptProcessor:
     async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool = False) -> str:
         conversation = []
-        for m in messages:
-            item: dict[str, Any] = {"role": m.role, "content": m.text()}
+        for i, m in enumerate(messages):
+            if m.media_type is not None:
+                raise APIError.bad_request(
+                    f"{m.media_type} content parts are not supported: this model takes text "
+                    "only", f"messages.{i}.content")
+            # OpenAI's developer role is the system role of models without one of its own
+            role = "system" if m.role == "developer" else m.role
+            item: dict[str, Any] = {"role": role, "content": m.text()}
             if m.name is not None:
                 item["name"] = m.name
             if m.tool_call_id is not None:
                 item["tool_call_id"] = m.tool_call_id
             conversation.append(item)
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
         kwargs: dict[str, Any] = {"tokenize": False,
                                   "add_generation_prompt": add_generation_prompt}
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         if continue_final_message:
             kwargs["continue_final_message"] = True
         try:

@@ -57,8 +57,45 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``; ``strict`` is accepted: the output always follows
+    the schema (no properties beyond the declared ones)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: at most one of the constraints."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_value: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(RequestModel):
-    """Fields shared by completions and chat completions (OpenAI plus vLLM extensions)."""
+    """Fields shared by completions and chat completions (OpenAI plus vLLM extensions).
+
+    Unknown fields are kept in ``model_extra``: the route logs each name once and ignores
+    it (as vLLM does). Known OpenAI fields the server cannot honour are declared and
+    refused with 400 (``http/unsupported.py``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int | None = 1
@@ -80,6 +117,14 @@ class SamplingRequest(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured output (one constraint at most; see http/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -90,6 +135,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None  # refused unless 1
+    suffix: str | None = None   # refused unless empty
 
 
 class TextContentPart(BaseModel):
@@ -97,9 +144,15 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class MediaContentPart(BaseModel):
+    """An image, audio or file part: parsed so that it gets a clear 400 (text-only model)."""
+
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart | MediaContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -108,7 +161,17 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content
+                         if isinstance(part, TextContentPart))
+
+    @property
+    def media_type(self) -> str | None:
+        """The type of the first non-text content part, if any."""
+        if isinstance(self.content, list):
+            for part in self.content:
+                if isinstance(part, MediaContentPart):
+                    return part.type
+        return None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -116,6 +179,24 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI fields this server cannot honour: refused with 400 when set (http/unsupported.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # advisory in OpenAI's API (no effect on the output): accepted and ignored
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class TokenizeCompletionRequest(RequestModel):

@@ -29,12 +29,14 @@ def _logprobs(req: SamplingRequest) -> int | None:
 
 
 def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
-                          defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+                          defaults: Mapping[str, float | int] | None = None,
+                          constraints: dict[str, Any] | None = None) -> SamplingParams:
     """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context.
 
     ``defaults`` (the model's generation config, by ``SamplingParams`` field) fill only
     the sampling fields the request omits; a default ``max_tokens`` is cut to the room
-    the prompt leaves, while a requested one over the room is refused."""
+    the prompt leaves, while a requested one over the room is refused. ``constraints``
+    (``logit_bias``, ``structured``) were validated by ``http/structured``."""
     defaults = defaults or {}
     max_tokens, max_tokens_field = _max_tokens(req)
     room = max_model_len - prompt_len
@@ -72,6 +74,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         if kwargs[name] is None and name in defaults:
             kwargs[name] = defaults[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "seed"}
+    kwargs.update(constraints or {})
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -1,10 +1,11 @@
-"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``."""
+"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/v1/models/{id}``."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from tpserve.server.http.access_log import access_record
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import RequestTracker
+from tpserve.server.http.multi_prompt import merged_outputs
 from tpserve.server.http.openai_format import (
     OutputAccumulator,
     ResponseContext,
@@ -34,6 +36,8 @@ from tpserve.server.http.protocol import (
 from tpserve.server.http.request_params import build_sampling_params
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
+from tpserve.server.http.structured import logit_bias, structured_output
+from tpserve.server.http.unsupported import refuse_unsupported, warn_unknown_fields
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
@@ -50,16 +54,34 @@ async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: 
     return acc
 
 
+def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str, Any]:
+    """Refuses fields the server cannot honour, logs unknown ones, and returns the
+    request's validated ``logit_bias`` and structured-output constraint (400s on error)."""
+    refuse_unsupported(body)
+    warn_unknown_fields(body, state.warned_fields)
+    return {"logit_bias": logit_bias(body, state.engine.vocab_size),
+            "structured": structured_output(body)}
+
+
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
-                 prompt_ids: list[int], params: SamplingParams, model: str,
+                 prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker) -> Response:
-    """Runs the request on the engine and answers it, streamed or whole."""
+    """Runs the request (one engine request per prompt) and answers it, streamed or
+    whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    ctx = ResponseContext(id=request_id, created=int(time.time()), model=model, n=params.n,
-                          logprobs=params.logprobs is not None,
+    params = prompts[0][1]
+    ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
+                          n=params.n * len(prompts), logprobs=params.logprobs is not None,
                           include_usage=body.include_usage)
-    outputs = engine_outputs(state.engine, request_id, prompt_ids, params, tracker,
-                             access_record(request))
+    record = access_record(request)
+    if len(prompts) == 1:
+        outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
+                                 record)
+    else:
+        outputs = merged_outputs(request_id, [
+            engine_outputs(state.engine, f"{request_id}-{k}", ids, p,
+                           tracker if k == 0 else state.metrics.track(), record)
+            for k, (ids, p) in enumerate(prompts)], params.n)
     handed_over = False
     try:
         # The first output is awaited before answering, so that errors raised on submission
@@ -70,7 +92,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
             events = chat_events if is_chat else completion_events
             handed_over = True
             return SSEResponse(events(first, outputs, ctx))
-        acc = await unless_disconnected(request, _collect(first, outputs, params.n))
+        acc = await unless_disconnected(request, _collect(first, outputs, ctx.n))
         result = chat_response(acc, ctx) if is_chat else completion_response(acc, ctx)
         return JSONResponse(result.model_dump())
     finally:
@@ -90,6 +112,15 @@ def make_openai_router() -> APIRouter:
                       default_sampling_params=state.default_sampling_params)
             for name in state.served_model_names])
 
+    @router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+        state = get_state(request)
+        if model_id not in state.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                           code="model_not_found")
+        return ModelCard(id=model_id, created=state.created, root=state.engine.model_name,
+                         max_model_len=state.engine.max_model_len)
+
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -98,11 +129,12 @@ def make_openai_router() -> APIRouter:
         model = state.resolve_model(body.model)
         if body.echo:
             raise APIError.bad_request("echo is not supported", "echo")
+        constraints = _checked_constraints(state, body)
         state.check_available()
-        prompt_ids = await state.prompts.completion_ids(body.prompt)
-        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
-                                       state.default_sampling_params)
-        return await _serve(request, state, body, "cmpl", prompt_ids, params, model, tracker)
+        prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
+                                               state.default_sampling_params, constraints))
+                   for ids in await state.prompts.completion_prompts(body.prompt)]
+        return await _serve(request, state, body, "cmpl", prompts, model, tracker)
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
@@ -110,10 +142,12 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
+        constraints = _checked_constraints(state, body)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(body.messages, add_generation_prompt=True)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
-                                       state.default_sampling_params)
-        return await _serve(request, state, body, "chatcmpl", prompt_ids, params, model, tracker)
+                                       state.default_sampling_params, constraints)
+        return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
+                            tracker)
 
     return router

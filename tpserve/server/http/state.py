@@ -22,6 +22,7 @@ class ServerState:
     created: int
     # the model's sampling defaults for fields a request omits (--generation-config)
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
+    warned_fields: set[str] = field(default_factory=set)  # unknown request fields logged
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -1,0 +1,153 @@
+"""Structured output through a real ``tpserve serve`` of SmolLM2 and the openai client:
+JSON schemas (whole and streamed, n > 1), regex, choice, JSON objects, free requests in the
+same batch, and compile errors as 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.serverproc import SMALL, ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 40},
+                    "maxItems": 3},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 40},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "age", "color", "hobbies", "address"],
+}
+PERSON = [{"role": "user", "content": "Describe a fictional person as JSON with name, age, "
+                                      "favourite color, hobbies and address."}]
+RESPONSE_FORMAT = {"type": "json_schema",
+                   "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(*SMALL, "--max-num-seqs", "32")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
+                         timeout=600)
+
+
+def person(client, seed: int, stream: bool = False) -> tuple[str, str]:
+    kwargs = dict(model=MODEL, messages=PERSON, temperature=0.7, seed=seed, max_tokens=250,
+                  response_format=RESPONSE_FORMAT)
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_json_schema_twenty_seeds(client, stream):
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(lambda s: person(client, s, stream), range(20)))
+    assert [finish for _, finish in results] == ["stop"] * 20, results
+    for text, _ in results:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len({text for text, _ in results}) > 1
+
+
+def test_json_schema_n2_and_completions(client):
+    r = client.chat.completions.create(model=MODEL, messages=PERSON, temperature=0.7, seed=3,
+                                       n=2, max_tokens=250, response_format=RESPONSE_FORMAT)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    r = client.completions.create(model=MODEL, prompt="A person as JSON:", temperature=0,
+                                  max_tokens=250, extra_body={"guided_json": SCHEMA})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_regex_choice_and_grammar(client):
+    ask = [{"role": "user", "content": "Give me a phone number."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0.7, seed=1,
+                                       max_tokens=30,
+                                       extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"
+    ask = [{"role": "user", "content": "Is the sky blue?"}]
+    for body in ({"guided_choice": ["yes", "no"]},
+                 {"structured_outputs": {"choice": ["yes", "no"]}},
+                 {"guided_grammar": 'root ::= "yes" | "no"'}):
+        r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                           max_tokens=30, extra_body=body)
+        assert r.choices[0].message.content in ("yes", "no"), body
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object(client):
+    ask = [{"role": "user", "content": "Give the name and age of a person as a JSON object."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0.7, seed=0,
+                                       max_tokens=250, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_free_requests_unchanged_in_a_constrained_batch(client):
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+    def free(p: str) -> str:
+        return client.completions.create(model=MODEL, prompt=p, temperature=0,
+                                         max_tokens=40).choices[0].text
+
+    alone = [free(p) for p in prompts]
+    with ThreadPoolExecutor(9) as pool:
+        constrained = [pool.submit(person, client, s) for s in range(6)]
+        mixed = list(pool.map(free, prompts))
+        for f in constrained:
+            text, finish = f.result()
+            assert finish == "stop"
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert mixed == alone
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "Unsupported type"),
+    ({"guided_json": '{"type": "object", "properties": {'}, "guided_json", "JSON"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "parenthesis"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar", "EBNF"),
+    ({"guided_grammar": 'start ::= "a"'}, "guided_grammar", "root"),
+    ({"guided_choice": []}, "guided_choice", "choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "at most one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice",
+     "at most one"),
+    ({"structured_outputs": {"structural_tag": "a"}}, "structured_outputs", ""),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", ""),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "structured"),
+])
+def test_bad_constraints_400(client, server, body, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=PERSON, max_tokens=5,
+                                       extra_body=body)
+    err = info.value.body
+    assert info.value.status_code == 400
+    assert err["param"].startswith(param), err
+    assert words in err["message"], err
+    assert client.models.list().data  # the server is still up

@@ -1,0 +1,108 @@
+"""A request's structured-output constraint and ``logit_bias``, validated before the
+request enters the engine.
+
+A constraint comes from exactly one of: ``response_format`` (``json_object`` or
+``json_schema``; ``text`` is no constraint), vLLM's ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``), or the older top-level
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``. Two or more is a
+400; so is a schema, regex or grammar the compiler refuses (the message is its own).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tpserve.model.sampling_params import SamplingParams, StructuredOutput
+from tpserve.server.engine.structured.spec import (
+    GrammarError,
+    check_structured_output,
+    choice_grammar,
+)
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import SamplingRequest
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+
+
+def _schema_text(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _candidates(req: SamplingRequest) -> list[tuple[str, str, Any]]:
+    """Every constraint the request sets: (field name, kind, value)."""
+    found: list[tuple[str, str, Any]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", "json_object", ""))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError.bad_request(
+                "response_format of type json_schema needs json_schema.schema",
+                "response_format.json_schema.schema")
+        found.append(("response_format.json_schema.schema", "json",
+                      fmt.json_schema.json_schema))
+    so = req.structured_outputs
+    if so is not None:
+        for name, kind, value in (("json", "json", so.json_value), ("regex", "regex", so.regex),
+                                  ("choice", "choice", so.choice),
+                                  ("grammar", "grammar", so.grammar)):
+            if value is not None:
+                found.append((f"structured_outputs.{name}", kind, value))
+        if so.json_object:
+            found.append(("structured_outputs.json_object", "json_object", ""))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, kind, value))
+    return found
+
+
+def structured_output(req: SamplingRequest) -> StructuredOutput | None:
+    """The request's constraint, checked with the grammar compiler; APIError 400 if it
+    sets more than one or the compiler refuses it."""
+    found = _candidates(req)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _, _ in found)
+        raise APIError.bad_request(
+            f"at most one structured-output constraint per request; got {names}",
+            found[1][0])
+    field, kind, value = found[0]
+    try:
+        if kind == "choice":
+            spec = StructuredOutput("grammar", choice_grammar(value))
+        elif kind == "json":
+            spec = StructuredOutput("json", _schema_text(value))
+        else:
+            spec = StructuredOutput(kind, value)
+        check_structured_output(spec)
+    except GrammarError as exc:
+        raise APIError.bad_request(f"invalid {_WHAT.get(kind, kind)} in {field}: {exc}",
+                                   field) from exc
+    return spec
+
+
+def logit_bias(req: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs; 400 for keys that are not token ids of the
+    vocabulary or biases outside [-100, 100]."""
+    if not req.logit_bias:
+        return ()
+    pairs = []
+    for key, bias in req.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError.bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                       "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise APIError.bad_request(
+                f"logit_bias token id {token} is out of range [0, {vocab_size})", "logit_bias")
+        if not -SamplingParams.MAX_LOGIT_BIAS <= bias <= SamplingParams.MAX_LOGIT_BIAS:
+            raise APIError.bad_request(
+                f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)

@@ -1,0 +1,90 @@
+"""OpenAI request fields the server cannot honour (400 naming the field), and unknown
+fields (logged once per name, then ignored, as vLLM does).
+
+Decided per field of OpenAI's completions and chat completions APIs:
+- refused when set to anything but their no-op value: ``best_of`` (only 1), ``suffix``
+  (only empty), ``tools`` / ``tool_choice`` (other than ``none``) / ``functions`` /
+  ``function_call`` (no tool calling yet), ``parallel_tool_calls`` (only with tools),
+  ``audio``, ``modalities`` (only ``["text"]``), ``prediction`` (predicted outputs),
+  ``web_search_options``, ``store`` (only false), ``reasoning_effort`` and ``verbosity``
+  (not a reasoning model; OpenAI answers 400 for such models too);
+- accepted and ignored, as OpenAI documents them as advisory (they never change the
+  output): ``metadata`` (only stored with ``store``), ``service_tier``,
+  ``prompt_cache_key`` (prefix caching needs no key), ``safety_identifier``, ``user``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableSet
+from typing import Any
+
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _noop_value(field: str, value: Any) -> bool:
+    """Whether ``value`` of a refusable field asks for nothing the server cannot do."""
+    if value is None:
+        return True
+    if field == "best_of":
+        return value == 1
+    if field == "suffix":
+        return value == ""
+    if field == "tool_choice":
+        return value == "none"
+    if field == "modalities":
+        return list(value) == ["text"]
+    if field == "store":
+        return value is False
+    return False
+
+
+COMPLETION_REFUSED = {
+    "best_of": "best_of other than 1 is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+CHAT_REFUSED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool_choice other than 'none' is not supported: tool calling is not "
+                   "supported",
+    "functions": "functions (deprecated) is not supported: tool calling is not supported",
+    "function_call": "function_call (deprecated) is not supported: tool calling is not "
+                     "supported",
+    "audio": "audio output is not supported",
+    "modalities": "only the 'text' modality is supported",
+    "prediction": "predicted outputs (prediction) are not supported",
+    "web_search_options": "web search is not supported",
+    "store": "store is not supported: completions are not stored",
+    "reasoning_effort": "reasoning_effort is not supported with this model",
+    "verbosity": "verbosity is not supported with this model",
+}
+
+
+def refuse_unsupported(req: SamplingRequest) -> None:
+    """400 naming the first field set to something the server cannot honour."""
+    if isinstance(req, CompletionRequest):
+        refused = COMPLETION_REFUSED
+    elif isinstance(req, ChatCompletionRequest):
+        refused = CHAT_REFUSED  # parallel_tool_calls: only with tools, which are refused
+    else:
+        refused = {}
+    for field, message in refused.items():
+        if not _noop_value(field, getattr(req, field)):
+            raise APIError.bad_request(message, field)
+
+
+def warn_unknown_fields(req: SamplingRequest, warned: MutableSet[str]) -> None:
+    """Logs a warning for each unknown top-level field the first time it is seen by this
+    app (``warned`` remembers the names); the fields themselves are ignored."""
+    for name in req.model_extra or ():
+        if name not in warned:
+            warned.add(name)
+            logger.warning("the request field %r is not supported and is ignored "
+                           "(logged once per field name)", name)
