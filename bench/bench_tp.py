@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
-from tpserve.model.kernels.backend import select_ops  # noqa: E402
+from tpserve.model.kernels.backend import resolve_kernel_backend, select_ops  # noqa: E402
 from tpserve.model.kv_pool import KVPool  # noqa: E402
 from tpserve.model.loader.build import build_model  # noqa: E402
 from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
@@ -48,7 +48,8 @@ def _greedy(group, shape: str, dtype: str, prompts: list[list[int]], steps: int)
     device = group.device
     dt = getattr(torch, dtype)
     ckpt = open_checkpoint(shape, "dummy", 0)
-    model = build_model(ckpt, comm, device, dt, select_ops(device), 4096)
+    ops = select_ops(resolve_kernel_backend("auto", device.type))
+    model = build_model(ckpt, comm, device, dt, ops, 4096)
     cfg = ckpt.config
     bs = 16
     per_seq = -(-(max(map(len, prompts)) + steps) // bs)

@@ -87,15 +87,18 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu():
     the device, pure decodes) through captured graphs and through the eager forward."""
     from dataclasses import replace
 
+    from tpserve.model.plan import StepLimits
     from tpserve.model.runner import ModelRunner, RunnerConfig
     from tpserve.parallel.state import TPGroup
 
     dev = torch.device("cuda", 0)
     cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
-                       max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512,
+                       kv_cache_dtype="bfloat16", device="cuda", kernel_backend="triton",
                        kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
-    runners = [ModelRunner(cfg, TPGroup(0, 1, dev, None)),
-               ModelRunner(replace(cfg, enforce_eager=True), TPGroup(0, 1, dev, None))]
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                        block_size=16)
+    runners = [ModelRunner(cfg, limits, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(cfg, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
     assert runners[0].graphs is not None and runners[1].graphs is None
     a, b, c = list(range(5, 45)), list(range(100, 107)), list(range(200, 300))
     steps = [

@@ -23,7 +23,7 @@ def load(model_path: str | None, group: TPGroup | None = None, load_format: str 
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format)
     comm = Communicator(group)
-    return build_model(ckpt, comm, CPU, torch.float32, select_ops(CPU), 512), comm
+    return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), 512), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:

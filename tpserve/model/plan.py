@@ -14,7 +14,27 @@ import torch
 from tpserve.model.attention.metadata import AttentionMetadata, prefill_tiles
 
 HEADER_LEN = 10
+KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP, CMD_PROFILE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLimits:
+    """The bounds of every plan a runner is sent, fixed at start-up (the scheduler's limits:
+    ``SchedulerConfig.limits``): at most ``max_num_seqs`` sequences and
+    ``max_num_batched_tokens`` new tokens per step, sequences of at most ``max_model_len``
+    tokens addressed in KV blocks of ``block_size`` tokens. The runner sizes its receive
+    buffers, its memory profile, its KV pool and its CUDA graphs by them."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size not in KV_BLOCK_SIZES:
+            raise ValueError(f"--block-size must be one of "
+                             f"{', '.join(map(str, KV_BLOCK_SIZES))}; got {self.block_size}")
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import torch
 
 from tpserve.model.attention.metadata import max_prefill_tiles
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
-from tpserve.model.kernels.backend import select_ops
+from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
-from tpserve.model.loader.build import build_model, resolve_dtype
+from tpserve.model.loader.build import DTYPE_NAMES, DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
     MemoryPlan,
@@ -36,6 +36,7 @@ from tpserve.model.plan import (
     CMD_STEP,
     HEADER_LEN,
     SeqChunk,
+    StepLimits,
     StepPlan,
 )
 from tpserve.parallel.comm import Communicator
@@ -44,47 +45,58 @@ from tpserve.parallel.state import TPGroup, destroy_tp_group, init_tp_group, pic
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "TPSERVE_TEST_FAULT"  # test hook: "RANK:STEP:raise|exit|oom"
+DEVICES = ("cuda", "cpu")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
-    """What a rank needs to build its model and KV pool (part of the server's config tree)."""
+    """What a rank needs to build its model and KV pool (part of the server's config tree).
+
+    Every value is concrete: ``server.config`` resolves the ``auto`` flags (dtype, KV cache
+    dtype, device, kernel back-end) before this is built, and nothing resolves them later.
+    The defaults describe a CPU runner. The bounds of the steps it runs come separately
+    (``StepLimits``: the scheduler's limits)."""
 
     model: str | None = None
     load_format: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
     seed: int = 0
-    device: str = "auto"
-    kernel_backend: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    device: str = "cpu"
+    kernel_backend: str = "torch"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 512
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128; got "
-                             f"{self.block_size}")
+        for flag, value in (("--dtype", self.dtype), ("--kv-cache-dtype", self.kv_cache_dtype)):
+            if value not in DTYPE_NAMES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPE_NAMES)} once "
+                                 f"resolved, got {value!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
+                             f"got {self.device!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"--kernel-backend must be one of {', '.join(KERNEL_BACKENDS)} "
+                             f"once resolved, got {self.kernel_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("--max-model-len must be >= 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.enforce_eager
+
 
 def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
                           ) -> int:
+    """The model's context (capped by its sliding window) when ``requested`` is None;
+    else ``requested``, which must not exceed it."""
     limit = min(model_max, sliding_window) if sliding_window else model_max
     if requested is None:
         return limit
@@ -116,8 +128,10 @@ class _Fault:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, group: TPGroup, show_progress: bool = False):
+    def __init__(self, cfg: RunnerConfig, limits: StepLimits, group: TPGroup,
+                 show_progress: bool = False):
         self.cfg = cfg
+        self.limits = limits
         self.comm = Communicator(group)
         self.device = device = group.device
         self.fault = _Fault(group.rank)
@@ -126,17 +140,19 @@ class ModelRunner:
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
         mcfg = self.model_config = self.ckpt.config
-        self.max_model_len = resolve_max_model_len(cfg.max_model_len,
+        # validates only: the config tree holds the resolved length
+        self.max_model_len = resolve_max_model_len(limits.max_model_len,
                                                    mcfg.max_position_embeddings,
                                                    mcfg.sliding_window)
-        self.dtype = resolve_dtype(cfg.dtype, device)
-        self.ops = select_ops(device, cfg.kernel_backend)
+        self.dtype = DTYPES[cfg.dtype]
+        self.ops = select_ops(cfg.kernel_backend)
         self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                  self.max_model_len, show_progress)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
-        self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
-        t, b = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        bs = limits.block_size
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / bs)
+        t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.max_payload = sum(StepPlan.payload_sizes(
             t, b, self.max_blocks_per_seq, sampled=b, tiles=max_prefill_tiles(t, b), pending=b))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
@@ -147,14 +163,14 @@ class ModelRunner:
         static = (HEADER_LEN + self.max_payload + b) * 8
         workspace, measured = self._profile()
         workspace += static
-        use_graphs = device.type == "cuda" and not cfg.enforce_eager
+        use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
         # reserve for the graphs' pool: their logits outputs plus a margin; measured below
         graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size) if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
-        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, kv_heads,
+        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, bs, kv_heads,
                                        mcfg.head_dim, self.dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
@@ -162,24 +178,24 @@ class ModelRunner:
             raise MemoryError(
                 f"the model does not fit: weights {weights / 2**30:.2f} GiB + workspace "
                 f"{workspace / 2**30:.2f} GiB leave {max(budget, 0) / 2**30:.3f} GiB for the KV "
-                f"pool = {num_blocks} blocks of {cfg.block_size} tokens, but one sequence of "
+                f"pool = {num_blocks} blocks of {bs} tokens, but one sequence of "
                 f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
                 f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
                 "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
                 "more GPUs")
-        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
+        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
                               mcfg.head_dim, self.dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
         self.graphs: StepGraphs | None = None
         if use_graphs:
-            self.graphs = StepGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
+            self.graphs = StepGraphs(self.model, self.kv_pool, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
                                      max_mixed)
             graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
-                               cfg.block_size, per_block, self.max_model_len, how)
+                               bs, per_block, self.max_model_len, how)
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
 
@@ -188,9 +204,9 @@ class ModelRunner:
         """Activation workspace bytes: on GPU the allocator's peak over one forward at
         ``max_num_batched_tokens`` (plus the logits of ``max_num_seqs`` rows); on CPU an
         estimate. The same forward warms the caching allocator for steady state."""
-        cfg, m = self.cfg, self.model_config
-        tokens = cfg.max_num_batched_tokens
-        rows = min(cfg.max_num_seqs, tokens)
+        lim, m = self.limits, self.model_config
+        tokens = lim.max_num_batched_tokens
+        rows = min(lim.max_num_seqs, tokens)
         if self.device.type != "cuda":
             tp = self.comm.world_size
             q = (m.num_attention_heads // tp + 2 * m.kv_heads_for(tp)) * m.head_dim
@@ -202,9 +218,9 @@ class ModelRunner:
         prefill_only = self._profile_chunks([], tokens)
         mixed = self._profile_chunks([1] * (rows - 1), tokens - (rows - 1))
         nblocks = max(sum(len(c.block_ids) for c in p) for p in (prefill_only, mixed))
-        tmp = KVPool(m.num_hidden_layers, nblocks, cfg.block_size,
+        tmp = KVPool(m.num_hidden_layers, nblocks, lim.block_size,
                      m.kv_heads_for(self.comm.world_size), m.head_dim, self.dtype, self.device)
-        plans = [StepPlan.build(c, cfg.block_size).to(self.device) for c in (prefill_only, mixed)]
+        plans = [StepPlan.build(c, lim.block_size).to(self.device) for c in (prefill_only, mixed)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -225,10 +241,10 @@ class ModelRunner:
         chunk) for every decode batch bucket, so Triton compiles each kernel variant
         (split counts, batch-offset specialisations) at start-up, not under load. The
         steps write into free blocks of the pool, which are overwritten before use."""
-        bs = self.cfg.block_size
+        bs = self.limits.block_size
         nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
         table = list(range(nblocks))
-        for d in buckets_for(self.cfg.max_num_seqs):
+        for d in buckets_for(self.limits.max_num_seqs):
             contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
                                         if c < nblocks * bs}
             for ctx in sorted(contexts):
@@ -244,7 +260,7 @@ class ModelRunner:
     def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
         """Chunks of a profiling step: single-token decodes, then prefills of at most
         ``max_model_len`` tokens, each sequence on its own consecutive blocks."""
-        bs, chunks, first = self.cfg.block_size, [], 0
+        bs, chunks, first = self.limits.block_size, [], 0
         sizes = decodes + [min(self.max_model_len, prefill_tokens - i)
                            for i in range(0, max(prefill_tokens, 0), self.max_model_len)]
         for n in sizes:
@@ -316,12 +332,12 @@ class ModelRunner:
 
 
 def run_worker(rank: int, world_size: int, init_method: str, cfg: RunnerConfig,
-               timeout_s: float) -> None:
+               limits: StepLimits, timeout_s: float) -> None:
     """Entry point of a spawned rank: join the group, build, serve steps, leave."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     group = init_tp_group(rank, world_size, init_method, pick_device(rank, cfg.device),
                           timeout_s)
     try:
-        ModelRunner(cfg, group).worker_loop()
+        ModelRunner(cfg, limits, group).worker_loop()
     finally:
         destroy_tp_group(group)

@@ -40,7 +40,8 @@ def join_group(cfg: Config, on_worker_failure: Callable[[str], None]
     if tp == 1:
         return TPGroup(0, 1, device, None), None
     init_method = f"tcp://127.0.0.1:{find_free_port()}"
-    workers = WorkerProcesses(run_worker, tp, init_method, (cfg.runner, timeout),
+    workers = WorkerProcesses(run_worker, tp, init_method,
+                              (cfg.runner, cfg.scheduler.limits, timeout),
                               on_failure=on_worker_failure)
     workers.start()
     return init_tp_group(0, tp, init_method, device, timeout), workers
@@ -57,13 +58,10 @@ def leave_group(group: TPGroup | None, workers: WorkerProcesses | None) -> None:
 def build_engine_core(cfg: Config, group: TPGroup) -> EngineCore:
     """Rank 0: the runner (weights, memory plan, KV pool, graphs; logged), the tokenizer
     and the engine core."""
-    runner = ModelRunner(cfg.runner, group, show_progress=True)
+    runner = ModelRunner(cfg.runner, cfg.scheduler.limits, group, show_progress=True)
     for line in runner.plan.describe():
         logger.info(line)
     logger.info("kernels: %s; tensor parallel size %d; start-up took %.1f s",
                 runner.ops.name, group.world_size, runner.startup_s)
     tokenizer = runner.ckpt.tokenizer()
-    return EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                      seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity,
-                      async_scheduling=cfg.engine.async_scheduling,
-                      max_mixed_tokens=cfg.engine.max_mixed_tokens)
+    return EngineCore(runner, tokenizer, cfg.scheduler, cfg.engine)

@@ -13,15 +13,17 @@ from tpserve.parallel.comm import Communicator
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the resolved, canonical names
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on GPU and fp32 on CPU."""
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The canonical dtype name (``DTYPE_NAMES``) for a ``--dtype`` value: ``auto`` is
+    bf16 on GPU and fp32 on CPU. Called once, when the config tree is built."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return "bfloat16" if device.type == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"unknown --dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return str(DTYPES[name]).removeprefix("torch.")
 
 
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
