@@ -16,7 +16,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
-         "--no-engine-process"]
+         "--no-engine-process", "--kv-cache-dtype"]
 
 
 def test_help_lists_every_flag_with_defaults():
@@ -65,14 +65,17 @@ def test_every_auto_is_resolved_from_the_checkpoint_on_cpu(tiny_folder):
     frozen tree holds concrete values only."""
     cfg = _cfg(str(tiny_folder), "--device", "cpu")
     assert cfg.runner.device == "cpu" and cfg.runner.dtype == "float32"
-    assert cfg.runner.kernel_backend == "torch"
+    assert cfg.runner.kernel_backend == "torch" and cfg.runner.kv_cache_dtype == "float32"
     assert cfg.scheduler.max_model_len == 256  # the checkpoint's context
     assert cfg.scheduler.max_mixed_tokens is None  # no CUDA graphs on CPU: no cap
     assert cfg.scheduler.limits.max_model_len == 256 and cfg.scheduler.block_size == 16
     cfg = _cfg(str(tiny_folder), "--device", "cpu", "--dtype", "bf16", "--max-model-len", "100",
                "--max-mixed-tokens", "64", "--kernel-backend", "triton")
     assert cfg.runner.dtype == "bfloat16" and cfg.runner.kernel_backend == "triton"
+    assert cfg.runner.kv_cache_dtype == "bfloat16"  # auto: the model's dtype
     assert cfg.scheduler.max_model_len == 100 and cfg.scheduler.max_mixed_tokens == 64
+    cfg = _cfg(str(tiny_folder), "--device", "cpu", "--kv-cache-dtype", "bfloat16")
+    assert cfg.runner.dtype == "float32" and cfg.runner.kv_cache_dtype == "bfloat16"
     shape = _cfg("llama3-8b", "--load-format", "dummy", "--device", "cpu")
     assert shape.scheduler.max_model_len == 131072
 

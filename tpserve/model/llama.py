@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
@@ -38,9 +39,10 @@ STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, attn: AttentionBackend,
+                 dtype: torch.dtype):
         super().__init__()
-        self.ops = ops
+        self.attn = attn
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
@@ -50,9 +52,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, _ = self.ops.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1],
-                                          meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv[0], kv[1], meta, self.scale)
+        q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta)
+        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -70,9 +71,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, comm, ops, dtype)
+        self.self_attn = LlamaAttention(cfg, comm, attn, dtype)
         self.mlp = LlamaMLP(cfg, comm, ops, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -90,11 +92,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, dtype) for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, comm, ops, attn, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
 
@@ -102,11 +105,12 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` returns the final hidden states of every new token; ``compute_logits``
     turns the selected ones into full-vocabulary logits (on every rank)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 max_positions: int):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, comm, ops, dtype)
+        self.attn_backend = attn
+        self.model = LlamaModel(cfg, comm, ops, attn, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.attention.metadata import max_prefill_tiles
+from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
@@ -145,8 +145,10 @@ class ModelRunner:
                                                    mcfg.max_position_embeddings,
                                                    mcfg.sliding_window)
         self.dtype = DTYPES[cfg.dtype]
+        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
-        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
+        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
+        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
                                  self.max_model_len, show_progress)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
@@ -154,7 +156,8 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / bs)
         t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.max_payload = sum(StepPlan.payload_sizes(
-            t, b, self.max_blocks_per_seq, sampled=b, tiles=max_prefill_tiles(t, b), pending=b))
+            t, b, self.max_blocks_per_seq, sampled=b, extra=self.attn.max_plan_extra(t, b),
+            pending=b))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
         # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
@@ -171,7 +174,7 @@ class ModelRunner:
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
         per_block = kv_bytes_per_block(mcfg.num_hidden_layers, bs, kv_heads,
-                                       mcfg.head_dim, self.dtype)
+                                       mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
         if num_blocks < self.max_blocks_per_seq:
@@ -184,12 +187,12 @@ class ModelRunner:
                 "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
                 "more GPUs")
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
-                              mcfg.head_dim, self.dtype, device)
+                              mcfg.head_dim, self.kv_dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
         self.graphs: StepGraphs | None = None
         if use_graphs:
-            self.graphs = StepGraphs(self.model, self.kv_pool, b,
+            self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
                                      max_mixed)
             graphs = self.graphs.capture()
@@ -219,14 +222,17 @@ class ModelRunner:
         mixed = self._profile_chunks([1] * (rows - 1), tokens - (rows - 1))
         nblocks = max(sum(len(c.block_ids) for c in p) for p in (prefill_only, mixed))
         tmp = KVPool(m.num_hidden_layers, nblocks, lim.block_size,
-                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.dtype, self.device)
-        plans = [StepPlan.build(c, lim.block_size).to(self.device) for c in (prefill_only, mixed)]
+                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.kv_dtype,
+                     self.device)
+        plans = [StepPlan.build(c, lim.block_size, self.attn).to(self.device)
+                 for c in (prefill_only, mixed)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             for plan in plans:
-                hidden = self.model(plan.input_ids, plan.positions, tmp.layers, plan.metadata())
+                hidden = self.model(plan.input_ids, plan.positions, tmp.layers,
+                                    plan.metadata(self.attn))
                 idx = torch.arange(rows, device=self.device) % hidden.shape[0]
                 logits = self.model.compute_logits(hidden[idx]).float()
                 torch.sort(logits.softmax(-1), dim=-1)
@@ -250,10 +256,10 @@ class ModelRunner:
             for ctx in sorted(contexts):
                 chunks = [SeqChunk([0], ctx - 1, table, True) for _ in range(d)]
                 chunks.append(SeqChunk([0] * bs, 0, table[:1], True))
-                plan = StepPlan.build(chunks, bs).to(self.device)
+                plan = StepPlan.build(chunks, bs, self.attn).to(self.device)
                 with torch.inference_mode():
                     hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                                        plan.metadata())
+                                        plan.metadata(self.attn))
                     self.model.compute_logits(hidden[plan.logits_indices])
         torch.cuda.synchronize(self.device)
 
@@ -327,7 +333,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                            plan.metadata())
+                            plan.metadata(self.attn))
         return self.model.compute_logits(hidden[plan.logits_indices]).float()
 
 

@@ -7,9 +7,10 @@ budget; the runner is sized by the same limits) + ``EngineConfig`` (rank 0's ste
 its front) + ``ServerConfig`` (HTTP).
 
 Every ``auto`` flag is resolved here, before anything is frozen: the device, the dtype,
-the KV cache dtype, the kernel back-end, ``--max-model-len`` (from the checkpoint's
-config, read without its weights) and ``--max-mixed-tokens``. The tree holds concrete
-values only; no module resolves a default later.
+the KV cache dtype (the model's), the kernel back-end (attention and ops),
+``--max-model-len`` (from the checkpoint's config, read without its weights) and
+``--max-mixed-tokens``. The tree holds concrete values only; no module resolves a default
+later.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="number of ranks (GPUs) the model is sharded over")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the KV cache (auto: the model's --dtype)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -181,7 +185,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     runner = RunnerConfig(
-        model=a.model, load_format=a.load_format, dtype=dtype, kv_cache_dtype=dtype,
+        model=a.model, load_format=a.load_format, dtype=dtype,
+        kv_cache_dtype=dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,

@@ -1,7 +1,8 @@
-"""The op back-end (norms, activation, RoPE + KV write, paged attention), chosen once at
-start-up: Triton on CUDA when available, the torch reference ops otherwise
-(``resolve_kernel_backend`` turns ``--kernel-backend auto`` into one of them when the
-config tree is built)."""
+"""The op back-end (norms, activation), chosen once at start-up: Triton on CUDA when
+available, the torch reference ops otherwise (``resolve_kernel_backend`` turns
+``--kernel-backend auto`` into one of them when the config tree is built). Attention
+(RoPE + KV write, paged attention) is the attention back-end's (``model.attention``),
+chosen by the same name."""
 
 from __future__ import annotations
 
@@ -18,14 +19,11 @@ class Ops:
     rms_norm: Callable
     add_rms_norm: Callable
     silu_and_mul: Callable
-    rope_and_write_kv: Callable
-    paged_attention: Callable
 
 
 def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
-    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rope_and_write_kv,
-               m.paged_attention)
+    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul)
 
 
 def resolve_kernel_backend(name: str, device_type: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.loader.checkpoint import Checkpoint
 from tpserve.model.registry import model_class
@@ -27,11 +28,11 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 
 
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
-                dtype: torch.dtype, ops: Ops, max_positions: int,
+                dtype: torch.dtype, ops: Ops, attn: AttentionBackend, max_positions: int,
                 show_progress: bool = False) -> nn.Module:
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions)
+        model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions)
     ckpt.load_into(model, show_progress)
     return model.eval()

@@ -173,7 +173,8 @@ class EngineCore:
             if sample:
                 sampling.append(seq)
         try:
-            logits = self.runner.execute(StepPlan.build(chunks, self.block_size))
+            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
+                                                        self.runner.attn))
         except torch.OutOfMemoryError:
             self._finish_inflight()
             self._recover_from_oom()
