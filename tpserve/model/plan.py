@@ -16,7 +16,7 @@ from tpserve.model.attention.metadata import AttentionMetadata
 
 HEADER_LEN = 10
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
-CMD_STEP, CMD_SHUTDOWN, CMD_NOOP, CMD_PROFILE = 1, 2, 3, 4
+CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
 
 
 @dataclass(frozen=True, kw_only=True)
