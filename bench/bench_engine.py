@@ -49,14 +49,11 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
 )
 from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
+from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.plan import CMD_SHUTDOWN  # noqa: E402
-from tpserve.model.runner import ModelRunner, RunnerConfig  # noqa: E402
-from tpserve.parallel.state import (  # noqa: E402
-    ParallelConfig,  # noqa: E402
-    TPGroup,
-    pick_device,
-)
-from tpserve.server.config import Config, EngineConfig, ServerConfig  # noqa: E402
+from tpserve.model.runner import ModelRunner  # noqa: E402
+from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
+from tpserve.server.config import Config, config_from_args  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
 from tpserve.server.startup import join_group, leave_group  # noqa: E402
 
@@ -108,6 +105,27 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
+def server_config(a: argparse.Namespace, device: torch.device) -> Config:
+    """The server's own config tree for these flags, resolved as ``tpserve serve`` does."""
+    argv = ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype,
+            "--seed", str(a.seed), "--device", device.type,
+            "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+            "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+            "--cuda-graph-max-tokens", str(a.cuda_graph_max_tokens),
+            "--tensor-parallel-size", str(a.tensor_parallel_size)]
+    if a.kv_cache_memory is not None:
+        argv += ["--kv-cache-memory", str(a.kv_cache_memory)]
+    if a.max_mixed_tokens is not None:
+        argv += ["--max-mixed-tokens", str(a.max_mixed_tokens)]
+    if a.enforce_eager:
+        argv.append("--enforce-eager")
+    if a.no_async_scheduling:
+        argv.append("--no-async-scheduling")
+    parser, _ = build_parser()
+    return config_from_args(parser.parse_args(argv))
+
+
 def main() -> int:
     a = parse_args()
     out = Path(a.out)
@@ -146,19 +164,10 @@ def main() -> int:
     save()
     log(f"limits: copy {lim['copy_GBps']} GB/s, matmul {lim['bf16_tflops']} TFLOP/s")
 
-    cfg = RunnerConfig(model=a.model, load_format="dummy", dtype=a.dtype, seed=a.seed,
-                       device=device.type, max_model_len=a.max_model_len,
-                       max_num_seqs=a.max_num_seqs,
-                       max_num_batched_tokens=a.max_num_batched_tokens,
-                       gpu_memory_utilization=a.gpu_memory_utilization,
-                       kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
-                       cuda_graph_max_tokens=a.cuda_graph_max_tokens)
-    tp = a.tensor_parallel_size
+    cfg = server_config(a, device)
     group, workers = TPGroup(0, 1, device, None), None
-    if tp > 1:  # the server's own start-up: spawn and watch ranks 1..tp-1
-        group, workers = join_group(
-            Config(cfg, ParallelConfig(tp), EngineConfig(), ServerConfig()),
-            lambda reason: log(f"a worker rank failed: {reason}"))
+    if a.tensor_parallel_size > 1:  # the server's own start-up: spawn and watch the ranks
+        group, workers = join_group(cfg, lambda reason: log(f"a worker rank failed: {reason}"))
     try:
         return _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path,
                     commit, dirty)
@@ -167,14 +176,14 @@ def main() -> int:
             leave_group(group, workers)
 
 
-def _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path, commit, dirty
-         ) -> int:
+def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_path, commit,
+         dirty) -> int:
     t0 = time.perf_counter()
     runner, failure = None, None
     try:
-        runner = ModelRunner(cfg, group)
+        runner = ModelRunner(cfg.runner, cfg.scheduler.limits, group)
     except Exception as e:  # noqa: BLE001 - fall back to eager below, outside this frame
-        if cfg.enforce_eager or device.type != "cuda" or group.world_size > 1:
+        if cfg.runner.enforce_eager or device.type != "cuda" or group.world_size > 1:
             raise
         failure = repr(e)
     if runner is None:
@@ -183,7 +192,10 @@ def _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path, commi
         gc.collect()
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        runner = ModelRunner(dataclasses.replace(cfg, enforce_eager=True), group)
+        cfg = dataclasses.replace(
+            cfg, runner=dataclasses.replace(cfg.runner, enforce_eager=True),
+            scheduler=dataclasses.replace(cfg.scheduler, max_mixed_tokens=a.max_mixed_tokens))
+        runner = ModelRunner(cfg.runner, cfg.scheduler.limits, group)
     R["startup_s"] = round(runner.startup_s, 2)
     R["startup_wall_s"] = round(time.perf_counter() - t0, 2)
     R["kernels"] = runner.ops.name
@@ -201,9 +213,7 @@ def _run(a, R, cfg, group, device, lim, notes, save, log, out, table_path, commi
     for line in R["memory_plan"]:
         print("   ", line)
 
-    core = EngineCore(runner, StubTokenizer(), enable_prefix_caching=True, seed=a.seed,
-                      async_scheduling=not a.no_async_scheduling,
-                      max_mixed_tokens=a.max_mixed_tokens)
+    core = EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
     R["engine"] = {"async_scheduling": core.async_scheduling,
                    "max_mixed_tokens": core.scheduler.config.max_mixed_tokens}
     mcfg = runner.model_config

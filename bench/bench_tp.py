@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
-from tpserve.model.kernels.backend import select_ops  # noqa: E402
+from tpserve.model.attention.backend import select_attention  # noqa: E402
+from tpserve.model.kernels.backend import resolve_kernel_backend, select_ops  # noqa: E402
 from tpserve.model.kv_pool import KVPool  # noqa: E402
 from tpserve.model.loader.build import build_model  # noqa: E402
 from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
@@ -58,7 +59,10 @@ def _greedy(group, shape: str, dtype: str, prompts: list[list[int]], steps: int,
     device = group.device
     dt = getattr(torch, dtype)
     ckpt = open_checkpoint(shape, "dummy", 0)
-    model = build_model(ckpt, comm, device, dt, select_ops(device), 4096, tp_comm=tp_comm)
+    backend = resolve_kernel_backend("auto", device.type)
+    attn = select_attention(backend, dt)
+    model = build_model(ckpt, comm, device, dt, select_ops(backend), attn, 4096,
+                        tp_comm=tp_comm)
     cfg = ckpt.config
     bs = 16
     per_seq = -(-(max(map(len, prompts)) + steps) // bs)
@@ -67,9 +71,9 @@ def _greedy(group, shape: str, dtype: str, prompts: list[list[int]], steps: int,
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
 
     def step(chunks):
-        plan = StepPlan.build(chunks, bs).to(device)
+        plan = StepPlan.build(chunks, bs, attn).to(device)
         with torch.inference_mode():
-            hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata())
+            hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata(attn))
             return model.compute_logits(hidden[plan.logits_indices]).float()
 
     logits = step([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])

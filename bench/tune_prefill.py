@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tune_decode import time_graph, write_rows  # noqa: E402  (bench/tune_decode.py)
 
-from tpserve.model.attention.metadata import prefill_tiles  # noqa: E402
+from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 
 CASES = {  # name: [(cached context, new tokens)] per sequence

@@ -18,7 +18,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--load-format", "--served-model-name", "--api-key", "--host", "--port",
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
-         "--no-engine-process", "--tp-comm", "--disable-custom-all-reduce"]
+         "--no-engine-process", "--kv-cache-dtype", "--tp-comm",
+         "--disable-custom-all-reduce"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -109,13 +110,13 @@ def _cfg(*argv: str):
 
 
 def test_config_tree_from_flags():
-    cfg = _cfg("m.gguf", "-tp", "3", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
-               "--served-model-name", "x", "--max-model-len", "4096")
+    cfg = _cfg("llama3-8b", "--load-format", "dummy", "-tp", "3", "--kv-cache-memory", "2GiB",
+               "--no-enable-prefix-caching", "--served-model-name", "x", "--max-model-len",
+               "4096")
     assert cfg.parallel.tensor_parallel_size == 3
-    assert cfg.runner.kv_cache_memory == 2 * 2**30 and cfg.runner.max_model_len == 4096
-    assert cfg.engine.enable_prefix_caching is False and cfg.served_model_name == "x"
+    assert cfg.runner.kv_cache_memory == 2 * 2**30 and cfg.scheduler.max_model_len == 4096
+    assert cfg.scheduler.enable_prefix_caching is False and cfg.served_model_name == "x"
     assert _cfg().served_model_name == "SmolLM2-135M-Instruct"
-    assert _cfg("/models/Llama-3-8B/").served_model_name == "Llama-3-8B"
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
     assert _cfg().engine.engine_process is True
     assert _cfg("--no-engine-process").engine.engine_process is False
@@ -136,16 +137,57 @@ def test_tp_comm_is_validated():
         parser.parse_args(["serve", "--tp-comm", "ring"])
 
 
+def test_served_model_name_is_the_folder_name(tiny_folder):
+    assert _cfg(str(tiny_folder) + "/").served_model_name == tiny_folder.name
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_hf_folder
+
+    return save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("Tiny-Llama"))
+
+
+def test_every_auto_is_resolved_from_the_checkpoint_on_cpu(tiny_folder):
+    """On this CPU machine, for the tiny checkpoint (max_position_embeddings 256): the
+    frozen tree holds concrete values only."""
+    cfg = _cfg(str(tiny_folder), "--device", "cpu")
+    assert cfg.runner.device == "cpu" and cfg.runner.dtype == "float32"
+    assert cfg.runner.kernel_backend == "torch" and cfg.runner.kv_cache_dtype == "float32"
+    assert cfg.scheduler.max_model_len == 256  # the checkpoint's context
+    assert cfg.scheduler.max_mixed_tokens is None  # no CUDA graphs on CPU: no cap
+    assert cfg.scheduler.limits.max_model_len == 256 and cfg.scheduler.block_size == 16
+    cfg = _cfg(str(tiny_folder), "--device", "cpu", "--dtype", "bf16", "--max-model-len", "100",
+               "--max-mixed-tokens", "64", "--kernel-backend", "triton")
+    assert cfg.runner.dtype == "bfloat16" and cfg.runner.kernel_backend == "triton"
+    assert cfg.runner.kv_cache_dtype == "bfloat16"  # auto: the model's dtype
+    assert cfg.scheduler.max_model_len == 100 and cfg.scheduler.max_mixed_tokens == 64
+    cfg = _cfg(str(tiny_folder), "--device", "cpu", "--kv-cache-dtype", "bfloat16")
+    assert cfg.runner.dtype == "float32" and cfg.runner.kv_cache_dtype == "bfloat16"
+    shape = _cfg("llama3-8b", "--load-format", "dummy", "--device", "cpu")
+    assert shape.scheduler.max_model_len == 131072
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
-    (["--block-size", "7"], "--block-size must be one of"),
-    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
-    (["--port", "70000"], "--port must be in"),
+    (["--max-model-len", "257"], "--max-model-len 257 exceeds the model's context of 256"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+    (["--max-mixed-tokens", "0"], "--max-mixed-tokens must be >= 1"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    (["--dtype", "int3"], "unknown --dtype 'int3'"),
 ])
-def test_bad_flags_are_clear_errors(argv, message):
+def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
     with pytest.raises(ValueError, match=message):
-        _cfg(*argv)
+        _cfg(str(tiny_folder), "--device", "cpu", *argv)
+
+
+def test_a_resolved_runner_config_refuses_auto():
+    from tpserve.model.runner import RunnerConfig
+
+    for field, flag in (("dtype", "--dtype"), ("device", "--device"),
+                        ("kernel_backend", "--kernel-backend")):
+        with pytest.raises(ValueError, match=f"{flag} must be one of .* once resolved"):
+            RunnerConfig(**{field: "auto"})
 
 
 @pytest.mark.parametrize("flags", [["--no-engine-process"], []],

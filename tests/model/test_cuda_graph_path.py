@@ -37,11 +37,12 @@ def test_padded_decode_equals_plain_forward(tmp_path):
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     tables = [[3, 17, 4], [9], [21, 0, 30]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
-    graphs = StepGraphs(model, pool, max_num_seqs=8, max_blocks_per_seq=16,
+    graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=8,
+                        max_blocks_per_seq=16,
                         max_model_len=64, device=torch.device("cpu"))
     step = [SeqChunk([42 + i], len(s), t + [31 - i], True)
             for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
-    plan = StepPlan.build(step, 4)
+    plan = StepPlan.build(step, 4, model.attn_backend)
     assert graphs.select(plan) == ("decode", 4)
     before = pool.buffer.clone()
     got = graphs.run(plan)
@@ -52,7 +53,7 @@ def test_padded_decode_equals_plain_forward(tmp_path):
     assert got.shape == want.shape == (3, 256)
     assert (got - want).abs().max().item() < 1e-5
     torch.testing.assert_close(written, pool.buffer)  # padding rows wrote nothing
-    mixed = StepPlan.build([step[0], SeqChunk([1, 2], 0, [5], True)], 4)
+    mixed = StepPlan.build([step[0], SeqChunk([1, 2], 0, [5], True)], 4, model.attn_backend)
     assert not graphs.can_run(mixed)  # no mixed buckets were asked for
 
 
@@ -65,14 +66,15 @@ def test_padded_mixed_step_equals_plain_forward(tmp_path):
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
     tables = [[3, 17, 4], [9], [21, 0, 30]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
-    graphs = StepGraphs(model, pool, max_num_seqs=6, max_blocks_per_seq=16,
+    graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=6,
+                        max_blocks_per_seq=16,
                         max_model_len=64, device=torch.device("cpu"), max_mixed_tokens=32)
     step = [SeqChunk([42], 7, tables[0] + [31], True),
             SeqChunk([43], 3, tables[1], True),
             SeqChunk([11, 12, 13, 14, 15], 8, tables[2] + [6, 7], True),
             SeqChunk(list(range(20, 29)), 0, [10, 11, 12], True),
             SeqChunk([50, 51, 52], 0, [13], False)]
-    plan = StepPlan.build(step, 4)
+    plan = StepPlan.build(step, 4, model.attn_backend)
     assert plan.num_tokens == 19 and plan.num_decodes == 2
     assert graphs.select(plan) == (MIXED, 32)
     before = pool.buffer.clone()
@@ -83,8 +85,9 @@ def test_padded_mixed_step_equals_plain_forward(tmp_path):
     assert got.shape == want.shape == (4, 256)
     assert (got - want).abs().max().item() < 1e-5
     torch.testing.assert_close(written, pool.buffer)  # padding tokens wrote nothing
+    # past the largest bucket:
     assert not graphs.can_run(StepPlan.build([SeqChunk(list(range(33)), 0, list(range(9)),
-                                                       True)], 4))  # past the largest bucket
+                                                       True)], 4, model.attn_backend))
 
 
 def _sequence_parallel_graph_paths(group, folder: str) -> dict[str, object]:
@@ -131,15 +134,18 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu():
     the device, pure decodes) through captured graphs and through the eager forward."""
     from dataclasses import replace
 
+    from tpserve.model.plan import StepLimits
     from tpserve.model.runner import ModelRunner, RunnerConfig
     from tpserve.parallel.state import TPGroup
 
     dev = torch.device("cuda", 0)
     cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
-                       max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512,
+                       kv_cache_dtype="bfloat16", device="cuda", kernel_backend="triton",
                        kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
-    runners = [ModelRunner(cfg, TPGroup(0, 1, dev, None)),
-               ModelRunner(replace(cfg, enforce_eager=True), TPGroup(0, 1, dev, None))]
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                        block_size=16)
+    runners = [ModelRunner(cfg, limits, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(cfg, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
     assert runners[0].graphs is not None and runners[1].graphs is None
     a, b, c = list(range(5, 45)), list(range(100, 107)), list(range(200, 300))
     steps = [
@@ -155,7 +161,7 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu():
     outs = [[], []]
     for runner, out in zip(runners, outs, strict=True):
         for chunks, kind in steps:
-            plan = StepPlan.build(chunks, 16)
+            plan = StepPlan.build(chunks, 16, runner.attn)
             if runner.graphs is not None:
                 assert runner.graphs.select(plan) == kind
             logits = runner.execute(plan)

@@ -10,6 +10,7 @@ import torch
 
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import full_logits, load, new_pool, run, save_hf_folder
+from tpserve.model.attention.torch_backend import TorchAttention
 from tpserve.model.plan import SeqChunk, StepPlan
 
 BLOCK = 4
@@ -65,7 +66,7 @@ def test_token_by_token_decode_equals_full_forward(model):
 def test_plan_round_trips_through_packing():
     chunks = [SeqChunk([4], 9, [3, 1, 7], True), SeqChunk([1, 2, 3], 2, [5, 6], False),
               SeqChunk([8, 9], 0, [2], True)]
-    plan = StepPlan.build(chunks, BLOCK)
+    plan = StepPlan.build(chunks, BLOCK, TorchAttention(torch.float32))
     header, payload = plan.pack()
     assert payload.shape[0] == StepPlan.payload_len(header)
     back = StepPlan.unpack(header, payload)

@@ -23,8 +23,8 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from tpserve.model.attention.metadata import (  # noqa: E402
-    AttentionMetadata,
+from tpserve.model.attention.triton_backend import (  # noqa: E402
+    TritonMetadata,
     max_prefill_tiles,
     prefill_tiles,
 )
@@ -78,6 +78,14 @@ def mods():
 @pytest.fixture(scope="module")
 def ops(mods):
     return mods["triton_ops"]
+
+
+@pytest.fixture(scope="module")
+def attn(mods):
+    """The Triton attention back-end's module (it reaches the kernels through ``mods``)."""
+    from tpserve.model.attention import triton_backend
+
+    return triton_backend
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
@@ -142,7 +150,7 @@ def _cos_sin_cache(max_pos: int, rotary_dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,page", [(64, 64, 16), (128, 64, 8)])
-def test_rope_and_write_kv(ops, dtype, head_dim, rotary_dim, page):
+def test_rope_and_write_kv(mods, dtype, head_dim, rotary_dim, page):
     gen = torch.Generator().manual_seed(4)
     tokens, hq, hkv, num_blocks = 7, 12, 3, 5
     # q/k/v as strided views of one fused projection output, as the model produces them.
@@ -157,7 +165,8 @@ def test_rope_and_write_kv(ops, dtype, head_dim, rotary_dim, page):
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
                                                ref_kc, ref_vc, slots)
-    out_q, out_k = ops.rope_and_write_kv(q, k, v, positions, cs, k_cache, v_cache, slots)
+    out_q, out_k = mods["triton_rope"].rope_and_write_kv(q, k, v, positions, cs, k_cache,
+                                                         v_cache, slots)
     _close(out_q, ref_q, dtype)
     _close(out_k, ref_k, dtype)
     _close(k_cache, ref_kc, dtype)  # also: the slots of the -1 tokens stay untouched
@@ -188,7 +197,7 @@ def _make_batch(seqs, page, hkv, head_dim, dtype, gen):
     slot_mapping = torch.cat([
         table[i, (pos := torch.arange(c, c + n)) // page].long() * page + pos % page
         for i, (c, n) in enumerate(seqs)])
-    meta = AttentionMetadata(
+    meta = TritonMetadata(
         slot_mapping=slot_mapping.to(DEVICE), query_start_loc=qsl.to(DEVICE),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         block_tables=table.to(DEVICE),
@@ -266,7 +275,7 @@ MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
-def test_paged_attention_mixed_batch(ops, dtype, group, page, head_dim):
+def test_paged_attention_mixed_batch(attn, dtype, group, page, head_dim):
     """Decodes, fresh prefills and chunked prefills over a cached prefix, in one batch."""
     gen = torch.Generator().manual_seed(7)
     hkv = 2
@@ -275,7 +284,7 @@ def test_paged_attention_mixed_batch(ops, dtype, group, page, head_dim):
     num_tokens = int(meta.query_start_loc[-1])
     q = _randn(num_tokens, hkv * group, head_dim, dtype=dtype, gen=gen)
     scale = head_dim ** -0.5
-    out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    out = attn.paged_attention(q, k_cache, v_cache, meta, scale)
     _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
 
 
@@ -299,7 +308,7 @@ def test_prefill_small_tiles(mods, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_paged_attention_with_graph_padding(ops, dtype, group):
+def test_paged_attention_with_graph_padding(attn, dtype, group):
     """The launch shapes a mixed-step CUDA graph fixes: more decode slots than decodes,
     padding tokens after the real ones, padding sequences, and -1 tiles. The real rows
     must equal the reference; padding changes nothing else (the cache is read-only)."""
@@ -322,19 +331,19 @@ def test_paged_attention_with_graph_padding(ops, dtype, group):
     dlens[:2] = meta.seq_lens[:2]
     tiles = prefill_tiles([33, 70, 1], 2)
     tiles += [-1] * (max_prefill_tiles(tokens, seqs_n) - len(tiles))
-    padded = AttentionMetadata(
+    padded = TritonMetadata(
         slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad_t,), -1, device=DEVICE)]),
         query_start_loc=qsl, seq_lens=lens, block_tables=tables, num_decodes=0,
         max_query_len=tokens, max_seq_len=512,
         prefill_tiles=torch.tensor(tiles, dtype=torch.int32, device=DEVICE),
         decode_slots=slots_n, decode_seq_lens=dlens)
     kc, vc = k_cache.clone(), v_cache.clone()
-    got = ops.paged_attention(qp, k_cache, v_cache, padded, d ** -0.5)
+    got = attn.paged_attention(qp, k_cache, v_cache, padded, d ** -0.5)
     _close(got[:n], want, dtype)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
 
 
-def test_end_to_end_rope_write_then_attend(ops):
+def test_end_to_end_rope_write_then_attend(mods, attn):
     """The layer's order of ops: rope + cache write of new tokens, then paged attention."""
     gen = torch.Generator().manual_seed(9)
     dtype, hq, hkv, d, page = torch.bfloat16, 8, 2, 64, 16
@@ -348,12 +357,12 @@ def test_end_to_end_rope_write_then_attend(ops):
     rq, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cs, ref_kc, ref_vc,
                                         meta.slot_mapping)
     ref = _ref(rq, ref_kc, ref_vc, meta, d ** -0.5)
-    tq, _ = ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, k_cache, v_cache,
-                                  meta.slot_mapping)
-    _close(ops.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5), ref, dtype)
+    tq, _ = mods["triton_rope"].rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
+                                                  k_cache, v_cache, meta.slot_mapping)
+    _close(attn.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5), ref, dtype)
 
 
-def test_mixed_step_graph_shapes_through_the_model(mods, tmp_path):
+def test_mixed_step_graph_shapes_through_the_model(mods, attn, tmp_path):
     """The exact forward a mixed-step CUDA graph captures (capture-shaped metadata: decode
     slots for every sequence slot, a -1-padded tile table, padding tokens and sequences),
     through a tiny model on the Triton ops, equals the plain torch-ops forward."""
@@ -369,16 +378,16 @@ def test_mixed_step_graph_shapes_through_the_model(mods, tmp_path):
     folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
     ref_model, comm = load(folder)
     model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
-                        mods["triton_ops"], 512)
+                        mods["triton_ops"], attn.TritonAttention(torch.float32), 512)
     pool = new_pool(ref_model, comm, num_blocks=32, block_size=16)
     seqs = [list(range(3, 40)), [7, 7, 100]]
     run(ref_model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, [[3, 17, 4], [9]],
                                                                    strict=True)])
     step = [SeqChunk([42], 37, [3, 17, 4], True), SeqChunk([43], 3, [9], True),
             SeqChunk(list(range(50, 70)), 0, [10, 11], True)]
-    plan = StepPlan.build(step, 16)
-    graphs = StepGraphs(model, pool, max_num_seqs=4, max_blocks_per_seq=8, max_model_len=128,
-                        device=DEVICE, max_mixed_tokens=32)
+    plan = StepPlan.build(step, 16, model.attn_backend)
+    graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=4, max_blocks_per_seq=8,
+                        max_model_len=128, device=DEVICE, max_mixed_tokens=32)
     assert graphs.select(plan) == (MIXED, 32)
     before = pool.buffer.clone()
     graphs._fill(MIXED, 32, plan)
@@ -388,3 +397,17 @@ def test_mixed_step_graph_shapes_through_the_model(mods, tmp_path):
     want = run(ref_model, pool, step)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_bfloat16_kv_cache_under_a_float32_model(mods, attn, tmp_path):
+    """The Triton back-end writes and reads a bfloat16 cache under a float32 model: the
+    same greedy tokens as the float32 cache on the torch back-end, within the tolerance
+    justified in ``test_kv_cache_dtype``."""
+    from tests.model.test_kv_cache_dtype import assert_same_greedy
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_hf_folder
+
+    if DEVICE.type != "cpu":
+        pytest.skip("CPU oracle check (the model helpers run on CPU)")
+    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
+    assert_same_greedy(folder, torch.bfloat16, "triton", 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_pool import KVPool
 from tpserve.model.loader.build import build_model
@@ -20,24 +21,30 @@ CPU = torch.device("cpu")
 
 
 def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
+         kv_dtype: torch.dtype = torch.float32, backend: str = "torch",
          tp_comm: str = "allreduce"):
+    """Our float32 model on CPU, on the torch ops and the given attention back-end."""
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format)
     comm = Communicator(group)
-    return build_model(ckpt, comm, CPU, torch.float32, select_ops(CPU), 512,
+    attn = select_attention(backend, kv_dtype)
+    return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn, 512,
                        tp_comm=tp_comm), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:
+    """A pool in the model's attention back-end's KV cache dtype."""
     cfg = model.cfg
     return KVPool(cfg.num_hidden_layers, num_blocks, block_size,
-                  cfg.kv_heads_for(comm.world_size), cfg.head_dim, torch.float32, CPU)
+                  cfg.kv_heads_for(comm.world_size), cfg.head_dim,
+                  model.attn_backend.kv_cache_dtype, CPU)
 
 
 @torch.no_grad()
 def run(model, pool: KVPool, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
-    plan = StepPlan.build(chunks, pool.block_size)
-    hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata())
+    attn = model.attn_backend
+    plan = StepPlan.build(chunks, pool.block_size, attn)
+    hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata(attn))
     return model.compute_logits(hidden if all_logits else hidden[plan.logits_indices])
 
 

@@ -7,10 +7,10 @@ LM head. Steps larger than every bucket run eagerly.
 
 - decode bucket ``B``: every sequence decodes one token and samples it; attention is the
   decode kernel alone over ``B`` rows.
-- mixed bucket ``T``: any step of at most ``T`` tokens. The decode kernel runs over
-  ``min(max_num_seqs, T)`` slots (context length 0 past the real decodes) and the prefill
-  kernel over a tile table sized by ``max_prefill_tiles(T, max_num_seqs)`` (-1 past the
-  real tiles); logits are taken for ``min(max_num_seqs, T)`` rows.
+- mixed bucket ``T``: any step of at most ``T`` tokens over every sequence slot; the
+  attention back-end's static buffers (``AttentionBackend.graph_state``: for Triton, the
+  decode slots and the padded prefill tile table) are filled from the step's metadata and
+  give the capture-shaped metadata; logits are taken for ``min(max_num_seqs, T)`` rows.
 
 Sequence parallel (``--tp-comm allgather``): every bucket is a multiple of tp
 (``token_multiple``), so a replayed step needs no padding inside the model; a decode bucket
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.model.attention.metadata import AttentionMetadata, max_prefill_tiles
+from tpserve.model.attention.backend import AttentionBackend
+from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_pool import KVPool
 from tpserve.model.plan import StepPlan
 
@@ -79,11 +80,12 @@ def _smallest_at_least(buckets: list[int], n: int) -> int | None:
 
 
 class StepGraphs:
-    def __init__(self, model: nn.Module, kv_pool: KVPool, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int, device: torch.device,
-                 max_mixed_tokens: int = 0, token_multiple: int = 1):
+    def __init__(self, model: nn.Module, kv_pool: KVPool, attn: AttentionBackend,
+                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 device: torch.device, max_mixed_tokens: int = 0, token_multiple: int = 1):
         self.model = model
         self.kv_pool = kv_pool
+        self.attn = attn
         self.decode_buckets = buckets_for(max_num_seqs, token_multiple)
         self.mixed_buckets = mixed_buckets_for(max_mixed_tokens, token_multiple)
         self.max_num_seqs = max_num_seqs
@@ -97,13 +99,11 @@ class StepGraphs:
         self.positions = torch.zeros(t, dtype=i64, device=device)
         self.slot_mapping = torch.full((t,), -1, dtype=i64, device=device)
         self.seq_lens = torch.zeros(s, dtype=i32, device=device)
-        self.decode_lens = torch.zeros(s, dtype=i32, device=device)
         self.block_tables = torch.zeros((s, max_blocks_per_seq), dtype=i32, device=device)
         self.decode_qsl = torch.arange(s + 1, dtype=i32, device=device)
         self.query_start_loc = torch.zeros(s + 1, dtype=i32, device=device)
         self.logits_indices = torch.zeros(s, dtype=i64, device=device)
-        n_tiles = max_prefill_tiles(self.mixed_buckets[-1], s) if self.mixed_buckets else 0
-        self.tiles = torch.full((n_tiles,), -1, dtype=i32, device=device)
+        self.attn_state = attn.graph_state(s, self.max_mixed_tokens, device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.captured_bytes = 0
@@ -138,21 +138,19 @@ class StepGraphs:
         """Capture-shaped metadata; with ``plan`` (eager replay on CPU) the mixed kind
         gets the real sequence count and host sizes the torch reference needs."""
         if kind == DECODE:
-            return AttentionMetadata(self.slot_mapping[:bucket], self.decode_qsl[: bucket + 1],
-                                     self.seq_lens[:bucket], self.block_tables[:bucket],
-                                     bucket, 1, self.max_model_len)
-        s = self.max_num_seqs
+            return self.attn.metadata(AttentionMetadata(
+                self.slot_mapping[:bucket], self.decode_qsl[: bucket + 1],
+                self.seq_lens[:bucket], self.block_tables[:bucket], bucket, 1,
+                self.max_model_len))
         slot = self.slot_mapping[:bucket]
         if plan is not None:
             b = plan.seq_lens.shape[0]
-            return AttentionMetadata(slot, self.query_start_loc[: b + 1], self.seq_lens[:b],
-                                     self.block_tables[:b], plan.num_decodes,
-                                     plan.max_query_len, plan.max_seq_len)
-        slots = min(s, bucket)
-        return AttentionMetadata(
-            slot, self.query_start_loc, self.seq_lens, self.block_tables, 0, bucket,
-            self.max_model_len, prefill_tiles=self.tiles[: max_prefill_tiles(bucket, s)],
-            decode_slots=slots, decode_seq_lens=self.decode_lens[:slots])
+            return self.attn.metadata(AttentionMetadata(
+                slot, self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b],
+                plan.num_decodes, plan.max_query_len, plan.max_seq_len), plan.attn_extra)
+        static = AttentionMetadata(slot, self.query_start_loc, self.seq_lens,
+                                   self.block_tables, 0, bucket, self.max_model_len)
+        return self.attn_state.mixed_metadata(static, bucket)
 
     def _forward(self, kind: str, bucket: int, plan: StepPlan | None = None) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
@@ -177,15 +175,11 @@ class StepGraphs:
             if bucket > b:
                 self.seq_lens[b:bucket].zero_()
             return
-        s, nd = self.max_num_seqs, plan.num_decodes
-        n, rows = plan.prefill_tiles.shape[0], plan.logits_indices.shape[0]
+        s, rows = self.max_num_seqs, plan.logits_indices.shape[0]
         self.seq_lens[b:].zero_()
         self.query_start_loc[: b + 1].copy_(plan.query_start_loc)
         self.query_start_loc[b + 1:].fill_(t)
-        self.decode_lens[:nd].copy_(plan.seq_lens[:nd])
-        self.decode_lens[nd:].zero_()
-        self.tiles[:n].copy_(plan.prefill_tiles)
-        self.tiles[n:].fill_(-1)
+        self.attn_state.fill(plan.common_metadata(), plan.attn_extra)
         self.logits_indices[:rows].copy_(plan.logits_indices)
         self.logits_indices[rows:s].zero_()
 
@@ -212,8 +206,7 @@ class StepGraphs:
         stream = torch.cuda.Stream(device)
         self.slot_mapping.fill_(-1)  # capture must not write into real blocks
         self.seq_lens.zero_()
-        self.decode_lens.zero_()
-        self.tiles.fill_(-1)
+        self.attn_state.reset()
         self.query_start_loc.zero_()
         keys = ([(MIXED, b) for b in reversed(self.mixed_buckets)]
                 + [(DECODE, b) for b in reversed(self.decode_buckets)])

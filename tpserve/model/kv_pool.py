@@ -1,4 +1,6 @@
-"""The preallocated paged KV pool: every layer's K and V blocks in one allocation."""
+"""The preallocated paged KV pool: every layer's K and V blocks in one allocation, in the
+KV cache dtype (``--kv-cache-dtype``; the model's dtype by default), which the attention
+back-end writes and reads."""
 
 from __future__ import annotations
 
@@ -7,13 +9,14 @@ import torch
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (K and V) on one rank."""
+    """Bytes one block costs across all layers (K and V) on one rank, in KV dtype ``dtype``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
 class KVPool:
-    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, allocated once.
+    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` (the
+    KV cache dtype), allocated once; the layout both attention back-ends read.
 
     Block ``b`` of every layer holds the same ``block_size`` token positions of one
     sequence; which sequence is the block manager's business. Slot ``s`` is block

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
@@ -47,10 +48,10 @@ STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 reduce: str):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, attn: AttentionBackend,
+                 dtype: torch.dtype, reduce: str):
         super().__init__()
-        self.ops = ops
+        self.attn = attn
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype)
         # o_proj's input columns follow the (padded) query heads of this rank
@@ -64,9 +65,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, _ = self.ops.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1],
-                                          meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv[0], kv[1], meta, self.scale)
+        q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta)
+        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -87,13 +87,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype, sequence_parallel: bool):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-        self.self_attn = LlamaAttention(cfg, comm, ops, dtype, reduce)
+        self.self_attn = LlamaAttention(cfg, comm, attn, dtype, reduce)
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -117,14 +117,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype, sequence_parallel: bool):
         super().__init__()
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
                                                    reduce=reduce)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, dtype, sequence_parallel)
+            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
@@ -134,15 +134,16 @@ class LlamaForCausalLM(nn.Module):
     rank, in either ``tp_comm`` mode); ``compute_logits`` turns the selected ones into
     full-vocabulary logits (on every rank)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 max_positions: int, tp_comm: str = "allreduce"):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
+                 dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce"):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
         self.cfg = cfg
         self.comm = comm
+        self.attn_backend = attn
         self.sequence_parallel = tp_comm == "allgather" and comm.world_size > 1
-        self.model = LlamaModel(cfg, comm, ops, dtype, self.sequence_parallel)
+        self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

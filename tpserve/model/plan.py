@@ -11,10 +11,31 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.attention.metadata import AttentionMetadata, prefill_tiles
+from tpserve.model.attention.backend import AttentionBackend
+from tpserve.model.attention.metadata import AttentionMetadata
 
 HEADER_LEN = 10
-CMD_STEP, CMD_SHUTDOWN, CMD_NOOP, CMD_PROFILE = 1, 2, 3, 4
+KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
+CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLimits:
+    """The bounds of every plan a runner is sent, fixed at start-up (the scheduler's limits:
+    ``SchedulerConfig.limits``): at most ``max_num_seqs`` sequences and
+    ``max_num_batched_tokens`` new tokens per step, sequences of at most ``max_model_len``
+    tokens addressed in KV blocks of ``block_size`` tokens. The runner sizes its receive
+    buffers, its memory profile, its KV pool and its CUDA graphs by them."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size not in KV_BLOCK_SIZES:
+            raise ValueError(f"--block-size must be one of "
+                             f"{', '.join(map(str, KV_BLOCK_SIZES))}; got {self.block_size}")
 
 
 @dataclass(frozen=True)
@@ -45,13 +66,15 @@ class StepPlan:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
-    prefill_tiles: torch.Tensor   # int32 [N]: the prefill kernel's work list
+    attn_extra: torch.Tensor      # int64 [N]: the attention back-end's own (plan_extra)
     pending_rows: torch.Tensor    # int64 [P]: input_ids rows to fill on the device ...
     pending_src: torch.Tensor     # int64 [P]: ... from these rows of the last sampled tokens
 
     @classmethod
-    def build(cls, chunks: list[SeqChunk], block_size: int) -> StepPlan:
-        """Chunks must come decodes first (single-token chunks of running sequences)."""
+    def build(cls, chunks: list[SeqChunk], block_size: int, attn: AttentionBackend
+              ) -> StepPlan:
+        """Chunks must come decodes first (single-token chunks of running sequences);
+        ``attn`` adds what its kernels need beyond the common tensors."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
         pend_rows, pend_src = [], []
         num_decodes = 0
@@ -73,7 +96,7 @@ class StepPlan:
         width = max((len(c.block_ids) for c in chunks), default=1) or 1
         table = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks],
                              dtype=torch.int32).view(len(chunks), width)
-        tiles = prefill_tiles([len(c.token_ids) for c in chunks[num_decodes:]], num_decodes)
+        extra = attn.plan_extra([len(c.token_ids) for c in chunks], num_decodes)
         i64 = torch.int64
         return cls(
             torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
@@ -81,7 +104,7 @@ class StepPlan:
             torch.tensor(lens, dtype=torch.int32), table,
             torch.tensor(sample_idx, dtype=i64), num_decodes,
             max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0),
-            torch.tensor(tiles, dtype=torch.int32), torch.tensor(pend_rows, dtype=i64),
+            torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
             torch.tensor(pend_src, dtype=i64))
 
     @property
@@ -93,21 +116,21 @@ class StepPlan:
         b, m = self.block_tables.shape
         header = torch.tensor([CMD_STEP, self.num_tokens, b, m, self.logits_indices.shape[0],
                                self.num_decodes, self.max_query_len, self.max_seq_len,
-                               self.prefill_tiles.shape[0], self.pending_rows.shape[0]],
+                               self.attn_extra.shape[0], self.pending_rows.shape[0]],
                               dtype=torch.int64)
         payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
                              self.query_start_loc.long(), self.seq_lens.long(),
                              self.block_tables.flatten().long(), self.logits_indices,
-                             self.prefill_tiles.long(), self.pending_rows, self.pending_src])
+                             self.attn_extra, self.pending_rows, self.pending_src])
         return header, payload
 
     @staticmethod
-    def payload_sizes(tokens: int, seqs: int, blocks_per_seq: int, sampled: int, tiles: int,
+    def payload_sizes(tokens: int, seqs: int, blocks_per_seq: int, sampled: int, extra: int,
                       pending: int) -> list[int]:
         """The payload's parts in order (see ``pack``); their sum bounds the receive
         buffer when the arguments are the largest a step can have."""
         t, b = tokens, seqs
-        return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, tiles, pending, pending]
+        return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, extra, pending, pending]
 
     @staticmethod
     def _sizes(header: list[int]) -> list[int]:
@@ -125,11 +148,11 @@ class StepPlan:
         nd, mq, ms = h[5:8]
         parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
-                   parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7].int(),
+                   parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7],
                    parts[8], parts[9])
 
     _TENSORS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                "block_tables", "logits_indices", "prefill_tiles", "pending_rows",
+                "block_tables", "logits_indices", "attn_extra", "pending_rows",
                 "pending_src")
 
     def to(self, device: torch.device) -> StepPlan:
@@ -137,7 +160,11 @@ class StepPlan:
         return StepPlan(**move, num_decodes=self.num_decodes,
                         max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
 
-    def metadata(self) -> AttentionMetadata:
+    def common_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping, self.query_start_loc, self.seq_lens,
                                  self.block_tables, self.num_decodes, self.max_query_len,
-                                 self.max_seq_len, prefill_tiles=self.prefill_tiles)
+                                 self.max_seq_len)
+
+    def metadata(self, attn: AttentionBackend) -> AttentionMetadata:
+        """The step's attention metadata as ``attn`` (the back-end it was built for) reads it."""
+        return attn.metadata(self.common_metadata(), self.attn_extra)

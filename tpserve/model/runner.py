@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.attention.metadata import max_prefill_tiles
+from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
-from tpserve.model.kernels.backend import select_ops
+from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
-from tpserve.model.loader.build import build_model, resolve_dtype
+from tpserve.model.loader.build import DTYPE_NAMES, DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
     MemoryPlan,
@@ -37,6 +37,7 @@ from tpserve.model.plan import (
     CMD_STEP,
     HEADER_LEN,
     SeqChunk,
+    StepLimits,
     StepPlan,
 )
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
@@ -51,21 +52,25 @@ from tpserve.parallel.state import (
 
 logger = logging.getLogger(__name__)
 
+DEVICES = ("cuda", "cpu")
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
-    """What a rank needs to build its model and KV pool (part of the server's config tree)."""
+    """What a rank needs to build its model and KV pool (part of the server's config tree).
+
+    Every value is concrete: ``server.config`` resolves the ``auto`` flags (dtype, KV cache
+    dtype, device, kernel back-end) before this is built, and nothing resolves them later.
+    The defaults describe a CPU runner. The bounds of the steps it runs come separately
+    (``StepLimits``: the scheduler's limits)."""
 
     model: str | None = None
     load_format: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
     seed: int = 0
-    device: str = "auto"
-    kernel_backend: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    device: str = "cpu"
+    kernel_backend: str = "torch"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     enforce_eager: bool = False
@@ -74,17 +79,19 @@ class RunnerConfig:
     tp_comm: str = "allreduce"
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128; got "
-                             f"{self.block_size}")
+        for flag, value in (("--dtype", self.dtype), ("--kv-cache-dtype", self.kv_cache_dtype)):
+            if value not in DTYPE_NAMES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPE_NAMES)} once "
+                                 f"resolved, got {value!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
+                             f"got {self.device!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"--kernel-backend must be one of {', '.join(KERNEL_BACKENDS)} "
+                             f"once resolved, got {self.kernel_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("--max-model-len must be >= 1")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -93,9 +100,15 @@ class RunnerConfig:
             raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
                              f"{self.tp_comm!r}")
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.enforce_eager
+
 
 def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
                           ) -> int:
+    """The model's context (capped by its sliding window) when ``requested`` is None;
+    else ``requested``, which must not exceed it."""
     limit = min(model_max, sliding_window) if sliding_window else model_max
     if requested is None:
         return limit
@@ -106,8 +119,10 @@ def resolve_max_model_len(requested: int | None, model_max: int, sliding_window:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, group: TPGroup, show_progress: bool = False):
+    def __init__(self, cfg: RunnerConfig, limits: StepLimits, group: TPGroup,
+                 show_progress: bool = False):
         self.cfg = cfg
+        self.limits = limits
         p2p = None if cfg.disable_custom_all_reduce else P2PAllReduce.create(
             group.group, group.world_size, group.device, is_single_host(group.world_size))
         self.comm = Communicator(group, p2p)
@@ -118,19 +133,24 @@ class ModelRunner:
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
         mcfg = self.model_config = self.ckpt.config
-        self.max_model_len = resolve_max_model_len(cfg.max_model_len,
+        # validates only: the config tree holds the resolved length
+        self.max_model_len = resolve_max_model_len(limits.max_model_len,
                                                    mcfg.max_position_embeddings,
                                                    mcfg.sliding_window)
-        self.dtype = resolve_dtype(cfg.dtype, device)
-        self.ops = select_ops(device, cfg.kernel_backend)
-        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
+        self.dtype = DTYPES[cfg.dtype]
+        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]
+        self.ops = select_ops(cfg.kernel_backend)
+        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
+        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
                                  self.max_model_len, show_progress, tp_comm=cfg.tp_comm)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
-        self.max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
-        t, b = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        bs = limits.block_size
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / bs)
+        t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.max_payload = sum(StepPlan.payload_sizes(
-            t, b, self.max_blocks_per_seq, sampled=b, tiles=max_prefill_tiles(t, b), pending=b))
+            t, b, self.max_blocks_per_seq, sampled=b, extra=self.attn.max_plan_extra(t, b),
+            pending=b))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
         # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
@@ -139,7 +159,7 @@ class ModelRunner:
         static = (HEADER_LEN + self.max_payload + b) * 8
         workspace, measured = self._profile()
         workspace += static
-        use_graphs = device.type == "cuda" and not cfg.enforce_eager
+        use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
         # sequence parallel: graph buckets are whole multiples of tp (no padding inside)
         multiple = tp if cfg.tp_comm == "allgather" else 1
@@ -149,32 +169,32 @@ class ModelRunner:
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)
-        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, kv_heads,
-                                       mcfg.head_dim, self.dtype)
+        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, bs, kv_heads,
+                                       mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(
                 f"the model does not fit: weights {weights / 2**30:.2f} GiB + workspace "
                 f"{workspace / 2**30:.2f} GiB leave {max(budget, 0) / 2**30:.3f} GiB for the KV "
-                f"pool = {num_blocks} blocks of {cfg.block_size} tokens, but one sequence of "
+                f"pool = {num_blocks} blocks of {bs} tokens, but one sequence of "
                 f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
                 f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
                 "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
                 "more GPUs")
-        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, kv_heads,
-                              mcfg.head_dim, self.dtype, device)
+        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
+                              mcfg.head_dim, self.kv_dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
         self.graphs: StepGraphs | None = None
         if use_graphs:
-            self.graphs = StepGraphs(self.model, self.kv_pool, cfg.max_num_seqs,
+            self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
                                      max_mixed, token_multiple=multiple)
             graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
-                               cfg.block_size, per_block, self.max_model_len, how)
+                               bs, per_block, self.max_model_len, how)
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
 
@@ -183,9 +203,9 @@ class ModelRunner:
         """Activation workspace bytes: on GPU the allocator's peak over one forward at
         ``max_num_batched_tokens`` (plus the logits of ``max_num_seqs`` rows); on CPU an
         estimate. The same forward warms the caching allocator for steady state."""
-        cfg, m = self.cfg, self.model_config
-        tokens = cfg.max_num_batched_tokens
-        rows = min(cfg.max_num_seqs, tokens)
+        lim, m = self.limits, self.model_config
+        tokens = lim.max_num_batched_tokens
+        rows = min(lim.max_num_seqs, tokens)
         if self.device.type != "cuda":
             tp = self.comm.world_size
             heads = m.head_layout(tp)
@@ -198,15 +218,18 @@ class ModelRunner:
         prefill_only = self._profile_chunks([], tokens)
         mixed = self._profile_chunks([1] * (rows - 1), tokens - (rows - 1))
         nblocks = max(sum(len(c.block_ids) for c in p) for p in (prefill_only, mixed))
-        tmp = KVPool(m.num_hidden_layers, nblocks, cfg.block_size,
-                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.dtype, self.device)
-        plans = [StepPlan.build(c, cfg.block_size).to(self.device) for c in (prefill_only, mixed)]
+        tmp = KVPool(m.num_hidden_layers, nblocks, lim.block_size,
+                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.kv_dtype,
+                     self.device)
+        plans = [StepPlan.build(c, lim.block_size, self.attn).to(self.device)
+                 for c in (prefill_only, mixed)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             for plan in plans:
-                hidden = self.model(plan.input_ids, plan.positions, tmp.layers, plan.metadata())
+                hidden = self.model(plan.input_ids, plan.positions, tmp.layers,
+                                    plan.metadata(self.attn))
                 idx = torch.arange(rows, device=self.device) % hidden.shape[0]
                 logits = self.model.compute_logits(hidden[idx]).float()
                 torch.sort(logits.softmax(-1), dim=-1)
@@ -221,26 +244,26 @@ class ModelRunner:
         chunk) for every decode batch bucket, so Triton compiles each kernel variant
         (split counts, batch-offset specialisations) at start-up, not under load. The
         steps write into free blocks of the pool, which are overwritten before use."""
-        bs = self.cfg.block_size
+        bs = self.limits.block_size
         nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
         table = list(range(nblocks))
-        for d in buckets_for(self.cfg.max_num_seqs):
+        for d in buckets_for(self.limits.max_num_seqs):
             contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
                                         if c < nblocks * bs}
             for ctx in sorted(contexts):
                 chunks = [SeqChunk([0], ctx - 1, table, True) for _ in range(d)]
                 chunks.append(SeqChunk([0] * bs, 0, table[:1], True))
-                plan = StepPlan.build(chunks, bs).to(self.device)
+                plan = StepPlan.build(chunks, bs, self.attn).to(self.device)
                 with torch.inference_mode():
                     hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                                        plan.metadata())
+                                        plan.metadata(self.attn))
                     self.model.compute_logits(hidden[plan.logits_indices])
         torch.cuda.synchronize(self.device)
 
     def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
         """Chunks of a profiling step: single-token decodes, then prefills of at most
         ``max_model_len`` tokens, each sequence on its own consecutive blocks."""
-        bs, chunks, first = self.cfg.block_size, [], 0
+        bs, chunks, first = self.limits.block_size, [], 0
         sizes = decodes + [min(self.max_model_len, prefill_tokens - i)
                            for i in range(0, max(prefill_tokens, 0), self.max_model_len)]
         for n in sizes:
@@ -308,17 +331,17 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                            plan.metadata())
+                            plan.metadata(self.attn))
         return self.model.compute_logits(hidden[plan.logits_indices]).float()
 
 
 def run_worker(rank: int, world_size: int, init_method: str, cfg: RunnerConfig,
-               timeout_s: float) -> None:
+               limits: StepLimits, timeout_s: float) -> None:
     """Entry point of a spawned rank: join the group, build, serve steps, leave."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     group = init_tp_group(rank, world_size, init_method, pick_device(rank, cfg.device),
                           timeout_s)
     try:
-        ModelRunner(cfg, group).worker_loop()
+        ModelRunner(cfg, limits, group).worker_loop()
     finally:
         destroy_tp_group(group)

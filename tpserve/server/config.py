@@ -1,7 +1,16 @@
-"""The one frozen config tree, built from the command line and validated once at start-up.
+"""The one frozen config tree, built from the command line, resolved and validated once at
+start-up.
 
 ``Config`` = ``RunnerConfig`` (what every rank needs to build the model and KV pool)
-+ ``ParallelConfig`` + ``EngineConfig`` (rank 0's scheduling) + ``ServerConfig`` (HTTP).
++ ``ParallelConfig`` + ``SchedulerConfig`` (the step limits, prefix caching, the mixed-step
+budget; the runner is sized by the same limits) + ``EngineConfig`` (rank 0's step loop and
+its front) + ``ServerConfig`` (HTTP).
+
+Every ``auto`` flag is resolved here, before anything is frozen: the device, the dtype,
+the KV cache dtype (the model's), the kernel back-end (attention and ops),
+``--max-model-len`` (from the checkpoint's config, read without its weights) and
+``--max-mixed-tokens``. The tree holds concrete values only; no module resolves a default
+later.
 """
 
 from __future__ import annotations
@@ -10,29 +19,19 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from tpserve.model.runner import RunnerConfig
+import torch
+
+from tpserve.model.cuda_graphs import mixed_buckets_for
+from tpserve.model.kernels.backend import resolve_kernel_backend
+from tpserve.model.loader.build import resolve_dtype
+from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.runner import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
+from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.scheduler import SchedulerConfig
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    enable_prefix_caching: bool = True
-    served_model_name: str | None = None
-    check_integrity: bool = False
-    max_num_queued_requests: int = 1024
-    max_num_queued_tokens: int = 1 << 20
-    async_scheduling: bool = True
-    max_mixed_tokens: int | None = None
-    engine_process: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
-            raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")
-        if self.max_mixed_tokens is not None and self.max_mixed_tokens < 1:
-            raise ValueError("--max-mixed-tokens must be >= 1")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -53,12 +52,16 @@ class ServerConfig:
             raise ValueError("--shutdown-timeout must be >= 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     runner: RunnerConfig
     parallel: ParallelConfig
+    scheduler: SchedulerConfig
     engine: EngineConfig
     server: ServerConfig
+
+    def __post_init__(self) -> None:
+        self.scheduler.limits  # noqa: B018 - the runner's bounds (block sizes it supports)
 
     @property
     def served_model_name(self) -> str:
@@ -94,20 +97,23 @@ def parse_bytes(text: str) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    d = RunnerConfig()
+    d = SchedulerConfig(max_model_len=1)
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face model folder, a .gguf file, or (with --load-format "
                         "dummy) a shape name; default (or empty): the embedded "
                         "SmolLM2-135M-Instruct")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
-    p.add_argument("--tp-comm", default=d.tp_comm, choices=["allreduce", "allgather"],
+    p.add_argument("--tp-comm", default="allreduce", choices=["allreduce", "allgather"],
                    help="how tensor-parallel layers communicate: allreduce (every rank holds "
                         "every token; row-parallel layers all-reduce) or allgather (sequence "
                         "parallel: tokens sharded between layers, all-gather before and "
                         "reduce-scatter after each tensor-parallel block)")
-    p.add_argument("--dtype", default=d.dtype,
+    p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the KV cache (auto: the model's --dtype)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -116,7 +122,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (chunked prefill splits longer prompts)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV cache block")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory (on CPU: of available RAM) to use")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
@@ -185,26 +191,64 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="check the KV pool accounting after every step (debugging)")
 
 
+def resolve_device(name: str) -> str:
+    """``auto``: cuda when a GPU is visible, else cpu."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    return name
+
+
+def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) -> int | None:
+    """``--max-mixed-tokens`` left unset: the largest mixed-step CUDA graph when graphs are
+    on (so mixed steps replay a graph), else no cap."""
+    if not runner.uses_cuda_graphs:
+        return None
+    buckets = mixed_buckets_for(min(runner.cuda_graph_max_tokens, max_num_batched_tokens))
+    return buckets[-1] if buckets else None
+
+
 def config_from_args(a: argparse.Namespace) -> Config:
-    """Builds and validates the whole tree; raises ValueError with the flag's name."""
-    return Config(
-        runner=RunnerConfig(
-            model=a.model or None,  # "" (compose's default MODEL): the embedded model
-            load_format=a.load_format, dtype=a.dtype, seed=a.seed,
-            device=a.device, kernel_backend=a.kernel_backend, block_size=a.block_size,
-            max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            kv_cache_memory=a.kv_cache_memory, enforce_eager=a.enforce_eager,
-            disable_custom_all_reduce=a.disable_custom_all_reduce,
-            cuda_graph_max_tokens=a.cuda_graph_max_tokens, tp_comm=a.tp_comm),
-        parallel=ParallelConfig(a.tensor_parallel_size, a.collective_timeout),
-        engine=EngineConfig(a.enable_prefix_caching, a.served_model_name, a.check_integrity,
-                            a.max_num_queued_requests, a.max_num_queued_tokens,
-                            a.async_scheduling, a.max_mixed_tokens,
-                            engine_process=a.engine_process),
-        server=ServerConfig(a.host, a.port, a.api_key, a.max_request_body_bytes, a.log_level,
-                            a.shutdown_timeout, generation_config=a.generation_config,
-                            log_requests=not a.disable_log_requests,
-                            chat_template=read_chat_template(a.chat_template)),
-    )
+    """Builds, resolves and validates the whole tree; raises ValueError naming the flag
+    (FileNotFoundError for a missing model). The checkpoint is opened for its config only
+    (no weights are read)."""
+    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
+                              collective_timeout_s=a.collective_timeout)
+    engine = EngineConfig(served_model_name=a.served_model_name,
+                          check_integrity=a.check_integrity,
+                          max_num_queued_requests=a.max_num_queued_requests,
+                          max_num_queued_tokens=a.max_num_queued_tokens,
+                          async_scheduling=a.async_scheduling,
+                          engine_process=a.engine_process)
+    server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
+                          max_request_body_bytes=a.max_request_body_bytes,
+                          log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
+                          generation_config=a.generation_config,
+                          log_requests=not a.disable_log_requests,
+                          chat_template=read_chat_template(a.chat_template))
+    if a.max_model_len is not None and a.max_model_len < 1:
+        raise ValueError("--max-model-len must be >= 1")
+    model_path = a.model or None  # "" (compose's default MODEL): the embedded model
+    device = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, torch.device(device))
+    runner = RunnerConfig(
+        model=model_path, load_format=a.load_format, dtype=dtype,
+        kv_cache_dtype=dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
+        seed=a.seed, device=device,
+        kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
+        gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
+        enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
+        disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm)
+    model = open_checkpoint(model_path, a.load_format, a.seed).config
+    max_mixed = a.max_mixed_tokens
+    if max_mixed is None:
+        max_mixed = default_max_mixed_tokens(runner, a.max_num_batched_tokens)
+    scheduler = SchedulerConfig(
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=resolve_max_model_len(a.max_model_len, model.max_position_embeddings,
+                                            model.sliding_window),
+        block_size=a.block_size, max_mixed_tokens=max_mixed,
+        enable_prefix_caching=a.enable_prefix_caching)
+    return Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
+                  server=server)

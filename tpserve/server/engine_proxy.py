@@ -75,7 +75,8 @@ class EngineProxy(EngineFront):
         self._stats = info["stats"]
         self.info = info
         self._init_front(cfg.served_model_name, info["max_model_len"], tokenizer,
-                         info["vocab_size"], r.max_num_seqs, r.max_num_batched_tokens,
+                         info["vocab_size"], cfg.scheduler.max_num_seqs,
+                         cfg.scheduler.max_num_batched_tokens,
                          cfg.engine.max_num_queued_requests, cfg.engine.max_num_queued_tokens)
         logger.info("engine process %d ready: %s, tp %d on %s, %d KV blocks",
                     self._proc.pid, info["model"], info["tp"], info["device"],

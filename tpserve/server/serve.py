@@ -111,7 +111,7 @@ def serve(cfg: Config) -> int:
     try:
         if group.rank != 0:
             torch.set_num_threads(max(1, torch.get_num_threads() // group.world_size))
-            ModelRunner(cfg.runner, group).worker_loop()
+            ModelRunner(cfg.runner, cfg.scheduler.limits, group).worker_loop()
             return 0
         return _serve_rank0(cfg, group, workers, status, holder, defaults)
     finally:

@@ -38,7 +38,7 @@ def join_group(cfg: Config, on_worker_failure: Callable[[str], None]
     device = pick_device(0, cfg.runner.device)
     if tp == 1:
         return TPGroup(0, 1, device, None), None
-    workers = WorkerProcesses(run_worker, tp, (cfg.runner, timeout),
+    workers = WorkerProcesses(run_worker, tp, (cfg.runner, cfg.scheduler.limits, timeout),
                               on_failure=on_worker_failure)
     workers.start()
     return init_tp_group(0, tp, workers.init_method, device, timeout), workers
@@ -55,16 +55,13 @@ def leave_group(group: TPGroup | None, workers: WorkerProcesses | None) -> None:
 def build_engine_core(cfg: Config, group: TPGroup) -> EngineCore:
     """Rank 0: the runner (weights, memory plan, KV pool, graphs; logged), the tokenizer
     and the engine core."""
-    runner = ModelRunner(cfg.runner, group, show_progress=True)
+    runner = ModelRunner(cfg.runner, cfg.scheduler.limits, group, show_progress=True)
     for line in runner.plan.describe():
         logger.info(line)
     logger.info("kernels: %s; tensor parallel size %d; start-up took %.1f s",
                 runner.ops.name, group.world_size, runner.startup_s)
     tokenizer = runner.ckpt.tokenizer()
-    core = EngineCore(runner, tokenizer, enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                      seed=cfg.runner.seed, check_integrity=cfg.engine.check_integrity,
-                      async_scheduling=cfg.engine.async_scheduling,
-                      max_mixed_tokens=cfg.engine.max_mixed_tokens)
+    core = EngineCore(runner, tokenizer, cfg.scheduler, cfg.engine)
     try:
         core.grammars.prepare()  # the tokenizer's vocabulary for structured output, once
     except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer larger than the logits

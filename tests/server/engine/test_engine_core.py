@@ -12,14 +12,19 @@ import torch
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import greedy, load, save_hf_folder
 from tpserve.model import memory
+from tpserve.model.plan import StepLimits
 from tpserve.model.runner import ModelRunner, RunnerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import TPGroup
+from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.scheduler import SchedulerConfig
 
 CPU = torch.device("cpu")
+LIMITS = StepLimits(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=256,
+                    block_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +35,13 @@ def folder(tmp_path_factory):
 def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: int = 64,
               max_seqs: int = 8, async_scheduling: bool = True,
               max_mixed_tokens: int | None = None) -> EngineCore:
-    cfg = RunnerConfig(model=folder, block_size=16, max_model_len=256, max_num_seqs=max_seqs,
-                       max_num_batched_tokens=budget,
-                       kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
-    runner = ModelRunner(cfg, TPGroup(0, 1, CPU, None))
-    return EngineCore(runner, tokenizer, enable_prefix_caching=prefix, check_integrity=True,
-                      async_scheduling=async_scheduling, max_mixed_tokens=max_mixed_tokens)
+    cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                            max_model_len=256, block_size=16, max_mixed_tokens=max_mixed_tokens,
+                            enable_prefix_caching=prefix)
+    runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
+    return EngineCore(runner, tokenizer, sched,
+                      EngineConfig(check_integrity=True, async_scheduling=async_scheduling))
 
 
 def submit(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams):
@@ -197,15 +203,15 @@ def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer, monkey
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers(folder):
-    cfg = RunnerConfig(model=folder, block_size=16, max_model_len=256, kv_cache_memory=4096)
+    cfg = RunnerConfig(model=folder, kv_cache_memory=4096)
     with pytest.raises(MemoryError, match=r"0 blocks of 16 tokens, but one sequence of "
                                           r"--max-model-len 256 needs 16 blocks"):
-        ModelRunner(cfg, TPGroup(0, 1, CPU, None))
+        ModelRunner(cfg, LIMITS, TPGroup(0, 1, CPU, None))
 
 
 def test_memory_plan_explains_the_split(folder):
-    cfg = RunnerConfig(model=folder, block_size=16, max_model_len=256, kv_cache_memory=2**20)
-    runner = ModelRunner(cfg, TPGroup(0, 1, CPU, None))
+    cfg = RunnerConfig(model=folder, kv_cache_memory=2**20)
+    runner = ModelRunner(cfg, LIMITS, TPGroup(0, 1, CPU, None))
     plan = runner.plan
     assert plan.kv_pool == plan.num_blocks * plan.bytes_per_block == runner.kv_pool.nbytes
     assert plan.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, heads, dim

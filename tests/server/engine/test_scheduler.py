@@ -23,7 +23,9 @@ class Harness:
         max_model_len = max_model_len or num_blocks * block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, block_size),
+            SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, block_size=block_size),
             self.bm)
         self.ids = itertools.count()
         self.steps = 0
@@ -79,12 +81,15 @@ def chunks(out: SchedulerOutput) -> list[tuple[int, int]]:
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(0, 8, 8, 4)
-    with pytest.raises(ValueError, match="block_size"):
-        SchedulerConfig(1, 8, 8, -4)
+    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
+        SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8, max_model_len=8,
+                        block_size=4)
+    with pytest.raises(ValueError, match="--block-size must be >= 1"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8,
+                        block_size=-4)
     with pytest.raises(ValueError, match="max_model_len"):
-        Scheduler(SchedulerConfig(1, 8, 100, 4), BlockManager(8, 4, False))
+        Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=100,
+                                  block_size=4), BlockManager(8, 4, False))
 
 
 def test_chunked_prefill_splits_prompt_under_budget():

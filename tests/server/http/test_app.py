@@ -553,8 +553,8 @@ def test_stream_disconnect_aborts(http, engine):
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         request_id = json.loads(first[len("data: "):])["id"]
-    assert wait_for(lambda: request_id in engine.aborted)
-    assert request_id in engine.closed_early
+    assert wait_for(lambda: request_id in engine.aborted and request_id in engine.closed_early)
+    assert engine.aborted == [request_id]  # the engine is the one owner of abort: once
 
 
 @pytest.mark.parametrize("stream, step_delay", [(False, 0.02), (False, 2.0), (True, 2.0)])

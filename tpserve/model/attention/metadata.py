@@ -1,31 +1,11 @@
-"""The per-step attention inputs shared by every attention back-end."""
+"""The per-step attention inputs shared by every attention back-end (``attention.backend``);
+what one back-end needs beyond them lives in its own metadata (e.g. ``TritonMetadata``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-# Query rows per tile of the prefill kernel; the tile table below is built for it.
-PREFILL_TILE_M = 64
-_TILE_SHIFT = 16  # a tile entry is (sequence << 16) | query block
-
-
-def prefill_tiles(query_lens: list[int], first_seq: int, tile_m: int = PREFILL_TILE_M
-                  ) -> list[int]:
-    """The prefill kernel's work list: one entry per ``tile_m`` new tokens of each sequence
-    ``first_seq ..``, packed as ``(sequence << 16) | query_block``."""
-    tiles = []
-    for i, n in enumerate(query_lens):
-        seq = (first_seq + i) << _TILE_SHIFT
-        tiles.extend(seq | m for m in range(-(-n // tile_m)))
-    return tiles
-
-
-def max_prefill_tiles(num_tokens: int, num_seqs: int, tile_m: int = PREFILL_TILE_M) -> int:
-    """An upper bound on ``len(prefill_tiles(...))`` for any step of ``num_tokens`` new
-    tokens over at most ``num_seqs`` sequences (each sequence wastes at most one tile)."""
-    return -(-num_tokens // tile_m) + min(num_seqs, num_tokens)
 
 
 @dataclass
@@ -46,15 +26,6 @@ class AttentionMetadata:
     - ``slot_mapping`` (int64, [T]) is the flat slot ``block * block_size + offset`` where
       each new token's K and V are written (a negative slot means "do not write": padding).
     - ``max_query_len`` and ``max_seq_len`` are host integers for kernel launch grids.
-
-    Launch shapes that CUDA graphs fix (the torch reference ignores these three):
-    - ``decode_slots`` (host int, >= ``num_decodes``): the decode kernel runs over the first
-      ``decode_slots`` token rows with context lengths ``decode_seq_lens`` ([decode_slots],
-      0 past ``num_decodes``); a slot of length 0 writes zeros into its row, which the
-      prefill kernel, launched after it, overwrites where the row is a prefill token.
-    - ``prefill_tiles`` (int32): the prefill kernel's work list (``prefill_tiles()``),
-      padded with -1 entries that do nothing. ``None`` means "build it from
-      ``query_start_loc``" (one host sync; tests and tools only).
     """
 
     slot_mapping: torch.Tensor
@@ -64,28 +35,7 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
-    prefill_tiles: torch.Tensor | None = None
-    decode_slots: int | None = None
-    decode_seq_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def num_decode_slots(self) -> int:
-        return self.num_decodes if self.decode_slots is None else self.decode_slots
-
-    def decode_lens(self) -> torch.Tensor:
-        if self.decode_seq_lens is not None:
-            return self.decode_seq_lens
-        return self.seq_lens[: self.num_decodes]
-
-    def tiles(self) -> torch.Tensor:
-        if self.prefill_tiles is not None:
-            return self.prefill_tiles
-        qsl = self.query_start_loc.tolist()
-        lens = [b - a for a, b in zip(qsl[self.num_decodes:-1], qsl[self.num_decodes + 1:],
-                                       strict=True)]
-        return torch.tensor(prefill_tiles(lens, self.num_decodes), dtype=torch.int32,
-                            device=self.query_start_loc.device)

@@ -1,5 +1,8 @@
-"""The op back-end (norms, activation, RoPE + KV write, paged attention), chosen once at
-start-up: Triton on CUDA when available, the torch reference ops otherwise."""
+"""The op back-end (norms, activation), chosen once at start-up: Triton on CUDA when
+available, the torch reference ops otherwise (``resolve_kernel_backend`` turns
+``--kernel-backend auto`` into one of them when the config tree is built). Attention
+(RoPE + KV write, paged attention) is the attention back-end's (``model.attention``),
+chosen by the same name."""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -18,24 +19,29 @@ class Ops:
     rms_norm: Callable
     add_rms_norm: Callable
     silu_and_mul: Callable
-    rope_and_write_kv: Callable
-    paged_attention: Callable
 
 
 def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
-    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rope_and_write_kv,
-               m.paged_attention)
+    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul)
 
 
-def select_ops(device: torch.device, backend: str = "auto") -> Ops:
+def resolve_kernel_backend(name: str, device_type: str) -> str:
     """``auto``: Triton on CUDA (if importable), torch otherwise."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel back-end {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        backend = "torch"
-        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-            backend = "triton"
+    if name == "auto":
+        triton = device_type == "cuda" and importlib.util.find_spec("triton") is not None
+        return "triton" if triton else "torch"
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown --kernel-backend {name!r}; choose auto, "
+                         f"{', '.join(KERNEL_BACKENDS)}")
+    return name
+
+
+def select_ops(backend: str) -> Ops:
+    """The ops of a resolved back-end name (``KERNEL_BACKENDS``)."""
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel back-end {backend!r}; choose one of "
+                         f"{KERNEL_BACKENDS}")
     if backend == "triton":
         return _ops_from("tpserve.model.kernels.triton_ops", "triton")
     return _ops_from("tpserve.model.kernels.torch_ops", "torch")

@@ -6,7 +6,7 @@ Layouts:
   context *including* its new tokens; ``block_tables [B, max_blocks]`` int32;
 - ``query_start_loc [B + 1]`` and ``seq_lens [B]`` int32 as in AttentionMetadata.
 
-Work list: ``tiles`` (int32, see ``attention.metadata.prefill_tiles``) names one query tile
+Work list: ``tiles`` (int32, see ``attention.triton_backend.prefill_tiles``) names one query tile
 per entry, ``(i << 16) | m``; entries < 0 are padding and do nothing, so a CUDA graph can be
 captured with a grid sized for the largest step and replayed for any smaller one. Sequence
 ``i`` has ``n = qsl[i+1] - qsl[i]`` new tokens at positions ``ctx .. ctx + n - 1`` with
@@ -24,13 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.attention.metadata import PREFILL_TILE_M
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
 
 LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): 64x64 tiles with 4 warps and 2 stages were the best or
 # near-best single choice across long, chunked and short-batch prefills.
-BLOCK_M = PREFILL_TILE_M  # query tokens per program (the tile table is built for it)
+BLOCK_M = 64  # query tokens per program (the tile table is built for it)
 BLOCK_N = 64  # keys per inner-loop tile
 
 

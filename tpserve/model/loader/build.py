@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.loader.checkpoint import Checkpoint
 from tpserve.model.registry import model_class
@@ -17,19 +18,21 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the resolved, canonical names
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on GPU and fp32 on CPU."""
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The canonical dtype name (``DTYPE_NAMES``) for a ``--dtype`` value: ``auto`` is
+    bf16 on GPU and fp32 on CPU. Called once, when the config tree is built."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return "bfloat16" if device.type == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"unknown --dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return str(DTYPES[name]).removeprefix("torch.")
 
 
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
-                dtype: torch.dtype, ops: Ops, max_positions: int,
+                dtype: torch.dtype, ops: Ops, attn: AttentionBackend, max_positions: int,
                 show_progress: bool = False, tp_comm: str = "allreduce") -> nn.Module:
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
@@ -37,7 +40,7 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
     if padding and comm.rank == 0:
         logger.warning(padding)  # a cost the user chose by --tensor-parallel-size
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, comm, ops, dtype, max_positions,
+        model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions,
                                                   tp_comm=tp_comm)
     ckpt.load_into(model, show_progress)
     return model.eval()

@@ -40,6 +40,7 @@ from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler
 from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,31 +71,29 @@ def _has_penalties(seq: Sequence) -> bool:
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, tokenizer: Any, *, enable_prefix_caching: bool,
-                 seed: int = 0, check_integrity: bool = False, async_scheduling: bool = True,
-                 max_mixed_tokens: int | None = None):
-        cfg = runner.cfg
+    def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
+                 engine: EngineConfig | None = None):
+        engine = engine or EngineConfig()
+        if scheduler.limits != runner.limits:
+            raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
+                             f"for {scheduler.limits}")
         self.runner = runner
         self.tokenizer = tokenizer
-        self.block_size = cfg.block_size
-        self.max_model_len = runner.max_model_len
-        self.max_num_batched_tokens = cfg.max_num_batched_tokens
-        self.block_manager = BlockManager(runner.kv_pool.num_blocks, cfg.block_size,
-                                          enable_prefix_caching)
-        if max_mixed_tokens is None and runner.graphs is not None:
-            max_mixed_tokens = runner.graphs.max_mixed_tokens or None
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                            cfg.block_size, max_mixed_tokens), self.block_manager)
-        self.async_scheduling = async_scheduling
+        self.block_size = scheduler.block_size
+        self.max_model_len = scheduler.max_model_len
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
+        self.block_manager = BlockManager(runner.kv_pool.num_blocks, scheduler.block_size,
+                                          scheduler.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler, self.block_manager)
+        self.async_scheduling = engine.async_scheduling
         self._inflight: _InFlight | None = None
-        self.sampler = Sampler(seed, runner.device)
+        self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())
         self.grammars = GrammarCompiler(tokenizer, runner.model_config.vocab_size,
                                         self.eos_token_ids)
-        self.check_integrity = check_integrity
+        self.check_integrity = engine.check_integrity
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         # live readings (exported as metrics)
@@ -188,7 +187,8 @@ class EngineCore:
             if sample:
                 sampling.append(seq)
         try:
-            logits = self.runner.execute(StepPlan.build(chunks, self.block_size))
+            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
+                                                        self.runner.attn))
         except torch.OutOfMemoryError:
             self._finish_inflight()
             self._recover_from_oom()

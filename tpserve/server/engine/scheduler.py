@@ -26,26 +26,40 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tpserve.model.plan import StepLimits
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    """The scheduler's node of the config tree; every value concrete.
+
+    ``max_mixed_tokens`` is the step budget while sequences decode (None: no cap); the
+    server sets it to the largest CUDA-graph mixed bucket when graphs are on. The model
+    runner is sized by the same limits (``limits``)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
     max_model_len: int
-    block_size: int
-    max_mixed_tokens: int | None = None  # step budget while sequences decode (None: no cap)
+    block_size: int = 16
+    max_mixed_tokens: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
         if self.max_mixed_tokens is not None and self.max_mixed_tokens <= 0:
-            raise ValueError(f"max_mixed_tokens must be positive or None, got "
-                             f"{self.max_mixed_tokens!r}")
+            raise ValueError(f"--max-mixed-tokens must be >= 1, got {self.max_mixed_tokens!r}")
+
+    @property
+    def limits(self) -> StepLimits:
+        """The bounds the model runner is sized by (checks the block size it supports)."""
+        return StepLimits(max_num_seqs=self.max_num_seqs,
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          max_model_len=self.max_model_len, block_size=self.block_size)
 
 
 @dataclass(frozen=True)

@@ -26,34 +26,24 @@ async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list
     counts go into ``record`` for the access log).
 
     Stopping early (``aclose()``, cancellation, an error output) closes the engine's
-    generator and also calls ``engine.abort`` (unless the engine itself raised).
+    generator; the engine aborts the request then, exactly once (``EngineClient``): the
+    engine is the one owner of abort.
     """
-    finished = engine_failed = False
     outputs = engine.generate(request_id, prompt_ids, params)
     try:
-        while True:
-            try:
-                out = await anext(outputs)
-            except StopAsyncIteration:
-                break
-            except Exception:
-                engine_failed = True  # the engine raised: it has dropped the request itself
-                raise
+        async for out in outputs:
             if out.error:
                 raise EngineError(out.error)
             tracker.on_output(out)
-            finished = out.finished
-            if finished and record is not None:  # summed over the prompts of one request
+            if out.finished and record is not None:  # summed over the prompts of a request
                 record.prompt_tokens = (record.prompt_tokens or 0) + out.num_prompt_tokens
                 record.completion_tokens = ((record.completion_tokens or 0)
                                             + out.num_output_tokens)
             yield out
-            if finished:
+            if out.finished:
                 return
         raise EngineError(f"engine stopped request {request_id} before it finished")
     finally:
-        if not finished and not engine_failed:
-            engine.abort(request_id)
         aclose = getattr(outputs, "aclose", None)
         if aclose is not None:
             await aclose()

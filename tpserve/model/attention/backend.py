@@ -1,0 +1,94 @@
+"""The attention seam: one back-end object per implementation, chosen once at start-up
+(``select_attention``) and handed to the model's attention layers.
+
+A back-end owns
+- its metadata: what its kernels need beyond the common ``AttentionMetadata``. The part
+  that must come from the host (the step's shape) is built on rank 0 by ``plan_extra``,
+  travels in the plan as ``StepPlan.attn_extra`` (int64, opaque to everything else) and
+  becomes the back-end's metadata on every rank through ``metadata``;
+- the KV cache dtype (``kv_cache_dtype``, any of bf16/fp16/fp32 whatever the model's
+  dtype): ``rope_and_write_kv`` rounds K/V into the cache's dtype, ``forward`` reads it
+  back. The layout is the pool's (``KVPool``), shared by both back-ends;
+- its static buffers for CUDA graphs (``graph_state``): what ``StepGraphs`` copies a
+  step's back-end metadata into, and the capture-shaped metadata its graphs bake in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from tpserve.model.attention.metadata import AttentionMetadata
+
+ATTENTION_BACKENDS = {"torch": "tpserve.model.attention.torch_backend",
+                      "triton": "tpserve.model.attention.triton_backend"}
+
+
+class GraphAttentionState:
+    """A back-end's static buffers for mixed-step CUDA graphs; the default has none (the
+    torch reference is never captured: it reads sizes on the host)."""
+
+    def reset(self) -> None:
+        """Neutral values before capture: nothing is read or written through them."""
+
+    def fill(self, meta: AttentionMetadata, extra: torch.Tensor) -> None:
+        """Copies one real step's back-end inputs (its common metadata and its
+        ``attn_extra``) into the static buffers."""
+
+    def mixed_metadata(self, static: AttentionMetadata, bucket: int) -> AttentionMetadata:
+        """The metadata a mixed-step graph of ``bucket`` tokens bakes in: ``static`` has
+        every sequence slot (``num_decodes`` 0, padding sequences of length 0)."""
+        return static
+
+
+class AttentionBackend(ABC):
+    """RoPE + KV write and paged attention over the pool (see the module docstring)."""
+
+    name: str
+
+    def __init__(self, kv_cache_dtype: torch.dtype):
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
+        """Rank 0, host: what the kernels need beyond the common plan for a step whose
+        sequences have ``query_lens`` new tokens, the first ``num_decodes`` decoding."""
+        return []
+
+    def max_plan_extra(self, num_tokens: int, num_seqs: int) -> int:
+        """An upper bound on ``len(plan_extra(...))`` for any step within the limits."""
+        return 0
+
+    def metadata(self, common: AttentionMetadata, extra: torch.Tensor | None = None
+                 ) -> AttentionMetadata:
+        """This back-end's metadata for a step (``extra`` is the plan's ``attn_extra``;
+        None: derive it, which may read the device: tests and tools only)."""
+        return common
+
+    def graph_state(self, max_num_seqs: int, max_tokens: int, device: torch.device
+                    ) -> GraphAttentionState:
+        return GraphAttentionState()
+
+    @abstractmethod
+    def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE on q and k, K/V written to their slots in the cache's dtype; returns the
+        rotated q."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences'
+        cached context (their own K/V already written); returns ``[T, Hq, D]``."""
+
+
+def select_attention(backend: str, kv_cache_dtype: torch.dtype) -> AttentionBackend:
+    """The back-end of a resolved name (``torch`` or ``triton``)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention back-end {backend!r}; choose one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    module = importlib.import_module(ATTENTION_BACKENDS[backend])
+    return module.BACKEND(kv_cache_dtype)

@@ -1,0 +1,28 @@
+"""The torch reference attention back-end: the CPU path and the oracle of the Triton one.
+It needs nothing beyond the common metadata (it reads sizes on the host), so it is never
+captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.model.attention.backend import AttentionBackend
+from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.kernels import torch_ops
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        q, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
+                                           v_cache, meta.slot_mapping)
+        return q
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float
+                ) -> torch.Tensor:
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+BACKEND = TorchAttention

@@ -1,0 +1,172 @@
+"""The Triton attention back-end (the CUDA path): the fused RoPE + KV write kernel, the
+split-K GQA decode kernel and the varlen paged prefill kernel.
+
+Its metadata (``TritonMetadata``) adds to the common inputs the launch shapes that CUDA
+graphs fix: the prefill kernel's tile table (built on rank 0 from the step's shape and sent
+in the plan as ``attn_extra``) and the decode kernel's slots. Kernels are reached through
+their modules, so a test that re-imports them for Triton's interpreter needs no reload here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from tpserve.model.attention.backend import AttentionBackend, GraphAttentionState
+from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.kernels import triton_decode_attention, triton_prefill_attention, triton_rope
+
+# Query rows per tile of the prefill kernel; the tile table below is built for it.
+PREFILL_TILE_M = triton_prefill_attention.BLOCK_M
+_TILE_SHIFT = 16  # a tile entry is (sequence << 16) | query block
+
+
+def prefill_tiles(query_lens: list[int], first_seq: int, tile_m: int = PREFILL_TILE_M
+                  ) -> list[int]:
+    """The prefill kernel's work list: one entry per ``tile_m`` new tokens of each sequence
+    ``first_seq ..``, packed as ``(sequence << 16) | query_block``."""
+    tiles = []
+    for i, n in enumerate(query_lens):
+        seq = (first_seq + i) << _TILE_SHIFT
+        tiles.extend(seq | m for m in range(-(-n // tile_m)))
+    return tiles
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int, tile_m: int = PREFILL_TILE_M) -> int:
+    """An upper bound on ``len(prefill_tiles(...))`` for any step of ``num_tokens`` new
+    tokens over at most ``num_seqs`` sequences (each sequence wastes at most one tile)."""
+    return -(-num_tokens // tile_m) + min(num_seqs, num_tokens)
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """The common metadata plus the launch shapes CUDA graphs fix:
+
+    - ``decode_slots`` (host int, >= ``num_decodes``): the decode kernel runs over the first
+      ``decode_slots`` token rows with context lengths ``decode_seq_lens`` ([decode_slots],
+      0 past ``num_decodes``); a slot of length 0 writes zeros into its row, which the
+      prefill kernel, launched after it, overwrites where the row is a prefill token.
+    - ``prefill_tiles`` (int32): the prefill kernel's work list (``prefill_tiles()``),
+      padded with -1 entries that do nothing. ``None`` means "build it from
+      ``query_start_loc``" (one host sync; tests and tools only).
+    """
+
+    prefill_tiles: torch.Tensor | None = None
+    decode_slots: int | None = None
+    decode_seq_lens: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, common: AttentionMetadata, **extra) -> TritonMetadata:
+        return cls(**{f.name: getattr(common, f.name) for f in fields(AttentionMetadata)},
+                   **extra)
+
+    @property
+    def num_decode_slots(self) -> int:
+        return self.num_decodes if self.decode_slots is None else self.decode_slots
+
+    def decode_lens(self) -> torch.Tensor:
+        if self.decode_seq_lens is not None:
+            return self.decode_seq_lens
+        return self.seq_lens[: self.num_decodes]
+
+    def tiles(self) -> torch.Tensor:
+        if self.prefill_tiles is not None:
+            return self.prefill_tiles
+        qsl = self.query_start_loc.tolist()
+        lens = [b - a for a, b in zip(qsl[self.num_decodes:-1], qsl[self.num_decodes + 1:],
+                                       strict=True)]
+        return torch.tensor(prefill_tiles(lens, self.num_decodes), dtype=torch.int32,
+                            device=self.query_start_loc.device)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: TritonMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
+    context (any cache dtype; rounded to q's dtype as it is read).
+
+    The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
+    rows go to the split-K decode kernel, then the prefill kernel works through
+    ``meta.prefill_tiles`` (and overwrites any prefill row a padding decode slot zeroed).
+    Both launch shapes come from host ints and tensor sizes only, so any step is CUDA-graph
+    capturable once its buffers are static. Rows no tile or slot covers (padding tokens)
+    are left unwritten.
+    """
+    out = torch.empty_like(q)
+    slots = meta.num_decode_slots
+    if slots:
+        dec = triton_decode_attention
+        splits = dec.decode_num_splits(slots, k_cache.shape[2], meta.max_seq_len)
+        dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
+                             meta.decode_lens(), scale, out[:slots], splits)
+    if meta.num_seqs > meta.num_decodes:
+        triton_prefill_attention.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.tiles(), scale, out)
+    return out
+
+
+class TritonGraphState(GraphAttentionState):
+    """Static decode lengths and tile table for mixed-step graphs: the decode kernel runs
+    over ``min(max_num_seqs, bucket)`` slots (length 0 past the real decodes), the prefill
+    kernel over ``max_prefill_tiles(bucket, max_num_seqs)`` tiles (-1 past the real ones)."""
+
+    def __init__(self, max_num_seqs: int, max_tokens: int, device: torch.device):
+        self.max_num_seqs = max_num_seqs
+        self.decode_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        n_tiles = max_prefill_tiles(max_tokens, max_num_seqs) if max_tokens else 0
+        self.tiles = torch.full((n_tiles,), -1, dtype=torch.int32, device=device)
+
+    def reset(self) -> None:
+        self.decode_lens.zero_()
+        self.tiles.fill_(-1)
+
+    def fill(self, meta: AttentionMetadata, extra: torch.Tensor) -> None:
+        nd, n = meta.num_decodes, extra.shape[0]
+        self.decode_lens[:nd].copy_(meta.seq_lens[:nd])
+        self.decode_lens[nd:].zero_()
+        self.tiles[:n].copy_(extra)
+        self.tiles[n:].fill_(-1)
+
+    def mixed_metadata(self, static: AttentionMetadata, bucket: int) -> TritonMetadata:
+        s = self.max_num_seqs
+        slots = min(s, bucket)
+        return TritonMetadata.of(static,
+                                 prefill_tiles=self.tiles[: max_prefill_tiles(bucket, s)],
+                                 decode_slots=slots, decode_seq_lens=self.decode_lens[:slots])
+
+
+class TritonAttention(AttentionBackend):
+    """Differences from the torch reference, all within rounding: RoPE rotates ``q`` in
+    place; attention rounds probabilities to the input dtype before the P.V matmul."""
+
+    name = "triton"
+
+    def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
+        return prefill_tiles(query_lens[num_decodes:], num_decodes)
+
+    def max_plan_extra(self, num_tokens: int, num_seqs: int) -> int:
+        return max_prefill_tiles(num_tokens, num_seqs)
+
+    def metadata(self, common: AttentionMetadata, extra: torch.Tensor | None = None
+                 ) -> TritonMetadata:
+        return TritonMetadata.of(common, prefill_tiles=None if extra is None else extra.int())
+
+    def graph_state(self, max_num_seqs: int, max_tokens: int, device: torch.device
+                    ) -> TritonGraphState:
+        return TritonGraphState(max_num_seqs, max_tokens, device)
+
+    def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        q, _ = triton_rope.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
+                                             v_cache, meta.slot_mapping)
+        return q
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float
+                ) -> torch.Tensor:
+        if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
+            meta = self.metadata(meta)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+BACKEND = TritonAttention

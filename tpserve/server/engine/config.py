@@ -1,0 +1,19 @@
+"""The engine's node of the config tree: rank 0's step loop, its front and its process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    served_model_name: str | None = None
+    check_integrity: bool = False
+    max_num_queued_requests: int = 1024
+    max_num_queued_tokens: int = 1 << 20
+    async_scheduling: bool = True
+    engine_process: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
+            raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")
