@@ -99,14 +99,14 @@ def _sequence_parallel_graph_paths(group, folder: str) -> dict[str, object]:
     pool.buffer.zero_()
     seqs, tables = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100]], [[3, 17, 4], [9]]
     run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
-    graphs = StepGraphs(model, pool, max_num_seqs=8, max_blocks_per_seq=16,
+    graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=8, max_blocks_per_seq=16,
                         max_model_len=64, device=torch.device("cpu"), max_mixed_tokens=32,
                         token_multiple=3)
     decode = [SeqChunk([42], 7, tables[0] + [31], True), SeqChunk([43], 3, tables[1], True)]
     mixed = decode + [SeqChunk(list(range(20, 37)), 0, [10, 11, 12, 13, 14], True)]
     out: dict[str, object] = {"buffers": graphs.seq_lens.shape[0]}
     for name, step in (("decode", decode), ("mixed", mixed)):
-        plan = StepPlan.build(step, 4)
+        plan = StepPlan.build(step, 4, model.attn_backend)
         out[name + "_bucket"] = graphs.select(plan)
         before = pool.buffer.clone()
         got = graphs.run(plan)
