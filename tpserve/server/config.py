@@ -29,6 +29,7 @@ from tpserve.model.runner import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SchedulerConfig
+from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,8 +43,12 @@ class ServerConfig:
     generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
     log_requests: bool = True  # one access-log line per request
     chat_template: str | None = None  # a Jinja template replacing the model's
+    enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
+    tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.max_request_body_bytes < 1024:
@@ -182,6 +187,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) replacing "
                         "the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto': the model decides whether to call tools, "
+                        "and --tool-call-parser finds the calls in its output")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Qwen2, <tool_call>...), "
+                        "llama3_json (Llama 3 JSON) or mistral ([TOOL_CALLS]...)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="logging threshold")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -226,7 +237,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
                           generation_config=a.generation_config,
                           log_requests=not a.disable_log_requests,
-                          chat_template=read_chat_template(a.chat_template))
+                          chat_template=read_chat_template(a.chat_template),
+                          enable_auto_tool_choice=a.enable_auto_tool_choice,
+                          tool_call_parser=a.tool_call_parser)
     if a.max_model_len is not None and a.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model

@@ -144,7 +144,9 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
                     max_request_body_bytes=cfg.server.max_request_body_bytes,
                     default_sampling_params=defaults.params,
                     log_requests=cfg.server.log_requests,
-                    chat_template=cfg.server.chat_template)
+                    chat_template=cfg.server.chat_template,
+                    auto_tool_parser=(cfg.server.tool_call_parser
+                                      if cfg.server.enable_auto_tool_choice else None))
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))

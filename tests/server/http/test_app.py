@@ -663,8 +663,6 @@ def test_openapi(http):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),

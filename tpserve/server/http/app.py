@@ -19,6 +19,7 @@ from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.routes_extra import make_extra_router
 from tpserve.server.http.routes_openai import make_openai_router
 from tpserve.server.http.state import ServerState
+from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
@@ -32,11 +33,13 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               api_key: str | None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_sampling_params: Mapping[str, float | int] | None = None,
-              log_requests: bool = False, chat_template: str | None = None) -> FastAPI:
+              log_requests: bool = False, chat_template: str | None = None,
+              auto_tool_parser: str | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
-    tokenizer's."""
+    tokenizer's; ``auto_tool_parser`` (a ``TOOL_PARSERS`` name) enables ``tool_choice``
+    ``auto`` with that parser."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -57,6 +60,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         metrics=ServerMetrics(engine.stats, engine.model_name),
         created=int(time.time()),
         default_sampling_params=dict(default_sampling_params or {}),
+        auto_tool_parser=(TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser is not None
+                          else None),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.http.protocol import (
@@ -20,6 +21,9 @@ from tpserve.server.http.protocol import (
     TopLogprob,
     UsageInfo,
 )
+
+if TYPE_CHECKING:
+    from tpserve.server.http.tools import ToolPlan
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -42,6 +46,7 @@ class ResponseContext:
     n: int
     logprobs: bool
     include_usage: bool = False
+    tools: ToolPlan | None = None  # set when tool calls are parsed from the output
 
 
 def usage_info(out: RequestOutput) -> UsageInfo:
@@ -126,11 +131,18 @@ def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> Complet
                               choices=choices, usage=acc.usage())
 
 
+def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
+    content: str | None = c.text
+    calls: list = []
+    finish_reason = c.finish_reason
+    if ctx.tools is not None:
+        content, calls, finish_reason = ctx.tools.extract(c.text, c.finish_reason)
+    return ChatChoice(index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
+                      finish_reason=finish_reason, stop_reason=c.stop_reason,
+                      logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None)
+
+
 def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                   logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None)
-        for i, c in enumerate(acc.choices)]
+    choices = [_chat_choice(i, c, ctx) for i, c in enumerate(acc.choices)]
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
                                   choices=choices, usage=acc.usage())

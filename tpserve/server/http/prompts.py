@@ -7,12 +7,13 @@ loop (and Hugging Face fast tokenizers are never used from two threads at once).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import ChatMessage
+from tpserve.server.http.protocol import ChatMessage, ToolCall
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 
@@ -21,6 +22,17 @@ def _as_ids(value: Any) -> list[int]:
     if hasattr(value, "keys") and "input_ids" in value:  # BatchEncoding
         value = value["input_ids"]
     return [int(t) for t in value]
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A history tool call as templates read it: ``arguments`` decoded to an object when
+    it is JSON (Hugging Face templates write ``arguments | tojson``, as vLLM passes it)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class PromptProcessor:
@@ -72,7 +84,10 @@ class PromptProcessor:
         return ids
 
     async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
-                          continue_final_message: bool = False) -> str:
+                          continue_final_message: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, as Hugging Face
+        templates take them)."""
         conversation = []
         for i, m in enumerate(messages):
             if m.media_type is not None:
@@ -86,6 +101,8 @@ class PromptProcessor:
                 item["name"] = m.name
             if m.tool_call_id is not None:
                 item["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             conversation.append(item)
         if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
@@ -95,6 +112,8 @@ class PromptProcessor:
             kwargs["chat_template"] = self.chat_template
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
             text = await self._run(self.tokenizer.apply_chat_template, conversation, **kwargs)
         except Exception as exc:  # jinja2 errors, template raise_exception(), bad roles
@@ -106,9 +125,11 @@ class PromptProcessor:
 
     async def chat_ids(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
-                       add_special_tokens: bool = False) -> list[int]:
+                       add_special_tokens: bool = False,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = await self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message)
+                                      continue_final_message=continue_final_message,
+                                      tools=tools)
         ids = await self.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError.bad_request("messages render to an empty prompt", "messages")

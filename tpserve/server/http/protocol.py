@@ -150,11 +150,50 @@ class MediaContentPart(BaseModel):
     type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON text
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message (history) or in a response's ``message.tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart | MediaContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # role tool: the call this message answers
+    tool_calls: list[ToolCall] | None = None  # role assistant: calls it made
 
     def text(self) -> str:
         if self.content is None:
@@ -179,10 +218,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # OpenAI fields this server cannot honour: refused with 400 when set (http/unsupported.py)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # tool calling (http/tools.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields this server cannot honour: refused with 400 when set (http/unsupported.py)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -288,7 +328,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -314,6 +354,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # with "index" (see http/tools.py)
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from tpserve.server.http.request_params import build_sampling_params
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import logit_bias, structured_output
+from tpserve.server.http.tools import ToolPlan, plan_tools
 from tpserve.server.http.unsupported import refuse_unsupported, warn_unknown_fields
 
 ERROR_RESPONSES: dict[int | str, dict] = {
@@ -63,16 +64,34 @@ def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str,
             "structured": structured_output(body)}
 
 
+def _with_tools(body: ChatCompletionRequest, plan: ToolPlan | None,
+                constraints: dict[str, Any]) -> ChatCompletionRequest:
+    """Puts a tool plan's constraint (``required``, a named function) into ``constraints``
+    (400 if the request sets another); a parser needing special tokens keeps them."""
+    if plan is None:
+        return body
+    if plan.structured is not None:
+        if constraints["structured"] is not None:
+            raise APIError.bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "another structured-output constraint", "tool_choice")
+        constraints["structured"] = plan.structured
+    if plan.parser is not None and plan.parser.needs_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})
+    return body
+
+
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
-                 tracker: RequestTracker) -> Response:
+                 tracker: RequestTracker, tools: ToolPlan | None = None) -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     params = prompts[0][1]
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
-                          include_usage=body.include_usage)
+                          include_usage=body.include_usage,
+                          tools=tools if tools is not None and tools.parses_output else None)
     record = access_record(request)
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
@@ -143,11 +162,15 @@ def make_openai_router() -> APIRouter:
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
         constraints = _checked_constraints(state, body)
+        tools = plan_tools(body, state.auto_tool_parser)
+        body = _with_tools(body, tools, constraints)
         state.check_available()
-        prompt_ids = await state.prompts.chat_ids(body.messages, add_generation_prompt=True)
+        prompt_ids = await state.prompts.chat_ids(
+            body.messages, add_generation_prompt=True,
+            tools=tools.template_tools if tools is not None else None)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                        state.default_sampling_params, constraints)
         return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
-                            tracker)
+                            tracker, tools)
 
     return router

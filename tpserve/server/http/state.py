@@ -11,6 +11,7 @@ from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.prompts import PromptProcessor
+from tpserve.server.http.tool_parsers import ToolParser
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ServerState:
     # the model's sampling defaults for fields a request omits (--generation-config)
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields logged
+    # --tool-call-parser when --enable-auto-tool-choice is set (tool_choice auto), else None
+    auto_tool_parser: ToolParser | None = None
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -25,6 +25,7 @@ from tpserve.server.http.openai_format import (
 from tpserve.server.http.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
     DeltaMessage,
@@ -138,15 +139,22 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
         for i in range(ctx.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         final = None
+        held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
         async for out in _all(first, outputs):
             for d in out.deltas:
-                if _has_content(d, ctx):
+                finish_reason = d.finish_reason
+                if held is not None:
+                    for delta, lps in held[d.index].add(d, ctx):
+                        yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps))
+                    if finish_reason is not None:
+                        finish_reason = held[d.index].finish_reason
+                elif _has_content(d, ctx):
                     lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
                                                 logprobs=lps))
-                if d.finish_reason is not None:
+                if finish_reason is not None:
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
-                                                finish_reason=d.finish_reason,
+                                                finish_reason=finish_reason,
                                                 stop_reason=d.stop_reason))
             if out.finished:
                 final = out
@@ -158,6 +166,55 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     finally:
         await _close(outputs)
     yield DONE
+
+
+class _HeldChoice:
+    """One choice of a stream whose output may hold tool calls (``ctx.tools``).
+
+    Text the tool plan says is plain content (``ToolPlan.content_prefix_len``) is sent as
+    it comes; the rest is held until the choice finishes, then parsed whole and sent as
+    one delta: the remaining content, if any, and every tool call at once (``index`` 0..,
+    each with its ``id``, ``type``, ``function.name`` and the complete
+    ``function.arguments``). Constrained output (``required``, a named function) is
+    always held, so its calls arrive in that one delta. Logprobs of held tokens go with
+    the next delta sent.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of ``text`` sent as content
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+
+    def add(self, d: CompletionDelta, ctx: ResponseContext
+            ) -> list[tuple[DeltaMessage, ChatLogprobs | None]]:
+        assert ctx.tools is not None
+        self.text += d.text
+        if ctx.logprobs and d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        out: list[tuple[DeltaMessage, ChatLogprobs | None]] = []
+        if d.finish_reason is None:
+            upto = max(self.sent, ctx.tools.content_prefix_len(self.text))
+            if upto > self.sent:
+                out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
+                self.sent = upto
+            return out
+        content, calls, self.finish_reason = ctx.tools.extract(self.text, d.finish_reason)
+        if calls:
+            rest = (content or "")[self.sent:] or None
+            out.append((DeltaMessage(content=rest, tool_calls=[
+                {"index": i, **call.model_dump()} for i, call in enumerate(calls)]),
+                self._logprobs()))
+        elif len(self.text) > self.sent or self.logprobs:
+            out.append((DeltaMessage(content=self.text[self.sent:]), self._logprobs()))
+        self.sent = len(self.text)
+        return out
+
+    def _logprobs(self) -> ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        lps, self.logprobs = chat_logprobs(self.logprobs), []
+        return lps
 
 
 async def _close(outputs: AsyncIterator[RequestOutput]) -> None:

@@ -3,9 +3,9 @@ fields (logged once per name, then ignored, as vLLM does).
 
 Decided per field of OpenAI's completions and chat completions APIs:
 - refused when set to anything but their no-op value: ``best_of`` (only 1), ``suffix``
-  (only empty), ``tools`` / ``tool_choice`` (other than ``none``) / ``functions`` /
-  ``function_call`` (no tool calling yet), ``parallel_tool_calls`` (only with tools),
-  ``audio``, ``modalities`` (only ``["text"]``), ``prediction`` (predicted outputs),
+  (only empty), ``functions`` / ``function_call`` (deprecated: use ``tools``, which
+  ``http/tools.py`` handles), ``audio``, ``modalities`` (only ``["text"]``),
+  ``prediction`` (predicted outputs),
   ``web_search_options``, ``store`` (only false), ``reasoning_effort`` and ``verbosity``
   (not a reasoning model; OpenAI answers 400 for such models too);
 - accepted and ignored, as OpenAI documents them as advisory (they never change the
@@ -37,8 +37,6 @@ def _noop_value(field: str, value: Any) -> bool:
         return value == 1
     if field == "suffix":
         return value == ""
-    if field == "tool_choice":
-        return value == "none"
     if field == "modalities":
         return list(value) == ["text"]
     if field == "store":
@@ -51,12 +49,8 @@ COMPLETION_REFUSED = {
     "suffix": "suffix (insertion) is not supported",
 }
 CHAT_REFUSED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool_choice other than 'none' is not supported: tool calling is not "
-                   "supported",
-    "functions": "functions (deprecated) is not supported: tool calling is not supported",
-    "function_call": "function_call (deprecated) is not supported: tool calling is not "
-                     "supported",
+    "functions": "functions (deprecated) is not supported: use tools",
+    "function_call": "function_call (deprecated) is not supported: use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only the 'text' modality is supported",
     "prediction": "predicted outputs (prediction) are not supported",
@@ -72,7 +66,7 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     if isinstance(req, CompletionRequest):
         refused = COMPLETION_REFUSED
     elif isinstance(req, ChatCompletionRequest):
-        refused = CHAT_REFUSED  # parallel_tool_calls: only with tools, which are refused
+        refused = CHAT_REFUSED
     else:
         refused = {}
     for field, message in refused.items():

@@ -1,0 +1,194 @@
+"""Tool calling through a real ``tpserve serve`` of SmolLM2 and the openai client:
+``tool_choice`` required and named (constrained, so the arguments always follow the
+tool's schema), whole and streamed, a round trip with the tool's result in the history,
+and the ``--enable-auto-tool-choice`` wiring."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.serverproc import SMALL, ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 30},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+        "required": ["timezone"]}
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [{"type": "function", "function": {"name": name, "description": desc,
+                                           "parameters": SCHEMAS[name]}}
+         for name, desc in (("get_weather", "Current weather in a city"),
+                            ("get_time", "Current time in a timezone"))]
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(*SMALL, "--max-num-seqs", "8")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
+                         timeout=600)
+
+
+def check_calls(calls, names=tuple(SCHEMAS)) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function"
+        assert call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert len({c.id for c in calls}) == len(calls)
+
+
+def streamed(client, **kwargs):
+    """(content, tool calls as (id, name, arguments), finish reason) reassembled from the
+    stream's deltas."""
+    content, calls, finish = "", {}, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            if tc.function is not None:
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+        if chunk.choices[0].finish_reason is not None:
+            finish.append(chunk.choices[0].finish_reason)
+    assert list(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_required(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", temperature=0, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    check_calls(choice.message.tool_calls)
+
+
+def test_required_single_call(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert len(r.choices[0].message.tool_calls) == 1
+    check_calls(r.choices[0].message.tool_calls)
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named(client, name):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": name}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # OpenAI's and vLLM's for a forced function
+    assert choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == [name]
+    check_calls(choice.message.tool_calls, (name,))
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"])
+def test_streamed_matches_whole(client, tool_choice):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                  temperature=0, max_tokens=200)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, finish = streamed(client, **kwargs)
+    assert content == ""
+    assert finish == [whole.finish_reason]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_round_trip(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = r.choices[0].message
+    call = message.tool_calls[0]
+    history = [*ASK, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id,
+                "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    assert history[1]["role"] == "assistant" and history[1]["tool_calls"][0]["id"] == call.id
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                       tool_choice="none", temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.content
+    assert choice.message.tool_calls == []
+    # without tools at all, the same history is accepted too
+    r = client.chat.completions.create(model=MODEL, messages=history, temperature=0,
+                                       max_tokens=40)
+    assert r.choices[0].message.content == choice.message.content
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tools": TOOLS}, '"auto" tool choice requires --enable-auto-tool-choice and '
+                       "--tool-call-parser to be set"),
+    ({"tools": TOOLS, "tool_choice": "auto"},
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+    ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "Tool 'nope' has not been passed in `tools`."),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice 'required' or a named function cannot be combined with another "
+     "structured-output constraint"),
+])
+def test_tool_errors(client, body, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                       extra_body=body)
+    assert info.value.status_code == 400
+    assert info.value.body["message"] == message
+    assert info.value.body["param"] == "tool_choice"
+
+
+def test_auto_tool_choice_enabled():
+    """With ``--enable-auto-tool-choice --tool-call-parser hermes`` ``auto`` is accepted; a
+    small model may or may not call a tool, so either answer must be well formed."""
+    s = ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=600)
+        for tool_choice in (openai.NOT_GIVEN, "auto"):
+            r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                          tool_choice=tool_choice, temperature=0,
+                                          max_tokens=60)
+            choice = r.choices[0]
+            if choice.message.tool_calls:
+                assert choice.finish_reason == "tool_calls"
+                for call in choice.message.tool_calls:
+                    json.loads(call.function.arguments)
+            else:
+                assert choice.finish_reason in ("stop", "length")
+                assert choice.message.content
+            content, calls, finish = streamed(c, model=MODEL, messages=ASK, tools=TOOLS,
+                                              tool_choice=tool_choice, temperature=0,
+                                              max_tokens=60)
+            assert finish == [choice.finish_reason]
+            assert (content or None) == choice.message.content
+            assert [(t["name"], t["arguments"]) for t in calls] == [
+                (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_auto_tool_choice_needs_parser():
+    with pytest.raises(RuntimeError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60)

@@ -1,0 +1,82 @@
+"""What every tool-call parser returns, and the checks they share."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One call: the function's name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ExtractedToolCalls:
+    """``content`` is the text outside the calls (None when there is none)."""
+
+    content: str | None
+    calls: list[ParsedCall] = field(default_factory=list)
+
+    @property
+    def tools_called(self) -> bool:
+        return bool(self.calls)
+
+
+def as_call(obj: Any, *argument_keys: str) -> ParsedCall | None:
+    """A call from a decoded JSON object ``{"name": str, KEY: object}`` where KEY is the
+    first of ``argument_keys`` present (missing: no arguments, ``{}``); None if malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args: Any = {}
+    for key in argument_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that could be the beginning of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Parses one output format. ``extract`` reads a whole output; ``content_prefix_len``
+    says how much of a partial output is certainly plain content (streaming sends that
+    much at once and holds the rest until the output ends)."""
+
+    # whether the format's marker is a special token the detokenizer must keep
+    needs_special_tokens: bool = False
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        raise NotImplementedError
+
+    def content_prefix_len(self, text: str) -> int:
+        raise NotImplementedError
+
+
+class MarkerToolParser(ToolParser):
+    """A format whose calls follow a start marker; text before it is plain content."""
+
+    marker: str = ""
+
+    def content_prefix_len(self, text: str) -> int:
+        at = text.find(self.marker)
+        if at >= 0:
+            return at
+        return len(text) - held_suffix(text, self.marker)

@@ -1,0 +1,29 @@
+"""Mistral format: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (a single object
+is accepted too); text before the marker is content (as vLLM's ``mistral`` parser).
+``[TOOL_CALLS]`` is a special token, so requests parsed with this format keep special
+tokens in the output."""
+
+from __future__ import annotations
+
+import json
+
+from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
+
+
+class MistralToolParser(MarkerToolParser):
+    marker = "[TOOL_CALLS]"
+    needs_special_tokens = True
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        at = text.find(self.marker)
+        if at < 0:
+            return ExtractedToolCalls(text)
+        try:
+            decoded = json.loads(text[at + len(self.marker):])
+        except ValueError:
+            return ExtractedToolCalls(text)
+        items = decoded if isinstance(decoded, list) else [decoded]
+        calls = [as_call(item, "arguments") for item in items]
+        if not calls or any(c is None for c in calls):
+            return ExtractedToolCalls(text)
+        return ExtractedToolCalls(text[:at] or None, calls)
