@@ -51,7 +51,7 @@ PAD_PREFIX = "\u0120~"  # byte-level BPE: "\u0120" is the space byte, so this de
 SERVE_FLAGS = ("--load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 64 "
                "--max-num-batched-tokens 8192 --log-level info")
 LOADTEST_FLAGS = ("--num-prompts 640 --max-concurrency 64 --random-input-len 1024 "
-                  "--random-output-len 256 --random-range-ratio 0 --ignore-eos --dataset random "
+                  "--random-output-len 256 --random-range-ratio 0 --ignore-eos --dataset-name random "
                   "--seed 0 --num-warmups 64 --no-progress --no-plot")
 PER_REQUEST_KEYS = ("itls",)  # 163,840 floats for the full run: summarised, then dropped
 

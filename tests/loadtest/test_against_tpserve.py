@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
         "request_throughput", "output_throughput", "total_token_throughput"] + [
     f"{s}_{m}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
-    for s in ("mean", "median", "p99")]
+    for s in ("mean", "median", "std")] + ["p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"]
 
 
 def test_loadtest_against_tpserve_counts_what_the_server_counts(tmp_path):

@@ -34,7 +34,9 @@ REQUIRED_KEYS = (
     "interrupted", "model", "endpoint", "dataset", "num_prompts", "request_rate",
     "burstiness", "max_concurrency", "seed",
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
-      for stat in ("mean", "median", "p99")),
+      for stat in ("mean", "median", "std")),
+    # the default --percentile-metrics ttft,tpot,itl and --metric-percentiles 99
+    "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms",
 )
 
 
@@ -369,3 +371,115 @@ def test_sse_parser_follows_the_event_stream_rules():
     assert asyncio.run(collect()) == [
         SSEEvent(data='{"a":\n1}'), SSEEvent(data="x", event="error"), SSEEvent(data="[DONE]"),
     ]
+
+
+def test_old_and_new_flag_names_parse_to_the_same_config(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "one two three"}\n')
+    pairs = [
+        (("--dataset", "prefix", "--prefix-len", "20", "--result-file", str(tmp_path / "r.json")),
+         ("--dataset-name", "prefix-repetition", "--random-prefix-len", "20", "--save-result",
+          "--result-dir", str(tmp_path), "--result-filename", "r.json")),
+        (("--dataset", "prefix"), ("--dataset-name", "shared-prefix")),
+        (("--dataset", "file", "--dataset-path", str(data)),
+         ("--dataset-name", "custom", "--dataset-path", str(data))),
+        (("--dataset", "random"), ()),
+    ]
+    for old, new in pairs:
+        assert config_from_args(parse(*old)) == config_from_args(parse(*new)), (old, new)
+    config = config_from_args(parse("--dataset-name", "prefix-repetition"))
+    assert config.dataset == "prefix-repetition" and config.prefix_len == 256
+    config = config_from_args(parse())
+    assert config.dataset == "random" and config.prefix_len == 0 and config.result_file is None
+    assert config.percentile_metrics == ("ttft", "tpot", "itl")
+    assert config.metric_percentiles == (99.0,)
+
+
+def test_save_result_without_a_name_uses_vllms_pattern(tmp_path):
+    with run_fake_server() as server:
+        rc = run("--base-url", server.base_url, "--num-prompts", "2", "--random-input-len", "8",
+                 "--random-output-len", "3", "--max-concurrency", "2", "--save-result",
+                 "--result-dir", str(tmp_path / "out"), "--no-plot")
+    assert rc == 0
+    [path] = (tmp_path / "out").iterdir()
+    assert path.name.startswith("tpserve-infqps-concurrency2-") and path.suffix == ".json"
+    assert json.loads(path.read_text())["completed"] == 2
+
+
+def words(n: int, word: str = "w") -> str:
+    return " ".join([word] * n)
+
+
+def sharegpt_file(path: Path) -> Path:
+    """Conversations whose lengths sit on both sides of vLLM's filter (fake server: one token
+    per word plus BOS for a prompt, one per word for an answer)."""
+    def conv(*turns):
+        return {"conversations": [{"from": who, "value": text} for who, text in turns]}
+
+    data = [
+        conv(("human", words(5, "a")), ("gpt", words(4))),          # 6 + 4: kept
+        conv(("human", words(2, "b")), ("gpt", words(9))),          # prompt 3 < 4: dropped
+        conv(("human", words(3, "c")), ("gpt", words(3))),          # answer 3 < 4: dropped
+        conv(("human", words(1024, "d")), ("gpt", words(4))),       # prompt 1025 > 1024
+        conv(("human", words(1023, "e")), ("gpt", words(1025))),    # 1024 + 1025 > 2048
+        conv(("human", words(1023, "f")), ("gpt", words(1024))),    # 1024 + 1024: kept
+        conv(("gpt", words(9)), ("human", words(4, "g")), ("gpt", words(6))),  # kept: 5 + 6
+        conv(("human", words(8, "h"))),                             # no answer: not a pair
+        {"id": "no conversations"},
+    ]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_sharegpt_dataset_filters_like_vllm(tmp_path):
+    data = sharegpt_file(tmp_path / "sharegpt.json")
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset-name", "sharegpt", "--dataset-path",
+                              str(data), "--ignore-eos", prompts=3)
+        prompts = sorted(p.split()[0] for p in server.stats.prompts)
+        max_tokens = sorted(b["max_tokens"] for b in server.stats.bodies)
+    assert rc == 0 and result["completed"] == 3
+    assert prompts == ["a", "f", "g"]
+    assert max_tokens == [4, 6, 1024]
+    assert sorted(result["input_lens"]) == [5, 6, 1024]
+
+
+def test_sharegpt_output_len_replaces_the_answer_length(tmp_path):
+    data = sharegpt_file(tmp_path / "sharegpt.json")
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset-name", "sharegpt", "--dataset-path",
+                              str(data), "--sharegpt-output-len", "10", "--ignore-eos",
+                              prompts=7)
+        prompts = sorted(p.split()[0] for p in server.stats.prompts)
+        max_tokens = [b["max_tokens"] for b in server.stats.bodies]
+    assert rc == 0 and result["completed"] == 7
+    # the answer is not checked; c (4 + 10) and e (1024 + 10) now pass; 5 kept, 2 repeated
+    assert sorted(set(prompts)) == ["a", "c", "e", "f", "g"]
+    assert len(prompts) == 7 and max_tokens == [10] * 7
+
+
+def test_sharegpt_file_without_usable_pairs_is_a_clear_error(tmp_path, capsys):
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "a b"},
+                                                   {"from": "gpt", "value": "c d e f"}]}]))
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset-name", "sharegpt",
+                              "--dataset-path", str(data))
+    assert rc == 2 and result is None
+    assert "no conversation passes the ShareGPT length filter" in capsys.readouterr().err
+
+
+def test_percentile_flags_choose_the_keys_and_rows(tmp_path, capsys):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--percentile-metrics", "ttft,e2el",
+                              "--metric-percentiles", "50,99", prompts=4)
+    assert rc == 0 and result["completed"] == 4
+    percentile_keys = {k for k in result if k[0] == "p" and k[1].isdigit() and k.endswith("_ms")}
+    assert percentile_keys == {"p50_ttft_ms", "p99_ttft_ms", "p50_e2el_ms", "p99_e2el_ms"}
+    assert "p99_tpot_ms" not in result
+    assert result["p50_ttft_ms"] <= result["p99_ttft_ms"]
+    assert result["percentile_metrics"] == "ttft,e2el" and result["metric_percentiles"] == "50,99"
+    table = capsys.readouterr().out
+    rows = [line.split(":")[0] for line in table.splitlines() if "(ms):" in line]
+    assert rows == ["Mean TTFT (ms)", "Median TTFT (ms)", "P50 TTFT (ms)", "P99 TTFT (ms)",
+                    "Mean E2EL (ms)", "Median E2EL (ms)", "P50 E2EL (ms)", "P99 E2EL (ms)"]

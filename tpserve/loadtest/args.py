@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 ENDPOINTS = ("completions", "chat")
-DATASETS = ("random", "prefix", "file")
+# vLLM's --dataset-name values this load test knows, and the older names kept as aliases.
+DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
+DATASET_ALIASES = {"shared-prefix": "prefix-repetition", "prefix": "prefix-repetition",
+                   "file": "custom"}
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_PREFIX_LEN = 256  # --dataset-name prefix-repetition without --random-prefix-len
 
 
 class ConfigError(ValueError):
@@ -21,7 +27,11 @@ class LoadtestConfig:
     """Everything one ``tpserve loadtest`` invocation needs, validated once.
 
     ``request_rates`` holds one rate per run: the single ``--request-rate`` or the
-    ``--sweep-rates`` list (``math.inf`` = send everything at once).
+    ``--sweep-rates`` list (``math.inf`` = send everything at once). ``dataset`` is
+    a canonical name of DATASETS; ``prefix_len`` > 0 gives every prompt the same
+    prefix (the prefix-repetition dataset, or random with ``--random-prefix-len``).
+    ``percentile_metrics`` and ``metric_percentiles`` choose the ``p{N}_{metric}_ms``
+    keys and table rows, as vLLM's ``--percentile-metrics``/``--metric-percentiles``.
     """
 
     base_url: str
@@ -38,6 +48,7 @@ class LoadtestConfig:
     random_range_ratio: float
     prefix_len: int
     dataset_path: Path | None
+    sharegpt_output_len: int | None
     ignore_eos: bool
     temperature: float
     seed: int
@@ -45,6 +56,8 @@ class LoadtestConfig:
     api_key: str | None
     result_file: Path | None
     timeout: float
+    percentile_metrics: tuple[str, ...]
+    metric_percentiles: tuple[float, ...]
     label: str | None
     plot: bool
     progress: bool
@@ -70,7 +83,10 @@ class LoadtestConfig:
             "random_input_len": self.random_input_len,
             "random_output_len": self.random_output_len,
             "random_range_ratio": self.random_range_ratio,
-            "prefix_len": self.prefix_len if self.dataset == "prefix" else 0,
+            "prefix_len": self.prefix_len,
+            "sharegpt_output_len": self.sharegpt_output_len,
+            "percentile_metrics": ",".join(self.percentile_metrics),
+            "metric_percentiles": ",".join(f"{p:g}" for p in self.metric_percentiles),
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
             "seed": self.seed,
@@ -115,24 +131,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="seed of prompts and arrival times (default: %(default)s)")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", choices=DATASETS, default="random",
-                      help="random words; a shared prefix plus random words; or a JSONL "
-                           "file (default: %(default)s)")
+    names = (*DATASETS, *DATASET_ALIASES)
+    data.add_argument("--dataset-name", dest="dataset", choices=names, default="random",
+                      metavar="{" + ",".join(DATASETS) + "}",
+                      help="random words; a ShareGPT JSON file (--dataset-path); a shared "
+                           "prefix plus random words (also: shared-prefix); or a JSONL file "
+                           "of prompts (--dataset-path) (default: %(default)s)")
+    data.add_argument("--dataset", dest="dataset", choices=names, default=argparse.SUPPRESS,
+                      help=argparse.SUPPRESS)  # the old name of --dataset-name
     data.add_argument("--random-input-len", type=int, default=1024,
-                      help="prompt tokens (after the prefix for --dataset prefix) "
-                           "(default: %(default)s)")
+                      help="prompt tokens (after the prefix, if any) (default: %(default)s)")
     data.add_argument("--random-output-len", type=int, default=128,
                       help="max_tokens of each request; also the default for file "
                            "prompts without output_len (default: %(default)s)")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="input and output lengths are drawn uniformly from "
                            "[len*(1-r), len*(1+r)] (default: %(default)s)")
-    data.add_argument("--prefix-len", type=int, default=256,
-                      help="tokens of the prefix every prompt of --dataset prefix starts "
-                           "with (default: %(default)s)")
+    data.add_argument("--random-prefix-len", dest="prefix_len", type=int, default=None,
+                      help="tokens of the prefix every prompt starts with (default: "
+                           f"{DEFAULT_PREFIX_LEN} for prefix-repetition, 0 for random)")
+    data.add_argument("--prefix-len", dest="prefix_len", type=int, default=argparse.SUPPRESS,
+                      help=argparse.SUPPRESS)  # the old name of --random-prefix-len
     data.add_argument("--dataset-path", type=Path, default=None,
-                      help='JSONL file for --dataset file: one {"prompt": ..., '
-                           '"output_len": ...} object a line, output_len optional')
+                      help="sharegpt: a ShareGPT JSON file (a list of {\"conversations\": "
+                           "[{\"from\": \"human\", ...}, {\"from\": \"gpt\", ...}]}); "
+                           'custom: JSONL, one {"prompt": ..., "output_len": ...} a line, '
+                           "output_len optional")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="max_tokens of every ShareGPT request (default: the token count "
+                           "of the conversation's first gpt answer)")
     data.add_argument("--ignore-eos", action="store_true",
                       help="ask the server to generate max_tokens whatever the model says "
                            "(vLLM's ignore_eos extension)")
@@ -141,8 +168,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "%(default)s, greedy, as vLLM's bench serve)")
 
     out = parser.add_argument_group("output")
+    out.add_argument("--save-result", action="store_true",
+                     help="write the JSON result (--result-dir/--result-filename) and a PNG "
+                          "with the same stem beside it")
+    out.add_argument("--result-dir", type=Path, default=None,
+                     help="folder of the result file (default: the current folder)")
+    out.add_argument("--result-filename", default=None,
+                     help="name of the result file (default: tpserve-{rate}qps"
+                          "[-concurrency{N}][-{model}]-{YYYYmmdd-HHMMSS}.json, as vLLM's)")
     out.add_argument("--result-file", type=Path, default=None,
-                     help="write the JSON result here and a PNG with the same stem beside it")
+                     help=argparse.SUPPRESS)  # the old flag: the whole path, implies saving
+    out.add_argument("--percentile-metrics", type=_metric_list, default="ttft,tpot,itl",
+                     help="comma-separated metrics of ttft,tpot,itl,e2el whose percentiles "
+                          "are reported (default: %(default)s)")
+    out.add_argument("--metric-percentiles", type=_percentile_list, default="99",
+                     help="comma-separated percentiles reported for those metrics, e.g. "
+                          "25,50,99 (default: %(default)s)")
     out.add_argument("--label", default=None,
                      help="free text stored in the JSON and shown in the plot title")
     out.add_argument("--no-plot", dest="plot", action="store_false",
@@ -171,18 +212,35 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     need(0.0 <= args.random_range_ratio < 1.0, "--random-range-ratio must be in [0, 1)")
     need(args.num_warmups >= 0, "--num-warmups must be 0 or more")
     need(args.timeout > 0, "--timeout must be positive")
-    if args.dataset == "prefix":
-        need(args.prefix_len >= 1, "--prefix-len must be at least 1 with --dataset prefix")
-    if args.dataset == "file":
-        need(args.dataset_path is not None, "--dataset file needs --dataset-path")
+    dataset = DATASET_ALIASES.get(args.dataset, args.dataset)
+    prefix_len = args.prefix_len
+    if prefix_len is None:
+        prefix_len = DEFAULT_PREFIX_LEN if dataset == "prefix-repetition" else 0
+    need(prefix_len >= 0, "--random-prefix-len must be 0 or more")
+    if dataset == "prefix-repetition":
+        need(prefix_len >= 1,
+             "--random-prefix-len must be at least 1 with --dataset-name prefix-repetition")
+    if dataset in ("sharegpt", "custom"):
+        need(args.dataset_path is not None, f"--dataset-name {dataset} needs --dataset-path")
         need(args.dataset_path.is_file(), f"--dataset-path {args.dataset_path} is not a file")
     else:
-        need(args.dataset_path is None, "--dataset-path needs --dataset file")
-    if args.result_file is not None:
-        need(args.result_file.suffix != ".png",
-             "--result-file names the JSON file; the PNG is written beside it")
+        need(args.dataset_path is None,
+             "--dataset-path needs --dataset-name sharegpt or custom")
+    need(args.sharegpt_output_len is None or args.sharegpt_output_len >= 1,
+         "--sharegpt-output-len must be at least 1")
     sweep = args.sweep_rates is not None
     rates = tuple(args.sweep_rates) if sweep else (args.request_rate,)
+    result_file = args.result_file
+    if result_file is None and args.save_result:
+        name = args.result_filename or default_result_filename(
+            "sweep" if sweep else _rate_text(rates[0]), args.max_concurrency, args.model)
+        result_file = (args.result_dir or Path(".")) / name
+    if result_file is not None:
+        need(result_file.suffix != ".png",
+             "the result file is the JSON file; the PNG is written beside it")
+    else:
+        need(args.result_dir is None and args.result_filename is None,
+             "--result-dir and --result-filename need --save-result")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     return LoadtestConfig(
         base_url=base_url,
@@ -193,19 +251,22 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         sweep=sweep,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
-        dataset=args.dataset,
+        dataset=dataset,
         random_input_len=args.random_input_len,
         random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio,
-        prefix_len=args.prefix_len,
+        prefix_len=prefix_len,
         dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         seed=args.seed,
         num_warmups=args.num_warmups,
         api_key=api_key,
-        result_file=args.result_file,
+        result_file=result_file,
         timeout=args.timeout,
+        percentile_metrics=_as_metrics(args.percentile_metrics),
+        metric_percentiles=_as_percentiles(args.metric_percentiles),
         label=args.label,
         plot=args.plot,
         progress=args.progress,
@@ -227,3 +288,49 @@ def _rate_list(text: str) -> list[float]:
     if not parts:
         raise argparse.ArgumentTypeError("--sweep-rates needs at least one rate")
     return [_rate(p) for p in parts]
+
+
+def default_result_filename(rate: str, max_concurrency: int | None, model: str | None) -> str:
+    """vLLM's default result name: {backend}-{rate}qps[-concurrency{N}][-{model}]-{date}.json."""
+    parts = [f"tpserve-{rate}qps"]
+    if max_concurrency is not None:
+        parts.append(f"concurrency{max_concurrency}")
+    if model:
+        parts.append(model.rstrip("/").split("/")[-1])
+    parts.append(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return "-".join(parts) + ".json"
+
+
+def _rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _metric_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [n for n in names if n not in PERCENTILE_METRICS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(PERCENTILE_METRICS)}, got {text!r}")
+    return names
+
+
+def _percentile_list(text: str) -> tuple[float, ...]:
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {part!r}") from None
+        if not 0 < value <= 100:
+            raise argparse.ArgumentTypeError(f"a percentile must be in (0, 100], got {part!r}")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
+def _as_metrics(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """argparse does not run ``type`` on a non-string default passed as given: accept both."""
+    return _metric_list(value) if isinstance(value, str) else value
+
+
+def _as_percentiles(value: str | tuple[float, ...]) -> tuple[float, ...]:
+    return _percentile_list(value) if isinstance(value, str) else value

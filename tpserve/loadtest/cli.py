@@ -55,7 +55,9 @@ def build_document(config: LoadtestConfig, session: Session) -> dict:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     common = {"date": date, "model": session.model, "tokenizer": session.tokenizer,
               **config.parameters()}
-    results = [{**common, **summarize(record)} for record in session.records]
+    results = [{**common, **summarize(record, config.percentile_metrics,
+                                      config.metric_percentiles)}
+               for record in session.records]
     if not config.sweep:
         return results[0]
     return {
@@ -75,7 +77,7 @@ def _report(config: LoadtestConfig, session: Session) -> int:
     document = build_document(config, session)
     results = document.get("results", [document])
     for result in results:
-        print(format_summary(result))
+        print(format_summary(result, config.percentile_metrics, config.metric_percentiles))
     if config.sweep:
         print(format_sweep(results))
     if config.result_file is not None:
@@ -93,9 +95,9 @@ def _check_writable(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--result-file {path}: cannot create its folder ({e})") from None
+        raise ConfigError(f"result file {path}: cannot create its folder ({e})") from None
     if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"--result-file {path}: folder {path.parent} is not writable")
+        raise ConfigError(f"result file {path}: folder {path.parent} is not writable")
 
 
 def _fail(message: str) -> int:

@@ -1,4 +1,5 @@
-"""The prompts of a load test: random words, a shared prefix plus random words, or a JSONL file.
+"""The prompts of a load test: random words, a shared prefix plus random words, a ShareGPT
+JSON file, or a JSONL file of prompts.
 
 Random prompts are made of common English words (one token each in the usual BPE
 vocabularies) and fitted to the requested length with a TokenCounter: the word count is
@@ -37,6 +38,10 @@ WORDS = tuple(dict.fromkeys(
 
 MAX_FIT_STEPS = 8
 FIT_CONCURRENCY = 16
+# vLLM's ShareGPT filter: pairs outside these token bounds are dropped.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
 
 
 class DatasetError(ValueError):
@@ -210,3 +215,79 @@ def _parse_line(path: Path, number: int, line: str, default_output_len: int) -> 
     if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1:
         raise DatasetError(f'{where}: "output_len" must be a positive integer')
     return PromptSpec(prompt=prompt, output_len=output_len)
+
+
+async def sharegpt_dataset(
+    counter: TokenCounter,
+    path: Path,
+    num_prompts: int,
+    output_len: int | None,
+    seed: int,
+) -> list[PromptSpec]:
+    """num_prompts requests from a ShareGPT file, filtered as vLLM's ``bench serve`` does.
+
+    The conversations are shuffled with ``seed``; each gives the first human turn as the
+    prompt and the token count of the first gpt turn after it as max_tokens (or
+    ``output_len`` when given). A pair is dropped when the prompt or the answer has
+    fewer than SHAREGPT_MIN_LEN tokens (the answer is not checked with ``output_len``),
+    the prompt has more than SHAREGPT_MAX_PROMPT_LEN, or both together more than
+    SHAREGPT_MAX_TOTAL_LEN. Prompt tokens are counted as the server sees them (BOS
+    included, as vLLM's tokenizer call does); answer tokens without the tokens the
+    server adds to every prompt. Kept pairs repeat when fewer than num_prompts remain.
+    """
+    pairs = read_sharegpt(path)
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    overhead = await _overhead(counter)
+    specs: list[PromptSpec] = []
+    for start in range(0, len(order), FIT_CONCURRENCY):
+        if len(specs) >= num_prompts:
+            break
+        batch = [pairs[i] for i in order[start:start + FIT_CONCURRENCY]]
+        specs += [s for s in await asyncio.gather(
+            *(_sharegpt_spec(counter, p, c, output_len, overhead) for p, c in batch))
+            if s is not None]
+    if not specs:
+        raise DatasetError(f"{path}: no conversation passes the ShareGPT length filter")
+    specs = specs[:num_prompts]
+    return [specs[i % len(specs)] for i in range(num_prompts)]
+
+
+def read_sharegpt(path: Path) -> list[tuple[str, str]]:
+    """(first human turn, first gpt turn after it) of each conversation that has both."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: not JSON ({e.msg})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f'{path}: expected a JSON list of {{"conversations": [...]}}')
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            continue
+        turns = [t for t in turns if isinstance(t, dict) and isinstance(t.get("value"), str)]
+        human = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        if human is None:
+            continue
+        gpt = next((t for t in turns[human + 1:] if t.get("from") == "gpt"), None)
+        if gpt is not None:
+            pairs.append((turns[human]["value"], gpt["value"]))
+    if not pairs:
+        raise DatasetError(f"{path}: no conversation with a human turn and a gpt answer")
+    return pairs
+
+
+async def _sharegpt_spec(
+    counter: TokenCounter, prompt: str, answer: str, output_len: int | None, overhead: int
+) -> PromptSpec | None:
+    prompt_len = await counter.count(prompt)
+    if output_len is None:
+        new_output_len = await counter.count(answer) - overhead
+        if new_output_len < SHAREGPT_MIN_LEN:
+            return None
+    else:
+        new_output_len = output_len
+    if (prompt_len < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT_LEN
+            or prompt_len + new_output_len > SHAREGPT_MAX_TOTAL_LEN):
+        return None
+    return PromptSpec(prompt=prompt, output_len=new_output_len, target_input_len=prompt_len)

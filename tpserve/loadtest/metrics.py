@@ -2,7 +2,9 @@
 
 Only successful requests enter the token totals and latency statistics; failed ones
 are counted and their messages tallied in ``errors``. Statistics of an empty set are
-0.0. Per-request lists (seconds) are kept so that plots can be redrawn from the JSON.
+0.0. Mean, median and std are given for every latency; ``p{N}_{metric}_ms`` only for
+the chosen metrics and percentiles (vLLM's ``--percentile-metrics`` and
+``--metric-percentiles``). Per-request lists (seconds) are kept so that plots can be redrawn from the JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ LATENCIES = ("ttft", "tpot", "itl", "e2el")
 TIMELINE_BINS = 60
 
 
-def summarize(record: RunRecord) -> dict:
+def percentile_key(metric: str, percentile: float) -> str:
+    """vLLM's key: p99_ttft_ms, p99.9_ttft_ms."""
+    return f"p{percentile:g}_{metric}_ms"
+
+
+def summarize(
+    record: RunRecord,
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+    percentiles: tuple[float, ...] = (99.0,),
+) -> dict:
     """The measured metrics of one run (parameters are added by the caller)."""
     ok = [r for r in record.results if r.success]
     failed = [r for r in record.results if not r.success]
@@ -50,7 +61,10 @@ def summarize(record: RunRecord) -> dict:
         out[f"mean_{name}_ms"] = _stat(np.mean, values_ms)
         out[f"median_{name}_ms"] = _stat(np.median, values_ms)
         out[f"std_{name}_ms"] = _stat(np.std, values_ms)
-        out[f"p99_{name}_ms"] = _stat(lambda v: np.percentile(v, 99), values_ms)
+        if name in percentile_metrics:
+            for p in percentiles:
+                out[percentile_key(name, p)] = _stat(
+                    lambda v, p=p: np.percentile(v, p), values_ms)
     out["errors"] = [
         {"message": message, "count": count}
         for message, count in Counter(r.error for r in failed).most_common()

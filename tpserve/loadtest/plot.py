@@ -93,8 +93,9 @@ def _sweep_figure(figure_class, document: dict):
         ax = figure.add_subplot(1, 2, i + 1)
         ax.plot(throughput, [r[f"median_{key}_ms"] for r in results], marker="o",
                 label=f"median {name}")
-        ax.plot(throughput, [r[f"p99_{key}_ms"] for r in results], marker="s",
-                linestyle="--", label=f"p99 {name}")
+        if all(f"p99_{key}_ms" in r for r in results):
+            ax.plot(throughput, [r[f"p99_{key}_ms"] for r in results], marker="s",
+                    linestyle="--", label=f"p99 {name}")
         for x, r in zip(throughput, results, strict=True):
             rate = r["request_rate"]
             ax.annotate(rate if isinstance(rate, str) else f"{rate:g}", (x, r[f"median_{key}_ms"]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tpserve.loadtest.metrics import percentile_key
+
 WIDTH = 50
 MAX_ERRORS_SHOWN = 5
 SECTIONS = (
@@ -15,8 +17,10 @@ SECTIONS = (
 )
 
 
-def format_summary(result: dict) -> str:
-    """The summary table of one run, in the layout of vLLM's ``bench serve``."""
+def format_summary(result: dict, percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+                   percentiles: tuple[float, ...] = (99.0,)) -> str:
+    """The summary table of one run, in the layout of vLLM's ``bench serve``: one section
+    per chosen metric with its mean, median and chosen percentiles."""
     lines = [_rule(" Load Test Result ", "=")]
     if result.get("label"):
         lines.append(_row("Label:", result["label"]))
@@ -40,9 +44,14 @@ def format_summary(result: dict) -> str:
         _row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
     ]
     for key, short, title in SECTIONS:
+        if key not in percentile_metrics:
+            continue
         lines.append(_rule(title, "-"))
-        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+        for stat, name in (("mean", "Mean"), ("median", "Median")):
             lines.append(_row(f"{name} {short} (ms):", f"{result[f'{stat}_{key}_ms']:.2f}"))
+        for p in percentiles:
+            lines.append(_row(f"P{p:g} {short} (ms):",
+                              f"{result[percentile_key(key, p)]:.2f}"))
     lines.append("=" * WIDTH)
     errors = result["errors"]
     if errors:
@@ -57,7 +66,8 @@ def format_summary(result: dict) -> str:
 
 
 def format_sweep(results: list[dict]) -> str:
-    """One line per rate: throughput against median and p99 TTFT and TPOT."""
+    """One line per rate: throughput against median and p99 TTFT and TPOT ("-" where
+    p99 was not asked for)."""
     header = (f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}")
     width = len(header)
@@ -67,8 +77,9 @@ def format_sweep(results: list[dict]) -> str:
         rate_text = rate if isinstance(rate, str) else f"{rate:g}"
         lines.append(
             f"{rate_text:>8} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
-            f"{r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>9.1f} "
-            f"{r['median_tpot_ms']:>9.2f} {r['p99_tpot_ms']:>9.2f} {r['failed']:>7}"
+            f"{r['median_ttft_ms']:>9.1f} {_maybe(r.get('p99_ttft_ms'), '.1f'):>9} "
+            f"{r['median_tpot_ms']:>9.2f} {_maybe(r.get('p99_tpot_ms'), '.2f'):>9} "
+            f"{r['failed']:>7}"
         )
     lines.append("=" * width)
     return "\n".join(lines)
@@ -79,6 +90,10 @@ def write_json(path: Path, document: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(document, indent=2, allow_nan=False)
     path.write_text(text + "\n", encoding="utf-8")
+
+
+def _maybe(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _rule(title: str, fill: str) -> str:

@@ -21,6 +21,7 @@ from tpserve.loadtest.datasets import (
     file_dataset,
     prefix_dataset,
     random_dataset,
+    sharegpt_dataset,
 )
 from tpserve.loadtest.interrupt import Interrupted, unless_stopped
 from tpserve.loadtest.runner import RunRecord, run_once
@@ -70,10 +71,14 @@ async def build_prompts(
     config: LoadtestConfig, counter: TokenCounter, n: int, seed: int
 ) -> list[PromptSpec]:
     """n prompts of the configured dataset."""
-    if config.dataset == "file":
+    if config.dataset == "custom":
         assert config.dataset_path is not None
         return file_dataset(config.dataset_path, n, config.random_output_len)
-    if config.dataset == "prefix":
+    if config.dataset == "sharegpt":
+        assert config.dataset_path is not None
+        return await sharegpt_dataset(counter, config.dataset_path, n,
+                                      config.sharegpt_output_len, seed)
+    if config.prefix_len > 0:
         return await prefix_dataset(counter, n, config.prefix_len, config.random_input_len,
                                     config.random_output_len, config.random_range_ratio, seed)
     return await random_dataset(counter, n, config.random_input_len, config.random_output_len,

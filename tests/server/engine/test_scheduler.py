@@ -382,3 +382,35 @@ def test_random_driver_on_a_pool_of_one_sequence(prefix_caching):
     """Block size 1, one sequence at a time, a pool that holds exactly max_model_len."""
     drive(3, prefix_caching, block_size=1, num_blocks=24, max_num_seqs=1,
           max_num_batched_tokens=8, max_model_len=24, num_requests=15)
+
+
+def test_prefix_cache_counters_count_tokens_at_admission():
+    """vLLM's prefix_cache_queries/hits in tokens: every admission queries the sequence's
+    tokens; hits are the cached full blocks it takes (a sibling: its parent's blocks)."""
+    h = Harness(block_size=4, prefix_caching=True)
+    (a,) = h.add(range(10), max_tokens=1)
+    h.step()
+    assert h.sched.counters == {"prefix_cache_queries_total": 10, "prefix_cache_hits_total": 0}
+    (b,) = h.add([*range(9), 99], max_tokens=1)  # 9 shared tokens: 2 full blocks
+    h.step()
+    assert b.num_cached_tokens == 8
+    assert h.sched.counters == {"prefix_cache_queries_total": 20, "prefix_cache_hits_total": 8}
+    parent, child = h.add(range(20, 30), max_tokens=2, n=2)
+    while h.sched.has_unfinished:
+        h.step()
+    assert h.sched.counters == {"prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16}
+
+
+def test_first_scheduled_time_survives_preemption_and_readmission_queries_again():
+    h = Harness(block_size=4, prefix_caching=False)
+    (c,) = h.add(range(6), max_tokens=4)
+    (d,) = h.add(range(10, 16), max_tokens=4)
+    assert c.first_scheduled_time is None
+    h.step()
+    first = d.first_scheduled_time
+    assert first is not None and c.first_scheduled_time is not None
+    assert h.sched.preempt_newest(0.5) == [d]
+    h.step()
+    assert d.status is SequenceStatus.RUNNING and d.first_scheduled_time == first
+    # 6 + 6 prompt tokens, then d again with its one output token
+    assert h.sched.counters == {"prefix_cache_queries_total": 19, "prefix_cache_hits_total": 0}

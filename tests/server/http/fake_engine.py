@@ -14,6 +14,7 @@ from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineOverloadedError
+from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 
 TEXT = " The quick brown fox jumps over the lazy dog."
@@ -71,7 +72,24 @@ class FakeEngine:
             "generation_tokens_total": float(self.generation_tokens_total),
             "device_memory_allocated_bytes": 1e9, "device_memory_reserved_bytes": 2e9,
             "device_memory_free_bytes": 3e9, "step_token_budget": 2048.0,
+            "prefix_cache_queries_total": 40.0, "prefix_cache_hits_total": 16.0,
+            **self.histograms(),
         }
+
+    @staticmethod
+    def histograms() -> dict[str, float]:
+        """The engine's own histograms as its stats() carries them: steps of 1, 8 and 9
+        tokens, one request that queued 0.4 s, prefilled 1.2 s and decoded 3 s."""
+        out: dict[str, float] = {}
+        for name, h in engine_histograms().items():
+            values = {"iteration_tokens_total": (1, 8, 9),
+                      "request_queue_time_seconds": (0.4,),
+                      "request_prefill_time_seconds": (1.2,),
+                      "request_decode_time_seconds": (3.0,)}[name]
+            for v in values:
+                h.observe(v)
+            out.update(h.export())
+        return out
 
     def token_at(self, sibling: int, step: int) -> int:
         return self.sequence[(sibling + step) % len(self.sequence)]

@@ -41,6 +41,7 @@ from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
@@ -105,6 +106,7 @@ class EngineCore:
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
                          "device_wait_seconds_total": 0.0}
+        self.histograms = engine_histograms()
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
@@ -194,6 +196,7 @@ class EngineCore:
             self._recover_from_oom()
             return
         self.counters["steps_total"] += 1
+        self.histograms["iteration_tokens_total"].observe(out.num_batched_tokens)
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
         bitmask = None
         if any(s.params.structured is not None for s in sampling):
@@ -261,6 +264,8 @@ class EngineCore:
                 continue
             seq.output_token_ids[-1] = result.token_ids[row]
             self.counters["generation_tokens_total"] += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
             delta = self._advance(seq, row, result)
             if delta is not None:
                 touched.setdefault(seq.request_id, []).append(delta)
@@ -271,6 +276,20 @@ class EngineCore:
             if finished:
                 state.done = True
                 del self.requests[rid]
+                self._observe_request_times(state)
+
+    def _observe_request_times(self, state: RequestState) -> None:
+        """Queue (arrival -> first scheduled), prefill (-> first token) and decode (-> now)
+        times of a request that finished, over its earliest sibling times."""
+        scheduled = [s.first_scheduled_time for s in state.seqs
+                     if s.first_scheduled_time is not None]
+        first = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
+        if not scheduled or not first:
+            return
+        h = self.histograms
+        h["request_queue_time_seconds"].observe(max(0.0, min(scheduled) - state.arrival))
+        h["request_prefill_time_seconds"].observe(max(0.0, min(first) - min(scheduled)))
+        h["request_decode_time_seconds"].observe(max(0.0, time.monotonic() - min(first)))
 
     def _recover_from_oom(self) -> None:
         """A step ran out of device memory before any collective (tp 1, or the failure hit
@@ -351,4 +370,6 @@ class EngineCore:
             "device_memory_free_bytes": self.free_device_memory,
             "step_token_budget": self.token_budget,
             **self.counters,
+            **self.scheduler.counters,
+            **{k: v for h in self.histograms.values() for k, v in h.export().items()},
         }

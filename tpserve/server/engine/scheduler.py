@@ -23,6 +23,7 @@ Queue invariants (checked by ``check_integrity``):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,6 +105,10 @@ class Scheduler:
         self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing seq_id
         self._waiting: deque[Sequence] = deque()
         self._requests: dict[str, list[Sequence]] = {}  # live sequences per request
+        # prefix-cache lookups at admission, in tokens (vLLM's prefix_cache_queries/hits):
+        # every admitted sequence's tokens are queried; hits are the tokens it got from
+        # cached blocks (or, for a sibling, from its parent's prompt blocks)
+        self.counters = {"prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
 
     # ----------------------------------------------------------------- queues
 
@@ -234,6 +239,7 @@ class Scheduler:
                     bm.free(seq)
                     seq.num_computed_tokens = 0
                     break
+                hit = fork_tokens
             else:
                 computed, num_cached = bm.get_computed_blocks(seq.all_token_ids)
                 num_new = min(seq.num_tokens - num_cached, budget)
@@ -242,6 +248,11 @@ class Scheduler:
                 seq.num_computed_tokens = num_cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = num_cached
+                hit = num_cached
+            self.counters["prefix_cache_queries_total"] += seq.num_tokens
+            self.counters["prefix_cache_hits_total"] += hit
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.fork_parent = None
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING

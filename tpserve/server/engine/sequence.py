@@ -66,6 +66,10 @@ class Sequence:
     num_preemptions: int = 0
     fork_parent: Sequence | None = None
     stop_reason: str | int | None = None
+    # time.monotonic() when first admitted (not reset by preemption) and when its first
+    # token was read back; None until then (request queue/prefill/decode time metrics)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,6 +1,8 @@
 """Prometheus metrics (vLLM's names, ``tpserve:`` prefix) on a registry owned per app.
 
-Engine-side values are read from ``engine.stats()`` at scrape time by a custom collector;
+Engine-side values (gauges, counters, and the histograms the engine keeps itself: queue,
+prefill and decode times, tokens per step) are read from ``engine.stats()`` at scrape
+time by a custom collector;
 per-request histograms are observed by the HTTP layer through ``RequestTracker``.
 """
 
@@ -17,9 +19,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +59,8 @@ ENGINE_COUNTERS = {
                                "excluded.",
     "device_wait_seconds_total": "Seconds the engine loop waited for the device to finish "
                                  "a step (near 0: the host is the bottleneck).",
+    "prefix_cache_queries_total": "Prefix-cache queries: tokens of the sequences admitted.",
+    "prefix_cache_hits_total": "Prefix-cache hits: tokens admitted sequences found cached.",
 }
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -79,6 +89,14 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + key, doc, labels=LABELS)
             if values is not None and key in values:
                 family.add_metric([self.model_name], float(values[key]))
+            if values is None or family.samples:
+                yield family
+        for key, (_, doc) in ENGINE_HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + key, doc, labels=LABELS)
+            read = None if values is None else read_histogram(values, key)
+            if read is not None:
+                buckets, total = read
+                family.add_metric([self.model_name], buckets, total)
             if values is None or family.samples:
                 yield family
 
