@@ -176,8 +176,9 @@ def main() -> int:
             leave_group(group, workers)
 
 
-def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_path, commit,
-         dirty) -> int:
+def _start_runner(a, R, cfg: Config, group, device, notes, save, log):
+    """Builds the runner (falling back to eager when CUDA graphs fail on one GPU) and
+    records start-up time, kernels, graphs and memory plan. Returns (runner, cfg)."""
     t0 = time.perf_counter()
     runner, failure = None, None
     try:
@@ -212,29 +213,13 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     log(f"start-up {R['startup_s']} s, kernels {runner.ops.name}")
     for line in R["memory_plan"]:
         print("   ", line)
+    return runner, cfg
 
-    core = EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
-    R["engine"] = {"async_scheduling": core.async_scheduling,
-                   "max_mixed_tokens": core.scheduler.config.max_mixed_tokens}
-    mcfg = runner.model_config
-    vocab = mcfg.vocab_size
-    rng = random.Random(a.seed)
-    kv_per_token = pl.bytes_per_block // pl.block_size
-    weight_bytes, total_params, per_token_params, head_params = \
-        weight_bytes_read_per_step(runner)
-    R["model"] = {"shape": a.model, "tp": group.world_size,
-                  "params_on_rank0": total_params, "weight_bytes_per_decode_step":
-                  weight_bytes, "kv_bytes_per_token": kv_per_token,
-                  "params_per_prefill_token": per_token_params}
 
-    # warm-up: compiles the kernels for prefill and large-batch decode shapes
-    t = time.perf_counter()
-    run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)
-                           for _ in range(a.warmup_prompts)], a.warmup_output_len,
-                    a.concurrency, None, None, "warm")
-    R["warmup_s"] = round(time.perf_counter() - t, 2)
-    log(f"warm-up {R['warmup_s']} s")
-
+def _decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
+                    log) -> None:
+    """Batch-1 decode, with the CUDA graphs and (unless serving only) without them."""
+    graphs = runner.graphs
     R["decode_batch1"] = decode_batch1(core, rng, vocab, a.decode_input_len,
                                        a.decode_output_len, weight_bytes, kv_per_token,
                                        lim["copy_GBps"])
@@ -255,6 +240,10 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
         e = R["decode_batch1_eager"]
         log(f"batch-1 decode, eager: {e['tok_per_s']} tok/s, TPOT {e['tpot_ms']} ms")
 
+
+def _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
+                     device, save, log) -> None:
+    """Prefill throughput and MFU (skipped when serving only)."""
     # prefill flops: linear layers on every token, the head on the sampled rows, and causal
     # attention (QK^T and PV over the lower triangle)
     L, s = a.input_len, a.prefill_seqs
@@ -270,6 +259,10 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
         p = R["prefill"]
         log(f"prefill: {p['tok_per_s']} tok/s, step {p['step_ms_median']} ms, MFU {p['mfu']}")
 
+
+def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
+    """The closed-loop serving run; returns its figures."""
+    d = R["decode_batch1"]
     srv, seg, kv = serving(core, rng, vocab, a, device)
     R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
     R["new_segments_after_warmup"] = seg.get("new_segments")
@@ -281,30 +274,33 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
         f"{srv['tpot_ms']['p50']}/{srv['tpot_ms']['p99']} ms, ITL p50/p99 "
         f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
     log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
+    return srv
 
-    if not (a.skip_profile or a.serving_only):
-        R["profile"] = []
-        for batch in (1, a.concurrency):
-            try:
-                R["profile"].extend(profile_decode(core, rng, vocab, batch, a.input_len,
-                                                   a.profile_steps, device, table_path))
-            except Exception as e:  # noqa: BLE001 - the profile is a bonus, not a figure
-                R["profile"].append({"batch": batch, "error": repr(e)})
-            save()
-            for r in R["profile"]:
-                if r["batch"] == batch:
-                    log(f"profile: {r}")
+
+def _profiles(a, R, core, rng, vocab, device, table_path, save, log) -> None:
+    """Per-kernel profiles of decode (batch 1 and the concurrency) and of a mixed step."""
+    R["profile"] = []
+    for batch in (1, a.concurrency):
         try:
-            R["profile"].append(profile_mixed(core, rng, vocab, a.concurrency, a.input_len,
-                                              a.profile_steps, device, table_path))
+            R["profile"].extend(profile_decode(core, rng, vocab, batch, a.input_len,
+                                               a.profile_steps, device, table_path))
         except Exception as e:  # noqa: BLE001 - the profile is a bonus, not a figure
-            R["profile"].append({"mode": "mixed", "error": repr(e)})
+            R["profile"].append({"batch": batch, "error": repr(e)})
         save()
-        log(f"profile: {R['profile'][-1]}")
+        for r in R["profile"]:
+            if r["batch"] == batch:
+                log(f"profile: {r}")
+    try:
+        R["profile"].append(profile_mixed(core, rng, vocab, a.concurrency, a.input_len,
+                                          a.profile_steps, device, table_path))
+    except Exception as e:  # noqa: BLE001 - the profile is a bonus, not a figure
+        R["profile"].append({"mode": "mixed", "error": repr(e)})
+    save()
+    log(f"profile: {R['profile'][-1]}")
 
-    R["hf_baseline"] = None
-    R["ratio_vs_hf"] = None
-    R["serving_http"] = None
+
+def _notes(a, runner, srv, notes, commit, dirty) -> None:
+    """The run's caveats, appended to ``notes``."""
     notes.append("hf_baseline / ratio_vs_hf not run: transformers generate() on 8B random "
                  "weights costs minutes of device time this session did not have; see "
                  "/work/shared/GUIDE.md section 3 for earlier peer figures on this card.")
@@ -330,6 +326,45 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     if commit and dirty is None:
         notes.append("git_commit given by the caller (HEAD where the run was launched); the "
                      "bench script itself may have been uncommitted at that point.")
+
+
+def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_path, commit,
+         dirty) -> int:
+    runner, cfg = _start_runner(a, R, cfg, group, device, notes, save, log)
+    pl = runner.plan
+    core = EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
+    R["engine"] = {"async_scheduling": core.async_scheduling,
+                   "max_mixed_tokens": core.scheduler.config.max_mixed_tokens}
+    mcfg = runner.model_config
+    vocab = mcfg.vocab_size
+    rng = random.Random(a.seed)
+    kv_per_token = pl.bytes_per_block // pl.block_size
+    weight_bytes, total_params, per_token_params, head_params = \
+        weight_bytes_read_per_step(runner)
+    R["model"] = {"shape": a.model, "tp": group.world_size,
+                  "params_on_rank0": total_params, "weight_bytes_per_decode_step":
+                  weight_bytes, "kv_bytes_per_token": kv_per_token,
+                  "params_per_prefill_token": per_token_params}
+
+    # warm-up: compiles the kernels for prefill and large-batch decode shapes
+    t = time.perf_counter()
+    run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)
+                           for _ in range(a.warmup_prompts)], a.warmup_output_len,
+                    a.concurrency, None, None, "warm")
+    R["warmup_s"] = round(time.perf_counter() - t, 2)
+    log(f"warm-up {R['warmup_s']} s")
+
+    _decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
+                    log)
+    _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
+                     device, save, log)
+    srv = _serving_figures(a, R, core, rng, vocab, device, save, log)
+    if not (a.skip_profile or a.serving_only):
+        _profiles(a, R, core, rng, vocab, device, table_path, save, log)
+    R["hf_baseline"] = None
+    R["ratio_vs_hf"] = None
+    R["serving_http"] = None
+    _notes(a, runner, srv, notes, commit, dirty)
     save()
     print(json.dumps({k: R.get(k) for k in ("limits", "startup_s", "decode_batch1",
                                             "prefill", "new_segments_after_warmup",

@@ -35,6 +35,7 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -144,22 +145,11 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def main() -> int:
-    a = parse_args()
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(a.device)
+def _header(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The result's identification: commit, date, device, versions, settings, notes."""
     on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    shape = TINY if a.tiny else LLAMA3_8B
-    B, L, N = a.batch, a.input_len, a.output_len
-
-    def left() -> float:
-        return a.budget_s - (time.perf_counter() - T0)
-
-    R: dict[str, Any] = {
+    N = a.output_len
+    return {
         "git_commit": git_commit(a.git_commit)[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if on_gpu
@@ -170,24 +160,11 @@ def main() -> int:
                      "cache_requested": a.cache, **{k: getattr(a, k) for k in FULL},
                      "greedy": True, "min_new_tokens": N, "max_new_tokens": N, "seed": a.seed},
         "notes": list(a.note)}
-    notes = R["notes"]
 
-    def save() -> None:
-        out.write_text(json.dumps(R, indent=2) + "\n")
 
-    def log(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}",
-              flush=True)
-
-    save()
-    log(f"device {R['device']}, torch {R['torch']}, transformers {R['transformers']}")
-    R["limits"] = measure_limits(device, a.copy_mib, a.matmul_n)
-    if on_gpu:
-        torch.cuda.empty_cache()
-    save()
-    log(f"limits: copy {R['limits']['copy_GBps']} GB/s, matmul {R['limits']['bf16_tflops']} "
-        "TFLOP/s")
-
+def _build(a: argparse.Namespace, R: dict, shape: dict, device: torch.device,
+           dtype: torch.dtype, save: Callable, log: Callable):
+    """Builds the random-weight model and records its description."""
     t = time.perf_counter()
     model = build_model(shape, device, dtype, a.seed)
     sync(device)
@@ -201,9 +178,12 @@ def main() -> int:
                   "param_device": str(next(model.parameters()).device)}
     save()
     log(f"model: {R['model']}")
+    return model
 
-    g = torch.Generator(device=device).manual_seed(a.seed)
-    vocab = cfg.vocab_size
+
+def _generator(model, device: torch.device, N: int) -> Callable:
+    """``generate(ids, cache, stop_after=None) -> (seconds, sequences)``: one greedy
+    ``model.generate`` call of ``N`` new tokens (or ``stop_after``), timed."""
     gen_kw = dict(do_sample=False, num_beams=1, max_new_tokens=N, min_new_tokens=N,
                   pad_token_id=0, return_dict_in_generate=False)
 
@@ -221,17 +201,22 @@ def main() -> int:
         sync(device)
         return time.perf_counter() - t0, seqs
 
-    # ---- warm-up at the timed shape; falls back to the dynamic cache if compiling fails
+    return generate
+
+
+def _warmup(a: argparse.Namespace, R: dict, generate: Callable, prompts: Callable,
+            on_gpu: bool, left: Callable, save: Callable, log: Callable) -> tuple[str, dict]:
+    """Warm-up at the timed shape; falls back to the dynamic cache if compiling fails.
+    Returns the cache used and the warm-up record."""
+    B, notes = a.batch, R["notes"]
     cache = a.cache
     W: dict[str, Any] = {"cache": cache, "batch": B, "new_tokens": a.warmup_tokens}
     R["warmup"] = W
     if cache == "static":
         try:
             with deadline(min(a.compile_timeout, left() - 30)):
-                W["first_s"], _ = generate(random_prompts(B, L, vocab, g, device), "static",
-                                           a.warmup_tokens)
-            W["second_s"], _ = generate(random_prompts(B, L, vocab, g, device), "static",
-                                        a.warmup_tokens)
+                W["first_s"], _ = generate(prompts(B), "static", a.warmup_tokens)
+            W["second_s"], _ = generate(prompts(B), "static", a.warmup_tokens)
             W["compiled"] = on_gpu  # generate() compiles the decode step on GPUs only
         except Exception as e:  # noqa: BLE001 - fall back to the eager dynamic cache
             W["static_failure"] = repr(e)[:2000]
@@ -245,18 +230,23 @@ def main() -> int:
                 torch.cuda.empty_cache()
             cache = W["cache"] = "dynamic"
     if cache == "dynamic":
-        W["first_s"], _ = generate(random_prompts(B, L, vocab, g, device), "dynamic",
-                                   a.warmup_tokens)
-        W["second_s"], _ = generate(random_prompts(B, L, vocab, g, device), "dynamic",
-                                    a.warmup_tokens)
+        W["first_s"], _ = generate(prompts(B), "dynamic", a.warmup_tokens)
+        W["second_s"], _ = generate(prompts(B), "dynamic", a.warmup_tokens)
         W["compiled"] = False
     W = {k: round(v, 3) if isinstance(v, float) else v for k, v in W.items()}
     R["warmup"] = W
     R["cache_used"] = cache
     save()
     log(f"warm-up: {W}")
+    return cache, W
 
-    # ---- timed batches of B prompts
+
+def _timed_batches(a: argparse.Namespace, R: dict, generate: Callable, prompts: Callable,
+                   cache: str, W: dict, left: Callable, save: Callable,
+                   log: Callable) -> list[float]:
+    """Timed batches of ``a.batch`` prompts until the time (or batch) limit; returns the
+    seconds of each."""
+    B, L, N = a.batch, a.input_len, a.output_len
     times: list[float] = []
     bad_lengths = 0
     t_start = time.perf_counter()
@@ -265,7 +255,7 @@ def main() -> int:
             remaining = min(a.timed_s - (time.perf_counter() - t_start), left() - 15)
             if remaining < max(times[-1], 0) * 1.1:
                 break
-        dt, seqs = generate(random_prompts(B, L, vocab, g, device), cache)
+        dt, seqs = generate(prompts(B), cache)
         bad_lengths += int(seqs.shape != (B, L + N))
         times.append(dt)
         log(f"batch #{len(times)} (size {B}): {dt:.2f} s, {B * N / dt:.1f} out tok/s")
@@ -287,8 +277,13 @@ def main() -> int:
         r["prefill_plus_short_decode_s"] = W["second_s"]
     save()
     log(f"batch size {B}: {r['batches']} batches, {r['output_tok_per_s']} out tok/s")
+    return times
 
-    # ---- batch 1, if the budget still allows a compile for the new shape
+
+def _batch1(a: argparse.Namespace, R: dict, generate: Callable, prompts: Callable,
+            cache: str, W: dict, times: list[float], left: Callable, log: Callable) -> None:
+    """Batch 1, if the budget still allows a compile for the new shape."""
+    B, L, N, notes = a.batch, a.input_len, a.output_len, R["notes"]
     need = (W.get("first_s", 0) if cache == "static" else 0) + 2 * statistics.median(times) / B
     need = min(need, a.compile_timeout) + 10
     if a.skip_batch1:
@@ -301,9 +296,9 @@ def main() -> int:
     else:
         try:
             with deadline(left() - 5):  # the first short call absorbs the recompile
-                w1, _ = generate(random_prompts(1, L, vocab, g, device), cache, a.warmup_tokens)
-                w2, _ = generate(random_prompts(1, L, vocab, g, device), cache, a.warmup_tokens)
-                dt, seqs = generate(random_prompts(1, L, vocab, g, device), cache)
+                w1, _ = generate(prompts(1), cache, a.warmup_tokens)
+                w2, _ = generate(prompts(1), cache, a.warmup_tokens)
+                dt, seqs = generate(prompts(1), cache)
             R["batch1"] = {"input_len": L, "output_len": N, "cache": cache,
                            "warmup_s": round(w1, 3), "short_s": round(w2, 3),
                            "generate_s": round(dt, 3), "tok_per_s": round(N / dt, 2),
@@ -314,15 +309,66 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - batch 1 is a bonus figure
             R["batch1"] = {"error": repr(e)[:2000]}
             log(f"batch 1 failed: {e!r}")
-    if on_gpu:
-        R["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    R["wall_s"] = round(time.perf_counter() - T0, 1)
+
+
+def _closing_notes(R: dict, cache: str, on_gpu: bool) -> None:
+    """How to read the figures, appended to the notes."""
+    notes = R["notes"]
     notes.append("output_tok_per_s = batch * output_len * batches / total generate() seconds; "
                  "each generate() call includes its prefill (eager in transformers) and "
                  "output_len - 1 decode steps.")
     if cache == "static" and on_gpu:
         notes.append("cache_implementation='static': transformers compiles the decode step "
                      "(torch.compile, mode reduce-overhead); the warm-up calls absorb it.")
+
+
+def main() -> int:
+    a = parse_args()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(a.device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    shape = TINY if a.tiny else LLAMA3_8B
+
+    def left() -> float:
+        return a.budget_s - (time.perf_counter() - T0)
+
+    R = _header(a, device, dtype)
+
+    def save() -> None:
+        out.write_text(json.dumps(R, indent=2) + "\n")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}",
+              flush=True)
+
+    save()
+    log(f"device {R['device']}, torch {R['torch']}, transformers {R['transformers']}")
+    R["limits"] = measure_limits(device, a.copy_mib, a.matmul_n)
+    if on_gpu:
+        torch.cuda.empty_cache()
+    save()
+    log(f"limits: copy {R['limits']['copy_GBps']} GB/s, matmul {R['limits']['bf16_tflops']} "
+        "TFLOP/s")
+
+    model = _build(a, R, shape, device, dtype, save, log)
+    g = torch.Generator(device=device).manual_seed(a.seed)
+    vocab = model.config.vocab_size
+
+    def prompts(batch: int) -> torch.Tensor:
+        return random_prompts(batch, a.input_len, vocab, g, device)
+
+    generate = _generator(model, device, a.output_len)
+    cache, W = _warmup(a, R, generate, prompts, on_gpu, left, save, log)
+    times = _timed_batches(a, R, generate, prompts, cache, W, left, save, log)
+    _batch1(a, R, generate, prompts, cache, W, times, left, log)
+    if on_gpu:
+        R["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    R["wall_s"] = round(time.perf_counter() - T0, 1)
+    _closing_notes(R, cache, on_gpu)
     save()
     print(json.dumps({k: R.get(k) for k in ("limits", "warmup", "batch64", "batch1")},
                      indent=1))

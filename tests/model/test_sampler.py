@@ -1,34 +1,61 @@
-"""Sampler: exact expectations for greedy, filters, penalties, min_tokens, logprobs, seeds."""
+"""Sampler: exact expectations for greedy, filters, penalties, min_tokens, logprobs, seeds.
+
+Every case goes through the engine's path: ``Sampler.sample`` then ``to_host().resolve()``.
+The processed logits (after penalties and min_tokens) are observed through full-vocabulary
+logprobs, which are their ``log_softmax`` (a shift of each row, exact in float32 for the
+small values used here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from tpserve.model.sampler import (
-    Sampler,
-    apply_filters,
-    apply_min_tokens,
-    apply_penalties,
-)
+from tpserve.model.sampler import Sampler, SamplerOutput, apply_filters
 from tpserve.model.sampling_params import SamplingParams
 
 V = 64
 NO_EOS: frozenset[int] = frozenset()
 
 
-def run(sampler, logits, params, gens=None, prompts=None, outputs=None, eos=NO_EOS):
+def run(sampler, logits, params, gens=None, prompts=None, outputs=None,
+        eos=NO_EOS) -> SamplerOutput:
+    """One step as the engine runs it: sample on the device, copy to the host, resolve."""
     n = logits.shape[0]
-    return sampler(
+    return sampler.sample(
         logits,
         params,
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
         gens if gens is not None else [None] * n,
         eos,
-    )
+    ).to_host().resolve()
+
+
+def processed(logits, params, prompts, outputs, eos=NO_EOS) -> torch.Tensor:
+    """The log_softmax of the logits after penalties and min_tokens, read from the
+    full-vocabulary logprobs of a greedy ``sample`` (the input is checked untouched)."""
+    before = logits.clone()
+    vocab = logits.shape[-1]
+    full = [dataclasses.replace(p, temperature=0.0, logprobs=vocab) for p in params]
+    out = run(Sampler(), logits, full, prompts=prompts, outputs=outputs, eos=eos)
+    assert torch.equal(logits, before)  # the input is not modified
+    rows = torch.empty(logits.shape, dtype=torch.float32)
+    for i, top in enumerate(out.top_logprobs):
+        assert len(top) == vocab
+        for token, lp in top:
+            rows[i, token] = lp
+    return rows
+
+
+def same_up_to_shift(got: torch.Tensor, expected_logits: torch.Tensor) -> bool:
+    """``got`` (log-probabilities) equals ``log_softmax(expected_logits)`` row by row."""
+    ref = torch.log_softmax(expected_logits.float(), -1)
+    finite = torch.isfinite(ref)
+    return (torch.equal(finite, torch.isfinite(got))
+            and torch.allclose(got[finite], ref[finite], atol=1e-6, rtol=0))
 
 
 @pytest.fixture
@@ -187,26 +214,26 @@ def test_top_k_past_int64_is_no_top_k(logits):
 def test_repetition_penalty_exact():
     x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.0, 3.0]])
     p = SamplingParams(repetition_penalty=2.0)
-    out = apply_penalties(x, [p], [[0, 1]], [[4, 2, 2]])
-    assert torch.equal(out, torch.tensor([[1.0, -4.0, 0.5, -1.0, 0.0, 3.0]]))
-    assert torch.equal(x, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.0, 3.0]]))  # input untouched
+    out = processed(x, [p], [[0, 1]], [[4, 2, 2]])
+    assert same_up_to_shift(out, torch.tensor([[1.0, -4.0, 0.5, -1.0, 0.0, 3.0]]))
 
 
 def test_frequency_and_presence_penalties_exact():
     x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
     p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
     # prompt tokens do not count for frequency / presence
-    out = apply_penalties(x, [p], [[0, 0, 1]], [[2, 2, 2, 3]])
-    assert torch.equal(out, torch.tensor([[2.0, -2.0, 1.0 - 1.5 - 0.25, -1.0 - 0.5 - 0.25, 0.5]]))
+    out = processed(x, [p], [[0, 0, 1]], [[2, 2, 2, 3]])
+    assert same_up_to_shift(
+        out, torch.tensor([[2.0, -2.0, 1.0 - 1.5 - 0.25, -1.0 - 0.5 - 0.25, 0.5]]))
 
 
 def test_all_penalties_combined_and_rows_independent():
     x = torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
-    out = apply_penalties(x, [p, SamplingParams()], [[1], [1]], [[0, 0], [0, 0]])
+    out = processed(x, [p, SamplingParams()], [[1], [1]], [[0, 0], [0, 0]])
     # repetition first (2 -> 1, -2 -> -4), then 2 x 1.0 + 0.5 on token 0
-    assert torch.equal(out[0], torch.tensor([1.0 - 2.5, -4.0, 1.0]))
-    assert torch.equal(out[1], x[1])
+    assert same_up_to_shift(out[:1], torch.tensor([[1.0 - 2.5, -4.0, 1.0]]))
+    assert same_up_to_shift(out[1:], x[1:])
 
 
 def test_penalties_change_sampled_token():
@@ -222,9 +249,9 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     x[:, 5] = 9.0  # stop token
     x[:, 1] = 1.0
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(5,))
-    masked = apply_min_tokens(x, [p, p], [[1, 1], [1, 1, 1]], frozenset({2}))
+    masked = processed(x, [p, p], [[], []], [[1, 1], [1, 1, 1]], eos=frozenset({2}))
     assert masked[0, 2] == -math.inf and masked[0, 5] == -math.inf
-    assert torch.equal(masked[1], x[1])  # min_tokens reached
+    assert same_up_to_shift(masked[1:], x[1:])  # min_tokens reached
     out = run(Sampler(), x, [p, p], outputs=[[1, 1], [1, 1, 1]], eos=frozenset({2}))
     assert out.token_ids == [1, 2]
     ignore = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
@@ -265,7 +292,7 @@ def test_mixed_batch_shapes_and_empty():
     sampler = Sampler()
     assert run(sampler, torch.zeros(0, V), []).token_ids == []
     with pytest.raises(ValueError):
-        sampler(torch.zeros(2, V), [SamplingParams()], [[]], [[]], [None], NO_EOS)
+        sampler.sample(torch.zeros(2, V), [SamplingParams()], [[]], [[]], [None], NO_EOS)
 
 
 def test_argmax_rows_equals_argmax_with_ties():

@@ -2,10 +2,10 @@
 
 Pipeline, per row of ``logits`` (always computed in float32 on the logits' device):
 
-1. penalties (:func:`apply_penalties`): repetition penalty over prompt + output tokens
+1. penalties (``_penalize_``): repetition penalty over prompt + output tokens
    (Hugging Face style: positive logits divided, negative ones multiplied), then frequency
    (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
-2. min_tokens (:func:`apply_min_tokens`): while the output is shorter than ``min_tokens``,
+2. min_tokens (``_mask_min_tokens_``): while the output is shorter than ``min_tokens``,
    every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
    then ``logit_bias`` is added, and the grammar bitmask of structured-output rows (built
    by the engine) sets every token the grammar forbids to -inf;
@@ -187,30 +187,6 @@ def _mask_min_tokens_(
         logits[rows, cols] = -math.inf
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """Step 1 of the pipeline on a float32 copy of ``logits`` (the input is not modified)."""
-    out = logits.to(torch.float32, copy=True)
-    _penalize_(out, params, prompt_token_ids, output_token_ids)
-    return out
-
-
-def apply_min_tokens(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: frozenset[int],
-) -> torch.Tensor:
-    """Step 2 of the pipeline on a float32 copy of ``logits`` (the input is not modified)."""
-    out = logits.to(torch.float32, copy=True)
-    _mask_min_tokens_(out, params, output_token_ids, eos_token_ids)
-    return out
-
-
 def apply_filters(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -250,7 +226,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns one step's logits into tokens (and logprobs) following the module pipeline.
+    """Turns one step's logits into tokens (and logprobs) following the module pipeline:
+    ``sample`` leaves the results on the device; the caller reads them with
+    ``to_host().resolve()``.
 
     Holds the generator shared by unseeded requests, seeded once from ``seed``; the object
     is otherwise stateless, so one instance serves every step of every request.
@@ -270,18 +248,6 @@ class Sampler:
         # so wrapping changes no accepted seed and keeps ``seed + sibling`` from overflowing.
         gen.manual_seed(seed % 2**64)
         return gen
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-        eos_token_ids: frozenset[int],
-    ) -> SamplerOutput:
-        return self.sample(logits, params, prompt_token_ids, output_token_ids, generators,
-                           eos_token_ids).resolve()
 
     def sample(
         self,

@@ -58,6 +58,7 @@ from tpserve.server.config import Config
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.step_loop import HEARTBEAT_S, Item, StepLoop, engine_stats
+from tpserve.server.failure import LateBoundFailure
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
 logger = logging.getLogger("tpserve")
@@ -158,31 +159,19 @@ def run_engine_process(cfg: Config, commands: Connection, outputs: Connection) -
 
 def _run(cfg: Config, commands: Connection, outputs: Connection) -> int:
     outbox = PipeOutbox(outputs)
-    early: list[str] = []  # worker failures before the loop exists
-    holder: dict[str, StepLoop] = {}
-    lock = threading.Lock()
-
-    def on_worker_failure(reason: str) -> None:
-        with lock:
-            steps = holder.get("steps")
-            if steps is None:
-                logger.error("a worker failed during start-up: %s", reason)
-                early.append(reason)
-                return
-        steps.fail(reason)  # its on_fatal sends "dead"
-
+    on_worker_failure = LateBoundFailure()  # bound to the StepLoop once it exists
     group = workers = None
     try:
         group, workers = join_group(cfg, on_worker_failure)
         core = build_engine_core(cfg, group)
-        if early:
+        if early := on_worker_failure.early():
             raise RuntimeError(early[0])
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process
         if not isinstance(e, (ValueError, FileNotFoundError, MemoryError)):
             # the CLI prints just the message of those; of anything else, the traceback
             logger.error("engine start-up failed", exc_info=True)
-        with lock:
-            error = RuntimeError(early[0]) if early else _picklable(e)
+        early = on_worker_failure.early()
+        error = RuntimeError(early[0]) if early else _picklable(e)
         outbox.send(("failed", error))
         leave_group(group, workers)
         return 1
@@ -194,9 +183,7 @@ def _run(cfg: Config, commands: Connection, outputs: Connection) -> int:
         "model": r.ckpt.description, "tp": r.comm.world_size, "device": str(r.device),
         "kv_blocks": r.kv_pool.num_blocks, "stats": engine_stats(core)}))
     steps.start()
-    with lock:
-        holder["steps"] = steps
-        died = list(early)  # a worker died after the last check
+    died = on_worker_failure.bind(steps.fail)  # its on_fatal sends "dead"
     if died:
         steps.fail(died[0])
     reader = threading.Thread(target=_read_commands, args=(commands, steps),

@@ -30,12 +30,63 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineDeadError
-from tpserve.server.engine.step_loop import EngineFront, dead_error
+from tpserve.server.engine.front import EngineFront
+from tpserve.server.engine.step_loop import dead_error
 from tpserve.server.engine_process import run_engine_process
 
 logger = logging.getLogger("tpserve")
 
 POLL_S = 1.0  # how often the waits re-check the child
+
+
+class PipeTransport:
+    """``EngineTransport`` to the engine process: commands go down the command pipe (one
+    lock for the HTTP thread and ``drain``'s); the request table (request id ->
+    ``asyncio.Queue``) and the event loop the outputs go to belong to the event loop
+    thread. ``is_alive`` looks at the reader thread and the child's sentinel, not
+    ``is_alive()``: only the reader thread reaps the child."""
+
+    def __init__(self, commands: mp.connection.Connection, proc: Any,
+                 reader: threading.Thread) -> None:
+        self.commands = commands
+        self.proc = proc
+        self.reader = reader
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: tuple) -> bool:
+        """False when the engine process is gone."""
+        with self._send_lock:
+            try:
+                self.commands.send(msg)
+                return True
+            except (OSError, ValueError):  # the engine process is gone
+                return False
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               outputs: asyncio.Queue) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queues[request_id] = outputs
+        if not self.send(("add", request_id, list(prompt_token_ids), params)):
+            del self.queues[request_id]
+            raise EngineDeadError("engine is dead: the engine process is gone")
+
+    def release(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self.send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self.send(("abort_all",))
+
+    def has_requests(self) -> bool:
+        return bool(self.queues)
+
+    def is_alive(self) -> bool:
+        return (self.reader.is_alive()
+                and not mp.connection.wait([self.proc.sentinel], timeout=0))
 
 
 class EngineProxy(EngineFront):
@@ -50,11 +101,8 @@ class EngineProxy(EngineFront):
         ckpt = open_checkpoint(r.model, r.load_format, r.seed)
         self.dead_reason: str | None = None
         self._on_fatal = on_fatal
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, float] = {}
         self._stopping = threading.Event()
-        self._send_lock = threading.Lock()
         ctx = mp.get_context("spawn")
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_send = ctx.Pipe(duplex=False)
@@ -66,6 +114,7 @@ class EngineProxy(EngineFront):
         out_send.close()
         self._reader = threading.Thread(target=self._read, name="engine-reader",
                                         daemon=True)
+        self._pipe = PipeTransport(self._commands, self._proc, self._reader)
         try:
             tokenizer = ckpt.tokenizer()
             info = self._wait_ready()
@@ -74,7 +123,7 @@ class EngineProxy(EngineFront):
             raise
         self._stats = info["stats"]
         self.info = info
-        self._init_front(cfg.served_model_name, info["max_model_len"], tokenizer,
+        self._init_front(self._pipe, cfg.served_model_name, info["max_model_len"], tokenizer,
                          info["vocab_size"], cfg.scheduler.max_num_seqs,
                          cfg.scheduler.max_num_batched_tokens,
                          cfg.engine.max_num_queued_requests, cfg.engine.max_num_queued_tokens)
@@ -104,17 +153,12 @@ class EngineProxy(EngineFront):
     def start(self) -> None:
         self._reader.start()
 
-    def is_healthy(self) -> bool:
-        # the sentinel, not is_alive(): only the reader thread reaps the child
-        return (self.dead_reason is None and self._reader.is_alive()
-                and not mp.connection.wait([self._proc.sentinel], timeout=0))
-
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops accepting, tells the engine process to stop (it tells the workers) and
         waits for it; kills it after ``timeout`` s."""
         self.accepting = False
         self._stopping.set()
-        self._send(("shutdown",))
+        self._pipe.send(("shutdown",))
         if self._reader.is_alive() or self._reader.ident is None:
             if self._reader.ident is None:
                 self._reader.start()  # it reaps the child
@@ -136,7 +180,7 @@ class EngineProxy(EngineFront):
         logger.error("engine failed: %s", reason)
         self.dead_reason = reason
         self.accepting = False
-        loop = self._loop
+        loop = self._pipe.loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the event loop is closed already
                 loop.call_soon_threadsafe(self._fail_all, dead_error(reason))
@@ -144,38 +188,10 @@ class EngineProxy(EngineFront):
             self._on_fatal(reason)
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        for q in list(self._queues.values()):
+        for q in list(self._pipe.queues.values()):
             q.put_nowait(error)
 
     # ---------------------------------------------------------------- HTTP side
-    def _send(self, msg: tuple) -> bool:
-        with self._send_lock:
-            try:
-                self._commands.send(msg)
-                return True
-            except (OSError, ValueError):  # the engine process is gone
-                return False
-
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                outputs: asyncio.Queue) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queues[request_id] = outputs
-        if not self._send(("add", request_id, list(prompt_token_ids), params)):
-            del self._queues[request_id]
-            raise EngineDeadError("engine is dead: the engine process is gone")
-
-    def _release(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def _has_requests(self) -> bool:
-        return bool(self._queues)
-
-    def _abort_all(self) -> None:
-        self._send(("abort_all",))
-
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
 
@@ -205,7 +221,7 @@ class EngineProxy(EngineFront):
             _, items, stats = msg
             if stats is not None:
                 self._stats = stats
-            loop = self._loop
+            loop = self._pipe.loop
             if items and loop is not None:
                 with contextlib.suppress(RuntimeError):  # the event loop is closed already
                     loop.call_soon_threadsafe(self._dispatch, items)
@@ -217,6 +233,6 @@ class EngineProxy(EngineFront):
     def _dispatch(self, items: list[tuple[str, Any]]) -> None:
         """Event loop thread: one step's outputs to their requests' queues."""
         for request_id, item in items:
-            q = self._queues.get(request_id)
+            q = self._pipe.queues.get(request_id)
             if q is not None:
                 q.put_nowait(item)

@@ -30,6 +30,7 @@ from tpserve.server.config import Config
 from tpserve.server.engine.step_loop import AsyncEngine
 from tpserve.server.engine_proxy import EngineProxy
 from tpserve.server.exposure import exposure_warning
+from tpserve.server.failure import LateBoundFailure
 from tpserve.server.http.app import build_app
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
@@ -97,34 +98,27 @@ def serve(cfg: Config) -> int:
     if cfg.engine.engine_process and env is None:
         return _serve_engine_process(cfg, defaults)
     status = _Exit()
-    holder: dict[str, object] = {}
-
-    def on_worker_failure(reason: str) -> None:
-        status.fatal(reason)
-        engine = holder.get("engine")
-        if isinstance(engine, AsyncEngine):
-            engine.fail(reason)  # calls on_fatal, which stops the HTTP server
-        else:
-            logger.error("a worker failed during start-up: %s", reason)
-
+    on_worker_failure = LateBoundFailure(always=status.fatal)
     group, workers = join_group(cfg, on_worker_failure)
     try:
         if group.rank != 0:
             torch.set_num_threads(max(1, torch.get_num_threads() // group.world_size))
             ModelRunner(cfg.runner, cfg.scheduler.limits, group).worker_loop()
             return 0
-        return _serve_rank0(cfg, group, workers, status, holder, defaults)
+        return _serve_rank0(cfg, group, workers, status, on_worker_failure, defaults)
     finally:
         leave_group(group, workers)
 
 
 def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
-                 status: _Exit, holder: dict, defaults: GenerationDefaults) -> int:
+                 status: _Exit, on_worker_failure: LateBoundFailure,
+                 defaults: GenerationDefaults) -> int:
     core = build_engine_core(cfg, group)
     engine = AsyncEngine(core, cfg.served_model_name, status.fatal,
                          max_queued_requests=cfg.engine.max_num_queued_requests,
                          max_queued_tokens=cfg.engine.max_num_queued_tokens)
-    holder["engine"] = engine
+    # failures before this only set the exit status (``always``), as during start-up
+    on_worker_failure.bind(engine.fail)  # fail calls on_fatal, which stops the HTTP server
     return _serve_http(cfg, engine, status, defaults)
 
 

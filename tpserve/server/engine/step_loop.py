@@ -4,9 +4,9 @@ model runs in the engine's own thread, so the event loop never waits on it.
 Three pieces, shared by the in-process engine (``AsyncEngine``) and the engine process
 (``engine_process`` + ``engine_proxy.EngineProxy``):
 
-- ``EngineFront``: what the HTTP side checks before a request reaches the engine
-  (validation, backpressure with 429, drain). Its counters are touched only on the event
-  loop thread.
+- ``EngineFront`` (``front``): what the HTTP side checks before a request reaches the
+  engine (validation, backpressure with 429, drain); it reaches this module's loop through
+  ``StepLoopTransport``.
 - ``StepLoop``: the engine thread. ``EngineCore`` and everything under it belong to it;
   other threads talk to it only through its inbox (add / abort / abort_all / stop) and
   read plain counters. Idle, it sends heartbeats (``CMD_NOOP``) to the worker ranks; at
@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from tpserve.model.memory import allocator_stats
@@ -36,11 +36,9 @@ from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import (
     EngineDeadError,
     EngineError,
-    EngineOverloadedError,
     EngineShuttingDownError,
-    InvalidRequestError,
-    PromptTooLongError,
 )
+from tpserve.server.engine.front import EngineFront
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.request_state import RequestState
 
@@ -224,123 +222,6 @@ class StepLoop:
             self._flush()
 
 
-class EngineFront:
-    """The HTTP side of an engine: validation, backpressure, the per-request output
-    queue, drain. Subclasses provide ``dead_reason``, ``is_healthy``, ``abort``,
-    ``_submit`` (start a request whose outputs go to an ``asyncio.Queue``),
-    ``_has_requests`` and ``_abort_all``."""
-
-    dead_reason: str | None
-
-    def _init_front(self, model_name: str, max_model_len: int, tokenizer: Any,
-                    vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    max_queued_requests: int, max_queued_tokens: int) -> None:
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.accepting = True
-        # backpressure: requests (and their prompt tokens, times n) accepted but not yet
-        # finished, beyond what one step can run; touched only on the event loop thread
-        self.max_outstanding = max_num_seqs + max_queued_requests
-        self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
-        self.outstanding = 0
-        self.outstanding_tokens = 0
-
-    def is_healthy(self) -> bool:
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                outputs: asyncio.Queue) -> None:
-        """Starts the request; its outputs (or the error ending it) arrive in ``outputs``.
-        Raises ``EngineError`` (and has registered nothing) when it cannot start."""
-        raise NotImplementedError
-
-    def _release(self, request_id: str) -> None:
-        """The consumer of ``request_id`` is gone (finished, failed or stopped early)."""
-
-    def _has_requests(self) -> bool:
-        raise NotImplementedError
-
-    def _abort_all(self) -> None:
-        raise NotImplementedError
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")
-        if not self.accepting:
-            raise EngineShuttingDownError("server is shutting down")
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt)} prompt tokens and max_tokens={params.max_tokens} "
-                f"({len(prompt) + params.max_tokens} in total)")
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        self._validate(prompt_token_ids, params)
-        # each of the n sibling sequences holds the whole prompt (their K/V is shared only
-        # while the prefix cache keeps it), so the request counts n times its prompt
-        tokens = len(prompt_token_ids) * params.n
-        if (self.outstanding >= self.max_outstanding
-                or self.outstanding_tokens + tokens > self.max_outstanding_tokens):
-            raise EngineOverloadedError(
-                f"server is at capacity ({self.outstanding} requests, "
-                f"{self.outstanding_tokens} prompt tokens queued or running; this request "
-                f"adds {tokens} = n x prompt tokens); retry later", retry_after=1)
-        self.outstanding += 1
-        self.outstanding_tokens += tokens
-        try:
-            async for out in self._generate(request_id, prompt_token_ids, params):
-                yield out
-        finally:
-            self.outstanding -= 1
-            self.outstanding_tokens -= tokens
-
-    async def _generate(self, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._submit(request_id, prompt_token_ids, params, outputs)
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._release(request_id)
-            if not finished:
-                self.abort(request_id)
-
-    def drain(self, timeout: float) -> bool:
-        """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
-        then aborts the rest (their clients get finish_reason ``abort``). Returns True when
-        everything finished on its own."""
-        self.accepting = False
-        deadline = time.monotonic() + timeout
-        while self._has_requests() and time.monotonic() < deadline and self.is_healthy():
-            time.sleep(0.05)
-        clean = not self._has_requests()
-        self._abort_all()
-        while self._has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
-            time.sleep(0.05)
-        return clean
-
-
 class _LoopOutbox:
     """In-process delivery: targets are ``(event loop, asyncio.Queue)`` pairs."""
 
@@ -358,6 +239,34 @@ class _LoopOutbox:
             loop.call_soon_threadsafe(_put_all, items)
 
 
+class StepLoopTransport:
+    """``EngineTransport`` to a ``StepLoop`` in this process: requests go into its inbox
+    with an emitter to the caller's event loop and queue."""
+
+    def __init__(self, steps: StepLoop) -> None:
+        self.steps = steps
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               outputs: asyncio.Queue) -> None:
+        emit = self.steps.emitter((asyncio.get_running_loop(), outputs))
+        self.steps.submit(RequestState(request_id, list(prompt_token_ids), params, emit))
+
+    def release(self, request_id: str) -> None:
+        """Nothing to do: the loop drops a request's state when it finishes."""
+
+    def abort(self, request_id: str) -> None:
+        self.steps.abort(request_id)
+
+    def abort_all(self) -> None:
+        self.steps.abort_all()
+
+    def has_requests(self) -> bool:
+        return self.steps.has_requests
+
+    def is_alive(self) -> bool:
+        return self.steps.is_alive()
+
+
 class AsyncEngine(EngineFront):
     """Implements ``EngineClient`` for the HTTP layer, with the engine thread in this
     process."""
@@ -368,8 +277,8 @@ class AsyncEngine(EngineFront):
         self.core = core
         self._on_fatal = on_fatal
         self.steps = StepLoop(core, _LoopOutbox(), self._fatal)
-        self._init_front(model_name, core.max_model_len, core.tokenizer,
-                         core.runner.model_config.vocab_size,
+        self._init_front(StepLoopTransport(self.steps), model_name, core.max_model_len,
+                         core.tokenizer, core.runner.model_config.vocab_size,
                          core.scheduler.config.max_num_seqs, core.max_num_batched_tokens,
                          max_queued_requests, max_queued_tokens)
 
@@ -380,9 +289,6 @@ class AsyncEngine(EngineFront):
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.steps.start()
-
-    def is_healthy(self) -> bool:
-        return self.dead_reason is None and self.steps.is_alive()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops accepting, ends the loop, tells the workers to exit."""
@@ -398,21 +304,6 @@ class AsyncEngine(EngineFront):
         self.accepting = False
         if self._on_fatal is not None:
             self._on_fatal(reason)
-
-    # ---------------------------------------------------------------- HTTP side
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                outputs: asyncio.Queue) -> None:
-        emit = self.steps.emitter((asyncio.get_running_loop(), outputs))
-        self.steps.submit(RequestState(request_id, list(prompt_token_ids), params, emit))
-
-    def abort(self, request_id: str) -> None:
-        self.steps.abort(request_id)
-
-    def _has_requests(self) -> bool:
-        return self.steps.has_requests
-
-    def _abort_all(self) -> None:
-        self.steps.abort_all()
 
     def stats(self) -> dict[str, float]:
         return self.steps.stats()

@@ -1,0 +1,153 @@
+"""``EngineFront``: what the HTTP side checks before a request reaches the engine
+(validation, backpressure with 429, drain), and the ``EngineTransport`` through which it
+reaches the engine: ``StepLoopTransport`` (``step_loop``, the engine thread in this
+process) or ``PipeTransport`` (``engine_proxy``, the engine in a child process).
+
+The front's counters are touched only on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from tpserve.server.engine.outputs import RequestOutput
+
+
+class EngineTransport(Protocol):
+    """How an ``EngineFront`` reaches its engine. Called on the event loop thread, except
+    ``is_alive``, ``has_requests`` and ``abort_all`` (also from ``drain``'s thread)."""
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               outputs: asyncio.Queue) -> None:
+        """Starts the request; its outputs (or the error ending it) arrive in ``outputs``.
+        Raises ``EngineError`` (and has registered nothing) when it cannot start."""
+
+    def release(self, request_id: str) -> None:
+        """The consumer of ``request_id`` is gone (finished, failed or stopped early)."""
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request early (its consumer gets finish_reason ``abort``)."""
+
+    def abort_all(self) -> None:
+        """Aborts every request the engine has."""
+
+    def has_requests(self) -> bool:
+        """Whether any request is still registered."""
+
+    def is_alive(self) -> bool:
+        """Whether the engine (thread or process) still runs; ``is_healthy`` is this and
+        no ``dead_reason``."""
+
+
+class EngineFront:
+    """The HTTP side of an engine: validation, backpressure, the per-request output
+    queue, drain. Subclasses provide ``dead_reason`` and call ``_init_front`` with the
+    ``EngineTransport`` that reaches their engine."""
+
+    dead_reason: str | None
+
+    def _init_front(self, transport: EngineTransport, model_name: str, max_model_len: int,
+                    tokenizer: Any,
+                    vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                    max_queued_requests: int, max_queued_tokens: int) -> None:
+        self.transport = transport
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.accepting = True
+        # backpressure: requests (and their prompt tokens, times n) accepted but not yet
+        # finished, beyond what one step can run; touched only on the event loop thread
+        self.max_outstanding = max_num_seqs + max_queued_requests
+        self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
+        self.outstanding = 0
+        self.outstanding_tokens = 0
+
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and self.transport.is_alive()
+
+    def abort(self, request_id: str) -> None:
+        self.transport.abort(request_id)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")
+        if not self.accepting:
+            raise EngineShuttingDownError("server is shutting down")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(prompt)} prompt tokens and max_tokens={params.max_tokens} "
+                f"({len(prompt) + params.max_tokens} in total)")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self._validate(prompt_token_ids, params)
+        # each of the n sibling sequences holds the whole prompt (their K/V is shared only
+        # while the prefix cache keeps it), so the request counts n times its prompt
+        tokens = len(prompt_token_ids) * params.n
+        if (self.outstanding >= self.max_outstanding
+                or self.outstanding_tokens + tokens > self.max_outstanding_tokens):
+            raise EngineOverloadedError(
+                f"server is at capacity ({self.outstanding} requests, "
+                f"{self.outstanding_tokens} prompt tokens queued or running; this request "
+                f"adds {tokens} = n x prompt tokens); retry later", retry_after=1)
+        self.outstanding += 1
+        self.outstanding_tokens += tokens
+        try:
+            async for out in self._generate(request_id, prompt_token_ids, params):
+                yield out
+        finally:
+            self.outstanding -= 1
+            self.outstanding_tokens -= tokens
+
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        outputs: asyncio.Queue = asyncio.Queue()
+        self.transport.submit(request_id, prompt_token_ids, params, outputs)
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.transport.release(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def drain(self, timeout: float) -> bool:
+        """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
+        then aborts the rest (their clients get finish_reason ``abort``). Returns True when
+        everything finished on its own."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.transport.has_requests() and time.monotonic() < deadline and self.is_healthy():
+            time.sleep(0.05)
+        clean = not self.transport.has_requests()
+        self.transport.abort_all()
+        while self.transport.has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        return clean
