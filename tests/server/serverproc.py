@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import openai
 
 from tpserve.parallel.state import find_free_port
 
@@ -83,6 +84,11 @@ class ServerProcess:
         if not found:
             raise KeyError(name)
         return total
+
+    def client(self, api_key: str = "none", timeout: float = 600) -> openai.OpenAI:
+        """The real openai client on this server's /v1, without retries."""
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0,
+                             timeout=timeout)
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM (if still running), wait, SIGKILL after ``timeout`` s; removes the log

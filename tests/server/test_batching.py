@@ -28,8 +28,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
+    return server.client(timeout=120)
 
 
 class EventLog:

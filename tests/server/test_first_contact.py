@@ -37,7 +37,7 @@ def server_vllm_defaults():
 
 
 def client(s: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0)
+    return s.client(timeout=openai.DEFAULT_TIMEOUT)
 
 
 def story_texts(s: ServerProcess, **fields) -> set[str]:

@@ -26,8 +26,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
-                         timeout=300)
+    return server.client(timeout=300)
 
 
 def rendered(server, messages) -> str:

@@ -45,8 +45,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
-                         timeout=600)
+    return server.client(timeout=600)
 
 
 def person(client, seed: int, stream: bool = False) -> tuple[str, str]:

@@ -37,8 +37,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
-                         timeout=600)
+    return server.client(timeout=600)
 
 
 def check_calls(calls, names=tuple(SCHEMAS)) -> None:
@@ -165,7 +164,7 @@ def test_auto_tool_choice_enabled():
     small model may or may not call a tool, so either answer must be well formed."""
     s = ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     try:
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=600)
+        c = s.client(timeout=600)
         for tool_choice in (openai.NOT_GIVEN, "auto"):
             r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                           tool_choice=tool_choice, temperature=0,
