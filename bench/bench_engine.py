@@ -90,6 +90,10 @@ def parse_args() -> argparse.Namespace:
                    help="step budget while sequences decode (default: the largest graph)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks; 1..N-1 are spawned (one GPU each on CUDA, gloo on CPU)")
+    p.add_argument("--tp-comm", choices=("allreduce", "allgather"), default="allreduce",
+                   help="how row-parallel layers finish (see tpserve serve --tp-comm)")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="NCCL for every all-reduce (no peer-to-peer one/two-shot)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
@@ -113,7 +117,9 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization),
             "--cuda-graph-max-tokens", str(a.cuda_graph_max_tokens),
-            "--tensor-parallel-size", str(a.tensor_parallel_size)]
+            "--tensor-parallel-size", str(a.tensor_parallel_size), "--tp-comm", a.tp_comm]
+    if a.disable_custom_all_reduce:
+        argv.append("--disable-custom-all-reduce")
     if a.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(a.kv_cache_memory)]
     if a.max_mixed_tokens is not None:
@@ -140,7 +146,10 @@ def main() -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__, "triton": None, "python": platform.python_version(),
-        "config": {k: getattr(a, k) for k in FULL}, "notes": []}
+        "config": {k: getattr(a, k) for k in FULL},
+        "parallel": {"tensor_parallel_size": a.tensor_parallel_size, "tp_comm": a.tp_comm,
+                     "disable_custom_all_reduce": a.disable_custom_all_reduce},
+        "notes": []}
     try:
         import triton
         R["triton"] = triton.__version__
