@@ -15,6 +15,7 @@ from torch import nn
 from tpserve.model.config import ModelConfig
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.progress import LoadProgress
+from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
 from tpserve.model.registry import model_class
 from tpserve.parallel.shard import TensorSource
 
@@ -53,12 +54,6 @@ def folder_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
-
-
-def gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _load_all(model: nn.Module, weights: Iterator[tuple[str, TensorSource]], total: int,

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format) through the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's format): metadata and tensor table through our own
+``gguf_reader`` (fast), dequantisation through the ``gguf`` package.
 
 Tensors are dequantized lazily, shard by shard: a rank reads only its rows (or, for
 row-parallel weights, its quantization-block-aligned columns).
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from tpserve.model.config import ModelConfig
+from tpserve.model.loader.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -32,17 +34,14 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
                  "output": "lm_head"}
 
 
-def open_reader(path: Path):
-    import gguf
-
+def open_reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -68,7 +67,7 @@ def read_config(r, path: Path) -> ModelConfig:
     names = {t.name for t in r.tensors}
     heads = int(_field(r, f"{arch}.attention.head_count"))
     hidden = int(_field(r, f"{arch}.embedding_length"))
-    vocab = _field(r, f"{arch}.vocab_size") or len(_field(r, "tokenizer.ggml.tokens"))
+    vocab = _field(r, f"{arch}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"])
     eos = _field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=ARCHITECTURES[arch],
@@ -97,7 +96,7 @@ class GGUFSource:
 
         self.data = tensor.data
         self.qtype = tensor.tensor_type
-        self.shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+        self.shape = tuple(int(x) for x in reversed(tensor.shape))
         self.block_elems, self.block_bytes = GGML_QUANT_SIZES[self.qtype]
         self.unpermute_heads = unpermute_heads
 
