@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import subprocess
 import time
@@ -61,7 +62,35 @@ def measure_limits(device: torch.device, copy_mib: int, n: int) -> dict[str, flo
     tflops = 2 * n**3 / t / 1e12
     return {"copy_GBps": round(copy_gbps, 2), "bf16_tflops": round(tflops, 3),
             "copy_bytes": 2 * numel * 2, "matmul_n": n,
-            "matmul_dtype": str(dtype).replace("torch.", "")}
+            "matmul_dtype": str(dtype).replace("torch.", ""),
+            **host_limits(device)}
+
+
+def host_limits(device: torch.device, ops: int = 5000) -> dict[str, float | str]:
+    """The host side, which bounds every eager step: the CPU's model name and the host time
+    per launch of a tiny op (``torch.add`` into a preallocated output, 4 elements: the
+    device finishes each long before the next is issued, so the time is Python + torch's
+    dispatch + the launch)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f
+                         if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    a = torch.zeros(4, device=device)
+    out = torch.empty_like(a)
+    for _ in range(200):
+        torch.add(a, 1.0, out=out)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        torch.add(a, 1.0, out=out)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"host_cpu": name, "host_cpus": os.cpu_count() or 0,
+            "launch_us": round((time.perf_counter() - t0) / ops * 1e6, 3)}
 
 
 def git_commit(arg: str | None) -> tuple[str | None, bool | None]:
