@@ -1,10 +1,12 @@
 """The test-only fault hook: ``TPSERVE_TEST_FAULT=RANK:STEP:KIND`` makes one rank fail.
 
 KIND is ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``) or ``oom`` (a
-``torch.OutOfMemoryError``) at step STEP, or ``leakN``: from step STEP on, keep N MiB more
+``torch.OutOfMemoryError``) in the forward of step STEP; ``oom-sample``, the same error when
+rank 0 samples step STEP (after its samples were stored for the next step: the latest point
+of a step that allocates device memory); or ``leakN``: from step STEP on, keep N MiB more
 host memory every step (a planted leak for the soak's memory check). The variable is read
-and parsed once, when the runner is built; with it unset the runner holds None and pays one
-attribute check per step.
+and parsed once, when the runner is built; with it unset the runner holds None and each
+site pays one attribute check per step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 FAULT_ENV = "TPSERVE_TEST_FAULT"
-KINDS = ("raise", "exit", "oom", "leakN")
+KINDS = ("raise", "exit", "oom", "oom-sample", "leakN")
+FORWARD, SAMPLE = "forward", "sample"  # the sites that call ``FaultHook.fire``
 MiB = 2**20
 
 
@@ -28,8 +31,16 @@ class FaultHook:
     leak_bytes: int = 0
     kept: list[bytearray] = field(default_factory=list, compare=False, repr=False)
 
-    def fire(self, step: int) -> None:
-        """Called by the runner at every step; acts at ``self.step`` (a leak: from then on)."""
+    @property
+    def site(self) -> str:
+        return SAMPLE if self.kind == "oom-sample" else FORWARD
+
+    def fire(self, step: int, site: str = FORWARD) -> None:
+        """Called at every step by the runner's forward (``FORWARD``) and by rank 0's
+        sampling (``SAMPLE``); acts at ``self.step`` at its own site (a leak: from then
+        on, in the forward)."""
+        if site != self.site:
+            return
         if self.leak_bytes:
             if step >= self.step:
                 self.kept.append(bytearray(b"\xa5") * self.leak_bytes)  # touched: resident
@@ -38,8 +49,8 @@ class FaultHook:
             return
         if self.kind == "exit":
             os._exit(3)
-        if self.kind == "oom":
-            raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
+        if self.kind in ("oom", "oom-sample"):
+            raise torch.OutOfMemoryError(f"injected out-of-memory at {site} (test hook)")
         raise RuntimeError(f"injected failure at step {step} (test hook)")
 
 
