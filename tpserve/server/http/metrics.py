@@ -54,6 +54,8 @@ ENGINE_COUNTERS = {
     "prompt_tokens_total": "Number of prefill tokens processed.",
     "generation_tokens_total": "Number of generation tokens processed.",
     "steps_total": "Number of model steps the engine ran.",
+    "oom_recoveries_total": "Steps that ran out of device memory and were dropped and "
+                            "rescheduled under a reduced token budget.",
     "step_host_seconds_total": "Seconds the engine loop worked on the host (scheduling, "
                                "plans, launches, detokenization), waits for the device "
                                "excluded.",
