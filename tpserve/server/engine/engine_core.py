@@ -47,7 +47,7 @@ from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
-from tpserve.model.sampler import PendingSample, Sampler
+from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.histogram import engine_histograms
@@ -137,6 +137,10 @@ class EngineCore:
         self.async_scheduling = engine.async_scheduling
         self._inflight: _InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
+        if runner.device.type == "cuda":  # the shapes no start-up step sampled (sampler.py)
+            self.sampler.warm_up(runner.model_config.vocab_size,
+                                 small_pool_rows(runner.model_config.vocab_size,
+                                                 scheduler.max_num_seqs))
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())
