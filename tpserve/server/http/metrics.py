@@ -46,6 +46,7 @@ ENGINE_GAUGES = {
     "device_memory_allocated_bytes": "Device memory allocated by tensors, in bytes.",
     "device_memory_reserved_bytes": "Device memory reserved by the allocator, in bytes.",
     "device_memory_free_bytes": "Free device memory, in bytes.",
+    "allocator_segments": "Segments the device allocator holds (one cudaMalloc each).",
     "step_token_budget": "Current per-step token budget of the scheduler.",
 }
 # stats() key (cumulative) -> help text; exported as counters named PREFIX + key.
