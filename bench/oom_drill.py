@@ -226,9 +226,14 @@ def run(args) -> dict[str, Any]:
                                      if rest.strip() else None)
             R["outcomes"] = collections.Counter(r["outcome"] for r in results)
             R["full_answers"] = sum(r.get("tokens") == args.output_len for r in results)
-            # after the co-tenant left: a second, smaller burst; the budget must be full again
-            again = asyncio.run(burst(base, bodies(rng, args.requests // 4, args)))
-            R["after_outcomes"] = collections.Counter(r["outcome"] for r in again)
+            # after the co-tenant left: smaller bursts (the budget grows only at readings
+            # taken by steps) until the budget is full again, at most six
+            R["after_outcomes"] = collections.Counter()
+            for _ in range(6):
+                if metrics(client, base).get("step_token_budget") == args.max_num_batched_tokens:
+                    break
+                again = asyncio.run(burst(base, bodies(rng, args.requests // 8, args)))
+                R["after_outcomes"].update(r["outcome"] for r in again)
             stop[0] = True
             watcher.join(timeout=10)
             R["series"] = series
