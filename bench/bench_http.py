@@ -152,11 +152,13 @@ def _versions() -> dict[str, Any]:
 
 
 ENGINE_COUNTERS = ("steps_total", "step_host_seconds_total", "device_wait_seconds_total",
-                   "generation_tokens_total", "prompt_tokens_total")
+                   "generation_tokens_total", "prompt_tokens_total",
+                   "allocator_segments")  # a gauge: its difference is the new segments
 
 
 def _engine_counters(base: str) -> dict[str, float]:
-    """The engine's cumulative counters from /metrics (loadtest warm-up included)."""
+    """The engine's cumulative counters from /metrics (loadtest warm-up included) and
+    the allocator's segment count."""
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -283,6 +285,9 @@ def report(args: argparse.Namespace) -> int:
         "server_stop_s": rec["server_stop_s"],
         "engine_counters": rec.get("engine_counters"),
         "engine_ms_per_step": rec.get("engine_ms_per_step"),
+        # segments the allocator created during the load test (the server's own start-up
+        # warm-up before it; the load test's warm-up requests inside it)
+        "new_segments": (rec.get("engine_counters") or {}).get("allocator_segments"),
         "engine_output_throughput": engine_tps,
         "engine_json": Path(args.engine_json).name,
         "ratio_vs_engine": round(lt["output_throughput"] / engine_tps, 4),

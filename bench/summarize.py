@@ -50,6 +50,7 @@ def summarize(engine: dict, http: dict, hf: dict) -> dict:
         "startup_s": engine["startup_s"],
         "startup_http_s": http["startup_s"],
         "new_segments_after_warmup": engine["new_segments_after_warmup"],
+        "new_segments_http": http.get("new_segments"),  # None: an older run did not record
         "kv_waste": engine["kv_waste"]["mean"],
     }
     tpot_ratio = serving["tpot_ms"]["p50"] / b1["tpot_ms"]
@@ -67,6 +68,9 @@ def summarize(engine: dict, http: dict, hf: dict) -> dict:
                                       out["new_segments_after_warmup"] == 0),
         "kv_waste": (out["kv_waste"], "<= 0.02", out["kv_waste"] <= 0.02),
     }
+    if out["new_segments_http"] is not None:
+        targets["new_segments_http"] = (out["new_segments_http"], "== 0",
+                                        out["new_segments_http"] == 0)
     out["targets"] = {k: {"value": v, "target": t, "met": m} for k, (v, t, m) in targets.items()}
     return out
 

@@ -4,8 +4,9 @@ errors."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tpserve.model.fault import FAULT_ENV, FaultHook, MiB, parse_fault
+from tpserve.model.fault import FAULT_ENV, SAMPLE, FaultHook, FaultHooks, MiB, parse_fault
 
 
 def test_parse_fault():
@@ -14,10 +15,15 @@ def test_parse_fault():
     assert parse_fault("1:5:exit", 1) == FaultHook(5, "exit")
     assert parse_fault("0:4:oom", 0) == FaultHook(4, "oom")
     assert parse_fault("0:2:leak3", 0) == FaultHook(2, "leak3", 3 * MiB)
+    assert parse_fault("0:6:oom-sample", 0) == FaultHook(6, "oom-sample")
+    assert parse_fault("0:4:oom,1:5:exit,0:9:oom-sample", 0) == FaultHooks(
+        (FaultHook(4, "oom"), FaultHook(9, "oom-sample")))
+    assert parse_fault("0:4:oom,1:5:exit", 1) == FaultHook(5, "exit")
 
 
 @pytest.mark.parametrize("spec", ["0:4", "x:4:oom", "0:4:explode", "0:4:leak", "0:4:leak0",
-                                  "0:-1:raise", "0:1:2:raise"])
+                                  "0:-1:raise", "0:1:2:raise", "0:4:oom-forward",
+                                  "0:4:oom,", "1:2:exit,0:x:oom"])
 def test_malformed_fault_is_a_clear_error(spec):
     with pytest.raises(ValueError, match=f"{FAULT_ENV}=.*expected RANK:STEP:KIND"):
         parse_fault(spec, 0)
@@ -33,3 +39,25 @@ def test_fault_fires_at_its_step_and_a_leak_keeps_growing():
     for step in range(1, 5):
         leak.fire(step)
     assert [len(b) for b in leak.kept] == [MiB] * 3
+
+
+def test_each_kind_fires_at_its_own_site():
+    """``oom`` acts in the forward, ``oom-sample`` only where rank 0 samples."""
+    forward, sample = parse_fault("0:3:oom", 0), parse_fault("0:3:oom-sample", 0)
+    sample.fire(3)  # the forward of step 3: not its site
+    forward.fire(3, SAMPLE)
+    with pytest.raises(torch.OutOfMemoryError, match="at sample"):
+        sample.fire(3, SAMPLE)
+    with pytest.raises(torch.OutOfMemoryError, match="at forward"):
+        forward.fire(3)
+    sample.fire(4, SAMPLE)
+
+
+def test_several_faults_fire_each_at_its_step_and_site():
+    hooks = parse_fault("0:2:oom,0:3:oom-sample", 0)
+    hooks.fire(2, SAMPLE)
+    hooks.fire(3)
+    with pytest.raises(torch.OutOfMemoryError, match="at forward"):
+        hooks.fire(2)
+    with pytest.raises(torch.OutOfMemoryError, match="at sample"):
+        hooks.fire(3, SAMPLE)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tpserve.model.sampler import Sampler, SamplerOutput, apply_filters
+from tpserve.model.sampler import Sampler, SamplerOutput, apply_filters, small_pool_rows
 from tpserve.model.sampling_params import SamplingParams
 
 V = 64
@@ -306,3 +306,17 @@ def test_argmax_rows_equals_argmax_with_ties():
         got = argmax_rows(x)
         assert torch.equal(got, x.argmax(dim=-1)), vocab
         assert got[2] == 77 and got[3] == vocab - 1 and got[4] == 0
+
+
+def test_warm_up_runs_every_path_and_changes_no_draw():
+    """The allocator warm-up samples each row count through every path and leaves the
+    shared generator where it was: the next draw equals a fresh sampler's."""
+    vocab = 1000
+    assert small_pool_rows(vocab, 64) == range(1, 65)  # 4,000 bytes a row
+    assert list(small_pool_rows(128256, 64)) == [1, 2]  # Llama-3: two rows fit in 1 MiB
+    warmed, fresh = Sampler(seed=3), Sampler(seed=3)
+    warmed.warm_up(vocab, range(1, 4))
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0)] * 4
+    args = (logits, params, [[1]] * 4, [[]] * 4, [None] * 4, frozenset())
+    assert warmed.sample(*args).to_host().resolve() == fresh.sample(*args).to_host().resolve()

@@ -128,24 +128,39 @@ def test_overload_is_answered_with_429(server):
     assert server.proc.wait(timeout=60) == 0
 
 
+def _post_all(base: str, bodies: list[dict]) -> list[httpx.Response | None]:
+    """Posts every body at once (one thread each); the responses in order."""
+    results: list[httpx.Response | None] = [None] * len(bodies)
+
+    def go(i: int) -> None:
+        results[i] = httpx.post(base + "/v1/completions", json=bodies[i], timeout=120)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return results
+
+
 def test_out_of_memory_in_a_step_is_survived():
-    s = ServerProcess(*SMALL, env={"TPSERVE_TEST_FAULT": "0:4:oom"})
+    """Out-of-memory errors in the forward (step 4) and in sampling after the step's
+    samples were stored (step 9), under concurrent requests: every request gets its full
+    answer, the same greedy text as the same requests sent again after the faults (each
+    fires once), the server stays healthy and every KV block returns to the pool."""
+    s = ServerProcess(*SMALL, env={"TPSERVE_TEST_FAULT": "0:4:oom,0:9:oom-sample"})
     try:
-        bodies = [{"prompt": f"{PROMPT} {i}", "max_tokens": 12, "ignore_eos": True}
-                  for i in range(4)]
-        results = [None] * 4
-
-        def go(i: int) -> None:
-            results[i] = httpx.post(s.base + "/v1/completions", json=bodies[i], timeout=120)
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-        for r in results:
-            assert r.status_code == 200
+        bodies = [{"prompt": f"{PROMPT} {i}", "max_tokens": 12, "ignore_eos": True,
+                   "temperature": 0} for i in range(4)]
+        faulted = _post_all(s.base, bodies)
+        assert s.metric("oom_recoveries_total") == 2
+        again = _post_all(s.base, bodies)
+        assert s.metric("oom_recoveries_total") == 2
+        for r, r2 in zip(faulted, again, strict=True):
+            assert r is not None and r.status_code == 200, r
             assert r.json()["usage"]["completion_tokens"] == 12
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
         assert httpx.get(s.base + "/health").status_code == 200
         assert s.metric("num_preemptions_total") >= 1
         assert s.metric("kv_cache_usage_perc") == 0

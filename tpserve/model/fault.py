@@ -1,10 +1,13 @@
-"""The test-only fault hook: ``TPSERVE_TEST_FAULT=RANK:STEP:KIND`` makes one rank fail.
+"""The test-only fault hook: ``TPSERVE_TEST_FAULT=RANK:STEP:KIND`` makes one rank fail
+(several comma-separated faults act each at its own step and site).
 
 KIND is ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``) or ``oom`` (a
-``torch.OutOfMemoryError``) at step STEP, or ``leakN``: from step STEP on, keep N MiB more
+``torch.OutOfMemoryError``) in the forward of step STEP; ``oom-sample``, the same error when
+rank 0 samples step STEP (after its samples were stored for the next step: the latest point
+of a step that allocates device memory); or ``leakN``: from step STEP on, keep N MiB more
 host memory every step (a planted leak for the soak's memory check). The variable is read
-and parsed once, when the runner is built; with it unset the runner holds None and pays one
-attribute check per step.
+and parsed once, when the runner is built; with it unset the runner holds None and each
+site pays one attribute check per step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 FAULT_ENV = "TPSERVE_TEST_FAULT"
-KINDS = ("raise", "exit", "oom", "leakN")
+KINDS = ("raise", "exit", "oom", "oom-sample", "leakN")
+FORWARD, SAMPLE = "forward", "sample"  # the sites that call ``FaultHook.fire``
 MiB = 2**20
 
 
@@ -28,8 +32,16 @@ class FaultHook:
     leak_bytes: int = 0
     kept: list[bytearray] = field(default_factory=list, compare=False, repr=False)
 
-    def fire(self, step: int) -> None:
-        """Called by the runner at every step; acts at ``self.step`` (a leak: from then on)."""
+    @property
+    def site(self) -> str:
+        return SAMPLE if self.kind == "oom-sample" else FORWARD
+
+    def fire(self, step: int, site: str = FORWARD) -> None:
+        """Called at every step by the runner's forward (``FORWARD``) and by rank 0's
+        sampling (``SAMPLE``); acts at ``self.step`` at its own site (a leak: from then
+        on, in the forward)."""
+        if site != self.site:
+            return
         if self.leak_bytes:
             if step >= self.step:
                 self.kept.append(bytearray(b"\xa5") * self.leak_bytes)  # touched: resident
@@ -38,34 +50,50 @@ class FaultHook:
             return
         if self.kind == "exit":
             os._exit(3)
-        if self.kind == "oom":
-            raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
+        if self.kind in ("oom", "oom-sample"):
+            raise torch.OutOfMemoryError(f"injected out-of-memory at {site} (test hook)")
         raise RuntimeError(f"injected failure at step {step} (test hook)")
 
 
-def parse_fault(spec: str, rank: int) -> FaultHook | None:
-    """The hook for ``rank`` described by ``spec`` (None when empty or for another rank);
-    ValueError naming the variable when it is malformed."""
+@dataclass(frozen=True)
+class FaultHooks:
+    """Several planted faults of one rank, each acting at its own step and site."""
+
+    hooks: tuple[FaultHook, ...]
+
+    def fire(self, step: int, site: str = FORWARD) -> None:
+        for hook in self.hooks:
+            hook.fire(step, site)
+
+
+def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:
+    """The hook(s) for ``rank`` described by ``spec``: None when empty or all for other
+    ranks, one ``FaultHook``, or ``FaultHooks`` for several; ValueError naming the variable
+    when any part is malformed."""
     if not spec:
         return None
-    parts = spec.split(":")
-    bad = ValueError(f"{FAULT_ENV}={spec!r}: expected RANK:STEP:KIND with KIND one of "
-                     f"{', '.join(KINDS)}")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise bad
-    kind = parts[2]
-    leak_bytes = 0
-    if kind.startswith("leak"):
-        if not kind[4:].isdigit() or int(kind[4:]) < 1:
+    bad = ValueError(f"{FAULT_ENV}={spec!r}: expected RANK:STEP:KIND (comma-separated for "
+                     f"several) with KIND one of {', '.join(KINDS)}")
+    hooks = []
+    for part in spec.split(","):
+        fields = part.split(":")
+        if len(fields) != 3 or not fields[0].isdigit() or not fields[1].isdigit():
             raise bad
-        leak_bytes = int(kind[4:]) * MiB
-    elif kind not in KINDS:
-        raise bad
-    if int(parts[0]) != rank:
+        kind = fields[2]
+        leak_bytes = 0
+        if kind.startswith("leak"):
+            if not kind[4:].isdigit() or int(kind[4:]) < 1:
+                raise bad
+            leak_bytes = int(kind[4:]) * MiB
+        elif kind not in KINDS:
+            raise bad
+        if int(fields[0]) == rank:
+            hooks.append(FaultHook(int(fields[1]), kind, leak_bytes))
+    if not hooks:
         return None
-    return FaultHook(int(parts[1]), kind, leak_bytes)
+    return hooks[0] if len(hooks) == 1 else FaultHooks(tuple(hooks))
 
 
-def fault_from_env(rank: int) -> FaultHook | None:
+def fault_from_env(rank: int) -> FaultHook | FaultHooks | None:
     """Reads ``TPSERVE_TEST_FAULT`` once (start-up only)."""
     return parse_fault(os.environ.get(FAULT_ENV, ""), rank)

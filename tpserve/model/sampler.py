@@ -25,12 +25,20 @@ generator only, exactly one ``[V]`` draw per sampled (non-greedy) step, so its t
 only on its seed, its logits and its step count, never on the other rows, their order or
 their number. Rows without a generator share the sampler's generator in one batched draw.
 Generators must live on the logits' device.
+
+Allocator warm-up (``Sampler.warm_up``, CUDA): torch's caching allocator serves requests of
+at most 1 MiB (``SMALL_POOL_BYTES``) from 2 MiB small-pool segments and larger ones from the
+large pool. A ``[rows, vocab]`` float32 intermediate is small exactly when rows <= 1 MiB /
+(4 x vocab) (two rows for Llama-3's 128,256 ids), and the random path holds about five at
+once (the copy, the scaled logits, probabilities, noise, their ratio; more with filters)
+where greedy holds one or two. So the first steps that sample one or two rows at
+temperature > 0 would create small-pool segments mid-serving unless warm-up ran those shapes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +96,14 @@ class PendingSample:
                 top[i] = list(zip(ids_l[i][:k], values_l[i][:k], strict=True))
         return SamplerOutput(token_ids=tokens, logprobs=self.logprobs.tolist(),
                              top_logprobs=top)
+
+
+SMALL_POOL_BYTES = 1 << 20  # torch's caching allocator: requests up to this use the small pool
+
+
+def small_pool_rows(vocab_size: int, max_rows: int) -> range:
+    """Row counts whose ``[rows, vocab_size]`` float32 tensors the small pool serves."""
+    return range(1, min(max_rows, SMALL_POOL_BYTES // (4 * vocab_size)) + 1)
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -248,6 +264,36 @@ class Sampler:
         # so wrapping changes no accepted seed and keeps ``seed + sibling`` from overflowing.
         gen.manual_seed(seed % 2**64)
         return gen
+
+    def warm_up(self, vocab_size: int, rows: Iterable[int]) -> None:
+        """Samples random logits of each row count in ``rows`` through every path (greedy;
+        temperature; top-k, top-p, min-p with penalties, min_tokens, logit_bias and
+        logprobs; seeded rows; greedy and sampled rows mixed), reading the results back, so
+        the caching allocator holds the blocks those steps need before serving starts.
+        The shared generator is restored afterwards: warm-up changes no request's draws."""
+        state = self.generator.get_state()
+        noise = torch.Generator(device=self.device)
+        noise.manual_seed(0)
+        plain = SamplingParams(temperature=1.0)
+        everything = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
+                                    logprobs=5, repetition_penalty=1.1,
+                                    frequency_penalty=0.1, presence_penalty=0.1,
+                                    min_tokens=4, logit_bias=((1, 1.0),))
+        greedy = SamplingParams(temperature=0.0)
+        try:
+            for m in rows:
+                logits = torch.randn(m, vocab_size, generator=noise, device=self.device)
+                seeded = [self.new_request_generator(i) for i in range(m)]
+                for params, gens in ((greedy, [None] * m), (plain, [None] * m),
+                                     (everything, [None] * m), (plain, seeded),
+                                     (everything, seeded[:1] + [None] * (m - 1))):
+                    batches = [[params] * m] + ([[params] + [greedy] * (m - 1)]
+                                                if m > 1 else [])
+                    for batch in batches:
+                        self.sample(logits, batch, [[2, 3]] * m, [[5]] * m, gens,
+                                    frozenset({0})).to_host().resolve()
+        finally:
+            self.generator.set_state(state)
 
     def sample(
         self,

@@ -12,6 +12,7 @@ import torch
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import greedy, load, save_hf_folder
 from tpserve.model import memory
+from tpserve.model.fault import FAULT_ENV
 from tpserve.model.plan import StepLimits
 from tpserve.model.runner import ModelRunner, RunnerConfig
 from tpserve.model.sampling_params import SamplingParams
@@ -32,16 +33,30 @@ def folder(tmp_path_factory):
     return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("engine")))
 
 
+class Readings:
+    """Free-memory readings a test sets: the engine's memory reader in these tests."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def __call__(self, device: torch.device) -> tuple[int, int]:
+        return self.free, 64 << 30
+
+
 def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: int = 64,
               max_seqs: int = 8, async_scheduling: bool = True,
-              max_mixed_tokens: int | None = None) -> EngineCore:
+              max_mixed_tokens: int | None = None, readings: Readings | None = None
+              ) -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=256, block_size=16, max_mixed_tokens=max_mixed_tokens,
                             enable_prefix_caching=prefix)
     runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
-    return EngineCore(runner, tokenizer, sched,
-                      EngineConfig(check_integrity=True, async_scheduling=async_scheduling))
+    engine = EngineConfig(check_integrity=True, async_scheduling=async_scheduling)
+    if readings is None:
+        return EngineCore(runner, tokenizer, sched, engine)
+    return EngineCore(runner, tokenizer, sched, engine, read_memory=readings,
+                      memory_read_interval_s=0.0)
 
 
 def submit(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams):
@@ -182,24 +197,101 @@ def test_abort_returns_blocks(folder, smollm2_tokenizer):
     core.abort("x")  # idempotent
 
 
-def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer, monkeypatch):
-    core = make_core(folder, smollm2_tokenizer, num_blocks=30, budget=64)
+def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer):
+    readings = Readings(8 << 30)
+    core = make_core(folder, smollm2_tokenizer, num_blocks=30, budget=64, readings=readings)
     floor = core.memory_floor
-    monkeypatch.setattr("tpserve.server.engine.engine_core.read_memory",
-                        lambda device: (floor // 4, floor * 8))
-    core._last_read = 0.0
+    readings.free = floor // 4
     outs = submit(core, "y", list(range(100)), SamplingParams(temperature=0, max_tokens=2))
     core.step()
     assert core.free_device_memory == floor // 4
     assert core.token_budget == 16  # a quarter of 64
     assert core.stats()["step_token_budget"] == 16
     assert core.requests["y"].seqs[0].num_computed_tokens == 16
-    monkeypatch.setattr("tpserve.server.engine.engine_core.read_memory", lambda device: (floor, floor))
-    core._last_read = 0.0
+    readings.free = floor
     core.step()
     assert core.token_budget == 64
     run_to_end(core)
     assert outs[-1].finished
+
+
+def _oom_requests() -> dict[str, tuple[list[int], SamplingParams]]:
+    rng = random.Random(7)
+    reqs = {f"g{i}": ([rng.randrange(256) for _ in range(rng.randrange(5, 40))],
+                      SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            for i in range(6)}
+    reqs["seeded"] = ([rng.randrange(256) for _ in range(17)],
+                      SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=12,
+                                     ignore_eos=True))
+    return reqs
+
+
+def _run_oom_requests(core: EngineCore) -> tuple[dict, list]:
+    plans = []
+    execute = core.runner.execute
+    core.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    reqs = _oom_requests()
+    outs = {rid: submit(core, rid, p, params) for rid, (p, params) in reqs.items()}
+    run_to_end(core)
+    assert all(o[-1].finished for o in outs.values())
+    # per sibling: tokens, text and finish reason (siblings' deltas may interleave
+    # differently once one was preempted)
+    return {(rid, i): (tokens_of(o, i), "".join(d.text for x in o for d in x.deltas
+                                               if d.index == i),
+                       [d.finish_reason for x in o for d in x.deltas if d.index == i][-1])
+            for rid, o in outs.items() for i in range(reqs[rid][1].n)}, plans
+
+
+@pytest.mark.parametrize("site", ["oom", "oom-sample"])
+def test_a_step_that_runs_out_of_memory_is_dropped_whole(folder, smollm2_tokenizer,
+                                                         monkeypatch, site):
+    """An out-of-memory error in the forward or in sampling (after the samples were stored
+    for the next step) at a step that decodes on placeholders: every request still ends
+    with exactly the tokens of an unfaulted run (greedy and seeded: the seeded rows'
+    generators are rewound), pool integrity holds after every step, and every block is
+    back in the pool at the end."""
+    want, _ = _run_oom_requests(make_core(folder, smollm2_tokenizer, num_blocks=40))
+    monkeypatch.setenv(FAULT_ENV, f"0:6:{site}")
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, readings=Readings(8 << 30))
+    got, plans = _run_oom_requests(core)
+    assert core.counters["oom_recoveries_total"] == 1
+    assert core.counters["num_preemptions_total"] >= 1
+    assert plans[5].pending_rows.shape[0] > 0  # the failed step read the sampled buffer
+    assert got == want
+    assert all(len(tokens) == 12 and reason == "length" for tokens, _, reason in got.values())
+    bm = core.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    assert core.oom_hold is not None  # the readings never showed room again
+
+
+def test_budget_stays_reduced_until_readings_show_room(folder, smollm2_tokenizer,
+                                                       monkeypatch):
+    """After an out-of-memory step the budget is capped at half that step; readings below
+    ``free_at_oom + need`` keep the cap however many steps run (the memory-proportional
+    budget alone would be full again), and readings that reach it grow the cap step-wise
+    back to the full budget, where the hold ends."""
+    monkeypatch.setenv(FAULT_ENV, "0:2:oom-sample")
+    readings = Readings(8 << 30)
+    core = make_core(folder, smollm2_tokenizer, num_blocks=60, budget=64, readings=readings)
+    rng = random.Random(5)
+    outs = [submit(core, f"r{i}", [rng.randrange(256) for _ in range(60)],
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            for i in range(3)]
+    while not core.counters["oom_recoveries_total"]:
+        core.step()
+    hold = core.oom_hold
+    assert hold is not None and hold.cap == 32 and core.token_budget == 32  # half of 64
+    assert hold.free_at_oom == 8 << 30 and hold.need > 0
+    readings.free = hold.room - 1  # more than the floor: the full budget but for the hold
+    for _ in range(5):
+        core.step()
+        assert core.token_budget == 32 and core.oom_hold is hold
+    readings.free = hold.room
+    core.step()
+    assert core.token_budget == 64 and core.oom_hold is None  # 32 -> 64: the full budget
+    run_to_end(core)
+    assert all(o[-1].finished and o[-1].num_output_tokens == 40 for o in outs)
+    assert core.block_manager.num_used_blocks == 0
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers(folder):

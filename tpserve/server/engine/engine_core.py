@@ -24,21 +24,30 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   the previous step's tokens after its forward is launched and before it samples (the
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
+
+Out of device memory: a step is launched as one unit (``_launch``: forward, logits, grammar
+bitmask, sampling, the copy of the samples to the host). Nothing outside the engine's own
+bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
+placeholders, cached blocks) runs only after it, so a step that runs out of memory anywhere
+inside it is dropped whole and its sequences simply compute those tokens again; see
+``_recover_from_oom`` for the rest and ``OomHold`` for the budget that follows.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.model.runner import ModelRunner
-from tpserve.model.sampler import PendingSample, Sampler
+from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.histogram import engine_histograms
@@ -53,6 +62,39 @@ logger = logging.getLogger(__name__)
 
 MEMORY_READ_INTERVAL_S = 0.5
 PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
+
+MemoryReader = Callable[[torch.device], tuple[int, int]]  # device -> (free, total) bytes
+
+
+@dataclass
+class OomHold:
+    """The step token budget after a step ran out of device memory, held until free-memory
+    readings show room again.
+
+    - ``cap``: the most tokens a step may batch while the hold lasts; it starts at half the
+      failed step's tokens (at least one block);
+    - ``need``: the device memory the failed step is estimated to need (its tokens x the
+      start-up profile's activation workspace per token), the largest over the failures
+      of this hold;
+    - ``free_at_oom``: the free-memory reading right after the failure (the failed step's
+      memory and the allocator's cache released), the lowest over the failures.
+
+    Invariants: while the hold exists, ``EngineCore.token_budget <= cap``. ``cap`` grows
+    (doubles) only at a reading ``>= free_at_oom + need``: memory the failed step could have
+    used and did not have has come back since. A reading below that keeps ``cap``,
+    however long it lasts (another process still holds the memory, or the step failed
+    against the engine's own usage, which never comes back: then the budget stays reduced).
+    The hold ends when ``cap`` reaches ``max_num_batched_tokens``. Another failure while it
+    lasts halves ``cap`` again."""
+
+    cap: int
+    need: int
+    free_at_oom: int
+
+    @property
+    def room(self) -> int:
+        """The free memory a reading must show for ``cap`` to grow."""
+        return self.free_at_oom + self.need
 
 
 @dataclass
@@ -72,8 +114,14 @@ def _has_penalties(seq: Sequence) -> bool:
 
 
 class EngineCore:
+    """Rank 0's engine. ``read_memory`` is the free-memory reader behind the live token
+    budget (``tpserve.model.memory.read_memory``: ``cudaMemGetInfo`` or /proc/meminfo);
+    it is read at most every ``memory_read_interval_s`` seconds (0: every step)."""
+
     def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
-                 engine: EngineConfig | None = None):
+                 engine: EngineConfig | None = None, *,
+                 read_memory: MemoryReader = read_memory,
+                 memory_read_interval_s: float = MEMORY_READ_INTERVAL_S):
         engine = engine or EngineConfig()
         if scheduler.limits != runner.limits:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
@@ -89,6 +137,10 @@ class EngineCore:
         self.async_scheduling = engine.async_scheduling
         self._inflight: _InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
+        if runner.device.type == "cuda":  # the shapes no start-up step sampled (sampler.py)
+            self.sampler.warm_up(runner.model_config.vocab_size,
+                                 small_pool_rows(runner.model_config.vocab_size,
+                                                 scheduler.max_num_seqs))
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())
@@ -98,10 +150,16 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         # live readings (exported as metrics)
+        self._read_memory = read_memory
+        self._read_interval = memory_read_interval_s
         self.free_device_memory, _ = read_memory(runner.device)
         self.memory_floor = max(min(self.free_device_memory, 1 << 30), 1)
         self.token_budget = self.max_num_batched_tokens
-        self._last_read = 0.0
+        self.oom_hold: OomHold | None = None
+        # device memory a step needs per batched token (the profiled workspace at the full
+        # budget), for the room an OOM hold waits for
+        self._bytes_per_token = max(1, runner.plan.workspace // self.max_num_batched_tokens)
+        self._last_read: float | None = None
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
@@ -138,16 +196,26 @@ class EngineCore:
 
     # ---------------------------------------------------------------- live sizing
     def _read_live_memory(self) -> None:
-        """Re-reads free device memory (at most every 0.5 s) and sizes the step's token
-        budget: the full budget while free memory stays above the start-up floor, shrinking
-        proportionally below it (another process is taking memory)."""
+        """Re-reads free device memory (at most every ``memory_read_interval_s``) and sizes
+        the step's token budget: the full budget while free memory stays above the start-up
+        floor, shrinking proportionally below it (another process is taking memory), and
+        never above an OOM hold's cap (grown here when the reading shows room; see
+        ``OomHold``)."""
         now = time.monotonic()
-        if now - self._last_read < MEMORY_READ_INTERVAL_S:
+        if self._last_read is not None and now - self._last_read < self._read_interval:
             return
         self._last_read = now
-        self.free_device_memory, _ = read_memory(self.runner.device)
+        self.free_device_memory, _ = self._read_memory(self.runner.device)
         ratio = min(self.free_device_memory / self.memory_floor, 1.0)
-        self.token_budget = max(self.block_size, int(self.max_num_batched_tokens * ratio))
+        budget = max(self.block_size, int(self.max_num_batched_tokens * ratio))
+        hold = self.oom_hold
+        if hold is not None and self.free_device_memory >= hold.room:
+            hold.cap = min(2 * hold.cap, self.max_num_batched_tokens)
+            if hold.cap >= self.max_num_batched_tokens:
+                self.oom_hold = hold = None
+                logger.info("free device memory is back (%d bytes): the out-of-memory "
+                            "budget hold is released", self.free_device_memory)
+        self.token_budget = budget if hold is None else min(budget, hold.cap)
 
     # ----------------------------------------------------------------------- step
     def step(self) -> None:
@@ -188,23 +256,12 @@ class EngineCore:
             chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src))
             if sample:
                 sampling.append(seq)
-        try:
-            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
-                                                        self.runner.attn))
-        except torch.OutOfMemoryError:
-            self._finish_inflight()
-            self._recover_from_oom()
+        launched = self._launch(chunks, sampling)
+        if launched is None:  # out of memory: the exception and its frames are gone
+            self._recover_from_oom(out.num_batched_tokens)
             return
         self.counters["steps_total"] += 1
         self.histograms["iteration_tokens_total"].observe(out.num_batched_tokens)
-        generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
-        bitmask = None
-        if any(s.params.structured is not None for s in sampling):
-            # the matchers need the previous step's tokens: read them back now, while the
-            # device runs this step's forward
-            self._finish_inflight()
-            bitmask = self._grammar_bitmask(sampling, logits.device)
-        launched = self._sample(logits, sampling, generators, bitmask)
         self._finish_inflight()
         self.scheduler.update(out, {s.seq_id: PLACEHOLDER for s in sampling})
         launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
@@ -216,6 +273,33 @@ class EngineCore:
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
+
+    def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence]) -> _InFlight | None:
+        """Runs one step on the device as a unit: forward, logits, grammar bitmask,
+        sampling, and the copy of the samples to the host. Returns None when any of it ran
+        out of device memory at tp 1; the seeded rows' generators are then back where they
+        were, so a seeded request still draws exactly once per token it keeps.
+
+        Nothing of the engine's own state changes in here except reading back the previous
+        step (structured rows), which is valid whether or not this step survives."""
+        generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
+        marks = [(g, g.get_state()) for g in generators if g is not None]
+        try:
+            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
+                                                        self.runner.attn))
+            bitmask = None
+            if any(s.params.structured is not None for s in sampling):
+                # the matchers need the previous step's tokens: read them back now, while
+                # the device runs this step's forward
+                self._finish_inflight()
+                bitmask = self._grammar_bitmask(sampling, logits.device)
+            return self._sample(logits, sampling, generators, bitmask)
+        except torch.OutOfMemoryError:
+            if self.runner.comm.world_size > 1:
+                raise  # see _recover_from_oom
+            for gen, state in marks:
+                gen.set_state(state)
+            return None
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
@@ -240,6 +324,8 @@ class EngineCore:
             logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
             [s.output_token_ids for s in sampling], generators, self.eos_token_ids, bitmask)
         self.runner.store_sampled(pending.token_ids)
+        if self.runner.fault is not None:
+            self.runner.fault.fire(self.runner.steps, SAMPLE)
         host = pending.to_host()
         event = None
         if logits.device.type == "cuda":
@@ -291,21 +377,44 @@ class EngineCore:
         h["request_prefill_time_seconds"].observe(max(0.0, min(first) - min(scheduled)))
         h["request_decode_time_seconds"].observe(max(0.0, time.monotonic() - min(first)))
 
-    def _recover_from_oom(self) -> None:
-        """A step ran out of device memory before any collective (tp 1, or the failure hit
-        every rank alike): nothing was computed, so the step is dropped, the newest half of
-        the running sequences is preempted and the token budget halved for a while."""
-        if self.runner.comm.world_size > 1:
-            raise  # ranks may have diverged mid-step: not recoverable in place
+    def _recover_from_oom(self, failed_tokens: int) -> None:
+        """After a step of ``failed_tokens`` tokens ran out of device memory at tp 1
+        (``_launch`` returned None). The step is dropped whole: ``scheduler.update`` never
+        ran for it, so no sequence advanced, got a placeholder or cached a block from it;
+        the blocks it allocated stay with their sequences and are written again by the step
+        that computes those tokens. The previous step (launched before, complete on the
+        stream) is read back, so no placeholder is left and no later step reads the
+        runner's sampled buffer, which the failed step may have overwritten: the next
+        store_sampled refills it before any step names it again. Then the newest half of the
+        running sequences is preempted (their blocks return to the pool), the allocator's
+        cache is released, and the budget is held (``OomHold``) until readings show room.
+
+        At tp > 1 ``_launch`` re-raises instead and the engine fails: rank 0 may have run out
+        of memory partway through the forward, after its workers entered collectives it
+        will never issue, so the ranks are no longer in step and cannot be recovered in
+        place. (A failure in sampling, after every collective, would be; it is not
+        distinguished yet.)"""
+        self._finish_inflight()
         victims = self.scheduler.preempt_newest(0.5)
         self.counters["num_preemptions_total"] += len(victims)
         self.counters["oom_recoveries_total"] += 1
-        self.token_budget = max(self.block_size, self.token_budget // 2)
-        self._last_read = time.monotonic() + 5.0  # keep the halved budget ~5 s
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        logger.warning("step ran out of memory: preempted %d sequences, token budget %d",
-                       len(victims), self.token_budget)
+        free, _ = self._read_memory(self.runner.device)
+        self.free_device_memory = free
+        cap = max(self.block_size, min(self.token_budget, failed_tokens) // 2)
+        need = failed_tokens * self._bytes_per_token
+        hold = self.oom_hold
+        if hold is None:
+            self.oom_hold = OomHold(cap, need, free)
+        else:
+            self.oom_hold = OomHold(min(cap, hold.cap), max(need, hold.need),
+                                    min(free, hold.free_at_oom))
+        self.token_budget = min(self.token_budget, self.oom_hold.cap)
+        logger.warning("a step of %d tokens ran out of device memory: preempted %d "
+                       "sequences; token budget %d until free memory reaches %d bytes "
+                       "(now %d)", failed_tokens, len(victims), self.token_budget,
+                       self.oom_hold.room, free)
 
     def _advance(self, seq: Sequence, row: int, result) -> CompletionDelta | None:
         """Detokenizes the sequence's new token and applies the stop rules."""

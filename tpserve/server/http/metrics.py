@@ -46,6 +46,7 @@ ENGINE_GAUGES = {
     "device_memory_allocated_bytes": "Device memory allocated by tensors, in bytes.",
     "device_memory_reserved_bytes": "Device memory reserved by the allocator, in bytes.",
     "device_memory_free_bytes": "Free device memory, in bytes.",
+    "allocator_segments": "Segments the device allocator holds (one cudaMalloc each).",
     "step_token_budget": "Current per-step token budget of the scheduler.",
 }
 # stats() key (cumulative) -> help text; exported as counters named PREFIX + key.
@@ -54,6 +55,8 @@ ENGINE_COUNTERS = {
     "prompt_tokens_total": "Number of prefill tokens processed.",
     "generation_tokens_total": "Number of generation tokens processed.",
     "steps_total": "Number of model steps the engine ran.",
+    "oom_recoveries_total": "Steps that ran out of device memory and were dropped and "
+                            "rescheduled under a reduced token budget.",
     "step_host_seconds_total": "Seconds the engine loop worked on the host (scheduling, "
                                "plans, launches, detokenization), waits for the device "
                                "excluded.",
