@@ -19,24 +19,39 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_triton_kernels import (  # noqa: F401  (fixtures)
-    ATOL,
+from tests.model import test_triton_kernels as tk
+from tests.model.test_triton_kernels import (
     DEVICE,
     MIXED,
     _close,
     _cos_sin_cache,
     _make_batch,
     _randn,
-    attn,
-    mods,
 )
-from tpserve.model.kernels import torch_ops, triton_fp8_kv  # reloaded in place by ``mods``
+from tpserve.model.kernels import torch_ops, triton_fp8_kv  # reloaded in place by ``kernels``
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The triton_* modules (``test_triton_kernels``' ``kernels``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE.type == "cpu":
+            tk._fix_interpreter_index(mp)
+        yield tk._kernel_modules()
+
+
+@pytest.fixture(scope="module")
+def backend(kernels):
+    """The Triton attention back-end's module (it reaches the kernels through ``kernels``)."""
+    from tpserve.model.attention import triton_backend
+
+    return triton_backend
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +70,7 @@ def _quantize_kernel(x_ptr, s_ptr, o_ptr, n, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, q.to(o_ptr.dtype.element_ty), mask=offs < n)
 
 
-def test_quantize_e4m3_is_torchs_cast_bit_for_bit(mods):
+def test_quantize_e4m3_is_torchs_cast_bit_for_bit(kernels):
     gen = torch.Generator().manual_seed(0)
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_KV_DTYPE).float()
     grid = grid[grid.isfinite()]
@@ -81,7 +96,7 @@ def test_quantize_e4m3_is_torchs_cast_bit_for_bit(mods):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,page", [(64, 64, 16), (128, 64, 8)])
-def test_rope_and_write_kv_into_fp8(mods, dtype, head_dim, rotary_dim, page):
+def test_rope_and_write_kv_into_fp8(kernels, dtype, head_dim, rotary_dim, page):
     """Non-unit scales, some values saturating; the -1 slots leave the cache untouched."""
     gen = torch.Generator().manual_seed(4)
     tokens, hq, hkv, num_blocks = 7, 12, 3, 5
@@ -98,7 +113,7 @@ def test_rope_and_write_kv_into_fp8(mods, dtype, head_dim, rotary_dim, page):
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
                                                ref_kc, ref_vc, slots, kv_scale)
-    out_q, out_k = mods["triton_rope"].rope_and_write_kv(q, k, v, positions, cs, k_cache,
+    out_q, out_k = kernels["triton_rope"].rope_and_write_kv(q, k, v, positions, cs, k_cache,
                                                          v_cache, slots, kv_scale=kv_scale)
     _close(out_q, ref_q, dtype)
     _close(out_k, ref_k, dtype)
@@ -145,7 +160,7 @@ def _ref(q, k_cache, v_cache, meta, scale, kv_scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", [(1, 16, 64), (4, 8, 128)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_decode_attention_over_fp8(mods, dtype, group, page, head_dim, splits):
+def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits):
     gen = torch.Generator().manual_seed(5)
     hkv = 2
     kv_scale = _scales(2.0 ** -6, 0.013)  # cache values up to ~300: no saturation here
@@ -155,7 +170,7 @@ def test_decode_attention_over_fp8(mods, dtype, group, page, head_dim, splits):
     q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    mods["triton_decode_attention"].decode_attention(
+    kernels["triton_decode_attention"].decode_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits,
         kv_scale=kv_scale)
     _close(out, _ref(q, k_cache, v_cache, meta, scale, kv_scale), dtype)
@@ -163,7 +178,7 @@ def test_decode_attention_over_fp8(mods, dtype, group, page, head_dim, splits):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", [(1, 16, 64), (4, 8, 128)])
-def test_paged_attention_mixed_batch_over_fp8(attn, dtype, group, page, head_dim):
+def test_paged_attention_mixed_batch_over_fp8(backend, dtype, group, page, head_dim):
     """Decodes, prefills and chunked prefills (unmasked and masked key tiles)."""
     gen = torch.Generator().manual_seed(7)
     hkv = 2
@@ -171,11 +186,11 @@ def test_paged_attention_mixed_batch_over_fp8(attn, dtype, group, page, head_dim
     meta, k_cache, v_cache = _fp8_batch(MIXED, page, hkv, head_dim, gen, kv_scale)
     q = _randn(int(meta.query_start_loc[-1]), hkv * group, head_dim, dtype=dtype, gen=gen)
     scale = head_dim ** -0.5
-    out = attn.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
+    out = backend.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
     _close(out, _ref(q, k_cache, v_cache, meta, scale, kv_scale), dtype)
 
 
-def test_rope_write_then_attend_over_fp8(mods, attn):
+def test_rope_write_then_attend_over_fp8(kernels, backend):
     """The layer's order of ops on an FP8 cache, with saturating V: the Triton pair writes
     V as the torch pair does (bit for bit) and attends over what it wrote like the torch
     reference does. (K is compared through ``test_rope_and_write_kv_into_fp8``: a one-ulp
@@ -194,15 +209,15 @@ def test_rope_write_then_attend_over_fp8(mods, attn):
     torch_ops.rope_and_write_kv(q, k, v, positions, cs, ref_kc, ref_vc, meta.slot_mapping,
                                 kv_scale)
     assert (ref_vc.float().abs() == FP8_MAX).any()
-    tq, _ = mods["triton_rope"].rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
+    tq, _ = kernels["triton_rope"].rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
                                                   k_cache, v_cache, meta.slot_mapping,
                                                   kv_scale=kv_scale)
     assert torch.equal(_bits(v_cache), _bits(ref_vc))
-    _close(attn.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5, kv_scale),
+    _close(backend.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5, kv_scale),
            _ref(tq, k_cache, v_cache, meta, d ** -0.5, kv_scale), dtype)
 
 
-def test_fp8_cache_under_a_float32_model_on_the_triton_backend(mods, attn, tmp_path):
+def test_fp8_cache_under_a_float32_model_on_the_triton_backend(kernels, backend, tmp_path):
     """The Triton back-end over an FP8 cache decodes the tiny model's greedy tokens like
     the torch back-end over the same FP8 cache (both dequantize the same e4m3 values), and
     like the float32 cache within the FP8 tolerance of ``test_fp8_kv_cache``."""
