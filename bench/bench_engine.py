@@ -57,14 +57,16 @@ from tpserve.server.config import Config, config_from_args  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
 from tpserve.server.startup import join_group, leave_group  # noqa: E402
 
-FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", max_model_len=2048,
+FULL = dict(model="llama3-8b", device="auto", dtype="bfloat16", kv_cache_dtype="auto",
+            max_model_len=2048,
             max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
             kv_cache_memory=None, num_prompts=640, concurrency=64, input_len=1024,
             output_len=256, serving_time_limit=120.0, decode_input_len=1024,
             decode_output_len=256, prefill_seqs=8, prefill_reps=5, warmup_prompts=64,
             warmup_output_len=16, profile_steps=8, copy_mib=2048, matmul_n=8192,
             temperature=0.0)
-SMALL = dict(model="smollm2-135m", device="cpu", dtype="float32", max_model_len=512,
+SMALL = dict(model="smollm2-135m", device="cpu", dtype="float32", kv_cache_dtype="auto",
+             max_model_len=512,
              max_num_seqs=4, max_num_batched_tokens=256, gpu_memory_utilization=0.9,
              kv_cache_memory=64 << 20, num_prompts=6, concurrency=4, input_len=64,
              output_len=8, serving_time_limit=60.0, decode_input_len=64, decode_output_len=8,
@@ -112,6 +114,7 @@ def parse_args() -> argparse.Namespace:
 def server_config(a: argparse.Namespace, device: torch.device) -> Config:
     """The server's own config tree for these flags, resolved as ``tpserve serve`` does."""
     argv = ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype,
+            "--kv-cache-dtype", a.kv_cache_dtype,
             "--seed", str(a.seed), "--device", device.type,
             "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
@@ -217,7 +220,8 @@ def _start_runner(a, R, cfg: Config, group, device, notes, save, log):
     pl = runner.plan
     R["memory_plan_bytes"] = {"weights": pl.weights, "workspace": pl.workspace,
                               "kv_pool": pl.kv_pool, "num_blocks": pl.num_blocks,
-                              "block_size": pl.block_size, "total": pl.total}
+                              "block_size": pl.block_size, "total": pl.total,
+                              "kv_cache_dtype": pl.kv_cache_dtype, "kv_tokens": pl.kv_tokens}
     save()
     log(f"start-up {R['startup_s']} s, kernels {runner.ops.name}")
     for line in R["memory_plan"]:

@@ -2,7 +2,8 @@
 mixed steps per token bucket) give the logits of the plain forward (run eagerly here on
 CPU; on CUDA the same paths are captured; the kernels' padded launch shapes are tested in
 test_triton_kernels.py), also sequence parallel at tp 3 with buckets rounded up to
-multiples of tp."""
+multiples of tp. The CPU comparisons also run over an FP8 cache with non-unit scales (the
+scales are static per-layer buffers, read by the captured kernels on the device)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,24 @@ def test_buckets():
     assert mixed_buckets_for(100, 3) == [18, 33, 66, 102]
 
 
-def test_padded_decode_equals_plain_forward(tmp_path):
-    model, comm = load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")))
+KV_DTYPES = [torch.float32, torch.float8_e4m3fn]
+
+
+def _load(folder: str, kv_dtype: torch.dtype):
+    """The tiny model over a ``kv_dtype`` cache; FP8 with distinct non-unit scales."""
+    model, comm = load(folder, kv_dtype=kv_dtype)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.kv_scale.copy_(torch.tensor([0.03 + 0.01 * i, 0.02 - 0.005 * i]))
+    return model, comm
+
+
+def _same_cache(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bitwise, any dtype
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_padded_decode_equals_plain_forward(tmp_path, kv_dtype):
+    model, comm = _load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")), kv_dtype)
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
     pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -52,15 +69,16 @@ def test_padded_decode_equals_plain_forward(tmp_path):
     want = run(model, pool, step)
     assert got.shape == want.shape == (3, 256)
     assert (got - want).abs().max().item() < 1e-5
-    torch.testing.assert_close(written, pool.buffer)  # padding rows wrote nothing
+    _same_cache(written, pool.buffer)  # padding rows wrote nothing
     mixed = StepPlan.build([step[0], SeqChunk([1, 2], 0, [5], True)], 4, model.attn_backend)
     assert not graphs.can_run(mixed)  # no mixed buckets were asked for
 
 
-def test_padded_mixed_step_equals_plain_forward(tmp_path):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_padded_mixed_step_equals_plain_forward(tmp_path, kv_dtype):
     """Decodes, a chunk over a cached prefix, a fresh prompt and a chunk that samples
     nothing, padded to the 32-token bucket."""
-    model, comm = load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")))
+    model, comm = _load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")), kv_dtype)
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
     pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -84,7 +102,7 @@ def test_padded_mixed_step_equals_plain_forward(tmp_path):
     want = run(model, pool, step)
     assert got.shape == want.shape == (4, 256)
     assert (got - want).abs().max().item() < 1e-5
-    torch.testing.assert_close(written, pool.buffer)  # padding tokens wrote nothing
+    _same_cache(written, pool.buffer)  # padding tokens wrote nothing
     # past the largest bucket:
     assert not graphs.can_run(StepPlan.build([SeqChunk(list(range(33)), 0, list(range(9)),
                                                        True)], 4, model.attn_backend))
@@ -129,7 +147,8 @@ def test_sequence_parallel_buckets_are_multiples_of_tp(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
-def test_captured_graphs_equal_eager_steps_on_the_gpu():
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype):
     """On a GPU: the same steps (a prefill, mixed steps with a pending token filled in on
     the device, pure decodes) through captured graphs and through the eager forward."""
     from dataclasses import replace
@@ -140,7 +159,7 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu():
 
     dev = torch.device("cuda", 0)
     cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
-                       kv_cache_dtype="bfloat16", device="cuda", kernel_backend="triton",
+                       kv_cache_dtype=kv_cache_dtype, device="cuda", kernel_backend="triton",
                        kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
     limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
                         block_size=16)

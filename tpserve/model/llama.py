@@ -37,6 +37,12 @@ from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# KV cache scales in checkpoints (vLLM / llm-compressor / AutoFP8 spellings): the name's
+# tail after the layer's ``self_attn`` -> which of the layer's ``kv_scale`` entries it sets
+KV_SCALE_NAMES = {"k_scale": (0,), "k_proj.k_scale": (0,), "k_proj.output_scale": (0,),
+                  "v_scale": (1,), "v_proj.v_scale": (1,), "v_proj.output_scale": (1,),
+                  "kv_scale": (0, 1)}
+
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED = {
     ".q_proj.": (".qkv_proj.", "q"),
@@ -61,12 +67,16 @@ class LlamaAttention(nn.Module):
                                                                           cfg.head_dim),
                                         reduce=reduce)
         self.scale = cfg.head_dim ** -0.5
+        # the FP8 KV cache's scales, [K, V] (model/kv_cache_dtype.py): 1.0 unless the
+        # checkpoint has them; fixed after load; ignored by other cache dtypes
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta)
-        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale)
+        q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta,
+                                        self.kv_scale)
+        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -180,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         return (F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)),
                 replace(meta, slot_mapping=F.pad(meta.slot_mapping, (0, pad), value=-1)))
 
+    def kv_scales(self) -> torch.Tensor:
+        """Every layer's FP8 KV cache scales, ``[num_layers, 2]`` (K, V), a copy."""
+        return torch.stack([layer.self_attn.kv_scale for layer in self.model.layers])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
@@ -189,9 +203,15 @@ class LlamaForCausalLM(nn.Module):
         Names the model does not have (rotary tables, a tied ``lm_head``) are skipped.
         """
         params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, source in weights:
             if "rotary_emb" in name:
+                continue
+            prefix, _, tail = name.partition(".self_attn.")
+            if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
+                _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
+                               as_source(source).read(), name)
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
@@ -210,3 +230,17 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, source, shard_id)
             loaded.add(name)
         return loaded
+
+
+def _load_kv_scale(kv_scale: torch.Tensor, entries: tuple[int, ...], value: torch.Tensor,
+                   name: str) -> None:
+    """One checkpoint KV scale (a one-element tensor) into a layer's ``kv_scale``."""
+    if value.numel() != 1:
+        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be one value "
+                         f"per layer, got shape {tuple(value.shape)}")
+    scale = value.reshape(()).float()
+    if not (torch.isfinite(scale) and scale > 0):
+        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be finite and "
+                         f"> 0, got {scale.item()}")
+    for i in entries:
+        kv_scale[i] = scale

@@ -57,6 +57,8 @@ class MemoryPlan:
     bytes_per_block: int
     max_model_len: int
     kv_source: str
+    kv_cache_dtype: str = ""
+    kv_scales: str = ""  # FP8 cache only: how its scales were chosen
 
     @property
     def used_by_others(self) -> int:
@@ -77,6 +79,7 @@ class MemoryPlan:
     def describe(self) -> list[str]:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         how = "measured" if self.workspace_measured else "estimated"
+        scales = f", {self.kv_scales}" if self.kv_scales else ""
         return [
             f"memory plan on {self.device}: total {g(self.total)}, free at start "
             f"{g(self.free_at_start)} (other processes hold {g(self.used_by_others)}), "
@@ -85,8 +88,10 @@ class MemoryPlan:
             f"CUDA graphs {g(self.cuda_graphs)} | KV pool {g(self.kv_pool)} ({self.kv_source}) "
             f"| free {g(self.free_after)}",
             f"  capacity: {self.num_blocks} blocks x {self.block_size} tokens = "
-            f"{self.kv_tokens} tokens; {self.max_concurrent_full_sequences} concurrent "
-            f"sequences at max length {self.max_model_len}",
+            f"{self.kv_tokens} tokens of {self.kv_cache_dtype or 'KV'} cache "
+            f"({self.bytes_per_block // self.block_size} bytes per token{scales}); "
+            f"{self.max_concurrent_full_sequences} concurrent sequences at max length "
+            f"{self.max_model_len}",
         ]
 
 

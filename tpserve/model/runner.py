@@ -21,6 +21,7 @@ from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
 from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPE_NAMES, DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
@@ -79,9 +80,11 @@ class RunnerConfig:
     tp_comm: str = "allreduce"
 
     def __post_init__(self) -> None:
-        for flag, value in (("--dtype", self.dtype), ("--kv-cache-dtype", self.kv_cache_dtype)):
-            if value not in DTYPE_NAMES:
-                raise ValueError(f"{flag} must be one of {', '.join(DTYPE_NAMES)} once "
+        for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
+                                   ("--kv-cache-dtype", self.kv_cache_dtype,
+                                    KV_CACHE_DTYPE_NAMES)):
+            if value not in names:
+                raise ValueError(f"{flag} must be one of {', '.join(names)} once "
                                  f"resolved, got {value!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
@@ -138,7 +141,7 @@ class ModelRunner:
                                                    mcfg.max_position_embeddings,
                                                    mcfg.sliding_window)
         self.dtype = DTYPES[cfg.dtype]
-        self.kv_dtype = DTYPES[cfg.kv_cache_dtype]
+        self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
         self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
@@ -194,9 +197,23 @@ class ModelRunner:
             graphs = self.graphs.capture()
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
-                               bs, per_block, self.max_model_len, how)
+                               bs, per_block, self.max_model_len, how,
+                               kv_cache_dtype=cfg.kv_cache_dtype,
+                               kv_scales=self._kv_scales_source())
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
+
+    def _kv_scales_source(self) -> str:
+        """How the FP8 cache's scales were chosen (the log line says), "" for other dtypes;
+        reads the scales once, at start-up."""
+        if not is_fp8(self.kv_dtype):
+            return ""
+        scales = self.model.kv_scales()
+        if bool((scales == 1.0).all()):
+            return "scales 1.0 (the checkpoint has none)"
+        return (f"scales from the checkpoint (K {scales[:, 0].min().item():.3g}.."
+                f"{scales[:, 0].max().item():.3g}, V {scales[:, 1].min().item():.3g}.."
+                f"{scales[:, 1].max().item():.3g})")
 
     # ----------------------------------------------------------------- start-up profile
     def _profile(self) -> tuple[int, bool]:

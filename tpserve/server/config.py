@@ -23,6 +23,7 @@ import torch
 
 from tpserve.model.cuda_graphs import mixed_buckets_for
 from tpserve.model.kernels.backend import resolve_kernel_backend
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.runner import RunnerConfig, resolve_max_model_len
@@ -116,9 +117,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "reduce-scatter after each tensor-parallel block)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "bfloat16", "float16", "float32"],
-                   help="dtype of the KV cache (auto: the model's --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="dtype of the KV cache (auto: the model's --dtype). fp8 (= fp8_e4m3): "
+                        "e4m3 with a float32 scale per layer for K and for V, from the "
+                        "checkpoint's k_scale/v_scale (or kv_scale) tensors, else 1.0; values "
+                        "past ±448 x scale saturate; half the bytes of bf16, twice the tokens")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -247,7 +250,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     dtype = resolve_dtype(a.dtype, torch.device(device))
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, dtype=dtype,
-        kv_cache_dtype=dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
+        kv_cache_dtype=resolve_kv_cache_dtype(a.kv_cache_dtype, dtype),
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,

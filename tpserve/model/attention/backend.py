@@ -6,9 +6,12 @@ A back-end owns
   that must come from the host (the step's shape) is built on rank 0 by ``plan_extra``,
   travels in the plan as ``StepPlan.attn_extra`` (int64, opaque to everything else) and
   becomes the back-end's metadata on every rank through ``metadata``;
-- the KV cache dtype (``kv_cache_dtype``, any of bf16/fp16/fp32 whatever the model's
-  dtype): ``rope_and_write_kv`` rounds K/V into the cache's dtype, ``forward`` reads it
-  back. The layout is the pool's (``KVPool``), shared by both back-ends;
+- the KV cache dtype (``kv_cache_dtype``, any of bf16/fp16/fp32/fp8-e4m3 whatever the
+  model's dtype): ``rope_and_write_kv`` rounds K/V into the cache's dtype, ``forward``
+  reads it back. An FP8 cache is scaled by the layer's ``kv_scale`` (``[2]`` float32 device
+  tensor, K's then V's; the convention is ``model/kv_cache_dtype``'s), which both methods
+  take and other dtypes ignore. The layout is the pool's (``KVPool``), shared by both
+  back-ends;
 - its static buffers for CUDA graphs (``graph_state``): what ``StepGraphs`` copies a
   step's back-end metadata into, and the capture-shaped metadata its graphs bake in.
 """
@@ -74,15 +77,18 @@ class AttentionBackend(ABC):
     def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """RoPE on q and k, K/V written to their slots in the cache's dtype; returns the
-        rotated q."""
+                          meta: AttentionMetadata, kv_scale: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """RoPE on q and k, K/V written to their slots in the cache's dtype (FP8: divided by
+        ``kv_scale``, saturated at ±448); returns the rotated q."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences'
-        cached context (their own K/V already written); returns ``[T, Hq, D]``."""
+        cached context (their own K/V already written; FP8 read as ``q * kv_scale``);
+        returns ``[T, Hq, D]``."""
 
 
 def select_attention(backend: str, kv_cache_dtype: torch.dtype) -> AttentionBackend:

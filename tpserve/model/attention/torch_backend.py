@@ -15,14 +15,14 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                          meta: AttentionMetadata) -> torch.Tensor:
+                          meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
         q, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
-                                           v_cache, meta.slot_mapping)
+                                           v_cache, meta.slot_mapping, kv_scale)
         return q
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float
-                ) -> torch.Tensor:
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_scale=None) -> torch.Tensor:
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
 
 BACKEND = TorchAttention

@@ -81,9 +81,11 @@ class TritonMetadata(AttentionMetadata):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: TritonMetadata, scale: float) -> torch.Tensor:
+                    meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
-    context (any cache dtype; rounded to q's dtype as it is read).
+    context (any cache dtype; rounded to q's dtype as it is read; an FP8 cache is scaled
+    by ``kv_scale``, read on the device).
 
     The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
     rows go to the split-K decode kernel, then the prefill kernel works through
@@ -98,11 +100,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         dec = triton_decode_attention
         splits = dec.decode_num_splits(slots, k_cache.shape[2], meta.max_seq_len)
         dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
-                             meta.decode_lens(), scale, out[:slots], splits)
+                             meta.decode_lens(), scale, out[:slots], splits,
+                             kv_scale=kv_scale)
     if meta.num_seqs > meta.num_decodes:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.tiles(), scale, out)
+            meta.tiles(), scale, out, kv_scale=kv_scale)
     return out
 
 
@@ -157,16 +160,16 @@ class TritonAttention(AttentionBackend):
         return TritonGraphState(max_num_seqs, max_tokens, device)
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                          meta: AttentionMetadata) -> torch.Tensor:
+                          meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
         q, _ = triton_rope.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
-                                             v_cache, meta.slot_mapping)
+                                             v_cache, meta.slot_mapping, kv_scale=kv_scale)
         return q
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float
-                ) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_scale=None) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
             meta = self.metadata(meta)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
 
 BACKEND = TritonAttention

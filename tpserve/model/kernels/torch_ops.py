@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX, is_fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,26 +55,50 @@ def rope(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e4m3(clamp(x / scale, -448, 448))`` (round to nearest even): saturates, never NaN
+    for finite ``x``. ``scale`` is a float32 scalar tensor."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in float32 (exact products of e4m3 values rounded once)."""
+    return q.float() * scale
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return quantize_kv(x, scale) if is_fp8(cache.dtype) else x.to(cache.dtype)
+
+
+def _unit(scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``scale``, or unit scales (tests and tools; the model always passes its own)."""
+    if scale is not None:
+        return scale
+    return torch.ones(2, dtype=torch.float32, device=like.device)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes each token's K/V into its slot; negative slots (padding) are skipped."""
+    """Writes each token's K/V into its slot in the cache's dtype (FP8: scaled by
+    ``kv_scale`` and saturated); negative slots (padding) are skipped."""
     nb, bs, h, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(nb * bs, h, d)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[slots] = v[keep].to(v_cache.dtype)
+    scale = _unit(kv_scale, k_cache)
+    k_cache.view(nb * bs, h, d)[slots] = _to_cache(k[keep], k_cache, scale[0])
+    v_cache.view(nb * bs, h, d)[slots] = _to_cache(v[keep], v_cache, scale[1])
 
 
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k, then the K/V cache write; returns the rotated ``(q, k)``."""
     q, k = rope(q, k, positions, cos_sin_cache)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q, k
 
 
@@ -84,15 +109,24 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return cache[blocks].reshape(nblocks * bs, *cache.shape[2:])[:length]
 
 
+def _read(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows as values: FP8 dequantized to float32, others as stored."""
+    return dequantize_kv(x, scale) if is_fp8(x.dtype) else x
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float,
+    scale: float, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their sequences' cached context.
 
     ``q`` is ``[T, Hq, D]``; the K/V of the new tokens must already be in the cache.
-    Decodes are batched (padded to the longest context); prefills run per sequence.
+    Decodes are batched (padded to the longest context); prefills run per sequence. An FP8
+    cache is dequantized (``q * kv_scale``) to float32 as it is gathered, then used exactly
+    as a float32 cache holding those values.
     """
+    kv_scale = _unit(kv_scale, k_cache)
+    k_scale, v_scale = kv_scale[0], kv_scale[1]
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -106,8 +140,8 @@ def paged_attention(
         # entries past a shorter sequence's blocks are padding: clamp them to a valid id
         # (what they point at is masked out below)
         blocks = meta.block_tables[:nd, :nblocks].long().clamp(0, k_cache.shape[0] - 1)
-        k = k_cache[blocks].flatten(1, 2)[:, :maxlen]  # [nd, L, Hkv, D]
-        v = v_cache[blocks].flatten(1, 2)[:, :maxlen]
+        k = _read(k_cache[blocks].flatten(1, 2)[:, :maxlen], k_scale)  # [nd, L, Hkv, D]
+        v = _read(v_cache[blocks].flatten(1, 2)[:, :maxlen], v_scale)
         qd = q[:nd].float().view(nd, hkv, group, -1)
         scores = torch.einsum("bhgd,blhd->bhgl", qd, k.float()) * scale
         lens = meta.seq_lens[:nd].to(scores.device)
@@ -120,8 +154,8 @@ def paged_attention(
     for i in range(nd, meta.num_seqs):
         s, e, length = starts[i], starts[i + 1], seq_lens[i]
         qlen = e - s
-        k = _gather_context(k_cache, meta.block_tables[i], length)
-        v = _gather_context(v_cache, meta.block_tables[i], length)
+        k = _read(_gather_context(k_cache, meta.block_tables[i], length), k_scale)
+        v = _read(_gather_context(v_cache, meta.block_tables[i], length), v_scale)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)

@@ -17,6 +17,11 @@ With one split the kernel normalises and writes ``out`` directly. Otherwise it w
 unnormalised partials ``part_out [B, Hq, NUM_SPLITS, D]`` and ``part_max``/``part_sum
 [B, Hq, NUM_SPLITS]`` (float32, maxima in the log2 domain), and a second kernel combines them.
 
+FP8 cache (``KV_FP8``): K/V rows are loaded as e4m3 and widened exactly to q's dtype; the K
+scale ``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into
+the output (before the split partials are written), both read on the device. This is
+``dequantize`` then attend, up to float32 rounding.
+
 CUDA graphs: the launch grid depends only on host ints (``B``, ``Hkv``, the split count) and
 sequence lengths are read on the device, so one capture is valid for any lengths; a sequence
 of length 0 (batch padding) yields zeros, never NaN.
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config
+from tpserve.model.kv_cache_dtype import is_fp8
 
 LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
@@ -43,13 +49,13 @@ TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more onl
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2,
+    scale_log2, kv_scale_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,6 +74,8 @@ def _decode_split_kernel(
                 mask=g_mask[:, None], other=0.0)
     io_dtype = q.dtype
     q = q.to(DOT_DTYPE)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -95,6 +103,8 @@ def _decode_split_kernel(
                                             input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -148,11 +158,13 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
     block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding).
+    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -160,6 +172,9 @@ def decode_attention(
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    fp8 = is_fp8(k_cache.dtype)
+    assert not fp8 or (kv_scale is not None and kv_scale.dtype == torch.float32
+                       and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -174,14 +189,14 @@ def decode_attention(
         part_sum = torch.empty_like(part_max)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
-        scale * LOG2E,
+        scale * LOG2E, kv_scale if fp8 else part_max,  # a float32 pointer, unread if not FP8
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -16,6 +16,10 @@ sequence ``i`` for one query head with a flash-attention online softmax (float32
 domain). Key tiles entirely left of the tile's first query are processed without masks;
 only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
+
+FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype; the K
+scale ``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into
+the output, both read on the device (``dequantize`` then attend, up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
+from tpserve.model.kv_cache_dtype import is_fp8
 
 LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): 64x64 tiles with 4 warps and 2 stages were the best or
@@ -77,13 +82,14 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    tiles_ptr, scale_log2,
+    tiles_ptr, scale_log2, kv_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IO_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -102,6 +108,8 @@ def _prefill_kernel(
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
         q = q.to(DOT_DTYPE)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
         pos_q = ctx + offs_m  # padded rows (>= q_len) see keys < seq_len; never stored
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -127,6 +135,8 @@ def _prefill_kernel(
                 stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
                 PAGE_SIZE, True, IO_DTYPE, DOT_DTYPE, DOT_PRECISION)
         o = acc / l_i[:, None]
+        if KV_FP8:
+            o = o * tl.load(kv_scale_ptr + 1)
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -135,14 +145,15 @@ def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 2, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
     ``tiles`` must have been built for ``block_m`` (``prefill_tiles(..., tile_m=block_m)``);
     its length fixes the launch grid and nothing here reads the device, so the launch is
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
-    depend on them beyond rounding).
+    depend on them beyond rounding). ``kv_scale`` (float32 ``[2]``, K then V) is required
+    for an FP8 cache, else ignored.
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -150,19 +161,22 @@ def prefill_attention(
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert tiles.dtype == torch.int32, tiles.dtype
+    fp8 = is_fp8(k_cache.dtype)
+    assert not fp8 or (kv_scale is not None and kv_scale.dtype == torch.float32
+                       and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     if tiles.numel() == 0:
         return out
     dot_dtype, precision = dot_config(q.dtype, q.device)
     _prefill_kernel[(tiles.numel(), num_q_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
-        scale * LOG2E,
+        scale * LOG2E, kv_scale if fp8 else out,  # never read unless FP8
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, IO_DTYPE=tl_dtype(q.dtype),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -10,7 +10,10 @@ Layouts:
   slot ``slot_mapping[t]`` unless that slot is negative.
 
 One program handles one token: all its q and k heads are rotated **in place** (rounded to
-their dtype as the reference does) and its rotated k and its v are stored to the cache.
+their dtype as the reference does) and its rotated k and its v are stored to the cache. An
+FP8 cache stores ``e4m3(clamp(x / s, ±448))`` with ``s = kv_scale[0]`` for K and
+``kv_scale[1]`` for V (device scalars: nothing is read on the host), computed from the
+rounded k exactly as ``torch_ops.quantize_kv`` does (``triton_fp8_kv``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tpserve.model.kernels.triton_fp8_kv import to_cache
+from tpserve.model.kv_cache_dtype import is_fp8
 
 
 @triton.jit
@@ -30,12 +36,13 @@ def _rotate_half(x1, x2, cos, sin):
 
 @triton.jit
 def _rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, kv_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -76,27 +83,32 @@ def _rope_write_kv_kernel(
     off = slot % PAGE_SIZE
     kc_row = kc_ptr + blk * stride_kcb + off * stride_kco + hk[:, None] * stride_kch
     kc_dt = kc_ptr.dtype.element_ty
-    tl.store(kc_row + offs_r[None, :], r1.to(kc_dt), mask=k_mask & write)
-    tl.store(kc_row + HALF + offs_r[None, :], r2.to(kc_dt), mask=k_mask & write)
+    tl.store(kc_row + offs_r[None, :], to_cache(r1, kv_scale_ptr, kc_dt, KV_FP8),
+             mask=k_mask & write)
+    tl.store(kc_row + HALF + offs_r[None, :], to_cache(r2, kv_scale_ptr, kc_dt, KV_FP8),
+             mask=k_mask & write)
     offs_d = tl.arange(0, HEAD_DIM)
     if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of the head passes through unrotated
         tail = h_mask[:, None] & (offs_d[None, :] >= 2 * HALF) & write
         k_tail = tl.load(k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_d[None, :],
                          mask=tail, other=0.0)
-        tl.store(kc_row + offs_d[None, :], k_tail.to(kc_dt), mask=tail)
+        tl.store(kc_row + offs_d[None, :], to_cache(k_tail, kv_scale_ptr, kc_dt, KV_FP8),
+                 mask=tail)
     v_mask = h_mask[:, None] & write
     v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :],
                 mask=v_mask, other=0.0)
     vc_row = vc_ptr + blk * stride_vcb + off * stride_vco + hk[:, None] * stride_vch
-    tl.store(vc_row + offs_d[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(vc_row + offs_d[None, :],
+             to_cache(v, kv_scale_ptr + 1, vc_ptr.dtype.element_ty, KV_FP8), mask=v_mask)
 
 
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q and k (in place), then the K/V cache write; returns the rotated ``(q, k)``."""
+    """RoPE on q and k (in place), then the K/V cache write; returns the rotated ``(q, k)``.
+    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -106,11 +118,15 @@ def rope_and_write_kv(
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    fp8 = is_fp8(k_cache.dtype)
+    assert not fp8 or (kv_scale is not None and kv_scale.dtype == torch.float32
+                       and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        kv_scale if fp8 else cos_sin_cache,  # a float32 pointer that is never read
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -119,6 +135,6 @@ def rope_and_write_kv(
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        num_warps=4,
+        KV_FP8=fp8, num_warps=4,
     )
     return q, k

@@ -127,13 +127,14 @@ class _SafetensorsSource:
     """Reads only the requested slice from the file (``get_slice``)."""
 
     def __init__(self, handle, key: str):
+        self.handle, self.key = handle, key
         self.slice = handle.get_slice(key)
         self.shape = tuple(self.slice.get_shape())
 
     def read(self, dim: int | None = None, start: int = 0,
              length: int | None = None) -> torch.Tensor:
-        if dim is None:
-            return self.slice[:]
+        if dim is None:  # a 0-dim tensor (a scalar such as a KV scale) cannot be sliced
+            return self.slice[:] if self.shape else self.handle.get_tensor(self.key)
         length = self.shape[dim] - start if length is None else length
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)

@@ -1,0 +1,75 @@
+"""Decode attention over a bf16 vs an FP8 (e4m3, scaled) KV cache, llama3-8b shapes per
+layer (32 query / 8 KV heads, head dim 128, page 16), at a few batch sizes and contexts;
+timed on the GPU with CUDA graphs of 32 launches (``tune_decode.time_graph``). The split
+count is the heuristic's. Also checks each FP8 result against the bf16 kernel run over the
+dequantized cache (max abs difference, reported).
+
+    python bench/time_fp8_decode.py --out results/fp8-decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tune_decode import time_graph, write_rows  # noqa: E402
+
+from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
+from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_num_splits,
+)
+
+SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    scale = torch.tensor([0.02, 0.01], device=dev)
+    rows = []
+    for batch, ctx in SIZES:
+        nb = batch * (ctx // page)
+        k = torch.randn(nb, page, hkv, d, device=dev) * 3
+        v = torch.randn_like(k)
+        k8, v8 = quantize_kv(k, scale[0]), quantize_kv(v, scale[1])
+        kb = dequantize_kv(k8, scale[0]).bfloat16()  # the same values (up to bf16 rounding)
+        vb = dequantize_kv(v8, scale[1]).bfloat16()
+        del k, v
+        tables = torch.randperm(nb, device=dev).int().view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
+        splits = decode_num_splits(batch, hkv, ctx)
+        out = {}
+        row = {"batch": batch, "context": ctx, "splits": splits}
+        for name, kc, vc, ks in (("bf16", kb, vb, None), ("fp8", k8, v8, scale)):
+            o = torch.empty_like(q)
+            args = (q, kc, vc, tables, lens, 0.088, o, splits)
+
+            def fn(args=args, ks=ks):
+                return decode_attention(*args, kv_scale=ks)
+            us = time_graph(fn)
+            out[name] = o.float()
+            nbytes = 2 * batch * ctx * hkv * d * kc.element_size()
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_kv_TBps"] = round(nbytes / us / 1e6, 3)
+        row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+        row["max_abs_diff"] = float((out["fp8"] - out["bf16"]).abs().max())
+        rows.append(row)
+        print(row, flush=True)
+        del kb, vb, k8, v8
+        torch.cuda.empty_cache()
+    write_rows(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
