@@ -99,6 +99,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="weight quantization (the server's --quantization)")
+    p.add_argument("--fp8-weight-only-max-tokens", type=int, default=None,
+                   help="the server's flag of that name (default: the server's default)")
     for k, v in FULL.items():
         typ = float if isinstance(v, float) else int if isinstance(v, int) else str
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None,
@@ -131,6 +135,9 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv.append("--enforce-eager")
     if a.no_async_scheduling:
         argv.append("--no-async-scheduling")
+    argv += ["--quantization", a.quantization]
+    if a.fp8_weight_only_max_tokens is not None:
+        argv += ["--fp8-weight-only-max-tokens", str(a.fp8_weight_only_max_tokens)]
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(argv))
 
@@ -149,7 +156,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__, "triton": None, "python": platform.python_version(),
-        "config": {k: getattr(a, k) for k in FULL},
+        "config": {k: getattr(a, k) for k in FULL}, "quantization": a.quantization,
         "parallel": {"tensor_parallel_size": a.tensor_parallel_size, "tp_comm": a.tp_comm,
                      "disable_custom_all_reduce": a.disable_custom_all_reduce},
         "notes": []}

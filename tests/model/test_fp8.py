@@ -36,3 +36,38 @@ def test_reference_linear_is_the_product_of_the_dequantized_operands():
     # and close to the unquantized product (about 4 % of its largest magnitude)
     full = F.linear(x, w, b)
     assert (y - full).abs().max() <= 0.08 * full.abs().max()
+
+
+def test_quantized_model_holds_fp8_linear_weights_and_fewer_bytes():
+    from tests.model.util import load
+    from tpserve.model.quant.fp8 import Fp8LinearMethod
+
+    base, _ = load(None)
+    quant, _ = load(None, quant_method=Fp8LinearMethod())
+    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    proj = quant.model.layers[0].mlp.down_proj
+    assert proj.weight.dtype == FP8 and proj.weight_scale.shape == (proj.weight.shape[0],)
+    linear = sum(p.numel() for n, p in base.named_parameters() if "proj.weight" in n)
+    scales = sum(p.numel() for n, p in quant.named_parameters() if "weight_scale" in n)
+    # float32 linear weights (4 bytes) became 1 byte each plus a float32 scale per row
+    assert nbytes(base) - nbytes(quant) == 3 * linear - 4 * scales
+
+
+def test_config_errors_name_the_flag():
+    import pytest
+
+    from tpserve.cli import build_parser
+    from tpserve.model.runner import RunnerConfig
+    from tpserve.server.config import config_from_args
+
+    with pytest.raises(ValueError, match="--quantization must be one of none, fp8"):
+        RunnerConfig(quantization="int4")
+    with pytest.raises(ValueError, match="--fp8-weight-only-max-tokens must be >= 0"):
+        RunnerConfig(quantization="fp8", fp8_weight_only_max_tokens=-1)
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantization", "int4"])
+    cfg = config_from_args(parser.parse_args(["serve", "--quantization", "fp8",
+                                              "--fp8-weight-only-max-tokens", "16"]))
+    assert cfg.runner.quantization == "fp8" and cfg.runner.fp8_weight_only_max_tokens == 16
+    assert config_from_args(parser.parse_args(["serve"])).runner.quantization == "none"

@@ -18,7 +18,7 @@ def assert_same_as_gguf(path) -> GGUFFile:
     for key in keys:
         assert ours.get(key) == theirs.fields[key].contents(), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
-    for a, b in zip(ours.tensors, theirs.tensors):
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert a.tensor_type == b.tensor_type
         assert a.shape == tuple(b.shape.tolist())
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape

@@ -22,14 +22,15 @@ CPU = torch.device("cpu")
 
 def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
          kv_dtype: torch.dtype = torch.float32, backend: str = "torch",
-         tp_comm: str = "allreduce"):
-    """Our float32 model on CPU, on the torch ops and the given attention back-end."""
+         tp_comm: str = "allreduce", quant_method=None):
+    """Our float32 model on CPU, on the torch ops and the given attention back-end (and
+    linear-layer ``quant_method``, e.g. ``Fp8LinearMethod()``)."""
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format)
     comm = Communicator(group)
     attn = select_attention(backend, kv_dtype)
     return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn, 512,
-                       tp_comm=tp_comm), comm
+                       tp_comm=tp_comm, quant_method=quant_method), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:

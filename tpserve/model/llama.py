@@ -55,17 +55,18 @@ STACKED = {
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, attn: AttentionBackend,
-                 dtype: torch.dtype, reduce: str):
+                 dtype: torch.dtype, reduce: str, quant=None):
         super().__init__()
         self.attn = attn
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype)
+                                          cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype,
+                                          quant_method=quant)
         # o_proj's input columns follow the (padded) query heads of this rank
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         comm, cfg.o_bias, dtype,
                                         in_map=self.qkv_proj.layout.q_map(comm.rank,
                                                                           cfg.head_dim),
-                                        reduce=reduce)
+                                        reduce=reduce, quant_method=quant)
         self.scale = cfg.head_dim ** -0.5
         # the FP8 KV cache's scales, [K, V] (model/kv_cache_dtype.py): 1.0 unless the
         # checkpoint has them; fixed after load; ignored by other cache dtypes
@@ -82,15 +83,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 reduce: str):
+                 reduce: str, quant=None):
         super().__init__()
         self.ops = ops
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
-                                                       dtype=dtype)
+                                                       dtype=dtype, quant_method=quant)
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, comm, dtype=dtype,
-            in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank), reduce=reduce)
+            in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank), reduce=reduce,
+            quant_method=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -98,13 +100,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, sequence_parallel: bool):
+                 dtype: torch.dtype, sequence_parallel: bool, quant=None):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-        self.self_attn = LlamaAttention(cfg, comm, attn, dtype, reduce)
-        self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce)
+        self.self_attn = LlamaAttention(cfg, comm, attn, dtype, reduce, quant)
+        self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
@@ -128,13 +130,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, sequence_parallel: bool):
+                 dtype: torch.dtype, sequence_parallel: bool, quant=None):
         super().__init__()
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
                                                    reduce=reduce)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel)
+            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
@@ -142,10 +144,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns the final hidden states of every new token (all T rows, on every
     rank, in either ``tp_comm`` mode); ``compute_logits`` turns the selected ones into
-    full-vocabulary logits (on every rank)."""
+    full-vocabulary logits (on every rank).
+
+    ``quant_method`` (``model/quant``; None: unquantized) is every q/k/v, o, gate/up and
+    down projection's; the embedding and the LM head stay in ``dtype``."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce"):
+                 dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce",
+                 quant_method=None):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
@@ -153,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         self.comm = comm
         self.attn_backend = attn
         self.sequence_parallel = tp_comm == "allgather" and comm.world_size > 1
-        self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel)
+        self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel,
+                                quant_method)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -41,6 +41,8 @@ from tpserve.model.plan import (
     StepLimits,
     StepPlan,
 )
+from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+from tpserve.model.quant.methods import QUANTIZATIONS, linear_method
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
@@ -78,6 +80,8 @@ class RunnerConfig:
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
     tp_comm: str = "allreduce"
+    quantization: str = "none"
+    fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 
     def __post_init__(self) -> None:
         for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
@@ -102,6 +106,12 @@ class RunnerConfig:
         if self.tp_comm not in TP_COMM_MODES:
             raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
                              f"{self.tp_comm!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got "
+                             f"{self.quantization!r}")
+        if self.fp8_weight_only_max_tokens < 0:
+            raise ValueError("--fp8-weight-only-max-tokens must be >= 0, got "
+                             f"{self.fp8_weight_only_max_tokens}")
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -144,8 +154,11 @@ class ModelRunner:
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
+        quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
+                              cfg.fp8_weight_only_max_tokens)
         self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
-                                 self.max_model_len, show_progress, tp_comm=cfg.tp_comm)
+                                 self.max_model_len, show_progress, tp_comm=cfg.tp_comm,
+                                 quant_method=quant)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
         bs = limits.block_size

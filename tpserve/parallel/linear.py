@@ -8,6 +8,20 @@ Weights follow torch's ``[out_features, in_features]`` layout:
 
 Where a size does not divide by tp (attention heads, the MLP width) the shards are padded
 with zero rows/columns (``ShardMap``, ``HeadLayout``) so the function is unchanged.
+
+How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed, so
+``parallel/`` never imports a quantization scheme), an object with two methods:
+
+- ``process_weights(layer)``: called once on every rank, in module order, after all of the
+  layer's shards are loaded. It may replace ``layer.weight`` (e.g. by an fp8 tensor) and
+  register more parameters (e.g. ``weight_scale``); it may run collectives on
+  ``layer.comm`` (every rank processes the same layers in the same order), and it must map
+  zero (padding) rows and columns to weights that still multiply to exactly zero.
+- ``apply(layer, x, bias)``: ``x [T, in_per_rank] -> [T, out_per_rank]``, this rank's
+  ``x W^T (+ bias)``; no host synchronisation (it runs inside CUDA graphs) and only static
+  shapes may steer it.
+
+``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 """
 
 from __future__ import annotations
@@ -27,6 +41,20 @@ from tpserve.parallel.shard import (
 )
 
 
+class UnquantizedLinear:
+    """The default ``quant_method``: the weight stays as loaded; ``F.linear``."""
+
+    def process_weights(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedLinear()  # stateless
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
@@ -40,17 +68,19 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator,
                  bias: bool = False, gather_output: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant_method=None):
         super().__init__()
         self._init_shard(in_features,
                          split_evenly(out_features, comm.world_size, "output features"),
-                         comm, bias, gather_output, dtype)
+                         comm, bias, gather_output, dtype, quant_method)
 
     def _init_shard(self, in_features: int, out_per_rank: int, comm: Communicator,
-                    bias: bool, gather_output: bool, dtype: torch.dtype | None) -> None:
+                    bias: bool, gather_output: bool, dtype: torch.dtype | None,
+                    quant_method) -> None:
         """This rank's ``[out_per_rank, in_features]`` weight (and bias), each loaded by
         ``weight_loader``."""
         self.comm = comm
+        self.quant_method = quant_method or UNQUANTIZED
         self.gather_output = gather_output
         self.out_per_rank = out_per_rank
         self.weight = _param((out_per_rank, in_features), dtype)
@@ -65,8 +95,11 @@ class ColumnParallelLinear(nn.Module):
         start = self.comm.rank * self.out_per_rank
         copy_into(param, src.read(0, start, self.out_per_rank), "column-parallel weight")
 
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -80,11 +113,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], comm: Communicator,
-                 bias: bool = False, dtype: torch.dtype | None = None):
+                 bias: bool = False, dtype: torch.dtype | None = None, quant_method=None):
         self.parts = [ShardMap.contiguous(s, comm.world_size, comm.rank) for s in out_sizes]
         nn.Module.__init__(self)
         self._init_shard(in_features, sum(p.numel for p in self.parts), comm, bias, False,
-                         dtype)
+                         dtype, quant_method)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
@@ -104,7 +137,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 comm: Communicator, bias: bool = False, dtype: torch.dtype | None = None):
+                 comm: Communicator, bias: bool = False, dtype: torch.dtype | None = None,
+                 quant_method=None):
         self.layout = HeadLayout.plan(num_heads, num_kv_heads, comm.world_size)
         self.head_dim = head_dim
         self.num_heads = self.layout.heads_per_rank
@@ -115,7 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = q_map.numel, kv_map.numel
         self.maps = {"q": (0, q_map), "k": (q, kv_map), "v": (q + kv, kv_map)}
         nn.Module.__init__(self)  # sizes are per head, not an even split of the output
-        self._init_shard(hidden, q + 2 * kv, comm, bias, False, dtype)
+        self._init_shard(hidden, q + 2 * kv, comm, bias, False, dtype, quant_method)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: object = None) -> None:
@@ -145,11 +179,13 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator,
                  bias: bool = False, dtype: torch.dtype | None = None,
-                 in_map: ShardMap | None = None, reduce: str = "all_reduce"):
+                 in_map: ShardMap | None = None, reduce: str = "all_reduce",
+                 quant_method=None):
         super().__init__()
         if reduce not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown reduce {reduce!r}")
         self.comm = comm
+        self.quant_method = quant_method or UNQUANTIZED
         self.reduce = reduce
         if in_map is None:
             per = split_evenly(in_features, comm.world_size, "input features")
@@ -170,8 +206,11 @@ class RowParallelLinear(nn.Module):
                     shard_id: object = None) -> None:
         copy_into(param, as_source(source).read(), "row-parallel bias")
 
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x, None)
         if self.reduce == "all_reduce":
             y = self.comm.all_reduce(y)
         else:

@@ -26,6 +26,8 @@ from tpserve.model.kernels.backend import resolve_kernel_backend
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+from tpserve.model.quant.methods import QUANTIZATIONS
 from tpserve.model.runner import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
@@ -122,6 +124,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "e4m3 with a float32 scale per layer for K and for V, from the "
                         "checkpoint's k_scale/v_scale (or kv_scale) tensors, else 1.0; values "
                         "past ±448 x scale saturate; half the bytes of bf16, twice the tokens")
+    p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
+                   help="weight quantization of the linear layers: none, or fp8 (e4m3 "
+                        "weights with per-output-channel scales, quantized at load; "
+                        "activations scaled per token; FP8 matrix products on Hopper)")
+    p.add_argument("--fp8-weight-only-max-tokens", type=int,
+                   default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
+                   help="with --quantization fp8: steps of at most this many tokens multiply "
+                        "the fp8 weights by unquantized activations (memory-bound decode "
+                        "kernel); larger steps quantize activations and use FP8 products")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -255,7 +266,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
-        disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm)
+        disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
+        quantization=a.quantization, fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens)
     model = open_checkpoint(model_path, a.load_format, a.seed).config
     max_mixed = a.max_mixed_tokens
     if max_mixed is None:

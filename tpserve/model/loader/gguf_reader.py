@@ -103,7 +103,8 @@ class GGUFFile:
 
     def _tensor(self, name: str, dims: tuple[int, ...], qtype: int, offset: int
                 ) -> GGUFTensor:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.constants import GGMLQuantizationType as Q
 
         kind = Q(qtype)
         n = int(np.prod(dims))

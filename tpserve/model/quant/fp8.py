@@ -1,34 +1,90 @@
-"""FP8 (e4m3) linear layers: weights quantized per output channel at load, activations per
-token at run time, the product through ``torch._scaled_mm`` on Hopper-class GPUs.
+"""FP8 (e4m3) linear layers (``--quantization fp8``): weights quantized per output channel
+at load, the product chosen by the step's (static) token count M.
 
-Invariant: ``x ~= q * scale`` row by row, with each row's largest magnitude mapped to the
-largest finite e4m3 value (448). A weight shard is quantized on the rank that holds it, so
-its scales are sharded with it (a row-parallel shard's scales cover only its columns, and
-each rank's partial product is exact to its own scales before the all-reduce).
+- ``M <= weight_only_max_tokens`` (decode): weight-only. ``y = x (q_w * s_w)^T``: the fp8
+  weight is widened in registers and multiplied by the unquantized activations, the
+  per-channel scale applied to the accumulator (a memory-bound kernel reading half the
+  bytes of bf16).
+- larger M (prefill, mixed steps): W8A8. Activations are quantized per token (one fused
+  kernel), then ``torch._scaled_mm`` multiplies the fp8 operands with row-wise scales.
 
-The reference path (CPU, and GPUs without FP8 matrix products) dequantizes both operands to
-float32 and multiplies: it is the test oracle of the fast path.
+Invariants:
+- ``x ~= q * scale`` row by row, each row's largest magnitude mapped to the largest finite
+  e4m3 value (448); an all-zero row gets the scale ``MIN_SCALE`` and zero codes, so zero
+  (padding) rows and columns stay exactly zero and never produce NaN or inf.
+- A weight's scale covers its whole output channel (the row of the unsharded weight): a
+  column-parallel shard holds whole rows; a row-parallel shard's row amax is max-reduced
+  over the ranks first. So every rank's fp8 codes are exactly the tp-1 codes of its shard,
+  and the weight-only product at any tp equals the tp-1 one up to fp32 summation order.
+  (W8A8 activations are scaled per token over this rank's input columns.)
+- The torch reference (``backend="torch"``: CPU, and the test oracle) computes the same
+  two functions in float32 from the dequantized operands; the Triton/``_scaled_mm`` path
+  (``backend="triton"``) differs from it only by accumulation order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from tpserve.parallel.linear import RowParallelLinear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
+DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 64
 
 
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, C]`` -> ``(q [R, C] e4m3, scale [R, 1] float32)`` with ``x ~= q * scale``."""
+def quantize_per_row(x: torch.Tensor, amax: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` -> ``(q [R, C] e4m3, scale [R, 1] float32)`` with ``x ~= q * scale``.
+    ``amax [R, 1]`` (default: each row's own) sets the scale, ``max(amax / 448,
+    MIN_SCALE)``; it must be >= the row's largest magnitude (values are clamped)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    if amax is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
+
+
+def reference_weight_only(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K]`` times the dequantized ``wq [N, K]`` (``w_scale [N]``), in float32."""
+    y = F.linear(x.float(), dequantize(wq, w_scale.view(-1, 1)),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def reference_w8a8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K]`` quantized per token, times the dequantized weight, in float32."""
+    xq, xs = quantize_per_row(x)
+    y = F.linear(dequantize(xq, xs), dequantize(wq, w_scale.view(-1, 1)),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``y = x W^T + b`` with ``W = wq * w_scale`` (``wq [N, K]`` e4m3, ``w_scale [N, 1]``);
+    ``x [..., K]`` is quantized per token on the way in (eager; the W8A8 reference, and
+    ``torch._scaled_mm`` where the device has FP8 matrix products)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if scaled_mm_supported(x.device):
+        xq, xs = quantize_per_row(x2)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
+                             bias=bias, out_dtype=out_dtype)
+    else:
+        y = reference_w8a8(x2.float(), wq, w_scale, bias).to(out_dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -38,17 +94,57 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``y = x W^T + b`` with ``W = wq * w_scale`` (``wq [N, K]`` e4m3, ``w_scale [N, 1]``);
-    ``x [..., K]`` is quantized per token on the way in."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_per_row(x2)
-    if scaled_mm_supported(x.device):
-        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
-                             bias=bias, out_dtype=out_dtype)
-    else:
-        y = F.linear(dequantize(xq, xs), dequantize(wq, w_scale),
-                     None if bias is None else bias.float()).to(out_dtype)
-    return y.reshape(*lead, y.shape[-1])
+def quantize_layer_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of ``layer.weight`` as ``(q [N, K] e4m3, scale [N] float32)``,
+    scaled per output channel of the unsharded weight (row-parallel: the row amax is
+    max-reduced over the ranks)."""
+    w = layer.weight.detach()
+    amax = w.abs().amax(dim=-1, keepdim=True).float()
+    if isinstance(layer, RowParallelLinear) and layer.comm.world_size > 1:
+        amax = -layer.comm.all_reduce_min(-amax)  # max over ranks
+    q, scale = quantize_per_row(w, amax)
+    return q, scale.view(-1)
+
+
+@dataclass(frozen=True)
+class Fp8LinearMethod:
+    """The ``quant_method`` (see ``parallel/linear.py``) of ``--quantization fp8``.
+
+    ``backend`` "torch": the float32 reference functions; "triton": the Triton kernels
+    (``kernels/triton_fp8.py``) and, when ``scaled_mm`` (compute capability >= 8.9 and a
+    bf16 model), ``torch._scaled_mm`` for W8A8; without it every M takes the weight-only
+    kernel (a tiled GEMM at any M)."""
+
+    backend: str = "torch"
+    weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+    scaled_mm: bool = False
+
+    def process_weights(self, layer: nn.Module) -> None:
+        q, scale = quantize_layer_weight(layer)
+        # the loaded weight is dropped here: the layer holds fp8 codes + float32 scales
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        y = self.matmul(x2, layer.weight, layer.weight_scale, bias)
+        return y.reshape(*lead, y.shape[-1])
+
+    def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K] -> [M, N]``; the path is chosen by the static M only."""
+        weight_only = x.shape[0] <= self.weight_only_max_tokens
+        if self.backend == "torch":
+            fn = reference_weight_only if weight_only else reference_w8a8
+            return fn(x, wq, w_scale, bias)
+        from tpserve.model.kernels import triton_fp8
+
+        n, k = wq.shape
+        if (weight_only or not self.scaled_mm or x.dtype != torch.bfloat16
+                or n % 16 or k % 16):
+            return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
+        xq, xs = triton_fp8.quantize_per_token(x)
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
+                                bias=bias, out_dtype=x.dtype)
