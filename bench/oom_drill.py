@@ -145,9 +145,12 @@ def wait_for(pred, timeout: float, what: str) -> None:
 
 
 def bodies(rng: random.Random, n: int, args) -> list[dict]:
+    extra = ({"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2}
+             if args.penalties else {})
     return [{"prompt": [rng.randrange(100, 40000) for _ in range(args.prompt_len)],
              "max_tokens": args.output_len, "ignore_eos": True, "temperature": 1.0,
-             "top_k": 50, "top_p": 0.9, "min_p": 0.01, "logprobs": 2} for _ in range(n)]
+             "top_k": 50, "top_p": 0.9, "min_p": 0.01, "logprobs": args.logprobs, **extra}
+            for _ in range(n)]
 
 
 def raise_open_files_limit() -> None:
@@ -306,6 +309,10 @@ def main() -> None:
                    help="free memory the co-tenant leaves (above the engine's 1 GiB floor, "
                         "so the live budget alone does not shrink the steps)")
     p.add_argument("--hold-s", type=float, default=10.0)
+    p.add_argument("--penalties", action="store_true",
+                   help="repetition/frequency/presence penalties in every request: the "
+                        "sampler's [rows, vocab] occurrence counts, beyond the profiled step")
+    p.add_argument("--logprobs", type=int, default=2, help="top logprobs per token")
     p.add_argument("--hog", action="store_true", help="(internal) be the co-tenant")
     p.add_argument("--cpu", action="store_true",
                    help="logic check on CPU: no co-tenant, so no OOM is expected")
