@@ -141,17 +141,20 @@ def auto_split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
-    """The launch for a static ``(M, N, K)`` (chosen from the CUDA-graph-timed sweep of
-    ``bench/fp8_gemm.py`` on an H200, llama3-8b shapes)."""
-    if m == 1:
-        return WoConfig("fma", 1, 16, 512, 0, 4)
-    if m <= 4:
-        return WoConfig("fma", triton.next_power_of_2(m), 16, 256, 0, 4)
+    """The launch for a static ``(M, N, K)``, from the CUDA-graph-timed sweep of
+    ``bench/fp8_gemm.py --sweep`` on an H200 (llama3-8b shapes, 90fc4f7): at M = 1 the
+    fma kernel on 8 x 1024-byte weight tiles, except for the largest weights (gate_up,
+    N*K >= 2^26) where the pipelined dot is 3 us faster; M = 2..16 a 16-row dot over 32 x 256
+    tiles, three stages of cp.async pipelining, K split to two programs per SM (the single
+    best launch at every shape there); M = 17..32 a 32 x 64 x 128 dot. Larger M (only with a
+    raised ``--fp8-weight-only-max-tokens``; W8A8 is faster there) a 64 x 64 x 128 dot."""
+    if m == 1 and n * k < 2**26:
+        return WoConfig("fma", 1, 8, 1024, 0, 4)
     if m <= 16:
         return WoConfig("dot", 16, 32, 256, 0, 4, 3)
-    if m <= 64:
-        return WoConfig("dot", triton.next_power_of_2(m), 64, 128, 0, 4, 3)
-    return WoConfig("dot", 64, 128, 64, 1, 8, 3)
+    if m <= 32:
+        return WoConfig("dot", 32, 64, 128, 0, 4, 3)
+    return WoConfig("dot", 64, 64, 128, 0, 4, 3)
 
 
 @triton.jit
