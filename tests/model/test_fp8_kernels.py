@@ -42,7 +42,7 @@ def kern():
             if NAME in sys.modules:
                 from triton.runtime.interpreter import InterpretedFunction
                 mod = sys.modules[NAME]
-                if not isinstance(mod._weight_only_kernel, InterpretedFunction):
+                if not isinstance(mod._wo_fma_kernel, InterpretedFunction):
                     importlib.reload(mod)
         yield importlib.import_module(NAME)
 
@@ -66,6 +66,26 @@ def test_quantize_per_token_is_bit_exact(kern, dtype, m, k):
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(q[1].float(), torch.zeros(k, device=DEVICE))
+
+
+def test_quantize_per_token_scale_follows_the_devices_division(kern):
+    """The reference's ``amax / 448`` is a correctly rounded division on CPU but
+    ``amax * float32(1/448)`` on CUDA (ATen multiplies by the reciprocal of a CPU scalar),
+    one ulp apart for some amax; the kernel takes the formula of its device. Here: amaxes
+    where the two differ, checked against torch's own result on this device."""
+    amax = torch.tensor([0.7264, 0.3000, 1.1, 2.5e-3, 448.0, 5e-10])
+    x = torch.zeros(len(amax), 16)
+    x[:, 3] = amax
+    x[:, 7] = -amax / 3
+    x = x.to(DEVICE)
+    _, s = kern.quantize_per_token(x)
+    want = (x.abs().amax(-1, keepdim=True) / kern.FP8_MAX).clamp(min=kern.MIN_SCALE)
+    assert torch.equal(s, want)
+    cpu_div = amax / torch.full_like(amax, 448.0)
+    gpu_mul = amax * (torch.tensor(1.0) / 448.0)
+    assert (cpu_div != gpu_mul).any()  # the two formulas really differ on these inputs
+    assert torch.equal(s.view(-1).cpu(), (gpu_mul if DEVICE.type == "cuda" else cpu_div)
+                       .clamp(min=kern.MIN_SCALE))
 
 
 @pytest.mark.parametrize("bit_cast", [True] + ([False] if DEVICE.type == "cuda" else []))
@@ -94,26 +114,71 @@ def _weight(n: int, k: int, seed: int, zero_rows=()) -> tuple[torch.Tensor, torc
     return q.to(DEVICE), s.view(-1).to(DEVICE)
 
 
+def _check_weight_only(kern, x, wq, ws, bias, config=None):
+    """The kernel against the float32 product of the dequantized weight: float32 outputs to
+    a tight relative bound (the summation order differs), 16-bit outputs to one rounding
+    of the output dtype; zero weight rows give exactly the bias (or zero)."""
+    m, n = x.shape[0], wq.shape[0]
+    y = kern.weight_only_linear(x, wq, ws, bias, config)
+    want = F.linear(x.float(), wq.float() * ws[:, None], None if bias is None else bias.float())
+    assert y.dtype == x.dtype and y.shape == (m, n)
+    # |error| <= eps(dtype) |y| + K * 2^-24 * sum|x w| (float32 sums in another order)
+    mag = F.linear(x.float().abs(), wq.float().abs() * ws[:, None])
+    eps = {torch.float32: 0.0, torch.bfloat16: 2**-7, torch.float16: 2**-10}[x.dtype]
+    tol = eps * want.abs() + x.shape[1] * 2**-24 * mag + 1e-30
+    assert ((y.float() - want).abs() <= tol).all(), (y.float() - want).abs().max()
+    ref = reference_weight_only(x, wq, ws, bias).float()  # the method's own reference
+    assert ((y.float() - ref).abs() <= 2 * tol).all()
+    col = torch.zeros(m, device=DEVICE) if bias is None else bias[0].float().expand(m)
+    assert torch.equal(y[:, 0].float(), col)
+
+
+# the shipped table, then explicit launches: split and unsplit, tails of every block
+CONFIGS = [None, "fma,1,16,64,1,4", "fma,1,8,32,3,4", "fma,4,16,32,0,4", "fma,2,8,64,2,2",
+           "dot,16,16,32,1,4", "dot,16,32,64,2,4", "dot,32,16,32,0,4,2"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (2, 40, 100), (3, 72, 200), (4, 24, 600),
+                                   (9, 40, 96)])
+def test_weight_only_launches_match_the_reference(kern, config, m, n, k):
+    """Every launch kind at M = 1..9, N tails (40, 72), K not a multiple of the block
+    (100, 200, 600) or of the split, zero weight rows, with and without bias; float32."""
+    x = _rows(m, k, torch.float32, 1, spread=False)
+    wq, ws = _weight(n, k, 2, zero_rows=(0, n - 1))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for b in (None, bias):
+        _check_weight_only(kern, x, wq, ws, b, config)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (3, 40, 100), (20, 72, 96), (70, 136, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (3, 40, 100), (8, 72, 160), (20, 72, 96),
+                                   (33, 24, 64), (64, 40, 48), (70, 136, 64)])
 def test_weight_only_linear_matches_the_reference(kern, dtype, m, n, k):
+    """The default launch (``weight_only_blocks``) at M = 1..70 in each activation dtype;
+    a zero activation row gives exactly the bias."""
     x = _rows(m, k, dtype, 1, spread=False)
+    x[m // 2] = 0
     wq, ws = _weight(n, k, 2, zero_rows=(0, n - 1))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     for b in (None, bias):
+        _check_weight_only(kern, x, wq, ws, b)
         y = kern.weight_only_linear(x, wq, ws, b)
-        want = F.linear(x.float(), wq.float() * ws[:, None], None if b is None else b.float())
-        assert y.dtype == dtype and y.shape == (m, n)
-        # float32 accumulation in another order, then one rounding to the output dtype
-        # (bf16: one unit in the last place, since the interpreter truncates to bf16)
-        eps = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-11}[dtype]
-        tol = eps * want.abs() + 1e-5 * want.abs().max() + 1e-6
-        assert ((y.float() - want).abs() <= tol).all()
-        ref = reference_weight_only(x, wq, ws, b).float()  # the method's own reference
-        assert ((y.float() - ref).abs() <= 2 * tol).all()
-        # zero weight rows give exactly the bias (or zero)
-        col = torch.zeros(m, device=DEVICE) if b is None else b[0].float().expand(m)
-        assert torch.equal(y[:, 0].float(), col)
+        assert torch.equal(y[m // 2], torch.zeros_like(y[0]) if b is None else b)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (1024, 4096), (4096, 1792)])
+def test_weight_only_table_fills_the_gpu(kern, m, n, k):
+    """The static launch table (no kernel run): at least two programs per H200 SM for
+    llama3-8b shapes, also per tp-8 shard, and whole ``BLOCK_K`` steps per split chunk."""
+    cfg = kern.weight_only_blocks(m, n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split or kern.auto_split(tiles, k, cfg.block_k, 132)
+    assert cfg.kind in ("fma", "dot") and split >= 1
+    assert tiles * split >= 2 * 132 or split == max(1, k // (4 * cfg.block_k))
+    assert (cfg.kind == "dot") == (cfg.block_m >= 16)
 
 
 @pytest.mark.parametrize("m", [1, 8, 40])

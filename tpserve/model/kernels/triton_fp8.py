@@ -2,22 +2,32 @@
 the torch references ``quantize_per_row`` / ``reference_weight_only``).
 
 - ``quantize_per_token``: one program per row; pass 1 the row's amax, pass 2 scale and
-  cast. Bit-exact to ``quantize_per_row``: the divisions are correctly rounded
-  (``div_rn``) and the cast rounds to nearest even with the values pre-clamped to +-448.
+  cast. Bit-exact to ``quantize_per_row`` on the same device: ``x / scale`` is correctly
+  rounded (``div_rn``; torch divides by a broadcast tensor exactly too) and the cast
+  rounds to nearest even with the values pre-clamped to +-448. The scale follows the
+  reference's ``amax / 448`` as torch evaluates it on that device: on CPU a correctly
+  rounded division, on CUDA ``amax * float32(1/448)`` (ATen's ``div_true_kernel_cuda``
+  turns division by a CPU scalar into a multiply by its float32 reciprocal, which is one
+  ulp off the quotient for some amax: the GPU bit-exact test failures of 18a4c04).
   The cast is the GPU's own conversion, or (``bit_cast``, the default off CUDA) integer
   arithmetic on the float32 bits, ``_e4m3_code``: Triton 3.9's CPU interpreter converts
   float32 -> e4m3 wrongly (ties away from even, and a mantissa that rounds up past 1.111b
   loses its carry into the exponent: 0.0302 -> 0.0156), so the interpreter never runs its
   cast. Loads (e4m3 -> float32) are right in the interpreter and used as they are.
-- ``weight_only_linear``: ``y = (x @ widen(q_w)^T) * s_w + b``, a tiled GEMM whose weight
-  tiles are loaded as fp8 (half the bytes of bf16) and widened in registers; float32
-  accumulation; the per-channel scale applied once to the accumulator.
+- ``weight_only_linear``: ``y = (x @ widen(q_w)^T) * s_w + b`` for decode-sized M, a
+  memory-bound stream of the fp8 weight (half the bytes of bf16): weight tiles
+  ``[BLOCK_N, BLOCK_K]`` loaded along K (16-byte loads), widened in registers, float32
+  accumulation by CUDA-core FMAs (M <= 4) or ``tl.dot`` on bf16 (larger M); K optionally
+  split over programs (float32 partials, a small in-order reduce) so the grid fills the
+  SMs; the per-channel scale and bias applied once to the K-complete sum.
 
 Both launch with shapes only (no host synchronisation), so they are captured in CUDA
 graphs; their block sizes depend on the static M, N, K alone.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,6 +38,8 @@ from tpserve.model.kernels.triton_support import dot_config
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MIN_SCALE = 1e-12
+# float32(1 / 448), correctly rounded (exact as a Python float)
+INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 
 
 @triton.jit
@@ -51,7 +63,8 @@ def _e4m3_code(v):
 
 @triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
-                            FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+                            FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
+                            MIN_SCALE_C: tl.constexpr, RECIP_SCALE: tl.constexpr,
                             BIT_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -60,7 +73,10 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
         o = k0 + cols
         x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), MIN_SCALE_C)
+    if RECIP_SCALE:  # torch on CUDA: amax * fp32(1 / 448)
+        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    else:  # torch on CPU: amax / 448, correctly rounded
+        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         o = k0 + cols
@@ -88,78 +104,220 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
     if bit_cast is None:
         bit_cast = x.device.type != "cuda"
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
-                                  FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                  FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
+                                  MIN_SCALE_C=MIN_SCALE, RECIP_SCALE=x.device.type == "cuda",
                                   BIT_CAST=bit_cast, BLOCK=block,
                                   num_warps=4 if block <= 1024 else 8)
     return q, s
 
 
+class WoConfig(NamedTuple):
+    """One weight-only launch. ``kind`` "fma": CUDA-core multiply-adds into a
+    ``[BLOCK_M, BLOCK_N, BLOCK_K]`` float32 accumulator summed over K once after the loop
+    (decode: M <= 4); "dot": ``tl.dot`` of the activations with the widened weight tile
+    (tensor cores, float32 accumulator ``[BLOCK_M, BLOCK_N]``). K is cut into ``split``
+    contiguous chunks of whole ``BLOCK_K`` steps, one program each (0: ``auto_split``);
+    ``num_warps`` / ``num_stages`` go to the compiler."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int = 1
+
+    @classmethod
+    def parse(cls, spec: str) -> "WoConfig":
+        """``"fma,1,16,512,0,4[,stages]"`` (the fields in order)."""
+        kind, *nums = spec.split(",")
+        return cls(kind, *(int(v) for v in nums))
+
+
+def auto_split(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """The K split for ``tiles`` output tiles: enough programs for two per SM, at most one
+    per four ``block_k`` steps of K (a static function of the shape and the device)."""
+    return max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k)))
+
+
+def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
+    """The launch for a static ``(M, N, K)``, from the CUDA-graph-timed sweep of
+    ``bench/fp8_gemm.py --sweep`` on an H200 (llama3-8b shapes, 90fc4f7): at M = 1 the
+    fma kernel on 8 x 1024-byte weight tiles, except for the largest weights (gate_up,
+    N*K >= 2^26) where the pipelined dot is 3 us faster; M = 2..16 a 16-row dot over 32 x 256
+    tiles, three stages of cp.async pipelining, K split to two programs per SM (the single
+    best launch at every shape there); M = 17..32 a 32 x 64 x 128 dot. Larger M (only with a
+    raised ``--fp8-weight-only-max-tokens``; W8A8 is faster there) a 64 x 64 x 128 dot."""
+    if m == 1 and n * k < 2**26:
+        return WoConfig("fma", 1, 8, 1024, 0, 4)
+    if m <= 16:
+        return WoConfig("dot", 16, 32, 256, 0, 4, 3)
+    if m <= 32:
+        return WoConfig("dot", 32, 64, 128, 0, 4, 3)
+    return WoConfig("dot", 64, 64, 128, 0, 4, 3)
+
+
 @triton.jit
-def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
-                        stride_x, stride_w, stride_y,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _wo_load(x_rows, w_rows, kk, m_ok, n_ok, K, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_K]`` activations and ``[BLOCK_N, BLOCK_K]`` fp8 weights at
+    columns ``kk`` (zero outside M, N and K)."""
+    if EVEN_K:
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_ok = kk[None, :] < K
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    return x, w
+
+
+@triton.jit
+def _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr,
+                 stride_y, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Unsplit: ``y = acc * s_w[n] (+ b[n])`` cast to y's dtype. Split (``PARTIAL``): the
+    float32 partial sum goes to ``p[pid_k, m, n]`` (contiguous ``[split, M, N]``) for
+    ``_wo_reduce_kernel``."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    if not PARTIAL:
+        acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        p = p_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(p, acc, mask=ok)
+
+
+@triton.jit
+def _wo_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+                   stride_x, stride_w, stride_y,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(m, n, s)``: rows ``m*BLOCK_M..``, weight rows ``n*BLOCK_N..``, K columns
+    ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of ``BLOCK_K``). Each step loads a
+    ``[BLOCK_N, BLOCK_K]`` fp8 tile (contiguous along K: 16-byte loads), widens it to
+    float32 and adds ``x[m, k] * w[n, k]`` elementwise into a ``[BLOCK_M, BLOCK_N,
+    BLOCK_K]`` accumulator; the sum over K is taken once, after the loop."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_w  # the [K, N] view of W^T
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+    k_lo = pid_k * K_CHUNK
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
+        x, w = _wo_load(x_rows, w_rows, k0 + rk, m_ok, n_ok, K, EVEN_K)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    _wo_epilogue(tl.sum(acc, axis=2), rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr,
+                 p_ptr, stride_y, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+                   stride_x, stride_w, stride_y,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As ``_wo_fma_kernel`` (same grid and chunks), but each step is ``tl.dot`` of the
+    ``[BLOCK_M, BLOCK_K]`` activations and the transposed ``[BLOCK_N, BLOCK_K]`` weight
+    tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16 and fp32)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_cols + kk[:, None], mask=n_ok[None, :], other=0.0)
-        else:
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K),
-                        other=0.0)
-            w = tl.load(w_cols + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < K),
-                        other=0.0)
-        # e4m3 values are exact in bf16, fp16 and fp32: widening loses nothing
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc,
+    k_lo = pid_k * K_CHUNK
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
+        x, w = _wo_load(x_rows, w_rows, k0 + rk, m_ok, n_ok, K, EVEN_K)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc,
                      input_precision=DOT_PRECISION)
-    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    acc = acc * scale[None, :]
+    _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr, stride_y,
+                 HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _wo_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_y,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y[m, n] = (sum_s p[s, m, n]) * s_w[n] (+ b[n])`` over ``BLOCK`` flat outputs per
+    program, the splits summed in order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0)
+    n = offs % N
+    acc = acc * tl.load(s_ptr + n, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N).to(tl.int64) * stride_y + n, acc.to(y_ptr.dtype.element_ty),
+             mask=ok)
 
 
-def weight_only_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for a static shape: skinny M streams
-    narrow weight tiles (more programs, the weight read once); larger M uses square-ish
-    tiles."""
-    if m <= 16:
-        return 16, 32, 256, 4
-    if m <= 64:
-        return 64, 64, 128, 4
-    return 64, 128, 64, 8
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H100/H200's count, so CPU tests take the same splits
 
 
 def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None,
-                       blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x [M, K]`` (any float dtype, contiguous rows) times ``wq [N, K]`` e4m3 scaled by
-    ``w_scale [N]`` float32, plus ``bias [N]``: ``[M, N]`` in x's dtype. ``blocks``
-    overrides ``weight_only_blocks`` (benchmarks)."""
+                       config: WoConfig | str | None = None) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype, contiguous rows) times ``wq [N, K]`` e4m3 (contiguous
+    rows) scaled by ``w_scale [N]`` float32, plus ``bias [N]``: ``[M, N]`` in x's dtype.
+
+    ``y = (x @ widen(wq)^T) * w_scale + bias``: the fp8 weight is read once per M tile,
+    widened in registers, products summed in float32; the per-channel scale (and the bias)
+    applied once to the K-complete float32 sum (after the split reduction when split).
+    ``config`` (a ``WoConfig`` or its string) overrides ``weight_only_blocks``
+    (benchmarks, tests). Shapes alone choose the launch and the partial buffer is a
+    ``torch.empty`` of a static size: capturable in CUDA graphs."""
     assert x.dim() == 2 and x.stride(-1) == 1 and wq.stride(-1) == 1
     m, k = x.shape
     n = wq.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk, warps = blocks or weight_only_blocks(m, n, k)
-    dot_dtype, precision = dot_config(x.dtype, x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _weight_only_kernel[grid](
-        x, wq, w_scale, bias if bias is not None else w_scale, y, m, n, k,
-        x.stride(0), wq.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=k % bk == 0, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    cfg = weight_only_blocks(m, n, k) if config is None else config
+    if isinstance(cfg, str):
+        cfg = WoConfig.parse(cfg)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    steps = triton.cdiv(k, bk)
+    split = cfg.split or auto_split(m_tiles * n_tiles, k, bk, _sm_count(x.device))
+    split = max(1, min(split, steps))
+    k_chunk = triton.cdiv(steps, split) * bk
+    split = triton.cdiv(k, k_chunk)  # no empty chunk
+    even_k = k_chunk * split == k
+    part = (torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+            if split > 1 else y)
+    b = bias if bias is not None else w_scale
+    args = (x, wq, w_scale, b, y, part, m, n, k, k_chunk, x.stride(0), wq.stride(0),
+            y.stride(0))
+    grid = (m_tiles, n_tiles, split)
+    common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1, BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.kind == "fma":
+        _wo_fma_kernel[grid](*args, **common)
+    elif cfg.kind == "dot":
+        dot_dtype, precision = dot_config(x.dtype, x.device)
+        _wo_dot_kernel[grid](*args, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, **common)
+    else:
+        raise ValueError(f"unknown weight-only kind {cfg.kind!r}")
+    if split > 1:
+        block = 1024
+        _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, w_scale, b, y, m, n, split, y.stride(0), HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
     return y
