@@ -21,16 +21,18 @@ def quantize_e4m3(x, scale):
     Division is IEEE-rounded (``div_rn``), as torch's. Normal e4m3 values have 3 fraction
     bits, so the grid step at ``|y|`` in ``[2^e, 2^(e+1))`` is ``2^(e-3)``; subnormals share
     ``e = -6``. Adding and subtracting ``c = 1.5 * 2^(e-3+23)`` rounds ``|y|`` to that step
-    (``|y| < 2^(e+1)``, so ``c + |y|`` keeps the step as its last bit). The sign is put back
-    from the bits, so -0 and tiny negatives give -0, as torch does.
+    (``|y| < 2^(e+1)``, so ``c + |y|`` keeps the step as its last bit). The sign bit is copied
+    from ``y``, so -0 and tiny negatives give -0, as torch does.
     """
     y = tl.div_rn(x.to(tl.float32), scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     a = tl.abs(y)
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)
     c = ((e + 147) << 23).to(tl.float32, bitcast=True) * 1.5  # 2^(e - 3 + 23) * 1.5
-    r = (a + c) - c
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+    r = (a + c) - c  # >= 0
+    # the sign bit copied from y (on the H200, `-r` gave +0 for -0: a subtraction from 0)
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
