@@ -20,18 +20,24 @@ import torch
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
+from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPE_NAMES, DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
+    AllocatorReading,
     MemoryPlan,
     allocator_stats,
     estimate_activation_bytes,
     kv_budget,
+    plan_from_ints,
+    read_allocator,
     read_memory,
 )
+from tpserve.model.memory_advice import FitInputs, explain_no_fit, explain_oom
 from tpserve.model.plan import (
+    CMD_MEMORY,
     CMD_NOOP,
     CMD_SHUTDOWN,
     CMD_STEP,
@@ -173,30 +179,89 @@ class ModelRunner:
                                        mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
+        self.fit = FitInputs(
+            device.type, total, free0, cfg.gpu_memory_utilization, cfg.kv_cache_memory,
+            weights, workspace, graphs, per_block, bs, self.max_model_len,
+            self.kv_dtype.itemsize, b, tp, self._smaller_kv_dtypes(),
+            self._tp_options(weights), self._seq_options(use_graphs, max_mixed, multiple))
         if num_blocks < self.max_blocks_per_seq:
-            raise MemoryError(
-                f"the model does not fit: weights {weights / 2**30:.2f} GiB + workspace "
-                f"{workspace / 2**30:.2f} GiB leave {max(budget, 0) / 2**30:.3f} GiB for the KV "
-                f"pool = {num_blocks} blocks of {bs} tokens, but one sequence of "
-                f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
-                f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
-                "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
-                "more GPUs")
+            raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
+                                             str(device), group.rank))
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
                               mcfg.head_dim, self.kv_dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
         self.graphs: StepGraphs | None = None
+        graphs_reserve, graphs = graphs, 0
         if use_graphs:
             self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
                                      max_mixed, token_multiple=multiple)
             graphs = self.graphs.capture()
+        free_now, _ = read_memory(device)
+        named = other_gpu_processes(device)
+        others = named.used_bytes if named.processes else total - free0
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
-                               bs, per_block, self.max_model_len, how)
+                               bs, per_block, self.max_model_len, how, rank=group.rank,
+                               graphs_reserve=graphs_reserve, other_processes=others,
+                               free=free_now, after_warmup=read_allocator(device))
+        # every rank's plan, gathered once while the ranks are in lockstep
+        self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
+
+    # ----------------------------------------------------------------- memory figures
+    def _smaller_kv_dtypes(self) -> tuple[tuple[str, int], ...]:
+        """KV cache dtypes smaller than this one, largest first (the does-not-fit advice)."""
+        sizes = {name: DTYPES[name].itemsize for name in DTYPE_NAMES}
+        smaller = [(n, s) for n, s in sizes.items() if s < self.kv_dtype.itemsize]
+        return tuple(sorted(smaller, key=lambda ns: -ns[1]))
+
+    def _tp_options(self, weights: int) -> tuple[tuple[int, int, int], ...]:
+        """``(tp, weights per rank, KV bytes per block per rank)`` for tp up to 8 (weights
+        scale as 1/tp: the replicated norms are negligible)."""
+        m, tp, bs = self.model_config, self.comm.world_size, self.limits.block_size
+        return tuple((t, weights * tp // t, kv_bytes_per_block(
+            m.num_hidden_layers, bs, m.kv_heads_for(t), m.head_dim, self.kv_dtype))
+            for t in (2, 4, 8) if t > tp)
+
+    def _seq_options(self, use_graphs: bool, max_mixed: int, multiple: int
+                     ) -> tuple[tuple[int, int], ...]:
+        """``(max_num_seqs, bytes saved)`` for halvings of --max-num-seqs: the graphs'
+        reserve shrinks exactly; the profiled logits (float32, twice) by estimate."""
+        lim, vocab = self.limits, self.model_config.vocab_size
+        rows = min(lim.max_num_seqs, lim.max_num_batched_tokens)
+        graphs = (lambda s: graph_reserve_bytes(s, max_mixed, vocab, multiple)
+                  if use_graphs else 0)
+        out, s = [], lim.max_num_seqs // 2
+        while s >= 1:
+            saved = (graphs(lim.max_num_seqs) - graphs(s)
+                     + (rows - min(s, lim.max_num_batched_tokens)) * vocab * 4 * 2)
+            out.append((s, saved))
+            s //= 2
+        return tuple(out)
+
+    def _gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on every rank), in rank order: one
+        all-gather, so every rank must call it at the same point."""
+        t = torch.tensor([values], dtype=torch.int64, device=self.device)
+        return self.comm.all_gather(t, dim=0).cpu().tolist()
+
+    def gather_allocator(self) -> list[AllocatorReading]:
+        """Rank 0: every rank's allocator reading now, between steps (``CMD_MEMORY`` then
+        one small all-gather; the host waits for the device once). Ranks > 0 answer it in
+        ``worker_loop``."""
+        self.send_command(CMD_MEMORY)
+        return [AllocatorReading.from_ints(v)
+                for v in self._gather_ints(read_allocator(self.device).as_ints())]
+
+    def explain_oom(self, exc: BaseException) -> str:
+        """What an out-of-memory step asked for, what was free, what this server holds by
+        component, other processes on the device, and the flags that would help."""
+        free, _ = read_memory(self.device)
+        return explain_oom(str(exc), self.plan, read_allocator(self.device), free,
+                           other_gpu_processes(self.device), self.limits.max_num_batched_tokens)
 
     # ----------------------------------------------------------------- start-up profile
     def _profile(self) -> tuple[int, bool]:
@@ -237,6 +302,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tmp
+        # hand the profile's cached segments back: from here on the allocator holds only
+        # what the plan counts (weights, buffers; then the KV pool, graphs, activations)
+        torch.cuda.empty_cache()
         return int(peak), True
 
     def _warm_kernels(self) -> None:
@@ -288,7 +356,7 @@ class ModelRunner:
             self.comm.broadcast(self.payload_buf[:n])
             if plan.pending_rows.shape[0]:
                 self.comm.broadcast(self.sampled_buf)
-        return self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+        return self._run_explained(StepPlan.unpack(header, self.payload_buf[:n]))
 
     def store_sampled(self, token_ids: torch.Tensor) -> None:
         """Rank 0: keep this step's sampled tokens (device) for the next step's pending
@@ -312,6 +380,9 @@ class ModelRunner:
                 return
             if cmd == CMD_NOOP:
                 continue
+            if cmd == CMD_MEMORY:
+                self._gather_ints(read_allocator(self.device).as_ints())
+                continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
             n = StepPlan.payload_len(header)
@@ -319,7 +390,16 @@ class ModelRunner:
             plan = StepPlan.unpack(header, self.payload_buf[:n])
             if plan.pending_rows.shape[0]:
                 self.comm.broadcast(self.sampled_buf)
-            self._run(plan)
+            self._run_explained(plan)
+
+    def _run_explained(self, plan: StepPlan) -> torch.Tensor:
+        """``_run``; an out-of-memory error is logged with ``explain_oom`` and re-raised
+        (what happens next is the engine's recovery's business)."""
+        try:
+            return self._run(plan)
+        except torch.OutOfMemoryError as e:
+            logger.error("rank %d: %s", self.comm.rank, self.explain_oom(e))
+            raise
 
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> torch.Tensor:
