@@ -42,6 +42,7 @@ from tpserve.model.sampler import PendingSample, Sampler
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.histogram import engine_histograms
+from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
@@ -107,6 +108,7 @@ class EngineCore:
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
                          "device_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
+        self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:

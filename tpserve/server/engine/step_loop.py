@@ -49,13 +49,16 @@ HEARTBEAT_S = 5.0
 Item = RequestOutput | BaseException
 
 
-def engine_stats(core: EngineCore) -> dict[str, float]:
-    """The core's counters plus the device allocator's readings (what /metrics exports)."""
-    s = dict(core.stats())
+def engine_stats(core: EngineCore) -> dict[str, Any]:
+    """The core's counters plus the device allocator's readings (what /metrics exports),
+    and under ``"memory"`` the memory report (``MemoryMonitor.report``: nested, what
+    /memory serves and the per-rank memory metrics read)."""
+    s: dict[str, Any] = dict(core.stats())
     mem = allocator_stats(core.runner.device)
     s["device_memory_allocated_bytes"] = mem["allocated"]
     s["device_memory_reserved_bytes"] = mem["reserved"]
     s["allocator_segments"] = mem["segments"]
+    s["memory"] = core.memory.report()
     return s
 
 
@@ -210,6 +213,8 @@ class StepLoop:
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
                     self.core.runner.send_command(CMD_NOOP)
                     last_sent = time.monotonic()
+                if self.core.memory.sample(self.core.block_manager.usage):
+                    last_sent = time.monotonic()  # a gather reached every rank
                 self._flush()
             if self.dead_reason is None:
                 self.core.fail_all(EngineShuttingDownError("server shut down"))

@@ -1,6 +1,9 @@
-"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/version``."""
+"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/memory``,
+``/version``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -72,6 +75,16 @@ def make_extra_router() -> APIRouter:
     async def metrics(request: Request) -> Response:
         m = get_state(request).metrics
         return Response(m.render(), media_type=m.content_type)
+
+    @router.get("/memory", tags=["server"], responses={503: {"model": ErrorResponse}})
+    async def memory(request: Request) -> dict[str, Any]:
+        """The memory report (``server/engine/memory_monitor.py``): every rank's start-up
+        plan by component, live allocator figures, rank 0's recent KV usage and
+        fragmentation; what ``tpserve memory`` draws."""
+        report = get_state(request).engine.stats().get("memory")
+        if report is None:
+            raise APIError(503, "the engine has not reported its memory yet")
+        return report
 
     @router.get("/version", tags=["server"], response_model=VersionResponse)
     async def version() -> VersionResponse:
