@@ -27,15 +27,27 @@ def _samples(text: str, name: str) -> dict[tuple[str, ...], float]:
     return out
 
 
-def test_memory_report_and_metrics_per_rank_at_tp2():
+def test_memory_report_and_metrics_per_rank_at_tp2(tmp_path):
     s = ServerProcess(*SMALL, "--tensor-parallel-size", "2")
     try:
         s.client().completions.create(model=SMOL, prompt="The capital of France is",
                                       max_tokens=4, temperature=0)
         report = httpx.get(s.base + "/memory", timeout=10).json()
         metrics = httpx.get(s.base + "/metrics", timeout=10).text
+        png = tmp_path / "memory.png"
+        cli = subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url",
+                              s.base, "--png", str(png)], capture_output=True, text=True,
+                             timeout=120)
     finally:
         assert s.stop() == 0
+    assert cli.returncode == 0, cli.stderr
+    table = cli.stdout.splitlines()
+    assert table[:2] == ["memory on cpu (tp 2), GiB",
+                         f"{'':<22}{'rank 0':>12}{'rank 1':>12}"]
+    kv_gib = report["ranks"][0]["plan"]["kv_pool"] / 2**30
+    assert f"{'kv pool':<22}{kv_gib:>12.2f}{kv_gib:>12.2f}" in table
+    assert table[-1] == f"plot: {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["tp"] == 2 and report["device"] == "cpu"
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     p0, p1 = (r["plan"] for r in report["ranks"])
