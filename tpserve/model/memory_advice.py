@@ -240,3 +240,23 @@ def explain_oom(message: str, plan: MemoryPlan, now: AllocatorReading, free: int
                             f"{_gib(max(short, 1 << 30))} more headroom)")
     lines.append("  to leave steps more room: " + "; or ".join(fixes))
     return "\n".join(lines)
+
+
+def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_start: int,
+                      total: int, others: GpuProcesses) -> str:
+    """Start-up ran out of device memory before a plan existed (the weights or the
+    profiling step): what it asked for, what was free, who else holds the device."""
+    asked = asked_bytes(message)
+    lines = [f"the model does not fit on {device} (rank {rank}): {stage} ran out of memory "
+             f"(asked for {'?' if asked is None else _gib(asked)})",
+             f"  free at start: {_gib(free_at_start)} of {_gib(total)}"]
+    if others.processes:
+        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
+                     + "; ".join(p.describe() for p in others.processes))
+    else:
+        lines.append(f"  other processes hold {_gib(total - free_at_start)} (not named: "
+                     f"{others.source})")
+    lines.append("  to make it fit: free the device (stop the processes above), or split "
+                 "the weights over more GPUs (--tensor-parallel-size), or lower "
+                 "--max-num-batched-tokens (the profiled step)")
+    return "\n".join(lines)

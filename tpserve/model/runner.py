@@ -35,7 +35,12 @@ from tpserve.model.memory import (
     read_allocator,
     read_memory,
 )
-from tpserve.model.memory_advice import FitInputs, explain_no_fit, explain_oom
+from tpserve.model.memory_advice import (
+    FitInputs,
+    explain_no_fit,
+    explain_oom,
+    explain_start_oom,
+)
 from tpserve.model.plan import (
     CMD_MEMORY,
     CMD_NOOP,
@@ -147,8 +152,14 @@ class ModelRunner:
         self.kv_dtype = DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
-        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
-                                 self.max_model_len, show_progress, tp_comm=cfg.tp_comm)
+        try:
+            self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
+                                     self.attn, self.max_model_len, show_progress,
+                                     tp_comm=cfg.tp_comm)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
+                                                group.rank, free0, total,
+                                                other_gpu_processes(device))) from None
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
         bs = limits.block_size
@@ -163,7 +174,12 @@ class ModelRunner:
         self.sampled_buf = torch.zeros(b, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"
         static = (HEADER_LEN + self.max_payload + b) * 8
-        workspace, measured = self._profile()
+        try:
+            workspace, measured = self._profile()
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(explain_start_oom("profiling the largest step", str(e),
+                                                str(device), group.rank, free0, total,
+                                                other_gpu_processes(device))) from None
         workspace += static
         use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
