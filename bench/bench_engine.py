@@ -276,7 +276,7 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
         {"rank": i, "plan_held": p["held"], "reserved": r.reserved, "allocated": r.allocated,
          "fragmentation": round(r.fragmentation, 4), "num_alloc_retries": r.num_alloc_retries,
          "num_ooms": r.num_ooms, "disagreement": round((r.reserved - p["held"]) / p["held"], 4)}
-        for i, (p, r) in enumerate(zip(core.runner.rank_plans, live))]
+        for i, (p, r) in enumerate(zip(core.runner.rank_plans, live, strict=False))]
     log("plan vs allocator: " + ", ".join(f"rank {x['rank']} {100 * x['disagreement']:+.1f} %"
                                          for x in R["plan_vs_allocator"]))
     R["tpot_p50_over_batch1"] = (round(srv["tpot_ms"]["p50"] / d["tpot_ms"], 3)

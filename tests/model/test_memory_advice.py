@@ -8,7 +8,7 @@ import torch
 
 from tests.server.engine.test_engine_core import LIMITS, _hf_model, save_hf_folder
 from tpserve.model.gpu_processes import GpuProcess, GpuProcesses, other_gpu_processes
-from tpserve.model.memory import GiB, AllocatorReading, MemoryPlan
+from tpserve.model.memory import AllocatorReading, GiB, MemoryPlan
 from tpserve.model.memory_advice import (
     FitInputs,
     Suggestion,

@@ -199,7 +199,7 @@ class MemoryPlan:
 
 def plan_from_ints(values: list[int]) -> dict[str, int]:
     """A gathered ``MemoryPlan.as_ints`` as a dict."""
-    return dict(zip((*COMPONENTS, "total", "held", "num_blocks"), (int(v) for v in values)))
+    return dict(zip((*COMPONENTS, "total", "held", "num_blocks"), (int(v) for v in values), strict=False))
 
 
 def kv_budget(device: torch.device, total: int, free_at_start: int, utilization: float,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.model.gpu_processes import GpuProcesses
-from tpserve.model.memory import CPU_DEFAULT_KV_CAP, GiB, AllocatorReading, MemoryPlan, kv_budget
+from tpserve.model.memory import CPU_DEFAULT_KV_CAP, AllocatorReading, GiB, MemoryPlan, kv_budget
 
 MiB = 1 << 20
 

@@ -248,8 +248,9 @@ class ModelRunner:
         reserve shrinks exactly; the profiled logits (float32, twice) by estimate."""
         lim, vocab = self.limits, self.model_config.vocab_size
         rows = min(lim.max_num_seqs, lim.max_num_batched_tokens)
-        graphs = (lambda s: graph_reserve_bytes(s, max_mixed, vocab, multiple)
-                  if use_graphs else 0)
+        def graphs(s):
+            return (graph_reserve_bytes(s, max_mixed, vocab, multiple)
+                          if use_graphs else 0)
         out, s = [], lim.max_num_seqs // 2
         while s >= 1:
             saved = (graphs(lim.max_num_seqs) - graphs(s)

@@ -26,10 +26,10 @@ def write_memory_plot(report: dict[str, Any], path: Path) -> bool:
     ranks = report["ranks"]
     x = [f"rank {r['rank']}" for r in ranks]
     bottom = [0.0] * len(ranks)
-    for key, colour in zip(STACK, COLOURS):
+    for key, colour in zip(STACK, COLOURS, strict=False):
         height = [r["plan"][key] / GiB for r in ranks]
         bars.bar(x, height, bottom=bottom, color=colour, label=key.replace("_", " "))
-        bottom = [b + h for b, h in zip(bottom, height)]
+        bottom = [b + h for b, h in zip(bottom, height, strict=False)]
     reserved = [r["allocator"]["reserved"] / GiB for r in ranks]
     if any(reserved):
         bars.scatter(x, reserved, marker="_", s=900, color="black", zorder=3,

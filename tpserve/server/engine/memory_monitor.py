@@ -82,7 +82,7 @@ class MemoryMonitor:
         now = time.monotonic()
         plan0 = self.runner.plan
         ranks = []
-        for rank, (plan, reading, at) in enumerate(zip(self.runner.rank_plans, live, read_at)):
+        for rank, (plan, reading, at) in enumerate(zip(self.runner.rank_plans, live, read_at, strict=False)):
             ranks.append({
                 "rank": rank, "plan": dict(plan), "allocator": reading.as_dict(),
                 "age_s": round(now - at, 3),
