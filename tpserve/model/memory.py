@@ -4,6 +4,7 @@ sized from measured free memory, and the capacity that follows."""
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,21 @@ def read_allocator(device: torch.device) -> AllocatorReading:
 
 # the lines of a plan, in the order a report stacks them; together they partition the
 # device's total memory (on CPU: the host's RAM)
+def start_memory_history(device: torch.device, max_entries: int) -> None:
+    """Records the CUDA caching allocator's events on ``device`` from now on (allocations,
+    frees, segment maps and unmaps, each with its Python stack; C++ stacks are left out:
+    unwinding them costs host time on every allocation), keeping the last ``max_entries``.
+    ``allocator_snapshot`` dumps them. CUDA only (the config refuses the flag elsewhere)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                             max_entries=max_entries, device=device)
+
+
+def allocator_snapshot(device: torch.device) -> bytes:
+    """The caching allocator's segments and recorded events on ``device`` as the pickle
+    https://pytorch.org/memory_viz reads (a dict with ``segments`` and ``device_traces``)."""
+    return pickle.dumps(torch.cuda.memory._snapshot(device))
+
+
 COMPONENTS = ("weights", "activation_workspace", "cuda_graphs", "kv_pool", "non_torch",
               "other_processes", "free")
 

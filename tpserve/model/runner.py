@@ -28,12 +28,14 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
+    allocator_snapshot,
     allocator_stats,
     estimate_activation_bytes,
     kv_budget,
     plan_from_ints,
     read_allocator,
     read_memory,
+    start_memory_history,
 )
 from tpserve.model.memory_advice import (
     FitInputs,
@@ -52,6 +54,7 @@ from tpserve.model.plan import (
     StepPlan,
 )
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
+from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
     TPGroup,
@@ -88,6 +91,8 @@ class RunnerConfig:
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
     tp_comm: str = "allreduce"
+    memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
+    nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
 
     def __post_init__(self) -> None:
         for flag, value in (("--dtype", self.dtype), ("--kv-cache-dtype", self.kv_cache_dtype)):
@@ -110,6 +115,13 @@ class RunnerConfig:
         if self.tp_comm not in TP_COMM_MODES:
             raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
                              f"{self.tp_comm!r}")
+        if self.memory_history < 0:
+            raise ValueError(f"--memory-history must be a number of events >= 1, got "
+                             f"{self.memory_history}")
+        if self.memory_history and self.device != "cuda":
+            raise ValueError(f"--memory-history records the CUDA caching allocator's events, "
+                             f"but this server runs on {self.device} (no CUDA device): "
+                             "leave the flag out, or serve on a GPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -131,12 +143,18 @@ def resolve_max_model_len(requested: int | None, model_max: int, sliding_window:
 
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, limits: StepLimits, group: TPGroup,
-                 show_progress: bool = False):
+                 show_progress: bool = False, ranges: Ranges | None = None):
+        """``ranges``: the NVTX ranges of this rank's steps and collectives; default: from
+        ``cfg.nvtx`` (tests pass a recording pair to see them off CUDA)."""
         self.cfg = cfg
         self.limits = limits
+        if cfg.memory_history:  # before anything is allocated: the weights are recorded too
+            start_memory_history(group.device, cfg.memory_history)
+        self.ranges = ranges if ranges is not None else Ranges.for_device(cfg.nvtx,
+                                                                          group.device)
         p2p = None if cfg.disable_custom_all_reduce else P2PAllReduce.create(
             group.group, group.world_size, group.device, is_single_host(group.world_size))
-        self.comm = Communicator(group, p2p)
+        self.comm = Communicator(group, p2p, self.ranges)
         self.device = device = group.device
         self.fault = fault_from_env(group.rank)  # test hook, parsed once; None when off
         self.steps = 0
@@ -273,6 +291,13 @@ class ModelRunner:
         return [AllocatorReading.from_ints(v)
                 for v in self._gather_ints(read_allocator(self.device).as_ints())]
 
+    def allocator_snapshot(self) -> bytes:
+        """This rank's allocator segments and its recorded events (``--memory-history``) as
+        the pickle https://pytorch.org/memory_viz reads; between steps."""
+        if not self.cfg.memory_history:
+            raise ValueError("the allocator's history is not recorded (--memory-history)")
+        return allocator_snapshot(self.device)
+
     def explain_oom(self, exc: BaseException) -> str:
         """What an out-of-memory step asked for, what was free, what this server holds by
         component, other processes on the device, and the flags that would help."""
@@ -362,6 +387,11 @@ class ModelRunner:
         """Rank 0: send the plan to every rank, run it; returns float32 logits of the
         sampled rows ``[S, vocab]``. Nothing here waits for the device: on CUDA the plan
         goes up from pinned memory, so the host can prepare the next step meanwhile."""
+        return self.run(self.upload(plan))
+
+    def upload(self, plan: StepPlan) -> StepPlan:
+        """Rank 0, first half of ``execute``: the plan into the device buffers and to every
+        rank; returns the device-side plan ``run`` takes."""
         header, payload = plan.pack()
         n = payload.shape[0]
         if self._pin:  # the caching host allocator keeps each block until its copy is done
@@ -373,7 +403,12 @@ class ModelRunner:
             self.comm.broadcast(self.payload_buf[:n])
             if plan.pending_rows.shape[0]:
                 self.comm.broadcast(self.sampled_buf)
-        return self._run_explained(StepPlan.unpack(header, self.payload_buf[:n]))
+        return StepPlan.unpack(header, self.payload_buf[:n])
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Rank 0, second half of ``execute``: the forward of an uploaded plan."""
+        with self.ranges.range("forward"):
+            return self._run_explained(plan)
 
     def store_sampled(self, token_ids: torch.Tensor) -> None:
         """Rank 0: keep this step's sampled tokens (device) for the next step's pending
@@ -402,12 +437,14 @@ class ModelRunner:
                 continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
-            n = StepPlan.payload_len(header)
-            self.comm.broadcast(self.payload_buf[:n])
-            plan = StepPlan.unpack(header, self.payload_buf[:n])
-            if plan.pending_rows.shape[0]:
-                self.comm.broadcast(self.sampled_buf)
-            self._run_explained(plan)
+            with self.ranges.range("prepare"):
+                n = StepPlan.payload_len(header)
+                self.comm.broadcast(self.payload_buf[:n])
+                plan = StepPlan.unpack(header, self.payload_buf[:n])
+                if plan.pending_rows.shape[0]:
+                    self.comm.broadcast(self.sampled_buf)
+            with self.ranges.range("forward"):
+                self._run_explained(plan)
 
     def _run_explained(self, plan: StepPlan) -> torch.Tensor:
         """``_run``; an out-of-memory error is logged with ``explain_oom`` and re-raised

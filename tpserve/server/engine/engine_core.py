@@ -171,7 +171,9 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             self._finish_inflight()
             prev = None
-        out = self.scheduler.schedule(self.token_budget)
+        ranges = self.runner.ranges
+        with ranges.range("schedule"):
+            out = self.scheduler.schedule(self.token_budget)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
             self._finish_inflight()
@@ -191,8 +193,10 @@ class EngineCore:
             if sample:
                 sampling.append(seq)
         try:
-            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
-                                                        self.runner.attn))
+            with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
+                plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
+                                                         self.runner.attn))
+            logits = self.runner.run(plan)  # its own "forward" range
         except torch.OutOfMemoryError:
             self._finish_inflight()
             self._recover_from_oom()
@@ -206,7 +210,8 @@ class EngineCore:
             # device runs this step's forward
             self._finish_inflight()
             bitmask = self._grammar_bitmask(sampling, logits.device)
-        launched = self._sample(logits, sampling, generators, bitmask)
+        with ranges.range("sample"):
+            launched = self._sample(logits, sampling, generators, bitmask)
         self._finish_inflight()
         self.scheduler.update(out, {s.seq_id: PLACEHOLDER for s in sampling})
         launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
@@ -255,6 +260,10 @@ class EngineCore:
         flight, self._inflight = self._inflight, None
         if flight is None or not flight.sampling:
             return
+        with self.runner.ranges.range("finalize"):
+            self._finalize(flight)
+
+    def _finalize(self, flight: _InFlight) -> None:
         if flight.event is not None:
             t = time.perf_counter()
             flight.event.synchronize()
