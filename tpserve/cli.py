@@ -76,7 +76,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                          help="a running server's memory: table and PNG",
                          description="Read a running server's /memory: the memory plan per "
                                      "rank and component, the allocator's live figures and "
-                                     "fragmentation, printed as a table and drawn to a PNG.")
+                                     "fragmentation, printed as a table and drawn to a PNG; "
+                                     "or (--snapshot) save its allocator snapshot for "
+                                     "https://pytorch.org/memory_viz.")
     add_memory_arguments(mem)
     return parser, {"serve": serve, "loadtest": lt, "soak": soak, "memory": mem}
 

@@ -18,6 +18,7 @@ GiB = 1 << 30
 PLAN_ROWS = ("weights", "activation_workspace", "cuda_graphs", "kv_pool", "non_torch",
              "other_processes", "free")
 LIVE_ROWS = ("allocated", "reserved")
+SNAPSHOT_EXTRA_S = 60.0  # the server waits up to 60 s for the engine's snapshot
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,12 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "fragmentation over time")
     p.add_argument("--json", type=Path, default=None,
                    help="also save the /memory document here")
-    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
+    p.add_argument("--snapshot", type=Path, default=None, metavar="FILE",
+                   help="instead of the table and plot: save rank 0's allocator snapshot "
+                        "(GET /memory/snapshot; the server needs --memory-history) to FILE, "
+                        "the pickle https://pytorch.org/memory_viz opens")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="HTTP timeout in seconds (a snapshot may take up to 60 s more)")
 
 
 def fetch_report(base_url: str, api_key: str | None, timeout: float) -> dict[str, Any]:
@@ -37,6 +43,20 @@ def fetch_report(base_url: str, api_key: str | None, timeout: float) -> dict[str
     r = httpx.get(base_url.rstrip("/") + "/memory", headers=headers, timeout=timeout)
     r.raise_for_status()
     return r.json()
+
+
+def fetch_snapshot(base_url: str, api_key: str | None, timeout: float) -> bytes:
+    """``/memory/snapshot``'s bytes; RuntimeError with the server's message on an error."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/memory/snapshot", headers=headers,
+                  timeout=timeout + SNAPSHOT_EXTRA_S)
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        raise RuntimeError(f"HTTP {r.status_code}: {message}")
+    return r.content
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -72,6 +92,17 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def memory_main(args: argparse.Namespace) -> int:
+    if args.snapshot is not None:
+        try:
+            data = fetch_snapshot(args.base_url, args.api_key, args.timeout)
+        except (httpx.HTTPError, RuntimeError) as e:
+            print(f"tpserve memory: cannot read {args.base_url}/memory/snapshot: {e}",
+                  file=sys.stderr)
+            return 1
+        args.snapshot.write_bytes(data)
+        print(f"snapshot: {args.snapshot} ({len(data)} bytes); open it at "
+              "https://pytorch.org/memory_viz")
+        return 0
     try:
         report = fetch_report(args.base_url, args.api_key, args.timeout)
     except httpx.HTTPError as e:

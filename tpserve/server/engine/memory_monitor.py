@@ -46,6 +46,15 @@ class MemoryMonitor:
         self._read_at = [now] * self.world_size
         self._last_sample = float("-inf")
         self._last_gather = now if self.world_size > 1 else float("inf")
+        self._gathers = 1 if self.world_size > 1 else 0  # every rank's figures gathered
+
+    def refresh(self, kv_usage: float) -> None:
+        """Engine thread, between steps: rank 0's reading and (tp > 1) every rank's
+        gathered now, whatever the intervals; one history point."""
+        self._last_sample = float("-inf")
+        if self.world_size > 1:
+            self._last_gather = float("-inf")
+        self.sample(kv_usage)
 
     def sample(self, kv_usage: float) -> bool:
         """Engine thread, between steps: one history point when due; True when it also
@@ -65,6 +74,7 @@ class MemoryMonitor:
         r0 = live[0]
         with self._lock:
             self._live, self._read_at = live, read_at
+            self._gathers += gathered
             self._history.append((time.time(), kv_usage, r0.fragmentation, r0.reserved,
                                   r0.allocated))
         return gathered
@@ -79,6 +89,7 @@ class MemoryMonitor:
         allocator (``(reserved - held) / held``; None off CUDA); plus rank 0's history."""
         with self._lock:
             live, read_at, hist = list(self._live), list(self._read_at), list(self._history)
+            gathers = self._gathers
         now = time.monotonic()
         plan0 = self.runner.plan
         ranks = []
@@ -91,7 +102,7 @@ class MemoryMonitor:
         return {
             "device": plan0.device, "tp": self.world_size, "block_size": plan0.block_size,
             "kv_source": plan0.kv_source, "sample_interval_s": self.sample_s,
-            "rank_interval_s": self.gather_s, "ranks": ranks,
+            "rank_interval_s": self.gather_s, "rank_gathers": gathers, "ranks": ranks,
             "history": {"time": [h[0] for h in hist], "kv_usage": [h[1] for h in hist],
                         "fragmentation": [h[2] for h in hist],
                         "reserved": [h[3] for h in hist], "allocated": [h[4] for h in hist]},
