@@ -86,14 +86,16 @@ def start_memory_history(device: torch.device, max_entries: int) -> None:
     frees, segment maps and unmaps, each with its Python stack; C++ stacks are left out:
     unwinding them costs host time on every allocation), keeping the last ``max_entries``.
     ``allocator_snapshot`` dumps them. CUDA only (the config refuses the flag elsewhere)."""
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                             max_entries=max_entries, device=device)
+    with torch.cuda.device(device):  # never a context on another rank's GPU
+        torch.cuda.memory._record_memory_history(enabled="all", context="all",
+                                                 stacks="python", max_entries=max_entries)
 
 
 def allocator_snapshot(device: torch.device) -> bytes:
     """The caching allocator's segments and recorded events on ``device`` as the pickle
     https://pytorch.org/memory_viz reads (a dict with ``segments`` and ``device_traces``)."""
-    return pickle.dumps(torch.cuda.memory._snapshot(device))
+    with torch.cuda.device(device):  # the process's devices, one per rank here
+        return pickle.dumps(torch.cuda.memory._snapshot())
 
 
 COMPONENTS = ("weights", "activation_workspace", "cuda_graphs", "kv_pool", "non_torch",
