@@ -222,13 +222,17 @@ def _start_runner(a, R, cfg: Config, group, device, notes, save, log):
     graphs = runner.graphs
     R["cuda_graphs"] = None if graphs is None else {
         "decode_buckets": graphs.decode_buckets, "mixed_buckets": graphs.mixed_buckets,
-        "captured_bytes": graphs.captured_bytes}
+        "captured_bytes": graphs.captured_bytes, "pool_bytes": graphs.pool_bytes,
+        "reserved_delta": graphs.reserved_delta}
     R["memory_plan"] = runner.plan.describe()
     pl = runner.plan
     R["memory_plan_bytes"] = {"weights": pl.weights, "workspace": pl.workspace,
+                              "cuda_graphs": pl.cuda_graphs,
+                              "graphs_reserve": pl.graphs_reserve,
                               "kv_pool": pl.kv_pool, "num_blocks": pl.num_blocks,
                               "block_size": pl.block_size, "total": pl.total,
                               "kv_cache_dtype": pl.kv_cache_dtype, "kv_tokens": pl.kv_tokens}
+    R["memory_plan_per_rank"] = runner.rank_plans
     save()
     log(f"start-up {R['startup_s']} s, kernels {runner.ops.name}")
     for line in R["memory_plan"]:
@@ -286,6 +290,15 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
     srv, seg, kv = serving(core, rng, vocab, a, device)
     R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
     R["new_segments_after_warmup"] = seg.get("new_segments")
+    # the plan against every rank's allocator once serving reserved the workspace
+    live = core.runner.gather_allocator()
+    R["plan_vs_allocator"] = [
+        {"rank": i, "plan_held": p["held"], "reserved": r.reserved, "allocated": r.allocated,
+         "fragmentation": round(r.fragmentation, 4), "num_alloc_retries": r.num_alloc_retries,
+         "num_ooms": r.num_ooms, "disagreement": round((r.reserved - p["held"]) / p["held"], 4)}
+        for i, (p, r) in enumerate(zip(core.runner.rank_plans, live, strict=False))]
+    log("plan vs allocator: " + ", ".join(f"rank {x['rank']} {100 * x['disagreement']:+.1f} %"
+                                         for x in R["plan_vs_allocator"]))
     R["tpot_p50_over_batch1"] = (round(srv["tpot_ms"]["p50"] / d["tpot_ms"], 3)
                                  if srv["tpot_ms"]["p50"] else None)
     save()

@@ -19,7 +19,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
          "--no-engine-process", "--kv-cache-dtype", "--tp-comm",
-         "--disable-custom-all-reduce"]
+         "--disable-custom-all-reduce", "--memory-history", "--nvtx"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -124,6 +124,31 @@ def test_config_tree_from_flags():
     assert _cfg("--tp-comm", "allgather").runner.tp_comm == "allgather"
     assert _cfg().runner.disable_custom_all_reduce is False
     assert _cfg("--disable-custom-all-reduce").runner.disable_custom_all_reduce is True
+
+
+def test_nvtx_and_memory_history_flow_into_the_runner_config():
+    assert _cfg().runner.nvtx is False
+    assert _cfg("--nvtx").runner.nvtx is True  # accepted on CPU: the ranges are a no-op
+    assert _cfg().runner.memory_history == 0
+    parser, _ = build_parser()
+    assert parser.parse_args(["serve", "--memory-history"]).memory_history == 100_000
+    assert parser.parse_args(["serve", "--memory-history", "5000"]).memory_history == 5000
+    from tpserve.model.runner import RunnerConfig
+
+    # the resolved tree on a GPU machine (the dataclass needs no device to be built)
+    assert RunnerConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16",
+                        kernel_backend="triton", memory_history=5000).memory_history == 5000
+    with pytest.raises(ValueError, match="--memory-history must be a number of events"):
+        RunnerConfig(device="cuda", memory_history=-1)
+
+
+def test_memory_history_is_refused_on_cpu_with_exit_2():
+    proc = tpserve("serve", "--memory-history", "--port", "0")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "tpserve: error: --memory-history records the CUDA caching allocator's events, but "
+        "this server runs on cpu (no CUDA device): leave the flag out, or serve on a GPU")
 
 
 def test_tp_comm_is_validated():

@@ -1,4 +1,4 @@
-"""The ``tpserve`` command: ``serve`` and ``loadtest``."""
+"""The ``tpserve`` command: ``serve``, ``loadtest``, ``soak`` and ``memory``."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from tpserve import loadtest
+    from tpserve.loadtest.memory import add_memory_arguments
     from tpserve.loadtest.soak import add_soak_arguments
     from tpserve.server.config import add_serve_arguments
 
@@ -55,7 +56,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Tensor-parallel, OpenAI-compatible LLM inference server.",
         epilog="Each command's flags: tpserve COMMAND --help (e.g. tpserve serve --help).")
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest,soak}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,loadtest,soak,memory}")
     serve = sub.add_parser("serve", formatter_class=fmt,
                            help="serve a model over the OpenAI API",
                            description="Serve a model over the OpenAI API.")
@@ -71,7 +72,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                       "have ended cleanly, the KV pool be free and resident "
                                       "memory bounded.")
     add_soak_arguments(soak)
-    return parser, {"serve": serve, "loadtest": lt, "soak": soak}
+    mem = sub.add_parser("memory", formatter_class=fmt,
+                         help="a running server's memory: table and PNG",
+                         description="Read a running server's /memory: the memory plan per "
+                                     "rank and component, the allocator's live figures and "
+                                     "fragmentation, printed as a table and drawn to a PNG; "
+                                     "or (--snapshot) save its allocator snapshot for "
+                                     "https://pytorch.org/memory_viz.")
+    add_memory_arguments(mem)
+    return parser, {"serve": serve, "loadtest": lt, "soak": soak, "memory": mem}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         from tpserve import loadtest
 
         return loadtest.main(args)
+    if args.command == "memory":
+        from tpserve.loadtest.memory import memory_main
+
+        return memory_main(args)
     if args.command == "soak":
         from tpserve.loadtest.soak import soak_main
 

@@ -107,6 +107,8 @@ class StepGraphs:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.captured_bytes = 0
+        self.pool_bytes = 0
+        self.reserved_delta = 0
 
     @property
     def max_mixed_tokens(self) -> int:
@@ -198,10 +200,17 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> int:
         """Captures every bucket (largest first, one shared pool); returns the bytes the
-        graphs hold."""
+        graphs hold: the caching allocator's segments of their private pool.
+
+        Not a free-memory difference: entering ``torch.cuda.graph`` empties the allocator's
+        cache, which gives back more than the capture takes (that reading was 0). The
+        cache of the warm-up forwards (on the capture stream, useless afterwards) is
+        emptied too, so ``reserved_delta`` (reserved bytes after minus before, both after
+        ``empty_cache``) is the pool's cost as well; it cross-checks ``pool_bytes``."""
         device = self.input_ids.device
         torch.cuda.synchronize(device)
-        before = torch.cuda.mem_get_info(device)[0]
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         self.slot_mapping.fill_(-1)  # capture must not write into real blocks
@@ -220,6 +229,9 @@ class StepGraphs:
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         torch.cuda.synchronize(device)
-        # the graphs' private pool and their outputs: free device memory they took
-        self.captured_bytes = max(before - torch.cuda.mem_get_info(device)[0], 0)
+        torch.cuda.empty_cache()
+        self.reserved_delta = torch.cuda.memory_reserved(device) - before
+        self.pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                              if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+        self.captured_bytes = self.pool_bytes or max(self.reserved_delta, 0)
         return self.captured_bytes

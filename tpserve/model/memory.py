@@ -4,6 +4,7 @@ sized from measured free memory, and the capacity that follows."""
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -29,19 +30,94 @@ def read_memory(device: torch.device) -> tuple[int, int]:
 
 def allocator_stats(device: torch.device) -> dict[str, int]:
     """Allocated / reserved bytes and segment count of torch's caching allocator (GPU)."""
+    r = read_allocator(device)
+    return {"allocated": r.allocated, "reserved": r.reserved, "segments": r.segments}
+
+
+@dataclass(frozen=True)
+class AllocatorReading:
+    """One reading of torch's caching allocator on a device (all zeros off CUDA).
+    ``reserved`` includes the CUDA graphs' private pool and the KV pool (both are
+    allocations of the same allocator); ``num_alloc_retries`` counts the times a
+    ``cudaMalloc`` failed and the allocator freed its cache to retry; ``num_ooms`` the
+    allocation failures it raised."""
+
+    allocated: int = 0
+    reserved: int = 0
+    segments: int = 0
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+
+    FIELDS = ("allocated", "reserved", "segments", "num_alloc_retries", "num_ooms")
+
+    @property
+    def fragmentation(self) -> float:
+        """``(reserved - allocated) / reserved``: the share of reserved memory no tensor
+        uses (0 when nothing is reserved)."""
+        return (self.reserved - self.allocated) / self.reserved if self.reserved else 0.0
+
+    def as_ints(self) -> list[int]:
+        return [int(getattr(self, f)) for f in self.FIELDS]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> AllocatorReading:
+        return cls(*(int(v) for v in values))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**{f: getattr(self, f) for f in self.FIELDS},
+                "fragmentation": self.fragmentation}
+
+
+def read_allocator(device: torch.device) -> AllocatorReading:
+    """The caching allocator's current figures on ``device`` (host-side; no device sync)."""
     if device.type != "cuda":
-        return {"allocated": 0, "reserved": 0, "segments": 0}
+        return AllocatorReading()
     s = torch.cuda.memory_stats(device)
-    return {"allocated": s.get("allocated_bytes.all.current", 0),
-            "reserved": s.get("reserved_bytes.all.current", 0),
-            "segments": s.get("segment.all.current", 0)}
+    return AllocatorReading(s.get("allocated_bytes.all.current", 0),
+                            s.get("reserved_bytes.all.current", 0),
+                            s.get("segment.all.current", 0),
+                            s.get("num_alloc_retries", 0), s.get("num_ooms", 0))
+
+
+# the lines of a plan, in the order a report stacks them; together they partition the
+# device's total memory (on CPU: the host's RAM)
+def start_memory_history(device: torch.device, max_entries: int) -> None:
+    """Records the CUDA caching allocator's events on ``device`` from now on (allocations,
+    frees, segment maps and unmaps, each with its Python stack; C++ stacks are left out:
+    unwinding them costs host time on every allocation), keeping the last ``max_entries``.
+    ``allocator_snapshot`` dumps them. CUDA only (the config refuses the flag elsewhere)."""
+    with torch.cuda.device(device):  # never a context on another rank's GPU
+        torch.cuda.memory._record_memory_history(enabled="all", context="all",
+                                                 stacks="python", max_entries=max_entries)
+
+
+def allocator_snapshot(device: torch.device) -> bytes:
+    """The caching allocator's segments and recorded events on ``device`` as the pickle
+    https://pytorch.org/memory_viz reads (a dict with ``segments`` and ``device_traces``)."""
+    with torch.cuda.device(device):  # the process's devices, one per rank here
+        return pickle.dumps(torch.cuda.memory._snapshot())
+
+
+COMPONENTS = ("weights", "activation_workspace", "cuda_graphs", "kv_pool", "non_torch",
+              "other_processes", "free")
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Where this rank's memory goes. Invariant: ``kv_pool == num_blocks * bytes_per_block``
-    and, unless overridden by --kv-cache-memory, ``used_by_others + weights + workspace +
-    cuda_graphs + kv_pool <= utilization * total``."""
+    """Where this rank's memory goes, every line measured on GPU.
+
+    - ``weights``: the parameters' bytes; ``workspace``: the allocator's peak over the
+      profiling forward (CPU: an estimate); ``cuda_graphs``: the allocator's reserved bytes
+      the capture added (the graphs' private pool and their warm-up), not a free-memory
+      difference; ``graphs_reserve``: what was set aside for them before the KV pool was
+      sized; ``kv_pool``: ``num_blocks * bytes_per_block``.
+    - ``other_processes``: what NVML names for other processes on the device, else
+      ``total - free_at_start`` (then it includes this process's CUDA context);
+      ``non_torch``: what this process holds outside the caching allocator after warm-up
+      (CUDA context, NCCL and cuBLAS buffers); ``free``: free after warm-up.
+    Invariants: ``kv_pool == num_blocks * bytes_per_block``; on GPU the ``COMPONENTS``
+    sum to ``total``; unless overridden by --kv-cache-memory, ``others + weights +
+    workspace + graphs_reserve + kv_pool <= utilization * total`` at planning time."""
 
     device: str
     total: int
@@ -59,6 +135,11 @@ class MemoryPlan:
     kv_source: str
     kv_cache_dtype: str = ""
     kv_scales: str = ""  # FP8 cache only: how its scales were chosen
+    rank: int = 0
+    graphs_reserve: int = 0
+    other_processes: int = 0
+    free: int = 0
+    after_warmup: AllocatorReading = AllocatorReading()
 
     @property
     def used_by_others(self) -> int:
@@ -73,26 +154,75 @@ class MemoryPlan:
         return self.kv_tokens // self.max_model_len
 
     @property
+    def held(self) -> int:
+        """What the plan says this rank's allocator holds: weights, workspace, graphs and
+        the KV pool."""
+        return self.weights + self.workspace + self.cuda_graphs + self.kv_pool
+
+    @property
+    def non_torch(self) -> int:
+        if not self.device.startswith("cuda"):
+            return 0
+        used = self.total - self.free
+        return max(used - self.other_processes - self.after_warmup.reserved, 0)
+
+    @property
     def free_after(self) -> int:
-        return self.free_at_start - self.weights - self.workspace - self.cuda_graphs - self.kv_pool
+        return self.free
+
+    def components(self) -> dict[str, int]:
+        """``COMPONENTS`` -> bytes."""
+        return {"weights": self.weights, "activation_workspace": self.workspace,
+                "cuda_graphs": self.cuda_graphs, "kv_pool": self.kv_pool,
+                "non_torch": self.non_torch, "other_processes": self.other_processes,
+                "free": self.free}
+
+    def disagreement(self, reserved: int) -> float | None:
+        """``(reserved - held) / held``: how far the allocator's reserved bytes, read once
+        serving steps have reserved the workspace, are from the plan (the KV pool and the
+        graphs' pool are allocator segments too); None off CUDA (no allocator)."""
+        if not self.device.startswith("cuda"):
+            return None
+        return (reserved - self.held) / self.held
 
     def describe(self) -> list[str]:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        how = "measured" if self.workspace_measured else "estimated"
+        how = "measured peak" if self.workspace_measured else "estimated"
         scales = f", {self.kv_scales}" if self.kv_scales else ""
-        return [
-            f"memory plan on {self.device}: total {g(self.total)}, free at start "
-            f"{g(self.free_at_start)} (other processes hold {g(self.used_by_others)}), "
-            f"utilization {self.utilization:.2f}",
+        lines = [
+            f"memory plan on {self.device} (rank {self.rank}): total {g(self.total)}, free "
+            f"at start {g(self.free_at_start)}, utilization {self.utilization:.2f}",
             f"  weights {g(self.weights)} | activation workspace {g(self.workspace)} ({how}) | "
-            f"CUDA graphs {g(self.cuda_graphs)} | KV pool {g(self.kv_pool)} ({self.kv_source}) "
-            f"| free {g(self.free_after)}",
+            f"CUDA graphs {g(self.cuda_graphs)} (allocator-measured; "
+            f"{g(self.graphs_reserve)} set aside) | KV pool {g(self.kv_pool)} "
+            f"({self.kv_source})",
+            f"  outside the allocator {g(self.non_torch)} (CUDA context, NCCL) | other "
+            f"processes {g(self.other_processes)} | free {g(self.free)}",
+        ]
+        if self.device.startswith("cuda"):
+            a = self.after_warmup
+            ready = self.held - self.workspace
+            lines.append(
+                f"  the allocator reserves {g(a.reserved)} after capture (allocated "
+                f"{g(a.allocated)}): weights + graphs + KV pool = {g(ready)} "
+                f"({100 * (a.reserved - ready) / ready:+.1f} %); the workspace is reserved "
+                "by the first large steps")
+        lines.append(
             f"  capacity: {self.num_blocks} blocks x {self.block_size} tokens = "
             f"{self.kv_tokens} tokens of {self.kv_cache_dtype or 'KV'} cache "
             f"({self.bytes_per_block // self.block_size} bytes per token{scales}); "
             f"{self.max_concurrent_full_sequences} concurrent sequences at max length "
-            f"{self.max_model_len}",
-        ]
+            f"{self.max_model_len}")
+        return lines
+
+    def as_ints(self) -> list[int]:
+        """``COMPONENTS``, then ``total``, ``held``, ``num_blocks``: what ranks gather."""
+        return [*self.components().values(), self.total, self.held, self.num_blocks]
+
+
+def plan_from_ints(values: list[int]) -> dict[str, int]:
+    """A gathered ``MemoryPlan.as_ints`` as a dict."""
+    return dict(zip((*COMPONENTS, "total", "held", "num_blocks"), (int(v) for v in values), strict=False))
 
 
 def kv_budget(device: torch.device, total: int, free_at_start: int, utilization: float,

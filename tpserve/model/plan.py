@@ -17,6 +17,8 @@ from tpserve.model.attention.metadata import AttentionMetadata
 HEADER_LEN = 10
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
+# rank 0 asks for every rank's allocator figures: each rank answers with one all-gather
+CMD_MEMORY = 4
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,19 +20,32 @@ import torch
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
+from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import KERNEL_BACKENDS, select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPE_NAMES, DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
+    AllocatorReading,
     MemoryPlan,
+    allocator_snapshot,
     allocator_stats,
     estimate_activation_bytes,
     kv_budget,
+    plan_from_ints,
+    read_allocator,
     read_memory,
+    start_memory_history,
+)
+from tpserve.model.memory_advice import (
+    FitInputs,
+    explain_no_fit,
+    explain_oom,
+    explain_start_oom,
 )
 from tpserve.model.plan import (
+    CMD_MEMORY,
     CMD_NOOP,
     CMD_SHUTDOWN,
     CMD_STEP,
@@ -44,6 +57,7 @@ from tpserve.model.plan import (
 from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATIONS, linear_method
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
+from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
     TPGroup,
@@ -82,6 +96,8 @@ class RunnerConfig:
     tp_comm: str = "allreduce"
     quantization: str = "none"
     fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+    memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
+    nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
 
     def __post_init__(self) -> None:
         for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
@@ -112,6 +128,13 @@ class RunnerConfig:
         if self.fp8_weight_only_max_tokens < 0:
             raise ValueError("--fp8-weight-only-max-tokens must be >= 0, got "
                              f"{self.fp8_weight_only_max_tokens}")
+        if self.memory_history < 0:
+            raise ValueError(f"--memory-history must be a number of events >= 1, got "
+                             f"{self.memory_history}")
+        if self.memory_history and self.device != "cuda":
+            raise ValueError(f"--memory-history records the CUDA caching allocator's events, "
+                             f"but this server runs on {self.device} (no CUDA device): "
+                             "leave the flag out, or serve on a GPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -133,12 +156,18 @@ def resolve_max_model_len(requested: int | None, model_max: int, sliding_window:
 
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, limits: StepLimits, group: TPGroup,
-                 show_progress: bool = False):
+                 show_progress: bool = False, ranges: Ranges | None = None):
+        """``ranges``: the NVTX ranges of this rank's steps and collectives; default: from
+        ``cfg.nvtx`` (tests pass a recording pair to see them off CUDA)."""
         self.cfg = cfg
         self.limits = limits
+        if cfg.memory_history:  # before anything is allocated: the weights are recorded too
+            start_memory_history(group.device, cfg.memory_history)
+        self.ranges = ranges if ranges is not None else Ranges.for_device(cfg.nvtx,
+                                                                          group.device)
         p2p = None if cfg.disable_custom_all_reduce else P2PAllReduce.create(
             group.group, group.world_size, group.device, is_single_host(group.world_size))
-        self.comm = Communicator(group, p2p)
+        self.comm = Communicator(group, p2p, self.ranges)
         self.device = device = group.device
         self.fault = fault_from_env(group.rank)  # test hook, parsed once; None when off
         self.steps = 0
@@ -156,9 +185,14 @@ class ModelRunner:
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
                               cfg.fp8_weight_only_max_tokens)
-        self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops, self.attn,
-                                 self.max_model_len, show_progress, tp_comm=cfg.tp_comm,
-                                 quant_method=quant)
+        try:
+            self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
+                                     self.attn, self.max_model_len, show_progress,
+                                     tp_comm=cfg.tp_comm, quant_method=quant)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
+                                                group.rank, free0, total,
+                                                other_gpu_processes(device))) from None
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
         bs = limits.block_size
@@ -173,7 +207,12 @@ class ModelRunner:
         self.sampled_buf = torch.zeros(b, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"
         static = (HEADER_LEN + self.max_payload + b) * 8
-        workspace, measured = self._profile()
+        try:
+            workspace, measured = self._profile()
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(explain_start_oom("profiling the largest step", str(e),
+                                                str(device), group.rank, free0, total,
+                                                other_gpu_processes(device))) from None
         workspace += static
         use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
@@ -189,30 +228,37 @@ class ModelRunner:
                                        mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
+        self.fit = FitInputs(
+            device.type, total, free0, cfg.gpu_memory_utilization, cfg.kv_cache_memory,
+            weights, workspace, graphs, per_block, bs, self.max_model_len,
+            self.kv_dtype.itemsize, b, tp, self._smaller_kv_dtypes(),
+            self._tp_options(weights), self._seq_options(use_graphs, max_mixed, multiple))
         if num_blocks < self.max_blocks_per_seq:
-            raise MemoryError(
-                f"the model does not fit: weights {weights / 2**30:.2f} GiB + workspace "
-                f"{workspace / 2**30:.2f} GiB leave {max(budget, 0) / 2**30:.3f} GiB for the KV "
-                f"pool = {num_blocks} blocks of {bs} tokens, but one sequence of "
-                f"--max-model-len {self.max_model_len} needs {self.max_blocks_per_seq} blocks "
-                f"({self.max_blocks_per_seq * per_block / 2**30:.3f} GiB); lower "
-                "--max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), or use "
-                "more GPUs")
+            raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
+                                             str(device), group.rank))
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
                               mcfg.head_dim, self.kv_dtype, device)
         if device.type == "cuda":
             self._warm_kernels()
         self.graphs: StepGraphs | None = None
+        graphs_reserve, graphs = graphs, 0
         if use_graphs:
             self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
                                      max_mixed, token_multiple=multiple)
             graphs = self.graphs.capture()
+        free_now, _ = read_memory(device)
+        named = other_gpu_processes(device)
+        others = named.used_bytes if named.processes else total - free0
         self.plan = MemoryPlan(str(device), total, free0, cfg.gpu_memory_utilization, weights,
                                workspace, measured, graphs, self.kv_pool.nbytes, num_blocks,
-                               bs, per_block, self.max_model_len, how,
+                               bs, per_block, self.max_model_len, how, rank=group.rank,
+                               graphs_reserve=graphs_reserve, other_processes=others,
+                               free=free_now, after_warmup=read_allocator(device),
                                kv_cache_dtype=cfg.kv_cache_dtype,
                                kv_scales=self._kv_scales_source())
+        # every rank's plan, gathered once while the ranks are in lockstep
+        self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
 
@@ -227,6 +273,66 @@ class ModelRunner:
         return (f"scales from the checkpoint (K {scales[:, 0].min().item():.3g}.."
                 f"{scales[:, 0].max().item():.3g}, V {scales[:, 1].min().item():.3g}.."
                 f"{scales[:, 1].max().item():.3g})")
+
+    # ----------------------------------------------------------------- memory figures
+    def _smaller_kv_dtypes(self) -> tuple[tuple[str, int], ...]:
+        """KV cache dtypes smaller than this one, largest first (the does-not-fit advice)."""
+        sizes = {name: KV_CACHE_DTYPES[name].itemsize for name in KV_CACHE_DTYPE_NAMES}
+        smaller = [(n, s) for n, s in sizes.items() if s < self.kv_dtype.itemsize]
+        return tuple(sorted(smaller, key=lambda ns: -ns[1]))
+
+    def _tp_options(self, weights: int) -> tuple[tuple[int, int, int], ...]:
+        """``(tp, weights per rank, KV bytes per block per rank)`` for tp up to 8 (weights
+        scale as 1/tp: the replicated norms are negligible)."""
+        m, tp, bs = self.model_config, self.comm.world_size, self.limits.block_size
+        return tuple((t, weights * tp // t, kv_bytes_per_block(
+            m.num_hidden_layers, bs, m.kv_heads_for(t), m.head_dim, self.kv_dtype))
+            for t in (2, 4, 8) if t > tp)
+
+    def _seq_options(self, use_graphs: bool, max_mixed: int, multiple: int
+                     ) -> tuple[tuple[int, int], ...]:
+        """``(max_num_seqs, bytes saved)`` for halvings of --max-num-seqs: the graphs'
+        reserve shrinks exactly; the profiled logits (float32, twice) by estimate."""
+        lim, vocab = self.limits, self.model_config.vocab_size
+        rows = min(lim.max_num_seqs, lim.max_num_batched_tokens)
+        def graphs(s):
+            return (graph_reserve_bytes(s, max_mixed, vocab, multiple)
+                          if use_graphs else 0)
+        out, s = [], lim.max_num_seqs // 2
+        while s >= 1:
+            saved = (graphs(lim.max_num_seqs) - graphs(s)
+                     + (rows - min(s, lim.max_num_batched_tokens)) * vocab * 4 * 2)
+            out.append((s, saved))
+            s //= 2
+        return tuple(out)
+
+    def _gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on every rank), in rank order: one
+        all-gather, so every rank must call it at the same point."""
+        t = torch.tensor([values], dtype=torch.int64, device=self.device)
+        return self.comm.all_gather(t, dim=0).cpu().tolist()
+
+    def gather_allocator(self) -> list[AllocatorReading]:
+        """Rank 0: every rank's allocator reading now, between steps (``CMD_MEMORY`` then
+        one small all-gather; the host waits for the device once). Ranks > 0 answer it in
+        ``worker_loop``."""
+        self.send_command(CMD_MEMORY)
+        return [AllocatorReading.from_ints(v)
+                for v in self._gather_ints(read_allocator(self.device).as_ints())]
+
+    def allocator_snapshot(self) -> bytes:
+        """This rank's allocator segments and its recorded events (``--memory-history``) as
+        the pickle https://pytorch.org/memory_viz reads; between steps."""
+        if not self.cfg.memory_history:
+            raise ValueError("the allocator's history is not recorded (--memory-history)")
+        return allocator_snapshot(self.device)
+
+    def explain_oom(self, exc: BaseException) -> str:
+        """What an out-of-memory step asked for, what was free, what this server holds by
+        component, other processes on the device, and the flags that would help."""
+        free, _ = read_memory(self.device)
+        return explain_oom(str(exc), self.plan, read_allocator(self.device), free,
+                           other_gpu_processes(self.device), self.limits.max_num_batched_tokens)
 
     # ----------------------------------------------------------------- start-up profile
     def _profile(self) -> tuple[int, bool]:
@@ -267,6 +373,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tmp
+        # hand the profile's cached segments back: from here on the allocator holds only
+        # what the plan counts (weights, buffers; then the KV pool, graphs, activations)
+        torch.cuda.empty_cache()
         return int(peak), True
 
     def _warm_kernels(self) -> None:
@@ -307,6 +416,11 @@ class ModelRunner:
         """Rank 0: send the plan to every rank, run it; returns float32 logits of the
         sampled rows ``[S, vocab]``. Nothing here waits for the device: on CUDA the plan
         goes up from pinned memory, so the host can prepare the next step meanwhile."""
+        return self.run(self.upload(plan))
+
+    def upload(self, plan: StepPlan) -> StepPlan:
+        """Rank 0, first half of ``execute``: the plan into the device buffers and to every
+        rank; returns the device-side plan ``run`` takes."""
         header, payload = plan.pack()
         n = payload.shape[0]
         if self._pin:  # the caching host allocator keeps each block until its copy is done
@@ -318,7 +432,12 @@ class ModelRunner:
             self.comm.broadcast(self.payload_buf[:n])
             if plan.pending_rows.shape[0]:
                 self.comm.broadcast(self.sampled_buf)
-        return self._run(StepPlan.unpack(header, self.payload_buf[:n]))
+        return StepPlan.unpack(header, self.payload_buf[:n])
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Rank 0, second half of ``execute``: the forward of an uploaded plan."""
+        with self.ranges.range("forward"):
+            return self._run_explained(plan)
 
     def store_sampled(self, token_ids: torch.Tensor) -> None:
         """Rank 0: keep this step's sampled tokens (device) for the next step's pending
@@ -342,14 +461,28 @@ class ModelRunner:
                 return
             if cmd == CMD_NOOP:
                 continue
+            if cmd == CMD_MEMORY:
+                self._gather_ints(read_allocator(self.device).as_ints())
+                continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
-            n = StepPlan.payload_len(header)
-            self.comm.broadcast(self.payload_buf[:n])
-            plan = StepPlan.unpack(header, self.payload_buf[:n])
-            if plan.pending_rows.shape[0]:
-                self.comm.broadcast(self.sampled_buf)
-            self._run(plan)
+            with self.ranges.range("prepare"):
+                n = StepPlan.payload_len(header)
+                self.comm.broadcast(self.payload_buf[:n])
+                plan = StepPlan.unpack(header, self.payload_buf[:n])
+                if plan.pending_rows.shape[0]:
+                    self.comm.broadcast(self.sampled_buf)
+            with self.ranges.range("forward"):
+                self._run_explained(plan)
+
+    def _run_explained(self, plan: StepPlan) -> torch.Tensor:
+        """``_run``; an out-of-memory error is logged with ``explain_oom`` and re-raised
+        (what happens next is the engine's recovery's business)."""
+        try:
+            return self._run(plan)
+        except torch.OutOfMemoryError as e:
+            logger.error("rank %d: %s", self.comm.rank, self.explain_oom(e))
+            raise
 
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The communicator: the only place collectives happen. Every call is a no-op at tp 1."""
+"""The communicator: the only place collectives happen. Every call is a no-op at tp 1; at
+tp > 1 each one is a named NVTX range when ``--nvtx`` is on (``parallel/nvtx.py``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from tpserve.parallel.nvtx import OFF, Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import TPGroup
 
@@ -23,8 +25,10 @@ class Communicator:
     (GPUs of one host), small all-reduces go over peer-to-peer memory instead of NCCL.
     """
 
-    def __init__(self, group: TPGroup, p2p: P2PAllReduce | None = None):
+    def __init__(self, group: TPGroup, p2p: P2PAllReduce | None = None,
+                 ranges: Ranges = OFF):
         self.group = group
+        self.ranges = ranges
         self.rank = group.rank
         self.world_size = group.world_size
         self.p2p = p2p
@@ -37,19 +41,21 @@ class Communicator:
         new tensor (the peer-to-peer path); callers use the returned tensor."""
         if self.world_size == 1:
             return x
-        if self.p2p is not None and self.p2p.handles(x):
-            return self.p2p.all_reduce(x)
-        dist.all_reduce(x, group=self.group.group)
+        with self.ranges.range("all_reduce"):
+            if self.p2p is not None and self.p2p.handles(x):
+                return self.p2p.all_reduce(x)
+            dist.all_reduce(x, group=self.group.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenates every rank's ``x`` along ``dim`` (rank order)."""
         if self.world_size == 1:
             return x
-        x = x.contiguous()
-        flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                           device=x.device)
-        dist.all_gather_into_tensor(flat, x, group=self.group.group)
+        with self.ranges.range("all_gather"):
+            x = x.contiguous()
+            flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                               device=x.device)
+            dist.all_gather_into_tensor(flat, x, group=self.group.group)
         dim = dim % x.dim()
         if dim == 0:
             return flat
@@ -66,18 +72,21 @@ class Communicator:
                              "ranks: the rows must divide evenly")
         if not self.native_reduce_scatter:
             return self.all_reduce(x).narrow(0, self.rank * n, n)
-        out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group.group)
+        with self.ranges.range("reduce_scatter"):
+            out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group.group)
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copies rank ``src``'s ``x`` into every rank's ``x`` (same shape and dtype)."""
         if self.world_size > 1:
-            dist.broadcast(x, src=src, group=self.group.group)
+            with self.ranges.range("broadcast"):
+                dist.broadcast(x, src=src, group=self.group.group)
         return x
 
     def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
         """Element-wise minimum over ranks, in place (used to agree on memory plans)."""
         if self.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group.group)
+            with self.ranges.range("all_reduce_min"):
+                dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group.group)
         return x

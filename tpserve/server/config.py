@@ -104,6 +104,9 @@ def parse_bytes(text: str) -> int:
     return int(float(t))
 
 
+MEMORY_HISTORY_ENTRIES = 100_000  # --memory-history without N
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = SchedulerConfig(max_model_len=1)
     p.add_argument("model", nargs="?", default=None,
@@ -214,6 +217,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "latency)")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the KV pool accounting after every step (debugging)")
+    p.add_argument("--memory-history", type=int, nargs="?", const=MEMORY_HISTORY_ENTRIES,
+                   default=0, metavar="N",
+                   help="record the CUDA caching allocator's events (allocations, frees, "
+                        "segments, with Python stacks) on every rank from start-up, keeping "
+                        f"the last N ({MEMORY_HISTORY_ENTRIES} when N is left out); "
+                        "GET /memory/snapshot or `tpserve memory --snapshot FILE` dumps rank "
+                        "0's for https://pytorch.org/memory_viz. Costs host time on every "
+                        "allocation; CUDA only; default: off")
+    p.add_argument("--nvtx", action="store_true",
+                   help="named NVTX ranges (schedule, prepare, forward, sample, finalize, "
+                        "each collective) for Nsight Systems timelines; host-side markers, "
+                        "not recorded into CUDA graphs; a no-op off CUDA")
 
 
 def resolve_device(name: str) -> str:
@@ -267,7 +282,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
-        quantization=a.quantization, fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens)
+        quantization=a.quantization, fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
+        memory_history=a.memory_history, nvtx=a.nvtx)
     model = open_checkpoint(model_path, a.load_format, a.seed).config
     max_mixed = a.max_mixed_tokens
     if max_mixed is None:

@@ -13,6 +13,8 @@ HTTP -> engine (commands, in the order the HTTP side issued them)
   ("add", request_id, prompt_token_ids, SamplingParams)
   ("abort", request_id)        idempotent; unknown ids are ignored
   ("abort_all",)               drain's deadline passed: every request ends with "abort"
+  ("query", query_id, name)    an engine query (``engine/queries.py``), answered by one
+                               "reply" with the same id after the step in flight
   ("shutdown",)                end the loop: requests still running end with
                                EngineShuttingDownError, workers get CMD_SHUTDOWN, exit 0
 
@@ -29,6 +31,10 @@ engine -> HTTP
                                other threads come one per message); stats at most every
                                STATS_INTERVAL_S, and always when the engine went idle,
                                and on idle heartbeats (every HEARTBEAT_S)
+  ("reply", query_id, value, error)
+                               a query's answer (error None) or its error (value None;
+                               an ``EngineError`` or a picklable stand-in); the HTTP side
+                               drops a reply whose asker timed out
   ("dead", reason)             a worker rank died or a step raised: every request in
                                flight has been sent its EngineDeadError (before this
                                message, or right after when the engine thread was mid-step);
@@ -57,7 +63,7 @@ from tpserve.parallel.launch import name_this_process
 from tpserve.server.config import Config
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.request_state import RequestState
-from tpserve.server.engine.step_loop import HEARTBEAT_S, Item, StepLoop, engine_stats
+from tpserve.server.engine.step_loop import HEARTBEAT_S, Item, Reply, StepLoop, engine_stats
 from tpserve.server.failure import LateBoundFailure
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
@@ -114,7 +120,16 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
-def _read_commands(conn: Connection, steps: StepLoop) -> None:
+def _replier(outbox: PipeOutbox, query_id: int) -> Reply:
+    """The reply callback of one query: its answer down the output pipe."""
+
+    def reply(value: Any, error: BaseException | None) -> None:
+        outbox.send(("reply", query_id, value, None if error is None else _picklable(error)))
+
+    return reply
+
+
+def _read_commands(conn: Connection, steps: StepLoop, outbox: PipeOutbox) -> None:
     """Command reader thread: pipe messages -> the step loop's inbox."""
     while steps.is_alive():
         try:
@@ -133,6 +148,9 @@ def _read_commands(conn: Connection, steps: StepLoop) -> None:
             steps.abort(msg[1])
         elif kind == "abort_all":
             steps.abort_all()
+        elif kind == "query":
+            _, query_id, name = msg
+            steps.query(name, _replier(outbox, query_id))
         elif kind == "shutdown":
             steps.request_stop()
             return
@@ -186,7 +204,7 @@ def _run(cfg: Config, commands: Connection, outputs: Connection) -> int:
     died = on_worker_failure.bind(steps.fail)  # its on_fatal sends "dead"
     if died:
         steps.fail(died[0])
-    reader = threading.Thread(target=_read_commands, args=(commands, steps),
+    reader = threading.Thread(target=_read_commands, args=(commands, steps, outbox),
                               name="engine-commands", daemon=True)
     reader.start()
     while steps.is_alive() and steps.dead_reason is None:

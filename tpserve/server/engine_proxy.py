@@ -6,7 +6,8 @@ It implements ``EngineClient`` (plus ``start``/``shutdown``/``fail``/``drain`` f
 protocol is described there).
 
 Ownership in this process: the event loop thread owns the request table (request id ->
-``asyncio.Queue``) and sends commands; one reader thread owns the output pipe and the
+``asyncio.Queue``) and the query table (query id -> future; ``EngineFront.query``) and
+sends commands; one reader thread owns the output pipe and the
 child's exit: it receives every message and hands each "out" message to the event loop
 with ONE ``call_soon_threadsafe``, keeps the latest stats, and turns "dead", EOF or the
 child's exit (unless ``shutdown`` asked for it) into ``fail``. ``fail`` marks the engine
@@ -30,7 +31,7 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineDeadError
-from tpserve.server.engine.front import EngineFront
+from tpserve.server.engine.front import EngineFront, settle
 from tpserve.server.engine.step_loop import dead_error
 from tpserve.server.engine_process import run_engine_process
 
@@ -52,6 +53,7 @@ class PipeTransport:
         self.proc = proc
         self.reader = reader
         self.queues: dict[str, asyncio.Queue] = {}
+        self.answers: dict[int, asyncio.Future] = {}  # query id -> its asker's future
         self.loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
 
@@ -83,6 +85,16 @@ class PipeTransport:
 
     def has_requests(self) -> bool:
         return bool(self.queues)
+
+    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.answers[query_id] = answer
+        if not self.send(("query", query_id, name)):
+            del self.answers[query_id]
+            raise EngineDeadError("engine is dead: the engine process is gone")
+
+    def forget_query(self, query_id: int) -> None:
+        self.answers.pop(query_id, None)
 
     def is_alive(self) -> bool:
         return (self.reader.is_alive()
@@ -190,6 +202,8 @@ class EngineProxy(EngineFront):
     def _fail_all(self, error: EngineDeadError) -> None:
         for q in list(self._pipe.queues.values()):
             q.put_nowait(error)
+        for answer in list(self._pipe.answers.values()):
+            settle(answer, None, error)
 
     # ---------------------------------------------------------------- HTTP side
     def stats(self) -> dict[str, float]:
@@ -225,10 +239,21 @@ class EngineProxy(EngineFront):
             if items and loop is not None:
                 with contextlib.suppress(RuntimeError):  # the event loop is closed already
                     loop.call_soon_threadsafe(self._dispatch, items)
+        elif kind == "reply":
+            loop = self._pipe.loop
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # the event loop is closed already
+                    loop.call_soon_threadsafe(self._answer, *msg[1:])
         elif kind == "dead":
             self.fail(msg[1])
         else:
             logger.warning("unexpected message from the engine process: %r", kind)
+
+    def _answer(self, query_id: int, value: Any, error: BaseException | None) -> None:
+        """Event loop thread: a query's reply to its asker, if it still waits."""
+        answer = self._pipe.answers.get(query_id)
+        if answer is not None:
+            settle(answer, value, error)
 
     def _dispatch(self, items: list[tuple[str, Any]]) -> None:
         """Event loop thread: one step's outputs to their requests' queues."""

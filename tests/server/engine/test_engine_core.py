@@ -141,9 +141,9 @@ def test_async_scheduling_changes_no_output(folder, smollm2_tokenizer, penalty):
         core = make_core(folder, smollm2_tokenizer, num_blocks=24, budget=48,
                          async_scheduling=mode, max_mixed_tokens=20)
         plans = []
-        execute = core.runner.execute
-        core.runner.execute = lambda plan, execute=execute, plans=plans: (
-            plans.append(plan), execute(plan))[1]
+        upload = core.runner.upload  # every step's plan goes through it
+        core.runner.upload = lambda plan, upload=upload, plans=plans: (
+            plans.append(plan), upload(plan))[1]
         sample, penalized = core.sampler.sample, []
 
         def checked(logits, params, prompts, outputs, *rest, sample=sample,

@@ -51,6 +51,7 @@ from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.histogram import engine_histograms
+from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
@@ -165,6 +166,7 @@ class EngineCore:
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
                          "device_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
+        self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
@@ -237,7 +239,9 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             self._finish_inflight()
             prev = None
-        out = self.scheduler.schedule(self.token_budget)
+        ranges = self.runner.ranges
+        with ranges.range("schedule"):
+            out = self.scheduler.schedule(self.token_budget)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
             self._finish_inflight()
@@ -285,15 +289,19 @@ class EngineCore:
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
         marks = [(g, g.get_state()) for g in generators if g is not None]
         try:
-            logits = self.runner.execute(StepPlan.build(chunks, self.block_size,
-                                                        self.runner.attn))
+            ranges = self.runner.ranges
+            with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
+                plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
+                                                         self.runner.attn))
+            logits = self.runner.run(plan)  # its own "forward" range
             bitmask = None
             if any(s.params.structured is not None for s in sampling):
                 # the matchers need the previous step's tokens: read them back now, while
                 # the device runs this step's forward
                 self._finish_inflight()
                 bitmask = self._grammar_bitmask(sampling, logits.device)
-            return self._sample(logits, sampling, generators, bitmask)
+            with ranges.range("sample"):
+                return self._sample(logits, sampling, generators, bitmask)
         except torch.OutOfMemoryError:
             if self.runner.comm.world_size > 1:
                 raise  # see _recover_from_oom
@@ -339,6 +347,10 @@ class EngineCore:
         flight, self._inflight = self._inflight, None
         if flight is None or not flight.sampling:
             return
+        with self.runner.ranges.range("finalize"):
+            self._finalize(flight)
+
+    def _finalize(self, flight: _InFlight) -> None:
         if flight.event is not None:
             t = time.perf_counter()
             flight.event.synchronize()

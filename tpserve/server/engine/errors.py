@@ -47,3 +47,10 @@ class InvalidRequestError(EngineError):
 
     status = 400
     type = "invalid_request_error"
+
+
+class EngineTimeoutError(EngineError):
+    """The engine did not answer a query in time (it may be stuck in a long step)."""
+
+    status = 504
+    type = "timeout_error"

@@ -9,6 +9,7 @@ The front's counters are touched only on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -18,10 +19,12 @@ from tpserve.server.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShuttingDownError,
+    EngineTimeoutError,
     InvalidRequestError,
     PromptTooLongError,
 )
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.queries import QUERY_TIMEOUT_S
 
 
 class EngineTransport(Protocol):
@@ -44,6 +47,14 @@ class EngineTransport(Protocol):
 
     def has_requests(self) -> bool:
         """Whether any request is still registered."""
+
+    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+        """Asks the engine ``name`` (``queries``); the answer or its error is set on
+        ``answer`` on this event loop (unless ``answer`` is done already). Raises
+        ``EngineError`` (and has registered nothing) when it cannot ask."""
+
+    def forget_query(self, query_id: int) -> None:
+        """The asker stopped waiting (answered or timed out): a late reply is dropped."""
 
     def is_alive(self) -> bool:
         """Whether the engine (thread or process) still runs; ``is_healthy`` is this and
@@ -73,6 +84,7 @@ class EngineFront:
         self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
         self.outstanding = 0
         self.outstanding_tokens = 0
+        self._query_ids = itertools.count()
 
     def is_healthy(self) -> bool:
         return self.dead_reason is None and self.transport.is_alive()
@@ -96,6 +108,23 @@ class EngineFront:
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {len(prompt)} prompt tokens and max_tokens={params.max_tokens} "
                 f"({len(prompt) + params.max_tokens} in total)")
+
+    async def query(self, name: str, timeout: float = QUERY_TIMEOUT_S) -> Any:
+        """The engine's answer to the query ``name`` (``queries``), asked between steps;
+        raises the query's own ``EngineError``, ``EngineDeadError``, or
+        ``EngineTimeoutError`` after ``timeout`` s."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")
+        query_id = next(self._query_ids)
+        answer = asyncio.get_running_loop().create_future()
+        self.transport.query(query_id, name, answer)
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            raise EngineTimeoutError(f"the engine did not answer {name!r} within "
+                                     f"{timeout:.0f} s") from None
+        finally:
+            self.transport.forget_query(query_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -151,3 +180,14 @@ class EngineFront:
         while self.transport.has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
             time.sleep(0.05)
         return clean
+
+
+def settle(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    """Event loop thread: a query's reply onto its future, unless it is done already
+    (timed out, cancelled)."""
+    if answer.done():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(value)

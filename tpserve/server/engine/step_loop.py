@@ -8,8 +8,9 @@ Three pieces, shared by the in-process engine (``AsyncEngine``) and the engine p
   engine (validation, backpressure with 429, drain); it reaches this module's loop through
   ``StepLoopTransport``.
 - ``StepLoop``: the engine thread. ``EngineCore`` and everything under it belong to it;
-  other threads talk to it only through its inbox (add / abort / abort_all / stop) and
-  read plain counters. Idle, it sends heartbeats (``CMD_NOOP``) to the worker ranks; at
+  other threads talk to it only through its inbox (add / abort / abort_all / query / stop)
+  and read plain counters. A query (``queries``) is answered between steps through the
+  reply callback it came with. Idle, it sends heartbeats (``CMD_NOOP``) to the worker ranks; at
   the end, ``CMD_SHUTDOWN``; a step that raises kills the engine (``fail``).
 - ``Outbox``: where outputs go. Outputs emitted on the engine thread are collected per
   step and handed over in one ``send_step`` call (one wake-up of the consumer per step,
@@ -22,6 +23,7 @@ Three pieces, shared by the in-process engine (``AsyncEngine``) and the engine p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -38,8 +40,9 @@ from tpserve.server.engine.errors import (
     EngineError,
     EngineShuttingDownError,
 )
-from tpserve.server.engine.front import EngineFront
+from tpserve.server.engine.front import EngineFront, settle
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.queries import run_query
 from tpserve.server.engine.request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -47,15 +50,20 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 
 Item = RequestOutput | BaseException
+# a query's answer: ``reply(value, None)`` or ``reply(None, error)``, called once
+Reply = Callable[[Any, BaseException | None], None]
 
 
-def engine_stats(core: EngineCore) -> dict[str, float]:
-    """The core's counters plus the device allocator's readings (what /metrics exports)."""
-    s = dict(core.stats())
+def engine_stats(core: EngineCore) -> dict[str, Any]:
+    """The core's counters plus the device allocator's readings (what /metrics exports),
+    and under ``"memory"`` the memory report (``MemoryMonitor.report``: nested, what
+    /memory serves and the per-rank memory metrics read)."""
+    s: dict[str, Any] = dict(core.stats())
     mem = allocator_stats(core.runner.device)
     s["device_memory_allocated_bytes"] = mem["allocated"]
     s["device_memory_reserved_bytes"] = mem["reserved"]
     s["allocator_segments"] = mem["segments"]
+    s["memory"] = core.memory.report()
     return s
 
 
@@ -125,6 +133,13 @@ class StepLoop:
     def abort_all(self) -> None:
         self._inbox.put(("abort_all", None))
 
+    def query(self, name: str, reply: Reply) -> None:
+        """``queries.run_query(name)`` on the engine thread after the step in flight;
+        ``reply`` is called there once with the answer or the error (from the failing
+        thread when the engine dies first; never when the loop stopped without failing:
+        the asker's timeout covers that)."""
+        self._inbox.put(("query", (name, reply)))
+
     @property
     def has_requests(self) -> bool:
         return bool(self.core.requests)
@@ -157,6 +172,8 @@ class StepLoop:
             if kind == "add" and not arg.done:
                 arg.done = True
                 arg.emit(error)
+            elif kind == "query":
+                arg[1](None, error)
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -178,10 +195,29 @@ class StepLoop:
             elif kind == "abort_all":
                 for rid in list(self.core.requests):
                     self.core.abort(rid)
+            elif kind == "query":
+                self._answer(*arg)
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _answer(self, name: str, reply: Reply) -> None:
+        """Runs one query. Its refusal (``EngineError``) goes back to the asker; anything
+        else (a collective that failed) is reported to the asker, then kills the engine
+        like a failed step."""
+        if self.dead_reason is not None:
+            reply(None, EngineDeadError("engine is dead"))
+            return
+        try:
+            value = run_query(self.core, name)
+        except EngineError as e:
+            reply(None, e)
+            return
+        except BaseException as e:
+            reply(None, EngineError(f"engine query {name!r} failed: {e!r}"))
+            raise
+        reply(value, None)
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -210,6 +246,8 @@ class StepLoop:
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
                     self.core.runner.send_command(CMD_NOOP)
                     last_sent = time.monotonic()
+                if self.core.memory.sample(self.core.block_manager.usage):
+                    last_sent = time.monotonic()  # a gather reached every rank
                 self._flush()
             if self.dead_reason is None:
                 self.core.fail_all(EngineShuttingDownError("server shut down"))
@@ -262,6 +300,20 @@ class StepLoopTransport:
 
     def has_requests(self) -> bool:
         return self.steps.has_requests
+
+    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+        if not self.steps.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+
+        def reply(value: Any, error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed already
+                loop.call_soon_threadsafe(settle, answer, value, error)
+
+        self.steps.query(name, reply)
+
+    def forget_query(self, query_id: int) -> None:
+        """Nothing to do: a late reply finds its future done."""
 
     def is_alive(self) -> bool:
         return self.steps.is_alive()

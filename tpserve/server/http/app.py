@@ -25,8 +25,11 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
 
 def needs_api_key(path: str) -> bool:
-    """The paths ``--api-key`` protects; /health, /metrics, /version and docs stay open."""
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    """The paths ``--api-key`` protects; /health, /metrics, /memory, /version and docs stay
+    open. /memory/snapshot is protected: it holds the server's source paths and stacks and
+    costs the engine thread time."""
+    return path == "/v1" or path.startswith("/v1/") or path in (
+        "/tokenize", "/detokenize", "/memory/snapshot")
 
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],

@@ -35,3 +35,7 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
+
+    async def query(self, name: str) -> Any:
+        """The engine's answer to a query (``server/engine/queries.py``), asked between
+        steps; raises ``EngineError`` (the query's refusal, a dead engine, a timeout)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -29,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.memory_metrics import memory_families
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 class EngineStatsCollector(Collector):
     """Exports ``stats()`` as gauges and (from cumulative values) counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str):
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str):
         self.stats = stats
         self.model_name = model_name
 
@@ -102,6 +104,8 @@ class EngineStatsCollector(Collector):
                 family.add_metric([self.model_name], buckets, total)
             if values is None or family.samples:
                 yield family
+        yield from memory_families(None if values is None else values.get("memory", {}),
+                                   self.model_name)
 
     def describe(self) -> Iterator[Metric]:
         return self._families(None)

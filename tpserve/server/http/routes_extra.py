@@ -1,6 +1,9 @@
-"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/version``."""
+"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/memory``,
+``/memory/snapshot``, ``/version``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -72,6 +75,34 @@ def make_extra_router() -> APIRouter:
     async def metrics(request: Request) -> Response:
         m = get_state(request).metrics
         return Response(m.render(), media_type=m.content_type)
+
+    @router.get("/memory", tags=["server"],
+                responses={503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}})
+    async def memory(request: Request, fresh: bool = False) -> dict[str, Any]:
+        """The memory report (``server/engine/memory_monitor.py``): every rank's start-up
+        plan by component, live allocator figures, rank 0's recent KV usage and
+        fragmentation; what ``tpserve memory`` draws. ``fresh=true``: every rank's
+        allocator is read now, between steps (an engine query), instead of the last
+        sample (rank 0's at most a few seconds old, the others' at most
+        ``rank_interval_s``)."""
+        engine = get_state(request).engine
+        if fresh:
+            return await engine.query("memory_report")
+        report = engine.stats().get("memory")
+        if report is None:
+            raise APIError(503, "the engine has not reported its memory yet")
+        return report
+
+    @router.get("/memory/snapshot", tags=["server"], response_class=Response,
+                responses={200: {"content": {"application/octet-stream": {}}},
+                           **{s: {"model": ErrorResponse} for s in (400, 401, 503, 504)}})
+    async def memory_snapshot(request: Request) -> Response:
+        """Rank 0's caching-allocator snapshot (segments and the events recorded since
+        start-up) as the pickle https://pytorch.org/memory_viz reads. Needs
+        ``--memory-history`` (else 400 saying so); taken between steps."""
+        data = await get_state(request).engine.query("memory_snapshot")
+        return Response(data, media_type="application/octet-stream", headers={
+            "Content-Disposition": 'attachment; filename="memory-snapshot.pickle"'})
 
     @router.get("/version", tags=["server"], response_model=VersionResponse)
     async def version() -> VersionResponse:

@@ -1,0 +1,128 @@
+"""The does-not-fit advice: exact suggestion numbers from the pure function, and the
+refusal a CPU runner gives through the reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.server.engine.test_engine_core import LIMITS, _hf_model, save_hf_folder
+from tpserve.model.gpu_processes import GpuProcess, GpuProcesses, other_gpu_processes
+from tpserve.model.memory import AllocatorReading, GiB, MemoryPlan
+from tpserve.model.memory_advice import (
+    FitInputs,
+    Suggestion,
+    asked_bytes,
+    explain_no_fit,
+    explain_oom,
+    suggest_fits,
+)
+from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.parallel.state import TPGroup
+
+MiB = 1 << 20
+
+# an H100-like rank: 80 GiB, 20 GiB held by another process, weights 36 GiB, workspace
+# 8 GiB, graphs 1 GiB: 0.9 x 80 - 65 = 7 GiB for the KV pool = 3584 blocks of 2 MiB
+GPU = FitInputs(
+    device_type="cuda", total=80 * GiB, free_at_start=60 * GiB, utilization=0.9,
+    kv_cache_memory=None, weights=36 * GiB, workspace=8 * GiB, cuda_graphs=1 * GiB,
+    bytes_per_block=2 * MiB, block_size=16, max_model_len=100_000, kv_itemsize=2,
+    max_num_seqs=256, tp=1, smaller_kv_dtypes=(("float8_e4m3", 1),),
+    tp_options=((2, 18 * GiB, 1 * MiB), (4, 9 * GiB, 512 * 1024)),
+    seq_options=((128, 3 * GiB), (64, 6 * GiB), (32, 7 * GiB)))
+
+
+def test_gpu_suggestions_are_exact():
+    assert GPU.num_blocks == 3584
+    assert GPU.blocks_needed == 6250  # ceil(100000 / 16)
+    # 0.97 x 80 GiB = 83322365542 bytes (floored) - 65 GiB = 13529146982 -> 6451 blocks
+    assert suggest_fits(GPU) == [
+        Suggestion("--max-model-len", "57344",
+                   "the KV pool's 3584 blocks hold one sequence of 57344 tokens"),
+        Suggestion("--gpu-memory-utilization", "0.97",
+                   "6451 blocks = 103216 tokens of device memory"),
+        # 64 is the largest halving that frees enough: 7 + 6 = 13 GiB = 6656 blocks
+        Suggestion("--max-num-seqs", "64",
+                   "workspace and graphs 6.00 GiB smaller: 6656 blocks = 106496 tokens"),
+        Suggestion("--kv-cache-dtype", "float8_e4m3",
+                   "blocks of 1048576 bytes instead of 2097152: 7168 blocks = 114688 tokens"),
+        # 72 - 20 - 18 - 8 - 1 = 25 GiB of 1 MiB blocks
+        Suggestion("--tensor-parallel-size", "2",
+                   "18.00 GiB of weights per GPU: 25600 blocks = 409600 tokens per rank "
+                   "(needs 2 GPUs)"),
+    ]
+
+
+def test_nothing_fits_says_so():
+    f = FitInputs(**{**GPU.__dict__, "free_at_start": 1 * GiB, "tp_options": (),
+                     "smaller_kv_dtypes": (), "seq_options": ()})
+    assert f.num_blocks == 0 and suggest_fits(f) == []
+    text = explain_no_fit(f, GpuProcesses((GpuProcess(4242, "python serve", 79 * GiB),),
+                                          "NVML"), "cuda:0", 0)
+    assert "other processes on cuda:0 hold 79.00 GiB: pid 4242 (python serve) 79.00 GiB" \
+        in text
+    assert "no single flag makes it fit" in text
+
+
+def test_kv_cache_memory_override_suggests_the_bytes_one_sequence_needs():
+    f = FitInputs(**{**GPU.__dict__, "kv_cache_memory": 1 * GiB, "max_model_len": 8192,
+                     "tp_options": (), "seq_options": (), "smaller_kv_dtypes": ()})
+    # 8192 tokens = 512 blocks of 2 MiB = 1024 MiB; 1 GiB gives exactly that: lengthen
+    assert f.num_blocks == 512 and f.blocks_needed == 512
+    f = FitInputs(**{**f.__dict__, "max_model_len": 8193})
+    assert suggest_fits(f) == [
+        Suggestion("--max-model-len", "8192",
+                   "the KV pool's 512 blocks hold one sequence of 8192 tokens"),
+        Suggestion("--kv-cache-memory", "1026MiB", "513 blocks = 8208 tokens"),
+    ]
+
+
+def test_cpu_runner_refusal_names_the_numbers_and_the_fixes(tmp_path):
+    folder = str(save_hf_folder(_hf_model("llama"), tmp_path))
+    # 8 KiB blocks (2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes); 64 KiB = 8
+    with pytest.raises(MemoryError) as e:
+        ModelRunner(RunnerConfig(model=folder, kv_cache_memory=64 * 1024), LIMITS,
+                    TPGroup(0, 1, torch.device("cpu"), None))
+    text = str(e.value)
+    first, *rest = text.splitlines()
+    assert first.startswith("the model does not fit on cpu (rank 0): weights ")
+    assert first.endswith("leave 64.0 KiB for the KV pool = 8 blocks of 16 tokens, but one "
+                          "sequence of --max-model-len 256 needs 16 blocks (128.0 KiB)")
+    assert "  asked for: KV pool 128.0 KiB at least, --kv-cache-memory 64.0 KiB" in rest
+    i = rest.index("  any one of these would make it fit:")
+    assert rest[i + 1:] == [
+        "    --max-model-len 128: the KV pool's 8 blocks hold one sequence of 128 tokens",
+        "    --kv-cache-memory 1MiB: 128 blocks = 2048 tokens",
+        "    --kv-cache-dtype bfloat16: blocks of 4096 bytes instead of 8192: 16 blocks = "
+        "256 tokens",
+        # the tiny model's 2 KV heads: one per rank at tp 2, so blocks halve too
+        "    --tensor-parallel-size 2: 208.6 KiB of weights per GPU: 16 blocks = 256 tokens "
+        "per rank (needs 2 GPUs)",
+    ]
+
+
+def test_oom_explanation():
+    plan = MemoryPlan("cuda:0", 80 * GiB, 79 * GiB, 0.9, 36 * GiB, 8 * GiB, True, GiB,
+                      30 * GiB, 15360, 16, 2 * MiB, 8192, "x", other_processes=GiB,
+                      free=2 * GiB, after_warmup=AllocatorReading(70 * GiB, 75 * GiB, 9, 0, 0))
+    msg = "CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of ..."
+    assert asked_bytes(msg) == int(3.5 * GiB)
+    text = explain_oom(msg, plan, AllocatorReading(70 * GiB, 76 * GiB, 9, 2, 1), 2 * GiB,
+                       GpuProcesses((), "NVML bindings (nvidia-ml-py) not installed"), 8192)
+    assert text.splitlines()[1:] == [
+        "  asked for 3.50 GiB, free on the device 2.00 GiB of 80.00 GiB",
+        "  this server holds: weights 36.00 GiB | activation workspace 8.00 GiB | "
+        "cuda graphs 1.00 GiB | kv pool 30.00 GiB | non torch 2.00 GiB",
+        "  allocator now: reserved 76.00 GiB, allocated 70.00 GiB, fragmentation 7.9 %, "
+        "2 alloc retries, 1 OOMs",
+        "  other processes: none named (NVML bindings (nvidia-ml-py) not installed)",
+        # 1.5 GiB short: the KV pool gives that back at 0.9 - 1.5/80 = 0.88125 -> 0.88
+        "  to leave steps more room: --gpu-memory-utilization 0.88 (the KV pool leaves "
+        "1.50 GiB more headroom); or --max-num-batched-tokens 4096 (half the activation "
+        "workspace of the largest step)",
+    ]
+
+
+def test_no_gpu_processes_off_cuda():
+    assert other_gpu_processes(torch.device("cpu")) == GpuProcesses((), "not a CUDA device")

@@ -1,0 +1,262 @@
+"""Why the model does not fit, and which flag would make it fit by how much.
+
+``suggest_fits`` is a pure function of the planning numbers (``FitInputs``): for each flag
+it re-runs the plan's own arithmetic (``kv_budget``) with that one flag changed and keeps
+the changes that would give the KV pool at least one full sequence. ``explain_no_fit``
+turns the numbers, the other processes on the device and the suggestions into the
+message a refused start-up (or a logged out-of-memory step) shows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.model.gpu_processes import GpuProcesses
+from tpserve.model.memory import CPU_DEFAULT_KV_CAP, AllocatorReading, GiB, MemoryPlan, kv_budget
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class FitInputs:
+    """The numbers of one rank's plan. ``tp_options``: ``(tp, weights per rank, bytes
+    per KV block per rank)`` for larger tensor-parallel sizes; ``seq_options``:
+    ``(max_num_seqs, bytes the workspace and graphs would shrink by)`` for smaller
+    ``--max-num-seqs``; ``smaller_kv_dtypes``: ``(name, itemsize)`` of KV cache dtypes
+    smaller than the current one."""
+
+    device_type: str
+    total: int
+    free_at_start: int
+    utilization: float
+    kv_cache_memory: int | None
+    weights: int
+    workspace: int
+    cuda_graphs: int
+    bytes_per_block: int
+    block_size: int
+    max_model_len: int
+    kv_itemsize: int
+    max_num_seqs: int
+    tp: int
+    smaller_kv_dtypes: tuple[tuple[str, int], ...] = ()
+    tp_options: tuple[tuple[int, int, int], ...] = ()
+    seq_options: tuple[tuple[int, int], ...] = ()
+
+    def budget(self, weights: int | None = None, workspace: int | None = None,
+               cuda_graphs: int | None = None, utilization: float | None = None,
+               kv_cache_memory: int | None = -1) -> int:
+        """``kv_budget`` with some inputs changed (``kv_cache_memory=-1``: unchanged)."""
+        return kv_budget(torch.device(self.device_type), self.total, self.free_at_start,
+                         self.utilization if utilization is None else utilization,
+                         self.weights if weights is None else weights,
+                         self.workspace if workspace is None else workspace,
+                         self.cuda_graphs if cuda_graphs is None else cuda_graphs,
+                         self.kv_cache_memory if kv_cache_memory == -1 else kv_cache_memory
+                         )[0]
+
+    @property
+    def blocks_needed(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def kv_needed(self) -> int:
+        """KV bytes one sequence of ``max_model_len`` tokens needs."""
+        return self.blocks_needed * self.bytes_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return max(self.budget(), 0) // self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    flag: str
+    value: str
+    effect: str
+
+    def describe(self) -> str:
+        return f"{self.flag} {self.value}: {self.effect}"
+
+
+def _gib(b: int) -> str:
+    """Bytes in GiB from 1 GiB up, else MiB, else KiB (small models stay readable)."""
+    if abs(b) >= GiB:
+        return f"{b / GiB:.2f} GiB"
+    return f"{b / MiB:.2f} MiB" if abs(b) >= MiB else f"{b / 1024:.1f} KiB"
+
+
+def _utilization_for(f: FitInputs) -> float | None:
+    """The smallest utilization (in steps of 0.01) whose budget holds one sequence."""
+    base = f.total if f.device_type == "cuda" else f.free_at_start
+    if base <= 0:
+        return None
+    u = math.ceil(100 * (f.kv_needed - f.budget(utilization=0.0)) / base) / 100
+    u = max(u, 0.01)
+    while u <= 1.0 and f.budget(utilization=u) < f.kv_needed:
+        u = round(u + 0.01, 2)
+    return u if u <= 1.0 else None
+
+
+def suggest_fits(f: FitInputs) -> list[Suggestion]:
+    """The single-flag changes that make one full sequence fit, each with what it gives
+    (KV blocks and tokens), in the order: --max-model-len, --gpu-memory-utilization or
+    --kv-cache-memory, --max-num-seqs, --kv-cache-dtype, --tensor-parallel-size."""
+    out: list[Suggestion] = []
+    need = f.blocks_needed
+    blocks = f.num_blocks
+    if blocks >= 1:
+        tokens = blocks * f.block_size
+        out.append(Suggestion("--max-model-len", str(tokens),
+                              f"the KV pool's {blocks} blocks hold one sequence of "
+                              f"{tokens} tokens"))
+    cpu_capped = f.device_type != "cuda" and f.kv_needed > CPU_DEFAULT_KV_CAP
+    if f.kv_cache_memory is None and not cpu_capped:
+        u = _utilization_for(f)
+        if u is not None:
+            b = f.budget(utilization=u) // f.bytes_per_block
+            of = "device memory" if f.device_type == "cuda" else "available RAM"
+            out.append(Suggestion("--gpu-memory-utilization", f"{u:.2f}",
+                                  f"{b} blocks = {b * f.block_size} tokens of {of}"))
+    if f.kv_cache_memory is not None or cpu_capped:
+        mib = math.ceil(f.kv_needed / MiB)
+        if f.device_type == "cuda":
+            room = f.free_at_start - f.weights - f.workspace - f.cuda_graphs
+        else:
+            room = f.free_at_start - f.weights - f.workspace
+        if mib * MiB <= room:
+            b = (mib * MiB) // f.bytes_per_block
+            out.append(Suggestion("--kv-cache-memory", f"{mib}MiB",
+                                  f"{b} blocks = {b * f.block_size} tokens"))
+    if f.kv_cache_memory is None:
+        for seqs, saved in sorted(f.seq_options, reverse=True):
+            if seqs >= f.max_num_seqs:
+                continue
+            b = max(f.budget(workspace=f.workspace - saved), 0) // f.bytes_per_block
+            if b >= need:
+                out.append(Suggestion("--max-num-seqs", str(seqs),
+                                      f"workspace and graphs {_gib(saved)} smaller: {b} "
+                                      f"blocks = {b * f.block_size} tokens"))
+                break
+    for name, itemsize in f.smaller_kv_dtypes:
+        per_block = f.bytes_per_block * itemsize // f.kv_itemsize
+        b = max(f.budget(), 0) // per_block
+        if b >= need:
+            out.append(Suggestion("--kv-cache-dtype", name,
+                                  f"blocks of {per_block} bytes instead of "
+                                  f"{f.bytes_per_block}: {b} blocks = {b * f.block_size} "
+                                  "tokens"))
+            break
+    for tp, weights, per_block in sorted(f.tp_options):
+        if tp <= f.tp:
+            continue
+        b = max(f.budget(weights=weights), 0) // per_block
+        if b >= need:
+            out.append(Suggestion("--tensor-parallel-size", str(tp),
+                                  f"{_gib(weights)} of weights per GPU: {b} blocks = "
+                                  f"{b * f.block_size} tokens per rank (needs {tp} GPUs)"))
+            break
+    return out
+
+
+def explain_no_fit(f: FitInputs, others: GpuProcesses, device: str, rank: int) -> str:
+    """The refusal: what was asked for, what was free, what this server holds by
+    component, the other processes on the device, and the flags that would make it fit."""
+    budget = f.budget()
+    lines = [
+        f"the model does not fit on {device} (rank {rank}): weights {_gib(f.weights)} + "
+        f"workspace {_gib(f.workspace)} leave {_gib(max(budget, 0))} for the KV pool "
+        f"= {f.num_blocks} blocks of {f.block_size} tokens, but one sequence of "
+        f"--max-model-len {f.max_model_len} needs {f.blocks_needed} blocks "
+        f"({_gib(f.kv_needed)})",
+        f"  asked for: KV pool {_gib(f.kv_needed)} at least, "
+        + (f"--kv-cache-memory {_gib(f.kv_cache_memory)}" if f.kv_cache_memory
+           is not None else f"--gpu-memory-utilization {f.utilization:.2f} of "
+           f"{_gib(f.total)}"),
+        f"  free at start: {_gib(f.free_at_start)} of {_gib(f.total)}",
+        f"  this server holds: weights {_gib(f.weights)} | activation workspace "
+        f"{_gib(f.workspace)} | CUDA graphs (set aside) {_gib(f.cuda_graphs)}",
+    ]
+    if others.processes:
+        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
+                     + "; ".join(p.describe() for p in others.processes))
+    elif f.device_type == "cuda":
+        lines.append(f"  other processes hold {_gib(f.total - f.free_at_start)} "
+                     f"(not named: {others.source})")
+    fixes = suggest_fits(f)
+    if fixes:
+        lines.append("  any one of these would make it fit:")
+        lines += [f"    {s.describe()}" for s in fixes]
+    else:
+        lines.append("  no single flag makes it fit: free memory (stop other processes) "
+                     "or use more GPUs")
+    return "\n".join(lines)
+
+
+_ASKED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def asked_bytes(message: str) -> int | None:
+    """The request size in a caching-allocator OOM message ("Tried to allocate 2.00 GiB")."""
+    m = _ASKED.search(message)
+    return None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def explain_oom(message: str, plan: MemoryPlan, now: AllocatorReading, free: int,
+                others: GpuProcesses, max_num_batched_tokens: int) -> str:
+    """A step ran out of memory: what it asked for, what was free, the plan's components
+    next to the allocator now, other processes on the device, and the flags that leave
+    more room for a step."""
+    asked = asked_bytes(message)
+    first = message.strip().splitlines()[0] if message.strip() else "out of memory"
+    lines = [
+        f"a step ran out of memory on {plan.device} (rank {plan.rank}): {first}",
+        f"  asked for {'?' if asked is None else _gib(asked)}, free on the device "
+        f"{_gib(free)} of {_gib(plan.total)}",
+        "  this server holds: " + " | ".join(
+            f"{k.replace('_', ' ')} {_gib(v)}" for k, v in plan.components().items()
+            if k not in ("other_processes", "free")),
+        f"  allocator now: reserved {_gib(now.reserved)}, allocated {_gib(now.allocated)}, "
+        f"fragmentation {100 * now.fragmentation:.1f} %, {now.num_alloc_retries} alloc "
+        f"retries, {now.num_ooms} OOMs",
+    ]
+    if others.processes:
+        lines.append(f"  other processes on {plan.device} hold {_gib(others.used_bytes)}: "
+                     + "; ".join(p.describe() for p in others.processes))
+    else:
+        lines.append(f"  other processes: none named ({others.source})")
+    short = max((asked or 0) - free, 0)
+    fixes = [f"--max-num-batched-tokens {max(max_num_batched_tokens // 2, 1)} (half the "
+             "activation workspace of the largest step)"]
+    if plan.device.startswith("cuda") and plan.total:
+        u = math.floor(100 * (plan.utilization - max(short, 1 << 30) / plan.total)) / 100
+        if u > 0:
+            fixes.insert(0, f"--gpu-memory-utilization {u:.2f} (the KV pool leaves "
+                            f"{_gib(max(short, 1 << 30))} more headroom)")
+    lines.append("  to leave steps more room: " + "; or ".join(fixes))
+    return "\n".join(lines)
+
+
+def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_start: int,
+                      total: int, others: GpuProcesses) -> str:
+    """Start-up ran out of device memory before a plan existed (the weights or the
+    profiling step): what it asked for, what was free, who else holds the device."""
+    asked = asked_bytes(message)
+    lines = [f"the model does not fit on {device} (rank {rank}): {stage} ran out of memory "
+             f"(asked for {'?' if asked is None else _gib(asked)})",
+             f"  free at start: {_gib(free_at_start)} of {_gib(total)}"]
+    if others.processes:
+        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
+                     + "; ".join(p.describe() for p in others.processes))
+    else:
+        lines.append(f"  other processes hold {_gib(total - free_at_start)} (not named: "
+                     f"{others.source})")
+    lines.append("  to make it fit: free the device (stop the processes above), or split "
+                 "the weights over more GPUs (--tensor-parallel-size), or lower "
+                 "--max-num-batched-tokens (the profiled step)")
+    return "\n".join(lines)

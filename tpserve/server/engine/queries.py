@@ -1,0 +1,58 @@
+"""Engine queries: questions the HTTP side asks the engine, answered on the engine thread
+between steps (where the runner and its collectives may be used).
+
+The path is the same in both process layouts: ``EngineFront.query(name)`` gives the
+question an id and a future and hands it to its transport; in process
+(``StepLoopTransport``) it goes into the ``StepLoop``'s inbox, with the engine process
+(``engine_proxy.PipeTransport``) it goes down the command pipe as ``("query", id, name)``
+and the engine process's command reader puts it into the same inbox. The engine thread
+runs ``run_query`` after the step in flight and replies (``("reply", id, value, error)``
+on the output pipe); the front waits at most ``QUERY_TIMEOUT_S``. A reply that arrives
+after its timeout is dropped.
+
+Queries:
+- ``memory_report``: every rank's allocator figures gathered now (a collective at tp > 1),
+  then the memory report (what ``GET /memory?fresh=true`` serves);
+- ``memory_snapshot``: rank 0's allocator segments and recorded events as the pickle
+  https://pytorch.org/memory_viz reads (needs ``--memory-history``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.errors import InvalidRequestError
+
+QUERY_TIMEOUT_S = 60.0
+
+
+def fresh_memory_report(core: EngineCore) -> dict[str, Any]:
+    core.memory.refresh(core.block_manager.usage)
+    return core.memory.report()
+
+
+def memory_snapshot(core: EngineCore) -> bytes:
+    if not core.runner.cfg.memory_history:
+        raise InvalidRequestError(
+            "the allocator's history is not recorded: start the server with "
+            "--memory-history [N] (CUDA only) to record the last N allocator events on "
+            "every rank, then fetch GET /memory/snapshot")
+    return core.runner.allocator_snapshot()
+
+
+QUERIES: dict[str, Callable[[EngineCore], Any]] = {
+    "memory_report": fresh_memory_report,
+    "memory_snapshot": memory_snapshot,
+}
+
+
+def run_query(core: EngineCore, name: str) -> Any:
+    """Engine thread only. Raises ``InvalidRequestError`` for an unknown name or a query
+    this server cannot answer."""
+    fn = QUERIES.get(name)
+    if fn is None:
+        raise InvalidRequestError(f"unknown engine query {name!r}; known: "
+                                  f"{', '.join(sorted(QUERIES))}")
+    return fn(core)
