@@ -228,8 +228,8 @@ def _oom_requests() -> dict[str, tuple[list[int], SamplingParams]]:
 
 def _run_oom_requests(core: EngineCore) -> tuple[dict, list]:
     plans = []
-    execute = core.runner.execute
-    core.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    upload = core.runner.upload
+    core.runner.upload = lambda plan: (plans.append(plan), upload(plan))[1]
     reqs = _oom_requests()
     outs = {rid: submit(core, rid, p, params) for rid, (p, params) in reqs.items()}
     run_to_end(core)
