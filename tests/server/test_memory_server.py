@@ -101,7 +101,7 @@ def test_out_of_memory_step_is_logged_with_the_explanation():
         s.stop()
     out = s.output()
     assert ("rank 0: a step ran out of memory on cpu (rank 0): injected out-of-memory "
-            "(test hook)") in out
+            "at forward (test hook)") in out
     assert "  asked for ?, free on the device " in out
     assert "  to leave steps more room: --max-num-batched-tokens 256 (half the activation " \
            "workspace of the largest step)" in out
