@@ -184,7 +184,7 @@ class ModelRunner:
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
-                              cfg.fp8_weight_only_max_tokens)
+                              cfg.fp8_weight_only_max_tokens, self.ckpt.quantization)
         try:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                      self.attn, self.max_model_len, show_progress,
