@@ -100,7 +100,7 @@ class Model:
         kv_dtype = kv_torch_dtype(cfg.kv_cache_dtype)
         self.attn = select_attention(cfg.kernel_backend, kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, self.device, dtype,
-                              cfg.fp8_weight_only_max_tokens)
+                              cfg.fp8_weight_only_max_tokens, ckpt.quantization)
         self.model = build_model(ckpt, self.comm, self.device, dtype,
                                  select_ops(cfg.kernel_backend), self.attn, max_tokens,
                                  tp_comm=cfg.tp_comm, quant_method=quant)

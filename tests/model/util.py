@@ -88,3 +88,68 @@ def save_hf_folder(model, folder: Path, num_shards: int = 2) -> Path:
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_state(state: dict[str, torch.Tensor], scales: str = "channel"
+              ) -> dict[str, torch.Tensor]:
+    """``state`` with every linear weight stored as an FP8 checkpoint stores it: e4m3 codes
+    plus ``weight_scale``, ``[out, 1]`` per output channel (``quantize_per_row``, the function
+    ``--quantization fp8`` quantizes with) or one ``[]`` scale per tensor (the tensor's
+    amax / 448). Everything else is kept as is."""
+    from tpserve.model.quant.fp8 import quantize_per_row
+
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        if name.rsplit(".", 2)[-2] not in LINEAR_NAMES or not name.endswith(".weight"):
+            out[name] = w
+            continue
+        amax = None if scales == "channel" else w.abs().amax().float().expand(w.shape[0], 1)
+        q, scale = quantize_per_row(w, amax)
+        out[name] = q
+        out[name + "_scale"] = scale.contiguous() if scales == "channel" else scale[0, 0].clone()
+    return out
+
+
+def fp8_quantization_config(fmt: str = "fp8", strategy: str = "channel") -> dict:
+    """``config.json``'s ``quantization_config`` as vLLM's ``Fp8Config`` or llm-compressor's
+    compressed-tensors FP8-dynamic export writes it."""
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic",
+                "ignored_layers": ["lm_head"]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "output_activations": None,
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True}}}}
+
+
+def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
+                    fmt: str = "fp8") -> Path:
+    """Rewrites the unquantized folder ``source`` (``save_hf_folder``'s) as an FP8 checkpoint
+    in ``folder``: the same shards with ``fp8_state``'s tensors, and ``config.json`` with
+    its ``quantization_config``."""
+    from safetensors.torch import load_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        part = fp8_state(load_file(str(source / fname)), scales)
+        save_file(part, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = fp8_quantization_config(fmt, scales)
+    (folder / "config.json").write_text(json.dumps(config))
+    for extra in source.iterdir():  # tokenizer files, generation config
+        if extra.suffix != ".safetensors" and extra.name not in (
+                "config.json", "model.safetensors.index.json"):
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    return folder

@@ -213,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, source in weights:
+            original = name
             if "rotary_emb" in name:
                 continue
             prefix, _, tail = name.partition(".self_attn.")
@@ -234,7 +235,10 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 copy_into(param, as_source(source).read(), name)
             else:
-                loader(param, source, shard_id)
+                try:
+                    loader(param, source, shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             loaded.add(name)
         return loaded
 

@@ -10,8 +10,13 @@ Where a size does not divide by tp (attention heads, the MLP width) the shards a
 with zero rows/columns (``ShardMap``, ``HeadLayout``) so the function is unchanged.
 
 How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed, so
-``parallel/`` never imports a quantization scheme), an object with two methods:
+``parallel/`` never imports a quantization scheme), an object with three methods:
 
+- ``create_weights(layer, rows, cols, dtype)``: called once by the layer's constructor;
+  registers ``layer.weight`` (``[rows, cols]``: this rank's shard, padding included) in the
+  dtype it is stored in, and any parameter it loads beside it (e.g. a checkpoint's
+  ``weight_scale``, one float per output row, loaded through ``layer.load_output_rows``),
+  each with its ``weight_loader`` (the weight's: ``layer.weight_loader``, or a wrapper).
 - ``process_weights(layer)``: called once on every rank, in module order, after all of the
   layer's shards are loaded. It may replace ``layer.weight`` (e.g. by an fp8 tensor) and
   register more parameters (e.g. ``weight_scale``); it may run collectives on
@@ -44,6 +49,11 @@ from tpserve.parallel.shard import (
 class UnquantizedLinear:
     """The default ``quant_method``: the weight stays as loaded; ``F.linear``."""
 
+    def create_weights(self, layer: nn.Module, rows: int, cols: int,
+                       dtype: torch.dtype | None) -> None:
+        layer.weight = empty_param((rows, cols), dtype)
+        layer.weight.weight_loader = layer.weight_loader
+
     def process_weights(self, layer: nn.Module) -> None:
         pass
 
@@ -55,7 +65,8 @@ class UnquantizedLinear:
 UNQUANTIZED = UnquantizedLinear()  # stateless
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
+    """An uninitialised, frozen parameter (on the current default device)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
@@ -83,17 +94,30 @@ class ColumnParallelLinear(nn.Module):
         self.quant_method = quant_method or UNQUANTIZED
         self.gather_output = gather_output
         self.out_per_rank = out_per_rank
-        self.weight = _param((out_per_rank, in_features), dtype)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = _param((out_per_rank,), dtype) if bias else None
+        self.quant_method.create_weights(self, out_per_rank, in_features, dtype)
+        self.bias = empty_param((out_per_rank,), dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None, fill: float = 0.0) -> None:
+        """Loads this rank's rows (dim 0) of the weight, or of any tensor indexed by output
+        row (bias, per-row scale); ``fill``: the value of padding rows (none here: an even
+        split)."""
         src = as_source(source)
         start = self.comm.rank * self.out_per_rank
         copy_into(param, src.read(0, start, self.out_per_rank), "column-parallel weight")
+
+    def load_output_rows(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
+                         shard_id: object = None, fill: float = 0.0) -> None:
+        """Loads a checkpoint tensor indexed by output row (its dim 0; ``checkpoint_rows
+        (shard_id)`` long) into ``param``, one entry per row of this rank's weight, exactly
+        as the weight's rows are loaded; padding rows get ``fill``."""
+        self.weight_loader(param, source, shard_id, fill=fill)
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        """Rows of the checkpoint tensor that ``shard_id`` names (the unsharded part)."""
+        return self.out_per_rank * self.comm.world_size
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights(self)
@@ -114,18 +138,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], comm: Communicator,
                  bias: bool = False, dtype: torch.dtype | None = None, quant_method=None):
+        self.out_sizes = list(out_sizes)
         self.parts = [ShardMap.contiguous(s, comm.world_size, comm.rank) for s in out_sizes]
         nn.Module.__init__(self)
         self._init_shard(in_features, sum(p.numel for p in self.parts), comm, bias, False,
                          dtype, quant_method)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None, fill: float = 0.0) -> None:
         idx = int(shard_id)
         offset = sum(p.numel for p in self.parts[:idx])
         part = self.parts[idx]
         part.load(param.narrow(0, offset, part.numel), as_source(source), 0,
-                  f"merged part {idx}")
+                  f"merged part {idx}", fill)
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return self.out_sizes[int(shard_id)]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -152,10 +180,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self._init_shard(hidden, q + 2 * kv, comm, bias, False, dtype, quant_method)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None, fill: float = 0.0) -> None:
         offset, shard = self.maps[str(shard_id)]
         shard.load(param.narrow(0, offset, shard.numel), as_source(source), 0,
-                   f"{shard_id}_proj shard")
+                   f"{shard_id}_proj shard", fill)
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        heads = self.layout.num_heads if shard_id == "q" else self.layout.num_kv_heads
+        return heads * self.head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+2kv] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` (this rank's heads)."""
@@ -192,9 +224,8 @@ class RowParallelLinear(nn.Module):
             in_map = ShardMap(per, ((0, comm.rank * per, per),))
         self.in_map = in_map
         self.in_per_rank = in_map.numel
-        self.weight = _param((out_features, self.in_per_rank), dtype)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = _param((out_features,), dtype) if bias else None
+        self.quant_method.create_weights(self, out_features, self.in_per_rank, dtype)
+        self.bias = empty_param((out_features,), dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.bias_loader
 
@@ -205,6 +236,15 @@ class RowParallelLinear(nn.Module):
     def bias_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                     shard_id: object = None) -> None:
         copy_into(param, as_source(source).read(), "row-parallel bias")
+
+    def load_output_rows(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
+                         shard_id: object = None, fill: float = 0.0) -> None:
+        """Loads a checkpoint tensor indexed by output row (bias, per-row scale): every rank
+        holds every output row, so all of it (no padding rows)."""
+        copy_into(param, as_source(source).read(), "row-parallel output rows")
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return self.weight.shape[0]
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights(self)

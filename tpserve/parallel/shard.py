@@ -101,12 +101,14 @@ class ShardMap:
     def padded(self) -> bool:
         return sum(n for _, _, n in self.runs) < self.size
 
-    def load(self, dest: torch.Tensor, source: TensorSource, dim: int, name: str) -> None:
-        """Fills ``dest`` (``numel`` long along ``dim``) from ``source``; padding is zero."""
+    def load(self, dest: torch.Tensor, source: TensorSource, dim: int, name: str,
+             fill: float = 0.0) -> None:
+        """Fills ``dest`` (``numel`` long along ``dim``) from ``source``; padding is ``fill``
+        (zero, except for tensors such as scales whose padding rows need another value)."""
         u = self.unit
         if self.padded:
             with torch.no_grad():
-                dest.zero_()
+                dest.fill_(fill)
         for local, src, n in self.runs:
             copy_into(dest.narrow(dim, local * u, n * u), source.read(dim, src * u, n * u),
                       name)

@@ -8,6 +8,7 @@ its front) + ``ServerConfig`` (HTTP).
 
 Every ``auto`` flag is resolved here, before anything is frozen: the device, the dtype,
 the KV cache dtype (the model's), the kernel back-end (attention and ops),
+``--quantization`` (the checkpoint's own method, else none),
 ``--max-model-len`` (from the checkpoint's config, read without its weights) and
 ``--max-mixed-tokens``. The tree holds concrete values only; no module resolves a default
 later.
@@ -27,7 +28,7 @@ from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cach
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
-from tpserve.model.quant.methods import QUANTIZATIONS
+from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
 from tpserve.model.runner import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
@@ -127,10 +128,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "e4m3 with a float32 scale per layer for K and for V, from the "
                         "checkpoint's k_scale/v_scale (or kv_scale) tensors, else 1.0; values "
                         "past ±448 x scale saturate; half the bytes of bf16, twice the tokens")
-    p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
-                   help="weight quantization of the linear layers: none, or fp8 (e4m3 "
-                        "weights with per-output-channel scales, quantized at load; "
-                        "activations scaled per token; FP8 matrix products on Hopper)")
+    p.add_argument("--quantization", "-q", default="auto",
+                   choices=list(QUANTIZATION_CHOICES),
+                   help="weight quantization of the linear layers: auto (the checkpoint's "
+                        "own: fp8 for an FP8 checkpoint, whose e4m3 weights and scales are "
+                        "served as stored; else none), none, or fp8 (e4m3 weights with "
+                        "per-output-channel scales, quantized at load unless the checkpoint "
+                        "is FP8; activations scaled per token; FP8 matrix products on "
+                        "Hopper). none on an FP8 checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,
                    default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
                    help="with --quantization fp8: steps of at most this many tokens multiply "
@@ -274,6 +279,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
+    ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, dtype=dtype,
         kv_cache_dtype=resolve_kv_cache_dtype(a.kv_cache_dtype, dtype),
@@ -282,9 +288,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
-        quantization=a.quantization, fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
+        quantization=resolve_quantization(a.quantization, ckpt.quantization),
+        fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         memory_history=a.memory_history, nvtx=a.nvtx)
-    model = open_checkpoint(model_path, a.load_format, a.seed).config
+    model = ckpt.config
     max_mixed = a.max_mixed_tokens
     if max_mixed is None:
         max_mixed = default_max_mixed_tokens(runner, a.max_num_batched_tokens)

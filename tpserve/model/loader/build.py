@@ -48,10 +48,13 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                                                   tp_comm=tp_comm, quant_method=quant_method)
     ckpt.load_into(model, show_progress)
     if quant_method is not None:
-        for module in model.modules():
+        for name, module in model.named_modules():
             finish = getattr(module, "process_weights_after_loading", None)
             if finish is not None:
-                finish()
+                try:
+                    finish()
+                except ValueError as e:
+                    raise ValueError(f"{ckpt.description}: {name}: {e}") from None
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the loaded copies: the memory plan reads free memory
     return model.eval()

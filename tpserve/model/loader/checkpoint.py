@@ -16,6 +16,10 @@ from tpserve.model.config import ModelConfig
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.progress import LoadProgress
 from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
+from tpserve.model.quant.checkpoint_format import (
+    CheckpointQuantization,
+    read_checkpoint_quantization,
+)
 from tpserve.model.registry import model_class
 from tpserve.parallel.shard import TensorSource
 
@@ -34,6 +38,9 @@ EMBEDDED_GENERATION_DEFAULTS: dict[str, float | int] = {"temperature": 0.0}
 class Checkpoint(Protocol):
     description: str
     config: ModelConfig
+    # how its linear weights are stored: None = in a float dtype (GGUF blocks are
+    # dequantized on load; dummy weights are random floats)
+    quantization: CheckpointQuantization | None
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None: ...
 
@@ -86,7 +93,8 @@ def index_shard_paths(folder: Path, index: Any) -> list[Path]:
 
 class SafetensorsCheckpoint:
     """A Hugging Face folder: ``config.json`` and one or many ``*.safetensors`` (with
-    ``model.safetensors.index.json`` when sharded); tokenizer through AutoTokenizer."""
+    ``model.safetensors.index.json`` when sharded); tokenizer through AutoTokenizer. A
+    ``quantization_config`` is read (or refused) here, before any weight."""
 
     def __init__(self, folder: Path):
         cfg_path = folder / "config.json"
@@ -94,7 +102,9 @@ class SafetensorsCheckpoint:
             raise FileNotFoundError(f"{folder} has no config.json")
         self.folder = folder
         self.description = folder.name
-        self.config = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        raw = json.loads(cfg_path.read_text())
+        self.config = ModelConfig.from_hf(raw)
+        self.quantization = read_checkpoint_quantization(raw, folder)
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             self.files = index_shard_paths(folder, json.loads(index.read_text()))
@@ -146,6 +156,7 @@ class GGUFCheckpoint:
         self.path = path
         self.description = path.name
         self.reader = gguf_file.open_reader(path)
+        self.quantization = None
         self.config = gguf_file.read_config(self.reader, path)
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
@@ -166,6 +177,7 @@ class DummyCheckpoint:
         self.description = f"dummy {description}"
         self.folder = folder
         self.seed = seed
+        self.quantization = None  # random floats, whatever the folder's config says
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
         device = next(model.parameters()).device

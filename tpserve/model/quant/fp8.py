@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.parallel.linear import RowParallelLinear
+from tpserve.parallel.linear import UNQUANTIZED, RowParallelLinear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
@@ -121,6 +121,11 @@ class Fp8LinearMethod:
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     scaled_mm: bool = False
+
+    def create_weights(self, layer: nn.Module, rows: int, cols: int,
+                       dtype: torch.dtype | None) -> None:
+        """The weight is loaded in the model's dtype, then quantized by ``process_weights``."""
+        UNQUANTIZED.create_weights(layer, rows, cols, dtype)
 
     def process_weights(self, layer: nn.Module) -> None:
         q, scale = quantize_layer_weight(layer)

@@ -1,25 +1,61 @@
 """``--quantization`` -> the linear layers' ``quant_method`` (see ``parallel/linear.py``),
-chosen once when the model is built."""
+chosen once when the model is built.
+
+``auto`` (the flag's default) is resolved by ``resolve_quantization`` when the config tree
+is built: the checkpoint's own method (``checkpoint_format.py``) if it has one, else
+``none``. The runner's config holds ``none`` or ``fp8`` only; which fp8 method serves it
+follows from the checkpoint: quantize at load (an unquantized checkpoint) or load the fp8
+codes and scales as stored (an FP8 checkpoint).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 from tpserve.model.quant.fp8 import Fp8LinearMethod, scaled_mm_supported
+from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 QUANTIZATIONS = ("none", "fp8")
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
+
+
+def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -> str:
+    """``--quantization`` resolved against the checkpoint's own quantization: ``auto`` is
+    the checkpoint's method, else ``none``; ``fp8`` serves either kind; ``none`` on an FP8
+    checkpoint is refused (its weights are not dequantized to the model's dtype)."""
+    if flag not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown --quantization {flag!r}; choose one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    if flag == "auto":
+        return "none" if checkpoint is None else checkpoint.method
+    check_matches(flag, checkpoint)
+    return flag
+
+
+def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) -> None:
+    """ValueError when the resolved ``quantization`` cannot serve the checkpoint."""
+    if checkpoint is not None and quantization != checkpoint.method:
+        raise ValueError(f"--quantization {quantization}: the checkpoint is quantized "
+                         f"({checkpoint.describe()}) and is served as stored; use "
+                         f"--quantization auto or {checkpoint.method} (tpserve does not "
+                         "dequantize it)")
 
 
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
-                  dtype: torch.dtype, weight_only_max_tokens: int) -> Fp8LinearMethod | None:
-    """None (the layers' default, unquantized) or the method for ``quantization``; the
-    Triton kernels with the Triton kernel back-end, the torch reference otherwise."""
-    if quantization == "none":
-        return None
-    if quantization != "fp8":
+                  dtype: torch.dtype, weight_only_max_tokens: int,
+                  checkpoint: CheckpointQuantization | None = None
+                  ) -> Fp8LinearMethod | None:
+    """None (the layers' default, unquantized) or the method for ``quantization``: fp8
+    quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
+    the Triton kernels with the Triton kernel back-end, the torch reference otherwise."""
+    if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {quantization!r}; choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
-    return Fp8LinearMethod(
-        backend="triton" if kernel_backend == "triton" else "torch",
-        weight_only_max_tokens=weight_only_max_tokens,
-        scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16)
+    check_matches(quantization, checkpoint)
+    if quantization == "none":
+        return None
+    cls = Fp8LinearMethod if checkpoint is None else Fp8CheckpointMethod
+    return cls(backend="triton" if kernel_backend == "triton" else "torch",
+               weight_only_max_tokens=weight_only_max_tokens,
+               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16)

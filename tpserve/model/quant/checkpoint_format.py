@@ -1,0 +1,130 @@
+"""A checkpoint's own quantization: ``config.json``'s ``quantization_config``, read once when
+the folder is opened (no weights read), into ``CheckpointQuantization``, or refused with a
+ValueError naming the method or the field.
+
+Served as stored (``model/quant/fp8_checkpoint.py``: the checkpoint's e4m3 codes are the
+served weights):
+- ``quant_method: "fp8"`` (vLLM's ``Fp8Config``: AutoFP8 and llm-compressor exports such as
+  ``neuralmagic/*-FP8``) with ``activation_scheme: "dynamic"``, no ``weight_block_size``,
+  and ``ignored_layers`` naming at most the LM head;
+- ``quant_method: "compressed-tensors"`` whose one config group holds 8-bit float weights
+  (``strategy`` "tensor" or "channel", symmetric, static) and no or dynamic 8-bit float
+  input activations, ``format`` "float-quantized" or "naive-quantized", no sparsity, and
+  ``ignore`` naming at most the LM head (``*-FP8-dynamic`` checkpoints).
+Tensors: ``*.weight`` in ``float8_e4m3fn``, ``*.weight_scale`` one float32 per tensor
+(shape ``[]`` or ``[1]``) or per output row (``[out]`` or ``[out, 1]``).
+
+Refused: any other method (awq, gptq, bitsandbytes, ...), block-wise scales
+(``weight_block_size``, e.g. transformers' FineGrainedFP8), and static activation scales
+(``activation_scheme: "static"``, ``input_activations.dynamic: false``, ``input_scale``
+tensors): tpserve scales activations per token at run time, so it would not compute what
+the checkpoint was calibrated for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SERVED_METHODS = ("fp8", "compressed-tensors")
+# files older GPTQ/AWQ exports keep their settings in instead of config.json
+SIDE_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a checkpoint's linear weights are: ``method`` is the ``--quantization`` value
+    that serves them ("fp8"); ``quant_method`` as ``config.json`` spells it."""
+
+    method: str
+    quant_method: str
+
+    def describe(self) -> str:
+        return f"quantization_config.quant_method {self.quant_method!r}"
+
+
+def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = None
+                                 ) -> CheckpointQuantization | None:
+    """None for an unquantized checkpoint; the served quantization; or ValueError naming the
+    unsupported method or field."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        for name in SIDE_CONFIG_FILES:
+            if folder is not None and (folder / name).is_file():
+                raise ValueError(f"{folder / name}: a quantized checkpoint (GPTQ/AWQ-style "
+                                 "settings file) is not supported; tpserve serves "
+                                 "unquantized or FP8 checkpoints")
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError("config.json: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        _check_fp8(qc)
+    elif method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+    else:
+        raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not "
+                         f"supported; tpserve serves {' and '.join(map(repr, SERVED_METHODS))} "
+                         "(FP8 e4m3 weights with per-tensor or per-channel scales)")
+    return CheckpointQuantization("fp8", method)
+
+
+def _refuse(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"config.json: quantization_config.{field} = {value!r} is not "
+                      f"supported: {why}")
+
+
+def _check_ignored(field: str, names: Any) -> None:
+    """Only the LM head may stay unquantized (tpserve never quantizes it)."""
+    for name in names or ():
+        if not (isinstance(name, str) and name.removeprefix("re:").rstrip("$")
+                .endswith("lm_head")):
+            raise _refuse(field, names, "tpserve serves every linear layer in FP8 or none "
+                          "(only the LM head may be left out)")
+
+
+def _check_fp8(qc: dict[str, Any]) -> None:
+    block = qc.get("weight_block_size")
+    if block is not None:
+        raise _refuse("weight_block_size", block, "block-wise scales; tpserve serves "
+                      "per-tensor or per-channel weight scales")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _refuse("activation_scheme", scheme, "static activation scales (input_scale) "
+                      "are not honoured; tpserve quantizes activations per token at run "
+                      "time (activation_scheme 'dynamic')")
+    _check_ignored("ignored_layers", qc.get("ignored_layers"))
+
+
+def _check_compressed_tensors(qc: dict[str, Any]) -> None:
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _refuse("format", fmt, "tpserve serves compressed-tensors FP8 "
+                      "('float-quantized') checkpoints only")
+    if qc.get("sparsity_config"):
+        raise _refuse("sparsity_config", qc["sparsity_config"], "sparse weights")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse("config_groups", sorted(groups), "exactly one config group (FP8 "
+                      "weights on every linear layer) is supported")
+    (name, group), = groups.items()
+    if group.get("targets") != ["Linear"]:
+        raise _refuse(f"config_groups.{name}.targets", group.get("targets"),
+                      "tpserve serves every linear layer in FP8 (targets ['Linear'])")
+    w = group.get("weights") or {}
+    if not (w.get("type") == "float" and w.get("num_bits") == 8
+            and w.get("strategy") in ("tensor", "channel") and w.get("symmetric", True)
+            and not w.get("dynamic", False)):
+        raise _refuse(f"config_groups.{name}.weights", w, "tpserve serves 8-bit float "
+                      "weights with per-tensor or per-channel ('tensor'/'channel') scales")
+    a = group.get("input_activations")
+    if a is not None and not (a.get("type") == "float" and a.get("num_bits") == 8
+                              and a.get("dynamic") is True):
+        raise _refuse(f"config_groups.{name}.input_activations", a, "static activation "
+                      "scales are not honoured; tpserve quantizes activations per token at "
+                      "run time (dynamic 8-bit float)")
+    if group.get("output_activations") is not None:
+        raise _refuse(f"config_groups.{name}.output_activations",
+                      group["output_activations"], "output activations are not quantized")
+    _check_ignored("ignore", qc.get("ignore"))

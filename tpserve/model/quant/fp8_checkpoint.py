@@ -1,0 +1,100 @@
+"""FP8 checkpoints served as stored (``quantization_config`` read by
+``checkpoint_format.py``): each linear layer's e4m3 codes are copied from the file into its
+fp8 weight, never widened, dequantized or re-quantized, and the checkpoint's scales become
+the per-row ``weight_scale`` that ``Fp8LinearMethod.apply`` multiplies by (same kernels,
+same weight-only / W8A8 choice, activations scaled per token at run time).
+
+Invariants:
+- ``weight_scale[i]`` (float32) is the scale of this rank's weight row ``i``: the scale the
+  checkpoint stores for the tensor that row comes from (``q_proj``/``k_proj``/``v_proj`` of
+  the fused qkv, ``gate_proj``/``up_proj`` of gate_up, or the layer's own), that tensor's
+  one scale when stored per tensor (``[]``/``[1]``: expanded to every row of the part),
+  the row's own when stored per channel (``[out]``/``[out, 1]``). Scales go through the
+  layer's ``load_output_rows``, which maps rows exactly as the weight's loader does, so a
+  row and its scale always come from the same checkpoint row, at every tp.
+- Padding rows (zero codes) get ``MIN_SCALE``, as ``--quantization fp8`` gives a zero row:
+  they multiply to exactly zero. A row-parallel layer holds every output row and so the
+  whole scale; its columns on every rank share their row's scale (the checkpoint quantized
+  the unsharded row), as the max-reduced amax of ``--quantization fp8`` does.
+- Hence a checkpoint written by ``quantize_per_row`` from a weight loads into exactly the
+  codes and scales ``--quantization fp8`` computes from that weight, at any tp.
+- After loading, every row has a finite scale >= 0, else the load fails (a part's
+  ``weight_scale`` missing from the checkpoint); a weight not stored as
+  ``float8_e4m3fn`` fails the load instead of being cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8LinearMethod
+from tpserve.parallel.linear import empty_param
+from tpserve.parallel.shard import TensorSource, as_source
+
+
+class Fp8Source:
+    """A checkpoint weight read as stored; anything but ``float8_e4m3fn`` is refused."""
+
+    def __init__(self, source: TensorSource, what: str):
+        self.source, self.what = source, what
+        self.shape = source.shape
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        t = self.source.read(dim, start, length)
+        if t.dtype != FP8:
+            raise ValueError(f"{self.what} is stored as {t.dtype}, not float8_e4m3fn, but "
+                             "config.json's quantization_config says the checkpoint is FP8")
+        return t
+
+
+def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """A checkpoint ``weight_scale`` as ``[rows]`` float32: one per tensor (``[]``/``[1]``)
+    repeated on every row, or one per row (``[rows]``/``[rows, 1]``) as is."""
+    v = value.float()
+    if v.numel() == 1:
+        return v.reshape(1).expand(rows).contiguous()
+    if tuple(v.shape) in ((rows,), (rows, 1)):
+        return v.reshape(rows)
+    raise ValueError(f"{what}: weight_scale has shape {tuple(value.shape)}; expected one "
+                     f"scale per tensor ([] or [1]) or per output row ([{rows}] or "
+                     f"[{rows}, 1]) (block-wise scales are not supported)")
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointMethod(Fp8LinearMethod):
+    """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
+    (``create_weights``), checks them (``process_weights``); ``apply`` is
+    ``Fp8LinearMethod``'s."""
+
+    def create_weights(self, layer: nn.Module, rows: int, cols: int,
+                       dtype: torch.dtype | None) -> None:
+        layer.weight = empty_param((rows, cols), FP8)
+
+        def load_weight(param: nn.Parameter, source, shard_id: object = None) -> None:
+            what = f"linear weight (part {shard_id})" if shard_id is not None else \
+                "linear weight"
+            layer.weight_loader(param, Fp8Source(as_source(source), what), shard_id)
+
+        def load_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
+            what = f"part {shard_id}" if shard_id is not None else "linear layer"
+            scale = per_row_scale(as_source(source).read(),
+                                  layer.checkpoint_rows(shard_id), what)
+            layer.load_output_rows(param, scale, shard_id, fill=MIN_SCALE)
+
+        layer.weight.weight_loader = load_weight
+        # NaN until loaded: a row no checkpoint scale reached is caught by process_weights
+        layer.weight_scale = nn.Parameter(torch.full((rows,), float("nan")),
+                                          requires_grad=False)
+        layer.weight_scale.weight_loader = load_scale
+
+    def process_weights(self, layer: nn.Module) -> None:
+        scale = layer.weight_scale
+        bad = ~(torch.isfinite(scale) & (scale >= 0))
+        if bad.any():
+            raise ValueError(f"{int(bad.sum())} of the {scale.numel()} output rows have no "
+                             "weight_scale in the checkpoint (or a negative or non-finite "
+                             "one)")
