@@ -133,19 +133,21 @@ def main() -> None:
             b8, b16 = n * k + n * 4 + act, 2 * n * k + act
             calls = 1 if a.compile_only else a.calls
 
-            def bf16(i, x=x):
+            def bf16(i, x=x, w_c=w_c, nc16=nc16):
                 return lambda: F.linear(x, w_c[i % nc16])
 
-            def fused(i, x=x):
+            def fused(i, x=x, wq_c=wq_c, nc8=nc8, ws1=ws1):
                 def f():
                     q, s = triton_fp8.quantize_per_token(x)
                     return torch._scaled_mm(q, wq_c[i % nc8].t(), scale_a=s,
                                             scale_b=ws1.view(1, -1), out_dtype=torch.bfloat16)
                 return f
 
-            def wo(cfg):
-                return lambda i, x=x: (lambda: triton_fp8.weight_only_linear(
-                    x, wq_c[i % nc8], ws1, None, cfg))
+            def wo(cfg, x=x, wq_c=wq_c, nc8=nc8, ws1=ws1):
+                def call(j):
+                    w = wq_c[j % nc8]
+                    return lambda: triton_fp8.weight_only_linear(x, w, ws1, None, cfg)
+                return call
 
             variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8)}
             if m <= WO_MAX_M:
@@ -206,7 +208,7 @@ def print_table(rows: list[dict]) -> None:
     for m in sorted({r["m"] for r in rows}):
         rs = [r for r in rows if r["m"] == m]
 
-        def tot(key):
+        def tot(key, rs=rs):
             vals = [r.get(key, {}).get("us") for r in rs]
             return sum(vals) if all(v is not None for v in vals) else float("nan")
 

@@ -22,6 +22,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
 from tpserve.model.quant.fp8 import (  # noqa: E402
     FP8,
     Fp8LinearMethod,
@@ -29,7 +30,6 @@ from tpserve.model.quant.fp8 import (  # noqa: E402
     reference_w8a8,
     reference_weight_only,
 )
-from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
 
 NAME = "tpserve.model.kernels.triton_fp8"
 

@@ -128,7 +128,7 @@ class WoConfig(NamedTuple):
     num_stages: int = 1
 
     @classmethod
-    def parse(cls, spec: str) -> "WoConfig":
+    def parse(cls, spec: str) -> WoConfig:
         """``"fma,1,16,512,0,4[,stages]"`` (the fields in order)."""
         kind, *nums = spec.split(",")
         return cls(kind, *(int(v) for v in nums))
