@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +89,28 @@ def init_tp_group(
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
         kwargs["pg_options"] = options
+    if backend == "nccl" and is_local(init_method):
+        os.environ.update(nccl_loopback_env(os.environ))
     dist.init_process_group(
         backend=backend, init_method=init_method or "env://", rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return TPGroup(rank, world_size, device, dist.group.WORLD)
+
+
+NCCL_LOOPBACK_INTERFACE = "lo"
+
+
+def nccl_loopback_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that keep NCCL's bootstrap sockets on loopback for a single-host group.
+
+    NCCL exchanges its connection info over TCP sockets on the interface
+    ``NCCL_SOCKET_IFNAME`` names, by default the first non-loopback one, so a spawned
+    ``serve -tp N`` would listen on the host's network for its lifetime. All ranks of a
+    ``LocalRendezvous`` are on this host and talk over NVLink/PCIe (P2P, SHM), so the
+    bootstrap can stay on ``lo``. A value the user set is kept (returned unchanged)."""
+    if environ.get("NCCL_SOCKET_IFNAME"):
+        return {}
+    return {"NCCL_SOCKET_IFNAME": NCCL_LOOPBACK_INTERFACE}
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
