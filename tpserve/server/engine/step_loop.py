@@ -240,10 +240,10 @@ class StepLoop:
                 self._drain(block=not self.core.has_unfinished)
                 if self._stop.is_set():
                     break
-                if self.core.has_unfinished:
-                    self.core.step()
+                if self.core.has_unfinished and self.core.step():
                     last_sent = time.monotonic()
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
+                    # idle, or only waiting (for grammars): the workers still hear from us
                     self.core.runner.send_command(CMD_NOOP)
                     last_sent = time.monotonic()
                 if self.core.memory.sample(self.core.block_manager.usage):
@@ -258,6 +258,8 @@ class StepLoop:
             self.fail(f"engine step failed: {e!r}")
             self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
             self._flush()
+        finally:
+            self.core.close()  # the grammar compiler's worker
 
 
 class _LoopOutbox:
