@@ -8,6 +8,7 @@ hits. A random model makes the grammar do all the work."""
 from __future__ import annotations
 
 import json
+import queue
 import random
 import re
 import threading
@@ -24,6 +25,7 @@ from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.step_loop import StepLoop
 from tpserve.server.engine.structured.spec import GrammarError, choice_grammar
 
 SCHEMA = {"type": "object",
@@ -299,3 +301,60 @@ def test_cached_grammar_is_admitted_at_once(folder, smollm2_tokenizer):
     jsonschema.validate(json.loads(text(cached_outs)), SCHEMA)
     assert first.seqs and second.seqs
     core.close()
+
+
+class QueueOutbox:
+    """The step loop's outputs as ``(request id, item)`` in one queue."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+
+    def send_now(self, target, item) -> None:
+        self.items.put((target, item))
+
+    def send_step(self, batch, idle: bool) -> None:
+        for target, item in batch:
+            self.items.put((target, item))
+
+    def until_finished(self, rid: str, timeout: float = 120.0) -> list:
+        """Outputs (of any request) up to ``rid``'s last one; each get has a timeout."""
+        seen = []
+        while True:
+            target, item = self.items.get(timeout=timeout)
+            seen.append((target, item))
+            if target == rid and (isinstance(item, BaseException) or item.finished):
+                return seen
+
+
+def test_step_loop_serves_and_aborts_while_a_grammar_compiles(folder, smollm2_tokenizer,
+                                                              gate):
+    """The engine thread: a free request submitted after a held constrained one finishes;
+    an abort through the inbox ends the waiting one; a later request of the same schema
+    finishes once the gate opens; stopping the loop closes the compiler."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, compile_hook=gate)
+    outbox = QueueOutbox()
+    loop = StepLoop(core, outbox)
+    loop.start()
+    try:
+        def submit(rid: str, params: SamplingParams, seed: int) -> None:
+            loop.submit(RequestState(rid, prompt(seed), params, loop.emitter(rid)))
+
+        submit("json", SamplingParams(structured=JSON, temperature=0, max_tokens=100), 1)
+        assert gate.entered.wait(timeout=60)
+        submit("free", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 2)
+        seen = outbox.until_finished("free")
+        assert {rid for rid, _ in seen} == {"free"}
+        loop.abort("json")
+        (rid, out), = outbox.until_finished("json")
+        assert [d.finish_reason for d in out.deltas] == ["abort"]
+        submit("again", SamplingParams(structured=JSON, temperature=0, max_tokens=100), 3)
+        gate.open()
+        seen = outbox.until_finished("again")
+        assert {rid for rid, _ in seen} == {"again"}
+        jsonschema.validate(json.loads(text([o for _, o in seen])), SCHEMA)
+    finally:
+        loop.request_stop()
+        loop.join(timeout=60)
+    assert not loop.is_alive() and loop.dead_reason is None
+    with pytest.raises(RuntimeError, match="closed"):
+        core.grammars.request(PHONE)
