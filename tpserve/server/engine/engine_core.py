@@ -25,6 +25,21 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
+Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
+compile futures; this thread only polls them). Invariants:
+- a sequence enters the scheduler only with its grammar compiled: a free request, or one
+  whose grammar is cached, in ``add``; any other stays in ``_awaiting_grammar`` (registered
+  in ``requests``, no sequences, no seq ids, no blocks) until a step finds its compile
+  done (``_admit_ready``, at the start of every step, never blocking; ready ones in arrival
+  order). Seq ids are given at admission, so the scheduler's queues keep increasing ids;
+- a failed compile ends its request only, with an ``EngineError``; an abort takes the
+  request out of ``_awaiting_grammar`` at once, so it can never be admitted later;
+- while requests wait for grammars, ``has_unfinished`` holds and the step loop keeps
+  stepping; a step with nothing to run waits on the compiles for at most
+  ``GRAMMAR_WAIT_S`` (no spinning, and the inbox is read again soon after);
+- their sequences count in ``num_requests_waiting``, and their queue time runs from the
+  request's arrival, so it includes the compile.
+
 Out of device memory: a step is launched as one unit (``_launch``: forward, logits, grammar
 bitmask, sampling, the copy of the samples to the host). Nothing outside the engine's own
 bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
