@@ -199,7 +199,11 @@ def test_free_requests_run_while_a_grammar_compiles(folder, smollm2_tokenizer, g
     assert json_outs == [] and not json_state.seqs
     assert core.has_unfinished and core.scheduler.num_waiting == 0
     assert core.stats()["num_requests_waiting"] == 1
-    assert not core.step()  # nothing to run: waits (boundedly) for the compile instead
+    # nothing to run: once "free"'s last in-flight step is read back, a step waits
+    # (boundedly) for the compile instead, and says it sent nothing to the ranks
+    for _ in range(2):
+        assert not core.step()
+    assert core.counters["grammar_wait_seconds_total"] > 0
     released = time.monotonic()
     gate.open()
     run_to_end(core)

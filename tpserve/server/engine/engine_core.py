@@ -175,6 +175,8 @@ class EngineCore:
         # ``_awaiting_grammar`` (arrival order) and have no sequences yet
         self.requests: dict[str, RequestState] = {}
         self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
+        # their sequences; an int, so other threads read it (stats) without iterating
+        self.num_awaiting_grammar = 0
         self._next_seq_id = 0
         # live readings (exported as metrics)
         self._read_memory = read_memory
@@ -190,7 +192,8 @@ class EngineCore:
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
-                         "device_wait_seconds_total": 0.0}
+                         "device_wait_seconds_total": 0.0,
+                         "grammar_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
@@ -205,6 +208,7 @@ class EngineCore:
         if isinstance(grammar, Future):
             self.requests[state.request_id] = state
             self._awaiting_grammar[state.request_id] = (state, grammar)
+            self.num_awaiting_grammar += state.params.n
             return
         self._admit(state, grammar)
 
@@ -231,6 +235,7 @@ class EngineCore:
             if not future.done():
                 continue
             del self._awaiting_grammar[rid]
+            self.num_awaiting_grammar -= state.params.n
             try:
                 self._admit(state, future.result())
             except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
@@ -244,8 +249,10 @@ class EngineCore:
     def _wait_for_grammar(self, timeout: float) -> None:
         """Nothing can run: waits up to ``timeout`` s for one of the pending compiles."""
         if self._awaiting_grammar:
+            t = time.perf_counter()
             wait([f for _, f in self._awaiting_grammar.values()], timeout=timeout,
                  return_when=FIRST_COMPLETED)
+            self.counters["grammar_wait_seconds_total"] += time.perf_counter() - t
 
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -254,6 +261,7 @@ class EngineCore:
         state.done = True
         awaiting = self._awaiting_grammar.pop(request_id, None)
         if awaiting is not None:  # never reached the scheduler: no sequences
+            self.num_awaiting_grammar -= state.params.n
             future = awaiting[1]
             if all(f is not future for _, f in self._awaiting_grammar.values()):
                 self.grammars.cancel(future)
@@ -272,11 +280,6 @@ class EngineCore:
         # waiting for its grammar keeps the engine stepping (``step`` waits for the compile,
         # boundedly, when nothing else can run)
         return bool(self.requests)
-
-    @property
-    def num_awaiting_grammar(self) -> int:
-        """Sequences of the requests waiting for their grammar."""
-        return sum(s.params.n for s, _ in self._awaiting_grammar.values())
 
     def close(self) -> None:
         """Stops the grammar compiler's worker (the engine is going away)."""
@@ -313,14 +316,17 @@ class EngineCore:
         but requests waiting for their grammar, waits for a compile instead (at most
         ``GRAMMAR_WAIT_S``). Returns whether a step was sent to the ranks. Its time is
         split into waiting for the device (reading back a step's tokens) and everything
-        else, the host's own work (both exported as counters)."""
+        else, the host's own work (both exported as counters); a wait for a compile is
+        neither (``grammar_wait_seconds_total``)."""
         start = time.perf_counter()
-        waited_before = self.counters["device_wait_seconds_total"]
+        c = self.counters
+        waited_before = c["device_wait_seconds_total"] + c["grammar_wait_seconds_total"]
         try:
             return self._step()
         finally:
-            waited = self.counters["device_wait_seconds_total"] - waited_before
-            self.counters["step_host_seconds_total"] += time.perf_counter() - start - waited
+            waited = (c["device_wait_seconds_total"] + c["grammar_wait_seconds_total"]
+                      - waited_before)
+            c["step_host_seconds_total"] += time.perf_counter() - start - waited
 
     def _step(self) -> bool:
         self._read_live_memory()
@@ -571,6 +577,7 @@ class EngineCore:
         for _, future in self._awaiting_grammar.values():
             self.grammars.cancel(future)
         self._awaiting_grammar.clear()
+        self.num_awaiting_grammar = 0
         for state in list(self.requests.values()):
             state.done = True
             state.emit(error)
