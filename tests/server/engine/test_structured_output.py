@@ -1,24 +1,31 @@
 """Structured output in ``EngineCore`` on CPU with a tiny random Llama (vocabulary: the
 first 256 SmolLM2 tokens, which hold the single characters): the matcher and bitmask
-bookkeeping under batching, asynchronous scheduling, preemption and n > 1. A random model
-makes the grammar do all the work."""
+bookkeeping under batching, asynchronous scheduling, preemption and n > 1, and grammars
+compiled off the engine thread (held at a gate through the compiler's ``compile_hook``,
+which then runs the real compile): free requests run meanwhile, aborts, failures, cache
+hits. A random model makes the grammar do all the work."""
 
 from __future__ import annotations
 
 import json
+import queue
 import random
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
 
 from tests.model.test_tiny_models import _hf_model
 from tests.model.util import save_hf_folder
-from tests.server.engine.test_engine_core import make_core
+from tests.server.engine.test_engine_core import make_core, run_to_end
 from tpserve.model.sampling_params import SamplingParams, StructuredOutput
 from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.step_loop import StepLoop
 from tpserve.server.engine.structured.spec import GrammarError, choice_grammar
 
 SCHEMA = {"type": "object",
@@ -129,3 +136,229 @@ def test_compiled_grammars_are_cached_and_errors_are_grammar_errors(folder, smol
         StructuredOutput("json", json.dumps(SCHEMA)))
     with pytest.raises(GrammarError, match="parenthesis"):
         core.grammars.compile(StructuredOutput("regex", "(ab"))
+
+
+class Gate:
+    """A ``compile_hook`` that holds every compile until ``open`` (at most ``HOLD_S``: a
+    test that fails early never leaves the worker stuck), then runs the real compile;
+    ``specs`` lists what it was asked to compile, in order."""
+
+    HOLD_S = 120.0
+
+    def __init__(self, is_open: bool = False):
+        self.specs: list[StructuredOutput] = []
+        self.entered = threading.Event()
+        self._open = threading.Event()
+        if is_open:
+            self._open.set()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def __call__(self, compile_now, spec: StructuredOutput):
+        self.specs.append(spec)
+        self.entered.set()
+        if not self._open.wait(timeout=self.HOLD_S):
+            raise TimeoutError("the test never opened the gate")
+        return compile_now(spec)
+
+
+def add(core: EngineCore, rid: str, prompt_ids: list[int], params: SamplingParams
+        ) -> tuple[RequestState, list]:
+    outs: list = []
+    state = RequestState(rid, prompt_ids, params, outs.append)
+    core.add(state)
+    return state, outs
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.open()
+
+
+def test_free_requests_run_while_a_grammar_compiles(folder, smollm2_tokenizer, gate):
+    """While a constrained request's compile is held, a free request arriving after it is
+    stepped to completion; the constrained one waits outside the scheduler (counted as
+    waiting) and, once the gate opens, finishes with valid output, its queue time
+    covering the compile."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, compile_hook=gate)
+    json_state, json_outs = add(core, "json", prompt(1), SamplingParams(
+        structured=JSON, temperature=0, max_tokens=100))
+    _, free_outs = add(core, "free", prompt(2), SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True))
+    assert gate.entered.wait(timeout=60)
+    assert core.stats()["num_requests_waiting"] == 2  # "free" in the scheduler, "json" not
+    steps = 0
+    while "free" in core.requests:
+        assert core.step()  # every step runs "free"
+        steps += 1
+        assert steps < 200
+    assert free_outs[-1].finished and len(tokens(free_outs)) == 20
+    assert json_outs == [] and not json_state.seqs
+    assert core.has_unfinished and core.scheduler.num_waiting == 0
+    assert core.stats()["num_requests_waiting"] == 1
+    # nothing to run: once "free"'s last in-flight step is read back, a step waits
+    # (boundedly) for the compile instead, and says it sent nothing to the ranks
+    for _ in range(2):
+        assert not core.step()
+    assert core.counters["grammar_wait_seconds_total"] > 0
+    released = time.monotonic()
+    gate.open()
+    run_to_end(core)
+    jsonschema.validate(json.loads(text(json_outs)), SCHEMA)
+    assert finish(json_outs) == "stop" and json_outs[-1].finished
+    assert json_state.arrival < released <= json_state.seqs[0].first_scheduled_time
+    assert core.histograms["request_queue_time_seconds"].export()
+    assert core.stats()["num_requests_waiting"] == 0 and core.grammars.num_inflight == 0
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    core.close()
+
+
+def test_abort_while_waiting_for_the_grammar(folder, smollm2_tokenizer, gate):
+    """Aborting requests that wait for their grammar ends them at once with an ``abort``
+    delta per sibling; a queued compile no one waits for any more is dropped, a running
+    one finishes (and serves a later request of the same schema); neither aborted
+    request ever reaches the scheduler."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, compile_hook=gate)
+    _, json_outs = add(core, "json", prompt(1), SamplingParams(
+        structured=JSON, temperature=0, max_tokens=100, n=2))
+    _, phone_outs = add(core, "phone", prompt(3), SamplingParams(
+        structured=PHONE, temperature=0, max_tokens=30))
+    assert gate.entered.wait(timeout=60)  # the JSON compile runs; the regex one is queued
+    assert not core.step()
+    assert core.stats()["num_requests_waiting"] == 3
+    core.abort("phone")
+    assert core.grammars.num_inflight == 1  # the queued regex compile was cancelled
+    core.abort("json")
+    for outs, n in ((json_outs, 2), (phone_outs, 1)):
+        assert len(outs) == 1 and outs[0].finished
+        assert [(d.index, d.finish_reason, d.token_ids) for d in outs[0].deltas] == [
+            (i, "abort", ()) for i in range(n)]
+    assert not core.has_unfinished and core.stats()["num_requests_waiting"] == 0
+    # a later request with the same schema shares the JSON compile still running
+    again_state, again_outs = add(core, "again", prompt(4), SamplingParams(
+        structured=JSON, temperature=0, max_tokens=100))
+    gate.open()
+    run_to_end(core)
+    jsonschema.validate(json.loads(text(again_outs)), SCHEMA)
+    assert gate.specs == [JSON]  # compiled once; the regex never was
+    assert len(json_outs) == 1 and len(phone_outs) == 1  # never admitted after the abort
+    assert core.counters["prompt_tokens_total"] == len(again_state.prompt_token_ids)
+    assert core.grammars.num_inflight == 0 and not core.requests
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    core.close()
+
+
+def test_a_failed_compile_ends_only_its_request(folder, smollm2_tokenizer):
+    """A regex xgrammar refuses (the HTTP layer would have answered 400; the engine sees it
+    here directly) ends its request with the ``EngineError`` a request that cannot start
+    gets; the requests around it run as if it had never come."""
+    greedy = dict(temperature=0, max_tokens=30)
+    alone = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    _, phone_alone = add(alone, "phone", prompt(3), SamplingParams(structured=PHONE, **greedy))
+    _, free_alone = add(alone, "free", prompt(2), SamplingParams(ignore_eos=True, **greedy))
+    run_to_end(alone)
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    _, phone_outs = add(core, "phone", prompt(3), SamplingParams(structured=PHONE, **greedy))
+    _, bad_outs = add(core, "bad", prompt(5), SamplingParams(
+        structured=StructuredOutput("regex", "(ab"), **greedy))
+    _, free_outs = add(core, "free", prompt(2), SamplingParams(ignore_eos=True, **greedy))
+    run_to_end(core)
+    assert len(bad_outs) == 1 and isinstance(bad_outs[0], EngineError)
+    assert "could not start the request" in str(bad_outs[0])
+    assert "GrammarError" in str(bad_outs[0]) and "parenthesis" in str(bad_outs[0])
+    assert tokens(phone_outs) == tokens(phone_alone)
+    assert re.fullmatch(r"\d{3}-\d{4}", text(phone_outs))
+    assert tokens(free_outs) == tokens(free_alone)
+    assert core.grammars.num_inflight == 0 and not core.requests
+    # a failure is not cached: the same regex is compiled (and refused) again
+    _, again = add(core, "bad-again", prompt(5), SamplingParams(
+        structured=StructuredOutput("regex", "(ab"), **greedy))
+    run_to_end(core)
+    assert len(again) == 1 and isinstance(again[0], EngineError)
+    alone.close()
+    core.close()
+
+
+def test_cached_grammar_is_admitted_at_once(folder, smollm2_tokenizer):
+    """A grammar in the cache puts its request into the scheduler in ``add`` itself (no
+    compile, no wait); requests of one new schema share a single compile."""
+    gate = Gate(is_open=True)
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, compile_hook=gate)
+    params = SamplingParams(structured=JSON, temperature=1.0, seed=3, max_tokens=100)
+    first, _ = add(core, "a", prompt(1), params)
+    second, _ = add(core, "b", prompt(2), params)  # same schema, while "a"'s compiles
+    assert core.scheduler.num_waiting == 0 and core.num_awaiting_grammar == 2
+    run_to_end(core)
+    assert gate.specs == [JSON]
+    cached, cached_outs = add(core, "c", prompt(3), params)
+    assert gate.specs == [JSON]  # not compiled again
+    assert core.num_awaiting_grammar == 0
+    assert [s.seq_id for s in core.scheduler.waiting] == [s.seq_id for s in cached.seqs]
+    assert core.step()  # the very next step runs it
+    assert cached.seqs[0].num_computed_tokens > 0
+    run_to_end(core)
+    jsonschema.validate(json.loads(text(cached_outs)), SCHEMA)
+    assert first.seqs and second.seqs
+    core.close()
+
+
+class QueueOutbox:
+    """The step loop's outputs as ``(request id, item)`` in one queue."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+
+    def send_now(self, target, item) -> None:
+        self.items.put((target, item))
+
+    def send_step(self, batch, idle: bool) -> None:
+        for target, item in batch:
+            self.items.put((target, item))
+
+    def until_finished(self, rid: str, timeout: float = 120.0) -> list:
+        """Outputs (of any request) up to ``rid``'s last one; each get has a timeout."""
+        seen = []
+        while True:
+            target, item = self.items.get(timeout=timeout)
+            seen.append((target, item))
+            if target == rid and (isinstance(item, BaseException) or item.finished):
+                return seen
+
+
+def test_step_loop_serves_and_aborts_while_a_grammar_compiles(folder, smollm2_tokenizer,
+                                                              gate):
+    """The engine thread: a free request submitted after a held constrained one finishes;
+    an abort through the inbox ends the waiting one; a later request of the same schema
+    finishes once the gate opens; stopping the loop closes the compiler."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40, compile_hook=gate)
+    outbox = QueueOutbox()
+    loop = StepLoop(core, outbox)
+    loop.start()
+    try:
+        def submit(rid: str, params: SamplingParams, seed: int) -> None:
+            loop.submit(RequestState(rid, prompt(seed), params, loop.emitter(rid)))
+
+        submit("json", SamplingParams(structured=JSON, temperature=0, max_tokens=100), 1)
+        assert gate.entered.wait(timeout=60)
+        submit("free", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 2)
+        seen = outbox.until_finished("free")
+        assert {rid for rid, _ in seen} == {"free"}
+        loop.abort("json")
+        (rid, out), = outbox.until_finished("json")
+        assert [d.finish_reason for d in out.deltas] == ["abort"]
+        submit("again", SamplingParams(structured=JSON, temperature=0, max_tokens=100), 3)
+        gate.open()
+        seen = outbox.until_finished("again")
+        assert {rid for rid, _ in seen} == {"again"}
+        jsonschema.validate(json.loads(text([o for _, o in seen])), SCHEMA)
+    finally:
+        loop.request_stop()
+        loop.join(timeout=60)
+    assert not loop.is_alive() and loop.dead_reason is None
+    with pytest.raises(RuntimeError, match="closed"):
+        core.grammars.request(PHONE)

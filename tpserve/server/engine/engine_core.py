@@ -25,6 +25,21 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
+Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
+compile futures; this thread only polls them). Invariants:
+- a sequence enters the scheduler only with its grammar compiled: a free request, or one
+  whose grammar is cached, in ``add``; any other stays in ``_awaiting_grammar`` (registered
+  in ``requests``, no sequences, no seq ids, no blocks) until a step finds its compile
+  done (``_admit_ready``, at the start of every step, never blocking; ready ones in arrival
+  order). Seq ids are given at admission, so the scheduler's queues keep increasing ids;
+- a failed compile ends its request only, with an ``EngineError``; an abort takes the
+  request out of ``_awaiting_grammar`` at once, so it can never be admitted later;
+- while requests wait for grammars, ``has_unfinished`` holds and the step loop keeps
+  stepping; a step with nothing to run waits on the compiles for at most
+  ``GRAMMAR_WAIT_S`` (no spinning, and the inbox is read again soon after);
+- their sequences count in ``num_requests_waiting``, and their queue time runs from the
+  request's arrival, so it includes the compile.
+
 Out of device memory: a step is launched as one unit (``_launch``: forward, logits, grammar
 bitmask, sampling, the copy of the samples to the host). Nothing outside the engine's own
 bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
@@ -38,6 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +66,7 @@ from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
@@ -57,12 +74,15 @@ from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 from tpserve.server.engine.structured.bitmask import fill_bitmask
-from tpserve.server.engine.structured.compiler import GrammarCompiler
+from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
 MEMORY_READ_INTERVAL_S = 0.5
 PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
+# the longest a step with nothing to run waits for a grammar compile (then returns, so the
+# step loop reads its inbox and sends heartbeats)
+GRAMMAR_WAIT_S = 0.02
 
 MemoryReader = Callable[[torch.device], tuple[int, int]]  # device -> (free, total) bytes
 
@@ -117,12 +137,15 @@ def _has_penalties(seq: Sequence) -> bool:
 class EngineCore:
     """Rank 0's engine. ``read_memory`` is the free-memory reader behind the live token
     budget (``tpserve.model.memory.read_memory``: ``cudaMemGetInfo`` or /proc/meminfo);
-    it is read at most every ``memory_read_interval_s`` seconds (0: every step)."""
+    it is read at most every ``memory_read_interval_s`` seconds (0: every step).
+    ``compile_hook`` wraps the grammar compiles on the compiler's worker thread
+    (``GrammarCompiler``; tests gate or fail them through it). ``close`` ends the worker."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
                  engine: EngineConfig | None = None, *,
                  read_memory: MemoryReader = read_memory,
-                 memory_read_interval_s: float = MEMORY_READ_INTERVAL_S):
+                 memory_read_interval_s: float = MEMORY_READ_INTERVAL_S,
+                 compile_hook: CompileHook | None = None):
         engine = engine or EngineConfig()
         if scheduler.limits != runner.limits:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
@@ -146,9 +169,14 @@ class EngineCore:
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())
         self.grammars = GrammarCompiler(tokenizer, runner.model_config.vocab_size,
-                                        self.eos_token_ids)
+                                        self.eos_token_ids, compile_hook=compile_hook)
         self.check_integrity = engine.check_integrity
+        # every live request; those still waiting for their grammar are also in
+        # ``_awaiting_grammar`` (arrival order) and have no sequences yet
         self.requests: dict[str, RequestState] = {}
+        self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
+        # their sequences; an int, so other threads read it (stats) without iterating
+        self.num_awaiting_grammar = 0
         self._next_seq_id = 0
         # live readings (exported as metrics)
         self._read_memory = read_memory
@@ -164,15 +192,31 @@ class EngineCore:
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
-                         "device_wait_seconds_total": 0.0}
+                         "device_wait_seconds_total": 0.0,
+                         "grammar_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
+        """Registers a request. A free one, or a constrained one whose grammar is cached,
+        enters the scheduler now; any other waits (``_awaiting_grammar``) while its grammar
+        compiles on the compiler's worker, and enters at the first step after the compile
+        finished (``_admit_ready``). Raises (having registered nothing) if it cannot start."""
         spec = state.params.structured
-        matchers = [] if spec is None else [self.grammars.matcher(spec)
-                                            for _ in range(state.params.n)]
+        grammar = None if spec is None else self.grammars.request(spec)
+        if isinstance(grammar, Future):
+            self.requests[state.request_id] = state
+            self._awaiting_grammar[state.request_id] = (state, grammar)
+            self.num_awaiting_grammar += state.params.n
+            return
+        self._admit(state, grammar)
+
+    def _admit(self, state: RequestState, grammar: Any) -> None:
+        """Creates the request's sequences (fresh ids, above every queued one) and queues
+        them; ``grammar`` is the compiled grammar of a constrained request, else None."""
+        matchers = [] if grammar is None else [self.grammars.matcher(grammar)
+                                               for _ in range(state.params.n)]
         state.start(self._next_seq_id, self.tokenizer, self.sampler.new_request_generator)
         self._next_seq_id += state.params.n
         state.matchers = matchers
@@ -181,20 +225,65 @@ class EngineCore:
             self.scheduler.add(seq)
         self.counters["prompt_tokens_total"] += len(state.prompt_token_ids)
 
+    def _admit_ready(self) -> None:
+        """Admits, in arrival order, every request whose grammar compile has finished; one
+        whose compile failed ends with an ``EngineError`` (as a request that cannot start
+        does in ``StepLoop._add``), the others are unaffected. Never blocks."""
+        if not self._awaiting_grammar:
+            return
+        for rid, (state, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            self.num_awaiting_grammar -= state.params.n
+            try:
+                self._admit(state, future.result())
+            except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
+                logger.warning("request %s cannot start: %r", rid, e)
+                self.scheduler.abort(rid)
+                del self.requests[rid]
+                state.done = True
+                state.emit(EngineError(f"could not start the request: {e!r}"))
+        self.grammars.harvest()
+
+    def _wait_for_grammar(self, timeout: float) -> None:
+        """Nothing can run: waits up to ``timeout`` s for one of the pending compiles."""
+        if self._awaiting_grammar:
+            t = time.perf_counter()
+            wait([f for _, f in self._awaiting_grammar.values()], timeout=timeout,
+                 return_when=FIRST_COMPLETED)
+            self.counters["grammar_wait_seconds_total"] += time.perf_counter() - t
+
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
-        self.scheduler.abort(request_id)
         state.done = True
+        awaiting = self._awaiting_grammar.pop(request_id, None)
+        if awaiting is not None:  # never reached the scheduler: no sequences
+            self.num_awaiting_grammar -= state.params.n
+            future = awaiting[1]
+            if all(f is not future for _, f in self._awaiting_grammar.values()):
+                self.grammars.cancel(future)
+            state.emit(RequestOutput(request_id, [
+                CompletionDelta(i, "", (), None, "abort") for i in range(state.params.n)],
+                finished=True, **state.usage()))
+            return
+        self.scheduler.abort(request_id)
         state.emit(RequestOutput(request_id, [
             CompletionDelta(s.index, "", (), None, "abort") for s in state.seqs
             if s.status == SequenceStatus.FINISHED_ABORTED], finished=True, **state.usage()))
 
     @property
     def has_unfinished(self) -> bool:
-        # an in-flight step whose requests all ended has nothing left to emit
+        # an in-flight step whose requests all ended has nothing left to emit; a request
+        # waiting for its grammar keeps the engine stepping (``step`` waits for the compile,
+        # boundedly, when nothing else can run)
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Stops the grammar compiler's worker (the engine is going away)."""
+        self.grammars.close()
 
     # ---------------------------------------------------------------- live sizing
     def _read_live_memory(self) -> None:
@@ -220,21 +309,28 @@ class EngineCore:
         self.token_budget = budget if hold is None else min(budget, hold.cap)
 
     # ----------------------------------------------------------------------- step
-    def step(self) -> None:
-        """One iteration: schedule and launch a step on every rank, then read back the
-        previous step's tokens (or, without asynchronous scheduling, this step's) and emit
-        their deltas. Its time is split into waiting for the device (reading back a step's
-        tokens) and everything else, the host's own work (both exported as counters)."""
+    def step(self) -> bool:
+        """One iteration: admit the requests whose grammars are ready, schedule and launch
+        a step on every rank, then read back the previous step's tokens (or, without
+        asynchronous scheduling, this step's) and emit their deltas. With nothing to run
+        but requests waiting for their grammar, waits for a compile instead (at most
+        ``GRAMMAR_WAIT_S``). Returns whether a step was sent to the ranks. Its time is
+        split into waiting for the device (reading back a step's tokens) and everything
+        else, the host's own work (both exported as counters); a wait for a compile is
+        neither (``grammar_wait_seconds_total``)."""
         start = time.perf_counter()
-        wait = self.counters["device_wait_seconds_total"]
+        c = self.counters
+        waited_before = c["device_wait_seconds_total"] + c["grammar_wait_seconds_total"]
         try:
-            self._step()
+            return self._step()
         finally:
-            waited = self.counters["device_wait_seconds_total"] - wait
-            self.counters["step_host_seconds_total"] += time.perf_counter() - start - waited
+            waited = (c["device_wait_seconds_total"] + c["grammar_wait_seconds_total"]
+                      - waited_before)
+            c["step_host_seconds_total"] += time.perf_counter() - start - waited
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         self._read_live_memory()
+        self._admit_ready()
         prev = self._inflight
         if prev is not None and not self._can_overlap():
             self._finish_inflight()
@@ -244,8 +340,11 @@ class EngineCore:
             out = self.scheduler.schedule(self.token_budget)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
-            self._finish_inflight()
-            return
+            if self._inflight is not None:
+                self._finish_inflight()  # its outputs go out now, without waiting
+            elif not self.scheduler.has_unfinished:
+                self._wait_for_grammar(GRAMMAR_WAIT_S)
+            return False
         pending = prev.rows if prev is not None else {}
         chunks, sampling = [], []
         for item in out.scheduled:
@@ -263,7 +362,7 @@ class EngineCore:
         launched = self._launch(chunks, sampling)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
-            return
+            return True
         self.counters["steps_total"] += 1
         self.histograms["iteration_tokens_total"].observe(out.num_batched_tokens)
         self._finish_inflight()
@@ -277,6 +376,7 @@ class EngineCore:
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
+        return True
 
     def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence]) -> _InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
@@ -474,6 +574,10 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine is going down)."""
         self._inflight = None
+        for _, future in self._awaiting_grammar.values():
+            self.grammars.cancel(future)
+        self._awaiting_grammar.clear()
+        self.num_awaiting_grammar = 0
         for state in list(self.requests.values()):
             state.done = True
             state.emit(error)
@@ -483,7 +587,9 @@ class EngineCore:
         bm = self.block_manager
         return {
             "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
+            # sequences waiting for their grammar are waiting too (their queue time, from
+            # the request's arrival to its first step, includes the compile)
+            "num_requests_waiting": self.scheduler.num_waiting + self.num_awaiting_grammar,
             "kv_cache_usage_perc": bm.usage,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,

@@ -18,7 +18,9 @@ from tpserve.server.engine.sequence import Sequence
 @dataclass(eq=False)
 class RequestState:
     """Owned by the engine thread once submitted. ``emit`` hands an output (or the
-    exception that ends the request) to the consumer, thread-safely."""
+    exception that ends the request) to the consumer, thread-safely. ``seqs`` (and the
+    detokenizers, generators, matchers) stay empty until ``start``: a request waiting for
+    its grammar compile has none (``EngineCore.add``)."""
 
     request_id: str
     prompt_token_ids: list[int]

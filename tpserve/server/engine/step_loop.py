@@ -10,8 +10,10 @@ Three pieces, shared by the in-process engine (``AsyncEngine``) and the engine p
 - ``StepLoop``: the engine thread. ``EngineCore`` and everything under it belong to it;
   other threads talk to it only through its inbox (add / abort / abort_all / query / stop)
   and read plain counters. A query (``queries``) is answered between steps through the
-  reply callback it came with. Idle, it sends heartbeats (``CMD_NOOP``) to the worker ranks; at
-  the end, ``CMD_SHUTDOWN``; a step that raises kills the engine (``fail``).
+  reply callback it came with. Idle (or only waiting for grammar compiles: ``step``
+  returned without sending a step), it sends heartbeats (``CMD_NOOP``) to the worker
+  ranks; at the end, ``CMD_SHUTDOWN``, and the core's grammar compiler is closed; a step
+  that raises kills the engine (``fail``).
 - ``Outbox``: where outputs go. Outputs emitted on the engine thread are collected per
   step and handed over in one ``send_step`` call (one wake-up of the consumer per step,
   less GIL ping-pong); outputs emitted on any other thread (failure fan-out) go at once
@@ -240,10 +242,10 @@ class StepLoop:
                 self._drain(block=not self.core.has_unfinished)
                 if self._stop.is_set():
                     break
-                if self.core.has_unfinished:
-                    self.core.step()
+                if self.core.has_unfinished and self.core.step():
                     last_sent = time.monotonic()
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
+                    # idle, or only waiting (for grammars): the workers still hear from us
                     self.core.runner.send_command(CMD_NOOP)
                     last_sent = time.monotonic()
                 if self.core.memory.sample(self.core.block_manager.usage):
@@ -258,6 +260,8 @@ class StepLoop:
             self.fail(f"engine step failed: {e!r}")
             self.core.fail_all(EngineDeadError(f"engine step failed: {e!r}"))
             self._flush()
+        finally:
+            self.core.close()  # the grammar compiler's worker
 
 
 class _LoopOutbox:
