@@ -36,7 +36,10 @@ def write_memory_plot(report: dict[str, Any], path: Path) -> bool:
                      label="allocator reserved now")
     bars.set_ylabel("GiB")
     bars.set_title(f"memory split on {report['device']}")
-    bars.legend(fontsize="small", loc="lower right")
+    # beside the bars, not over them: the KV pool fills most of the height
+    handles, labels = bars.get_legend_handles_labels()
+    bars.legend(handles[::-1], labels[::-1], fontsize="small", loc="upper left",
+                bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     h = report["history"]
     t0 = h["time"][-1] if h["time"] else 0.0
     t = [v - t0 for v in h["time"]]
