@@ -45,6 +45,7 @@ from measure import git_commit  # noqa: E402  (bench/measure.py)
 from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.attention.backend import select_attention  # noqa: E402
 from tpserve.model.kernels.backend import select_ops  # noqa: E402
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 from tpserve.model.kv_pool import KVPool  # noqa: E402
 from tpserve.model.loader.build import DTYPES, build_model  # noqa: E402
 from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
@@ -80,14 +81,6 @@ def runner_config(a: argparse.Namespace, mode: str) -> RunnerConfig:
     return config_from_args(ns).runner
 
 
-def kv_torch_dtype(name: str) -> torch.dtype:
-    if name in DTYPES:
-        return DTYPES[name]
-    if name.startswith("fp8") or name.startswith("float8"):
-        return torch.float8_e4m3fn
-    raise ValueError(f"unknown KV cache dtype {name!r}")
-
-
 class Model:
     """One mode's model on one rank, with a KV pool for one sequence."""
 
@@ -97,7 +90,7 @@ class Model:
         self.comm = Communicator(group)
         ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
         dtype = DTYPES[cfg.dtype]
-        kv_dtype = kv_torch_dtype(cfg.kv_cache_dtype)
+        kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]  # resolved by the config
         self.attn = select_attention(cfg.kernel_backend, kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, self.device, dtype,
                               cfg.fp8_weight_only_max_tokens, ckpt.quantization)
