@@ -8,13 +8,8 @@
 set -uo pipefail
 out=$1 sha=$2
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TPSERVE_GIT_COMMIT=$sha
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+. "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,utilization.gpu \
   --format=csv > "$out/nvidia-smi.csv"
 step() { echo "=== $1 ($(date +%T))"; }

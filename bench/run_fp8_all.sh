@@ -9,12 +9,8 @@
 set -uo pipefail
 out=$1 sha=$2
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TPSERVE_GIT_COMMIT=$sha
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+export TPSERVE_GIT_COMMIT=$sha
+. "$(dirname "$0")/gpu_env.sh"
 t0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \

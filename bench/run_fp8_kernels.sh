@@ -8,12 +8,8 @@
 set -uo pipefail
 out=$1 sha=$2; shift 2
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TPSERVE_GIT_COMMIT=$sha TRITON_CACHE_DIR=/tmp/triton-cache-fp8
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+export TPSERVE_GIT_COMMIT=$sha TRITON_CACHE_DIR=/tmp/triton-cache-fp8
+. "$(dirname "$0")/gpu_env.sh"
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv,noheader

@@ -6,12 +6,7 @@
 #   bash bench/run_fp8kv.sh OUT_DIR GIT_SHA
 set -uo pipefail
 out=$1 sha=$2; shift 2
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+. "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$out/nvidia-smi.csv"
 # 1. tests, compiled (CPU-only oracle tests skip themselves on CUDA)
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/model/test_triton_fp8_kv.py \

@@ -11,12 +11,7 @@
 set -uo pipefail
 out=$1 sha=$2
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+. "$(dirname "$0")/gpu_env.sh"
 echo "$sha" > "$out/git-sha.txt"
 model=llama3-8b  # a dummy shape; its tokenizer is the embedded SmolLM2's, or .benchdata's
 [ -d .benchdata/llama3-8b ] && model=.benchdata/llama3-8b

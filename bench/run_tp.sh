@@ -9,12 +9,7 @@
 # (.whl and .benchdata carried; TP sizes above the GPU count are skipped.)
 set -uo pipefail
 out=$1 sha=$2 stage=$3
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+. "$(dirname "$0")/gpu_env.sh"
 gpus=$(nvidia-smi -L | wc -l)
 sizes=""; for t in 1 2 4; do [ "$t" -le "$gpus" ] && sizes="$sizes $t"; done
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
