@@ -15,8 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.model.config import ModelConfig
+from tpserve.model.cuda_graphs import graph_reserve_bytes
 from tpserve.model.gpu_processes import GpuProcesses
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES
+from tpserve.model.kv_pool import kv_bytes_per_block
 from tpserve.model.memory import CPU_DEFAULT_KV_CAP, AllocatorReading, GiB, MemoryPlan, kv_budget
+from tpserve.model.plan import StepLimits
 
 MiB = 1 << 20
 
@@ -100,6 +105,40 @@ def _utilization_for(f: FitInputs) -> float | None:
     while u <= 1.0 and f.budget(utilization=u) < f.kv_needed:
         u = round(u + 0.01, 2)
     return u if u <= 1.0 else None
+
+
+def smaller_kv_dtypes(kv_dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
+    """KV cache dtypes smaller than ``kv_dtype``, largest first: ``(name, itemsize)``."""
+    sizes = {name: KV_CACHE_DTYPES[name].itemsize for name in KV_CACHE_DTYPE_NAMES}
+    smaller = [(n, s) for n, s in sizes.items() if s < kv_dtype.itemsize]
+    return tuple(sorted(smaller, key=lambda ns: -ns[1]))
+
+
+def tp_options(m: ModelConfig, tp: int, block_size: int, kv_dtype: torch.dtype,
+               weights: int) -> tuple[tuple[int, int, int], ...]:
+    """``(tp, weights per rank, KV bytes per block per rank)`` for tp up to 8 above ``tp``
+    (weights scale as 1/tp: the replicated norms are negligible)."""
+    return tuple((t, weights * tp // t, kv_bytes_per_block(
+        m.num_hidden_layers, block_size, m.kv_heads_for(t), m.head_dim, kv_dtype))
+        for t in (2, 4, 8) if t > tp)
+
+
+def seq_options(lim: StepLimits, vocab: int, use_graphs: bool, max_mixed: int,
+                multiple: int) -> tuple[tuple[int, int], ...]:
+    """``(max_num_seqs, bytes saved)`` for halvings of --max-num-seqs: the graphs' reserve
+    shrinks exactly; the profiled logits (float32, twice) by estimate."""
+    rows = min(lim.max_num_seqs, lim.max_num_batched_tokens)
+
+    def graphs(s: int) -> int:
+        return graph_reserve_bytes(s, max_mixed, vocab, multiple) if use_graphs else 0
+
+    out, s = [], lim.max_num_seqs // 2
+    while s >= 1:
+        saved = (graphs(lim.max_num_seqs) - graphs(s)
+                 + (rows - min(s, lim.max_num_batched_tokens)) * vocab * 4 * 2)
+        out.append((s, saved))
+        s //= 2
+    return tuple(out)
 
 
 def suggest_fits(f: FitInputs) -> list[Suggestion]:

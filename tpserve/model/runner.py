@@ -43,6 +43,9 @@ from tpserve.model.memory_advice import (
     explain_no_fit,
     explain_oom,
     explain_start_oom,
+    seq_options,
+    smaller_kv_dtypes,
+    tp_options,
 )
 from tpserve.model.plan import (
     CMD_MEMORY,
@@ -235,8 +238,9 @@ class ModelRunner:
         self.fit = FitInputs(
             device.type, total, free0, cfg.gpu_memory_utilization, cfg.kv_cache_memory,
             weights, workspace, graphs, per_block, bs, self.max_model_len,
-            self.kv_dtype.itemsize, b, tp, self._smaller_kv_dtypes(),
-            self._tp_options(weights), self._seq_options(use_graphs, max_mixed, multiple))
+            self.kv_dtype.itemsize, b, tp, smaller_kv_dtypes(self.kv_dtype),
+            tp_options(mcfg, tp, bs, self.kv_dtype, weights),
+            seq_options(limits, mcfg.vocab_size, use_graphs, max_mixed, multiple))
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
                                              str(device), group.rank))
@@ -279,37 +283,6 @@ class ModelRunner:
                 f"{scales[:, 1].max().item():.3g})")
 
     # ----------------------------------------------------------------- memory figures
-    def _smaller_kv_dtypes(self) -> tuple[tuple[str, int], ...]:
-        """KV cache dtypes smaller than this one, largest first (the does-not-fit advice)."""
-        sizes = {name: KV_CACHE_DTYPES[name].itemsize for name in KV_CACHE_DTYPE_NAMES}
-        smaller = [(n, s) for n, s in sizes.items() if s < self.kv_dtype.itemsize]
-        return tuple(sorted(smaller, key=lambda ns: -ns[1]))
-
-    def _tp_options(self, weights: int) -> tuple[tuple[int, int, int], ...]:
-        """``(tp, weights per rank, KV bytes per block per rank)`` for tp up to 8 (weights
-        scale as 1/tp: the replicated norms are negligible)."""
-        m, tp, bs = self.model_config, self.comm.world_size, self.limits.block_size
-        return tuple((t, weights * tp // t, kv_bytes_per_block(
-            m.num_hidden_layers, bs, m.kv_heads_for(t), m.head_dim, self.kv_dtype))
-            for t in (2, 4, 8) if t > tp)
-
-    def _seq_options(self, use_graphs: bool, max_mixed: int, multiple: int
-                     ) -> tuple[tuple[int, int], ...]:
-        """``(max_num_seqs, bytes saved)`` for halvings of --max-num-seqs: the graphs'
-        reserve shrinks exactly; the profiled logits (float32, twice) by estimate."""
-        lim, vocab = self.limits, self.model_config.vocab_size
-        rows = min(lim.max_num_seqs, lim.max_num_batched_tokens)
-        def graphs(s):
-            return (graph_reserve_bytes(s, max_mixed, vocab, multiple)
-                          if use_graphs else 0)
-        out, s = [], lim.max_num_seqs // 2
-        while s >= 1:
-            saved = (graphs(lim.max_num_seqs) - graphs(s)
-                     + (rows - min(s, lim.max_num_batched_tokens)) * vocab * 4 * 2)
-            out.append((s, saved))
-            s //= 2
-        return tuple(out)
-
     def _gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length on every rank), in rank order: one
         all-gather, so every rank must call it at the same point."""
