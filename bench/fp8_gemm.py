@@ -47,11 +47,24 @@ CANDIDATES = ["fma,1,8,1024,0,4", "fma,1,16,512,0,4", "fma,1,8,2048,0,4", "fma,1
               "dot,M,32,128,0,4,4", "dot,M,32,256,2,4,3", "dot,M,32,256,1,4,3",
               "dot,M,64,128,0,4,3", "dot,M,64,128,0,4,4", "dot,64,128,64,1,8,3"]
 
+# one-row-per-program GEMV launches ("gemv" + r: reduce each step, e: evict-first weights),
+# timed at M <= 4
+GEMV_CANDIDATES = [
+    "gemv,1,8,1024,0,4", "gemvr,1,8,1024,0,4", "gemve,1,8,1024,0,4", "gemvre,1,8,1024,0,4",
+    "gemve,1,8,1024,0,4,3", "gemvre,1,8,1024,0,4,3", "gemve,1,16,512,0,4",
+    "gemvre,1,16,512,0,4", "gemve,1,16,512,0,4,3", "gemve,1,16,1024,0,8",
+    "gemvre,1,16,1024,0,8", "gemve,1,4,2048,0,4", "gemvre,1,4,2048,0,4",
+    "gemve,1,8,2048,0,8", "gemvre,1,8,2048,0,8", "gemve,1,32,512,0,8", "gemvre,1,32,512,0,8",
+    "gemvre,1,32,256,0,4", "gemve,1,4,1024,0,4", "gemvre,1,2,2048,0,4", "gemve,1,8,512,0,4",
+    "gemvre,1,8,512,0,2", "gemvre,1,16,256,0,2", "gemvre,1,64,256,0,8"]
 
-def candidates_for(m: int) -> list[str]:
+
+def candidates_for(m: int, sets: tuple[str, ...] = ("tiled", "gemv")) -> list[str]:
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
     out = []
-    for spec in CANDIDATES:
+    specs = ((CANDIDATES if "tiled" in sets else [])
+             + (GEMV_CANDIDATES if "gemv" in sets and m <= 4 else []))
+    for spec in specs:
         cfg = triton_fp8.WoConfig.parse(spec.replace(",M,", f",{bm},"))
         if cfg.kind == "fma" and (m > 2 or cfg.block_m > m):
             continue
@@ -99,6 +112,8 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=SMALL_M + LARGE_M)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time every CANDIDATES launch")
+    ap.add_argument("--sweep-sets", nargs="+", default=["tiled", "gemv"],
+                    choices=["tiled", "gemv"], help="which candidate lists --sweep times")
     ap.add_argument("--wo", nargs="*", default=[], help="extra weight-only launches to time")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
@@ -152,7 +167,7 @@ def main() -> None:
             variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)
-            extra = list(a.wo) + (candidates_for(m) if a.sweep and m <= 128 else [])
+            extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])
             for spec in extra:
                 variants[f"wo[{spec}]"] = (wo(spec), b8)
             row = {"shape": name, "m": m, "n": n, "k": k,

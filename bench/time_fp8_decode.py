@@ -27,11 +27,16 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
 )
 
 SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
+# --sweep: FP8-cache launches (block_n, num_warps, num_stages, fp16_dot)
+FP8_LAUNCHES = [(64, 4, 3, True), (128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True),
+                (64, 4, 4, True), (128, 4, 2, True), (64, 8, 3, True), (32, 4, 4, True),
+                (128, 8, 2, True), (256, 8, 2, True)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     a = p.parse_args()
     dev = torch.device("cuda")
     hq, hkv, d, page = 32, 8, 128, 16
@@ -64,6 +69,22 @@ def main() -> None:
             row[f"{name}_kv_TBps"] = round(nbytes / us / 1e6, 3)
         row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
         row["max_abs_diff"] = float((out["fp8"] - out["bf16"]).abs().max())
+        for bn, warps, stages, f16 in FP8_LAUNCHES if a.sweep else []:
+            o = torch.empty_like(q)
+
+            def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16):
+                return decode_attention(q, k8, v8, tables, lens, 0.088, o, splits,
+                                        block_n=bn, num_warps=warps, num_stages=stages,
+                                        kv_scale=scale, fp16_dot=f16)
+            name = f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}]"
+            try:
+                us = time_graph(fn)
+            except Exception as exc:  # noqa: BLE001 - a launch that fails to compile
+                row[name] = repr(exc)[:120]
+                continue
+            row[name] = {"us": round(us, 2),
+                         "kv_TBps": round(2 * batch * ctx * hkv * d / us / 1e6, 3),
+                         "max_abs_diff": float((o.float() - out["bf16"]).abs().max())}
         rows.append(row)
         print(row, flush=True)
         del kb, vb, k8, v8

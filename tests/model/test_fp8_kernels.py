@@ -135,6 +135,7 @@ def _check_weight_only(kern, x, wq, ws, bias, config=None):
 
 # the shipped table, then explicit launches: split and unsplit, tails of every block
 CONFIGS = [None, "fma,1,16,64,1,4", "fma,1,8,32,3,4", "fma,4,16,32,0,4", "fma,2,8,64,2,2",
+           "gemv,1,16,64,1,4", "gemvr,1,8,32,3,4", "gemve,1,16,32,0,2", "gemvre,1,8,64,2,4",
            "dot,16,16,32,1,4", "dot,16,32,64,2,4", "dot,32,16,32,0,4,2"]
 
 

@@ -56,6 +56,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,9 +74,13 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
     io_dtype = q.dtype
-    q = q.to(DOT_DTYPE)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
+    if FP16_DOT:  # scores come out already scaled: e4m3 widens to fp16 in one instruction
+        q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+        scale_log2 = 1.0
+        io_dtype = tl.float16
+    q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -158,13 +163,15 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
     block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-    kv_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None, fp16_dot: bool = False,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding).
     ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored.
+    ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16 operands (q pre-scaled, e4m3
+    widened to fp16 exactly) instead of q's dtype.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -179,6 +186,9 @@ def decode_attention(
         return out
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
+    fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
+    if fp16_dot and dot_dtype != tl.float32:
+        dot_dtype = tl.float16
     if num_splits == 1:
         part_out = part_max = part_sum = out  # unused by the single-split variant
     else:
@@ -196,7 +206,7 @@ def decode_attention(
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -219,6 +219,55 @@ def _wo_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
 
 
 @triton.jit
+def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+                    stride_x, stride_w, stride_y,
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                    REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row per program (``BLOCK_M`` is 1), otherwise the grid and chunks of
+    ``_wo_fma_kernel``: the row is a 1-D ``[BLOCK_K]`` vector broadcast over the
+    ``[BLOCK_N, BLOCK_K]`` fp8 tile, so no 3-D layout is needed. ``REDUCE_EACH`` sums each
+    step's products over K at once (a ``[BLOCK_N]`` accumulator) instead of keeping a
+    ``[BLOCK_N, BLOCK_K]`` one; ``EVICT`` marks the weight stream evict-first in L2 (it is
+    read once a step) so the activations stay cached."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m + tl.arange(0, 1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    if REDUCE_EACH:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    k_lo = pid_k * K_CHUNK
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w_ok = n_ok[:, None]
+            x = tl.load(x_row + kk)
+        else:
+            w_ok = n_ok[:, None] & (kk[None, :] < K)
+            x = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        if EVICT:
+            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if REDUCE_EACH:
+            acc += tl.sum(prod, axis=1)
+        else:
+            acc += prod
+    if not REDUCE_EACH:
+        acc = tl.sum(acc, axis=1)
+    _wo_epilogue(acc[None, :], rm, rn, pid_k, rm < M, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr,
+                 stride_y, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
 def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                    stride_x, stride_w, stride_y,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
@@ -310,6 +359,11 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                   BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.kind == "fma":
         _wo_fma_kernel[grid](*args, **common)
+    elif cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
+        assert bm == 1, "a gemv launch has one activation row per program"
+        flags = cfg.kind[4:]
+        del common["BLOCK_M"]
+        _wo_gemv_kernel[grid](*args, REDUCE_EACH="r" in flags, EVICT="e" in flags, **common)
     elif cfg.kind == "dot":
         dot_dtype, precision = dot_config(x.dtype, x.device)
         _wo_dot_kernel[grid](*args, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, **common)
