@@ -72,8 +72,9 @@ def main() -> None:
         for bn, warps, stages, f16 in FP8_LAUNCHES if a.sweep else []:
             o = torch.empty_like(q)
 
-            def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16):
-                return decode_attention(q, k8, v8, tables, lens, 0.088, o, splits,
+            def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16,
+                   args=(q, k8, v8, tables, lens, 0.088)):
+                return decode_attention(*args, o, splits,
                                         block_n=bn, num_warps=warps, num_stages=stages,
                                         kv_scale=scale, fp16_dot=f16)
             name = f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}]"
