@@ -73,7 +73,7 @@ def main() -> None:
             o = torch.empty_like(q)
 
             def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16,
-                   args=(q, k8, v8, tables, lens, 0.088)):
+                   args=(q, k8, v8, tables, lens, 0.088), splits=splits):
                 return decode_attention(*args, o, splits,
                                         block_n=bn, num_warps=warps, num_stages=stages,
                                         kv_scale=scale, fp16_dot=f16)
