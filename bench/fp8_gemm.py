@@ -39,10 +39,8 @@ SMALL_M = [1, 2, 4, 8, 16, 32, 64, 128]
 LARGE_M = [256, 512, 2048, 8192]
 WO_MAX_M = 512  # the weight-only kernel is timed up to here (it is a decode kernel)
 # weight-only launches for --sweep (WoConfig strings); "dot" block_m "M": max(16, pow2(M))
-# capped at 64. fma candidates run at M <= 2 only.
-CANDIDATES = ["fma,1,8,1024,0,4", "fma,1,16,512,0,4", "fma,1,8,2048,0,4", "fma,1,4,1024,0,4",
-              "fma,1,8,1024,0,8", "fma,1,8,1024,1,4",
-              "dot,16,32,256,1,4,1", "dot,M,32,256,0,4,3", "dot,M,32,256,0,4,4",
+# capped at 64.
+CANDIDATES = ["dot,16,32,256,1,4,1", "dot,M,32,256,0,4,3", "dot,M,32,256,0,4,4",
               "dot,M,32,512,0,4,3", "dot,M,64,256,0,4,3", "dot,M,32,256,0,8,3",
               "dot,M,32,128,0,4,4", "dot,M,32,256,2,4,3", "dot,M,32,256,1,4,3",
               "dot,M,64,128,0,4,3", "dot,M,64,128,0,4,4", "dot,64,128,64,1,8,3"]
@@ -66,8 +64,6 @@ def candidates_for(m: int, sets: tuple[str, ...] = ("tiled", "gemv")) -> list[st
              + (GEMV_CANDIDATES if "gemv" in sets and m <= 4 else []))
     for spec in specs:
         cfg = triton_fp8.WoConfig.parse(spec.replace(",M,", f",{bm},"))
-        if cfg.kind == "fma" and (m > 2 or cfg.block_m > m):
-            continue
         if cfg.kind == "dot" and cfg.block_m == 64 and m < 32:
             continue
         name = ",".join(str(v) for v in cfg)

@@ -29,6 +29,8 @@ of length 0 (batch padding) yields zeros, never NaN.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,23 @@ LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
 # reach 3.7-4.3 TB/s of KV reads for batches that fill the GPU; small batches need splits.
 BLOCK_N = 64  # keys per inner-loop tile
+# An FP8 cache (94e9eb8, bench/time_fp8_decode.py --sweep, same shapes): 128-key tiles, 4
+# warps, 2 stages, fp16 matmul operands: 1.05-1.17x the bf16 cache's speed at batch 1-128
+# where the bf16-tuned launch with bf16 operands ran 0.78-0.91x.
+
+
+class DecodeLaunch(NamedTuple):
+    """Tile and launch of ``_decode_split_kernel`` (tuning only: results do not depend on
+    them beyond rounding; ``fp16_dot`` applies to an FP8 cache under a 16-bit q)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fp16_dot: bool
+
+
+BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
+FP8_LAUNCH = DecodeLaunch(128, 4, 2, True)
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more only costs)
@@ -162,13 +181,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
-    block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-    kv_scale: torch.Tensor | None = None, fp16_dot: bool = False,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
-    and launch keywords are tuning knobs (results do not depend on them beyond rounding).
+    and launch keywords are tuning knobs (results do not depend on them beyond rounding);
+    left ``None`` they take the measured defaults of the cache dtype (``FP8_LAUNCH``).
     ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored.
     ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16 operands (q pre-scaled, e4m3
     widened to fp16 exactly) instead of q's dtype.
@@ -184,6 +204,11 @@ def decode_attention(
                        and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     if batch == 0:
         return out
+    given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+             "fp16_dot": fp16_dot}
+    launch = (FP8_LAUNCH if fp8 else BF16_LAUNCH)._replace(
+        **{k: v for k, v in given.items() if v is not None})
+    block_n, num_warps, num_stages, fp16_dot = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)

@@ -17,7 +17,8 @@ the torch references ``quantize_per_row`` / ``reference_weight_only``).
 - ``weight_only_linear``: ``y = (x @ widen(q_w)^T) * s_w + b`` for decode-sized M, a
   memory-bound stream of the fp8 weight (half the bytes of bf16): weight tiles
   ``[BLOCK_N, BLOCK_K]`` loaded along K (16-byte loads), widened in registers, float32
-  accumulation by CUDA-core FMAs (M <= 4) or ``tl.dot`` on bf16 (larger M); K optionally
+  accumulation by CUDA-core FMAs (M <= 2: one activation row per program) or ``tl.dot``
+  on bf16 (larger M); K optionally
   split over programs (float32 partials, a small in-order reduce) so the grid fills the
   SMs; the per-channel scale and bias applied once to the K-complete sum.
 
@@ -112,10 +113,10 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
 
 
 class WoConfig(NamedTuple):
-    """One weight-only launch. ``kind`` "fma": CUDA-core multiply-adds into a
-    ``[BLOCK_M, BLOCK_N, BLOCK_K]`` float32 accumulator summed over K once after the loop
-    (decode: M <= 4); "dot": ``tl.dot`` of the activations with the widened weight tile
-    (tensor cores, float32 accumulator ``[BLOCK_M, BLOCK_N]``). K is cut into ``split``
+    """One weight-only launch. ``kind`` "gemv" (+ flags "r", "e"; ``block_m`` 1):
+    ``_wo_gemv_kernel``, CUDA-core multiply-adds, one activation row per program (decode:
+    M <= 2); "dot": ``tl.dot`` of the activations with the widened weight
+    tile (tensor cores, float32 accumulator ``[BLOCK_M, BLOCK_N]``). K is cut into ``split``
     contiguous chunks of whole ``BLOCK_K`` steps, one program each (0: ``auto_split``);
     ``num_warps`` / ``num_stages`` go to the compiler."""
 
@@ -129,7 +130,7 @@ class WoConfig(NamedTuple):
 
     @classmethod
     def parse(cls, spec: str) -> WoConfig:
-        """``"fma,1,16,512,0,4[,stages]"`` (the fields in order)."""
+        """``"gemvre,1,4,2048,0,4[,stages]"`` (the fields in order)."""
         kind, *nums = spec.split(",")
         return cls(kind, *(int(v) for v in nums))
 
@@ -141,15 +142,20 @@ def auto_split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
-    """The launch for a static ``(M, N, K)``, from the CUDA-graph-timed sweep of
-    ``bench/fp8_gemm.py --sweep`` on an H200 (llama3-8b shapes, 90fc4f7): at M = 1 the
-    fma kernel on 8 x 1024-byte weight tiles, except for the largest weights (gate_up,
-    N*K >= 2^26) where the pipelined dot is 3 us faster; M = 2..16 a 16-row dot over 32 x 256
-    tiles, three stages of cp.async pipelining, K split to two programs per SM (the single
-    best launch at every shape there); M = 17..32 a 32 x 64 x 128 dot. Larger M (only with a
-    raised ``--fp8-weight-only-max-tokens``; W8A8 is faster there) a 64 x 64 x 128 dot."""
-    if m == 1 and n * k < 2**26:
-        return WoConfig("fma", 1, 8, 1024, 0, 4)
+    """The launch for a static ``(M, N, K)``, from the CUDA-graph-timed sweeps of
+    ``bench/fp8_gemm.py --sweep`` on an H200 (llama3-8b shapes): at M = 1 the one-row GEMV
+    over 4 x 2048-byte weight tiles, evict-first, summed each step (94e9eb8: 62.1 us for a
+    layer's four GEMMs against 89.2 us for the earlier fma/dot launches and 116.0 us in bf16;
+    3.5-4.0 TB/s on gate_up and down); M = 2 the same GEMV over 32 x 512 tiles, 8 warps
+    (89.3 against 96.9 us); M = 3..16 a 16-row dot over 32 x 256 tiles, three stages of
+    cp.async pipelining, K split to two programs per SM (90fc4f7: the single best launch at
+    every shape there; the GEMV rereads the weight per row and loses from M = 4);
+    M = 17..32 a 32 x 64 x 128 dot. Larger M (only with a raised
+    ``--fp8-weight-only-max-tokens``; W8A8 is faster there) a 64 x 64 x 128 dot."""
+    if m == 1:
+        return WoConfig("gemvre", 1, 4, 2048, 0, 4)
+    if m == 2:
+        return WoConfig("gemvre", 1, 32, 512, 0, 8)
     if m <= 16:
         return WoConfig("dot", 16, 32, 256, 0, 4, 3)
     if m <= 32:
@@ -190,43 +196,17 @@ def _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_pt
 
 
 @triton.jit
-def _wo_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
-                   stride_x, stride_w, stride_y,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``(m, n, s)``: rows ``m*BLOCK_M..``, weight rows ``n*BLOCK_N..``, K columns
-    ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of ``BLOCK_K``). Each step loads a
-    ``[BLOCK_N, BLOCK_K]`` fp8 tile (contiguous along K: 16-byte loads), widens it to
-    float32 and adds ``x[m, k] * w[n, k]`` elementwise into a ``[BLOCK_M, BLOCK_N,
-    BLOCK_K]`` accumulator; the sum over K is taken once, after the loop."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-    k_lo = pid_k * K_CHUNK
-    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
-        x, w = _wo_load(x_rows, w_rows, k0 + rk, m_ok, n_ok, K, EVEN_K)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    _wo_epilogue(tl.sum(acc, axis=2), rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr,
-                 p_ptr, stride_y, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
 def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                     stride_x, stride_w, stride_y,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                     REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row per program (``BLOCK_M`` is 1), otherwise the grid and chunks of
-    ``_wo_fma_kernel``: the row is a 1-D ``[BLOCK_K]`` vector broadcast over the
-    ``[BLOCK_N, BLOCK_K]`` fp8 tile, so no 3-D layout is needed. ``REDUCE_EACH`` sums each
+    """Program ``(m, n, s)``: activation row ``m`` (``BLOCK_M`` is 1), weight rows
+    ``n*BLOCK_N..``, K columns ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of
+    ``BLOCK_K``). Each step loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile (contiguous along K:
+    16-byte loads), widens it to float32 and multiplies it by the row's ``[BLOCK_K]``
+    slice broadcast over N (a 2-D layout: the earlier 3-D ``[1, N, K]`` one ran at 50-60 %
+    of HBM). ``REDUCE_EACH`` sums each
     step's products over K at once (a ``[BLOCK_N]`` accumulator) instead of keeping a
     ``[BLOCK_N, BLOCK_K]`` one; ``EVICT`` marks the weight stream evict-first in L2 (it is
     read once a step) so the activations stay cached."""
@@ -273,9 +253,10 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """As ``_wo_fma_kernel`` (same grid and chunks), but each step is ``tl.dot`` of the
-    ``[BLOCK_M, BLOCK_K]`` activations and the transposed ``[BLOCK_N, BLOCK_K]`` weight
-    tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16 and fp32)."""
+    """As ``_wo_gemv_kernel`` (same grid and chunks, ``BLOCK_M`` rows), but each step is
+    ``tl.dot`` of the ``[BLOCK_M, BLOCK_K]`` activations and the transposed
+    ``[BLOCK_N, BLOCK_K]`` weight tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16
+    and fp32)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -357,9 +338,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     grid = (m_tiles, n_tiles, split)
     common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.kind == "fma":
-        _wo_fma_kernel[grid](*args, **common)
-    elif cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
+    if cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
         assert bm == 1, "a gemv launch has one activation row per program"
         flags = cfg.kind[4:]
         del common["BLOCK_M"]
