@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
                    help="commit of the code (else $TPSERVE_GIT_COMMIT, else git rev-parse)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="with --serving-only: the per-kernel profiles as well")
     p.add_argument("--serving-only", action="store_true",
                    help="batch-1 decode and serving only (no eager decode, prefill, profile)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -392,7 +394,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
                      device, save, log)
     srv = _serving_figures(a, R, core, rng, vocab, device, save, log)
-    if not (a.skip_profile or a.serving_only):
+    if not a.skip_profile and (a.profile or not a.serving_only):
         _profiles(a, R, core, rng, vocab, device, table_path, save, log)
     R["hf_baseline"] = None
     R["ratio_vs_hf"] = None

@@ -182,6 +182,67 @@ def test_weight_only_table_fills_the_gpu(kern, m, n, k):
     assert (cfg.kind == "gemvre") == (m <= 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,half,k", [(1, 40, 96), (2, 72, 200), (1, 6, 4100)])
+def test_gate_up_gemv_with_silu_equals_gating_the_float32_product(kern, dtype, m, half, k):
+    """The fused gate/up GEMV + SiLU at M = 1, 2 (N tails, K tails): ``silu(g) * u`` of the
+    float32 products of the dequantized weight, to one rounding of the output dtype plus
+    the float32 summation order; zero gate rows give exactly 0; with and without bias."""
+    x = _rows(m, k, dtype, 6, spread=False)
+    wq, ws = _weight(2 * half, k, 7, zero_rows=(0,))
+    bias = torch.randn(2 * half, generator=torch.Generator().manual_seed(8)).to(dtype)
+    for b in (None, bias.to(DEVICE)):
+        y = kern.weight_only_silu_mul(x, wq, ws, b)
+        assert y is not None and y.dtype == dtype and y.shape == (m, half)
+        gu = F.linear(x.float(), wq.float() * ws[:, None], None if b is None else b.float())
+        g, u = gu[:, :half], gu[:, half:]
+        want = F.silu(g) * u
+        mag = F.linear(x.float().abs(), wq.float().abs() * ws[:, None])
+        err = k * 2**-24 * (mag[:, :half] * u.abs() + mag[:, half:] * g.abs()) * 2
+        eps = {torch.float32: 2**-20, torch.bfloat16: 2**-7}[dtype]
+        assert ((y.float() - want).abs() <= eps * want.abs() + err + 1e-30).all()
+        if b is None:
+            assert torch.equal(y[:, 0].float(), torch.zeros(m, device=DEVICE))
+
+
+def test_gate_up_gemv_with_silu_declines_where_no_gemv_runs(kern):
+    """M = 3 takes the tiled kernel, so the fused call returns None (the caller gates)."""
+    wq, ws = _weight(16, 64, 9)
+    assert kern.weight_only_silu_mul(_rows(3, 64, torch.float32, 1), wq, ws, None) is None
+
+
+def test_merged_layer_gates_in_one_kernel_or_falls_back_identically(kern):
+    """``MergedColumnParallelLinear.forward_silu_mul`` with the Triton fp8 method: at M = 1
+    the fused kernel, at M = 5 the matmul then the separate gate; both equal the torch
+    reference's ``silu_and_mul(layer(x))`` (float32, summation order aside)."""
+    from tpserve.model.quant.fp8 import Fp8LinearMethod
+    from tpserve.parallel.comm import Communicator
+    from tpserve.parallel.linear import MergedColumnParallelLinear
+    from tpserve.parallel.state import TPGroup
+
+    def silu_and_mul(t):
+        h = t.shape[-1] // 2
+        return F.silu(t[..., :h]) * t[..., h:]
+
+    comm = Communicator(TPGroup(0, 1, DEVICE, None))
+    w = torch.randn(2 * 24, 64, generator=torch.Generator().manual_seed(10)) / 8
+    outs = {}
+    for backend in ("torch", "triton"):
+        layer = MergedColumnParallelLinear(64, [24, 24], comm, dtype=torch.float32,
+                                           quant_method=Fp8LinearMethod(backend))
+        layer.weight.data.copy_(w)
+        layer.process_weights_after_loading()
+        layer.to(DEVICE)
+        for m in (1, 5):
+            x = _rows(m, 64, torch.float32, 11, spread=False)
+            outs[backend, m] = layer.forward_silu_mul(x, silu_and_mul)
+            if backend == "triton":
+                fused = layer.quant_method.apply_silu_mul(layer, x, None)
+                assert (fused is None) == (m > 2)
+    for m in (1, 5):
+        torch.testing.assert_close(outs["triton", m], outs["torch", m], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("m", [1, 8, 40])
 def test_fp8_method_chooses_by_static_m_and_matches_its_reference(kern, m):
     """The Triton method at M below and above its weight-only bound equals the torch

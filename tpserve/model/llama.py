@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
             quant_method=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x, self.ops.silu_and_mul))
 
 
 class LlamaDecoderLayer(nn.Module):

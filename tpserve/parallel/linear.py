@@ -31,6 +31,8 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -151,6 +153,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         part = self.parts[idx]
         part.load(param.narrow(0, offset, part.numel), as_source(source), 0,
                   f"merged part {idx}", fill)
+
+    def forward_silu_mul(self, x: torch.Tensor,
+                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``silu_and_mul`` of this (gate, up) layer's output: in one kernel where the
+        ``quant_method`` has one for this input (``apply_silu_mul`` returning a tensor),
+        else ``silu_and_mul(self(x))``. Each rank gates its own shard (gate rows, then up
+        rows), so the output stays sharded."""
+        assert not self.gather_output, "the gate applies to this rank's shard"
+        fused = getattr(self.quant_method, "apply_silu_mul", None)
+        y = fused(self, x, self.bias) if fused is not None else None
+        return silu_and_mul(self(x)) if y is None else y
 
     def checkpoint_rows(self, shard_id: object = None) -> int:
         return self.out_sizes[int(shard_id)]

@@ -196,34 +196,23 @@ def _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_pt
 
 
 @triton.jit
-def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
-                    stride_x, stride_w, stride_y,
-                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                    REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``(m, n, s)``: activation row ``m`` (``BLOCK_M`` is 1), weight rows
-    ``n*BLOCK_N..``, K columns ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of
-    ``BLOCK_K``). Each step loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile (contiguous along K:
-    16-byte loads), widens it to float32 and multiplies it by the row's ``[BLOCK_K]``
-    slice broadcast over N (a 2-D layout: the earlier 3-D ``[1, N, K]`` one ran at 50-60 %
-    of HBM). ``REDUCE_EACH`` sums each
-    step's products over K at once (a ``[BLOCK_N]`` accumulator) instead of keeping a
-    ``[BLOCK_N, BLOCK_K]`` one; ``EVICT`` marks the weight stream evict-first in L2 (it is
-    read once a step) so the activations stay cached."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m + tl.arange(0, 1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_rows(x_row, w_ptr, rn, n_ok, k_lo, K, K_CHUNK, stride_w,
+               EVEN_K: tl.constexpr, REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k x[k] * widen(w[n, k])`` over ``k_lo .. k_lo + K_CHUNK`` for the weight rows
+    ``rn``: float32 ``[BLOCK_N]``. Each step loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile
+    (contiguous along K: 16-byte loads), widens it to float32 and multiplies it by the
+    row's ``[BLOCK_K]`` slice broadcast over N (a 2-D layout: the earlier 3-D ``[1, N, K]``
+    one ran at 50-60 % of HBM). ``REDUCE_EACH`` sums each step's products over K at once
+    (a ``[BLOCK_N]`` accumulator) instead of keeping a ``[BLOCK_N, BLOCK_K]`` one;
+    ``EVICT`` marks the weight stream evict-first in L2 (it is read once a step) so the
+    activations stay cached."""
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
-    x_row = x_ptr + pid_m.to(tl.int64) * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     if REDUCE_EACH:
         acc = tl.zeros((BLOCK_N,), tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
@@ -243,8 +232,57 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
             acc += prod
     if not REDUCE_EACH:
         acc = tl.sum(acc, axis=1)
+    return acc
+
+
+@triton.jit
+def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+                    stride_x, stride_w, stride_y,
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                    REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(m, n, s)``: activation row ``m`` (``BLOCK_M`` is 1), weight rows
+    ``n*BLOCK_N..``, K columns ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of
+    ``BLOCK_K``), by ``_gemv_rows``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m + tl.arange(0, 1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = _gemv_rows(x_ptr + pid_m.to(tl.int64) * stride_x, w_ptr, rn, n_ok, pid_k * K_CHUNK,
+                     K, K_CHUNK, stride_w, EVEN_K, REDUCE_EACH, EVICT, BLOCK_N, BLOCK_K)
     _wo_epilogue(acc[None, :], rm, rn, pid_k, rm < M, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr,
                  stride_y, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _wo_gemv_silu_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, HALF, K,
+                         stride_x, stride_w, stride_y,
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                         REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A merged gate/up weight ``[2 * HALF, K]`` (gate rows, then up rows) and its SiLU
+    gate in one pass: program ``(m, n)`` computes ``g`` over gate rows ``n*BLOCK_N..`` and
+    ``u`` over the same rows of the up half (whole K, no split), both scaled per channel
+    (plus bias), and writes ``y[m, n] = silu(g) * u`` from float32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < HALF
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_x
+    g = _gemv_rows(x_row, w_ptr, rn, n_ok, 0, K, K, stride_w, EVEN_K, REDUCE_EACH, EVICT,
+                   BLOCK_N, BLOCK_K)
+    u = _gemv_rows(x_row, w_ptr, rn + HALF, n_ok, 0, K, K, stride_w, EVEN_K, REDUCE_EACH,
+                   EVICT, BLOCK_N, BLOCK_K)
+    g = g * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+    u = u * tl.load(s_ptr + HALF + rn, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + HALF + rn, mask=n_ok, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(y_ptr + pid_m.to(tl.int64) * stride_y + rn, y.to(y_ptr.dtype.element_ty),
+             mask=n_ok)
 
 
 @triton.jit
@@ -353,4 +391,33 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, w_scale, b, y, m, n, split, y.stride(0), HAS_BIAS=bias is not None,
             BLOCK=block, num_warps=4)
+    return y
+
+
+def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(g) * u`` where ``[g | u] = weight_only_linear(x, wq, w_scale, bias)`` (the
+    merged gate/up layer: ``wq [2H, K]``, gate rows first), in one kernel for the M whose
+    launch is a GEMV (``weight_only_blocks``: M <= 2) and whose grid needs no K split;
+    ``None`` for any other shape (the caller multiplies and gates separately). The gate
+    is taken from the float32 sums, so the result is the unfused one without the rounding
+    of ``g`` and ``u`` to x's dtype."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and wq.stride(-1) == 1
+    m, k = x.shape
+    n = wq.shape[0]
+    cfg = weight_only_blocks(m, n, k)
+    if m == 0 or n % 2 or not cfg.kind.startswith("gemv"):
+        return None
+    half = n // 2
+    tiles = m * triton.cdiv(half, cfg.block_n)
+    if auto_split(tiles, k, cfg.block_k, _sm_count(x.device)) > 1:
+        return None
+    y = torch.empty((m, half), dtype=x.dtype, device=x.device)
+    flags = cfg.kind[4:]
+    _wo_gemv_silu_kernel[(m, triton.cdiv(half, cfg.block_n))](
+        x, wq, w_scale, bias if bias is not None else w_scale, y, half, k,
+        x.stride(0), wq.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, REDUCE_EACH="r" in flags, EVICT="e" in flags,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y

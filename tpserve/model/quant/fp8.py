@@ -140,6 +140,21 @@ class Fp8LinearMethod:
         y = self.matmul(x2, layer.weight, layer.weight_scale, bias)
         return y.reshape(*lead, y.shape[-1])
 
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a merged gate/up layer in one kernel where the static M
+        takes the weight-only GEMV (``triton_fp8.weight_only_silu_mul``); ``None`` where it
+        does not (torch back-end, larger M): the layer then multiplies, and its caller
+        gates."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if self.backend != "triton" or x2.shape[0] > self.weight_only_max_tokens:
+            return None
+        from tpserve.model.kernels import triton_fp8
+
+        y = triton_fp8.weight_only_silu_mul(x2, layer.weight, layer.weight_scale, bias)
+        return None if y is None else y.reshape(*lead, y.shape[-1])
+
     def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K] -> [M, N]``; the path is chosen by the static M only."""
