@@ -30,7 +30,12 @@ CASES = {  # name: [(cached context, new tokens)] per sequence
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--fp8", action="store_true",
+                   help="instead: the shipped 64-row tiles over a bf16 cache and over an FP8 "
+                        "cache (bf16 or fp16 operands, a few key tiles, warps and stages)")
     a = p.parse_args()
+    if a.fp8:
+        return fp8_sweep(a.out)
     dev = torch.device("cuda")
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
@@ -68,6 +73,58 @@ def main() -> None:
                              "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
                 print(rows[-1], flush=True)
     write_rows(a.out, rows)
+
+
+FP8_LAUNCHES = [(64, 4, 2, False), (64, 4, 2, True), (64, 4, 3, True), (64, 8, 2, True),
+                (128, 8, 2, True), (128, 4, 2, True), (32, 4, 3, True)]
+
+
+def fp8_sweep(path: str) -> None:
+    """``CASES`` over a bf16 cache (the shipped launch) and an FP8 one (``FP8_LAUNCHES``:
+    key tile, warps, stages, fp16 operands), 64-row query tiles."""
+    from tpserve.model.kernels.torch_ops import quantize_kv
+
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    scale8 = torch.tensor([0.02, 0.01], device=dev)
+    rows = []
+    for name, seqs in CASES.items():
+        lens = [c + n for c, n in seqs]
+        nblk = [-(-n // page) for n in lens]
+        kc = torch.randn(sum(nblk), page, hkv, d, device=dev) * 3
+        vc = torch.randn_like(kc)
+        k8, v8 = quantize_kv(kc, scale8[0]), quantize_kv(vc, scale8[1])
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+        table = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
+        perm, first = torch.randperm(sum(nblk)).int(), 0
+        for i, nb in enumerate(nblk):
+            table[i, :nb] = perm[first:first + nb]
+            first += nb
+        qlens = [n for _, n in seqs]
+        qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
+        q = torch.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=dev)
+        out = torch.empty_like(q)
+        tiles = torch.tensor(prefill_tiles(qlens, 0, 64), dtype=torch.int32, device=dev)
+        meta = (table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev), qsl.to(dev),
+                tiles, 0.088, out)
+        flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in seqs)
+        row = {"case": name}
+        row["bf16"] = round(time_graph(
+            lambda args=(q, kc, vc, *meta): prefill_attention(*args)), 2)
+        for bn, warps, stages, f16 in FP8_LAUNCHES:
+            kw = dict(block_n=bn, num_warps=warps, num_stages=stages, kv_scale=scale8,
+                      fp16_dot=f16)
+            args = (q, k8, v8, *meta)
+            key = f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}]"
+            try:
+                row[key] = round(time_graph(
+                    lambda args=args, kw=kw: prefill_attention(*args, **kw)), 2)
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile
+                row[key] = repr(e)[:120]
+        row["bf16_tflops"] = round(flops / row["bf16"] / 1e6, 1)
+        rows.append(row)
+        print(row, flush=True)
+    write_rows(path, rows)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,26 @@ def test_paged_attention_mixed_batch_over_fp8(backend, dtype, group, page, head_
     _close(out, _ref(q, k_cache, v_cache, meta, scale, kv_scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fp16_dot", [False, True])
+def test_prefill_attention_over_fp8_with_either_operand_dtype(kernels, backend, dtype,
+                                                              fp16_dot):
+    """The prefill kernel alone over the mixed batch's prefill rows, with q's dtype or fp16
+    (q pre-scaled) as the matmul operands: both equal the torch reference."""
+    gen = torch.Generator().manual_seed(11)
+    hkv, group, head_dim = 2, 4, 128
+    kv_scale = _scales(0.05, 2.0 ** -7)
+    meta, k_cache, v_cache = _fp8_batch(MIXED, 8, hkv, head_dim, gen, kv_scale)
+    q = _randn(int(meta.query_start_loc[-1]), hkv * group, head_dim, dtype=dtype, gen=gen)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    kernels["triton_prefill_attention"].prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        meta.tiles(), scale, out, kv_scale=kv_scale, fp16_dot=fp16_dot)
+    first = meta.num_decodes  # decode rows come first; the prefill kernel skips them
+    _close(out[first:], _ref(q, k_cache, v_cache, meta, scale, kv_scale)[first:], dtype)
+
+
 def test_rope_write_then_attend_over_fp8(kernels, backend):
     """The layer's order of ops on an FP8 cache, with saturating V: the Triton pair writes
     V as the torch pair does (bit for bit) and attends over what it wrote like the torch

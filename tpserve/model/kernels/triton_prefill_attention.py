@@ -17,9 +17,11 @@ domain). Key tiles entirely left of the tile's first query are processed without
 only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
 
-FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype; the K
-scale ``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into
-the output, both read on the device (``dequantize`` then attend, up to float32 rounding).
+FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype, or
+(``FP16_DOT``, the default under a 16-bit q) to fp16 with q pre-scaled into fp16 (the
+hardware widens e4m3 to fp16 in one instruction; to bf16 it takes more); the K scale
+``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into the
+output, both read on the device (``dequantize`` then attend, up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ BLOCK_N = 64  # keys per inner-loop tile
 def _attend_tile(
     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, IO_DTYPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WIDEN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1``."""
+    """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1`` (K, V and the
+    probabilities rounded to ``WIDEN_DTYPE`` before the matmuls)."""
     toks = tok0 + offs_n
     if MASKED:
         valid = toks < seq_len
@@ -59,7 +62,7 @@ def _attend_tile(
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    s = tl.dot(q, tl.trans(k.to(IO_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    s = tl.dot(q, tl.trans(k.to(WIDEN_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     s = s * scale_log2
     if MASKED:
         keep = valid[None, :] & (toks[None, :] <= pos_q[:, None])
@@ -73,8 +76,8 @@ def _attend_tile(
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(IO_DTYPE).to(DOT_DTYPE),
-                                        v.to(IO_DTYPE).to(DOT_DTYPE),
+    acc = acc * alpha[:, None] + tl.dot(p.to(WIDEN_DTYPE).to(DOT_DTYPE),
+                                        v.to(WIDEN_DTYPE).to(DOT_DTYPE),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -88,8 +91,8 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IO_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    WIDEN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -107,9 +110,12 @@ def _prefill_kernel(
         rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None], other=0.0)
-        q = q.to(DOT_DTYPE)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
+        if FP16_DOT:  # scores come out already scaled: e4m3 widens to fp16 in one step
+            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+            scale_log2 = 1.0
+        q = q.to(DOT_DTYPE)
         pos_q = ctx + offs_m  # padded rows (>= q_len) see keys < seq_len; never stored
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -128,12 +134,12 @@ def _prefill_kernel(
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                 stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                PAGE_SIZE, False, IO_DTYPE, DOT_DTYPE, DOT_PRECISION)
+                PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
         for tok0 in range(unmasked_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                 stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                PAGE_SIZE, True, IO_DTYPE, DOT_DTYPE, DOT_PRECISION)
+                PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
         o = acc / l_i[:, None]
         if KV_FP8:
             o = o * tl.load(kv_scale_ptr + 1)
@@ -145,7 +151,7 @@ def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
-    num_stages: int = 2, kv_scale: torch.Tensor | None = None,
+    num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
@@ -153,7 +159,8 @@ def prefill_attention(
     its length fixes the launch grid and nothing here reads the device, so the launch is
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
     depend on them beyond rounding). ``kv_scale`` (float32 ``[2]``, K then V) is required
-    for an FP8 cache, else ignored.
+    for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
+    there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -167,6 +174,9 @@ def prefill_attention(
     if tiles.numel() == 0:
         return out
     dot_dtype, precision = dot_config(q.dtype, q.device)
+    fp16_dot = fp8 and q.dtype in (torch.bfloat16, torch.float16) and fp16_dot is not False
+    if fp16_dot and dot_dtype != tl.float32:
+        dot_dtype = tl.float16
     _prefill_kernel[(tiles.numel(), num_q_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
         scale * LOG2E, kv_scale if fp8 else out,  # never read unless FP8
@@ -175,8 +185,9 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, IO_DTYPE=tl_dtype(q.dtype),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
+        WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
