@@ -68,24 +68,22 @@ def test_quantize_per_token_is_bit_exact(kern, dtype, m, k):
     assert torch.equal(q[1].float(), torch.zeros(k, device=DEVICE))
 
 
-def test_quantize_per_token_scale_follows_the_devices_division(kern):
-    """The reference's ``amax / 448`` is a correctly rounded division on CPU but
-    ``amax * float32(1/448)`` on CUDA (ATen multiplies by the reciprocal of a CPU scalar),
-    one ulp apart for some amax; the kernel takes the formula of its device. Here: amaxes
-    where the two differ, checked against torch's own result on this device."""
+def test_quantize_per_token_scale_is_one_formula_on_every_device(kern):
+    """The scale is ``amax * float32(1/448)``, a correctly rounded float32 product, in the
+    kernel and the reference alike, whatever the device (a division by 448 would be one
+    ulp apart between torch's CPU and CUDA for some amax). Here: amaxes where division
+    and product differ."""
     amax = torch.tensor([0.7264, 0.3000, 1.1, 2.5e-3, 448.0, 5e-10])
     x = torch.zeros(len(amax), 16)
     x[:, 3] = amax
     x[:, 7] = -amax / 3
-    x = x.to(DEVICE)
-    _, s = kern.quantize_per_token(x)
-    want = (x.abs().amax(-1, keepdim=True) / kern.FP8_MAX).clamp(min=kern.MIN_SCALE)
+    _, s = kern.quantize_per_token(x.to(DEVICE))
+    _, want = quantize_per_row(x.to(DEVICE))
     assert torch.equal(s, want)
-    cpu_div = amax / torch.full_like(amax, 448.0)
-    gpu_mul = amax * (torch.tensor(1.0) / 448.0)
-    assert (cpu_div != gpu_mul).any()  # the two formulas really differ on these inputs
-    assert torch.equal(s.view(-1).cpu(), (gpu_mul if DEVICE.type == "cuda" else cpu_div)
-                       .clamp(min=kern.MIN_SCALE))
+    product = (amax.double() * kern.INV_FP8_MAX).float()  # exact, then rounded once
+    quotient = amax / torch.full_like(amax, 448.0)
+    assert (quotient != product).any()  # the two formulas really differ on these inputs
+    assert torch.equal(s.view(-1).cpu(), product.clamp(min=kern.MIN_SCALE))
 
 
 @pytest.mark.parametrize("bit_cast", [True] + ([False] if DEVICE.type == "cuda" else []))

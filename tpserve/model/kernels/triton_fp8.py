@@ -4,11 +4,10 @@ the torch references ``quantize_per_row`` / ``reference_weight_only``).
 - ``quantize_per_token``: one program per row; pass 1 the row's amax, pass 2 scale and
   cast. Bit-exact to ``quantize_per_row`` on the same device: ``x / scale`` is correctly
   rounded (``div_rn``; torch divides by a broadcast tensor exactly too) and the cast
-  rounds to nearest even with the values pre-clamped to +-448. The scale follows the
-  reference's ``amax / 448`` as torch evaluates it on that device: on CPU a correctly
-  rounded division, on CUDA ``amax * float32(1/448)`` (ATen's ``div_true_kernel_cuda``
-  turns division by a CPU scalar into a multiply by its float32 reciprocal, which is one
-  ulp off the quotient for some amax: the GPU bit-exact test failures of 18a4c04).
+  rounds to nearest even with the values pre-clamped to +-448. The scale is the
+  reference's float32 product ``amax * float32(1/448)`` on every device (a division by
+  448 is not one formula in torch: ATen on CUDA multiplies by the reciprocal, the CPU
+  divides, one ulp apart for some amax: the GPU bit-exact test failures of 18a4c04).
   The cast is the GPU's own conversion, or (``bit_cast``, the default off CUDA) integer
   arithmetic on the float32 bits, ``_e4m3_code``: Triton 3.9's CPU interpreter converts
   float32 -> e4m3 wrongly (ties away from even, and a mantissa that rounds up past 1.111b
@@ -65,7 +64,7 @@ def _e4m3_code(v):
 @triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
                             FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-                            MIN_SCALE_C: tl.constexpr, RECIP_SCALE: tl.constexpr,
+                            MIN_SCALE_C: tl.constexpr,
                             BIT_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -74,10 +73,7 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
         o = k0 + cols
         x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    if RECIP_SCALE:  # torch on CUDA: amax * fp32(1 / 448)
-        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
-    else:  # torch on CPU: amax / 448, correctly rounded
-        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX_C), MIN_SCALE_C)
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         o = k0 + cols
@@ -106,7 +102,7 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
         bit_cast = x.device.type != "cuda"
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                                  MIN_SCALE_C=MIN_SCALE, RECIP_SCALE=x.device.type == "cuda",
+                                  MIN_SCALE_C=MIN_SCALE,
                                   BIT_CAST=bit_cast, BLOCK=block,
                                   num_warps=4 if block <= 1024 else 8)
     return q, s

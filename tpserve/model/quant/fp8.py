@@ -35,6 +35,8 @@ from tpserve.parallel.linear import UNQUANTIZED, RowParallelLinear
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MIN_SCALE = 1e-12
+# float32(1 / 448), correctly rounded (exact as a Python float)
+INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 # the graph-timed sweep on an H200 (bench/fp8_gemm.py, llama3-8b shapes, summed over qkv, o,
 # gate_up, down): weight-only 97 us vs W8A8 130 us (bf16 118) at M = 16, 123 vs 129 (bf16 127)
 # at M = 32, 187 vs 123 at M = 64
@@ -44,12 +46,15 @@ DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 32
 def quantize_per_row(x: torch.Tensor, amax: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [R, C]`` -> ``(q [R, C] e4m3, scale [R, 1] float32)`` with ``x ~= q * scale``.
-    ``amax [R, 1]`` (default: each row's own) sets the scale, ``max(amax / 448,
-    MIN_SCALE)``; it must be >= the row's largest magnitude (values are clamped)."""
+    ``amax [R, 1]`` (default: each row's own) sets the scale, ``max(amax * float32(1/448),
+    MIN_SCALE)``: a float32 product, correctly rounded on every device (``amax / 448`` is
+    not one formula: ATen on CUDA multiplies by the reciprocal, the CPU divides, one ulp
+    apart for some amax); it must be >= the row's largest magnitude (values are clamped)."""
     xf = x.float()
     if amax is None:
         amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    inv = torch.tensor(INV_FP8_MAX, dtype=torch.float32, device=xf.device)
+    scale = (amax.float() * inv).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -357,7 +357,8 @@ class EngineCore:
         Nothing of the engine's own state changes in here except reading back the previous
         step (structured rows), which is valid whether or not this step survives."""
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
-        marks = [(g, g.get_state()) for g in generators if g is not None]
+        recoverable = self.runner.comm.world_size == 1  # see _recover_from_oom
+        marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
         try:
             ranges = self.runner.ranges
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
@@ -373,8 +374,8 @@ class EngineCore:
             with ranges.range("sample"):
                 return self._sample(logits, sampling, generators, bitmask)
         except torch.OutOfMemoryError:
-            if self.runner.comm.world_size > 1:
-                raise  # see _recover_from_oom
+            if not recoverable:
+                raise
             for gen, state in marks:
                 gen.set_state(state)
             return None
