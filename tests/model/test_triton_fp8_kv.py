@@ -194,11 +194,12 @@ def test_paged_attention_mixed_batch_over_fp8(backend, dtype, group, page, head_
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("fp16_dot", [False, True])
+@pytest.mark.parametrize("fp16_dot,block_n", [(False, 64), (True, 64), (True, None)])
 def test_prefill_attention_over_fp8_with_either_operand_dtype(kernels, backend, dtype,
-                                                              fp16_dot):
+                                                              fp16_dot, block_n):
     """The prefill kernel alone over the mixed batch's prefill rows, with q's dtype or fp16
-    (q pre-scaled) as the matmul operands: both equal the torch reference."""
+    (q pre-scaled) as the matmul operands, 64-key tiles or the FP8 default (128, wider than
+    the 64-row query tile): each equals the torch reference."""
     gen = torch.Generator().manual_seed(11)
     hkv, group, head_dim = 2, 4, 128
     kv_scale = _scales(0.05, 2.0 ** -7)
@@ -208,7 +209,7 @@ def test_prefill_attention_over_fp8_with_either_operand_dtype(kernels, backend, 
     out = torch.full_like(q, float("nan"))
     kernels["triton_prefill_attention"].prefill_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        meta.tiles(), scale, out, kv_scale=kv_scale, fp16_dot=fp16_dot)
+        meta.tiles(), scale, out, kv_scale=kv_scale, fp16_dot=fp16_dot, block_n=block_n)
     first = meta.num_decodes  # decode rows come first; the prefill kernel skips them
     _close(out[first:], _ref(q, k_cache, v_cache, meta, scale, kv_scale)[first:], dtype)
 

@@ -17,11 +17,13 @@ the torch references ``quantize_per_row`` / ``reference_weight_only``).
   memory-bound stream of the fp8 weight (half the bytes of bf16): weight tiles
   ``[BLOCK_N, BLOCK_K]`` loaded along K (16-byte loads), widened in registers, float32
   accumulation by CUDA-core FMAs (M <= 2: one activation row per program) or ``tl.dot``
-  on bf16 (larger M); K optionally
-  split over programs (float32 partials, a small in-order reduce) so the grid fills the
-  SMs; the per-channel scale and bias applied once to the K-complete sum.
+  on bf16 (larger M); K optionally split over programs (float32 partials, a small
+  in-order reduce) so the grid fills the SMs; the per-channel scale and bias applied once
+  to the K-complete sum.
+- ``weight_only_silu_mul``: the merged gate/up GEMV at M <= 2 with ``silu(g) * u`` in its
+  epilogue (one kernel and no ``[M, 2H]`` intermediate).
 
-Both launch with shapes only (no host synchronisation), so they are captured in CUDA
+All launch with shapes only (no host synchronisation), so they are captured in CUDA
 graphs; their block sizes depend on the static M, N, K alone.
 """
 

@@ -38,6 +38,10 @@ LOG2E = 1.4426950408889634
 # near-best single choice across long, chunked and short-batch prefills.
 BLOCK_M = 64  # query tokens per program (the tile table is built for it)
 BLOCK_N = 64  # keys per inner-loop tile
+# An FP8 cache with fp16 operands (f0fd095, bench/tune_prefill.py --fp8): 128-key tiles
+# were the best of seven launches in all three cases (54.6 / 31.1 / 311.0 us against
+# 57.4 / 33.6 / 312.0 with 64 keys; a bf16 cache: 52.3 / 26.6 / 259.3).
+FP8_BLOCK_N = 128
 
 
 @triton.jit
@@ -150,7 +154,7 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
-    out: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
+    out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int = 4,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
@@ -158,7 +162,8 @@ def prefill_attention(
     ``tiles`` must have been built for ``block_m`` (``prefill_tiles(..., tile_m=block_m)``);
     its length fixes the launch grid and nothing here reads the device, so the launch is
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
-    depend on them beyond rounding). ``kv_scale`` (float32 ``[2]``, K then V) is required
+    depend on them beyond rounding; ``block_n`` defaults to ``BLOCK_N``, or ``FP8_BLOCK_N``
+    over an FP8 cache). ``kv_scale`` (float32 ``[2]``, K then V) is required
     for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     """
@@ -173,6 +178,8 @@ def prefill_attention(
                        and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     if tiles.numel() == 0:
         return out
+    if block_n is None:
+        block_n = FP8_BLOCK_N if fp8 else BLOCK_N
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp8 and q.dtype in (torch.bfloat16, torch.float16) and fp16_dot is not False
     if fp16_dot and dot_dtype != tl.float32:
