@@ -56,7 +56,7 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int, spread: bool = True) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k", [(5, 96), (3, 2500), (2, 16500)])  # one pass (a tail), two passes
+@pytest.mark.parametrize("m,k", [(5, 96), (3, 2500)])  # 2500: two blocks and a tail
 def test_quantize_per_token_is_bit_exact(kern, dtype, m, k):
     x = _rows(m, k, dtype, 0)
     x[1] = 0  # a zero (padding) token: zero codes, the minimum scale, no NaN

@@ -64,46 +64,28 @@ def _e4m3_code(v):
 
 
 @triton.jit
-def _quant_code(x, scale, FP8_MAX_C: tl.constexpr, BIT_CAST: tl.constexpr):
-    """float32 ``x`` -> its e4m3 byte at ``scale`` (``x / scale`` correctly rounded,
-    clamped to +-448, rounded to nearest even)."""
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
-    if BIT_CAST:
-        return _e4m3_code(q)
-    return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
                             FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-                            MIN_SCALE_C: tl.constexpr, BIT_CAST: tl.constexpr,
-                            ONE_PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """One row per program. ``ONE_PASS`` (``BLOCK >= K``): the row is read once and held in
-    registers for both its amax and its codes; else two passes of ``BLOCK`` columns."""
+                            MIN_SCALE_C: tl.constexpr,
+                            BIT_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    if ONE_PASS:
-        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
-        tl.store(s_ptr + row, scale)
-        tl.store(q_row + cols, _quant_code(x, scale, FP8_MAX_C, BIT_CAST), mask=cols < K)
-    else:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for k0 in range(0, K, BLOCK):
-            o = k0 + cols
-            x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
-        tl.store(s_ptr + row, scale)
-        for k0 in range(0, K, BLOCK):
-            o = k0 + cols
-            x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
-            tl.store(q_row + o, _quant_code(x, scale, FP8_MAX_C, BIT_CAST), mask=o < K)
-
-
-ONE_PASS_MAX_K = 16384  # rows up to this length are quantized from registers in one read
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        o = k0 + cols
+        x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        o = k0 + cols
+        x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+        if BIT_CAST:
+            code = _e4m3_code(q)
+        else:
+            code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + row * stride_q + o, code, mask=o < K)
 
 
 def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
@@ -117,15 +99,14 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    one_pass = k <= ONE_PASS_MAX_K
-    block = triton.next_power_of_2(k) if one_pass else 2048
+    block = min(triton.next_power_of_2(k), 2048)
     if bit_cast is None:
         bit_cast = x.device.type != "cuda"
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                                  MIN_SCALE_C=MIN_SCALE, BIT_CAST=bit_cast,
-                                  ONE_PASS=one_pass, BLOCK=block,
-                                  num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16))
+                                  MIN_SCALE_C=MIN_SCALE,
+                                  BIT_CAST=bit_cast, BLOCK=block,
+                                  num_warps=4 if block <= 1024 else 8)
     return q, s
 
 
