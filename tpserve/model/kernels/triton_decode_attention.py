@@ -17,10 +17,13 @@ With one split the kernel normalises and writes ``out`` directly. Otherwise it w
 unnormalised partials ``part_out [B, Hq, NUM_SPLITS, D]`` and ``part_max``/``part_sum
 [B, Hq, NUM_SPLITS]`` (float32, maxima in the log2 domain), and a second kernel combines them.
 
-FP8 cache (``KV_FP8``): K/V rows are loaded as e4m3 and widened exactly to q's dtype; the K
-scale ``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into
-the output (before the split partials are written), both read on the device. This is
-``dequantize`` then attend, up to float32 rounding.
+FP8 cache (``KV_FP8``): K/V rows are loaded as e4m3 and widened exactly to q's dtype, or
+(``FP16_DOT``, the default under a 16-bit q) to fp16 with q pre-multiplied by the score
+scale into fp16 (e4m3 widens to fp16 in one instruction; |q| * scale stays far inside
+fp16's range: the score scale is about 0.13 times the K scale); the K scale
+``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into the
+output (before the split partials are written), both read on the device. This is
+``dequantize`` then attend, up to float32 rounding (and fp16's for q and p).
 
 CUDA graphs: the launch grid depends only on host ints (``B``, ``Hkv``, the split count) and
 sequence lengths are read on the device, so one capture is valid for any lengths; a sequence
@@ -42,9 +45,6 @@ LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
 # reach 3.7-4.3 TB/s of KV reads for batches that fill the GPU; small batches need splits.
 BLOCK_N = 64  # keys per inner-loop tile
-# An FP8 cache (94e9eb8, bench/time_fp8_decode.py --sweep, same shapes): 128-key tiles, 4
-# warps, 2 stages, fp16 matmul operands: 1.05-1.17x the bf16 cache's speed at batch 1-128
-# where the bf16-tuned launch with bf16 operands ran 0.78-0.91x.
 
 
 class DecodeLaunch(NamedTuple):
@@ -58,6 +58,9 @@ class DecodeLaunch(NamedTuple):
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
+# An FP8 cache (94e9eb8, bench/time_fp8_decode.py --sweep, same shapes): 128-key tiles, 4
+# warps, 2 stages, fp16 matmul operands: 1.05-1.17x the bf16 cache's speed at batch 1-128
+# where the bf16-tuned launch with bf16 operands ran 0.78-0.91x.
 FP8_LAUNCH = DecodeLaunch(128, 4, 2, True)
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
