@@ -42,6 +42,7 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     prefill,
     profile_decode,
     profile_mixed,
+    profile_serving,
     random_prompt,
     run_closed_loop,
     serving,
@@ -85,6 +86,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-profile", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="with --serving-only: the per-kernel profiles as well")
+    p.add_argument("--profile-serving", type=int, default=0, metavar="STEPS",
+                   help="after the serving run, profile STEPS steps of its steady state "
+                        "(a closed loop of 3 x concurrency prompts): GPU time by kernel "
+                        "category and the GPU's busy fraction (0: off)")
     p.add_argument("--serving-only", action="store_true",
                    help="batch-1 decode and serving only (no eager decode, prefill, profile)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -394,6 +399,11 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
                      device, save, log)
     srv = _serving_figures(a, R, core, rng, vocab, device, save, log)
+    if a.profile_serving:
+        R["profile_serving"] = profile_serving(core, rng, vocab, a, device, table_path,
+                                               a.profile_serving)
+        save()
+        log(f"serving profile: {R['profile_serving']}")
     if not a.skip_profile and (a.profile or not a.serving_only):
         _profiles(a, R, core, rng, vocab, device, table_path, save, log)
     R["hf_baseline"] = None

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +110,13 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     concurrency: int, time_limit: float | None, waste: list[float] | None,
-                    tag: str, temperature: float = 0.0) -> tuple[list[Tracker], float, int]:
+                    tag: str, temperature: float = 0.0,
+                    on_step: Callable[[int], None] | None = None
+                    ) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
-    Returns the trackers, the wall time and the number of steps."""
+    ``on_step(n)`` is called after the n-th step. Returns the trackers, the wall time and
+    the number of steps."""
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     pending = deque(enumerate(prompts))
     inflight: list[Tracker] = []
@@ -131,6 +136,8 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
             break
         core.step()
         steps += 1
+        if on_step is not None:
+            on_step(steps)
         if waste is not None:
             used = bm.num_used_blocks * bs
             if used:
@@ -217,6 +224,8 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     before = alloc_stats(device)
     segs_before = _segments(device)
     c0 = dict(core.counters)
+    hist = core.histograms["iteration_tokens_total"]
+    h0 = list(hist.counts), hist.count, hist.sum
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature)
     sync(device)
@@ -238,6 +247,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
            "request_per_s": round(len(done) / wall, 3),
            "ttft_ms": ms_stats(ttft), "tpot_ms": ms_stats(tpot), "itl_ms": ms_stats(itl),
            "e2e_ms": ms_stats(e2e),
+           "step_tokens": step_token_histogram(hist, *h0),
            "engine_ms_per_step": {  # where the engine loop's time went, per step
                k: round((core.counters[key] - c0[key]) / max(steps, 1) * 1e3, 3)
                for k, key in (("host", "step_host_seconds_total"),
@@ -257,6 +267,107 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
           "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
     return srv, seg, kv
+
+
+def step_token_histogram(hist, counts0: list[int], count0: int, sum0: float
+                         ) -> dict[str, Any]:
+    """The tokens per step of the steps since ``(counts0, count0, sum0)`` (a reading of the
+    engine's ``iteration_tokens_total`` histogram): the mean and the steps per bucket, each
+    bucket named by its upper bound (``>LAST`` above the last)."""
+    n = hist.count - count0
+    per = {f"<={b}": c - c0 for b, c, c0 in zip(hist.bounds, hist.counts, counts0,
+                                               strict=True) if c - c0}
+    above = n - sum(per.values())
+    if above:
+        per[f">{hist.bounds[-1]}"] = above
+    return {"steps": n, "mean": round((hist.sum - sum0) / n, 1) if n else None,
+            "steps_per_bucket": per}
+
+
+# kernel name pattern -> where its time goes, first match wins (names of this project's
+# Triton kernels, cuBLAS/cuBLASLt GEMMs (nvjet, sm90 xmma, cutlass), torch's elementwise)
+KERNEL_CATEGORIES = (
+    ("attention_decode", r"_decode_(split|reduce)_kernel"),
+    ("attention_prefill", r"_prefill_kernel"),
+    ("quantize", r"_quant"),
+    ("rope_kv_write", r"rope"),
+    ("norm", r"rms_norm"),
+    ("activation", r"silu"),
+    ("gemm", r"nvjet|gemm|cutlass|xmma|_wo_|scaled_mm|splitKreduce"),
+    ("memcpy_memset", r"^Memcpy|^Memset"),
+)
+
+
+def kernel_category(name: str) -> str:
+    for cat, pattern in KERNEL_CATEGORIES:
+        if re.search(pattern, name):
+            return cat
+    return "other"
+
+
+def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
+                    device: torch.device, table_path: Path, window: int) -> dict[str, Any]:
+    """The serving workload's steady state under torch.profiler: a closed loop of
+    ``3 * concurrency`` prompts, of which ``window`` steps are profiled, starting once the
+    first requests have finished (by then admissions follow completions). Reports per
+    step: wall time, GPU kernel time by category (``KERNEL_CATEGORIES``), the GPU's busy
+    fraction, tokens and output tokens; and writes the top kernels to ``table_path``."""
+    prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(3 * a.concurrency)]
+    sc = core.scheduler.config
+    budget = sc.max_mixed_tokens or sc.max_num_batched_tokens
+    start = a.output_len + -(-a.concurrency * a.input_len // budget) + 2
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+    hist = core.histograms["iteration_tokens_total"]
+    mark: dict[str, Any] = {}
+
+    def on_step(n: int) -> None:
+        if n == start:
+            sync(device)
+            mark.update(t=time.perf_counter(), gen=core.counters["generation_tokens_total"],
+                        h=(list(hist.counts), hist.count, hist.sum))
+            prof.__enter__()
+        elif n == start + window:
+            sync(device)
+            mark["wall"] = time.perf_counter() - mark["t"]
+            mark["gen"] = core.counters["generation_tokens_total"] - mark["gen"]
+            mark["tokens"] = step_token_histogram(hist, *mark["h"])
+            prof.__exit__(None, None, None)
+
+    try:
+        run_closed_loop(core, prompts, a.output_len, a.concurrency, None, None, "prof-srv",
+                        a.temperature, on_step)
+    finally:
+        if "t" in mark and "wall" not in mark:
+            prof.__exit__(None, None, None)
+    if "wall" not in mark:
+        raise RuntimeError(f"the run ended before step {start + window}")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_cat: dict[str, float] = {}
+    for e in kernels:
+        cat = kernel_category(e.name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + e.time_range.elapsed_us()
+    gpu_us = sum(by_cat.values())
+    wall = mark["wall"]
+    res = {"first_step": start, "steps": window,
+           "wall_ms_per_step": round(wall / window * 1e3, 3),
+           "gpu_kernel_ms_per_step": round(gpu_us / window / 1e3, 3),
+           "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3) if device.type == "cuda"
+           else None,
+           "kernels_per_step": round(len(kernels) / window, 1),
+           "output_tokens_per_step": round(mark["gen"] / window, 2),
+           "output_tok_per_s": round(mark["gen"] / wall, 1),
+           "step_tokens": mark["tokens"],
+           "gpu_ms_per_step": {k: round(v / window / 1e3, 3)
+                               for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}}
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    with open(table_path, "a") as f:
+        f.write(f"=== serving steady state, steps {start}..{start + window - 1}, wall "
+                f"{res['wall_ms_per_step']} ms/step ===\n{table}\n")
+    return res
 
 
 def _segments(device: torch.device) -> dict[int, dict]:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call (~1 min a mode): bench_engine.py --serving-only with --profile-serving
+# (where the steady state's GPU time goes, by kernel category) for each mode named.
+# Usage (on the GPU machine, from the repo root, .whl carried):
+#   bash bench/run_serving_profile.sh OUT_DIR GIT_SHA MODE... (bf16 fp8w fp8kv both)
+set -uo pipefail
+out=$1 sha=$2; shift 2
+mkdir -p "$out"
+. "$(dirname "$0")/gpu_env.sh"
+t0=$(date +%s)
+for mode in "$@"; do
+  flags=()
+  case $mode in
+    fp8w) flags=(--quantization fp8) ;;
+    fp8kv) flags=(--kv-cache-dtype fp8) ;;
+    both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
+  esac
+  echo "=== engine $mode ($(( $(date +%s) - t0 )) s)"
+  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 100 \
+    --out "$out/engine-$mode.json" --git-commit "$sha" "${flags[@]}" \
+    > "$out/engine-$mode.log" 2>&1
+  grep -E "batch-1|serving:|serving profile" "$out/engine-$mode.log" | cut -c1-900
+done
+echo "=== done ($(( $(date +%s) - t0 )) s)"
