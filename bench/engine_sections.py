@@ -307,18 +307,22 @@ def kernel_category(name: str) -> str:
 
 def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
                     device: torch.device, table_path: Path, window: int) -> dict[str, Any]:
-    """The serving workload's steady state under torch.profiler: a closed loop of
-    ``3 * concurrency`` prompts, of which ``window`` steps are profiled, starting once the
-    first requests have finished (by then admissions follow completions). Reports per
-    step: wall time, GPU kernel time by category (``KERNEL_CATEGORIES``), the GPU's busy
-    fraction, tokens and output tokens; and writes the top kernels to ``table_path``."""
+    """The serving workload's steady state under torch.profiler (CUDA activity only): a
+    closed loop of ``3 * concurrency`` prompts, of which ``window`` steps are profiled,
+    starting once the first requests have finished (by then admissions follow
+    completions; the prefill bursts and decode stretches of the run alternate, so a
+    window of a few hundred steps holds both). Reports per step: wall time, GPU kernel
+    time by category (``KERNEL_CATEGORIES``), the GPU's busy fraction (kernel time over
+    wall time: the rest is the GPU waiting for the host), tokens and output tokens; and
+    writes the top kernels to ``table_path``."""
     prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(3 * a.concurrency)]
     sc = core.scheduler.config
     budget = sc.max_mixed_tokens or sc.max_num_batched_tokens
     start = a.output_len + -(-a.concurrency * a.input_len // budget) + 2
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    # CUDA activity alone on a GPU: tracing every host op would slow the host several
+    # times over and leave the GPU idle between steps, which is one of the figures here
+    acts = [torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
+            else torch.profiler.ProfilerActivity.CPU]
     prof = torch.profiler.profile(activities=acts)
     hist = core.histograms["iteration_tokens_total"]
     mark: dict[str, Any] = {}

@@ -1,9 +1,13 @@
 """FP8 (e4m3) against bf16 GEMMs on the Llama-3-8B projection shapes, timed inside CUDA graphs.
 
 For each shape (qkv, o, gate_up, down) and M: bf16 ``F.linear``, the fused Triton per-token
-quantizer + ``torch._scaled_mm`` (W8A8, ``fused_w8a8``), and the Triton weight-only kernel
+quantizer + ``torch._scaled_mm`` (W8A8, ``fused_w8a8``), the Triton weight-only kernel
 with its default launch (``weight_only``) and, at M <= 128 with ``--sweep``, each candidate
-launch of ``CANDIDATES``. Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
+launch of ``CANDIDATES``; the W8A8 products of activations quantized beforehand (as the
+fused norm and gate kernels hand them over): ``torch._scaled_mm`` (``mm_only``), the
+same with the operands swapped (``mm_swapped``: ``(W x^T)^T``, cuBLAS tiles the other
+way) and the Triton split-K kernel's table launch (``w8a8``) and, with ``--sweep-sets
+w8a8``, each of ``W8A8_CANDIDATES`` (at ``W8A8_M``). Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
 replayed ``--replays`` times between CUDA events; the median replay over the calls is the
 per-call time (no Python launch overhead, as in the server's decode graphs). The calls cycle
 over copies of the weight whose total is >= ``--rotate-mib`` (default 256 MiB, five times
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
-from tpserve.model.kernels import triton_fp8  # noqa: E402
+from tpserve.model.kernels import triton_fp8, triton_w8a8  # noqa: E402
 from tpserve.model.quant.fp8 import quantize_per_row  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -45,6 +49,15 @@ CANDIDATES = ["dot,16,32,256,1,4,1", "dot,M,32,256,0,4,3", "dot,M,32,256,0,4,4",
               "dot,M,32,128,0,4,4", "dot,M,32,256,2,4,3", "dot,M,32,256,1,4,3",
               "dot,M,64,128,0,4,3", "dot,M,64,128,0,4,4", "dot,64,128,64,1,8,3"]
 
+# Triton W8A8 launches for --sweep-sets w8a8 ("M": the rows per tile, max(16, pow2(M))
+# capped at 128), timed at M in W8A8_M
+W8A8_CANDIDATES = ["w8a8,M,64,128,0,4,4", "w8a8,M,128,128,0,4,4", "w8a8,M,128,128,0,8,4",
+                   "w8a8,M,128,256,0,8,3", "w8a8,M,256,128,0,8,3", "w8a8,M,64,256,0,4,4",
+                   "w8a8,M,128,128,0,4,5", "w8a8,M,128,64,0,4,4", "w8a8,M,128,128,1,4,4",
+                   "w8a8,M,128,128,2,4,4", "w8a8,M,128,128,4,4,4", "w8a8,64,128,128,0,4,4",
+                   "w8a8,64,128,256,0,4,3", "w8a8,64,64,256,0,4,4"]
+W8A8_M = (16, 32, 64, 128, 256, 512)
+
 # one-row-per-program GEMV launches ("gemv" + r: reduce each step, e: evict-first weights),
 # timed at M <= 4
 GEMV_CANDIDATES = [
@@ -55,6 +68,16 @@ GEMV_CANDIDATES = [
     "gemve,1,8,2048,0,8", "gemvre,1,8,2048,0,8", "gemve,1,32,512,0,8", "gemvre,1,32,512,0,8",
     "gemvre,1,32,256,0,4", "gemve,1,4,1024,0,4", "gemvre,1,2,2048,0,4", "gemve,1,8,512,0,4",
     "gemvre,1,8,512,0,2", "gemvre,1,16,256,0,2", "gemvre,1,64,256,0,8"]
+
+
+def w8a8_candidates_for(m: int) -> list[str]:
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    out = []
+    for spec in W8A8_CANDIDATES:
+        name = spec.replace(",M,", f",{bm},")
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def candidates_for(m: int, sets: tuple[str, ...] = ("tiled", "gemv")) -> list[str]:
@@ -109,7 +132,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time every CANDIDATES launch")
     ap.add_argument("--sweep-sets", nargs="+", default=["tiled", "gemv"],
-                    choices=["tiled", "gemv"], help="which candidate lists --sweep times")
+                    choices=["tiled", "gemv", "w8a8"], help="which candidate lists --sweep times")
     ap.add_argument("--wo", nargs="*", default=[], help="extra weight-only launches to time")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
@@ -160,14 +183,40 @@ def main() -> None:
                     return lambda: triton_fp8.weight_only_linear(x, w, ws1, None, cfg)
                 return call
 
-            variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8)}
+            xq, xs = quantize_per_row(x)
+
+            def mm_only(i, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
+                return lambda: torch._scaled_mm(xq, wq_c[i % nc8].t(), scale_a=xs,
+                                                scale_b=ws1.view(1, -1),
+                                                out_dtype=torch.bfloat16)
+
+            def mm_swapped(i, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
+                # y^T = W x^T: the weight is the row-major first operand, x^T column-major
+                return lambda: torch._scaled_mm(
+                    wq_c[i % nc8], xq.t(), scale_a=ws1.view(-1, 1),
+                    scale_b=xs.view(1, -1), out_dtype=torch.bfloat16).t().contiguous()
+
+            def w8a8(cfg, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
+                def call(j):
+                    w = wq_c[j % nc8]
+                    return lambda: triton_w8a8.w8a8_linear(xq, xs, w, ws1, None,
+                                                           torch.bfloat16, cfg)
+                return call
+
+            variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8),
+                        "mm_only": (mm_only, b8), "mm_swapped": (mm_swapped, b8),
+                        "w8a8": (w8a8(None), b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)
             extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])
             for spec in extra:
                 variants[f"wo[{spec}]"] = (wo(spec), b8)
+            if a.sweep and "w8a8" in a.sweep_sets and m in W8A8_M:
+                for spec in w8a8_candidates_for(m):
+                    variants[f"w8a8[{spec}]"] = (w8a8(spec), b8)
             row = {"shape": name, "m": m, "n": n, "k": k,
-                   "default_config": ",".join(map(str, triton_fp8.weight_only_blocks(m, n, k)))}
+                   "default_config": ",".join(map(str, triton_fp8.weight_only_blocks(m, n, k))),
+                   "w8a8_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k)))}
             for vname, (make, nbytes) in variants.items():
                 fns = [make(i) for i in range(calls)]
                 try:

@@ -16,7 +16,7 @@ for mode in "$@"; do
     both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
   esac
   echo "=== engine $mode ($(( $(date +%s) - t0 )) s)"
-  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 100 \
+  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 400 \
     --out "$out/engine-$mode.json" --git-commit "$sha" "${flags[@]}" \
     > "$out/engine-$mode.log" 2>&1
   grep -E "batch-1|serving:|serving profile" "$out/engine-$mode.log" | cut -c1-900

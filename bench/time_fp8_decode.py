@@ -22,27 +22,37 @@ from tune_decode import time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+    MAX_SPLITS,
     decode_attention,
     decode_num_splits,
 )
 
 SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
-# --sweep: FP8-cache launches (block_n, num_warps, num_stages, fp16_dot)
+# --sweep: FP8-cache launches (block_n, num_warps, num_stages, fp16_dot[, late_widen]),
+# each at the heuristic's split count and, with --split-factors, that count times each
 FP8_LAUNCHES = [(64, 4, 3, True), (128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True),
                 (64, 4, 4, True), (128, 4, 2, True), (64, 8, 3, True), (32, 4, 4, True),
-                (128, 8, 2, True), (256, 8, 2, True)]
+                (128, 8, 2, True), (256, 8, 2, True), (128, 4, 2, True, True),
+                (64, 4, 3, True, True), (256, 8, 3, True, True), (128, 8, 3, True, True)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
+    p.add_argument("--split-factors", type=int, nargs="*", default=[],
+                   help="with --sweep, also time each launch at the heuristic's split count "
+                        "times these (powers of two, capped at MAX_SPLITS)")
+    p.add_argument("--sizes", default=None,
+                   help="batch:context pairs, comma-separated (default: SIZES)")
     a = p.parse_args()
     dev = torch.device("cuda")
     hq, hkv, d, page = 32, 8, 128, 16
     scale = torch.tensor([0.02, 0.01], device=dev)
     rows = []
-    for batch, ctx in SIZES:
+    sizes = SIZES if a.sizes is None else [tuple(int(v) for v in bc.split(":"))
+                                          for bc in a.sizes.split(",")]
+    for batch, ctx in sizes:
         nb = batch * (ctx // page)
         k = torch.randn(nb, page, hkv, d, device=dev) * 3
         v = torch.randn_like(k)
@@ -69,15 +79,19 @@ def main() -> None:
             row[f"{name}_kv_TBps"] = round(nbytes / us / 1e6, 3)
         row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
         row["max_abs_diff"] = float((out["fp8"] - out["bf16"]).abs().max())
-        for bn, warps, stages, f16 in FP8_LAUNCHES if a.sweep else []:
+        factors = [1] + [f for f in a.split_factors if splits * f <= MAX_SPLITS]
+        for launch, factor in [(x, f) for x in FP8_LAUNCHES for f in factors] if a.sweep else []:
+            bn, warps, stages, f16, *late = launch
+            late = bool(late and late[0])
             o = torch.empty_like(q)
 
-            def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16,
-                   args=(q, k8, v8, tables, lens, 0.088), splits=splits):
+            def fn(o=o, bn=bn, warps=warps, stages=stages, f16=f16, late=late,
+                   args=(q, k8, v8, tables, lens, 0.088), splits=splits * factor):
                 return decode_attention(*args, o, splits,
                                         block_n=bn, num_warps=warps, num_stages=stages,
-                                        kv_scale=scale, fp16_dot=f16)
-            name = f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}]"
+                                        kv_scale=scale, fp16_dot=f16, late_widen=late)
+            name = (f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}{',late' if late else ''}"
+                    f"{f',x{factor}' if factor > 1 else ''}]")
             try:
                 us = time_graph(fn)
             except Exception as exc:  # noqa: BLE001 - a launch that fails to compile

@@ -26,12 +26,14 @@ from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
+from tpserve.model.quant.fp8 import Fp8Activation
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
 from tpserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.parallel.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    takes_quantized_input,
 )
 from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
@@ -94,7 +96,9 @@ class LlamaMLP(nn.Module):
             in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank), reduce=reduce,
             quant_method=quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if takes_quantized_input(self.down_proj, x.shape[0]):  # the gate quantizes too
+            return self.down_proj(Fp8Activation(*self.ops.silu_and_mul_fp8(self.gate_up_proj(x))))
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x, self.ops.silu_and_mul))
 
 
@@ -113,16 +117,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rope, kv, meta):
         """Pre-norm block; the residual stream is carried separately so the add fuses.
         Sequence parallel: ``x`` and ``residual`` are this rank's tokens; the normed tokens
-        are all-gathered before each column-parallel layer."""
+        are all-gathered before each column-parallel layer. Otherwise, where qkv or gate/up
+        take per-token fp8 input at this step's size, the norm quantizes its output."""
+        m = x.shape[0]
+        fuse = not self.sequence_parallel
+        q_in = fuse and takes_quantized_input(self.self_attn.qkv_proj, m)
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, quantize=q_in)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, quantize=q_in)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(
+            h, residual, quantize=fuse and takes_quantized_input(self.mlp.gate_up_proj, m))
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         return self.mlp(h), residual

@@ -25,6 +25,10 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 - ``apply(layer, x, bias)``: ``x [T, in_per_rank] -> [T, out_per_rank]``, this rank's
   ``x W^T (+ bias)``; no host synchronisation (it runs inside CUDA graphs) and only static
   shapes may steer it.
+- optionally ``takes_quantized_input(layer, num_tokens)``: True where ``apply`` at that
+  static token count would quantize ``x`` itself; the model may then pass ``apply`` the
+  input already quantized by the kernel that produced it, in the method's own format
+  (``takes_quantized_input`` below asks; the layers pass ``x`` through untouched).
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 """
@@ -65,6 +69,13 @@ class UnquantizedLinear:
 
 
 UNQUANTIZED = UnquantizedLinear()  # stateless
+
+
+def takes_quantized_input(layer: nn.Module, num_tokens: int) -> bool:
+    """Whether ``layer``'s quant method wants its input quantized by the input's producer
+    at this static token count (the method's optional ``takes_quantized_input``)."""
+    ask = getattr(layer.quant_method, "takes_quantized_input", None)
+    return ask is not None and ask(layer, num_tokens)
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:

@@ -15,15 +15,23 @@ KERNEL_BACKENDS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class Ops:
+    """The ops; the ``*_fp8`` variants also quantize their output per token for a W8A8
+    layer (``quant.fp8.Fp8Activation``'s fields: codes, scales, dtype; the add variant
+    returns the residual sum after them)."""
+
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
     silu_and_mul: Callable
+    rms_norm_fp8: Callable
+    add_rms_norm_fp8: Callable
+    silu_and_mul_fp8: Callable
 
 
 def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
-    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul)
+    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rms_norm_fp8,
+               m.add_rms_norm_fp8, m.silu_and_mul_fp8)
 
 
 def resolve_kernel_backend(name: str, device_type: str) -> str:

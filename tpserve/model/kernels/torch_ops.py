@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX, is_fp8
+from tpserve.model.quant.fp8 import quantize_per_row
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,6 +36,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``rms_norm`` quantized per token (``quant.fp8.quantize_per_row``): ``(q, scale,
+    the norm's dtype)``; the reference of the fused W8A8 producers."""
+    y = rms_norm(x, weight, eps)
+    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
+    return q, s, y.dtype
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype,
+                                          torch.Tensor]:
+    """``add_rms_norm`` with the normed rows quantized per token: ``(q, scale, dtype,
+    x + residual)``."""
+    y, summed = add_rms_norm(x, residual, weight, eps)
+    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
+    return q, s, y.dtype, summed
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``silu_and_mul`` quantized per token: ``(q, scale, dtype)``."""
+    y = silu_and_mul(x)
+    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
+    return q, s, y.dtype
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

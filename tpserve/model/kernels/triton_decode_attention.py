@@ -49,12 +49,15 @@ BLOCK_N = 64  # keys per inner-loop tile
 
 class DecodeLaunch(NamedTuple):
     """Tile and launch of ``_decode_split_kernel`` (tuning only: results do not depend on
-    them beyond rounding; ``fp16_dot`` applies to an FP8 cache under a 16-bit q)."""
+    them beyond rounding; ``fp16_dot`` and ``late_widen`` apply to an FP8 cache:
+    ``late_widen`` transposes the e4m3 K tile before widening it, so the compiler may
+    widen in the matmul operand's registers instead of staging a widened copy)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     fp16_dot: bool
+    late_widen: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -78,7 +81,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    FP16_DOT: tl.constexpr,
+    FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,7 +120,11 @@ def _decode_split_kernel(
         off = toks % PAGE_SIZE
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(io_dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        if LATE_WIDEN:
+            kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
+        else:
+            kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
         alpha = tl.exp2(m_i - m_new)
@@ -186,6 +193,7 @@ def decode_attention(
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
+    late_widen: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -208,10 +216,10 @@ def decode_attention(
     if batch == 0:
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
-             "fp16_dot": fp16_dot}
+             "fp16_dot": fp16_dot, "late_widen": late_widen}
     launch = (FP8_LAUNCH if fp8 else BF16_LAUNCH)._replace(
         **{k: v for k, v in given.items() if v is not None})
-    block_n, num_warps, num_stages, fp16_dot = launch
+    block_n, num_warps, num_stages, fp16_dot, late_widen = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -235,7 +243,7 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        LATE_WIDEN=late_widen and fp8, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -5,8 +5,13 @@ at load, the product chosen by the step's (static) token count M.
   weight is widened in registers and multiplied by the unquantized activations, the
   per-channel scale applied to the accumulator (a memory-bound kernel reading half the
   bytes of bf16).
-- larger M (prefill, mixed steps): W8A8. Activations are quantized per token (one fused
-  kernel), then ``torch._scaled_mm`` multiplies the fp8 operands with row-wise scales.
+- larger M (prefill, mixed steps): W8A8. Activations are quantized per token, then the
+  fp8 operands are multiplied with row-wise scales: by the Triton split-K kernel
+  (``kernels/triton_w8a8.py``) up to ``W8A8_TRITON_MAX_TOKENS``, where cuBLAS leaves SMs
+  idle, and by ``torch._scaled_mm`` above. The quantization is fused into the kernel that
+  produces the activations where it can be (``takes_quantized_input``: the RMSNorm before
+  qkv and gate/up, the SiLU gate before down; ``Fp8Activation`` carries the result), else
+  it is one kernel of its own.
 
 Invariants:
 - ``x ~= q * scale`` row by row, each row's largest magnitude mapped to the largest finite
@@ -25,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,24 @@ INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 # gate_up, down): weight-only 97 us vs W8A8 130 us (bf16 118) at M = 16, 123 vs 129 (bf16 127)
 # at M = 32, 187 vs 123 at M = 64
 DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 32
+# W8A8 steps up to this many tokens take the Triton split-K kernel, larger ones _scaled_mm
+W8A8_TRITON_MAX_TOKENS = 256
+
+
+class Fp8Activation(NamedTuple):
+    """Activations quantized per token by the kernel that produced them (the input of a
+    W8A8 layer whose ``takes_quantized_input`` said so): ``q [M, K]`` e4m3 and ``scale
+    [M, 1]`` float32 with ``x ~= q * scale`` row by row, exactly ``quantize_per_row`` of the
+    activations the unfused kernel would have written in ``dtype``; ``dtype`` is also the
+    layer's output dtype."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def quantize_per_row(x: torch.Tensor, amax: torch.Tensor | None = None
@@ -74,9 +98,17 @@ def reference_w8a8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K]`` quantized per token, times the dequantized weight, in float32."""
     xq, xs = quantize_per_row(x)
+    return reference_quantized_product(xq, xs, wq, w_scale, bias, x.dtype)
+
+
+def reference_quantized_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
+                                w_scale: torch.Tensor, bias: torch.Tensor | None,
+                                out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-token quantized ``xq [M, K]`` (scales ``xs [M, 1]``) times the dequantized
+    weight, in float32, rounded to ``out_dtype``."""
     y = F.linear(dequantize(xq, xs), dequantize(wq, w_scale.view(-1, 1)),
                  None if bias is None else bias.float())
-    return y.to(x.dtype)
+    return y.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -119,13 +151,15 @@ class Fp8LinearMethod:
     """The ``quant_method`` (see ``parallel/linear.py``) of ``--quantization fp8``.
 
     ``backend`` "torch": the float32 reference functions; "triton": the Triton kernels
-    (``kernels/triton_fp8.py``) and, when ``scaled_mm`` (compute capability >= 8.9 and a
-    bf16 model), ``torch._scaled_mm`` for W8A8; without it every M takes the weight-only
-    kernel (a tiled GEMM at any M)."""
+    (``kernels/triton_fp8.py``) and, when ``scaled_mm`` (FP8 matrix products: compute
+    capability >= 8.9, and a bf16 model), W8A8 through ``kernels/triton_w8a8.py`` up to
+    ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
+    the weight-only kernel (a tiled GEMM at any M)."""
 
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     scaled_mm: bool = False
+    w8a8_triton_max_tokens: int = W8A8_TRITON_MAX_TOKENS
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -138,12 +172,25 @@ class Fp8LinearMethod:
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):  # quantized by its producer (2-D, W8A8 only)
+            return self.w8a8(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         y = self.matmul(x2, layer.weight, layer.weight_scale, bias)
         return y.reshape(*lead, y.shape[-1])
+
+    def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
+        """Whether ``apply`` at this static token count quantizes its input per token (the
+        W8A8 path), so that the producer of the input may do it instead and hand over an
+        ``Fp8Activation`` (the same codes and scales, one kernel fewer)."""
+        if num_tokens <= self.weight_only_max_tokens:
+            return False
+        if self.backend == "torch":
+            return True
+        n, k = layer.weight.shape  # as in matmul
+        return self.scaled_mm and n % 16 == 0 and k % 16 == 0
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,6 +198,8 @@ class Fp8LinearMethod:
         takes the weight-only GEMV (``triton_fp8.weight_only_silu_mul``); ``None`` where it
         does not (torch back-end, larger M): the layer then multiplies, and its caller
         gates."""
+        if isinstance(x, Fp8Activation):
+            return None
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if self.backend != "triton" or x2.shape[0] > self.weight_only_max_tokens:
@@ -170,9 +219,22 @@ class Fp8LinearMethod:
         from tpserve.model.kernels import triton_fp8
 
         n, k = wq.shape
-        if (weight_only or not self.scaled_mm or x.dtype != torch.bfloat16
-                or n % 16 or k % 16):
+        if weight_only or not self.scaled_mm or n % 16 or k % 16:
             return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
         xq, xs = triton_fp8.quantize_per_token(x)
+        return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)
+
+    def w8a8(self, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
+             w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+             ) -> torch.Tensor:
+        """Per-token quantized activations ``xq [M, K]`` (scales ``xs [M, 1]``) times the
+        fp8 weight: the float32 reference on the torch back-end; the Triton split-K kernel
+        up to ``w8a8_triton_max_tokens``, ``torch._scaled_mm`` above (static M only)."""
+        if self.backend == "torch":
+            return reference_quantized_product(xq, xs, wq, w_scale, bias, out_dtype)
+        if xq.shape[0] <= self.w8a8_triton_max_tokens:
+            from tpserve.model.kernels import triton_w8a8
+
+            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
-                                bias=bias, out_dtype=x.dtype)
+                                bias=bias, out_dtype=out_dtype)

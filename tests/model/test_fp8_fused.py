@@ -1,0 +1,168 @@
+"""Per-token fp8 quantization fused into its producers (``kernels/triton_fp8_fused.py``,
+the torch composites in ``kernels/torch_ops.py``) and the model's use of them: RMSNorm before
+qkv and gate/up, the SiLU gate before down, at step sizes where those layers run W8A8.
+
+The fused kernels must give exactly the codes and scales of the unfused pair (the producer's
+output, then ``quantize_per_token``) on the same back-end; the layers fed by them exactly
+the outputs of the unfused path. Off CUDA the Triton kernels run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tpserve.model.kernels import torch_ops  # noqa: E402
+from tpserve.model.quant.fp8 import FP8, Fp8Activation, Fp8LinearMethod  # noqa: E402
+
+MODULES = ("tpserve.model.kernels.triton_fp8", "tpserve.model.kernels.triton_norm",
+           "tpserve.model.kernels.triton_activation", "tpserve.model.kernels.triton_fp8_fused",
+           "tpserve.model.kernels.triton_w8a8", "tpserve.model.kernels.triton_ops")
+
+
+@pytest.fixture(scope="module")
+def tri():
+    """The Triton ops module (norms, activation and their fp8 variants), interpreted off
+    CUDA, with the fp8 kernel modules it uses reloaded in order."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE.type == "cpu":
+            _fix_interpreter_index(mp)
+            for name in MODULES:
+                if name in sys.modules:
+                    importlib.reload(sys.modules[name])
+        mods = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES}
+        yield mods
+
+
+def _same_codes(a: tuple, b: tuple) -> None:
+    (qa, sa), (qb, sb) = a[:2], b[:2]
+    assert qa.dtype == qb.dtype == FP8 and sa.dtype == sb.dtype == torch.float32
+    assert torch.equal(sa, sb)
+    assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,h", [(5, 96), (3, 200)])  # 200: a tail past the power of two
+def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h):
+    ops, fp8 = tri["triton_ops"], tri["triton_fp8"]
+    x, res = _rows(m, h, dtype, 1), _rows(m, h, dtype, 2)
+    x[1] = 0
+    res[1] = 0  # a zero (padding) row: zero codes, the minimum scale
+    w = (torch.rand(h, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype).to(DEVICE)
+    plain = ops.rms_norm(x, w, 1e-6)
+    got = ops.rms_norm_fp8(x, w, 1e-6)
+    _same_codes(got, fp8.quantize_per_token(plain))
+    assert got[2] == plain.dtype
+    assert torch.equal(got[0][1].float(), torch.zeros(h, device=DEVICE))
+    normed, summed = ops.add_rms_norm(x, res, w, 1e-6)
+    q, s, out_dtype, summed2 = ops.add_rms_norm_fp8(x, res, w, 1e-6)
+    _same_codes((q, s), fp8.quantize_per_token(normed))
+    assert out_dtype == normed.dtype and torch.equal(summed2, summed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,d", [(4, 64), (2, 4100)])  # 4100: three chunks and a tail
+def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d):
+    ops, fp8 = tri["triton_ops"], tri["triton_fp8"]
+    x = _rows(m, 2 * d, dtype, 4)
+    x[0, :d] = 0  # a zero gate row: silu(0) * up = 0
+    got = ops.silu_and_mul_fp8(x)
+    _same_codes(got, fp8.quantize_per_token(ops.silu_and_mul(x)))
+    assert got[2] == dtype and got[0].shape == (m, d)
+    assert torch.equal(got[0][0].float(), torch.zeros(d, device=DEVICE))
+
+
+def test_torch_composites_quantize_the_reference_ops():
+    """The torch back-end's fp8 variants are the reference ops then ``quantize_per_row``."""
+    from tpserve.model.quant.fp8 import quantize_per_row
+
+    x, res = _rows(6, 48, torch.float32, 5).cpu(), _rows(6, 48, torch.float32, 6).cpu()
+    w = torch.rand(48, generator=torch.Generator().manual_seed(7)) + 0.5
+    _same_codes(torch_ops.rms_norm_fp8(x, w, 1e-5),
+                quantize_per_row(torch_ops.rms_norm(x, w, 1e-5)))
+    q, s, _, summed = torch_ops.add_rms_norm_fp8(x, res, w, 1e-5)
+    normed, summed_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
+    _same_codes((q, s), quantize_per_row(normed))
+    assert torch.equal(summed, summed_ref)
+    _same_codes(torch_ops.silu_and_mul_fp8(torch.cat([x, res], -1)),
+                quantize_per_row(torch_ops.silu_and_mul(torch.cat([x, res], -1))))
+
+
+def _method(backend: str) -> Fp8LinearMethod:
+    # Triton: W8A8 from 9 tokens (the interpreter has no _scaled_mm: the Triton W8A8
+    # kernel takes every such step there); torch: the float32 reference
+    return Fp8LinearMethod(backend, weight_only_max_tokens=8, scaled_mm=backend == "triton",
+                           w8a8_triton_max_tokens=1 << 20)
+
+
+def _mlp(backend: str, ops_name: str):
+    from tpserve.model.config import ModelConfig
+    from tpserve.model.kernels.backend import select_ops
+    from tpserve.model.llama import LlamaMLP
+    from tpserve.parallel.comm import Communicator
+    from tpserve.parallel.state import TPGroup
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                 "intermediate_size": 96, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "num_hidden_layers": 1,
+                                 "vocab_size": 128})
+    comm = Communicator(TPGroup(0, 1, DEVICE, None))
+    mlp = LlamaMLP(cfg, comm, select_ops(ops_name), torch.float32, "all_reduce",
+                   _method(backend))
+    g = torch.Generator().manual_seed(8)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
+        layer.process_weights_after_loading()
+    return mlp.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend,ops_name", [("torch", "torch"), ("triton", "triton")])
+def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, backend,
+                                                                          ops_name):
+    """At 12 tokens (W8A8) ``LlamaMLP`` gates and quantizes in one op and hands the
+    ``Fp8Activation`` to down: the output equals down's own quantization of the gate
+    exactly; at 4 tokens (weight-only) nothing is quantized by the producer."""
+    mlp = _mlp(backend, ops_name)
+    from tpserve.parallel.linear import takes_quantized_input
+
+    for m, fused in ((12, True), (4, False)):
+        x = _rows(m, 64, torch.float32, 9)
+        assert takes_quantized_input(mlp.down_proj, m) is fused
+        want = mlp.down_proj(mlp.ops.silu_and_mul(mlp.gate_up_proj(x)))
+        assert torch.equal(mlp(x), want)
+
+
+@pytest.mark.parametrize("backend,ops_name", [("torch", "torch"), ("triton", "triton")])
+def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name):
+    """A merged column-parallel layer fed the norm's ``Fp8Activation`` returns what it
+    returns for the norm's plain output (which it quantizes itself)."""
+    from tpserve.model.kernels.backend import select_ops
+    from tpserve.model.layers.norm import RMSNorm
+
+    mlp = _mlp(backend, ops_name)
+    norm = RMSNorm(64, 1e-6, select_ops(ops_name), torch.float32).to(DEVICE)
+    norm.weight.data.copy_(torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5)
+    x, res = _rows(12, 64, torch.float32, 11), _rows(12, 64, torch.float32, 12)
+    h, summed = norm(x, res)
+    hq, summed_q = norm(x, res, quantize=True)
+    assert isinstance(hq, Fp8Activation) and hq.shape == (12, 64)
+    assert torch.equal(summed_q, summed)
+    assert torch.equal(mlp.gate_up_proj(hq), mlp.gate_up_proj(h))
+    first = norm(x, quantize=True)
+    assert torch.equal(mlp.gate_up_proj(first), mlp.gate_up_proj(norm(x)))

@@ -1,0 +1,121 @@
+"""The Triton W8A8 fp8 GEMM (``kernels/triton_w8a8.py``) against the product of the
+dequantized operands, and its choice inside ``Fp8LinearMethod``.
+
+On a machine without CUDA the kernel runs in Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, set before the kernel modules are imported); on the GPU the same
+tests run compiled with fp8 tensor-core products.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tpserve.model.quant.fp8 import FP8, quantize_per_row  # noqa: E402
+
+NAMES = ("tpserve.model.kernels.triton_fp8", "tpserve.model.kernels.triton_w8a8")
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The W8A8 module, with the fp8 module it builds on, interpreted off CUDA."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE.type == "cpu":
+            _fix_interpreter_index(mp)
+            from triton.runtime.interpreter import InterpretedFunction
+            fp8 = sys.modules.get(NAMES[0])
+            if fp8 is not None and not isinstance(fp8._wo_load, InterpretedFunction):
+                importlib.reload(fp8)
+            w8 = sys.modules.get(NAMES[1])
+            if w8 is not None and not isinstance(w8._w8a8_kernel, InterpretedFunction):
+                importlib.reload(w8)
+        importlib.import_module(NAMES[0])
+        yield importlib.import_module(NAMES[1])
+
+
+def _operands(m: int, n: int, k: int, seed: int, zero_rows=(), zero_cols=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
+    x[list(zero_rows)] = 0
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    w[list(zero_cols)] = 0
+    xq, xs = quantize_per_row(x)
+    wq, ws = quantize_per_row(w)
+    return xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.view(-1).to(DEVICE)
+
+
+def _check(kern, xq, xs, wq, ws, bias, out_dtype, config=None):
+    """Against the float32 product of the dequantized operands: float32 outputs to the
+    summation-order bound, 16-bit outputs to one rounding of the output dtype more."""
+    y = kern.w8a8_linear(xq, xs, wq, ws, bias, out_dtype, config)
+    xd, wd = xq.float() * xs, wq.float() * ws[:, None]
+    want = F.linear(xd, wd, None if bias is None else bias.float())
+    assert y.dtype == out_dtype and y.shape == (xq.shape[0], wq.shape[0])
+    mag = F.linear(xd.abs(), wd.abs())
+    eps = {torch.float32: 0.0, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out_dtype]
+    tol = eps * want.abs() + (xq.shape[1] + 4) * 2**-24 * mag + 1e-30
+    assert ((y.float() - want).abs() <= tol).all(), (y.float() - want).abs().max()
+    return y
+
+
+# the shipped table, then explicit launches: split and unsplit, M/N/K tails of every block
+CONFIGS = [None, "w8a8,16,16,32,1,4,1", "w8a8,16,32,64,2,4,2", "w8a8,32,16,32,3,4,1",
+           "w8a8,32,32,32,0,4,2"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 40, 96), (33, 24, 160), (20, 72, 200)])
+def test_w8a8_launches_match_the_dequantized_product(kern, config, m, n, k):
+    """Every launch at M = 1..33, N tails (40, 72), K not a multiple of the block (200) or
+    of the split, a zero activation row and zero weight rows, with and without bias."""
+    xq, xs, wq, ws = _operands(m, n, k, 1, zero_rows=(m // 2,), zero_cols=(0, n - 1))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for b in (None, bias):
+        y = _check(kern, xq, xs, wq, ws, b, torch.float32, config)
+        # a zero row gives exactly the bias; a zero weight row gives exactly its bias
+        want_row = torch.zeros(n, device=DEVICE) if b is None else b
+        assert torch.equal(y[m // 2], want_row)
+        col = torch.zeros(m, device=DEVICE) if b is None else b[0].expand(m)
+        assert torch.equal(y[:, 0], col)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_rounds_once_into_16_bit_outputs(kern, out_dtype):
+    xq, xs, wq, ws = _operands(70, 136, 64, 3)
+    _check(kern, xq, xs, wq, ws, None, out_dtype)
+
+
+def test_w8a8_refuses_unquantized_operands_and_other_launch_kinds(kern):
+    xq, xs, wq, ws = _operands(4, 16, 32, 4)
+    with pytest.raises(AssertionError):
+        kern.w8a8_linear(xq.float(), xs, wq, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="not a w8a8 launch"):
+        kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32, "dot,16,16,32,1,4")
+
+
+@pytest.mark.parametrize("m", [33, 64, 65, 128, 256])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (1024, 4096), (4096, 1792)])
+def test_w8a8_table_fills_the_gpu(kern, m, n, k):
+    """The static launch table (no kernel run): two programs per H200 SM or as many K
+    chunks as K allows, for the llama3-8b shapes and their tp-8 shards."""
+    cfg = kern.w8a8_blocks(m, n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split or kern.auto_split(tiles, k, cfg.block_k, 132)
+    assert cfg.kind == "w8a8"
+    assert tiles * split >= 2 * 132 or split == max(1, k // (4 * cfg.block_k))
+
+
+def test_w8a8_dtype_is_e4m3(kern):
+    assert kern.FP8 is FP8

@@ -1,0 +1,172 @@
+"""Per-token fp8 quantization fused into the kernels that produce a W8A8 layer's input:
+RMSNorm (with the residual add) before qkv and gate/up, the SiLU gate before down.
+
+Each computes exactly what the unfused kernel writes (``triton_norm``, ``triton_activation``:
+the same float32 formulas, rounded to the same output dtype), then quantizes those rounded
+values per row as ``triton_fp8.quantize_per_token`` does (scale ``max(amax * float32(1/448),
+MIN_SCALE)``, ``x / scale`` correctly rounded, clamped to +-448, cast to nearest even). So
+the codes and scales equal the unfused pair's bit for bit on the same device, and only the
+fp8 codes (half the bytes) are written instead of the 16-bit activations.
+
+- ``rms_norm_fp8`` / ``add_rms_norm_fp8``: one program per row held in registers (as
+  ``triton_norm``); the residual sum is still written (it is the next residual).
+- ``silu_and_mul_fp8``: one program per row in ``BLOCK``-column chunks, two passes: the
+  row's amax, then the codes (the gate recomputed, reading ``[gate | up]`` again, mostly
+  from L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.model.kernels.triton_fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
+from tpserve.model.kernels.triton_support import tl_dtype
+
+_SILU_BLOCK = 2048
+
+
+@triton.jit
+def _quantize_store(v, q_ptr, offs, mask, scale, FP8_MAX_C: tl.constexpr,
+                    BIT_CAST: tl.constexpr):
+    """Stores the e4m3 codes of float32 ``v / scale`` (clamped, nearest even)."""
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+    if BIT_CAST:
+        code = _e4m3_code(q)
+    else:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs, code, mask=mask)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, sum_ptr,
+    stride_x, stride_r, stride_q, stride_s,
+    hidden, eps,
+    OUT_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BIT_CAST: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = (normed * w).to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
+    scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    tl.store(s_ptr + row, scale)
+    _quantize_store(v, q_ptr + row * stride_q, offs, mask, scale, FP8_MAX_C, BIT_CAST)
+
+
+@triton.jit
+def _silu_act(x_row, offs, mask, d):
+    """``silu(gate) * up`` of columns ``offs``, rounded as ``triton_activation`` rounds."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + d + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, d,
+    BIT_CAST: tl.constexpr, FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, d, BLOCK):
+        offs = c0 + cols
+        amax = tl.maximum(amax, tl.abs(_silu_act(x_row, offs, offs < d, d)))
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    tl.store(s_ptr + row, scale)
+    for c0 in range(0, d, BLOCK):
+        offs = c0 + cols
+        v = _silu_act(x_row, offs, offs < d, d)
+        _quantize_store(v, q_ptr + row * stride_q, offs, offs < d, scale, FP8_MAX_C,
+                        BIT_CAST)
+
+
+def _consts(device: torch.device) -> dict:
+    return dict(BIT_CAST=device.type != "cuda", FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
+                MIN_SCALE_C=MIN_SCALE)
+
+
+def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} vs hidden {hidden}"
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(weight.dtype, sum_dtype)
+    rows = x2.shape[0]
+    q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if residual is None:
+        r2, summed, s2 = x2, None, x2  # dummies: HAS_RESIDUAL=False never touches them
+    else:
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+        s2 = summed.view(-1, hidden)
+    if rows:
+        block_h = triton.next_power_of_2(hidden)
+        _rms_norm_fp8_kernel[(rows,)](
+            x2, r2, weight.contiguous(), q.view(torch.uint8), s, s2,
+            x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), hidden, eps,
+            OUT_DTYPE=tl_dtype(out_dtype), HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block_h, num_warps=4 if block_h <= 2048 else (8 if block_h <= 8192 else 16),
+            **_consts(x.device))
+    return q, s, summed, out_dtype
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``quantize_per_token(rms_norm(x, weight, eps))`` in one kernel: ``(q [rows, H] e4m3,
+    scale [rows, 1] float32, the dtype rms_norm would return)``."""
+    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps)
+    return q, s, out_dtype
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype,
+                                          torch.Tensor]:
+    """``add_rms_norm`` with its normed output quantized per token: ``(q, scale, dtype,
+    x + residual)``."""
+    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps)
+    return q, s, out_dtype, summed
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``quantize_per_token(silu_and_mul(x))`` in one kernel for ``x = [gate | up]``
+    ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``."""
+    two_d = x.shape[-1]
+    assert two_d % 2 == 0, f"last dimension must be even, got {two_d}"
+    d = two_d // 2
+    x2 = x.reshape(-1, two_d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    q = torch.empty((rows, d), dtype=FP8, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and d:
+        block = min(_SILU_BLOCK, triton.next_power_of_2(d))
+        _silu_and_mul_fp8_kernel[(rows,)](
+            x2, q.view(torch.uint8), s, x2.stride(0), q.stride(0), d, BLOCK=block,
+            num_warps=4 if block <= 1024 else 8, **_consts(x.device))
+    return q, s, x.dtype

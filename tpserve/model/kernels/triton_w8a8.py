@@ -1,0 +1,129 @@
+"""The W8A8 fp8 GEMM as a Triton kernel (``--quantization fp8`` at mid-sized M):
+``y = (xq @ wq^T) * x_scale[m] * w_scale[n] (+ b)`` with both operands e4m3.
+
+Why not ``torch._scaled_mm`` everywhere: at decode-batch sizes (M = 33..256) cuBLAS picks
+tiles that leave most SMs idle on the Llama-3-8B shapes (the graph-timed sweep of
+f8ec81e: ``down`` [4096, 14336] at M = 64 took 43.7 us, 1.3 TB/s of its 58.7 MB, slower
+than bf16's 35.7 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
+``split`` contiguous chunks, one program each (float32 partials summed in order by
+``triton_fp8._wo_reduce_kernel``), so every shape fills the GPU; each step is one
+``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
+accumulator.
+
+Numerics: the float32 sum of exact e4m3 products, then the activation row's scale (in the
+program, so partials are already row-scaled), then the weight channel's scale and the bias
+(after the reduction when split): ``reference_w8a8`` up to float32 summation order and the
+order of the two scale multiplies. Off CUDA (the interpreter) the fp8 tiles are widened to
+float32 before the dot (exact), so the CPU tests run the same program.
+
+Launch: shapes alone choose it (``w8a8_blocks``); the partial buffer is a ``torch.empty``
+of a static size; no host synchronisation: capturable in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.model.kernels.triton_fp8 import (
+    FP8,
+    WoConfig,
+    _sm_count,
+    _wo_load,
+    _wo_reduce_kernel,
+    auto_split,
+)
+
+
+def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
+    """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``: 64-row tiles
+    up to M = 64, 128 rows above; K split to two programs per SM (``auto_split``)."""
+    if m <= 64:
+        return WoConfig("w8a8", 64, 128, 128, 0, 4, 4)
+    return WoConfig("w8a8", 128, 128, 128, 0, 8, 4)
+
+
+@triton.jit
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+                 stride_x, stride_w, stride_y,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                 WIDEN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
+    +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
+    the dot (the interpreter has no fp8 matmul)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = pid_k * K_CHUNK
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
+        x, w = _wo_load(x_rows, w_rows, k0 + rk, m_ok, n_ok, K, EVEN_K)
+        if WIDEN:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        p = p_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(p, acc, mask=ok)
+    else:
+        acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                config: WoConfig | str | None = None) -> torch.Tensor:
+    """``xq [M, K]`` e4m3 with per-row ``x_scale [M, 1]`` float32 (``quantize_per_token``)
+    times ``wq [N, K]`` e4m3 with per-channel ``w_scale [N]`` float32, plus ``bias [N]``:
+    ``[M, N]`` in ``out_dtype``. ``config`` (a ``WoConfig`` of kind "w8a8" or its string)
+    overrides ``w8a8_blocks`` (benchmarks, tests)."""
+    assert xq.dtype == FP8 and wq.dtype == FP8, (xq.dtype, wq.dtype)
+    assert xq.dim() == 2 and xq.stride(-1) == 1 and wq.stride(-1) == 1
+    m, k = xq.shape
+    n = wq.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return y
+    cfg = w8a8_blocks(m, n, k) if config is None else config
+    if isinstance(cfg, str):
+        cfg = WoConfig.parse(cfg)
+    if cfg.kind != "w8a8":
+        raise ValueError(f"not a w8a8 launch: {cfg}")
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    steps = triton.cdiv(k, bk)
+    split = cfg.split or auto_split(m_tiles * n_tiles, k, bk, _sm_count(xq.device))
+    split = max(1, min(split, steps))
+    k_chunk = triton.cdiv(steps, split) * bk
+    split = triton.cdiv(k, k_chunk)  # no empty chunk
+    part = (torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
+            if split > 1 else y)
+    b = bias if bias is not None else w_scale
+    xs = x_scale.reshape(-1)
+    _w8a8_kernel[(m_tiles, n_tiles, split)](
+        xq, xs, wq, w_scale, b, y, part, m, n, k, k_chunk,
+        xq.stride(0), wq.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k_chunk * split == k, PARTIAL=split > 1,
+        WIDEN=xq.device.type != "cuda", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, w_scale, b, y, m, n, split, y.stride(0), HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+    return y
