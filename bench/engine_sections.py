@@ -293,7 +293,7 @@ KERNEL_CATEGORIES = (
     ("rope_kv_write", r"rope"),
     ("norm", r"rms_norm"),
     ("activation", r"silu"),
-    ("gemm", r"nvjet|gemm|cutlass|xmma|_wo_|scaled_mm|splitKreduce"),
+    ("gemm", r"nvjet|gemm|cutlass|xmma|_wo_|_w8a8|scaled_mm|splitKreduce"),
     ("memcpy_memset", r"^Memcpy|^Memset"),
 )
 

@@ -10,11 +10,16 @@ than bf16's 35.7 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cu
 ``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
 accumulator.
 
-Numerics: the float32 sum of exact e4m3 products, then the activation row's scale (in the
+Numerics: the sum of exact e4m3 products, then the activation row's scale (in the
 program, so partials are already row-scaled), then the weight channel's scale and the bias
-(after the reduction when split): ``reference_w8a8`` up to float32 summation order and the
-order of the two scale multiplies. Off CUDA (the interpreter) the fp8 tiles are widened to
-float32 before the dot (exact), so the CPU tests run the same program.
+(after the reduction when split). Hopper's fp8 tensor cores keep only about 14 bits of
+the running sum (DeepSeek-V3 report, section 3.3.2; Triton's default on sm_90 is to
+accumulate a whole K loop that way): each ``BLOCK_K`` step (at most ``PROMOTE_K``
+products) is summed in the tensor cores and then added to a float32 accumulator, as
+cuBLAS does without fast accumulation. So the result is ``reference_w8a8`` up to float32
+summation order, the order of the two scale multiplies and that in-step rounding. Off
+CUDA (the interpreter) the fp8 tiles are widened to float32 before the dot (exact), so
+the CPU tests run the same program.
 
 Launch: shapes alone choose it (``w8a8_blocks``); the partial buffer is a ``torch.empty``
 of a static size; no host synchronisation: capturable in CUDA graphs.
@@ -32,27 +37,48 @@ from tpserve.model.kernels.triton_fp8 import (
     _sm_count,
     _wo_load,
     _wo_reduce_kernel,
-    auto_split,
 )
+
+PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
+# cuBLAS's W8A8 fills the GPU from this many 128 x 128 output tiles (see ``prefer_triton``)
+CUBLAS_MIN_TILES = 64
+
+
+def prefer_triton(m: int, n: int) -> bool:
+    """Whether this kernel beats ``torch._scaled_mm`` at a static ``(M, N)``, from the
+    graph-timed sweep at 3babef5 (``bench/fp8_gemm.py --sweep-sets w8a8``, H200,
+    llama3-8b shapes): always at M <= 64 (there 80 against 108 us for a layer's four
+    GEMMs at M = 64); above, only while cuBLAS has fewer than ``CUBLAS_MIN_TILES``
+    128 x 128 output tiles, too few to fill the SMs without splitting K (down and o at
+    M = 128: 26 against 38 us and 13 against 14 us; gate_up at M = 128 and every shape at
+    M = 512 are cuBLAS's)."""
+    return m <= 64 or triton.cdiv(m, 128) * triton.cdiv(n, 128) <= CUBLAS_MIN_TILES
+
+
+def one_wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """The K split for ``tiles`` output tiles: about one program per SM (the sweep's best:
+    two per SM, ``auto_split``, ran 20-30 % slower), at most one per four ``block_k``
+    steps of K (a static function of the shape and the device)."""
+    return max(1, min(sms // tiles, k // (4 * block_k)))
 
 
 def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
-    """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``: 64-row tiles
-    up to M = 64, 128 rows above; K split to two programs per SM (``auto_split``)."""
-    if m <= 64:
-        return WoConfig("w8a8", 64, 128, 128, 0, 4, 4)
-    return WoConfig("w8a8", 128, 128, 128, 0, 8, 4)
+    """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``: 64 x 128
+    output tiles up to M = 64, 128 x 128 above, 128-column K steps, 4 warps, 4 stages
+    (the sweep's best tile at every shape up to M = 256); split 0: ``one_wave_split``."""
+    return WoConfig("w8a8", 64 if m <= 64 else 128, 128, 128, 0, 4, 4)
 
 
 @triton.jit
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                  stride_x, stride_w, stride_y,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 WIDEN: tl.constexpr,
+                 WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
-    the dot (the interpreter has no fp8 matmul)."""
+    the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
+    summed in the tensor cores before each float32 add."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -71,7 +97,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     ok = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
@@ -107,7 +133,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
-    split = cfg.split or auto_split(m_tiles * n_tiles, k, bk, _sm_count(xq.device))
+    split = cfg.split or one_wave_split(m_tiles * n_tiles, k, bk, _sm_count(xq.device))
     split = max(1, min(split, steps))
     k_chunk = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_chunk)  # no empty chunk
@@ -119,7 +145,8 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         xq, xs, wq, w_scale, b, y, part, m, n, k, k_chunk,
         xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k_chunk * split == k, PARTIAL=split > 1,
-        WIDEN=xq.device.type != "cuda", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
