@@ -63,13 +63,16 @@ def main() -> int:
     p.add_argument("--warmup-output-len", type=int, default=16)
     p.add_argument("--frames", type=int, default=40)
     p.add_argument("--skip-sampler-warmup", action="store_true")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto")
     a = p.parse_args()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = pick_device(0, "auto")
     argv = ["serve", a.model, "--load-format", "dummy", "--dtype", "bfloat16",
             "--device", device.type, "--max-model-len", "2048", "--max-num-seqs", "64",
-            "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.9"]
+            "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.9",
+            "--quantization", a.quantization, "--kv-cache-dtype", a.kv_cache_dtype]
     parser, _ = build_parser()
     cfg = config_from_args(parser.parse_args(argv))
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, device, None))
