@@ -120,16 +120,9 @@ def test_w8a8_table_runs_about_one_wave(kern, m, n, k):
     cfg = kern.w8a8_blocks(m, n, k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split or kern.one_wave_split(tiles, k, cfg.block_k, 132)
-    assert cfg.kind == "w8a8" and cfg.block_m == (64 if m <= 64 else 128)
+    assert cfg.kind == "w8a8"
     assert tiles * split <= 132 or split == 1
     assert tiles * (split + 1) > 132 or split == max(1, k // (4 * cfg.block_k))
-
-
-@pytest.mark.parametrize("m,n,triton_wins", [(64, 28672, True), (128, 4096, True),
-                                              (128, 28672, False), (256, 4096, True),
-                                              (256, 6144, False), (512, 4096, False)])
-def test_triton_is_preferred_where_cublas_has_too_few_tiles(kern, m, n, triton_wins):
-    assert kern.prefer_triton(m, n) is triton_wins
 
 
 def test_fp8_method_takes_the_triton_kernel_for_mid_sized_steps(kern):

@@ -1,10 +1,10 @@
 """The W8A8 fp8 GEMM as a Triton kernel (``--quantization fp8`` at mid-sized M):
 ``y = (xq @ wq^T) * x_scale[m] * w_scale[n] (+ b)`` with both operands e4m3.
 
-Why not ``torch._scaled_mm`` everywhere: at decode-batch sizes (M = 33..256) cuBLAS picks
+Why not ``torch._scaled_mm`` everywhere: at decode-batch sizes (M = 33..64) cuBLAS picks
 tiles that leave most SMs idle on the Llama-3-8B shapes (the graph-timed sweep of
 f8ec81e: ``down`` [4096, 14336] at M = 64 took 43.7 us, 1.3 TB/s of its 58.7 MB, slower
-than bf16's 35.7 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
+than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
 ``split`` contiguous chunks, one program each (float32 partials summed in order by
 ``triton_fp8._wo_reduce_kernel``), so every shape fills the GPU; each step is one
 ``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
@@ -40,33 +40,24 @@ from tpserve.model.kernels.triton_fp8 import (
 )
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
-# cuBLAS's W8A8 fills the GPU from this many 128 x 128 output tiles (see ``prefer_triton``)
-CUBLAS_MIN_TILES = 64
-
-
-def prefer_triton(m: int, n: int) -> bool:
-    """Whether this kernel beats ``torch._scaled_mm`` at a static ``(M, N)``, from the
-    graph-timed sweep at 3babef5 (``bench/fp8_gemm.py --sweep-sets w8a8``, H200,
-    llama3-8b shapes): always at M <= 64 (there 80 against 108 us for a layer's four
-    GEMMs at M = 64); above, only while cuBLAS has fewer than ``CUBLAS_MIN_TILES``
-    128 x 128 output tiles, too few to fill the SMs without splitting K (down and o at
-    M = 128: 26 against 38 us and 13 against 14 us; gate_up at M = 128 and every shape at
-    M = 512 are cuBLAS's)."""
-    return m <= 64 or triton.cdiv(m, 128) * triton.cdiv(n, 128) <= CUBLAS_MIN_TILES
 
 
 def one_wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """The K split for ``tiles`` output tiles: about one program per SM (the sweep's best:
-    two per SM, ``auto_split``, ran 20-30 % slower), at most one per four ``block_k``
-    steps of K (a static function of the shape and the device)."""
+    """The K split for ``tiles`` output tiles: about one program per SM (the sweep at
+    3babef5: two per SM, ``triton_fp8.auto_split``, ran 20-30 % slower), at most one per
+    four ``block_k`` steps of K (a static function of the shape and the device)."""
     return max(1, min(sms // tiles, k // (4 * block_k)))
 
 
 def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
     """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``: 64 x 128
-    output tiles up to M = 64, 128 x 128 above, 128-column K steps, 4 warps, 4 stages
-    (the sweep's best tile at every shape up to M = 256); split 0: ``one_wave_split``."""
-    return WoConfig("w8a8", 64 if m <= 64 else 128, 128, 128, 0, 4, 4)
+    output tiles, 128-column K steps, 4 warps, 4 stages, split 0 (``one_wave_split``):
+    the sweep's best tile at M = 64 on every llama3-8b shape (3babef5; with the float32
+    promotion at 1ca1fb8 a layer's four GEMMs take 81.8 us against cuBLAS's 109.9).
+    128-row tiles with the promotion hold two 128 x 128 float32 accumulators per 4 warps
+    and ran slower than cuBLAS at M = 128..512 (1ca1fb8), so larger M keep 64-row tiles
+    (the method sends them to cuBLAS: ``quant.fp8.W8A8_TRITON_MAX_TOKENS``)."""
+    return WoConfig("w8a8", 64, 128, 128, 0, 4, 4)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ at load, the product chosen by the step's (static) token count M.
   bytes of bf16).
 - larger M (prefill, mixed steps): W8A8. Activations are quantized per token, then the
   fp8 operands are multiplied with row-wise scales: by the Triton split-K kernel
-  (``kernels/triton_w8a8.py``) up to ``W8A8_TRITON_MAX_TOKENS`` where cuBLAS leaves SMs
-  idle (``triton_w8a8.prefer_triton``), else by ``torch._scaled_mm``. The quantization is fused into the kernel that
+  (``kernels/triton_w8a8.py``) up to ``W8A8_TRITON_MAX_TOKENS``, where cuBLAS leaves SMs
+  idle, else by ``torch._scaled_mm``. The quantization is fused into the kernel that
   produces the activations where it can be (``takes_quantized_input``: the RMSNorm before
   qkv and gate/up, the SiLU gate before down; ``Fp8Activation`` carries the result), else
   it is one kernel of its own.
@@ -48,7 +48,9 @@ INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 # at M = 32, 187 vs 123 at M = 64
 DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 32
 # W8A8 steps up to this many tokens take the Triton split-K kernel, larger ones _scaled_mm
-W8A8_TRITON_MAX_TOKENS = 256
+# (H200, 1ca1fb8, a llama3-8b layer's four GEMMs: 81.8 against 109.9 us at M = 64; from
+# M = 128 cuBLAS was as fast or faster on every shape but down)
+W8A8_TRITON_MAX_TOKENS = 64
 
 
 class Fp8Activation(NamedTuple):
@@ -229,15 +231,12 @@ class Fp8LinearMethod:
              ) -> torch.Tensor:
         """Per-token quantized activations ``xq [M, K]`` (scales ``xs [M, 1]``) times the
         fp8 weight: the float32 reference on the torch back-end; the Triton split-K kernel
-        up to ``w8a8_triton_max_tokens`` where it is the faster (``prefer_triton``),
-        ``torch._scaled_mm`` otherwise (static shapes only)."""
+        up to ``w8a8_triton_max_tokens``, ``torch._scaled_mm`` above (static M only)."""
         if self.backend == "torch":
             return reference_quantized_product(xq, xs, wq, w_scale, bias, out_dtype)
-        m = xq.shape[0]
-        if m <= self.w8a8_triton_max_tokens:
+        if xq.shape[0] <= self.w8a8_triton_max_tokens:
             from tpserve.model.kernels import triton_w8a8
 
-            if triton_w8a8.prefer_triton(m, wq.shape[0]):
-                return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
+            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
                                 bias=bias, out_dtype=out_dtype)
