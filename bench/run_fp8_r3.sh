@@ -20,19 +20,7 @@ mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
 t0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
-engine() {  # MODE: bench_engine.py --serving-only --profile-serving 400
-  local mode=$1 flags=()
-  case $mode in
-    fp8w) flags=(--quantization fp8) ;;
-    fp8kv) flags=(--kv-cache-dtype fp8) ;;
-    both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
-  esac
-  step "engine $mode"
-  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 400 \
-    --out "$res/engine-$mode.json" --git-commit "$sha" "${flags[@]}" \
-    > "$res/engine-$mode.log" 2>&1
-  grep -E "weights .* GiB|batch-1|serving:|serving profile" "$res/engine-$mode.log" | cut -c1-1000
-}
+engine() { step "engine $1"; engine_mode "$res" "$1" "$sha"; }
 tests() {  # FILE...: compiled on the GPU
   step "tests"
   timeout 200 python3 -m pytest -q -p no:cacheprovider "$@" > "$res/gpu-tests.txt" 2>&1

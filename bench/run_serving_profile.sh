@@ -9,16 +9,7 @@ mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
 t0=$(date +%s)
 for mode in "$@"; do
-  flags=()
-  case $mode in
-    fp8w) flags=(--quantization fp8) ;;
-    fp8kv) flags=(--kv-cache-dtype fp8) ;;
-    both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
-  esac
   echo "=== engine $mode ($(( $(date +%s) - t0 )) s)"
-  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 400 \
-    --out "$out/engine-$mode.json" --git-commit "$sha" "${flags[@]}" \
-    > "$out/engine-$mode.log" 2>&1
-  grep -E "batch-1|serving:|serving profile" "$out/engine-$mode.log" | cut -c1-900
+  engine_mode "$out" "$mode" "$sha"
 done
 echo "=== done ($(( $(date +%s) - t0 )) s)"

@@ -16,25 +16,36 @@ _BLOCK = 1024
 
 
 @triton.jit
+def _silu_mul_cols(x_row, offs, mask, d):
+    """``silu(gate) * up`` of columns ``offs`` of one ``[gate | up]`` row in float32, the
+    gate's ``silu`` rounded to the input dtype first (before the output's rounding)."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + d + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul_cols(x_ptr + row * stride_x, offs, mask, d)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gate_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x = [gate | up]`` as contiguous rows ``[rows, 2D]``, and ``D``."""
+    two_d = x.shape[-1]
+    assert two_d % 2 == 0, f"last dimension must be even, got {two_d}"
+    x2 = x.reshape(-1, two_d)
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), two_d // 2
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
-    two_d = x.shape[-1]
-    assert two_d % 2 == 0, f"last dimension must be even, got {two_d}"
-    d = two_d // 2
-    x2 = x.reshape(-1, two_d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, d = gate_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
     rows = x2.shape[0]

@@ -360,14 +360,8 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         cfg = WoConfig.parse(cfg)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    steps = triton.cdiv(k, bk)
     split = cfg.split or auto_split(m_tiles * n_tiles, k, bk, _sm_count(x.device))
-    split = max(1, min(split, steps))
-    k_chunk = triton.cdiv(steps, split) * bk
-    split = triton.cdiv(k, k_chunk)  # no empty chunk
-    even_k = k_chunk * split == k
-    part = (torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-            if split > 1 else y)
+    split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
     b = bias if bias is not None else w_scale
     args = (x, wq, w_scale, b, y, part, m, n, k, k_chunk, x.stride(0), wq.stride(0),
             y.stride(0))
@@ -384,12 +378,36 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         _wo_dot_kernel[grid](*args, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, **common)
     else:
         raise ValueError(f"unknown weight-only kind {cfg.kind!r}")
-    if split > 1:
-        block = 1024
-        _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, w_scale, b, y, m, n, split, y.stride(0), HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+    reduce_splits(part, w_scale, bias, y, split)
     return y
+
+
+def split_k(split: int, m: int, n: int, k: int, block_k: int, y: torch.Tensor
+            ) -> tuple[int, int, bool, torch.Tensor]:
+    """The K chunks of a split-K launch asked for ``split`` programs along K: ``(split,
+    chunk, even, partials)`` with every chunk whole ``block_k`` steps and none empty,
+    ``even`` when the chunks cover K exactly (no K masks), and the float32 ``[split, M, N]``
+    partials (``y`` itself when unsplit): a static function of the shapes."""
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(split, steps))
+    chunk = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(k, chunk)  # no empty chunk
+    part = (torch.empty((split, m, n), dtype=torch.float32, device=y.device)
+            if split > 1 else y)
+    return split, chunk, chunk * split == k, part
+
+
+def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  y: torch.Tensor, split: int) -> None:
+    """``y = (sum of the split partials) * w_scale (+ bias)`` (``_wo_reduce_kernel``); a
+    no-op when unsplit (the GEMM wrote ``y`` itself)."""
+    if split == 1:
+        return
+    m, n = y.shape
+    block = 1024
+    _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, w_scale, bias if bias is not None else w_scale, y, m, n, split, y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.triton_activation import _silu_mul_cols, gate_rows
 from tpserve.model.kernels.triton_fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
+from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_for
 from tpserve.model.kernels.triton_support import tl_dtype
 
 _SILU_BLOCK = 2048
@@ -51,16 +53,9 @@ def _rms_norm_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = (normed * w).to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
+    v = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
+                    eps, offs, mask, HAS_RESIDUAL)
+    v = v.to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
     scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     _quantize_store(v, q_ptr + row * stride_q, offs, mask, scale, FP8_MAX_C, BIT_CAST)
@@ -69,11 +64,7 @@ def _rms_norm_fp8_kernel(
 @triton.jit
 def _silu_act(x_row, offs, mask, d):
     """``silu(gate) * up`` of columns ``offs``, rounded as ``triton_activation`` rounds."""
-    gate = tl.load(x_row + offs, mask=mask, other=0.0)
-    up = tl.load(x_row + d + offs, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (act * up).to(gate.dtype).to(tl.float32)
+    return _silu_mul_cols(x_row, offs, mask, d).to(x_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -106,33 +97,19 @@ def _consts(device: torch.device) -> dict:
 def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
               eps: float):
     hidden = x.shape[-1]
-    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} vs hidden {hidden}"
-    x2 = x.reshape(-1, hidden)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = torch.promote_types(weight.dtype, sum_dtype)
+    r = norm_rows(x, residual, weight)
+    x2, r2, s2 = r.x, r.residual, r.sum_rows
     rows = x2.shape[0]
     q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if residual is None:
-        r2, summed, s2 = x2, None, x2  # dummies: HAS_RESIDUAL=False never touches them
-    else:
-        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
-        r2 = residual.reshape(-1, hidden)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-        summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-        s2 = summed.view(-1, hidden)
     if rows:
         block_h = triton.next_power_of_2(hidden)
         _rms_norm_fp8_kernel[(rows,)](
             x2, r2, weight.contiguous(), q.view(torch.uint8), s, s2,
             x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), hidden, eps,
-            OUT_DTYPE=tl_dtype(out_dtype), HAS_RESIDUAL=residual is not None,
-            BLOCK_H=block_h, num_warps=4 if block_h <= 2048 else (8 if block_h <= 8192 else 16),
-            **_consts(x.device))
-    return q, s, summed, out_dtype
+            OUT_DTYPE=tl_dtype(r.out_dtype), HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block_h, num_warps=num_warps_for(block_h), **_consts(x.device))
+    return q, s, r.summed, r.out_dtype
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
@@ -155,12 +132,7 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``quantize_per_token(silu_and_mul(x))`` in one kernel for ``x = [gate | up]``
     ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``."""
-    two_d = x.shape[-1]
-    assert two_d % 2 == 0, f"last dimension must be even, got {two_d}"
-    d = two_d // 2
-    x2 = x.reshape(-1, two_d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, d = gate_rows(x)
     rows = x2.shape[0]
     q = torch.empty((rows, d), dtype=FP8, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)

@@ -9,9 +9,28 @@ dtype is ``promote_types(weight.dtype, x.dtype)``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
+                eps, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """Row ``row``'s ``normed * weight`` in float32, before the output's rounding (the
+    residual sum, when given, rounded to its dtype and stored first)."""
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        # Round the sum to its storage dtype: the norm is taken of the stored sum.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    return normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -24,42 +43,54 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        # Round the sum to its storage dtype: the norm is taken of the stored sum.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
+                    eps, offs, mask, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_warps(block_h: int) -> int:
-    return 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
+class NormRows(NamedTuple):
+    """A norm launch's operands as rows of ``hidden``: ``x`` and ``residual`` (contiguous
+    rows), the residual sum's output ``summed`` and its rows ``sum_rows``, and the normed
+    output's dtype. Without a residual, ``residual`` and ``sum_rows`` are ``x`` (never
+    read: ``HAS_RESIDUAL`` is off) and ``summed`` is None."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    summed: torch.Tensor | None
+    sum_rows: torch.Tensor
+    out_dtype: torch.dtype
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+              ) -> NormRows:
+    """``NormRows`` of a launch; allocates the residual sum when there is a residual."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} vs hidden {hidden}"
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype),
-                      device=x.device)
-    out2 = out.view(-1, hidden)
+    out_dtype = torch.promote_types(weight.dtype, sum_dtype)
     if residual is None:
-        r2, summed, s2 = x2, None, out2  # dummies: HAS_RESIDUAL=False never touches them
-    else:
-        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
-        r2 = residual.reshape(-1, hidden)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-        summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-        s2 = summed.view(-1, hidden)
+        return NormRows(x2, x2, None, x2, out_dtype)
+    assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
+    r2 = residual.reshape(-1, hidden)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    return NormRows(x2, r2, summed, summed.view(-1, hidden), out_dtype)
+
+
+def num_warps_for(block_h: int) -> int:
+    return 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    hidden = x.shape[-1]
+    r = norm_rows(x, residual, weight)
+    out = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
+    out2 = out.view(-1, hidden)
+    x2, r2, summed, s2 = r.x, r.residual, r.summed, r.sum_rows
     rows = x2.shape[0]
     if rows:
         block_h = triton.next_power_of_2(hidden)
@@ -67,7 +98,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2, r2, weight.contiguous(), out2, s2,
             x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps_for(block_h),
         )
     return out, summed
 

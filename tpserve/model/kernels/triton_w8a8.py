@@ -6,7 +6,7 @@ tiles that leave most SMs idle on the Llama-3-8B shapes (the graph-timed sweep o
 f8ec81e: ``down`` [4096, 14336] at M = 64 took 43.7 us, 1.3 TB/s of its 58.7 MB, slower
 than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
 ``split`` contiguous chunks, one program each (float32 partials summed in order by
-``triton_fp8._wo_reduce_kernel``), so every shape fills the GPU; each step is one
+``triton_fp8.reduce_splits``), so every shape fills the GPU; each step is one
 ``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
 accumulator.
 
@@ -36,7 +36,8 @@ from tpserve.model.kernels.triton_fp8 import (
     WoConfig,
     _sm_count,
     _wo_load,
-    _wo_reduce_kernel,
+    reduce_splits,
+    split_k,
 )
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
@@ -123,25 +124,14 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         raise ValueError(f"not a w8a8 launch: {cfg}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    steps = triton.cdiv(k, bk)
     split = cfg.split or one_wave_split(m_tiles * n_tiles, k, bk, _sm_count(xq.device))
-    split = max(1, min(split, steps))
-    k_chunk = triton.cdiv(steps, split) * bk
-    split = triton.cdiv(k, k_chunk)  # no empty chunk
-    part = (torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
-            if split > 1 else y)
-    b = bias if bias is not None else w_scale
-    xs = x_scale.reshape(-1)
+    split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
     _w8a8_kernel[(m_tiles, n_tiles, split)](
-        xq, xs, wq, w_scale, b, y, part, m, n, k, k_chunk,
-        xq.stride(0), wq.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k_chunk * split == k, PARTIAL=split > 1,
+        xq, x_scale.reshape(-1), wq, w_scale, bias if bias is not None else w_scale, y, part,
+        m, n, k, k_chunk, xq.stride(0), wq.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        block = 1024
-        _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, w_scale, b, y, m, n, split, y.stride(0), HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+    reduce_splits(part, w_scale, bias, y, split)
     return y
