@@ -38,13 +38,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``rms_norm`` quantized per token (``quant.fp8.quantize_per_row``): ``(q, scale,
-    the norm's dtype)``; the reference of the fused W8A8 producers."""
-    y = rms_norm(x, weight, eps)
+def _quantized(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``) and its dtype."""
     q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
     return q, s, y.dtype
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``rms_norm`` quantized per token: ``(q, scale, the norm's dtype)``; the reference
+    of the fused W8A8 producers."""
+    return _quantized(rms_norm(x, weight, eps))
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -53,15 +57,12 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     """``add_rms_norm`` with the normed rows quantized per token: ``(q, scale, dtype,
     x + residual)``."""
     y, summed = add_rms_norm(x, residual, weight, eps)
-    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
-    return q, s, y.dtype, summed
+    return (*_quantized(y), summed)
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``silu_and_mul`` quantized per token: ``(q, scale, dtype)``."""
-    y = silu_and_mul(x)
-    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
-    return q, s, y.dtype
+    return _quantized(silu_and_mul(x))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from tpserve.model.kernels.triton_fp8 import (
     FP8,
     WoConfig,
     _sm_count,
+    _wo_epilogue,
     _wo_load,
     reduce_splits,
     split_k,
@@ -91,16 +92,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
         else:
             acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        p = p_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(p, acc, mask=ok)
-    else:
-        acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, ws_ptr, b_ptr, y_ptr, p_ptr, stride_y,
+                 HAS_BIAS, PARTIAL)
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
