@@ -36,13 +36,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_profiles import (  # noqa: E402  (bench/engine_profiles.py)
+    profile_decode,
+    profile_mixed,
+    profile_serving,
+)
 from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     StubTokenizer,
     decode_batch1,
     prefill,
-    profile_decode,
-    profile_mixed,
-    profile_serving,
     random_prompt,
     run_closed_loop,
     serving,
