@@ -162,6 +162,17 @@ def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
 
 
 @triton.jit
+def _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Program ``(m, n, .)``'s output rows ``rm`` and columns ``rn``, their masks, and the
+    row pointers of its activations ``[BLOCK_M, 1]`` and weight rows ``[BLOCK_N, 1]``."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (rm, rn, rm < M, rn < N, x_ptr + rm.to(tl.int64)[:, None] * stride_x,
+            w_ptr + rn.to(tl.int64)[:, None] * stride_w)
+
+
+@triton.jit
 def _wo_load(x_rows, w_rows, kk, m_ok, n_ok, K, EVEN_K: tl.constexpr):
     """The ``[BLOCK_M, BLOCK_K]`` activations and ``[BLOCK_N, BLOCK_K]`` fp8 weights at
     columns ``kk`` (zero outside M, N and K)."""
@@ -293,16 +304,10 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
     ``tl.dot`` of the ``[BLOCK_M, BLOCK_K]`` activations and the transposed
     ``[BLOCK_N, BLOCK_K]`` weight tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16
     and fp32)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
+                                                    BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):

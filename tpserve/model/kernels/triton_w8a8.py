@@ -35,6 +35,7 @@ from tpserve.model.kernels.triton_fp8 import (
     FP8,
     WoConfig,
     _sm_count,
+    _tile_rows,
     _wo_epilogue,
     _wo_load,
     reduce_splits,
@@ -72,16 +73,10 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
     the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
     summed in the tensor cores before each float32 add."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
+                                                    BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
