@@ -22,6 +22,8 @@ from tune_decode import time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+    BF16_LAUNCH,
+    FP8_LAUNCH,
     MAX_SPLITS,
     decode_attention,
     decode_num_splits,
@@ -34,12 +36,24 @@ FP8_LAUNCHES = [(64, 4, 3, True), (128, 4, 3, False), (128, 4, 3, True), (128, 8
                 (64, 4, 4, True), (128, 4, 2, True), (64, 8, 3, True), (32, 4, 4, True),
                 (128, 8, 2, True), (256, 8, 2, True), (128, 4, 2, True, True),
                 (64, 4, 3, True, True), (256, 8, 3, True, True), (128, 8, 3, True, True)]
+# --sweep-set r4: the shipped launches with the scores as K q^T and/or the grid KV head
+# first, on the cache they are shipped for ("bf16" or "fp8"), plus a few tiles
+R4_LAUNCHES = [(c, lc._replace(**kw)) for c, lc in (("fp8", FP8_LAUNCH), ("bf16", BF16_LAUNCH))
+               for kw in ({"swap_qk": True}, {"heads_first": True},
+                          {"swap_qk": True, "heads_first": True})] + [
+    ("fp8", FP8_LAUNCH._replace(block_n=64, num_stages=3, swap_qk=True)),
+    ("fp8", FP8_LAUNCH._replace(block_n=64, num_stages=3, swap_qk=True, heads_first=True)),
+    ("fp8", FP8_LAUNCH._replace(num_warps=8, swap_qk=True, heads_first=True)),
+    ("fp8", FP8_LAUNCH._replace(num_stages=3, swap_qk=True, heads_first=True)),
+    ("fp8", FP8_LAUNCH._replace(fp16_dot=False, swap_qk=True, heads_first=True))]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
+    p.add_argument("--sweep-set", choices=["r3", "r4"], default="r3",
+                   help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches)")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")
@@ -80,7 +94,27 @@ def main() -> None:
         row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
         row["max_abs_diff"] = float((out["fp8"] - out["bf16"]).abs().max())
         factors = [1] + [f for f in a.split_factors if splits * f <= MAX_SPLITS]
-        for launch, factor in [(x, f) for x in FP8_LAUNCHES for f in factors] if a.sweep else []:
+        if a.sweep and a.sweep_set == "r4":
+            caches = {"bf16": (kb, vb, None), "fp8": (k8, v8, scale)}
+            for cache, lc in R4_LAUNCHES:
+                kc, vc, ks = caches[cache]
+                o = torch.empty_like(q)
+
+                def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks):
+                    return decode_attention(q, kc, vc, tables, lens, 0.088, o, splits,
+                                            kv_scale=ks, **lc._asdict())
+                name = f"{cache}{list(lc)}"
+                try:
+                    us = time_graph(fn)
+                except Exception as exc:  # noqa: BLE001 - a launch that fails to compile
+                    row[name] = repr(exc)[:120]
+                    continue
+                row[name] = {"us": round(us, 2),
+                             "kv_TBps": round(2 * batch * ctx * hkv * d * kc.element_size()
+                                              / us / 1e6, 3),
+                             "max_abs_diff": float((o.float() - out["bf16"]).abs().max())}
+        for launch, factor in ([(x, f) for x in FP8_LAUNCHES for f in factors]
+                               if a.sweep and a.sweep_set == "r3" else []):
             bn, warps, stages, f16, *late = launch
             late = bool(late and late[0])
             o = torch.empty_like(q)

@@ -160,11 +160,13 @@ def _ref(q, k_cache, v_cache, meta, scale, kv_scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", [(1, 16, 64), (4, 8, 128)])
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("fp16_dot,late_widen", [(False, False), (True, False), (True, True)])
-def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits, fp16_dot,
-                                   late_widen):
-    """Both matmul operand choices (q's dtype, or fp16 with q pre-scaled), and K widened
-    before or after its transpose, equal the torch reference over the dequantized cache."""
+@pytest.mark.parametrize("launch", [
+    {"fp16_dot": False}, {"fp16_dot": True}, {"fp16_dot": True, "late_widen": True},
+    {"fp16_dot": True, "swap_qk": True, "heads_first": True}, {"fp16_dot": False, "swap_qk": True}])
+def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits, launch):
+    """Both matmul operand choices (q's dtype, or fp16 with q pre-scaled), K widened before
+    or after its transpose, the scores computed as ``K q^T``, and the grid ordered KV head
+    first, all equal the torch reference over the dequantized cache."""
     gen = torch.Generator().manual_seed(5)
     hkv = 2
     kv_scale = _scales(2.0 ** -6, 0.013)  # cache values up to ~300: no saturation here
@@ -176,7 +178,7 @@ def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits
     out = torch.full_like(q, float("nan"))
     kernels["triton_decode_attention"].decode_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits,
-        kv_scale=kv_scale, fp16_dot=fp16_dot, late_widen=late_widen)
+        kv_scale=kv_scale, **launch)
     _close(out, _ref(q, k_cache, v_cache, meta, scale, kv_scale), dtype)
 
 

@@ -51,13 +51,19 @@ class DecodeLaunch(NamedTuple):
     """Tile and launch of ``_decode_split_kernel`` (tuning only: results do not depend on
     them beyond rounding; ``fp16_dot`` and ``late_widen`` apply to an FP8 cache:
     ``late_widen`` transposes the e4m3 K tile before widening it, so the compiler may
-    widen in the matmul operand's registers instead of staging a widened copy)."""
+    widen in the matmul operand's registers instead of staging a widened copy; ``swap_qk``
+    computes the scores transposed, ``K q^T``, so the widened K tile is the matmul's first
+    operand, which Hopper's tensor cores may read from registers; ``heads_first`` orders the
+    grid KV head fastest, so the programs of one sequence run together and read whole token
+    rows of the cache)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     fp16_dot: bool
     late_widen: bool = False
+    swap_qk: bool = False
+    heads_first: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -81,10 +87,15 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr,
+    FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -120,11 +131,15 @@ def _decode_split_kernel(
         off = toks % PAGE_SIZE
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if LATE_WIDEN:
-            kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
+        if SWAP_QK:
+            s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
+                                input_precision=DOT_PRECISION))
         else:
-            kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+            if LATE_WIDEN:
+                kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
+            else:
+                kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
         alpha = tl.exp2(m_i - m_new)
@@ -144,7 +159,7 @@ def _decode_split_kernel(
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        row = (seq * (GROUP * NUM_KV_HEADS) + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + row, m_i, mask=g_mask)
         tl.store(part_sum_ptr + row, l_i, mask=g_mask)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
@@ -193,7 +208,8 @@ def decode_attention(
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
-    late_widen: bool | None = None,
+    late_widen: bool | None = None, swap_qk: bool | None = None,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -216,10 +232,11 @@ def decode_attention(
     if batch == 0:
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
-             "fp16_dot": fp16_dot, "late_widen": late_widen}
+             "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
+             "heads_first": heads_first}
     launch = (FP8_LAUNCH if fp8 else BF16_LAUNCH)._replace(
         **{k: v for k, v in given.items() if v is not None})
-    block_n, num_warps, num_stages, fp16_dot, late_widen = launch
+    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -233,7 +250,8 @@ def decode_attention(
         part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                                device=q.device)
         part_sum = torch.empty_like(part_max)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch) if heads_first else (batch, num_kv_heads)
+    _decode_split_kernel[(*grid, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
         scale * LOG2E, kv_scale if fp8 else part_max,  # a float32 pointer, unread if not FP8
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -243,7 +261,8 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
-        LATE_WIDEN=late_widen and fp8, num_warps=num_warps, num_stages=num_stages,
+        LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
+        NUM_KV_HEADS=num_kv_heads, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 15 round 4 on the H200, one device call:
+#   the fp8 decode-attention launches with the scores as K q^T and/or the grid KV head first
+#   (bench/time_fp8_decode.py --sweep --sweep-set r4, both caches), then the allocation
+#   probe (bench/segments_probe.py, memory history on) over bench_engine.py's serving
+#   workload (640 x 1,024 in / 256 out, c = 64) with fp8 weights + KV, to find the one
+#   448 MiB segment the round-3 serving runs created.
+# Usage (on the GPU machine, from the repo root, .whl carried):
+#   bash bench/run_fp8_r4.sh OUT_DIR GIT_SHA [sweep] [probe]
+set -uo pipefail
+out=$1 sha=$2
+shift 2
+parts=("${@:-sweep probe}")
+mkdir -p "$out"
+. "$(dirname "$0")/gpu_env.sh"
+t0=$(date +%s)
+step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+if [[ " ${parts[*]} " == *" sweep "* ]]; then
+  step "decode sweep r4"
+  timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r4 \
+    --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r4.json" > "$out/decode-r4.log" 2>&1
+  tail -3 "$out/decode-r4.log" | cut -c1-300
+  python3 - "$out/decode-r4.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
+    print(r["batch"], r["context"], "splits", r["splits"], "bf16", r["bf16_us"], "fp8", r["fp8_us"])
+    for us, k in best:
+        print("   ", us, k, r[k]["max_abs_diff"])
+PY
+fi
+if [[ " ${parts[*]} " == *" probe "* ]]; then
+  step "segments probe, fp8 weights + KV, bench_engine's workload"
+  timeout 300 python3 bench/segments_probe.py --out "$out/segments-probe-fp8.json" \
+    --git-commit "$sha" --num-prompts 640 --output-len 256 --quantization fp8 \
+    --kv-cache-dtype fp8 > "$out/segments-probe-fp8.log" 2>&1
+  tail -40 "$out/segments-probe-fp8.log" | cut -c1-300
+fi
+step done
