@@ -100,8 +100,8 @@ def main() -> None:
                 kc, vc, ks = caches[cache]
                 o = torch.empty_like(q)
 
-                def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens)):
-                    return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, splits,
+                def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens), n=splits):
+                    return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, n,
                                             kv_scale=ks, **lc._asdict())
                 name = f"{cache}{list(lc)}"
                 try:
