@@ -96,17 +96,18 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def fp8_state(state: dict[str, torch.Tensor], scales: str = "channel"
               ) -> dict[str, torch.Tensor]:
     """``state`` with every linear weight stored as an FP8 checkpoint stores it: e4m3 codes
-    plus ``weight_scale``, ``[out, 1]`` per output channel (``quantize_per_row``, the function
-    ``--quantization fp8`` quantizes with) or one ``[]`` scale per tensor (the tensor's
-    amax / 448). Everything else is kept as is."""
-    from tpserve.model.quant.fp8 import quantize_per_row
+    plus ``weight_scale``, ``[out, 1]`` per output channel (``quantize_per_row`` with the
+    searched scales: what ``--quantization fp8`` quantizes with) or one ``[]`` scale per
+    tensor (the tensor's amax / 448). Everything else is kept as is."""
+    from tpserve.model.quant.fp8 import quantize_per_row, searched_amax
 
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         if name.rsplit(".", 2)[-2] not in LINEAR_NAMES or not name.endswith(".weight"):
             out[name] = w
             continue
-        amax = None if scales == "channel" else w.abs().amax().float().expand(w.shape[0], 1)
+        amax = (searched_amax(w, w.abs().amax(dim=-1, keepdim=True).float())
+                if scales == "channel" else w.abs().amax().float().expand(w.shape[0], 1))
         q, scale = quantize_per_row(w, amax)
         out[name] = q
         out[name + "_scale"] = scale.contiguous() if scales == "channel" else scale[0, 0].clone()

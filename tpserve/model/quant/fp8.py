@@ -14,12 +14,18 @@ at load, the product chosen by the step's (static) token count M.
   it is one kernel of its own.
 
 Invariants:
-- ``x ~= q * scale`` row by row, each row's largest magnitude mapped to the largest finite
-  e4m3 value (448); an all-zero row gets the scale ``MIN_SCALE`` and zero codes, so zero
+- ``x ~= q * scale`` row by row. Activations: each row's largest magnitude is mapped to the
+  largest finite e4m3 value (448). Weights: each output channel takes, of the scales
+  ``amax / 448 * 2^(i / WEIGHT_SCALE_CANDIDATES)``, the one whose codes have the least
+  squared error (ties: the smallest), so its largest magnitude maps into (224, 448] and
+  nothing is clipped (e4m3's grid is log-spaced: one octave of scales covers every placement
+  of it; on Gaussian weights the search cuts the error by ~6 %, on the embedded Q4_1
+  SmolLM2 by 11 %). An all-zero row gets the scale ``MIN_SCALE`` and zero codes, so zero
   (padding) rows and columns stay exactly zero and never produce NaN or inf.
 - A weight's scale covers its whole output channel (the row of the unsharded weight): a
   column-parallel shard holds whole rows; a row-parallel shard's row amax is max-reduced
-  over the ranks first. So every rank's fp8 codes are exactly the tp-1 codes of its shard,
+  and its per-candidate errors summed over the ranks first (in float64). So every rank's
+  fp8 codes are exactly the tp-1 codes of its shard (barring float64 summation ties),
   and the weight-only product at any tp equals the tp-1 one up to fp32 summation order.
   (W8A8 activations are scaled per token over this rank's input columns.)
 - The torch reference (``backend="torch"``: CPU, and the test oracle) computes the same
@@ -41,6 +47,10 @@ from tpserve.parallel.linear import UNQUANTIZED, RowParallelLinear
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MIN_SCALE = 1e-12
+# the weight-scale search (see the invariants): candidates per octave, rows at a time; 8
+# candidates: 11 % less squared error on the embedded SmolLM2 (16: 13 %, 4: 8 %)
+WEIGHT_SCALE_CANDIDATES = 8
+SEARCH_ROWS = 2048
 # float32(1 / 448), correctly rounded (exact as a Python float)
 INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 # the graph-timed sweep on an H200 (bench/fp8_gemm.py, llama3-8b shapes, summed over qkv, o,
@@ -136,15 +146,50 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def weight_scale_factors(device: torch.device) -> torch.Tensor:
+    """``[WEIGHT_SCALE_CANDIDATES]`` float32: ``2^(i / WEIGHT_SCALE_CANDIDATES)``."""
+    i = torch.arange(WEIGHT_SCALE_CANDIDATES, dtype=torch.float64)
+    return (2.0 ** (i / WEIGHT_SCALE_CANDIDATES)).to(torch.float32).to(device)
+
+
+def weight_scale_errors(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``[N, WEIGHT_SCALE_CANDIDATES]`` float64: each row's squared error, summed over its
+    columns, when ``w [N, K]`` is quantized with the row amax ``amax [N, 1]`` times each of
+    ``weight_scale_factors`` (``SEARCH_ROWS`` rows at a time, which bounds the float32
+    copies the search makes)."""
+    factors = weight_scale_factors(w.device)
+    out = torch.empty(w.shape[0], factors.numel(), dtype=torch.float64, device=w.device)
+    for r0 in range(0, w.shape[0], SEARCH_ROWS):
+        rows = w[r0:r0 + SEARCH_ROWS].float()
+        for i, f in enumerate(factors):
+            q, scale = quantize_per_row(rows, amax[r0:r0 + SEARCH_ROWS] * f)
+            out[r0:r0 + SEARCH_ROWS, i] = (dequantize(q, scale) - rows).double().square().sum(-1)
+    return out
+
+
+def searched_amax(w: torch.Tensor, amax: torch.Tensor, reduce=None) -> torch.Tensor:
+    """The ``[N, 1]`` float32 amax to quantize ``w [N, K]`` with (``quantize_per_row``):
+    ``amax`` times the least-error factor of each row. ``reduce`` (row-parallel shards: the
+    sum over the ranks) is applied to the per-candidate errors before the choice."""
+    errors = weight_scale_errors(w, amax)
+    if reduce is not None:
+        errors = reduce(errors)
+    best = errors.argmin(dim=1, keepdim=True)  # the first of equal errors
+    return amax * weight_scale_factors(w.device)[best]
+
+
 def quantize_layer_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of ``layer.weight`` as ``(q [N, K] e4m3, scale [N] float32)``,
-    scaled per output channel of the unsharded weight (row-parallel: the row amax is
-    max-reduced over the ranks)."""
+    scaled per output channel of the unsharded weight with the least-error scale of the
+    search (row-parallel: the row amax is max-reduced and the errors summed over the
+    ranks, so that every rank picks the tp-1 scale)."""
     w = layer.weight.detach()
     amax = w.abs().amax(dim=-1, keepdim=True).float()
+    reduce = None
     if isinstance(layer, RowParallelLinear) and layer.comm.world_size > 1:
         amax = -layer.comm.all_reduce_min(-amax)  # max over ranks
-    q, scale = quantize_per_row(w, amax)
+        reduce = layer.comm.all_reduce
+    q, scale = quantize_per_row(w, searched_amax(w, amax, reduce))
     return q, scale.view(-1)
 
 
