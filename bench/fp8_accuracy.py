@@ -9,7 +9,8 @@ fp8 KV cache before that feature exists) is skipped with the reason recorded.
 Per mode against base:
 - the next-token log-probabilities of base's top-5 tokens at ``--positions`` positions spread
   over one prefill of the text (up to ``--max-prompt-len`` tokens; W8A8 path): mean, p95 and
-  max |difference|, and the mean KL(base || mode) there;
+  max |difference|, and the mean KL(base || mode) there; and KL(base || mode) over every
+  position of the prefill (mean, p95);
 - greedy agreement: the argmax at every position of the prefill, and decoded continuations
   (``--decode-tokens`` greedy steps, one token per step: the weight-only path) from
   ``--decode-prompts`` cut points, as the fraction of tokens before the first divergence;
@@ -154,6 +155,7 @@ def compare(base: dict, mine: dict, positions: list[int], ids: list[int]) -> dic
         kls.append(float((lb[p].exp() * (lb[p] - lm[p])).sum()))
     diffs.sort()
     agree_prefill = float((lb.argmax(-1) == lm.argmax(-1)).float().mean())
+    kl_all = (lb.exp() * (lb - lm)).sum(-1)  # every position of the prefill
     decode = []
     for gb, gm in zip(base["gen"], mine["gen"], strict=True):
         same = next((i for i, (x, y) in enumerate(zip(gb, gm, strict=False)) if x != y), len(gb))
@@ -164,6 +166,8 @@ def compare(base: dict, mine: dict, positions: list[int], ids: list[int]) -> dic
                                       "p95": diffs[int(0.95 * (len(diffs) - 1))],
                                       "max": diffs[-1]},
             "kl_base_to_mode_mean": sum(kls) / len(kls),
+            "kl_base_to_mode_all_positions": {"mean": float(kl_all.mean()),
+                                              "p95": float(kl_all.quantile(0.95))},
             "greedy_agreement_prefill": agree_prefill,
             "greedy_decode_prefix_fraction": decode,
             "ppl_ratio": ratio, "ppl_within_2pct": abs(ratio - 1) <= PPL_TOLERANCE}
