@@ -7,16 +7,18 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-# engine_mode DIR MODE SHA: bench_engine.py --serving-only --profile-serving 400 for one mode
-# (bf16, fp8w: --quantization fp8, fp8kv: --kv-cache-dtype fp8, both), into DIR/engine-MODE.*
+# engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
+# PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
+# fp8kv: --kv-cache-dtype fp8, both), into DIR/engine-MODE.*
 engine_mode() {
-  local dir=$1 mode=$2 sha=$3 flags=()
+  local dir=$1 mode=$2 sha=$3 prof=${4:-400} flags=()
   case $mode in
     fp8w) flags=(--quantization fp8) ;;
     fp8kv) flags=(--kv-cache-dtype fp8) ;;
     both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
   esac
-  timeout 200 python3 bench/bench_engine.py --serving-only --profile-serving 400 \
+  [ "$prof" -gt 0 ] && flags+=(--profile-serving "$prof")
+  timeout 200 python3 bench/bench_engine.py --serving-only \
     --out "$dir/engine-$mode.json" --git-commit "$sha" "${flags[@]}" \
     > "$dir/engine-$mode.log" 2>&1
   grep -E "weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$mode.log" | cut -c1-1000

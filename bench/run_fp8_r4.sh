@@ -4,9 +4,12 @@
 #   (bench/time_fp8_decode.py --sweep --sweep-set r4, both caches), then the allocation
 #   probe (bench/segments_probe.py, memory history on) over bench_engine.py's serving
 #   workload (640 x 1,024 in / 256 out, c = 64) with fp8 weights + KV, to find the one
-#   448 MiB segment the round-3 serving runs created.
+#   448 MiB segment the round-3 serving runs created;
+#   final: the fp8 kernels' GPU tests, bench_engine.py --serving-only (no profile) for fp8
+#   weights + KV, fp8 weights and bf16 in one lease, and bench/fp8_accuracy.py on dummy
+#   Llama-3-8B (2,000-token prompt), packed into OUT_DIR/r4-final.tgz.
 # Usage (on the GPU machine, from the repo root, .whl carried):
-#   bash bench/run_fp8_r4.sh OUT_DIR GIT_SHA [sweep] [probe]
+#   bash bench/run_fp8_r4.sh OUT_DIR GIT_SHA [sweep] [probe] [final]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -35,5 +38,23 @@ if [[ " ${parts[*]} " == *" probe "* ]]; then
     --git-commit "$sha" --num-prompts 640 --output-len 256 --quantization fp8 \
     --kv-cache-dtype fp8 > "$out/segments-probe-fp8.log" 2>&1
   tail -40 "$out/segments-probe-fp8.log" | cut -c1-300
+fi
+if [[ " ${parts[*]} " == *" final "* ]]; then
+  res=$out/r4-final
+  mkdir -p "$res"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
+    --format=csv > "$res/nvidia-smi.csv"
+  step "tests"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_fp8_kernels.py \
+    tests/model/test_fp8.py "tests/model/test_triton_fp8_kv.py::test_decode_attention_over_fp8" \
+    > "$res/gpu-tests.txt" 2>&1
+  grep -E "passed|failed|SKIPPED" "$res/gpu-tests.txt" | tail -5
+  for mode in both fp8w bf16; do step "engine $mode"; engine_mode "$res" "$mode" "$sha" 0; done
+  step "accuracy, dummy llama3-8b"
+  timeout 120 python3 bench/fp8_accuracy.py --model llama3-8b --load-format dummy \
+    --max-prompt-len 2000 --modes base fp8-weights both --git-commit "$sha" \
+    --out "$res/fp8-accuracy-dummy8b.json" > "$res/fp8-accuracy-dummy8b.log" 2>&1
+  tail -3 "$res/fp8-accuracy-dummy8b.log" | cut -c1-400
+  tar -C "$out" -czf "$out/r4-final.tgz" r4-final && rm -rf "$res"
 fi
 step done
