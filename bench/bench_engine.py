@@ -92,6 +92,9 @@ def parse_args() -> argparse.Namespace:
                    help="after the serving run, profile STEPS steps of its steady state "
                         "(a closed loop of 3 x concurrency prompts): GPU time by kernel "
                         "category and the GPU's busy fraction (0: off)")
+    p.add_argument("--serving-memory-history", action="store_true",
+                   help="record the allocator's history during the serving run and report "
+                        "the stack behind every segment it creates (slows the run)")
     p.add_argument("--serving-only", action="store_true",
                    help="batch-1 decode and serving only (no eager decode, prefill, profile)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

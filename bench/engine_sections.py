@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from alloc_trace import created_segments  # noqa: E402  (bench/alloc_trace.py)
 from measure import sync  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.runner import ModelRunner  # noqa: E402
@@ -226,9 +227,17 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     c0 = dict(core.counters)
     hist = core.histograms["iteration_tokens_total"]
     h0 = list(hist.counts), hist.count, hist.sum
+    history = getattr(a, "serving_memory_history", False) and device.type == "cuda"
+    if history:  # slows every allocation: the run's speed is then not a figure
+        torch.cuda.memory._record_memory_history(enabled="all", context="all",
+                                                 stacks="python", max_entries=2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature)
     sync(device)
+    snap = None
+    if history:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
     after = alloc_stats(device)
     new_segs = [s for addr, s in _segments(device).items() if addr not in segs_before]
     ttft = [t.token_times[0] - t.t_add for t in done]
@@ -264,6 +273,8 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
             {"pool": s["segment_type"], "total_size": s["total_size"],
              "blocks": [[b["size"], b["state"]] for b in s["blocks"]][:32]}
             for s in new_segs]
+    if snap is not None:
+        seg["created_in_trace"], seg["freed_in_trace"], _ = created_segments(snap, 40)
     kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
           "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
     return srv, seg, kv

@@ -9,7 +9,9 @@
 #   weights + KV, fp8 weights and bf16 in one lease, and bench/fp8_accuracy.py on dummy
 #   Llama-3-8B (2,000-token prompt), packed into OUT_DIR/r4-final.tgz.
 # Usage (on the GPU machine, from the repo root, .whl carried):
-#   bash bench/run_fp8_r4.sh OUT_DIR GIT_SHA [sweep] [probe] [final]
+#   segtrace: bench_engine.py --serving-only --serving-memory-history with fp8 weights (the
+#     stack behind the segment, in the process that makes it), then bf16 once more;
+#   bash bench/run_fp8_r4.sh OUT_DIR GIT_SHA [sweep] [probe] [final] [segtrace]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -56,5 +58,21 @@ if [[ " ${parts[*]} " == *" final "* ]]; then
     --out "$res/fp8-accuracy-dummy8b.json" > "$res/fp8-accuracy-dummy8b.log" 2>&1
   tail -3 "$res/fp8-accuracy-dummy8b.log" | cut -c1-400
   tar -C "$out" -czf "$out/r4-final.tgz" r4-final && rm -rf "$res"
+fi
+if [[ " ${parts[*]} " == *" segtrace "* ]]; then
+  step "engine fp8w, memory history on during serving"
+  timeout 240 python3 bench/bench_engine.py --serving-only --serving-memory-history \
+    --quantization fp8 --out "$out/segtrace-fp8w.json" --git-commit "$sha" \
+    > "$out/segtrace-fp8w.log" 2>&1
+  python3 - "$out/segtrace-fp8w.json" <<'PY'
+import json, sys
+a = json.load(open(sys.argv[1]))["allocator"]
+print("new segments", a.get("new_segments"), "freed in trace", a.get("freed_in_trace"))
+for c in a.get("created_in_trace", []):
+    print(c["size"], c["pool"], c["first_alloc_size"])
+    print("   " + "\n   ".join(c["stack"][:25]))
+PY
+  step "engine bf16 again"
+  engine_mode "$out" bf16 "$sha" 0
 fi
 step done

@@ -23,13 +23,13 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from alloc_trace import created_segments  # noqa: E402
 from engine_sections import StubTokenizer, random_prompt, run_closed_loop  # noqa: E402
 
 from tpserve.cli import build_parser  # noqa: E402
@@ -38,15 +38,6 @@ from tpserve.model.sampler import Sampler  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
 from tpserve.server.config import config_from_args  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
-
-
-def frames_of(event: dict[str, Any], keep: int) -> list[str]:
-    """The event's stack, innermost first, as ``file:line name`` (torch internals kept:
-    the interesting frame is usually the first tpserve one)."""
-    out = []
-    for f in event.get("frames", [])[:keep]:
-        out.append(f"{f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}")
-    return out
 
 
 def main() -> int:
@@ -111,20 +102,7 @@ def main() -> int:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     after = torch.cuda.memory_stats(device)
-    traces = [e for dev in snap.get("device_traces", []) for e in dev]
-    pools = {s["address"]: s.get("segment_type") for s in snap.get("segments", [])}
-    created = []
-    for i, e in enumerate(traces):
-        if e.get("action") != "segment_alloc":
-            continue
-        # the allocation served from the new segment follows it in the trace
-        nxt = next((t for t in traces[i + 1:i + 8] if t.get("action") == "alloc"), None)
-        created.append({"address": e.get("addr"), "size": e.get("size"),
-                        "stream": e.get("stream"),
-                        "pool": pools.get(e.get("addr"), "freed since"),
-                        "first_alloc_size": None if nxt is None else nxt.get("size"),
-                        "stack": frames_of(e, a.frames)})
-    freed = sum(1 for e in traces if e.get("action") == "segment_free")
+    created, freed, events = created_segments(snap, a.frames)
     R = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "git_commit": a.git_commit, "torch": torch.__version__,
          "device": torch.cuda.get_device_name(device), "config": vars(a),
@@ -135,7 +113,7 @@ def main() -> int:
          "new_segments": after["segment.all.allocated"] - before["segment.all.allocated"],
          "segment_current_delta": (after["segment.all.current"]
                                    - before["segment.all.current"]),
-         "segments_freed_in_trace": freed, "trace_events": len(traces),
+         "segments_freed_in_trace": freed, "trace_events": events,
          "created": created}
     out.write_text(json.dumps(R, indent=1) + "\n")
     print(json.dumps({k: R[k] for k in ("new_segments", "segment_current_delta", "serving")},
