@@ -40,14 +40,15 @@ def test_weight_scales_are_the_least_error_candidates():
     w[5] = 0.0
     amax = w.abs().amax(dim=-1, keepdim=True)
     q, scale = quantize_per_row(w, searched_amax(w, amax))
-    err = ((dequantize(q, scale) - w).double() ** 2).sum(-1)
-    plain = ((dequantize(*quantize_per_row(w)) - w).double() ** 2).sum(-1)
+    err = ((dequantize(q, scale) - w) ** 2).sum(-1, dtype=torch.float64)
+    plain = ((dequantize(*quantize_per_row(w)) - w) ** 2).sum(-1, dtype=torch.float64)
     for r in (0, 5, 17, SEARCH_ROWS - 1, SEARCH_ROWS, SEARCH_ROWS + 36):  # both chunks
         cands = []
         for i in range(WEIGHT_SCALE_CANDIDATES):
             f = torch.tensor(2.0 ** (i / WEIGHT_SCALE_CANDIDATES), dtype=torch.float32)
             qi, si = quantize_per_row(w[r:r + 1], amax[r:r + 1] * f)
-            cands.append((((dequantize(qi, si) - w[r]).double() ** 2).sum().item(), si.item()))
+            sq = (dequantize(qi, si) - w[r]) ** 2
+            cands.append((sq.sum(dtype=torch.float64).item(), si.item()))
         best = min(range(len(cands)), key=lambda i: (cands[i][0], i))
         assert scale[r].item() == cands[best][1] and err[r].item() == cands[best][0], r
     assert err[5] == 0 and torch.equal(q[5].float(), torch.zeros(96))

@@ -163,7 +163,8 @@ def weight_scale_errors(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         rows = w[r0:r0 + SEARCH_ROWS].float()
         for i, f in enumerate(factors):
             q, scale = quantize_per_row(rows, amax[r0:r0 + SEARCH_ROWS] * f)
-            out[r0:r0 + SEARCH_ROWS, i] = (dequantize(q, scale) - rows).double().square().sum(-1)
+            err = dequantize(q, scale).sub_(rows).square_()  # float32 squares, float64 sums
+            out[r0:r0 + SEARCH_ROWS, i] = err.sum(-1, dtype=torch.float64)
     return out
 
 
