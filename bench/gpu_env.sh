@@ -7,6 +7,9 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+# step NAME: a progress line with the seconds since this file was sourced
+t0=$(date +%s)
+step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 # engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
 # PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
 # fp8kv: --kv-cache-dtype fp8, both), into DIR/engine-MODE.*

@@ -11,8 +11,6 @@ out=$1 sha=$2
 mkdir -p "$out"
 export TPSERVE_GIT_COMMIT=$sha
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
-step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv > "$out/nvidia-smi.csv"
 step "GPU tests"

@@ -10,7 +10,6 @@ out=$1 sha=$2; shift 2
 mkdir -p "$out"
 export TPSERVE_GIT_COMMIT=$sha TRITON_CACHE_DIR=/tmp/triton-cache-fp8
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv,noheader
 echo "=== tests + parallel compile ($(date +%T))"

@@ -9,8 +9,6 @@ out=$1 sha=$2
 mkdir -p "$out"
 export TPSERVE_GIT_COMMIT=$sha
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
-step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 step "prefill attention sweep"
 timeout 90 python3 bench/tune_prefill.py --fp8 --out "$out/fp8-prefill.json" \
   > "$out/fp8-prefill.log" 2>&1

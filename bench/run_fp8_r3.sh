@@ -18,8 +18,6 @@ shift 3
 modes=("$@")
 mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
-step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 engine() { step "engine $1"; engine_mode "$res" "$1" "$sha"; }
 tests() {  # FILE...: compiled on the GPU
   step "tests"

@@ -18,8 +18,6 @@ shift 2
 parts=("${@:-sweep probe}")
 mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
-step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 if [[ " ${parts[*]} " == *" sweep "* ]]; then
   step "decode sweep r4"
   timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r4 \

@@ -7,7 +7,6 @@ set -uo pipefail
 out=$1 sha=$2; shift 2
 mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
-t0=$(date +%s)
 for mode in "$@"; do
   echo "=== engine $mode ($(( $(date +%s) - t0 )) s)"
   engine_mode "$out" "$mode" "$sha"
