@@ -48,6 +48,20 @@ R4_LAUNCHES = [(c, lc._replace(**kw)) for c, lc in (("fp8", FP8_LAUNCH), ("bf16"
     ("fp8", FP8_LAUNCH._replace(fp16_dot=False, swap_qk=True, heads_first=True))]
 
 
+def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
+                kv_bytes: int) -> None:
+    """``row[name]``: ``fn``'s graph-timed microseconds, the KV bytes it read per second and
+    its output ``o``'s max |difference| from ``want``; or the error of a launch that fails to
+    compile."""
+    try:
+        us = time_graph(fn)
+    except Exception as exc:  # noqa: BLE001 - a launch that fails to compile
+        row[name] = repr(exc)[:120]
+        return
+    row[name] = {"us": round(us, 2), "kv_TBps": round(kv_bytes / us / 1e6, 3),
+                 "max_abs_diff": float((o.float() - want).abs().max())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -103,16 +117,8 @@ def main() -> None:
                 def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens), n=splits):
                     return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, n,
                                             kv_scale=ks, **lc._asdict())
-                name = f"{cache}{list(lc)}"
-                try:
-                    us = time_graph(fn)
-                except Exception as exc:  # noqa: BLE001 - a launch that fails to compile
-                    row[name] = repr(exc)[:120]
-                    continue
-                row[name] = {"us": round(us, 2),
-                             "kv_TBps": round(2 * batch * ctx * hkv * d * kc.element_size()
-                                              / us / 1e6, 3),
-                             "max_abs_diff": float((o.float() - out["bf16"]).abs().max())}
+                time_launch(row, f"{cache}{list(lc)}", fn, o, out["bf16"],
+                            2 * batch * ctx * hkv * d * kc.element_size())
         for launch, factor in ([(x, f) for x in FP8_LAUNCHES for f in factors]
                                if a.sweep and a.sweep_set == "r3" else []):
             bn, warps, stages, f16, *late = launch
@@ -126,14 +132,7 @@ def main() -> None:
                                         kv_scale=scale, fp16_dot=f16, late_widen=late)
             name = (f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}{',late' if late else ''}"
                     f"{f',x{factor}' if factor > 1 else ''}]")
-            try:
-                us = time_graph(fn)
-            except Exception as exc:  # noqa: BLE001 - a launch that fails to compile
-                row[name] = repr(exc)[:120]
-                continue
-            row[name] = {"us": round(us, 2),
-                         "kv_TBps": round(2 * batch * ctx * hkv * d / us / 1e6, 3),
-                         "max_abs_diff": float((o.float() - out["bf16"]).abs().max())}
+            time_launch(row, name, fn, o, out["bf16"], 2 * batch * ctx * hkv * d)
         rows.append(row)
         print(row, flush=True)
         del kb, vb, k8, v8
