@@ -227,7 +227,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     c0 = dict(core.counters)
     hist = core.histograms["iteration_tokens_total"]
     h0 = list(hist.counts), hist.count, hist.sum
-    history = getattr(a, "serving_memory_history", False) and device.type == "cuda"
+    history = a.serving_memory_history and device.type == "cuda"
     if history:  # slows every allocation: the run's speed is then not a figure
         torch.cuda.memory._record_memory_history(enabled="all", context="all",
                                                  stacks="python", max_entries=2_000_000)
