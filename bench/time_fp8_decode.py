@@ -46,6 +46,15 @@ R4_LAUNCHES = [(c, lc._replace(**kw)) for c, lc in (("fp8", FP8_LAUNCH), ("bf16"
     ("fp8", FP8_LAUNCH._replace(num_warps=8, swap_qk=True, heads_first=True)),
     ("fp8", FP8_LAUNCH._replace(num_stages=3, swap_qk=True, heads_first=True)),
     ("fp8", FP8_LAUNCH._replace(fp16_dot=False, swap_qk=True, heads_first=True))]
+# --sweep-set r5: the V scale multiplied into the widened V tile (``scale_v``), at the
+# shipped tile and at the tiles its lower register count may now favour
+_SCALED = FP8_LAUNCH._replace(scale_v=True)
+R5_LAUNCHES = [("fp8", FP8_LAUNCH._replace(scale_v=False))] + [
+    ("fp8", _SCALED._replace(block_n=bn, num_warps=w, num_stages=st))
+    for bn, w, st in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4),
+                      (128, 8, 2), (128, 8, 3), (256, 8, 2), (32, 4, 4))] + [
+    ("fp8", _SCALED._replace(block_n=64, num_stages=3, heads_first=True))]
+LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -66,8 +75,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
-    p.add_argument("--sweep-set", choices=["r3", "r4"], default="r3",
-                   help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches)")
+    p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
+                   help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
+                        "r5 = R5_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")
@@ -108,17 +118,19 @@ def main() -> None:
         row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
         row["max_abs_diff"] = float((out["fp8"] - out["bf16"]).abs().max())
         factors = [1] + [f for f in a.split_factors if splits * f <= MAX_SPLITS]
-        if a.sweep and a.sweep_set == "r4":
+        if a.sweep and a.sweep_set in LAUNCH_SETS:
             caches = {"bf16": (kb, vb, None), "fp8": (k8, v8, scale)}
-            for cache, lc in R4_LAUNCHES:
+            for (cache, lc), factor in [(x, f) for x in LAUNCH_SETS[a.sweep_set]
+                                        for f in factors]:
                 kc, vc, ks = caches[cache]
                 o = torch.empty_like(q)
 
-                def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens), n=splits):
+                def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens),
+                       n=splits * factor):
                     return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, n,
                                             kv_scale=ks, **lc._asdict())
-                time_launch(row, f"{cache}{list(lc)}", fn, o, out["bf16"],
-                            2 * batch * ctx * hkv * d * kc.element_size())
+                time_launch(row, f"{cache}{list(lc)}{f',x{factor}' if factor > 1 else ''}",
+                            fn, o, out["bf16"], 2 * batch * ctx * hkv * d * kc.element_size())
         for launch, factor in ([(x, f) for x in FP8_LAUNCHES for f in factors]
                                if a.sweep and a.sweep_set == "r3" else []):
             bn, warps, stages, f16, *late = launch

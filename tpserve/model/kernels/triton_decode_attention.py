@@ -21,9 +21,15 @@ FP8 cache (``KV_FP8``): K/V rows are loaded as e4m3 and widened exactly to q's d
 (``FP16_DOT``, the default under a 16-bit q) to fp16 with q pre-multiplied by the score
 scale into fp16 (e4m3 widens to fp16 in one instruction; |q| * scale stays far inside
 fp16's range: the score scale is about 0.13 times the K scale); the K scale
-``kv_scale[0]`` is folded into the score scale and the V scale ``kv_scale[1]`` into the
-output (before the split partials are written), both read on the device. This is
-``dequantize`` then attend, up to float32 rounding (and fp16's for q and p).
+``kv_scale[0]`` is folded into the score scale, both read on the device. The V scale
+``kv_scale[1]`` goes into the output (before the split partials are written) or, with
+``SCALE_V`` (fp16 operands only), into the widened V tile itself: ``fp16(v) * fp16(scale)``
+(rounded to fp16; |v| <= 448 * scale, which a bf16 cache's values never approach). The
+multiply changes what the compiler stages in shared memory: without it, e4m3 V goes there
+and is read into the matmul's transposed operand layout one byte per load (Hopper has no
+8-bit transposing ``ldmatrix``); with it, the widened fp16 tile goes there and is read by
+a transposing ``ldmatrix``, and the kernel needs ~45 fewer registers per thread. This is
+``dequantize`` then attend, up to float32 rounding (and fp16's for q, p and a scaled V).
 
 CUDA graphs: the launch grid depends only on host ints (``B``, ``Hkv``, the split count) and
 sequence lengths are read on the device, so one capture is valid for any lengths; a sequence
@@ -55,7 +61,8 @@ class DecodeLaunch(NamedTuple):
     computes the scores transposed, ``K q^T``, so the widened K tile is the matmul's first
     operand, which Hopper's tensor cores may read from registers; ``heads_first`` orders the
     grid KV head fastest, so the programs of one sequence run together and read whole token
-    rows of the cache)."""
+    rows of the cache; ``scale_v`` (with ``fp16_dot``) multiplies the widened V tile by the
+    V scale, see the module docstring)."""
 
     block_n: int
     num_warps: int
@@ -64,13 +71,16 @@ class DecodeLaunch(NamedTuple):
     late_widen: bool = False
     swap_qk: bool = False
     heads_first: bool = False
+    scale_v: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # An FP8 cache (94e9eb8, bench/time_fp8_decode.py --sweep, same shapes): 128-key tiles, 4
 # warps, 2 stages, fp16 matmul operands: 1.05-1.17x the bf16 cache's speed at batch 1-128
 # where the bf16-tuned launch with bf16 operands ran 0.78-0.91x.
-FP8_LAUNCH = DecodeLaunch(128, 4, 2, True)
+# The V scale in the widened V tile (scale_v, 2026-12-02): no byte-wise transposes of e4m3 V
+# in shared memory, 150 registers a thread against 196 (sm_90 SASS, compiled offline).
+FP8_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more only costs)
@@ -88,7 +98,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -116,6 +126,8 @@ def _decode_split_kernel(
         q = (q.to(tl.float32) * scale_log2).to(tl.float16)
         scale_log2 = 1.0
         io_dtype = tl.float16
+        if SCALE_V:
+            v_scale = tl.load(kv_scale_ptr + 1).to(tl.float16)
     q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -147,12 +159,15 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(io_dtype).to(DOT_DTYPE),
-                                            v.to(io_dtype).to(DOT_DTYPE),
+        if SCALE_V:
+            v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
+        else:
+            v = v.to(io_dtype).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(io_dtype).to(DOT_DTYPE), v,
                                             input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if KV_FP8:
+    if KV_FP8 and not SCALE_V:
         acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -209,7 +224,7 @@ def decode_attention(
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     late_widen: bool | None = None, swap_qk: bool | None = None,
-    heads_first: bool | None = None,
+    heads_first: bool | None = None, scale_v: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -233,10 +248,10 @@ def decode_attention(
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
-             "heads_first": heads_first}
+             "heads_first": heads_first, "scale_v": scale_v}
     launch = (FP8_LAUNCH if fp8 else BF16_LAUNCH)._replace(
         **{k: v for k, v in given.items() if v is not None})
-    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first = launch
+    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -262,7 +277,8 @@ def decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
-        NUM_KV_HEADS=num_kv_heads, num_warps=num_warps, num_stages=num_stages,
+        NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 15 round 5 on the H200, one device call:
+#   tests: the fp8 decode-attention and CUDA-graph tests compiled on the GPU;
+#   sweep: bench/time_fp8_decode.py --sweep --sweep-set r5 (the V scale in the widened V
+#     tile at several tiles, against the launch without it), split counts x1 and x2;
+#   final: bench_engine.py --serving-only (no profile) for fp8 weights + KV, fp8 KV,
+#     fp8 weights and bf16 in one lease;
+#   profile: the same for fp8 weights + KV with 400 profiled serving steps.
+# Usage (on the GPU machine, from the repo root, .whl carried):
+#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [sweep] [final] [profile]
+set -uo pipefail
+out=$1 sha=$2
+shift 2
+parts=("${@:-tests sweep}")
+mkdir -p "$out"
+. "$(dirname "$0")/gpu_env.sh"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
+  --format=csv > "$out/nvidia-smi.csv"
+if [[ " ${parts[*]} " == *" tests "* ]]; then
+  step "tests"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_triton_fp8_kv.py \
+    tests/model/test_cuda_graph_path.py > "$out/gpu-tests.txt" 2>&1
+  grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
+fi
+if [[ " ${parts[*]} " == *" sweep "* ]]; then
+  step "decode sweep r5"
+  timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r5 --split-factors 2 \
+    --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r5.json" > "$out/decode-r5.log" 2>&1
+  tail -2 "$out/decode-r5.log" | cut -c1-300
+  python3 - "$out/decode-r5.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
+    print(r["batch"], r["context"], "splits", r["splits"], "bf16", r["bf16_us"], "fp8", r["fp8_us"])
+    for us, k in best[:8]:
+        print("   ", us, k, r[k]["max_abs_diff"])
+PY
+fi
+if [[ " ${parts[*]} " == *" final "* ]]; then
+  for mode in both fp8kv fp8w bf16; do step "engine $mode"; engine_mode "$out" "$mode" "$sha" 0; done
+fi
+if [[ " ${parts[*]} " == *" profile "* ]]; then
+  mkdir -p "$out/prof"
+  step "engine both, profiled"; engine_mode "$out/prof" both "$sha" 400
+fi
+step done
