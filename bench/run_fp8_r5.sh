@@ -3,11 +3,14 @@
 #   tests: the fp8 decode-attention and CUDA-graph tests compiled on the GPU;
 #   sweep: bench/time_fp8_decode.py --sweep --sweep-set r5 (the V scale in the widened V
 #     tile at several tiles, against the launch without it), split counts x1 and x2;
+#   sweep6: --sweep-set r6 (programs of one or two warps), split counts x1, x2, x4, x8;
+#   dtests: only the decode-attention launches of the fp8 tests and the CUDA-graph tests;
 #   final: bench_engine.py --serving-only (no profile) for fp8 weights + KV, fp8 KV,
 #     fp8 weights and bf16 in one lease;
 #   profile: the same for fp8 weights + KV with 400 profiled serving steps.
-# Usage (on the GPU machine, from the repo root, .whl carried):
-#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [sweep] [final] [profile]
+# Usage (on the GPU machine, from the repo root, .whl carried; everything is packed into
+# OUT_DIR/r5.tgz, since a device call returns at most 8 files):
+#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [dtests] [sweep] [sweep6] [final] [profile]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -22,12 +25,14 @@ if [[ " ${parts[*]} " == *" tests "* ]]; then
     tests/model/test_cuda_graph_path.py > "$out/gpu-tests.txt" 2>&1
   grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
 fi
-if [[ " ${parts[*]} " == *" sweep "* ]]; then
-  step "decode sweep r5"
-  timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r5 --split-factors 2 \
-    --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r5.json" > "$out/decode-r5.log" 2>&1
-  tail -2 "$out/decode-r5.log" | cut -c1-300
-  python3 - "$out/decode-r5.json" <<'PY'
+if [[ " ${parts[*]} " == *" dtests "* ]]; then
+  step "decode-attention and graph tests"
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda_graph_path.py \
+    "tests/model/test_triton_fp8_kv.py::test_decode_attention_over_fp8" > "$out/gpu-dtests.txt" 2>&1
+  grep -E "passed|failed|SKIPPED|Error" "$out/gpu-dtests.txt" | tail -8
+fi
+sweep_summary() {
+  python3 - "$1" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
@@ -35,6 +40,20 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     for us, k in best[:8]:
         print("   ", us, k, r[k]["max_abs_diff"])
 PY
+}
+if [[ " ${parts[*]} " == *" sweep6 "* ]]; then
+  step "decode sweep r6"
+  timeout 400 python3 bench/time_fp8_decode.py --sweep --sweep-set r6 --split-factors 2 4 8 \
+    --sizes 64:1152,128:2048,16:2048 --out "$out/decode-r6.json" > "$out/decode-r6.log" 2>&1
+  tail -1 "$out/decode-r6.log" | cut -c1-300
+  sweep_summary "$out/decode-r6.json"
+fi
+if [[ " ${parts[*]} " == *" sweep "* ]]; then
+  step "decode sweep r5"
+  timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r5 --split-factors 2 \
+    --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r5.json" > "$out/decode-r5.log" 2>&1
+  tail -2 "$out/decode-r5.log" | cut -c1-300
+  sweep_summary "$out/decode-r5.json"
 fi
 if [[ " ${parts[*]} " == *" final "* ]]; then
   for mode in both fp8kv fp8w bf16; do step "engine $mode"; engine_mode "$out" "$mode" "$sha" 0; done
@@ -44,3 +63,4 @@ if [[ " ${parts[*]} " == *" profile "* ]]; then
   step "engine both, profiled"; engine_mode "$out/prof" both "$sha" 400
 fi
 step done
+tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"

@@ -54,7 +54,12 @@ R5_LAUNCHES = [("fp8", FP8_LAUNCH._replace(scale_v=False))] + [
     for bn, w, st in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4),
                       (128, 8, 2), (128, 8, 3), (256, 8, 2), (32, 4, 4))] + [
     ("fp8", _SCALED._replace(block_n=64, num_stages=3, heads_first=True))]
-LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES}
+# --sweep-set r6: programs of one or two warps (the max and sum of a tile's scores then
+# need fewer or no cross-warp exchanges through shared memory), best with more splits
+R6_LAUNCHES = [("fp8", _SCALED._replace(block_n=bn, num_warps=w, num_stages=st))
+               for bn, w, st in ((64, 4, 3), (32, 1, 3), (32, 1, 4), (16, 1, 4), (64, 2, 3),
+                                 (32, 2, 3), (64, 2, 2), (128, 2, 2))]
+LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -77,7 +82,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
-                        "r5 = R5_LAUNCHES")
+                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")
