@@ -78,9 +78,12 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # An FP8 cache (94e9eb8, bench/time_fp8_decode.py --sweep, same shapes): 128-key tiles, 4
 # warps, 2 stages, fp16 matmul operands: 1.05-1.17x the bf16 cache's speed at batch 1-128
 # where the bf16-tuned launch with bf16 operands ran 0.78-0.91x.
-# The V scale in the widened V tile (scale_v, 2026-12-02): no byte-wise transposes of e4m3 V
-# in shared memory, 150 registers a thread against 196 (sm_90 SASS, compiled offline).
-FP8_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
+# With the V scale in the widened V tile (scale_v, 2026-12-02; no byte-wise transposes of
+# e4m3 V in shared memory, 111 registers a thread at 64-key tiles) 64-key tiles, 4 warps,
+# 3 stages are the best of r5's ten launches at 64 x 1,152 and 16 x 2,048 (62.1 / 34.0 us
+# against 67.1 / 36.9 for the launch above without scale_v), 5 % behind 128-key tiles at
+# 128 x 2,048 (204.8 / 199.2; 216.1 before) (bench/time_fp8_decode.py --sweep-set r5).
+FP8_LAUNCH = DecodeLaunch(64, 4, 3, True, scale_v=True)
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more only costs)
