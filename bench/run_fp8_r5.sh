@@ -5,12 +5,13 @@
 #     tile at several tiles, against the launch without it), split counts x1 and x2;
 #   sweep6: --sweep-set r6 (programs of one or two warps), split counts x1, x2, x4, x8;
 #   dtests: only the decode-attention launches of the fp8 tests and the CUDA-graph tests;
+#   decode: bench/time_fp8_decode.py at its default sizes (the shipped launches only);
 #   final: bench_engine.py --serving-only (no profile) for fp8 weights + KV, fp8 KV,
 #     fp8 weights and bf16 in one lease;
 #   profile: the same for fp8 weights + KV with 400 profiled serving steps.
 # Usage (on the GPU machine, from the repo root, .whl carried; everything is packed into
 # OUT_DIR/r5.tgz, since a device call returns at most 8 files):
-#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [dtests] [sweep] [sweep6] [final] [profile]
+#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [dtests] [decode] [sweep] [sweep6] [final] [profile]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -41,6 +42,16 @@ for r in json.load(open(sys.argv[1]))["rows"]:
         print("   ", us, k, r[k]["max_abs_diff"])
 PY
 }
+if [[ " ${parts[*]} " == *" decode "* ]]; then
+  step "decode attention, shipped launches"
+  timeout 120 python3 bench/time_fp8_decode.py --out "$out/decode.json" > "$out/decode.log" 2>&1
+  python3 - "$out/decode.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print({k: r[k] for k in ("batch", "context", "bf16_splits", "bf16_us", "fp8_splits",
+                             "fp8_us", "speedup", "max_abs_diff")})
+PY
+fi
 if [[ " ${parts[*]} " == *" sweep6 "* ]]; then
   step "decode sweep r6"
   timeout 400 python3 bench/time_fp8_decode.py --sweep --sweep-set r6 --split-factors 2 4 8 \

@@ -27,6 +27,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     MAX_SPLITS,
     decode_attention,
     decode_num_splits,
+    default_launch,
 )
 
 SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
@@ -106,12 +107,14 @@ def main() -> None:
         tables = torch.randperm(nb, device=dev).int().view(batch, -1)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
-        splits = decode_num_splits(batch, hkv, ctx)
+        splits = decode_num_splits(batch, hkv, ctx)  # the bf16 launch's; the sweeps' base
         out = {}
         row = {"batch": batch, "context": ctx, "splits": splits}
         for name, kc, vc, ks in (("bf16", kb, vb, None), ("fp8", k8, v8, scale)):
             o = torch.empty_like(q)
-            args = (q, kc, vc, tables, lens, 0.088, o, splits)
+            n = decode_num_splits(batch, hkv, ctx, default_launch(kc.dtype).target_programs)
+            row[f"{name}_splits"] = n
+            args = (q, kc, vc, tables, lens, 0.088, o, n)
 
             def fn(args=args, ks=ks):
                 return decode_attention(*args, kv_scale=ks)
@@ -132,8 +135,10 @@ def main() -> None:
 
                 def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens),
                        n=splits * factor):
+                    knobs = lc._asdict()
+                    del knobs["target_programs"]  # a split-count input; n is given here
                     return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, n,
-                                            kv_scale=ks, **lc._asdict())
+                                            kv_scale=ks, **knobs)
                 time_launch(row, f"{cache}{list(lc)}{f',x{factor}' if factor > 1 else ''}",
                             fn, o, out["bf16"], 2 * batch * ctx * hkv * d * kc.element_size())
         for launch, factor in ([(x, f) for x in FP8_LAUNCHES for f in factors]

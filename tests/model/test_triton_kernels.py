@@ -269,6 +269,12 @@ def test_decode_num_splits(mods):
     assert pick(256, 8, 32768) == 1  # grid already fills the GPU
     assert pick(4, 8, 1024) == 8  # limited by the grid (4 * 8 * 8 = 256 programs)
     assert pick(1, 8, 512) == 4  # limited by MIN_TOKENS_PER_SPLIT (128 keys each)
+    # a launch's own grid target (the FP8 cache's one-warp programs aim at ~1,024)
+    assert pick(64, 8, 2048, 1024) == 2 and pick(128, 8, 2048, 1024) == 1
+    assert pick(16, 8, 2048, 1024) == 8 and pick(16, 8, 2048) == 4
+    dec = mods["triton_decode_attention"]
+    assert dec.default_launch(torch.float8_e4m3fn) is dec.FP8_LAUNCH
+    assert dec.default_launch(torch.bfloat16) is dec.BF16_LAUNCH
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

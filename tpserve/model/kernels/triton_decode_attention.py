@@ -62,7 +62,8 @@ class DecodeLaunch(NamedTuple):
     operand, which Hopper's tensor cores may read from registers; ``heads_first`` orders the
     grid KV head fastest, so the programs of one sequence run together and read whole token
     rows of the cache; ``scale_v`` (with ``fp16_dot``) multiplies the widened V tile by the
-    V scale, see the module docstring)."""
+    V scale, see the module docstring). ``target_programs`` is the grid size
+    ``decode_num_splits`` adds splits towards for this launch."""
 
     block_n: int
     num_warps: int
@@ -72,6 +73,7 @@ class DecodeLaunch(NamedTuple):
     swap_qk: bool = False
     heads_first: bool = False
     scale_v: bool = False
+    target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -83,10 +85,15 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # 3 stages are the best of r5's ten launches at 64 x 1,152 and 16 x 2,048 (62.1 / 34.0 us
 # against 67.1 / 36.9 for the launch above without scale_v), 5 % behind 128-key tiles at
 # 128 x 2,048 (204.8 / 199.2; 216.1 before) (bench/time_fp8_decode.py --sweep-set r5).
-FP8_LAUNCH = DecodeLaunch(64, 4, 3, True, scale_v=True)
+# Programs of one warp with 32-key tiles beat both (--sweep-set r6): a tile's score max and
+# sum then need no exchange between warps through shared memory (4-warp programs split the
+# keys over the warps and synchronise ~15 times a tile). Best at about 1,024 programs:
+# 55.7 us at 64 x 1,152 (2 splits), 167.0 at 128 x 2,048 (1), 30.2 at 16 x 2,048 (8),
+# against 61.4 / 205.1 / 33.9 for the 4-warp launch before.
+FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
-TARGET_PROGRAMS = 264  # ~2 programs per SM on a 132-SM H200 (measured: more only costs)
+TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
 
 
 @triton.jit
@@ -205,17 +212,24 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+def default_launch(kv_dtype: torch.dtype) -> DecodeLaunch:
+    """The measured launch for a cache of ``kv_dtype`` (``FP8_LAUNCH`` or ``BF16_LAUNCH``)."""
+    return FP8_LAUNCH if is_fp8(kv_dtype) else BF16_LAUNCH
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      target_programs: int = TARGET_PROGRAMS) -> int:
     """Split count (a power of two <= MAX_SPLITS) from host ints only.
 
-    Splits are added while the grid is below TARGET_PROGRAMS and each split still gets at
+    Splits are added while the grid is below ``target_programs`` (the launch's
+    ``target_programs``: ``default_launch(kv_dtype).target_programs``) and each split still gets at
     least MIN_TOKENS_PER_SPLIT keys of the longest sequence. Results never depend on it, so
     a CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
     past a sequence's end exit at once (measured cost: <= ~10% on short contexts).
     """
     splits = 1
     while (splits * 2 <= MAX_SPLITS
-           and num_seqs * num_kv_heads * splits < TARGET_PROGRAMS
+           and num_seqs * num_kv_heads * splits < target_programs
            and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT):
         splits *= 2
     return splits
@@ -252,9 +266,9 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v}
-    launch = (FP8_LAUNCH if fp8 else BF16_LAUNCH)._replace(
+    launch = default_launch(k_cache.dtype)._replace(
         **{k: v for k, v in given.items() if v is not None})
-    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v = launch
+    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _ = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
