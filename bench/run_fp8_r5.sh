@@ -4,6 +4,8 @@
 #   sweep: bench/time_fp8_decode.py --sweep --sweep-set r5 (the V scale in the widened V
 #     tile at several tiles, against the launch without it), split counts x1 and x2;
 #   sweep6: --sweep-set r6 (programs of one or two warps), split counts x1, x2, x4, x8;
+#   sweep7: --sweep-set r7 (the one-warp and the small-grid FP8 launch) at batches 1-32;
+#   both: bench_engine.py --serving-only for fp8 weights + KV alone;
 #   dtests: only the decode-attention launches of the fp8 tests and the CUDA-graph tests;
 #   decode: bench/time_fp8_decode.py at its default sizes (the shipped launches only);
 #   final: bench_engine.py --serving-only (no profile) for fp8 weights + KV, fp8 KV,
@@ -11,7 +13,7 @@
 #   profile: the same for fp8 weights + KV with 400 profiled serving steps.
 # Usage (on the GPU machine, from the repo root, .whl carried; everything is packed into
 # OUT_DIR/r5.tgz, since a device call returns at most 8 files):
-#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [dtests] [decode] [sweep] [sweep6] [final] [profile]
+#   bash bench/run_fp8_r5.sh OUT_DIR GIT_SHA [tests] [dtests] [decode] [sweep] [sweep6] [sweep7] [both] [final] [profile]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -58,6 +60,17 @@ if [[ " ${parts[*]} " == *" sweep6 "* ]]; then
     --sizes 64:1152,128:2048,16:2048 --out "$out/decode-r6.json" > "$out/decode-r6.log" 2>&1
   tail -1 "$out/decode-r6.log" | cut -c1-300
   sweep_summary "$out/decode-r6.json"
+fi
+if [[ " ${parts[*]} " == *" sweep7 "* ]]; then
+  step "decode sweep r7"
+  timeout 200 python3 bench/time_fp8_decode.py --sweep --sweep-set r7 --split-factors 2 4 \
+    --sizes 1:1152,2:1152,4:1152,8:1152,16:1152,32:1152 --out "$out/decode-r7.json" \
+    > "$out/decode-r7.log" 2>&1
+  tail -1 "$out/decode-r7.log" | cut -c1-300
+  sweep_summary "$out/decode-r7.json"
+fi
+if [[ " ${parts[*]} " == *" both "* ]]; then
+  step "engine both"; engine_mode "$out" both "$sha" 0
 fi
 if [[ " ${parts[*]} " == *" sweep "* ]]; then
   step "decode sweep r5"

@@ -24,7 +24,9 @@ from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: 
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     BF16_LAUNCH,
     FP8_LAUNCH,
+    FP8_SMALL_LAUNCH,
     MAX_SPLITS,
+    DecodeLaunch,
     decode_attention,
     decode_num_splits,
     default_launch,
@@ -39,18 +41,19 @@ FP8_LAUNCHES = [(64, 4, 3, True), (128, 4, 3, False), (128, 4, 3, True), (128, 8
                 (64, 4, 3, True, True), (256, 8, 3, True, True), (128, 8, 3, True, True)]
 # --sweep-set r4: the shipped launches with the scores as K q^T and/or the grid KV head
 # first, on the cache they are shipped for ("bf16" or "fp8"), plus a few tiles
-R4_LAUNCHES = [(c, lc._replace(**kw)) for c, lc in (("fp8", FP8_LAUNCH), ("bf16", BF16_LAUNCH))
+R34_FP8 = DecodeLaunch(128, 4, 2, True)  # the FP8 launch shipped in rounds 3 and 4
+R4_LAUNCHES = [(c, lc._replace(**kw)) for c, lc in (("fp8", R34_FP8), ("bf16", BF16_LAUNCH))
                for kw in ({"swap_qk": True}, {"heads_first": True},
                           {"swap_qk": True, "heads_first": True})] + [
-    ("fp8", FP8_LAUNCH._replace(block_n=64, num_stages=3, swap_qk=True)),
-    ("fp8", FP8_LAUNCH._replace(block_n=64, num_stages=3, swap_qk=True, heads_first=True)),
-    ("fp8", FP8_LAUNCH._replace(num_warps=8, swap_qk=True, heads_first=True)),
-    ("fp8", FP8_LAUNCH._replace(num_stages=3, swap_qk=True, heads_first=True)),
-    ("fp8", FP8_LAUNCH._replace(fp16_dot=False, swap_qk=True, heads_first=True))]
+    ("fp8", R34_FP8._replace(block_n=64, num_stages=3, swap_qk=True)),
+    ("fp8", R34_FP8._replace(block_n=64, num_stages=3, swap_qk=True, heads_first=True)),
+    ("fp8", R34_FP8._replace(num_warps=8, swap_qk=True, heads_first=True)),
+    ("fp8", R34_FP8._replace(num_stages=3, swap_qk=True, heads_first=True)),
+    ("fp8", R34_FP8._replace(fp16_dot=False, swap_qk=True, heads_first=True))]
 # --sweep-set r5: the V scale multiplied into the widened V tile (``scale_v``), at the
 # shipped tile and at the tiles its lower register count may now favour
-_SCALED = FP8_LAUNCH._replace(scale_v=True)
-R5_LAUNCHES = [("fp8", FP8_LAUNCH._replace(scale_v=False))] + [
+_SCALED = R34_FP8._replace(scale_v=True)
+R5_LAUNCHES = [("fp8", R34_FP8)] + [
     ("fp8", _SCALED._replace(block_n=bn, num_warps=w, num_stages=st))
     for bn, w, st in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4),
                       (128, 8, 2), (128, 8, 3), (256, 8, 2), (32, 4, 4))] + [
@@ -60,7 +63,9 @@ R5_LAUNCHES = [("fp8", FP8_LAUNCH._replace(scale_v=False))] + [
 R6_LAUNCHES = [("fp8", _SCALED._replace(block_n=bn, num_warps=w, num_stages=st))
                for bn, w, st in ((64, 4, 3), (32, 1, 3), (32, 1, 4), (16, 1, 4), (64, 2, 3),
                                  (32, 2, 3), (64, 2, 2), (128, 2, 2))]
-LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES}
+# --sweep-set r7: the two FP8 launches (one warp; four for small grids) at small batches
+R7_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", FP8_SMALL_LAUNCH)]
+LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -83,7 +88,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
-                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES")
+                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")
@@ -112,7 +117,8 @@ def main() -> None:
         row = {"batch": batch, "context": ctx, "splits": splits}
         for name, kc, vc, ks in (("bf16", kb, vb, None), ("fp8", k8, v8, scale)):
             o = torch.empty_like(q)
-            n = decode_num_splits(batch, hkv, ctx, default_launch(kc.dtype).target_programs)
+            n = decode_num_splits(batch, hkv, ctx,
+                                  default_launch(kc.dtype, batch, hkv).target_programs)
             row[f"{name}_splits"] = n
             args = (q, kc, vc, tables, lens, 0.088, o, n)
 

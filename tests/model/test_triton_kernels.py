@@ -273,8 +273,10 @@ def test_decode_num_splits(mods):
     assert pick(64, 8, 2048, 1024) == 2 and pick(128, 8, 2048, 1024) == 1
     assert pick(16, 8, 2048, 1024) == 8 and pick(16, 8, 2048) == 4
     dec = mods["triton_decode_attention"]
-    assert dec.default_launch(torch.float8_e4m3fn) is dec.FP8_LAUNCH
-    assert dec.default_launch(torch.bfloat16) is dec.BF16_LAUNCH
+    fp8 = torch.float8_e4m3fn
+    assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8, 8) is dec.FP8_LAUNCH
+    assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8 - 1, 8) is dec.FP8_SMALL_LAUNCH
+    assert dec.default_launch(torch.bfloat16, 64, 8) is dec.BF16_LAUNCH
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

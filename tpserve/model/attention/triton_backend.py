@@ -98,8 +98,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     slots = meta.num_decode_slots
     if slots:
         dec = triton_decode_attention
-        splits = dec.decode_num_splits(slots, k_cache.shape[2], meta.max_seq_len,
-                                       dec.default_launch(k_cache.dtype).target_programs)
+        hkv = k_cache.shape[2]
+        splits = dec.decode_num_splits(
+            slots, hkv, meta.max_seq_len,
+            dec.default_launch(k_cache.dtype, slots, hkv).target_programs)
         dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                              meta.decode_lens(), scale, out[:slots], splits,
                              kv_scale=kv_scale)

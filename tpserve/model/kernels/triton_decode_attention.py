@@ -91,6 +91,13 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # 55.7 us at 64 x 1,152 (2 splits), 167.0 at 128 x 2,048 (1), 30.2 at 16 x 2,048 (8),
 # against 61.4 / 205.1 / 33.9 for the 4-warp launch before.
 FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
+# ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
+# 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
+# the 4-warp launch of rounds 3-4 runs, with scale_v (batch 1 x 1,152 at 16 splits: 6.61 us,
+# r5). The crossover is placed between batch 1 and batch 16 x 8 KV heads, where one warp
+# won (30.2 against 33.9 us); batches 2-8 were not timed at the time of the choice.
+FP8_SMALL_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
+FP8_SMALL_GRID = 128
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
@@ -212,9 +219,13 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def default_launch(kv_dtype: torch.dtype) -> DecodeLaunch:
-    """The measured launch for a cache of ``kv_dtype`` (``FP8_LAUNCH`` or ``BF16_LAUNCH``)."""
-    return FP8_LAUNCH if is_fp8(kv_dtype) else BF16_LAUNCH
+def default_launch(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int) -> DecodeLaunch:
+    """The measured launch for ``num_seqs`` sequences over a cache of ``kv_dtype`` with
+    ``num_kv_heads`` heads: ``BF16_LAUNCH`` for a 16-bit cache; for an FP8 one
+    ``FP8_LAUNCH``, or ``FP8_SMALL_LAUNCH`` under ``FP8_SMALL_GRID`` (sequence, head) pairs."""
+    if not is_fp8(kv_dtype):
+        return BF16_LAUNCH
+    return FP8_LAUNCH if num_seqs * num_kv_heads >= FP8_SMALL_GRID else FP8_SMALL_LAUNCH
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -222,7 +233,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     """Split count (a power of two <= MAX_SPLITS) from host ints only.
 
     Splits are added while the grid is below ``target_programs`` (the launch's
-    ``target_programs``: ``default_launch(kv_dtype).target_programs``) and each split still gets at
+    ``target_programs``: ``default_launch(...).target_programs``) and each split still gets at
     least MIN_TOKENS_PER_SPLIT keys of the longest sequence. Results never depend on it, so
     a CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
     past a sequence's end exit at once (measured cost: <= ~10% on short contexts).
@@ -266,7 +277,7 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v}
-    launch = default_launch(k_cache.dtype)._replace(
+    launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _ = launch
     group = num_q_heads // num_kv_heads
