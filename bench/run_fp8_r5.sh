@@ -20,6 +20,7 @@ shift 2
 parts=("${@:-tests sweep}")
 mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
+export TPSERVE_GIT_COMMIT=$sha  # the sweeps record it (git in the device copy reports a stale HEAD)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv > "$out/nvidia-smi.csv"
 if [[ " ${parts[*]} " == *" tests "* ]]; then

@@ -93,11 +93,11 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
-# the 4-warp launch of rounds 3-4 runs, with scale_v (batch 1 x 1,152 at 16 splits: 6.61 us,
-# r5). The crossover is placed between batch 1 and batch 16 x 8 KV heads, where one warp
-# won (30.2 against 33.9 us); batches 2-8 were not timed at the time of the choice.
+# the 4-warp launch of rounds 3-4 runs, with scale_v. --sweep-set r7 (x 1,152 keys, 8 KV
+# heads, at the split counts the engine's graphs take): batch 1: 6.72 us against one
+# warp's 7.99, batch 2: 8.10 / 8.25, batch 4: 9.37 / 8.99, batch 8: 13.05 / 12.27.
 FP8_SMALL_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
-FP8_SMALL_GRID = 128
+FP8_SMALL_GRID = 32
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
