@@ -200,17 +200,17 @@ def test_abort_returns_blocks(folder, smollm2_tokenizer):
 def test_token_budget_follows_live_free_memory(folder, smollm2_tokenizer):
     readings = Readings(8 << 30)
     core = make_core(folder, smollm2_tokenizer, num_blocks=30, budget=64, readings=readings)
-    floor = core.memory_floor
+    floor = core.budget.floor
     readings.free = floor // 4
     outs = submit(core, "y", list(range(100)), SamplingParams(temperature=0, max_tokens=2))
     core.step()
-    assert core.free_device_memory == floor // 4
-    assert core.token_budget == 16  # a quarter of 64
+    assert core.budget.free == floor // 4
+    assert core.budget.budget == 16  # a quarter of 64
     assert core.stats()["step_token_budget"] == 16
     assert core.requests["y"].seqs[0].num_computed_tokens == 16
     readings.free = floor
     core.step()
-    assert core.token_budget == 64
+    assert core.budget.budget == 64
     run_to_end(core)
     assert outs[-1].finished
 
@@ -261,7 +261,7 @@ def test_a_step_that_runs_out_of_memory_is_dropped_whole(folder, smollm2_tokeniz
     assert all(len(tokens) == 12 and reason == "length" for tokens, _, reason in got.values())
     bm = core.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
-    assert core.oom_hold is not None  # the readings never showed room again
+    assert core.budget.hold is not None  # the readings never showed room again
 
 
 def test_budget_stays_reduced_until_readings_show_room(folder, smollm2_tokenizer,
@@ -279,16 +279,16 @@ def test_budget_stays_reduced_until_readings_show_room(folder, smollm2_tokenizer
             for i in range(3)]
     while not core.counters["oom_recoveries_total"]:
         core.step()
-    hold = core.oom_hold
-    assert hold is not None and hold.cap == 32 and core.token_budget == 32  # half of 64
+    hold = core.budget.hold
+    assert hold is not None and hold.cap == 32 and core.budget.budget == 32  # half of 64
     assert hold.free_at_oom == 8 << 30 and hold.need > 0
     readings.free = hold.room - 1  # more than the floor: the full budget but for the hold
     for _ in range(5):
         core.step()
-        assert core.token_budget == 32 and core.oom_hold is hold
+        assert core.budget.budget == 32 and core.budget.hold is hold
     readings.free = hold.room
     core.step()
-    assert core.token_budget == 64 and core.oom_hold is None  # 32 -> 64: the full budget
+    assert core.budget.budget == 64 and core.budget.hold is None  # 32 -> 64: the full budget
     run_to_end(core)
     assert all(o[-1].finished and o[-1].num_output_tokens == 40 for o in outs)
     assert core.block_manager.num_used_blocks == 0

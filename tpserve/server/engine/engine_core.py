@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -69,13 +68,14 @@ from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.memory_monitor import MemoryMonitor
-from tpserve.server.engine.oom_hold import OomHold
-from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
 from tpserve.server.engine.structured.bitmask import fill_bitmask
 from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
+from tpserve.server.engine.token_budget import MemoryReader, TokenBudget
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,6 @@ PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
 # the longest a step with nothing to run waits for a grammar compile (then returns, so the
 # step loop reads its inbox and sends heartbeats)
 GRAMMAR_WAIT_S = 0.02
-
-MemoryReader = Callable[[torch.device], tuple[int, int]]  # device -> (free, total) bytes
 
 
 @dataclass
@@ -148,17 +146,11 @@ class EngineCore:
         # their sequences; an int, so other threads read it (stats) without iterating
         self.num_awaiting_grammar = 0
         self._next_seq_id = 0
-        # live readings (exported as metrics)
-        self._read_memory = read_memory
-        self._read_interval = memory_read_interval_s
-        self.free_device_memory, _ = read_memory(runner.device)
-        self.memory_floor = max(min(self.free_device_memory, 1 << 30), 1)
-        self.token_budget = self.max_num_batched_tokens
-        self.oom_hold: OomHold | None = None
-        # device memory a step needs per batched token (the profiled workspace at the full
-        # budget), for the room an OOM hold waits for
-        self._bytes_per_token = max(1, runner.plan.workspace // self.max_num_batched_tokens)
-        self._last_read: float | None = None
+        # live readings (exported as metrics); device memory a step needs per batched token
+        # is the profiled workspace at the full budget (the room an OOM hold waits for)
+        self.budget = TokenBudget(self.max_num_batched_tokens, self.block_size,
+                                  runner.plan.workspace // self.max_num_batched_tokens,
+                                  read_memory, runner.device, memory_read_interval_s)
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
@@ -255,29 +247,6 @@ class EngineCore:
         """Stops the grammar compiler's worker (the engine is going away)."""
         self.grammars.close()
 
-    # ---------------------------------------------------------------- live sizing
-    def _read_live_memory(self) -> None:
-        """Re-reads free device memory (at most every ``memory_read_interval_s``) and sizes
-        the step's token budget: the full budget while free memory stays above the start-up
-        floor, shrinking proportionally below it (another process is taking memory), and
-        never above an OOM hold's cap (grown here when the reading shows room; see
-        ``OomHold``)."""
-        now = time.monotonic()
-        if self._last_read is not None and now - self._last_read < self._read_interval:
-            return
-        self._last_read = now
-        self.free_device_memory, _ = self._read_memory(self.runner.device)
-        ratio = min(self.free_device_memory / self.memory_floor, 1.0)
-        budget = max(self.block_size, int(self.max_num_batched_tokens * ratio))
-        hold = self.oom_hold
-        if hold is not None and self.free_device_memory >= hold.room:
-            hold.cap = min(2 * hold.cap, self.max_num_batched_tokens)
-            if hold.cap >= self.max_num_batched_tokens:
-                self.oom_hold = hold = None
-                logger.info("free device memory is back (%d bytes): the out-of-memory "
-                            "budget hold is released", self.free_device_memory)
-        self.token_budget = budget if hold is None else min(budget, hold.cap)
-
     # ----------------------------------------------------------------------- step
     def step(self) -> bool:
         """One iteration: admit the requests whose grammars are ready, schedule and launch
@@ -299,7 +268,7 @@ class EngineCore:
             c["step_host_seconds_total"] += time.perf_counter() - start - waited
 
     def _step(self) -> bool:
-        self._read_live_memory()
+        self.budget.refresh()
         self._admit_ready()
         prev = self._inflight
         if prev is not None and not self._can_overlap():
@@ -307,7 +276,7 @@ class EngineCore:
             prev = None
         ranges = self.runner.ranges
         with ranges.range("schedule"):
-            out = self.scheduler.schedule(self.token_budget)
+            out = self.scheduler.schedule(self.budget.budget)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
             if self._inflight is not None:
@@ -445,20 +414,7 @@ class EngineCore:
             if finished:
                 state.done = True
                 del self.requests[rid]
-                self._observe_request_times(state)
-
-    def _observe_request_times(self, state: RequestState) -> None:
-        """Queue (arrival -> first scheduled), prefill (-> first token) and decode (-> now)
-        times of a request that finished, over its earliest sibling times."""
-        scheduled = [s.first_scheduled_time for s in state.seqs
-                     if s.first_scheduled_time is not None]
-        first = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
-        if not scheduled or not first:
-            return
-        h = self.histograms
-        h["request_queue_time_seconds"].observe(max(0.0, min(scheduled) - state.arrival))
-        h["request_prefill_time_seconds"].observe(max(0.0, min(first) - min(scheduled)))
-        h["request_decode_time_seconds"].observe(max(0.0, time.monotonic() - min(first)))
+                state.observe_times(self.histograms)
 
     def _recover_from_oom(self, failed_tokens: int) -> None:
         """After a step of ``failed_tokens`` tokens ran out of device memory at tp 1
@@ -483,63 +439,23 @@ class EngineCore:
         self.counters["oom_recoveries_total"] += 1
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        free, _ = self._read_memory(self.runner.device)
-        self.free_device_memory = free
-        cap = max(self.block_size, min(self.token_budget, failed_tokens) // 2)
-        need = failed_tokens * self._bytes_per_token
-        hold = self.oom_hold
-        if hold is None:
-            self.oom_hold = OomHold(cap, need, free)
-        else:
-            self.oom_hold = OomHold(min(cap, hold.cap), max(need, hold.need),
-                                    min(free, hold.free_at_oom))
-        self.token_budget = min(self.token_budget, self.oom_hold.cap)
+        b = self.budget
+        b.after_oom(failed_tokens)
         logger.warning("a step of %d tokens ran out of device memory: preempted %d "
                        "sequences; token budget %d until free memory reaches %d bytes "
-                       "(now %d)", failed_tokens, len(victims), self.token_budget,
-                       self.oom_hold.room, free)
+                       "(now %d)", failed_tokens, len(victims), b.budget, b.hold.room, b.free)
 
     def _advance(self, seq: Sequence, row: int, result) -> CompletionDelta | None:
-        """Detokenizes the sequence's new token and applies the stop rules."""
+        """Detokenizes the sequence's new token, applies the stop rules (``stop_rules``)
+        and finishes the sequence in the scheduler if one holds."""
         state = self.requests[seq.request_id]
-        detok = state.detoks[seq.index]
-        token = seq.output_token_ids[-1]
-        params = seq.params
-        text = detok.add_token(token)
-        status, reason = None, None
-        n_out = seq.num_output_tokens
-        matcher = state.matchers[seq.index] if state.matchers else None
-        grammar_ended = False
-        if matcher is not None:
-            if not matcher.accept_token(token):  # the mask allowed it: a bookkeeping bug
-                logger.error("request %s: grammar refused sampled token %d",
-                             seq.request_id, token)
-                status = SequenceStatus.FINISHED_ERROR
-            grammar_ended = matcher.is_terminated()
+        text, status, reason = apply_stop_rules(seq, state, self.eos_token_ids,
+                                                self.max_model_len)
         if status is not None:
-            pass
-        elif detok.stopped:
-            status, reason = SequenceStatus.FINISHED_STOPPED, detok.stop_reason
-        elif n_out >= params.min_tokens and token in params.stop_token_ids:
-            status, reason = SequenceStatus.FINISHED_STOPPED, token
-        elif (n_out >= params.min_tokens and not params.ignore_eos
-              and token in self.eos_token_ids):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif grammar_ended:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            if not detok.stopped:
-                text += detok.flush()
             seq.stop_reason = reason
             self.scheduler.finish(seq, status)
-        logprobs = None
-        if params.logprobs is not None and result is not None:
-            top = tuple((t, detok.token_text(t), lp) for t, lp in result.top_logprobs[row])
-            logprobs = (TokenLogprob(token, detok.token_text(token), result.logprobs[row],
-                                     top),)
-        return CompletionDelta(seq.index, text, (token,), logprobs,
+        return CompletionDelta(seq.index, text, (seq.output_token_ids[-1],),
+                               token_logprobs(seq, state, row, result),
                                seq.finish_reason if status else None, reason)
 
     def fail_all(self, error: BaseException) -> None:
@@ -565,8 +481,8 @@ class EngineCore:
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_cached": bm.num_cached_free_blocks,
-            "device_memory_free_bytes": self.free_device_memory,
-            "step_token_budget": self.token_budget,
+            "device_memory_free_bytes": self.budget.free,
+            "step_token_budget": self.budget.budget,
             **self.counters,
             **self.scheduler.counters,
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},

@@ -1,4 +1,4 @@
-"""The reduced step budget after an out-of-memory step (``EngineCore._recover_from_oom``)."""
+"""The reduced step budget after an out-of-memory step (``TokenBudget.after_oom``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class OomHold:
     - ``free_at_oom``: the free-memory reading right after the failure (the failed step's
       memory and the allocator's cache released), the lowest over the failures.
 
-    Invariants: while the hold exists, ``EngineCore.token_budget <= cap``. ``cap`` grows
+    Invariants: while the hold exists, ``TokenBudget.budget <= cap``. ``cap`` grows
     (doubles) only at a reading ``>= free_at_oom + need``: memory the failed step could have
     used and did not have has come back since. A reading below that keeps ``cap``,
     however long it lasts (another process still holds the memory, or the step failed

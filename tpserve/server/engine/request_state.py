@@ -54,6 +54,22 @@ class RequestState:
     def all_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    def observe_times(self, histograms: dict[str, Any]) -> None:
+        """Observes a finished request's queue (arrival -> first scheduled), prefill (-> first
+        token) and decode (-> now) times, over its siblings' earliest times, into the
+        engine's ``request_*_time_seconds`` histograms (none if it never produced a token)."""
+        scheduled = [s.first_scheduled_time for s in self.seqs
+                     if s.first_scheduled_time is not None]
+        first = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
+        if not scheduled or not first:
+            return
+        histograms["request_queue_time_seconds"].observe(
+            max(0.0, min(scheduled) - self.arrival))
+        histograms["request_prefill_time_seconds"].observe(
+            max(0.0, min(first) - min(scheduled)))
+        histograms["request_decode_time_seconds"].observe(
+            max(0.0, time.monotonic() - min(first)))
+
     def usage(self) -> dict[str, int]:
         return {"num_prompt_tokens": len(self.prompt_token_ids),
                 "num_output_tokens": sum(s.num_output_tokens for s in self.seqs),

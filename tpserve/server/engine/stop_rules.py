@@ -1,0 +1,65 @@
+"""What a sequence's newest output token ends: the stop rules, applied after detokenizing it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tpserve.server.engine.outputs import TokenLogprob
+from tpserve.server.engine.request_state import RequestState
+from tpserve.server.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozenset[int],
+                     max_model_len: int) -> tuple[str, SequenceStatus | None, Any]:
+    """Detokenizes ``seq``'s newest output token, advances its grammar matcher, and returns
+    ``(text, status, reason)``: the text the token completes, and the status it ends the
+    sequence with (None: it goes on) and its stop reason (a stop string or token id).
+
+    The first rule that holds wins: a token the grammar refuses (an error: the mask allowed
+    it), a stop string, a stop token id (from ``min_tokens`` on), EOS (from ``min_tokens``
+    on, unless ``ignore_eos``), the grammar's end, ``max_tokens`` or the model's length.
+    A sequence that ends other than by a stop string gets the detokenizer's held-back text
+    too. Nothing here changes the scheduler: the caller finishes the sequence."""
+    detok = state.detoks[seq.index]
+    token = seq.output_token_ids[-1]
+    params = seq.params
+    text = detok.add_token(token)
+    status, reason = None, None
+    n_out = seq.num_output_tokens
+    matcher = state.matchers[seq.index] if state.matchers else None
+    grammar_ended = False
+    if matcher is not None:
+        if not matcher.accept_token(token):  # the mask allowed it: a bookkeeping bug
+            logger.error("request %s: grammar refused sampled token %d", seq.request_id, token)
+            status = SequenceStatus.FINISHED_ERROR
+        grammar_ended = matcher.is_terminated()
+    if status is not None:
+        pass
+    elif detok.stopped:
+        status, reason = SequenceStatus.FINISHED_STOPPED, detok.stop_reason
+    elif n_out >= params.min_tokens and token in params.stop_token_ids:
+        status, reason = SequenceStatus.FINISHED_STOPPED, token
+    elif n_out >= params.min_tokens and not params.ignore_eos and token in eos_token_ids:
+        status = SequenceStatus.FINISHED_STOPPED
+    elif grammar_ended:
+        status = SequenceStatus.FINISHED_STOPPED
+    elif n_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+        status = SequenceStatus.FINISHED_LENGTH
+    if status is not None and not detok.stopped:
+        text += detok.flush()
+    return text, status, reason
+
+
+def token_logprobs(seq: Sequence, state: RequestState, row: int,
+                   result: Any) -> tuple[TokenLogprob, ...] | None:
+    """The newest token's log-probability and its top alternatives (row ``row`` of the
+    step's sample ``result``), when the request asked for log-probabilities."""
+    if seq.params.logprobs is None or result is None:
+        return None
+    detok = state.detoks[seq.index]
+    token = seq.output_token_ids[-1]
+    top = tuple((t, detok.token_text(t), lp) for t, lp in result.top_logprobs[row])
+    return (TokenLogprob(token, detok.token_text(token), result.logprobs[row], top),)
