@@ -52,7 +52,7 @@ from tpserve.model.loader.build import DTYPES, build_model  # noqa: E402
 from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
 from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
 from tpserve.model.quant.methods import linear_method  # noqa: E402
-from tpserve.model.runner import RunnerConfig  # noqa: E402
+from tpserve.model.runner_config import RunnerConfig  # noqa: E402
 from tpserve.parallel.comm import Communicator  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
 from tpserve.server.config import config_from_args  # noqa: E402

@@ -133,7 +133,7 @@ def test_nvtx_and_memory_history_flow_into_the_runner_config():
     parser, _ = build_parser()
     assert parser.parse_args(["serve", "--memory-history"]).memory_history == 100_000
     assert parser.parse_args(["serve", "--memory-history", "5000"]).memory_history == 5000
-    from tpserve.model.runner import RunnerConfig
+    from tpserve.model.runner_config import RunnerConfig
 
     # the resolved tree on a GPU machine (the dataclass needs no device to be built)
     assert RunnerConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16",
@@ -152,7 +152,7 @@ def test_memory_history_is_refused_on_cpu_with_exit_2():
 
 
 def test_tp_comm_is_validated():
-    from tpserve.model.runner import RunnerConfig
+    from tpserve.model.runner_config import RunnerConfig
 
     with pytest.raises(ValueError, match="--tp-comm must be one of allreduce, allgather; got "
                                          "'ring'"):
@@ -207,7 +207,7 @@ def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
 
 
 def test_a_resolved_runner_config_refuses_auto():
-    from tpserve.model.runner import RunnerConfig
+    from tpserve.model.runner_config import RunnerConfig
 
     for field, flag in (("dtype", "--dtype"), ("device", "--device"),
                         ("kernel_backend", "--kernel-backend")):

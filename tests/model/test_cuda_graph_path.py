@@ -165,7 +165,8 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype):
     from dataclasses import replace
 
     from tpserve.model.plan import StepLimits
-    from tpserve.model.runner import ModelRunner, RunnerConfig
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
     from tpserve.parallel.state import TPGroup
 
     dev = torch.device("cuda", 0)

@@ -90,7 +90,7 @@ def test_config_errors_name_the_flag():
     import pytest
 
     from tpserve.cli import build_parser
-    from tpserve.model.runner import RunnerConfig
+    from tpserve.model.runner_config import RunnerConfig
     from tpserve.server.config import config_from_args
 
     with pytest.raises(ValueError, match="--quantization must be one of none, fp8"):

@@ -27,7 +27,8 @@ from tpserve.model.kernels import torch_ops
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
-from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
 from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.state import TPGroup
 

@@ -21,7 +21,8 @@ from tests.model.test_tiny_models import TOKENS, _hf_model
 from tests.model.util import load, new_pool, run, save_hf_folder
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.plan import SeqChunk, StepLimits
-from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
 from tpserve.parallel.state import TPGroup
 
 CPU = torch.device("cpu")

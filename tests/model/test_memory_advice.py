@@ -17,7 +17,8 @@ from tpserve.model.memory_advice import (
     explain_oom,
     suggest_fits,
 )
-from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
 from tpserve.parallel.state import TPGroup
 
 MiB = 1 << 20

@@ -29,7 +29,7 @@ from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
-from tpserve.model.runner import RunnerConfig, resolve_max_model_len
+from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SchedulerConfig

@@ -14,7 +14,8 @@ from tests.model.util import greedy, load, save_hf_folder
 from tpserve.model import memory
 from tpserve.model.fault import FAULT_ENV
 from tpserve.model.plan import StepLimits
-from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.config import EngineConfig

@@ -11,7 +11,8 @@ from tests.model.test_tiny_models import _hf_model
 from tests.model.util import save_hf_folder
 from tests.parallel.test_nvtx import Recorder
 from tests.server.engine.test_engine_core import submit, tokens_of
-from tpserve.model.runner import ModelRunner, RunnerConfig
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.config import EngineConfig

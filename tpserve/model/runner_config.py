@@ -1,0 +1,97 @@
+"""What a rank needs to build its model and KV pool: ``RunnerConfig``, resolved once at
+start-up (part of the server's config tree), and the context-length rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpserve.model.kernels.backend import KERNEL_BACKENDS
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES
+from tpserve.model.loader.build import DTYPE_NAMES
+from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+from tpserve.model.quant.methods import QUANTIZATIONS
+from tpserve.parallel.comm import TP_COMM_MODES
+
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    """What a rank needs to build its model and KV pool (part of the server's config tree).
+
+    Every value is concrete: ``server.config`` resolves the ``auto`` flags (dtype, KV cache
+    dtype, device, kernel back-end) before this is built, and nothing resolves them later.
+    The defaults describe a CPU runner. The bounds of the steps it runs come separately
+    (``StepLimits``: the scheduler's limits)."""
+
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
+    seed: int = 0
+    device: str = "cpu"
+    kernel_backend: str = "torch"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_max_tokens: int = 512
+    disable_custom_all_reduce: bool = False
+    tp_comm: str = "allreduce"
+    quantization: str = "none"
+    fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+    memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
+    nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
+
+    def __post_init__(self) -> None:
+        for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
+                                   ("--kv-cache-dtype", self.kv_cache_dtype,
+                                    KV_CACHE_DTYPE_NAMES)):
+            if value not in names:
+                raise ValueError(f"{flag} must be one of {', '.join(names)} once "
+                                 f"resolved, got {value!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
+                             f"got {self.device!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"--kernel-backend must be one of {', '.join(KERNEL_BACKENDS)} "
+                             f"once resolved, got {self.kernel_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError("--cuda-graph-max-tokens must be >= 0")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.tp_comm not in TP_COMM_MODES:
+            raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
+                             f"{self.tp_comm!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got "
+                             f"{self.quantization!r}")
+        if self.fp8_weight_only_max_tokens < 0:
+            raise ValueError("--fp8-weight-only-max-tokens must be >= 0, got "
+                             f"{self.fp8_weight_only_max_tokens}")
+        if self.memory_history < 0:
+            raise ValueError(f"--memory-history must be a number of events >= 1, got "
+                             f"{self.memory_history}")
+        if self.memory_history and self.device != "cuda":
+            raise ValueError(f"--memory-history records the CUDA caching allocator's events, "
+                             f"but this server runs on {self.device} (no CUDA device): "
+                             "leave the flag out, or serve on a GPU")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.enforce_eager
+
+
+def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
+                          ) -> int:
+    """The model's context (capped by its sliding window) when ``requested`` is None;
+    else ``requested``, which must not exceed it."""
+    limit = min(model_max, sliding_window) if sliding_window else model_max
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's context of {limit} "
+                         "tokens")
+    return requested
