@@ -258,10 +258,12 @@ def decode_attention(
 
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding);
-    left ``None`` they take the measured defaults of the cache dtype (``FP8_LAUNCH``).
-    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored.
-    ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16 operands (q pre-scaled, e4m3
-    widened to fp16 exactly) instead of q's dtype.
+    left ``None`` they take the measured launch of the cache dtype and grid
+    (``default_launch``; the caller's ``num_splits`` should come from its
+    ``target_programs``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
+    cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
+    operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
+    (with it): the V scale goes into the widened V tile instead of the output.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
