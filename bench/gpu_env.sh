@@ -10,6 +10,19 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 # step NAME: a progress line with the seconds since this file was sourced
 t0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+# sweep_summary JSON [TOP]: per size of a time_fp8_decode.py sweep, the default launches'
+# times and the TOP fastest launches (default: all), with their max |difference|
+sweep_summary() {
+  python3 - "$1" "${2:-0}" <<'PY'
+import json, sys
+top = int(sys.argv[2]) or None
+for r in json.load(open(sys.argv[1]))["rows"]:
+    best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
+    print(r["batch"], r["context"], "splits", r["splits"], "bf16", r["bf16_us"], "fp8", r["fp8_us"])
+    for us, k in best[:top]:
+        print("   ", us, k, r[k]["max_abs_diff"])
+PY
+}
 # engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
 # PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
 # fp8kv: --kv-cache-dtype fp8, both), into DIR/engine-MODE.*

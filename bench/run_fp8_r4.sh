@@ -23,14 +23,7 @@ if [[ " ${parts[*]} " == *" sweep "* ]]; then
   timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r4 \
     --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r4.json" > "$out/decode-r4.log" 2>&1
   tail -3 "$out/decode-r4.log" | cut -c1-300
-  python3 - "$out/decode-r4.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
-    print(r["batch"], r["context"], "splits", r["splits"], "bf16", r["bf16_us"], "fp8", r["fp8_us"])
-    for us, k in best:
-        print("   ", us, k, r[k]["max_abs_diff"])
-PY
+  sweep_summary "$out/decode-r4.json"
 fi
 if [[ " ${parts[*]} " == *" probe "* ]]; then
   step "segments probe, fp8 weights + KV, bench_engine's workload"

@@ -35,16 +35,6 @@ if [[ " ${parts[*]} " == *" dtests "* ]]; then
     "tests/model/test_triton_fp8_kv.py::test_decode_attention_over_fp8" > "$out/gpu-dtests.txt" 2>&1
   grep -E "passed|failed|SKIPPED|Error" "$out/gpu-dtests.txt" | tail -8
 fi
-sweep_summary() {
-  python3 - "$1" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    best = sorted((v["us"], k) for k, v in r.items() if isinstance(v, dict) and "us" in v)
-    print(r["batch"], r["context"], "splits", r["splits"], "bf16", r["bf16_us"], "fp8", r["fp8_us"])
-    for us, k in best[:8]:
-        print("   ", us, k, r[k]["max_abs_diff"])
-PY
-}
 if [[ " ${parts[*]} " == *" decode "* ]]; then
   step "decode attention, shipped launches"
   timeout 120 python3 bench/time_fp8_decode.py --out "$out/decode.json" > "$out/decode.log" 2>&1
@@ -60,7 +50,7 @@ if [[ " ${parts[*]} " == *" sweep6 "* ]]; then
   timeout 400 python3 bench/time_fp8_decode.py --sweep --sweep-set r6 --split-factors 2 4 8 \
     --sizes 64:1152,128:2048,16:2048 --out "$out/decode-r6.json" > "$out/decode-r6.log" 2>&1
   tail -1 "$out/decode-r6.log" | cut -c1-300
-  sweep_summary "$out/decode-r6.json"
+  sweep_summary "$out/decode-r6.json" 8
 fi
 if [[ " ${parts[*]} " == *" sweep7 "* ]]; then
   step "decode sweep r7"
@@ -68,7 +58,7 @@ if [[ " ${parts[*]} " == *" sweep7 "* ]]; then
     --sizes 1:1152,2:1152,4:1152,8:1152,16:1152,32:1152 --out "$out/decode-r7.json" \
     > "$out/decode-r7.log" 2>&1
   tail -1 "$out/decode-r7.log" | cut -c1-300
-  sweep_summary "$out/decode-r7.json"
+  sweep_summary "$out/decode-r7.json" 8
 fi
 if [[ " ${parts[*]} " == *" both "* ]]; then
   step "engine both"; engine_mode "$out" both "$sha" 0
@@ -78,7 +68,7 @@ if [[ " ${parts[*]} " == *" sweep "* ]]; then
   timeout 240 python3 bench/time_fp8_decode.py --sweep --sweep-set r5 --split-factors 2 \
     --sizes 64:1152,128:2048,16:2048,1:1152 --out "$out/decode-r5.json" > "$out/decode-r5.log" 2>&1
   tail -2 "$out/decode-r5.log" | cut -c1-300
-  sweep_summary "$out/decode-r5.json"
+  sweep_summary "$out/decode-r5.json" 8
 fi
 if [[ " ${parts[*]} " == *" final "* ]]; then
   for mode in both fp8kv fp8w bf16; do step "engine $mode"; engine_mode "$out" "$mode" "$sha" 0; done
