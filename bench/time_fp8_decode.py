@@ -29,7 +29,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     DecodeLaunch,
     decode_attention,
     decode_num_splits,
-    default_launch,
+    default_num_splits,
 )
 
 SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
@@ -117,8 +117,7 @@ def main() -> None:
         row = {"batch": batch, "context": ctx, "splits": splits}
         for name, kc, vc, ks in (("bf16", kb, vb, None), ("fp8", k8, v8, scale)):
             o = torch.empty_like(q)
-            n = decode_num_splits(batch, hkv, ctx,
-                                  default_launch(kc.dtype, batch, hkv).target_programs)
+            n = default_num_splits(kc.dtype, batch, hkv, ctx)
             row[f"{name}_splits"] = n
             args = (q, kc, vc, tables, lens, 0.088, o, n)
 

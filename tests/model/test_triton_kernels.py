@@ -277,6 +277,8 @@ def test_decode_num_splits(mods):
     assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8, 8) is dec.FP8_LAUNCH
     assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8 - 1, 8) is dec.FP8_SMALL_LAUNCH
     assert dec.default_launch(torch.bfloat16, 64, 8) is dec.BF16_LAUNCH
+    assert dec.default_num_splits(fp8, 64, 8, 2048) == 2  # the one-warp launch's target
+    assert dec.default_num_splits(torch.bfloat16, 64, 8, 2048) == 1
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

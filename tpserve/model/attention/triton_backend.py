@@ -98,10 +98,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     slots = meta.num_decode_slots
     if slots:
         dec = triton_decode_attention
-        hkv = k_cache.shape[2]
-        splits = dec.decode_num_splits(
-            slots, hkv, meta.max_seq_len,
-            dec.default_launch(k_cache.dtype, slots, hkv).target_programs)
+        splits = dec.default_num_splits(k_cache.dtype, slots, k_cache.shape[2],
+                                        meta.max_seq_len)
         dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                              meta.decode_lens(), scale, out[:slots], splits,
                              kv_scale=kv_scale)

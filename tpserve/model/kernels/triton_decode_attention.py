@@ -232,8 +232,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       target_programs: int = TARGET_PROGRAMS) -> int:
     """Split count (a power of two <= MAX_SPLITS) from host ints only.
 
-    Splits are added while the grid is below ``target_programs`` (the launch's
-    ``target_programs``: ``default_launch(...).target_programs``) and each split still gets at
+    Splits are added while the grid is below ``target_programs`` (a launch's own:
+    ``default_num_splits``) and each split still gets at
     least MIN_TOKENS_PER_SPLIT keys of the longest sequence. Results never depend on it, so
     a CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
     past a sequence's end exit at once (measured cost: <= ~10% on short contexts).
@@ -244,6 +244,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
            and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT):
         splits *= 2
     return splits
+
+
+def default_num_splits(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
+                       max_seq_len: int) -> int:
+    """The split count ``decode_attention``'s default launch for this grid takes:
+    ``decode_num_splits`` towards ``default_launch(...).target_programs``."""
+    launch = default_launch(kv_dtype, num_seqs, num_kv_heads)
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, launch.target_programs)
 
 
 def decode_attention(
@@ -259,8 +267,7 @@ def decode_attention(
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding);
     left ``None`` they take the measured launch of the cache dtype and grid
-    (``default_launch``; the caller's ``num_splits`` should come from its
-    ``target_programs``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
+    (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output.
