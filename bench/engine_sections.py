@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from alloc_trace import created_segments  # noqa: E402  (bench/alloc_trace.py)
 from measure import sync  # noqa: E402  (bench/measure.py)
 
+from tpserve.model.memory import start_memory_history  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
@@ -229,8 +230,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     h0 = list(hist.counts), hist.count, hist.sum
     history = a.serving_memory_history and device.type == "cuda"
     if history:  # slows every allocation: the run's speed is then not a figure
-        torch.cuda.memory._record_memory_history(enabled="all", context="all",
-                                                 stacks="python", max_entries=2_000_000)
+        start_memory_history(device, 2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature)
     sync(device)

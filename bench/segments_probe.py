@@ -33,6 +33,7 @@ from alloc_trace import created_segments  # noqa: E402
 from engine_sections import StubTokenizer, random_prompt, run_closed_loop  # noqa: E402
 
 from tpserve.cli import build_parser  # noqa: E402
+from tpserve.model.memory import start_memory_history  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.model.sampler import Sampler  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
@@ -84,8 +85,7 @@ def main() -> int:
     run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)], 64, 1, None, None, "b1")
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_stats(device)
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                             max_entries=2_000_000)
+    start_memory_history(device, 2_000_000)
     batch_sizes: list[int] = []
     step = core.step
 
