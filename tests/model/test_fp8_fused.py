@@ -78,14 +78,19 @@ def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,d", [(4, 64), (2, 4100)])  # 4100: three chunks and a tail
-def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d):
+@pytest.mark.parametrize("row_block_max", [None, 1024], ids=["row-in-registers", "chunked"])
+def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row_block_max):
     ops, fp8 = tri["triton_ops"], tri["triton_fp8"]
     x = _rows(m, 2 * d, dtype, 4)
     x[0, :d] = 0  # a zero gate row: silu(0) * up = 0
-    got = ops.silu_and_mul_fp8(x)
+    x[-1, d - 1], x[-1, 2 * d - 1] = 30.0, 1e5  # the row's amax in its last column
+    kw = {} if row_block_max is None else {"row_block_max": row_block_max}
+    got = tri["triton_fp8_fused"].silu_and_mul_fp8(x, **kw)
     _same_codes(got, fp8.quantize_per_token(ops.silu_and_mul(x)))
     assert got[2] == dtype and got[0].shape == (m, d)
     assert torch.equal(got[0][0].float(), torch.zeros(d, device=DEVICE))
+    # the amax is the tail's: its code is the largest, +448
+    assert got[0][-1, d - 1].float().item() == 448.0
 
 
 def test_torch_composites_quantize_the_reference_ops():

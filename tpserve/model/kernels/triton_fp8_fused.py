@@ -10,9 +10,11 @@ fp8 codes (half the bytes) are written instead of the 16-bit activations.
 
 - ``rms_norm_fp8`` / ``add_rms_norm_fp8``: one program per row held in registers (as
   ``triton_norm``); the residual sum is still written (it is the next residual).
-- ``silu_and_mul_fp8``: one program per row in ``BLOCK``-column chunks, two passes: the
-  row's amax, then the codes (the gate recomputed, reading ``[gate | up]`` again, mostly
-  from L2).
+- ``silu_and_mul_fp8``: one program per row. A row of up to ``ROW_BLOCK_MAX`` columns
+  (padded to a power of two) is held in registers: one read of ``[gate | up]``, its amax,
+  then the codes. A wider row goes in ``_SILU_BLOCK``-column chunks, two passes: the row's
+  amax, then the codes (the gate recomputed, reading ``[gate | up]`` again, mostly from
+  L2). Both give the same codes: the per-column values do not depend on the chunking.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_
 from tpserve.model.kernels.triton_support import tl_dtype
 
 _SILU_BLOCK = 2048
+# Llama-3-8B's 14,336 gate columns at tp 1 fit (16,384 lanes, 32 a thread at 16 warps). In
+# two passes its 512-row mixed steps took 28.5 us a call on the H200, ~1.3 TB/s
+# (results/h200-2026-12-02-r5c-profiled-engine-both.profile.txt).
+ROW_BLOCK_MAX = 16384
 
 
 @triton.jit
@@ -71,22 +77,28 @@ def _silu_act(x_row, offs, mask, d):
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, d,
     BIT_CAST: tl.constexpr, FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for c0 in range(0, d, BLOCK):
-        offs = c0 + cols
-        amax = tl.maximum(amax, tl.abs(_silu_act(x_row, offs, offs < d, d)))
-    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
-    tl.store(s_ptr + row, scale)
-    for c0 in range(0, d, BLOCK):
-        offs = c0 + cols
-        v = _silu_act(x_row, offs, offs < d, d)
-        _quantize_store(v, q_ptr + row * stride_q, offs, offs < d, scale, FP8_MAX_C,
-                        BIT_CAST)
+    if ONE_PASS:  # BLOCK >= d: the whole row in registers
+        v = _silu_act(x_row, cols, cols < d, d)
+        scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+        tl.store(s_ptr + row, scale)
+        _quantize_store(v, q_ptr + row * stride_q, cols, cols < d, scale, FP8_MAX_C, BIT_CAST)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for c0 in range(0, d, BLOCK):
+            offs = c0 + cols
+            amax = tl.maximum(amax, tl.abs(_silu_act(x_row, offs, offs < d, d)))
+        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+        tl.store(s_ptr + row, scale)
+        for c0 in range(0, d, BLOCK):
+            offs = c0 + cols
+            v = _silu_act(x_row, offs, offs < d, d)
+            _quantize_store(v, q_ptr + row * stride_q, offs, offs < d, scale, FP8_MAX_C,
+                            BIT_CAST)
 
 
 def _consts(device: torch.device) -> dict:
@@ -129,16 +141,22 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return q, s, out_dtype, summed
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``quantize_per_token(silu_and_mul(x))`` in one kernel for ``x = [gate | up]``
-    ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``."""
+    ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``. Rows whose
+    ``D`` rounds up to at most ``row_block_max`` are read once (the default; a smaller value
+    is for tests of the chunked path)."""
     x2, d = gate_rows(x)
     rows = x2.shape[0]
     q = torch.empty((rows, d), dtype=FP8, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and d:
-        block = min(_SILU_BLOCK, triton.next_power_of_2(d))
+        full = triton.next_power_of_2(d)
+        one_pass = full <= row_block_max
+        block = full if one_pass else min(_SILU_BLOCK, full)
         _silu_and_mul_fp8_kernel[(rows,)](
             x2, q.view(torch.uint8), s, x2.stride(0), q.stride(0), d, BLOCK=block,
-            num_warps=4 if block <= 1024 else 8, **_consts(x.device))
+            ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+            **_consts(x.device))
     return q, s, x.dtype
