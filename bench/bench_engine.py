@@ -115,6 +115,8 @@ def parse_args() -> argparse.Namespace:
                    help="weight quantization (the server's --quantization)")
     p.add_argument("--fp8-weight-only-max-tokens", type=int, default=None,
                    help="the server's flag of that name (default: the server's default)")
+    p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's flag of that name (default: the server's default)")
     for k, v in FULL.items():
         typ = float if isinstance(v, float) else int if isinstance(v, int) else str
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None,
@@ -150,6 +152,8 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
     argv += ["--quantization", a.quantization]
     if a.fp8_weight_only_max_tokens is not None:
         argv += ["--fp8-weight-only-max-tokens", str(a.fp8_weight_only_max_tokens)]
+    if a.fp8_fast_accum is not None:
+        argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(argv))
 

@@ -4,7 +4,8 @@ For each shape (qkv, o, gate_up, down) and M: bf16 ``F.linear``, the fused Trito
 quantizer + ``torch._scaled_mm`` (W8A8, ``fused_w8a8``), the Triton weight-only kernel
 with its default launch (``weight_only``) and, at M <= 128 with ``--sweep``, each candidate
 launch of ``CANDIDATES``; the W8A8 products of activations quantized beforehand (as the
-fused norm and gate kernels hand them over): ``torch._scaled_mm`` (``mm_only``), the
+fused norm and gate kernels hand them over): ``torch._scaled_mm`` (``mm_only``; with
+``use_fast_accum``, ``mm_fast``), the
 same with the operands swapped (``mm_swapped``: ``(W x^T)^T``, cuBLAS tiles the other
 way) and the Triton split-K kernel's table launch (``w8a8``) and, with ``--sweep-sets
 w8a8``, each of ``W8A8_CANDIDATES`` (at ``W8A8_M``). Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
@@ -190,6 +191,12 @@ def main() -> None:
                                                 scale_b=ws1.view(1, -1),
                                                 out_dtype=torch.bfloat16)
 
+            def mm_fast(i, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
+                # cuBLAS's fast accumulation: the tensor cores' own sums, never promoted
+                return lambda: torch._scaled_mm(xq, wq_c[i % nc8].t(), scale_a=xs,
+                                                scale_b=ws1.view(1, -1),
+                                                out_dtype=torch.bfloat16, use_fast_accum=True)
+
             def mm_swapped(i, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
                 # y^T = W x^T: the weight is the row-major first operand, x^T column-major
                 return lambda: torch._scaled_mm(
@@ -204,7 +211,8 @@ def main() -> None:
                 return call
 
             variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8),
-                        "mm_only": (mm_only, b8), "mm_swapped": (mm_swapped, b8),
+                        "mm_only": (mm_only, b8), "mm_fast": (mm_fast, b8),
+                        "mm_swapped": (mm_swapped, b8),
                         "w8a8": (w8a8(None), b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)

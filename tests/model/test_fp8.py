@@ -103,4 +103,25 @@ def test_config_errors_name_the_flag():
     cfg = config_from_args(parser.parse_args(["serve", "--quantization", "fp8",
                                               "--fp8-weight-only-max-tokens", "16"]))
     assert cfg.runner.quantization == "fp8" and cfg.runner.fp8_weight_only_max_tokens == 16
+    assert cfg.runner.fp8_fast_accum is False
+    fast = config_from_args(parser.parse_args(["serve", "-q", "fp8", "--fp8-fast-accum"]))
+    assert fast.runner.fp8_fast_accum is True
     assert config_from_args(parser.parse_args(["serve"])).runner.quantization == "none"
+
+
+def test_fast_accum_reaches_the_fp8_methods():
+    """``--fp8-fast-accum`` is carried by the method ``linear_method`` builds, quantizing at
+    load or serving an FP8 checkpoint as stored (``_scaled_mm``'s ``use_fast_accum``)."""
+    import torch
+
+    from tpserve.model.quant.checkpoint_format import CheckpointQuantization
+    from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
+    from tpserve.model.quant.methods import linear_method
+
+    cpu = torch.device("cpu")
+    stored = CheckpointQuantization(method="fp8", quant_method="fp8")
+    for ckpt in (None, stored):
+        for fast in (False, True):
+            m = linear_method("fp8", "triton", cpu, torch.bfloat16, 32, ckpt, fast_accum=fast)
+            assert m.fast_accum is fast and isinstance(m, Fp8CheckpointMethod) == (ckpt is not None)
+    assert linear_method("fp8", "torch", cpu, torch.float32, 32).fast_accum is False

@@ -144,3 +144,25 @@ def test_fp8_method_takes_the_triton_kernel_for_mid_sized_steps(kern):
     want = reference_w8a8(x, wq, ws, None)
     mag = F.linear((xq.float() * xs).abs(), (wq.float() * ws[:, None]).abs())
     assert ((y - want).abs() <= (68 * 2**-24 + MMA_ROUNDING) * mag + 1e-30).all()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.get_device_capability() < (8, 9),
+                    reason="torch._scaled_mm needs FP8 matrix products (compute capability "
+                           ">= 8.9)")
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast-accum"])
+def test_scaled_mm_steps_above_the_triton_bound_equal_the_reference(fast_accum):
+    """At M = 128 (past ``w8a8_triton_max_tokens``) the method takes ``torch._scaled_mm``,
+    with ``use_fast_accum`` as ``fast_accum`` says; over K = 4096 the product equals the
+    reference W8A8 product to bf16 rounding plus the accumulation's bound: promoted sums
+    as the Triton kernel's, the tensor cores' own sums (~14 bits kept) 2^-8 of sum |x w|."""
+    from tpserve.model.quant.fp8 import Fp8LinearMethod, reference_quantized_product
+
+    xq, xs, wq, ws = _operands(128, 256, 4096, 9)
+    method = Fp8LinearMethod("triton", weight_only_max_tokens=8, scaled_mm=True,
+                             fast_accum=fast_accum)
+    y = method.w8a8(xq, xs, wq, ws, None, torch.bfloat16)
+    want = reference_quantized_product(xq, xs, wq, ws, None, torch.float32)
+    mag = F.linear((xq.float() * xs).abs(), (wq.float() * ws[:, None]).abs())
+    acc = 2**-8 if fast_accum else MMA_ROUNDING
+    assert y.dtype == torch.bfloat16 and y.shape == (128, 256)
+    assert ((y.float() - want).abs() <= 2**-8 * want.abs() + acc * mag + 1e-30).all()

@@ -101,7 +101,8 @@ class ModelRunner:
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
-                              cfg.fp8_weight_only_max_tokens, self.ckpt.quantization)
+                              cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
+                              fast_accum=cfg.fp8_fast_accum)
         if quant is not None and group.rank == 0:
             logger.info("linear layers: %s weights, %s", cfg.quantization,
                         f"as stored ({self.ckpt.quantization.describe()})"

@@ -39,6 +39,7 @@ class RunnerConfig:
     tp_comm: str = "allreduce"
     quantization: str = "none"
     fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+    fp8_fast_accum: bool = False  # --fp8-fast-accum: _scaled_mm's unpromoted fp8 sums
     memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
     nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
 

@@ -141,6 +141,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --quantization fp8: steps of at most this many tokens multiply "
                         "the fp8 weights by unquantized activations (memory-bound decode "
                         "kernel); larger steps quantize activations and use FP8 products")
+    p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --quantization fp8: cuBLAS's FP8 products (steps of more than "
+                        "64 tokens) keep the tensor cores' own running sums instead of "
+                        "promoting them into float32 (faster, less exact)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -290,6 +294,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         quantization=resolve_quantization(a.quantization, ckpt.quantization),
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
+        fp8_fast_accum=a.fp8_fast_accum,
         memory_history=a.memory_history, nvtx=a.nvtx)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens

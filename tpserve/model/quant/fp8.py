@@ -202,12 +202,15 @@ class Fp8LinearMethod:
     (``kernels/triton_fp8.py``) and, when ``scaled_mm`` (FP8 matrix products: compute
     capability >= 8.9, and a bf16 model), W8A8 through ``kernels/triton_w8a8.py`` up to
     ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
-    the weight-only kernel (a tiled GEMM at any M)."""
+    the weight-only kernel (a tiled GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
+    ``_scaled_mm`` keeps the FP8 tensor cores' own running sums instead of promoting them
+    into float32 (``use_fast_accum``; the Triton kernels always promote)."""
 
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     scaled_mm: bool = False
     w8a8_triton_max_tokens: int = W8A8_TRITON_MAX_TOKENS
+    fast_accum: bool = False
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -285,4 +288,4 @@ class Fp8LinearMethod:
 
             return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
-                                bias=bias, out_dtype=out_dtype)
+                                bias=bias, out_dtype=out_dtype, use_fast_accum=self.fast_accum)

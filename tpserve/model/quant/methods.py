@@ -44,7 +44,7 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
 
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
                   dtype: torch.dtype, weight_only_max_tokens: int,
-                  checkpoint: CheckpointQuantization | None = None
+                  checkpoint: CheckpointQuantization | None = None, fast_accum: bool = False
                   ) -> Fp8LinearMethod | None:
     """None (the layers' default, unquantized) or the method for ``quantization``: fp8
     quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
@@ -58,4 +58,5 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     cls = Fp8LinearMethod if checkpoint is None else Fp8CheckpointMethod
     return cls(backend="triton" if kernel_backend == "triton" else "torch",
                weight_only_max_tokens=weight_only_max_tokens,
-               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16)
+               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,
+               fast_accum=fast_accum)

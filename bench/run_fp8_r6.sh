@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 15 round 6 on the H200, one device call per invocation:
+#   tests: the fp8 fused-producer, W8A8 (with the _scaled_mm fast-accumulation tests) and
+#     fp8 method tests compiled on the GPU;
+#   fused: bench/time_fp8_fused.py (the SiLU gate + quantizer, row in registers vs chunked);
+#   gemm: bench/fp8_gemm.py at M >= 128 (mm_only: promoted sums, mm_fast: use_fast_accum);
+#   acc: bench/fp8_accuracy.py on the embedded SmolLM2 through the GPU kernels, promoted and
+#     fast-accumulated;
+#   acc8b: the same on dummy Llama-3-8B (fp8 weights only);
+#   ab: bench_engine.py --serving-only for fp8 weights + KV, promoted and fast-accumulated;
+#   final: bench_engine.py --serving-only for bf16, fp8 KV, fp8 weights, fp8 weights + KV
+#     (each at the server's defaults) in one lease;
+#   profile: fp8 weights + KV with 400 profiled serving steps.
+# Usage (GPU machine, repo root, .whl carried; everything packed into OUT_DIR.tgz):
+#   bash bench/run_fp8_r6.sh OUT_DIR GIT_SHA [tests] [fused] [gemm] [acc] [acc8b] [ab] [final] [profile]
+set -uo pipefail
+out=$1 sha=$2
+shift 2
+parts=("${@:-tests fused}")
+mkdir -p "$out"
+. "$(dirname "$0")/gpu_env.sh"
+export TPSERVE_GIT_COMMIT=$sha
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
+  --format=csv > "$out/nvidia-smi.csv"
+if has tests; then
+  step "tests"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_fp8_fused.py \
+    tests/model/test_triton_w8a8.py tests/model/test_fp8.py > "$out/gpu-tests.txt" 2>&1
+  grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
+fi
+if has fused; then
+  step "fused SiLU gate"
+  timeout 120 python3 bench/time_fp8_fused.py --out "$out/fused.json" > "$out/fused.log" 2>&1
+  cut -c1-400 "$out/fused.log" | tail -6
+fi
+if has gemm; then
+  step "gemm"
+  timeout 200 python3 bench/fp8_gemm.py --m 128 256 512 1024 2048 8192 --commit "$sha" \
+    --out "$out/gemm.json" > "$out/gemm.log" 2>&1
+  python3 - "$out/gemm.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    f = lambda k: (r[k]["us"], r[k].get("max_rel_err")) if isinstance(r.get(k), dict) else r.get(k)
+    print(r["shape"], r["m"], "bf16", f("bf16"), "mm", f("mm_only"), "fast", f("mm_fast"))
+PY
+fi
+if has acc; then
+  for fast in "" --fp8-fast-accum; do
+    step "accuracy SmolLM2 $fast"
+    timeout 150 python3 bench/fp8_accuracy.py --device cuda --modes base fp8-weights both \
+      $fast --git-commit "$sha" --out "$out/acc${fast:+-fast}.json" > "$out/acc${fast:+-fast}.log" 2>&1
+    grep -E "^(base|fp8-weights|both) " "$out/acc${fast:+-fast}.log" | cut -c1-420
+  done
+fi
+if has acc8b; then
+  for fast in "" --fp8-fast-accum; do
+    step "accuracy dummy 8b $fast"
+    timeout 200 python3 bench/fp8_accuracy.py --model llama3-8b --load-format dummy \
+      --device cuda --modes base fp8-weights --max-prompt-len 2000 $fast --git-commit "$sha" \
+      --out "$out/acc8b${fast:+-fast}.json" > "$out/acc8b${fast:+-fast}.log" 2>&1
+    grep -E "^(base|fp8-weights) " "$out/acc8b${fast:+-fast}.log" | cut -c1-420
+  done
+fi
+if has ab; then
+  for mode in both-promoted both-fast; do step "engine $mode"; engine_mode "$out" "$mode" "$sha" 0; done
+fi
+if has final; then
+  for mode in bf16 both fp8kv fp8w; do step "engine $mode"; engine_mode "$out" "$mode" "$sha" 0; done
+fi
+if has profile; then
+  mkdir -p "$out/prof"
+  step "engine both, profiled"; engine_mode "$out/prof" both "$sha" 400
+fi
+step done
+tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
