@@ -72,8 +72,8 @@ def runner_config(a: argparse.Namespace, mode: str) -> RunnerConfig:
         argv += ["--quantization", "fp8"]
         if a.fp8_weight_only_max_tokens is not None:
             argv += ["--fp8-weight-only-max-tokens", str(a.fp8_weight_only_max_tokens)]
-        if a.fp8_fast_accum:
-            argv += ["--fp8-fast-accum"]
+        if a.fp8_fast_accum is not None:
+            argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
     if mode in ("fp8-kv", "both"):
         argv += ["--kv-cache-dtype", a.kv_fp8_dtype]
     parser, _ = build_parser()
@@ -187,8 +187,8 @@ def main() -> int:
     ap.add_argument("--kv-fp8-dtype", default="fp8",
                     help="the --kv-cache-dtype value of the fp8-kv and both modes")
     ap.add_argument("--fp8-weight-only-max-tokens", type=int, default=None)
-    ap.add_argument("--fp8-fast-accum", action="store_true",
-                    help="the server's flag of that name (cuBLAS's unpromoted fp8 sums)")
+    ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
+                    help="the server's flag of that name (default: the server's default)")
     ap.add_argument("--max-prompt-len", type=int, default=1024,
                     help="tokens of the text in the prefill (at most 2000 advised)")
     ap.add_argument("--positions", type=int, default=32, help="positions compared (>= 30)")
@@ -209,7 +209,7 @@ def main() -> int:
                else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
                "torch": torch.__version__, "model": a.model or "embedded SmolLM2-135M-Instruct",
                "load_format": a.load_format, "dtype": probe.dtype,
-               "kernel_backend": probe.kernel_backend, "fp8_fast_accum": a.fp8_fast_accum,
+               "kernel_backend": probe.kernel_backend, "fp8_fast_accum": runner_config(a, "fp8-weights").fp8_fast_accum,
                "text": TEXT.name,
                "criterion": f"fp8 perplexity within {PPL_TOLERANCE:.0%} of base",
                "modes": {}, "skipped": {}}

@@ -103,9 +103,9 @@ def test_config_errors_name_the_flag():
     cfg = config_from_args(parser.parse_args(["serve", "--quantization", "fp8",
                                               "--fp8-weight-only-max-tokens", "16"]))
     assert cfg.runner.quantization == "fp8" and cfg.runner.fp8_weight_only_max_tokens == 16
-    assert cfg.runner.fp8_fast_accum is False
-    fast = config_from_args(parser.parse_args(["serve", "-q", "fp8", "--fp8-fast-accum"]))
-    assert fast.runner.fp8_fast_accum is True
+    assert cfg.runner.fp8_fast_accum is True  # the default
+    slow = config_from_args(parser.parse_args(["serve", "-q", "fp8", "--no-fp8-fast-accum"]))
+    assert slow.runner.fp8_fast_accum is False
     assert config_from_args(parser.parse_args(["serve"])).runner.quantization == "none"
 
 
@@ -124,4 +124,4 @@ def test_fast_accum_reaches_the_fp8_methods():
         for fast in (False, True):
             m = linear_method("fp8", "triton", cpu, torch.bfloat16, 32, ckpt, fast_accum=fast)
             assert m.fast_accum is fast and isinstance(m, Fp8CheckpointMethod) == (ckpt is not None)
-    assert linear_method("fp8", "torch", cpu, torch.float32, 32).fast_accum is False
+    assert linear_method("fp8", "torch", cpu, torch.float32, 32).fast_accum is True

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES
 from tpserve.model.loader.build import DTYPE_NAMES
-from tpserve.model.quant.fp8 import DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATIONS
 from tpserve.parallel.comm import TP_COMM_MODES
 
@@ -39,7 +39,7 @@ class RunnerConfig:
     tp_comm: str = "allreduce"
     quantization: str = "none"
     fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
-    fp8_fast_accum: bool = False  # --fp8-fast-accum: _scaled_mm's unpromoted fp8 sums
+    fp8_fast_accum: bool = DEFAULT_FAST_ACCUM  # --fp8-fast-accum: _scaled_mm's fp8 sums
     memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
     nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
 

@@ -61,6 +61,12 @@ DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 32
 # (H200, 1ca1fb8, a llama3-8b layer's four GEMMs: 81.8 against 109.9 us at M = 64; from
 # M = 128 cuBLAS was as fast or faster on every shape but down)
 W8A8_TRITON_MAX_TOKENS = 64
+# _scaled_mm keeps the FP8 tensor cores' own running sums (use_fast_accum), as CUTLASS's
+# FP8FastAccum schedules in vLLM's sm90 fp8 GEMMs do. H200, 9e342c4: a llama3-8b layer's
+# four GEMMs at M = 512 took 170.9 us against 183.5 promoted, at M = 8192 2,668 against
+# 3,024; serving (fp8 weights + KV) 7,297.8 against 7,026.4 out tok/s
+# (bench/results/h200-2026-12-02-r6a-*). The Triton kernels always promote.
+DEFAULT_FAST_ACCUM = True
 
 
 class Fp8Activation(NamedTuple):
@@ -210,7 +216,7 @@ class Fp8LinearMethod:
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     scaled_mm: bool = False
     w8a8_triton_max_tokens: int = W8A8_TRITON_MAX_TOKENS
-    fast_accum: bool = False
+    fast_accum: bool = DEFAULT_FAST_ACCUM
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:

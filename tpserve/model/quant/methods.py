@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
-from tpserve.model.quant.fp8 import Fp8LinearMethod, scaled_mm_supported
+from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, Fp8LinearMethod, scaled_mm_supported
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 QUANTIZATIONS = ("none", "fp8")
@@ -44,7 +44,8 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
 
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
                   dtype: torch.dtype, weight_only_max_tokens: int,
-                  checkpoint: CheckpointQuantization | None = None, fast_accum: bool = False
+                  checkpoint: CheckpointQuantization | None = None,
+                  fast_accum: bool = DEFAULT_FAST_ACCUM
                   ) -> Fp8LinearMethod | None:
     """None (the layers' default, unquantized) or the method for ``quantization``: fp8
     quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
