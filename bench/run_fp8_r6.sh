@@ -10,9 +10,12 @@
 #   ab: bench_engine.py --serving-only for fp8 weights + KV, promoted and fast-accumulated;
 #   final: bench_engine.py --serving-only for bf16, fp8 KV, fp8 weights, fp8 weights + KV
 #     (each at the server's defaults; fast accumulation on by default) in one lease;
-#   profile: fp8 weights + KV with 400 profiled serving steps.
+#   profile: fp8 weights + KV with 400 profiled serving steps;
+#   prefill: bench/tune_prefill.py --fp8 --block-m (query tiles of 16-128 rows, fp8 cache);
+#   caps: fp8 weights + KV at the default cap (512), and at --max-mixed-tokens 384, 640 and
+#     768 (CUDA graphs up to the cap).
 # Usage (GPU machine, repo root, .whl carried; everything packed into OUT_DIR.tgz):
-#   bash bench/run_fp8_r6.sh OUT_DIR GIT_SHA [tests] [fused] [gemm] [acc] [acc8b] [ab] [final] [profile]
+#   bash bench/run_fp8_r6.sh OUT_DIR GIT_SHA [tests] [fused] [gemm] [acc] [acc8b] [ab] [final] [profile] [prefill] [caps]
 set -uo pipefail
 out=$1 sha=$2
 shift 2
@@ -71,6 +74,21 @@ fi
 if has profile; then
   mkdir -p "$out/prof"
   step "engine both, profiled"; engine_mode "$out/prof" both "$sha" 400
+fi
+if has prefill; then
+  step "prefill tiles"
+  timeout 150 python3 bench/tune_prefill.py --fp8 --block-m --out "$out/prefill.json" \
+    > "$out/prefill.log" 2>&1
+  cut -c1-900 "$out/prefill.log" | tail -4
+fi
+if has caps; then
+  for cap in 512 384 640 768; do
+    step "engine both, cap $cap"
+    timeout 200 python3 bench/bench_engine.py --serving-only --quantization fp8 \
+      --kv-cache-dtype fp8 --max-mixed-tokens $cap --cuda-graph-max-tokens $(( cap > 512 ? cap : 512 )) \
+      --out "$out/engine-both-cap$cap.json" --git-commit "$sha" > "$out/engine-both-cap$cap.log" 2>&1
+    grep -E "start-up|batch-1|serving:" "$out/engine-both-cap$cap.log" | cut -c1-300
+  done
 fi
 step done
 tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"

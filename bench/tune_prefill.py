@@ -33,9 +33,11 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true",
                    help="instead: the shipped 64-row tiles over a bf16 cache and over an FP8 "
                         "cache (bf16 or fp16 operands, a few key tiles, warps and stages)")
+    p.add_argument("--block-m", action="store_true",
+                   help="with --fp8: also FP8_TILE_LAUNCHES (query tiles of 16, 32, 128 rows)")
     a = p.parse_args()
     if a.fp8:
-        return fp8_sweep(a.out)
+        return fp8_sweep(a.out, a.block_m)
     dev = torch.device("cuda")
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
@@ -77,11 +79,16 @@ def main() -> None:
 
 FP8_LAUNCHES = [(64, 4, 2, False), (64, 4, 2, True), (64, 4, 3, True), (64, 8, 2, True),
                 (128, 8, 2, True), (128, 4, 2, True), (32, 4, 3, True)]
+# --fp8 --block-m: query tiles of other heights (more programs for a few long chunks),
+# (block_m, block_n, warps, stages), fp16 operands
+FP8_TILE_LAUNCHES = [(32, 128, 4, 2), (32, 64, 4, 2), (32, 128, 2, 2), (16, 128, 4, 2),
+                     (16, 64, 2, 2), (128, 128, 8, 2), (128, 64, 8, 2)]
 
 
-def fp8_sweep(path: str) -> None:
+def fp8_sweep(path: str, block_m: bool = False) -> None:
     """``CASES`` over a bf16 cache (the shipped launch) and an FP8 one (``FP8_LAUNCHES``:
-    key tile, warps, stages, fp16 operands), 64-row query tiles."""
+    key tile, warps, stages, fp16 operands, 64-row query tiles; with ``block_m`` also
+    ``FP8_TILE_LAUNCHES``, whose tile tables are built for their heights)."""
     from tpserve.model.kernels.torch_ops import quantize_kv
 
     dev = torch.device("cuda")
@@ -116,6 +123,17 @@ def fp8_sweep(path: str) -> None:
                       fp16_dot=f16)
             args = (q, k8, v8, *meta)
             key = f"fp8[{bn},{warps},{stages}{',f16' if f16 else ''}]"
+            try:
+                row[key] = round(time_graph(
+                    lambda args=args, kw=kw: prefill_attention(*args, **kw)), 2)
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile
+                row[key] = repr(e)[:120]
+        for bm, bn, warps, stages in FP8_TILE_LAUNCHES if block_m else []:
+            t = torch.tensor(prefill_tiles(qlens, 0, bm), dtype=torch.int32, device=dev)
+            args = (q, k8, v8, meta[0], meta[1], meta[2], t, 0.088, out)
+            kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                      kv_scale=scale8, fp16_dot=True)
+            key = f"fp8[m{bm},{bn},{warps},{stages},f16]"
             try:
                 row[key] = round(time_graph(
                     lambda args=args, kw=kw: prefill_attention(*args, **kw)), 2)
