@@ -292,12 +292,12 @@ def test_cached_grammar_is_admitted_at_once(folder, smollm2_tokenizer):
     params = SamplingParams(structured=JSON, temperature=1.0, seed=3, max_tokens=100)
     first, _ = add(core, "a", prompt(1), params)
     second, _ = add(core, "b", prompt(2), params)  # same schema, while "a"'s compiles
-    assert core.scheduler.num_waiting == 0 and core.num_awaiting_grammar == 2
+    assert core.scheduler.num_waiting == 0 and core.awaiting.num_sequences == 2
     run_to_end(core)
     assert gate.specs == [JSON]
     cached, cached_outs = add(core, "c", prompt(3), params)
     assert gate.specs == [JSON]  # not compiled again
-    assert core.num_awaiting_grammar == 0
+    assert core.awaiting.num_sequences == 0
     assert [s.seq_id for s in core.scheduler.waiting] == [s.seq_id for s in cached.seqs]
     assert core.step()  # the very next step runs it
     assert cached.seqs[0].num_computed_tokens > 0

@@ -28,12 +28,12 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
 Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
 compile futures; this thread only polls them). Invariants:
 - a sequence enters the scheduler only with its grammar compiled: a free request, or one
-  whose grammar is cached, in ``add``; any other stays in ``_awaiting_grammar`` (registered
-  in ``requests``, no sequences, no seq ids, no blocks) until a step finds its compile
-  done (``_admit_ready``, at the start of every step, never blocking; ready ones in arrival
+  whose grammar is cached, in ``add``; any other waits in ``awaiting`` (registered in
+  ``requests``; ``structured/awaiting.py``) until a step finds its compile done
+  (``_admit_ready``, at the start of every step, never blocking; ready ones in arrival
   order). Seq ids are given at admission, so the scheduler's queues keep increasing ids;
 - a failed compile ends its request only, with an ``EngineError``; an abort takes the
-  request out of ``_awaiting_grammar`` at once, so it can never be admitted later;
+  request out of ``awaiting`` at once, so it can never be admitted later;
 - while requests wait for grammars, ``has_unfinished`` holds and the step loop keeps
   stepping; a step with nothing to run waits on the compiles for at most
   ``GRAMMAR_WAIT_S`` (no spinning, and the inbox is read again soon after);
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,7 @@ from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
+from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
 from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
 from tpserve.server.engine.token_budget import MemoryReader, TokenBudget
@@ -140,11 +141,9 @@ class EngineCore:
                                         self.eos_token_ids, compile_hook=compile_hook)
         self.check_integrity = engine.check_integrity
         # every live request; those still waiting for their grammar are also in
-        # ``_awaiting_grammar`` (arrival order) and have no sequences yet
+        # ``awaiting`` (arrival order) and have no sequences yet
         self.requests: dict[str, RequestState] = {}
-        self._awaiting_grammar: dict[str, tuple[RequestState, Future]] = {}
-        # their sequences; an int, so other threads read it (stats) without iterating
-        self.num_awaiting_grammar = 0
+        self.awaiting = AwaitingGrammar(self.grammars)
         self._next_seq_id = 0
         # live readings (exported as metrics); device memory a step needs per batched token
         # is the profiled workspace at the full budget (the room an OOM hold waits for)
@@ -162,15 +161,14 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
         """Registers a request. A free one, or a constrained one whose grammar is cached,
-        enters the scheduler now; any other waits (``_awaiting_grammar``) while its grammar
+        enters the scheduler now; any other waits (``awaiting``) while its grammar
         compiles on the compiler's worker, and enters at the first step after the compile
         finished (``_admit_ready``). Raises (having registered nothing) if it cannot start."""
         spec = state.params.structured
         grammar = None if spec is None else self.grammars.request(spec)
         if isinstance(grammar, Future):
             self.requests[state.request_id] = state
-            self._awaiting_grammar[state.request_id] = (state, grammar)
-            self.num_awaiting_grammar += state.params.n
+            self.awaiting.hold(state, grammar)
             return
         self._admit(state, grammar)
 
@@ -191,13 +189,10 @@ class EngineCore:
         """Admits, in arrival order, every request whose grammar compile has finished; one
         whose compile failed ends with an ``EngineError`` (as a request that cannot start
         does in ``StepLoop._add``), the others are unaffected. Never blocks."""
-        if not self._awaiting_grammar:
+        if not self.awaiting:
             return
-        for rid, (state, future) in list(self._awaiting_grammar.items()):
-            if not future.done():
-                continue
-            del self._awaiting_grammar[rid]
-            self.num_awaiting_grammar -= state.params.n
+        for state, future in self.awaiting.pop_ready():
+            rid = state.request_id
             try:
                 self._admit(state, future.result())
             except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
@@ -208,25 +203,12 @@ class EngineCore:
                 state.emit(EngineError(f"could not start the request: {e!r}"))
         self.grammars.harvest()
 
-    def _wait_for_grammar(self, timeout: float) -> None:
-        """Nothing can run: waits up to ``timeout`` s for one of the pending compiles."""
-        if self._awaiting_grammar:
-            t = time.perf_counter()
-            wait([f for _, f in self._awaiting_grammar.values()], timeout=timeout,
-                 return_when=FIRST_COMPLETED)
-            self.counters["grammar_wait_seconds_total"] += time.perf_counter() - t
-
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
         state.done = True
-        awaiting = self._awaiting_grammar.pop(request_id, None)
-        if awaiting is not None:  # never reached the scheduler: no sequences
-            self.num_awaiting_grammar -= state.params.n
-            future = awaiting[1]
-            if all(f is not future for _, f in self._awaiting_grammar.values()):
-                self.grammars.cancel(future)
+        if self.awaiting.drop(request_id):  # never reached the scheduler: no sequences
             state.emit(RequestOutput(request_id, [
                 CompletionDelta(i, "", (), None, "abort") for i in range(state.params.n)],
                 finished=True, **state.usage()))
@@ -282,7 +264,9 @@ class EngineCore:
             if self._inflight is not None:
                 self._finish_inflight()  # its outputs go out now, without waiting
             elif not self.scheduler.has_unfinished:
-                self._wait_for_grammar(GRAMMAR_WAIT_S)
+                # nothing can run: wait (boundedly) for one of the pending compiles
+                self.counters["grammar_wait_seconds_total"] += self.awaiting.wait(
+                    GRAMMAR_WAIT_S)
             return False
         pending = prev.rows if prev is not None else {}
         chunks, sampling = [], []
@@ -461,10 +445,7 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine is going down)."""
         self._inflight = None
-        for _, future in self._awaiting_grammar.values():
-            self.grammars.cancel(future)
-        self._awaiting_grammar.clear()
-        self.num_awaiting_grammar = 0
+        self.awaiting.drop_all()
         for state in list(self.requests.values()):
             state.done = True
             state.emit(error)
@@ -476,7 +457,7 @@ class EngineCore:
             "num_requests_running": self.scheduler.num_running,
             # sequences waiting for their grammar are waiting too (their queue time, from
             # the request's arrival to its first step, includes the compile)
-            "num_requests_waiting": self.scheduler.num_waiting + self.num_awaiting_grammar,
+            "num_requests_waiting": self.scheduler.num_waiting + self.awaiting.num_sequences,
             "kv_cache_usage_perc": bm.usage,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
