@@ -96,18 +96,14 @@ def smol_tp3_engine_process():
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> str:
+def tiny_folder(tmp_path_factory, smollm2_tokenizer) -> str:
     """The tiny random Llama as a sharded Hugging Face folder, with SmolLM2's tokenizer
     (its first 256 ids are the tiny vocabulary) so that it can be served."""
-    from transformers import AutoTokenizer
-
     from tests.model.test_tiny_models import _hf_model
     from tests.model.util import save_hf_folder
-    from tpserve.model.loader.checkpoint import embedded_model_path
 
     folder = save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama"))
-    gguf = embedded_model_path()
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
     return str(folder)
 
 
