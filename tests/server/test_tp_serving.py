@@ -82,6 +82,15 @@ def smol_tp1():
 
 
 @pytest.fixture(scope="module")
+def tp1_answers(smol_tp1):
+    """The tp 1 server's ``_smol_answers``, asked once: what every other tp size and
+    layout below must serve exactly."""
+    want = _smol_answers(smol_tp1.base)
+    assert all(want) and want[0].startswith(" Paris")
+    return want
+
+
+@pytest.fixture(scope="module")
 def smol_tp3():
     s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process")
     yield s
@@ -120,10 +129,8 @@ def tiny_reference(tiny_folder):
 # -------------------------------------------------------------------------- tp 3 = tp 1
 @pytest.mark.parametrize("tp3", ["smol_tp3", "smol_tp3_engine_process"],
                          ids=["in-process", "engine-process"])
-def test_tp3_serves_the_same_greedy_text_as_tp1(smol_tp1, tp3, request):
-    want = _smol_answers(smol_tp1.base)
-    assert all(want) and want[0].startswith(" Paris")
-    assert _smol_answers(request.getfixturevalue(tp3).base) == want
+def test_tp3_serves_the_same_greedy_text_as_tp1(tp1_answers, tp3, request):
+    assert _smol_answers(request.getfixturevalue(tp3).base) == tp1_answers
 
 
 def test_tp3_streaming_equals_tp1(smol_tp1, smol_tp3):
@@ -162,16 +169,14 @@ def test_only_the_http_port_listens_beyond_loopback(tp3, num_procs, request):
 
 # ------------------------------------------------------ tp 2 and 4: zero-padded heads = tp 1
 @pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allgather")])
-def test_padded_heads_serve_the_same_greedy_text_as_tp1(smol_tp1, tp, tp_comm):
+def test_padded_heads_serve_the_same_greedy_text_as_tp1(tp1_answers, tp, tp_comm):
     """tp 4 also runs sequence parallel (--tp-comm allgather), so the flag is tested from
     the command line to every rank without another server start-up."""
-    want = _smol_answers(smol_tp1.base)
-    assert all(want) and want[0].startswith(" Paris")
     # one server at a time (not a module fixture): tp 4 is four processes on two cores
     server = ServerProcess(*SMALL, "--tensor-parallel-size", str(tp), "--tp-comm", tp_comm,
                            "--no-engine-process")
     try:
-        assert _smol_answers(server.base) == want
+        assert _smol_answers(server.base) == tp1_answers
         assert (f"tp {tp}: padding 9 q heads -> 12, 3 KV heads -> 4 (+33% attention FLOPs "
                 "and KV cache per rank)") in server.output()
     finally:
