@@ -30,8 +30,27 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess(*SMALL, "--max-num-seqs", "8")
+def servers():
+    """The module's servers, started together (see ServerProcess): the plain one, one with
+    ``--enable-auto-tool-choice --tool-call-parser hermes``, and one with the flag but not
+    the parser (which must refuse to start)."""
+    started = {
+        "plain": ServerProcess(*SMALL, "--max-num-seqs", "8", wait=False),
+        "auto": ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser",
+                              "hermes", wait=False),
+        "no-parser": ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60,
+                                   wait=False),
+    }
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    s = servers["plain"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
@@ -162,10 +181,10 @@ def test_tool_errors(client, body, message):
     assert info.value.body["param"] == "tool_choice"
 
 
-def test_auto_tool_choice_enabled():
+def test_auto_tool_choice_enabled(servers):
     """With ``--enable-auto-tool-choice --tool-call-parser hermes`` ``auto`` is accepted; a
     small model may or may not call a tool, so either answer must be well formed."""
-    s = ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = servers["auto"].wait_until_healthy()
     try:
         c = s.client(timeout=600)
         choices = (openai.NOT_GIVEN, "auto")
@@ -194,6 +213,6 @@ def test_auto_tool_choice_enabled():
         assert s.stop() == 0, s.output()
 
 
-def test_auto_tool_choice_needs_parser():
+def test_auto_tool_choice_needs_parser(servers):
     with pytest.raises(RuntimeError, match="--enable-auto-tool-choice needs --tool-call-parser"):
-        ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60)
+        servers["no-parser"].wait_until_healthy()
