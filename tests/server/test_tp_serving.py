@@ -75,8 +75,26 @@ def _assert_same_tiny_answers(got, want) -> None:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def smol_tp1():
-    s = ServerProcess(*SMALL)
+def smol_servers():
+    """The module's SmolLM2 servers at tp 1 and tp 3 (both layouts), started together (see
+    ServerProcess); the fixtures below wait for theirs."""
+    started = {
+        "tp1": ServerProcess(*SMALL, wait=False),
+        "tp3": ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process",
+                             wait=False),
+        "tp3-engine-process": ServerProcess(*SMALL, "--tensor-parallel-size", "3",
+                                            "--engine-process", wait=False),
+    }
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_tp1(smol_servers):
+    s = smol_servers["tp1"].wait_until_healthy()
     yield s
     assert s.stop() == 0
 
@@ -91,15 +109,15 @@ def tp1_answers(smol_tp1):
 
 
 @pytest.fixture(scope="module")
-def smol_tp3():
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process")
+def smol_tp3(smol_servers):
+    s = smol_servers["tp3"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="module")
-def smol_tp3_engine_process():
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--engine-process")
+def smol_tp3_engine_process(smol_servers):
+    s = smol_servers["tp3-engine-process"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
