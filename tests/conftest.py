@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF and its Hugging Face reference."""
+"""Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
+reference."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_smollm2(smollm2_path, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
 
     d, name = str(smollm2_path.parent), smollm2_path.name
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(d, gguf_file=name)
+    return model, smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
+    """The GGUF's tokenizer as transformers converts it from the file (not tpserve's
+    tokenizer cache). The conversion takes seconds on two cores, so it is done once per
+    session and shared: no test changes a tokenizer."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)

@@ -28,14 +28,21 @@ def reference(hf_smollm2):
     return ids, logits
 
 
+@pytest.fixture(scope="module")
+def tp1(smollm2_path):
+    """Our model at tp 1, loaded once for the module: every run below gets a fresh KV pool
+    and the forward keeps no state, so the tests share it."""
+    return load(str(smollm2_path))
+
+
 def _logits_on_rank(group, path, ids_list):
     model, comm = load(path, group)
     return [full_logits(model, comm, ids) for ids in ids_list]
 
 
-def test_logits_equal_transformers_tp1(smollm2_path, reference):
+def test_logits_equal_transformers_tp1(tp1, reference):
     ids, ref = reference
-    model, comm = load(str(smollm2_path))
+    model, comm = tp1
     for i, r in zip(ids, ref, strict=True):
         ours = full_logits(model, comm, i)
         assert ours.shape == r.shape
@@ -51,9 +58,9 @@ def test_logits_equal_transformers_tp3(smollm2_path, reference):
             assert (ours - r).abs().max().item() < 1e-3
 
 
-def test_greedy_32_tokens_identical_to_transformers(smollm2_path, hf_smollm2):
+def test_greedy_32_tokens_identical_to_transformers(tp1, hf_smollm2):
     hf, tok = hf_smollm2
-    model, comm = load(str(smollm2_path))
+    model, comm = tp1
     for prompt in PROMPTS[1:3]:  # prompts whose first 32 greedy tokens hold no EOS
         ids = tok(prompt).input_ids
         with torch.no_grad():
@@ -71,12 +78,18 @@ def _padded_run(group, path, ids_list, greedy_ids, n, tp_comm):
                                                                        greedy_ids, n)
 
 
-@pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allreduce"), (2, "allgather")])
-def test_zero_padded_heads_equal_tp1(smollm2_path, smollm2_tokenizer, tp, tp_comm):
+@pytest.fixture(scope="module")
+def tp1_padded_reference(tp1, smollm2_tokenizer):
+    """tp 1's logits of the first two prompts and 12 greedy tokens of the second: what every
+    padded tp size must reproduce (computed once, not once per parametrization)."""
+    model, comm = tp1
     ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS[:2]]
-    model, comm = load(str(smollm2_path))
-    want_logits = [full_logits(model, comm, i) for i in ids]
-    want_tokens = greedy(model, comm, ids[1], 12)
+    return ids, [full_logits(model, comm, i) for i in ids], greedy(model, comm, ids[1], 12)
+
+
+@pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allreduce"), (2, "allgather")])
+def test_zero_padded_heads_equal_tp1(smollm2_path, tp1_padded_reference, tp, tp_comm):
+    ids, want_logits, want_tokens = tp1_padded_reference
     per_rank = run_ranks(_padded_run, tp, str(smollm2_path), ids, ids[1], 12, tp_comm,
                          timeout_s=500)
     for logits, tokens in per_rank:

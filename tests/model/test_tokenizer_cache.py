@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-from transformers import AutoTokenizer
-
 from tpserve.model.loader.checkpoint import embedded_model_path
 from tpserve.model.loader.tokenizer_cache import COMPLETE, entry_key, gguf_tokenizer
 
@@ -15,9 +13,9 @@ CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_the_cached_tokenizer_equals_the_converted_one(tmp_path):
+def test_the_cached_tokenizer_equals_the_converted_one(tmp_path, smollm2_tokenizer):
     path = embedded_model_path()
-    direct = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    direct = smollm2_tokenizer  # AutoTokenizer.from_pretrained(..., gguf_file=...), shared
     first = gguf_tokenizer(path, tmp_path)
     entry = tmp_path / "gguf-tokenizers" / entry_key(path)
     assert (entry / COMPLETE).is_file()
@@ -35,14 +33,13 @@ def test_the_cached_tokenizer_equals_the_converted_one(tmp_path):
                                               add_generation_prompt=True))
 
 
-def test_an_incomplete_entry_is_never_read(tmp_path):
+def test_an_incomplete_entry_is_never_read(tmp_path, smollm2_tokenizer):
     path = embedded_model_path()
     entry = tmp_path / "gguf-tokenizers" / entry_key(path)
     entry.mkdir(parents=True)
     (entry / "tokenizer.json").write_text("{not json")  # a start that died mid-write
     tok = gguf_tokenizer(path, tmp_path)
-    assert tok("Paris").input_ids == AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name)("Paris").input_ids
+    assert tok("Paris").input_ids == smollm2_tokenizer("Paris").input_ids
     assert not (entry / COMPLETE).exists()  # left alone: the rename found it taken
 
 

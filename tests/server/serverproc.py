@@ -14,6 +14,19 @@ import openai
 
 from tpserve.parallel.state import find_free_port
 
+_PORTS: set[int] = set()  # handed to servers of this test process, maybe not bound yet
+
+
+def _new_port() -> int:
+    """A free port no earlier ServerProcess of this process was given: servers started
+    together bind only seconds later, so the OS could offer the same free port twice."""
+    for _ in range(100):
+        port = find_free_port()
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
+    raise RuntimeError("no new free port")
+
 
 def wait_healthy(base: str, exited: Callable[[], str | None], timeout: float) -> None:
     """Polls ``base``/health until it answers 200. ``exited()`` returns a message when the
@@ -29,17 +42,22 @@ def wait_healthy(base: str, exited: Callable[[], str | None], timeout: float) ->
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.05)
     raise TimeoutError(f"server not healthy within {timeout} s")
 
 
 class ServerProcess:
     """``tpserve serve ARGS`` on a free port; its output goes to a temporary log file (never
-    a pipe nobody reads, which would block a chatty server), read with ``output()``."""
+    a pipe nobody reads, which would block a chatty server), read with ``output()``.
+
+    The constructor waits until the server is healthy; with ``wait=False`` it returns once
+    the process is started and ``wait_until_healthy()`` waits. A start-up keeps about one
+    of two cores busy (imports, then the model load, mostly one thread), so a module that
+    needs several servers starts them all before waiting for the first."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
-                 log_level: str = "warning"):
-        self.port = find_free_port()
+                 log_level: str = "warning", wait: bool = True):
+        self.port = _new_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._final_output: str | None = None
         cmd = [sys.executable, "-m", "tpserve.cli", "serve", *args,
@@ -48,6 +66,16 @@ class ServerProcess:
                                                 delete=False)
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
                                      stdout=self._log, stderr=subprocess.STDOUT)
+        self._timeout = timeout
+        self._healthy = False
+        if wait:
+            self.wait_until_healthy()
+
+    def wait_until_healthy(self) -> ServerProcess:
+        """Waits (up to the constructor's ``timeout`` from now) until /health answers 200;
+        stops the server and raises if it exits or does not get there. Returns self."""
+        if self._healthy:
+            return self
 
         def exited() -> str | None:
             if self.proc.poll() is None:
@@ -55,10 +83,12 @@ class ServerProcess:
             return f"server exited with {self.proc.returncode}:\n{self.output()}"
 
         try:
-            wait_healthy(self.base, exited, timeout)
+            wait_healthy(self.base, exited, self._timeout)
         except BaseException:
             self.stop()
             raise
+        self._healthy = True
+        return self
 
     def output(self) -> str:
         """Everything the server printed so far (stdout and stderr); after ``stop``, all

@@ -70,13 +70,18 @@ def test_json_schema_twenty_seeds(client, stream):
 
 
 def test_json_schema_n2_and_completions(client):
-    r = client.chat.completions.create(model=MODEL, messages=PERSON, temperature=0.7, seed=3,
-                                       n=2, max_tokens=250, response_format=RESPONSE_FORMAT)
+    with ThreadPoolExecutor(2) as pool:  # both requests in flight together
+        chat = pool.submit(client.chat.completions.create, model=MODEL, messages=PERSON,
+                           temperature=0.7, seed=3, n=2, max_tokens=250,
+                           response_format=RESPONSE_FORMAT)
+        completion = pool.submit(client.completions.create, model=MODEL,
+                                 prompt="A person as JSON:", temperature=0, max_tokens=250,
+                                 extra_body={"guided_json": SCHEMA})
+        r, completion = chat.result(), completion.result()
     for choice in r.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    r = client.completions.create(model=MODEL, prompt="A person as JSON:", temperature=0,
-                                  max_tokens=250, extra_body={"guided_json": SCHEMA})
+    r = completion
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
 

