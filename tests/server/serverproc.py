@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -140,3 +141,14 @@ class ServerProcess:
 
 SMALL = ("--kv-cache-memory", "192MiB", "--max-model-len", "2048",
          "--max-num-batched-tokens", "512", "--check-integrity")
+
+
+@contextlib.contextmanager
+def stopped_on_exit(servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """Yields ``servers`` (started together with ``wait=False``) and stops every one of them
+    on the way out, whichever the tests waited for."""
+    try:
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess
+from tests.server.serverproc import SMALL, ServerProcess, stopped_on_exit
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object",
@@ -34,18 +34,14 @@ def servers():
     """The module's servers, started together (see ServerProcess): the plain one, one with
     ``--enable-auto-tool-choice --tool-call-parser hermes``, and one with the flag but not
     the parser (which must refuse to start)."""
-    started = {
+    with stopped_on_exit({
         "plain": ServerProcess(*SMALL, "--max-num-seqs", "8", wait=False),
         "auto": ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser",
                               "hermes", wait=False),
         "no-parser": ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60,
                                    wait=False),
-    }
-    try:
+    }) as started:
         yield started
-    finally:
-        for s in started.values():
-            s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess, wait_healthy
+from tests.server.serverproc import SMALL, ServerProcess, stopped_on_exit, wait_healthy
 from tpserve.model.fault import FAULT_ENV
 from tpserve.parallel.state import find_free_port
 
@@ -78,18 +78,14 @@ def _assert_same_tiny_answers(got, want) -> None:
 def smol_servers():
     """The module's SmolLM2 servers at tp 1 and tp 3 (both layouts), started together (see
     ServerProcess); the fixtures below wait for theirs."""
-    started = {
+    with stopped_on_exit({
         "tp1": ServerProcess(*SMALL, wait=False),
         "tp3": ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process",
                              wait=False),
         "tp3-engine-process": ServerProcess(*SMALL, "--tensor-parallel-size", "3",
                                             "--engine-process", wait=False),
-    }
-    try:
+    }) as started:
         yield started
-    finally:
-        for s in started.values():
-            s.stop()
 
 
 @pytest.fixture(scope="module")
