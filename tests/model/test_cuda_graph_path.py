@@ -201,3 +201,49 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype):
             runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs compute capability >= 9.0")
+@pytest.mark.parametrize("kv_cache_dtype,quantization",
+                         [("bfloat16", "none"), ("fp8_e4m3", "fp8")])
+def test_pdl_changes_no_logit_of_captured_or_eager_steps(kv_cache_dtype, quantization):
+    """The same steps (prefill, a mixed graph, a decode graph, then an eager repeat) with the
+    Triton kernels launched with and without programmatic dependent launch: every logit is
+    bit-identical (PDL moves when a kernel starts, never what it computes; a kernel reading
+    before its wait would race and differ). fp8 adds the W8A8, quantizer and split-reduce
+    kernels."""
+    from dataclasses import replace
+
+    from tpserve.model.plan import StepLimits
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.parallel.state import TPGroup
+
+    dev = torch.device("cuda", 0)
+    cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
+                       kv_cache_dtype=kv_cache_dtype, device="cuda", kernel_backend="triton",
+                       kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128,
+                       quantization=quantization, fp8_weight_only_max_tokens=0)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                        block_size=16)
+    runners = [ModelRunner(replace(cfg, pdl=pdl), limits, TPGroup(0, 1, dev, None))
+               for pdl in (True, False)]
+    assert [r.pdl for r in runners] == [True, False]
+    a, b = list(range(5, 45)), list(range(100, 107))
+    steps = [
+        [SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3], True)],
+        [SeqChunk([7], 40, [0, 1, 2], True), SeqChunk([-1], 7, [3], True, 1),
+         SeqChunk(list(range(50, 80)), 0, [4, 5], True)],
+        [SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([-1], 8, [3], True, 1),
+         SeqChunk([6], 30, [4, 5], True)],
+    ]
+    outs = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        for chunks in steps:
+            logits = runner.execute(StepPlan.build(chunks, 16, runner.attn))
+            out.append(logits.clone())
+            runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
+    for got, want in zip(*outs, strict=True):
+        assert torch.equal(got, want)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.triton_pdl import pdl_enter
+
 _BLOCK = 1024
 
 
@@ -27,7 +29,9 @@ def _silu_mul_cols(x_row, offs, mask, d):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -43,8 +47,9 @@ def gate_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (x2 if x2.stride(-1) == 1 else x2.contiguous()), two_d // 2
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension (``pdl``:
+    launched with programmatic dependent launch, ``triton_pdl``)."""
     x2, d = gate_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
@@ -52,5 +57,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4)
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
     return out
