@@ -16,9 +16,8 @@ def test_pdl_is_on_by_default_and_off_with_no_pdl():
     from tpserve.server.config import config_from_args
 
     parser, _ = build_parser()
-    dummy = ["serve", "smollm2-135m", "--load-format", "dummy"]  # runs where no model is installed
-    assert config_from_args(parser.parse_args(dummy)).runner.pdl is True
-    assert config_from_args(parser.parse_args([*dummy, "--no-pdl"])).runner.pdl is False
+    assert config_from_args(parser.parse_args(["serve"])).runner.pdl is True
+    assert config_from_args(parser.parse_args(["serve", "--no-pdl"])).runner.pdl is False
 
 
 def test_pdl_resolves_off_without_triton_or_a_hopper_gpu():

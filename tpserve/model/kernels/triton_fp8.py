@@ -35,15 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter, pdl_release, pdl_wait, prefetch_rows
+from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kernels.triton_support import dot_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MIN_SCALE = 1e-12
-# Under PDL the weight-only kernels prefetch this many bytes of each weight row's chunk into
-# L2 while the previous kernel finishes (kernels.triton_pdl)
-WO_PREFETCH_K = 1024
 # float32(1 / 448), correctly rounded (exact as a Python float)
 INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 
@@ -168,14 +165,6 @@ def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
 
 
 @triton.jit
-def _weight_rows(w_ptr, N, stride_w, BLOCK_N: tl.constexpr):
-    """The starts of program ``(., n, .)``'s ``BLOCK_N`` weight rows (rows past N clamped to
-    the last: for prefetches, which must stay inside the weight)."""
-    rn = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-    return w_ptr + rn.to(tl.int64) * stride_w
-
-
-@triton.jit
 def _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Program ``(m, n, .)``'s output rows ``rm`` and columns ``rn``, their masks, and the
@@ -263,17 +252,11 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                     stride_x, stride_w, stride_y,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                     REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                    PREFETCH_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program ``(m, n, s)``: activation row ``m`` (``BLOCK_M`` is 1), weight rows
     ``n*BLOCK_N..``, K columns ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of
-    ``BLOCK_K``), by ``_gemv_rows``. Under PDL the first ``PREFETCH_K`` bytes of each weight
-    row's chunk are prefetched into L2 before the wait (``triton_pdl``)."""
-    pdl_release(PDL)
-    if PDL:
-        prefetch_rows(_weight_rows(w_ptr, N, stride_w, BLOCK_N), tl.program_id(2) * K_CHUNK,
-                      K_CHUNK, PREFETCH_K)
-    pdl_wait(PDL)
+    ``BLOCK_K``), by ``_gemv_rows``."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -291,19 +274,12 @@ def _wo_gemv_silu_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, HALF, K,
                          stride_x, stride_w, stride_y,
                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                          REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A merged gate/up weight ``[2 * HALF, K]`` (gate rows, then up rows) and its SiLU
     gate in one pass: program ``(m, n)`` computes ``g`` over gate rows ``n*BLOCK_N..`` and
     ``u`` over the same rows of the up half (whole K, no split), both scaled per channel
-    (plus bias), and writes ``y[m, n] = silu(g) * u`` from float32 (prefetching under PDL
-    as ``_wo_gemv_kernel``)."""
-    pdl_release(PDL)
-    if PDL:
-        gate_rows = _weight_rows(w_ptr, HALF, stride_w, BLOCK_N)
-        prefetch_rows(gate_rows, 0, K, PREFETCH_K)
-        prefetch_rows(gate_rows + HALF.to(tl.int64) * stride_w, 0, K, PREFETCH_K)
-    pdl_wait(PDL)
+    (plus bias), and writes ``y[m, n] = silu(g) * u`` from float32."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -329,16 +305,12 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                   PDL: tl.constexpr):
     """As ``_wo_gemv_kernel`` (same grid and chunks, ``BLOCK_M`` rows), but each step is
     ``tl.dot`` of the ``[BLOCK_M, BLOCK_K]`` activations and the transposed
     ``[BLOCK_N, BLOCK_K]`` weight tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16
-    and fp32; prefetching under PDL as ``_wo_gemv_kernel``)."""
-    pdl_release(PDL)
-    if PDL:
-        prefetch_rows(_weight_rows(w_ptr, N, stride_w, BLOCK_N), tl.program_id(2) * K_CHUNK,
-                      K_CHUNK, PREFETCH_K)
-    pdl_wait(PDL)
+    and fp32)."""
+    pdl_enter(PDL)
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -410,7 +382,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     grid = (m_tiles, n_tiles, split)
     common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  PDL=pdl, PREFETCH_K=WO_PREFETCH_K if pdl else 0, launch_pdl=pdl)
+                  PDL=pdl, launch_pdl=pdl)
     if cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
         assert bm == 1, "a gemv launch has one activation row per program"
         flags = cfg.kind[4:]
@@ -478,7 +450,6 @@ def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         x, wq, w_scale, bias if bias is not None else w_scale, y, half, k,
         x.stride(0), wq.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, REDUCE_EACH="r" in flags, EVICT="e" in flags,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
-        PREFETCH_K=WO_PREFETCH_K if pdl else 0, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl)
     return y

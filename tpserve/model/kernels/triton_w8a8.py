@@ -36,18 +36,14 @@ from tpserve.model.kernels.triton_fp8 import (
     WoConfig,
     _sm_count,
     _tile_rows,
-    _weight_rows,
     _wo_epilogue,
     _wo_load,
     reduce_splits,
     split_k,
 )
-from tpserve.model.kernels.triton_pdl import pdl_release, pdl_wait, prefetch_rows
+from tpserve.model.kernels.triton_pdl import pdl_enter
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
-# Under PDL, each program prefetches this many columns (bytes) of its weight rows into L2
-# while the previous kernel finishes: 64 KiB a 128-row program, ~8.4 MiB over one wave
-PREFETCH_K = 512
 
 
 def one_wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:
@@ -74,18 +70,12 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                  WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                 PDL: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
     the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
-    summed in the tensor cores before each float32 add. ``PDL``: the first ``PREFETCH_K``
-    columns of the program's weight rows are prefetched into L2 before waiting for the
-    previous kernel (weights are written by no kernel)."""
-    pdl_release(PDL)
-    if PDL:
-        prefetch_rows(_weight_rows(w_ptr, N, stride_w, BLOCK_N), tl.program_id(2) * K_CHUNK,
-                      K_CHUNK, PREFETCH_K)
-    pdl_wait(PDL)
+    summed in the tensor cores before each float32 add."""
+    pdl_enter(PDL)
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -133,7 +123,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, PREFETCH_K=PREFETCH_K if pdl else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     reduce_splits(part, w_scale, bias, y, split, pdl)
     return y
