@@ -117,8 +117,6 @@ def parse_args() -> argparse.Namespace:
                    help="the server's flag of that name (default: the server's default)")
     p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's flag of that name (default: the server's default)")
-    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
-                   help="the server's flag of that name (on by default, as there)")
     for k, v in FULL.items():
         typ = float if isinstance(v, float) else int if isinstance(v, int) else str
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None,
@@ -156,8 +154,6 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv += ["--fp8-weight-only-max-tokens", str(a.fp8_weight_only_max_tokens)]
     if a.fp8_fast_accum is not None:
         argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
-    if not a.pdl:
-        argv.append("--no-pdl")
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(argv))
 
@@ -239,7 +235,6 @@ def _start_runner(a, R, cfg: Config, group, device, notes, save, log):
     R["startup_s"] = round(runner.startup_s, 2)
     R["startup_wall_s"] = round(time.perf_counter() - t0, 2)
     R["kernels"] = runner.ops.name
-    R["pdl"] = runner.pdl
     graphs = runner.graphs
     R["cuda_graphs"] = None if graphs is None else {
         "decode_buckets": graphs.decode_buckets, "mixed_buckets": graphs.mixed_buckets,

@@ -36,7 +36,7 @@ STRIDES = ["stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "str
 
 
 def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, scale_v: bool,
-                   splits: int, group: int = 4, num_kv_heads: int = 8, pdl: bool = False):
+                   splits: int, group: int = 4, num_kv_heads: int = 8):
     """``_decode_split_kernel`` for a bf16 q over a bf16 or e4m3 cache (Llama-3-8B's heads)."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     types = ["*bf16", kv, kv, "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
@@ -46,16 +46,14 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": splits,
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
-             "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "PDL": pdl}
+             "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v}
     sig |= {k: "constexpr" for k in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t not in ("constexpr", "fp32")}
     src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
                                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages,
-                                   "launch_pdl": pdl})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def sass_report(cubin: bytes, top: int) -> dict:
@@ -71,8 +69,7 @@ def sass_report(cubin: bytes, top: int) -> dict:
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_.]+)", sass, re.M))
     regs = re.search(r"REG:(\d+)", usage)
     return {"registers": int(regs[1]) if regs else None, "opcodes": dict(ops.most_common(top)),
-            "LDS.U8": ops.get("LDS.U8", 0), "BAR.SYNC": ops.get("BAR.SYNC.DEFER_BLOCKING", 0),
-            "first": re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([^;]+);", sass, re.M)[:6]}
+            "LDS.U8": ops.get("LDS.U8", 0), "BAR.SYNC": ops.get("BAR.SYNC.DEFER_BLOCKING", 0)}
 
 
 def main() -> None:
@@ -82,16 +79,13 @@ def main() -> None:
     p.add_argument("--scale-v", action="store_true", help="the V scale in the V tile")
     p.add_argument("--splits", type=int, default=1)
     p.add_argument("--top", type=int, default=16)
-    p.add_argument("--pdl", action="store_true", help="compiled for programmatic dependent launch")
     a = p.parse_args()
     block_n, warps, stages = (int(v) for v in a.launch.split(","))
-    c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits, pdl=a.pdl)
+    c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits)
     rep = sass_report(c.asm["cubin"], a.top)
     print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
           f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "
-          f"LDS.U8 {rep['LDS.U8']}, BAR.SYNC {rep['BAR.SYNC']}, pdl {a.pdl} "
-          f"(griddepcontrol in the PTX: {c.asm['ptx'].count('griddepcontrol')})")
-    print("  first instructions:", "; ".join(rep["first"]))
+          f"LDS.U8 {rep['LDS.U8']}, BAR.SYNC {rep['BAR.SYNC']}")
     for op, n in rep["opcodes"].items():
         print(f"  {n:6d} {op}")
 

@@ -20,7 +20,7 @@ from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
 from tpserve.model.gpu_processes import other_gpu_processes
-from tpserve.model.kernels.backend import resolve_pdl, select_ops
+from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPES, build_model
@@ -98,16 +98,11 @@ class ModelRunner:
                                                    mcfg.sliding_window)
         self.dtype = DTYPES[cfg.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
-        self.pdl = pdl = resolve_pdl(cfg.pdl, cfg.kernel_backend, device)
-        if cfg.kernel_backend == "triton" and group.rank == 0:
-            why = "--no-pdl" if not cfg.pdl else "this GPU has no PDL: compute capability < 9.0"
-            logger.info("kernels: triton, %s", "launched with programmatic dependent launch"
-                        if pdl else f"fully serialized launches ({why})")
-        self.ops = select_ops(cfg.kernel_backend, pdl)
-        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype, pdl)
+        self.ops = select_ops(cfg.kernel_backend)
+        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
-                              fast_accum=cfg.fp8_fast_accum, pdl=pdl)
+                              fast_accum=cfg.fp8_fast_accum)
         if quant is not None and group.rank == 0:
             products = ""
             if quant.scaled_mm:

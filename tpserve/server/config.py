@@ -201,10 +201,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the model runs: auto = CUDA when available, else CPU")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention and norm kernels: auto = Triton on CUDA, torch otherwise")
-    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch the Triton kernels with programmatic dependent launch on GPUs "
-                        "that have it (compute capability >= 9.0; default): each may start "
-                        "while the one before it finishes; --no-pdl serializes them fully"),
     p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20,
                    help="larger request bodies get 413 (e.g. 16MiB)")
     p.add_argument("--max-num-queued-requests", type=int, default=1024,
@@ -299,7 +295,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         quantization=resolve_quantization(a.quantization, ckpt.quantization),
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
-        fp8_fast_accum=a.fp8_fast_accum, pdl=a.pdl,
+        fp8_fast_accum=a.fp8_fast_accum,
         memory_history=a.memory_history, nvtx=a.nvtx)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens

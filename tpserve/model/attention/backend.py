@@ -51,9 +51,8 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def __init__(self, kv_cache_dtype: torch.dtype, pdl: bool = False):
+    def __init__(self, kv_cache_dtype: torch.dtype):
         self.kv_cache_dtype = kv_cache_dtype
-        self.pdl = pdl  # launch the kernels with PDL (kernels.triton_pdl; resolved, CUDA only)
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         """Rank 0, host: what the kernels need beyond the common plan for a step whose
@@ -92,12 +91,10 @@ class AttentionBackend(ABC):
         returns ``[T, Hq, D]``."""
 
 
-def select_attention(backend: str, kv_cache_dtype: torch.dtype, pdl: bool = False
-                     ) -> AttentionBackend:
-    """The back-end of a resolved name (``torch`` or ``triton``); ``pdl`` (resolved for the
-    device: ``kernels.triton_pdl.pdl_supported``) applies to the Triton kernels."""
+def select_attention(backend: str, kv_cache_dtype: torch.dtype) -> AttentionBackend:
+    """The back-end of a resolved name (``torch`` or ``triton``)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention back-end {backend!r}; choose one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     module = importlib.import_module(ATTENTION_BACKENDS[backend])
-    return module.BACKEND(kv_cache_dtype, pdl)
+    return module.BACKEND(kv_cache_dtype)

@@ -81,8 +81,8 @@ class TritonMetadata(AttentionMetadata):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None,
-                    pdl: bool = False) -> torch.Tensor:
+                    meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
     context (any cache dtype; rounded to q's dtype as it is read; an FP8 cache is scaled
     by ``kv_scale``, read on the device).
@@ -92,8 +92,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``meta.prefill_tiles`` (and overwrites any prefill row a padding decode slot zeroed).
     Both launch shapes come from host ints and tensor sizes only, so any step is CUDA-graph
     capturable once its buffers are static. Rows no tile or slot covers (padding tokens)
-    are left unwritten. ``pdl``: the kernels are launched with programmatic dependent
-    launch (``kernels.triton_pdl``).
+    are left unwritten.
     """
     out = torch.empty_like(q)
     slots = meta.num_decode_slots
@@ -103,11 +102,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                         meta.max_seq_len)
         dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                              meta.decode_lens(), scale, out[:slots], splits,
-                             kv_scale=kv_scale, pdl=pdl)
+                             kv_scale=kv_scale)
     if meta.num_seqs > meta.num_decodes:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.tiles(), scale, out, kv_scale=kv_scale, pdl=pdl)
+            meta.tiles(), scale, out, kv_scale=kv_scale)
     return out
 
 
@@ -164,15 +163,14 @@ class TritonAttention(AttentionBackend):
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                           meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
         q, _ = triton_rope.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
-                                             v_cache, meta.slot_mapping, kv_scale=kv_scale,
-                                             pdl=self.pdl)
+                                             v_cache, meta.slot_mapping, kv_scale=kv_scale)
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scale=None) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
             meta = self.metadata(meta)
-        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale, self.pdl)
+        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
 
 BACKEND = TritonAttention

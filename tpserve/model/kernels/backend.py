@@ -6,15 +6,11 @@ chosen by the same name."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 KERNEL_BACKENDS = ("torch", "triton")
-PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol (programmatic dependent launch): sm_90 and later
 
 
 @dataclass(frozen=True)
@@ -32,11 +28,10 @@ class Ops:
     silu_and_mul_fp8: Callable
 
 
-def _ops_from(module_name: str, name: str, **bound) -> Ops:
+def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
-    fns = (m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rms_norm_fp8, m.add_rms_norm_fp8,
-           m.silu_and_mul_fp8)
-    return Ops(name, *(functools.partial(f, **bound) if bound else f for f in fns))
+    return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rms_norm_fp8,
+               m.add_rms_norm_fp8, m.silu_and_mul_fp8)
 
 
 def resolve_kernel_backend(name: str, device_type: str) -> str:
@@ -50,21 +45,11 @@ def resolve_kernel_backend(name: str, device_type: str) -> str:
     return name
 
 
-def resolve_pdl(asked: bool, backend: str, device: torch.device) -> bool:
-    """``--pdl`` made concrete: the Triton kernels launch with programmatic dependent
-    launch (``triton_pdl``) when asked for, on a CUDA device of compute capability >= 9.0."""
-    return (asked and backend == "triton" and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= PDL_MIN_CAPABILITY)
-
-
-def select_ops(backend: str, pdl: bool = False) -> Ops:
-    """The ops of a resolved back-end name (``KERNEL_BACKENDS``); ``pdl`` (resolved for the
-    device: ``triton_pdl.pdl_supported``): the Triton ops launch with programmatic dependent
-    launch."""
+def select_ops(backend: str) -> Ops:
+    """The ops of a resolved back-end name (``KERNEL_BACKENDS``)."""
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel back-end {backend!r}; choose one of "
                          f"{KERNEL_BACKENDS}")
     if backend == "triton":
-        return _ops_from("tpserve.model.kernels.triton_ops", "triton",
-                         **({"pdl": True} if pdl else {}))
+        return _ops_from("tpserve.model.kernels.triton_ops", "triton")
     return _ops_from("tpserve.model.kernels.torch_ops", "torch")

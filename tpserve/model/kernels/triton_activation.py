@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter
-
 _BLOCK = 1024
 
 
@@ -29,9 +27,7 @@ def _silu_mul_cols(x_row, offs, mask, d):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl_enter(PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -47,9 +43,8 @@ def gate_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (x2 if x2.stride(-1) == 1 else x2.contiguous()), two_d // 2
 
 
-def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension (``pdl``:
-    launched with programmatic dependent launch, ``triton_pdl``)."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
     x2, d = gate_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
@@ -57,6 +52,5 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4)
     return out

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config
 from tpserve.model.kv_cache_dtype import is_fp8
 
@@ -117,9 +116,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -205,9 +202,8 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -264,7 +260,7 @@ def decode_attention(
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     late_widen: bool | None = None, swap_qk: bool | None = None,
-    heads_first: bool | None = None, scale_v: bool | None = None, pdl: bool = False,
+    heads_first: bool | None = None, scale_v: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -274,8 +270,7 @@ def decode_attention(
     (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
-    (with it): the V scale goes into the widened V tile instead of the output. ``pdl``: both
-    kernels are launched with programmatic dependent launch (``triton_pdl``).
+    (with it): the V scale goes into the widened V tile instead of the output.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -319,12 +314,12 @@ def decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
-        NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
         )
     return out

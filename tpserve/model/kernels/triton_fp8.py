@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kernels.triton_support import dot_config
 
 FP8 = torch.float8_e4m3fn
@@ -68,8 +67,7 @@ def _e4m3_code(v):
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
                             FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
                             MIN_SCALE_C: tl.constexpr,
-                            BIT_CAST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                            BIT_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), tl.float32)
@@ -90,12 +88,11 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
         tl.store(q_ptr + row * stride_q + o, code, mask=o < K)
 
 
-def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None, pdl: bool = False
+def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (last dim contiguous) -> ``(q [M, K] e4m3, scale [M, 1] float32)``.
     ``bit_cast`` (default: off CUDA only) casts by ``_e4m3_code`` instead of the
-    hardware conversion. ``pdl``: launched with programmatic dependent launch
-    (``triton_pdl``), as every launch of this module and ``triton_w8a8`` can be."""
+    hardware conversion."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
@@ -108,8 +105,8 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None, pdl: bool 
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
                                   MIN_SCALE_C=MIN_SCALE,
-                                  BIT_CAST=bit_cast, BLOCK=block, PDL=pdl,
-                                  num_warps=4 if block <= 1024 else 8, launch_pdl=pdl)
+                                  BIT_CAST=bit_cast, BLOCK=block,
+                                  num_warps=4 if block <= 1024 else 8)
     return q, s
 
 
@@ -252,11 +249,10 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                     stride_x, stride_w, stride_y,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                     REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: activation row ``m`` (``BLOCK_M`` is 1), weight rows
     ``n*BLOCK_N..``, K columns ``s*K_CHUNK .. +K_CHUNK`` (``K_CHUNK`` a multiple of
     ``BLOCK_K``), by ``_gemv_rows``."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -274,12 +270,11 @@ def _wo_gemv_silu_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, HALF, K,
                          stride_x, stride_w, stride_y,
                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                          REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A merged gate/up weight ``[2 * HALF, K]`` (gate rows, then up rows) and its SiLU
     gate in one pass: program ``(m, n)`` computes ``g`` over gate rows ``n*BLOCK_N..`` and
     ``u`` over the same rows of the up half (whole K, no split), both scaled per channel
     (plus bias), and writes ``y[m, n] = silu(g) * u`` from float32."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -304,13 +299,11 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                    stride_x, stride_w, stride_y,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """As ``_wo_gemv_kernel`` (same grid and chunks, ``BLOCK_M`` rows), but each step is
     ``tl.dot`` of the ``[BLOCK_M, BLOCK_K]`` activations and the transposed
     ``[BLOCK_N, BLOCK_K]`` weight tile, both in ``DOT_DTYPE`` (e4m3 is exact in bf16, fp16
     and fp32)."""
-    pdl_enter(PDL)
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -327,10 +320,9 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
 
 @triton.jit
 def _wo_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_y,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``y[m, n] = (sum_s p[s, m, n]) * s_w[n] (+ b[n])`` over ``BLOCK`` flat outputs per
     program, the splits summed in order (deterministic)."""
-    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -352,8 +344,7 @@ def _sm_count(device: torch.device) -> int:
 
 def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None,
-                       config: WoConfig | str | None = None, pdl: bool = False
-                       ) -> torch.Tensor:
+                       config: WoConfig | str | None = None) -> torch.Tensor:
     """``x [M, K]`` (any float dtype, contiguous rows) times ``wq [N, K]`` e4m3 (contiguous
     rows) scaled by ``w_scale [N]`` float32, plus ``bias [N]``: ``[M, N]`` in x's dtype.
 
@@ -381,8 +372,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
             y.stride(0))
     grid = (m_tiles, n_tiles, split)
     common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  PDL=pdl, launch_pdl=pdl)
+                  BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
         assert bm == 1, "a gemv launch has one activation row per program"
         flags = cfg.kind[4:]
@@ -393,7 +383,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         _wo_dot_kernel[grid](*args, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, **common)
     else:
         raise ValueError(f"unknown weight-only kind {cfg.kind!r}")
-    reduce_splits(part, w_scale, bias, y, split, pdl)
+    reduce_splits(part, w_scale, bias, y, split)
     return y
 
 
@@ -413,7 +403,7 @@ def split_k(split: int, m: int, n: int, k: int, block_k: int, y: torch.Tensor
 
 
 def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                  y: torch.Tensor, split: int, pdl: bool = False) -> None:
+                  y: torch.Tensor, split: int) -> None:
     """``y = (sum of the split partials) * w_scale (+ bias)`` (``_wo_reduce_kernel``); a
     no-op when unsplit (the GEMM wrote ``y`` itself)."""
     if split == 1:
@@ -422,12 +412,11 @@ def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor 
     block = 1024
     _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
         part, w_scale, bias if bias is not None else w_scale, y, m, n, split, y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                         bias: torch.Tensor | None, pdl: bool = False
-                         ) -> torch.Tensor | None:
+                         bias: torch.Tensor | None) -> torch.Tensor | None:
     """``silu(g) * u`` where ``[g | u] = weight_only_linear(x, wq, w_scale, bias)`` (the
     merged gate/up layer: ``wq [2H, K]``, gate rows first), in one kernel for the M whose
     launch is a GEMV (``weight_only_blocks``: M <= 2) and whose grid needs no K split;
@@ -450,6 +439,6 @@ def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         x, wq, w_scale, bias if bias is not None else w_scale, y, half, k,
         x.stride(0), wq.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, REDUCE_EACH="r" in flags, EVICT="e" in flags,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y

@@ -26,7 +26,6 @@ import triton.language as tl
 from tpserve.model.kernels.triton_activation import _silu_mul_cols, gate_rows
 from tpserve.model.kernels.triton_fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
 from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_for
-from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kernels.triton_support import tl_dtype
 
 _SILU_BLOCK = 2048
@@ -55,9 +54,8 @@ def _rms_norm_fp8_kernel(
     hidden, eps,
     OUT_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BIT_CAST: tl.constexpr,
     FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -79,9 +77,8 @@ def _silu_act(x_row, offs, mask, d):
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, d,
     BIT_CAST: tl.constexpr, FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
@@ -104,13 +101,13 @@ def _silu_and_mul_fp8_kernel(
                             BIT_CAST)
 
 
-def _consts(device: torch.device, pdl: bool) -> dict:
+def _consts(device: torch.device) -> dict:
     return dict(BIT_CAST=device.type != "cuda", FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                MIN_SCALE_C=MIN_SCALE, PDL=pdl, launch_pdl=pdl)
+                MIN_SCALE_C=MIN_SCALE)
 
 
 def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float, pdl: bool):
+              eps: float):
     hidden = x.shape[-1]
     r = norm_rows(x, residual, weight)
     x2, r2, s2 = r.x, r.residual, r.sum_rows
@@ -123,30 +120,29 @@ def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
             x2, r2, weight.contiguous(), q.view(torch.uint8), s, s2,
             x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), hidden, eps,
             OUT_DTYPE=tl_dtype(r.out_dtype), HAS_RESIDUAL=residual is not None,
-            BLOCK_H=block_h, num_warps=num_warps_for(block_h), **_consts(x.device, pdl))
+            BLOCK_H=block_h, num_warps=num_warps_for(block_h), **_consts(x.device))
     return q, s, r.summed, r.out_dtype
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``quantize_per_token(rms_norm(x, weight, eps))`` in one kernel: ``(q [rows, H] e4m3,
-    scale [rows, 1] float32, the dtype rms_norm would return)``; ``pdl``: launched with
-    programmatic dependent launch (``triton_pdl``), as in every op here."""
-    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps, pdl)
+    scale [rows, 1] float32, the dtype rms_norm would return)``."""
+    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps)
     return q, s, out_dtype
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, pdl: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype,
+                                          torch.Tensor]:
     """``add_rms_norm`` with its normed output quantized per token: ``(q, scale, dtype,
     x + residual)``."""
-    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, pdl)
+    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps)
     return q, s, out_dtype, summed
 
 
-def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX,
-                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``quantize_per_token(silu_and_mul(x))`` in one kernel for ``x = [gate | up]``
     ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``. Rows whose
     ``D`` rounds up to at most ``row_block_max`` are read once (the default; a smaller value
@@ -162,5 +158,5 @@ def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX,
         _silu_and_mul_fp8_kernel[(rows,)](
             x2, q.view(torch.uint8), s, x2.stride(0), q.stride(0), d, BLOCK=block,
             ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
-            **_consts(x.device, pdl))
+            **_consts(x.device))
     return q, s, x.dtype

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter
-
 
 @triton.jit
 def _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
@@ -40,9 +38,8 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, stride_o, stride_s,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -88,8 +85,7 @@ def num_warps_for(block_h: int) -> int:
     return 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            pdl: bool):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     hidden = x.shape[-1]
     r = norm_rows(x, residual, weight)
     out = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
@@ -102,22 +98,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2, r2, weight.contiguous(), out2, s2,
             x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, PDL=pdl,
-            num_warps=num_warps_for(block_h), launch_pdl=pdl,
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps_for(block_h),
         )
     return out, summed
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
-             ) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x`` (see torch_ops.rms_norm; ``pdl``: launched
-    with programmatic dependent launch, ``triton_pdl``)."""
-    return _launch(x, None, weight, eps, pdl)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (see torch_ops.rms_norm)."""
+    return _launch(x, None, weight, eps)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    pdl: bool = False,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)`` in one pass over the row."""
-    return _launch(x, residual, weight, eps, pdl)
+    return _launch(x, residual, weight, eps)

@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
 from tpserve.model.kv_cache_dtype import is_fp8
 
@@ -97,9 +96,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDEN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
-    pdl_enter(PDL)
     tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
     seq = tl.maximum(tile, 0) >> 16
@@ -158,7 +156,6 @@ def prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int = 4,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
@@ -169,7 +166,6 @@ def prefill_attention(
     over an FP8 cache). ``kv_scale`` (float32 ``[2]``, K then V) is required
     for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
-    ``pdl``: launched with programmatic dependent launch (``triton_pdl``).
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -198,7 +194,7 @@ def prefill_attention(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
-        WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

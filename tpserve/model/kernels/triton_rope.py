@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_fp8_kv import to_cache
-from tpserve.model.kernels.triton_pdl import pdl_enter
 from tpserve.model.kv_cache_dtype import is_fp8
 
 
@@ -43,9 +42,8 @@ def _rope_write_kv_kernel(
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_HALF)
@@ -107,11 +105,10 @@ def _rope_write_kv_kernel(
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, pdl: bool = False,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (in place), then the K/V cache write; returns the rotated ``(q, k)``.
-    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored;
-    ``pdl``: launched with programmatic dependent launch (``triton_pdl``)."""
+    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -138,6 +135,6 @@ def rope_and_write_kv(
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        KV_FP8=fp8, num_warps=4,
     )
     return q, k

@@ -41,7 +41,6 @@ from tpserve.model.kernels.triton_fp8 import (
     reduce_splits,
     split_k,
 )
-from tpserve.model.kernels.triton_pdl import pdl_enter
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
 
@@ -69,13 +68,11 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
                  stride_x, stride_w, stride_y,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                  WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
     the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
     summed in the tensor cores before each float32 add."""
-    pdl_enter(PDL)
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -96,12 +93,11 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                 w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                config: WoConfig | str | None = None, pdl: bool = False) -> torch.Tensor:
+                config: WoConfig | str | None = None) -> torch.Tensor:
     """``xq [M, K]`` e4m3 with per-row ``x_scale [M, 1]`` float32 (``quantize_per_token``)
     times ``wq [N, K]`` e4m3 with per-channel ``w_scale [N]`` float32, plus ``bias [N]``:
     ``[M, N]`` in ``out_dtype``. ``config`` (a ``WoConfig`` of kind "w8a8" or its string)
-    overrides ``w8a8_blocks`` (benchmarks, tests); ``pdl``: launched with programmatic
-    dependent launch (``triton_pdl``)."""
+    overrides ``w8a8_blocks`` (benchmarks, tests)."""
     assert xq.dtype == FP8 and wq.dtype == FP8, (xq.dtype, wq.dtype)
     assert xq.dim() == 2 and xq.stride(-1) == 1 and wq.stride(-1) == 1
     m, k = xq.shape
@@ -123,7 +119,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         m, n, k, k_chunk, xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    reduce_splits(part, w_scale, bias, y, split, pdl)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    reduce_splits(part, w_scale, bias, y, split)
     return y

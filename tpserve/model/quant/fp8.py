@@ -210,15 +210,13 @@ class Fp8LinearMethod:
     ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
     the weight-only kernel (a tiled GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
     ``_scaled_mm`` keeps the FP8 tensor cores' own running sums instead of promoting them
-    into float32 (``use_fast_accum``; the Triton kernels always promote). ``pdl``: the
-    Triton kernels launch with programmatic dependent launch (``kernels.triton_pdl``)."""
+    into float32 (``use_fast_accum``; the Triton kernels always promote)."""
 
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     scaled_mm: bool = False
     w8a8_triton_max_tokens: int = W8A8_TRITON_MAX_TOKENS
     fast_accum: bool = DEFAULT_FAST_ACCUM
-    pdl: bool = False
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -265,8 +263,7 @@ class Fp8LinearMethod:
             return None
         from tpserve.model.kernels import triton_fp8
 
-        y = triton_fp8.weight_only_silu_mul(x2, layer.weight, layer.weight_scale, bias,
-                                            pdl=self.pdl)
+        y = triton_fp8.weight_only_silu_mul(x2, layer.weight, layer.weight_scale, bias)
         return None if y is None else y.reshape(*lead, y.shape[-1])
 
     def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -280,8 +277,8 @@ class Fp8LinearMethod:
 
         n, k = wq.shape
         if weight_only or not self.scaled_mm or n % 16 or k % 16:
-            return triton_fp8.weight_only_linear(x, wq, w_scale, bias, pdl=self.pdl)
-        xq, xs = triton_fp8.quantize_per_token(x, pdl=self.pdl)
+            return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
+        xq, xs = triton_fp8.quantize_per_token(x)
         return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)
 
     def w8a8(self, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
@@ -295,6 +292,6 @@ class Fp8LinearMethod:
         if xq.shape[0] <= self.w8a8_triton_max_tokens:
             from tpserve.model.kernels import triton_w8a8
 
-            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype, pdl=self.pdl)
+            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
                                 bias=bias, out_dtype=out_dtype, use_fast_accum=self.fast_accum)

@@ -45,7 +45,7 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
                   dtype: torch.dtype, weight_only_max_tokens: int,
                   checkpoint: CheckpointQuantization | None = None,
-                  fast_accum: bool = DEFAULT_FAST_ACCUM, pdl: bool = False
+                  fast_accum: bool = DEFAULT_FAST_ACCUM
                   ) -> Fp8LinearMethod | None:
     """None (the layers' default, unquantized) or the method for ``quantization``: fp8
     quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
@@ -60,4 +60,4 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     return cls(backend="triton" if kernel_backend == "triton" else "torch",
                weight_only_max_tokens=weight_only_max_tokens,
                scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,
-               fast_accum=fast_accum, pdl=pdl)
+               fast_accum=fast_accum)
