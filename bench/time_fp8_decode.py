@@ -65,7 +65,15 @@ R6_LAUNCHES = [("fp8", _SCALED._replace(block_n=bn, num_warps=w, num_stages=st))
                                  (32, 2, 3), (64, 2, 2), (128, 2, 2))]
 # --sweep-set r7: the two FP8 launches (one warp; four for small grids) at small batches
 R7_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", FP8_SMALL_LAUNCH)]
-LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES}
+# --sweep-set r8: the running maximum moved lazily (``lazy_rescale``) on the one-warp fp8
+# launch and its 64-key / 4-stage neighbours, and on one-warp programs over a bf16 cache
+_LAZY = FP8_LAUNCH._replace(lazy_rescale=True)
+R8_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", _LAZY), ("fp8", FP8_LAUNCH._replace(block_n=64)),
+               ("fp8", _LAZY._replace(block_n=64)), ("fp8", _LAZY._replace(num_stages=4)),
+               ("bf16", BF16_LAUNCH),
+               ("bf16", BF16_LAUNCH._replace(block_n=32, num_warps=1, lazy_rescale=True))]
+LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES,
+               "r8": R8_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -88,7 +96,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
-                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES")
+                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")

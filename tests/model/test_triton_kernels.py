@@ -246,6 +246,37 @@ def test_decode_attention(mods, dtype, group, page, head_dim, splits):
     _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype, splits):
+    """``lazy_rescale``: keys whose scores climb along the context (K rows scaled up with
+    the position, so the running maximum passes itself by more than ``LAZY_TAU`` several
+    times; plus one early outlier key) and plain random keys: both the rescaling and the
+    skipping branch, one-warp programs of 32-key tiles as the fp8 launch, equal the torch
+    reference."""
+    dec = mods["triton_decode_attention"]
+    gen = torch.Generator().manual_seed(8)
+    hkv, group, page, head_dim = 2, 4, 16, 64
+    lens = [5, 90, 300]
+    meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
+                                         dtype, gen)
+    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
+    climbing = k_cache.clone()
+    tables = meta.block_tables.cpu()
+    for i, n in enumerate(lens):  # token t of sequence i: its K row times 1 + t / 25
+        for t in range(n):
+            blk, off = int(tables[i, t // page]), t % page
+            climbing[blk, off] = (k_cache[blk, off].float() * (1 + t / 25)).to(dtype)
+            if t == 3:  # an outlier before the climb: the maximum holds for a while
+                climbing[blk, off] = (k_cache[blk, off].float() * 6).to(dtype)
+    scale = head_dim ** -0.5
+    for kc in (k_cache, climbing):
+        out = torch.full_like(q, float("nan"))
+        dec.decode_attention(q, kc, v_cache, meta.block_tables, meta.seq_lens, scale, out,
+                             splits, block_n=32, num_warps=1, num_stages=3, lazy_rescale=True)
+        _close(out, _ref(q, kc, v_cache, meta, scale), dtype)
+
+
 def test_decode_padding_sequence_gives_zeros(mods):
     """A zero-length (CUDA-graph padding) decode slot must not produce NaN."""
     gen = torch.Generator().manual_seed(6)

@@ -63,7 +63,11 @@ class DecodeLaunch(NamedTuple):
     grid KV head fastest, so the programs of one sequence run together and read whole token
     rows of the cache; ``scale_v`` (with ``fp16_dot``) multiplies the widened V tile by the
     V scale, see the module docstring). ``target_programs`` is the grid size
-    ``decode_num_splits`` adds splits towards for this launch."""
+    ``decode_num_splits`` adds splits towards for this launch. ``lazy_rescale`` (for
+    one-warp programs, where the test is warp-uniform): the running maximum, and with it
+    the rescaling of the accumulator and sum, moves only when a tile's scores exceed it by
+    more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
+    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike)."""
 
     block_n: int
     num_warps: int
@@ -73,7 +77,8 @@ class DecodeLaunch(NamedTuple):
     swap_qk: bool = False
     heads_first: bool = False
     scale_v: bool = False
-    target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
+    target_programs: int = 264
+    lazy_rescale: bool = False  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -99,6 +104,7 @@ FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
 FP8_SMALL_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
 FP8_SMALL_GRID = 32
 MAX_SPLITS = 32
+LAZY_TAU = 8.0  # lazy_rescale: scores may pass the running maximum by this (log2) before it moves
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
 
@@ -116,6 +122,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -171,18 +178,30 @@ def _decode_split_kernel(
             s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
+            if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])  # <= 2**TAU
+            l_i = l_i + tl.sum(p, axis=1)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         if SCALE_V:
             v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
         else:
             v = v.to(io_dtype).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(io_dtype).to(DOT_DTYPE), v,
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if LAZY:
+            acc = acc + pv
+        else:
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     if KV_FP8 and not SCALE_V:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -261,6 +280,7 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -270,7 +290,8 @@ def decode_attention(
     (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
-    (with it): the V scale goes into the widened V tile instead of the output.
+    (with it): the V scale goes into the widened V tile instead of the output;
+    ``lazy_rescale``: see ``DecodeLaunch``.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -285,10 +306,11 @@ def decode_attention(
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
-             "heads_first": heads_first, "scale_v": scale_v}
+             "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
-    block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _ = launch
+    (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
+     lazy) = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -314,7 +336,7 @@ def decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
-        NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot,
+        NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
