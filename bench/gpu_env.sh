@@ -43,3 +43,23 @@ engine_mode() {
     > "$dir/engine-$mode.log" 2>&1
   grep -E "weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$mode.log" | cut -c1-1000
 }
+# round_start OUT SHA DEFAULT_PARTS [PART...]: the opening of a round script (run_fp8_r5.sh,
+# run_fp8_r6.sh, run_r8.sh): makes OUT, exports TPSERVE_GIT_COMMIT=SHA (git in the device
+# copy reports a stale HEAD), records nvidia-smi's clocks, and keeps the PARTs asked for
+# (DEFAULT_PARTS, a space-separated list, when none is) for `has PART`
+round_start() {
+  out=$1 sha=$2
+  local default=$3
+  shift 3
+  if [ $# -gt 0 ]; then parts=("$@"); else read -ra parts <<< "$default"; fi
+  mkdir -p "$out"
+  export TPSERVE_GIT_COMMIT=$sha
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
+    --format=csv > "$out/nvidia-smi.csv"
+}
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+# round_pack: the closing: OUT packed into OUT.tgz (a device call returns at most 8 files)
+round_pack() {
+  step done
+  tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
+}

@@ -17,15 +17,8 @@
 # Usage (GPU machine, repo root, .whl carried; everything packed into OUT_DIR.tgz):
 #   bash bench/run_fp8_r6.sh OUT_DIR GIT_SHA [tests] [fused] [gemm] [acc] [acc8b] [ab] [final] [profile] [prefill] [caps]
 set -uo pipefail
-out=$1 sha=$2
-shift 2
-parts=("${@:-tests fused}")
-mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
-export TPSERVE_GIT_COMMIT=$sha
-has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
-  --format=csv > "$out/nvidia-smi.csv"
+round_start "$1" "$2" "tests fused" "${@:3}"
 if has tests; then
   step "tests"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_fp8_fused.py \
@@ -90,5 +83,4 @@ if has caps; then
     grep -E "start-up|batch-1|serving:" "$out/engine-both-cap$cap.log" | cut -c1-300
   done
 fi
-step done
-tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
+round_pack

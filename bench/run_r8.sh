@@ -10,15 +10,8 @@
 # Usage (GPU machine, repo root, .whl carried; everything packed into OUT_DIR.tgz):
 #   bash bench/run_r8.sh OUT_DIR GIT_SHA [tests] [sweep] [final] [profile]
 set -uo pipefail
-out=$1 sha=$2
-shift 2
-parts=("${@:-tests sweep}")
-mkdir -p "$out"
 . "$(dirname "$0")/gpu_env.sh"
-export TPSERVE_GIT_COMMIT=$sha
-has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
-  --format=csv > "$out/nvidia-smi.csv"
+round_start "$1" "$2" "tests sweep" "${@:3}"
 if has tests; then
   step "tests"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k "decode or lazy or graph" \
@@ -40,5 +33,4 @@ if has profile; then
   mkdir -p "$out/prof"
   step "engine both, profiled"; engine_mode "$out/prof" both "$sha" 400
 fi
-step done
-tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
+round_pack
