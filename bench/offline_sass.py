@@ -27,7 +27,10 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpserve.model.kernels.triton_decode_attention import _decode_split_kernel  # noqa: E402
+from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+    LAZY_TAU,
+    _decode_split_kernel,
+)
 
 POINTERS = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr",
             "part_out_ptr", "part_max_ptr", "part_sum_ptr"]
@@ -47,7 +50,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "LAZY": lazy, "TAU": 8.0}
+             "LAZY": lazy, "TAU": LAZY_TAU}
     sig |= {k: "constexpr" for k in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t not in ("constexpr", "fp32")}

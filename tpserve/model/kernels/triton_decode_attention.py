@@ -77,8 +77,8 @@ class DecodeLaunch(NamedTuple):
     swap_qk: bool = False
     heads_first: bool = False
     scale_v: bool = False
-    target_programs: int = 264
-    lazy_rescale: bool = False  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
+    target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
+    lazy_rescale: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
