@@ -72,18 +72,8 @@ R8_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", _LAZY), ("fp8", FP8_LAUNCH._replace(
                ("fp8", _LAZY._replace(block_n=64)), ("fp8", _LAZY._replace(num_stages=4)),
                ("bf16", BF16_LAUNCH),
                ("bf16", BF16_LAUNCH._replace(block_n=32, num_warps=1, lazy_rescale=True))]
-# --sweep-set r9: the query heads as the matmuls' columns (``heads_as_cols``) against rows,
-# on the one-warp fp8 launch and its neighbours, the small-grid fp8 launch and the bf16 one
-_ROWS, _COLS = (FP8_LAUNCH._replace(heads_as_cols=c) for c in (False, True))
-R9_LAUNCHES = [("fp8", _ROWS), ("fp8", _COLS), ("fp8", _COLS._replace(block_n=64)),
-               ("fp8", _COLS._replace(num_stages=4)),
-               ("fp8", _COLS._replace(block_n=16, num_stages=4)),
-               ("fp8", _COLS._replace(block_n=64, num_warps=2)),
-               ("fp8", FP8_SMALL_LAUNCH), ("fp8", FP8_SMALL_LAUNCH._replace(heads_as_cols=True)),
-               ("bf16", BF16_LAUNCH), ("bf16", BF16_LAUNCH._replace(heads_as_cols=True)),
-               ("bf16", BF16_LAUNCH._replace(block_n=32, num_warps=1, heads_as_cols=True))]
 LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES,
-               "r8": R8_LAUNCHES, "r9": R9_LAUNCHES}
+               "r8": R8_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -106,8 +96,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
-                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES, "
-                        "r9 = R9_LAUNCHES")
+                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")

@@ -231,11 +231,7 @@ ATTN_SHAPES = [  # (group = Hq / Hkv, page size, head dim)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("launch", [{}, {"heads_as_cols": True},
-                                    {"heads_as_cols": True, "block_n": 32, "num_warps": 1}])
-def test_decode_attention(mods, dtype, group, page, head_dim, splits, launch):
-    """The default launch, and the query heads as the matmuls' columns (``K q^T``,
-    ``V^T p^T``; BLOCK_G unpadded: 1, 4 and 8 heads a KV head) at 4 warps and at one."""
+def test_decode_attention(mods, dtype, group, page, head_dim, splits):
     gen = torch.Generator().manual_seed(5)
     hkv = 2
     lens = [1, 7, 33, 100, 300] if splits > 1 else [1, 7, 33, 100]
@@ -246,7 +242,7 @@ def test_decode_attention(mods, dtype, group, page, head_dim, splits, launch):
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     mods["triton_decode_attention"].decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits, **launch)
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits)
     _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
 
 
@@ -288,10 +284,10 @@ def test_decode_padding_sequence_gives_zeros(mods):
     seq_lens = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
     tables = torch.cat([meta.block_tables, meta.block_tables])
     q = _randn(2, 4, 64, dtype=torch.float16, gen=gen)
-    for splits, cols in ((1, False), (2, False), (1, True), (2, True)):
+    for splits in (1, 2):
         out = torch.full_like(q, float("nan"))
         mods["triton_decode_attention"].decode_attention(
-            q, k_cache, v_cache, tables, seq_lens, 0.125, out, splits, heads_as_cols=cols)
+            q, k_cache, v_cache, tables, seq_lens, 0.125, out, splits)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         _close(out[:1], _ref(q[:1], k_cache, v_cache, meta, 0.125),
                torch.float16)

@@ -67,11 +67,7 @@ class DecodeLaunch(NamedTuple):
     one-warp programs, where the test is warp-uniform): the running maximum, and with it
     the rescaling of the accumulator and sum, moves only when a tile's scores exceed it by
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
-    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
-    ``heads_as_cols`` computes both products transposed, ``s^T = K q^T`` and ``o^T = V^T
-    p^T``, so the ``GROUP`` query heads are the matmuls' columns (tensor cores pad N to 8)
-    instead of rows padded to 16: half the MMAs, accumulator registers and softmax work
-    for Llama-3's 4 heads a KV head (not with ``lazy_rescale``)."""
+    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike)."""
 
     block_n: int
     num_warps: int
@@ -83,7 +79,6 @@ class DecodeLaunch(NamedTuple):
     scale_v: bool = False
     target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
     lazy_rescale: bool = False
-    heads_as_cols: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -100,10 +95,7 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # keys over the warps and pass 9 barriers a tile in the SASS). Best at about 1,024 programs:
 # 55.7 us at 64 x 1,152 (2 splits), 167.0 at 128 x 2,048 (1), 30.2 at 16 x 2,048 (8),
 # against 61.4 / 205.1 / 33.9 for the 4-warp launch before.
-# The query heads as the matmuls' columns (heads_as_cols, round 9): 766 SASS instructions
-# a 32-key tile against 929 as rows (bench/offline_sass.py --cols --block-g 4).
-FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024,
-                          heads_as_cols=True)
+FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
 # the 4-warp launch of rounds 3-4 runs, with scale_v. --sweep-set r7 (x 1,152 keys, 8 KV
@@ -130,7 +122,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, COLS: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -164,79 +156,52 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
-    if COLS:  # heads as matmul columns: s^T = K q^T [BLOCK_N, BLOCK_G], o^T = V^T p^T
-        qt = tl.trans(q)
-        acc_t = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
-        for tok0 in range(start, end, BLOCK_N):
-            toks = tok0 + offs_n
-            valid = toks < end
-            blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = toks % PAGE_SIZE
-            k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
-                        + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(k.to(io_dtype).to(DOT_DTYPE), qt, input_precision=DOT_PRECISION)
-            s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a valid key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
-                        + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if SCALE_V:
-                v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + offs_n
+        valid = toks < end
+        blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        off = toks % PAGE_SIZE
+        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if SWAP_QK:
+            s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
+                                input_precision=DOT_PRECISION))
+        else:
+            if LATE_WIDEN:
+                kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
             else:
-                v = v.to(io_dtype).to(DOT_DTYPE)
-            pv = tl.dot(tl.trans(v), p.to(io_dtype).to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc_t = acc_t * alpha[None, :] + pv
-            m_i = m_new
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for tok0 in range(start, end, BLOCK_N):
-            toks = tok0 + offs_n
-            valid = toks < end
-            blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = toks % PAGE_SIZE
-            k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
-                        + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if SWAP_QK:
-                s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
-                                    input_precision=DOT_PRECISION))
-            else:
-                if LATE_WIDEN:
-                    kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
-                else:
-                    kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
-                s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-            if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
-                if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-                p = tl.exp2(s - m_i[:, None])  # <= 2**TAU
-                l_i = l_i + tl.sum(p, axis=1)
-            else:
+                kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
+            if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
-                        + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if SCALE_V:
-                v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
-            else:
-                v = v.to(io_dtype).to(DOT_DTYPE)
-            pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            if LAZY:
-                acc = acc + pv
-            else:
-                acc = acc * alpha[:, None] + pv
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
                 m_i = m_new
+            p = tl.exp2(s - m_i[:, None])  # <= 2**TAU
+            l_i = l_i + tl.sum(p, axis=1)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if SCALE_V:
+            v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
+        else:
+            v = v.to(io_dtype).to(DOT_DTYPE)
+        pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if LAZY:
+            acc = acc + pv
+        else:
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     if KV_FP8 and not SCALE_V:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -315,7 +280,7 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
-    lazy_rescale: bool | None = None, heads_as_cols: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -326,7 +291,7 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``heads_as_cols``: see ``DecodeLaunch``.
+    ``lazy_rescale``: see ``DecodeLaunch``.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -341,16 +306,12 @@ def decode_attention(
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
-             "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
-             "heads_as_cols": heads_as_cols}
+             "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy, cols) = launch
-    assert not (lazy and cols), "lazy_rescale is built for heads as rows only"
+     lazy) = launch
     group = num_q_heads // num_kv_heads
-    # Rows of a matmul are padded to 16 here; columns are left to the compiler (N pads to 8).
-    block_g = triton.next_power_of_2(group) if cols else max(16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
     if fp16_dot and dot_dtype != tl.float32:
@@ -371,12 +332,12 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        COLS=cols, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
