@@ -72,8 +72,17 @@ R8_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", _LAZY), ("fp8", FP8_LAUNCH._replace(
                ("fp8", _LAZY._replace(block_n=64)), ("fp8", _LAZY._replace(num_stages=4)),
                ("bf16", BF16_LAUNCH),
                ("bf16", BF16_LAUNCH._replace(block_n=32, num_warps=1, lazy_rescale=True))]
+# --sweep-set r10: more one-warp fp8 programs a SM (registers capped with ``maxnreg``;
+# 16-key tiles need 12.3 KB of shared memory against 20.6 KB, so up to 18 fit, not 11)
+R10_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", FP8_LAUNCH._replace(maxnreg=184)),
+                ("fp8", FP8_LAUNCH._replace(block_n=16)),
+                ("fp8", FP8_LAUNCH._replace(block_n=16, maxnreg=128)),
+                ("fp8", FP8_LAUNCH._replace(block_n=16, num_stages=4, maxnreg=128)),
+                ("fp8", FP8_LAUNCH._replace(block_n=16, num_stages=4, maxnreg=120)),
+                ("fp8", FP8_LAUNCH._replace(block_n=16, num_stages=2, maxnreg=128)),
+                ("fp8", FP8_SMALL_LAUNCH)]
 LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES,
-               "r8": R8_LAUNCHES}
+               "r8": R8_LAUNCHES, "r10": R10_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -96,7 +105,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time FP8_LAUNCHES on the fp8 cache")
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
-                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES")
+                        "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES, "
+                        "r10 = R10_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")

@@ -67,7 +67,9 @@ class DecodeLaunch(NamedTuple):
     one-warp programs, where the test is warp-uniform): the running maximum, and with it
     the rescaling of the accumulator and sum, moves only when a tile's scores exceed it by
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
-    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike)."""
+    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
+    ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
+    an SM; ``None`` leaves the compiler's choice."""
 
     block_n: int
     num_warps: int
@@ -79,6 +81,7 @@ class DecodeLaunch(NamedTuple):
     scale_v: bool = False
     target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
     lazy_rescale: bool = False
+    maxnreg: int | None = None
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -280,7 +283,7 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
-    lazy_rescale: bool | None = None,
+    lazy_rescale: bool | None = None, maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -291,7 +294,7 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``: see ``DecodeLaunch``.
+    ``lazy_rescale``, ``maxnreg``: see ``DecodeLaunch``.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -306,11 +309,13 @@ def decode_attention(
         return out
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
-             "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale}
+             "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
+             "maxnreg": maxnreg}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy) = launch
+     lazy, maxnreg) = launch
+    regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -337,7 +342,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **regs,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
