@@ -176,7 +176,13 @@ def compare(base: dict, mine: dict, positions: list[int], ids: list[int]) -> dic
             "ppl_ratio": ratio, "ppl_within_2pct": abs(ratio - 1) <= PPL_TOLERANCE}
 
 
-def main() -> int:
+def perplexity(lp: torch.Tensor, ids: list[int]) -> float:
+    """The perplexity of ``ids`` under next-token log-probabilities ``lp [T, vocab]``."""
+    return math.exp(-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """This tool's flags (``kv_scale_probe.py`` builds its models from them too)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--load-format", default="auto")
@@ -196,6 +202,11 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--git-commit", default=None)
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main() -> int:
+    ap = arg_parser()
     a = ap.parse_args()
     if a.positions < 30:
         ap.error("--positions must be >= 30")
@@ -232,11 +243,11 @@ def main() -> int:
             print(f"{mode}: skipped ({e})", flush=True)
             continue
         lp = m.prefill_logprobs(ids)
-        nll = -lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+        ppl = perplexity(lp, ids)
         gen = [m.greedy(ids[:c], a.decode_tokens) for c in cuts]
-        results[mode] = {"lp": lp, "gen": gen, "ppl": math.exp(nll)}
+        results[mode] = {"lp": lp, "gen": gen, "ppl": ppl}
         row = {"quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
-               "weight_bytes": m.weight_bytes, "perplexity": math.exp(nll),
+               "weight_bytes": m.weight_bytes, "perplexity": ppl,
                "seconds": round(time.perf_counter() - t0, 1)}
         if mode != "base":
             row.update(compare(results["base"], results[mode], positions, ids))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -36,15 +35,12 @@ def main() -> None:
     p.add_argument("--divisors", type=float, nargs="+", default=[FP8_MAX, FP8_MAX / 2])
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    opts = argparse.Namespace(model=None, load_format="auto", dtype="auto", device="cpu",
-                              seed=0, kv_fp8_dtype="fp8", fp8_weight_only_max_tokens=None,
-                              fp8_fast_accum=None, max_prompt_len=a.max_prompt_len,
-                              decode_tokens=0)
+    opts = fa.arg_parser().parse_args(["--device", "cpu", "--max-prompt-len",
+                                       str(a.max_prompt_len), "--out", a.out])
     ids, how = fa.tokens(opts)
 
     def ppl(m: fa.Model) -> float:
-        lp = m.prefill_logprobs(ids)
-        return math.exp(-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+        return fa.perplexity(m.prefill_logprobs(ids), ids)
 
     base = fa.Model(fa.runner_config(opts, "base"), len(ids) + fa.BLOCK)
     base_ppl = ppl(base)

