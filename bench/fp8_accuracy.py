@@ -47,9 +47,14 @@ from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.attention.backend import select_attention  # noqa: E402
 from tpserve.model.kernels.backend import select_ops  # noqa: E402
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
+from tpserve.model.kv_calibration import (  # noqa: E402
+    MAX_CALIBRATION_TOKENS,
+    calibrate_kv_scales,
+    calibration_token_ids,
+)
 from tpserve.model.kv_pool import KVPool  # noqa: E402
 from tpserve.model.loader.build import DTYPES, build_model  # noqa: E402
-from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
+from tpserve.model.loader.checkpoint import DummyCheckpoint, open_checkpoint  # noqa: E402
 from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
 from tpserve.model.quant.methods import linear_method  # noqa: E402
 from tpserve.model.runner_config import RunnerConfig  # noqa: E402
@@ -76,6 +81,9 @@ def runner_config(a: argparse.Namespace, mode: str) -> RunnerConfig:
             argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
     if mode in ("fp8-kv", "both"):
         argv += ["--kv-cache-dtype", a.kv_fp8_dtype]
+        if a.calculate_kv_scales is not None:
+            argv += ["--calculate-kv-scales" if a.calculate_kv_scales
+                     else "--no-calculate-kv-scales"]
     parser, _ = build_parser()
     try:
         ns = parser.parse_args(argv)
@@ -106,6 +114,11 @@ class Model:
         self.pool = KVPool(mc.num_hidden_layers, self.blocks, BLOCK, mc.kv_heads_for(1),
                            mc.head_dim, self.attn.kv_cache_dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if cfg.calculate_kv_scales:  # as the runner does: the calibration text, not TEXT
+            ids = calibration_token_ids(None if isinstance(ckpt, DummyCheckpoint)
+                                        else ckpt.tokenizer(), mc.vocab_size,
+                                        min(MAX_CALIBRATION_TOKENS, max_tokens), cfg.seed)
+            calibrate_kv_scales(self.model, self.attn, ids, BLOCK, dtype, self.device)
 
     @torch.inference_mode()
     def step(self, ids: list[int], start: int, all_rows: bool) -> torch.Tensor:
@@ -192,6 +205,9 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--kv-fp8-dtype", default="fp8",
                     help="the --kv-cache-dtype value of the fp8-kv and both modes")
+    ap.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
+                    default=None, help="the server's flag of that name (default: the "
+                    "server's default, on for an fp8 cache)")
     ap.add_argument("--fp8-weight-only-max-tokens", type=int, default=None)
     ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                     help="the server's flag of that name (default: the server's default)")
@@ -247,6 +263,7 @@ def main() -> int:
         gen = [m.greedy(ids[:c], a.decode_tokens) for c in cuts]
         results[mode] = {"lp": lp, "gen": gen, "ppl": ppl}
         row = {"quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
+               "calculate_kv_scales": cfg.calculate_kv_scales,
                "weight_bytes": m.weight_bytes, "perplexity": ppl,
                "seconds": round(time.perf_counter() - t0, 1)}
         if mode != "base":

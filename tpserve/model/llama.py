@@ -173,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # set by load_weights when the checkpoint carries any KV cache scale
+        self.kv_scales_from_checkpoint = False
         self.register_buffer(
             "rope_cache",
             cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
@@ -229,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
             if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
                 _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
                                as_source(source).read(), name)
+                self.kv_scales_from_checkpoint = True
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue

@@ -22,9 +22,14 @@ from tpserve.model.fault import fault_from_env
 from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
+from tpserve.model.kv_calibration import (
+    MAX_CALIBRATION_TOKENS,
+    calibrate_kv_scales,
+    calibration_token_ids,
+)
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPES, build_model
-from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.loader.checkpoint import DummyCheckpoint, open_checkpoint
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
@@ -120,6 +125,9 @@ class ModelRunner:
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
                                                 group.rank, free0, total,
                                                 other_gpu_processes(device))) from None
+        self.kv_calibration_tokens = 0
+        if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
+            self._calibrate_kv_scales()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         tp = self.comm.world_size
         bs = limits.block_size
@@ -190,17 +198,46 @@ class ModelRunner:
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
 
+    def _calibrate_kv_scales(self) -> None:
+        """Every layer's FP8 KV scales from one prefill of the calibration text (every rank,
+        in lockstep: a forward and one all-reduce); its temporary cache is freed before the
+        memory plan's profile."""
+        t0 = time.monotonic()
+        lim = self.limits
+        n = min(MAX_CALIBRATION_TOKENS, self.max_model_len, lim.max_num_batched_tokens)
+        dummy = isinstance(self.ckpt, DummyCheckpoint)  # random weights: random token ids
+        ids = calibration_token_ids(None if dummy else self.ckpt.tokenizer(),
+                                    self.model_config.vocab_size, n, self.cfg.seed)
+        try:
+            calibrate_kv_scales(self.model, self.attn, ids, lim.block_size, self.dtype,
+                                self.device)
+        except torch.OutOfMemoryError as e:
+            free, total = read_memory(self.device)
+            raise MemoryError(explain_start_oom(
+                "calibrating the KV cache scales (--no-calculate-kv-scales skips it)", str(e),
+                str(self.device), self.comm.rank, free, total,
+                other_gpu_processes(self.device))) from None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv_calibration_tokens = len(ids)
+        if self.comm.rank == 0:
+            logger.info("KV cache scales calibrated on %d tokens in %.1f s", len(ids),
+                        time.monotonic() - t0)
+
     def _kv_scales_source(self) -> str:
         """How the FP8 cache's scales were chosen (the log line says), "" for other dtypes;
         reads the scales once, at start-up."""
         if not is_fp8(self.kv_dtype):
             return ""
         scales = self.model.kv_scales()
-        if bool((scales == 1.0).all()):
-            return "scales 1.0 (the checkpoint has none)"
-        return (f"scales from the checkpoint (K {scales[:, 0].min().item():.3g}.."
-                f"{scales[:, 0].max().item():.3g}, V {scales[:, 1].min().item():.3g}.."
-                f"{scales[:, 1].max().item():.3g})")
+        if self.model.kv_scales_from_checkpoint:
+            how = "scales from the checkpoint"
+        elif self.kv_calibration_tokens:
+            how = f"scales calibrated on {self.kv_calibration_tokens} tokens"
+        else:
+            return "scales 1.0 (the checkpoint has none; --calculate-kv-scales computes them)"
+        return (f"{how} (K {scales[:, 0].min().item():.3g}..{scales[:, 0].max().item():.3g}, "
+                f"V {scales[:, 1].min().item():.3g}..{scales[:, 1].max().item():.3g})")
 
     # ----------------------------------------------------------------- memory figures
     def _gather_ints(self, values: list[int]) -> list[list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
-from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATIONS
@@ -28,6 +28,8 @@ class RunnerConfig:
     load_format: str = "auto"
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"
+    # fp8 cache, checkpoint without KV scales: calibrate them at start-up (kv_calibration)
+    calculate_kv_scales: bool = False
     seed: int = 0
     device: str = "cpu"
     kernel_backend: str = "torch"
@@ -50,6 +52,9 @@ class RunnerConfig:
             if value not in names:
                 raise ValueError(f"{flag} must be one of {', '.join(names)} once "
                                  f"resolved, got {value!r}")
+        if self.calculate_kv_scales and not is_fp8(KV_CACHE_DTYPES[self.kv_cache_dtype]):
+            raise ValueError("--calculate-kv-scales needs --kv-cache-dtype fp8, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
                              f"got {self.device!r}")

@@ -90,3 +90,10 @@ class Communicator:
             with self.ranges.range("all_reduce_min"):
                 dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group.group)
         return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks, in place (used to agree on KV cache scales)."""
+        if self.world_size > 1:
+            with self.ranges.range("all_reduce_max"):
+                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group.group)
+        return x
