@@ -207,7 +207,7 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="the --kv-cache-dtype value of the fp8-kv and both modes")
     ap.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
                     default=None, help="the server's flag of that name (default: the "
-                    "server's default, on for an fp8 cache)")
+                    "server's default, off)")
     ap.add_argument("--fp8-weight-only-max-tokens", type=int, default=None)
     ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                     help="the server's flag of that name (default: the server's default)")

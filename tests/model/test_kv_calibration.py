@@ -122,14 +122,13 @@ def test_ranks_agree_on_the_maximum_over_their_heads(folder, tp_comm):
     assert torch.allclose(got0, want, rtol=1e-5, atol=0)
 
 
-def test_server_flag_defaults_on_for_fp8_and_is_refused_without_it(capsys):
+def test_server_flag_is_off_by_default_and_refused_without_an_fp8_cache():
     from tests.test_cli import _cfg
-    assert _cfg("--device", "cpu", "--kv-cache-dtype", "fp8").runner.calculate_kv_scales
-    assert not _cfg("--device", "cpu", "--kv-cache-dtype", "fp8",
-                    "--no-calculate-kv-scales").runner.calculate_kv_scales
-    assert not _cfg("--device", "cpu").runner.calculate_kv_scales
+    assert not _cfg("--device", "cpu", "--kv-cache-dtype", "fp8").runner.calculate_kv_scales
+    assert _cfg("--device", "cpu", "--kv-cache-dtype", "fp8",
+                "--calculate-kv-scales").runner.calculate_kv_scales
     with pytest.raises(ValueError, match="--calculate-kv-scales needs --kv-cache-dtype fp8; "
-                                         "the KV cache is float32"):
+                                         "the KV cache is float32, which has no scales"):
         _cfg("--device", "cpu", "--calculate-kv-scales")
     with pytest.raises(ValueError, match="--calculate-kv-scales needs --kv-cache-dtype fp8"):
         RunnerConfig(calculate_kv_scales=True)
@@ -154,3 +153,17 @@ def test_triton_calibration_on_the_gpu_equals_the_torch_reference(folder):
     want = scales_from_amax(_float32_amax(folder, ids))
     assert torch.allclose(got.cpu(), want, rtol=1e-4, atol=0)
     assert torch.equal(model.kv_scales().cpu(), got.cpu())
+
+
+def test_the_embedded_model_calibrates_on_its_tokenized_text(smollm2_path):
+    """A real checkpoint: the calibration text through the GGUF's own tokenizer (the first
+    64 tokens: the step's token budget), scales from the float32 cache of that prefill."""
+    limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                        block_size=16)
+    runner = ModelRunner(RunnerConfig(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True,
+                                      kv_cache_memory=2**22), limits, TPGroup(0, 1, CPU, None))
+    ids = list(runner.ckpt.tokenizer()(calibration_text())["input_ids"])[:64]
+    want = scales_from_amax(_float32_amax(str(smollm2_path), ids))
+    assert torch.equal(runner.model.kv_scales(), want)
+    assert want.ne(1.0).all()
+    assert "scales calibrated on 64 tokens (K " in "\n".join(runner.plan.describe())

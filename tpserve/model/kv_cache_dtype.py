@@ -16,8 +16,8 @@ code: ``torch_ops.quantize_kv`` / ``dequantize_kv``):
   read ``q`` exactly and fold ``s`` into the score scale (K) and the output (V).
 - the scales are chosen once, at start-up, and never change: the checkpoint's
   ``k_scale``/``v_scale`` (or one ``kv_scale`` for both) per layer where it has them; else,
-  with ``--calculate-kv-scales`` (the default for an FP8 cache), calibrated from one
-  prefill of a fixed text (``model/kv_calibration.py``); else 1.0 (vLLM's default). Every
+  with ``--calculate-kv-scales``, calibrated from one prefill of a fixed text
+  (``model/kv_calibration.py``); else 1.0 (vLLM's default). Every
   rank ends with the same scales (the same checkpoint scalars, or the calibration's maxima
   all-reduced); the scales are static device tensors, so CUDA graphs bake in their address
   and nothing reads them on the host.
@@ -48,16 +48,6 @@ def resolve_kv_cache_dtype(flag: str, model_dtype: str) -> str:
         raise ValueError(f"unknown --kv-cache-dtype {flag!r}; choose one of "
                          f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
     return name
-
-
-def resolve_calculate_kv_scales(flag: bool | None, kv_cache_dtype: str) -> bool:
-    """``--calculate-kv-scales``: None (not given) means on for an FP8 cache; asked for with
-    another cache dtype it is refused (there is nothing to scale)."""
-    fp8 = is_fp8(KV_CACHE_DTYPES[kv_cache_dtype])
-    if flag and not fp8:
-        raise ValueError(f"--calculate-kv-scales needs --kv-cache-dtype fp8; the KV cache is "
-                         f"{kv_cache_dtype}, which has no scales")
-    return fp8 if flag is None else flag
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

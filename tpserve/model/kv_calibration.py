@@ -1,9 +1,12 @@
-"""The FP8 KV cache's scales calibrated at start-up (``--calculate-kv-scales``).
+"""The FP8 KV cache's scales calibrated at start-up (``--calculate-kv-scales``, off by
+default).
 
 A checkpoint without ``k_scale``/``v_scale`` tensors leaves every scale at 1.0 (vLLM's
-default), which wastes most of e4m3's range: the embedded SmolLM2's K maxima are 10-34 and
-its V maxima 0.6-20, against e4m3's 448, so much of V lands among e4m3's subnormals (below
-2^-6) with one to three significant bits. Over 2,000 tokens that costs +2.7 % perplexity.
+default). That saturates a model whose K or V pass 448, and puts a model whose values stay
+far below 1 among e4m3's subnormals (below 2^-6, one to three significant bits). e4m3's
+grid is otherwise relative (3 mantissa bits at every scale), so for a model in between
+(the embedded SmolLM2: K maxima 10-34, V 0.6-20) the scale mostly moves values across
+grid points: measured, calibration did not beat 1.0 there (``bench/README.md``).
 
 Calibration: one prefill of a fixed text (``data/kv_calibration.txt``: dialogue, prose, code,
 a table, numbers, two other languages; tokenized by the model's own tokenizer, or seeded

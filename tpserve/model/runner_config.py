@@ -53,8 +53,8 @@ class RunnerConfig:
                 raise ValueError(f"{flag} must be one of {', '.join(names)} once "
                                  f"resolved, got {value!r}")
         if self.calculate_kv_scales and not is_fp8(KV_CACHE_DTYPES[self.kv_cache_dtype]):
-            raise ValueError("--calculate-kv-scales needs --kv-cache-dtype fp8, got "
-                             f"{self.kv_cache_dtype!r}")
+            raise ValueError("--calculate-kv-scales needs --kv-cache-dtype fp8; the KV cache "
+                             f"is {self.kv_cache_dtype}, which has no scales")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)} once resolved, "
                              f"got {self.device!r}")

@@ -24,11 +24,7 @@ import torch
 
 from tpserve.model.cuda_graphs import mixed_buckets_for
 from tpserve.model.kernels.backend import resolve_kernel_backend
-from tpserve.model.kv_cache_dtype import (
-    KV_CACHE_DTYPE_CHOICES,
-    resolve_calculate_kv_scales,
-    resolve_kv_cache_dtype,
-)
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
@@ -130,15 +126,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="dtype of the KV cache (auto: the model's --dtype). fp8 (= fp8_e4m3): "
                         "e4m3 with a float32 scale per layer for K and for V, from the "
-                        "checkpoint's k_scale/v_scale (or kv_scale) tensors, else calibrated "
-                        "at start-up (--calculate-kv-scales); values past ±448 x scale "
-                        "saturate; half the bytes of bf16, twice the tokens")
+                        "checkpoint's k_scale/v_scale (or kv_scale) tensors, else 1.0 or, "
+                        "with --calculate-kv-scales, calibrated at start-up; values past "
+                        "±448 x scale saturate; half the bytes of bf16, twice the tokens")
     p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="with an fp8 KV cache and a checkpoint without KV scales: compute "
-                        "each layer's K and V scale at start-up from one prefill of a fixed "
-                        "text (its largest |K| and |V| x 2 / 448; default on for fp8); "
-                        "--no-calculate-kv-scales keeps 1.0 (vLLM's default)")
+                   default=False,
+                   help="with --kv-cache-dtype fp8 and a checkpoint without KV scales: "
+                        "compute each layer's K and V scale at start-up from one prefill of "
+                        "a fixed text (its largest |K| and |V| x 2 / 448) instead of 1.0; "
+                        "for models whose K or V reach past 448 or stay far below 1")
     p.add_argument("--quantization", "-q", default="auto",
                    choices=list(QUANTIZATION_CHOICES),
                    help="weight quantization of the linear layers: auto (the checkpoint's "
@@ -296,12 +292,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights
-    kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        calculate_kv_scales=resolve_calculate_kv_scales(a.calculate_kv_scales,
-                                                        kv_cache_dtype),
+        kv_cache_dtype=resolve_kv_cache_dtype(a.kv_cache_dtype, dtype),
+        calculate_kv_scales=a.calculate_kv_scales,
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
