@@ -48,13 +48,12 @@ from tpserve.model.attention.backend import select_attention  # noqa: E402
 from tpserve.model.kernels.backend import select_ops  # noqa: E402
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 from tpserve.model.kv_calibration import (  # noqa: E402
-    MAX_CALIBRATION_TOKENS,
     calibrate_kv_scales,
-    calibration_token_ids,
+    checkpoint_calibration_ids,
 )
 from tpserve.model.kv_pool import KVPool  # noqa: E402
 from tpserve.model.loader.build import DTYPES, build_model  # noqa: E402
-from tpserve.model.loader.checkpoint import DummyCheckpoint, open_checkpoint  # noqa: E402
+from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
 from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
 from tpserve.model.quant.methods import linear_method  # noqa: E402
 from tpserve.model.runner_config import RunnerConfig  # noqa: E402
@@ -115,9 +114,7 @@ class Model:
                            mc.head_dim, self.attn.kv_cache_dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if cfg.calculate_kv_scales:  # as the runner does: the calibration text, not TEXT
-            ids = calibration_token_ids(None if isinstance(ckpt, DummyCheckpoint)
-                                        else ckpt.tokenizer(), mc.vocab_size,
-                                        min(MAX_CALIBRATION_TOKENS, max_tokens), cfg.seed)
+            ids = checkpoint_calibration_ids(ckpt, max_tokens, cfg.seed)
             calibrate_kv_scales(self.model, self.attn, ids, BLOCK, dtype, self.device)
 
     @torch.inference_mode()

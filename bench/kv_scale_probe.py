@@ -31,7 +31,7 @@ from measure import git_commit  # noqa: E402
 from tpserve.model.kv_calibration import (  # noqa: E402
     HEADROOM,
     MAX_CALIBRATION_TOKENS,
-    calibration_token_ids,
+    checkpoint_calibration_ids,
     kv_amax,
     scales_from_amax,
 )
@@ -52,8 +52,7 @@ def main() -> None:
     base = fa.Model(fa.runner_config(opts, "base"), len(ids) + fa.BLOCK)
     lp_base = base.prefill_logprobs(ids)
     base_ppl = fa.perplexity(lp_base, ids)
-    cal_ids = calibration_token_ids(open_checkpoint(None).tokenizer(),
-                                    base.model.cfg.vocab_size, MAX_CALIBRATION_TOKENS, 0)
+    cal_ids = checkpoint_calibration_ids(open_checkpoint(None), MAX_CALIBRATION_TOKENS, 0)
     amax_cal = kv_amax(base.model, base.attn, cal_ids, fa.BLOCK, torch.float32, cpu)
     amax_text = kv_amax(base.model, base.attn, ids, fa.BLOCK, torch.float32, cpu)
     del base

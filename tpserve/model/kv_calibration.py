@@ -31,6 +31,7 @@ import torch
 
 from tpserve.model.kv_cache_dtype import FP8_MAX
 from tpserve.model.kv_pool import KVPool
+from tpserve.model.loader.checkpoint import Checkpoint, DummyCheckpoint
 from tpserve.model.plan import SeqChunk, StepPlan
 
 # the multiple of the calibration's maxima that still fits below e4m3's largest value
@@ -54,6 +55,14 @@ def calibration_token_ids(tokenizer, vocab_size: int, max_tokens: int, seed: int
         return torch.randint(0, vocab_size, (max_tokens,), generator=g).tolist()
     ids = list(tokenizer(calibration_text())["input_ids"])
     return ids[:max_tokens]
+
+
+def checkpoint_calibration_ids(ckpt: Checkpoint, max_tokens: int, seed: int) -> list[int]:
+    """``calibration_token_ids`` for a checkpoint: its own tokenizer, or random ids for
+    dummy weights; at most ``min(max_tokens, MAX_CALIBRATION_TOKENS)``."""
+    tokenizer = None if isinstance(ckpt, DummyCheckpoint) else ckpt.tokenizer()
+    return calibration_token_ids(tokenizer, ckpt.config.vocab_size,
+                                 min(max_tokens, MAX_CALIBRATION_TOKENS), seed)
 
 
 @torch.inference_mode()

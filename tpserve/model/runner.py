@@ -22,14 +22,10 @@ from tpserve.model.fault import fault_from_env
 from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
-from tpserve.model.kv_calibration import (
-    MAX_CALIBRATION_TOKENS,
-    calibrate_kv_scales,
-    calibration_token_ids,
-)
+from tpserve.model.kv_calibration import calibrate_kv_scales, checkpoint_calibration_ids
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.loader.build import DTYPES, build_model
-from tpserve.model.loader.checkpoint import DummyCheckpoint, open_checkpoint
+from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
@@ -204,10 +200,8 @@ class ModelRunner:
         memory plan's profile."""
         t0 = time.monotonic()
         lim = self.limits
-        n = min(MAX_CALIBRATION_TOKENS, self.max_model_len, lim.max_num_batched_tokens)
-        dummy = isinstance(self.ckpt, DummyCheckpoint)  # random weights: random token ids
-        ids = calibration_token_ids(None if dummy else self.ckpt.tokenizer(),
-                                    self.model_config.vocab_size, n, self.cfg.seed)
+        ids = checkpoint_calibration_ids(
+            self.ckpt, min(self.max_model_len, lim.max_num_batched_tokens), self.cfg.seed)
         try:
             calibrate_kv_scales(self.model, self.attn, ids, lim.block_size, self.dtype,
                                 self.device)
