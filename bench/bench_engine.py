@@ -117,6 +117,10 @@ def parse_args() -> argparse.Namespace:
                    help="the server's flag of that name (default: the server's default)")
     p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's flag of that name (default: the server's default)")
+    p.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's flag of that name (default: the server's default)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="the server's flag of that name")
     for k, v in FULL.items():
         typ = float if isinstance(v, float) else int if isinstance(v, int) else str
         p.add_argument("--" + k.replace("_", "-"), type=typ, default=None,
@@ -154,6 +158,10 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv += ["--fp8-weight-only-max-tokens", str(a.fp8_weight_only_max_tokens)]
     if a.fp8_fast_accum is not None:
         argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
+    if a.kv_cache_hadamard is not None:
+        argv += ["--kv-cache-hadamard" if a.kv_cache_hadamard else "--no-kv-cache-hadamard"]
+    if a.calculate_kv_scales:
+        argv.append("--calculate-kv-scales")
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(argv))
 
@@ -200,6 +208,9 @@ def main() -> int:
     log(f"limits: copy {lim['copy_GBps']} GB/s, matmul {lim['bf16_tflops']} TFLOP/s")
 
     cfg = server_config(a, device)
+    R["kv_cache"] = {"dtype": cfg.runner.kv_cache_dtype,
+                     "hadamard": cfg.runner.kv_cache_hadamard,
+                     "calculate_kv_scales": cfg.runner.calculate_kv_scales}
     group, workers = TPGroup(0, 1, device, None), None
     if a.tensor_parallel_size > 1:  # the server's own start-up: spawn and watch the ranks
         group, workers = join_group(cfg, lambda reason: log(f"a worker rank failed: {reason}"))

@@ -83,6 +83,8 @@ def runner_config(a: argparse.Namespace, mode: str) -> RunnerConfig:
         if a.calculate_kv_scales is not None:
             argv += ["--calculate-kv-scales" if a.calculate_kv_scales
                      else "--no-calculate-kv-scales"]
+        if a.kv_cache_hadamard is not None:
+            argv += ["--kv-cache-hadamard" if a.kv_cache_hadamard else "--no-kv-cache-hadamard"]
     parser, _ = build_parser()
     try:
         ns = parser.parse_args(argv)
@@ -101,7 +103,7 @@ class Model:
         ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
         dtype = DTYPES[cfg.dtype]
         kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]  # resolved by the config
-        self.attn = select_attention(cfg.kernel_backend, kv_dtype)
+        self.attn = select_attention(cfg.kernel_backend, kv_dtype, cfg.kv_cache_hadamard)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, self.device, dtype,
                               cfg.fp8_weight_only_max_tokens, ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
@@ -205,6 +207,9 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
                     default=None, help="the server's flag of that name (default: the "
                     "server's default, off)")
+    ap.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction,
+                    default=None, help="the server's flag of that name, in the fp8-kv and "
+                    "both modes (default: the server's default, on)")
     ap.add_argument("--fp8-weight-only-max-tokens", type=int, default=None)
     ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                     help="the server's flag of that name (default: the server's default)")

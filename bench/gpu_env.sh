@@ -25,7 +25,8 @@ PY
 }
 # engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
 # PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
-# fp8kv: --kv-cache-dtype fp8, both; -fast / -promoted: with --fp8-fast-accum / --no-...),
+# fp8kv: --kv-cache-dtype fp8, both; -fast / -promoted: with --fp8-fast-accum / --no-...;
+# -nohad: with --no-kv-cache-hadamard),
 # into DIR/engine-MODE.*
 engine_mode() {
   local dir=$1 mode=$2 sha=$3 prof=${4:-400} flags=()
@@ -36,6 +37,8 @@ engine_mode() {
     fp8w-fast) flags=(--quantization fp8 --fp8-fast-accum) ;;
     both-fast) flags=(--quantization fp8 --kv-cache-dtype fp8 --fp8-fast-accum) ;;
     both-promoted) flags=(--quantization fp8 --kv-cache-dtype fp8 --no-fp8-fast-accum) ;;
+    both-nohad) flags=(--quantization fp8 --kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
+    fp8kv-nohad) flags=(--kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
   esac
   [ "$prof" -gt 0 ] && flags+=(--profile-serving "$prof")
   timeout 200 python3 bench/bench_engine.py --serving-only \

@@ -210,7 +210,7 @@ def test_fp8_blocks_cost_half_of_bfloat16_and_the_plan_says_so(folder):
     assert fp8.num_blocks == 2 * half.num_blocks and fp8.kv_tokens == 2 * half.kv_tokens
     assert (f"capacity: {fp8.num_blocks} blocks x 16 tokens = {fp8.kv_tokens} tokens of "
             "fp8_e4m3 cache (128 bytes per token, scales 1.0 (the checkpoint has none; "
-            "--calculate-kv-scales computes them)); "
+            "--calculate-kv-scales computes them), K not rotated (--kv-cache-hadamard)); "
             ) in "\n".join(fp8.describe())
     assert (f"= {half.kv_tokens} tokens of bfloat16 cache (256 bytes per token); "
             ) in "\n".join(half.describe())

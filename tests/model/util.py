@@ -22,13 +22,14 @@ CPU = torch.device("cpu")
 
 def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
          kv_dtype: torch.dtype = torch.float32, backend: str = "torch",
-         tp_comm: str = "allreduce", quant_method=None):
-    """Our float32 model on CPU, on the torch ops and the given attention back-end (and
-    linear-layer ``quant_method``, e.g. ``Fp8LinearMethod()``)."""
+         tp_comm: str = "allreduce", quant_method=None, k_hadamard: bool = False):
+    """Our float32 model on CPU, on the torch ops and the given attention back-end (with
+    ``k_hadamard``: ``model/kv_hadamard``) and linear-layer ``quant_method`` (e.g.
+    ``Fp8LinearMethod()``)."""
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format)
     comm = Communicator(group)
-    attn = select_attention(backend, kv_dtype)
+    attn = select_attention(backend, kv_dtype, k_hadamard)
     return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn, 512,
                        tp_comm=tp_comm, quant_method=quant_method), comm
 

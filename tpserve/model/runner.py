@@ -100,7 +100,7 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
-        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype)
+        self.attn = select_attention(cfg.kernel_backend, self.kv_dtype, cfg.kv_cache_hadamard)
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
@@ -223,15 +223,19 @@ class ModelRunner:
         reads the scales once, at start-up."""
         if not is_fp8(self.kv_dtype):
             return ""
+        rotated = ("K Hadamard-rotated" if self.cfg.kv_cache_hadamard
+                   else "K not rotated (--kv-cache-hadamard)")
         scales = self.model.kv_scales()
         if self.model.kv_scales_from_checkpoint:
             how = "scales from the checkpoint"
         elif self.kv_calibration_tokens:
             how = f"scales calibrated on {self.kv_calibration_tokens} tokens"
         else:
-            return "scales 1.0 (the checkpoint has none; --calculate-kv-scales computes them)"
+            return ("scales 1.0 (the checkpoint has none; --calculate-kv-scales computes "
+                    f"them), {rotated}")
         return (f"{how} (K {scales[:, 0].min().item():.3g}..{scales[:, 0].max().item():.3g}, "
-                f"V {scales[:, 1].min().item():.3g}..{scales[:, 1].max().item():.3g})")
+                f"V {scales[:, 1].min().item():.3g}..{scales[:, 1].max().item():.3g}), "
+                f"{rotated}")
 
     # ----------------------------------------------------------------- memory figures
     def _gather_ints(self, values: list[int]) -> list[list[int]]:

@@ -30,6 +30,8 @@ class RunnerConfig:
     kv_cache_dtype: str = "float32"
     # fp8 cache, checkpoint without KV scales: calibrate them at start-up (kv_calibration)
     calculate_kv_scales: bool = False
+    # q and K rotated by a Hadamard matrix after RoPE (kv_hadamard; resolved by the config)
+    kv_cache_hadamard: bool = False
     seed: int = 0
     device: str = "cpu"
     kernel_backend: str = "torch"

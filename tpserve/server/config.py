@@ -25,6 +25,7 @@ import torch
 from tpserve.model.cuda_graphs import mixed_buckets_for
 from tpserve.model.kernels.backend import resolve_kernel_backend
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
+from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
@@ -135,6 +136,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "compute each layer's K and V scale at start-up from one prefill of "
                         "a fixed text (its largest |K| and |V| x 2 / 448) instead of 1.0; "
                         "for models whose K or V reach past 448 or stay far below 1")
+    p.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="rotate q and K by a Hadamard matrix after RoPE, so the cache holds "
+                        "rotated K (attention scores are unchanged; FP8's rounding error is "
+                        "spread over each head's channels: fp8 cache perplexity on SmolLM2 at "
+                        "2,000 tokens +3.25%% -> +0.71%%); default: on with --kv-cache-dtype "
+                        "fp8 when the head dim is a power of two >= 32")
     p.add_argument("--quantization", "-q", default="auto",
                    choices=list(QUANTIZATION_CHOICES),
                    help="weight quantization of the linear layers: auto (the checkpoint's "
@@ -292,10 +300,13 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights
+    kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, dtype=dtype,
-        kv_cache_dtype=resolve_kv_cache_dtype(a.kv_cache_dtype, dtype),
+        kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=a.calculate_kv_scales,
+        kv_cache_hadamard=resolve_kv_cache_hadamard(a.kv_cache_hadamard, kv_cache_dtype,
+                                                    ckpt.config.head_dim),
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,

@@ -10,8 +10,9 @@ A back-end owns
   model's dtype): ``rope_and_write_kv`` rounds K/V into the cache's dtype, ``forward``
   reads it back. An FP8 cache is scaled by the layer's ``kv_scale`` (``[2]`` float32 device
   tensor, K's then V's; the convention is ``model/kv_cache_dtype``'s), which both methods
-  take and other dtypes ignore. The layout is the pool's (``KVPool``), shared by both
-  back-ends;
+  take and other dtypes ignore. With ``k_hadamard`` (``--kv-cache-hadamard``,
+  ``model/kv_hadamard``) q and K are rotated by a Hadamard matrix after RoPE, so the cache
+  holds rotated K. The layout is the pool's (``KVPool``), shared by both back-ends;
 - its static buffers for CUDA graphs (``graph_state``): what ``StepGraphs`` copies a
   step's back-end metadata into, and the capture-shaped metadata its graphs bake in.
 """
@@ -51,8 +52,9 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def __init__(self, kv_cache_dtype: torch.dtype):
+    def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False):
         self.kv_cache_dtype = kv_cache_dtype
+        self.k_hadamard = k_hadamard
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         """Rank 0, host: what the kernels need beyond the common plan for a step whose
@@ -79,8 +81,9 @@ class AttentionBackend(ABC):
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, kv_scale: torch.Tensor | None = None
                           ) -> torch.Tensor:
-        """RoPE on q and k, K/V written to their slots in the cache's dtype (FP8: divided by
-        ``kv_scale``, saturated at ±448); returns the rotated q."""
+        """RoPE on q and k (and the Hadamard rotation with ``k_hadamard``), K/V written to
+        their slots in the cache's dtype (FP8: divided by ``kv_scale``, saturated at ±448);
+        returns the rotated q."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,10 +94,11 @@ class AttentionBackend(ABC):
         returns ``[T, Hq, D]``."""
 
 
-def select_attention(backend: str, kv_cache_dtype: torch.dtype) -> AttentionBackend:
+def select_attention(backend: str, kv_cache_dtype: torch.dtype, k_hadamard: bool = False
+                     ) -> AttentionBackend:
     """The back-end of a resolved name (``torch`` or ``triton``)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention back-end {backend!r}; choose one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     module = importlib.import_module(ATTENTION_BACKENDS[backend])
-    return module.BACKEND(kv_cache_dtype)
+    return module.BACKEND(kv_cache_dtype, k_hadamard)

@@ -17,7 +17,8 @@ class TorchAttention(AttentionBackend):
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                           meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
         q, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
-                                           v_cache, meta.slot_mapping, kv_scale)
+                                           v_cache, meta.slot_mapping, kv_scale,
+                                           hadamard=self.k_hadamard)
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

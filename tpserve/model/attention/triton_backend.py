@@ -163,7 +163,8 @@ class TritonAttention(AttentionBackend):
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                           meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
         q, _ = triton_rope.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
-                                             v_cache, meta.slot_mapping, kv_scale=kv_scale)
+                                             v_cache, meta.slot_mapping, kv_scale=kv_scale,
+                                             hadamard=self.k_hadamard)
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

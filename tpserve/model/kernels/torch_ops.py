@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX, is_fp8
+from tpserve.model.kv_hadamard import hadamard_rotate
 from tpserve.model.quant.fp8 import quantize_per_row
 
 
@@ -122,10 +123,13 @@ def write_kv(
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q and k, then the K/V cache write; returns the rotated ``(q, k)``."""
+    """RoPE on q and k (then, with ``hadamard``, each head times ``H / sqrt(D)``:
+    ``model/kv_hadamard``), then the K/V cache write; returns the rotated ``(q, k)``."""
     q, k = rope(q, k, positions, cos_sin_cache)
+    if hadamard:
+        q, k = hadamard_rotate(q), hadamard_rotate(k)
     write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q, k
 

@@ -14,6 +14,14 @@ their dtype as the reference does) and its rotated k and its v are stored to the
 FP8 cache stores ``e4m3(clamp(x / s, ±448))`` with ``s = kv_scale[0]`` for K and
 ``kv_scale[1]`` for V (device scalars: nothing is read on the host), computed from the
 rounded k exactly as ``torch_ops.quantize_kv`` does (``triton_fp8_kv``).
+
+With ``hadamard`` (``model/kv_hadamard``; RoPE over the whole head) the rotated q and k
+heads are then multiplied by ``H / sqrt(D)``: with ``H_D = [[H, H], [H, -H]]`` (``H`` of order
+``D/2``, built in registers from ``popcount(i & j)``'s parity), the halves become
+``((x1 H + x2 H), (x1 H - x2 H)) / sqrt(D)``: two float32 dots of the rounded halves, each
+product exact (±1 operands; a bf16 or fp16 value is exact in tf32, so those dtypes take
+tf32's tensor cores, float32 takes "ieee"), rounded to the dtype once more before the store
+and the cache write. The dots need 16-wide tiles, so the kv heads are padded to 16 rows.
 """
 
 from __future__ import annotations
@@ -35,14 +43,35 @@ def _rotate_half(x1, x2, cos, sin):
 
 
 @triton.jit
+def _hadamard_signs(N: tl.constexpr, dtype: tl.constexpr):
+    """``[N, N]`` of ±1 in ``dtype``: ``(-1)^popcount(i & j)`` (Sylvester's order ``N``)."""
+    x = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return tl.where((x & 1) == 0, 1.0, -1.0).to(dtype)
+
+
+@triton.jit
+def _hadamard_halves(x1, x2, inv_sqrt_d, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The halves ``[HEADS, HALF]`` of ``[x1, x2] H_D / sqrt(D)`` (see the module
+    docstring), rounded to ``x1``'s dtype."""
+    signs = _hadamard_signs(HALF, tl.float32)
+    a = tl.dot(x1.to(tl.float32), signs, input_precision=DOT_PRECISION)
+    b = tl.dot(x2.to(tl.float32), signs, input_precision=DOT_PRECISION)
+    return ((a + b) * inv_sqrt_d).to(x1.dtype), ((a - b) * inv_sqrt_d).to(x1.dtype)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, kv_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
-    num_q_heads, num_kv_heads,
+    num_q_heads, num_kv_heads, inv_sqrt_d,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -58,8 +87,12 @@ def _rope_write_kv_kernel(
     q1 = tl.load(q_row, mask=q_mask, other=0.0)
     q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
     o1, o2 = _rotate_half(q1, q2, cos, sin)
-    tl.store(q_row, o1.to(q1.dtype), mask=q_mask)
-    tl.store(q_row + HALF, o2.to(q1.dtype), mask=q_mask)
+    o1 = o1.to(q1.dtype)
+    o2 = o2.to(q1.dtype)
+    if HADAMARD:
+        o1, o2 = _hadamard_halves(o1, o2, inv_sqrt_d, BLOCK_HALF, DOT_PRECISION)
+    tl.store(q_row, o1, mask=q_mask)
+    tl.store(q_row + HALF, o2, mask=q_mask)
 
     # k: rotate in place, and write the rotated head to the cache slot (if any).
     hk = tl.arange(0, BLOCK_HKV)
@@ -71,6 +104,8 @@ def _rope_write_kv_kernel(
     r1, r2 = _rotate_half(k1, k2, cos, sin)
     r1 = r1.to(k1.dtype)
     r2 = r2.to(k1.dtype)
+    if HADAMARD:
+        r1, r2 = _hadamard_halves(r1, r2, inv_sqrt_d, BLOCK_HALF, DOT_PRECISION)
     tl.store(k_row, r1, mask=k_mask)
     tl.store(k_row + HALF, r2, mask=k_mask)
 
@@ -105,10 +140,11 @@ def _rope_write_kv_kernel(
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q and k (in place), then the K/V cache write; returns the rotated ``(q, k)``.
-    ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8 cache, else ignored."""
+    """RoPE on q and k (in place; then the Hadamard rotation with ``hadamard``), then the
+    K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
+    V) is required for an FP8 cache, else ignored."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -121,9 +157,12 @@ def rope_and_write_kv(
     fp8 = is_fp8(k_cache.dtype)
     assert not fp8 or (kv_scale is not None and kv_scale.dtype == torch.float32
                        and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
+    assert not hadamard or (rotary_dim == head_dim >= 32), \
+        "the Hadamard rotation needs RoPE over the whole head and a head dim >= 32"
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
+    rows = 16 if hadamard else 1  # tl.dot's smallest tile
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         kv_scale if fp8 else cos_sin_cache,  # a float32 pointer that is never read
@@ -131,10 +170,11 @@ def rope_and_write_kv(
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_q_heads, num_kv_heads,
+        num_q_heads, num_kv_heads, head_dim ** -0.5,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, num_warps=4,
+        BLOCK_HQ=max(rows, triton.next_power_of_2(num_q_heads)),
+        BLOCK_HKV=max(rows, triton.next_power_of_2(num_kv_heads)), PAGE_SIZE=k_cache.shape[1],
+        KV_FP8=fp8, HADAMARD=hadamard,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return q, k
