@@ -44,16 +44,17 @@ def test_rotation_keeps_every_score_and_undoes_itself():
 
 @pytest.mark.parametrize("flag,kv,head_dim,want", [
     (None, "fp8_e4m3", 64, True), (None, "fp8_e4m3", 128, True), (None, "bfloat16", 64, False),
-    (None, "fp8_e4m3", 80, False), (None, "fp8_e4m3", 16, False),
+    (None, "fp8_e4m3", 80, False), (None, "fp8_e4m3", 16, True), (None, "fp8_e4m3", 1024, False),
     (False, "fp8_e4m3", 64, False), (True, "float32", 64, True), (True, "fp8_e4m3", 32, True)])
 def test_resolution(flag, kv, head_dim, want):
     assert resolve_kv_cache_hadamard(flag, kv, head_dim) is want
 
 
-@pytest.mark.parametrize("head_dim", [80, 16, 24])
+@pytest.mark.parametrize("head_dim", [80, 1, 24, 1024])
 def test_asking_for_it_with_a_head_it_cannot_take_is_refused(head_dim):
     with pytest.raises(ValueError, match=f"--kv-cache-hadamard needs a head dim that is a "
-                                         f"power of two >= 32; this model's is {head_dim}"):
+                                         f"power of two from 2 to 512; this model's is "
+                                         f"{head_dim}"):
         resolve_kv_cache_hadamard(True, "fp8_e4m3", head_dim)
 
 
@@ -74,7 +75,7 @@ def test_the_server_flag_defaults_on_with_an_fp8_cache(smollm2_path):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The tiny Llama with 2 heads of 32 (1 KV head): the smallest head the rotation takes."""
+    """The tiny Llama with 2 heads of 32 and 1 KV head (multi-query)."""
     import transformers as tf
 
     torch.manual_seed(5)

@@ -2,8 +2,8 @@
 against the torch reference (``model/kv_hadamard``). On CPU under ``TRITON_INTERPRET=1`` (set
 by ``test_triton_kernels``, imported first), on CUDA compiled.
 
-The kernel and the reference round the same RoPE output and then sum the same ±1 products
-in another order, so q and k agree to the dtype's tolerance (``ATOL``); the cache is checked
+The kernel (butterflies) and the reference (a matrix product) round the same RoPE output and
+then sum the same ±1 products in another order, so q and k agree to the dtype's tolerance (``ATOL``); the cache is checked
 against the kernel's own rotated k exactly (bit for bit for FP8, as in
 ``test_triton_fp8_kv``), and V bit for bit against the reference. Attention through the
 Triton kernels over a rotated cache equals the reference's attention without the rotation."""
@@ -51,7 +51,8 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("head_dim,hq,hkv", [(32, 4, 1), (64, 12, 3), (128, 32, 8)])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(16, 4, 2), (32, 4, 1), (64, 12, 3),
+                                             (128, 32, 8)])
 def test_rope_hadamard_and_write_kv(kernels, dtype, fp8, head_dim, hq, hkv):
     gen = torch.Generator().manual_seed(4)
     tokens, num_blocks, page = 7, 5, 16

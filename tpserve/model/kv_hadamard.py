@@ -21,8 +21,8 @@ it, so it cannot be folded into ``k_proj``). Invariants, kept by both attention 
 - the cache holds rotated K; the attention kernels read it unchanged, with the rotated q.
   Everything that reads the cache (prefix-cache hits, the scale calibration) sees
   rotated K, so the KV scales (checkpoint, calibrated or 1.0) are the scales of rotated K.
-- ``D`` is a power of two, at least 32 (the Triton kernel's dot needs 16-wide halves),
-  and RoPE covers the whole head (the models here always do).
+- ``D`` is a power of two from 2 to 512 (the Triton kernel's butterflies), and RoPE covers
+  the whole head (the models here always do).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
 
-MIN_HEAD_DIM = 32
+MAX_HEAD_DIM = 512
 
 
 def hadamard_signs(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -55,10 +55,10 @@ def resolve_kv_cache_hadamard(flag: bool | None, kv_cache_dtype: str, head_dim: 
     """``--kv-cache-hadamard``'s value: None (the default) turns it on for an FP8 cache when
     the head allows it; True is refused (naming the flag) when it does not. Any cache dtype
     takes it (with a 16-bit or float32 cache it only reorders rounding)."""
-    fits = head_dim >= MIN_HEAD_DIM and head_dim & (head_dim - 1) == 0
+    fits = 2 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
     if flag is None:
         return fits and is_fp8(KV_CACHE_DTYPES[kv_cache_dtype])
     if flag and not fits:
-        raise ValueError(f"--kv-cache-hadamard needs a head dim that is a power of two >= "
-                         f"{MIN_HEAD_DIM}; this model's is {head_dim}: leave the flag out")
+        raise ValueError(f"--kv-cache-hadamard needs a head dim that is a power of two from 2 "
+                         f"to {MAX_HEAD_DIM}; this model's is {head_dim}: leave the flag out")
     return flag

@@ -16,12 +16,12 @@ FP8 cache stores ``e4m3(clamp(x / s, ±448))`` with ``s = kv_scale[0]`` for K an
 rounded k exactly as ``torch_ops.quantize_kv`` does (``triton_fp8_kv``).
 
 With ``hadamard`` (``model/kv_hadamard``; RoPE over the whole head) the rotated q and k
-heads are then multiplied by ``H / sqrt(D)``: with ``H_D = [[H, H], [H, -H]]`` (``H`` of order
-``D/2``, built in registers from ``popcount(i & j)``'s parity), the halves become
-``((x1 H + x2 H), (x1 H - x2 H)) / sqrt(D)``: two float32 dots of the rounded halves, each
-product exact (±1 operands; a bf16 or fp16 value is exact in tf32, so those dtypes take
-tf32's tensor cores, float32 takes "ieee"), rounded to the dtype once more before the store
-and the cache write. The dots need 16-wide tiles, so the kv heads are padded to 16 rows.
+heads, rounded to their dtype, are then multiplied by ``H / sqrt(D)``: with
+``H_D = [[H, H], [H, -H]]`` (``H`` Sylvester's of order ``D/2``) the halves become
+``((x1 + x2) H, (x1 - x2) H) / sqrt(D)``, each ``. H`` a fast Walsh-Hadamard transform in
+float32 (log2(D/2) butterfly stages of reshapes, splits and joins in registers), rounded to
+the dtype once more before the store and the cache write. (Two tf32 dots against the ±1
+matrix did the same 2.3-4.9x slower: ``bench/time_rope_hadamard.py``.)
 """
 
 from __future__ import annotations
@@ -43,24 +43,47 @@ def _rotate_half(x1, x2, cos, sin):
 
 
 @triton.jit
-def _hadamard_signs(N: tl.constexpr, dtype: tl.constexpr):
-    """``[N, N]`` of ±1 in ``dtype``: ``(-1)^popcount(i & j)`` (Sylvester's order ``N``)."""
-    x = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
-    x = x ^ (x >> 8)
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    return tl.where((x & 1) == 0, 1.0, -1.0).to(dtype)
+def _butterfly(x, ROWS: tl.constexpr, N: tl.constexpr, B: tl.constexpr):
+    """One stage of the fast Walsh-Hadamard transform of ``x [ROWS, N]``'s rows: elements
+    ``B`` apart are paired (``i``'s bit ``log2 B``) and become ``(a + b, a - b)``."""
+    y = tl.permute(tl.reshape(x, [ROWS, N // (2 * B), 2, B]), [0, 1, 3, 2])
+    a, b = tl.split(y)
+    y = tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2])
+    return tl.reshape(y, [ROWS, N])
 
 
 @triton.jit
-def _hadamard_halves(x1, x2, inv_sqrt_d, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The halves ``[HEADS, HALF]`` of ``[x1, x2] H_D / sqrt(D)`` (see the module
-    docstring), rounded to ``x1``'s dtype."""
-    signs = _hadamard_signs(HALF, tl.float32)
-    a = tl.dot(x1.to(tl.float32), signs, input_precision=DOT_PRECISION)
-    b = tl.dot(x2.to(tl.float32), signs, input_precision=DOT_PRECISION)
-    return ((a + b) * inv_sqrt_d).to(x1.dtype), ((a - b) * inv_sqrt_d).to(x1.dtype)
+def _fwht(x, ROWS: tl.constexpr, N: tl.constexpr):
+    """``x [ROWS, N]`` times Sylvester's ``H`` of order ``N`` (a power of two <= 256), in
+    ``x``'s dtype (float32 here): log2 N butterfly stages."""
+    if N > 1:
+        x = _butterfly(x, ROWS, N, 1)
+    if N > 2:
+        x = _butterfly(x, ROWS, N, 2)
+    if N > 4:
+        x = _butterfly(x, ROWS, N, 4)
+    if N > 8:
+        x = _butterfly(x, ROWS, N, 8)
+    if N > 16:
+        x = _butterfly(x, ROWS, N, 16)
+    if N > 32:
+        x = _butterfly(x, ROWS, N, 32)
+    if N > 64:
+        x = _butterfly(x, ROWS, N, 64)
+    if N > 128:
+        x = _butterfly(x, ROWS, N, 128)
+    return x
+
+
+@triton.jit
+def _hadamard_halves(x1, x2, inv_sqrt_d, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """The halves ``[ROWS, HALF]`` of ``[x1, x2] H_D / sqrt(D)`` (see the module docstring),
+    in float32, rounded to ``x1``'s dtype."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    h1 = _fwht(a + b, ROWS, HALF)
+    h2 = _fwht(a - b, ROWS, HALF)
+    return (h1 * inv_sqrt_d).to(x1.dtype), (h2 * inv_sqrt_d).to(x1.dtype)
 
 
 @triton.jit
@@ -71,7 +94,7 @@ def _rope_write_kv_kernel(
     num_q_heads, num_kv_heads, inv_sqrt_d,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -90,7 +113,7 @@ def _rope_write_kv_kernel(
     o1 = o1.to(q1.dtype)
     o2 = o2.to(q1.dtype)
     if HADAMARD:
-        o1, o2 = _hadamard_halves(o1, o2, inv_sqrt_d, BLOCK_HALF, DOT_PRECISION)
+        o1, o2 = _hadamard_halves(o1, o2, inv_sqrt_d, BLOCK_HQ, BLOCK_HALF)
     tl.store(q_row, o1, mask=q_mask)
     tl.store(q_row + HALF, o2, mask=q_mask)
 
@@ -105,7 +128,7 @@ def _rope_write_kv_kernel(
     r1 = r1.to(k1.dtype)
     r2 = r2.to(k1.dtype)
     if HADAMARD:
-        r1, r2 = _hadamard_halves(r1, r2, inv_sqrt_d, BLOCK_HALF, DOT_PRECISION)
+        r1, r2 = _hadamard_halves(r1, r2, inv_sqrt_d, BLOCK_HKV, BLOCK_HALF)
     tl.store(k_row, r1, mask=k_mask)
     tl.store(k_row + HALF, r2, mask=k_mask)
 
@@ -141,10 +164,12 @@ def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (in place; then the Hadamard rotation with ``hadamard``), then the
     K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
-    V) is required for an FP8 cache, else ignored."""
+    V) is required for an FP8 cache, else ignored. ``num_warps``: the launch's (default 4;
+    8 with the rotation, fastest or within 4 % at 1 to 8,192 tokens on the H200)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -157,12 +182,13 @@ def rope_and_write_kv(
     fp8 = is_fp8(k_cache.dtype)
     assert not fp8 or (kv_scale is not None and kv_scale.dtype == torch.float32
                        and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
-    assert not hadamard or (rotary_dim == head_dim >= 32), \
-        "the Hadamard rotation needs RoPE over the whole head and a head dim >= 32"
+    assert not hadamard or 2 <= rotary_dim == head_dim <= 512, \
+        "the Hadamard rotation needs RoPE over the whole head, of 2 to 512"
+    if num_warps is None:
+        num_warps = 8 if hadamard else 4
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
-    rows = 16 if hadamard else 1  # tl.dot's smallest tile
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         kv_scale if fp8 else cos_sin_cache,  # a float32 pointer that is never read
@@ -172,9 +198,8 @@ def rope_and_write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, head_dim ** -0.5,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=max(rows, triton.next_power_of_2(num_q_heads)),
-        BLOCK_HKV=max(rows, triton.next_power_of_2(num_kv_heads)), PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, HADAMARD=hadamard,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
+        KV_FP8=fp8, HADAMARD=hadamard, num_warps=num_warps,
     )
     return q, k
