@@ -168,8 +168,9 @@ def rope_and_write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k (in place; then the Hadamard rotation with ``hadamard``), then the
     K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
-    V) is required for an FP8 cache, else ignored. ``num_warps``: the launch's (default 4;
-    8 with the rotation, fastest or within 4 % at 1 to 8,192 tokens on the H200)."""
+    V) is required for an FP8 cache, else ignored. ``num_warps``: the launch's (default 8 up
+    to 512 tokens, 4 above: with or without the rotation the fastest or within 3 % of it
+    at 1 to 8,192 tokens, Llama-3-8B's layer on the H200, ``bench/time_rope_hadamard.py``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -185,7 +186,7 @@ def rope_and_write_kv(
     assert not hadamard or 2 <= rotary_dim == head_dim <= 512, \
         "the Hadamard rotation needs RoPE over the whole head, of 2 to 512"
     if num_warps is None:
-        num_warps = 8 if hadamard else 4
+        num_warps = 8 if num_tokens <= 512 else 4
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
