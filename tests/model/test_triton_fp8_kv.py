@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model import test_triton_kernels as tk
 from tests.model.test_triton_kernels import (
     DEVICE,
     MIXED,
@@ -35,23 +34,6 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The triton_* modules (``test_triton_kernels``' ``kernels``)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            tk._fix_interpreter_index(mp)
-        yield tk._kernel_modules()
-
-
-@pytest.fixture(scope="module")
-def backend(kernels):
-    """The Triton attention back-end's module (it reaches the kernels through ``kernels``)."""
-    from tpserve.model.attention import triton_backend
-
-    return triton_backend
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

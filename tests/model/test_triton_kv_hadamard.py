@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from tests.model import test_triton_kernels as tk
+from tests.model.test_triton_fp8_kv import _fp8_batch
+from tests.model.test_triton_fp8_kv import _ref as fp8_ref
 from tests.model.test_triton_kernels import (
     DEVICE,
     DTYPES,
@@ -27,22 +29,6 @@ from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE
 from tpserve.model.kv_hadamard import hadamard_rotate
 
 triton = pytest.importorskip("triton")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The triton_* modules (``test_triton_kernels``' ``kernels``)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            tk._fix_interpreter_index(mp)
-        yield tk._kernel_modules()
-
-
-@pytest.fixture(scope="module")
-def backend(kernels):
-    from tpserve.model.attention import triton_backend
-
-    return triton_backend
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -88,17 +74,24 @@ def test_rope_hadamard_and_write_kv(kernels, dtype, fp8, head_dim, hq, hkv):
                                    if i not in slots.tolist()]].float().any()
 
 
+SEQS = [(12, 1), (0, 9), (17, 5)]  # (context, new tokens): two decodes' worth and prefills
+
+
+def _step_inputs(dtype, hq, hkv, d, gen):
+    """The new tokens' positions, q, k, v for ``SEQS`` and a RoPE table."""
+    n = sum(m for _, m in SEQS)
+    positions = torch.cat([torch.arange(c, c + m) for c, m in SEQS]).to(DEVICE)
+    q, k, v = (_randn(n, h, d, dtype=dtype, gen=gen) for h in (hq, hkv, hkv))
+    return positions, q, k, v, _cos_sin_cache(64, d)
+
+
 def test_attention_over_a_rotated_cache_is_attention_without_it(kernels, backend):
     """float32: rope + rotation + write, then the Triton decode and prefill kernels, against
     the reference without the rotation."""
     gen = torch.Generator().manual_seed(9)
     dtype, hq, hkv, d, page = torch.float32, 8, 2, 64, 16
-    seqs = [(12, 1), (0, 9), (17, 5)]
-    meta, k_cache, v_cache = _make_batch(seqs, page, hkv, d, dtype, gen)
-    n = int(meta.query_start_loc[-1])
-    positions = torch.cat([torch.arange(c, c + m) for c, m in seqs]).to(DEVICE)
-    q, k, v = (_randn(n, h, d, dtype=dtype, gen=gen) for h in (hq, hkv, hkv))
-    cs = _cos_sin_cache(64, d)
+    meta, k_cache, v_cache = _make_batch(SEQS, page, hkv, d, dtype, gen)
+    positions, q, k, v, cs = _step_inputs(dtype, hq, hkv, d, gen)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     rq, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cs, ref_kc, ref_vc,
                                         meta.slot_mapping)
@@ -113,18 +106,11 @@ def test_attention_over_a_rotated_cache_is_attention_without_it(kernels, backend
 def test_attention_over_a_rotated_fp8_cache(kernels, backend):
     """bf16 over an FP8 cache: the Triton pair writes V as the torch pair does (bit for bit)
     and attends over its rotated K like the torch reference does over the same cache."""
-    from tests.model.test_triton_fp8_kv import _fp8_batch
-    from tests.model.test_triton_fp8_kv import _ref as fp8_ref
-
     gen = torch.Generator().manual_seed(9)
     dtype, hq, hkv, d, page = torch.bfloat16, 8, 2, 64, 16
-    seqs = [(12, 1), (0, 9), (17, 5)]
     kv_scale = torch.tensor([0.05, 0.02], device=DEVICE)
-    meta, k_cache, v_cache = _fp8_batch(seqs, page, hkv, d, gen, kv_scale)
-    n = int(meta.query_start_loc[-1])
-    positions = torch.cat([torch.arange(c, c + m) for c, m in seqs]).to(DEVICE)
-    q, k, v = (_randn(n, h, d, dtype=dtype, gen=gen) for h in (hq, hkv, hkv))
-    cs = _cos_sin_cache(64, d)
+    meta, k_cache, v_cache = _fp8_batch(SEQS, page, hkv, d, gen, kv_scale)
+    positions, q, k, v, cs = _step_inputs(dtype, hq, hkv, d, gen)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     torch_ops.rope_and_write_kv(q, k, v, positions, cs, ref_kc, ref_vc, meta.slot_mapping,
                                 kv_scale, hadamard=True)

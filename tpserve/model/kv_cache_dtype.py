@@ -22,6 +22,8 @@ code: ``torch_ops.quantize_kv`` / ``dequantize_kv``):
   all-reduced); the scales are static device tensors, so CUDA graphs bake in their address
   and nothing reads them on the host.
 - with a non-FP8 cache the scales are ignored (K/V are rounded to the cache dtype only).
+- with ``--kv-cache-hadamard`` (``model/kv_hadamard``; the default with FP8) the cache holds
+  K rotated by a Hadamard matrix after RoPE, and K's scale is the scale of rotated K.
 """
 
 from __future__ import annotations
