@@ -1,5 +1,5 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
-reference."""
+reference; the tiny Llama's checkpoint folder."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ def hf_smollm2(smollm2_path, smollm2_tokenizer):
     d, name = str(smollm2_path.parent), smollm2_path.name
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     return model, smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny Llama of ``tests/model/test_tiny_models`` (seeded, float32) as a Hugging Face
+    folder, written once per session and shared: read-only (a test that changes a checkpoint
+    writes its own copy)."""
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_hf_folder
+
+    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_tiny_models import _hf_model
-from tests.model.util import load, new_pool, run, save_hf_folder
+from tests.model.util import load, new_pool, run
 from tpserve.model.cuda_graphs import MIXED, StepGraphs, buckets_for, mixed_buckets_for
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.parallel.launch import run_ranks
@@ -58,8 +57,8 @@ def _same_cache(before: torch.Tensor, padded: torch.Tensor, plain: torch.Tensor)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_padded_decode_equals_plain_forward(tmp_path, kv_dtype):
-    model, comm = _load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")), kv_dtype)
+def test_padded_decode_equals_plain_forward(tiny_llama, kv_dtype):
+    model, comm = _load(tiny_llama, kv_dtype)
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
     pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -86,10 +85,10 @@ def test_padded_decode_equals_plain_forward(tmp_path, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_padded_mixed_step_equals_plain_forward(tmp_path, kv_dtype):
+def test_padded_mixed_step_equals_plain_forward(tiny_llama, kv_dtype):
     """Decodes, a chunk over a cached prefix, a fresh prompt and a chunk that samples
     nothing, padded to the 32-token bucket."""
-    model, comm = _load(str(save_hf_folder(_hf_model("llama"), tmp_path / "m")), kv_dtype)
+    model, comm = _load(tiny_llama, kv_dtype)
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
     pool.buffer.zero_()  # the pool is uninitialised memory; NaN garbage would fail the compare
     seqs = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -147,9 +146,8 @@ def _sequence_parallel_graph_paths(group, folder: str) -> dict[str, object]:
     return out
 
 
-def test_sequence_parallel_buckets_are_multiples_of_tp(tmp_path):
-    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
-    for res in run_ranks(_sequence_parallel_graph_paths, 3, folder, timeout_s=300):
+def test_sequence_parallel_buckets_are_multiples_of_tp(tiny_llama):
+    for res in run_ranks(_sequence_parallel_graph_paths, 3, tiny_llama, timeout_s=300):
         assert res["buffers"] == 9  # decode buckets 3, 6, 9 for max_num_seqs 8
         assert res["decode_bucket"] == ("decode", 3)
         assert res["mixed_bucket"] == (MIXED, 33)

@@ -38,8 +38,8 @@ REL_TOL = 2**-4
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("fp8kv")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

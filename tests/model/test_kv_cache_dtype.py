@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_tiny_models import TOKENS, _hf_model
-from tests.model.util import load, new_pool, run, save_hf_folder
+from tests.model.test_tiny_models import TOKENS
+from tests.model.util import load, new_pool, run
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.plan import SeqChunk, StepLimits
 from tpserve.model.runner import ModelRunner
@@ -30,8 +30,8 @@ REL_TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("kvdtype")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 def greedy_with_logits(model, comm, prompt: list[int], n: int

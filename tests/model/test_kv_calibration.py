@@ -33,8 +33,8 @@ LIMITS = StepLimits(max_num_seqs=2, max_num_batched_tokens=48, max_model_len=64,
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("kvcal")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 def test_scale_maps_the_maximum_to_448_over_the_headroom_and_zero_to_one():

@@ -10,13 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_fp8_kv_cache import REL_TOL, compare_to_fp32, teacher_forced_logits
+from tests.model.test_fp8_kv_cache import (
+    REL_TOL,
+    compare_to_fp32,
+    fp32_greedy,
+    teacher_forced_logits,
+)
 from tests.model.test_tiny_models import TINY, TOKENS
 from tests.model.util import load, new_pool, run, save_hf_folder
 from tpserve.cli import build_parser
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE
 from tpserve.model.kv_hadamard import hadamard_rotate, hadamard_signs, resolve_kv_cache_hadamard
 from tpserve.model.plan import SeqChunk
+from tpserve.parallel.launch import run_ranks
 from tpserve.server.config import config_from_args
 
 
@@ -118,3 +124,26 @@ def test_an_fp8_cache_with_the_rotation_follows_the_float32_cache(folder):
     print("tiny llama (head 32), FP8 + Hadamard vs float32 cache:", figures)
     assert figures["rel_err"] <= REL_TOL, figures
     assert figures["sure_agree"], figures
+
+
+def _tp2_rotated_fp8(group, folder, tokens, prompt_len):
+    out = {}
+    for mode in ("allreduce", "allgather"):
+        model, comm = load(folder, group, kv_dtype=FP8_KV_DTYPE, tp_comm=mode, k_hadamard=True)
+        out[mode] = teacher_forced_logits(model, comm, tokens, prompt_len)
+    return out
+
+
+def test_the_rotation_at_tp2_both_comm_modes(tiny_llama):
+    """Each rank rotates its own heads (the tiny Llama: heads of 16, one KV head a rank):
+    tp 2 gives tp 1's logits over the rotated FP8 cache, in both --tp-comm modes (within
+    one e4m3 step's worth, as ``test_fp8_kv_cache``'s tp 2 test allows)."""
+    tokens, want32 = fp32_greedy(tiny_llama, 12)
+    want = teacher_forced_logits(*load(tiny_llama, kv_dtype=FP8_KV_DTYPE, k_hadamard=True),
+                                 tokens, len(TOKENS))
+    for rank_out in run_ranks(_tp2_rotated_fp8, 2, tiny_llama, tokens, len(TOKENS),
+                              timeout_s=300):
+        for mode, got in rank_out.items():
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            assert err <= 2**-8, (mode, err)
+            assert compare_to_fp32(want32, got[:12])["rel_err"] <= REL_TOL

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.server.engine.test_engine_core import LIMITS, _hf_model, save_hf_folder
+from tests.server.engine.test_engine_core import LIMITS
 from tpserve.model.gpu_processes import GpuProcess, GpuProcesses, other_gpu_processes
 from tpserve.model.memory import AllocatorReading, GiB, MemoryPlan
 from tpserve.model.memory_advice import (
@@ -79,8 +79,8 @@ def test_kv_cache_memory_override_suggests_the_bytes_one_sequence_needs():
     ]
 
 
-def test_cpu_runner_refusal_names_the_numbers_and_the_fixes(tmp_path):
-    folder = str(save_hf_folder(_hf_model("llama"), tmp_path))
+def test_cpu_runner_refusal_names_the_numbers_and_the_fixes(tiny_llama):
+    folder = tiny_llama
     # 8 KiB blocks (2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes); 64 KiB = 8
     with pytest.raises(MemoryError) as e:
         ModelRunner(RunnerConfig(model=folder, kv_cache_memory=64 * 1024), LIMITS,

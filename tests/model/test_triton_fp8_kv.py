@@ -232,15 +232,12 @@ def test_rope_write_then_attend_over_fp8(kernels, backend):
            _ref(tq, k_cache, v_cache, meta, d ** -0.5, kv_scale), dtype)
 
 
-def test_fp8_cache_under_a_float32_model_on_the_triton_backend(kernels, backend, tmp_path):
+def test_fp8_cache_under_a_float32_model_on_the_triton_backend(kernels, backend, tiny_llama):
     """The Triton back-end over an FP8 cache decodes the tiny model's greedy tokens like
     the torch back-end over the same FP8 cache (both dequantize the same e4m3 values), and
     like the float32 cache within the FP8 tolerance of ``test_fp8_kv_cache``."""
     from tests.model.test_fp8_kv_cache import assert_fp8_greedy
-    from tests.model.test_tiny_models import _hf_model
-    from tests.model.util import save_hf_folder
 
     if DEVICE.type != "cpu":
         pytest.skip("CPU oracle check (the model helpers run on CPU)")
-    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
-    assert_fp8_greedy(folder, "triton", 8)
+    assert_fp8_greedy(tiny_llama, "triton", 8)

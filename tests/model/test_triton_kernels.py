@@ -404,12 +404,11 @@ def test_end_to_end_rope_write_then_attend(mods, attn):
     _close(attn.paged_attention(tq, k_cache, v_cache, meta, d ** -0.5), ref, dtype)
 
 
-def test_mixed_step_graph_shapes_through_the_model(mods, attn, tmp_path):
+def test_mixed_step_graph_shapes_through_the_model(mods, attn, tiny_llama):
     """The exact forward a mixed-step CUDA graph captures (capture-shaped metadata: decode
     slots for every sequence slot, a -1-padded tile table, padding tokens and sequences),
     through a tiny model on the Triton ops, equals the plain torch-ops forward."""
-    from tests.model.test_tiny_models import _hf_model
-    from tests.model.util import load, new_pool, run, save_hf_folder
+    from tests.model.util import load, new_pool, run
     from tpserve.model.cuda_graphs import MIXED, StepGraphs
     from tpserve.model.loader.build import build_model
     from tpserve.model.loader.checkpoint import open_checkpoint
@@ -417,7 +416,7 @@ def test_mixed_step_graph_shapes_through_the_model(mods, attn, tmp_path):
 
     if DEVICE.type != "cpu":
         pytest.skip("CPU oracle check; on CUDA the runner captures this path at start-up")
-    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
+    folder = tiny_llama
     ref_model, comm = load(folder)
     model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
                         mods["triton_ops"], attn.TritonAttention(torch.float32), 512)
@@ -441,15 +440,12 @@ def test_mixed_step_graph_shapes_through_the_model(mods, attn, tmp_path):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
 
 
-def test_bfloat16_kv_cache_under_a_float32_model(mods, attn, tmp_path):
+def test_bfloat16_kv_cache_under_a_float32_model(mods, attn, tiny_llama):
     """The Triton back-end writes and reads a bfloat16 cache under a float32 model: the
     same greedy tokens as the float32 cache on the torch back-end, within the tolerance
     justified in ``test_kv_cache_dtype``."""
     from tests.model.test_kv_cache_dtype import assert_same_greedy
-    from tests.model.test_tiny_models import _hf_model
-    from tests.model.util import save_hf_folder
 
     if DEVICE.type != "cpu":
         pytest.skip("CPU oracle check (the model helpers run on CPU)")
-    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
-    assert_same_greedy(folder, torch.bfloat16, "triton", 8)
+    assert_same_greedy(tiny_llama, torch.bfloat16, "triton", 8)

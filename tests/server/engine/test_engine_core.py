@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.model.test_tiny_models import _hf_model
-from tests.model.util import greedy, load, save_hf_folder
+from tests.model.util import greedy, load
 from tpserve.model import memory
 from tpserve.model.fault import FAULT_ENV
 from tpserve.model.plan import StepLimits
@@ -30,8 +29,8 @@ LIMITS = StepLimits(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("engine")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 class Readings:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_tiny_models import _hf_model
-from tests.model.util import save_hf_folder
 from tests.parallel.test_nvtx import Recorder
 from tests.server.engine.test_engine_core import submit, tokens_of
 from tpserve.model.runner import ModelRunner
@@ -23,8 +21,8 @@ STEP = ["schedule", "prepare", "forward", "sample"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("nvtx")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 def _core(folder, tokenizer, ranges, async_scheduling: bool) -> EngineCore:

@@ -17,8 +17,6 @@ import time
 import jsonschema
 import pytest
 
-from tests.model.test_tiny_models import _hf_model
-from tests.model.util import save_hf_folder
 from tests.server.engine.test_engine_core import make_core, run_to_end
 from tpserve.model.sampling_params import SamplingParams, StructuredOutput
 from tpserve.server.engine.engine_core import EngineCore
@@ -43,8 +41,8 @@ PHONE = StructuredOutput("regex", r"\d{3}-\d{4}")
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(save_hf_folder(_hf_model("llama"), tmp_path_factory.mktemp("structured")))
+def folder(tiny_llama):
+    return tiny_llama
 
 
 def prompt(seed: int) -> list[int]:
