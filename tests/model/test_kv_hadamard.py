@@ -48,12 +48,17 @@ def test_rotation_keeps_every_score_and_undoes_itself():
     assert k.abs().max() > 45 and rk.abs().max() < 15
 
 
-@pytest.mark.parametrize("flag,kv,head_dim,want", [
-    (None, "fp8_e4m3", 64, True), (None, "fp8_e4m3", 128, True), (None, "bfloat16", 64, False),
-    (None, "fp8_e4m3", 80, False), (None, "fp8_e4m3", 16, True), (None, "fp8_e4m3", 1024, False),
-    (False, "fp8_e4m3", 64, False), (True, "float32", 64, True), (True, "fp8_e4m3", 32, True)])
-def test_resolution(flag, kv, head_dim, want):
-    assert resolve_kv_cache_hadamard(flag, kv, head_dim) is want
+@pytest.mark.parametrize("flag,kv,head_dim,scales,want", [
+    (None, "fp8_e4m3", 64, False, True), (None, "fp8_e4m3", 128, False, True),
+    (None, "bfloat16", 64, False, False), (None, "fp8_e4m3", 80, False, False),
+    (None, "fp8_e4m3", 16, False, True), (None, "fp8_e4m3", 1024, False, False),
+    (None, "fp8_e4m3", 128, True, False), (True, "fp8_e4m3", 128, True, True),
+    (False, "fp8_e4m3", 64, False, False), (True, "float32", 64, False, True),
+    (True, "fp8_e4m3", 32, False, True)])
+def test_resolution(flag, kv, head_dim, scales, want):
+    """On by default with an fp8 cache, unless the head cannot take it or the checkpoint's
+    own KV scales (chosen for unrotated K) are there."""
+    assert resolve_kv_cache_hadamard(flag, kv, head_dim, scales) is want
 
 
 @pytest.mark.parametrize("head_dim", [80, 1, 24, 1024])
@@ -74,6 +79,35 @@ def test_the_server_flag_defaults_on_with_an_fp8_cache(smollm2_path):
     assert runner("--kv-cache-dtype", "fp8", "--no-kv-cache-hadamard").kv_cache_hadamard is False
     assert runner().kv_cache_hadamard is False
     assert runner("--kv-cache-hadamard").kv_cache_hadamard is True
+
+
+def test_a_checkpoint_with_kv_scales_is_not_rotated_by_default(tmp_path):
+    """The scales of a checkpoint were chosen for unrotated K: the default leaves K as it is
+    and the capacity line says why; the flag still rotates it."""
+    from tests.model.test_fp8_kv_cache import _with_scale_tensors
+    from tests.model.test_tiny_models import _hf_model
+    from tpserve.model.loader.checkpoint import open_checkpoint
+    from tpserve.model.plan import StepLimits
+    from tpserve.model.runner import ModelRunner
+    from tpserve.parallel.state import TPGroup
+
+    folder = str(save_hf_folder(_hf_model("llama"), tmp_path / "m"))
+    assert open_checkpoint(folder).kv_scales is False
+    _with_scale_tensors(folder, {"model.layers.0.self_attn.k_proj.output_scale":
+                                 torch.tensor(0.5)})
+    assert open_checkpoint(folder).kv_scales is True
+    parser, _ = build_parser()
+    limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                        block_size=16)
+    for flags, rotated in (((), "K not rotated: the checkpoint's scales are for unrotated K"),
+                           (("--kv-cache-hadamard",), "K Hadamard-rotated")):
+        cfg = config_from_args(parser.parse_args(
+            ["serve", folder, "--kv-cache-dtype", "fp8", "--kv-cache-memory", "1MiB",
+             *flags])).runner
+        assert cfg.kv_cache_hadamard is bool(flags)
+        runner = ModelRunner(cfg, limits, TPGroup(0, 1, torch.device("cpu"), None))
+        line = "\n".join(runner.plan.describe())
+        assert f"scales from the checkpoint (K 0.5..1, V 1..1), {rotated})" in line, line
 
 
 # ------------------------------------------------------------------ the model

@@ -33,6 +33,12 @@ import torch
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
 
+# KV cache scales in checkpoints (vLLM / llm-compressor / AutoFP8 spellings): the name's
+# tail after the layer's ``self_attn.`` -> which of the layer's ``kv_scale`` entries it sets
+KV_SCALE_NAMES = {"k_scale": (0,), "k_proj.k_scale": (0,), "k_proj.output_scale": (0,),
+                  "v_scale": (1,), "v_proj.v_scale": (1,), "v_proj.output_scale": (1,),
+                  "kv_scale": (0, 1)}
+
 KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                    "float32": torch.float32, "fp8_e4m3": FP8_KV_DTYPE}
 KV_CACHE_DTYPE_NAMES = tuple(KV_CACHE_DTYPES)  # the resolved, canonical names
@@ -50,6 +56,11 @@ def resolve_kv_cache_dtype(flag: str, model_dtype: str) -> str:
         raise ValueError(f"unknown --kv-cache-dtype {flag!r}; choose one of "
                          f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
     return name
+
+
+def is_kv_scale_name(name: str) -> bool:
+    """Whether a checkpoint tensor of this name is a KV cache scale (``KV_SCALE_NAMES``)."""
+    return name.partition(".self_attn.")[2] in KV_SCALE_NAMES
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -21,7 +21,9 @@ it, so it cannot be folded into ``k_proj``). Invariants, kept by both attention 
   not (its error enters the output linearly and is small: +0.19 % measured).
 - the cache holds rotated K; the attention kernels read it unchanged, with the rotated q.
   Everything that reads the cache (prefix-cache hits, the scale calibration) sees
-  rotated K, so the KV scales (checkpoint, calibrated or 1.0) are the scales of rotated K.
+  rotated K, so the KV scales (calibrated or 1.0) are the scales of rotated K. A checkpoint's
+  own scales were chosen for unrotated K, so by default a checkpoint that has them is not
+  rotated (``--kv-cache-hadamard`` still asks for it).
 - ``D`` is a power of two from 2 to 512 (the Triton kernel's butterflies), and RoPE covers
   the whole head (the models here always do).
 """
@@ -52,13 +54,15 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return ((x.float() @ hadamard_signs(d, x.device)) * d ** -0.5).to(x.dtype)
 
 
-def resolve_kv_cache_hadamard(flag: bool | None, kv_cache_dtype: str, head_dim: int) -> bool:
+def resolve_kv_cache_hadamard(flag: bool | None, kv_cache_dtype: str, head_dim: int,
+                              checkpoint_kv_scales: bool = False) -> bool:
     """``--kv-cache-hadamard``'s value: None (the default) turns it on for an FP8 cache when
-    the head allows it; True is refused (naming the flag) when it does not. Any cache dtype
-    takes it (with a 16-bit or float32 cache it only reorders rounding)."""
+    the head allows it and the checkpoint has no KV scales of its own (those were chosen for
+    unrotated K); True is refused (naming the flag) when the head does not allow it. Any
+    cache dtype takes it (with a 16-bit or float32 cache it only reorders rounding)."""
     fits = 2 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
     if flag is None:
-        return fits and is_fp8(KV_CACHE_DTYPES[kv_cache_dtype])
+        return fits and is_fp8(KV_CACHE_DTYPES[kv_cache_dtype]) and not checkpoint_kv_scales
     if flag and not fits:
         raise ValueError(f"--kv-cache-hadamard needs a head dim that is a power of two from 2 "
                          f"to {MAX_HEAD_DIM}; this model's is {head_dim}: leave the flag out")

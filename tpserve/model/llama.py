@@ -24,6 +24,7 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
+from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
@@ -39,11 +40,6 @@ from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-# KV cache scales in checkpoints (vLLM / llm-compressor / AutoFP8 spellings): the name's
-# tail after the layer's ``self_attn`` -> which of the layer's ``kv_scale`` entries it sets
-KV_SCALE_NAMES = {"k_scale": (0,), "k_proj.k_scale": (0,), "k_proj.output_scale": (0,),
-                  "v_scale": (1,), "v_proj.v_scale": (1,), "v_proj.output_scale": (1,),
-                  "kv_scale": (0, 1)}
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED = {

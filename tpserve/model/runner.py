@@ -223,8 +223,12 @@ class ModelRunner:
         reads the scales once, at start-up."""
         if not is_fp8(self.kv_dtype):
             return ""
-        rotated = ("K Hadamard-rotated" if self.cfg.kv_cache_hadamard
-                   else "K not rotated (--kv-cache-hadamard)")
+        if self.cfg.kv_cache_hadamard:
+            rotated = "K Hadamard-rotated"
+        elif self.model.kv_scales_from_checkpoint:
+            rotated = "K not rotated: the checkpoint's scales are for unrotated K"
+        else:
+            rotated = "K not rotated (--kv-cache-hadamard)"
         scales = self.model.kv_scales()
         if self.model.kv_scales_from_checkpoint:
             how = "scales from the checkpoint"

@@ -142,7 +142,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "rotated K (attention scores are unchanged; FP8's rounding error is "
                         "spread over each head's channels: fp8 cache perplexity on SmolLM2 at "
                         "2,000 tokens +2.73%% -> +0.69%% on an H200); default: on with "
-                        "--kv-cache-dtype fp8 when the head dim is a power of two up to 512")
+                        "--kv-cache-dtype fp8 when the head dim is a power of two up to 512 "
+                        "and the checkpoint has no KV scales (chosen for unrotated K)")
     p.add_argument("--quantization", "-q", default="auto",
                    choices=list(QUANTIZATION_CHOICES),
                    help="weight quantization of the linear layers: auto (the checkpoint's "
@@ -306,7 +307,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=a.calculate_kv_scales,
         kv_cache_hadamard=resolve_kv_cache_hadamard(a.kv_cache_hadamard, kv_cache_dtype,
-                                                    ckpt.config.head_dim),
+                                                    ckpt.config.head_dim, ckpt.kv_scales),
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,

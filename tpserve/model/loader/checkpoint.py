@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tpserve.model.config import ModelConfig
+from tpserve.model.kv_cache_dtype import is_kv_scale_name
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.progress import LoadProgress
 from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
@@ -41,6 +42,9 @@ class Checkpoint(Protocol):
     # how its linear weights are stored: None = in a float dtype (GGUF blocks are
     # dequantized on load; dummy weights are random floats)
     quantization: CheckpointQuantization | None
+    # whether it carries KV cache scale tensors (``kv_cache_dtype.KV_SCALE_NAMES``), read
+    # from the tensor names when it is opened (no weights)
+    kv_scales: bool
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None: ...
 
@@ -115,6 +119,7 @@ class SafetensorsCheckpoint:
         for f in self.files:
             if not f.is_file():
                 raise FileNotFoundError(f"{f} is named in the index but missing")
+        self.kv_scales = any(is_kv_scale_name(n) for n in _tensor_names(self.files))
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
         from safetensors import safe_open
@@ -131,6 +136,15 @@ class SafetensorsCheckpoint:
 
     def tokenizer(self) -> Any:
         return folder_tokenizer(self.folder)
+
+
+def _tensor_names(files: list[Path]) -> Iterator[str]:
+    """Every tensor name of the safetensors ``files`` (their headers only)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            yield from h.keys()
 
 
 class _SafetensorsSource:
@@ -157,6 +171,7 @@ class GGUFCheckpoint:
         self.description = path.name
         self.reader = gguf_file.open_reader(path)
         self.quantization = None
+        self.kv_scales = False  # GGUF has no KV cache scales
         self.config = gguf_file.read_config(self.reader, path)
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
@@ -178,6 +193,7 @@ class DummyCheckpoint:
         self.folder = folder
         self.seed = seed
         self.quantization = None  # random floats, whatever the folder's config says
+        self.kv_scales = False
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
         device = next(model.parameters()).device
