@@ -3,9 +3,9 @@ against the torch reference (``model/kv_hadamard``). On CPU under ``TRITON_INTER
 by ``test_triton_kernels``, imported first), on CUDA compiled.
 
 The kernel (butterflies) and the reference (a matrix product) round the same RoPE output and
-then sum the same ±1 products in another order, so q and k agree to the dtype's tolerance (``ATOL``); the cache is checked
-against the kernel's own rotated k exactly (bit for bit for FP8, as in
-``test_triton_fp8_kv``), and V bit for bit against the reference. Attention through the
+then sum the same ±1 products in another order, so q and k agree to the dtype's tolerance
+(``ATOL``); the cache is checked against the kernel's own rotated k exactly (bit for bit
+for FP8, as in ``test_triton_fp8_kv``), and V bit for bit against the reference. Attention through the
 Triton kernels over a rotated cache equals the reference's attention without the rotation."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.model import test_triton_kernels as tk
-from tests.model.test_triton_fp8_kv import _fp8_batch
+from tests.model.test_triton_fp8_kv import _bits, _fp8_batch
 from tests.model.test_triton_fp8_kv import _ref as fp8_ref
 from tests.model.test_triton_kernels import (
     DEVICE,
@@ -29,10 +29,6 @@ from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE
 from tpserve.model.kv_hadamard import hadamard_rotate
 
 triton = pytest.importorskip("triton")
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
