@@ -117,6 +117,8 @@ def parse_args() -> argparse.Namespace:
                    help="the server's flag of that name (default: the server's default)")
     p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's flag of that name (default: the server's default)")
+    p.add_argument("--overlap-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's --overlap-attention (default: the server's default)")
     p.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's flag of that name (default: the server's default)")
     p.add_argument("--calculate-kv-scales", action="store_true",
@@ -160,6 +162,8 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv += ["--fp8-fast-accum" if a.fp8_fast_accum else "--no-fp8-fast-accum"]
     if a.kv_cache_hadamard is not None:
         argv += ["--kv-cache-hadamard" if a.kv_cache_hadamard else "--no-kv-cache-hadamard"]
+    if a.overlap_attention is not None:
+        argv += ["--overlap-attention" if a.overlap_attention else "--no-overlap-attention"]
     if a.calculate_kv_scales:
         argv.append("--calculate-kv-scales")
     parser, _ = build_parser()
@@ -394,6 +398,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     pl = runner.plan
     core = EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
     R["engine"] = {"async_scheduling": core.async_scheduling,
+                   "overlap_attention": cfg.runner.overlap_attention,
                    "max_mixed_tokens": core.scheduler.config.max_mixed_tokens}
     mcfg = runner.model_config
     vocab = mcfg.vocab_size

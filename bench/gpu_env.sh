@@ -26,19 +26,20 @@ PY
 # engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
 # PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
 # fp8kv: --kv-cache-dtype fp8, both; -fast / -promoted: with --fp8-fast-accum / --no-...;
-# -nohad: with --no-kv-cache-hadamard),
+# -nohad: with --no-kv-cache-hadamard; any of them + -noovl: with --no-overlap-attention),
 # into DIR/engine-MODE.*
 engine_mode() {
   local dir=$1 mode=$2 sha=$3 prof=${4:-400} flags=()
-  case $mode in
-    fp8w) flags=(--quantization fp8) ;;
-    fp8kv) flags=(--kv-cache-dtype fp8) ;;
-    both) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
-    fp8w-fast) flags=(--quantization fp8 --fp8-fast-accum) ;;
-    both-fast) flags=(--quantization fp8 --kv-cache-dtype fp8 --fp8-fast-accum) ;;
-    both-promoted) flags=(--quantization fp8 --kv-cache-dtype fp8 --no-fp8-fast-accum) ;;
-    both-nohad) flags=(--quantization fp8 --kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
-    fp8kv-nohad) flags=(--kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
+  [[ $mode == *-noovl ]] && flags+=(--no-overlap-attention)
+  case ${mode%-noovl} in
+    fp8w) flags+=(--quantization fp8) ;;
+    fp8kv) flags+=(--kv-cache-dtype fp8) ;;
+    both) flags+=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    fp8w-fast) flags+=(--quantization fp8 --fp8-fast-accum) ;;
+    both-fast) flags+=(--quantization fp8 --kv-cache-dtype fp8 --fp8-fast-accum) ;;
+    both-promoted) flags+=(--quantization fp8 --kv-cache-dtype fp8 --no-fp8-fast-accum) ;;
+    both-nohad) flags+=(--quantization fp8 --kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
+    fp8kv-nohad) flags+=(--kv-cache-dtype fp8 --no-kv-cache-hadamard) ;;
   esac
   [ "$prof" -gt 0 ] && flags+=(--profile-serving "$prof")
   timeout 200 python3 bench/bench_engine.py --serving-only \

@@ -157,9 +157,11 @@ def test_sequence_parallel_buckets_are_multiples_of_tp(tiny_llama):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
-def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap):
     """On a GPU: the same steps (a prefill, mixed steps with a pending token filled in on
-    the device, pure decodes) through captured graphs and through the eager forward."""
+    the device, pure decodes) through captured graphs and through the eager forward; with
+    ``overlap`` the captured runner runs decode beside prefill attention on two streams."""
     from dataclasses import replace
 
     from tpserve.model.plan import StepLimits
@@ -173,7 +175,8 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype):
                        kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
     limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
                         block_size=16)
-    runners = [ModelRunner(cfg, limits, TPGroup(0, 1, dev, None)),
+    runners = [ModelRunner(replace(cfg, overlap_attention=overlap), limits,
+                           TPGroup(0, 1, dev, None)),
                ModelRunner(replace(cfg, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
     assert runners[0].graphs is not None and runners[1].graphs is None
     a, b, c = list(range(5, 45)), list(range(100, 107)), list(range(200, 300))

@@ -277,18 +277,20 @@ def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype,
         _close(out, _ref(q, kc, v_cache, meta, scale), dtype)
 
 
-def test_decode_padding_sequence_gives_zeros(mods):
-    """A zero-length (CUDA-graph padding) decode slot must not produce NaN."""
+def test_decode_padding_sequence_writes_nothing(mods):
+    """A zero-length (CUDA-graph padding) decode slot leaves its output row as it was: in a
+    mixed step that row is a prefill token's, which the prefill kernel may be writing at
+    the same time (``--overlap-attention``)."""
     gen = torch.Generator().manual_seed(6)
     meta, k_cache, v_cache = _make_batch([(9, 1)], 16, 1, 64, torch.float16, gen)
     seq_lens = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
     tables = torch.cat([meta.block_tables, meta.block_tables])
     q = _randn(2, 4, 64, dtype=torch.float16, gen=gen)
     for splits in (1, 2):
-        out = torch.full_like(q, float("nan"))
+        out = torch.full_like(q, 3.25)
         mods["triton_decode_attention"].decode_attention(
             q, k_cache, v_cache, tables, seq_lens, 0.125, out, splits)
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(out[1], torch.full_like(out[1], 3.25))
         _close(out[:1], _ref(q[:1], k_cache, v_cache, meta, 0.125),
                torch.float16)
 
@@ -348,12 +350,10 @@ def test_prefill_small_tiles(mods, dtype):
     _close(out, _ref(q, k_cache, v_cache, meta, 0.125), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_paged_attention_with_graph_padding(attn, dtype, group):
-    """The launch shapes a mixed-step CUDA graph fixes: more decode slots than decodes,
-    padding tokens after the real ones, padding sequences, and -1 tiles. The real rows
-    must equal the reference; padding changes nothing else (the cache is read-only)."""
+def _graph_padded_step(dtype: torch.dtype, group: int):
+    """A mixed step in the launch shapes a mixed-step CUDA graph fixes (more decode slots
+    than decodes, padding tokens after the real ones, padding sequences, -1 tiles): its q,
+    caches and padded metadata, the reference output of its real rows and their count."""
     gen = torch.Generator().manual_seed(10)
     hkv, page, d = 2, 16, 64
     real = [(4, 1), (39, 1), (20, 33), (0, 70), (0, 1)]  # 2 decodes, 3 prefills
@@ -379,10 +379,48 @@ def test_paged_attention_with_graph_padding(attn, dtype, group):
         max_query_len=tokens, max_seq_len=512,
         prefill_tiles=torch.tensor(tiles, dtype=torch.int32, device=DEVICE),
         decode_slots=slots_n, decode_seq_lens=dlens)
+    return qp, k_cache, v_cache, padded, want, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_attention_with_graph_padding(attn, dtype, group):
+    """The launch shapes a mixed-step CUDA graph fixes: the real rows must equal the
+    reference; padding changes nothing else (the cache is read-only)."""
+    qp, k_cache, v_cache, padded, want, n = _graph_padded_step(dtype, group)
     kc, vc = k_cache.clone(), v_cache.clone()
-    got = attn.paged_attention(qp, k_cache, v_cache, padded, d ** -0.5)
+    got = attn.paged_attention(qp, k_cache, v_cache, padded, qp.shape[-1] ** -0.5)
     _close(got[:n], want, dtype)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA streams: GPU only")
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_attention_on_two_streams_equals_one(attn, group):
+    """``--overlap-attention``: decode attention on a side stream beside prefill attention
+    gives the one-stream result bit for bit, run eagerly and replayed from a CUDA graph
+    (the fork and the join captured as graph edges), over many replays."""
+    qp, k_cache, v_cache, padded, want, n = _graph_padded_step(torch.bfloat16, group)
+    scale = qp.shape[-1] ** -0.5
+    one = attn.paged_attention(qp, k_cache, v_cache, padded, scale)
+    side = torch.cuda.Stream(DEVICE)
+    two = attn.paged_attention(qp, k_cache, v_cache, padded, scale, side_stream=side)
+    assert torch.equal(two[:n], one[:n])
+    _close(two[:n], want, torch.bfloat16)
+    static_out = torch.empty_like(qp)
+    graph = torch.cuda.CUDAGraph()
+    warm = torch.cuda.Stream(DEVICE)
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        attn.paged_attention(qp, k_cache, v_cache, padded, scale, side_stream=side)
+    torch.cuda.current_stream().wait_stream(warm)
+    with torch.cuda.graph(graph):
+        static_out.copy_(attn.paged_attention(qp, k_cache, v_cache, padded, scale,
+                                              side_stream=side))
+    for _ in range(20):
+        static_out.zero_()
+        graph.replay()
+        assert torch.equal(static_out[:n], one[:n])
 
 
 def test_end_to_end_rope_write_then_attend(mods, attn):

@@ -44,6 +44,7 @@ class RunnerConfig:
     quantization: str = "none"
     fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     fp8_fast_accum: bool = DEFAULT_FAST_ACCUM  # --fp8-fast-accum: _scaled_mm's fp8 sums
+    overlap_attention: bool = False  # --overlap-attention: decode beside prefill (Triton, CUDA)
     memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
     nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
 

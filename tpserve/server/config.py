@@ -162,6 +162,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --quantization fp8: cuBLAS's FP8 products (steps of more than "
                         "64 tokens) keep the tensor cores' own running sums (default; "
                         "~7 %% faster GEMMs); --no-fp8-fast-accum promotes them into float32")
+    p.add_argument("--overlap-attention", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="Triton kernels on CUDA: in a step with both decodes and prefill, run "
+                        "decode attention on a second CUDA stream beside prefill attention "
+                        "(one memory-bound and one compute-bound kernel share the GPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -315,7 +320,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         quantization=resolve_quantization(a.quantization, ckpt.quantization),
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
-        fp8_fast_accum=a.fp8_fast_accum,
+        fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
         memory_history=a.memory_history, nvtx=a.nvtx)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens

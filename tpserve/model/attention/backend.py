@@ -52,9 +52,11 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False):
+    def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
+                 overlap: bool = False):
         self.kv_cache_dtype = kv_cache_dtype
         self.k_hadamard = k_hadamard
+        self.overlap = overlap  # decode and prefill attention at once, where it can
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         """Rank 0, host: what the kernels need beyond the common plan for a step whose
@@ -94,11 +96,12 @@ class AttentionBackend(ABC):
         returns ``[T, Hq, D]``."""
 
 
-def select_attention(backend: str, kv_cache_dtype: torch.dtype, k_hadamard: bool = False
-                     ) -> AttentionBackend:
-    """The back-end of a resolved name (``torch`` or ``triton``)."""
+def select_attention(backend: str, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
+                     overlap: bool = False) -> AttentionBackend:
+    """The back-end of a resolved name (``torch`` or ``triton``); ``overlap``
+    (``--overlap-attention``) is the Triton back-end's, which the torch one ignores."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention back-end {backend!r}; choose one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     module = importlib.import_module(ATTENTION_BACKENDS[backend])
-    return module.BACKEND(kv_cache_dtype, k_hadamard)
+    return module.BACKEND(kv_cache_dtype, k_hadamard, overlap)

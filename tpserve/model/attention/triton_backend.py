@@ -9,6 +9,7 @@ their modules, so a test that re-imports them for Triton's interpreter needs no 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -45,8 +46,8 @@ class TritonMetadata(AttentionMetadata):
 
     - ``decode_slots`` (host int, >= ``num_decodes``): the decode kernel runs over the first
       ``decode_slots`` token rows with context lengths ``decode_seq_lens`` ([decode_slots],
-      0 past ``num_decodes``); a slot of length 0 writes zeros into its row, which the
-      prefill kernel, launched after it, overwrites where the row is a prefill token.
+      0 past ``num_decodes``); a slot of length 0 writes nothing, so its row, a prefill
+      token's in a mixed step, is the prefill kernel's alone (the two may run at once).
     - ``prefill_tiles`` (int32): the prefill kernel's work list (``prefill_tiles()``),
       padded with -1 entries that do nothing. ``None`` means "build it from
       ``query_start_loc``" (one host sync; tests and tools only).
@@ -81,32 +82,46 @@ class TritonMetadata(AttentionMetadata):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None,
+                    side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
     context (any cache dtype; rounded to q's dtype as it is read; an FP8 cache is scaled
     by ``kv_scale``, read on the device).
 
     The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
-    rows go to the split-K decode kernel, then the prefill kernel works through
-    ``meta.prefill_tiles`` (and overwrites any prefill row a padding decode slot zeroed).
-    Both launch shapes come from host ints and tensor sizes only, so any step is CUDA-graph
-    capturable once its buffers are static. Rows no tile or slot covers (padding tokens)
-    are left unwritten.
+    rows go to the split-K decode kernel (a padding slot, of length 0, writes nothing), the
+    prefill kernel works through ``meta.prefill_tiles``; the two write disjoint rows. With
+    ``side_stream`` (CUDA) and both kinds of work in the step, the decode kernel runs on
+    that stream, forked from and joined back into the current one, so it can share the
+    GPU with the prefill kernel (a memory-bound and a compute-bound kernel); its scratch
+    is allocated on the current stream before the fork. Both launch shapes come from host
+    ints and tensor sizes only, so any step is CUDA-graph capturable once its buffers are
+    static (a capture records the fork and join as graph edges). Rows no tile or slot
+    covers (padding tokens) are left unwritten.
     """
     out = torch.empty_like(q)
     slots = meta.num_decode_slots
+    prefill = meta.num_seqs > meta.num_decodes
+    fork = side_stream is not None and slots > 0 and prefill
     if slots:
         dec = triton_decode_attention
         splits = dec.default_num_splits(k_cache.dtype, slots, k_cache.shape[2],
                                         meta.max_seq_len)
-        dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
-                             meta.decode_lens(), scale, out[:slots], splits,
-                             kv_scale=kv_scale)
-    if meta.num_seqs > meta.num_decodes:
+        partials = (dec.split_partials(slots, q.shape[1], splits, q.shape[2], q.device)
+                    if splits > 1 else None)
+        main = torch.cuda.current_stream(q.device) if fork else None
+        if fork:
+            side_stream.wait_stream(main)
+        with torch.cuda.stream(side_stream) if fork else contextlib.nullcontext():
+            dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
+                                 meta.decode_lens(), scale, out[:slots], splits,
+                                 kv_scale=kv_scale, partials=partials)
+    if prefill:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.tiles(), scale, out, kv_scale=kv_scale)
+    if fork:
+        main.wait_stream(side_stream)
     return out
 
 
@@ -142,9 +157,27 @@ class TritonGraphState(GraphAttentionState):
 
 class TritonAttention(AttentionBackend):
     """Differences from the torch reference, all within rounding: RoPE rotates ``q`` in
-    place; attention rounds probabilities to the input dtype before the P.V matmul."""
+    place; attention rounds probabilities to the input dtype before the P.V matmul.
+
+    With ``overlap`` (``--overlap-attention``), a CUDA step with both decodes and prefill
+    runs decode attention on a second stream of this back-end's (one per device, made at
+    the first such step, which is an eager one: the runner's warm-up precedes capture)."""
 
     name = "triton"
+
+    def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
+                 overlap: bool = False):
+        super().__init__(kv_cache_dtype, k_hadamard, overlap)
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream decode attention runs on beside prefill attention (None: off CUDA or
+        without ``overlap``)."""
+        if not self.overlap or device.type != "cuda":
+            return None
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         return prefill_tiles(query_lens[num_decodes:], num_decodes)
@@ -171,7 +204,8 @@ class TritonAttention(AttentionBackend):
                 kv_scale=None) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
             meta = self.metadata(meta)
-        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale,
+                               self.side_stream(q.device))
 
 
 BACKEND = TritonAttention

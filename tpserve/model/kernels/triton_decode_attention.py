@@ -33,7 +33,8 @@ a transposing ``ldmatrix``, and the kernel needs ~45 fewer registers per thread.
 
 CUDA graphs: the launch grid depends only on host ints (``B``, ``Hkv``, the split count) and
 sequence lengths are read on the device, so one capture is valid for any lengths; a sequence
-of length 0 (batch padding) yields zeros, never NaN.
+of length 0 (batch padding) writes nothing to ``out`` (so its rows may belong to work another
+kernel does at the same time: a mixed step's prefill tokens, see ``paged_attention``).
 """
 
 from __future__ import annotations
@@ -208,10 +209,11 @@ def _decode_split_kernel(
 
     if KV_FP8 and not SCALE_V:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1:  # a slot of length 0 (CUDA-graph padding) writes nothing
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+                 o.to(out_ptr.dtype.element_ty),
+                 mask=(offs_g < tl.where(seq_len > 0, GROUP, 0))[:, None])
     else:
         row = (seq * (GROUP * NUM_KV_HEADS) + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + row, m_i, mask=g_mask)
@@ -222,12 +224,13 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, seq_lens_ptr,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
     rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_max_ptr + rows)
     l_s = tl.load(part_sum_ptr + rows)
@@ -238,7 +241,8 @@ def _decode_reduce_kernel(
     w = tl.exp2(m - m_max)
     total = tl.sum(w * l_s, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < tl.where(seq_len > 0, HEAD_DIM, 0))
 
 
 def default_launch(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int) -> DecodeLaunch:
@@ -276,6 +280,17 @@ def default_num_splits(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, launch.target_programs)
 
 
+def split_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scratch of a split launch (float32): each split's unnormalised output
+    ``[B, Hq, splits, D]``, its running maximum and its sum ``[B, Hq, splits]``."""
+    part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=device)
+    part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
+                           device=device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
@@ -284,6 +299,7 @@ def decode_attention(
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -294,7 +310,10 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``maxnreg``: see ``DecodeLaunch``.
+    ``lazy_rescale``, ``maxnreg``: see ``DecodeLaunch``. ``partials``: the split scratch
+    (``split_partials``) when the caller allocated it, e.g. before running this on another
+    stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
+    they were.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -323,11 +342,10 @@ def decode_attention(
     if num_splits == 1:
         part_out = part_max = part_sum = out  # unused by the single-split variant
     else:
-        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim,
-                               dtype=torch.float32, device=q.device)
-        part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-        part_sum = torch.empty_like(part_max)
+        if partials is None:
+            partials = split_partials(batch, num_q_heads, num_splits, head_dim, q.device)
+        part_out, part_max, part_sum = partials
+        assert part_out.shape == (batch, num_q_heads, num_splits, head_dim), part_out.shape
     grid = (num_kv_heads, batch) if heads_first else (batch, num_kv_heads)
     _decode_split_kernel[(*grid, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
@@ -345,7 +363,7 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
+            part_out, part_max, part_sum, out, seq_lens, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
         )
     return out
