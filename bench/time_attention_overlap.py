@@ -30,6 +30,8 @@ from tpserve.model.attention.triton_backend import (  # noqa: E402
     paged_attention,
     prefill_tiles,
 )
+from tpserve.model.kernels import triton_decode_attention as dec  # noqa: E402
+from tpserve.model.kernels import triton_prefill_attention as pre  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SLOTS, BUCKET = 64, 512  # the engine's mixed-step graph: decode (and sequence) slots, tokens
@@ -112,15 +114,74 @@ def time_case(name: str, num_dec: int, prefills: list[tuple[int, int]], dtype: t
     return row
 
 
+def forked(q, kc, vc, meta: TritonMetadata, scale: float, kv_scale, side: torch.cuda.Stream,
+           split_div: int, prefill_first: bool) -> torch.Tensor:
+    """``paged_attention``'s overlapped path with two tuning knobs (``--sweep``): the
+    decode split count divided by ``split_div`` (fewer one-warp programs, so prefill
+    programs find room on the SMs), and which kernel is launched first."""
+    out = torch.empty_like(q)
+    splits = max(1, dec.default_num_splits(kc.dtype, SLOTS, HKV, meta.max_seq_len)
+                 // split_div)
+    partials = dec.split_partials(SLOTS, HQ, splits, D, q.device) if splits > 1 else None
+    main = torch.cuda.current_stream(q.device)
+
+    def prefill():
+        pre.prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, meta.tiles(), scale, out,
+                              kv_scale=kv_scale)
+    if prefill_first:
+        prefill()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dec.decode_attention(q[:SLOTS], kc, vc, meta.block_tables[:SLOTS], meta.decode_lens(),
+                             scale, out[:SLOTS], splits, kv_scale=kv_scale, partials=partials)
+    if not prefill_first:
+        prefill()
+    main.wait_stream(side)
+    return out
+
+
+def sweep_case(name: str, num_dec: int, prefills: list[tuple[int, int]], dtype: torch.dtype,
+               sides: dict[str, torch.cuda.Stream]) -> dict:
+    """``time_case``'s sequential time against ``forked`` over its knobs and two side-stream
+    priorities; each variant checked against the sequential result."""
+    gen = torch.Generator().manual_seed(0)
+    q, kc, vc, kv_scale, meta, n_tok = build(num_dec, prefills, dtype, sides["normal"].device,
+                                             gen)
+    scale = D ** -0.5
+    row = {"case": name, "cache": str(dtype).removeprefix("torch."), "decodes": num_dec,
+           "sequential_us": round(time_graph(
+               lambda: paged_attention(q, kc, vc, meta, scale, kv_scale)), 2)}
+    want = paged_attention(q, kc, vc, meta, scale, kv_scale)[:n_tok]
+    for prio, side in sides.items():
+        for split_div in (1, 2, 4):
+            for first in (False, True):
+                def fn(side=side, split_div=split_div, first=first):
+                    return forked(q, kc, vc, meta, scale, kv_scale, side, split_div, first)
+                key = f"{prio}_div{split_div}_{'prefill' if first else 'decode'}_first"
+                got = fn()[:n_tok]
+                torch.cuda.synchronize()
+                row[key] = {"us": round(time_graph(fn), 2),
+                            "max_abs_diff": float((got.float() - want.float()).abs().max())}
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--sweep", action="store_true",
+                   help="instead: forked()'s knobs (decode splits, launch order, priority)")
     a = p.parse_args()
-    side = torch.cuda.Stream(torch.device("cuda"))
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream(dev)
     rows = []
     for name, (num_dec, prefills) in CASES.items():
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            rows.append(time_case(name, num_dec, prefills, dtype, side))
+            if a.sweep:
+                sides = {"normal": side, "high": torch.cuda.Stream(dev, priority=-1)}
+                rows.append(sweep_case(name, num_dec, prefills, dtype, sides))
+            else:
+                rows.append(time_case(name, num_dec, prefills, dtype, side))
             print(rows[-1], flush=True)
     write_rows(a.out, rows)
 

@@ -15,8 +15,9 @@ from tpserve.server.config import config_from_args
 
 def test_the_flag_resolves_on_by_default():
     parser, _ = build_parser()
-    assert config_from_args(parser.parse_args(["serve"])).runner.overlap_attention is True
-    off = config_from_args(parser.parse_args(["serve", "--no-overlap-attention"]))
+    dummy = ["serve", "smollm2-135m", "--load-format", "dummy"]  # no embedded model needed
+    assert config_from_args(parser.parse_args(dummy)).runner.overlap_attention is True
+    off = config_from_args(parser.parse_args([*dummy, "--no-overlap-attention"]))
     assert off.runner.overlap_attention is False
     assert RunnerConfig().overlap_attention is False  # a bare (CPU) runner's default
 
