@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Decode attention beside prefill attention (--overlap-attention) on the GPU machine. Carry .whl.
 #   bash bench/run_overlap.sh OUT SHA [PART...]   parts: tests timing sweep engine engine2
-#   (default: tests timing engine)
+#   profile (default: tests timing engine)
 # tests: the attention and CUDA-graph tests (Triton compiled, against the torch reference;
 # two streams against one, eager and in graphs); timing: bench/time_attention_overlap.py;
 # sweep: the same with --sweep (decode splits, launch order, stream priority);
 # engine: bench_engine.py --serving-only, fp8 weights + KV, overlap on / off;
-# engine2: the same pair again, then bf16 on / off (the lease's drift shows in the pairs).
+# engine2: the same pair again, then bf16 on / off (the lease's drift shows in the pairs);
+# profile: fp8 weights + KV and bf16 at the defaults, 400 serving steps profiled.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests timing engine" "${@:3}"
@@ -45,6 +46,12 @@ if has engine2; then
   for mode in both-noovl both bf16 bf16-noovl; do
     step "engine, $mode"
     engine_mode "$out" "$mode" "$sha" 0
+  done
+fi
+if has profile; then
+  for mode in both bf16; do
+    step "engine, $mode, profiled"
+    engine_mode "$out" "$mode" "$sha" 400
   done
 fi
 round_pack
