@@ -45,7 +45,7 @@ bitmask, sampling, the copy of the samples to the host). Nothing outside the eng
 bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
 placeholders, cached blocks) runs only after it, so a step that runs out of memory anywhere
 inside it is dropped whole and its sequences simply compute those tokens again; see
-``_recover_from_oom`` for the rest and ``OomHold`` for the budget that follows.
+``oom_recovery`` for the rest (tp 1 only) and ``OomHold`` for the budget that follows.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.memory_monitor import MemoryMonitor
+from tpserve.server.engine.oom_recovery import recover_from_oom
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
@@ -310,7 +311,7 @@ class EngineCore:
         Nothing of the engine's own state changes in here except reading back the previous
         step (structured rows), which is valid whether or not this step survives."""
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
-        recoverable = self.runner.comm.world_size == 1  # see _recover_from_oom
+        recoverable = self.runner.comm.world_size == 1  # see oom_recovery
         marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
         try:
             ranges = self.runner.ranges
@@ -401,33 +402,10 @@ class EngineCore:
                 state.observe_times(self.histograms)
 
     def _recover_from_oom(self, failed_tokens: int) -> None:
-        """After a step of ``failed_tokens`` tokens ran out of device memory at tp 1
-        (``_launch`` returned None). The step is dropped whole: ``scheduler.update`` never
-        ran for it, so no sequence advanced, got a placeholder or cached a block from it;
-        the blocks it allocated stay with their sequences and are written again by the step
-        that computes those tokens. The previous step (launched before, complete on the
-        stream) is read back, so no placeholder is left and no later step reads the
-        runner's sampled buffer, which the failed step may have overwritten: the next
-        store_sampled refills it before any step names it again. Then the newest half of the
-        running sequences is preempted (their blocks return to the pool), the allocator's
-        cache is released, and the budget is held (``OomHold``) until readings show room.
-
-        At tp > 1 ``_launch`` re-raises instead and the engine fails: rank 0 may have run out
-        of memory partway through the forward, after its workers entered collectives it
-        will never issue, so the ranks are no longer in step and cannot be recovered in
-        place. (A failure in sampling, after every collective, would be; it is not
-        distinguished yet.)"""
+        """Reads back the previous step, then ``oom_recovery.recover_from_oom``."""
         self._finish_inflight()
-        victims = self.scheduler.preempt_newest(0.5)
-        self.counters["num_preemptions_total"] += len(victims)
-        self.counters["oom_recoveries_total"] += 1
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()
-        b = self.budget
-        b.after_oom(failed_tokens)
-        logger.warning("a step of %d tokens ran out of device memory: preempted %d "
-                       "sequences; token budget %d until free memory reaches %d bytes "
-                       "(now %d)", failed_tokens, len(victims), b.budget, b.hold.room, b.free)
+        recover_from_oom(self.scheduler, self.budget, self.runner.device, self.counters,
+                         failed_tokens)
 
     def _advance(self, seq: Sequence, row: int, result) -> CompletionDelta | None:
         """Detokenizes the sequence's new token, applies the stop rules (``stop_rules``)
