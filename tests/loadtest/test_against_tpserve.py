@@ -13,8 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.serverproc import SMALL, ServerProcess, wait_healthy
-from tpserve.parallel.state import find_free_port
+from tests.server.serverproc import SMALL, ServerProcess, new_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -53,7 +52,7 @@ def test_the_image_entrypoint_serves_health():
     text = (ROOT / "Dockerfile").read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
-    port = find_free_port()
+    port = new_port()
     argv = entry + [str(port) if a == "8000" else a for a in cmd]
     assert argv[:2] == ["tpserve", "serve"] and "--host" in argv
     argv[0] = shutil.which("tpserve")

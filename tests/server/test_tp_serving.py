@@ -19,9 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess, stopped_on_exit, wait_healthy
+from tests.server.serverproc import SMALL, ServerProcess, new_port, stopped_on_exit, wait_healthy
 from tpserve.model.fault import FAULT_ENV
-from tpserve.parallel.state import find_free_port
 
 SMOL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
@@ -203,8 +202,8 @@ class TorchrunNodes:
     over c10d on loopback. Both get the same --port; only rank 0 serves HTTP."""
 
     def __init__(self, folder: str, logs: Path, timeout: float = 240):
-        endpoint = f"127.0.0.1:{find_free_port()}"
-        self.port = find_free_port()
+        endpoint = f"127.0.0.1:{new_port()}"
+        self.port = new_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
