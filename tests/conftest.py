@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
-reference; the tiny Llama's checkpoint folder."""
+reference; the tiny Llama's checkpoint folder; servers of one configuration that several
+modules use."""
 
 from __future__ import annotations
 
@@ -42,3 +43,25 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+# ------------------------------------------------------------------------ shared servers
+# Each is started once per session (once per xdist worker), without waiting: a module that
+# starts servers of its own starts them all before it waits for the first (see
+# tests/server/serverproc.ServerProcess), so users call ``wait_until_healthy()``. Every
+# user only sends requests and asserts on its own answers, or on metrics as differences,
+# and leaves the server idle, so no test sees another's. Stopped (exit 0 asserted) at the
+# end of the session.
+def _shared_server(*args: str):
+    from tests.server.serverproc import SMALL, ServerProcess
+
+    s = ServerProcess(*SMALL, *args, wait=False)
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="session")
+def small_server_tp2():
+    """SMALL at --tensor-parallel-size 2 (engine process): test_engine_query's queries
+    across the engine process pipe and test_memory_server's per-rank report and metrics."""
+    yield from _shared_server("--tensor-parallel-size", "2")
