@@ -61,6 +61,12 @@ def _shared_server(*args: str):
 
 
 @pytest.fixture(scope="session")
+def small_server_8_seqs():
+    """SMALL with --max-num-seqs 8: test_batching and test_tools_server's plain server."""
+    yield from _shared_server("--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="session")
 def small_server_tp2():
     """SMALL at --tensor-parallel-size 2 (engine process): test_engine_query's queries
     across the engine process pipe and test_memory_server's per-rank report and metrics."""
