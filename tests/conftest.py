@@ -61,6 +61,12 @@ def _shared_server(*args: str):
 
 
 @pytest.fixture(scope="session")
+def small_server():
+    """SMALL alone: test_tp_serving's tp 1 reference and test_against_tpserve's load test."""
+    yield from _shared_server()
+
+
+@pytest.fixture(scope="session")
 def small_server_8_seqs():
     """SMALL with --max-num-seqs 8: test_batching and test_tools_server's plain server."""
     yield from _shared_server("--max-num-seqs", "8")

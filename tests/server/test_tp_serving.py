@@ -74,24 +74,23 @@ def _assert_same_tiny_answers(got, want) -> None:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def smol_servers():
+def smol_servers(small_server):
     """The module's SmolLM2 servers at tp 1 and tp 3 (both layouts), started together (see
-    ServerProcess); the fixtures below wait for theirs."""
+    ServerProcess); the fixtures below wait for theirs. tp 1 is the session's SMALL server
+    (tests/conftest.py), shared with test_against_tpserve: a load test of random prompts
+    that only reads its own answers."""
     with stopped_on_exit({
-        "tp1": ServerProcess(*SMALL, wait=False),
         "tp3": ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process",
                              wait=False),
         "tp3-engine-process": ServerProcess(*SMALL, "--tensor-parallel-size", "3",
                                             "--engine-process", wait=False),
     }) as started:
-        yield started
+        yield {"tp1": small_server, **started}
 
 
 @pytest.fixture(scope="module")
 def smol_tp1(smol_servers):
-    s = smol_servers["tp1"].wait_until_healthy()
-    yield s
-    assert s.stop() == 0
+    return smol_servers["tp1"].wait_until_healthy()
 
 
 @pytest.fixture(scope="module")
