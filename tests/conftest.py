@@ -1,13 +1,25 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
 reference; the tiny Llama's checkpoint folder; servers of one configuration that several
-modules use."""
+modules use. Torch's thread count under pytest-xdist."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from tpserve.model.loader.checkpoint import embedded_model_path
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets its share of the cores for torch's intra-op
+    threads: two workers of two threads each on two cores spend much of a parallel region
+    waiting for a thread the other worker holds (model tests ran up to 4 x slower). A run
+    without xdist keeps torch's default. Servers and spawned ranks set their own counts."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 @pytest.fixture(scope="session")
