@@ -1,12 +1,76 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
-reference; the tiny Llama's checkpoint folder."""
+reference; the tiny Llama's checkpoint folder; servers of one configuration that several
+modules use. And how pytest-xdist (the ``-n 2`` of pyproject's addopts) runs the suite."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from tpserve.model.loader.checkpoint import embedded_model_path
+
+# ------------------------------------------------------------------------------ xdist
+# Modules that share a session-scoped server (below) form one unit of work, so that one
+# worker runs them all and starts that server once.
+SHARED_SERVER_UNITS = {
+    "tests/loadtest/test_against_tpserve.py": "small_server",
+    "tests/server/test_tp_serving.py": "small_server",
+    "tests/server/test_batching.py": "small_server_8_seqs",
+    "tests/server/test_tools_server.py": "small_server_8_seqs",
+    "tests/server/test_engine_query.py": "small_server_tp2",
+    "tests/server/test_memory_server.py": "small_server_tp2",
+}
+# The longest units (45 s to 5 min each under -n 2 on two cores), longest first: handed
+# out before all others, so that the run does not end with one worker busy on one of them
+# while the other has nothing left to do. Speed only: a unit not listed just goes out later.
+LONG_UNITS = (
+    "small_server",  # test_tp_serving and test_against_tpserve
+    "tests/server/test_structured_server.py",
+    "tests/model/test_smollm2.py",
+    "small_server_tp2",  # test_engine_query and test_memory_server
+    "tests/server/test_soak.py",
+    "small_server_8_seqs",  # test_batching and test_tools_server
+    "tests/model/test_triton_fp8_kv.py",
+    "tests/server/test_resilience.py",
+    "tests/server/test_schemathesis.py",
+    "tests/model/test_triton_kernels.py",
+    "tests/server/test_server_e2e.py",
+    "tests/server/test_first_contact.py",
+)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets its share of the cores for torch's intra-op
+    threads: two workers of two threads each on two cores spend much of a parallel region
+    waiting for a thread the other worker holds (model tests ran up to 4 x slower). A run
+    without xdist keeps torch's default. Servers and spawned ranks set their own counts."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (one file is one unit of work, so a module's servers start once),
+    with SHARED_SERVER_UNITS' modules together and LONG_UNITS handed out first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_SERVER_UNITS.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            for unit in reversed(LONG_UNITS):  # LONG_UNITS[0] ends up first in the queue
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +106,37 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+# ------------------------------------------------------------------------ shared servers
+# Each is started once per session (its users are one xdist unit: SHARED_SERVER_UNITS),
+# without waiting: a module that starts servers of its own starts them all before it waits
+# for the first (see tests/server/serverproc.ServerProcess), so users call
+# ``wait_until_healthy()``. Every user only sends requests and asserts on its own answers,
+# or on metrics as differences, and leaves the server idle, so no test sees another's.
+# Stopped (exit 0 asserted) at the end of the session.
+def _shared_server(*args: str):
+    from tests.server.serverproc import SMALL, ServerProcess
+
+    s = ServerProcess(*SMALL, *args, wait=False)
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="session")
+def small_server():
+    """SMALL alone: test_tp_serving's tp 1 reference and test_against_tpserve's load test."""
+    yield from _shared_server()
+
+
+@pytest.fixture(scope="session")
+def small_server_8_seqs():
+    """SMALL with --max-num-seqs 8: test_batching and test_tools_server's plain server."""
+    yield from _shared_server("--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="session")
+def small_server_tp2():
+    """SMALL at --tensor-parallel-size 2 (engine process): test_engine_query's queries
+    across the engine process pipe and test_memory_server's per-rank report and metrics."""
+    yield from _shared_server("--tensor-parallel-size", "2")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.serverproc import SMALL, ServerProcess, wait_healthy
-from tpserve.parallel.state import find_free_port
+from tests.server.serverproc import new_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -23,37 +22,36 @@ KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_t
     for s in ("mean", "median", "std")] + ["p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"]
 
 
-def test_loadtest_against_tpserve_counts_what_the_server_counts(tmp_path):
-    server = ServerProcess(*SMALL)
-    try:
-        before = server.metric("generation_tokens_total")
-        result = tmp_path / "run.json"
-        out = subprocess.run(
-            [shutil.which("tpserve"), "loadtest", "--base-url", server.base,
-             "--num-prompts", "12", "--max-concurrency", "4", "--random-input-len", "32",
-             "--random-output-len", "8", "--ignore-eos", "--seed", "1", "--num-warmups", "0",
-             "--no-progress", "--result-file", str(result)],
-            capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stdout + out.stderr
-        doc = json.loads(result.read_text())
-        assert doc["completed"] == 12 and doc["failed"] == 0
-        assert doc["total_output_tokens"] == 12 * 8
-        assert server.metric("generation_tokens_total") - before == doc["total_output_tokens"]
-        assert doc["total_input_tokens"] == 12 * 32
-        for key in KEYS:
-            assert isinstance(doc[key], (int, float)), key
-        png = result.with_suffix(".png")
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert "Successful requests" in out.stdout
-    finally:
-        assert server.stop() == 0
+def test_loadtest_against_tpserve_counts_what_the_server_counts(tmp_path, small_server):
+    """Against the session's SMALL server (tests/conftest.py), shared with test_tp_serving:
+    the server's token count is compared as a difference."""
+    server = small_server.wait_until_healthy()
+    before = server.metric("generation_tokens_total")
+    result = tmp_path / "run.json"
+    out = subprocess.run(
+        [shutil.which("tpserve"), "loadtest", "--base-url", server.base,
+         "--num-prompts", "12", "--max-concurrency", "4", "--random-input-len", "32",
+         "--random-output-len", "8", "--ignore-eos", "--seed", "1", "--num-warmups", "0",
+         "--no-progress", "--result-file", str(result)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(result.read_text())
+    assert doc["completed"] == 12 and doc["failed"] == 0
+    assert doc["total_output_tokens"] == 12 * 8
+    assert server.metric("generation_tokens_total") - before == doc["total_output_tokens"]
+    assert doc["total_input_tokens"] == 12 * 32
+    for key in KEYS:
+        assert isinstance(doc[key], (int, float)), key
+    png = result.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Successful requests" in out.stdout
 
 
 def test_the_image_entrypoint_serves_health():
     text = (ROOT / "Dockerfile").read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
-    port = find_free_port()
+    port = new_port()
     argv = entry + [str(port) if a == "8000" else a for a in cmd]
     assert argv[:2] == ["tpserve", "serve"] and "--host" in argv
     argv[0] = shutil.which("tpserve")

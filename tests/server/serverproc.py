@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,14 +18,57 @@ import openai
 from tpserve.parallel.state import find_free_port
 
 _PORTS: set[int] = set()  # handed to servers of this test process, maybe not bound yet
+_LOWEST_PORT = 10000
+_RANDOM = random.Random()  # its own: a test that seeds ``random`` does not choose the port
+# The polls below (/health while a server starts, /metrics) go through one client that
+# keeps no connection open, as ``httpx.get`` does; but ``httpx.get`` builds a client, and
+# with it an SSL context (about 30 ms of CPU), for every call: polling /health every 50 ms
+# that way kept a third of a core busy while each server started.
+_HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
-def _new_port() -> int:
-    """A free port no earlier ServerProcess of this process was given: servers started
-    together bind only seconds later, so the OS could offer the same free port twice."""
+def _port_slice() -> range:
+    """This test process's ports: below the kernel's ephemeral range, one slice per
+    pytest-xdist worker. Empty where the ephemeral range cannot be read or leaves no room
+    below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (ephemeral - _LOWEST_PORT) // max(count, 1)
+    if width < 1000:
+        return range(0)
+    start = _LOWEST_PORT + index * width
+    return range(start, start + width)
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def new_port() -> int:
+    """A free port for a server this process starts, not handed out before by this process
+    (servers started together bind only seconds later, so the OS could offer the same free
+    port twice).
+
+    Drawn from below the kernel's ephemeral range where it can: a server binds its port
+    seconds after the port was chosen (imports, the model load), and meanwhile the kernel
+    hands ephemeral ports to every socket that binds port 0 or connects out (gloo's pairs
+    of a tp server, clients), in this process or in the other pytest-xdist worker. Each
+    xdist worker draws from its own slice, so two workers never pick the same port."""
+    ports = _port_slice()
     for _ in range(100):
-        port = find_free_port()
-        if port not in _PORTS:
+        port = _RANDOM.choice(ports) if ports else find_free_port()
+        if port not in _PORTS and (not ports or _is_free(port)):
             _PORTS.add(port)
             return port
     raise RuntimeError("no new free port")
@@ -39,7 +84,7 @@ def wait_healthy(base: str, exited: Callable[[], str | None], timeout: float) ->
         if gone is not None:
             raise RuntimeError(gone)
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
+            if _HTTP.get(base + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -58,7 +103,7 @@ class ServerProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 240,
                  log_level: str = "warning", wait: bool = True):
-        self.port = _new_port()
+        self.port = new_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._final_output: str | None = None
         cmd = [sys.executable, "-m", "tpserve.cli", "serve", *args,
@@ -104,7 +149,7 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         """Sum of every sample of ``tpserve:<name>`` in /metrics."""
-        text = httpx.get(self.base + "/metrics", timeout=10).text
+        text = _HTTP.get(self.base + "/metrics", timeout=10).text
         total, found = 0.0, False
         for line in text.splitlines():
             if line.startswith(f"tpserve:{name}") and not line.startswith("#"):

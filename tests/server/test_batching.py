@@ -13,17 +13,18 @@ import time
 import openai
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess
+from tests.server.serverproc import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a long story about a dragon who learns to cook."
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess(*SMALL, "--max-num-seqs", "8")
-    yield s
-    assert s.stop() == 0, s.output()
+def server(small_server_8_seqs):
+    """The session's SMALL server with --max-num-seqs 8 (tests/conftest.py), shared with
+    test_tools_server, whose requests all complete. The streams the tests here hang up
+    have left the engine by the end of the last test, which waits for that."""
+    return small_server_8_seqs.wait_until_healthy()
 
 
 @pytest.fixture(scope="module")

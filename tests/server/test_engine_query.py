@@ -50,20 +50,19 @@ def _snapshot_cli(base: str, path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_queries_cross_the_engine_process_pipe_at_tp2(tmp_path):
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "2")
-    try:
-        before = httpx.get(s.base + "/memory", timeout=10).json()
-        t0 = time.time()
-        fresh, snap = _ask_together(s.base, {})
-        bad = httpx.get(s.base + "/memory?fresh=maybe", timeout=10)
-        cli = _snapshot_cli(s.base, tmp_path / "snap.pickle")
-        # the engine still serves after the queries
-        r = s.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
-                                          max_tokens=2, temperature=0)
-        assert r.usage.completion_tokens == 2
-    finally:
-        assert s.stop() == 0
+def test_queries_cross_the_engine_process_pipe_at_tp2(tmp_path, small_server_tp2):
+    """On the session's SMALL server at tp 2 (tests/conftest.py), shared with
+    test_memory_server: rank gathers are compared with the count before the queries."""
+    s = small_server_tp2.wait_until_healthy()
+    before = httpx.get(s.base + "/memory", timeout=10).json()
+    t0 = time.time()
+    fresh, snap = _ask_together(s.base, {})
+    bad = httpx.get(s.base + "/memory?fresh=maybe", timeout=10)
+    cli = _snapshot_cli(s.base, tmp_path / "snap.pickle")
+    # the engine still serves after the queries
+    r = s.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
+                                      max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
     _check_refusal(snap)
     reports = [f.json() for f in fresh]
     assert all(f.status_code == 200 for f in fresh)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tpserve.parallel.state import find_free_port
+from tests.server.serverproc import new_port
 from tpserve.server.config import config_from_args
 from tpserve.server.exposure import exposure_warning, is_loopback_host
 
@@ -46,7 +46,7 @@ def test_an_empty_api_key_variable_means_no_key(monkeypatch):
 
 
 def test_serving_on_all_interfaces_without_a_key_logs_a_warning():
-    port = find_free_port()
+    port = new_port()
     env = {k: v for k, v in os.environ.items() if k != "TPSERVE_API_KEY"}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(

@@ -27,19 +27,19 @@ def _samples(text: str, name: str) -> dict[tuple[str, ...], float]:
     return out
 
 
-def test_memory_report_and_metrics_per_rank_at_tp2(tmp_path):
-    s = ServerProcess(*SMALL, "--tensor-parallel-size", "2")
-    try:
-        s.client().completions.create(model=SMOL, prompt="The capital of France is",
-                                      max_tokens=4, temperature=0)
-        report = httpx.get(s.base + "/memory", timeout=10).json()
-        metrics = httpx.get(s.base + "/metrics", timeout=10).text
-        png = tmp_path / "memory.png"
-        cli = subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url",
-                              s.base, "--png", str(png)], capture_output=True, text=True,
-                             timeout=120)
-    finally:
-        assert s.stop() == 0
+def test_memory_report_and_metrics_per_rank_at_tp2(tmp_path, small_server_tp2):
+    """On the session's SMALL server at tp 2 (tests/conftest.py), shared with
+    test_engine_query, whose memory queries and completion change none of the figures
+    asserted here."""
+    s = small_server_tp2.wait_until_healthy()
+    s.client().completions.create(model=SMOL, prompt="The capital of France is",
+                                  max_tokens=4, temperature=0)
+    report = httpx.get(s.base + "/memory", timeout=10).json()
+    metrics = httpx.get(s.base + "/metrics", timeout=10).text
+    png = tmp_path / "memory.png"
+    cli = subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url",
+                          s.base, "--png", str(png)], capture_output=True, text=True,
+                         timeout=120)
     assert cli.returncode == 0, cli.stderr
     table = cli.stdout.splitlines()
     assert table[:2] == ["memory on cpu (tp 2), GiB",

@@ -30,25 +30,24 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def servers():
-    """The module's servers, started together (see ServerProcess): the plain one, one with
-    ``--enable-auto-tool-choice --tool-call-parser hermes``, and one with the flag but not
-    the parser (which must refuse to start)."""
+def servers(small_server_8_seqs):
+    """The module's servers, started together (see ServerProcess): the plain one (the
+    session's SMALL server with --max-num-seqs 8, shared with test_batching: the requests
+    here only read their own answers), one with ``--enable-auto-tool-choice
+    --tool-call-parser hermes``, and one with the flag but not the parser (which must refuse
+    to start)."""
     with stopped_on_exit({
-        "plain": ServerProcess(*SMALL, "--max-num-seqs", "8", wait=False),
         "auto": ServerProcess(*SMALL, "--enable-auto-tool-choice", "--tool-call-parser",
                               "hermes", wait=False),
         "no-parser": ServerProcess(*SMALL, "--enable-auto-tool-choice", timeout=60,
                                    wait=False),
     }) as started:
-        yield started
+        yield {"plain": small_server_8_seqs, **started}
 
 
 @pytest.fixture(scope="module")
 def server(servers):
-    s = servers["plain"].wait_until_healthy()
-    yield s
-    assert s.stop() == 0, s.output()
+    return servers["plain"].wait_until_healthy()
 
 
 @pytest.fixture(scope="module")

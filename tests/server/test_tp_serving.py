@@ -19,9 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess, stopped_on_exit, wait_healthy
+from tests.server.serverproc import SMALL, ServerProcess, new_port, stopped_on_exit, wait_healthy
 from tpserve.model.fault import FAULT_ENV
-from tpserve.parallel.state import find_free_port
 
 SMOL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
@@ -75,24 +74,23 @@ def _assert_same_tiny_answers(got, want) -> None:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def smol_servers():
+def smol_servers(small_server):
     """The module's SmolLM2 servers at tp 1 and tp 3 (both layouts), started together (see
-    ServerProcess); the fixtures below wait for theirs."""
+    ServerProcess); the fixtures below wait for theirs. tp 1 is the session's SMALL server
+    (tests/conftest.py), shared with test_against_tpserve: a load test of random prompts
+    that only reads its own answers."""
     with stopped_on_exit({
-        "tp1": ServerProcess(*SMALL, wait=False),
         "tp3": ServerProcess(*SMALL, "--tensor-parallel-size", "3", "--no-engine-process",
                              wait=False),
         "tp3-engine-process": ServerProcess(*SMALL, "--tensor-parallel-size", "3",
                                             "--engine-process", wait=False),
     }) as started:
-        yield started
+        yield {"tp1": small_server, **started}
 
 
 @pytest.fixture(scope="module")
 def smol_tp1(smol_servers):
-    s = smol_servers["tp1"].wait_until_healthy()
-    yield s
-    assert s.stop() == 0
+    return smol_servers["tp1"].wait_until_healthy()
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +201,8 @@ class TorchrunNodes:
     over c10d on loopback. Both get the same --port; only rank 0 serves HTTP."""
 
     def __init__(self, folder: str, logs: Path, timeout: float = 240):
-        endpoint = f"127.0.0.1:{find_free_port()}"
-        self.port = find_free_port()
+        endpoint = f"127.0.0.1:{new_port()}"
+        self.port = new_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
