@@ -9,7 +9,6 @@ their modules, so a test that re-imports them for Triton's interpreter needs no 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -103,16 +102,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     slots = meta.num_decode_slots
     prefill = meta.num_seqs > meta.num_decodes
     fork = side_stream is not None and slots > 0 and prefill
+    main = torch.cuda.current_stream(q.device) if fork else None
     if slots:
         dec = triton_decode_attention
         splits = dec.default_num_splits(k_cache.dtype, slots, k_cache.shape[2],
                                         meta.max_seq_len)
         partials = (dec.split_partials(slots, q.shape[1], splits, q.shape[2], q.device)
                     if splits > 1 else None)
-        main = torch.cuda.current_stream(q.device) if fork else None
         if fork:
             side_stream.wait_stream(main)
-        with torch.cuda.stream(side_stream) if fork else contextlib.nullcontext():
+        with torch.cuda.stream(side_stream if fork else None):  # None: no switch
             dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                                  meta.decode_lens(), scale, out[:slots], splits,
                                  kv_scale=kv_scale, partials=partials)
