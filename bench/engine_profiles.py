@@ -48,6 +48,33 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+GAP_BOUNDS_US = (2.0, 5.0, 20.0, 100.0)  # idle stretches by length: kernel boundaries ... host waits
+
+
+def busy_and_gaps(kernels) -> tuple[float, dict[str, float]]:
+    """The union of the kernels' time ranges (us; kernels on two streams overlap) and the
+    idle time between them, summed by the length of each idle stretch (``GAP_BOUNDS_US``:
+    the short ones are kernel boundaries inside a graph replay, the long ones the GPU
+    waiting for the host)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    names = [f"<{b:g}us" for b in GAP_BOUNDS_US] + [f">={GAP_BOUNDS_US[-1]:g}us"]
+    gaps = dict.fromkeys(names, 0.0)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            if end is not None:
+                gap = a - end
+                i = next((i for i, bound in enumerate(GAP_BOUNDS_US) if gap < bound),
+                         len(GAP_BOUNDS_US))
+                gaps[names[i]] += gap
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy, gaps
+
+
 def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
                     device: torch.device, table_path: Path, window: int) -> dict[str, Any]:
     """The serving workload's steady state under torch.profiler (CUDA activity only): a
@@ -55,7 +82,8 @@ def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
     starting once the first requests have finished (by then admissions follow
     completions; the prefill bursts and decode stretches of the run alternate, so a
     window of a few hundred steps holds both). Reports per step: wall time, GPU kernel
-    time by category (``KERNEL_CATEGORIES``), the GPU's busy fraction (kernel time over
+    time by category (``KERNEL_CATEGORIES``), the GPU's busy time (the union of its
+    kernels) and idle time by stretch length (``busy_and_gaps``), the GPU's busy fraction (kernel time over
     wall time: the rest is the GPU waiting for the host), tokens and output tokens; and
     writes the top kernels to ``table_path``."""
     prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(3 * a.concurrency)]
@@ -98,12 +126,15 @@ def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
         by_cat[cat] = by_cat.get(cat, 0.0) + e.time_range.elapsed_us()
     gpu_us = sum(by_cat.values())
     wall = mark["wall"]
+    busy_us, gaps = busy_and_gaps(kernels)
     res = {"first_step": start, "steps": window,
            "wall_ms_per_step": round(wall / window * 1e3, 3),
            "gpu_kernel_ms_per_step": round(gpu_us / window / 1e3, 3),
            "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3) if device.type == "cuda"
            else None,
            "kernels_per_step": round(len(kernels) / window, 1),
+           "gpu_busy_ms_per_step": round(busy_us / window / 1e3, 3),
+           "idle_ms_per_step_by_gap": {k: round(v / window / 1e3, 3) for k, v in gaps.items()},
            "output_tokens_per_step": round(mark["gen"] / window, 2),
            "output_tok_per_s": round(mark["gen"] / wall, 1),
            "step_tokens": mark["tokens"],
