@@ -226,6 +226,58 @@ def test_w8a8_refuses_tile_counters_it_cannot_use(kern):
             kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32, cfg, tile_counters=bad)
 
 
+def test_fp8_layers_reduce_their_split_in_the_gemm_through_their_counters(
+        kern, reduce_calls):
+    """A column-parallel layer under ``Fp8LinearMethod`` (Triton, FP8 products) gets its
+    own zeroed tile counters at load; at M = 40 (W8A8, split 2 over K = 1024) its forward,
+    from activations or from an ``Fp8Activation``, runs the one-kernel path, equals the
+    two-kernel one bit for bit and the reference W8A8 product to the kernel's bound, and
+    leaves the counters at zero. A layer of an FP8 checkpoint gets counters of its own;
+    the torch method none."""
+    from tpserve.model.quant.fp8 import Fp8Activation, Fp8LinearMethod, reference_w8a8
+    from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
+    from tpserve.parallel.comm import Communicator
+    from tpserve.parallel.linear import ColumnParallelLinear
+    from tpserve.parallel.state import TPGroup
+
+    comm = Communicator(TPGroup(0, 1, DEVICE, None))
+    g = torch.Generator().manual_seed(14)
+    w = torch.randn(48, 1024, generator=g) / 32
+    layers = {}
+    for name, cls, backend in (("torch", Fp8LinearMethod, "torch"),
+                               ("triton", Fp8LinearMethod, "triton"),
+                               ("checkpoint", Fp8CheckpointMethod, "triton")):
+        method = cls(backend, weight_only_max_tokens=8, scaled_mm=True)
+        layer = ColumnParallelLinear(1024, 48, comm, dtype=torch.float32,
+                                     quant_method=method)
+        if cls is Fp8CheckpointMethod:  # the codes and scales the triton layer holds
+            layer.weight.data.copy_(layers["triton"].weight)
+            layer.weight_scale.data.copy_(layers["triton"].weight_scale)
+        else:
+            layer.weight.data.copy_(w)
+        layer.process_weights_after_loading()
+        layers[name] = layer.to(DEVICE)
+    assert layers["torch"].w8a8_tile_counters is None
+    layer = layers["triton"]
+    counters = layer.w8a8_tile_counters
+    assert counters.device.type == DEVICE.type and counters.dtype == torch.int32
+    assert counters.numel() == 1 and not counters.any()  # one 64 x 128 tile up to M = 64
+    x = torch.randn(40, 1024, generator=g).to(DEVICE)
+    xq, xs = quantize_per_row(x)
+    wq, ws = layer.weight, layer.weight_scale
+    two = kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32)
+    assert reduce_calls == [2]
+    checkpoint = layers["checkpoint"]
+    assert checkpoint.w8a8_tile_counters.data_ptr() != counters.data_ptr()
+    for y in (layer(x), layer(Fp8Activation(xq, xs, torch.float32)), checkpoint(x)):
+        assert torch.equal(y, two)
+        assert not counters.any() and not checkpoint.w8a8_tile_counters.any()
+    assert reduce_calls == [2]  # the layers' calls ran no reduce kernel
+    want = reference_w8a8(x, wq, ws, None)
+    mag = F.linear((xq.float() * xs).abs(), (wq.float() * ws[:, None]).abs())
+    assert ((two - want).abs() <= (1028 * 2**-24 + MMA_ROUNDING) * mag + 1e-30).all()
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.get_device_capability() < (8, 9),
                     reason="the compiled kernel's fp8 products and the GPU's memory ordering: "
                            "GPU only (compute capability >= 8.9)")
