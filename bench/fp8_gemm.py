@@ -220,8 +220,8 @@ def main() -> None:
                         "mm_only": (mm_only, b8), "mm_fast": (mm_fast, b8),
                         "mm_swapped": (mm_swapped, b8),
                         "w8a8": (w8a8(None), b8),
-                        "w8a8_fixup": (w8a8(None, triton_w8a8.tile_counters(m, n, k, dev)),
-                                       b8)}
+                        "w8a8_fixup": (w8a8(None, triton_w8a8.make_tile_counters(m, n, k,
+                                                                                 dev)), b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)
             extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])

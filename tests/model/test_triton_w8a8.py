@@ -199,7 +199,7 @@ def test_w8a8_last_program_reduce_equals_the_reduce_kernel_bit_for_bit(
     counters are all zero after every call, and a second call on them gives the same."""
     xq, xs, wq, ws = _operands(m, n, k, 11)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    counters = kern.tile_counters(m, n, k, DEVICE, config)
+    counters = kern.make_tile_counters(m, n, k, DEVICE, config)
     cfg = kern.WoConfig.parse(config) if config else kern.w8a8_blocks(m, n, k)
     assert counters.dtype == torch.int32 and counters.numel() == (
         triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
@@ -220,7 +220,7 @@ def test_w8a8_refuses_tile_counters_it_cannot_use(kern):
     """Too few counters for the grid, or not int32: refused before the launch."""
     xq, xs, wq, ws = _operands(20, 72, 200, 13)
     cfg = "w8a8,16,16,32,3,4,1"
-    counters = kern.tile_counters(20, 72, 200, DEVICE, cfg)
+    counters = kern.make_tile_counters(20, 72, 200, DEVICE, cfg)
     for bad in (counters[:-1], counters.long()):
         with pytest.raises(AssertionError):
             kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32, cfg, tile_counters=bad)
@@ -296,7 +296,7 @@ def test_w8a8_last_program_reduce_on_the_gpu_equals_the_reduce_kernel(kern, redu
     xs_ = [quantize_per_row(torch.randn(64, k, device=DEVICE, generator=g)
                             * torch.logspace(-2, 1, 64, device=DEVICE)[:, None])
            for _ in range(20)]
-    counters = kern.tile_counters(64, n, k, DEVICE)
+    counters = kern.make_tile_counters(64, n, k, DEVICE)
     two = [kern.w8a8_linear(xq, xs, wq, ws, None, torch.bfloat16) for xq, xs in xs_]
     split = reduce_calls[0]
     one = [kern.w8a8_linear(xq, xs, wq, ws, None, torch.bfloat16, tile_counters=counters)

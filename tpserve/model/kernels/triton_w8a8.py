@@ -4,14 +4,14 @@
 Why not ``torch._scaled_mm`` everywhere: at decode-batch sizes (M = 33..64) cuBLAS picks
 tiles that leave most SMs idle on the Llama-3-8B shapes (the graph-timed sweep of
 f8ec81e: ``down`` [4096, 14336] at M = 64 took 43.7 us, 1.3 TB/s of its 58.7 MB, slower
-than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
-``split`` contiguous chunks, one program each, so every shape fills the GPU; each step is
-one ``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
-accumulator. The float32 partials of a split launch are summed in order either by a second
-kernel (``triton_fp8.reduce_splits``) or, given ``tile_counters``, inside this one: the
-last of a tile's programs to finish reduces it (``_last_program_reduces``; one launch
-fewer per GEMM, ~2 us each on the H200), with the same float32 operations in the same
-order, so both paths give the same bits.
+than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output
+``[BLOCK_M, BLOCK_N]`` and cuts K into ``split`` contiguous chunks, one program each, so
+every shape fills the GPU; each step is one ``tl.dot`` of fp8 tiles (FP8 tensor-core
+products on Hopper and Ada) into a float32 accumulator. The float32 partials of a split
+launch are summed in order either by a second kernel (``triton_fp8.reduce_splits``) or,
+given ``tile_counters``, inside this one: the last of a tile's programs to finish reduces
+it (``_last_program_reduces``; one launch fewer per GEMM, ~2 us each on the H200), with
+the same float32 operations in the same order, so both paths give the same bits.
 
 Numerics: the sum of exact e4m3 products, then the activation row's scale (in the
 program, so partials are already row-scaled), then the weight channel's scale and the bias
@@ -25,8 +25,8 @@ CUDA (the interpreter) the fp8 tiles are widened to float32 before the dot (exac
 the CPU tests run the same program.
 
 Launch: shapes alone choose it (``w8a8_blocks``); the partial buffer is a ``torch.empty``
-of a static size, the tile counters a buffer allocated once (``tile_counters``) that every
-launch leaves at zero; no host synchronisation: capturable in CUDA graphs.
+of a static size, the tile counters a buffer allocated once (``make_tile_counters``) that
+every launch leaves at zero; no host synchronisation: capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _launch_config(m: int, n: int, k: int, config: WoConfig | str | None) -> WoC
     return cfg
 
 
-def tile_counters(max_m: int, n: int, k: int, device: torch.device,
+def make_tile_counters(max_m: int, n: int, k: int, device: torch.device,
                   config: WoConfig | str | None = None) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile of the largest grid a ``w8a8_linear`` of
     ``[M <= max_m, K] x [N, K]`` launches (``config`` as there; the table's tiles do not
@@ -167,9 +167,9 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     ``[M, N]`` in ``out_dtype``. ``config`` (a ``WoConfig`` of kind "w8a8" or its string)
     overrides ``w8a8_blocks`` (benchmarks, tests).
 
-    ``tile_counters`` (int32, at least one per output tile: ``tile_counters()``): a split
-    launch reduces its partials in the GEMM kernel itself (the last program of each tile)
-    instead of a second kernel, bit for bit the same result. Invariants: the counters are
+    ``tile_counters`` (int32, at least one per output tile: ``make_tile_counters``): a
+    split launch reduces its partials in the GEMM kernel itself (the last program of each
+    tile) instead of a second kernel, bit for bit the same result. Invariants: the counters are
     all zero when the call is issued (every call leaves them so, CUDA-graph replays
     included), and no two calls that share them run at the same time (issue them on one
     stream: ``Fp8LinearMethod`` gives every layer its own)."""

@@ -251,7 +251,7 @@ class Fp8LinearMethod:
                 and self.w8a8_triton_max_tokens > self.weight_only_max_tokens):
             from tpserve.model.kernels import triton_w8a8
 
-            counters = triton_w8a8.tile_counters(self.w8a8_triton_max_tokens, n, k,
+            counters = triton_w8a8.make_tile_counters(self.w8a8_triton_max_tokens, n, k,
                                                  layer.weight.device)
         layer.register_buffer("w8a8_tile_counters", counters, persistent=False)
 
