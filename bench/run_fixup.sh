@@ -28,7 +28,7 @@ PY
 }
 if has tests; then
   step "W8A8, fp8 kernel and graph tests"
-  timeout 240 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider tests/model/test_triton_w8a8.py \
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -n 0 tests/model/test_triton_w8a8.py \
     tests/model/test_fp8_kernels.py tests/model/test_cuda_graph_path.py \
     > "$out/gpu-tests.txt" 2>&1
   grep -E "passed|failed|SKIPPED|Error" "$out/gpu-tests.txt" | tail -8
