@@ -139,9 +139,6 @@ def main() -> None:
     ap.add_argument("--sweep-sets", nargs="+", default=["tiled", "gemv"],
                     choices=["tiled", "gemv", "w8a8"], help="which candidate lists --sweep times")
     ap.add_argument("--wo", nargs="*", default=[], help="extra weight-only launches to time")
-    ap.add_argument("--w8a8-fixup", nargs="*", default=[],
-                    help="extra Triton W8A8 launches (WoConfig strings, e.g. "
-                         "w8a8,64,128,128,4,4,4) timed with their split reduced in the GEMM")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--rotate-mib", type=int, default=256)
@@ -230,9 +227,6 @@ def main() -> None:
             extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])
             for spec in extra:
                 variants[f"wo[{spec}]"] = (wo(spec), b8)
-            for spec in a.w8a8_fixup:  # explicit launches, split reduced in the GEMM
-                variants[f"fixup[{spec}]"] = (w8a8(spec, triton_w8a8.make_tile_counters(
-                    m, n, k, dev, spec)), b8)
             if a.sweep and "w8a8" in a.sweep_sets and m in W8A8_M:
                 for spec in w8a8_candidates_for(m):
                     variants[f"w8a8[{spec}]"] = (w8a8(spec), b8)
