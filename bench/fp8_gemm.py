@@ -7,16 +7,12 @@ launch of ``CANDIDATES``; the W8A8 products of activations quantized beforehand 
 fused norm and gate kernels hand them over): ``torch._scaled_mm`` (``mm_only``; with
 ``use_fast_accum``, ``mm_fast``), the
 same with the operands swapped (``mm_swapped``: ``(W x^T)^T``, cuBLAS tiles the other
-way) and the Triton split-K kernel's table launch, its split reduced by a second kernel
-(``w8a8``) and by the last program of each tile through tile counters (``w8a8_fixup``, as
-``Fp8LinearMethod`` runs it; an unsplit launch, e.g. gate_up's at M <= 64 on an H200, is
-the same kernel both ways; ``equals_w8a8``: the two outputs bit for bit), and, with
-``--sweep-sets w8a8``, each of ``W8A8_CANDIDATES`` (at ``W8A8_M``). Timing: ``--calls``
-back-to-back calls captured in one CUDA graph, replayed ``--replays`` times between CUDA
-events; the median replay over the calls is the per-call time (no Python launch overhead,
-as in the server's decode graphs). The calls cycle over copies of the weight whose total
-is >= ``--rotate-mib`` (default 256 MiB, five times the H200's 50 MiB L2), so every call
-streams its weight from HBM as a decode step does.
+way) and the Triton split-K kernel's table launch (``w8a8``) and, with ``--sweep-sets
+w8a8``, each of ``W8A8_CANDIDATES`` (at ``W8A8_M``). Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
+replayed ``--replays`` times between CUDA events; the median replay over the calls is the
+per-call time (no Python launch overhead, as in the server's decode graphs). The calls cycle
+over copies of the weight whose total is >= ``--rotate-mib`` (default 256 MiB, five times
+the H200's 50 MiB L2), so every call streams its weight from HBM as a decode step does.
 GB/s: the variant's weight bytes (fp8 + float32 scales, or bf16) + activations in and out.
 
     python bench/fp8_gemm.py --out results/h200-DATE-fp8-gemm.json [--sweep]
@@ -207,21 +203,17 @@ def main() -> None:
                     wq_c[i % nc8], xq.t(), scale_a=ws1.view(-1, 1),
                     scale_b=xs.view(1, -1), out_dtype=torch.bfloat16).t().contiguous()
 
-            def w8a8(cfg, counters=None, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
-                # counters: one buffer for every call (the calls run one after another)
+            def w8a8(cfg, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
                 def call(j):
                     w = wq_c[j % nc8]
                     return lambda: triton_w8a8.w8a8_linear(xq, xs, w, ws1, None,
-                                                           torch.bfloat16, cfg,
-                                                           tile_counters=counters)
+                                                           torch.bfloat16, cfg)
                 return call
 
             variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8),
                         "mm_only": (mm_only, b8), "mm_fast": (mm_fast, b8),
                         "mm_swapped": (mm_swapped, b8),
-                        "w8a8": (w8a8(None), b8),
-                        "w8a8_fixup": (w8a8(None, triton_w8a8.make_tile_counters(m, n, k,
-                                                                                 dev)), b8)}
+                        "w8a8": (w8a8(None), b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)
             extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])
@@ -248,9 +240,6 @@ def main() -> None:
                     row[vname] = {"error": repr(exc)[:200]}
             if a.compile_only:
                 continue
-            if "us" in row["w8a8"] and "us" in row["w8a8_fixup"]:  # the same bits, or a bug
-                row["w8a8_fixup"]["equals_w8a8"] = torch.equal(
-                    variants["w8a8"][0](0)(), variants["w8a8_fixup"][0](0)())
             rows.append(row)
             print(json.dumps(row), flush=True)
         del w_c, wq_c
@@ -282,10 +271,8 @@ def print_table(rows: list[dict]) -> None:
         tail = f"{best[0]:8.1f} {r[best[1]]['gbps']:5.0f} {best[1]}" if best else ""
         print(f"{r['shape']:8} {r['m']:5} | {cell(r, 'bf16')} | {cell(r, 'fused_w8a8')} | "
               f"{cell(r, 'weight_only')} | {tail}")
-    # the decode crossover: per M, the four shapes' summed time of each path (w8a8:
-    # fused quant + _scaled_mm; triton / fixup: the Triton W8A8 kernel, split reduced by a
-    # second kernel / by the last program of each tile)
-    print("per-M sum over shapes (us): M  bf16  w8a8  weight_only  best_swept  triton  fixup")
+    # the decode crossover: per M, the four shapes' summed time of each path
+    print("per-M sum over shapes (us): M  bf16  w8a8  weight_only  best_swept")
     for m in sorted({r["m"] for r in rows}):
         rs = [r for r in rows if r["m"] == m]
 
@@ -296,7 +283,7 @@ def print_table(rows: list[dict]) -> None:
         best = sum(min([v["us"] for kk, v in r.items() if kk.startswith("wo[")
                         and isinstance(v, dict) and "us" in v] or [float("nan")]) for r in rs)
         print(f"  {m:5} {tot('bf16'):9.1f} {tot('fused_w8a8'):9.1f} {tot('weight_only'):9.1f} "
-              f"{best:9.1f} {tot('w8a8'):9.1f} {tot('w8a8_fixup'):9.1f}")
+              f"{best:9.1f}")
 
 
 if __name__ == "__main__":

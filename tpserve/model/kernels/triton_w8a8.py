@@ -4,14 +4,11 @@
 Why not ``torch._scaled_mm`` everywhere: at decode-batch sizes (M = 33..64) cuBLAS picks
 tiles that leave most SMs idle on the Llama-3-8B shapes (the graph-timed sweep of
 f8ec81e: ``down`` [4096, 14336] at M = 64 took 43.7 us, 1.3 TB/s of its 58.7 MB, slower
-than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output
-``[BLOCK_M, BLOCK_N]`` and cuts K into ``split`` contiguous chunks, one program each, so
-every shape fills the GPU; each step is one ``tl.dot`` of fp8 tiles (FP8 tensor-core
-products on Hopper and Ada) into a float32 accumulator. The float32 partials of a split
-launch are summed in order either by a second kernel (``triton_fp8.reduce_splits``) or,
-given ``tile_counters``, inside this one: the last of a tile's programs to finish reduces
-it (``_last_program_reduces``; one launch fewer per GEMM, ~2 us each on the H200), with
-the same float32 operations in the same order, so both paths give the same bits.
+than bf16's 35.7 us; this kernel: 23.3 us). This kernel tiles the output ``[BLOCK_M, BLOCK_N]`` and cuts K into
+``split`` contiguous chunks, one program each (float32 partials summed in order by
+``triton_fp8.reduce_splits``), so every shape fills the GPU; each step is one
+``tl.dot`` of fp8 tiles (FP8 tensor-core products on Hopper and Ada) into a float32
+accumulator.
 
 Numerics: the sum of exact e4m3 products, then the activation row's scale (in the
 program, so partials are already row-scaled), then the weight channel's scale and the bias
@@ -25,8 +22,7 @@ CUDA (the interpreter) the fp8 tiles are widened to float32 before the dot (exac
 the CPU tests run the same program.
 
 Launch: shapes alone choose it (``w8a8_blocks``); the partial buffer is a ``torch.empty``
-of a static size, the tile counters a buffer allocated once (``make_tile_counters``) that
-every launch leaves at zero; no host synchronisation: capturable in CUDA graphs.
+of a static size; no host synchronisation: capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -68,55 +64,15 @@ def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
 
 
 @triton.jit
-def _last_program_reduces(rm, rn, m_ok, n_ok, M, N, ws_ptr, b_ptr, y_ptr, p_ptr, c_ptr,
-                          stride_y, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    """Called by every program of a split launch after it stored its partial: it counts
-    itself in on its output tile's counter ``c[m * n_tiles + n]``, and the last of the
-    tile's ``split`` programs to arrive sums the tile's partials, ``_wo_reduce_kernel``'s
-    float32 operations in its order (``0 + p[0] + .. + p[split-1]``, ``* w_scale[n]``,
-    ``+ bias[n]``, one cast; with Triton's fp fusion the last two are one FMA in both
-    kernels alike), writes y and sets the counter back to zero.
-
-    Ordering (CUTLASS's split-K semaphore; Inductor's grid barrier): a CTA barrier, so
-    every thread's partial stores come before the one thread's atomic add, whose release
-    (gpu scope) publishes them; its acquire, then a barrier, come before the last
-    program's loads of the other programs' partials, which bypass L1 (``.cg``: L1 is not
-    coherent between SMs). A program's own partial is read back from memory too: using
-    the registers would let the compiler fuse the row-scale multiply into the first add
-    (an FMA), a different rounding."""
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    split = tl.num_programs(2)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    if arrived == split - 1:
-        ok = m_ok[:, None] & n_ok[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for s in range(split):
-            p = p_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
-            acc += tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
-        tl.store(c_ptr + tile, 0)
-
-
-@triton.jit
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, K_CHUNK,
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                  stride_x, stride_w, stride_y,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 FIXUP: tl.constexpr, WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
+                 WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
     the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
-    summed in the tensor cores before each float32 add. ``PARTIAL``: the row-scaled
-    float32 partial goes to ``p[s]``; with ``FIXUP`` the tile's last program then reduces
-    the partials into y (``_last_program_reduces``, counters at ``c_ptr``), without it
-    ``reduce_splits`` does."""
+    summed in the tensor cores before each float32 add."""
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -133,46 +89,15 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N,
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, ws_ptr, b_ptr, y_ptr, p_ptr, stride_y,
                  HAS_BIAS, PARTIAL)
-    if FIXUP:
-        _last_program_reduces(rm, rn, m_ok, n_ok, M, N, ws_ptr, b_ptr, y_ptr, p_ptr, c_ptr,
-                              stride_y, HAS_BIAS, BLOCK_M, BLOCK_N)
-
-
-def _launch_config(m: int, n: int, k: int, config: WoConfig | str | None) -> WoConfig:
-    cfg = w8a8_blocks(m, n, k) if config is None else config
-    if isinstance(cfg, str):
-        cfg = WoConfig.parse(cfg)
-    if cfg.kind != "w8a8":
-        raise ValueError(f"not a w8a8 launch: {cfg}")
-    return cfg
-
-
-def make_tile_counters(max_m: int, n: int, k: int, device: torch.device,
-                  config: WoConfig | str | None = None) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile of the largest grid a ``w8a8_linear`` of
-    ``[M <= max_m, K] x [N, K]`` launches (``config`` as there; the table's tiles do not
-    depend on M, so that is M = ``max_m``'s grid), for its ``tile_counters``. Allocate
-    once and keep: ``w8a8_linear`` leaves them at zero."""
-    cfg = _launch_config(max_m, n, k, config)
-    tiles = triton.cdiv(max_m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                 w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                config: WoConfig | str | None = None,
-                tile_counters: torch.Tensor | None = None) -> torch.Tensor:
+                config: WoConfig | str | None = None) -> torch.Tensor:
     """``xq [M, K]`` e4m3 with per-row ``x_scale [M, 1]`` float32 (``quantize_per_token``)
     times ``wq [N, K]`` e4m3 with per-channel ``w_scale [N]`` float32, plus ``bias [N]``:
     ``[M, N]`` in ``out_dtype``. ``config`` (a ``WoConfig`` of kind "w8a8" or its string)
-    overrides ``w8a8_blocks`` (benchmarks, tests).
-
-    ``tile_counters`` (int32, at least one per output tile: ``make_tile_counters``): a
-    split launch reduces its partials in the GEMM kernel itself (the last program of each
-    tile) instead of a second kernel, bit for bit the same result. Invariants: the counters are
-    all zero when the call is issued (every call leaves them so, CUDA-graph replays
-    included), and no two calls that share them run at the same time (issue them on one
-    stream: ``Fp8LinearMethod`` gives every layer its own)."""
+    overrides ``w8a8_blocks`` (benchmarks, tests)."""
     assert xq.dtype == FP8 and wq.dtype == FP8, (xq.dtype, wq.dtype)
     assert xq.dim() == 2 and xq.stride(-1) == 1 and wq.stride(-1) == 1
     m, k = xq.shape
@@ -180,23 +105,21 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    cfg = _launch_config(m, n, k, config)
+    cfg = w8a8_blocks(m, n, k) if config is None else config
+    if isinstance(cfg, str):
+        cfg = WoConfig.parse(cfg)
+    if cfg.kind != "w8a8":
+        raise ValueError(f"not a w8a8 launch: {cfg}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     split = cfg.split or one_wave_split(m_tiles * n_tiles, k, bk, _sm_count(xq.device))
     split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
-    fixup = split > 1 and tile_counters is not None
-    if fixup:
-        assert (tile_counters.dtype == torch.int32 and tile_counters.device == xq.device
-                and tile_counters.numel() >= m_tiles * n_tiles), (
-            tile_counters.dtype, tile_counters.device, tile_counters.shape, m_tiles * n_tiles)
     _w8a8_kernel[(m_tiles, n_tiles, split)](
         xq, x_scale.reshape(-1), wq, w_scale, bias if bias is not None else w_scale, y, part,
-        tile_counters if fixup else part, m, n, k, k_chunk, xq.stride(0), wq.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
-        FIXUP=fixup, WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
+        m, n, k, k_chunk, xq.stride(0), wq.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
+        WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not fixup:
-        reduce_splits(part, w_scale, bias, y, split)
+    reduce_splits(part, w_scale, bias, y, split)
     return y

@@ -7,9 +7,8 @@ at load, the product chosen by the step's (static) token count M.
   bytes of bf16).
 - larger M (prefill, mixed steps): W8A8. Activations are quantized per token, then the
   fp8 operands are multiplied with row-wise scales: by the Triton split-K kernel
-  (``kernels/triton_w8a8.py``; its split partials reduced in the same launch through the
-  layer's ``w8a8_tile_counters``) up to ``W8A8_TRITON_MAX_TOKENS``, where cuBLAS leaves
-  SMs idle, else by ``torch._scaled_mm``. The quantization is fused into the kernel that
+  (``kernels/triton_w8a8.py``) up to ``W8A8_TRITON_MAX_TOKENS``, where cuBLAS leaves SMs
+  idle, else by ``torch._scaled_mm``. The quantization is fused into the kernel that
   produces the activations where it can be (``takes_quantized_input``: the RMSNorm before
   qkv and gate/up, the SiLU gate before down; ``Fp8Activation`` carries the result), else
   it is one kernel of its own.
@@ -211,15 +210,7 @@ class Fp8LinearMethod:
     ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
     the weight-only kernel (a tiled GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
     ``_scaled_mm`` keeps the FP8 tensor cores' own running sums instead of promoting them
-    into float32 (``use_fast_accum``; the Triton kernels always promote).
-
-    ``process_weights`` gives each layer that can take the Triton W8A8 kernel its own
-    ``w8a8_tile_counters`` buffer (int32 zeros sized for its largest launch, else None),
-    allocated once at load, never per call (a CUDA graph would capture the memset). The
-    kernel's invariants (``triton_w8a8.w8a8_linear``: zero counters at each call, no two
-    calls on one buffer at once) hold because each call leaves them at zero and the
-    forward issues every GEMM on the current stream, in order (the decode-attention
-    overlap's second stream runs attention only)."""
+    into float32 (``use_fast_accum``; the Triton kernels always promote)."""
 
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
@@ -237,33 +228,14 @@ class Fp8LinearMethod:
         # the loaded weight is dropped here: the layer holds fp8 codes + float32 scales
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.add_tile_counters(layer)
-
-    def add_tile_counters(self, layer: nn.Module) -> None:
-        """Registers ``layer.w8a8_tile_counters`` (a buffer, not in the state dict, moved
-        with the layer): the Triton W8A8 kernel's zeroed tile counters for this layer's
-        ``[N, K]`` at up to ``w8a8_triton_max_tokens`` tokens, or None where this method
-        never launches that kernel for the layer (torch back-end, no FP8 products, a shape
-        ``matmul`` sends elsewhere)."""
-        counters = None
-        n, k = layer.weight.shape
-        if (self.backend == "triton" and self.scaled_mm and n % 16 == 0 and k % 16 == 0
-                and self.w8a8_triton_max_tokens > self.weight_only_max_tokens):
-            from tpserve.model.kernels import triton_w8a8
-
-            counters = triton_w8a8.make_tile_counters(self.w8a8_triton_max_tokens, n, k,
-                                                 layer.weight.device)
-        layer.register_buffer("w8a8_tile_counters", counters, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               bias: torch.Tensor | None) -> torch.Tensor:
-        counters = layer.w8a8_tile_counters
         if isinstance(x, Fp8Activation):  # quantized by its producer (2-D, W8A8 only)
-            return self.w8a8(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype,
-                             counters)
+            return self.w8a8(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        y = self.matmul(x2, layer.weight, layer.weight_scale, bias, counters)
+        y = self.matmul(x2, layer.weight, layer.weight_scale, bias)
         return y.reshape(*lead, y.shape[-1])
 
     def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
@@ -295,10 +267,8 @@ class Fp8LinearMethod:
         return None if y is None else y.reshape(*lead, y.shape[-1])
 
     def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, tile_counters: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """``x [M, K] -> [M, N]``; the path is chosen by the static M only
-        (``tile_counters``: see ``w8a8``)."""
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K] -> [M, N]``; the path is chosen by the static M only."""
         weight_only = x.shape[0] <= self.weight_only_max_tokens
         if self.backend == "torch":
             fn = reference_weight_only if weight_only else reference_w8a8
@@ -309,22 +279,19 @@ class Fp8LinearMethod:
         if weight_only or not self.scaled_mm or n % 16 or k % 16:
             return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
         xq, xs = triton_fp8.quantize_per_token(x)
-        return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype, tile_counters)
+        return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)
 
     def w8a8(self, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
-             w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-             tile_counters: torch.Tensor | None = None) -> torch.Tensor:
+             w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+             ) -> torch.Tensor:
         """Per-token quantized activations ``xq [M, K]`` (scales ``xs [M, 1]``) times the
         fp8 weight: the float32 reference on the torch back-end; the Triton split-K kernel
-        up to ``w8a8_triton_max_tokens``, ``torch._scaled_mm`` above (static M only).
-        ``tile_counters`` (the layer's ``w8a8_tile_counters``): the Triton kernel reduces
-        its K split in the same launch; None: in a second one (the same result)."""
+        up to ``w8a8_triton_max_tokens``, ``torch._scaled_mm`` above (static M only)."""
         if self.backend == "torch":
             return reference_quantized_product(xq, xs, wq, w_scale, bias, out_dtype)
         if xq.shape[0] <= self.w8a8_triton_max_tokens:
             from tpserve.model.kernels import triton_w8a8
 
-            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype,
-                                           tile_counters=tile_counters)
+            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
                                 bias=bias, out_dtype=out_dtype, use_fast_accum=self.fast_accum)

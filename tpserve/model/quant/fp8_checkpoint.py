@@ -67,8 +67,8 @@ def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8CheckpointMethod(Fp8LinearMethod):
     """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
-    (``create_weights``), checks them and adds the W8A8 tile counters
-    (``process_weights``); ``apply`` is ``Fp8LinearMethod``'s."""
+    (``create_weights``), checks them (``process_weights``); ``apply`` is
+    ``Fp8LinearMethod``'s."""
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -98,4 +98,3 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
             raise ValueError(f"{int(bad.sum())} of the {scale.numel()} output rows have no "
                              "weight_scale in the checkpoint (or a negative or non-finite "
                              "one)")
-        self.add_tile_counters(layer)
