@@ -81,17 +81,8 @@ R10_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", FP8_LAUNCH._replace(maxnreg=184)),
                 ("fp8", FP8_LAUNCH._replace(block_n=16, num_stages=4, maxnreg=120)),
                 ("fp8", FP8_LAUNCH._replace(block_n=16, num_stages=2, maxnreg=128)),
                 ("fp8", FP8_SMALL_LAUNCH)]
-# --sweep-set r14: the K and V tiles widened by moving bits (``bit_widen``) on the shipped
-# launches and two one-warp neighbours
-_BITS = FP8_LAUNCH._replace(bit_widen=True)
-R14_LAUNCHES = [("fp8", FP8_LAUNCH), ("fp8", _BITS), ("fp8", FP8_SMALL_LAUNCH),
-                ("fp8", FP8_SMALL_LAUNCH._replace(bit_widen=True)),
-                ("fp8", _BITS._replace(block_n=64)), ("fp8", _BITS._replace(block_n=16,
-                                                                          num_stages=4)),
-                ("fp8", _BITS._replace(block_n=64, num_warps=4, target_programs=264))]
 LAUNCH_SETS = {"r4": R4_LAUNCHES, "r5": R5_LAUNCHES, "r6": R6_LAUNCHES, "r7": R7_LAUNCHES,
-               "r8": R8_LAUNCHES, "r10": R10_LAUNCHES,
-               "r14": R14_LAUNCHES}
+               "r8": R8_LAUNCHES, "r10": R10_LAUNCHES}
 
 
 def time_launch(row: dict, name: str, fn, o: torch.Tensor, want: torch.Tensor,
@@ -115,7 +106,7 @@ def main() -> None:
     p.add_argument("--sweep-set", choices=["r3", *LAUNCH_SETS], default="r3",
                    help="with --sweep: r3 = FP8_LAUNCHES, r4 = R4_LAUNCHES (both caches), "
                         "r5 = R5_LAUNCHES, r6 = R6_LAUNCHES, r7 = R7_LAUNCHES, r8 = R8_LAUNCHES, "
-                        "r10 = R10_LAUNCHES, r14 = R14_LAUNCHES")
+                        "r10 = R10_LAUNCHES")
     p.add_argument("--split-factors", type=int, nargs="*", default=[],
                    help="with --sweep, also time each launch at the heuristic's split count "
                         "times these (powers of two, capped at MAX_SPLITS)")

@@ -170,40 +170,6 @@ def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits
     _close(out, _ref(q, k_cache, v_cache, meta, scale, kv_scale), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("launch", [
-    {"block_n": 32, "num_warps": 1}, {"block_n": 128, "num_warps": 4, "num_stages": 2},
-    {"late_widen": True}, {"swap_qk": True}])
-def test_decode_attention_widening_fp8_by_bits_changes_no_bit(kernels, dtype, launch):
-    """``bit_widen`` (K and V tiles widened to value / 256 by moving bits, the 256 put
-    back into the scores and the V scale) gives the same output bits as the conversion
-    instructions, over caches holding every finite e4m3 code (subnormals, zeros of both
-    signs, +-448), at 1 and 4 splits."""
-    mod = kernels["triton_decode_attention"]
-    gen = torch.Generator().manual_seed(8)
-    hkv, group, head_dim, page = 2, 4, 64, 16
-    kv_scale = _scales(0.05, 0.013)
-    lens = [1, 40, 130, 300]
-    meta, k_cache, v_cache = _fp8_batch([(n - 1, 1) for n in lens], page, hkv, head_dim, gen,
-                                        kv_scale)
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes, which the writer never stores
-    for cache in (k_cache, v_cache):  # every code, spread over the blocks the batch reads
-        flat = _bits(cache).view(-1)
-        flat[torch.randperm(flat.numel(), generator=gen)[:4 * codes.numel()]] = codes.repeat(4)
-    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
-    for splits in (1, 4):
-        outs = []
-        for bits in (False, True):
-            out = torch.full_like(q, float("nan"))
-            mod.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 head_dim ** -0.5, out, splits, kv_scale=kv_scale,
-                                 fp16_dot=True, scale_v=True, bit_widen=bits, **launch)
-            outs.append(out)
-        assert not outs[0].isnan().any()
-        assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,page,head_dim", [(1, 16, 64), (4, 8, 128)])
 def test_paged_attention_mixed_batch_over_fp8(backend, dtype, group, page, head_dim):

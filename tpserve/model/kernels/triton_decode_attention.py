@@ -70,10 +70,7 @@ class DecodeLaunch(NamedTuple):
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
     probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
     ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
-    an SM; ``None`` leaves the compiler's choice. ``bit_widen`` (with ``scale_v``): the e4m3
-    K and V tiles widen to fp16 by moving bits (``_e4m3_over_256``: value / 256, integer
-    ops instead of conversion instructions); the scores are multiplied by 256 in float32
-    and the V scale by 256 in fp16, both exact, so the result is the same bits."""
+    an SM; ``None`` leaves the compiler's choice."""
 
     block_n: int
     num_warps: int
@@ -86,7 +83,6 @@ class DecodeLaunch(NamedTuple):
     target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
     lazy_rescale: bool = False
     maxnreg: int | None = None
-    bit_widen: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -118,17 +114,6 @@ TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_split
 
 
 @triton.jit
-def _e4m3_over_256(x):
-    """e4m3 codes -> fp16 holding exactly value / 256, by moving bits (integer ops, no
-    conversion instruction): sign to bit 15, exponent and mantissa shifted up by 7, so an
-    e4m3 exponent e (bias 7) reads as fp16 exponent e (bias 15), 2**-8 of the value; the
-    subnormals (e = 0) land on fp16 subnormals of the same 2**-8. A NaN code (0x7F/0xFF,
-    which the cache writer never stores: it clamps to +-448) would read as +-480 / 256."""
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -141,7 +126,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, BIT_WIDEN: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -171,9 +156,6 @@ def _decode_split_kernel(
         io_dtype = tl.float16
         if SCALE_V:
             v_scale = tl.load(kv_scale_ptr + 1).to(tl.float16)
-        if BIT_WIDEN:  # K and V tiles widen to value / 256: the scores and V scale take 256
-            scale_log2 = 256.0
-            v_scale = (v_scale * 256.0).to(tl.float16)
     q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -190,16 +172,13 @@ def _decode_split_kernel(
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         if SWAP_QK:
-            kw = _e4m3_over_256(k) if BIT_WIDEN else k.to(io_dtype)
-            s = tl.trans(tl.dot(kw.to(DOT_DTYPE), tl.trans(q),
+            s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
                                 input_precision=DOT_PRECISION))
         else:
             if LATE_WIDEN:
-                kt = tl.trans(k)
-                kt = (_e4m3_over_256(kt) if BIT_WIDEN else kt.to(io_dtype)).to(DOT_DTYPE)
+                kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
             else:
-                kw = _e4m3_over_256(k) if BIT_WIDEN else k.to(io_dtype)
-                kt = tl.trans(kw.to(DOT_DTYPE))
+                kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
             s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
@@ -218,8 +197,7 @@ def _decode_split_kernel(
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         if SCALE_V:
-            vw = _e4m3_over_256(v) if BIT_WIDEN else v.to(tl.float16)
-            v = (vw * v_scale).to(DOT_DTYPE)
+            v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
         else:
             v = v.to(io_dtype).to(DOT_DTYPE)
         pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
@@ -321,7 +299,6 @@ def decode_attention(
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
-    bit_widen: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
@@ -352,11 +329,11 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
-             "maxnreg": maxnreg, "bit_widen": bit_widen}
+             "maxnreg": maxnreg}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy, maxnreg, bit_widen) = launch
+     lazy, maxnreg) = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -382,7 +359,6 @@ def decode_attention(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        BIT_WIDEN=bit_widen and scale_v and fp16_dot,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:
