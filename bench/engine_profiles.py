@@ -48,7 +48,8 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-GAP_BOUNDS_US = (2.0, 5.0, 20.0, 100.0)  # idle stretches by length: kernel boundaries ... host waits
+# idle stretches by length (us): kernel boundaries in a graph replay ... waits for the host
+GAP_BOUNDS_US = (2.0, 5.0, 20.0, 100.0)
 
 
 def busy_and_gaps(kernels) -> tuple[float, dict[str, float]]:
@@ -83,9 +84,9 @@ def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
     completions; the prefill bursts and decode stretches of the run alternate, so a
     window of a few hundred steps holds both). Reports per step: wall time, GPU kernel
     time by category (``KERNEL_CATEGORIES``), the GPU's busy time (the union of its
-    kernels) and idle time by stretch length (``busy_and_gaps``), the GPU's busy fraction (kernel time over
-    wall time: the rest is the GPU waiting for the host), tokens and output tokens; and
-    writes the top kernels to ``table_path``."""
+    kernels) and idle time by stretch length (``busy_and_gaps``), the GPU's busy fraction
+    (kernel time over wall time: the rest is the GPU waiting for the host), tokens and
+    output tokens; and writes the top kernels to ``table_path``."""
     prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(3 * a.concurrency)]
     sc = core.scheduler.config
     budget = sc.max_mixed_tokens or sc.max_num_batched_tokens

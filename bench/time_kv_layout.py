@@ -42,7 +42,8 @@ from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # 
 HQ, HKV, D = 32, 8, 128
 DECODE_SIZES = [(64, 1152), (32, 1152), (128, 2048), (16, 2048), (8, 1152), (1, 1024)]
 PREFILL_CASES = {"chunk_448_at_576": [(576, 448)], "chunks_4x113_at_1700": [(1700, 113)] * 4}
-# fp8-cache launch overrides timed on both layouts: (name, DecodeLaunch, split factor)
+# fp8-cache launch overrides timed on each layout: name -> DecodeLaunch (its split count
+# grows towards its target_programs, as decode_num_splits does)
 LAUNCHES = {
     "w1n32": FP8_LAUNCH,
     "w1n64": FP8_LAUNCH._replace(block_n=64),
