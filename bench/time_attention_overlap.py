@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import time_graph, write_rows  # noqa: E402
+from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.attention.triton_backend import (  # noqa: E402
     TritonMetadata,
@@ -59,15 +59,9 @@ def build(num_dec: int, prefills: list[tuple[int, int]], dtype: torch.dtype,
         kv_scale = torch.tensor([0.5, 0.25], dtype=torch.float32, device=dev)
     else:
         kc, vc, kv_scale = kc.to(dtype), vc.to(dtype), None
-    perm = torch.randperm(total, generator=gen).int()
-    width = max(nblk)
     num_seqs = len(seqs)
     assert num_seqs <= SLOTS
-    table = torch.zeros(SLOTS, width, dtype=torch.int32)
-    first = 0
-    for i, nb in enumerate(nblk):
-        table[i, :nb] = perm[first:first + nb]
-        first += nb
+    table = scattered_block_table(nblk, SLOTS, gen)
     qlens = [n for _, n in seqs]
     n_tok = sum(qlens)
     q = torch.randn(BUCKET, HQ, D, generator=gen).to(dev, torch.bfloat16)

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import time_graph, write_rows  # noqa: E402
+from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
@@ -35,6 +35,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
     decode_attention,
+    decode_num_splits,
     default_num_splits,
 )
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
@@ -42,8 +43,8 @@ from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # 
 HQ, HKV, D = 32, 8, 128
 DECODE_SIZES = [(64, 1152), (32, 1152), (128, 2048), (16, 2048), (8, 1152), (1, 1024)]
 PREFILL_CASES = {"chunk_448_at_576": [(576, 448)], "chunks_4x113_at_1700": [(1700, 113)] * 4}
-# fp8-cache launch overrides timed on each layout: name -> DecodeLaunch (its split count
-# grows towards its target_programs, as decode_num_splits does)
+# fp8-cache launch overrides timed on each layout: name -> DecodeLaunch (at
+# decode_num_splits towards its target_programs)
 LAUNCHES = {
     "w1n32": FP8_LAUNCH,
     "w1n64": FP8_LAUNCH._replace(block_n=64),
@@ -96,10 +97,7 @@ def decode_rows(dev, scale, pages: list[int], launches: list[str]) -> list[dict]
                         n = default_num_splits(k.dtype, batch, HKV, ctx)
                         knobs = {}
                     else:
-                        n = 1
-                        while n < 32 and batch * HKV * n < lc.target_programs \
-                                and ctx >= 2 * n * 128:
-                            n *= 2
+                        n = decode_num_splits(batch, HKV, ctx, lc.target_programs)
                         knobs = lc._asdict()
                         del knobs["target_programs"]
                     for kind in kinds:
@@ -137,11 +135,7 @@ def prefill_rows(dev, scale, pages: list[int]) -> list[dict]:
         tiles = torch.tensor(prefill_tiles(qlens, 0, 64), dtype=torch.int32, device=dev)
         for page in pages:
             nblk = [-(-n // page) for n in lens]
-            table = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
-            perm, first = torch.randperm(sum(nblk)).int(), 0
-            for i, nb in enumerate(nblk):
-                table[i, :nb] = perm[first:first + nb]
-                first += nb
+            table = scattered_block_table(nblk)
             meta = (table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev), qsl,
                     tiles, 0.088)
             caches = make_cache(sum(nblk), page, dev, scale)

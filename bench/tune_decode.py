@@ -43,6 +43,21 @@ def time_graph(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def scattered_block_table(nblk: list[int], rows: int | None = None,
+                          generator: torch.Generator | None = None) -> torch.Tensor:
+    """An int32 block table ``[rows, max(nblk)]`` (host; ``rows`` defaults to
+    ``len(nblk)``): sequence ``i`` owns ``nblk[i]`` blocks of one random permutation of
+    ``sum(nblk)`` blocks, in order; entries past a sequence's blocks and rows past
+    ``len(nblk)`` are 0."""
+    perm = torch.randperm(sum(nblk), generator=generator).int()
+    table = torch.zeros(len(nblk) if rows is None else rows, max(nblk), dtype=torch.int32)
+    first = 0
+    for i, nb in enumerate(nblk):
+        table[i, :nb] = perm[first:first + nb]
+        first += nb
+    return table
+
+
 def write_rows(path: str, rows: list[dict]) -> None:
     """The sweep's rows with the commit, device and versions they were measured with."""
     meta = {"git_commit": git_commit(None)[0], "device": torch.cuda.get_device_name(),

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import time_graph, write_rows  # noqa: E402  (bench/tune_decode.py)
+from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402  (bench/tune_decode.py)
 
 from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
@@ -44,15 +44,9 @@ def main() -> None:
     for name, seqs in CASES.items():
         lens = [c + n for c, n in seqs]
         nblk = [-(-n // page) for n in lens]
-        width = max(nblk)
         kc = torch.randn(sum(nblk), page, hkv, d, dtype=torch.bfloat16, device=dev)
         vc = torch.randn_like(kc)
-        perm = torch.randperm(sum(nblk)).int()
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        first = 0
-        for i, nb in enumerate(nblk):
-            table[i, :nb] = perm[first:first + nb]
-            first += nb
+        table = scattered_block_table(nblk)
         qlens = [n for _, n in seqs]
         qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
         q = torch.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=dev)
@@ -102,11 +96,7 @@ def fp8_sweep(path: str, block_m: bool = False) -> None:
         vc = torch.randn_like(kc)
         k8, v8 = quantize_kv(kc, scale8[0]), quantize_kv(vc, scale8[1])
         kc, vc = kc.bfloat16(), vc.bfloat16()
-        table = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
-        perm, first = torch.randperm(sum(nblk)).int(), 0
-        for i, nb in enumerate(nblk):
-            table[i, :nb] = perm[first:first + nb]
-            first += nb
+        table = scattered_block_table(nblk)
         qlens = [n for _, n in seqs]
         qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
         q = torch.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=dev)
