@@ -39,7 +39,8 @@ STRIDES = ["stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "str
 
 
 def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, scale_v: bool,
-                   splits: int, group: int = 4, num_kv_heads: int = 8, lazy: bool = False):
+                   splits: int, group: int = 4, num_kv_heads: int = 8, lazy: bool = False,
+                   bt_ahead: bool = False):
     """``_decode_split_kernel`` for a bf16 q over a bf16 or e4m3 cache (Llama-3-8B's heads)."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     types = ["*bf16", kv, kv, "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
@@ -50,7 +51,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "LAZY": lazy, "TAU": LAZY_TAU}
+             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead}
     sig |= {k: "constexpr" for k in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t not in ("constexpr", "fp32")}
@@ -73,6 +74,7 @@ def sass_report(cubin: bytes, top: int) -> dict:
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_.]+)", sass, re.M))
     regs = re.search(r"REG:(\d+)", usage)
     return {"registers": int(regs[1]) if regs else None, "opcodes": dict(ops.most_common(top)),
+            "sass": sass,
             "LDS.U8": ops.get("LDS.U8", 0), "BAR.SYNC": ops.get("BAR.SYNC.DEFER_BLOCKING", 0)}
 
 
@@ -84,16 +86,22 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=1)
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--lazy-rescale", action="store_true", help="DecodeLaunch.lazy_rescale")
+    p.add_argument("--bt-ahead", action="store_true", help="DecodeLaunch.bt_ahead")
+    p.add_argument("--dump", help="write the SASS here")
     a = p.parse_args()
     block_n, warps, stages = (int(v) for v in a.launch.split(","))
     c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits,
-                       lazy=a.lazy_rescale)
+                       lazy=a.lazy_rescale, bt_ahead=a.bt_ahead)
     rep = sass_report(c.asm["cubin"], a.top)
     print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
           f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "
           f"LDS.U8 {rep['LDS.U8']}, BAR.SYNC {rep['BAR.SYNC']}")
     for op, n in rep["opcodes"].items():
         print(f"  {n:6d} {op}")
+    waits = re.findall(r"(DEPBAR\.LE SB\d, 0x[0-9a-f]+)", rep["sass"])
+    print("  cp.async waits:", collections.Counter(waits).most_common())
+    if a.dump:
+        Path(a.dump).write_text(rep["sass"])
 
 
 if __name__ == "__main__":

@@ -70,7 +70,12 @@ class DecodeLaunch(NamedTuple):
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
     probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
     ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
-    an SM; ``None`` leaves the compiler's choice."""
+    an SM; ``None`` leaves the compiler's choice. ``bt_ahead`` loads a tile's block-table
+    entries one tile ahead (a loop-carried tensor) instead of in the tile's own iteration:
+    the K/V loads then no longer hang on a load of the same iteration, and Triton's
+    pipeliner keeps ``num_stages - 1`` tiles of them in flight instead of waiting for
+    every outstanding copy at the top of each iteration (``DEPBAR.LE SB0, 0x0`` in the
+    SASS without it; ``offline_sass.py``)."""
 
     block_n: int
     num_warps: int
@@ -83,6 +88,7 @@ class DecodeLaunch(NamedTuple):
     target_programs: int = 264  # ~2 programs of 4 warps per SM on a 132-SM H200 (measured)
     lazy_rescale: bool = False
     maxnreg: int | None = None
+    bt_ahead: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -126,7 +132,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -164,11 +170,22 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    if BT_AHEAD:  # the first tile's block-table entries, before the loop
+        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE,
+                           mask=start + offs_n < end, other=0).to(tl.int64)
+    else:
+        blk_next = offs_n.to(tl.int64)  # unused
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + offs_n
         valid = toks < end
-        blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         off = toks % PAGE_SIZE
+        if BT_AHEAD:  # this tile's entries came a tile ahead; the next tile's load now
+            blk = blk_next
+            ahead = toks + BLOCK_N
+            blk_next = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < end,
+                               other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         if SWAP_QK:
@@ -299,6 +316,7 @@ def decode_attention(
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
+    bt_ahead: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
@@ -310,7 +328,7 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``maxnreg``: see ``DecodeLaunch``. ``partials``: the split scratch
+    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the split scratch
     (``split_partials``) when the caller allocated it, e.g. before running this on another
     stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
     they were.
@@ -329,11 +347,11 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
-             "maxnreg": maxnreg}
+             "maxnreg": maxnreg, "bt_ahead": bt_ahead}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy, maxnreg) = launch
+     lazy, maxnreg, bt_ahead) = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -359,6 +377,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
+        BT_AHEAD=bt_ahead,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:
