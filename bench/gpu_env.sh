@@ -23,15 +23,15 @@ for r in json.load(open(sys.argv[1]))["rows"]:
         print("   ", us, k, r[k]["max_abs_diff"])
 PY
 }
-# engine_mode DIR MODE SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
+# engine_mode DIR MODE[_TAG] SHA [PROFILE_STEPS]: bench_engine.py --serving-only --profile-serving
 # PROFILE_STEPS (default 400; 0: no profile) for one mode (bf16, fp8w: --quantization fp8,
 # fp8kv: --kv-cache-dtype fp8, both; -fast / -promoted: with --fp8-fast-accum / --no-...;
 # -nohad: with --no-kv-cache-hadamard; any of them + -noovl: with --no-overlap-attention),
 # into DIR/engine-MODE.*
 engine_mode() {
-  local dir=$1 mode=$2 sha=$3 prof=${4:-400} flags=()
-  [[ $mode == *-noovl ]] && flags+=(--no-overlap-attention)
-  case ${mode%-noovl} in
+  local dir=$1 mode=$2 sha=$3 prof=${4:-400} flags=() kind=${2%%_*}  # MODE_TAG: a run's tag
+  [[ $kind == *-noovl ]] && flags+=(--no-overlap-attention)
+  case ${kind%-noovl} in
     fp8w) flags+=(--quantization fp8) ;;
     fp8kv) flags+=(--kv-cache-dtype fp8) ;;
     both) flags+=(--quantization fp8 --kv-cache-dtype fp8) ;;

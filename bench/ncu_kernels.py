@@ -32,6 +32,7 @@ from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
+    DecodeLaunch,
     decode_attention,
     decode_num_splits,
     default_num_splits,
@@ -42,6 +43,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 FP8_LAUNCHES = {
+    "w1n32s3": DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024),  # to bda673a
     "w1n16s4": FP8_LAUNCH._replace(block_n=16, num_stages=4),
     "w4n64": FP8_LAUNCH._replace(block_n=64, num_warps=4, target_programs=264),
     "w4n128s2": FP8_SMALL_LAUNCH._replace(target_programs=264),

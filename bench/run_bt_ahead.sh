@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Decode attention with the block table a tile ahead (DecodeLaunch.bt_ahead) on the GPU
 # machine. Carry .whl.
-#   bash bench/run_bt_ahead.sh OUT SHA [PART...]   parts: timing tests engine (default: timing)
+#   bash bench/run_bt_ahead.sh OUT SHA [PART...]   parts: timing tests engine ab ncu
+#   (default: timing)
 # timing: bench/time_decode_bt_ahead.py; tests: the decode-attention and CUDA-graph tests
-# compiled on the GPU; engine: bench_engine.py --serving-only, fp8 weights + KV and bf16.
+# compiled on the GPU; engine: bench_engine.py --serving-only, fp8 weights + KV and bf16;
+# ab: fp8 weights + KV three times, alternating this tree and a copy with the fp8 decode
+# launch before bt_ahead (32-key tiles, 3 stages); ncu: ncu_kernels.py --no-gemm under ncu.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "timing" "${@:3}"
@@ -25,17 +28,49 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
   tail -3 "$out/bt-ahead.log" | cut -c1-300
 fi
-if has tests; then
-  step "decode attention and graph tests"
-  timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/model/test_triton_kernels.py \
-    tests/model/test_triton_fp8_kv.py tests/model/test_cuda_graph_path.py -k "decode or graph" \
-    > "$out/gpu-tests.txt" 2>&1
-  tail -3 "$out/gpu-tests.txt"
-fi
 if has engine; then
   for mode in both bf16; do
     step "engine $mode"
     engine_mode "$out" "$mode" "$2" 0
   done
+fi
+if has ab; then
+  old=/tmp/before-bt-ahead
+  rm -rf "$old" && cp -r . "$old"
+  sed -i 's/^FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)$/FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)/' \
+    "$old/tpserve/model/kernels/triton_decode_attention.py"
+  grep -n "^FP8_LAUNCH" "$old/tpserve/model/kernels/triton_decode_attention.py"
+  for run in new-1 before-1 new-2; do
+    step "engine both, $run"
+    if [[ $run == new-* ]]; then
+      engine_mode "$out" "both_$run" "$2" 0
+    else
+      (cd "$old" && PYTHONPATH=/tmp/site:$old engine_mode "$out" "both_$run" "$2+fp8-launch-of-1a96c1a" 0)
+    fi
+  done
+fi
+if has ncu; then
+  step "ncu, decode attention"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 200 "$NCU" --clock-control none --profile-from-start off --nvtx --set full \
+    --import-source no -o "$out/ncu" python3 bench/ncu_kernels.py --no-gemm \
+    --fp8-launches w1n32s3 > "$out/ncu-run.log" 2>&1
+  "$NCU" -i "$out/ncu.ncu-rep" --page details --print-nvtx-rename kernel > "$out/ncu-details.txt" 2>&1
+  "$NCU" -i "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu-raw.csv" 2>&1
+  for i in 0 1 2; do
+    "$NCU" -i "$out/ncu.ncu-rep" --page source --print-source sass --csv \
+      --kernel-name _decode_split_kernel --launch-skip "$i" --launch-count 1 \
+      > "$out/ncu-sass-decode-$i.csv" 2>&1
+  done
+  rm -f "$out/ncu.ncu-rep"
+  grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+    "$out/ncu-details.txt" | cut -c1-140 | head -40
+fi
+if has tests; then
+  step "decode attention and graph tests"
+  timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/model/test_triton_kernels.py \
+    tests/model/test_triton_fp8_kv.py tests/model/test_cuda_graph_path.py -k "decode or graph" \
+    > "$out/gpu-tests.txt" 2>&1
+  tail -3 "$out/gpu-tests.txt"
 fi
 round_pack

@@ -247,6 +247,29 @@ def test_decode_attention(mods, dtype, group, page, head_dim, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_block_table_a_tile_ahead_changes_no_bit(mods, dtype, splits):
+    """``bt_ahead`` (a tile's block-table entries loaded in the iteration before) only moves
+    a load: over scattered pages and lengths that end inside, at and past 16-key tiles, the
+    output equals the launch without it bit for bit, and the reference."""
+    gen = torch.Generator().manual_seed(12)
+    hkv, group, page, head_dim = 2, 4, 8, 64
+    lens = [1, 16, 17, 48, 95]
+    meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
+                                         dtype, gen)
+    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
+    outs = []
+    for ahead in (False, True):
+        out = torch.full_like(q, float("nan"))
+        mods["triton_decode_attention"].decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125, out, splits,
+            block_n=16, num_warps=1, num_stages=4, bt_ahead=ahead)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    _close(outs[1], _ref(q, k_cache, v_cache, meta, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype, splits):
     """``lazy_rescale``: keys whose scores climb along the context (K rows scaled up with

@@ -105,7 +105,12 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # keys over the warps and pass 9 barriers a tile in the SASS). Best at about 1,024 programs:
 # 55.7 us at 64 x 1,152 (2 splits), 167.0 at 128 x 2,048 (1), 30.2 at 16 x 2,048 (8),
 # against 61.4 / 205.1 / 33.9 for the 4-warp launch before.
-FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
+# With the block table a tile ahead (bt_ahead, 2026-12-03, bench/time_decode_bt_ahead.py):
+# 16-key tiles, 4 stages (12 KB shared a program, ~154 registers): 51.5 us at 64 x 1,152
+# against 55.5 for the 32-key launch without it, 158.9-160.3 / 165.4 at 128 x 2,048, 27.8 /
+# 30.2 at 16 x 2,048, 27.3 / 30.5 at 64 x 512; bt_ahead on the 32-key launch alone gained
+# nothing (its 28 KB of shared memory then caps the programs an SM).
+FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
 # the 4-warp launch of rounds 3-4 runs, with scale_v. --sweep-set r7 (x 1,152 keys, 8 KV
