@@ -6,7 +6,8 @@
 # timing: bench/time_decode_bt_ahead.py; tests: the decode-attention and CUDA-graph tests
 # compiled on the GPU; engine: bench_engine.py --serving-only, fp8 weights + KV and bf16;
 # ab: fp8 weights + KV three times, alternating this tree and a copy with the fp8 decode
-# launch before bt_ahead (32-key tiles, 3 stages); ncu: ncu_kernels.py --no-gemm under ncu.
+# launch before bt_ahead (32-key tiles, 3 stages); with profile: one profiled run (400 steps)
+# of each instead; ncu: ncu_kernels.py --no-gemm under ncu.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "timing" "${@:3}"
@@ -40,12 +41,14 @@ if has ab; then
   sed -i 's/^FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)$/FP8_LAUNCH = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)/' \
     "$old/tpserve/model/kernels/triton_decode_attention.py"
   grep -n "^FP8_LAUNCH" "$old/tpserve/model/kernels/triton_decode_attention.py"
-  for run in new-1 before-1 new-2; do
+  runs=(new-1 before-1 new-2)
+  has profile && runs=(new-p before-p) prof=400
+  for run in "${runs[@]}"; do
     step "engine both, $run"
     if [[ $run == new-* ]]; then
-      engine_mode "$out" "both_$run" "$2" 0
+      engine_mode "$out" "both_$run" "$2" "${prof:-0}"
     else
-      (cd "$old" && PYTHONPATH=/tmp/site:$old engine_mode "$out" "both_$run" "$2+fp8-launch-of-1a96c1a" 0)
+      (cd "$old" && PYTHONPATH=/tmp/site:$old engine_mode "$out" "both_$run" "$2+fp8-launch-of-1a96c1a" "${prof:-0}")
     fi
   done
 fi
