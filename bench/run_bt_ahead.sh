@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Decode attention with the block table a tile ahead (DecodeLaunch.bt_ahead) on the GPU
 # machine. Carry .whl.
-#   bash bench/run_bt_ahead.sh OUT SHA [PART...]   parts: timing tests engine ab ncu
-#   (default: timing)
+#   bash bench/run_bt_ahead.sh OUT SHA [PART...]   parts: timing tests engine ab ncu pool
+#   dmon (default: timing)
 # timing: bench/time_decode_bt_ahead.py; tests: the decode-attention and CUDA-graph tests
 # compiled on the GPU; engine: bench_engine.py --serving-only, fp8 weights + KV and bf16;
 # ab: fp8 weights + KV three times, alternating this tree and a copy with the fp8 decode
 # launch before bt_ahead (32-key tiles, 3 stages); with profile: one profiled run (400 steps)
-# of each instead; ncu: ncu_kernels.py --no-gemm under ncu.
+# of each instead; ncu: ncu_kernels.py --no-gemm under ncu; pool: the timing with the
+# blocks drawn from an engine-sized pool; dmon: fp8 weights + KV serving with nvidia-smi dmon
+# (SM clock, power) beside it.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "timing" "${@:3}"
@@ -68,6 +70,22 @@ if has ncu; then
   rm -f "$out/ncu.ncu-rep"
   grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
     "$out/ncu-details.txt" | cut -c1-140 | head -40
+fi
+if has pool; then
+  step "decode attention over blocks drawn from an engine-sized pool"
+  timeout 200 python3 bench/time_decode_bt_ahead.py --out "$out/bt-ahead-pool.json" \
+    --sizes 64x1152 128x2048 --pool-blocks 112000 \
+    --launches w1n32s3 default+bt w1n16s3+bt w1n32s3x2+bt > "$out/bt-ahead-pool.log" 2>&1
+  cut -c1-900 "$out/bt-ahead-pool.log" | grep -v "^$" | tail -4
+fi
+if has dmon; then
+  step "engine both with nvidia-smi dmon (clocks, power) beside it"
+  nvidia-smi dmon -s pcu -d 1 > "$out/dmon.txt" 2>&1 &
+  dmon=$!
+  engine_mode "$out" "both_dmon" "$2" 0
+  kill $dmon
+  cat "$out/dmon.txt" | head -3; awk 'NR>2' "$out/dmon.txt" | sort -k2 -n | tail -60 | head -60 | awk '{print}' | head -0
+  awk 'NR>2 {print $2, $3, $5, $6, $7, $8}' "$out/dmon.txt" | tr '\n' ';' | cut -c1-3000
 fi
 if has tests; then
   step "decode attention and graph tests"

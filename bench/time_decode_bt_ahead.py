@@ -29,6 +29,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     BF16_LAUNCH,
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
+    DecodeLaunch,
     decode_attention,
     decode_num_splits,
     default_launch,
@@ -46,6 +47,7 @@ LAUNCHES = {
                                            bt_ahead=True),
     },
     "fp8": {
+        "w1n32s3": DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024),  # before
         "default+bt": None,  # the default launch of the grid, with bt_ahead
         "w1n32s3+bt": FP8_LAUNCH._replace(bt_ahead=True),
         "w1n32s4+bt": FP8_LAUNCH._replace(num_stages=4, bt_ahead=True),
@@ -61,21 +63,29 @@ LAUNCHES = {
 }
 
 
-def rows_for(dev) -> list[dict]:
+def rows_for(dev, sizes, pool_blocks: int, only: list[str] | None) -> list[dict]:
+    """``pool_blocks``: the caches hold this many blocks (at least the batch's) and the
+    batch's blocks are a random draw from all of them, as in the engine's pool (a layer's
+    K or V over a 115 GiB pool is ~1.8 GiB, ~112 k blocks of 16 KiB in fp8)."""
     scale = torch.tensor([0.02, 0.01], device=dev)
     rows = []
-    for batch, ctx in SIZES:
+    for batch, ctx in sizes:
         q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device=dev)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nb = batch * (ctx // PAGE)
+        pool = max(nb, pool_blocks)
         table = scattered_block_table([ctx // PAGE] * batch).to(dev)
-        caches = make_cache(nb, PAGE, dev, scale)
-        row = {"batch": batch, "context": ctx}
+        if pool > nb:
+            table = torch.randperm(pool, device=dev)[:nb].int()[table.long()]
+        caches = make_cache(pool, PAGE, dev, scale)
+        row = {"batch": batch, "context": ctx, "pool_blocks": pool}
         for dtype, (kc, vc) in caches.items():
             kv_bytes = 2 * batch * ctx * HKV * D * kc.element_size()
             base_launch = default_launch(kc.dtype, batch, HKV)
             named = [("default", base_launch)]
             for name, lc in LAUNCHES[dtype].items():
+                if only is not None and name not in only:
+                    continue
                 named.append((name, base_launch._replace(bt_ahead=True) if lc is None else lc))
             ref = None
             for name, lc in named:
@@ -106,8 +116,14 @@ def rows_for(dev) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--sizes", nargs="*", default=[f"{b}x{c}" for b, c in SIZES],
+                   help="BATCHxCONTEXT")
+    p.add_argument("--pool-blocks", type=int, default=0,
+                   help="draw the batch's blocks from a pool of this many (0: just its own)")
+    p.add_argument("--launches", nargs="*", help="only these of LAUNCHES (default: all)")
     a = p.parse_args()
-    write_rows(a.out, rows_for(torch.device("cuda")))
+    sizes = [tuple(int(v) for v in s.split("x")) for s in a.sizes]
+    write_rows(a.out, rows_for(torch.device("cuda"), sizes, a.pool_blocks, a.launches))
 
 
 if __name__ == "__main__":
