@@ -84,8 +84,7 @@ if has dmon; then
   dmon=$!
   engine_mode "$out" "both_dmon" "$2" 0
   kill $dmon
-  cat "$out/dmon.txt" | head -3; awk 'NR>2' "$out/dmon.txt" | sort -k2 -n | tail -60 | head -60 | awk '{print}' | head -0
-  awk 'NR>2 {print $2, $3, $5, $6, $7, $8}' "$out/dmon.txt" | tr '\n' ';' | cut -c1-3000
+  tr -s ' ' < "$out/dmon.txt" | cut -c1-100 | paste -sd';' | cut -c1-5000
 fi
 if has tests; then
   step "decode attention and graph tests"
