@@ -109,7 +109,9 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # 16-key tiles, 4 stages (12 KB shared a program, ~154 registers): 51.5 us at 64 x 1,152
 # against 55.5 for the 32-key launch without it, 158.9-160.3 / 165.4 at 128 x 2,048, 27.8 /
 # 30.2 at 16 x 2,048, 27.3 / 30.5 at 64 x 512; bt_ahead on the 32-key launch alone gained
-# nothing (its 28 KB of shared memory then caps the programs an SM).
+# nothing (its 28 KB of shared memory then caps the programs an SM). In the engine it
+# measured no different (serving runs at the H200's 700 W cap, SM clocks ~1.8 GHz: decode
+# attention 2.094 vs 2.121 ms a step; bench/README.md round 15).
 FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
