@@ -106,7 +106,7 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # 55.7 us at 64 x 1,152 (2 splits), 167.0 at 128 x 2,048 (1), 30.2 at 16 x 2,048 (8),
 # against 61.4 / 205.1 / 33.9 for the 4-warp launch before.
 # With the block table a tile ahead (bt_ahead, 2026-12-03, bench/time_decode_bt_ahead.py):
-# 16-key tiles, 4 stages (12 KB shared a program, ~154 registers): 51.5 us at 64 x 1,152
+# 16-key tiles, 4 stages (20 KB shared a program, 154 registers): 51.5 us at 64 x 1,152
 # against 55.5 for the 32-key launch without it, 158.9-160.3 / 165.4 at 128 x 2,048, 27.8 /
 # 30.2 at 16 x 2,048, 27.3 / 30.5 at 64 x 512; bt_ahead on the 32-key launch alone gained
 # nothing (its 28 KB of shared memory then caps the programs an SM). In the engine it
@@ -335,9 +335,9 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the split scratch
-    (``split_partials``) when the caller allocated it, e.g. before running this on another
-    stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
+    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the
+    split scratch (``split_partials``) when the caller allocated it, e.g. before running
+    this on another stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
     they were.
     """
     batch, num_q_heads, head_dim = q.shape
