@@ -50,6 +50,7 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     serving,
     weight_bytes_read_per_step,
 )
+from gpu_power import PowerSampler  # noqa: E402  (bench/gpu_power.py)
 from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
@@ -318,7 +319,9 @@ def _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params
 def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
     """The closed-loop serving run; returns its figures."""
     d = R["decode_batch1"]
-    srv, seg, kv = serving(core, rng, vocab, a, device)
+    with PowerSampler(device) as power:
+        srv, seg, kv = serving(core, rng, vocab, a, device)
+    srv["gpu_power"] = power.summary()
     R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
     R["new_segments_after_warmup"] = seg.get("new_segments")
     # the plan against every rank's allocator once serving reserved the workspace
@@ -338,6 +341,12 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
         f"{srv['tpot_ms']['p50']}/{srv['tpot_ms']['p99']} ms, ITL p50/p99 "
         f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
     log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
+    pw = srv["gpu_power"]
+    if pw.get("samples"):
+        log(f"GPU while serving: {pw['power_w']['mean']} W mean of a {pw['power_limit_w']} W "
+            f"limit ({100 * pw['at_cap_fraction']:.0f} % of samples at the cap), SM clock "
+            f"p50 {pw['sm_clock_mhz']['p50']} of {pw['max_sm_clock_mhz']} MHz, power-capped "
+            f"{100 * pw['clock_reason_fraction']['sw_power_cap']:.0f} % of samples")
     return srv
 
 
