@@ -50,7 +50,7 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     serving,
     weight_bytes_read_per_step,
 )
-from gpu_power import PowerSampler  # noqa: E402  (bench/gpu_power.py)
+from gpu_power import PowerSampler, describe  # noqa: E402  (bench/gpu_power.py)
 from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
@@ -341,12 +341,8 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
         f"{srv['tpot_ms']['p50']}/{srv['tpot_ms']['p99']} ms, ITL p50/p99 "
         f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
     log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
-    pw = srv["gpu_power"]
-    if pw.get("samples"):
-        log(f"GPU while serving: {pw['power_w']['mean']} W mean of a {pw['power_limit_w']} W "
-            f"limit ({100 * pw['at_cap_fraction']:.0f} % of samples at the cap), SM clock "
-            f"p50 {pw['sm_clock_mhz']['p50']} of {pw['max_sm_clock_mhz']} MHz, power-capped "
-            f"{100 * pw['clock_reason_fraction']['sw_power_cap']:.0f} % of samples")
+    if srv["gpu_power"].get("samples"):
+        log("GPU while serving: " + describe(srv["gpu_power"]))
     return srv
 
 

@@ -67,3 +67,18 @@ round_pack() {
   step done
   tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
 }
+# NCU: Nsight Compute's command line (on PATH, else the image's install)
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# ncu_reports REP PREFIX N: from the ncu report REP, PREFIXdetails.txt (the details page, NVTX
+# ranges as kernel names), PREFIXraw.csv (every metric) and PREFIXsass-decode-I.csv (SASS with
+# per-instruction stall samples) for the first N _decode_split_kernel launches
+ncu_reports() {
+  local rep=$1 prefix=$2 n=$3 i
+  "$NCU" -i "$rep" --page details --print-nvtx-rename kernel > "${prefix}details.txt" 2>&1
+  "$NCU" -i "$rep" --page raw --csv > "${prefix}raw.csv" 2>&1
+  for ((i = 0; i < n; i++)); do
+    "$NCU" -i "$rep" --page source --print-source sass --csv \
+      --kernel-name _decode_split_kernel --launch-skip "$i" --launch-count 1 \
+      > "${prefix}sass-decode-$i.csv" 2>&1
+  done
+}

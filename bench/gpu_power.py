@@ -117,3 +117,12 @@ class PowerSampler:
                                                   / n, 3) for name, bit in REASONS.items()},
             "error": self.reason,
         }
+
+
+def describe(summary: dict) -> str:
+    """One log line of a ``PowerSampler.summary()`` that has samples."""
+    s = summary
+    return (f"{s['power_w']['mean']} W mean of a {s['power_limit_w']} W limit "
+            f"({100 * s['at_cap_fraction']:.0f} % of samples at the cap), SM clock p50 "
+            f"{s['sm_clock_mhz']['p50']} of {s['max_sm_clock_mhz']} MHz, power-capped "
+            f"{100 * s['clock_reason_fraction']['sw_power_cap']:.0f} % of samples")

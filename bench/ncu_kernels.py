@@ -26,13 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import scattered_block_table  # noqa: E402
+from time_decode_bt_ahead import BEFORE_BT_AHEAD  # noqa: E402
+from time_kv_layout import make_cache  # noqa: E402
+from tune_decode import launch_knobs, scattered_block_table  # noqa: E402
 
-from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
-    DecodeLaunch,
     decode_attention,
     decode_num_splits,
     default_num_splits,
@@ -43,7 +43,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 FP8_LAUNCHES = {
-    "w1n32s3": DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024),  # to bda673a
+    "w1n32s3": BEFORE_BT_AHEAD,
     "w1n16s4": FP8_LAUNCH._replace(block_n=16, num_stages=4),
     "w4n64": FP8_LAUNCH._replace(block_n=64, num_warps=4, target_programs=264),
     "w4n128s2": FP8_SMALL_LAUNCH._replace(target_programs=264),
@@ -57,13 +57,11 @@ def decode_cases(batch: int, ctx: int, extra: list[str], dev) -> list[tuple[str,
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     nb = batch * (ctx // PAGE)
     table = scattered_block_table([ctx // PAGE] * batch).to(dev)
-    k = torch.randn(nb, PAGE, HKV, D, device=dev) * 3
-    v = torch.randn_like(k)
-    caches = {"bf16": (k.bfloat16(), v.bfloat16()),
-              "fp8": (quantize_kv(k, scale[0]), quantize_kv(v, scale[1]))}
+    caches = make_cache(nb, PAGE, dev, scale)
     out = torch.empty_like(q)
     cases = []
-    for dtype, (kc, vc) in caches.items():
+    for dtype in ("bf16", "fp8"):  # the launch order the docstring lists
+        kc, vc = caches[dtype]
         launches = [("default", None)] + ([(n, FP8_LAUNCHES[n]) for n in extra]
                                           if dtype == "fp8" else [])
         for name, lc in launches:
@@ -71,7 +69,7 @@ def decode_cases(batch: int, ctx: int, extra: list[str], dev) -> list[tuple[str,
                 n, knobs = default_num_splits(kc.dtype, batch, HKV, ctx), {}
             else:
                 n = decode_num_splits(batch, HKV, ctx, lc.target_programs)
-                knobs = {f: v for f, v in lc._asdict().items() if f != "target_programs"}
+                knobs = launch_knobs(lc)
 
             def fn(kc=kc, vc=vc, n=n, knobs=knobs, fp8=dtype == "fp8"):
                 decode_attention(q, kc, vc, table, lens, 0.088, out, n,

@@ -56,17 +56,10 @@ if has ab; then
 fi
 if has ncu; then
   step "ncu, decode attention"
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   timeout 200 "$NCU" --clock-control none --profile-from-start off --nvtx --set full \
     --import-source no -o "$out/ncu" python3 bench/ncu_kernels.py --no-gemm \
     --fp8-launches w1n32s3 > "$out/ncu-run.log" 2>&1
-  "$NCU" -i "$out/ncu.ncu-rep" --page details --print-nvtx-rename kernel > "$out/ncu-details.txt" 2>&1
-  "$NCU" -i "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu-raw.csv" 2>&1
-  for i in 0 1 2; do
-    "$NCU" -i "$out/ncu.ncu-rep" --page source --print-source sass --csv \
-      --kernel-name _decode_split_kernel --launch-skip "$i" --launch-count 1 \
-      > "$out/ncu-sass-decode-$i.csv" 2>&1
-  done
+  ncu_reports "$out/ncu.ncu-rep" "$out/ncu-" 3
   rm -f "$out/ncu.ncu-rep"
   grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
     "$out/ncu-details.txt" | cut -c1-140 | head -40

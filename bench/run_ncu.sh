@@ -8,21 +8,12 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "all"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 step "ncu: $NCU"
 timeout 400 "$NCU" --clock-control none --profile-from-start off --nvtx --set full \
   --import-source no -o "$out/rep" python3 bench/ncu_kernels.py > "$out/ncu-run.log" 2>&1
 tail -30 "$out/ncu-run.log" | cut -c1-300
 step "reports"
-"$NCU" -i "$out/rep.ncu-rep" --page details --print-nvtx-rename kernel > "$out/details.txt" 2>&1
-"$NCU" -i "$out/rep.ncu-rep" --page raw --csv > "$out/raw.csv" 2>&1
-n=$(grep -c "decode .* splits" "$out/ncu-run.log")
-for ((i = 0; i < n; i++)); do
-  "$NCU" -i "$out/rep.ncu-rep" --page source --print-source sass --csv \
-    --kernel-name _decode_split_kernel --launch-skip "$i" --launch-count 1 \
-    > "$out/sass-decode-$i.csv" 2>&1
-done
+ncu_reports "$out/rep.ncu-rep" "$out/" "$(grep -c "decode .* splits" "$out/ncu-run.log")"
 grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Warp Cycles Per Issued|Issue Slots Busy" \
   "$out/details.txt" | cut -c1-160 | head -400
-rm -f "$out/rep.ncu-rep.bak"
 round_pack

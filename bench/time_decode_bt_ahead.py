@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from time_kv_layout import make_cache  # noqa: E402
-from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402
+from tune_decode import launch_knobs, scattered_block_table, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     BF16_LAUNCH,
@@ -36,6 +36,8 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
 )
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+# FP8_LAUNCH before bt_ahead (up to 1a96c1a): 32-key one-warp tiles, 3 stages
+BEFORE_BT_AHEAD = DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024)
 SIZES = [(64, 1152), (32, 1152), (128, 2048), (16, 2048), (8, 1152), (1, 1024), (64, 512)]
 LAUNCHES = {
     "bf16": {
@@ -47,7 +49,7 @@ LAUNCHES = {
                                            bt_ahead=True),
     },
     "fp8": {
-        "w1n32s3": DecodeLaunch(32, 1, 3, True, scale_v=True, target_programs=1024),  # before
+        "w1n32s3": BEFORE_BT_AHEAD,
         "default+bt": None,  # the default launch of the grid, with bt_ahead
         "w1n32s3+bt": FP8_LAUNCH._replace(bt_ahead=True),
         "w1n32s4+bt": FP8_LAUNCH._replace(num_stages=4, bt_ahead=True),
@@ -90,7 +92,7 @@ def rows_for(dev, sizes, pool_blocks: int, only: list[str] | None) -> list[dict]
             ref = None
             for name, lc in named:
                 n = decode_num_splits(batch, HKV, ctx, lc.target_programs)
-                knobs = {f: v for f, v in lc._asdict().items() if f != "target_programs"}
+                knobs = launch_knobs(lc)
                 o = torch.empty_like(q)
 
                 def fn(o=o, kc=kc, vc=vc, n=n, knobs=knobs, fp8=dtype == "fp8",

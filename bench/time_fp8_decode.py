@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import time_graph, write_rows  # noqa: E402
+from tune_decode import launch_knobs, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
@@ -158,10 +158,8 @@ def main() -> None:
 
                 def fn(o=o, lc=lc, kc=kc, vc=vc, ks=ks, qtl=(q, tables, lens),
                        n=splits * factor):
-                    knobs = lc._asdict()
-                    del knobs["target_programs"]  # a split-count input; n is given here
                     return decode_attention(qtl[0], kc, vc, qtl[1], qtl[2], 0.088, o, n,
-                                            kv_scale=ks, **knobs)
+                                            kv_scale=ks, **launch_knobs(lc))
                 time_launch(row, f"{cache}{list(lc)}{f',x{factor}' if factor > 1 else ''}",
                             fn, o, out["bf16"], 2 * batch * ctx * hkv * d * kc.element_size())
         for launch, factor in ([(x, f) for x in FP8_LAUNCHES for f in factors]

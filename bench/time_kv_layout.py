@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402
+from tune_decode import launch_knobs, scattered_block_table, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
@@ -98,8 +98,7 @@ def decode_rows(dev, scale, pages: list[int], launches: list[str]) -> list[dict]
                         knobs = {}
                     else:
                         n = decode_num_splits(batch, HKV, ctx, lc.target_programs)
-                        knobs = lc._asdict()
-                        del knobs["target_programs"]
+                        knobs = launch_knobs(lc)
                     for kind in kinds:
                         o = torch.empty_like(q)
 

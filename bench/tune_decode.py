@@ -43,6 +43,14 @@ def time_graph(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def launch_knobs(launch) -> dict:
+    """A ``DecodeLaunch`` as ``decode_attention``'s tile keywords: every field but
+    ``target_programs``, which only chooses the split count (``decode_num_splits``)."""
+    knobs = launch._asdict()
+    del knobs["target_programs"]
+    return knobs
+
+
 def scattered_block_table(nblk: list[int], rows: int | None = None,
                           generator: torch.Generator | None = None) -> torch.Tensor:
     """An int32 block table ``[rows, max(nblk)]`` (host; ``rows`` defaults to
