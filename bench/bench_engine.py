@@ -322,6 +322,9 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
     with PowerSampler(device) as power:
         srv, seg, kv = serving(core, rng, vocab, a, device)
     srv["gpu_power"] = power.summary()
+    if srv["gpu_power"].get("energy_j") is not None:
+        srv["joules_per_output_token"] = round(srv["gpu_power"]["energy_j"]
+                                               / srv["output_tokens"], 5)
     R["serving"], R["allocator"], R["kv_waste"] = srv, seg, kv
     R["new_segments_after_warmup"] = seg.get("new_segments")
     # the plan against every rank's allocator once serving reserved the workspace
@@ -342,7 +345,9 @@ def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
         f"{srv['itl_ms']['p50']}/{srv['itl_ms']['p99']} ms")
     log(f"new segments {R['new_segments_after_warmup']}, KV waste {kv['mean']}")
     if srv["gpu_power"].get("samples"):
-        log("GPU while serving: " + describe(srv["gpu_power"]))
+        log("GPU while serving: " + describe(srv["gpu_power"])
+            + (f", {srv['joules_per_output_token']} J an output token"
+               if "joules_per_output_token" in srv else ""))
     return srv
 
 

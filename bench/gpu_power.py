@@ -1,7 +1,9 @@
 """The GPU's board power, SM clock and clock-limit reasons, sampled through NVML on a
 background thread while a benchmark section runs, so a throughput figure says whether the
 GPU ran at its power cap (serving fp8 Llama-3-8B on an H200 does: round 15 of
-``README.md``, read there with ``nvidia-smi dmon``).
+``README.md``, read there with ``nvidia-smi dmon``), and the energy the board drew over the
+section (NVML's total-energy counter read at both ends), so a run can be judged in joules
+per output token: under the cap, that is what bounds the throughput.
 
     with PowerSampler(device) as power:
         run_the_section()
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 
 import torch
 
@@ -41,6 +44,8 @@ class PowerSampler:
         self._nvml = self._handle = None
         self.reason = None
         self.limit_w = self.max_clock_mhz = None
+        self.energy_mj: list[int] = []  # the counter at __enter__ and __exit__
+        self.seconds = 0.0
         if device.type != "cuda":
             self.reason = f"device {device.type}"
             return
@@ -87,14 +92,25 @@ class PowerSampler:
         except Exception as exc:  # noqa: BLE001 - a failed read ends sampling, and says so
             self.reason = f"sampling stopped: {exc!r}"
 
+    def _energy(self) -> None:
+        try:
+            self.energy_mj.append(int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)))
+        except Exception as exc:  # noqa: BLE001 - no counter on this board: no energy figure
+            self.reason = f"energy counter: {exc!r}"
+
     def __enter__(self) -> PowerSampler:
         if self._nvml is not None:
+            self._energy()
+            self.seconds = -time.perf_counter()
             self._thread = threading.Thread(target=self._run, name="gpu-power", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self._nvml is not None:
+            self.seconds += time.perf_counter()
+            self._energy()
         if self._thread is not None:
             self._thread.join(timeout=10 * self.period_s + 5)
 
@@ -115,8 +131,16 @@ class PowerSampler:
             "max_sm_clock_mhz": self.max_clock_mhz,
             "clock_reason_fraction": {name: round(sum(bool(s[2] & bit) for s in self.samples)
                                                   / n, 3) for name, bit in REASONS.items()},
+            "energy_j": self.energy_j(), "seconds": round(self.seconds, 3),
             "error": self.reason,
         }
+
+    def energy_j(self) -> float | None:
+        """Joules the board drew between ``__enter__`` and ``__exit__`` (None without both
+        counter readings)."""
+        if len(self.energy_mj) != 2:
+            return None
+        return round((self.energy_mj[1] - self.energy_mj[0]) / 1000.0, 3)
 
 
 def describe(summary: dict) -> str:
@@ -125,4 +149,5 @@ def describe(summary: dict) -> str:
     return (f"{s['power_w']['mean']} W mean of a {s['power_limit_w']} W limit "
             f"({100 * s['at_cap_fraction']:.0f} % of samples at the cap), SM clock p50 "
             f"{s['sm_clock_mhz']['p50']} of {s['max_sm_clock_mhz']} MHz, power-capped "
-            f"{100 * s['clock_reason_fraction']['sw_power_cap']:.0f} % of samples")
+            f"{100 * s['clock_reason_fraction']['sw_power_cap']:.0f} % of samples"
+            + (f", {s['energy_j']} J in {s['seconds']} s" if s.get("energy_j") is not None else ""))
