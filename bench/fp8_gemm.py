@@ -7,8 +7,9 @@ launch of ``CANDIDATES``; the W8A8 products of activations quantized beforehand 
 fused norm and gate kernels hand them over): ``torch._scaled_mm`` (``mm_only``; with
 ``use_fast_accum``, ``mm_fast``), the
 same with the operands swapped (``mm_swapped``: ``(W x^T)^T``, cuBLAS tiles the other
-way) and the Triton split-K kernel's table launch (``w8a8``) and, with ``--sweep-sets
-w8a8``, each of ``W8A8_CANDIDATES`` (at ``W8A8_M``). Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
+way) and the Triton split-K kernel's table launch (``w8a8``; ``w8a8_fast``: its K chunks summed in
+the tensor cores, as ``--fp8-fast-accum`` runs it) and, with ``--sweep-sets w8a8``, each
+of ``W8A8_CANDIDATES`` (at ``W8A8_M``), both ways. Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
 replayed ``--replays`` times between CUDA events; the median replay over the calls is the
 per-call time (no Python launch overhead, as in the server's decode graphs). The calls cycle
 over copies of the weight whose total is >= ``--rotate-mib`` (default 256 MiB, five times
@@ -203,17 +204,17 @@ def main() -> None:
                     wq_c[i % nc8], xq.t(), scale_a=ws1.view(-1, 1),
                     scale_b=xs.view(1, -1), out_dtype=torch.bfloat16).t().contiguous()
 
-            def w8a8(cfg, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
+            def w8a8(cfg, fast=False, xq=xq, xs=xs, wq_c=wq_c, nc8=nc8, ws1=ws1):
                 def call(j):
                     w = wq_c[j % nc8]
                     return lambda: triton_w8a8.w8a8_linear(xq, xs, w, ws1, None,
-                                                           torch.bfloat16, cfg)
+                                                           torch.bfloat16, cfg, fast)
                 return call
 
             variants = {"bf16": (bf16, b16), "fused_w8a8": (fused, b8),
                         "mm_only": (mm_only, b8), "mm_fast": (mm_fast, b8),
                         "mm_swapped": (mm_swapped, b8),
-                        "w8a8": (w8a8(None), b8)}
+                        "w8a8": (w8a8(None), b8), "w8a8_fast": (w8a8(None, True), b8)}
             if m <= WO_MAX_M:
                 variants["weight_only"] = (wo(None), b8)
             extra = list(a.wo) + (candidates_for(m, tuple(a.sweep_sets)) if a.sweep and m <= 128 else [])
@@ -222,6 +223,7 @@ def main() -> None:
             if a.sweep and "w8a8" in a.sweep_sets and m in W8A8_M:
                 for spec in w8a8_candidates_for(m):
                     variants[f"w8a8[{spec}]"] = (w8a8(spec), b8)
+                    variants[f"w8a8_fast[{spec}]"] = (w8a8(spec, True), b8)
             row = {"shape": name, "m": m, "n": n, "k": k,
                    "default_config": ",".join(map(str, triton_fp8.weight_only_blocks(m, n, k))),
                    "w8a8_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k)))}

@@ -60,17 +60,23 @@ def _operands(m: int, n: int, k: int, seed: int, zero_rows=(), zero_cols=()):
 MMA_ROUNDING = 2**-12 if DEVICE.type == "cuda" else 0.0
 
 
-def _check(kern, xq, xs, wq, ws, bias, out_dtype, config=None):
+# with fast accumulation a whole K chunk stays in the tensor cores' accumulator: the bound
+# of cuBLAS's use_fast_accum (test_scaled_mm_steps_above_the_triton_bound_equal_the_reference)
+FAST_ROUNDING = 2**-8 if DEVICE.type == "cuda" else 0.0
+
+
+def _check(kern, xq, xs, wq, ws, bias, out_dtype, config=None, fast_accum=False):
     """Against the float32 product of the dequantized operands: float32 outputs to the
     summation-order bound (plus the fp8 tensor cores' rounding on CUDA), 16-bit outputs
     to one rounding of the output dtype more."""
-    y = kern.w8a8_linear(xq, xs, wq, ws, bias, out_dtype, config)
+    y = kern.w8a8_linear(xq, xs, wq, ws, bias, out_dtype, config, fast_accum)
     xd, wd = xq.float() * xs, wq.float() * ws[:, None]
     want = F.linear(xd, wd, None if bias is None else bias.float())
     assert y.dtype == out_dtype and y.shape == (xq.shape[0], wq.shape[0])
     mag = F.linear(xd.abs(), wd.abs())
     eps = {torch.float32: 0.0, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out_dtype]
-    tol = eps * want.abs() + ((xq.shape[1] + 4) * 2**-24 + MMA_ROUNDING) * mag + 1e-30
+    acc = FAST_ROUNDING if fast_accum else MMA_ROUNDING
+    tol = eps * want.abs() + ((xq.shape[1] + 4) * 2**-24 + acc) * mag + 1e-30
     assert ((y.float() - want).abs() <= tol).all(), (y.float() - want).abs().max()
     return y
 
@@ -94,6 +100,18 @@ def test_w8a8_launches_match_the_dequantized_product(kern, config, m, n, k):
         assert torch.equal(y[m // 2], want_row)
         col = torch.zeros(m, device=DEVICE) if b is None else b[0].expand(m)
         assert torch.equal(y[:, 0], col)
+
+
+@pytest.mark.parametrize("config", [None, "w8a8,16,32,64,2,4,2"])
+def test_w8a8_fast_accumulation_matches_the_dequantized_product(kern, config):
+    """``fast_accum`` (``--fp8-fast-accum``): over K = 2,048 in one or two chunks, the
+    product is within the tensor cores' own accumulation bound of the reference; off CUDA
+    (the interpreter's exact widened dot) it is the promoted kernel's result bit for bit."""
+    xq, xs, wq, ws = _operands(33, 40, 2048, 6, zero_rows=(7,))
+    y = _check(kern, xq, xs, wq, ws, None, torch.bfloat16, config, fast_accum=True)
+    assert torch.equal(y[7], torch.zeros(40, dtype=y.dtype, device=DEVICE))
+    if DEVICE.type == "cpu":
+        assert torch.equal(y, kern.w8a8_linear(xq, xs, wq, ws, None, torch.bfloat16, config))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -125,10 +143,12 @@ def test_w8a8_table_runs_about_one_wave(kern, m, n, k):
     assert tiles * (split + 1) > 132 or split == max(1, k // (4 * cfg.block_k))
 
 
-def test_fp8_method_takes_the_triton_kernel_for_mid_sized_steps(kern):
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast-accum"])
+def test_fp8_method_takes_the_triton_kernel_for_mid_sized_steps(kern, fast_accum):
     """``Fp8LinearMethod`` (Triton back-end, FP8 products available) at M = 40, above its
-    weight-only bound: the per-token quantizer then this kernel, which equals the
-    reference W8A8 product to the kernel's bound (off CUDA: the interpreter)."""
+    weight-only bound: the per-token quantizer then this kernel, run with the method's
+    ``fast_accum``, which equals the reference W8A8 product to the kernel's bound (off
+    CUDA: the interpreter)."""
     from tpserve.model.quant.fp8 import Fp8LinearMethod, reference_w8a8
 
     g = torch.Generator().manual_seed(5)
@@ -136,14 +156,16 @@ def test_fp8_method_takes_the_triton_kernel_for_mid_sized_steps(kern):
     w = torch.randn(48, 64, generator=g) / 8
     wq, ws = quantize_per_row(w)
     wq, ws = wq.to(DEVICE), ws.view(-1).to(DEVICE)
-    method = Fp8LinearMethod("triton", weight_only_max_tokens=8, scaled_mm=True)
+    method = Fp8LinearMethod("triton", weight_only_max_tokens=8, scaled_mm=True,
+                             fast_accum=fast_accum)
     y = method.matmul(x, wq, ws, None)
     xq, xs = quantize_per_row(x)
-    direct = kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32)
+    direct = kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32, fast_accum=fast_accum)
     assert torch.equal(y, direct)
     want = reference_w8a8(x, wq, ws, None)
     mag = F.linear((xq.float() * xs).abs(), (wq.float() * ws[:, None]).abs())
-    assert ((y - want).abs() <= (68 * 2**-24 + MMA_ROUNDING) * mag + 1e-30).all()
+    acc = FAST_ROUNDING if fast_accum else MMA_ROUNDING
+    assert ((y - want).abs() <= (68 * 2**-24 + acc) * mag + 1e-30).all()
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.get_device_capability() < (8, 9),

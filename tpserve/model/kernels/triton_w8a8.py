@@ -67,12 +67,13 @@ def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                  stride_x, stride_w, stride_y,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 WIDEN: tl.constexpr, PROMOTE: tl.constexpr,
+                 WIDEN: tl.constexpr, PROMOTE: tl.constexpr, FAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (a multiple of ``BLOCK_K``). ``WIDEN``: the fp8 tiles go to float32 before
     the dot (the interpreter has no fp8 matmul); else at most ``PROMOTE`` products are
-    summed in the tensor cores before each float32 add."""
+    summed in the tensor cores before each float32 add, or (``FAST``) the whole K chunk's
+    sum stays in the tensor cores' own accumulator (Triton's default for fp8 on sm_90)."""
     rm, rn, m_ok, n_ok, x_rows, w_rows = _tile_rows(x_ptr, w_ptr, M, N, stride_x, stride_w,
                                                     BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -84,6 +85,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
         if WIDEN:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")
+        elif FAST:
+            acc = tl.dot(x, tl.trans(w), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
@@ -93,11 +96,15 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                 w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                config: WoConfig | str | None = None) -> torch.Tensor:
+                config: WoConfig | str | None = None, fast_accum: bool = False
+                ) -> torch.Tensor:
     """``xq [M, K]`` e4m3 with per-row ``x_scale [M, 1]`` float32 (``quantize_per_token``)
     times ``wq [N, K]`` e4m3 with per-channel ``w_scale [N]`` float32, plus ``bias [N]``:
     ``[M, N]`` in ``out_dtype``. ``config`` (a ``WoConfig`` of kind "w8a8" or its string)
-    overrides ``w8a8_blocks`` (benchmarks, tests)."""
+    overrides ``w8a8_blocks`` (benchmarks, tests). ``fast_accum`` (``--fp8-fast-accum``, as
+    ``_scaled_mm``'s ``use_fast_accum``): each program's K chunk is summed in the fp8 tensor
+    cores' own accumulator, never promoted into float32 on the way (off CUDA nothing
+    changes: the interpreter's widened dot is exact either way)."""
     assert xq.dtype == FP8 and wq.dtype == FP8, (xq.dtype, wq.dtype)
     assert xq.dim() == 2 and xq.stride(-1) == 1 and wq.stride(-1) == 1
     m, k = xq.shape
@@ -118,7 +125,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         xq, x_scale.reshape(-1), wq, w_scale, bias if bias is not None else w_scale, y, part,
         m, n, k, k_chunk, xq.stride(0), wq.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
-        WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K),
+        WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K), FAST=fast_accum,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce_splits(part, w_scale, bias, y, split)

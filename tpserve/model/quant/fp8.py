@@ -65,7 +65,8 @@ W8A8_TRITON_MAX_TOKENS = 64
 # FP8FastAccum schedules in vLLM's sm90 fp8 GEMMs do. H200, 9e342c4: a llama3-8b layer's
 # four GEMMs at M = 512 took 170.9 us against 183.5 promoted, at M = 8192 2,668 against
 # 3,024; serving (fp8 weights + KV) 7,297.8 against 7,026.4 out tok/s
-# (bench/results/h200-2026-12-02-r6a-*). The Triton kernels always promote.
+# (bench/results/h200-2026-12-02-r6a-*). The Triton W8A8 kernel (decode steps) follows the
+# same flag; the weight-only kernels widen fp8 to 16 bits and always sum in float32.
 DEFAULT_FAST_ACCUM = True
 
 
@@ -210,7 +211,8 @@ class Fp8LinearMethod:
     ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
     the weight-only kernel (a tiled GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
     ``_scaled_mm`` keeps the FP8 tensor cores' own running sums instead of promoting them
-    into float32 (``use_fast_accum``; the Triton kernels always promote)."""
+    into float32 (``use_fast_accum``), and so does the Triton W8A8 kernel (each program's
+    K chunk in the tensor cores' accumulator)."""
 
     backend: str = "torch"
     weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
@@ -292,6 +294,7 @@ class Fp8LinearMethod:
         if xq.shape[0] <= self.w8a8_triton_max_tokens:
             from tpserve.model.kernels import triton_w8a8
 
-            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype)
+            return triton_w8a8.w8a8_linear(xq, xs, wq, w_scale, bias, out_dtype,
+                                           fast_accum=self.fast_accum)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.view(1, -1),
                                 bias=bias, out_dtype=out_dtype, use_fast_accum=self.fast_accum)
