@@ -3,11 +3,15 @@
 # (each program's K chunk summed in the fp8 tensor cores, as --fp8-fast-accum has cuBLAS do)
 # and the lazy running maximum in fp8 decode attention, measured in joules per output token
 # as well as tok/s (bench/gpu_power.py). Carry .whl.
-#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab tests (default: gemm ab)
+#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab decode cols tests (default:
+#   gemm ab)
 # gemm: fp8_gemm.py at M = 64 on the four Llama-3-8B shapes, the W8A8 launches promoted and
 # fast; ab: fp8 weights + KV serving twice each, alternating this tree ("fast"), a copy whose
 # W8A8 kernel promotes ("promoted": the tree before), and a copy with lazy_rescale in
-# FP8_LAUNCH ("lazy"); tests: the W8A8 and fp8 decode-attention tests compiled on the GPU.
+# FP8_LAUNCH ("lazy"); decode: time_decode_bt_ahead.py, the query heads as rows (shipped) and
+# as the matmuls' columns (heads_as_cols); cols: serving twice each, this tree (FP8_LAUNCH
+# with heads_as_cols) and a copy with the heads as rows; tests: the W8A8, decode-attention
+# and CUDA-graph tests compiled on the GPU.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "gemm ab" "${@:3}"
@@ -47,10 +51,42 @@ if has ab; then
     grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
   done
 fi
+if has decode; then
+  step "decode attention, heads as rows and as columns"
+  timeout 200 python3 bench/time_decode_bt_ahead.py --out "$out/decode-cols.json" \
+    --sizes 64x1152 32x1152 128x2048 16x2048 8x1152 64x512 \
+    --launches default+bt cols cols-s3 cols-s5 cols-x2 cols-n32s3 cols-w1n16s4 \
+    > "$out/decode-cols.log" 2>&1
+  python3 - "$out/decode-cols.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    for cache in ("bf16", "fp8"):
+        got = sorted((v["us"], k[len(cache) + 1:], v["splits"], v["diff"]) for k, v in r.items()
+                     if k.startswith(cache + "_") and isinstance(v, dict))
+        print(r["batch"], r["context"], cache, got)
+PY
+  tail -2 "$out/decode-cols.log" | cut -c1-300
+fi
+if has cols; then
+  rows=/tmp/r16-rows
+  rm -rf "$rows" && cp -r . "$rows"
+  sed -i 's/^FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True, heads_as_cols=True)$/FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)/' \
+    "$rows/tpserve/model/kernels/triton_decode_attention.py"
+  grep -n "^FP8_LAUNCH" tpserve/model/kernels/triton_decode_attention.py "$rows/tpserve/model/kernels/triton_decode_attention.py"
+  for run in cols-1 rows-1 cols-2 rows-2; do
+    step "engine both, $run"
+    case $run in
+      cols-*) engine_mode "$out" "both_$run" "$2" 0 ;;
+      rows-*) (cd "$rows" && PYTHONPATH=/tmp/site:$rows engine_mode "$out" "both_$run" "$2+heads-as-rows" 0) ;;
+    esac
+    grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
+  done
+fi
 if has tests; then
   step "W8A8 and decode-attention tests"
   timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/model/test_triton_w8a8.py \
-    tests/model/test_triton_fp8_kv.py -k "w8a8 or decode or fast" > "$out/gpu-tests.txt" 2>&1
+    tests/model/test_triton_fp8_kv.py tests/model/test_triton_kernels.py tests/model/test_cuda_graph_path.py \
+    -k "w8a8 or decode or fast or graph" > "$out/gpu-tests.txt" 2>&1
   tail -3 "$out/gpu-tests.txt"
 fi
 round_pack
