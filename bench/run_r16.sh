@@ -70,14 +70,8 @@ fi
 if has cols; then
   rows=/tmp/r16-rows
   rm -rf "$rows" && cp -r . "$rows"
-  python3 - "$rows/tpserve/model/kernels/triton_decode_attention.py" <<'PY' || exit 1
-import sys
-p = sys.argv[1]
-s = open(p).read()
-cols = ", bt_ahead=True,\n                          heads_as_cols=True)"
-assert s.count(cols) == 1, "FP8_LAUNCH's definition moved: update run_r16.sh"
-open(p, "w").write(s.replace(cols, ", bt_ahead=True)"))
-PY
+  sed -i 's/^FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True, heads_as_cols=True)$/FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)/' \
+    "$rows/tpserve/model/kernels/triton_decode_attention.py"
   grep -n "^FP8_LAUNCH" tpserve/model/kernels/triton_decode_attention.py "$rows/tpserve/model/kernels/triton_decode_attention.py"
   for run in cols-1 rows-1 cols-2 rows-2; do
     step "engine both, $run"

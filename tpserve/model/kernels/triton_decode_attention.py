@@ -117,8 +117,7 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # nothing (its 28 KB of shared memory then caps the programs an SM). In the engine it
 # measured no different (serving runs at the H200's 700 W cap, SM clocks ~1.8 GHz: decode
 # attention 2.094 vs 2.121 ms a step; bench/README.md round 15).
-FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True,
-                          heads_as_cols=True)
+FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
 # the 4-warp launch of rounds 3-4 runs, with scale_v. --sweep-set r7 (x 1,152 keys, 8 KV
