@@ -40,19 +40,18 @@ STRIDES = ["stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "str
 
 def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, scale_v: bool,
                    splits: int, group: int = 4, num_kv_heads: int = 8, lazy: bool = False,
-                   bt_ahead: bool = False, cols: bool = False):
+                   bt_ahead: bool = False):
     """``_decode_split_kernel`` for a bf16 q over a bf16 or e4m3 cache (Llama-3-8B's heads)."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     types = ["*bf16", kv, kv, "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
     sig = dict(zip(POINTERS, types, strict=True)) | {"scale_log2": "fp32", "kv_scale_ptr": "*fp32"}
     sig |= {s: "i32" for s in STRIDES}
-    block_g = triton.next_power_of_2(group) if cols else max(16, triton.next_power_of_2(group))
-    const = {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": 128,
+    const = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "HEAD_DIM": 128,
              "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": splits,
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead, "COLS": cols}
+             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead}
     sig |= {k: "constexpr" for k in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t not in ("constexpr", "fp32")}
@@ -88,12 +87,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--lazy-rescale", action="store_true", help="DecodeLaunch.lazy_rescale")
     p.add_argument("--bt-ahead", action="store_true", help="DecodeLaunch.bt_ahead")
-    p.add_argument("--cols", action="store_true", help="DecodeLaunch.heads_as_cols")
     p.add_argument("--dump", help="write the SASS here")
     a = p.parse_args()
     block_n, warps, stages = (int(v) for v in a.launch.split(","))
     c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits,
-                       lazy=a.lazy_rescale, bt_ahead=a.bt_ahead, cols=a.cols)
+                       lazy=a.lazy_rescale, bt_ahead=a.bt_ahead)
     rep = sass_report(c.asm["cubin"], a.top)
     print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
           f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "

@@ -47,9 +47,6 @@ LAUNCHES = {
         "w4n32s4+bt": BF16_LAUNCH._replace(block_n=32, num_stages=4, bt_ahead=True),
         "w2n32s3+bt": BF16_LAUNCH._replace(block_n=32, num_warps=2, target_programs=512,
                                            bt_ahead=True),
-        "cols-w1n16s4": BF16_LAUNCH._replace(block_n=16, num_warps=1, num_stages=4,
-                                             target_programs=1024, bt_ahead=True,
-                                             heads_as_cols=True),
     },
     "fp8": {
         "w1n32s3": BEFORE_BT_AHEAD,
@@ -64,12 +61,6 @@ LAUNCHES = {
                                           bt_ahead=True),
         "w4n128s3+bt": FP8_SMALL_LAUNCH._replace(num_stages=3, bt_ahead=True),
         "w4n128s2+bt": FP8_SMALL_LAUNCH._replace(bt_ahead=True),
-        # the query heads as the matmuls' columns (heads_as_cols), on the shipped launch
-        "cols": FP8_LAUNCH._replace(heads_as_cols=True),
-        "cols-s3": FP8_LAUNCH._replace(num_stages=3, heads_as_cols=True),
-        "cols-s5": FP8_LAUNCH._replace(num_stages=5, heads_as_cols=True),
-        "cols-x2": FP8_LAUNCH._replace(target_programs=2048, heads_as_cols=True),
-        "cols-n32s3": FP8_LAUNCH._replace(block_n=32, num_stages=3, heads_as_cols=True),
     },
 }
 

@@ -150,16 +150,14 @@ def _ref(q, k_cache, v_cache, meta, scale, kv_scale):
     {"fp16_dot": True, "scale_v": True, "block_n": 32, "num_warps": 1, "lazy_rescale": True},
     {"fp16_dot": True, "scale_v": True, "block_n": 16, "num_warps": 1, "maxnreg": 128},
     {"fp16_dot": True, "scale_v": True, "block_n": 16, "num_warps": 1, "num_stages": 4,
-     "bt_ahead": True},
-    {"fp16_dot": True, "scale_v": True, "block_n": 16, "num_warps": 1, "num_stages": 4,
-     "bt_ahead": True, "heads_as_cols": True}])
+     "bt_ahead": True}])
 def test_decode_attention_over_fp8(kernels, dtype, group, page, head_dim, splits, launch):
     """Both matmul operand choices (q's dtype, or fp16 with q pre-scaled), K widened before
     or after its transpose, the scores computed as ``K q^T``, the grid ordered KV head
     first, the V scale applied to the widened V tile or to the output, the lazily moved
     running maximum, 16-key tiles under a register cap, and the shipped one-warp launch
-    (16-key tiles, the block table a tile ahead) with the query heads as rows or as the
-    matmuls' columns, all equal the torch reference over the dequantized cache."""
+    (16-key tiles, the block table a tile ahead), all equal the torch reference over the
+    dequantized cache."""
     gen = torch.Generator().manual_seed(5)
     hkv = 2
     kv_scale = _scales(2.0 ** -6, 0.013)  # cache values up to ~300: no saturation here

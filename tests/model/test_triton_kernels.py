@@ -270,28 +270,6 @@ def test_decode_block_table_a_tile_ahead_changes_no_bit(mods, dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_heads_as_columns_equals_the_reference(mods, dtype, group, page, head_dim,
-                                                      splits):
-    """``heads_as_cols`` (``s^T = K q^T``, ``o^T = V^T p^T``: the query heads unpadded as
-    the matmuls' columns) with one-warp programs of 16-key tiles and the block table a tile
-    ahead, at 1, 4 and 8 query heads a KV head: equal to the torch reference."""
-    gen = torch.Generator().manual_seed(13)
-    hkv = 2
-    lens = [1, 16, 17, 100, 300] if splits > 1 else [1, 16, 17, 100]
-    meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
-                                         dtype, gen)
-    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
-    scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    mods["triton_decode_attention"].decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out, splits,
-        block_n=16, num_warps=1, num_stages=4, bt_ahead=True, heads_as_cols=True)
-    _close(out, _ref(q, k_cache, v_cache, meta, scale), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype, splits):
     """``lazy_rescale``: keys whose scores climb along the context (K rows scaled up with

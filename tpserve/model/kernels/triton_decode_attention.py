@@ -75,11 +75,7 @@ class DecodeLaunch(NamedTuple):
     the K/V loads then no longer hang on a load of the same iteration, and Triton's
     pipeliner keeps ``num_stages - 1`` tiles of them in flight instead of waiting for
     every outstanding copy at the top of each iteration (``DEPBAR.LE SB0, 0x0`` in the
-    SASS without it; ``offline_sass.py``). ``heads_as_cols`` computes both products
-    transposed, ``s^T = K q^T`` and ``o^T = V^T p^T``, so the ``GROUP`` query heads are the
-    matmuls' N columns (the tensor cores pad N to 8) instead of M rows padded to 16: half
-    the MMAs, accumulator registers and softmax work at Llama-3's 4 heads a KV head (not
-    with ``lazy_rescale``; round 9 measured it slower before ``bt_ahead``)."""
+    SASS without it; ``offline_sass.py``)."""
 
     block_n: int
     num_warps: int
@@ -93,7 +89,6 @@ class DecodeLaunch(NamedTuple):
     lazy_rescale: bool = False
     maxnreg: int | None = None
     bt_ahead: bool = False
-    heads_as_cols: bool = False
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -117,6 +112,10 @@ BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
 # nothing (its 28 KB of shared memory then caps the programs an SM). In the engine it
 # measured no different (serving runs at the H200's 700 W cap, SM clocks ~1.8 GHz: decode
 # attention 2.094 vs 2.121 ms a step; bench/README.md round 15).
+# The query heads as the matmuls' columns (s^T = K q^T, o^T = V^T p^T; round 9's
+# heads_as_cols) on this loop, 2026-12-03 (bench/README.md round 16): 438 SASS instructions a
+# tile against 520, equal alone (55.78 against 55.82 us at 64 x 1,152), slower serving
+# (7,058.5 / 7,071.9 against 7,203.7 / 7,218.0 out tok/s), so removed again.
 FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)
 # ... but one-warp programs leave the GPU nearly idle when few sequences decode (batch 1 x
 # 1,024 keys: 8.45 us against 6.5 for bf16): below FP8_SMALL_GRID sequence x KV-head pairs
@@ -144,7 +143,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr, COLS: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -178,11 +177,7 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    if COLS:  # s^T = K q^T [BLOCK_N, BLOCK_G] and o^T = V^T p^T [HEAD_DIM, BLOCK_G]
-        qt = tl.trans(q)
-        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
@@ -204,56 +199,41 @@ def _decode_split_kernel(
             blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if COLS:
-            s = tl.dot(k.to(io_dtype).to(DOT_DTYPE), qt, input_precision=DOT_PRECISION)
-            s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a valid key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+        if SWAP_QK:
+            s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
+                                input_precision=DOT_PRECISION))
         else:
-            if SWAP_QK:
-                s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
-                                    input_precision=DOT_PRECISION))
+            if LATE_WIDEN:
+                kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
             else:
-                if LATE_WIDEN:
-                    kt = tl.trans(k).to(io_dtype).to(DOT_DTYPE)
-                else:
-                    kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
-                s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-            if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
-                if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-                p = tl.exp2(s - m_i[:, None])  # <= 2**TAU
-                l_i = l_i + tl.sum(p, axis=1)
-            else:
+                kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
+            if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])  # <= 2**TAU
+            l_i = l_i + tl.sum(p, axis=1)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         if SCALE_V:
             v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
         else:
             v = v.to(io_dtype).to(DOT_DTYPE)
-        if COLS:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(io_dtype).to(DOT_DTYPE),
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+        pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if LAZY:
+            acc = acc + pv
         else:
-            pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            if LAZY:
-                acc = acc + pv
-            else:
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-    if COLS:
-        acc = tl.trans(acc)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     if KV_FP8 and not SCALE_V:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -347,7 +327,7 @@ def decode_attention(
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
-    bt_ahead: bool | None = None, heads_as_cols: bool | None = None,
+    bt_ahead: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
@@ -359,7 +339,7 @@ def decode_attention(
     cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
     operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
     (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``, ``heads_as_cols``: see ``DecodeLaunch``. ``partials``: the
+    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the
     split scratch (``split_partials``) when the caller allocated it, e.g. before running
     this on another stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
     they were.
@@ -378,12 +358,11 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
-             "maxnreg": maxnreg, "bt_ahead": bt_ahead, "heads_as_cols": heads_as_cols}
+             "maxnreg": maxnreg, "bt_ahead": bt_ahead}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy, maxnreg, bt_ahead, cols) = launch
-    assert not (lazy and cols), "lazy_rescale is built for heads as rows only"
+     lazy, maxnreg, bt_ahead) = launch
     group = num_q_heads // num_kv_heads
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
@@ -404,13 +383,12 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group) if cols
-        else max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        BT_AHEAD=bt_ahead, COLS=cols,
+        BT_AHEAD=bt_ahead,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:
