@@ -230,7 +230,9 @@ def main() -> None:
                     variants[f"w8a8_fast[{spec}]"] = (w8a8(spec, True), b8)
             row = {"shape": name, "m": m, "n": n, "k": k,
                    "default_config": ",".join(map(str, triton_fp8.weight_only_blocks(m, n, k))),
-                   "w8a8_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k)))}
+                   "w8a8_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k))),
+                   "w8a8_fast_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k,
+                                                                                 True)))}
             for vname, (make, nbytes) in variants.items():
                 fns = [make(i) for i in range(calls)]
                 try:

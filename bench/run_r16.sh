@@ -3,13 +3,14 @@
 # (each program's K chunk summed in the fp8 tensor cores, as --fp8-fast-accum has cuBLAS do)
 # and the lazy running maximum in fp8 decode attention, measured in joules per output token
 # as well as tok/s (bench/gpu_power.py). Carry .whl.
-#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab decode cols tests (default:
-#   gemm ab)
+#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab decode cols table tests
+#   (default: gemm ab)
 # gemm: fp8_gemm.py at M = 64 on the four Llama-3-8B shapes, the W8A8 launches promoted and
 # fast; ab: fp8 weights + KV serving twice each, alternating this tree ("fast"), a copy whose
 # W8A8 kernel promotes ("promoted": the tree before), and a copy with lazy_rescale in
 # FP8_LAUNCH ("lazy"); decode: time_decode_bt_ahead.py, the query heads as rows (shipped) and
-# as the matmuls' columns (heads_as_cols); cols: serving twice each, this tree (FP8_LAUNCH
+# as the matmuls' columns (heads_as_cols); table: serving twice each, this tree and a copy
+# whose fast-accumulation W8A8 launches are the promoted table's 128 x 128 K steps; cols: serving twice each, this tree (FP8_LAUNCH
 # with heads_as_cols) and a copy with the heads as rows; tests: the W8A8, decode-attention
 # and CUDA-graph tests compiled on the GPU. The decode and cols parts ran at 2801b2e;
 # heads_as_cols was removed after them (serving slower), so they no longer run.
@@ -83,9 +84,25 @@ if has cols; then
     grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
   done
 fi
+if has table; then
+  # the fast-accumulation W8A8 table (w8a8_blocks) against the 128 x 128 steps it replaces
+  old=/tmp/r16-table
+  rm -rf "$old" && cp -r . "$old"
+  sed -i 's/^    if not fast_accum or n >= 16384:$/    if True:  # round 16 A\/B: the table before/' \
+    "$old/tpserve/model/kernels/triton_w8a8.py"
+  grep -n "if True:  # round 16" "$old/tpserve/model/kernels/triton_w8a8.py" || exit 1
+  for run in table-1 before-1 table-2 before-2; do
+    step "engine both, $run"
+    case $run in
+      table-*) engine_mode "$out" "both_$run" "$2" 0 ;;
+      before-*) (cd "$old" && PYTHONPATH=/tmp/site:$old engine_mode "$out" "both_$run" "$2+w8a8-128x128-steps" 0) ;;
+    esac
+    grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
+  done
+fi
 if has tests; then
   step "W8A8 and decode-attention tests"
-  timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/model/test_triton_w8a8.py \
+  timeout 280 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/model/test_triton_w8a8.py \
     tests/model/test_triton_fp8_kv.py tests/model/test_triton_kernels.py tests/model/test_cuda_graph_path.py \
     -k "w8a8 or decode or fast or graph" > "$out/gpu-tests.txt" 2>&1
   tail -3 "$out/gpu-tests.txt"

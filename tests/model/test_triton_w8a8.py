@@ -102,9 +102,10 @@ def test_w8a8_launches_match_the_dequantized_product(kern, config, m, n, k):
         assert torch.equal(y[:, 0], col)
 
 
-@pytest.mark.parametrize("config", [None, "w8a8,16,32,64,2,4,2"])
+@pytest.mark.parametrize("config", [None, "w8a8,64,64,256,0,4,5", "w8a8,16,32,64,2,4,2"])
 def test_w8a8_fast_accumulation_matches_the_dequantized_product(kern, config):
-    """``fast_accum`` (``--fp8-fast-accum``): over K = 2,048 in one or two chunks, the
+    """``fast_accum`` (``--fp8-fast-accum``): over K = 2,048 in one or two chunks, with the
+    fast table's launches (None: 64 x 32 x 256 at this size) and a small split one, the
     product is within the tensor cores' own accumulation bound of the reference; off CUDA
     (the interpreter's exact widened dot) it is the promoted kernel's result bit for bit."""
     xq, xs, wq, ws = _operands(33, 40, 2048, 6, zero_rows=(7,))
@@ -128,14 +129,16 @@ def test_w8a8_refuses_unquantized_operands_and_other_launch_kinds(kern):
         kern.w8a8_linear(xq, xs, wq, ws, None, torch.float32, "dot,16,16,32,1,4")
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("m", [33, 64, 65, 128, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                  (1024, 4096), (4096, 1792)])
-def test_w8a8_table_runs_about_one_wave(kern, m, n, k):
+def test_w8a8_table_runs_about_one_wave(kern, m, n, k, fast_accum):
     """The static launch table (no kernel run), for the llama3-8b shapes and their tp-8
-    shards on an H200's 132 SMs: at most one program per SM unless the output tiles alone
-    are more, and no further split fits under one wave or K's cap of four steps a chunk."""
-    cfg = kern.w8a8_blocks(m, n, k)
+    shards on an H200's 132 SMs, promoted or with fast accumulation: at most one program
+    per SM unless the output tiles alone are more, and no further split fits under one
+    wave or K's cap of four steps a chunk."""
+    cfg = kern.w8a8_blocks(m, n, k, fast_accum)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split or kern.one_wave_split(tiles, k, cfg.block_k, 132)
     assert cfg.kind == "w8a8"

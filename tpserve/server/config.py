@@ -159,9 +159,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "kernel); larger steps quantize activations and use FP8 products")
     p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction,
                    default=DEFAULT_FAST_ACCUM,
-                   help="with --quantization fp8: cuBLAS's FP8 products (steps of more than "
-                        "64 tokens) keep the tensor cores' own running sums (default; "
-                        "~7 %% faster GEMMs); --no-fp8-fast-accum promotes them into float32")
+                   help="with --quantization fp8: the FP8 products (the Triton kernel up to "
+                        "64 tokens, cuBLAS above) keep the tensor cores' own running sums "
+                        "(default; ~7 %% faster GEMMs); --no-fp8-fast-accum promotes them "
+                        "into float32")
     p.add_argument("--overlap-attention", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="Triton kernels on CUDA: in a step with both decodes and prefill, run "

@@ -52,15 +52,29 @@ def one_wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:
     return max(1, min(sms // tiles, k // (4 * block_k)))
 
 
-def w8a8_blocks(m: int, n: int, k: int) -> WoConfig:
-    """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``: 64 x 128
-    output tiles, 128-column K steps, 4 warps, 4 stages, split 0 (``one_wave_split``):
-    the sweep's best tile at M = 64 on every llama3-8b shape (3babef5; with the float32
-    promotion at 1ca1fb8 a layer's four GEMMs take 81.8 us against cuBLAS's 109.9).
-    128-row tiles with the promotion hold two 128 x 128 float32 accumulators per 4 warps
-    and ran slower than cuBLAS at M = 128..512 (1ca1fb8), so larger M keep 64-row tiles
-    (the method sends them to cuBLAS: ``quant.fp8.W8A8_TRITON_MAX_TOKENS``)."""
-    return WoConfig("w8a8", 64, 128, 128, 0, 4, 4)
+def w8a8_blocks(m: int, n: int, k: int, fast_accum: bool = False) -> WoConfig:
+    """The launch (a ``WoConfig`` of kind "w8a8") for a static ``(M, N, K)``, split 0
+    (``one_wave_split``). Promoted (``fast_accum`` off): 64 x 128 output tiles, 128-column K
+    steps, 4 warps, 4 stages, the sweep's best tile at M = 64 on every llama3-8b shape
+    (3babef5; with the float32 promotion at 1ca1fb8 a layer's four GEMMs take 81.8 us
+    against cuBLAS's 109.9). 128-row tiles with the promotion hold two 128 x 128 float32
+    accumulators per 4 warps and ran slower than cuBLAS at M = 128..512 (1ca1fb8), so larger
+    M keep 64-row tiles (the method sends them to cuBLAS:
+    ``quant.fp8.W8A8_TRITON_MAX_TOKENS``).
+
+    With fast accumulation no wgmma waits for its float32 add, and 256-column K steps pay:
+    the best of two H200 leases' sweeps at M = 64 (``bench/fp8_gemm.py``, results
+    ``h200-2026-12-03-r16a``/``-r16b``, us, against the 128 x 128 steps with fast
+    accumulation): qkv [6144, 4096] 64 x 64 x 256, 5 stages, 9.45 (12.8); o [4096, 4096]
+    64 x 32 x 256, 4 stages, 8.23 (10.25: 128 tiles, no split to reduce); down [4096,
+    14336] 64 x 64 x 256, 5 stages, 20.44 (22.53); gate_up [28672, 4096] keeps 64 x 128 x
+    128 (33.3, its 224 tiles already more than one wave). The classes below are those
+    shapes' (tp shards fall into them by size)."""
+    if not fast_accum or n >= 16384:
+        return WoConfig("w8a8", 64, 128, 128, 0, 4, 4)
+    if n * k <= 4096 * 4096:
+        return WoConfig("w8a8", 64, 32, 256, 0, 4, 4)
+    return WoConfig("w8a8", 64, 64, 256, 0, 4, 5)
 
 
 @triton.jit
@@ -112,7 +126,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    cfg = w8a8_blocks(m, n, k) if config is None else config
+    cfg = w8a8_blocks(m, n, k, fast_accum) if config is None else config
     if isinstance(cfg, str):
         cfg = WoConfig.parse(cfg)
     if cfg.kind != "w8a8":
