@@ -1,4 +1,4 @@
-"""The decode-attention kernel compiled for sm_90a on a machine without a GPU: registers,
+"""The decode-attention kernel (or, with ``--w8a8``, the W8A8 GEMM) compiled for sm_90a on a machine without a GPU: registers,
 shared memory and an opcode histogram of its SASS, per launch (how round 5 found the
 e4m3 V tile read one byte per load; ``bench/README.md``).
 
@@ -9,6 +9,7 @@ specializes them at run time; without it every load is scalar.
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
     PYTHONPATH=. /tmp/t36/bin/python bench/offline_sass.py --cache fp8 --launch 32,1,3 --scale-v
+    PYTHONPATH=. /tmp/t36/bin/python bench/offline_sass.py --w8a8 64,128,128,4,4 --fast
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     LAZY_TAU,
     _decode_split_kernel,
 )
+from tpserve.model.kernels.triton_w8a8 import _w8a8_kernel  # noqa: E402
 
 POINTERS = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr",
             "part_out_ptr", "part_max_ptr", "part_sum_ptr"]
@@ -56,6 +58,25 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t not in ("constexpr", "fp32")}
     src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
+                                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_w8a8(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                 fast: bool):
+    """``_w8a8_kernel`` (e4m3 operands, bf16 output, split partials) as the GPU runs it;
+    ``fast``: the K chunk summed in the tensor cores (round 16)."""
+    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+           "b_ptr": "*fp32", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "K_CHUNK": "i32", "stride_x": "i32", "stride_w": "i32", "stride_y": "i32"}
+    const = {"HAS_BIAS": False, "EVEN_K": True, "PARTIAL": True, "WIDEN": False,
+             "PROMOTE": min(block_k, 128), "FAST": fast, "BLOCK_M": block_m,
+             "BLOCK_N": block_n, "BLOCK_K": block_k}
+    sig |= {k: "constexpr" for k in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t not in ("constexpr", "fp32")}
+    src = triton.compiler.ASTSource(fn=_w8a8_kernel, signature=sig, constexprs=const,
                                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
@@ -87,19 +108,28 @@ def main() -> None:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--lazy-rescale", action="store_true", help="DecodeLaunch.lazy_rescale")
     p.add_argument("--bt-ahead", action="store_true", help="DecodeLaunch.bt_ahead")
+    p.add_argument("--w8a8", metavar="BM,BN,BK,WARPS,STAGES",
+                   help="compile the W8A8 GEMM with this launch instead")
+    p.add_argument("--fast", action="store_true", help="--w8a8 with fast accumulation")
     p.add_argument("--dump", help="write the SASS here")
     a = p.parse_args()
-    block_n, warps, stages = (int(v) for v in a.launch.split(","))
-    c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits,
-                       lazy=a.lazy_rescale, bt_ahead=a.bt_ahead)
-    rep = sass_report(c.asm["cubin"], a.top)
-    print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
-          f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "
-          f"LDS.U8 {rep['LDS.U8']}, BAR.SYNC {rep['BAR.SYNC']}")
+    if a.w8a8:
+        c = compile_w8a8(*(int(v) for v in a.w8a8.split(",")), fast=a.fast)
+        rep = sass_report(c.asm["cubin"], a.top)
+        print(f"triton {triton.__version__}, w8a8 {a.w8a8}, fast {a.fast}: "
+              f"{rep['registers']} registers, {c.metadata.shared} B shared")
+    else:
+        block_n, warps, stages = (int(v) for v in a.launch.split(","))
+        c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits,
+                           lazy=a.lazy_rescale, bt_ahead=a.bt_ahead)
+        rep = sass_report(c.asm["cubin"], a.top)
+        print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
+              f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "
+              f"LDS.U8 {rep['LDS.U8']}, BAR.SYNC {rep['BAR.SYNC']}")
     for op, n in rep["opcodes"].items():
         print(f"  {n:6d} {op}")
-    waits = re.findall(r"(DEPBAR\.LE SB\d, 0x[0-9a-f]+)", rep["sass"])
-    print("  cp.async waits:", collections.Counter(waits).most_common())
+    waits = re.findall(r"((?:WARPGROUP\.)?DEPBAR\.LE (?:SB\d|gsb\d), 0x[0-9a-f]+)", rep["sass"])
+    print("  cp.async / wgmma waits:", collections.Counter(waits).most_common())
     if a.dump:
         Path(a.dump).write_text(rep["sass"])
 
