@@ -1,6 +1,7 @@
-"""The decode-attention kernel (or, with ``--w8a8``, the W8A8 GEMM) compiled for sm_90a on a machine without a GPU: registers,
-shared memory and an opcode histogram of its SASS, per launch (how round 5 found the
-e4m3 V tile read one byte per load; ``bench/README.md``).
+"""The decode-attention kernel (or, with ``--w8a8``, the W8A8 GEMM) compiled for sm_90a on
+a machine without a GPU: registers, shared memory and an opcode histogram of its SASS, per
+launch (how round 5 found the e4m3 V tile read one byte per load, and round 16 the wgmma
+waits of the promoted W8A8 steps; ``bench/README.md``).
 
 Triton's NVIDIA backend compiles to a cubin without a device (its wheel carries ``ptxas``
 and ``cuobjdump``). Use the Triton version of the GPU machine (3.6.0 with its torch 2.11):
