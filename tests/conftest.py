@@ -41,14 +41,30 @@ LONG_UNITS = (
 )
 
 
+def _cores_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 def pytest_configure(config):
     """Under pytest-xdist each worker gets its share of the cores for torch's intra-op
     threads: two workers of two threads each on two cores spend much of a parallel region
     waiting for a thread the other worker holds (model tests ran up to 4 x slower). A run
-    without xdist keeps torch's default. Servers and spawned ranks set their own counts."""
+    without xdist keeps torch's default.
+
+    The same share goes to every other thread pool, through OMP_NUM_THREADS (unless it is
+    set already), which the xdist controller sets before it starts the workers, so that
+    they and every process they start inherit it: OpenBLAS's in the workers' numpy (the
+    Triton interpreter's dots), read once when numpy loads, and torch's in the servers and
+    torchrun "nodes" the tests start (SmolLM2's decode step of 16 sequences took 2.7 x as
+    long at two threads as at one while a second process ran the same). Spawned ranks set
+    their own counts."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(_cores_per_worker(int(workers)))
+        return
+    planned = config.getoption("numprocesses", None)  # the controller, before its workers
+    if isinstance(planned, int) and planned > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker(planned)))
 
 
 @pytest.hookimpl(optionalhook=True)
