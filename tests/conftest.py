@@ -22,22 +22,36 @@ SHARED_SERVER_UNITS = {
     "tests/server/test_engine_query.py": "small_server_tp2",
     "tests/server/test_memory_server.py": "small_server_tp2",
 }
-# The longest units (45 s to 5 min each under -n 2 on two cores), longest first: handed
+# The longest units (25 s to 5.5 min each under -n 2 on two cores), longest first: handed
 # out before all others, so that the run does not end with one worker busy on one of them
-# while the other has nothing left to do. Speed only: a unit not listed just goes out later.
+# while the other has nothing left to do; the units left after them take under 25 s each.
+# Speed only: a unit not listed just goes out later. Times of a whole run (--durations
+# and each unit's first start to last finish), rounded.
 LONG_UNITS = (
-    "small_server",  # test_tp_serving and test_against_tpserve
-    "tests/server/test_structured_server.py",
-    "tests/model/test_smollm2.py",
-    "small_server_tp2",  # test_engine_query and test_memory_server
-    "tests/server/test_soak.py",
-    "small_server_8_seqs",  # test_batching and test_tools_server
-    "tests/model/test_triton_fp8_kv.py",
-    "tests/server/test_resilience.py",
-    "tests/server/test_schemathesis.py",
-    "tests/model/test_triton_kernels.py",
-    "tests/server/test_server_e2e.py",
-    "tests/server/test_first_contact.py",
+    "small_server",  # test_tp_serving and test_against_tpserve: 325 s
+    "tests/server/test_structured_server.py",  # 170 s
+    "tests/model/test_smollm2.py",  # 135 s
+    "tests/model/test_triton_fp8_kv.py",  # 115 s
+    "tests/server/test_soak.py",  # 115 s
+    "tests/server/test_schemathesis.py",  # 100 s
+    "small_server_8_seqs",  # test_batching and test_tools_server: 95 s
+    "tests/server/test_resilience.py",  # 75 s
+    "tests/test_cli.py",  # 75 s
+    "small_server_tp2",  # test_engine_query and test_memory_server: 75 s
+    "tests/model/test_triton_kernels.py",  # 70 s
+    "tests/server/test_server_e2e.py",  # 50 s
+    "tests/server/test_fp8_checkpoint_server.py",  # 45 s
+    "tests/model/test_tokenizer_cache.py",  # 40 s
+    "tests/server/test_first_contact.py",  # 40 s
+    "tests/model/test_tiny_models.py",  # 40 s
+    "tests/server/test_fp8_serving.py",  # 30 s
+    "tests/server/test_fp8_kv_server.py",  # 30 s
+    "tests/parallel/test_layers.py",  # 30 s
+    "tests/server/test_engine_metrics.py",  # 30 s
+    "tests/model/test_fp8.py",  # 25 s
+    "tests/model/test_sequence_parallel.py",  # 25 s
+    "tests/model/test_dummy_weights.py",  # 25 s
+    "tests/model/test_fp8_kernels.py",  # 25 s
 )
 
 
