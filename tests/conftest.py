@@ -22,33 +22,63 @@ SHARED_SERVER_UNITS = {
     "tests/server/test_engine_query.py": "small_server_tp2",
     "tests/server/test_memory_server.py": "small_server_tp2",
 }
-# The longest units (45 s to 5 min each under -n 2 on two cores), longest first: handed
+# The longest units (25 s to 5.5 min each under -n 2 on two cores), longest first: handed
 # out before all others, so that the run does not end with one worker busy on one of them
-# while the other has nothing left to do. Speed only: a unit not listed just goes out later.
+# while the other has nothing left to do; the units left after them take under 25 s each.
+# Speed only: a unit not listed just goes out later. Times of a whole run (--durations
+# and each unit's first start to last finish), rounded.
 LONG_UNITS = (
-    "small_server",  # test_tp_serving and test_against_tpserve
-    "tests/server/test_structured_server.py",
-    "tests/model/test_smollm2.py",
-    "small_server_tp2",  # test_engine_query and test_memory_server
-    "tests/server/test_soak.py",
-    "small_server_8_seqs",  # test_batching and test_tools_server
-    "tests/model/test_triton_fp8_kv.py",
-    "tests/server/test_resilience.py",
-    "tests/server/test_schemathesis.py",
-    "tests/model/test_triton_kernels.py",
-    "tests/server/test_server_e2e.py",
-    "tests/server/test_first_contact.py",
+    "small_server",  # test_tp_serving and test_against_tpserve: 325 s
+    "tests/server/test_structured_server.py",  # 170 s
+    "tests/model/test_smollm2.py",  # 135 s
+    "tests/model/test_triton_fp8_kv.py",  # 115 s
+    "tests/server/test_soak.py",  # 115 s
+    "tests/server/test_schemathesis.py",  # 100 s
+    "small_server_8_seqs",  # test_batching and test_tools_server: 95 s
+    "tests/server/test_resilience.py",  # 75 s
+    "tests/test_cli.py",  # 75 s
+    "small_server_tp2",  # test_engine_query and test_memory_server: 75 s
+    "tests/model/test_triton_kernels.py",  # 70 s
+    "tests/server/test_server_e2e.py",  # 50 s
+    "tests/server/test_fp8_checkpoint_server.py",  # 45 s
+    "tests/model/test_tokenizer_cache.py",  # 40 s
+    "tests/server/test_first_contact.py",  # 40 s
+    "tests/model/test_tiny_models.py",  # 40 s
+    "tests/server/test_fp8_serving.py",  # 30 s
+    "tests/server/test_fp8_kv_server.py",  # 30 s
+    "tests/parallel/test_layers.py",  # 30 s
+    "tests/server/test_engine_metrics.py",  # 30 s
+    "tests/model/test_fp8.py",  # 25 s
+    "tests/model/test_sequence_parallel.py",  # 25 s
+    "tests/model/test_dummy_weights.py",  # 25 s
+    "tests/model/test_fp8_kernels.py",  # 25 s
 )
+
+
+def _cores_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 def pytest_configure(config):
     """Under pytest-xdist each worker gets its share of the cores for torch's intra-op
     threads: two workers of two threads each on two cores spend much of a parallel region
     waiting for a thread the other worker holds (model tests ran up to 4 x slower). A run
-    without xdist keeps torch's default. Servers and spawned ranks set their own counts."""
+    without xdist keeps torch's default.
+
+    The same share goes to every other thread pool, through OMP_NUM_THREADS (unless it is
+    set already), which the xdist controller sets before it starts the workers, so that
+    they and every process they start inherit it: OpenBLAS's in the workers' numpy (the
+    Triton interpreter's dots), read once when numpy loads, and torch's in the servers and
+    torchrun "nodes" the tests start (SmolLM2's decode step of 16 sequences took 2.7 x as
+    long at two threads as at one while a second process ran the same). Spawned ranks set
+    their own counts."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(_cores_per_worker(int(workers)))
+        return
+    planned = config.getoption("numprocesses", None)  # the controller, before its workers
+    if isinstance(planned, int) and planned > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker(planned)))
 
 
 @pytest.hookimpl(optionalhook=True)
