@@ -41,6 +41,18 @@ STRIDES = ["stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_kb", "str
            "stride_kh", "stride_vb", "stride_vo", "stride_vh", "stride_bt"]
 
 
+def compile_sm90a(fn, sig: dict, const: dict, num_warps: int, num_stages: int):
+    """``fn`` compiled for sm_90a: ``sig`` the runtime arguments' types, ``const`` the
+    constexprs; every pointer and integer argument gets ``tt.divisibility = 16``, as the JIT
+    specializes them at run time."""
+    sig = sig | {k: "constexpr" for k in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t not in ("constexpr", "fp32")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, scale_v: bool,
                    splits: int, group: int = 4, num_kv_heads: int = 8, lazy: bool = False,
                    bt_ahead: bool = False):
@@ -55,13 +67,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
              "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead}
-    sig |= {k: "constexpr" for k in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t not in ("constexpr", "fp32")}
-    src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
-                                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return compile_sm90a(_decode_split_kernel, sig, const, num_warps, num_stages)
 
 
 def compile_w8a8(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -74,13 +80,7 @@ def compile_w8a8(block_m: int, block_n: int, block_k: int, num_warps: int, num_s
     const = {"HAS_BIAS": False, "EVEN_K": True, "PARTIAL": True, "WIDEN": False,
              "PROMOTE": min(block_k, 128), "FAST": fast, "BLOCK_M": block_m,
              "BLOCK_N": block_n, "BLOCK_K": block_k}
-    sig |= {k: "constexpr" for k in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t not in ("constexpr", "fp32")}
-    src = triton.compiler.ASTSource(fn=_w8a8_kernel, signature=sig, constexprs=const,
-                                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return compile_sm90a(_w8a8_kernel, sig, const, num_warps, num_stages)
 
 
 def sass_report(cubin: bytes, top: int) -> dict:
