@@ -47,6 +47,24 @@ engine_mode() {
     > "$dir/engine-$mode.log" 2>&1
   grep -E "weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$mode.log" | cut -c1-1000
 }
+# alternate DIR REPS SPEC...: an A/B of fp8 weights + KV serving (engine_mode "both", no
+# profile), REPS rounds of the SPECs in order; SPEC is NAME:TREE:SHA, TREE the copy of the
+# tree the run starts in ("." this one), into DIR/engine-both_NAME-ROUND.*
+alternate() {
+  local dir=$1 reps=$2 i spec name tree sha
+  shift 2
+  for ((i = 1; i <= reps; i++)); do
+    for spec in "$@"; do
+      IFS=: read -r name tree sha <<< "$spec"
+      step "engine both, $name-$i"
+      if [ "$tree" = . ]; then
+        engine_mode "$dir" "both_$name-$i" "$sha" 0
+      else
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree engine_mode "$dir" "both_$name-$i" "$sha" 0)
+      fi
+    done
+  done
+}
 # round_start OUT SHA DEFAULT_PARTS [PART...]: the opening of a round script (run_fp8_r5.sh,
 # run_fp8_r6.sh, run_r8.sh): makes OUT, exports TPSERVE_GIT_COMMIT=SHA (git in the device
 # copy reports a stale HEAD), records nvidia-smi's clocks, and keeps the PARTs asked for

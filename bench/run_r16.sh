@@ -3,17 +3,14 @@
 # (each program's K chunk summed in the fp8 tensor cores, as --fp8-fast-accum has cuBLAS do)
 # and the lazy running maximum in fp8 decode attention, measured in joules per output token
 # as well as tok/s (bench/gpu_power.py). Carry .whl.
-#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab decode cols table tests
-#   (default: gemm ab)
+#   bash bench/run_r16.sh OUT SHA [PART...]   parts: gemm ab table tests (default: gemm ab)
 # gemm: fp8_gemm.py at M = 64 on the four Llama-3-8B shapes, the W8A8 launches promoted and
 # fast; ab: fp8 weights + KV serving twice each, alternating this tree ("fast"), a copy whose
 # W8A8 kernel promotes ("promoted": the tree before), and a copy with lazy_rescale in
-# FP8_LAUNCH ("lazy"); decode: time_decode_bt_ahead.py, the query heads as rows (shipped) and
-# as the matmuls' columns (heads_as_cols); table: serving twice each, this tree and a copy
-# whose fast-accumulation W8A8 launches are the promoted table's 128 x 128 K steps; cols: serving twice each, this tree (FP8_LAUNCH
-# with heads_as_cols) and a copy with the heads as rows; tests: the W8A8, decode-attention
-# and CUDA-graph tests compiled on the GPU. The decode and cols parts ran at 2801b2e;
-# heads_as_cols was removed after them (serving slower), so they no longer run.
+# FP8_LAUNCH ("lazy"); table: serving twice each, this tree and a copy whose
+# fast-accumulation W8A8 launches are the promoted table's 128 x 128 K steps; tests: the
+# W8A8, decode-attention and CUDA-graph tests compiled on the GPU. The heads-as-columns
+# parts (decode, cols) ran in this script at 2801b2e and left with heads_as_cols.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "gemm ab" "${@:3}"
@@ -43,46 +40,8 @@ if has ab; then
     "$lazy/tpserve/model/kernels/triton_decode_attention.py"
   grep -n "FAST=" "$promoted/tpserve/model/kernels/triton_w8a8.py"
   grep -n "^FP8_LAUNCH" "$lazy/tpserve/model/kernels/triton_decode_attention.py"
-  for run in fast-1 promoted-1 lazy-1 fast-2 promoted-2 lazy-2; do
-    step "engine both, $run"
-    case $run in
-      fast-*) engine_mode "$out" "both_$run" "$2" 0 ;;
-      promoted-*) (cd "$promoted" && PYTHONPATH=/tmp/site:$promoted engine_mode "$out" "both_$run" "$2+w8a8-promoted" 0) ;;
-      lazy-*) (cd "$lazy" && PYTHONPATH=/tmp/site:$lazy engine_mode "$out" "both_$run" "$2+lazy-rescale" 0) ;;
-    esac
-    grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
-  done
-fi
-if has decode; then
-  step "decode attention, heads as rows and as columns"
-  timeout 200 python3 bench/time_decode_bt_ahead.py --out "$out/decode-cols.json" \
-    --sizes 64x1152 32x1152 128x2048 16x2048 8x1152 64x512 \
-    --launches default+bt cols cols-s3 cols-s5 cols-x2 cols-n32s3 cols-w1n16s4 \
-    > "$out/decode-cols.log" 2>&1
-  python3 - "$out/decode-cols.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    for cache in ("bf16", "fp8"):
-        got = sorted((v["us"], k[len(cache) + 1:], v["splits"], v["diff"]) for k, v in r.items()
-                     if k.startswith(cache + "_") and isinstance(v, dict))
-        print(r["batch"], r["context"], cache, got)
-PY
-  tail -2 "$out/decode-cols.log" | cut -c1-300
-fi
-if has cols; then
-  rows=/tmp/r16-rows
-  rm -rf "$rows" && cp -r . "$rows"
-  sed -i 's/^FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True, heads_as_cols=True)$/FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt_ahead=True)/' \
-    "$rows/tpserve/model/kernels/triton_decode_attention.py"
-  grep -n "^FP8_LAUNCH" tpserve/model/kernels/triton_decode_attention.py "$rows/tpserve/model/kernels/triton_decode_attention.py"
-  for run in cols-1 rows-1 cols-2 rows-2; do
-    step "engine both, $run"
-    case $run in
-      cols-*) engine_mode "$out" "both_$run" "$2" 0 ;;
-      rows-*) (cd "$rows" && PYTHONPATH=/tmp/site:$rows engine_mode "$out" "both_$run" "$2+heads-as-rows" 0) ;;
-    esac
-    grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
-  done
+  alternate "$out" 2 "fast:.:$2" "promoted:$promoted:$2+w8a8-promoted" \
+    "lazy:$lazy:$2+lazy-rescale"
 fi
 if has table; then
   # the fast-accumulation W8A8 table (w8a8_blocks) against the 128 x 128 steps it replaces
@@ -91,14 +50,7 @@ if has table; then
   sed -i 's/^    if not fast_accum or n >= 16384:$/    if True:  # round 16 A\/B: the table before/' \
     "$old/tpserve/model/kernels/triton_w8a8.py"
   grep -n "if True:  # round 16" "$old/tpserve/model/kernels/triton_w8a8.py" || exit 1
-  for run in table-1 before-1 table-2 before-2; do
-    step "engine both, $run"
-    case $run in
-      table-*) engine_mode "$out" "both_$run" "$2" 0 ;;
-      before-*) (cd "$old" && PYTHONPATH=/tmp/site:$old engine_mode "$out" "both_$run" "$2+w8a8-128x128-steps" 0) ;;
-    esac
-    grep -h "GPU while serving" "$out/engine-both_$run.log" | cut -c1-300
-  done
+  alternate "$out" 2 "table:.:$2" "before:$old:$2+w8a8-128x128-steps"
 fi
 if has tests; then
   step "W8A8 and decode-attention tests"

@@ -341,8 +341,8 @@ def decode_attention(
     (with it): the V scale goes into the widened V tile instead of the output;
     ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the
     split scratch (``split_partials``) when the caller allocated it, e.g. before running
-    this on another stream; None allocates it here. A sequence of length 0 leaves its rows of ``out`` as
-    they were.
+    this on another stream; None allocates it here. A sequence of length 0 leaves its rows
+    of ``out`` as they were.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
