@@ -44,6 +44,7 @@ from engine_profiles import (  # noqa: E402  (bench/engine_profiles.py)
 from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     StubTokenizer,
     decode_batch1,
+    history_from_warmup,
     prefill,
     random_prompt,
     run_closed_loop,
@@ -93,9 +94,12 @@ def parse_args() -> argparse.Namespace:
                    help="after the serving run, profile STEPS steps of its steady state "
                         "(a closed loop of 3 x concurrency prompts): GPU time by kernel "
                         "category and the GPU's busy fraction (0: off)")
-    p.add_argument("--serving-memory-history", action="store_true",
-                   help="record the allocator's history during the serving run and report "
-                        "the stack behind every segment it creates (slows the run)")
+    p.add_argument("--serving-memory-history", nargs="?", const="serving", default=None,
+                   choices=("serving", "warmup"),
+                   help="record the allocator's history during the serving run (from the "
+                        "warm-up on: 'warmup') and report the stack behind every segment it "
+                        "creates, and with 'warmup' what fragments the cached ones (slows "
+                        "the run)")
     p.add_argument("--serving-only", action="store_true",
                    help="batch-1 decode and serving only (no eager decode, prefill, profile)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -316,11 +320,11 @@ def _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params
         log(f"prefill: {p['tok_per_s']} tok/s, step {p['step_ms_median']} ms, MFU {p['mfu']}")
 
 
-def _serving_figures(a, R, core, rng, vocab, device, save, log) -> dict:
+def _serving_figures(a, R, core, rng, vocab, device, save, log, history=None) -> dict:
     """The closed-loop serving run; returns its figures."""
     d = R["decode_batch1"]
     with PowerSampler(device) as power:
-        srv, seg, kv = serving(core, rng, vocab, a, device)
+        srv, seg, kv = serving(core, rng, vocab, a, device, history)
     srv["gpu_power"] = power.summary()
     if srv["gpu_power"].get("energy_j") is not None:
         srv["joules_per_output_token"] = round(srv["gpu_power"]["energy_j"]
@@ -421,6 +425,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
                   weight_bytes, "kv_bytes_per_token": kv_per_token,
                   "params_per_prefill_token": per_token_params}
 
+    history = history_from_warmup(a, device)
     # warm-up: compiles the kernels for prefill and large-batch decode shapes
     t = time.perf_counter()
     run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)
@@ -433,7 +438,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
                     log)
     _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
                      device, save, log)
-    srv = _serving_figures(a, R, core, rng, vocab, device, save, log)
+    srv = _serving_figures(a, R, core, rng, vocab, device, save, log, history)
     if a.profile_serving:
         R["profile_serving"] = profile_serving(core, rng, vocab, a, device, table_path,
                                                a.profile_serving)

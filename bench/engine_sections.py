@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alloc_trace import created_segments  # noqa: E402  (bench/alloc_trace.py)
+from alloc_trace import created_segments, segment_blockers  # noqa: E402  (bench/alloc_trace.py)
 from measure import sync  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.memory import start_memory_history  # noqa: E402
@@ -219,8 +219,24 @@ def _prefill_steps(core, rng, vocab, seqs, input_len, reps, flops_per_step, tflo
             "mfu": round(flops_per_step / t / (tflops * 1e12), 4)}
 
 
-def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.device
+def history_from_warmup(a, device: torch.device) -> dict[str, Any] | None:
+    """With ``--serving-memory-history warmup`` on CUDA: turns the allocator's history on
+    now (before the warm-up) and returns the allocator's snapshot at this point, which
+    ``serving`` replays the trace from; else None."""
+    if a.serving_memory_history != "warmup" or device.type != "cuda":
+        return None
+    start_memory_history(device, 2_000_000)
+    return torch.cuda.memory._snapshot()
+
+
+def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.device,
+            history_start: dict[str, Any] | None = None
             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The closed-loop serving run. With ``a.serving_memory_history`` the allocator's
+    history is recorded over it (or, given ``history_start``, the snapshot taken when it
+    was turned on before the warm-up, it already runs), and the report names the stack
+    behind every segment the run creates and (``history_start``) what kept the cached
+    segments from serving it (``alloc_trace.segment_blockers``)."""
     prompts = [random_prompt(rng, a.input_len, vocab) for _ in range(a.num_prompts)]
     waste: list[float] = []
     before = alloc_stats(device)
@@ -228,8 +244,11 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     c0 = dict(core.counters)
     hist = core.histograms["iteration_tokens_total"]
     h0 = list(hist.counts), hist.count, hist.sum
-    history = a.serving_memory_history and device.type == "cuda"
-    if history:  # slows every allocation: the run's speed is then not a figure
+    history = bool(a.serving_memory_history) and device.type == "cuda"
+    since = 0  # the trace index where the serving run starts
+    if history and history_start is not None:
+        since = len(torch.cuda.memory._snapshot()["device_traces"][device.index or 0])
+    elif history:  # slows every allocation: the run's speed is then not a figure
         start_memory_history(device, 2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature)
@@ -274,7 +293,10 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
              "blocks": [[b["size"], b["state"]] for b in s["blocks"]][:32]}
             for s in new_segs]
     if snap is not None:
-        seg["created_in_trace"], seg["freed_in_trace"], _ = created_segments(snap, 40)
+        seg["created_in_trace"], seg["freed_in_trace"], _ = created_segments(snap, 40, since)
+        if history_start is not None:
+            traces = snap["device_traces"][device.index or 0]
+            seg["blockers"] = segment_blockers(history_start, traces, since, 24)
     kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
           "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
     return srv, seg, kv

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Round 17 (issue 15) on the GPU machine. Carry .whl.
+#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace energy tests (default: segtrace)
+# segtrace: fp8 weights + KV serving with the allocator's history from the warm-up on
+# (bench_engine.py --serving-memory-history warmup), so that the report names, for every
+# segment the serving run creates, the live allocations that split the cached segments
+# big enough to serve it (alloc_trace.segment_blockers); energy: bench/energy_kernels.py,
+# joules per call of the serving step's heavy kernels; tests: the GPU tests of the files
+# this round touched.
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
+round_start "$1" "$2" "segtrace" "${@:3}"
+if has segtrace; then
+  step "fp8 weights + KV serving, allocator history from the warm-up"
+  timeout 300 python3 bench/bench_engine.py --serving-only --quantization fp8 \
+    --kv-cache-dtype fp8 --serving-memory-history warmup \
+    --out "$out/engine-both-segtrace.json" --git-commit "$2" > "$out/engine-both-segtrace.log" 2>&1
+  grep -E "batch-1|serving:|new segments" "$out/engine-both-segtrace.log" | cut -c1-300
+  python3 - "$out/engine-both-segtrace.json" <<'PY'
+import json, sys
+seg = json.load(open(sys.argv[1]))["allocator"]
+print("new segments", seg.get("new_segments"), "created", len(seg.get("created_in_trace", [])))
+for b in seg.get("blockers", []):
+    print("segment of", b["size"], "stream", b["stream"], "at", b["index"])
+    print("   made by", b["stack"][:6])
+    for c in b["candidates"]:
+        print("   candidate", c["total_size"], "stream", c["stream"], "pool", c["pool"],
+              "largest free", c["largest_free"], "live", c["live_count"])
+        for l in c["live"][:6]:
+            print("      ", l["offset"], l["size"], l["index"], l["stack"][:8])
+PY
+fi
+if has energy; then
+  step "energy per call of the step's kernels"
+  timeout 330 python3 bench/energy_kernels.py --out "$out/energy-kernels.json" \
+    > "$out/energy-kernels.log" 2>&1
+  tail -40 "$out/energy-kernels.log" | cut -c1-240
+fi
+round_pack
