@@ -308,6 +308,29 @@ def test_argmax_rows_equals_argmax_with_ties():
         assert got[2] == 77 and got[3] == vocab - 1 and got[4] == 0
 
 
+@pytest.mark.parametrize("vocab", [128256, 1000])
+def test_plain_greedy_step_takes_the_same_tokens_as_the_float32_pipeline(vocab):
+    """A step of plain greedy rows takes the argmax of the logits as they are (no float32
+    copy); every token equals the one the full pipeline picks for the same row when
+    another row in the step asks for logprobs (which forces the float32 path), bf16 ties
+    included, also for logits that are a column slice (a padded vocabulary's view)."""
+    gen = torch.Generator().manual_seed(5)
+    wide = (torch.randint(-4, 5, (6, vocab + 24), generator=gen) / 4).to(torch.bfloat16)
+    wide[1, 9] = wide[1, 300] = 2.0  # a tie: the lower id wins
+    wide[2, :] = 0.0  # all tied: id 0
+    x = wide[:, :vocab]  # not contiguous
+    greedy = SamplingParams(temperature=0.0)
+    fast = run(Sampler(), x, [greedy] * 6)
+    full = run(Sampler(), x, [greedy] * 5 + [SamplingParams(temperature=0.0, logprobs=1)])
+    assert fast.token_ids == full.token_ids == x.float().argmax(-1).tolist()
+    assert fast.token_ids[1] == 9 and fast.token_ids[2] == 0
+    assert fast.logprobs is None
+    # rows the pipeline would change still go through it: a bias moves the argmax
+    biased = run(Sampler(), x, [greedy] * 5 + [SamplingParams(temperature=0.0,
+                                                               logit_bias=((7, 100.0),))])
+    assert biased.token_ids[:5] == fast.token_ids[:5] and biased.token_ids[5] == 7
+
+
 def test_warm_up_runs_every_path_and_changes_no_draw():
     """The allocator warm-up samples each row count through every path and leaves the
     shared generator where it was: the next draw equals a fresh sampler's."""

@@ -1,6 +1,8 @@
 """Token sampling on rank 0: penalties, min_tokens, logprobs, greedy and random sampling.
 
-Pipeline, per row of ``logits`` (always computed in float32 on the logits' device):
+Pipeline, per row of ``logits`` (computed in float32 on the logits' device; a step whose
+rows are all greedy, unconstrained and untouched by steps 1-3 takes the argmax of the
+logits as they are, which is the same token):
 
 1. penalties (``_penalize_``): repetition penalty over prompt + output tokens
    (Hugging Face style: positive logits divided, negative ones multiplied), then frequency
@@ -227,6 +229,14 @@ def apply_filters(
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
+def _plain_greedy(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
+    """A greedy row that asks for no logprobs and whose logits no pipeline step changes
+    (no penalty, no logit_bias, past its ``min_tokens``)."""
+    return (p.greedy and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(output_token_ids) >= p.min_tokens)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for 2-D ``x`` (ties to the lowest index), in two passes when rows are
     long: one long row otherwise reduces in a single block (~27 us for 128k logits on an
@@ -236,7 +246,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     groups = 256
     if v < 32 * groups or v % groups:
         return x.argmax(dim=-1)
-    vals, idx = x.view(n, groups, v // groups).max(dim=-1)
+    vals, idx = x.reshape(n, groups, v // groups).max(dim=-1)
     best = vals.argmax(dim=-1, keepdim=True)
     return (best * (v // groups) + idx.gather(1, best)).squeeze(1)
 
@@ -313,6 +323,11 @@ class Sampler:
             raise ValueError("sampler: one params/prompt/output/generator entry per logits row")
         if n == 0:
             return PendingSample(torch.zeros(0, dtype=torch.int64))
+        if bitmask is None and all(map(_plain_greedy, params, output_token_ids)):
+            # nothing below would change these logits: their argmax as they are (widening
+            # to float32 is exact and monotonic, so the winner and its ties are the same)
+            # without the [rows, vocab] float32 copy
+            return PendingSample(argmax_rows(logits))
         x = logits.to(torch.float32, copy=True)
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
