@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Round 17 (issue 15) on the GPU machine. Carry .whl.
-#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace energy tests (default: segtrace)
+#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace profile energy tests
+#   (default: segtrace)
 # segtrace: fp8 weights + KV serving with the allocator's history from the warm-up on
 # (bench_engine.py --serving-memory-history warmup), so that the report names, for every
 # segment the serving run creates, the live allocations that split the cached segments
 # big enough to serve it (alloc_trace.segment_blockers); energy: bench/energy_kernels.py,
-# joules per call of the serving step's heavy kernels; tests: the GPU tests of the files
-# this round touched.
+# joules per call of the serving step's heavy kernels; profile: fp8 weights + KV serving
+# with 400 steps profiled (engine_mode); tests: the GPU tests of the files this round
+# touched.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "segtrace" "${@:3}"
@@ -30,10 +32,22 @@ for b in seg.get("blockers", []):
             print("      ", l["offset"], l["size"], l["index"], l["stack"][:8])
 PY
 fi
+if has profile; then
+  step "fp8 weights + KV serving, 400 steps profiled"
+  engine_mode "$out" both "$2" 400
+fi
 if has energy; then
   step "energy per call of the step's kernels"
-  timeout 330 python3 bench/energy_kernels.py --out "$out/energy-kernels.json" \
+  timeout 240 python3 bench/energy_kernels.py --commit "$2" --out "$out/energy-kernels.json" \
     > "$out/energy-kernels.log" 2>&1
-  tail -40 "$out/energy-kernels.log" | cut -c1-240
+  tail -34 "$out/energy-kernels.log" | cut -c1-240
+fi
+if has tests; then
+  step "norm, fp8 fused, sampler and CUDA-graph tests"
+  timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_kernels.py tests/model/test_fp8_fused.py tests/model/test_sampler.py \
+    tests/model/test_cuda_graph_path.py -k "norm or residual or fused or sampler or greedy or graph" \
+    > "$out/gpu-tests.txt" 2>&1
+  tail -3 "$out/gpu-tests.txt"
 fi
 round_pack

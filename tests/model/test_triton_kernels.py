@@ -132,6 +132,53 @@ def test_add_rms_norm(ops, dtype):
     assert torch.equal(x, x_before) and torch.equal(res, res_before)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16-out", "fp8-out"])
+def test_add_rms_norm_writes_the_sum_over_the_residual(mods, backend, quantize):
+    """``sum_out=residual`` (what ``RMSNorm`` passes): the sum lands in the residual's own
+    storage, bit for bit what the out-of-place call returns, with the same normed output;
+    ``x`` is untouched; a ``sum_out`` that cannot hold the sum is refused."""
+    if backend == "triton":
+        add, add_fp8 = mods["triton_norm"].add_rms_norm, mods["triton_fp8_fused"].add_rms_norm_fp8
+    else:
+        add, add_fp8 = torch_ops.add_rms_norm, torch_ops.add_rms_norm_fp8
+    fn = add_fp8 if quantize else add
+    gen = torch.Generator().manual_seed(4)
+    x = _randn(6, 80, dtype=torch.bfloat16, gen=gen)
+    res = _randn(6, 80, dtype=torch.bfloat16, gen=gen)
+    w = _randn(80, dtype=torch.bfloat16, gen=gen)
+    x_before = x.clone()
+    want = fn(x, res.clone(), w, 1e-6)
+    got = fn(x, res, w, 1e-6, res)
+    summed = got[-1]
+    assert summed.data_ptr() == res.data_ptr() and torch.equal(res, want[-1])
+    for g, e in zip(got[:-1], want[:-1], strict=True):
+        assert g == e if isinstance(g, torch.dtype) else torch.equal(g, e)
+    assert torch.equal(x, x_before)
+    with pytest.raises(ValueError, match="cannot hold the sum"):
+        fn(x, res, w, 1e-6, res.float())
+    with pytest.raises(ValueError, match="cannot hold the sum"):
+        fn(x, res, w, 1e-6, torch.empty(80, 6, dtype=torch.bfloat16, device=DEVICE).t())
+
+
+def test_rms_norm_layer_carries_the_residual_stream_in_one_buffer(ops):
+    """``RMSNorm(x, residual)`` returns the residual tensor itself holding ``x + residual``
+    (no new buffer a layer); a residual narrower than the sum is left alone and the sum
+    is a new tensor."""
+    from tpserve.model.layers.norm import RMSNorm
+    norm = RMSNorm(64, 1e-6, ops, torch.bfloat16).to(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    x = _randn(3, 64, dtype=torch.bfloat16, gen=gen)
+    res = _randn(3, 64, dtype=torch.bfloat16, gen=gen)
+    expected = ops.add_rms_norm(x, res.clone(), norm.weight, 1e-6)
+    out, summed = norm(x, res)
+    assert summed is res and torch.equal(summed, expected[1]) and torch.equal(out, expected[0])
+    narrow = res.clone()
+    out, summed = norm(x.float(), narrow)  # a float32 sum cannot go over a bf16 residual
+    assert summed is not narrow and summed.dtype == torch.float32
+    assert torch.equal(narrow, res)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 2 * 96), (2, 3, 2 * 1100)])
 def test_silu_and_mul(ops, dtype, shape):

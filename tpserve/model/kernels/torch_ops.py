@@ -26,11 +26,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(rms_norm(x + residual), x + residual)``."""
-    summed = x + residual
+    """Returns ``(rms_norm(x + residual), x + residual)``; the sum is stored in ``sum_out``
+    when given (a contiguous tensor of the sum's shape and dtype, e.g. ``residual`` itself:
+    the layers' residual stream is updated in place, with no new allocation)."""
+    summed = torch.add(x, residual, out=check_sum_out(sum_out, x, residual))
     return rms_norm(summed, weight, eps), summed
+
+
+def check_sum_out(sum_out: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """``sum_out`` after checking it can hold ``x + residual`` (shape, dtype, contiguous)."""
+    if sum_out is not None:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        if sum_out.shape != x.shape or sum_out.dtype != dtype or not sum_out.is_contiguous():
+            raise ValueError(f"sum_out {tuple(sum_out.shape)} {sum_out.dtype} cannot hold the "
+                             f"sum {tuple(x.shape)} {dtype} (contiguous)")
+    return sum_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -53,11 +67,11 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype,
-                                          torch.Tensor]:
+                     eps: float, sum_out: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
     """``add_rms_norm`` with the normed rows quantized per token: ``(q, scale, dtype,
-    x + residual)``."""
-    y, summed = add_rms_norm(x, residual, weight, eps)
+    x + residual)`` (the sum in ``sum_out`` when given)."""
+    y, summed = add_rms_norm(x, residual, weight, eps, sum_out)
     return (*_quantized(y), summed)
 
 

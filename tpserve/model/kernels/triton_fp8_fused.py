@@ -107,9 +107,9 @@ def _consts(device: torch.device) -> dict:
 
 
 def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float):
+              eps: float, sum_out: torch.Tensor | None = None):
     hidden = x.shape[-1]
-    r = norm_rows(x, residual, weight)
+    r = norm_rows(x, residual, weight, sum_out)
     x2, r2, s2 = r.x, r.residual, r.sum_rows
     rows = x2.shape[0]
     q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
@@ -133,11 +133,11 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype,
-                                          torch.Tensor]:
+                     eps: float, sum_out: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
     """``add_rms_norm`` with its normed output quantized per token: ``(q, scale, dtype,
-    x + residual)``."""
-    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps)
+    x + residual)`` (the sum in ``sum_out`` when given, see ``triton_norm.norm_rows``)."""
+    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, sum_out)
     return q, s, out_dtype, summed
 
 

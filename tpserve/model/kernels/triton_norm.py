@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.torch_ops import check_sum_out
+
 
 @triton.jit
 def _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
@@ -61,9 +63,11 @@ class NormRows(NamedTuple):
     out_dtype: torch.dtype
 
 
-def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-              ) -> NormRows:
-    """``NormRows`` of a launch; allocates the residual sum when there is a residual."""
+def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              sum_out: torch.Tensor | None = None) -> NormRows:
+    """``NormRows`` of a launch; the residual sum goes to ``sum_out`` (checked as
+    ``torch_ops.check_sum_out``; it may be ``residual`` itself: each program reads its row of
+    ``x`` and ``residual`` before it stores the sum there), else to a new tensor."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} vs hidden {hidden}"
     x2 = x.reshape(-1, hidden)
@@ -77,7 +81,9 @@ def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     r2 = residual.reshape(-1, hidden)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    summed = check_sum_out(sum_out, x, residual)
+    if summed is None:
+        summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     return NormRows(x2, r2, summed, summed.view(-1, hidden), out_dtype)
 
 
@@ -85,9 +91,10 @@ def num_warps_for(block_h: int) -> int:
     return 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            sum_out: torch.Tensor | None = None):
     hidden = x.shape[-1]
-    r = norm_rows(x, residual, weight)
+    r = norm_rows(x, residual, weight, sum_out)
     out = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
     out2 = out.view(-1, hidden)
     x2, r2, summed, s2 = r.x, r.residual, r.summed, r.sum_rows
@@ -109,7 +116,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(rms_norm(x + residual), x + residual)`` in one pass over the row."""
-    return _launch(x, residual, weight, eps)
+    """Returns ``(rms_norm(x + residual), x + residual)`` in one pass over the row (the sum
+    in ``sum_out`` when given, see ``norm_rows``)."""
+    return _launch(x, residual, weight, eps, sum_out)

@@ -21,13 +21,23 @@ class RMSNorm(nn.Module):
                 quantize: bool = False):
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given;
         with ``quantize`` the normed rows come as an ``Fp8Activation`` (the same values,
-        quantized per token in the same kernel)."""
-        if quantize:
-            if residual is None:
-                return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps))
-            q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
-                                                            self.eps)
-            return Fp8Activation(q, s, dtype), summed
+        quantized per token in the same kernel).
+
+        The residual is consumed: where it can hold the sum (contiguous, of the sum's
+        dtype) the sum is written over it and it is returned, so the residual stream of a
+        step lives in one buffer instead of a new one per norm (in an eager 8,192-token
+        step each was 64 MiB, and one of them split the cached block the next gate/up
+        output needed: bench/README.md round 17). Callers must not read ``residual``
+        afterwards except through the returned sum."""
         if residual is None:
+            if quantize:
+                return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps))
             return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        sum_out = residual if (residual.is_contiguous() and residual.shape == x.shape and
+                               residual.dtype == torch.promote_types(x.dtype, residual.dtype)
+                               ) else None
+        if quantize:
+            q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
+                                                            self.eps, sum_out)
+            return Fp8Activation(q, s, dtype), summed
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out)
