@@ -66,7 +66,8 @@ def mixed_buckets_for(max_tokens: int, multiple: int = 1) -> list[int]:
 def graph_reserve_bytes(max_num_seqs: int, max_mixed_tokens: int, vocab_size: int,
                         multiple: int = 1) -> int:
     """What capturing is expected to take, set aside before the KV pool is sized: every
-    graph's float32 logits plus a margin for the graphs' activations."""
+    graph's logits (counted as float32, an upper bound) plus a margin for the graphs'
+    activations."""
     rows = sum(buckets_for(max_num_seqs, multiple)) + sum(
         min(max_num_seqs, b) for b in mixed_buckets_for(max_mixed_tokens, multiple))
     return rows * vocab_size * 4 + 512 * 2**20
@@ -159,7 +160,7 @@ class StepGraphs:
                             self.kv_pool.layers, self._metadata(kind, bucket, plan))
         if kind == MIXED:
             hidden = hidden[self.logits_indices[: self._rows(kind, bucket)]]
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden)
 
     def _fill(self, kind: str, bucket: int, plan: StepPlan) -> None:
         t, b = plan.num_tokens, plan.seq_lens.shape[0]

@@ -350,8 +350,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------- stepping
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Rank 0: send the plan to every rank, run it; returns float32 logits of the
-        sampled rows ``[S, vocab]``. Nothing here waits for the device: on CUDA the plan
+        """Rank 0: send the plan to every rank, run it; returns the logits of the sampled
+        rows ``[S, vocab]`` in the model's dtype (the sampler widens them to float32 where
+        its pipeline changes them; a step of plain greedy rows takes their argmax as is). Nothing here waits for the device: on CUDA the plan
         goes up from pinned memory, so the host can prepare the next step meanwhile."""
         return self.run(self.upload(plan))
 
@@ -432,7 +433,7 @@ class ModelRunner:
             return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                             plan.metadata(self.attn))
-        return self.model.compute_logits(hidden[plan.logits_indices]).float()
+        return self.model.compute_logits(hidden[plan.logits_indices])
 
 
 def run_worker(rank: int, world_size: int, init_method: str, cfg: RunnerConfig,
