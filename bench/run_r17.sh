@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Round 17 (issue 15) on the GPU machine. Carry .whl.
-#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace profile energy tests
+#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace profile bf16 ab energy tests
 #   (default: segtrace)
 # segtrace: fp8 weights + KV serving with the allocator's history from the warm-up on
 # (bench_engine.py --serving-memory-history warmup), so that the report names, for every
 # segment the serving run creates, the live allocations that split the cached segments
 # big enough to serve it (alloc_trace.segment_blockers); energy: bench/energy_kernels.py,
 # joules per call of the serving step's heavy kernels; profile: fp8 weights + KV serving
-# with 400 steps profiled (engine_mode); tests: the GPU tests of the files this round
-# touched.
+# with 400 steps profiled (engine_mode); bf16: bf16 serving, profiled; ab: fp8 weights +
+# KV serving twice each, alternating this tree and a copy with .whl/r17-product.patch
+# (`git diff BASE HEAD -- tpserve`, made before the call) reversed; tests: the GPU tests of
+# the files this round touched.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "segtrace" "${@:3}"
@@ -35,6 +37,16 @@ fi
 if has profile; then
   step "fp8 weights + KV serving, 400 steps profiled"
   engine_mode "$out" both "$2" 400
+fi
+if has bf16; then
+  step "bf16 serving, 400 steps profiled"
+  engine_mode "$out" bf16 "$2" 400
+fi
+if has ab; then
+  base=/tmp/r17-base
+  rm -rf "$base" && cp -r . "$base" && (cd "$base" && patch -s -R -p1 < .whl/r17-product.patch) \
+    || exit 1
+  alternate "$out" 2 "new:.:$2" "base:$base:$2-r17-product.patch"
 fi
 if has energy; then
   step "energy per call of the step's kernels"
