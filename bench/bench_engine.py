@@ -43,7 +43,7 @@ from engine_profiles import (  # noqa: E402  (bench/engine_profiles.py)
 )
 from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     StubTokenizer,
-    decode_batch1,
+    decode_figures,
     history_from_warmup,
     prefill,
     random_prompt,
@@ -276,31 +276,6 @@ def _start_runner(a, R, cfg: Config, group, device, notes, save, log):
     return runner, cfg
 
 
-def _decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
-                    log) -> None:
-    """Batch-1 decode, with the CUDA graphs and (unless serving only) without them."""
-    graphs = runner.graphs
-    R["decode_batch1"] = decode_batch1(core, rng, vocab, a.decode_input_len,
-                                       a.decode_output_len, weight_bytes, kv_per_token,
-                                       lim["copy_GBps"])
-    save()
-    d = R["decode_batch1"]
-    log(f"batch-1 decode: {d['tok_per_s']} tok/s, TPOT {d['tpot_ms']} ms, MBU {d['mbu']}")
-    if graphs is not None and not a.serving_only:  # the same decode without the graphs
-        runner.graphs = None
-        try:  # a short request first, so that kernel compiles stay out of the figure
-            run_closed_loop(core, [random_prompt(rng, a.decode_input_len, vocab)], 4, 1,
-                            None, None, "b1-eager-warm")
-            R["decode_batch1_eager"] = decode_batch1(
-                core, rng, vocab, a.decode_input_len, a.decode_output_len, weight_bytes,
-                kv_per_token, lim["copy_GBps"])
-        finally:
-            runner.graphs = graphs
-        save()
-        e = R["decode_batch1_eager"]
-        log(f"batch-1 decode, eager: {e['tok_per_s']} tok/s, TPOT {e['tpot_ms']} ms")
-
-
 def _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
                      device, save, log) -> None:
     """Prefill throughput and MFU (skipped when serving only)."""
@@ -434,7 +409,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     R["warmup_s"] = round(time.perf_counter() - t, 2)
     log(f"warm-up {R['warmup_s']} s")
 
-    _decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
+    decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
                     log)
     _prefill_figures(a, R, core, mcfg, rng, vocab, per_token_params, head_params, lim,
                      device, save, log)

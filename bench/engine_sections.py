@@ -219,6 +219,31 @@ def _prefill_steps(core, rng, vocab, seqs, input_len, reps, flops_per_step, tflo
             "mfu": round(flops_per_step / t / (tflops * 1e12), 4)}
 
 
+def decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, lim, save,
+                    log) -> None:
+    """Batch-1 decode, with the CUDA graphs and (unless serving only) without them."""
+    graphs = runner.graphs
+    R["decode_batch1"] = decode_batch1(core, rng, vocab, a.decode_input_len,
+                                       a.decode_output_len, weight_bytes, kv_per_token,
+                                       lim["copy_GBps"])
+    save()
+    d = R["decode_batch1"]
+    log(f"batch-1 decode: {d['tok_per_s']} tok/s, TPOT {d['tpot_ms']} ms, MBU {d['mbu']}")
+    if graphs is not None and not a.serving_only:  # the same decode without the graphs
+        runner.graphs = None
+        try:  # a short request first, so that kernel compiles stay out of the figure
+            run_closed_loop(core, [random_prompt(rng, a.decode_input_len, vocab)], 4, 1,
+                            None, None, "b1-eager-warm")
+            R["decode_batch1_eager"] = decode_batch1(
+                core, rng, vocab, a.decode_input_len, a.decode_output_len, weight_bytes,
+                kv_per_token, lim["copy_GBps"])
+        finally:
+            runner.graphs = graphs
+        save()
+        e = R["decode_batch1_eager"]
+        log(f"batch-1 decode, eager: {e['tok_per_s']} tok/s, TPOT {e['tpot_ms']} ms")
+
+
 def history_from_warmup(a, device: torch.device) -> dict[str, Any] | None:
     """With ``--serving-memory-history warmup`` on CUDA: turns the allocator's history on
     now (before the warm-up) and returns the allocator's snapshot at this point, which
