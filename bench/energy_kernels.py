@@ -109,10 +109,13 @@ def gemm(kind: str, n: int, k: int, m: int):
     return build
 
 
-def attention(s: Shapes, cache_dtype: torch.dtype, prefill: bool):
+def attention(s: Shapes, cache_dtype: torch.dtype, prefill: bool,
+              launch: dict | None = None, splits: int | None = None):
     """Builder of ``paged_attention`` calls as the engine's graphs launch them: decode only
     (``m_dec`` sequences, contexts ``dec_ctx``) or the prefill chunk alone (no decode slots,
-    its tile table padded as a mixed step's of ``m_mix`` tokens over ``m_dec`` slots)."""
+    its tile table padded as a mixed step's of ``m_mix`` tokens over ``m_dec`` slots).
+    ``launch`` (decode only; ``--decode-sweep``): ``decode_attention`` called directly with
+    these ``DecodeLaunch`` fields and ``splits`` (None: the default split count)."""
     def build(dev: torch.device, calls: int, rotate_mib: int) -> tuple[Fns, dict]:
         gen, g = torch.Generator().manual_seed(0), torch.Generator(device=dev).manual_seed(0)
         ctx = torch.randint(s.dec_ctx[0], s.dec_ctx[1] + 1, (s.m_dec,), generator=gen)
@@ -143,6 +146,14 @@ def attention(s: Shapes, cache_dtype: torch.dtype, prefill: bool):
                     "launch": dec.default_launch(cache_dtype, s.m_dec, s.hkv)._asdict()}
         caches, copies = per_call((kc, vc), rotate_mib, calls)
         info.update(copies=copies, context_tokens=sum(lens))
+        if launch is not None:
+            n = splits or info["splits"]
+            out = torch.empty_like(q)
+            info.update(splits=n, launch=dec.default_launch(cache_dtype, s.m_dec, s.hkv)
+                        ._replace(**launch)._asdict())
+            return [lambda c=c: dec.decode_attention(
+                q, c[0], c[1], meta.block_tables, meta.seq_lens, s.d ** -0.5, out, n,
+                kv_scale=kv_scale, **launch) for c in caches], info
         return [lambda c=c: tb.paged_attention(q, c[0], c[1], meta, s.d ** -0.5, kv_scale)
                 for c in caches], info
     return build
@@ -161,9 +172,26 @@ def small_kernel(kind: str, m: int, width: int):
     return build
 
 
-def cases(s: Shapes) -> list[tuple[str, str, Callable | None]]:
-    """``(name, class, builder)`` in run order; the idle case (no builder) first."""
+# --decode-sweep: fp8-cache decode launches, (name, DecodeLaunch fields replaced in
+# FP8_LAUNCH, splits or None: the default count)
+DECODE_SWEEP = (
+    ("shipped", {}, None), ("splits1", {}, 1), ("splits4", {}, 4),
+    ("k16_w1_s3", {"num_stages": 3}, None), ("lazy", {"lazy_rescale": True}, None),
+    ("bf16_dot", {"fp16_dot": False, "scale_v": False}, None),
+    ("k32_w1_s3", {"block_n": 32, "num_stages": 3, "bt_ahead": False}, None),
+    ("k64_w4_s3", {"block_n": 64, "num_warps": 4, "num_stages": 3, "bt_ahead": False}, None),
+    ("k128_w4_s2", {"block_n": 128, "num_warps": 4, "num_stages": 2, "bt_ahead": False}, None),
+)
+
+
+def cases(s: Shapes, decode_sweep: bool = False) -> list[tuple[str, str, Callable | None]]:
+    """``(name, class, builder)`` in run order; the idle case (no builder) first; with
+    ``decode_sweep`` the fp8 decode launches of ``DECODE_SWEEP`` as well."""
     out: list[tuple[str, str, Callable | None]] = [("idle", "idle", None)]
+    if decode_sweep:
+        base = {k: v for k, v in dec.FP8_LAUNCH._asdict().items() if k != "target_programs"}
+        out += [(f"decode_fp8_{name}", "decode_sweep",
+                 attention(s, FP8, False, {**base, **kw}, n)) for name, kw, n in DECODE_SWEEP]
     gemms = [(f"w8a8_m{s.m_dec}", "w8a8", s.m_dec), (f"scaled_mm_m{s.m_mix}", "mm", s.m_mix),
              (f"bf16_m{s.m_dec}", "bf16", s.m_dec), (f"bf16_m{s.m_mix}", "bf16", s.m_mix)]
     out += [(f"{pre}_{g}", "gemm", gemm(kind, n, k, m)) for pre, kind, m in gemms
@@ -318,6 +346,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true",
                     help="tiny shapes on the CPU, each case once (idle: 0.1 s)")
     ap.add_argument("--commit", default=None, help="the commit measured (else git here)")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="also the fp8 decode launches of DECODE_SWEEP (right after idle)")
     a = ap.parse_args()
     if a.small and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--small runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
@@ -331,7 +361,7 @@ def main() -> None:
             "git_dirty": dirty, "args": vars(a), "shapes": asdict(s)}
     rows: list[dict] = []
     idle_w = None
-    for name, cls, build in cases(s):
+    for name, cls, build in cases(s, a.decode_sweep):
         if a.cases is not None and not any(name.startswith(p) for p in a.cases):
             continue
         row: dict = {"case": name, "class": cls}

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Round 17 (issue 15) on the GPU machine. Carry .whl.
-#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace profile bf16 ab energy tests
+#   bash bench/run_r17.sh OUT SHA [PART...]   parts: segtrace profile bf16 ab energy
+#   decode_energy tests
 #   (default: segtrace)
 # segtrace: fp8 weights + KV serving with the allocator's history from the warm-up on
 # (bench_engine.py --serving-memory-history warmup), so that the report names, for every
 # segment the serving run creates, the live allocations that split the cached segments
 # big enough to serve it (alloc_trace.segment_blockers); energy: bench/energy_kernels.py,
-# joules per call of the serving step's heavy kernels; profile: fp8 weights + KV serving
+# joules per call of the serving step's heavy kernels (decode_energy: of the fp8 decode
+# launches of energy_kernels.DECODE_SWEEP); profile: fp8 weights + KV serving
 # with 400 steps profiled (engine_mode); bf16: bf16 serving, profiled; ab: fp8 weights +
 # KV serving twice each, alternating this tree and a copy with .whl/r17-product.patch
 # (`git diff BASE HEAD -- tpserve`, made before the call) reversed; tests: the GPU tests of
@@ -53,6 +55,12 @@ if has energy; then
   timeout 240 python3 bench/energy_kernels.py --commit "$2" --out "$out/energy-kernels.json" \
     > "$out/energy-kernels.log" 2>&1
   tail -34 "$out/energy-kernels.log" | cut -c1-240
+fi
+if has decode_energy; then
+  step "energy per call of fp8 decode-attention launches"
+  timeout 240 python3 bench/energy_kernels.py --commit "$2" --decode-sweep \
+    --cases idle decode_fp8 decode_attn --out "$out/energy-decode.json" > "$out/energy-decode.log" 2>&1
+  grep -E "^(case|idle|decode)" "$out/energy-decode.log" | cut -c1-150
 fi
 if has tests; then
   step "norm, fp8 fused, sampler and CUDA-graph tests"
