@@ -37,7 +37,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8_gemm import copies_for  # noqa: E402
+from fp8_gemm import capture, copies_for  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
 from measure import git_commit  # noqa: E402
 from tune_decode import scattered_block_table  # noqa: E402
@@ -230,22 +230,6 @@ def spin(graph: torch.cuda.CUDAGraph, seconds: float, chunk: int) -> tuple[int, 
         prev = ev
     wait(prev, deadline)
     return replays, time.perf_counter() - start
-
-
-def capture(fns: Fns) -> torch.cuda.CUDAGraph:
-    """``fns`` run once on a side stream (compiles, workspaces), then captured in order."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return graph
 
 
 def measure(fns: Fns | None, dev: torch.device, a: argparse.Namespace,

@@ -101,12 +101,13 @@ def candidates_for(m: int, sets: tuple[str, ...] = ("tiled", "gemv")) -> list[st
     return out
 
 
-def graph_us(fns, replays: int) -> float:
-    """Per-call µs of ``fns`` (one call each, in order) captured back to back in a graph."""
+def capture(fns) -> torch.cuda.CUDAGraph:
+    """``fns`` run once on a side stream (compiles, cuBLAS workspaces: outside the capture),
+    then captured back to back, in order, in one graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for f in fns:  # compile, cuBLAS workspaces: outside the capture
+        for f in fns:
             f()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -114,6 +115,12 @@ def graph_us(fns, replays: int) -> float:
     with torch.cuda.graph(g):
         for f in fns:
             f()
+    return g
+
+
+def graph_us(fns, replays: int) -> float:
+    """Per-call µs of ``fns`` (one call each, in order) captured back to back in a graph."""
+    g = capture(fns)
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
