@@ -352,8 +352,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: send the plan to every rank, run it; returns the logits of the sampled
         rows ``[S, vocab]`` in the model's dtype (the sampler widens them to float32 where
-        its pipeline changes them; a step of plain greedy rows takes their argmax as is). Nothing here waits for the device: on CUDA the plan
-        goes up from pinned memory, so the host can prepare the next step meanwhile."""
+        its pipeline changes them; a step of plain greedy rows takes their argmax as is).
+        Nothing here waits for the device: on CUDA the plan goes up from pinned memory, so
+        the host can prepare the next step meanwhile."""
         return self.run(self.upload(plan))
 
     def upload(self, plan: StepPlan) -> StepPlan:

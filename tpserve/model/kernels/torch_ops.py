@@ -36,14 +36,19 @@ def add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def holds_sum(t: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``t`` can take ``x + residual`` in place: its shape and dtype, contiguous."""
+    return (t.shape == x.shape and t.is_contiguous()
+            and t.dtype == torch.promote_types(x.dtype, residual.dtype))
+
+
 def check_sum_out(sum_out: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor
                   ) -> torch.Tensor | None:
-    """``sum_out`` after checking it can hold ``x + residual`` (shape, dtype, contiguous)."""
-    if sum_out is not None:
+    """``sum_out`` after checking it can hold ``x + residual`` (``holds_sum``)."""
+    if sum_out is not None and not holds_sum(sum_out, x, residual):
         dtype = torch.promote_types(x.dtype, residual.dtype)
-        if sum_out.shape != x.shape or sum_out.dtype != dtype or not sum_out.is_contiguous():
-            raise ValueError(f"sum_out {tuple(sum_out.shape)} {sum_out.dtype} cannot hold the "
-                             f"sum {tuple(x.shape)} {dtype} (contiguous)")
+        raise ValueError(f"sum_out {tuple(sum_out.shape)} {sum_out.dtype} cannot hold the "
+                         f"sum {tuple(x.shape)} {dtype} (contiguous)")
     return sum_out
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tpserve.model.kernels.backend import Ops
+from tpserve.model.kernels.torch_ops import holds_sum
 from tpserve.model.quant.fp8 import Fp8Activation
 
 
@@ -33,9 +34,7 @@ class RMSNorm(nn.Module):
             if quantize:
                 return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps))
             return self.ops.rms_norm(x, self.weight, self.eps)
-        sum_out = residual if (residual.is_contiguous() and residual.shape == x.shape and
-                               residual.dtype == torch.promote_types(x.dtype, residual.dtype)
-                               ) else None
+        sum_out = residual if holds_sum(residual, x, residual) else None
         if quantize:
             q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
                                                             self.eps, sum_out)
