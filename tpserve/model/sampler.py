@@ -156,10 +156,7 @@ def _penalize_(
     output_token_ids: Sequence[Sequence[int]],
 ) -> None:
     """In-place penalties on float32 ``logits``; rows without penalties are left untouched."""
-    rows = [
-        i for i, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
@@ -232,9 +229,8 @@ def apply_filters(
 def _plain_greedy(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
     """A greedy row that asks for no logprobs and whose logits no pipeline step changes
     (no penalty, no logit_bias, past its ``min_tokens``)."""
-    return (p.greedy and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(output_token_ids) >= p.min_tokens)
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
+            and len(output_token_ids) >= p.min_tokens)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

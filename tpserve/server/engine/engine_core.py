@@ -98,12 +98,6 @@ class _InFlight:
     rows: dict[int, int]         # seq_id -> row, for sequences given a placeholder
 
 
-def _has_penalties(seq: Sequence) -> bool:
-    p = seq.params
-    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0)
-
-
 class EngineCore:
     """Rank 0's engine. ``read_memory`` is the free-memory reader behind the live token
     budget (``tpserve.model.memory.read_memory``: ``cudaMemGetInfo`` or /proc/meminfo);
@@ -336,7 +330,7 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
-            _has_penalties(s) for s in self.scheduler.running)
+            s.params.has_penalties for s in self.scheduler.running)
 
     def _grammar_bitmask(self, sampling: list[Sequence], device: torch.device):
         """The bitmask of the constrained rows that still run (their matchers are up to
