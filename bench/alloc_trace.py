@@ -17,13 +17,19 @@ def frames_of(event: dict[str, Any], keep: int) -> list[str]:
     return out
 
 
+def trace_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The snapshot's recorded events, every device's in turn (one device per process
+    here): what ``since`` indices count."""
+    return [e for dev in snap.get("device_traces", []) for e in dev]
+
+
 def created_segments(snap: dict[str, Any], keep: int, since: int = 0
                      ) -> tuple[list[dict[str, Any]], int, int]:
     """``(segments created in the trace, segments freed in it, trace events)`` from trace
     index ``since`` on; each created one with its address, size, stream, pool (``"freed
     since"`` when gone from the snapshot), the size of the first allocation served from it,
     and its stack."""
-    traces = [e for dev in snap.get("device_traces", []) for e in dev][since:]
+    traces = trace_events(snap)[since:]
     pools = {s["address"]: s.get("segment_type") for s in snap.get("segments", [])}
     created = []
     for i, e in enumerate(traces):

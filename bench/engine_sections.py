@@ -18,7 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alloc_trace import created_segments, segment_blockers  # noqa: E402  (bench/alloc_trace.py)
+from alloc_trace import (  # noqa: E402  (bench/alloc_trace.py)
+    created_segments,
+    segment_blockers,
+    trace_events,
+)
 from measure import sync  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.memory import start_memory_history  # noqa: E402
@@ -272,7 +276,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     history = bool(a.serving_memory_history) and device.type == "cuda"
     since = 0  # the trace index where the serving run starts
     if history and history_start is not None:
-        since = len(torch.cuda.memory._snapshot()["device_traces"][device.index or 0])
+        since = len(trace_events(torch.cuda.memory._snapshot()))
     elif history:  # slows every allocation: the run's speed is then not a figure
         start_memory_history(device, 2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
@@ -320,8 +324,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     if snap is not None:
         seg["created_in_trace"], seg["freed_in_trace"], _ = created_segments(snap, 40, since)
         if history_start is not None:
-            traces = snap["device_traces"][device.index or 0]
-            seg["blockers"] = segment_blockers(history_start, traces, since, 24)
+            seg["blockers"] = segment_blockers(history_start, trace_events(snap), since, 24)
     kv = {"mean": round(statistics.fmean(waste), 5) if waste else None,
           "max": round(max(waste), 5) if waste else None, "steps": len(waste)}
     return srv, seg, kv
