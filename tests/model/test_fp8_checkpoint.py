@@ -22,12 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.model.util import CPU, full_logits, save_fp8_folder, save_hf_folder
+from tests.model.util import CPU, LINEAR_NAMES, full_logits, save_fp8_folder, save_hf_folder
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
+from tpserve.model.kv_pool import KVPool
 from tpserve.model.loader.build import build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
-from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8LinearMethod, dequantize
+from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.model.quant.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8LinearMethod, dequantize
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 from tpserve.model.quant.methods import linear_method
 from tpserve.parallel.comm import Communicator
@@ -35,6 +37,7 @@ from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.state import TPGroup
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
+CALIBRATION = [5, 60, 222, 31, 140, 8, 77, 19, 240, 101, 43]
 SHAPE = dict(hidden_size=48, intermediate_size=99, num_hidden_layers=2,
              num_attention_heads=6, num_key_value_heads=3, vocab_size=256,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -69,7 +72,36 @@ def folders(tmp_path_factory) -> dict[str, Path]:
                  for k, v in fp8.items() if not k.endswith("_scale")}
         save_file(state, str(f), metadata={"format": "pt"})
     out["tensor-dequantized"] = deq
+    scales = calibrated_input_scales(hf)
+    out["static"] = save_fp8_folder(base, root / "static", scales="tensor",
+                                    input_scales=scales)
+    out["static-ct"] = save_fp8_folder(base, root / "static-ct", scales="tensor",
+                                       fmt="compressed-tensors", input_scales=scales)
+    out["static-clip"] = save_fp8_folder(  # scales 16x too small: most inputs clip
+        base, root / "static-clip", scales="tensor",
+        input_scales={k: v / 16 for k, v in scales.items()})
     return out
+
+
+def calibrated_input_scales(hf) -> dict[str, float]:
+    """Static activation scales as AutoFP8 calibrates them: each linear layer's largest
+    input magnitude over calibration tokens (not the test's) / 448, per checkpoint weight;
+    k_proj's then halved and v_proj's doubled, so that the parts of the fused qkv differ
+    (the served layer must take their maximum)."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, mod in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEAR_NAMES:
+            def hook(_, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), args[0].abs().max().item())
+            hooks.append(mod.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        hf(torch.tensor([CALIBRATION]))
+    for h in hooks:
+        h.remove()
+    factor = {"k_proj": 0.5, "v_proj": 2.0}
+    return {f"{n}.weight": a / 448 * factor.get(n.rsplit(".", 1)[-1], 1.0)
+            for n, a in amax.items()}
 
 
 def load_as_served(folder: Path, group: TPGroup, quantization: str,
@@ -152,6 +184,8 @@ def _tp_rank(group: TPGroup, folders: dict[str, str]) -> dict[str, object]:
     served, comm, _ = load_as_served(Path(folders["channel"]), group, "fp8")
     ref, ref_comm, _ = load_as_served(Path(folders["base"]), group, "fp8")
     tensor, tensor_comm, _ = load_as_served(Path(folders["tensor"]), group, "fp8")
+    static, static_comm, _ = load_as_served(Path(folders["static"]), group, "fp8",
+                                            weight_only_max_tokens=0)
     got, want = linear_tensors(served), linear_tensors(ref)
     same = sorted(n for n in want if torch.equal(got[n], want[n]))
     qkv = served.model.layers[0].self_attn.qkv_proj
@@ -160,7 +194,8 @@ def _tp_rank(group: TPGroup, folders: dict[str, str]) -> dict[str, object]:
             "gate_up_scale": served.model.layers[0].mlp.gate_up_proj.weight_scale.clone(),
             "logits": full_logits(served, comm, TOKENS),
             "ref_logits": full_logits(ref, ref_comm, TOKENS),
-            "tensor_logits": full_logits(tensor, tensor_comm, TOKENS)}
+            "tensor_logits": full_logits(tensor, tensor_comm, TOKENS),
+            "static_logits": full_logits(static, static_comm, TOKENS)}
 
 
 def test_tp2_with_padding_equals_quantization_fp8_and_tp1(folders):
@@ -170,6 +205,9 @@ def test_tp2_with_padding_equals_quantization_fp8_and_tp1(folders):
     tensor, tensor_comm, _ = load_as_served(folders["tensor"], ONE, "fp8")
     want, want_tensor = full_logits(one, one_comm, TOKENS), full_logits(tensor, tensor_comm,
                                                                         TOKENS)
+    static, static_comm, _ = load_as_served(folders["static"], ONE, "fp8",
+                                            weight_only_max_tokens=0)
+    want_static = full_logits(static, static_comm, TOKENS)
     full_qkv = one.model.layers[0].self_attn.qkv_proj.weight_scale
     full_gate_up = one.model.layers[0].mlp.gate_up_proj.weight_scale
     for r in ranks:
@@ -178,6 +216,8 @@ def test_tp2_with_padding_equals_quantization_fp8_and_tp1(folders):
         assert torch.equal(r["logits"], r["ref_logits"])
         assert torch.allclose(r["logits"], want, rtol=1e-4, atol=1e-4)
         assert torch.allclose(r["tensor_logits"], want_tensor, rtol=1e-4, atol=1e-4)
+        # static scales quantize elementwise: a rank's columns as the whole row's
+        assert torch.allclose(r["static_logits"], want_static, rtol=1e-4, atol=1e-4)
     # tp 2 layout: 4 KV heads (2 per rank; rank 1's second is padding), each with 2 query
     # heads: rank 0 holds checkpoint query heads 0-3, rank 1 heads 4, 5 and two padding
     # heads; head_dim 8; the MLP's 99 rows per part are 50 per rank, rank 1's last padding
@@ -218,8 +258,8 @@ def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]},
      "weight_block_size = \\[128, 128\\] is not supported: block-wise"),
-    ({"quant_method": "fp8", "activation_scheme": "static"},
-     "activation_scheme = 'static' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "per-tensor"},
+     "activation_scheme = 'per-tensor' is not supported"),
     ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]},
      "ignored_layers"),
 ])
@@ -236,7 +276,9 @@ def test_unsupported_quantization_is_refused_naming_the_method(folders, tmp_path
     (lambda g: g["weights"].update(type="int"), "config_groups.group_0.weights"),
     (lambda g: g["weights"].update(strategy="group", group_size=128),
      "config_groups.group_0.weights"),
-    (lambda g: g["input_activations"].update(dynamic=False),
+    (lambda g: g["input_activations"].update(dynamic=False),  # static per token
+     "config_groups.group_0.input_activations"),
+    (lambda g: g["input_activations"].update(type="int"),
      "config_groups.group_0.input_activations"),
 ])
 def test_compressed_tensors_other_schemes_are_refused_naming_the_field(folders, tmp_path,
@@ -317,3 +359,135 @@ def test_cli_exits_2_naming_an_unsupported_method(folders, tmp_path, capsys, met
     assert f"quantization_config.quant_method {method!r} is not supported" in err, err
     assert main(["serve", str(folders["channel"]), "--quantization", "none"]) == 2
     assert "--quantization none: the checkpoint is quantized" in capsys.readouterr().err
+
+
+def fake_quantized_inputs(model, folder: Path) -> None:
+    """Forward pre-hooks on every linear layer of ``model`` (an unquantized one) that
+    replace its input ``x`` by ``x`` quantized to e4m3 with the static scale ``s`` the
+    checkpoint in ``folder`` stores for it (the largest of a fused layer's parts) and
+    widened again: ``float(e4m3(clamp(x / s, -448, 448))) * s``."""
+    stored = {}
+    for f in folder.glob("*.safetensors"):
+        stored.update({k: v for k, v in load_file(str(f)).items()
+                       if k.endswith("input_scale")})
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj",
+                                                                          "up_proj")}
+    for name, mod in model.named_modules():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            continue
+        s = max(float(stored[f"{prefix}.{p}.input_scale"]) for p in parts.get(leaf, (leaf,)))
+
+        def hook(_, args, s=s):
+            x = args[0]
+            return ((x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s,)
+        mod.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("fmt", ["static", "static-ct", "static-clip"])
+def test_static_scales_quantize_every_w8a8_input(folders, fmt):
+    """W8A8 with the checkpoint's input_scale is the unquantized model on the dequantized
+    weights with every linear input fake-quantized by that scale: exactly, clipping
+    included (``static-clip``'s scales are 16x too small)."""
+    served, comm, method = load_as_served(folders[fmt], ONE, "fp8", weight_only_max_tokens=0)
+    assert method.static_activations
+    qkv = served.model.layers[1].self_attn.qkv_proj
+    stored = {}
+    for f in folders[fmt].glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    v_scale = stored["model.layers.1.self_attn.v_proj.input_scale"]
+    assert torch.equal(qkv.input_scale, v_scale.reshape(1))  # the largest part's (v: x2)
+    got = full_logits(served, comm, TOKENS)
+    deq, deq_comm, _ = load_as_served(folders["tensor-dequantized"], ONE, "none")
+    fake_quantized_inputs(deq, folders[fmt])
+    assert torch.equal(got, full_logits(deq, deq_comm, TOKENS))
+    # the scales matter: dynamic per-token scales on the same weights give other logits
+    dynamic, dyn_comm, _ = load_as_served(folders["tensor"], ONE, "fp8",
+                                          weight_only_max_tokens=0)
+    want_dynamic = full_logits(dynamic, dyn_comm, TOKENS)
+    assert not torch.allclose(got, want_dynamic, rtol=1e-3, atol=1e-3)
+
+
+def test_clipping_scales_cost_more_than_calibrated_ones(folders):
+    """Against the unquantized model, the calibrated static checkpoint errs less than
+    the one whose scales are 16x too small (its inputs clip)."""
+    base, base_comm, _ = load_as_served(folders["base"], ONE, "none")
+    want = full_logits(base, base_comm, TOKENS)
+    err = {}
+    for fmt in ("static", "static-clip"):
+        model, comm, _ = load_as_served(folders[fmt], ONE, "fp8", weight_only_max_tokens=0)
+        err[fmt] = (full_logits(model, comm, TOKENS) - want).abs().mean().item()
+    assert err["static"] * 2 < err["static-clip"], err
+
+
+def test_static_scales_leave_weight_only_steps_unquantized(folders):
+    """Steps at or under ``--fp8-weight-only-max-tokens`` multiply the unquantized input:
+    the static checkpoint's logits there are the per-tensor dynamic checkpoint's."""
+    static, comm, _ = load_as_served(folders["static"], ONE, "fp8")
+    tensor, tensor_comm, _ = load_as_served(folders["tensor"], ONE, "fp8")
+    assert torch.equal(full_logits(static, comm, TOKENS),
+                       full_logits(tensor, tensor_comm, TOKENS))
+
+
+def test_static_checkpoint_with_a_missing_or_malformed_input_scale_fails_the_load(
+        folders, tmp_path):
+    name = "model.layers.0.mlp.up_proj.input_scale"
+
+    def drop(state):
+        state.pop(name, None)
+
+    dropped = _rewrite(folders["static"], tmp_path / "dropped", tensors=drop)
+    index = json.loads((dropped / "model.safetensors.index.json").read_text())
+    index["weight_map"].pop(name)
+    (dropped / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gate_up_proj: 1 of its 2 "
+                                         "checkpoint tensors have no input_scale"):
+        load_as_served(dropped, ONE, "fp8")
+
+    def per_channel(state):
+        if name in state:
+            state[name] = state[name].expand(4).contiguous()
+
+    wide = _rewrite(folders["static"], tmp_path / "wide", tensors=per_channel)
+    with pytest.raises(ValueError, match=f"{name}.*input_scale has shape \\(4,\\)"):
+        load_as_served(wide, ONE, "fp8")
+    ckpt = open_checkpoint(str(folders["static-ct"]))
+    assert ckpt.quantization.static_activations
+    assert "static activation scales" in ckpt.quantization.describe()
+    assert not open_checkpoint(str(folders["tensor"])).quantization.static_activations
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton / _scaled_mm products: GPU only")
+def test_static_checkpoint_on_the_gpu_matches_the_float32_reference(folders):
+    """The static checkpoint whose scales clip (``static-clip``) in bf16 on the GPU's fp8
+    kernels (W8A8 at every M: qkv and o through the Triton W8A8 kernel with the static
+    quantizer; gate/up and down, whose 99 columns FP8 matrix products cannot take, through
+    the weight-only kernel) against the float32 torch reference on the CPU: its mean error
+    is a small fraction of what per-token dynamic scales would change (bf16 rounding
+    alone moves some codes one e4m3 step, so an exact match is not expected)."""
+    dev = torch.device("cuda", 0)
+    ckpt = open_checkpoint(str(folders["static-clip"]))
+    method = linear_method("fp8", "triton", dev, torch.bfloat16, 0, ckpt.quantization)
+    assert method.static_activations and method.scaled_mm == (
+        torch.cuda.get_device_capability() >= (8, 9))
+    comm = Communicator(TPGroup(0, 1, dev, None))
+    model = build_model(ckpt, comm, dev, torch.bfloat16, select_ops("torch"),
+                        select_attention("torch", torch.bfloat16), 512, quant_method=method)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.input_scale.device == dev and method.uses_w8a8(len(TOKENS), qkv.weight)
+    cfg = model.cfg
+    pool = KVPool(cfg.num_hidden_layers, 4, 16, cfg.kv_heads_for(1), cfg.head_dim,
+                  torch.bfloat16, dev)
+    plan = StepPlan.build([SeqChunk(TOKENS, 0, [0], True)], 16, model.attn_backend).to(dev)
+    with torch.no_grad():
+        hidden = model(plan.input_ids, plan.positions, pool.layers,
+                       plan.metadata(model.attn_backend))
+        got = model.compute_logits(hidden).float().cpu()
+    ref, ref_comm, _ = load_as_served(folders["static-clip"], ONE, "fp8",
+                                      weight_only_max_tokens=0)
+    want = full_logits(ref, ref_comm, TOKENS)
+    dynamic, dyn_comm, _ = load_as_served(folders["tensor"], ONE, "fp8",
+                                          weight_only_max_tokens=0)
+    other = full_logits(dynamic, dyn_comm, TOKENS)
+    assert (got - want).abs().mean() < 0.1 * (other - want).abs().mean()
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()

@@ -27,9 +27,12 @@ from tpserve.model.quant.fp8 import (  # noqa: E402
     FP8,
     Fp8LinearMethod,
     quantize_per_row,
+    quantize_static,
+    reference_quantized_product,
     reference_w8a8,
     reference_weight_only,
 )
+from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod  # noqa: E402
 
 NAME = "tpserve.model.kernels.triton_fp8"
 
@@ -84,6 +87,55 @@ def test_quantize_per_token_scale_is_one_formula_on_every_device(kern):
     quotient = amax / torch.full_like(amax, 448.0)
     assert (quotient != product).any()  # the two formulas really differ on these inputs
     assert torch.equal(s.view(-1).cpu(), product.clamp(min=kern.MIN_SCALE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_per_token_with_a_static_scale_is_bit_exact(kern, dtype):
+    """A checkpoint's static ``input_scale``: every row takes it, and values beyond
+    ``448 * scale`` clip (rows here span 1e-3 .. 1e2, so the largest rows clip and the
+    smallest fall into e4m3's subnormals)."""
+    x = _rows(6, 2500, dtype, 3)
+    scale = torch.tensor([0.05], device=DEVICE)
+    q, s = kern.quantize_per_token(x, static_scale=scale)
+    want_q, want_s = quantize_static(x, scale)
+    assert torch.equal(s, torch.full((6, 1), 0.05, device=DEVICE))
+    assert torch.equal(want_s, s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    xf = x.float()
+    clipped = xf.abs() > 448 * 0.05
+    assert clipped.any() and (~clipped).any()
+    assert torch.equal(q.float()[clipped], 448.0 * xf[clipped].sign())
+    err = (q.float() * 0.05 - xf)[~clipped].abs()
+    half_step = (xf[~clipped].abs() * 2**-4).clamp(min=2**-10 * 0.05)  # e4m3 rounding
+    assert (err <= half_step * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("m", [8, 40, 100])
+def test_static_scale_method_matches_its_reference(kern, m):
+    """An FP8 checkpoint's layer with a static input scale, on the Triton back-end, equals
+    the torch reference of the path it takes: W8A8 with the static scale above the
+    weight-only bound (the Triton W8A8 kernel at 40, ``_scaled_mm`` at 100, on a GPU with
+    FP8 matrix products), else the weight-only product, which leaves the input as it is."""
+    from types import SimpleNamespace
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = _rows(m, 64, dtype, 6, spread=False)
+    wq, ws = _weight(32, 64, 5)
+    scale = (x.float().abs().max() / 448 / 2).reshape(1)  # the largest inputs clip
+    layer = SimpleNamespace(weight=wq, weight_scale=ws, input_scale=scale)
+    fast = Fp8CheckpointMethod("triton", weight_only_max_tokens=8,
+                               scaled_mm=DEVICE.type == "cuda"
+                               and torch.cuda.get_device_capability() >= (8, 9),
+                               static_activations=True)
+    assert not fast.takes_quantized_input(layer, m)
+    y = fast.apply(layer, x, None).float()
+    if m > 8 and fast.scaled_mm:
+        xq, xs = quantize_static(x, scale)
+        want = reference_quantized_product(xq, xs, wq, ws, None, torch.float32)
+    else:
+        want = reference_weight_only(x.float(), wq, ws, None)
+    tol = (2**-7 if dtype == torch.bfloat16 else 1e-5) * want.abs().max()
+    assert (y - want).abs().max() <= tol
 
 
 @pytest.mark.parametrize("bit_cast", [True] + ([False] if DEVICE.type == "cuda" else []))

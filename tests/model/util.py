@@ -115,27 +115,34 @@ def fp8_state(state: dict[str, torch.Tensor], scales: str = "channel"
     return out
 
 
-def fp8_quantization_config(fmt: str = "fp8", strategy: str = "channel") -> dict:
+def fp8_quantization_config(fmt: str = "fp8", strategy: str = "channel",
+                            static: bool = False) -> dict:
     """``config.json``'s ``quantization_config`` as vLLM's ``Fp8Config`` or llm-compressor's
-    compressed-tensors FP8-dynamic export writes it."""
+    compressed-tensors FP8-dynamic export writes it (``static``: the FP8 export with static
+    per-tensor activation scales, ``neuralmagic/*-FP8``)."""
     if fmt == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic",
+        return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
                 "ignored_layers": ["lm_head"]}
+    activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                    "dynamic": False} if static else
+                   {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                    "dynamic": True})
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],
             "config_groups": {"group_0": {
                 "targets": ["Linear"], "output_activations": None,
                 "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
                             "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                      "symmetric": True, "dynamic": True}}}}
+                "input_activations": activations}}}
 
 
 def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
-                    fmt: str = "fp8") -> Path:
+                    fmt: str = "fp8", input_scales: dict[str, float] | None = None) -> Path:
     """Rewrites the unquantized folder ``source`` (``save_hf_folder``'s) as an FP8 checkpoint
     in ``folder``: the same shards with ``fp8_state``'s tensors, and ``config.json`` with
-    its ``quantization_config``."""
+    its ``quantization_config``; ``input_scales`` (checkpoint weight name -> scale, every
+    linear weight's) makes it a checkpoint with static activation scales, each stored as
+    the ``[]`` float32 ``input_scale`` beside its weight."""
     from safetensors.torch import load_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -143,12 +150,17 @@ def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
     weight_map = {}
     for fname in sorted(set(index["weight_map"].values())):
         part = fp8_state(load_file(str(source / fname)), scales)
+        for name in [n for n in part if n.endswith("_scale")] if input_scales else ():
+            weight = name.removesuffix("_scale")
+            part[weight.removesuffix("weight") + "input_scale"] = torch.tensor(
+                input_scales[weight], dtype=torch.float32)
         save_file(part, str(folder / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = fp8_quantization_config(fmt, scales)
+    config["quantization_config"] = fp8_quantization_config(fmt, scales,
+                                                            static=bool(input_scales))
     (folder / "config.json").write_text(json.dumps(config))
     for extra in source.iterdir():  # tokenizer files, generation config
         if extra.suffix != ".safetensors" and extra.name not in (

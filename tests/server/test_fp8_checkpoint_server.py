@@ -21,21 +21,28 @@ from tests.server.serverproc import ServerProcess
 from tpserve.model.loader import gguf_file
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import Fp8LinearMethod
+from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 TEXT = Path(__file__).parents[1] / "data" / "pride_and_prejudice_ch1.txt"
 CUTS = [16, 40]
 
 
-def write_fp8_smollm2(folder: Path) -> Path:
+def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None) -> Path:
     """The embedded GGUF's weights (dequantized, Hugging Face names) as an FP8 folder, with
-    its tokenizer and an equivalent ``config.json``."""
+    its tokenizer and an equivalent ``config.json``; with ``input_scales`` (checkpoint
+    weight name -> scale) static activation scales too, as ``neuralmagic/*-FP8`` stores
+    them."""
     ckpt = open_checkpoint(None)
     c = ckpt.config
     state = {name: src.read().float().contiguous()
              for name, src in gguf_file.iter_weights(ckpt.reader, c)}
     state.pop("lm_head.weight", None)  # tied to the embedding
     folder.mkdir(parents=True)
-    save_file(fp8_state(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tensors = fp8_state(state)
+    for name in input_scales or ():
+        tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(
+            input_scales[name], dtype=torch.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = {"architectures": [c.architecture], "model_type": "llama",
               "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
               "intermediate_size": c.intermediate_size,
@@ -46,15 +53,46 @@ def write_fp8_smollm2(folder: Path) -> Path:
               "max_position_embeddings": c.max_position_embeddings,
               "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
               "eos_token_id": list(c.eos_token_ids),
-              "quantization_config": fp8_quantization_config("fp8")}
+              "quantization_config": fp8_quantization_config(
+                  "fp8", static=input_scales is not None)}
     (folder / "config.json").write_text(json.dumps(config))
     ckpt.tokenizer().save_pretrained(str(folder))
     return folder
 
 
+def calibrated_input_scales(ids: list[int]) -> dict[str, float]:
+    """Each linear layer's largest input magnitude over ``ids`` / 448 (AutoFP8's static
+    calibration), from the unquantized embedded model, per checkpoint weight name."""
+    model, comm = load(None)
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+             "gate_up_proj": ("gate_proj", "up_proj")}
+    amax: dict[str, float] = {}
+    def recorder(names: list[str]):
+        def hook(_, args):
+            for n in names:
+                amax[n] = max(amax.get(n, 0.0), args[0].abs().max().item())
+        return hook
+
+    for name, mod in model.named_modules():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            mod.register_forward_pre_hook(
+                recorder([f"{prefix}.{p}.weight" for p in parts.get(leaf, (leaf,))]))
+    with torch.no_grad():
+        full_logits(model, comm, ids)
+    return {n: a / 448 for n, a in amax.items()}
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return write_fp8_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-FP8")
+
+
+@pytest.fixture(scope="module")
+def static_folder(tmp_path_factory) -> Path:
+    ids = open_checkpoint(None).tokenizer()(TEXT.read_text())["input_ids"]
+    return write_fp8_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-FP8-static",
+                             calibrated_input_scales(ids[200:456]))  # not the test's text
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +131,38 @@ def test_logprobs_are_quantization_fp8_of_the_embedded_model(server):
         served = choice.logprobs.top_logprobs[0]
         assert list(served) == [tok.decode([t]) for t in top.indices.tolist()], served
         assert list(served.values()) == pytest.approx(top.values.tolist(), abs=1e-3)
+
+
+def test_static_activation_scales_serve_what_the_checkpoint_was_calibrated_for(static_folder):
+    """``activation_scheme: "static"``: served as stored (``--quantization auto``); with
+    every step W8A8 (``--fp8-weight-only-max-tokens 0``) the next-token log-probabilities
+    are those of the checkpoint's model in process on the static scales (which quantize
+    each value alone, so how the server batches the prompts changes nothing)."""
+    server = ServerProcess(str(static_folder), "--no-engine-process",
+                           "--fp8-weight-only-max-tokens", "0", log_level="info")
+    try:
+        assert ("linear layers: fp8 weights, as stored (quantization_config.quant_method "
+                "'fp8', static activation scales)") in server.output(), server.output()
+        tok = open_checkpoint(None).tokenizer()
+        ids = tok(TEXT.read_text())["input_ids"][:max(CUTS)]
+        client = server.client()
+        r = client.completions.create(model=client.models.list().data[0].id,
+                                      prompt=[ids[:c] for c in CUTS], max_tokens=1,
+                                      temperature=0, logprobs=3)
+        method = Fp8CheckpointMethod(weight_only_max_tokens=0, static_activations=True)
+        model, comm = load(str(static_folder), quant_method=method)
+        with torch.no_grad():
+            want = full_logits(model, comm, ids).float().log_softmax(-1)
+        dynamic, dyn_comm = load(None, quant_method=Fp8LinearMethod(weight_only_max_tokens=0))
+        with torch.no_grad():
+            other = full_logits(dynamic, dyn_comm, ids).float().log_softmax(-1)
+        for choice in r.choices:
+            pos = CUTS[choice.index] - 1
+            top = want[pos].topk(3)
+            served = choice.logprobs.top_logprobs[0]
+            assert list(served) == [tok.decode([t]) for t in top.indices.tolist()], served
+            assert list(served.values()) == pytest.approx(top.values.tolist(), abs=1e-3)
+            # per-token dynamic scales give other log-probabilities
+            assert (other[pos, top.indices] - top.values).abs().max() > 2e-3
+    finally:
+        assert server.stop() == 0, server.output()

@@ -132,6 +132,10 @@ class ColumnParallelLinear(nn.Module):
         """Rows of the checkpoint tensor that ``shard_id`` names (the unsharded part)."""
         return self.out_per_rank * self.comm.world_size
 
+    def checkpoint_parts(self) -> tuple[object, ...]:
+        """The ``shard_id`` of every checkpoint tensor this layer is made of, in order."""
+        return (None,)
+
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights(self)
 
@@ -179,6 +183,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def checkpoint_rows(self, shard_id: object = None) -> int:
         return self.out_sizes[int(shard_id)]
 
+    def checkpoint_parts(self) -> tuple[object, ...]:
+        return tuple(range(len(self.out_sizes)))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """The fused q/k/v projection, split by attention heads as ``HeadLayout`` says.
@@ -212,6 +219,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def checkpoint_rows(self, shard_id: object = None) -> int:
         heads = self.layout.num_heads if shard_id == "q" else self.layout.num_kv_heads
         return heads * self.head_dim
+
+    def checkpoint_parts(self) -> tuple[object, ...]:
+        return tuple(self.maps)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+2kv] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` (this rank's heads)."""
@@ -269,6 +279,9 @@ class RowParallelLinear(nn.Module):
 
     def checkpoint_rows(self, shard_id: object = None) -> int:
         return self.weight.shape[0]
+
+    def checkpoint_parts(self) -> tuple[object, ...]:
+        return (None,)
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights(self)

@@ -2,7 +2,7 @@
 the torch references ``quantize_per_row`` / ``reference_weight_only``).
 
 - ``quantize_per_token``: one program per row; pass 1 the row's amax, pass 2 scale and
-  cast. Bit-exact to ``quantize_per_row`` on the same device: ``x / scale`` is correctly
+  cast (with a static scale, a checkpoint's ``input_scale``: pass 2 only). Bit-exact to ``quantize_per_row`` on the same device: ``x / scale`` is correctly
   rounded (``div_rn``; torch divides by a broadcast tensor exactly too) and the cast
   rounds to nearest even with the values pre-clamped to +-448. The scale is the
   reference's float32 product ``amax * float32(1/448)`` on every device (a division by
@@ -64,18 +64,21 @@ def _e4m3_code(v):
 
 
 @triton.jit
-def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
+def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
                             FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-                            MIN_SCALE_C: tl.constexpr,
+                            MIN_SCALE_C: tl.constexpr, STATIC: tl.constexpr,
                             BIT_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for k0 in range(0, K, BLOCK):
-        o = k0 + cols
-        x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    if STATIC:  # the given scale: no amax pass
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, BLOCK):
+            o = k0 + cols
+            x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         o = k0 + cols
@@ -88,11 +91,13 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
         tl.store(q_ptr + row * stride_q + o, code, mask=o < K)
 
 
-def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
+def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None,
+                       static_scale: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (last dim contiguous) -> ``(q [M, K] e4m3, scale [M, 1] float32)``.
-    ``bit_cast`` (default: off CUDA only) casts by ``_e4m3_code`` instead of the
-    hardware conversion."""
+    ``static_scale`` (``[1]`` float32 on x's device): every row takes it instead of its own
+    (``quantize_static``, one pass, values beyond ``448 * scale`` clipped). ``bit_cast``
+    (default: off CUDA only) casts by ``_e4m3_code`` instead of the hardware conversion."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
@@ -102,9 +107,13 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None
     block = min(triton.next_power_of_2(k), 2048)
     if bit_cast is None:
         bit_cast = x.device.type != "cuda"
-    _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
+    static = static_scale is not None
+    if static:
+        assert static_scale.dtype == torch.float32 and static_scale.numel() == 1
+    _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, static_scale if static else s,
+                                  k, x.stride(0), q.stride(0),
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                                  MIN_SCALE_C=MIN_SCALE,
+                                  MIN_SCALE_C=MIN_SCALE, STATIC=static,
                                   BIT_CAST=bit_cast, BLOCK=block,
                                   num_warps=4 if block <= 1024 else 8)
     return q, s

@@ -5,20 +5,21 @@ ValueError naming the method or the field.
 Served as stored (``model/quant/fp8_checkpoint.py``: the checkpoint's e4m3 codes are the
 served weights):
 - ``quant_method: "fp8"`` (vLLM's ``Fp8Config``: AutoFP8 and llm-compressor exports such as
-  ``neuralmagic/*-FP8``) with ``activation_scheme: "dynamic"``, no ``weight_block_size``,
-  and ``ignored_layers`` naming at most the LM head;
+  ``neuralmagic/*-FP8``) with ``activation_scheme`` "dynamic" or "static", no
+  ``weight_block_size``, and ``ignored_layers`` naming at most the LM head;
 - ``quant_method: "compressed-tensors"`` whose one config group holds 8-bit float weights
-  (``strategy`` "tensor" or "channel", symmetric, static) and no or dynamic 8-bit float
-  input activations, ``format`` "float-quantized" or "naive-quantized", no sparsity, and
-  ``ignore`` naming at most the LM head (``*-FP8-dynamic`` checkpoints).
+  (``strategy`` "tensor" or "channel", symmetric, static) and no input activations, dynamic
+  8-bit float ones, or static 8-bit float ones with one scale per tensor (``strategy``
+  "tensor"), ``format`` "float-quantized" or "naive-quantized", no sparsity, and ``ignore``
+  naming at most the LM head (``*-FP8-dynamic`` and ``*-FP8`` checkpoints).
 Tensors: ``*.weight`` in ``float8_e4m3fn``, ``*.weight_scale`` one float32 per tensor
-(shape ``[]`` or ``[1]``) or per output row (``[out]`` or ``[out, 1]``).
+(shape ``[]`` or ``[1]``) or per output row (``[out]`` or ``[out, 1]``); with static
+activations also ``*.input_scale``, one float per tensor (``static_activations``: every
+W8A8 product quantizes its input with it, see ``Fp8CheckpointMethod``).
 
 Refused: any other method (awq, gptq, bitsandbytes, ...), block-wise scales
 (``weight_block_size``, e.g. transformers' FineGrainedFP8), and static activation scales
-(``activation_scheme: "static"``, ``input_activations.dynamic: false``, ``input_scale``
-tensors): tpserve scales activations per token at run time, so it would not compute what
-the checkpoint was calibrated for.
+other than one per tensor.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ SIDE_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """What a checkpoint's linear weights are: ``method`` is the ``--quantization`` value
-    that serves them ("fp8"); ``quant_method`` as ``config.json`` spells it."""
+    that serves them ("fp8"); ``quant_method`` as ``config.json`` spells it;
+    ``static_activations``: the activations' scales are the checkpoint's (``input_scale``,
+    one per tensor, calibrated offline) rather than computed per token at run time."""
 
     method: str
     quant_method: str
+    static_activations: bool = False
 
     def describe(self) -> str:
-        return f"quantization_config.quant_method {self.quant_method!r}"
+        return (f"quantization_config.quant_method {self.quant_method!r}"
+                + (", static activation scales" if self.static_activations else ""))
 
 
 def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = None
@@ -60,14 +65,14 @@ def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = N
         raise ValueError("config.json: quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        _check_fp8(qc)
+        static = _check_fp8(qc)
     elif method == "compressed-tensors":
-        _check_compressed_tensors(qc)
+        static = _check_compressed_tensors(qc)
     else:
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not "
                          f"supported; tpserve serves {' and '.join(map(repr, SERVED_METHODS))} "
                          "(FP8 e4m3 weights with per-tensor or per-channel scales)")
-    return CheckpointQuantization("fp8", method)
+    return CheckpointQuantization("fp8", method, static)
 
 
 def _refuse(field: str, value: Any, why: str) -> ValueError:
@@ -84,20 +89,22 @@ def _check_ignored(field: str, names: Any) -> None:
                           "(only the LM head may be left out)")
 
 
-def _check_fp8(qc: dict[str, Any]) -> None:
+def _check_fp8(qc: dict[str, Any]) -> bool:
+    """Whether the activation scales are static."""
     block = qc.get("weight_block_size")
     if block is not None:
         raise _refuse("weight_block_size", block, "block-wise scales; tpserve serves "
                       "per-tensor or per-channel weight scales")
     scheme = qc.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise _refuse("activation_scheme", scheme, "static activation scales (input_scale) "
-                      "are not honoured; tpserve quantizes activations per token at run "
-                      "time (activation_scheme 'dynamic')")
+    if scheme not in ("dynamic", "static"):
+        raise _refuse("activation_scheme", scheme, "expected 'dynamic' (activations scaled "
+                      "per token at run time) or 'static' (the checkpoint's input_scale)")
     _check_ignored("ignored_layers", qc.get("ignored_layers"))
+    return scheme == "static"
 
 
-def _check_compressed_tensors(qc: dict[str, Any]) -> None:
+def _check_compressed_tensors(qc: dict[str, Any]) -> bool:
+    """Whether the activation scales are static."""
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse("format", fmt, "tpserve serves compressed-tensors FP8 "
@@ -119,12 +126,16 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> None:
         raise _refuse(f"config_groups.{name}.weights", w, "tpserve serves 8-bit float "
                       "weights with per-tensor or per-channel ('tensor'/'channel') scales")
     a = group.get("input_activations")
+    static = a is not None and a.get("dynamic") is False
     if a is not None and not (a.get("type") == "float" and a.get("num_bits") == 8
-                              and a.get("dynamic") is True):
-        raise _refuse(f"config_groups.{name}.input_activations", a, "static activation "
-                      "scales are not honoured; tpserve quantizes activations per token at "
-                      "run time (dynamic 8-bit float)")
+                              and a.get("symmetric", True)
+                              and (a.get("dynamic") is True
+                                   or (static and a.get("strategy") == "tensor"))):
+        raise _refuse(f"config_groups.{name}.input_activations", a, "tpserve serves 8-bit "
+                      "float input activations, dynamic (scaled per token at run time) or "
+                      "static with one scale per tensor (strategy 'tensor', input_scale)")
     if group.get("output_activations") is not None:
         raise _refuse(f"config_groups.{name}.output_activations",
                       group["output_activations"], "output activations are not quantized")
     _check_ignored("ignore", qc.get("ignore"))
+    return static

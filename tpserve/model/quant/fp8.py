@@ -101,6 +101,18 @@ def quantize_per_row(x: torch.Tensor, amax: torch.Tensor | None = None
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` quantized with one given scale (a checkpoint's static ``input_scale``,
+    ``[1]`` float32 > 0) -> ``(q [M, K] e4m3, scale [M, 1] float32)``, every row's scale the
+    given one: ``q = clamp(x / scale, +-448)`` rounded to nearest even, so values beyond
+    ``448 * scale`` are clipped, as the checkpoint was calibrated for. Elementwise: a
+    column shard of ``x`` quantizes exactly as the same columns of the whole row."""
+    xf = x.float()
+    s = scale.float().reshape(1, 1)
+    q = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, s.expand(xf.shape[0], 1).contiguous()
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
@@ -244,11 +256,16 @@ class Fp8LinearMethod:
         """Whether ``apply`` at this static token count quantizes its input per token (the
         W8A8 path), so that the producer of the input may do it instead and hand over an
         ``Fp8Activation`` (the same codes and scales, one kernel fewer)."""
+        return self.uses_w8a8(num_tokens, layer.weight)
+
+    def uses_w8a8(self, num_tokens: int, wq: torch.Tensor) -> bool:
+        """Whether ``matmul`` at this static token count quantizes the activations (W8A8)
+        rather than multiplying them by the widened weight (weight-only)."""
         if num_tokens <= self.weight_only_max_tokens:
             return False
         if self.backend == "torch":
             return True
-        n, k = layer.weight.shape  # as in matmul
+        n, k = wq.shape
         return self.scaled_mm and n % 16 == 0 and k % 16 == 0
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
@@ -271,14 +288,13 @@ class Fp8LinearMethod:
     def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K] -> [M, N]``; the path is chosen by the static M only."""
-        weight_only = x.shape[0] <= self.weight_only_max_tokens
+        w8a8 = self.uses_w8a8(x.shape[0], wq)
         if self.backend == "torch":
-            fn = reference_weight_only if weight_only else reference_w8a8
+            fn = reference_w8a8 if w8a8 else reference_weight_only
             return fn(x, wq, w_scale, bias)
         from tpserve.model.kernels import triton_fp8
 
-        n, k = wq.shape
-        if weight_only or not self.scaled_mm or n % 16 or k % 16:
+        if not w8a8:
             return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
         xq, xs = triton_fp8.quantize_per_token(x)
         return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)

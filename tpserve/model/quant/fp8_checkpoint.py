@@ -21,6 +21,16 @@ Invariants:
 - After loading, every row has a finite scale >= 0, else the load fails (a part's
   ``weight_scale`` missing from the checkpoint); a weight not stored as
   ``float8_e4m3fn`` fails the load instead of being cast.
+- Static activation scales (``static_activations``): every part's ``input_scale`` (one
+  finite float > 0; the load fails naming the layer when one is missing) is read, and the
+  layer keeps their maximum (the parts of a fused layer share one input; vLLM takes the
+  maximum too), ``input_scale [1]`` float32, the same on every rank. Each W8A8 product
+  quantizes its input with it (``quantize_static``: ``clamp(x / s, +-448)``, elementwise,
+  so a row-parallel rank's columns quantize as those of the whole row and tp changes
+  nothing but summation order); producers do not fuse the quantization for such a layer
+  (their fused kernels scale per token). Steps the weight-only product takes
+  (``weight_only_max_tokens``) multiply the unquantized activations, as for every fp8
+  model here (``--fp8-weight-only-max-tokens 0`` quantizes every step).
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8LinearMethod
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8Activation, Fp8LinearMethod, quantize_static
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import TensorSource, as_source
 
@@ -68,7 +78,10 @@ def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
 class Fp8CheckpointMethod(Fp8LinearMethod):
     """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
     (``create_weights``), checks them (``process_weights``); ``apply`` is
-    ``Fp8LinearMethod``'s."""
+    ``Fp8LinearMethod``'s, but for W8A8 products under ``static_activations``, which
+    quantize the input with the layer's ``input_scale``."""
+
+    static_activations: bool = False
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -90,6 +103,21 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
         layer.weight_scale = nn.Parameter(torch.full((rows,), float("nan")),
                                           requires_grad=False)
         layer.weight_scale.weight_loader = load_scale
+        if not self.static_activations:
+            return
+        parts = layer.checkpoint_parts()
+
+        def load_input_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
+            value = as_source(source).read()
+            if value.numel() != 1:
+                raise ValueError(f"input_scale has shape {tuple(value.shape)}; expected one "
+                                 "scale per tensor ([] or [1])")
+            param[parts.index(shard_id)] = value.reshape(()).float()
+
+        # one per checkpoint part, NaN until loaded (process_weights checks)
+        layer.input_scale = nn.Parameter(torch.full((len(parts),), float("nan")),
+                                         requires_grad=False)
+        layer.input_scale.weight_loader = load_input_scale
 
     def process_weights(self, layer: nn.Module) -> None:
         scale = layer.weight_scale
@@ -98,3 +126,34 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
             raise ValueError(f"{int(bad.sum())} of the {scale.numel()} output rows have no "
                              "weight_scale in the checkpoint (or a negative or non-finite "
                              "one)")
+        if self.static_activations:
+            inp = layer.input_scale
+            bad = ~(torch.isfinite(inp) & (inp > 0))
+            if bad.any():
+                raise ValueError(f"{int(bad.sum())} of its {inp.numel()} checkpoint tensors "
+                                 "have no input_scale (or a non-positive or non-finite one), "
+                                 "which static activation scales need")
+            layer.input_scale = nn.Parameter(inp.detach().amax().reshape(1),
+                                             requires_grad=False)
+
+    def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
+        """Static scales: never (the fused producers scale per token)."""
+        return not self.static_activations and super().takes_quantized_input(layer, num_tokens)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.static_activations:
+            return super().apply(layer, x, bias)
+        assert not isinstance(x, Fp8Activation), "static scales: the layer quantizes"
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if not self.uses_w8a8(x2.shape[0], layer.weight):
+            return super().apply(layer, x, bias)
+        if self.backend == "torch":
+            xq, xs = quantize_static(x2, layer.input_scale)
+        else:
+            from tpserve.model.kernels import triton_fp8
+
+            xq, xs = triton_fp8.quantize_per_token(x2, static_scale=layer.input_scale)
+        y = self.w8a8(xq, xs, layer.weight, layer.weight_scale, bias, x.dtype)
+        return y.reshape(*lead, y.shape[-1])

@@ -56,8 +56,10 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     check_matches(quantization, checkpoint)
     if quantization == "none":
         return None
-    cls = Fp8LinearMethod if checkpoint is None else Fp8CheckpointMethod
-    return cls(backend="triton" if kernel_backend == "triton" else "torch",
-               weight_only_max_tokens=weight_only_max_tokens,
-               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,
-               fast_accum=fast_accum)
+    kw = dict(backend="triton" if kernel_backend == "triton" else "torch",
+              weight_only_max_tokens=weight_only_max_tokens,
+              scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,
+              fast_accum=fast_accum)
+    if checkpoint is None:
+        return Fp8LinearMethod(**kw)
+    return Fp8CheckpointMethod(**kw, static_activations=checkpoint.static_activations)
