@@ -115,22 +115,38 @@ def test_greedy_answer_is_coherent(server):
     assert "Paris" in r.choices[0].message.content
 
 
-def test_logprobs_are_quantization_fp8_of_the_embedded_model(server):
+def text_ids() -> list[int]:
+    return open_checkpoint(None).tokenizer()(TEXT.read_text())["input_ids"][:max(CUTS)]
+
+
+def in_process_logprobs(model_path: str | None, method) -> torch.Tensor:
+    model, comm = load(model_path, quant_method=method)
+    with torch.no_grad():
+        return full_logits(model, comm, text_ids()).float().log_softmax(-1)
+
+
+def check_served_logprobs(server, want: torch.Tensor) -> list[tuple[int, object]]:
+    """The server's top-3 next-token log-probabilities after each cut of the text equal
+    ``want``'s (tokens in order, values within 1e-3); returns each cut's position and
+    ``want``'s top 3 there."""
     tok = open_checkpoint(None).tokenizer()
-    ids = tok(TEXT.read_text())["input_ids"][:max(CUTS)]
+    ids = text_ids()
     client = server.client()
     r = client.completions.create(model=client.models.list().data[0].id,
                                   prompt=[ids[:c] for c in CUTS], max_tokens=1,
                                   temperature=0, logprobs=3)
-    model, comm = load(None, quant_method=Fp8LinearMethod())
-    with torch.no_grad():
-        want = full_logits(model, comm, ids).float().log_softmax(-1)
+    tops = []
     for choice in r.choices:
-        pos = CUTS[choice.index] - 1
-        top = want[pos].topk(3)
+        top = want[CUTS[choice.index] - 1].topk(3)
         served = choice.logprobs.top_logprobs[0]
         assert list(served) == [tok.decode([t]) for t in top.indices.tolist()], served
         assert list(served.values()) == pytest.approx(top.values.tolist(), abs=1e-3)
+        tops.append((CUTS[choice.index] - 1, top))
+    return tops
+
+
+def test_logprobs_are_quantization_fp8_of_the_embedded_model(server):
+    check_served_logprobs(server, in_process_logprobs(None, Fp8LinearMethod()))
 
 
 def test_static_activation_scales_serve_what_the_checkpoint_was_calibrated_for(static_folder):
@@ -143,26 +159,11 @@ def test_static_activation_scales_serve_what_the_checkpoint_was_calibrated_for(s
     try:
         assert ("linear layers: fp8 weights, as stored (quantization_config.quant_method "
                 "'fp8', static activation scales)") in server.output(), server.output()
-        tok = open_checkpoint(None).tokenizer()
-        ids = tok(TEXT.read_text())["input_ids"][:max(CUTS)]
-        client = server.client()
-        r = client.completions.create(model=client.models.list().data[0].id,
-                                      prompt=[ids[:c] for c in CUTS], max_tokens=1,
-                                      temperature=0, logprobs=3)
         method = Fp8CheckpointMethod(weight_only_max_tokens=0, static_activations=True)
-        model, comm = load(str(static_folder), quant_method=method)
-        with torch.no_grad():
-            want = full_logits(model, comm, ids).float().log_softmax(-1)
-        dynamic, dyn_comm = load(None, quant_method=Fp8LinearMethod(weight_only_max_tokens=0))
-        with torch.no_grad():
-            other = full_logits(dynamic, dyn_comm, ids).float().log_softmax(-1)
-        for choice in r.choices:
-            pos = CUTS[choice.index] - 1
-            top = want[pos].topk(3)
-            served = choice.logprobs.top_logprobs[0]
-            assert list(served) == [tok.decode([t]) for t in top.indices.tolist()], served
-            assert list(served.values()) == pytest.approx(top.values.tolist(), abs=1e-3)
-            # per-token dynamic scales give other log-probabilities
+        tops = check_served_logprobs(server, in_process_logprobs(str(static_folder), method))
+        # per-token dynamic scales give other log-probabilities
+        other = in_process_logprobs(None, Fp8LinearMethod(weight_only_max_tokens=0))
+        for pos, top in tops:
             assert (other[pos, top.indices] - top.values).abs().max() > 2e-3
     finally:
         assert server.stop() == 0, server.output()
