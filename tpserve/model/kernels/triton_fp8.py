@@ -2,9 +2,10 @@
 the torch references ``quantize_per_row`` / ``reference_weight_only``).
 
 - ``quantize_per_token``: one program per row; pass 1 the row's amax, pass 2 scale and
-  cast (with a static scale, a checkpoint's ``input_scale``: pass 2 only). Bit-exact to ``quantize_per_row`` on the same device: ``x / scale`` is correctly
-  rounded (``div_rn``; torch divides by a broadcast tensor exactly too) and the cast
-  rounds to nearest even with the values pre-clamped to +-448. The scale is the
+  cast (with a static scale, a checkpoint's ``input_scale``: pass 2 only). Bit-exact to
+  ``quantize_per_row`` on the same device: ``x / scale`` is correctly rounded (``div_rn``;
+  torch divides by a broadcast tensor exactly too) and the cast rounds to nearest even with
+  the values pre-clamped to +-448. The scale is the
   reference's float32 product ``amax * float32(1/448)`` on every device (a division by
   448 is not one formula in torch: ATen on CUDA multiplies by the reciprocal, the CPU
   divides, one ulp apart for some amax: the GPU bit-exact test failures of 18a4c04).
@@ -108,8 +109,7 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None,
     if bit_cast is None:
         bit_cast = x.device.type != "cuda"
     static = static_scale is not None
-    if static:
-        assert static_scale.dtype == torch.float32 and static_scale.numel() == 1
+    assert not static or (static_scale.dtype == torch.float32 and static_scale.numel() == 1)
     _quant_per_token_kernel[(m,)](x, q.view(torch.uint8), s, static_scale if static else s,
                                   k, x.stride(0), q.stride(0),
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,

@@ -126,9 +126,11 @@ def reference_weight_only(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tens
 
 
 def reference_w8a8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K]`` quantized per token, times the dequantized weight, in float32."""
-    xq, xs = quantize_per_row(x)
+                   bias: torch.Tensor | None, input_scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``x [M, K]`` quantized per token (or with the static ``input_scale``), times the
+    dequantized weight, in float32."""
+    xq, xs = quantize_per_row(x) if input_scale is None else quantize_static(x, input_scale)
     return reference_quantized_product(xq, xs, wq, w_scale, bias, x.dtype)
 
 
@@ -249,14 +251,20 @@ class Fp8LinearMethod:
             return self.w8a8(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        y = self.matmul(x2, layer.weight, layer.weight_scale, bias)
+        y = self.matmul(x2, layer.weight, layer.weight_scale, bias, self.input_scale(layer))
         return y.reshape(*lead, y.shape[-1])
 
     def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
         """Whether ``apply`` at this static token count quantizes its input per token (the
         W8A8 path), so that the producer of the input may do it instead and hand over an
-        ``Fp8Activation`` (the same codes and scales, one kernel fewer)."""
-        return self.uses_w8a8(num_tokens, layer.weight)
+        ``Fp8Activation`` (the same codes and scales, one kernel fewer). Never under a
+        static ``input_scale`` (the fused producers scale per token)."""
+        return self.input_scale(layer) is None and self.uses_w8a8(num_tokens, layer.weight)
+
+    def input_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        """The static scale (``[1]`` float32) W8A8 quantizes ``layer``'s input with; None:
+        per-token scales computed at run time (``Fp8CheckpointMethod`` overrides this)."""
+        return None
 
     def uses_w8a8(self, num_tokens: int, wq: torch.Tensor) -> bool:
         """Whether ``matmul`` at this static token count quantizes the activations (W8A8)
@@ -286,17 +294,20 @@ class Fp8LinearMethod:
         return None if y is None else y.reshape(*lead, y.shape[-1])
 
     def matmul(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [M, K] -> [M, N]``; the path is chosen by the static M only."""
+               bias: torch.Tensor | None, input_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """``x [M, K] -> [M, N]``; the path is chosen by the static M only. W8A8 quantizes
+        ``x`` per token, or with ``input_scale`` (``quantize_static``) when given."""
         w8a8 = self.uses_w8a8(x.shape[0], wq)
         if self.backend == "torch":
-            fn = reference_w8a8 if w8a8 else reference_weight_only
-            return fn(x, wq, w_scale, bias)
+            if w8a8:
+                return reference_w8a8(x, wq, w_scale, bias, input_scale)
+            return reference_weight_only(x, wq, w_scale, bias)
         from tpserve.model.kernels import triton_fp8
 
         if not w8a8:
             return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
-        xq, xs = triton_fp8.quantize_per_token(x)
+        xq, xs = triton_fp8.quantize_per_token(x, static_scale=input_scale)
         return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)
 
     def w8a8(self, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,

@@ -25,10 +25,11 @@ Invariants:
   finite float > 0; the load fails naming the layer when one is missing) is read, and the
   layer keeps their maximum (the parts of a fused layer share one input; vLLM takes the
   maximum too), ``input_scale [1]`` float32, the same on every rank. Each W8A8 product
-  quantizes its input with it (``quantize_static``: ``clamp(x / s, +-448)``, elementwise,
-  so a row-parallel rank's columns quantize as those of the whole row and tp changes
-  nothing but summation order); producers do not fuse the quantization for such a layer
-  (their fused kernels scale per token). Steps the weight-only product takes
+  quantizes its input with it (``Fp8LinearMethod.matmul`` through ``input_scale``:
+  ``quantize_static``, ``clamp(x / s, +-448)``, elementwise, so a row-parallel rank's
+  columns quantize as those of the whole row and tp changes nothing but summation order);
+  producers do not fuse the quantization for such a layer (their fused kernels scale per
+  token). Steps the weight-only product takes
   (``weight_only_max_tokens``) multiply the unquantized activations, as for every fp8
   model here (``--fp8-weight-only-max-tokens 0`` quantizes every step).
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8Activation, Fp8LinearMethod, quantize_static
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8LinearMethod
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import TensorSource, as_source
 
@@ -78,8 +79,8 @@ def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
 class Fp8CheckpointMethod(Fp8LinearMethod):
     """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
     (``create_weights``), checks them (``process_weights``); ``apply`` is
-    ``Fp8LinearMethod``'s, but for W8A8 products under ``static_activations``, which
-    quantize the input with the layer's ``input_scale``."""
+    ``Fp8LinearMethod``'s, its W8A8 products quantizing the input with the layer's
+    ``input_scale`` under ``static_activations`` (``input_scale``)."""
 
     static_activations: bool = False
 
@@ -136,24 +137,5 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
             layer.input_scale = nn.Parameter(inp.detach().amax().reshape(1),
                                              requires_grad=False)
 
-    def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
-        """Static scales: never (the fused producers scale per token)."""
-        return not self.static_activations and super().takes_quantized_input(layer, num_tokens)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
-              bias: torch.Tensor | None) -> torch.Tensor:
-        if not self.static_activations:
-            return super().apply(layer, x, bias)
-        assert not isinstance(x, Fp8Activation), "static scales: the layer quantizes"
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)
-        if not self.uses_w8a8(x2.shape[0], layer.weight):
-            return super().apply(layer, x, bias)
-        if self.backend == "torch":
-            xq, xs = quantize_static(x2, layer.input_scale)
-        else:
-            from tpserve.model.kernels import triton_fp8
-
-            xq, xs = triton_fp8.quantize_per_token(x2, static_scale=layer.input_scale)
-        y = self.w8a8(xq, xs, layer.weight, layer.weight_scale, bias, x.dtype)
-        return y.reshape(*lead, y.shape[-1])
+    def input_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.input_scale if self.static_activations else None
