@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
-from tpserve.model.kernels import triton_fp8, triton_w8a8  # noqa: E402
+from tpserve.model.kernels import triton_fp8, triton_fp8_quant, triton_w8a8  # noqa: E402
 from tpserve.model.quant.fp8 import quantize_per_row  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -185,7 +185,7 @@ def main() -> None:
 
             def fused(i, x=x, wq_c=wq_c, nc8=nc8, ws1=ws1):
                 def f():
-                    q, s = triton_fp8.quantize_per_token(x)
+                    q, s = triton_fp8_quant.quantize_per_token(x)
                     return torch._scaled_mm(q, wq_c[i % nc8].t(), scale_a=s,
                                             scale_b=ws1.view(1, -1), out_dtype=torch.bfloat16)
                 return f

@@ -38,7 +38,7 @@ from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
     decode_attention,
     default_num_splits,
 )
-from tpserve.model.kernels.triton_fp8 import FP8, quantize_per_token  # noqa: E402
+from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_token  # noqa: E402
 from tpserve.model.kernels.triton_w8a8 import w8a8_linear  # noqa: E402
 
 LINE = 128

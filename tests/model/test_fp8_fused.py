@@ -25,7 +25,8 @@ from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
 from tpserve.model.kernels import torch_ops  # noqa: E402
 from tpserve.model.quant.fp8 import FP8, Fp8Activation, Fp8LinearMethod  # noqa: E402
 
-MODULES = ("tpserve.model.kernels.triton_fp8", "tpserve.model.kernels.triton_norm",
+MODULES = ("tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8",
+           "tpserve.model.kernels.triton_norm",
            "tpserve.model.kernels.triton_activation", "tpserve.model.kernels.triton_fp8_fused",
            "tpserve.model.kernels.triton_w8a8", "tpserve.model.kernels.triton_ops")
 
@@ -60,7 +61,7 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,h", [(5, 96), (3, 200)])  # 200: a tail past the power of two
 def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h):
-    ops, fp8 = tri["triton_ops"], tri["triton_fp8"]
+    ops, fp8 = tri["triton_ops"], tri["triton_fp8_quant"]
     x, res = _rows(m, h, dtype, 1), _rows(m, h, dtype, 2)
     x[1] = 0
     res[1] = 0  # a zero (padding) row: zero codes, the minimum scale
@@ -80,7 +81,7 @@ def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h):
 @pytest.mark.parametrize("m,d", [(4, 64), (2, 4100)])  # 4100: three chunks and a tail
 @pytest.mark.parametrize("row_block_max", [None, 1024], ids=["row-in-registers", "chunked"])
 def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row_block_max):
-    ops, fp8 = tri["triton_ops"], tri["triton_fp8"]
+    ops, fp8 = tri["triton_ops"], tri["triton_fp8_quant"]
     x = _rows(m, 2 * d, dtype, 4)
     x[0, :d] = 0  # a zero gate row: silu(0) * up = 0
     x[-1, d - 1], x[-1, 2 * d - 1] = 30.0, 1e5  # the row's amax in its last column

@@ -2,7 +2,7 @@
 
 On a machine without CUDA they run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set
 before the kernel module is imported); on the GPU the same tests run compiled. The
-interpreter's own float32 -> e4m3 cast is wrong (see ``kernels/triton_fp8.py``), so the
+interpreter's own float32 -> e4m3 cast is wrong (see ``kernels/triton_fp8_quant.py``), so the
 quantizer's integer cast ``_e4m3_code`` is checked against torch's cast on every e4m3
 value, midpoint and neighbour, on both back-ends (and the GPU's own cast too).
 """
@@ -34,20 +34,28 @@ from tpserve.model.quant.fp8 import (  # noqa: E402
 )
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod  # noqa: E402
 
-NAME = "tpserve.model.kernels.triton_fp8"
+QUANT, NAME = "tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8"
 
 
 @pytest.fixture(scope="module")
 def kern():
+    """The weight-only module, with the quantizer module beside it, interpreted off CUDA."""
     with pytest.MonkeyPatch.context() as mp:
         if DEVICE.type == "cpu":
             _fix_interpreter_index(mp)
-            if NAME in sys.modules:
-                from triton.runtime.interpreter import InterpretedFunction
-                mod = sys.modules[NAME]
-                if not isinstance(mod._wo_gemv_kernel, InterpretedFunction):
+            from triton.runtime.interpreter import InterpretedFunction
+            for name, kernel in ((QUANT, "_quant_per_token_kernel"), (NAME, "_wo_gemv_kernel")):
+                mod = sys.modules.get(name)
+                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
                     importlib.reload(mod)
+        importlib.import_module(QUANT)
         yield importlib.import_module(NAME)
+
+
+@pytest.fixture(scope="module")
+def quant(kern):
+    """The per-token quantizer module (loaded by ``kern``)."""
+    return sys.modules[QUANT]
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int, spread: bool = True) -> torch.Tensor:
@@ -60,10 +68,10 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int, spread: bool = True) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,k", [(5, 96), (3, 2500)])  # 2500: two blocks and a tail
-def test_quantize_per_token_is_bit_exact(kern, dtype, m, k):
+def test_quantize_per_token_is_bit_exact(quant, dtype, m, k):
     x = _rows(m, k, dtype, 0)
     x[1] = 0  # a zero (padding) token: zero codes, the minimum scale, no NaN
-    q, s = kern.quantize_per_token(x)
+    q, s = quant.quantize_per_token(x)
     want_q, want_s = quantize_per_row(x)
     assert q.dtype == FP8 and s.shape == (m, 1) and s.dtype == torch.float32
     assert torch.equal(s, want_s)
@@ -71,7 +79,7 @@ def test_quantize_per_token_is_bit_exact(kern, dtype, m, k):
     assert torch.equal(q[1].float(), torch.zeros(k, device=DEVICE))
 
 
-def test_quantize_per_token_scale_is_one_formula_on_every_device(kern):
+def test_quantize_per_token_scale_is_one_formula_on_every_device(quant):
     """The scale is ``amax * float32(1/448)``, a correctly rounded float32 product, in the
     kernel and the reference alike, whatever the device (a division by 448 would be one
     ulp apart between torch's CPU and CUDA for some amax). Here: amaxes where division
@@ -80,23 +88,23 @@ def test_quantize_per_token_scale_is_one_formula_on_every_device(kern):
     x = torch.zeros(len(amax), 16)
     x[:, 3] = amax
     x[:, 7] = -amax / 3
-    _, s = kern.quantize_per_token(x.to(DEVICE))
+    _, s = quant.quantize_per_token(x.to(DEVICE))
     _, want = quantize_per_row(x.to(DEVICE))
     assert torch.equal(s, want)
-    product = (amax.double() * kern.INV_FP8_MAX).float()  # exact, then rounded once
+    product = (amax.double() * quant.INV_FP8_MAX).float()  # exact, then rounded once
     quotient = amax / torch.full_like(amax, 448.0)
     assert (quotient != product).any()  # the two formulas really differ on these inputs
-    assert torch.equal(s.view(-1).cpu(), product.clamp(min=kern.MIN_SCALE))
+    assert torch.equal(s.view(-1).cpu(), product.clamp(min=quant.MIN_SCALE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_per_token_with_a_static_scale_is_bit_exact(kern, dtype):
+def test_quantize_per_token_with_a_static_scale_is_bit_exact(quant, dtype):
     """A checkpoint's static ``input_scale``: every row takes it, and values beyond
     ``448 * scale`` clip (rows here span 1e-3 .. 1e2, so the largest rows clip and the
     smallest fall into e4m3's subnormals)."""
     x = _rows(6, 2500, dtype, 3)
     scale = torch.tensor([0.05], device=DEVICE)
-    q, s = kern.quantize_per_token(x, static_scale=scale)
+    q, s = quant.quantize_per_token(x, static_scale=scale)
     want_q, want_s = quantize_static(x, scale)
     assert torch.equal(s, torch.full((6, 1), 0.05, device=DEVICE))
     assert torch.equal(want_s, s)
@@ -139,7 +147,7 @@ def test_static_scale_method_matches_its_reference(kern, m):
 
 
 @pytest.mark.parametrize("bit_cast", [True] + ([False] if DEVICE.type == "cuda" else []))
-def test_fp8_cast_rounds_to_nearest_even_like_torch(kern, bit_cast):
+def test_fp8_cast_rounds_to_nearest_even_like_torch(quant, bit_cast):
     """Every e4m3 value, midpoint and the floats either side of each midpoint, through the
     kernel's cast (the row's amax is 448: scale exactly 1)."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
@@ -151,7 +159,7 @@ def test_fp8_cast_rounds_to_nearest_even_like_torch(kern, bit_cast):
     vals = torch.cat([vals, -vals]).view(1, -1)
     vals[0, 0] = 448.0  # the row's amax is 448: the kernel's scale is exactly 1
     x = vals.to(DEVICE)
-    q, s = kern.quantize_per_token(x, bit_cast)
+    q, s = quant.quantize_per_token(x, bit_cast)
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8), x.to(FP8).view(torch.uint8))
 

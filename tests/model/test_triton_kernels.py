@@ -31,7 +31,8 @@ from tpserve.model.attention.triton_backend import (  # noqa: E402
 from tpserve.model.kernels import torch_ops  # noqa: E402
 
 _KERNEL_MODULES = (  # dependency order, for re-import
-    "triton_support", "triton_norm", "triton_activation", "triton_fp8_kv", "triton_fp8",
+    "triton_support", "triton_norm", "triton_activation", "triton_fp8_kv", "triton_fp8_quant",
+    "triton_fp8",
     "triton_fp8_fused", "triton_rope",
     "triton_decode_attention", "triton_prefill_attention", "triton_ops",
 )

@@ -24,7 +24,8 @@ triton = pytest.importorskip("triton")
 from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
 from tpserve.model.quant.fp8 import quantize_per_row  # noqa: E402
 
-NAMES = ("tpserve.model.kernels.triton_fp8", "tpserve.model.kernels.triton_w8a8")
+NAMES = ("tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8",
+         "tpserve.model.kernels.triton_w8a8")
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +35,14 @@ def kern():
         if DEVICE.type == "cpu":
             _fix_interpreter_index(mp)
             from triton.runtime.interpreter import InterpretedFunction
-            fp8 = sys.modules.get(NAMES[0])
-            if fp8 is not None and not isinstance(fp8._wo_load, InterpretedFunction):
-                importlib.reload(fp8)
-            w8 = sys.modules.get(NAMES[1])
-            if w8 is not None and not isinstance(w8._w8a8_kernel, InterpretedFunction):
-                importlib.reload(w8)
-        importlib.import_module(NAMES[0])
-        yield importlib.import_module(NAMES[1])
+            kernels = ("_quant_per_token_kernel", "_wo_load", "_w8a8_kernel")
+            for name, kernel in zip(NAMES, kernels, strict=True):
+                mod = sys.modules.get(name)
+                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
+                    importlib.reload(mod)
+        for name in NAMES[:-1]:
+            importlib.import_module(name)
+        yield importlib.import_module(NAMES[-1])
 
 
 def _operands(m: int, n: int, k: int, seed: int, zero_rows=(), zero_cols=()):

@@ -3,7 +3,7 @@ RMSNorm (with the residual add) before qkv and gate/up, the SiLU gate before dow
 
 Each computes exactly what the unfused kernel writes (``triton_norm``, ``triton_activation``:
 the same float32 formulas, rounded to the same output dtype), then quantizes those rounded
-values per row as ``triton_fp8.quantize_per_token`` does (scale ``max(amax * float32(1/448),
+values per row as ``triton_fp8_quant.quantize_per_token`` does (scale ``max(amax * float32(1/448),
 MIN_SCALE)``, ``x / scale`` correctly rounded, clamped to +-448, cast to nearest even). So
 the codes and scales equal the unfused pair's bit for bit on the same device, and only the
 fp8 codes (half the bytes) are written instead of the 16-bit activations.
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_activation import _silu_mul_cols, gate_rows
-from tpserve.model.kernels.triton_fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
+from tpserve.model.kernels.triton_fp8_quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
 from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_for
 from tpserve.model.kernels.triton_support import tl_dtype
 

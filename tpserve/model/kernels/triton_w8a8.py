@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_fp8 import (
-    FP8,
     WoConfig,
     _sm_count,
     _tile_rows,
@@ -41,6 +40,7 @@ from tpserve.model.kernels.triton_fp8 import (
     reduce_splits,
     split_k,
 )
+from tpserve.model.kernels.triton_fp8_quant import FP8
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
 

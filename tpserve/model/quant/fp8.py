@@ -220,10 +220,11 @@ class Fp8LinearMethod:
     """The ``quant_method`` (see ``parallel/linear.py``) of ``--quantization fp8``.
 
     ``backend`` "torch": the float32 reference functions; "triton": the Triton kernels
-    (``kernels/triton_fp8.py``) and, when ``scaled_mm`` (FP8 matrix products: compute
-    capability >= 8.9, and a bf16 model), W8A8 through ``kernels/triton_w8a8.py`` up to
-    ``w8a8_triton_max_tokens`` and ``torch._scaled_mm`` above; without it every M takes
-    the weight-only kernel (a tiled GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
+    (weight-only ``kernels/triton_fp8.py``, quantizer ``kernels/triton_fp8_quant.py``) and,
+    when ``scaled_mm`` (FP8 matrix products: compute capability >= 8.9, and a bf16 model),
+    W8A8 through ``kernels/triton_w8a8.py`` up to ``w8a8_triton_max_tokens`` and
+    ``torch._scaled_mm`` above; without it every M takes the weight-only kernel (a tiled
+    GEMM at any M). ``fast_accum`` (``--fp8-fast-accum``):
     ``_scaled_mm`` keeps the FP8 tensor cores' own running sums instead of promoting them
     into float32 (``use_fast_accum``), and so does the Triton W8A8 kernel (each program's
     K chunk in the tensor cores' accumulator)."""
@@ -303,11 +304,11 @@ class Fp8LinearMethod:
             if w8a8:
                 return reference_w8a8(x, wq, w_scale, bias, input_scale)
             return reference_weight_only(x, wq, w_scale, bias)
-        from tpserve.model.kernels import triton_fp8
+        from tpserve.model.kernels import triton_fp8, triton_fp8_quant
 
         if not w8a8:
             return triton_fp8.weight_only_linear(x, wq, w_scale, bias)
-        xq, xs = triton_fp8.quantize_per_token(x, static_scale=input_scale)
+        xq, xs = triton_fp8_quant.quantize_per_token(x, static_scale=input_scale)
         return self.w8a8(xq, xs, wq, w_scale, bias, x.dtype)
 
     def w8a8(self, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
