@@ -1,4 +1,5 @@
-"""Engine benchmark: one rank, dummy weights of a real shape, driven through ``EngineCore``.
+"""Engine benchmark: one rank, dummy weights of a real shape (or a checkpoint folder,
+``--load-format safetensors``), driven through ``EngineCore``.
 
 Measures, in one process and one run: the device's copy bandwidth and bf16 matmul rate (the
 two ceilings), start-up time and memory plan, batch-1 decode (TPOT, MBU), pure-prefill steps
@@ -116,6 +117,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "safetensors"],
+                   help="dummy: random weights of the --model shape; safetensors: --model is "
+                        "a checkpoint folder (e.g. bench/make_fp8_checkpoint.py's)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="weight quantization (the server's --quantization)")
     p.add_argument("--fp8-weight-only-max-tokens", type=int, default=None,
@@ -142,7 +146,7 @@ def parse_args() -> argparse.Namespace:
 
 def server_config(a: argparse.Namespace, device: torch.device) -> Config:
     """The server's own config tree for these flags, resolved as ``tpserve serve`` does."""
-    argv = ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype,
+    argv = ["serve", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
             "--kv-cache-dtype", a.kv_cache_dtype,
             "--seed", str(a.seed), "--device", device.type,
             "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
@@ -395,7 +399,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     kv_per_token = pl.bytes_per_block // pl.block_size
     weight_bytes, total_params, per_token_params, head_params = \
         weight_bytes_read_per_step(runner)
-    R["model"] = {"shape": a.model, "tp": group.world_size,
+    R["model"] = {"shape": a.model, "load_format": a.load_format, "tp": group.world_size,
                   "params_on_rank0": total_params, "weight_bytes_per_decode_step":
                   weight_bytes, "kv_bytes_per_token": kv_per_token,
                   "params_per_prefill_token": per_token_params}

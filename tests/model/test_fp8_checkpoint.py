@@ -34,6 +34,7 @@ from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 from tpserve.model.quant.methods import linear_method
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
+from tpserve.parallel.linear import quantized_input_scale, takes_quantized_input
 from tpserve.parallel.state import TPGroup
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
@@ -388,10 +389,15 @@ def fake_quantized_inputs(model, folder: Path) -> None:
 def test_static_scales_quantize_every_w8a8_input(folders, fmt):
     """W8A8 with the checkpoint's input_scale is the unquantized model on the dequantized
     weights with every linear input fake-quantized by that scale: exactly, clipping
-    included (``static-clip``'s scales are 16x too small)."""
+    included (``static-clip``'s scales are 16x too small). The norms and the SiLU gate
+    quantize the inputs of qkv, gate/up and down (with those layers' scales), o its own."""
     served, comm, method = load_as_served(folders[fmt], ONE, "fp8", weight_only_max_tokens=0)
     assert method.static_activations
-    qkv = served.model.layers[1].self_attn.qkv_proj
+    layer = served.model.layers[1]
+    for fed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert takes_quantized_input(fed, len(TOKENS))
+        assert quantized_input_scale(fed) is fed.input_scale
+    qkv = layer.self_attn.qkv_proj
     stored = {}
     for f in folders[fmt].glob("*.safetensors"):
         stored.update(load_file(str(f)))

@@ -23,7 +23,13 @@ triton = pytest.importorskip("triton")
 
 from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
 from tpserve.model.kernels import torch_ops  # noqa: E402
-from tpserve.model.quant.fp8 import FP8, Fp8Activation, Fp8LinearMethod  # noqa: E402
+from tpserve.model.quant.fp8 import (  # noqa: E402
+    FP8,
+    Fp8Activation,
+    Fp8LinearMethod,
+    quantize_per_row,
+)
+from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod  # noqa: E402
 
 MODULES = ("tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8",
            "tpserve.model.kernels.triton_norm",
@@ -58,56 +64,88 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype).to(DEVICE)
 
 
+# a static input scale (an FP8 checkpoint's): rows of every magnitude take it, the largest
+# clip at +-448 and the smallest fall into e4m3's subnormals
+SCALES = [None, 0.004]
+SCALE_IDS = ["per-token", "static"]
+
+
+def _static(scale: float | None) -> torch.Tensor | None:
+    return None if scale is None else torch.tensor([scale], device=DEVICE)
+
+
+def _clipped_and_not(q: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Under a static scale (chosen so) some codes clip at +-448 and some do not."""
+    if scale is not None:
+        top = q.float().abs() == 448.0
+        assert top.any() and (~top).any()
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=SCALE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,h", [(5, 96), (3, 200)])  # 200: a tail past the power of two
-def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h):
+def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h, scale):
     ops, fp8 = tri["triton_ops"], tri["triton_fp8_quant"]
+    static = _static(scale)
     x, res = _rows(m, h, dtype, 1), _rows(m, h, dtype, 2)
     x[1] = 0
-    res[1] = 0  # a zero (padding) row: zero codes, the minimum scale
+    res[1] = 0  # a zero (padding) row: zero codes (the minimum scale when per token)
     w = (torch.rand(h, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype).to(DEVICE)
     plain = ops.rms_norm(x, w, 1e-6)
-    got = ops.rms_norm_fp8(x, w, 1e-6)
-    _same_codes(got, fp8.quantize_per_token(plain))
+    got = ops.rms_norm_fp8(x, w, 1e-6, static)
+    _same_codes(got, fp8.quantize_per_token(plain, static_scale=static))
+    _clipped_and_not(got[0], static)
     assert got[2] == plain.dtype
     assert torch.equal(got[0][1].float(), torch.zeros(h, device=DEVICE))
     normed, summed = ops.add_rms_norm(x, res, w, 1e-6)
-    q, s, out_dtype, summed2 = ops.add_rms_norm_fp8(x, res, w, 1e-6)
-    _same_codes((q, s), fp8.quantize_per_token(normed))
+    q, s, out_dtype, summed2 = ops.add_rms_norm_fp8(x, res, w, 1e-6, static_scale=static)
+    _same_codes((q, s), fp8.quantize_per_token(normed, static_scale=static))
     assert out_dtype == normed.dtype and torch.equal(summed2, summed)
 
 
+@pytest.mark.parametrize("scale", SCALES, ids=SCALE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,d", [(4, 64), (2, 4100)])  # 4100: three chunks and a tail
 @pytest.mark.parametrize("row_block_max", [None, 1024], ids=["row-in-registers", "chunked"])
-def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row_block_max):
+def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row_block_max,
+                                                           scale):
     ops, fp8 = tri["triton_ops"], tri["triton_fp8_quant"]
+    static = _static(scale)
     x = _rows(m, 2 * d, dtype, 4)
     x[0, :d] = 0  # a zero gate row: silu(0) * up = 0
     x[-1, d - 1], x[-1, 2 * d - 1] = 30.0, 1e5  # the row's amax in its last column
     kw = {} if row_block_max is None else {"row_block_max": row_block_max}
-    got = tri["triton_fp8_fused"].silu_and_mul_fp8(x, **kw)
-    _same_codes(got, fp8.quantize_per_token(ops.silu_and_mul(x)))
+    got = tri["triton_fp8_fused"].silu_and_mul_fp8(x, static, **kw)
+    _same_codes(got, fp8.quantize_per_token(ops.silu_and_mul(x), static_scale=static))
+    _clipped_and_not(got[0], static)
     assert got[2] == dtype and got[0].shape == (m, d)
     assert torch.equal(got[0][0].float(), torch.zeros(d, device=DEVICE))
-    # the amax is the tail's: its code is the largest, +448
+    # the amax is the tail's: its code is the largest, +448 (under the static scale too)
     assert got[0][-1, d - 1].float().item() == 448.0
 
 
-def test_torch_composites_quantize_the_reference_ops():
-    """The torch back-end's fp8 variants are the reference ops then ``quantize_per_row``."""
-    from tpserve.model.quant.fp8 import quantize_per_row
+@pytest.mark.parametrize("scale", SCALES, ids=SCALE_IDS)
+def test_torch_composites_quantize_the_reference_ops(scale):
+    """The torch back-end's fp8 variants are the reference ops then ``quantize_per_row``
+    (with a static scale: ``quantize_static``)."""
+    from tpserve.model.quant.fp8 import quantize_per_row, quantize_static
+
+    static = None if scale is None else torch.tensor([scale])
+
+    def quantize(y):
+        return quantize_per_row(y) if static is None else quantize_static(y, static)
 
     x, res = _rows(6, 48, torch.float32, 5).cpu(), _rows(6, 48, torch.float32, 6).cpu()
     w = torch.rand(48, generator=torch.Generator().manual_seed(7)) + 0.5
-    _same_codes(torch_ops.rms_norm_fp8(x, w, 1e-5),
-                quantize_per_row(torch_ops.rms_norm(x, w, 1e-5)))
-    q, s, _, summed = torch_ops.add_rms_norm_fp8(x, res, w, 1e-5)
+    got = torch_ops.rms_norm_fp8(x, w, 1e-5, static)
+    _same_codes(got, quantize(torch_ops.rms_norm(x, w, 1e-5)))
+    _clipped_and_not(got[0], static)
+    q, s, _, summed = torch_ops.add_rms_norm_fp8(x, res, w, 1e-5, static_scale=static)
     normed, summed_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
-    _same_codes((q, s), quantize_per_row(normed))
+    _same_codes((q, s), quantize(normed))
     assert torch.equal(summed, summed_ref)
-    _same_codes(torch_ops.silu_and_mul_fp8(torch.cat([x, res], -1)),
-                quantize_per_row(torch_ops.silu_and_mul(torch.cat([x, res], -1))))
+    _same_codes(torch_ops.silu_and_mul_fp8(torch.cat([x, res], -1), static),
+                quantize(torch_ops.silu_and_mul(torch.cat([x, res], -1))))
 
 
 def _method(backend: str) -> Fp8LinearMethod:
@@ -117,7 +155,29 @@ def _method(backend: str) -> Fp8LinearMethod:
                            w8a8_triton_max_tokens=1 << 20)
 
 
-def _mlp(backend: str, ops_name: str):
+def _static_method(backend: str) -> Fp8CheckpointMethod:
+    """``_method`` for an FP8 checkpoint with static activation scales."""
+    return Fp8CheckpointMethod(backend, weight_only_max_tokens=8,
+                               scaled_mm=backend == "triton", w8a8_triton_max_tokens=1 << 20,
+                               static_activations=True)
+
+
+def _load_static(layer, g: torch.Generator, input_scales: dict) -> None:
+    """Loads ``layer`` as from a static FP8 checkpoint: per-tensor e4m3 weights of random
+    values, each part's ``input_scale`` from ``input_scales``, through the layer's loaders."""
+    cols = layer.weight.shape[1]
+    for part in layer.checkpoint_parts():
+        q, s = quantize_per_row(torch.randn(layer.checkpoint_rows(part), cols, generator=g) / 8)
+        layer.weight.weight_loader(layer.weight, q, part)
+        layer.weight_scale.weight_loader(layer.weight_scale, s.view(-1), part)
+        layer.input_scale.weight_loader(layer.input_scale, torch.tensor(input_scales[part]),
+                                        part)
+
+
+def _mlp(backend: str, ops_name: str, static: bool = False):
+    """A one-rank ``LlamaMLP`` on ``_method`` (weights quantized at load), or with
+    ``static`` on ``_static_method``: its gate/up input scales 0.002 and 0.004 (up's), down's
+    0.002, so the largest inputs of both clip."""
     from tpserve.model.config import ModelConfig
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.llama import LlamaMLP
@@ -130,23 +190,36 @@ def _mlp(backend: str, ops_name: str):
                                  "vocab_size": 128})
     comm = Communicator(TPGroup(0, 1, DEVICE, None))
     mlp = LlamaMLP(cfg, comm, select_ops(ops_name), torch.float32, "all_reduce",
-                   _method(backend))
+                   _static_method(backend) if static else _method(backend))
     g = torch.Generator().manual_seed(8)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
-        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
+        if static:
+            _load_static(layer, g, {0: 0.002, 1: 0.004, None: 0.002})
+        else:
+            layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
         layer.process_weights_after_loading()
     return mlp.to(DEVICE)
 
 
-@pytest.mark.parametrize("backend,ops_name", [("torch", "torch"), ("triton", "triton")])
+FUSED_MLPS = [("torch", "torch", False), ("triton", "triton", False),
+              ("torch", "torch", True), ("triton", "triton", True)]
+FUSED_MLP_IDS = ["torch", "triton", "torch-static", "triton-static"]
+
+
+@pytest.mark.parametrize("backend,ops_name,static", FUSED_MLPS, ids=FUSED_MLP_IDS)
 def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, backend,
-                                                                          ops_name):
+                                                                          ops_name, static):
     """At 12 tokens (W8A8) ``LlamaMLP`` gates and quantizes in one op and hands the
     ``Fp8Activation`` to down: the output equals down's own quantization of the gate
-    exactly; at 4 tokens (weight-only) nothing is quantized by the producer."""
-    mlp = _mlp(backend, ops_name)
-    from tpserve.parallel.linear import takes_quantized_input
+    exactly (per token, or with down's static input scale); at 4 tokens (weight-only)
+    nothing is quantized by the producer."""
+    from tpserve.parallel.linear import quantized_input_scale, takes_quantized_input
 
+    mlp = _mlp(backend, ops_name, static)
+    scale = quantized_input_scale(mlp.down_proj)
+    assert (scale is None) is not static
+    if static:
+        assert torch.equal(scale.cpu(), torch.tensor([0.002]))
     for m, fused in ((12, True), (4, False)):
         x = _rows(m, 64, torch.float32, 9)
         assert takes_quantized_input(mlp.down_proj, m) is fused
@@ -154,21 +227,29 @@ def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, b
         assert torch.equal(mlp(x), want)
 
 
-@pytest.mark.parametrize("backend,ops_name", [("torch", "torch"), ("triton", "triton")])
-def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name):
+@pytest.mark.parametrize("backend,ops_name,static", FUSED_MLPS, ids=FUSED_MLP_IDS)
+def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name, static):
     """A merged column-parallel layer fed the norm's ``Fp8Activation`` returns what it
-    returns for the norm's plain output (which it quantizes itself)."""
+    returns for the norm's plain output (which it quantizes itself): per token, or with
+    the layer's static input scale (the larger of gate's and up's, 0.004)."""
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.layers.norm import RMSNorm
+    from tpserve.parallel.linear import quantized_input_scale
 
-    mlp = _mlp(backend, ops_name)
+    mlp = _mlp(backend, ops_name, static)
+    scale = quantized_input_scale(mlp.gate_up_proj)
+    if static:
+        assert torch.equal(scale.cpu(), torch.tensor([0.004]))
     norm = RMSNorm(64, 1e-6, select_ops(ops_name), torch.float32).to(DEVICE)
     norm.weight.data.copy_(torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5)
     x, res = _rows(12, 64, torch.float32, 11), _rows(12, 64, torch.float32, 12)
     h, summed = norm(x, res.clone())  # the norm writes the sum over its residual
-    hq, summed_q = norm(x, res.clone(), quantize=True)
+    hq, summed_q = norm(x, res.clone(), quantize=True, static_scale=scale)
     assert isinstance(hq, Fp8Activation) and hq.shape == (12, 64)
+    if static:
+        assert torch.equal(hq.scale, scale.expand(12, 1))
+        assert (hq.q.float().abs() == 448).any()  # some inputs clip at this scale
     assert torch.equal(summed_q, summed)
     assert torch.equal(mlp.gate_up_proj(hq), mlp.gate_up_proj(h))
-    first = norm(x, quantize=True)
+    first = norm(x, quantize=True, static_scale=scale)
     assert torch.equal(mlp.gate_up_proj(first), mlp.gate_up_proj(norm(x)))

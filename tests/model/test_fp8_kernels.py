@@ -135,7 +135,9 @@ def test_static_scale_method_matches_its_reference(kern, m):
                                scaled_mm=DEVICE.type == "cuda"
                                and torch.cuda.get_device_capability() >= (8, 9),
                                static_activations=True)
-    assert not fast.takes_quantized_input(layer, m)
+    # a producer may quantize for it exactly where it takes W8A8 (with its scale)
+    assert fast.takes_quantized_input(layer, m) == (m > 8 and fast.scaled_mm)
+    assert fast.input_scale(layer) is scale
     y = fast.apply(layer, x, None).float()
     if m > 8 and fast.scaled_mm:
         xq, xs = quantize_static(x, scale)

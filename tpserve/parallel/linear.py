@@ -29,6 +29,8 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
   static token count would quantize ``x`` itself; the model may then pass ``apply`` the
   input already quantized by the kernel that produced it, in the method's own format
   (``takes_quantized_input`` below asks; the layers pass ``x`` through untouched).
+- optionally ``input_scale(layer)``: the static scale that quantization uses (a
+  checkpoint's ``input_scale``), None where it is per token (``quantized_input_scale``).
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 """
@@ -76,6 +78,13 @@ def takes_quantized_input(layer: nn.Module, num_tokens: int) -> bool:
     at this static token count (the method's optional ``takes_quantized_input``)."""
     ask = getattr(layer.quant_method, "takes_quantized_input", None)
     return ask is not None and ask(layer, num_tokens)
+
+
+def quantized_input_scale(layer: nn.Module) -> torch.Tensor | None:
+    """The static scale a producer quantizes ``layer``'s input with where
+    ``takes_quantized_input`` (the method's optional ``input_scale``); None: per token."""
+    ask = getattr(layer.quant_method, "input_scale", None)
+    return None if ask is None else ask(layer)
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:

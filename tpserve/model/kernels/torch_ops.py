@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX, is_fp8
 from tpserve.model.kv_hadamard import hadamard_rotate
-from tpserve.model.quant.fp8 import quantize_per_row
+from tpserve.model.quant.fp8 import quantize_per_row, quantize_static
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,31 +58,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def _quantized(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``) and its dtype."""
-    q, s = quantize_per_row(y.reshape(-1, y.shape[-1]))
+def _quantized(y: torch.Tensor, static_scale: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``), or with a static
+    scale (``quantize_static``), and its dtype."""
+    y2 = y.reshape(-1, y.shape[-1])
+    q, s = quantize_per_row(y2) if static_scale is None else quantize_static(y2, static_scale)
     return q, s, y.dtype
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 static_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``rms_norm`` quantized per token: ``(q, scale, the norm's dtype)``; the reference
-    of the fused W8A8 producers."""
-    return _quantized(rms_norm(x, weight, eps))
+    """``rms_norm`` quantized (per token, or with ``static_scale``): ``(q, scale, the
+    norm's dtype)``; the reference of the fused W8A8 producers."""
+    return _quantized(rms_norm(x, weight, eps), static_scale)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, sum_out: torch.Tensor | None = None
+                     eps: float, sum_out: torch.Tensor | None = None,
+                     static_scale: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
-    """``add_rms_norm`` with the normed rows quantized per token: ``(q, scale, dtype,
-    x + residual)`` (the sum in ``sum_out`` when given)."""
+    """``add_rms_norm`` with the normed rows quantized (per token, or with
+    ``static_scale``): ``(q, scale, dtype, x + residual)`` (the sum in ``sum_out`` when
+    given)."""
     y, summed = add_rms_norm(x, residual, weight, eps, sum_out)
-    return (*_quantized(y), summed)
+    return (*_quantized(y, static_scale), summed)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``silu_and_mul`` quantized per token: ``(q, scale, dtype)``."""
-    return _quantized(silu_and_mul(x))
+def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """``silu_and_mul`` quantized (per token, or with ``static_scale``): ``(q, scale,
+    dtype)``."""
+    return _quantized(silu_and_mul(x), static_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

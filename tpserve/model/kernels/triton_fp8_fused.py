@@ -6,7 +6,10 @@ the same float32 formulas, rounded to the same output dtype), then quantizes tho
 values per row as ``triton_fp8_quant.quantize_per_token`` does (scale ``max(amax * float32(1/448),
 MIN_SCALE)``, ``x / scale`` correctly rounded, clamped to +-448, cast to nearest even). So
 the codes and scales equal the unfused pair's bit for bit on the same device, and only the
-fp8 codes (half the bytes) are written instead of the 16-bit activations.
+fp8 codes (half the bytes) are written instead of the 16-bit activations. With
+``static_scale`` (an FP8 checkpoint's ``input_scale``, ``[1]`` float32) every row takes that
+scale instead, as ``quantize_per_token(..., static_scale=)`` does (values beyond
+``448 * scale`` clip), and no amax is taken.
 
 - ``rms_norm_fp8`` / ``add_rms_norm_fp8``: one program per row held in registers (as
   ``triton_norm``); the residual sum is still written (it is the next residual).
@@ -49,12 +52,12 @@ def _quantize_store(v, q_ptr, offs, mask, scale, FP8_MAX_C: tl.constexpr,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, sum_ptr,
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, static_ptr,
     stride_x, stride_r, stride_q, stride_s,
     hidden, eps,
     OUT_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BIT_CAST: tl.constexpr,
     FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -62,7 +65,10 @@ def _rms_norm_fp8_kernel(
     v = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
                     eps, offs, mask, HAS_RESIDUAL)
     v = v.to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
-    scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     _quantize_store(v, q_ptr + row * stride_q, offs, mask, scale, FP8_MAX_C, BIT_CAST)
 
@@ -75,24 +81,31 @@ def _silu_act(x_row, offs, mask, d):
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, d,
+    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, d,
     BIT_CAST: tl.constexpr, FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:  # BLOCK >= d: the whole row in registers
         v = _silu_act(x_row, cols, cols < d, d)
-        scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
         tl.store(s_ptr + row, scale)
         _quantize_store(v, q_ptr + row * stride_q, cols, cols < d, scale, FP8_MAX_C, BIT_CAST)
     else:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for c0 in range(0, d, BLOCK):
-            offs = c0 + cols
-            amax = tl.maximum(amax, tl.abs(_silu_act(x_row, offs, offs < d, d)))
-        scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+        if STATIC:  # one pass over the chunks: no amax
+            scale = tl.load(static_ptr)
+        else:
+            amax = tl.zeros((BLOCK,), tl.float32)
+            for c0 in range(0, d, BLOCK):
+                offs = c0 + cols
+                amax = tl.maximum(amax, tl.abs(_silu_act(x_row, offs, offs < d, d)))
+            scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX_C, MIN_SCALE_C)
         tl.store(s_ptr + row, scale)
         for c0 in range(0, d, BLOCK):
             offs = c0 + cols
@@ -101,13 +114,15 @@ def _silu_and_mul_fp8_kernel(
                             BIT_CAST)
 
 
-def _consts(device: torch.device) -> dict:
+def _consts(device: torch.device, static_scale: torch.Tensor | None) -> dict:
+    assert static_scale is None or (static_scale.dtype == torch.float32
+                                     and static_scale.numel() == 1)
     return dict(BIT_CAST=device.type != "cuda", FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                MIN_SCALE_C=MIN_SCALE)
+                MIN_SCALE_C=MIN_SCALE, STATIC=static_scale is not None)
 
 
 def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float, sum_out: torch.Tensor | None = None):
+              eps: float, sum_out: torch.Tensor | None, static_scale: torch.Tensor | None):
     hidden = x.shape[-1]
     r = norm_rows(x, residual, weight, sum_out)
     x2, r2, s2 = r.x, r.residual, r.sum_rows
@@ -118,35 +133,41 @@ def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         block_h = triton.next_power_of_2(hidden)
         _rms_norm_fp8_kernel[(rows,)](
             x2, r2, weight.contiguous(), q.view(torch.uint8), s, s2,
+            s if static_scale is None else static_scale,
             x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), hidden, eps,
             OUT_DTYPE=tl_dtype(r.out_dtype), HAS_RESIDUAL=residual is not None,
-            BLOCK_H=block_h, num_warps=num_warps_for(block_h), **_consts(x.device))
+            BLOCK_H=block_h, num_warps=num_warps_for(block_h),
+            **_consts(x.device, static_scale))
     return q, s, r.summed, r.out_dtype
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 static_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``quantize_per_token(rms_norm(x, weight, eps))`` in one kernel: ``(q [rows, H] e4m3,
-    scale [rows, 1] float32, the dtype rms_norm would return)``."""
-    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps)
+    """``quantize_per_token(rms_norm(x, weight, eps), static_scale=)`` in one kernel: ``(q
+    [rows, H] e4m3, scale [rows, 1] float32, the dtype rms_norm would return)``."""
+    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps, None, static_scale)
     return q, s, out_dtype
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, sum_out: torch.Tensor | None = None
+                     eps: float, sum_out: torch.Tensor | None = None,
+                     static_scale: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
-    """``add_rms_norm`` with its normed output quantized per token: ``(q, scale, dtype,
-    x + residual)`` (the sum in ``sum_out`` when given, see ``triton_norm.norm_rows``)."""
-    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, sum_out)
+    """``add_rms_norm`` with its normed output quantized (per token, or with
+    ``static_scale``): ``(q, scale, dtype, x + residual)`` (the sum in ``sum_out`` when
+    given, see ``triton_norm.norm_rows``)."""
+    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, sum_out, static_scale)
     return q, s, out_dtype, summed
 
 
-def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX
+def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                     row_block_max: int = ROW_BLOCK_MAX
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``quantize_per_token(silu_and_mul(x))`` in one kernel for ``x = [gate | up]``
-    ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``. Rows whose
-    ``D`` rounds up to at most ``row_block_max`` are read once (the default; a smaller value
-    is for tests of the chunked path)."""
+    """``quantize_per_token(silu_and_mul(x), static_scale=)`` in one kernel for ``x = [gate
+    | up]`` ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``. Rows
+    whose ``D`` rounds up to at most ``row_block_max`` are read once (the default; a smaller
+    value is for tests of the chunked path)."""
     x2, d = gate_rows(x)
     rows = x2.shape[0]
     q = torch.empty((rows, d), dtype=FP8, device=x.device)
@@ -156,7 +177,8 @@ def silu_and_mul_fp8(x: torch.Tensor, row_block_max: int = ROW_BLOCK_MAX
         one_pass = full <= row_block_max
         block = full if one_pass else min(_SILU_BLOCK, full)
         _silu_and_mul_fp8_kernel[(rows,)](
-            x2, q.view(torch.uint8), s, x2.stride(0), q.stride(0), d, BLOCK=block,
-            ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
-            **_consts(x.device))
+            x2, q.view(torch.uint8), s, s if static_scale is None else static_scale,
+            x2.stride(0), q.stride(0), d, BLOCK=block, ONE_PASS=one_pass,
+            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+            **_consts(x.device, static_scale))
     return q, s, x.dtype

@@ -5,7 +5,8 @@ at load, the product chosen by the step's (static) token count M.
   weight is widened in registers and multiplied by the unquantized activations, the
   per-channel scale applied to the accumulator (a memory-bound kernel reading half the
   bytes of bf16).
-- larger M (prefill, mixed steps): W8A8. Activations are quantized per token, then the
+- larger M (prefill, mixed steps): W8A8. Activations are quantized per token (or, for an
+  FP8 checkpoint with static activation scales, with the layer's ``input_scale``), then the
   fp8 operands are multiplied with row-wise scales: by the Triton split-K kernel
   (``kernels/triton_w8a8.py``) up to ``W8A8_TRITON_MAX_TOKENS``, where cuBLAS leaves SMs
   idle, else by ``torch._scaled_mm``. The quantization is fused into the kernel that
@@ -71,11 +72,11 @@ DEFAULT_FAST_ACCUM = True
 
 
 class Fp8Activation(NamedTuple):
-    """Activations quantized per token by the kernel that produced them (the input of a
-    W8A8 layer whose ``takes_quantized_input`` said so): ``q [M, K]`` e4m3 and ``scale
-    [M, 1]`` float32 with ``x ~= q * scale`` row by row, exactly ``quantize_per_row`` of the
-    activations the unfused kernel would have written in ``dtype``; ``dtype`` is also the
-    layer's output dtype."""
+    """Activations quantized by the kernel that produced them (the input of a W8A8 layer
+    whose ``takes_quantized_input`` said so): ``q [M, K]`` e4m3 and ``scale [M, 1]`` float32
+    with ``x ~= q * scale`` row by row, exactly ``quantize_per_row`` (or, with the layer's
+    static ``input_scale``, ``quantize_static``) of the activations the unfused kernel would
+    have written in ``dtype``; ``dtype`` is also the layer's output dtype."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -256,11 +257,11 @@ class Fp8LinearMethod:
         return y.reshape(*lead, y.shape[-1])
 
     def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
-        """Whether ``apply`` at this static token count quantizes its input per token (the
-        W8A8 path), so that the producer of the input may do it instead and hand over an
-        ``Fp8Activation`` (the same codes and scales, one kernel fewer). Never under a
-        static ``input_scale`` (the fused producers scale per token)."""
-        return self.input_scale(layer) is None and self.uses_w8a8(num_tokens, layer.weight)
+        """Whether ``apply`` at this static token count quantizes its input (the W8A8 path),
+        so that the producer of the input may do it instead and hand over an
+        ``Fp8Activation`` (the same codes and scales, one kernel fewer): per token, or with
+        ``input_scale(layer)`` where that is not None."""
+        return self.uses_w8a8(num_tokens, layer.weight)
 
     def input_scale(self, layer: nn.Module) -> torch.Tensor | None:
         """The static scale (``[1]`` float32) W8A8 quantizes ``layer``'s input with; None:

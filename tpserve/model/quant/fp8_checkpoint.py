@@ -28,8 +28,8 @@ Invariants:
   quantizes its input with it (``Fp8LinearMethod.matmul`` through ``input_scale``:
   ``quantize_static``, ``clamp(x / s, +-448)``, elementwise, so a row-parallel rank's
   columns quantize as those of the whole row and tp changes nothing but summation order);
-  producers do not fuse the quantization for such a layer (their fused kernels scale per
-  token). Steps the weight-only product takes
+  where the producer of the input (RMSNorm, the SiLU gate) quantizes it instead, it uses the
+  same scale and formula (``quantized_input_scale``). Steps the weight-only product takes
   (``weight_only_max_tokens``) multiply the unquantized activations, as for every fp8
   model here (``--fp8-weight-only-max-tokens 0`` quantizes every step).
 """

@@ -1,0 +1,149 @@
+"""Writes an FP8 checkpoint of a dummy shape in vLLM's ``quant_method: "fp8"`` format with
+static activation scales (AutoFP8's ``activation_scheme: "static"``), for serving benchmarks
+of that path without downloading a real FP8 export.
+
+The weights are the dummy shape's (``--load-format dummy``: uniform noise, norms of ones),
+each linear weight stored as e4m3 codes with one ``[]`` float32 ``weight_scale`` (its amax /
+448). The ``input_scale`` of every linear weight is calibrated as AutoFP8 calibrates it: the
+largest magnitude its input takes over a forward pass of ``--calibration-tokens`` random
+tokens through the unquantized (bf16) dummy model, divided by 448 (q, k and v share their
+input, as gate and up do). Norms, embeddings and the LM head are stored in bf16.
+
+    python bench/make_fp8_checkpoint.py --shape llama3-8b --out /tmp/llama3-8b-fp8-static
+    python bench/make_fp8_checkpoint.py --shape smollm2-135m --device cpu --out /tmp/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tpserve.model.attention.backend import select_attention  # noqa: E402
+from tpserve.model.kernels.backend import select_ops  # noqa: E402
+from tpserve.model.kv_pool import KVPool  # noqa: E402
+from tpserve.model.loader import dummy  # noqa: E402
+from tpserve.model.loader.build import build_model  # noqa: E402
+from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
+from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
+from tpserve.model.quant.fp8 import FP8, FP8_MAX  # noqa: E402
+from tpserve.parallel.comm import Communicator  # noqa: E402
+from tpserve.parallel.state import TPGroup  # noqa: E402
+
+# the served module whose input each checkpoint linear weight multiplies
+INPUT_OF = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+            "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+            "down_proj": "down_proj"}
+SHARD_BYTES = 4 << 30
+BLOCK = 16
+
+
+def calibrate(shape: str, seed: int, device: torch.device, tokens: int) -> dict[str, float]:
+    """``{served module name: amax of its input}`` over one prefill of ``tokens`` random
+    token ids through the bf16 dummy model (torch ops: the reference path)."""
+    ckpt = open_checkpoint(shape, "dummy", seed)
+    cfg = ckpt.config
+    comm = Communicator(TPGroup(0, 1, device, None))
+    model = build_model(ckpt, comm, device, torch.bfloat16, select_ops("torch"),
+                        select_attention("torch", torch.bfloat16), tokens)
+    amax: dict[str, float] = {}
+
+    def record(name: str):
+        def hook(_module, args):
+            amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules()
+             if n.rsplit(".", 1)[-1] in INPUT_OF.values()]
+    ids = torch.randint(0, cfg.vocab_size, (tokens,),
+                        generator=torch.Generator().manual_seed(seed)).tolist()
+    blocks = -(-tokens // BLOCK)
+    pool = KVPool(cfg.num_hidden_layers, blocks, BLOCK, cfg.kv_heads_for(1), cfg.head_dim,
+                  torch.bfloat16, device)
+    plan = StepPlan.build([SeqChunk(ids, 0, list(range(blocks)), True)], BLOCK,
+                          model.attn_backend).to(device)
+    with torch.no_grad():
+        model(plan.input_ids, plan.positions, pool.layers, plan.metadata(model.attn_backend))
+    for h in hooks:
+        h.remove()
+    del model, pool
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return amax
+
+
+def fp8_tensors(name: str, w: torch.Tensor, amax: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A linear weight as stored: e4m3 codes, its ``[]`` weight scale, its input scale."""
+    prefix = name.removesuffix(".weight")
+    parent, proj = prefix.rsplit(".", 1)
+    served = f"{parent}.{INPUT_OF[proj]}"
+    scale = (w.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return {name: q.cpu(), prefix + ".weight_scale": scale.cpu(),
+            prefix + ".input_scale": torch.tensor(amax[served] / FP8_MAX, dtype=torch.float32)}
+
+
+def write(shape: str, seed: int, device: torch.device, amax: dict[str, float], out: Path
+          ) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dummy.shape_config(shape)
+    shard: dict[str, torch.Tensor] = {}
+    size, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+        shard, size = {}, 0
+
+    for name, source in dummy.iter_weights(cfg, seed, device):
+        w = source.read()
+        proj = name.rsplit(".", 2)[-2]
+        part = (fp8_tensors(name, w, amax) if proj in INPUT_OF and name.endswith(".weight")
+                else {name: w.to(torch.bfloat16).cpu()})
+        shard.update(part)
+        size += sum(t.numel() * t.element_size() for t in part.values())
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    config = dummy.shape_hf_config(shape)
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                     "ignored_layers": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return {"files": files, "bytes": sum((out / f).stat().st_size for f in files)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3-8b", choices=dummy.SHAPES)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration-tokens", type=int, default=512)
+    a = p.parse_args()
+    device = torch.device(a.device)
+    t0 = time.perf_counter()
+    amax = calibrate(a.shape, a.seed, device, a.calibration_tokens)
+    t1 = time.perf_counter()
+    print(f"calibrated {len(amax)} layer inputs in {t1 - t0:.1f} s; input amax "
+          f"{min(amax.values()):.3g} .. {max(amax.values()):.3g}", flush=True)
+    info = write(a.shape, a.seed, device, amax, a.out)
+    print(f"wrote {len(info['files'])} files, {info['bytes'] / 2**30:.2f} GiB, to {a.out} in "
+          f"{time.perf_counter() - t1:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
