@@ -399,7 +399,9 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     kv_per_token = pl.bytes_per_block // pl.block_size
     weight_bytes, total_params, per_token_params, head_params = \
         weight_bytes_read_per_step(runner)
+    quant = runner.ckpt.quantization
     R["model"] = {"shape": a.model, "load_format": a.load_format, "tp": group.world_size,
+                  "checkpoint_quantization": quant.describe() if quant else None,
                   "params_on_rank0": total_params, "weight_bytes_per_decode_step":
                   weight_bytes, "kv_bytes_per_token": kv_per_token,
                   "params_per_prefill_token": per_token_params}
