@@ -1,16 +1,20 @@
 """Writes an FP8 checkpoint of a dummy shape in vLLM's ``quant_method: "fp8"`` format with
-static activation scales (AutoFP8's ``activation_scheme: "static"``), for serving benchmarks
-of that path without downloading a real FP8 export.
+static activation scales (AutoFP8's ``activation_scheme: "static"``), or with ``--block BN
+BK`` block-wise weight scales (``weight_block_size``, dynamic activations), for serving
+benchmarks of those paths without downloading a real FP8 export.
 
 The weights are the dummy shape's (``--load-format dummy``: uniform noise, norms of ones),
 each linear weight stored as e4m3 codes with one ``[]`` float32 ``weight_scale`` (its amax /
 448). The ``input_scale`` of every linear weight is calibrated as AutoFP8 calibrates it: the
 largest magnitude its input takes over a forward pass of ``--calibration-tokens`` random
 tokens through the unquantized (bf16) dummy model, divided by 448 (q, k and v share their
-input, as gate and up do). Norms, embeddings and the LM head are stored in bf16.
+input, as gate and up do). Norms, embeddings and the LM head are stored in bf16. Block-wise:
+each ``[BN, BK]`` block of a linear weight takes its own amax / 448 (``weight_scale_inv``
+``[ceil(out / BN), ceil(in / BK)]``); nothing is calibrated.
 
     python bench/make_fp8_checkpoint.py --shape llama3-8b --out /tmp/llama3-8b-fp8-static
     python bench/make_fp8_checkpoint.py --shape smollm2-135m --device cpu --out /tmp/s
+    python bench/make_fp8_checkpoint.py --block 128 128 --out /tmp/llama3-8b-fp8-block
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -90,8 +95,21 @@ def fp8_tensors(name: str, w: torch.Tensor, amax: dict[str, float]) -> dict[str,
             prefix + ".input_scale": torch.tensor(amax[served] / FP8_MAX, dtype=torch.float32)}
 
 
-def write(shape: str, seed: int, device: torch.device, amax: dict[str, float], out: Path
-          ) -> dict:
+def block_tensors(name: str, w: torch.Tensor, block: tuple[int, int]
+                  ) -> dict[str, torch.Tensor]:
+    """A linear weight as a block-wise checkpoint stores it: codes and block scales."""
+    bn, bk = block
+    n, k = w.shape
+    rb, cb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, cb * bk - k, 0, rb * bn - n))
+    scale = (padded.abs().reshape(rb, bn, cb, bk).amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return {name: (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8).cpu(),
+            name + "_scale_inv": scale.cpu()}
+
+
+def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | None,
+          out: Path, block: tuple[int, int] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg = dummy.shape_config(shape)
     shard: dict[str, torch.Tensor] = {}
@@ -108,8 +126,12 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float], o
     for name, source in dummy.iter_weights(cfg, seed, device):
         w = source.read()
         proj = name.rsplit(".", 2)[-2]
-        part = (fp8_tensors(name, w, amax) if proj in INPUT_OF and name.endswith(".weight")
-                else {name: w.to(torch.bfloat16).cpu()})
+        if not (proj in INPUT_OF and name.endswith(".weight")):
+            part = {name: w.to(torch.bfloat16).cpu()}
+        elif block is not None:
+            part = block_tensors(name, w, block)
+        else:
+            part = fp8_tensors(name, w, amax)
         shard.update(part)
         size += sum(t.numel() * t.element_size() for t in part.values())
         if size >= SHARD_BYTES:
@@ -120,8 +142,11 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float], o
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     config = dummy.shape_hf_config(shape)
     config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+    config["quantization_config"] = {"quant_method": "fp8",
+                                     "activation_scheme": "dynamic" if block else "static",
                                      "ignored_layers": ["lm_head"]}
+    if block is not None:
+        config["quantization_config"]["weight_block_size"] = list(block)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return {"files": files, "bytes": sum((out / f).stat().st_size for f in files)}
 
@@ -133,14 +158,19 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibration-tokens", type=int, default=512)
+    p.add_argument("--block", type=int, nargs=2, metavar=("BN", "BK"), default=None,
+                   help="block-wise weight scales instead of static activation scales")
     a = p.parse_args()
     device = torch.device(a.device)
-    t0 = time.perf_counter()
-    amax = calibrate(a.shape, a.seed, device, a.calibration_tokens)
+    amax = None
     t1 = time.perf_counter()
-    print(f"calibrated {len(amax)} layer inputs in {t1 - t0:.1f} s; input amax "
-          f"{min(amax.values()):.3g} .. {max(amax.values()):.3g}", flush=True)
-    info = write(a.shape, a.seed, device, amax, a.out)
+    if a.block is None:
+        amax = calibrate(a.shape, a.seed, device, a.calibration_tokens)
+        print(f"calibrated {len(amax)} layer inputs in {time.perf_counter() - t1:.1f} s; "
+              f"input amax {min(amax.values()):.3g} .. {max(amax.values()):.3g}", flush=True)
+        t1 = time.perf_counter()
+    info = write(a.shape, a.seed, device, amax, a.out, None if a.block is None
+                 else tuple(a.block))
     print(f"wrote {len(info['files'])} files, {info['bytes'] / 2**30:.2f} GiB, to {a.out} in "
           f"{time.perf_counter() - t1:.1f} s", flush=True)
 

@@ -257,8 +257,6 @@ def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]},
-     "weight_block_size = \\[128, 128\\] is not supported: block-wise"),
     ({"quant_method": "fp8", "activation_scheme": "per-tensor"},
      "activation_scheme = 'per-tensor' is not supported"),
     ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]},

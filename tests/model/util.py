@@ -115,41 +115,77 @@ def fp8_state(state: dict[str, torch.Tensor], scales: str = "channel"
     return out
 
 
+def fp8_block_state(state: dict[str, torch.Tensor], block: tuple[int, int],
+                    scale_name: str = "weight_scale_inv") -> dict[str, torch.Tensor]:
+    """``state`` with every linear weight stored as a block-wise FP8 checkpoint stores it:
+    e4m3 codes plus ``scale_name`` ``[ceil(out / bn), ceil(in / bk)]``, each block's amax /
+    448 (the codes of a block are its values over its scale)."""
+    from tpserve.model.quant.fp8 import FP8, FP8_MAX, MIN_SCALE
+
+    bn, bk = block
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        if name.rsplit(".", 2)[-2] not in LINEAR_NAMES or not name.endswith(".weight"):
+            out[name] = w
+            continue
+        n, k = w.shape
+        rb, cb = -(-n // bn), -(-k // bk)
+        padded = torch.nn.functional.pad(w.float(), (0, cb * bk - k, 0, rb * bn - n))
+        amax = padded.abs().reshape(rb, bn, cb, bk).amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        out[name] = (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out[name.removesuffix("weight") + scale_name] = scale
+    return out
+
+
 def fp8_quantization_config(fmt: str = "fp8", strategy: str = "channel",
-                            static: bool = False) -> dict:
+                            static: bool = False, block: tuple[int, int] | None = None
+                            ) -> dict:
     """``config.json``'s ``quantization_config`` as vLLM's ``Fp8Config`` or llm-compressor's
     compressed-tensors FP8-dynamic export writes it (``static``: the FP8 export with static
-    per-tensor activation scales, ``neuralmagic/*-FP8``)."""
+    per-tensor activation scales, ``neuralmagic/*-FP8``; ``block``: block-wise weight
+    scales, transformers' FineGrainedFP8 / llm-compressor's ``FP8_BLOCK``)."""
     if fmt == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
-                "ignored_layers": ["lm_head"]}
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+              "ignored_layers": ["lm_head"]}
+        if block is not None:
+            qc["weight_block_size"] = list(block)
+        return qc
     activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
                     "dynamic": False} if static else
                    {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                     "dynamic": True})
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+               "dynamic": False}
+    if block is not None:
+        activations.update(strategy="group", group_size=block[1])
+        weights.update(strategy="block", block_structure=list(block))
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],
             "config_groups": {"group_0": {
                 "targets": ["Linear"], "output_activations": None,
-                "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                            "symmetric": True, "dynamic": False},
-                "input_activations": activations}}}
+                "weights": weights, "input_activations": activations}}}
 
 
 def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
-                    fmt: str = "fp8", input_scales: dict[str, float] | None = None) -> Path:
+                    fmt: str = "fp8", input_scales: dict[str, float] | None = None,
+                    block: tuple[int, int] | None = None) -> Path:
     """Rewrites the unquantized folder ``source`` (``save_hf_folder``'s) as an FP8 checkpoint
     in ``folder``: the same shards with ``fp8_state``'s tensors, and ``config.json`` with
     its ``quantization_config``; ``input_scales`` (checkpoint weight name -> scale, every
     linear weight's) makes it a checkpoint with static activation scales, each stored as
-    the ``[]`` float32 ``input_scale`` beside its weight."""
+    the ``[]`` float32 ``input_scale`` beside its weight; ``block`` a block-wise one
+    (``fp8_block_state``)."""
     from safetensors.torch import load_file
 
     folder.mkdir(parents=True, exist_ok=True)
     index = json.loads((source / "model.safetensors.index.json").read_text())
     weight_map = {}
     for fname in sorted(set(index["weight_map"].values())):
-        part = fp8_state(load_file(str(source / fname)), scales)
+        state = load_file(str(source / fname))
+        part = (fp8_state(state, scales) if block is None else fp8_block_state(
+            state, block, "weight_scale_inv" if fmt == "fp8" else "weight_scale"))
         for name in [n for n in part if n.endswith("_scale")] if input_scales else ():
             weight = name.removesuffix("_scale")
             part[weight.removesuffix("weight") + "input_scale"] = torch.tensor(
@@ -160,7 +196,8 @@ def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = fp8_quantization_config(fmt, scales,
-                                                            static=bool(input_scales))
+                                                            static=bool(input_scales),
+                                                            block=block)
     (folder / "config.json").write_text(json.dumps(config))
     for extra in source.iterdir():  # tokenizer files, generation config
         if extra.suffix != ".safetensors" and extra.name not in (

@@ -16,29 +16,37 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.model.util import fp8_quantization_config, fp8_state, full_logits, load
+from tests.model.util import (
+    fp8_block_state,
+    fp8_quantization_config,
+    fp8_state,
+    full_logits,
+    load,
+)
 from tests.server.serverproc import ServerProcess
 from tpserve.model.loader import gguf_file
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import Fp8LinearMethod
+from tpserve.model.quant.fp8_block import Fp8BlockMethod
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 TEXT = Path(__file__).parents[1] / "data" / "pride_and_prejudice_ch1.txt"
 CUTS = [16, 40]
 
 
-def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None) -> Path:
+def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None,
+                      block: tuple[int, int] | None = None) -> Path:
     """The embedded GGUF's weights (dequantized, Hugging Face names) as an FP8 folder, with
     its tokenizer and an equivalent ``config.json``; with ``input_scales`` (checkpoint
     weight name -> scale) static activation scales too, as ``neuralmagic/*-FP8`` stores
-    them."""
+    them; with ``block`` block-wise weight scales (transformers' FineGrainedFP8)."""
     ckpt = open_checkpoint(None)
     c = ckpt.config
     state = {name: src.read().float().contiguous()
              for name, src in gguf_file.iter_weights(ckpt.reader, c)}
     state.pop("lm_head.weight", None)  # tied to the embedding
     folder.mkdir(parents=True)
-    tensors = fp8_state(state)
+    tensors = fp8_state(state) if block is None else fp8_block_state(state, block)
     for name in input_scales or ():
         tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(
             input_scales[name], dtype=torch.float32)
@@ -54,7 +62,7 @@ def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None
               "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
               "eos_token_id": list(c.eos_token_ids),
               "quantization_config": fp8_quantization_config(
-                  "fp8", static=input_scales is not None)}
+                  "fp8", static=input_scales is not None, block=block)}
     (folder / "config.json").write_text(json.dumps(config))
     ckpt.tokenizer().save_pretrained(str(folder))
     return folder
@@ -162,6 +170,28 @@ def test_static_activation_scales_serve_what_the_checkpoint_was_calibrated_for(s
         method = Fp8CheckpointMethod(weight_only_max_tokens=0, static_activations=True)
         tops = check_served_logprobs(server, in_process_logprobs(str(static_folder), method))
         # per-token dynamic scales give other log-probabilities
+        other = in_process_logprobs(None, Fp8LinearMethod(weight_only_max_tokens=0))
+        for pos, top in tops:
+            assert (other[pos, top.indices] - top.values).abs().max() > 2e-3
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_block_wise_checkpoint_serves_its_blocks(tmp_path):
+    """``weight_block_size [128, 128]`` (SmolLM2's 576 columns: four and a half blocks;
+    its q rows end mid-block, so the fused qkv keeps one scale row per weight row): served
+    as stored with every step W8A8, the next-token log-probabilities are those of the
+    block-wise model in process (activations quantized per token and 128 columns), not
+    those of per-channel scales."""
+    folder = write_fp8_smollm2(tmp_path / "SmolLM2-FP8-block", block=(128, 128))
+    server = ServerProcess(str(folder), "--no-engine-process",
+                           "--fp8-weight-only-max-tokens", "0", log_level="info")
+    try:
+        assert ("linear layers: fp8 weights, as stored (quantization_config.quant_method "
+                "'fp8', block-wise weight scales [128, 128])") in server.output(), \
+            server.output()
+        method = Fp8BlockMethod(weight_only_max_tokens=0, block=(128, 128))
+        tops = check_served_logprobs(server, in_process_logprobs(str(folder), method))
         other = in_process_logprobs(None, Fp8LinearMethod(weight_only_max_tokens=0))
         for pos, top in tops:
             assert (other[pos, top.indices] - top.values).abs().max() > 2e-3

@@ -150,8 +150,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "own: fp8 for an FP8 checkpoint, whose e4m3 weights and scales are "
                         "served as stored; else none), none, or fp8 (e4m3 weights with "
                         "per-output-channel scales, quantized at load unless the checkpoint "
-                        "is FP8; activations scaled per token; FP8 matrix products on "
-                        "Hopper). none on an FP8 checkpoint is refused")
+                        "is FP8, whose per-tensor, per-channel or block scales are kept; "
+                        "activations scaled per token (per token and block column group for "
+                        "block scales, or by the checkpoint's static scales); FP8 matrix "
+                        "products on Hopper). none on an FP8 checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,
                    default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
                    help="with --quantization fp8: steps of at most this many tokens multiply "

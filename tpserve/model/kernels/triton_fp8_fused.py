@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_activation import _silu_mul_cols, gate_rows
-from tpserve.model.kernels.triton_fp8_quant import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, _e4m3_code
+from tpserve.model.kernels.triton_fp8_quant import (
+    FP8,
+    FP8_MAX,
+    INV_FP8_MAX,
+    MIN_SCALE,
+    _quantize_store,
+)
 from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_for
 from tpserve.model.kernels.triton_support import tl_dtype
 
@@ -36,18 +42,6 @@ _SILU_BLOCK = 2048
 # two passes its 512-row mixed steps took 28.5 us a call on the H200, ~1.3 TB/s
 # (results/h200-2026-12-02-r5c-profiled-engine-both.profile.txt).
 ROW_BLOCK_MAX = 16384
-
-
-@triton.jit
-def _quantize_store(v, q_ptr, offs, mask, scale, FP8_MAX_C: tl.constexpr,
-                    BIT_CAST: tl.constexpr):
-    """Stores the e4m3 codes of float32 ``v / scale`` (clamped, nearest even)."""
-    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
-    if BIT_CAST:
-        code = _e4m3_code(q)
-    else:
-        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + offs, code, mask=mask)
 
 
 @triton.jit

@@ -16,7 +16,10 @@ rounds up past 1.111b loses its carry into the exponent: 0.0302 -> 0.0156), so t
 interpreter never runs its cast. Loads (e4m3 -> float32) are right in the interpreter and
 used as they are.
 
-It launches with shapes only (no host synchronisation), so it is captured in CUDA graphs.
+``quantize_per_group``: the same per group of ``group`` columns of each row (one program a
+group), for block-wise FP8 checkpoints.
+
+They launch with shapes only (no host synchronisation), so they are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -52,6 +55,19 @@ def _e4m3_code(v):
 
 
 @triton.jit
+def _quantize_store(v, q_ptr, offs, mask, scale, FP8_MAX_C: tl.constexpr,
+                    BIT_CAST: tl.constexpr):
+    """Stores the e4m3 codes of float32 ``v / scale`` (clamped, nearest even) at
+    ``q_ptr + offs``: the GPU's own cast, or ``_e4m3_code`` (``BIT_CAST``)."""
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+    if BIT_CAST:
+        code = _e4m3_code(q)
+    else:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs, code, mask=mask)
+
+
+@triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
                             FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
                             MIN_SCALE_C: tl.constexpr, STATIC: tl.constexpr,
@@ -71,12 +87,7 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride
     for k0 in range(0, K, BLOCK):
         o = k0 + cols
         x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
-        if BIT_CAST:
-            code = _e4m3_code(q)
-        else:
-            code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + row * stride_q + o, code, mask=o < K)
+        _quantize_store(x, q_ptr + row * stride_q, o, o < K, scale, FP8_MAX_C, BIT_CAST)
 
 
 def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None,
@@ -103,4 +114,40 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None,
                                   MIN_SCALE_C=MIN_SCALE, STATIC=static,
                                   BIT_CAST=bit_cast, BLOCK=block,
                                   num_warps=4 if block <= 1024 else 8)
+    return q, s
+
+
+@triton.jit
+def _quant_per_group_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
+                            FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
+                            MIN_SCALE_C: tl.constexpr, BIT_CAST: tl.constexpr,
+                            GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    o = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_x + o, mask=o < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+    tl.store(s_ptr + row * stride_s + g, scale)
+    _quantize_store(x, q_ptr + row * stride_q, o, o < K, scale, FP8_MAX_C, BIT_CAST)
+
+
+def quantize_per_group(x: torch.Tensor, group: int, bit_cast: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, K] e4m3, scale [M, ceil(K / group)] float32)``: each row's
+    columns ``[b * group, (b + 1) * group)`` quantized as ``quantize_per_token`` quantizes a
+    row (the activations of block-wise FP8 checkpoints; bit-exact to
+    ``quant.fp8_block.quantize_per_group``). ``group``: a power of two."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    if bit_cast is None:
+        bit_cast = x.device.type != "cuda"
+    _quant_per_group_kernel[(m, groups)](x, q.view(torch.uint8), s, k, x.stride(0),
+                                         q.stride(0), s.stride(0), FP8_MAX_C=FP8_MAX,
+                                         INV_FP8_MAX_C=INV_FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                         BIT_CAST=bit_cast, GROUP=group, num_warps=4)
     return q, s

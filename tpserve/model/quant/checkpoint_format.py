@@ -5,21 +5,26 @@ ValueError naming the method or the field.
 Served as stored (``model/quant/fp8_checkpoint.py``: the checkpoint's e4m3 codes are the
 served weights):
 - ``quant_method: "fp8"`` (vLLM's ``Fp8Config``: AutoFP8 and llm-compressor exports such as
-  ``neuralmagic/*-FP8``) with ``activation_scheme`` "dynamic" or "static", no
-  ``weight_block_size``, and ``ignored_layers`` naming at most the LM head;
+  ``neuralmagic/*-FP8``) with ``activation_scheme`` "dynamic" or "static", and
+  ``ignored_layers`` naming at most the LM head; with ``weight_block_size [bn, bk]``
+  (transformers' FineGrainedFP8, vLLM's block-wise FP8) the activations must be dynamic;
 - ``quant_method: "compressed-tensors"`` whose one config group holds 8-bit float weights
   (``strategy`` "tensor" or "channel", symmetric, static) and no input activations, dynamic
   8-bit float ones, or static 8-bit float ones with one scale per tensor (``strategy``
   "tensor"), ``format`` "float-quantized" or "naive-quantized", no sparsity, and ``ignore``
-  naming at most the LM head (``*-FP8-dynamic`` and ``*-FP8`` checkpoints).
+  naming at most the LM head (``*-FP8-dynamic`` and ``*-FP8`` checkpoints); or block
+  weights (``strategy`` "block", ``block_structure [bn, bk]``) with dynamic activations
+  per group of ``bk`` (llm-compressor's ``FP8_BLOCK``).
 Tensors: ``*.weight`` in ``float8_e4m3fn``, ``*.weight_scale`` one float32 per tensor
 (shape ``[]`` or ``[1]``) or per output row (``[out]`` or ``[out, 1]``); with static
 activations also ``*.input_scale``, one float per tensor (``static_activations``: every
-W8A8 product quantizes its input with it, see ``Fp8CheckpointMethod``).
+W8A8 product quantizes its input with it, see ``Fp8CheckpointMethod``). Block-wise:
+``*.weight_scale_inv`` (``fp8``) or ``*.weight_scale`` (compressed-tensors), ``[ceil(out /
+bn), ceil(in / bk)]`` (``weight_block``, ``scale_name``; see ``fp8_block.py``). ``bk`` must
+be a power of two of at least 16 (it is the kernels' K step).
 
-Refused: any other method (awq, gptq, bitsandbytes, ...), block-wise scales
-(``weight_block_size``, e.g. transformers' FineGrainedFP8), and static activation scales
-other than one per tensor.
+Refused: any other method (awq, gptq, bitsandbytes, ...), block-wise scales with static
+activations, and static activation scales other than one per tensor.
 """
 
 from __future__ import annotations
@@ -43,10 +48,14 @@ class CheckpointQuantization:
     method: str
     quant_method: str
     static_activations: bool = False
+    weight_block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
 
     def describe(self) -> str:
         return (f"quantization_config.quant_method {self.quant_method!r}"
-                + (", static activation scales" if self.static_activations else ""))
+                + (", static activation scales" if self.static_activations else "")
+                + (f", block-wise weight scales {list(self.weight_block)}"
+                   if self.weight_block else ""))
 
 
 def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = None
@@ -65,14 +74,16 @@ def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = N
         raise ValueError("config.json: quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        static = _check_fp8(qc)
+        static, block = _check_fp8(qc)
+        scale_name = "weight_scale_inv" if block else "weight_scale"
     elif method == "compressed-tensors":
-        static = _check_compressed_tensors(qc)
+        static, block = _check_compressed_tensors(qc)
+        scale_name = "weight_scale"
     else:
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not "
                          f"supported; tpserve serves {' and '.join(map(repr, SERVED_METHODS))} "
-                         "(FP8 e4m3 weights with per-tensor or per-channel scales)")
-    return CheckpointQuantization("fp8", method, static)
+                         "(FP8 e4m3 weights with per-tensor, per-channel or block scales)")
+    return CheckpointQuantization("fp8", method, static, block, scale_name)
 
 
 def _refuse(field: str, value: Any, why: str) -> ValueError:
@@ -89,22 +100,36 @@ def _check_ignored(field: str, names: Any) -> None:
                           "(only the LM head may be left out)")
 
 
-def _check_fp8(qc: dict[str, Any]) -> bool:
-    """Whether the activation scales are static."""
-    block = qc.get("weight_block_size")
-    if block is not None:
-        raise _refuse("weight_block_size", block, "block-wise scales; tpserve serves "
-                      "per-tensor or per-channel weight scales")
+def _block_size(field: str, block: Any) -> tuple[int, int]:
+    """``[bn, bk]``: positive ints, ``bk`` a power of two >= 16."""
+    if not (isinstance(block, list | tuple) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+            and block[1] >= 16 and block[1] & (block[1] - 1) == 0):
+        raise _refuse(field, block, "expected [rows, columns] of a weight block, the columns "
+                      "a power of two of at least 16 (e.g. [128, 128])")
+    return int(block[0]), int(block[1])
+
+
+def _check_fp8(qc: dict[str, Any]) -> tuple[bool, tuple[int, int] | None]:
+    """Whether the activation scales are static, and the weight block (None: per tensor or
+    per channel)."""
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise _refuse("activation_scheme", scheme, "expected 'dynamic' (activations scaled "
                       "per token at run time) or 'static' (the checkpoint's input_scale)")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        block = _block_size("weight_block_size", block)
+        if scheme != "dynamic":
+            raise _refuse("activation_scheme", scheme, "block-wise weight scales take "
+                          "dynamic activation scales (per token and group), as in vLLM")
     _check_ignored("ignored_layers", qc.get("ignored_layers"))
-    return scheme == "static"
+    return scheme == "static", block
 
 
-def _check_compressed_tensors(qc: dict[str, Any]) -> bool:
-    """Whether the activation scales are static."""
+def _check_compressed_tensors(qc: dict[str, Any]) -> tuple[bool, tuple[int, int] | None]:
+    """Whether the activation scales are static, and the weight block (None: per tensor or
+    per channel)."""
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse("format", fmt, "tpserve serves compressed-tensors FP8 "
@@ -121,10 +146,13 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> bool:
                       "tpserve serves every linear layer in FP8 (targets ['Linear'])")
     w = group.get("weights") or {}
     if not (w.get("type") == "float" and w.get("num_bits") == 8
-            and w.get("strategy") in ("tensor", "channel") and w.get("symmetric", True)
+            and w.get("strategy") in ("tensor", "channel", "block") and w.get("symmetric", True)
             and not w.get("dynamic", False)):
         raise _refuse(f"config_groups.{name}.weights", w, "tpserve serves 8-bit float "
-                      "weights with per-tensor or per-channel ('tensor'/'channel') scales")
+                      "weights with per-tensor, per-channel or block ('tensor'/'channel'/"
+                      "'block') scales")
+    block = (_block_size(f"config_groups.{name}.weights.block_structure",
+                         w.get("block_structure")) if w["strategy"] == "block" else None)
     a = group.get("input_activations")
     static = a is not None and a.get("dynamic") is False
     if a is not None and not (a.get("type") == "float" and a.get("num_bits") == 8
@@ -134,8 +162,14 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> bool:
         raise _refuse(f"config_groups.{name}.input_activations", a, "tpserve serves 8-bit "
                       "float input activations, dynamic (scaled per token at run time) or "
                       "static with one scale per tensor (strategy 'tensor', input_scale)")
+    if block is not None and not (a is not None and a.get("dynamic") is True
+                                  and a.get("strategy") == "group"
+                                  and a.get("group_size") == block[1]):
+        raise _refuse(f"config_groups.{name}.input_activations", a, "block-wise weights "
+                      f"take dynamic activations per group of {block[1]} columns (strategy "
+                      f"'group', group_size {block[1]}: the block's columns)")
     if group.get("output_activations") is not None:
         raise _refuse(f"config_groups.{name}.output_activations",
                       group["output_activations"], "output activations are not quantized")
     _check_ignored("ignore", qc.get("ignore"))
-    return static
+    return static, block

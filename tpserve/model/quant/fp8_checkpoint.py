@@ -72,7 +72,8 @@ def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
         return v.reshape(rows)
     raise ValueError(f"{what}: weight_scale has shape {tuple(value.shape)}; expected one "
                      f"scale per tensor ([] or [1]) or per output row ([{rows}] or "
-                     f"[{rows}, 1]) (block-wise scales are not supported)")
+                     f"[{rows}, 1]); block-wise scales are read only where "
+                     "quantization_config declares the block (weight_block_size)")
 
 
 @dataclass(frozen=True)

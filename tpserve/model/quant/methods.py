@@ -14,6 +14,7 @@ import torch
 
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, Fp8LinearMethod, scaled_mm_supported
+from tpserve.model.quant.fp8_block import Fp8BlockMethod
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 QUANTIZATIONS = ("none", "fp8")
@@ -62,4 +63,7 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
               fast_accum=fast_accum)
     if checkpoint is None:
         return Fp8LinearMethod(**kw)
+    if checkpoint.weight_block is not None:
+        return Fp8BlockMethod(**kw, block=checkpoint.weight_block,
+                              scale_name=checkpoint.scale_name)
     return Fp8CheckpointMethod(**kw, static_activations=checkpoint.static_activations)

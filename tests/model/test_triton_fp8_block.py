@@ -1,0 +1,98 @@
+"""The block-wise fp8 Triton kernels (``kernels/triton_fp8_block.py``, the group quantizer
+in ``kernels/triton_fp8_quant.py``) against their torch references
+(``model/quant/fp8_block.py``). Off CUDA they run in Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, set before the kernel modules are imported); on the GPU the same
+tests run compiled, the W8A8 product through the FP8 tensor cores."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, quantize_per_row  # noqa: E402
+from tpserve.model.quant.fp8_block import (  # noqa: E402
+    quantize_per_group,
+    reference_block_w8a8,
+    reference_block_weight_only,
+)
+
+NAMES = (("tpserve.model.kernels.triton_fp8_quant", "_quant_per_group_kernel"),
+         ("tpserve.model.kernels.triton_fp8_block", "_block_kernel"))
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The block GEMM module, with the quantizer module it uses, interpreted off CUDA."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE.type == "cpu":
+            _fix_interpreter_index(mp)
+            from triton.runtime.interpreter import InterpretedFunction
+            for name, kernel in NAMES:
+                mod = sys.modules.get(name)
+                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
+                    importlib.reload(mod)
+        importlib.import_module(NAMES[0][0])
+        yield importlib.import_module(NAMES[1][0])
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)  # groups of all sizes
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,group", [(3, 200, 16), (5, 256, 128), (2, 40, 32)])
+def test_quantize_per_group_is_bit_exact(kern, dtype, m, k, group):
+    quant = sys.modules[NAMES[0][0]]
+    x = _rows(m, k, dtype, 1)
+    x[1, :group] = 0  # a zero group: zero codes, the minimum scale
+    q, s = quant.quantize_per_group(x, group)
+    want_q, want_s = quantize_per_group(x.cpu(), group)
+    assert q.dtype == FP8 and s.shape == (m, -(-k // group))
+    assert torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.view(torch.uint8).cpu(), want_q.view(torch.uint8))
+    assert s[1, 0] == MIN_SCALE  # (compared in float32)
+
+
+def _block_weight(n: int, k: int, bn: int, bk: int, seed: int, shared: bool):
+    """Codes ``[N, K]`` and block scales: ``[ceil(N / bn), groups]`` (``shared``) or one row
+    of scales per weight row; zero codes in row 1 (a padding row)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    w[1] = 0
+    q, _ = quantize_per_row(w)
+    rows = -(-n // bn) if shared else n
+    scale = torch.rand(rows, -(-k // bk), generator=g) * 2 + 0.01
+    return q.to(DEVICE), scale.to(DEVICE), bn if shared else 1
+
+
+@pytest.mark.parametrize("quantize_input", [True, False], ids=["w8a8", "weight-only"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (20, 200, 130), (70, 64, 512)])
+@pytest.mark.parametrize("shared", [True, False], ids=["per-block", "per-row"])
+def test_block_linear_matches_its_reference(kern, quantize_input, m, n, k, shared):
+    """float32 activations: the kernel's float32 sums against the reference's, to float32
+    summation order (bf16 on the GPU: one rounding of the output); bias on, tails in M, N
+    and K (K 130: a two-column last group), the padding row exactly the bias."""
+    bk = 128 if k != 130 else 64
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" and quantize_input else torch.float32
+    x = _rows(m, k, dtype, 2)
+    wq, ws, rows = _block_weight(n, k, 8, bk, 3, shared)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = kern.block_linear(x, wq, ws, rows, bk, bias, quantize_input)
+    ref = reference_block_w8a8 if quantize_input else reference_block_weight_only
+    want = ref(x.float().cpu(), wq.cpu(), ws.cpu(), rows, bk, bias.cpu()).float()
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = (2**-7 if dtype == torch.bfloat16 else 1e-5) * want.abs().max()
+    assert (y.float().cpu() - want).abs().max() <= tol
+    assert torch.equal(y[:, 1].float().cpu(), bias[1].to(dtype).float().cpu().expand(m))

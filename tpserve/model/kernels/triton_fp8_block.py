@@ -1,0 +1,99 @@
+"""The block-scaled fp8 GEMM of block-wise FP8 checkpoints (``model/quant/fp8_block.py`` has
+the scheme and the torch references ``reference_block_w8a8`` /
+``reference_block_weight_only``).
+
+``block_linear``: output tiles ``[BLOCK_M, BLOCK_N]``; the K loop steps one scale group
+(``group`` columns, the checkpoint's ``bk``) at a time. With ``quantize_input`` the
+activations are first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
+and each step is one ``tl.dot`` of the fp8 tiles (FP8 tensor cores), its float32 sum then
+multiplied by the activation rows' group scales and the weight rows' block scales and added
+to a float32 accumulator (the per-group promotion vLLM's block kernels do too). Without it
+the weight tile is widened to the activations' dtype and multiplied by the unquantized
+activations, the block scales applied to each step's sum the same way. Off CUDA (the
+interpreter) both operands are widened to float32 (exact products), so the CPU tests run
+the same program; float32 activations use IEEE float32 dots on the GPU as well.
+
+Launch: the tile shape depends on the static M and N alone, no host synchronisation:
+capturable in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_group
+
+
+@triton.jit
+def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+                  stride_x, stride_xs, stride_w, stride_ws, stride_y,
+                  SCALE_ROWS: tl.constexpr, QUANT_X: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    ws_rows = ws_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_ws
+    rk = tl.arange(0, GROUP)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        kk = g * GROUP + rk
+        k_ok = kk[None, :] < K
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        if IEEE:
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif QUANT_X:
+            part = tl.dot(x, tl.trans(w))
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if QUANT_X:
+            part = part * tl.load(xs_ptr + rm.to(tl.int64) * stride_xs + g, mask=m_ok,
+                                  other=0.0)[:, None]
+        acc += part * tl.load(ws_rows + g, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tiles(m: int, n: int, sms: int = 132) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` for a static ``(M, N)``: rows in tiles of 16 to 128 (the
+    fewest that hold M, at most 128), columns in 128 unless the grid would then have
+    fewer programs than ``sms``, down to 32."""
+    bm = min(max(16, triton.next_power_of_2(m)), 128)
+    bn = 128
+    while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
+        bn //= 2
+    return bm, bn
+
+
+def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
+                 group: int, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """``x [M, K]`` times ``wq [N, K]`` e4m3 with block scales ``w_scale [N / scale_rows,
+    ceil(K / group)]`` float32, plus ``bias [N]``: ``[M, N]`` in ``x``'s dtype. With
+    ``quantize_input`` (W8A8) ``x`` is quantized per token and group first."""
+    assert wq.dtype == FP8 and x.dim() == 2 and wq.stride(-1) == 1
+    x = x.contiguous()
+    m, k = x.shape
+    n = wq.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if quantize_input:
+        xin, xs = quantize_per_group(x, group)
+    else:
+        xin, xs = x, w_scale
+    bm, bn = tiles(m, n)
+    _block_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        xin, xs, wq, w_scale, bias if bias is not None else w_scale, y, m, n, k,
+        xin.stride(0), xs.stride(0), wq.stride(0), w_scale.stride(0), y.stride(0),
+        SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
+        IEEE=x.device.type != "cuda" or x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
+        num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
+    return y

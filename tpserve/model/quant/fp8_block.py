@@ -1,0 +1,197 @@
+"""Block-wise FP8 checkpoints served as stored: e4m3 weights with one scale per ``[bn, bk]``
+block of the weight (vLLM's ``Fp8Config`` with ``weight_block_size``, transformers'
+FineGrainedFP8, compressed-tensors' ``strategy: "block"``; the ``weight_scale_inv`` /
+``weight_scale`` tensor is ``[ceil(out / bn), ceil(in / bk)]``), activations quantized at
+run time per token and per group of ``bk`` input columns, as vLLM does.
+
+The product: ``y[m, n] = sum_b xs[m, b] * ws[n, b] * sum_{k in group b} xq[m, k] wq[n, k]``
+(W8A8, every group's fp8 products summed, then scaled by its two scales), or for steps of
+at most ``weight_only_max_tokens`` tokens (and on GPUs without FP8 matrix products) the
+unquantized activations times the block-dequantized weight, ``x @ (wq * ws)^T``.
+
+Invariants:
+- ``layer.weight_scale`` is ``[rows / weight_scale_rows, k_groups]`` float32: entry ``[i,
+  b]`` scales this rank's weight rows ``[i * weight_scale_rows, (i + 1) *
+  weight_scale_rows)`` over its input columns ``[b * bk, (b + 1) * bk)``. Loaded per row
+  (each checkpoint block's scale repeated on its ``bn`` rows, mapped by the layer's
+  ``load_output_rows`` exactly as the weight's rows are, so padding rows and any head
+  split are right at every tp), then stored per ``bn`` rows when every aligned run of
+  ``bn`` rows shares its scales (``weight_scale_rows = bn``; else 1).
+- A rank's input columns must fall in whole checkpoint blocks: each local group of ``bk``
+  columns holds columns of one checkpoint block (or padding) only, else the load fails
+  naming the layer (e.g. zero-head padding that shifts a rank's columns by half a
+  block); the group takes that block's scale. So a row-parallel rank quantizes each
+  activation group over the same columns as the unsharded layer, and tp changes nothing
+  but summation order.
+- Zero (padding) rows and columns have zero codes and a finite scale: exactly zero.
+- The producers never quantize for these layers (``takes_quantized_input`` is False): the
+  group scales are computed by the quantizer before each W8A8 product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, dequantize, quantize_per_row
+from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod, Fp8Source
+from tpserve.parallel.linear import empty_param
+from tpserve.parallel.shard import as_source
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, K] e4m3, scale [M, ceil(K / group)] float32)``: each row's
+    columns ``[b * group, (b + 1) * group)`` quantized as one row of ``quantize_per_row``
+    (the last group may be shorter: zero padding does not change its amax)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).reshape(m * groups, group)
+    q, s = quantize_per_row(padded)
+    return q.reshape(m, groups * group)[:, :k].contiguous(), s.reshape(m, groups)
+
+
+def expand_scale(scale: torch.Tensor, scale_rows: int, shape: tuple[int, int], group: int
+                 ) -> torch.Tensor:
+    """Block scales ``[rows / scale_rows, groups]`` as one scale per element ``shape``."""
+    n, k = shape
+    return scale.repeat_interleave(scale_rows, 0)[:n].repeat_interleave(group, 1)[:, :k]
+
+
+def dequantize_blocks(wq: torch.Tensor, scale: torch.Tensor, scale_rows: int, group: int
+                      ) -> torch.Tensor:
+    """The float32 weight ``wq * scale`` of block-scaled codes."""
+    return dequantize(wq, expand_scale(scale, scale_rows, tuple(wq.shape), group))
+
+
+def reference_block_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                         scale_rows: int, group: int, bias: torch.Tensor | None
+                         ) -> torch.Tensor:
+    """``x [M, K]`` quantized per token and group, times the block-scaled weight, in
+    float32 from the dequantized operands; ``[M, N]`` in ``x``'s dtype."""
+    xq, xs = quantize_per_group(x, group)
+    xd = dequantize(xq, expand_scale(xs, 1, tuple(xq.shape), group))
+    y = F.linear(xd, dequantize_blocks(wq, scale, scale_rows, group),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def reference_block_weight_only(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                                scale_rows: int, group: int, bias: torch.Tensor | None
+                                ) -> torch.Tensor:
+    """The unquantized ``x [M, K]`` times the block-dequantized weight, in float32."""
+    y = F.linear(x.float(), dequantize_blocks(wq, scale, scale_rows, group),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def local_groups(layer: nn.Module, cols: int, group: int) -> torch.Tensor:
+    """For each group of ``group`` input columns this rank holds, the checkpoint block its
+    columns come from (-1: padding only); ValueError where a group mixes two blocks."""
+    src = torch.arange(cols)  # column-parallel layers hold every input column
+    in_map = getattr(layer, "in_map", None)
+    if in_map is not None:
+        src = torch.full((cols,), -1)
+        u = in_map.unit
+        for local, first, n in in_map.runs:
+            src[local * u:(local + n) * u] = torch.arange(first * u, (first + n) * u)
+    groups = -(-cols // group)
+    blocks = F.pad(src, (0, groups * group - cols), value=-1).reshape(groups, group)
+    out = torch.full((groups,), -1)
+    for b in range(groups):
+        found = (blocks[b][blocks[b] >= 0] // group).unique()
+        if len(found) > 1:
+            raise ValueError(
+                f"block-wise FP8 scales need this rank's input columns in whole "
+                f"{group}-column blocks, but its columns {b * group}..{(b + 1) * group - 1} "
+                f"come from blocks {found.tolist()} of the checkpoint (at this "
+                f"--tensor-parallel-size the split or its zero padding is not aligned to "
+                f"the blocks; vLLM refuses such splits too)")
+        if len(found):
+            out[b] = found[0]
+    return out
+
+
+@dataclass(frozen=True)
+class Fp8BlockMethod(Fp8CheckpointMethod):
+    """The ``quant_method`` of a block-wise FP8 checkpoint (``block``: ``(bn, bk)``;
+    ``scale_name``: the checkpoint's name of the block scales)."""
+
+    block: tuple[int, int] = (128, 128)
+    scale_name: str = "weight_scale_inv"
+
+    def create_weights(self, layer: nn.Module, rows: int, cols: int,
+                       dtype: torch.dtype | None) -> None:
+        bn, bk = self.block
+        layer.weight = empty_param((rows, cols), FP8)
+
+        def load_weight(param: nn.Parameter, source, shard_id: object = None) -> None:
+            what = f"linear weight (part {shard_id})" if shard_id is not None else \
+                "linear weight"
+            layer.weight_loader(param, Fp8Source(as_source(source), what), shard_id)
+
+        layer.weight.weight_loader = load_weight
+        groups = local_groups(layer, cols, bk)
+
+        def load_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
+            value = as_source(source).read().float()
+            n = layer.checkpoint_rows(shard_id)
+            need = int(groups.max().item()) + 1
+            if value.dim() != 2 or value.shape[0] != -(-n // bn) or value.shape[1] < need:
+                raise ValueError(f"{self.scale_name} has shape {tuple(value.shape)}; expected "
+                                 f"[{-(-n // bn)}, ceil(in_features / {bk})] for {n} rows "
+                                 f"in blocks of {list(self.block)}")
+            per_row = value.repeat_interleave(bn, 0)[:n]
+            local = per_row[:, groups.clamp(min=0)]
+            local[:, groups < 0] = MIN_SCALE  # padding-only groups: zero codes
+            layer.load_output_rows(param, local, shard_id, fill=MIN_SCALE)
+
+        # NaN until loaded: a row no checkpoint scale reached is caught by process_weights
+        scale = nn.Parameter(torch.full((rows, len(groups)), float("nan")), requires_grad=False)
+        scale.weight_loader = load_scale
+        setattr(layer, self.scale_name, scale)
+
+    def process_weights(self, layer: nn.Module) -> None:
+        scale = getattr(layer, self.scale_name)
+        delattr(layer, self.scale_name)
+        bad = ~(torch.isfinite(scale) & (scale >= 0)).all(dim=1)
+        if bad.any():
+            raise ValueError(f"{int(bad.sum())} of the {scale.shape[0]} output rows have no "
+                             f"{self.scale_name} in the checkpoint (or a negative or "
+                             "non-finite one)")
+        bn = self.block[0]
+        rows = scale.shape[0]
+        shared = rows % bn == 0 and bool(
+            (scale.view(rows // bn, bn, -1) == scale.view(rows // bn, bn, -1)[:, :1]).all())
+        layer.weight_scale_rows = bn if shared else 1
+        compact = scale[::bn] if shared else scale
+        layer.weight_scale = nn.Parameter(compact.detach().contiguous(), requires_grad=False)
+
+    def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
+        return False
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None
+
+    def uses_w8a8(self, num_tokens: int, wq: torch.Tensor) -> bool:
+        """W8A8 above ``weight_only_max_tokens``: on the torch back-end, or where the GPU
+        has FP8 matrix products (``scaled_mm``)."""
+        return num_tokens > self.weight_only_max_tokens and (self.backend == "torch"
+                                                             or self.scaled_mm)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        w8a8 = self.uses_w8a8(x2.shape[0], layer.weight)
+        args = (layer.weight, layer.weight_scale, layer.weight_scale_rows, self.block[1], bias)
+        if self.backend == "torch":
+            y = (reference_block_w8a8 if w8a8 else reference_block_weight_only)(x2, *args)
+        else:
+            from tpserve.model.kernels import triton_fp8_block
+
+            y = triton_fp8_block.block_linear(x2, *args, quantize_input=w8a8)
+        return y.reshape(*lead, y.shape[-1])
