@@ -2,20 +2,25 @@
 # Round 18 (issue 15) on the GPU machine: FP8 checkpoints with static activation scales.
 # Carry .whl (with .whl/r18-fusion.patch: `git diff BASE HEAD -- tpserve`, made before the
 # call, BASE the commit before the static quantization was fused into the producers).
-#   bash bench/run_r18.sh OUT SHA [PART...]   parts: tests serving (default: both)
+#   bash bench/run_r18.sh OUT SHA [PART...]   parts: tests serving block_tests block
+#   (default: tests serving)
 # tests: the GPU tests of the files this round touched; serving: a static FP8 checkpoint of
 # dummy llama3-8b (bench/make_fp8_checkpoint.py), served with an fp8 KV cache, alternating
 # this tree (static quantization fused into the norms and the SiLU gate) and a copy with
 # the patch reversed (one quantizer kernel before each W8A8 product), then per-token dynamic
-# fp8 (`--quantization fp8` on the dummy bf16 weights), two rounds.
+# fp8 (`--quantization fp8` on the dummy bf16 weights), two rounds. block_tests: the GPU
+# tests of block-wise FP8 checkpoints; block: a block-wise ([128, 128]) FP8 checkpoint of
+# dummy llama3-8b served with an fp8 KV cache, alternating with per-token dynamic fp8, two
+# rounds.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests serving" "${@:3}"
-# static_run DIR NAME TREE SHA: bench_engine.py --serving-only on the static checkpoint
+# static_run DIR NAME TREE SHA [CKPT]: bench_engine.py --serving-only on the static (or
+# CKPT) checkpoint
 static_run() {
-  local dir=$1 name=$2 tree=$3 sha=$4
+  local dir=$1 name=$2 tree=$3 sha=$4 ckpt=${5:-/tmp/llama3-8b-fp8-static}
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
-    --serving-only --model /tmp/llama3-8b-fp8-static --load-format safetensors \
+    --serving-only --model "$ckpt" --load-format safetensors \
     --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
     --git-commit "$sha" > "$dir/engine-$name.log" 2>&1)
   grep -E "linear layers|weights .* GiB|batch-1|serving:" "$dir/engine-$name.log" | cut -c1-400
@@ -43,6 +48,25 @@ if has serving; then
     static_run "$out" "static-unfused-$i" "$base" "$2-r18-fusion.patch"
     step "dynamic-$i"
     engine_mode "$out" "both_dynamic-$i" "$2" 0
+  done
+fi
+if has block_tests; then
+  step "block-wise FP8 tests"
+  timeout 240 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_fp8_block.py tests/model/test_fp8_block.py \
+    > "$out/gpu-tests-block.txt" 2>&1
+  tail -3 "$out/gpu-tests-block.txt"
+fi
+if has block; then
+  step "block-wise FP8 checkpoint of dummy llama3-8b"
+  timeout 200 python3 bench/make_fp8_checkpoint.py --shape llama3-8b --block 128 128 \
+    --out /tmp/llama3-8b-fp8-block > "$out/make-block-checkpoint.log" 2>&1
+  tail -3 "$out/make-block-checkpoint.log"
+  for i in 1 2; do
+    step "block-$i"
+    static_run "$out" "block-$i" . "$2" /tmp/llama3-8b-fp8-block
+    step "dynamic-$i"
+    engine_mode "$out" "both_dynamic-block-round-$i" "$2" 0
   done
 fi
 round_pack

@@ -249,3 +249,100 @@ def test_quantize_per_group_scales_each_group_by_its_own_amax():
         assert torch.equal(q[:, cols].view(torch.uint8), want_q.view(torch.uint8))
     assert s[1, 1] == MIN_SCALE and (q[1, 16:32].float() == 0).all()
     assert (s[:, 3:] != s[:, :1]).all()  # the groups' magnitudes differ
+
+
+def gpu_block_folder(root: Path) -> Path:
+    """A block-wise ([128, 128]) FP8 checkpoint of a model the Triton attention takes
+    (head_dim 64), its every size a multiple of 128 (hidden 256, intermediate 512)."""
+    import transformers as tf
+
+    torch.manual_seed(7)
+    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                         max_position_embeddings=512, rms_norm_eps=1e-5)
+    cfg.architectures = ["LlamaForCausalLM"]
+    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return save_fp8_folder(save_hf_folder(hf, root / "base"), root / "block",
+                           block=(128, 128))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton block GEMM: GPU only")
+@pytest.mark.parametrize("weight_only_max_tokens", [0, 32], ids=["w8a8", "weight-only"])
+def test_block_checkpoint_on_the_gpu_matches_the_float32_reference(tmp_path,
+                                                                  weight_only_max_tokens):
+    """bf16 on the GPU's kernels (the block GEMM through the FP8 tensor cores, or the
+    weight widened to bf16) against the float32 torch reference on the CPU: within bf16
+    rounding, a small fraction of what per-channel scales on the same weights change."""
+    from tpserve.model.attention.backend import select_attention
+    from tpserve.model.kernels.backend import select_ops
+    from tpserve.model.kv_pool import KVPool
+    from tpserve.model.loader.build import build_model
+    from tpserve.model.plan import SeqChunk, StepPlan
+    from tpserve.model.quant.methods import linear_method
+
+    folder = gpu_block_folder(tmp_path)
+    dev = torch.device("cuda", 0)
+    ckpt = open_checkpoint(str(folder))
+    method = linear_method("fp8", "triton", dev, torch.bfloat16, weight_only_max_tokens,
+                           ckpt.quantization)
+    assert isinstance(method, Fp8BlockMethod)
+    comm = Communicator(TPGroup(0, 1, dev, None))
+    model = build_model(ckpt, comm, dev, torch.bfloat16, select_ops("triton"),
+                        select_attention("triton", torch.bfloat16), 512, quant_method=method)
+    assert model.model.layers[0].mlp.down_proj.weight_scale_rows == 128
+    cfg = model.cfg
+    pool = KVPool(cfg.num_hidden_layers, 4, 16, cfg.kv_heads_for(1), cfg.head_dim,
+                  torch.bfloat16, dev)
+    plan = StepPlan.build([SeqChunk(TOKENS, 0, [0], True)], 16, model.attn_backend).to(dev)
+    with torch.no_grad():
+        hidden = model(plan.input_ids, plan.positions, pool.layers,
+                       plan.metadata(model.attn_backend))
+        got = model.compute_logits(hidden).float().cpu()
+    ref, ref_comm, _ = load_as_served(folder, ONE, "fp8",
+                                      weight_only_max_tokens=weight_only_max_tokens)
+    want = full_logits(ref, ref_comm, TOKENS)
+    base, base_comm, _ = load_as_served(tmp_path / "base", ONE, "fp8",
+                                        weight_only_max_tokens=weight_only_max_tokens)
+    other = full_logits(base, base_comm, TOKENS)
+    assert (got - want).abs().mean() < 0.1 * (other - want).abs().mean()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+def test_block_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path):
+    """Prefill, mixed and decode steps of a block-wise checkpoint (every step W8A8: the
+    group quantizer and the block GEMM) through captured graphs equal the eager ones."""
+    from dataclasses import replace
+
+    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+
+    folder = gpu_block_folder(tmp_path)
+    dev = torch.device("cuda", 0)
+    rc = RunnerConfig(model=str(folder), dtype="bfloat16", kv_cache_dtype="bfloat16",
+                      device="cuda", kernel_backend="triton", quantization="fp8",
+                      fp8_weight_only_max_tokens=0, kv_cache_memory=32 * 2**20,
+                      cuda_graph_max_tokens=128)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                        block_size=16)
+    runners = [ModelRunner(rc, limits, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(rc, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
+    assert runners[0].graphs is not None and runners[1].graphs is None
+    a, b = list(range(5, 45)), list(range(100, 107))
+    steps = [
+        [SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3], True)],
+        [SeqChunk([7], 40, [0, 1, 2], True), SeqChunk([9], 7, [3], True),
+         SeqChunk(list(range(50, 80)), 0, [4, 5], True)],
+        [SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([4], 8, [3], True),
+         SeqChunk([6], 30, [4, 5], True)],
+    ]
+    outs = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        assert isinstance(runner.model.model.layers[0].mlp.down_proj.quant_method,
+                          Fp8BlockMethod)
+        for chunks in steps:
+            logits = runner.execute(StepPlan.build(chunks, 16, runner.attn))
+            out.append(logits.float().clone())
+            runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
