@@ -89,17 +89,20 @@ def reference_block_weight_only(x: torch.Tensor, wq: torch.Tensor, scale: torch.
 
 def local_groups(layer: nn.Module, cols: int, group: int) -> torch.Tensor:
     """For each group of ``group`` input columns this rank holds, the checkpoint block its
-    columns come from (-1: padding only); ValueError where a group mixes two blocks."""
-    src = torch.arange(cols)  # column-parallel layers hold every input column
+    columns come from (-1: padding only); ValueError where a group mixes two blocks. On
+    the CPU, whatever the default device (layers are built under the serving device)."""
+    cpu = torch.device("cpu")
+    src = torch.arange(cols, device=cpu)  # column-parallel layers hold every input column
     in_map = getattr(layer, "in_map", None)
     if in_map is not None:
-        src = torch.full((cols,), -1)
+        src = torch.full((cols,), -1, device=cpu)
         u = in_map.unit
         for local, first, n in in_map.runs:
-            src[local * u:(local + n) * u] = torch.arange(first * u, (first + n) * u)
+            src[local * u:(local + n) * u] = torch.arange(first * u, (first + n) * u,
+                                                          device=cpu)
     groups = -(-cols // group)
     blocks = F.pad(src, (0, groups * group - cols), value=-1).reshape(groups, group)
-    out = torch.full((groups,), -1)
+    out = torch.full((groups,), -1, device=cpu)
     for b in range(groups):
         found = (blocks[b][blocks[b] >= 0] // group).unique()
         if len(found) > 1:
@@ -136,7 +139,7 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         groups = local_groups(layer, cols, bk)
 
         def load_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
-            value = as_source(source).read().float()
+            value = as_source(source).read().float().cpu()
             n = layer.checkpoint_rows(shard_id)
             need = int(groups.max().item()) + 1
             if value.dim() != 2 or value.shape[0] != -(-n // bn) or value.shape[1] < need:
