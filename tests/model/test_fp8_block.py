@@ -270,9 +270,12 @@ def gpu_block_folder(root: Path) -> Path:
 @pytest.mark.parametrize("weight_only_max_tokens", [0, 32], ids=["w8a8", "weight-only"])
 def test_block_checkpoint_on_the_gpu_matches_the_float32_reference(tmp_path,
                                                                   weight_only_max_tokens):
-    """bf16 on the GPU's kernels (the block GEMM through the FP8 tensor cores, or the
-    weight widened to bf16) against the float32 torch reference on the CPU: within bf16
-    rounding, a small fraction of what per-channel scales on the same weights change."""
+    """A float32 model on the GPU's kernels (the group quantizer and the block GEMM,
+    W8A8 or weight-only) against the float32 torch reference on the CPU: they differ by
+    summation order only, under 1 % of what per-channel scales on the same weights change.
+    (In bf16, rounding the activations moves group-quantized codes one e4m3 step, as large
+    a change as the scale layout itself: the first H200 run; bf16 is checked per kernel in
+    ``test_triton_fp8_block.py`` and by the CUDA-graph test below.)"""
     from tpserve.model.attention.backend import select_attention
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.kv_pool import KVPool
@@ -283,16 +286,18 @@ def test_block_checkpoint_on_the_gpu_matches_the_float32_reference(tmp_path,
     folder = gpu_block_folder(tmp_path)
     dev = torch.device("cuda", 0)
     ckpt = open_checkpoint(str(folder))
-    method = linear_method("fp8", "triton", dev, torch.bfloat16, weight_only_max_tokens,
+    served = linear_method("fp8", "triton", dev, torch.bfloat16, weight_only_max_tokens,
                            ckpt.quantization)
-    assert isinstance(method, Fp8BlockMethod)
+    assert isinstance(served, Fp8BlockMethod) and served.scaled_mm
+    method = Fp8BlockMethod("triton", weight_only_max_tokens=weight_only_max_tokens,
+                            scaled_mm=True, block=(128, 128))  # W8A8 in float32 too
     comm = Communicator(TPGroup(0, 1, dev, None))
-    model = build_model(ckpt, comm, dev, torch.bfloat16, select_ops("triton"),
-                        select_attention("triton", torch.bfloat16), 512, quant_method=method)
+    model = build_model(ckpt, comm, dev, torch.float32, select_ops("torch"),
+                        select_attention("torch", torch.float32), 512, quant_method=method)
     assert model.model.layers[0].mlp.down_proj.weight_scale_rows == 128
     cfg = model.cfg
     pool = KVPool(cfg.num_hidden_layers, 4, 16, cfg.kv_heads_for(1), cfg.head_dim,
-                  torch.bfloat16, dev)
+                  torch.float32, dev)
     plan = StepPlan.build([SeqChunk(TOKENS, 0, [0], True)], 16, model.attn_backend).to(dev)
     with torch.no_grad():
         hidden = model(plan.input_ids, plan.positions, pool.layers,
@@ -300,11 +305,12 @@ def test_block_checkpoint_on_the_gpu_matches_the_float32_reference(tmp_path,
         got = model.compute_logits(hidden).float().cpu()
     ref, ref_comm, _ = load_as_served(folder, ONE, "fp8",
                                       weight_only_max_tokens=weight_only_max_tokens)
+    assert isinstance(ref.model.layers[0].mlp.down_proj.quant_method, Fp8BlockMethod)
     want = full_logits(ref, ref_comm, TOKENS)
     base, base_comm, _ = load_as_served(tmp_path / "base", ONE, "fp8",
                                         weight_only_max_tokens=weight_only_max_tokens)
     other = full_logits(base, base_comm, TOKENS)
-    assert (got - want).abs().mean() < 0.1 * (other - want).abs().mean()
+    assert (got - want).abs().mean() < 0.01 * (other - want).abs().mean()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")

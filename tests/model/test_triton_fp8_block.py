@@ -78,12 +78,16 @@ def _block_weight(n: int, k: int, bn: int, bk: int, seed: int, shared: bool):
 
 
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["w8a8", "weight-only"])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (20, 200, 130), (70, 64, 512)])
+# K split over 2 programs at (1, 96, 1024), over 4 of 5, 5, 5, 3 groups at (3, 300, 2304)
+# (test_decode_sizes_split_the_groups_over_programs)
+@pytest.mark.parametrize("m,n,k", [(1, 96, 1024), (3, 300, 2304), (20, 200, 130),
+                                   (70, 64, 512)])
 @pytest.mark.parametrize("shared", [True, False], ids=["per-block", "per-row"])
 def test_block_linear_matches_its_reference(kern, quantize_input, m, n, k, shared):
     """float32 activations: the kernel's float32 sums against the reference's, to float32
     summation order (bf16 on the GPU: one rounding of the output); bias on, tails in M, N
-    and K (K 130: a two-column last group), the padding row exactly the bias."""
+    and K (K 130: a two-column last group), K split over programs where the tiles are
+    few, the padding row exactly the bias."""
     bk = 128 if k != 130 else 64
     dtype = torch.bfloat16 if DEVICE.type == "cuda" and quantize_input else torch.float32
     x = _rows(m, k, dtype, 2)
@@ -96,3 +100,12 @@ def test_block_linear_matches_its_reference(kern, quantize_input, m, n, k, share
     tol = (2**-7 if dtype == torch.bfloat16 else 1e-5) * want.abs().max()
     assert (y.float().cpu() - want).abs().max() <= tol
     assert torch.equal(y[:, 1].float().cpu(), bias[1].to(dtype).float().cpu().expand(m))
+
+
+def test_decode_sizes_split_the_groups_over_programs(kern):
+    """Few output tiles (decode sizes): the K groups go to about one program an SM, at
+    least four groups each; a full grid is not split."""
+    assert kern.tiles(1, 96, 8, 132) == (16, 64, 2)
+    assert kern.tiles(3, 300, 18, 132) == (16, 64, 4)
+    assert kern.tiles(1, 4096, 32, 132) == (16, 64, 2)  # o at M = 1: 64 tiles, 2 splits
+    assert kern.tiles(512, 28672, 32, 132) == (128, 128, 1)

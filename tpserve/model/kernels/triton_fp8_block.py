@@ -3,7 +3,9 @@ the scheme and the torch references ``reference_block_w8a8`` /
 ``reference_block_weight_only``).
 
 ``block_linear``: output tiles ``[BLOCK_M, BLOCK_N]``; the K loop steps one scale group
-(``group`` columns, the checkpoint's ``bk``) at a time. With ``quantize_input`` the
+(``group`` columns, the checkpoint's ``bk``) at a time. Where the tiles alone would leave
+SMs idle (decode sizes), the groups are split over programs (float32 partials, summed by
+torch in a fixed order, then the bias). With ``quantize_input`` the
 activations are first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
 and each step is one ``tl.dot`` of the fp8 tiles (FP8 tensor cores), its float32 sum then
 multiplied by the activation rows' group scales and the weight rows' block scales and added
@@ -23,15 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.triton_fp8 import _sm_count
 from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_group
 
 
 @triton.jit
-def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, GROUPS_PER_SPLIT,
                   stride_x, stride_xs, stride_w, stride_ws, stride_y,
                   SCALE_ROWS: tl.constexpr, QUANT_X: tl.constexpr, IEEE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   GROUP: tl.constexpr):
+    """Program ``(m, n, s)``: output tile ``m, n`` over groups ``[s * GROUPS_PER_SPLIT,
+    (s + 1) * GROUPS_PER_SPLIT)``; with more than one split ``y_ptr`` is the float32
+    partials ``[split, M, N]`` (``stride_y`` a row's; no bias)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
@@ -40,7 +46,8 @@ def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
     ws_rows = ws_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_ws
     rk = tl.arange(0, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP)):
+    g_lo = tl.program_id(2) * GROUPS_PER_SPLIT
+    for g in range(g_lo, tl.minimum(g_lo + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))):
         kk = g * GROUP + rk
         k_ok = kk[None, :] < K
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
@@ -57,19 +64,22 @@ def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
         acc += part * tl.load(ws_rows + g, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    y = y_ptr + tl.program_id(2).to(tl.int64) * M * stride_y \
+        + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tiles(m: int, n: int, sms: int = 132) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` for a static ``(M, N)``: rows in tiles of 16 to 128 (the
-    fewest that hold M, at most 128), columns in 128 unless the grid would then have
-    fewer programs than ``sms``, down to 32."""
+def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, split)`` for a static ``(M, N)`` and ``groups`` K steps: rows in
+    tiles of 16 to 128 (the fewest that hold M), columns in 128 unless the grid would then
+    have fewer programs than ``sms`` (down to 64); then the groups split over about
+    ``sms`` programs, at least four groups each."""
     bm = min(max(16, triton.next_power_of_2(m)), 128)
     bn = 128
-    while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
+    while bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
         bn //= 2
-    return bm, bn
+    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return bm, bn, max(1, min(sms // n_tiles, groups // 4))
 
 
 def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
@@ -88,12 +98,22 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
         xin, xs = quantize_per_group(x, group)
     else:
         xin, xs = x, w_scale
-    bm, bn = tiles(m, n)
-    _block_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xin, xs, wq, w_scale, bias if bias is not None else w_scale, y, m, n, k,
-        xin.stride(0), xs.stride(0), wq.stride(0), w_scale.stride(0), y.stride(0),
+    groups = triton.cdiv(k, group)
+    bm, bn, split = tiles(m, n, groups, _sm_count(x.device))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
+                                           device=x.device)
+    _block_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        xin, xs, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, per_split,
+        xin.stride(0), xs.stride(0), wq.stride(0), w_scale.stride(0), n,
         SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
         IEEE=x.device.type != "cuda" or x.dtype == torch.float32,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
         num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
+    if split > 1:
+        total = out.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
     return y
