@@ -10,8 +10,8 @@
 # the patch reversed (one quantizer kernel before each W8A8 product), then per-token dynamic
 # fp8 (`--quantization fp8` on the dummy bf16 weights), two rounds. block_tests: the GPU
 # tests of block-wise FP8 checkpoints; block: a block-wise ([128, 128]) FP8 checkpoint of
-# dummy llama3-8b served with an fp8 KV cache, alternating with per-token dynamic fp8, two
-# rounds.
+# dummy llama3-8b served with an fp8 KV cache, alternating with per-token dynamic fp8,
+# BLOCK_ROUNDS rounds (default 2).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests serving" "${@:3}"
@@ -62,7 +62,7 @@ if has block; then
   timeout 200 python3 bench/make_fp8_checkpoint.py --shape llama3-8b --block 128 128 \
     --out /tmp/llama3-8b-fp8-block > "$out/make-block-checkpoint.log" 2>&1
   tail -3 "$out/make-block-checkpoint.log"
-  for i in 1 2; do
+  for ((i = 1; i <= ${BLOCK_ROUNDS:-2}; i++)); do
     step "block-$i"
     static_run "$out" "block-$i" . "$2" /tmp/llama3-8b-fp8-block
     step "dynamic-$i"
