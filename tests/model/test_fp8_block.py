@@ -352,3 +352,11 @@ def test_block_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_pa
             runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_block_method_names_its_products():
+    """The runner's start-up line says which products the W8A8 steps take."""
+    method = Fp8BlockMethod("triton", weight_only_max_tokens=32, scaled_mm=True, block=BLOCK)
+    assert method.describe_products() == ("fp8 x fp8 products above 32 tokens (the Triton "
+                                          "block-scaled GEMM, activations per token and 16 "
+                                          "columns)")

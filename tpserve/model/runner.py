@@ -106,11 +106,7 @@ class ModelRunner:
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
         if quant is not None and group.rank == 0:
-            products = ""
-            if quant.scaled_mm:
-                sums = "fast accumulation" if quant.fast_accum else "sums promoted to float32"
-                products = (f"; fp8 x fp8 products above {quant.weight_only_max_tokens} tokens "
-                            f"(cuBLAS's above {quant.w8a8_triton_max_tokens}: {sums})")
+            products = f"; {quant.describe_products()}" if quant.scaled_mm else ""
             logger.info("linear layers: %s weights, %s%s", cfg.quantization,
                         f"as stored ({self.ckpt.quantization.describe()})"
                         if self.ckpt.quantization else "quantized at load", products)

@@ -263,6 +263,12 @@ class Fp8LinearMethod:
         ``input_scale(layer)`` where that is not None."""
         return self.uses_w8a8(num_tokens, layer.weight)
 
+    def describe_products(self) -> str:
+        """Which products the W8A8 steps take (for the start-up log, with ``scaled_mm``)."""
+        sums = "fast accumulation" if self.fast_accum else "sums promoted to float32"
+        return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (cuBLAS's "
+                f"above {self.w8a8_triton_max_tokens}: {sums})")
+
     def input_scale(self, layer: nn.Module) -> torch.Tensor | None:
         """The static scale (``[1]`` float32) W8A8 quantizes ``layer``'s input with; None:
         per-token scales computed at run time (``Fp8CheckpointMethod`` overrides this)."""

@@ -142,7 +142,10 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
             value = as_source(source).read().float().cpu()
             n = layer.checkpoint_rows(shard_id)
             need = int(groups.max().item()) + 1
-            if value.dim() != 2 or value.shape[0] != -(-n // bn) or value.shape[1] < need:
+            # a column-parallel layer holds every column: exactly its groups' scales
+            fits = value.dim() == 2 and (value.shape[1] >= need if hasattr(layer, "in_map")
+                                         else value.shape[1] == len(groups))
+            if not fits or value.shape[0] != -(-n // bn):
                 raise ValueError(f"{self.scale_name} has shape {tuple(value.shape)}; expected "
                                  f"[{-(-n // bn)}, ceil(in_features / {bk})] for {n} rows "
                                  f"in blocks of {list(self.block)}")
@@ -174,6 +177,10 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
 
     def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
         return False
+
+    def describe_products(self) -> str:
+        return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (the Triton "
+                f"block-scaled GEMM, activations per token and {self.block[1]} columns)")
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
