@@ -11,7 +11,7 @@
 # fp8 (`--quantization fp8` on the dummy bf16 weights), two rounds. block_tests: the GPU
 # tests of block-wise FP8 checkpoints; block: a block-wise ([128, 128]) FP8 checkpoint of
 # dummy llama3-8b served with an fp8 KV cache, alternating with per-token dynamic fp8,
-# BLOCK_ROUNDS rounds (default 2).
+# BLOCK_ROUNDS rounds (default 2; BLOCK_DYNAMIC=0: the block runs only).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests serving" "${@:3}"
@@ -65,6 +65,7 @@ if has block; then
   for ((i = 1; i <= ${BLOCK_ROUNDS:-2}; i++)); do
     step "block-$i"
     static_run "$out" "block-$i" . "$2" /tmp/llama3-8b-fp8-block
+    [ "${BLOCK_DYNAMIC:-1}" = 0 ] && continue
     step "dynamic-$i"
     engine_mode "$out" "both_dynamic-block-round-$i" "$2" 0
   done
