@@ -69,23 +69,17 @@ def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, GROUPS_PE
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# decode sizes: the weight stream dominates; 128-row weight tiles and a deeper pipeline keep
-# more of it in flight (64-row tiles, 3 stages: batch-1 MBU 0.37 on the H200, round 18)
-DECODE_MAX_M = 64
-
-
-def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, split, stages)`` for a static ``(M, N)`` and ``groups`` K
-    steps: rows in tiles of 16 to 128 (the fewest that hold M); columns in 128, above
-    ``DECODE_MAX_M`` rows down to 64 where the grid would have fewer programs than ``sms``;
-    then the groups split over about ``sms`` programs, at least four groups each. Decode
-    sizes pipeline 4 steps, larger ones 3."""
+def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, split)`` for a static ``(M, N)`` and ``groups`` K steps: rows in
+    tiles of 16 to 128 (the fewest that hold M), columns in 128 unless the grid would then
+    have fewer programs than ``sms`` (down to 64); then the groups split over about
+    ``sms`` programs, at least four groups each."""
     bm = min(max(16, triton.next_power_of_2(m)), 128)
     bn = 128
-    while m > DECODE_MAX_M and bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
+    while bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
         bn //= 2
     n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return bm, bn, max(1, min(sms // n_tiles, groups // 4)), 4 if m <= DECODE_MAX_M else 3
+    return bm, bn, max(1, min(sms // n_tiles, groups // 4))
 
 
 def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
@@ -105,7 +99,7 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
     else:
         xin, xs = x, w_scale
     groups = triton.cdiv(k, group)
-    bm, bn, split, stages = tiles(m, n, groups, _sm_count(x.device))
+    bm, bn, split = tiles(m, n, groups, _sm_count(x.device))
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
@@ -116,7 +110,7 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
         SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
         IEEE=x.device.type != "cuda" or x.dtype == torch.float32,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
-        num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=stages)
+        num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
     if split > 1:
         total = out.sum(0)
         if bias is not None:
