@@ -237,16 +237,18 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
 
 @triton.jit
 def _wo_reduce_kernel(p_ptr, s_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_y,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """``y[m, n] = (sum_s p[s, m, n]) * s_w[n] (+ b[n])`` over ``BLOCK`` flat outputs per
-    program, the splits summed in order (deterministic)."""
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y[m, n] = (sum_s p[s, m, n]) * s_w[n] (+ b[n])`` (without ``HAS_SCALE``: no
+    ``s_w``) over ``BLOCK`` flat outputs per program, the splits summed in order
+    (deterministic)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros((BLOCK,), tl.float32)
     for s in range(SPLIT):
         acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0)
     n = offs % N
-    acc = acc * tl.load(s_ptr + n, mask=ok, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + n, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + (offs // N).to(tl.int64) * stride_y + n, acc.to(y_ptr.dtype.element_ty),
@@ -319,17 +321,19 @@ def split_k(split: int, m: int, n: int, k: int, block_k: int, y: torch.Tensor
     return split, chunk, chunk * split == k, part
 
 
-def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                  y: torch.Tensor, split: int) -> None:
-    """``y = (sum of the split partials) * w_scale (+ bias)`` (``_wo_reduce_kernel``); a
-    no-op when unsplit (the GEMM wrote ``y`` itself)."""
+def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, y: torch.Tensor, split: int) -> None:
+    """``y = (sum of the split partials) * w_scale (+ bias)`` (``_wo_reduce_kernel``;
+    ``w_scale`` None: the partials are already scaled); a no-op when unsplit (the GEMM
+    wrote ``y`` itself)."""
     if split == 1:
         return
     m, n = y.shape
     block = 1024
     _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, w_scale, bias if bias is not None else w_scale, y, m, n, split, y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        part, part if w_scale is None else w_scale, part if bias is None else bias, y, m, n,
+        split, y.stride(0), HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
+        BLOCK=block, num_warps=4)
 
 
 def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -4,8 +4,8 @@ the scheme and the torch references ``reference_block_w8a8`` /
 
 ``block_linear``: output tiles ``[BLOCK_M, BLOCK_N]``; the K loop steps one scale group
 (``group`` columns, the checkpoint's ``bk``) at a time. Where the tiles alone would leave
-SMs idle (decode sizes), the groups are split over programs (float32 partials, summed by
-torch in a fixed order, then the bias). With ``quantize_input`` the
+SMs idle (decode sizes), the groups are split over programs (float32 partials, summed in
+order with the bias added by ``triton_fp8.reduce_splits``: one kernel). With ``quantize_input`` the
 activations are first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
 and each step is one ``tl.dot`` of the fp8 tiles (FP8 tensor cores), its float32 sum then
 multiplied by the activation rows' group scales and the weight rows' block scales and added
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_fp8 import _sm_count
+from tpserve.model.kernels.triton_fp8 import _sm_count, reduce_splits
 from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_group
 
 
@@ -111,9 +111,5 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
         IEEE=x.device.type != "cuda" or x.dtype == torch.float32,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
         num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
-    if split > 1:
-        total = out.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)
+    reduce_splits(out, None, bias, y, split)
     return y
