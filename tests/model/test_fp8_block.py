@@ -28,7 +28,11 @@ from tpserve.model.quant.fp8_block import (
 )
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
-from tpserve.parallel.linear import RowParallelLinear, takes_quantized_input
+from tpserve.parallel.linear import (
+    RowParallelLinear,
+    quantized_input_group,
+    takes_quantized_input,
+)
 from tpserve.parallel.shard import ShardMap
 from tpserve.parallel.state import TPGroup
 
@@ -101,11 +105,12 @@ def test_block_checkpoints_are_read_as_block_wise(folders):
 @pytest.mark.parametrize("fmt", ["block", "block-ct"])
 def test_block_w8a8_is_the_dequantized_model_with_group_quantized_inputs(folders, fmt):
     """Exactly (``torch.equal``): the block scales apply to their own rows and columns,
-    and each input group is quantized over its own 16 columns; the producers leave the
-    quantization to the layers."""
+    and each input group is quantized over its own 16 columns, by the norms and the SiLU
+    gate for qkv, gate/up and down (their fused variants), by o itself."""
     served, comm, _ = load_as_served(folders[fmt], ONE, "fp8", weight_only_max_tokens=0)
     layer = served.model.layers[0]
-    assert not takes_quantized_input(layer.mlp.down_proj, len(TOKENS))
+    for fed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert takes_quantized_input(fed, len(TOKENS)) and quantized_input_group(fed) == 16
     got = full_logits(served, comm, TOKENS)
     deq, deq_comm, _ = load_as_served(folders["block-dequantized"], ONE, "none")
     group_quantized_inputs(deq)

@@ -29,6 +29,7 @@ from tpserve.model.quant.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     quantize_per_row,
 )
+from tpserve.model.quant.fp8_block import Fp8BlockMethod  # noqa: E402
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod  # noqa: E402
 
 MODULES = ("tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8",
@@ -65,13 +66,27 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 # a static input scale (an FP8 checkpoint's): rows of every magnitude take it, the largest
-# clip at +-448 and the smallest fall into e4m3's subnormals
-SCALES = [None, 0.004]
-SCALE_IDS = ["per-token", "static"]
+# clip at +-448 and the smallest fall into e4m3's subnormals; "group": a scale per 32
+# columns (a block-wise checkpoint's activations; 32 does not divide 200 or 4100: a short
+# last group)
+SCALES = [None, 0.004, "group"]
+SCALE_IDS = ["per-token", "static", "group"]
+GROUP = 32
 
 
-def _static(scale: float | None) -> torch.Tensor | None:
-    return None if scale is None else torch.tensor([scale], device=DEVICE)
+def _static(scale: float | str | None) -> torch.Tensor | None:
+    return torch.tensor([scale], device=DEVICE) if isinstance(scale, float) else None
+
+
+def _group(scale: float | str | None) -> int | None:
+    return GROUP if scale == "group" else None
+
+
+def _unfused(fp8, y: torch.Tensor, scale: float | str | None) -> tuple:
+    """The Triton quantizer's codes and scales of ``y``, as each mode quantizes."""
+    if scale == "group":
+        return fp8.quantize_per_group(y, GROUP)
+    return fp8.quantize_per_token(y, static_scale=_static(scale))
 
 
 def _clipped_and_not(q: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -92,14 +107,16 @@ def test_fused_norms_quantize_exactly_what_the_norms_write(tri, dtype, m, h, sca
     res[1] = 0  # a zero (padding) row: zero codes (the minimum scale when per token)
     w = (torch.rand(h, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype).to(DEVICE)
     plain = ops.rms_norm(x, w, 1e-6)
-    got = ops.rms_norm_fp8(x, w, 1e-6, static)
-    _same_codes(got, fp8.quantize_per_token(plain, static_scale=static))
+    got = ops.rms_norm_fp8(x, w, 1e-6, static, _group(scale))
+    _same_codes(got, _unfused(fp8, plain, scale))
     _clipped_and_not(got[0], static)
     assert got[2] == plain.dtype
+    assert got[1].shape == (m, -(-h // GROUP) if scale == "group" else 1)
     assert torch.equal(got[0][1].float(), torch.zeros(h, device=DEVICE))
     normed, summed = ops.add_rms_norm(x, res, w, 1e-6)
-    q, s, out_dtype, summed2 = ops.add_rms_norm_fp8(x, res, w, 1e-6, static_scale=static)
-    _same_codes((q, s), fp8.quantize_per_token(normed, static_scale=static))
+    q, s, out_dtype, summed2 = ops.add_rms_norm_fp8(x, res, w, 1e-6, static_scale=static,
+                                                    group=_group(scale))
+    _same_codes((q, s), _unfused(fp8, normed, scale))
     assert out_dtype == normed.dtype and torch.equal(summed2, summed)
 
 
@@ -115,8 +132,8 @@ def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row
     x[0, :d] = 0  # a zero gate row: silu(0) * up = 0
     x[-1, d - 1], x[-1, 2 * d - 1] = 30.0, 1e5  # the row's amax in its last column
     kw = {} if row_block_max is None else {"row_block_max": row_block_max}
-    got = tri["triton_fp8_fused"].silu_and_mul_fp8(x, static, **kw)
-    _same_codes(got, fp8.quantize_per_token(ops.silu_and_mul(x), static_scale=static))
+    got = tri["triton_fp8_fused"].silu_and_mul_fp8(x, static, _group(scale), **kw)
+    _same_codes(got, _unfused(fp8, ops.silu_and_mul(x), scale))
     _clipped_and_not(got[0], static)
     assert got[2] == dtype and got[0].shape == (m, d)
     assert torch.equal(got[0][0].float(), torch.zeros(d, device=DEVICE))
@@ -127,24 +144,29 @@ def test_fused_gate_quantizes_exactly_what_the_gate_writes(tri, dtype, m, d, row
 @pytest.mark.parametrize("scale", SCALES, ids=SCALE_IDS)
 def test_torch_composites_quantize_the_reference_ops(scale):
     """The torch back-end's fp8 variants are the reference ops then ``quantize_per_row``
-    (with a static scale: ``quantize_static``)."""
+    (with a static scale: ``quantize_static``; per group: ``quantize_per_group``)."""
     from tpserve.model.quant.fp8 import quantize_per_row, quantize_static
+    from tpserve.model.quant.fp8_block import quantize_per_group
 
-    static = None if scale is None else torch.tensor([scale])
+    static = None if not isinstance(scale, float) else torch.tensor([scale])
+    group = _group(scale)
 
     def quantize(y):
+        if group is not None:
+            return quantize_per_group(y, group)
         return quantize_per_row(y) if static is None else quantize_static(y, static)
 
     x, res = _rows(6, 48, torch.float32, 5).cpu(), _rows(6, 48, torch.float32, 6).cpu()
     w = torch.rand(48, generator=torch.Generator().manual_seed(7)) + 0.5
-    got = torch_ops.rms_norm_fp8(x, w, 1e-5, static)
+    got = torch_ops.rms_norm_fp8(x, w, 1e-5, static, group)
     _same_codes(got, quantize(torch_ops.rms_norm(x, w, 1e-5)))
     _clipped_and_not(got[0], static)
-    q, s, _, summed = torch_ops.add_rms_norm_fp8(x, res, w, 1e-5, static_scale=static)
+    q, s, _, summed = torch_ops.add_rms_norm_fp8(x, res, w, 1e-5, static_scale=static,
+                                                 group=group)
     normed, summed_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
     _same_codes((q, s), quantize(normed))
     assert torch.equal(summed, summed_ref)
-    _same_codes(torch_ops.silu_and_mul_fp8(torch.cat([x, res], -1), static),
+    _same_codes(torch_ops.silu_and_mul_fp8(torch.cat([x, res], -1), static, group),
                 quantize(torch_ops.silu_and_mul(torch.cat([x, res], -1))))
 
 
@@ -174,10 +196,23 @@ def _load_static(layer, g: torch.Generator, input_scales: dict) -> None:
                                         part)
 
 
-def _mlp(backend: str, ops_name: str, static: bool = False):
-    """A one-rank ``LlamaMLP`` on ``_method`` (weights quantized at load), or with
-    ``static`` on ``_static_method``: its gate/up input scales 0.002 and 0.004 (up's), down's
-    0.002, so the largest inputs of both clip."""
+def _load_block(layer, g: torch.Generator) -> None:
+    """Loads ``layer`` as from a block-wise ([8, 16]) FP8 checkpoint: random codes, random
+    block scales, through the layer's loaders."""
+    cols = layer.weight.shape[1]
+    for part in layer.checkpoint_parts():
+        rows = layer.checkpoint_rows(part)
+        q, _ = quantize_per_row(torch.randn(rows, cols, generator=g))
+        layer.weight.weight_loader(layer.weight, q, part)
+        scale = torch.rand(-(-rows // 8), -(-cols // 16), generator=g) / 100 + 1e-3
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, part)
+
+
+def _mlp(backend: str, ops_name: str, mode: str | None = None):
+    """A one-rank ``LlamaMLP`` on ``_method`` (weights quantized at load); with ``mode``
+    "static" on ``_static_method`` (its gate/up input scales 0.002 and 0.004 (up's),
+    down's 0.002, so the largest inputs of both clip); "block" on a block-wise ([8, 16])
+    ``Fp8BlockMethod``, its activations quantized per 16 columns."""
     from tpserve.model.config import ModelConfig
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.llama import LlamaMLP
@@ -189,36 +224,46 @@ def _mlp(backend: str, ops_name: str, static: bool = False):
                                  "num_key_value_heads": 2, "num_hidden_layers": 1,
                                  "vocab_size": 128})
     comm = Communicator(TPGroup(0, 1, DEVICE, None))
-    mlp = LlamaMLP(cfg, comm, select_ops(ops_name), torch.float32, "all_reduce",
-                   _static_method(backend) if static else _method(backend))
+    method = {"static": _static_method(backend),
+              "block": Fp8BlockMethod(backend, weight_only_max_tokens=8,
+                                      scaled_mm=backend == "triton", block=(8, 16))
+              }.get(mode, _method(backend))
+    mlp = LlamaMLP(cfg, comm, select_ops(ops_name), torch.float32, "all_reduce", method)
     g = torch.Generator().manual_seed(8)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
-        if static:
+        if mode == "static":
             _load_static(layer, g, {0: 0.002, 1: 0.004, None: 0.002})
+        elif mode == "block":
+            _load_block(layer, g)
         else:
             layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
         layer.process_weights_after_loading()
     return mlp.to(DEVICE)
 
 
-FUSED_MLPS = [("torch", "torch", False), ("triton", "triton", False),
-              ("torch", "torch", True), ("triton", "triton", True)]
-FUSED_MLP_IDS = ["torch", "triton", "torch-static", "triton-static"]
+FUSED_MLPS = [(b, b, mode) for mode in (None, "static", "block") for b in ("torch", "triton")]
+FUSED_MLP_IDS = [b + ("" if mode is None else "-" + mode)
+                 for mode in (None, "static", "block") for b in ("torch", "triton")]
 
 
-@pytest.mark.parametrize("backend,ops_name,static", FUSED_MLPS, ids=FUSED_MLP_IDS)
+@pytest.mark.parametrize("backend,ops_name,mode", FUSED_MLPS, ids=FUSED_MLP_IDS)
 def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, backend,
-                                                                          ops_name, static):
+                                                                          ops_name, mode):
     """At 12 tokens (W8A8) ``LlamaMLP`` gates and quantizes in one op and hands the
     ``Fp8Activation`` to down: the output equals down's own quantization of the gate
-    exactly (per token, or with down's static input scale); at 4 tokens (weight-only)
-    nothing is quantized by the producer."""
-    from tpserve.parallel.linear import quantized_input_scale, takes_quantized_input
+    exactly (per token, with down's static input scale, or per 16 columns for a
+    block-wise down); at 4 tokens (weight-only) nothing is quantized by the producer."""
+    from tpserve.parallel.linear import (
+        quantized_input_group,
+        quantized_input_scale,
+        takes_quantized_input,
+    )
 
-    mlp = _mlp(backend, ops_name, static)
+    mlp = _mlp(backend, ops_name, mode)
     scale = quantized_input_scale(mlp.down_proj)
-    assert (scale is None) is not static
-    if static:
+    assert (scale is None) is (mode != "static")
+    assert quantized_input_group(mlp.down_proj) == (16 if mode == "block" else None)
+    if mode == "static":
         assert torch.equal(scale.cpu(), torch.tensor([0.002]))
     for m, fused in ((12, True), (4, False)):
         x = _rows(m, 64, torch.float32, 9)
@@ -227,29 +272,33 @@ def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, b
         assert torch.equal(mlp(x), want)
 
 
-@pytest.mark.parametrize("backend,ops_name,static", FUSED_MLPS, ids=FUSED_MLP_IDS)
-def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name, static):
+@pytest.mark.parametrize("backend,ops_name,mode", FUSED_MLPS, ids=FUSED_MLP_IDS)
+def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name, mode):
     """A merged column-parallel layer fed the norm's ``Fp8Activation`` returns what it
-    returns for the norm's plain output (which it quantizes itself): per token, or with
-    the layer's static input scale (the larger of gate's and up's, 0.004)."""
+    returns for the norm's plain output (which it quantizes itself): per token, with the
+    layer's static input scale (the larger of gate's and up's, 0.004), or per 16 columns
+    (block-wise: 4 scales a row)."""
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.layers.norm import RMSNorm
-    from tpserve.parallel.linear import quantized_input_scale
+    from tpserve.parallel.linear import quantized_input_group, quantized_input_scale
 
-    mlp = _mlp(backend, ops_name, static)
-    scale = quantized_input_scale(mlp.gate_up_proj)
-    if static:
+    mlp = _mlp(backend, ops_name, mode)
+    how = dict(static_scale=quantized_input_scale(mlp.gate_up_proj),
+               group=quantized_input_group(mlp.gate_up_proj))
+    scale = how["static_scale"]
+    if mode == "static":
         assert torch.equal(scale.cpu(), torch.tensor([0.004]))
     norm = RMSNorm(64, 1e-6, select_ops(ops_name), torch.float32).to(DEVICE)
     norm.weight.data.copy_(torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5)
     x, res = _rows(12, 64, torch.float32, 11), _rows(12, 64, torch.float32, 12)
     h, summed = norm(x, res.clone())  # the norm writes the sum over its residual
-    hq, summed_q = norm(x, res.clone(), quantize=True, static_scale=scale)
+    hq, summed_q = norm(x, res.clone(), quantize=True, **how)
     assert isinstance(hq, Fp8Activation) and hq.shape == (12, 64)
-    if static:
+    if mode == "static":
         assert torch.equal(hq.scale, scale.expand(12, 1))
         assert (hq.q.float().abs() == 448).any()  # some inputs clip at this scale
+    assert hq.scale.shape == (12, 4 if mode == "block" else 1)
     assert torch.equal(summed_q, summed)
     assert torch.equal(mlp.gate_up_proj(hq), mlp.gate_up_proj(h))
-    first = norm(x, quantize=True, static_scale=scale)
+    first = norm(x, quantize=True, **how)
     assert torch.equal(mlp.gate_up_proj(first), mlp.gate_up_proj(norm(x)))

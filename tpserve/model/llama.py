@@ -34,6 +34,7 @@ from tpserve.parallel.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    quantized_input_group,
     quantized_input_scale,
     takes_quantized_input,
 )
@@ -96,7 +97,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if takes_quantized_input(self.down_proj, x.shape[0]):  # the gate quantizes too
             q = self.ops.silu_and_mul_fp8(self.gate_up_proj(x),
-                                          quantized_input_scale(self.down_proj))
+                                          quantized_input_scale(self.down_proj),
+                                          quantized_input_group(self.down_proj))
             return self.down_proj(Fp8Activation(*q))
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x, self.ops.silu_and_mul))
 
@@ -117,24 +119,24 @@ class LlamaDecoderLayer(nn.Module):
         """Pre-norm block; the residual stream is carried separately so the add fuses.
         Sequence parallel: ``x`` and ``residual`` are this rank's tokens; the normed tokens
         are all-gathered before each column-parallel layer. Otherwise, where qkv or gate/up
-        take fp8 input at this step's size, the norm quantizes its output (per token, or
-        with the layer's static input scale)."""
+        take fp8 input at this step's size, the norm quantizes its output (per token, with
+        the layer's static input scale, or per group of a block-wise layer's columns)."""
         m = x.shape[0]
         fuse = not self.sequence_parallel
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         q_in = fuse and takes_quantized_input(qkv, m)
+        how = dict(static_scale=quantized_input_scale(qkv), group=quantized_input_group(qkv))
         if residual is None:
             residual = x
-            h = self.input_layernorm(x, quantize=q_in, static_scale=quantized_input_scale(qkv))
+            h = self.input_layernorm(x, quantize=q_in, **how)
         else:
-            h, residual = self.input_layernorm(x, residual, quantize=q_in,
-                                               static_scale=quantized_input_scale(qkv))
+            h, residual = self.input_layernorm(x, residual, quantize=q_in, **how)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
         h, residual = self.post_attention_layernorm(
             h, residual, quantize=fuse and takes_quantized_input(gate_up, m),
-            static_scale=quantized_input_scale(gate_up))
+            static_scale=quantized_input_scale(gate_up), group=quantized_input_group(gate_up))
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         return self.mlp(h), residual

@@ -30,7 +30,9 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
   input already quantized by the kernel that produced it, in the method's own format
   (``takes_quantized_input`` below asks; the layers pass ``x`` through untouched).
 - optionally ``input_scale(layer)``: the static scale that quantization uses (a
-  checkpoint's ``input_scale``), None where it is per token (``quantized_input_scale``).
+  checkpoint's ``input_scale``), None where it is per token (``quantized_input_scale``);
+  and ``input_group(layer)``: the columns of one activation scale where it is per group
+  (block-wise checkpoints), None where per token (``quantized_input_group``).
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 """
@@ -84,6 +86,13 @@ def quantized_input_scale(layer: nn.Module) -> torch.Tensor | None:
     """The static scale a producer quantizes ``layer``'s input with where
     ``takes_quantized_input`` (the method's optional ``input_scale``); None: per token."""
     ask = getattr(layer.quant_method, "input_scale", None)
+    return None if ask is None else ask(layer)
+
+
+def quantized_input_group(layer: nn.Module) -> int | None:
+    """The columns of each scale a producer quantizes ``layer``'s input with where
+    ``takes_quantized_input`` (the method's optional ``input_group``); None: per token."""
+    ask = getattr(layer.quant_method, "input_group", None)
     return None if ask is None else ask(layer)
 
 

@@ -16,6 +16,7 @@ from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE, FP8_MAX, is_fp8
 from tpserve.model.kv_hadamard import hadamard_rotate
 from tpserve.model.quant.fp8 import quantize_per_row, quantize_static
+from tpserve.model.quant.fp8_block import quantize_per_group
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,39 +59,47 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def _quantized(y: torch.Tensor, static_scale: torch.Tensor | None
+def _quantized(y: torch.Tensor, static_scale: torch.Tensor | None, group: int | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``), or with a static
-    scale (``quantize_static``), and its dtype."""
+    """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``), with a static
+    scale (``quantize_static``) or per ``group`` columns (``quantize_per_group``), and its
+    dtype."""
     y2 = y.reshape(-1, y.shape[-1])
-    q, s = quantize_per_row(y2) if static_scale is None else quantize_static(y2, static_scale)
+    if group is not None:
+        q, s = quantize_per_group(y2, group)
+    elif static_scale is not None:
+        q, s = quantize_static(y2, static_scale)
+    else:
+        q, s = quantize_per_row(y2)
     return q, s, y.dtype
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 static_scale: torch.Tensor | None = None
+                 static_scale: torch.Tensor | None = None, group: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``rms_norm`` quantized (per token, or with ``static_scale``): ``(q, scale, the
-    norm's dtype)``; the reference of the fused W8A8 producers."""
-    return _quantized(rms_norm(x, weight, eps), static_scale)
+    """``rms_norm`` quantized (per token, with ``static_scale``, or per ``group``
+    columns): ``(q, scale, the norm's dtype)``; the reference of the fused W8A8
+    producers."""
+    return _quantized(rms_norm(x, weight, eps), static_scale, group)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float, sum_out: torch.Tensor | None = None,
-                     static_scale: torch.Tensor | None = None
+                     static_scale: torch.Tensor | None = None, group: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
-    """``add_rms_norm`` with the normed rows quantized (per token, or with
-    ``static_scale``): ``(q, scale, dtype, x + residual)`` (the sum in ``sum_out`` when
-    given)."""
+    """``add_rms_norm`` with the normed rows quantized (per token, with ``static_scale``,
+    or per ``group`` columns): ``(q, scale, dtype, x + residual)`` (the sum in ``sum_out``
+    when given)."""
     y, summed = add_rms_norm(x, residual, weight, eps, sum_out)
-    return (*_quantized(y, static_scale), summed)
+    return (*_quantized(y, static_scale, group), summed)
 
 
-def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
+def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                     group: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``silu_and_mul`` quantized (per token, or with ``static_scale``): ``(q, scale,
-    dtype)``."""
-    return _quantized(silu_and_mul(x), static_scale)
+    """``silu_and_mul`` quantized (per token, with ``static_scale``, or per ``group``
+    columns): ``(q, scale, dtype)``."""
+    return _quantized(silu_and_mul(x), static_scale, group)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

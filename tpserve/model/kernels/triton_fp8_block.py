@@ -13,7 +13,8 @@ to a float32 accumulator (the per-group promotion vLLM's block kernels do too). 
 the weight tile is widened to the activations' dtype and multiplied by the unquantized
 activations, the block scales applied to each step's sum the same way. Off CUDA (the
 interpreter) both operands are widened to float32 (exact products), so the CPU tests run
-the same program; float32 activations use IEEE float32 dots on the GPU as well.
+the same program; a float32 output (float32 models) takes IEEE float32 dots on the GPU as
+well.
 
 Launch: the tile shape depends on the static M and N alone, no host synchronisation:
 capturable in CUDA graphs.
@@ -83,18 +84,24 @@ def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int]:
 
 
 def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
-                 group: int, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+                 group: int, bias: torch.Tensor | None, quantize_input: bool,
+                 x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
     """``x [M, K]`` times ``wq [N, K]`` e4m3 with block scales ``w_scale [N / scale_rows,
-    ceil(K / group)]`` float32, plus ``bias [N]``: ``[M, N]`` in ``x``'s dtype. With
-    ``quantize_input`` (W8A8) ``x`` is quantized per token and group first."""
+    ceil(K / group)]`` float32, plus ``bias [N]``: ``[M, N]`` in ``out_dtype`` (default:
+    ``x``'s). With ``quantize_input`` (W8A8) ``x`` is quantized per token and group first,
+    unless it already is: e4m3 codes with ``x_scale [M, groups]`` (a producer's)."""
     assert wq.dtype == FP8 and x.dim() == 2 and wq.stride(-1) == 1
+    assert (x_scale is not None) == (x.dtype == FP8) and (x_scale is None or quantize_input)
     x = x.contiguous()
     m, k = x.shape
     n = wq.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    if quantize_input:
+    if x_scale is not None:
+        xin, xs = x, x_scale
+    elif quantize_input:
         xin, xs = quantize_per_group(x, group)
     else:
         xin, xs = x, w_scale
@@ -108,7 +115,7 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
         xin, xs, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, per_split,
         xin.stride(0), xs.stride(0), wq.stride(0), w_scale.stride(0), n,
         SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
-        IEEE=x.device.type != "cuda" or x.dtype == torch.float32,
+        IEEE=x.device.type != "cuda" or y.dtype == torch.float32,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
         num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
     reduce_splits(out, None, bias, y, split)

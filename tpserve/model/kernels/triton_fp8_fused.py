@@ -9,7 +9,10 @@ the codes and scales equal the unfused pair's bit for bit on the same device, an
 fp8 codes (half the bytes) are written instead of the 16-bit activations. With
 ``static_scale`` (an FP8 checkpoint's ``input_scale``, ``[1]`` float32) every row takes that
 scale instead, as ``quantize_per_token(..., static_scale=)`` does (values beyond
-``448 * scale`` clip), and no amax is taken.
+``448 * scale`` clip), and no amax is taken. With ``group`` (a block-wise checkpoint's
+``bk``, a power of two) each row's groups of ``group`` columns take their own amax, as
+``quantize_per_group`` does: the scales are ``[rows, groups]``, and the SiLU gate takes one
+pass over chunks of whole groups.
 
 - ``rms_norm_fp8`` / ``add_rms_norm_fp8``: one program per row held in registers (as
   ``triton_norm``); the residual sum is still written (it is the next residual).
@@ -45,13 +48,26 @@ ROW_BLOCK_MAX = 16384
 
 
 @triton.jit
+def _group_scales(v, s_row, col0, cols, INV_FP8_MAX_C: tl.constexpr,
+                  MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """The scales of ``v``'s (``BLOCK`` float32 columns from ``col0``) groups of ``GROUP``
+    columns, each its amax / 448, stored at ``s_row + group`` for the groups that start
+    before ``cols``; returns each column's group scale, ``[BLOCK]``."""
+    amax = tl.max(tl.reshape(tl.abs(v), (BLOCK // GROUP, GROUP)), 1)
+    scales = tl.maximum(amax * INV_FP8_MAX_C, MIN_SCALE_C)
+    g = col0 // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_row + g, scales, mask=g * GROUP < cols)
+    return tl.reshape(tl.broadcast_to(scales[:, None], (BLOCK // GROUP, GROUP)), (BLOCK,))
+
+
+@triton.jit
 def _rms_norm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, static_ptr,
-    stride_x, stride_r, stride_q, stride_s,
+    stride_x, stride_r, stride_q, stride_s, stride_sc,
     hidden, eps,
     OUT_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BIT_CAST: tl.constexpr,
     FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    STATIC: tl.constexpr, BLOCK_H: tl.constexpr,
+    STATIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -59,11 +75,15 @@ def _rms_norm_fp8_kernel(
     v = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
                     eps, offs, mask, HAS_RESIDUAL)
     v = v.to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
-    if STATIC:
-        scale = tl.load(static_ptr)
+    if GROUP > 0:
+        scale = _group_scales(v, s_ptr + row * stride_sc, 0, hidden, INV_FP8_MAX_C,
+                              MIN_SCALE_C, BLOCK_H, GROUP)
     else:
-        scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
-    tl.store(s_ptr + row, scale)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(v), 0) * INV_FP8_MAX_C, MIN_SCALE_C)
+        tl.store(s_ptr + row * stride_sc, scale)
     _quantize_store(v, q_ptr + row * stride_q, offs, mask, scale, FP8_MAX_C, BIT_CAST)
 
 
@@ -75,15 +95,23 @@ def _silu_act(x_row, offs, mask, d):
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, d,
+    x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_sc, d,
     BIT_CAST: tl.constexpr, FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
-    if ONE_PASS:  # BLOCK >= d: the whole row in registers
+    if GROUP > 0:  # chunks of whole groups: one pass, each group its own scale
+        for c0 in range(0, d, BLOCK):
+            offs = c0 + cols
+            v = _silu_act(x_row, offs, offs < d, d)
+            scale = _group_scales(v, s_ptr + row * stride_sc, c0, d, INV_FP8_MAX_C,
+                                  MIN_SCALE_C, BLOCK, GROUP)
+            _quantize_store(v, q_ptr + row * stride_q, offs, offs < d, scale, FP8_MAX_C,
+                            BIT_CAST)
+    elif ONE_PASS:  # BLOCK >= d: the whole row in registers
         v = _silu_act(x_row, cols, cols < d, d)
         if STATIC:
             scale = tl.load(static_ptr)
@@ -108,71 +136,87 @@ def _silu_and_mul_fp8_kernel(
                             BIT_CAST)
 
 
-def _consts(device: torch.device, static_scale: torch.Tensor | None) -> dict:
+def _consts(device: torch.device, static_scale: torch.Tensor | None, group: int | None,
+            block: int) -> dict:
+    """The quantization's constexprs; ``GROUP`` 0 unless per group (at most ``block``
+    columns: a row shorter than one group is one group)."""
     assert static_scale is None or (static_scale.dtype == torch.float32
                                      and static_scale.numel() == 1)
+    assert group is None or (static_scale is None and group & (group - 1) == 0)
     return dict(BIT_CAST=device.type != "cuda", FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
-                MIN_SCALE_C=MIN_SCALE, STATIC=static_scale is not None)
+                MIN_SCALE_C=MIN_SCALE, STATIC=static_scale is not None,
+                GROUP=0 if group is None else min(group, block))
+
+
+def _scales(rows: int, cols: int, group: int | None, device: torch.device) -> torch.Tensor:
+    """The scales' buffer: ``[rows, 1]``, or ``[rows, ceil(cols / group)]`` per group."""
+    return torch.empty((rows, 1 if group is None else triton.cdiv(cols, group)),
+                       dtype=torch.float32, device=device)
 
 
 def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float, sum_out: torch.Tensor | None, static_scale: torch.Tensor | None):
+              eps: float, sum_out: torch.Tensor | None, static_scale: torch.Tensor | None,
+              group: int | None):
     hidden = x.shape[-1]
     r = norm_rows(x, residual, weight, sum_out)
     x2, r2, s2 = r.x, r.residual, r.sum_rows
     rows = x2.shape[0]
     q = torch.empty((rows, hidden), dtype=FP8, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    s = _scales(rows, hidden, group, x.device)
     if rows:
         block_h = triton.next_power_of_2(hidden)
         _rms_norm_fp8_kernel[(rows,)](
             x2, r2, weight.contiguous(), q.view(torch.uint8), s, s2,
             s if static_scale is None else static_scale,
-            x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), hidden, eps,
+            x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), s.stride(0), hidden, eps,
             OUT_DTYPE=tl_dtype(r.out_dtype), HAS_RESIDUAL=residual is not None,
             BLOCK_H=block_h, num_warps=num_warps_for(block_h),
-            **_consts(x.device, static_scale))
+            **_consts(x.device, static_scale, group, block_h))
     return q, s, r.summed, r.out_dtype
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 static_scale: torch.Tensor | None = None
+                 static_scale: torch.Tensor | None = None, group: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``quantize_per_token(rms_norm(x, weight, eps), static_scale=)`` in one kernel: ``(q
-    [rows, H] e4m3, scale [rows, 1] float32, the dtype rms_norm would return)``."""
-    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps, None, static_scale)
+    """``quantize_per_token(rms_norm(x, weight, eps), static_scale=)`` (or with ``group``,
+    ``quantize_per_group``) in one kernel: ``(q [rows, H] e4m3, scale [rows, 1] (per group:
+    [rows, groups]) float32, the dtype rms_norm would return)``."""
+    q, s, _, out_dtype = _norm_fp8(x, None, weight, eps, None, static_scale, group)
     return q, s, out_dtype
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float, sum_out: torch.Tensor | None = None,
-                     static_scale: torch.Tensor | None = None
+                     static_scale: torch.Tensor | None = None, group: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor]:
-    """``add_rms_norm`` with its normed output quantized (per token, or with
-    ``static_scale``): ``(q, scale, dtype, x + residual)`` (the sum in ``sum_out`` when
-    given, see ``triton_norm.norm_rows``)."""
-    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, sum_out, static_scale)
+    """``add_rms_norm`` with its normed output quantized (per token, with
+    ``static_scale``, or per ``group`` columns): ``(q, scale, dtype, x + residual)`` (the
+    sum in ``sum_out`` when given, see ``triton_norm.norm_rows``)."""
+    q, s, summed, out_dtype = _norm_fp8(x, residual, weight, eps, sum_out, static_scale,
+                                        group)
     return q, s, out_dtype, summed
 
 
 def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
-                     row_block_max: int = ROW_BLOCK_MAX
+                     group: int | None = None, row_block_max: int = ROW_BLOCK_MAX
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """``quantize_per_token(silu_and_mul(x), static_scale=)`` in one kernel for ``x = [gate
-    | up]`` ``[rows, 2D]``: ``(q [rows, D] e4m3, scale [rows, 1] float32, x.dtype)``. Rows
+    """``quantize_per_token(silu_and_mul(x), static_scale=)`` (or with ``group``,
+    ``quantize_per_group``) in one kernel for ``x = [gate | up]`` ``[rows, 2D]``: ``(q
+    [rows, D] e4m3, scale [rows, 1] (per group: [rows, groups]) float32, x.dtype)``. Rows
     whose ``D`` rounds up to at most ``row_block_max`` are read once (the default; a smaller
-    value is for tests of the chunked path)."""
+    value is for tests of the chunked path; per group, chunks hold whole groups and take
+    one pass)."""
     x2, d = gate_rows(x)
     rows = x2.shape[0]
     q = torch.empty((rows, d), dtype=FP8, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    s = _scales(rows, d, group, x.device)
     if rows and d:
         full = triton.next_power_of_2(d)
         one_pass = full <= row_block_max
-        block = full if one_pass else min(_SILU_BLOCK, full)
+        block = full if one_pass else min(max(_SILU_BLOCK, group or 0), full)
         _silu_and_mul_fp8_kernel[(rows,)](
             x2, q.view(torch.uint8), s, s if static_scale is None else static_scale,
-            x2.stride(0), q.stride(0), d, BLOCK=block, ONE_PASS=one_pass,
+            x2.stride(0), q.stride(0), s.stride(0), d, BLOCK=block, ONE_PASS=one_pass,
             num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
-            **_consts(x.device, static_scale))
+            **_consts(x.device, static_scale, group, block))
     return q, s, x.dtype

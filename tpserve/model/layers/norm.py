@@ -19,11 +19,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                quantize: bool = False, static_scale: torch.Tensor | None = None):
+                quantize: bool = False, static_scale: torch.Tensor | None = None,
+                group: int | None = None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given;
         with ``quantize`` the normed rows come as an ``Fp8Activation`` (the same values,
-        quantized in the same kernel: per token, or with ``static_scale``, the consuming
-        layer's static input scale).
+        quantized in the same kernel: per token, with ``static_scale``, the consuming
+        layer's static input scale, or per ``group`` columns, a block-wise layer's).
 
         The residual is consumed: where it can hold the sum (contiguous, of the sum's
         dtype) the sum is written over it and it is returned, so the residual stream of a
@@ -34,11 +35,12 @@ class RMSNorm(nn.Module):
         if residual is None:
             if quantize:
                 return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps,
-                                                            static_scale))
+                                                            static_scale, group))
             return self.ops.rms_norm(x, self.weight, self.eps)
         sum_out = residual if holds_sum(residual, x, residual) else None
         if quantize:
             q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
-                                                            self.eps, sum_out, static_scale)
+                                                            self.eps, sum_out, static_scale,
+                                                            group)
             return Fp8Activation(q, s, dtype), summed
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out)

@@ -75,8 +75,9 @@ class Fp8Activation(NamedTuple):
     """Activations quantized by the kernel that produced them (the input of a W8A8 layer
     whose ``takes_quantized_input`` said so): ``q [M, K]`` e4m3 and ``scale [M, 1]`` float32
     with ``x ~= q * scale`` row by row, exactly ``quantize_per_row`` (or, with the layer's
-    static ``input_scale``, ``quantize_static``) of the activations the unfused kernel would
-    have written in ``dtype``; ``dtype`` is also the layer's output dtype."""
+    static ``input_scale``, ``quantize_static``; for a block-wise layer ``scale [M, groups]``,
+    ``quantize_per_group``) of the activations the unfused kernel would have written in
+    ``dtype``; ``dtype`` is also the layer's output dtype."""
 
     q: torch.Tensor
     scale: torch.Tensor

@@ -24,8 +24,10 @@ Invariants:
   activation group over the same columns as the unsharded layer, and tp changes nothing
   but summation order.
 - Zero (padding) rows and columns have zero codes and a finite scale: exactly zero.
-- The producers never quantize for these layers (``takes_quantized_input`` is False): the
-  group scales are computed by the quantizer before each W8A8 product.
+- Where a step is W8A8 the producer of the input (RMSNorm, the SiLU gate) may quantize it
+  per token and ``bk`` columns in its own kernel (``takes_quantized_input``,
+  ``input_group``) and hand over an ``Fp8Activation``: the codes and scales
+  ``quantize_per_group`` gives, so the product is the same.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.model.quant.fp8 import FP8, MIN_SCALE, dequantize, quantize_per_row
+from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8Activation, dequantize, quantize_per_row
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod, Fp8Source
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import as_source
@@ -72,10 +74,19 @@ def reference_block_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
     """``x [M, K]`` quantized per token and group, times the block-scaled weight, in
     float32 from the dequantized operands; ``[M, N]`` in ``x``'s dtype."""
     xq, xs = quantize_per_group(x, group)
+    return reference_block_quantized(xq, xs, wq, scale, scale_rows, group, bias, x.dtype)
+
+
+def reference_block_quantized(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
+                              scale: torch.Tensor, scale_rows: int, group: int,
+                              bias: torch.Tensor | None, out_dtype: torch.dtype
+                              ) -> torch.Tensor:
+    """Group-quantized ``xq [M, K]`` (scales ``xs [M, groups]``) times the block-scaled
+    weight, in float32 from the dequantized operands; ``[M, N]`` in ``out_dtype``."""
     xd = dequantize(xq, expand_scale(xs, 1, tuple(xq.shape), group))
     y = F.linear(xd, dequantize_blocks(wq, scale, scale_rows, group),
                  None if bias is None else bias.float())
-    return y.to(x.dtype)
+    return y.to(out_dtype)
 
 
 def reference_block_weight_only(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
@@ -176,7 +187,11 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         layer.weight_scale = nn.Parameter(compact.detach().contiguous(), requires_grad=False)
 
     def takes_quantized_input(self, layer: nn.Module, num_tokens: int) -> bool:
-        return False
+        """Where the step is W8A8: the producer may quantize per ``input_group``."""
+        return self.uses_w8a8(num_tokens, layer.weight)
+
+    def input_group(self, layer: nn.Module) -> int:
+        return self.block[1]
 
     def describe_products(self) -> str:
         return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (the Triton "
@@ -192,12 +207,19 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         return num_tokens > self.weight_only_max_tokens and (self.backend == "torch"
                                                              or self.scaled_mm)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-              ) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        args = (layer.weight, layer.weight_scale, layer.weight_scale_rows, self.block[1], bias)
+        if isinstance(x, Fp8Activation):  # quantized per group by its producer (2-D)
+            if self.backend == "torch":
+                return reference_block_quantized(x.q, x.scale, *args, x.dtype)
+            from tpserve.model.kernels import triton_fp8_block
+
+            return triton_fp8_block.block_linear(x.q, *args, quantize_input=True,
+                                                 x_scale=x.scale, out_dtype=x.dtype)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         w8a8 = self.uses_w8a8(x2.shape[0], layer.weight)
-        args = (layer.weight, layer.weight_scale, layer.weight_scale_rows, self.block[1], bias)
         if self.backend == "torch":
             y = (reference_block_w8a8 if w8a8 else reference_block_weight_only)(x2, *args)
         else:
