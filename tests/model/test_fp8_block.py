@@ -257,17 +257,11 @@ def test_quantize_per_group_scales_each_group_by_its_own_amax():
 
 
 def gpu_block_folder(root: Path) -> Path:
-    """A block-wise ([128, 128]) FP8 checkpoint of a model the Triton attention takes
-    (head_dim 64), its every size a multiple of 128 (hidden 256, intermediate 512)."""
-    import transformers as tf
+    """A block-wise ([128, 128]) FP8 checkpoint of ``gpu_shaped_model`` (its base folder
+    beside it, ``root / "base"``)."""
+    from tests.model.test_fp8_checkpoint import gpu_shaped_model
 
-    torch.manual_seed(7)
-    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=512, rms_norm_eps=1e-5)
-    cfg.architectures = ["LlamaForCausalLM"]
-    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    return save_fp8_folder(save_hf_folder(hf, root / "base"), root / "block",
+    return save_fp8_folder(save_hf_folder(gpu_shaped_model(), root / "base"), root / "block",
                            block=(128, 128))
 
 
@@ -322,41 +316,13 @@ def test_block_checkpoint_on_the_gpu_matches_the_float32_reference(tmp_path,
 def test_block_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path):
     """Prefill, mixed and decode steps of a block-wise checkpoint (every step W8A8: the
     group quantizer and the block GEMM) through captured graphs equal the eager ones."""
-    from dataclasses import replace
+    from tests.model.test_fp8_checkpoint import graph_and_eager_runners, replays_equal_eager
 
-    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
-    from tpserve.model.runner import ModelRunner
-    from tpserve.model.runner_config import RunnerConfig
-
-    folder = gpu_block_folder(tmp_path)
-    dev = torch.device("cuda", 0)
-    rc = RunnerConfig(model=str(folder), dtype="bfloat16", kv_cache_dtype="bfloat16",
-                      device="cuda", kernel_backend="triton", quantization="fp8",
-                      fp8_weight_only_max_tokens=0, kv_cache_memory=32 * 2**20,
-                      cuda_graph_max_tokens=128)
-    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
-                        block_size=16)
-    runners = [ModelRunner(rc, limits, TPGroup(0, 1, dev, None)),
-               ModelRunner(replace(rc, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
-    assert runners[0].graphs is not None and runners[1].graphs is None
-    a, b = list(range(5, 45)), list(range(100, 107))
-    steps = [
-        [SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3], True)],
-        [SeqChunk([7], 40, [0, 1, 2], True), SeqChunk([9], 7, [3], True),
-         SeqChunk(list(range(50, 80)), 0, [4, 5], True)],
-        [SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([4], 8, [3], True),
-         SeqChunk([6], 30, [4, 5], True)],
-    ]
-    outs = [[], []]
-    for runner, out in zip(runners, outs, strict=True):
+    runners = graph_and_eager_runners(gpu_block_folder(tmp_path))
+    for runner in runners:
         assert isinstance(runner.model.model.layers[0].mlp.down_proj.quant_method,
                           Fp8BlockMethod)
-        for chunks in steps:
-            logits = runner.execute(StepPlan.build(chunks, 16, runner.attn))
-            out.append(logits.float().clone())
-            runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
-    for got, want in zip(*outs, strict=True):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    replays_equal_eager(runners)
 
 
 def test_block_method_names_its_products():

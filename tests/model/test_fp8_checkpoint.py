@@ -461,11 +461,10 @@ def test_static_checkpoint_with_a_missing_or_malformed_input_scale_fails_the_loa
     assert not open_checkpoint(str(folders["tensor"])).quantization.static_activations
 
 
-def gpu_shaped_folders(root: Path, clip: float = 1.0) -> dict[str, Path]:
-    """A model every linear layer of which FP8 matrix products take (sizes multiples of 16)
-    and the Triton attention too (head_dim 64): unquantized, its per-tensor FP8 checkpoint
-    (dynamic activations), and that checkpoint with calibrated static activation scales
-    multiplied by ``clip``."""
+def gpu_shaped_model():
+    """A random transformers Llama every linear layer of which FP8 matrix products take
+    (hidden 256, intermediate 512: multiples of 16 and of 128) and the Triton attention too
+    (head_dim 64)."""
     import transformers as tf
 
     torch.manual_seed(7)
@@ -473,7 +472,14 @@ def gpu_shaped_folders(root: Path, clip: float = 1.0) -> dict[str, Path]:
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                          max_position_embeddings=512, rms_norm_eps=1e-5)
     cfg.architectures = ["LlamaForCausalLM"]
-    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def gpu_shaped_folders(root: Path, clip: float = 1.0) -> dict[str, Path]:
+    """``gpu_shaped_model`` unquantized, its per-tensor FP8 checkpoint (dynamic
+    activations), and that checkpoint with calibrated static activation scales multiplied
+    by ``clip``."""
+    hf = gpu_shaped_model()
     base = save_hf_folder(hf, root / "base")
     scales = {k: v * clip for k, v in calibrated_input_scales(hf).items()}
     return {"base": base, "tensor": save_fp8_folder(base, root / "tensor", scales="tensor"),
@@ -521,13 +527,21 @@ def test_static_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_p
     W8A8 (``fp8_weight_only_max_tokens`` 0: decode steps through the Triton W8A8 kernel,
     the static quantizer reading its scale on the device): a prefill, a mixed step and a
     decode step through captured graphs equal the eager ones."""
+    runners = graph_and_eager_runners(gpu_shaped_folders(tmp_path)["static"])
+    for runner in runners:
+        assert runner.model.model.layers[0].mlp.down_proj.quant_method.static_activations
+    replays_equal_eager(runners)
+
+
+def graph_and_eager_runners(folder: Path) -> list:
+    """Two one-GPU runners of an FP8 checkpoint, every step W8A8
+    (``fp8_weight_only_max_tokens`` 0): one replaying CUDA graphs, one eager."""
     from dataclasses import replace
 
     from tpserve.model.plan import StepLimits
     from tpserve.model.runner import ModelRunner
     from tpserve.model.runner_config import RunnerConfig
 
-    folder = gpu_shaped_folders(tmp_path)["static"]
     dev = torch.device("cuda", 0)
     rc = RunnerConfig(model=str(folder), dtype="bfloat16", kv_cache_dtype="bfloat16",
                       device="cuda", kernel_backend="triton", quantization="fp8",
@@ -538,6 +552,13 @@ def test_static_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_p
     runners = [ModelRunner(rc, limits, TPGroup(0, 1, dev, None)),
                ModelRunner(replace(rc, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
     assert runners[0].graphs is not None and runners[1].graphs is None
+    return runners
+
+
+def replays_equal_eager(runners: list) -> None:
+    """A prefill, a mixed step and a decode step through the graph runner equal the eager
+    runner's (bf16 tolerance)."""
+    dev = torch.device("cuda", 0)
     a, b = list(range(5, 45)), list(range(100, 107))
     steps = [
         [SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3], True)],
@@ -548,7 +569,6 @@ def test_static_checkpoint_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_p
     ]
     outs = [[], []]
     for runner, out in zip(runners, outs, strict=True):
-        assert runner.model.model.layers[0].mlp.down_proj.quant_method.static_activations
         for chunks in steps:
             logits = runner.execute(StepPlan.build(chunks, 16, runner.attn))
             out.append(logits.float().clone())
