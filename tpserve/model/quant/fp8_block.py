@@ -38,9 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.model.quant.fp8 import FP8, MIN_SCALE, Fp8Activation, dequantize, quantize_per_row
-from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod, Fp8Source
-from tpserve.parallel.linear import empty_param
+from tpserve.model.quant.fp8 import MIN_SCALE, Fp8Activation, dequantize, quantize_per_row
+from tpserve.model.quant.fp8_checkpoint import (
+    Fp8CheckpointMethod,
+    check_row_scales,
+    create_fp8_weight,
+)
 from tpserve.parallel.shard import as_source
 
 
@@ -139,14 +142,7 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
         bn, bk = self.block
-        layer.weight = empty_param((rows, cols), FP8)
-
-        def load_weight(param: nn.Parameter, source, shard_id: object = None) -> None:
-            what = f"linear weight (part {shard_id})" if shard_id is not None else \
-                "linear weight"
-            layer.weight_loader(param, Fp8Source(as_source(source), what), shard_id)
-
-        layer.weight.weight_loader = load_weight
+        create_fp8_weight(layer, rows, cols)
         groups = local_groups(layer, cols, bk)
 
         def load_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
@@ -173,11 +169,7 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
     def process_weights(self, layer: nn.Module) -> None:
         scale = getattr(layer, self.scale_name)
         delattr(layer, self.scale_name)
-        bad = ~(torch.isfinite(scale) & (scale >= 0)).all(dim=1)
-        if bad.any():
-            raise ValueError(f"{int(bad.sum())} of the {scale.shape[0]} output rows have no "
-                             f"{self.scale_name} in the checkpoint (or a negative or "
-                             "non-finite one)")
+        check_row_scales(scale, self.scale_name)
         bn = self.block[0]
         rows = scale.shape[0]
         shared = rows % bn == 0 and bool(

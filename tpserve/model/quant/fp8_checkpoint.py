@@ -76,6 +76,27 @@ def per_row_scale(value: torch.Tensor, rows: int, what: str) -> torch.Tensor:
                      "quantization_config declares the block (weight_block_size)")
 
 
+def create_fp8_weight(layer: nn.Module, rows: int, cols: int) -> None:
+    """``layer.weight``: ``[rows, cols]`` e4m3 codes, loaded as stored (``Fp8Source``) by
+    the layer's own weight loader."""
+    layer.weight = empty_param((rows, cols), FP8)
+
+    def load_weight(param: nn.Parameter, source, shard_id: object = None) -> None:
+        what = f"linear weight (part {shard_id})" if shard_id is not None else "linear weight"
+        layer.weight_loader(param, Fp8Source(as_source(source), what), shard_id)
+
+    layer.weight.weight_loader = load_weight
+
+
+def check_row_scales(scale: torch.Tensor, name: str) -> None:
+    """ValueError unless every output row's scales (``scale`` row by row; NaN where no
+    checkpoint scale was loaded) are finite and >= 0."""
+    bad = ~(torch.isfinite(scale) & (scale >= 0)).reshape(scale.shape[0], -1).all(dim=1)
+    if bad.any():
+        raise ValueError(f"{int(bad.sum())} of the {scale.shape[0]} output rows have no "
+                         f"{name} in the checkpoint (or a negative or non-finite one)")
+
+
 @dataclass(frozen=True)
 class Fp8CheckpointMethod(Fp8LinearMethod):
     """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
@@ -87,12 +108,7 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
-        layer.weight = empty_param((rows, cols), FP8)
-
-        def load_weight(param: nn.Parameter, source, shard_id: object = None) -> None:
-            what = f"linear weight (part {shard_id})" if shard_id is not None else \
-                "linear weight"
-            layer.weight_loader(param, Fp8Source(as_source(source), what), shard_id)
+        create_fp8_weight(layer, rows, cols)
 
         def load_scale(param: nn.Parameter, source, shard_id: object = None) -> None:
             what = f"part {shard_id}" if shard_id is not None else "linear layer"
@@ -100,7 +116,6 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
                                   layer.checkpoint_rows(shard_id), what)
             layer.load_output_rows(param, scale, shard_id, fill=MIN_SCALE)
 
-        layer.weight.weight_loader = load_weight
         # NaN until loaded: a row no checkpoint scale reached is caught by process_weights
         layer.weight_scale = nn.Parameter(torch.full((rows,), float("nan")),
                                           requires_grad=False)
@@ -122,12 +137,7 @@ class Fp8CheckpointMethod(Fp8LinearMethod):
         layer.input_scale.weight_loader = load_input_scale
 
     def process_weights(self, layer: nn.Module) -> None:
-        scale = layer.weight_scale
-        bad = ~(torch.isfinite(scale) & (scale >= 0))
-        if bad.any():
-            raise ValueError(f"{int(bad.sum())} of the {scale.numel()} output rows have no "
-                             "weight_scale in the checkpoint (or a negative or non-finite "
-                             "one)")
+        check_row_scales(layer.weight_scale, "weight_scale")
         if self.static_activations:
             inp = layer.input_scale
             bad = ~(torch.isfinite(inp) & (inp > 0))
