@@ -9,7 +9,6 @@ value, midpoint and neighbour, on both back-ends (and the GPU's own cast too).
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -22,7 +21,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
 from tpserve.model.quant.fp8 import (  # noqa: E402
     FP8,
     Fp8LinearMethod,
@@ -41,15 +40,8 @@ QUANT, NAME = "tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.t
 def kern():
     """The weight-only module, with the quantizer module beside it, interpreted off CUDA."""
     with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            _fix_interpreter_index(mp)
-            from triton.runtime.interpreter import InterpretedFunction
-            for name, kernel in ((QUANT, "_quant_per_token_kernel"), (NAME, "_wo_gemv_kernel")):
-                mod = sys.modules.get(name)
-                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
-                    importlib.reload(mod)
-        importlib.import_module(QUANT)
-        yield importlib.import_module(NAME)
+        pairs = ((QUANT, "_quant_per_token_kernel"), (NAME, "_wo_gemv_kernel"))
+        yield interpreted_modules(mp, pairs, DEVICE.type == "cpu")[-1]
 
 
 @pytest.fixture(scope="module")

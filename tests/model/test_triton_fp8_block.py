@@ -6,7 +6,6 @@ tests run compiled, the W8A8 product through the FP8 tensor cores."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -18,7 +17,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
 from tpserve.model.quant.fp8 import FP8, MIN_SCALE, quantize_per_row  # noqa: E402
 from tpserve.model.quant.fp8_block import (  # noqa: E402
     quantize_per_group,
@@ -34,15 +33,7 @@ NAMES = (("tpserve.model.kernels.triton_fp8_quant", "_quant_per_group_kernel"),
 def kern():
     """The block GEMM module, with the quantizer module it uses, interpreted off CUDA."""
     with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            _fix_interpreter_index(mp)
-            from triton.runtime.interpreter import InterpretedFunction
-            for name, kernel in NAMES:
-                mod = sys.modules.get(name)
-                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
-                    importlib.reload(mod)
-        importlib.import_module(NAMES[0][0])
-        yield importlib.import_module(NAMES[1][0])
+        yield interpreted_modules(mp, NAMES, DEVICE.type == "cpu")[-1]
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

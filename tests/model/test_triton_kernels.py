@@ -52,6 +52,21 @@ def _kernel_modules() -> dict:
     return {m: importlib.import_module(n) for m, n in zip(_KERNEL_MODULES, names, strict=True)}
 
 
+def interpreted_modules(mp: pytest.MonkeyPatch, pairs, interpret: bool) -> list:
+    """The kernel modules ``pairs`` names (``(module, one of its kernels)``, in dependency
+    order), imported. With ``interpret`` (off CUDA) the interpreter's index fix is applied
+    first and each module already imported with compiled kernels is reloaded, so that its
+    kernels (and those of the modules after it) are interpreter functions."""
+    if interpret:
+        _fix_interpreter_index(mp)
+        from triton.runtime.interpreter import InterpretedFunction
+        for name, kernel in pairs:
+            mod = sys.modules.get(name)
+            if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
+                importlib.reload(mod)
+    return [importlib.import_module(name) for name, _ in pairs]
+
+
 def _fix_interpreter_index(mp: pytest.MonkeyPatch) -> None:
     """Let the interpreter use runtime scalars as ``range`` bounds under NumPy >= 2.4.
 

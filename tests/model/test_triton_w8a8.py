@@ -8,9 +8,7 @@ tests run compiled with fp8 tensor-core products.
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -21,28 +19,19 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from tests.model.test_triton_kernels import _fix_interpreter_index  # noqa: E402
+from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
 from tpserve.model.quant.fp8 import quantize_per_row  # noqa: E402
 
-NAMES = ("tpserve.model.kernels.triton_fp8_quant", "tpserve.model.kernels.triton_fp8",
-         "tpserve.model.kernels.triton_w8a8")
+NAMES = (("tpserve.model.kernels.triton_fp8_quant", "_quant_per_token_kernel"),
+         ("tpserve.model.kernels.triton_fp8", "_wo_load"),
+         ("tpserve.model.kernels.triton_w8a8", "_w8a8_kernel"))
 
 
 @pytest.fixture(scope="module")
 def kern():
     """The W8A8 module, with the fp8 module it builds on, interpreted off CUDA."""
     with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            _fix_interpreter_index(mp)
-            from triton.runtime.interpreter import InterpretedFunction
-            kernels = ("_quant_per_token_kernel", "_wo_load", "_w8a8_kernel")
-            for name, kernel in zip(NAMES, kernels, strict=True):
-                mod = sys.modules.get(name)
-                if mod is not None and not isinstance(getattr(mod, kernel), InterpretedFunction):
-                    importlib.reload(mod)
-        for name in NAMES[:-1]:
-            importlib.import_module(name)
-        yield importlib.import_module(NAMES[-1])
+        yield interpreted_modules(mp, NAMES, DEVICE.type == "cpu")[-1]
 
 
 def _operands(m: int, n: int, k: int, seed: int, zero_rows=(), zero_cols=()):
