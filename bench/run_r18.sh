@@ -11,19 +11,22 @@
 # fp8 (`--quantization fp8` on the dummy bf16 weights), two rounds. block_tests: the GPU
 # tests of block-wise FP8 checkpoints; block: a block-wise ([128, 128]) FP8 checkpoint of
 # dummy llama3-8b served with an fp8 KV cache, alternating with per-token dynamic fp8,
-# BLOCK_ROUNDS rounds (default 2; BLOCK_DYNAMIC=0: the block runs only).
+# BLOCK_ROUNDS rounds (default 2; BLOCK_DYNAMIC=0: the block runs only; BLOCK_PROFILE=N: the
+# block runs profile N serving steps).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests serving" "${@:3}"
-# static_run DIR NAME TREE SHA [CKPT]: bench_engine.py --serving-only on the static (or
-# CKPT) checkpoint
+# static_run DIR NAME TREE SHA [CKPT [PROFILE_STEPS]]: bench_engine.py --serving-only on the
+# static (or CKPT) checkpoint, with --profile-serving PROFILE_STEPS when given
 static_run() {
-  local dir=$1 name=$2 tree=$3 sha=$4 ckpt=${5:-/tmp/llama3-8b-fp8-static}
+  local dir=$1 name=$2 tree=$3 sha=$4 ckpt=${5:-/tmp/llama3-8b-fp8-static} prof=()
+  [ "${6:-0}" -gt 0 ] && prof=(--profile-serving "$6")
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
     --serving-only --model "$ckpt" --load-format safetensors \
     --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
-    --git-commit "$sha" > "$dir/engine-$name.log" 2>&1)
-  grep -E "linear layers|weights .* GiB|batch-1|serving:" "$dir/engine-$name.log" | cut -c1-400
+    --git-commit "$sha" "${prof[@]}" > "$dir/engine-$name.log" 2>&1)
+  grep -E "linear layers|weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$name.log" \
+    | cut -c1-1000
 }
 if has tests; then
   step "fp8 fused, quantizer, W8A8 and checkpoint tests"
@@ -64,7 +67,7 @@ if has block; then
   tail -3 "$out/make-block-checkpoint.log"
   for ((i = 1; i <= ${BLOCK_ROUNDS:-2}; i++)); do
     step "block-$i"
-    static_run "$out" "block-$i" . "$2" /tmp/llama3-8b-fp8-block
+    static_run "$out" "block-$i" . "$2" /tmp/llama3-8b-fp8-block "${BLOCK_PROFILE:-0}"
     [ "${BLOCK_DYNAMIC:-1}" = 0 ] && continue
     step "dynamic-$i"
     engine_mode "$out" "both_dynamic-block-round-$i" "$2" 0

@@ -20,18 +20,21 @@ triton = pytest.importorskip("triton")
 from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
 from tpserve.model.quant.fp8 import FP8, MIN_SCALE, quantize_per_row  # noqa: E402
 from tpserve.model.quant.fp8_block import (  # noqa: E402
+    dequantize_blocks,
     quantize_per_group,
     reference_block_w8a8,
     reference_block_weight_only,
 )
 
 NAMES = (("tpserve.model.kernels.triton_fp8_quant", "_quant_per_group_kernel"),
+         ("tpserve.model.kernels.triton_fp8", "_wo_gemv_kernel"),
          ("tpserve.model.kernels.triton_fp8_block", "_block_kernel"))
 
 
 @pytest.fixture(scope="module")
 def kern():
-    """The block GEMM module, with the quantizer module it uses, interpreted off CUDA."""
+    """The block GEMM module, with the quantizer and weight-only modules it uses,
+    interpreted off CUDA."""
     with pytest.MonkeyPatch.context() as mp:
         yield interpreted_modules(mp, NAMES, DEVICE.type == "cpu")[-1]
 
@@ -100,3 +103,41 @@ def test_decode_sizes_split_the_groups_over_programs(kern):
     assert kern.tiles(3, 300, 18, 132) == (16, 64, 4)
     assert kern.tiles(1, 4096, 32, 132) == (16, 64, 2)  # o at M = 1: 64 tiles, 2 splits
     assert kern.tiles(512, 28672, 32, 132) == (128, 128, 1)
+
+
+def test_tuned_weight_only_launches_take_block_scales(kern):
+    """Decode steps' products take ``triton_fp8``'s tuned weight-only launches with the
+    block scales in their K loop: the GEMVs (M <= 2) as tuned, their tiles of 4 and 32
+    rows inside one 128-row scale block; per-row scales leave the GEMVs to the block
+    kernel; the dots' steps cut to one group (or the largest power of two dividing it)."""
+    fp8 = sys.modules[NAMES[1][0]]
+    wo = fp8.weight_only_blocks
+    for m in (1, 2):
+        assert fp8.block_launch(wo(m, 6144, 4096), 128, 128) == wo(m, 6144, 4096)
+        assert fp8.block_launch(wo(m, 6144, 4096), 1, 128) is None
+    assert wo(8, 6144, 4096).block_k == 256
+    assert fp8.block_launch(wo(8, 6144, 4096), 128, 128) == wo(8, 6144, 4096)._replace(
+        block_k=128)
+    assert fp8.block_launch(wo(8, 6144, 4096), 1, 96).block_k == 32
+    assert fp8.block_launch(wo(24, 6144, 4096), 1, 128) == wo(24, 6144, 4096)
+
+
+# K 640: a masked last step; 2048 (M = 1) and 1024 (M = 2): whole steps only
+@pytest.mark.parametrize("m,k", [(1, 640), (1, 2048), (2, 1024)])
+def test_block_gate_up_gemv_gates_in_its_epilogue(kern, m, k):
+    """The merged gate/up GEMV with block scales and the SiLU gate in one kernel equals
+    ``silu(g) * u`` of the block-dequantized product (float32; bias on); no fused launch
+    where one block of scale rows would span the gate and up halves."""
+    fp8 = sys.modules[NAMES[1][0]]
+    half = 64
+    x = _rows(m, k, torch.float32, 5)
+    wq, ws, rows = _block_weight(2 * half, k, 32, 128, 6, True)
+    bias = torch.randn(2 * half, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    y = fp8.weight_only_silu_mul(x, wq, ws, bias, (rows, 128))
+    gu = torch.nn.functional.linear(
+        x.cpu(), dequantize_blocks(wq.cpu(), ws.cpu(), rows, 128), bias.cpu())
+    want = torch.nn.functional.silu(gu[:, :half]) * gu[:, half:]
+    assert y is not None and y.shape == (m, half)
+    assert (y.cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+    wq, ws, rows = _block_weight(2 * half, k, 128, 128, 6, True)  # one block: both halves
+    assert fp8.weight_only_silu_mul(x, wq, ws, bias, (rows, 128)) is None

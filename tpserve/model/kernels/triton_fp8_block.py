@@ -3,7 +3,9 @@ the scheme and the torch references ``reference_block_w8a8`` /
 ``reference_block_weight_only``).
 
 ``block_linear``: output tiles ``[BLOCK_M, BLOCK_N]``; the K loop steps one scale group
-(``group`` columns, the checkpoint's ``bk``) at a time. Where the tiles alone would leave
+(``group`` columns, the checkpoint's ``bk``) at a time. Weight-only products (decode
+steps) take the tuned launches of ``triton_fp8.weight_only_linear`` instead, the block
+scales applied in their K loop, wherever ``block_launch`` fits them to the scales. Where the tiles alone would leave
 SMs idle (decode sizes), the groups are split over programs (float32 partials, summed in
 order with the bias added by ``triton_fp8.reduce_splits``: one kernel). With ``quantize_input`` the
 activations are first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
@@ -26,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_fp8 import _sm_count, reduce_splits
+from tpserve.model.kernels.triton_fp8 import (
+    _sm_count,
+    block_launch,
+    reduce_splits,
+    weight_only_blocks,
+    weight_only_linear,
+)
 from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_group
 
 
@@ -90,7 +98,24 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
     """``x [M, K]`` times ``wq [N, K]`` e4m3 with block scales ``w_scale [N / scale_rows,
     ceil(K / group)]`` float32, plus ``bias [N]``: ``[M, N]`` in ``out_dtype`` (default:
     ``x``'s). With ``quantize_input`` (W8A8) ``x`` is quantized per token and group first,
-    unless it already is: e4m3 codes with ``x_scale [M, groups]`` (a producer's)."""
+    unless it already is: e4m3 codes with ``x_scale [M, groups]`` (a producer's).
+    Weight-only: ``triton_fp8.weight_only_linear``'s tuned launch where ``block_launch``
+    fits it to the scales, else ``block_gemm``."""
+    if not quantize_input and (out_dtype or x.dtype) == x.dtype:
+        m, k = x.shape
+        cfg = block_launch(weight_only_blocks(m, wq.shape[0], k), scale_rows, group)
+        if cfg is not None:  # block scales in its K loop
+            return weight_only_linear(x.contiguous(), wq, w_scale, bias, cfg,
+                                      (scale_rows, group))
+    return block_gemm(x, wq, w_scale, scale_rows, group, bias, quantize_input, x_scale,
+                      out_dtype)
+
+
+def block_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
+               group: int, bias: torch.Tensor | None, quantize_input: bool,
+               x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``block_linear`` through ``_block_kernel`` at every M (same arguments)."""
     assert wq.dtype == FP8 and x.dim() == 2 and wq.stride(-1) == 1
     assert (x_scale is not None) == (x.dtype == FP8) and (x_scale is None or quantize_input)
     x = x.contiguous()

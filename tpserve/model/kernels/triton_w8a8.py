@@ -105,7 +105,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_C
             acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
     acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, ws_ptr, b_ptr, y_ptr, p_ptr, stride_y,
-                 HAS_BIAS, PARTIAL)
+                 HAS_BIAS, PARTIAL, True)
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,

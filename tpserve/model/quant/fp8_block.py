@@ -189,9 +189,21 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (the Triton "
                 f"block-scaled GEMM, activations per token and {self.block[1]} columns)")
 
-    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor,
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None
+        """The merged gate/up GEMV with its SiLU gate (``weight_only_silu_mul``, block
+        scales) where the static M takes it; ``None`` elsewhere."""
+        if isinstance(x, Fp8Activation) or self.backend != "triton":
+            return None
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if self.uses_w8a8(x2.shape[0], layer.weight):
+            return None
+        from tpserve.model.kernels import triton_fp8
+
+        y = triton_fp8.weight_only_silu_mul(x2, layer.weight, layer.weight_scale, bias,
+                                            (layer.weight_scale_rows, self.block[1]))
+        return None if y is None else y.reshape(*lead, y.shape[-1])
 
     def uses_w8a8(self, num_tokens: int, wq: torch.Tensor) -> bool:
         """W8A8 above ``weight_only_max_tokens``: on the torch back-end, or where the GPU

@@ -1,0 +1,141 @@
+"""Block-wise FP8 products against per-channel FP8 on the Llama-3-8B projection shapes, timed
+inside CUDA graphs (``fp8_gemm.py``'s ``graph_us``: ``--calls`` back-to-back calls over
+weight copies of >= 256 MiB, the median of ``--replays`` replays).
+
+For each shape (qkv, o, gate_up, down) and M, the product as the served layer takes it,
+activation quantization included:
+- ``channel``: ``--quantization fp8`` (``Fp8LinearMethod``, per-channel weight scales);
+- ``block``: a ``[128, 128]`` block-wise checkpoint's layer (``Fp8BlockMethod``: the tuned
+  weight-only launches with block scales up to 32 tokens, the Triton block GEMM above);
+- ``block_kernel``: the Triton block GEMM at every M (weight-only up to 32 tokens), as
+  served before the weight-only launches took block scales;
+- ``cublas_block`` (M > 32): the group quantizer, then ``torch.nn.functional.scaled_mm``
+  with ``BlockWise1x128`` activations and ``BlockWise128x128`` weights (cuBLAS's block
+  scaling on Hopper, CUDA >= 12.9), its max |difference| from ``block`` recorded; an error
+  (no such kernel) is recorded as the error's first line.
+
+    python bench/fp8_block_gemm.py --out results/h200-DATE-fp8-block-gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp8_gemm import SHAPES, copies_for, graph_us  # noqa: E402  (bench/fp8_gemm.py)
+from measure import git_commit  # noqa: E402  (bench/measure.py)
+
+from tpserve.model.kernels import triton_fp8_block, triton_fp8_quant  # noqa: E402
+from tpserve.model.quant.fp8 import Fp8LinearMethod, quantize_per_row  # noqa: E402
+from tpserve.model.quant.fp8_block import Fp8BlockMethod  # noqa: E402
+
+M_VALUES = [1, 2, 8, 16, 32, 48, 64, 128, 256, 512, 2048]
+BLOCK = (128, 128)
+
+
+class Layer:
+    """The attributes the quant methods' ``apply`` reads."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int = 1):
+        self.weight, self.weight_scale, self.weight_scale_rows = weight, scale, scale_rows
+
+
+def cublas_block(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """Group-quantized ``x`` times the block-scaled weight through cuBLAS's block scaling:
+    activation scales outer-dim-major ``[M, groups]``, weight scales ``[groups, N / 128]``."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    xq, xs = triton_fp8_quant.quantize_per_group(x, BLOCK[1])
+    return scaled_mm(xq, wq.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128,
+                     ws.t(), ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+def variants_for(x, c_layers, b_layers, channel, block, w8a8: bool) -> dict:
+    """Per variant, ``make(i)``: a call of it on weight copy ``i`` (cycling)."""
+    nc = len(c_layers)
+
+    def on(layers, fn):
+        return lambda i: (lambda L=layers[i % nc]: fn(L))
+
+    out = {"channel": on(c_layers, lambda L: channel.apply(L, x, None)),
+           "block": on(b_layers, lambda L: block.apply(L, x, None)),
+           "block_kernel": on(b_layers, lambda L: triton_fp8_block.block_gemm(
+               x, L.weight, L.weight_scale, 128, BLOCK[1], None, w8a8))}
+    if w8a8:
+        out["cublas_block"] = on(b_layers, lambda L: cublas_block(x, L.weight, L.weight_scale))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=M_VALUES)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--rotate-mib", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured (else git here)")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    channel = Fp8LinearMethod("triton", scaled_mm=True)
+    block = Fp8BlockMethod("triton", scaled_mm=True, block=BLOCK)
+    rows = []
+    for name in a.shapes:
+        n, k = SHAPES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
+        cq, cs = quantize_per_row(w)
+        # block scales: each [128, 128] block's amax / 448 (as make_fp8_checkpoint.py)
+        blocks = w.float().view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3))
+        bs = (blocks / 448.0).clamp(min=1e-12)
+        bq = (w.float() / bs.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(
+            torch.float8_e4m3fn)
+        nc = copies_for(n * k, a.rotate_mib, a.calls)
+        c_layers = [Layer(cq.clone(), cs.view(-1).clone()) for _ in range(nc)]
+        b_layers = [Layer(bq.clone(), bs.clone(), 128) for _ in range(nc)]
+        for m in a.m:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            row = {"shape": name, "n": n, "k": k, "m": m}
+            w8a8 = block.uses_w8a8(m, bq)
+            variants = variants_for(x, c_layers, b_layers, channel, block, w8a8)
+            want = block.apply(b_layers[0], x, None).float()
+            for key, make in variants.items():
+                try:
+                    got = make(0)().float()
+                    row[key + "_max_diff"] = float((got - want).abs().max())
+                    row[key + "_us"] = round(graph_us([make(i) for i in range(a.calls)],
+                                                      a.replays), 2)
+                except (RuntimeError, NotImplementedError) as e:
+                    row[key + "_error"] = str(e).splitlines()[0][:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print_table(rows, a.m)
+    if a.out:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "commit": a.commit or git_commit(),
+                  "method": __doc__.split("\n\n")[0], "rows": rows}
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+def print_table(rows: list[dict], ms: list[int]) -> None:
+    """Per M, the four shapes' times summed (one layer's products), each variant."""
+    keys = ("channel", "block", "block_kernel", "cublas_block")
+    print("M".rjust(6) + "".join(k.rjust(14) for k in keys))
+    for m in ms:
+        rs = [r for r in rows if r["m"] == m]
+        cells = []
+        for key in keys:
+            us = [r.get(key + "_us") for r in rs]
+            cells.append(f"{sum(us):.1f}" if us and None not in us else "-")
+        print(str(m).rjust(6) + "".join(c.rjust(14) for c in cells))
+
+
+if __name__ == "__main__":
+    main()

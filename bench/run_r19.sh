@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Round 19 (issue 15) on the GPU machine: block-wise FP8 checkpoints' decode products through
+# the tuned weight-only launches (block scales in their K loop).
+#   bash bench/run_r19.sh OUT SHA [PART...]   parts: tests gemm block ab (default: tests gemm block)
+# tests: the GPU tests of the kernels this round touched; gemm: bench/fp8_block_gemm.py (one
+# layer's products, per-channel vs block-wise, cuBLAS's block scaling beside the Triton
+# kernel); block: the block-wise ([128, 128]) checkpoint of dummy llama3-8b served with an fp8
+# KV cache, BLOCK_PROFILE serving steps profiled (default 400); ab: AB_ROUNDS rounds (default
+# 2) alternating this tree and a copy with .whl/r19.patch reversed (carry it: `git diff BASE
+# HEAD -- tpserve`), then per-token dynamic fp8 once.
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
+round_start "$1" "$2" "tests gemm block" "${@:3}"
+# serve DIR NAME TREE SHA [PROFILE_STEPS]: bench_engine.py --serving-only on the block checkpoint
+serve() {
+  local dir=$1 name=$2 tree=$3 sha=$4 prof=()
+  [ "${5:-0}" -gt 0 ] && prof=(--profile-serving "$5")
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
+    --serving-only --model /tmp/llama3-8b-fp8-block --load-format safetensors \
+    --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
+    --git-commit "$sha" "${prof[@]}" > "$dir/engine-$name.log" 2>&1)
+  grep -E "linear layers|weights .* GiB|batch-1|serving:|GPU while|serving profile" \
+    "$dir/engine-$name.log" | cut -c1-700
+}
+if has tests; then
+  step "block-wise, weight-only and W8A8 kernel tests"
+  timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_fp8_block.py tests/model/test_fp8_block.py \
+    tests/model/test_fp8_kernels.py tests/model/test_triton_w8a8.py \
+    > "$out/gpu-tests.txt" 2>&1
+  tail -3 "$out/gpu-tests.txt"
+fi
+if has gemm; then
+  step "block-wise against per-channel products"
+  timeout 240 python3 bench/fp8_block_gemm.py --out "$out/fp8-block-gemm.json" \
+    --commit "$2" > "$out/fp8-block-gemm.log" 2>&1
+  grep -A20 "^     M" "$out/fp8-block-gemm.log"; grep -m3 error "$out/fp8-block-gemm.log" | cut -c1-600
+fi
+if has block || has ab; then
+  step "block-wise FP8 checkpoint of dummy llama3-8b"
+  timeout 200 python3 bench/make_fp8_checkpoint.py --shape llama3-8b --block 128 128 \
+    --out /tmp/llama3-8b-fp8-block > "$out/make-block-checkpoint.log" 2>&1
+  tail -1 "$out/make-block-checkpoint.log"
+fi
+if has block; then
+  step "block"
+  serve "$out" block . "$2" "${BLOCK_PROFILE:-400}"
+fi
+if has ab; then
+  base=/tmp/r19-base
+  rm -rf "$base" && cp -r . "$base" && (cd "$base" && patch -s -R -p1 < .whl/r19.patch) || exit 1
+  for ((i = 1; i <= ${AB_ROUNDS:-2}; i++)); do
+    step "block new-$i"; serve "$out" "block-new-$i" . "$2"
+    step "block base-$i"; serve "$out" "block-base-$i" "$base" "$2-r19.patch"
+  done
+  step "dynamic"
+  engine_mode "$out" both_dynamic "$2" 0
+fi
+round_pack
