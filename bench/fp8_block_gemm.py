@@ -5,14 +5,16 @@ weight copies of >= 256 MiB, the median of ``--replays`` replays).
 For each shape (qkv, o, gate_up, down) and M, the product as the served layer takes it,
 activation quantization included:
 - ``channel``: ``--quantization fp8`` (``Fp8LinearMethod``, per-channel weight scales);
-- ``block``: a ``[128, 128]`` block-wise checkpoint's layer (``Fp8BlockMethod``: the tuned
-  weight-only launches with block scales up to 32 tokens, the Triton block GEMM above);
+- ``block``: a ``[128, 128]`` block-wise checkpoint's layer as served (``Fp8BlockMethod``:
+  the tuned weight-only launches with block scales up to 32 tokens, the Triton block GEMM
+  up to 64, cuBLAS's block scaling above where ``block_mm_supported``);
 - ``block_kernel``: the Triton block GEMM at every M (weight-only up to 32 tokens), as
-  served before the weight-only launches took block scales;
-- ``cublas_block`` (M > 32): the group quantizer, then ``torch.nn.functional.scaled_mm``
-  with ``BlockWise1x128`` activations and ``BlockWise128x128`` weights (cuBLAS's block
-  scaling on Hopper, CUDA >= 12.9), its max |difference| from ``block`` recorded; an error
-  (no such kernel) is recorded as the error's first line.
+  served before round 19;
+- ``cublas_block`` (M > 32): the group quantizer, then ``cublas_block_product``
+  (``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` activations and
+  ``BlockWise128x128`` weights: cuBLAS on Hopper, CUDA >= 12.9).
+Each variant's max |difference| from the Triton block GEMM is recorded; an error (no such
+kernel) is recorded as the error's first line.
 
     python bench/fp8_block_gemm.py --out results/h200-DATE-fp8-block-gemm.json
 """
@@ -33,7 +35,11 @@ from measure import git_commit  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.kernels import triton_fp8_block, triton_fp8_quant  # noqa: E402
 from tpserve.model.quant.fp8 import Fp8LinearMethod, quantize_per_row  # noqa: E402
-from tpserve.model.quant.fp8_block import Fp8BlockMethod  # noqa: E402
+from tpserve.model.quant.fp8_block import (  # noqa: E402
+    Fp8BlockMethod,
+    block_mm_supported,
+    cublas_block_product,
+)
 
 M_VALUES = [1, 2, 8, 16, 32, 48, 64, 128, 256, 512, 2048]
 BLOCK = (128, 128)
@@ -44,16 +50,6 @@ class Layer:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int = 1):
         self.weight, self.weight_scale, self.weight_scale_rows = weight, scale, scale_rows
-
-
-def cublas_block(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """Group-quantized ``x`` times the block-scaled weight through cuBLAS's block scaling:
-    activation scales outer-dim-major ``[M, groups]``, weight scales ``[groups, N / 128]``."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    xq, xs = triton_fp8_quant.quantize_per_group(x, BLOCK[1])
-    return scaled_mm(xq, wq.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128,
-                     ws.t(), ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
 
 def variants_for(x, c_layers, b_layers, channel, block, w8a8: bool) -> dict:
@@ -68,7 +64,9 @@ def variants_for(x, c_layers, b_layers, channel, block, w8a8: bool) -> dict:
            "block_kernel": on(b_layers, lambda L: triton_fp8_block.block_gemm(
                x, L.weight, L.weight_scale, 128, BLOCK[1], None, w8a8))}
     if w8a8:
-        out["cublas_block"] = on(b_layers, lambda L: cublas_block(x, L.weight, L.weight_scale))
+        out["cublas_block"] = on(b_layers, lambda L: cublas_block_product(
+            *triton_fp8_quant.quantize_per_group(x, BLOCK[1]), L.weight, L.weight_scale, None,
+            torch.bfloat16))
     return out
 
 
@@ -85,7 +83,8 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     channel = Fp8LinearMethod("triton", scaled_mm=True)
-    block = Fp8BlockMethod("triton", scaled_mm=True, block=BLOCK)
+    block = Fp8BlockMethod("triton", scaled_mm=True, block=BLOCK,
+                           block_mm=block_mm_supported(dev))
     rows = []
     for name in a.shapes:
         n, k = SHAPES[name]
@@ -105,7 +104,7 @@ def main() -> None:
             row = {"shape": name, "n": n, "k": k, "m": m}
             w8a8 = block.uses_w8a8(m, bq)
             variants = variants_for(x, c_layers, b_layers, channel, block, w8a8)
-            want = block.apply(b_layers[0], x, None).float()
+            want = triton_fp8_block.block_gemm(x, bq, bs, 128, BLOCK[1], None, w8a8).float()
             for key, make in variants.items():
                 try:
                     got = make(0)().float()
@@ -119,6 +118,7 @@ def main() -> None:
     print_table(rows, a.m)
     if a.out:
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "block_mm": block.block_mm,
                   "cuda": torch.version.cuda, "commit": a.commit or git_commit(),
                   "method": __doc__.split("\n\n")[0], "rows": rows}
         Path(a.out).write_text(json.dumps(result, indent=1))

@@ -22,6 +22,7 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import FP8, MIN_SCALE, dequantize
 from tpserve.model.quant.fp8_block import (
     Fp8BlockMethod,
+    block_mm_supported,
     dequantize_blocks,
     expand_scale,
     quantize_per_group,
@@ -331,3 +332,8 @@ def test_block_method_names_its_products():
     assert method.describe_products() == ("fp8 x fp8 products above 32 tokens (the Triton "
                                           "block-scaled GEMM, activations per token and 16 "
                                           "columns)")
+    assert Fp8BlockMethod("triton", weight_only_max_tokens=32, scaled_mm=True, block=BLOCK,
+                          block_mm=True).describe_products() == (
+        "fp8 x fp8 products above 32 tokens (the Triton block-scaled GEMM; cuBLAS's block "
+        "scaling above 64, activations per token and 16 columns)")
+    assert not block_mm_supported(torch.device("cpu"))

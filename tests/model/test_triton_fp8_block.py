@@ -20,8 +20,11 @@ triton = pytest.importorskip("triton")
 from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
 from tpserve.model.quant.fp8 import FP8, MIN_SCALE, quantize_per_row  # noqa: E402
 from tpserve.model.quant.fp8_block import (  # noqa: E402
+    block_mm_supported,
+    cublas_block_product,
     dequantize_blocks,
     quantize_per_group,
+    reference_block_quantized,
     reference_block_w8a8,
     reference_block_weight_only,
 )
@@ -61,14 +64,18 @@ def test_quantize_per_group_is_bit_exact(kern, dtype, m, k, group):
 
 def _block_weight(n: int, k: int, bn: int, bk: int, seed: int, shared: bool):
     """Codes ``[N, K]`` and block scales: ``[ceil(N / bn), groups]`` (``shared``) or one row
-    of scales per weight row; zero codes in row 1 (a padding row)."""
+    of scales per weight row; zero codes in row 1 (a padding row). The scales are a view
+    of rows with NaN beyond the last group (and a NaN row after the last): a kernel that
+    reads a scale outside the weight's groups returns NaN."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     w[1] = 0
     q, _ = quantize_per_row(w)
-    rows = -(-n // bn) if shared else n
-    scale = torch.rand(rows, -(-k // bk), generator=g) * 2 + 0.01
-    return q.to(DEVICE), scale.to(DEVICE), bn if shared else 1
+    rows, groups = (-(-n // bn) if shared else n), -(-k // bk)
+    padded = torch.full((rows + 1, groups + 3), float("nan"))
+    padded[:rows, :groups] = torch.rand(rows, groups, generator=g) * 2 + 0.01
+    scale = padded.to(DEVICE)[:rows, :groups]
+    return q.to(DEVICE), scale, bn if shared else 1
 
 
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["w8a8", "weight-only"])
@@ -141,3 +148,24 @@ def test_block_gate_up_gemv_gates_in_its_epilogue(kern, m, k):
     assert (y.cpu() - want).abs().max() <= 1e-5 * want.abs().max()
     wq, ws, rows = _block_weight(2 * half, k, 128, 128, 6, True)  # one block: both halves
     assert fp8.weight_only_silu_mul(x, wq, ws, bias, (rows, 128)) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="cuBLAS's block scaling: GPU only")
+def test_cublas_block_product_matches_its_reference():
+    """W8A8 steps above 64 tokens take cuBLAS's block scaling where the GPU has it (Hopper:
+    checked there): the group-quantized product of the reference, to one bf16 rounding
+    of the output, bias added."""
+    if torch.cuda.get_device_capability(DEVICE) == (9, 0):
+        assert block_mm_supported(DEVICE)
+    if not block_mm_supported(DEVICE):
+        pytest.skip("this GPU's torch has no 1 x 128 / 128 x 128 block scaling")
+    x = _rows(80, 512, torch.bfloat16, 8)
+    xq, xs = quantize_per_group(x, 128)
+    wq, ws, rows = _block_weight(256, 512, 128, 128, 9, True)
+    ws = ws.contiguous()  # as loaded
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    y = cublas_block_product(xq, xs, wq, ws, bias.bfloat16(), torch.bfloat16)
+    want = reference_block_quantized(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), rows, 128,
+                                     bias.cpu(), torch.float32)
+    assert y.dtype == torch.bfloat16 and y.shape == (80, 256)
+    assert (y.float().cpu() - want).abs().max() <= 2**-7 * want.abs().max()

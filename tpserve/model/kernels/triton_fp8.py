@@ -257,8 +257,11 @@ def _wo_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
         if GROUP > 0:
             part = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)),
                           input_precision=DOT_PRECISION)
-            ws = tl.load(s_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_s + k0 // GROUP,
-                         mask=n_ok, other=0.0)
+            # a chunk may run past K (split_k): its products are zero there, times the last
+            # group's (finite) scale, never one beyond the weight's groups
+            g = tl.minimum(k0, K - 1) // GROUP
+            ws = tl.load(s_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_s + g, mask=n_ok,
+                         other=0.0)
             acc += part * ws[None, :]
         else:
             acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc,

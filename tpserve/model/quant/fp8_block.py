@@ -7,7 +7,13 @@ run time per token and per group of ``bk`` input columns, as vLLM does.
 The product: ``y[m, n] = sum_b xs[m, b] * ws[n, b] * sum_{k in group b} xq[m, k] wq[n, k]``
 (W8A8, every group's fp8 products summed, then scaled by its two scales), or for steps of
 at most ``weight_only_max_tokens`` tokens (and on GPUs without FP8 matrix products) the
-unquantized activations times the block-dequantized weight, ``x @ (wq * ws)^T``.
+unquantized activations times the block-dequantized weight, ``x @ (wq * ws)^T``. On the
+GPU: weight-only through the tuned launches of ``triton_fp8.weight_only_linear`` (block
+scales in their K loop); W8A8 through the Triton block GEMM up to
+``w8a8_triton_max_tokens``, above it through cuBLAS's block scaling
+(``torch.nn.functional.scaled_mm``, 1 x 128 activation and 128 x 128 weight blocks) where
+``block_mm`` (it exists on this GPU and build: ``block_mm_supported``) and the layer's
+blocks are those.
 
 Invariants:
 - ``layer.weight_scale`` is ``[rows / weight_scale_rows, k_groups]`` float32: entry ``[i,
@@ -38,7 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.model.quant.fp8 import MIN_SCALE, Fp8Activation, dequantize, quantize_per_row
+from tpserve.model.quant.fp8 import (
+    FP8,
+    MIN_SCALE,
+    Fp8Activation,
+    dequantize,
+    quantize_per_row,
+)
 from tpserve.model.quant.fp8_checkpoint import (
     Fp8CheckpointMethod,
     check_row_scales,
@@ -101,6 +113,43 @@ def reference_block_weight_only(x: torch.Tensor, wq: torch.Tensor, scale: torch.
     return y.to(x.dtype)
 
 
+def block_mm_supported(device: torch.device) -> bool:
+    """Whether ``torch.nn.functional.scaled_mm`` multiplies 1 x 128 blocks of activations
+    by 128 x 128 blocks of weights on ``device`` (cuBLAS on Hopper, CUDA >= 12.9): one
+    128 x 512 x 128 product with a different scale per group is tried and checked."""
+    if device.type != "cuda":
+        return False
+    try:
+        ones = torch.ones(128, 512, device=device).to(FP8)
+        xs = torch.arange(1, 5, device=device, dtype=torch.float32).expand(128, 4)
+        ws = torch.full((1, 4), 2.0, device=device)
+        y = cublas_block_product(ones, xs, ones, ws, None, torch.bfloat16)
+    except (RuntimeError, ImportError, AttributeError, TypeError):
+        return False
+    return bool((y == 2 * 128 * (1 + 2 + 3 + 4)).all())
+
+
+def cublas_block_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor,
+                         ws: torch.Tensor, bias: torch.Tensor | None,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """Group-quantized ``xq [M, K]`` (scales ``xs [M, K / 128]``) times ``wq [N, K]`` with
+    128 x 128 block scales ``ws [N / 128, K / 128]``, through cuBLAS's block scaling; the
+    activation scales are handed over outer-dim-major (a copy), as it reads them."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    y = scaled_mm(xq, wq.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, ws.t(),
+                  ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def takes_cublas_blocks(layer: nn.Module, group: int) -> bool:
+    """Whether the layer's scales are what ``cublas_block_product`` reads: 128 x 128
+    blocks, whole on every side, the groups a multiple of four (cuBLAS's padding)."""
+    n, k = layer.weight.shape
+    return (layer.weight_scale_rows == 128 and group == 128 and n % 128 == 0
+            and k % 128 == 0 and (k // 128) % 4 == 0)
+
+
 def local_groups(layer: nn.Module, cols: int, group: int) -> torch.Tensor:
     """For each group of ``group`` input columns this rank holds, the checkpoint block its
     columns come from (-1: padding only); ValueError where a group mixes two blocks. On
@@ -138,6 +187,7 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
 
     block: tuple[int, int] = (128, 128)
     scale_name: str = "weight_scale_inv"
+    block_mm: bool = False
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
@@ -186,8 +236,11 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         return self.block[1]
 
     def describe_products(self) -> str:
+        cublas = (f"; cuBLAS's block scaling above {self.w8a8_triton_max_tokens}"
+                  if self.block_mm else "")
         return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (the Triton "
-                f"block-scaled GEMM, activations per token and {self.block[1]} columns)")
+                f"block-scaled GEMM{cublas}, activations per token and {self.block[1]} "
+                "columns)")
 
     def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -211,12 +264,21 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         return num_tokens > self.weight_only_max_tokens and (self.backend == "torch"
                                                              or self.scaled_mm)
 
+    def uses_cublas(self, layer: nn.Module, num_tokens: int, out_dtype: torch.dtype) -> bool:
+        """W8A8 steps above ``w8a8_triton_max_tokens`` (bf16) take cuBLAS's block scaling
+        where ``block_mm`` and the layer's blocks are what it reads."""
+        return (self.block_mm and num_tokens > self.w8a8_triton_max_tokens
+                and out_dtype == torch.bfloat16 and takes_cublas_blocks(layer, self.block[1]))
+
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               bias: torch.Tensor | None) -> torch.Tensor:
         args = (layer.weight, layer.weight_scale, layer.weight_scale_rows, self.block[1], bias)
         if isinstance(x, Fp8Activation):  # quantized per group by its producer (2-D)
             if self.backend == "torch":
                 return reference_block_quantized(x.q, x.scale, *args, x.dtype)
+            if self.uses_cublas(layer, x.q.shape[0], x.dtype):
+                return cublas_block_product(x.q, x.scale, layer.weight, layer.weight_scale,
+                                            bias, x.dtype)
             from tpserve.model.kernels import triton_fp8_block
 
             return triton_fp8_block.block_linear(x.q, *args, quantize_input=True,
@@ -226,6 +288,11 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
         w8a8 = self.uses_w8a8(x2.shape[0], layer.weight)
         if self.backend == "torch":
             y = (reference_block_w8a8 if w8a8 else reference_block_weight_only)(x2, *args)
+        elif w8a8 and self.uses_cublas(layer, x2.shape[0], x2.dtype):
+            from tpserve.model.kernels import triton_fp8_quant
+
+            xq, xs = triton_fp8_quant.quantize_per_group(x2, self.block[1])
+            y = cublas_block_product(xq, xs, layer.weight, layer.weight_scale, bias, x2.dtype)
         else:
             from tpserve.model.kernels import triton_fp8_block
 

@@ -14,7 +14,7 @@ import torch
 
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, Fp8LinearMethod, scaled_mm_supported
-from tpserve.model.quant.fp8_block import Fp8BlockMethod
+from tpserve.model.quant.fp8_block import Fp8BlockMethod, block_mm_supported
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
 QUANTIZATIONS = ("none", "fp8")
@@ -65,5 +65,6 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
         return Fp8LinearMethod(**kw)
     if checkpoint.weight_block is not None:
         return Fp8BlockMethod(**kw, block=checkpoint.weight_block,
-                              scale_name=checkpoint.scale_name)
+                              scale_name=checkpoint.scale_name,
+                              block_mm=kw["scaled_mm"] and block_mm_supported(device))
     return Fp8CheckpointMethod(**kw, static_activations=checkpoint.static_activations)
