@@ -152,6 +152,12 @@ def _gemv_rows(x_row, w_ptr, rn, n_ok, k_lo, K, K_CHUNK, stride_w, ws_row,
         else:
             w_ok = n_ok[:, None] & (kk[None, :] < K)
             x = tl.load(x_row + kk, mask=kk < K, other=0.0)
+        # the weight load is issued before anything waits on x (converting x first made
+        # the per-channel GEMV 19 % slower at M = 1 on the H200: round 19)
+        if EVICT:
+            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
         x = x.to(tl.float32)
         if GROUP > 0:
             g = k0 // GROUP + rk // GROUP  # constant over runs of GROUP columns
@@ -159,10 +165,6 @@ def _gemv_rows(x_row, w_ptr, rn, n_ok, k_lo, K, K_CHUNK, stride_w, ws_row,
                 x = x * tl.load(ws_row + g)
             else:
                 x = x * tl.load(ws_row + g, mask=kk < K, other=0.0)
-        if EVICT:
-            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
         prod = w.to(tl.float32) * x[None, :]
         if REDUCE_EACH:
             acc += tl.sum(prod, axis=1)
