@@ -30,9 +30,9 @@ from tpserve.model.quant.fp8_block import (
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.linear import (
+    InputQuantization,
     RowParallelLinear,
-    quantized_input_group,
-    takes_quantized_input,
+    input_quantization,
 )
 from tpserve.parallel.shard import ShardMap
 from tpserve.parallel.state import TPGroup
@@ -111,7 +111,7 @@ def test_block_w8a8_is_the_dequantized_model_with_group_quantized_inputs(folders
     served, comm, _ = load_as_served(folders[fmt], ONE, "fp8", weight_only_max_tokens=0)
     layer = served.model.layers[0]
     for fed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert takes_quantized_input(fed, len(TOKENS)) and quantized_input_group(fed) == 16
+        assert input_quantization(fed, len(TOKENS)) == InputQuantization(None, 16)
     got = full_logits(served, comm, TOKENS)
     deq, deq_comm, _ = load_as_served(folders["block-dequantized"], ONE, "none")
     group_quantized_inputs(deq)

@@ -34,7 +34,7 @@ from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 from tpserve.model.quant.methods import linear_method
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
-from tpserve.parallel.linear import quantized_input_scale, takes_quantized_input
+from tpserve.parallel.linear import input_quantization
 from tpserve.parallel.state import TPGroup
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
@@ -393,8 +393,8 @@ def test_static_scales_quantize_every_w8a8_input(folders, fmt):
     assert method.static_activations
     layer = served.model.layers[1]
     for fed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert takes_quantized_input(fed, len(TOKENS))
-        assert quantized_input_scale(fed) is fed.input_scale
+        how = input_quantization(fed, len(TOKENS))
+        assert how is not None and how.static_scale is fed.input_scale and how.group is None
     qkv = layer.self_attn.qkv_proj
     stored = {}
     for f in folders[fmt].glob("*.safetensors"):

@@ -253,21 +253,17 @@ def test_mlp_feeds_down_the_gate_it_quantized_and_equals_the_unfused_path(tri, b
     ``Fp8Activation`` to down: the output equals down's own quantization of the gate
     exactly (per token, with down's static input scale, or per 16 columns for a
     block-wise down); at 4 tokens (weight-only) nothing is quantized by the producer."""
-    from tpserve.parallel.linear import (
-        quantized_input_group,
-        quantized_input_scale,
-        takes_quantized_input,
-    )
+    from tpserve.parallel.linear import input_quantization
 
     mlp = _mlp(backend, ops_name, mode)
-    scale = quantized_input_scale(mlp.down_proj)
+    scale, group = input_quantization(mlp.down_proj, 12)
     assert (scale is None) is (mode != "static")
-    assert quantized_input_group(mlp.down_proj) == (16 if mode == "block" else None)
+    assert group == (16 if mode == "block" else None)
     if mode == "static":
         assert torch.equal(scale.cpu(), torch.tensor([0.002]))
     for m, fused in ((12, True), (4, False)):
         x = _rows(m, 64, torch.float32, 9)
-        assert takes_quantized_input(mlp.down_proj, m) is fused
+        assert (input_quantization(mlp.down_proj, m) is not None) is fused
         want = mlp.down_proj(mlp.ops.silu_and_mul(mlp.gate_up_proj(x)))
         assert torch.equal(mlp(x), want)
 
@@ -280,19 +276,18 @@ def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name, mode
     (block-wise: 4 scales a row)."""
     from tpserve.model.kernels.backend import select_ops
     from tpserve.model.layers.norm import RMSNorm
-    from tpserve.parallel.linear import quantized_input_group, quantized_input_scale
+    from tpserve.parallel.linear import input_quantization
 
     mlp = _mlp(backend, ops_name, mode)
-    how = dict(static_scale=quantized_input_scale(mlp.gate_up_proj),
-               group=quantized_input_group(mlp.gate_up_proj))
-    scale = how["static_scale"]
+    how = input_quantization(mlp.gate_up_proj, 12)
+    scale = how.static_scale
     if mode == "static":
         assert torch.equal(scale.cpu(), torch.tensor([0.004]))
     norm = RMSNorm(64, 1e-6, select_ops(ops_name), torch.float32).to(DEVICE)
     norm.weight.data.copy_(torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5)
     x, res = _rows(12, 64, torch.float32, 11), _rows(12, 64, torch.float32, 12)
     h, summed = norm(x, res.clone())  # the norm writes the sum over its residual
-    hq, summed_q = norm(x, res.clone(), quantize=True, **how)
+    hq, summed_q = norm(x, res.clone(), quantize=how)
     assert isinstance(hq, Fp8Activation) and hq.shape == (12, 64)
     if mode == "static":
         assert torch.equal(hq.scale, scale.expand(12, 1))
@@ -300,5 +295,5 @@ def test_layers_take_a_norm_quantized_input_exactly(tri, backend, ops_name, mode
     assert hq.scale.shape == (12, 4 if mode == "block" else 1)
     assert torch.equal(summed_q, summed)
     assert torch.equal(mlp.gate_up_proj(hq), mlp.gate_up_proj(h))
-    first = norm(x, quantize=True, **how)
+    first = norm(x, quantize=how)
     assert torch.equal(mlp.gate_up_proj(first), mlp.gate_up_proj(norm(x)))

@@ -34,9 +34,7 @@ from tpserve.parallel.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    quantized_input_group,
-    quantized_input_scale,
-    takes_quantized_input,
+    input_quantization,
 )
 from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
@@ -95,10 +93,9 @@ class LlamaMLP(nn.Module):
             quant_method=quant)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        if takes_quantized_input(self.down_proj, x.shape[0]):  # the gate quantizes too
-            q = self.ops.silu_and_mul_fp8(self.gate_up_proj(x),
-                                          quantized_input_scale(self.down_proj),
-                                          quantized_input_group(self.down_proj))
+        how = input_quantization(self.down_proj, x.shape[0])
+        if how is not None:  # the gate quantizes too
+            q = self.ops.silu_and_mul_fp8(self.gate_up_proj(x), *how)
             return self.down_proj(Fp8Activation(*q))
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x, self.ops.silu_and_mul))
 
@@ -124,19 +121,17 @@ class LlamaDecoderLayer(nn.Module):
         m = x.shape[0]
         fuse = not self.sequence_parallel
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
-        q_in = fuse and takes_quantized_input(qkv, m)
-        how = dict(static_scale=quantized_input_scale(qkv), group=quantized_input_group(qkv))
+        how = input_quantization(qkv, m) if fuse else None
         if residual is None:
             residual = x
-            h = self.input_layernorm(x, quantize=q_in, **how)
+            h = self.input_layernorm(x, quantize=how)
         else:
-            h, residual = self.input_layernorm(x, residual, quantize=q_in, **how)
+            h, residual = self.input_layernorm(x, residual, quantize=how)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
         h, residual = self.post_attention_layernorm(
-            h, residual, quantize=fuse and takes_quantized_input(gate_up, m),
-            static_scale=quantized_input_scale(gate_up), group=quantized_input_group(gate_up))
+            h, residual, quantize=input_quantization(gate_up, m) if fuse else None)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         return self.mlp(h), residual

@@ -28,11 +28,11 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 - optionally ``takes_quantized_input(layer, num_tokens)``: True where ``apply`` at that
   static token count would quantize ``x`` itself; the model may then pass ``apply`` the
   input already quantized by the kernel that produced it, in the method's own format
-  (``takes_quantized_input`` below asks; the layers pass ``x`` through untouched).
+  (the layers pass ``x`` through untouched).
 - optionally ``input_scale(layer)``: the static scale that quantization uses (a
-  checkpoint's ``input_scale``), None where it is per token (``quantized_input_scale``);
-  and ``input_group(layer)``: the columns of one activation scale where it is per group
-  (block-wise checkpoints), None where per token (``quantized_input_group``).
+  checkpoint's ``input_scale``), None where it is per token; and ``input_group(layer)``:
+  the columns of one activation scale where it is per group (block-wise checkpoints),
+  None where per token. ``input_quantization`` below asks all three.
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 """
@@ -40,6 +40,7 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,25 +76,28 @@ class UnquantizedLinear:
 UNQUANTIZED = UnquantizedLinear()  # stateless
 
 
-def takes_quantized_input(layer: nn.Module, num_tokens: int) -> bool:
-    """Whether ``layer``'s quant method wants its input quantized by the input's producer
-    at this static token count (the method's optional ``takes_quantized_input``)."""
-    ask = getattr(layer.quant_method, "takes_quantized_input", None)
-    return ask is not None and ask(layer, num_tokens)
+class InputQuantization(NamedTuple):
+    """How the producer of a layer's input quantizes it for the layer (the arguments of
+    the ops' ``*_fp8`` kernels, in order): ``static_scale`` the one scale of every row (a
+    checkpoint's ``input_scale``, ``[1]`` float32), None: a scale per token (or group);
+    ``group`` the columns of one scale (block-wise checkpoints), None: the whole row."""
+
+    static_scale: torch.Tensor | None
+    group: int | None
 
 
-def quantized_input_scale(layer: nn.Module) -> torch.Tensor | None:
-    """The static scale a producer quantizes ``layer``'s input with where
-    ``takes_quantized_input`` (the method's optional ``input_scale``); None: per token."""
-    ask = getattr(layer.quant_method, "input_scale", None)
-    return None if ask is None else ask(layer)
-
-
-def quantized_input_group(layer: nn.Module) -> int | None:
-    """The columns of each scale a producer quantizes ``layer``'s input with where
-    ``takes_quantized_input`` (the method's optional ``input_group``); None: per token."""
-    ask = getattr(layer.quant_method, "input_group", None)
-    return None if ask is None else ask(layer)
+def input_quantization(layer: nn.Module, num_tokens: int) -> InputQuantization | None:
+    """None where ``layer``'s quant method does not want its input quantized by the input's
+    producer at this static token count (its optional ``takes_quantized_input``); else how
+    (its optional ``input_scale`` and ``input_group``)."""
+    method = layer.quant_method
+    takes = getattr(method, "takes_quantized_input", None)
+    if takes is None or not takes(layer, num_tokens):
+        return None
+    scale = getattr(method, "input_scale", None)
+    group = getattr(method, "input_group", None)
+    return InputQuantization(None if scale is None else scale(layer),
+                             None if group is None else group(layer))
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:

@@ -9,6 +9,7 @@ from torch import nn
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import holds_sum
 from tpserve.model.quant.fp8 import Fp8Activation
+from tpserve.parallel.linear import InputQuantization
 
 
 class RMSNorm(nn.Module):
@@ -19,12 +20,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                quantize: bool = False, static_scale: torch.Tensor | None = None,
-                group: int | None = None):
+                quantize: InputQuantization | None = None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given;
-        with ``quantize`` the normed rows come as an ``Fp8Activation`` (the same values,
-        quantized in the same kernel: per token, with ``static_scale``, the consuming
-        layer's static input scale, or per ``group`` columns, a block-wise layer's).
+        with ``quantize`` (the consuming layer's ``input_quantization``) the normed rows
+        come as an ``Fp8Activation`` (the same values, quantized in the same kernel: per
+        token, with the layer's static input scale, or per group of a block-wise layer's
+        columns).
 
         The residual is consumed: where it can hold the sum (contiguous, of the sum's
         dtype) the sum is written over it and it is returned, so the residual stream of a
@@ -33,14 +34,13 @@ class RMSNorm(nn.Module):
         output needed: bench/README.md round 17). Callers must not read ``residual``
         afterwards except through the returned sum."""
         if residual is None:
-            if quantize:
+            if quantize is not None:
                 return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps,
-                                                            static_scale, group))
+                                                            *quantize))
             return self.ops.rms_norm(x, self.weight, self.eps)
         sum_out = residual if holds_sum(residual, x, residual) else None
-        if quantize:
+        if quantize is not None:
             q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
-                                                            self.eps, sum_out, static_scale,
-                                                            group)
+                                                            self.eps, sum_out, *quantize)
             return Fp8Activation(q, s, dtype), summed
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out)

@@ -29,7 +29,7 @@ Invariants:
   ``quantize_static``, ``clamp(x / s, +-448)``, elementwise, so a row-parallel rank's
   columns quantize as those of the whole row and tp changes nothing but summation order);
   where the producer of the input (RMSNorm, the SiLU gate) quantizes it instead, it uses the
-  same scale and formula (``quantized_input_scale``). Steps the weight-only product takes
+  same scale and formula (``input_scale``, handed over by ``parallel.linear.input_quantization``). Steps the weight-only product takes
   (``weight_only_max_tokens``) multiply the unquantized activations, as for every fp8
   model here (``--fp8-weight-only-max-tokens 0`` quantizes every step).
 """
