@@ -8,7 +8,8 @@ the scheme and the torch reference ``reference_weight_only``; the per-token quan
   accumulation by CUDA-core FMAs (M <= 2: one activation row per program) or ``tl.dot``
   on bf16 (larger M); K optionally split over programs (float32 partials, a small
   in-order reduce) so the grid fills the SMs; the per-channel scale and bias applied once
-  to the K-complete sum.
+  to the K-complete sum. With block scales (block-wise checkpoints, ``block=``) the same
+  launches apply them in the K loop (``block_launch`` fits a launch to the scales).
 - ``weight_only_silu_mul``: the merged gate/up GEMV at M <= 2 with ``silu(g) * u`` in its
   epilogue (one kernel and no ``[M, 2H]`` intermediate).
 

@@ -2,13 +2,14 @@
 the scheme and the torch references ``reference_block_w8a8`` /
 ``reference_block_weight_only``).
 
-``block_linear``: output tiles ``[BLOCK_M, BLOCK_N]``; the K loop steps one scale group
-(``group`` columns, the checkpoint's ``bk``) at a time. Weight-only products (decode
-steps) take the tuned launches of ``triton_fp8.weight_only_linear`` instead, the block
-scales applied in their K loop, wherever ``block_launch`` fits them to the scales. Where the tiles alone would leave
-SMs idle (decode sizes), the groups are split over programs (float32 partials, summed in
-order with the bias added by ``triton_fp8.reduce_splits``: one kernel). With ``quantize_input`` the
-activations are first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
+``block_linear``: weight-only products (decode steps) take the tuned launches of
+``triton_fp8.weight_only_linear``, the block scales applied in their K loop, wherever
+``block_launch`` fits them to the scales; the rest ``block_gemm``: output tiles
+``[BLOCK_M, BLOCK_N]``, the K loop stepping one scale group (``group`` columns, the
+checkpoint's ``bk``) at a time. Where the tiles alone would leave SMs idle (decode sizes),
+the groups are split over programs (float32 partials, summed in order with the bias added
+by ``triton_fp8.reduce_splits``: one kernel). With ``quantize_input`` the activations are
+first quantized per token and group (``triton_fp8_quant.quantize_per_group``)
 and each step is one ``tl.dot`` of the fp8 tiles (FP8 tensor cores), its float32 sum then
 multiplied by the activation rows' group scales and the weight rows' block scales and added
 to a float32 accumulator (the per-group promotion vLLM's block kernels do too). Without it
