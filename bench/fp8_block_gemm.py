@@ -14,9 +14,12 @@ activation quantization included:
   (``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` activations and
   ``BlockWise128x128`` weights: cuBLAS on Hopper, CUDA >= 12.9).
 Each variant's max |difference| from the Triton block GEMM is recorded; an error (no such
-kernel) is recorded as the error's first line.
+kernel) is recorded as the error's first line. ``--sweep``: at ``SWEEP_M`` also the Triton
+block GEMM alone (activations quantized beforehand, as the norms and the SiLU gate hand
+them over) with its default launch (``sweep_default``) and each of ``SWEEP_LAUNCHES``
+(``BlockLaunch`` strings: rows, columns, split, warps, stages).
 
-    python bench/fp8_block_gemm.py --out results/h200-DATE-fp8-block-gemm.json
+    python bench/fp8_block_gemm.py --out results/h200-DATE-fp8-block-gemm.json [--sweep]
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ from tpserve.model.quant.fp8_block import (  # noqa: E402
 
 M_VALUES = [1, 2, 8, 16, 32, 48, 64, 128, 256, 512, 2048]
 BLOCK = (128, 128)
+# the Triton block GEMM's W8A8 steps (33-64 tokens): launches around tiles()' choice
+SWEEP_M = (48, 64)
+SWEEP_LAUNCHES = ["64,64,1,4,3", "64,64,2,4,3", "64,64,3,4,3", "64,64,2,4,4", "64,64,2,8,3",
+                  "64,64,4,4,3", "64,128,1,8,3", "64,128,2,8,3", "64,128,2,4,3",
+                  "64,32,1,4,3", "64,32,2,4,3", "64,32,4,4,3", "32,64,2,4,3", "64,64,2,4,2"]
 
 
 class Layer:
@@ -70,11 +78,36 @@ def variants_for(x, c_layers, b_layers, channel, block, w8a8: bool) -> dict:
     return out
 
 
+def sweep(x: torch.Tensor, b_layers: list, calls: int, replays: int, want: torch.Tensor
+          ) -> dict:
+    """µs and max |difference| of the Triton block GEMM on pre-quantized ``x``: its default
+    launch and each of ``SWEEP_LAUNCHES``."""
+    xq, xs = triton_fp8_quant.quantize_per_group(x, BLOCK[1])
+    nc = len(b_layers)
+    out = {}
+    for spec in ["default", *SWEEP_LAUNCHES]:
+        launch = None if spec == "default" else triton_fp8_block.BlockLaunch.parse(spec)
+
+        def make(i, launch=launch):
+            L = b_layers[i % nc]
+            return lambda: triton_fp8_block.block_gemm(
+                xq, L.weight, L.weight_scale, 128, BLOCK[1], None, True, xs, x.dtype, launch)
+
+        try:
+            diff = float((make(0)().float() - want).abs().max())
+            out[spec] = {"us": round(graph_us([make(i) for i in range(calls)], replays), 2),
+                         "max_diff": diff}
+        except (RuntimeError, ValueError) as e:
+            out[spec] = {"error": str(e).splitlines()[0][:300]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=M_VALUES)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP_LAUNCHES")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--rotate-mib", type=int, default=256)
@@ -113,6 +146,8 @@ def main() -> None:
                                                       a.replays), 2)
                 except (RuntimeError, NotImplementedError) as e:
                     row[key + "_error"] = str(e).splitlines()[0][:300]
+            if a.sweep and m in SWEEP_M:
+                row["sweep"] = sweep(x, b_layers, a.calls, a.replays, want)
             print(json.dumps(row), flush=True)
             rows.append(row)
     print_table(rows, a.m)

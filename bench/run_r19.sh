@@ -4,7 +4,8 @@
 #   bash bench/run_r19.sh OUT SHA [PART...]   parts: tests gemm block ab wo (default: tests gemm block)
 # tests: the GPU tests of the kernels this round touched; gemm: bench/fp8_block_gemm.py (one
 # layer's products, per-channel vs block-wise, cuBLAS's block scaling beside the Triton
-# kernel); block: the block-wise ([128, 128]) checkpoint of dummy llama3-8b served with an fp8
+# kernel; GEMM_SWEEP=1: with --sweep, the Triton block GEMM's launches at 33-64 tokens); block:
+# the block-wise ([128, 128]) checkpoint of dummy llama3-8b served with an fp8
 # KV cache, BLOCK_PROFILE serving steps profiled (default 400); ab: AB_ROUNDS rounds (default
 # 2) alternating this tree and a copy with .whl/r19.patch reversed (carry it: `git diff BASE
 # HEAD -- tpserve`), then per-token dynamic fp8 once. wo: the per-channel weight-only kernels
@@ -34,8 +35,8 @@ if has tests; then
 fi
 if has gemm; then
   step "block-wise against per-channel products"
-  timeout 240 python3 bench/fp8_block_gemm.py --out "$out/fp8-block-gemm.json" \
-    --commit "$2" > "$out/fp8-block-gemm.log" 2>&1
+  timeout 400 python3 bench/fp8_block_gemm.py --out "$out/fp8-block-gemm.json" \
+    --commit "$2" ${GEMM_SWEEP:+--sweep} > "$out/fp8-block-gemm.log" 2>&1
   grep -A20 "^     M" "$out/fp8-block-gemm.log"; grep -m3 error "$out/fp8-block-gemm.log" | cut -c1-600
 fi
 if has block || has ab; then

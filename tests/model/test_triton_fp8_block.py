@@ -169,3 +169,16 @@ def test_cublas_block_product_matches_its_reference():
                                      bias.cpu(), torch.float32)
     assert y.dtype == torch.bfloat16 and y.shape == (80, 256)
     assert (y.float().cpu() - want).abs().max() <= 2**-7 * want.abs().max()
+
+
+# 20 rows in 16- and 32-row tiles, 5 groups split 1, 2 (3 + 2 groups) and 5 ways
+@pytest.mark.parametrize("launch", ["16,64,1,4,3", "32,128,2,8,2", "16,32,5,4,3"])
+def test_any_block_launch_gives_the_product(kern, launch):
+    """``block_gemm`` with a launch other than ``tiles``' (a benchmark's sweep) computes the
+    same W8A8 product: against the reference to float32 summation order."""
+    x = _rows(20, 640, torch.float32, 11)
+    wq, ws, rows = _block_weight(200, 640, 8, 128, 12, True)
+    y = kern.block_gemm(x, wq, ws, rows, 128, None, True,
+                        launch=kern.BlockLaunch.parse(launch))
+    want = reference_block_w8a8(x.cpu(), wq.cpu(), ws.cpu(), rows, 128, None)
+    assert (y.cpu() - want).abs().max() <= 1e-5 * want.abs().max()

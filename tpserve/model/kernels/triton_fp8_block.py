@@ -25,6 +25,8 @@ capturable in CUDA graphs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,23 @@ def _block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, GROUPS_PE
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+class BlockLaunch(NamedTuple):
+    """One ``_block_kernel`` launch: output tiles ``block_m`` x ``block_n``, the K groups
+    split over ``split`` programs (fewer where the groups run out), and the compiler's
+    ``num_warps`` / ``num_stages``."""
+
+    block_m: int
+    block_n: int
+    split: int
+    num_warps: int
+    num_stages: int = 3
+
+    @classmethod
+    def parse(cls, spec: str) -> BlockLaunch:
+        """``"64,64,2,4,3"``: the fields in order (benchmarks' sweeps)."""
+        return cls(*(int(v) for v in spec.split(",")))
+
+
 def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, split)`` for a static ``(M, N)`` and ``groups`` K steps: rows in
     tiles of 16 to 128 (the fewest that hold M), columns in 128 unless the grid would then
@@ -114,9 +133,10 @@ def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale
 
 def block_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
                group: int, bias: torch.Tensor | None, quantize_input: bool,
-               x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """``block_linear`` through ``_block_kernel`` at every M (same arguments)."""
+               x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               launch: BlockLaunch | None = None) -> torch.Tensor:
+    """``block_linear`` through ``_block_kernel`` at every M (same arguments); ``launch``
+    overrides the one ``tiles`` chooses (benchmarks, tests)."""
     assert wq.dtype == FP8 and x.dim() == 2 and wq.stride(-1) == 1
     assert (x_scale is not None) == (x.dtype == FP8) and (x_scale is None or quantize_input)
     x = x.contiguous()
@@ -132,7 +152,10 @@ def block_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_r
     else:
         xin, xs = x, w_scale
     groups = triton.cdiv(k, group)
-    bm, bn, split = tiles(m, n, groups, _sm_count(x.device))
+    if launch is None:
+        bm, bn, split = tiles(m, n, groups, _sm_count(x.device))
+        launch = BlockLaunch(bm, bn, split, 4 if bm * bn <= 64 * 64 else 8)
+    bm, bn, split = launch.block_m, launch.block_n, launch.split
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
@@ -143,6 +166,6 @@ def block_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_r
         SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
         IEEE=x.device.type != "cuda" or y.dtype == torch.float32,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
-        num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     reduce_splits(out, None, bias, y, split)
     return y
