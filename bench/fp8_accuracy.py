@@ -16,12 +16,18 @@ Per mode against base:
   ``--decode-prompts`` cut points, as the fraction of tokens before the first divergence;
 - perplexity of the text, and the criterion: within 2 % of base.
 
+``--fp8-checkpoint FOLDER``: the fp8-weight modes serve that FP8 checkpoint of the same
+model as stored (e.g. ``make_fp8_checkpoint.py --weights embedded --block 128 128``)
+instead of quantizing ``--model`` at load.
+
 The text is tokenized by the model's tokenizer; dummy shapes (``--load-format dummy``) have
 none, so a fixed byte-level mapping stands in (every byte one token id): their figures
 measure the arithmetic of fp8, not language modelling.
 
     python bench/fp8_accuracy.py --out bench/results/cpu-DATE-fp8-accuracy.json
     python bench/fp8_accuracy.py --model llama3-8b --load-format dummy --out OUT.json
+    python bench/fp8_accuracy.py --dtype float32 --fp8-checkpoint /tmp/smollm2-fp8-block \
+        --out OUT.json
 """
 
 from __future__ import annotations
@@ -69,7 +75,10 @@ PPL_TOLERANCE = 0.02
 
 def runner_config(a: argparse.Namespace, mode: str) -> RunnerConfig:
     """The mode's ``RunnerConfig``, resolved by the server's own flags and validation."""
-    argv = ["serve", *([a.model] if a.model else []), "--load-format", a.load_format,
+    model = a.fp8_checkpoint if a.fp8_checkpoint and mode in ("fp8-weights", "both") \
+        else a.model
+    argv = ["serve", *([model] if model else []),
+            "--load-format", "auto" if model != a.model else a.load_format,
             "--dtype", a.dtype, "--device", a.device, "--enforce-eager",
             "--max-model-len", str(a.max_prompt_len + a.decode_tokens + BLOCK)]
     if mode in ("fp8-weights", "both"):
@@ -197,6 +206,8 @@ def arg_parser() -> argparse.ArgumentParser:
     """This tool's flags (``kv_scale_probe.py`` builds its models from them too)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--fp8-checkpoint", default=None,
+                    help="an FP8 checkpoint of --model the fp8-weight modes serve as stored")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
@@ -237,6 +248,7 @@ def main() -> int:
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
                else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
                "torch": torch.__version__, "model": a.model or "embedded SmolLM2-135M-Instruct",
+               "fp8_checkpoint": a.fp8_checkpoint,
                "load_format": a.load_format, "dtype": probe.dtype,
                "kernel_backend": probe.kernel_backend, "fp8_fast_accum": runner_config(a, "fp8-weights").fp8_fast_accum,
                "text": TEXT.name,

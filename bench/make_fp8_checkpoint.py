@@ -10,11 +10,16 @@ largest magnitude its input takes over a forward pass of ``--calibration-tokens`
 tokens through the unquantized (bf16) dummy model, divided by 448 (q, k and v share their
 input, as gate and up do). Norms, embeddings and the LM head are stored in bf16. Block-wise:
 each ``[BN, BK]`` block of a linear weight takes its own amax / 448 (``weight_scale_inv``
-``[ceil(out / BN), ceil(in / BK)]``); nothing is calibrated.
+``[ceil(out / BN), ceil(in / BK)]``); nothing is calibrated. ``--weights embedded`` (with
+``--shape smollm2-135m`` and ``--block``) takes the embedded SmolLM2 GGUF's real weights
+instead of noise, the other tensors kept in their own dtype: a real model to measure the
+block-wise path's accuracy on (``fp8_accuracy.py --fp8-checkpoint``).
 
     python bench/make_fp8_checkpoint.py --shape llama3-8b --out /tmp/llama3-8b-fp8-static
     python bench/make_fp8_checkpoint.py --shape smollm2-135m --device cpu --out /tmp/s
     python bench/make_fp8_checkpoint.py --block 128 128 --out /tmp/llama3-8b-fp8-block
+    python bench/make_fp8_checkpoint.py --shape smollm2-135m --weights embedded --device cpu \
+        --block 128 128 --out /tmp/smollm2-fp8-block
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpserve.model.attention.backend import select_attention  # noqa: E402
 from tpserve.model.kernels.backend import select_ops  # noqa: E402
 from tpserve.model.kv_pool import KVPool  # noqa: E402
-from tpserve.model.loader import dummy  # noqa: E402
+from tpserve.model.loader import dummy, gguf_file  # noqa: E402
 from tpserve.model.loader.build import build_model  # noqa: E402
-from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
+from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint  # noqa: E402
 from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
 from tpserve.model.quant.fp8 import FP8, FP8_MAX  # noqa: E402
 from tpserve.parallel.comm import Communicator  # noqa: E402
@@ -108,8 +113,21 @@ def block_tensors(name: str, w: torch.Tensor, block: tuple[int, int]
             name + "_scale_inv": scale.cpu()}
 
 
+def embedded_weights(shape: str):
+    """The embedded SmolLM2 GGUF's tensors by Hugging Face name (its config must be the
+    ``shape``'s: the checkpoint's ``config.json`` is written from the shape)."""
+    path = embedded_model_path()
+    reader = gguf_file.open_reader(path)
+    cfg = gguf_file.read_config(reader, path)
+    want = dummy.shape_config(shape)
+    if (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) != (
+            want.hidden_size, want.num_hidden_layers, want.vocab_size):
+        raise SystemExit(f"the embedded model is not --shape {shape}")
+    return gguf_file.iter_weights(reader, cfg)
+
+
 def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | None,
-          out: Path, block: tuple[int, int] | None = None) -> dict:
+          out: Path, block: tuple[int, int] | None = None, embedded: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg = dummy.shape_config(shape)
     shard: dict[str, torch.Tensor] = {}
@@ -123,11 +141,12 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | 
         weight_map.update(dict.fromkeys(shard, fname))
         shard, size = {}, 0
 
-    for name, source in dummy.iter_weights(cfg, seed, device):
-        w = source.read()
+    weights = embedded_weights(shape) if embedded else dummy.iter_weights(cfg, seed, device)
+    for name, source in weights:
+        w = source.read().to(device)
         proj = name.rsplit(".", 2)[-2]
         if not (proj in INPUT_OF and name.endswith(".weight")):
-            part = {name: w.to(torch.bfloat16).cpu()}
+            part = {name: (w if embedded else w.to(torch.bfloat16)).contiguous().cpu()}
         elif block is not None:
             part = block_tensors(name, w, block)
         else:
@@ -141,7 +160,7 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | 
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     config = dummy.shape_hf_config(shape)
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = "float32" if embedded else "bfloat16"
     config["quantization_config"] = {"quant_method": "fp8",
                                      "activation_scheme": "dynamic" if block else "static",
                                      "ignored_layers": ["lm_head"]}
@@ -160,7 +179,11 @@ def main() -> None:
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--block", type=int, nargs=2, metavar=("BN", "BK"), default=None,
                    help="block-wise weight scales instead of static activation scales")
+    p.add_argument("--weights", choices=["dummy", "embedded"], default="dummy",
+                   help="embedded: the embedded SmolLM2's real weights (with --block)")
     a = p.parse_args()
+    if a.weights == "embedded" and a.block is None:
+        p.error("--weights embedded writes block-wise checkpoints only (give --block)")
     device = torch.device(a.device)
     amax = None
     t1 = time.perf_counter()
@@ -170,7 +193,7 @@ def main() -> None:
               f"input amax {min(amax.values()):.3g} .. {max(amax.values()):.3g}", flush=True)
         t1 = time.perf_counter()
     info = write(a.shape, a.seed, device, amax, a.out, None if a.block is None
-                 else tuple(a.block))
+                 else tuple(a.block), a.weights == "embedded")
     print(f"wrote {len(info['files'])} files, {info['bytes'] / 2**30:.2f} GiB, to {a.out} in "
           f"{time.perf_counter() - t1:.1f} s", flush=True)
 
