@@ -47,6 +47,19 @@ engine_mode() {
     > "$dir/engine-$mode.log" 2>&1
   grep -E "weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$mode.log" | cut -c1-1000
 }
+# checkpoint_run DIR NAME TREE SHA CKPT [PROFILE_STEPS]: bench_engine.py --serving-only on the
+# FP8 checkpoint folder CKPT (fp8 KV cache), run in the copy of the tree TREE, with
+# --profile-serving PROFILE_STEPS when given, into DIR/engine-NAME.*
+checkpoint_run() {
+  local dir=$1 name=$2 tree=$3 sha=$4 ckpt=$5 prof=()
+  [ "${6:-0}" -gt 0 ] && prof=(--profile-serving "$6")
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
+    --serving-only --model "$ckpt" --load-format safetensors \
+    --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
+    --git-commit "$sha" "${prof[@]}" > "$dir/engine-$name.log" 2>&1)
+  grep -E "linear layers|weights .* GiB|batch-1|serving:|GPU while|serving profile" \
+    "$dir/engine-$name.log" | cut -c1-1000
+}
 # alternate DIR REPS SPEC...: an A/B of fp8 weights + KV serving (engine_mode "both", no
 # profile), REPS rounds of the SPECs in order; SPEC is NAME:TREE:SHA, TREE the copy of the
 # tree the run starts in ("." this one), into DIR/engine-both_NAME-ROUND.*

@@ -16,17 +16,10 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests serving" "${@:3}"
-# static_run DIR NAME TREE SHA [CKPT [PROFILE_STEPS]]: bench_engine.py --serving-only on the
-# static (or CKPT) checkpoint, with --profile-serving PROFILE_STEPS when given
+# static_run DIR NAME TREE SHA [CKPT [PROFILE_STEPS]]: checkpoint_run on the static (or
+# CKPT) checkpoint
 static_run() {
-  local dir=$1 name=$2 tree=$3 sha=$4 ckpt=${5:-/tmp/llama3-8b-fp8-static} prof=()
-  [ "${6:-0}" -gt 0 ] && prof=(--profile-serving "$6")
-  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
-    --serving-only --model "$ckpt" --load-format safetensors \
-    --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
-    --git-commit "$sha" "${prof[@]}" > "$dir/engine-$name.log" 2>&1)
-  grep -E "linear layers|weights .* GiB|batch-1|serving:|serving profile" "$dir/engine-$name.log" \
-    | cut -c1-1000
+  checkpoint_run "$1" "$2" "$3" "$4" "${5:-/tmp/llama3-8b-fp8-static}" "${6:-0}"
 }
 if has tests; then
   step "fp8 fused, quantizer, W8A8 and checkpoint tests"

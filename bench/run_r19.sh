@@ -14,16 +14,9 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "tests gemm block" "${@:3}"
-# serve DIR NAME TREE SHA [PROFILE_STEPS]: bench_engine.py --serving-only on the block checkpoint
+# serve DIR NAME TREE SHA [PROFILE_STEPS]: checkpoint_run on the block-wise checkpoint
 serve() {
-  local dir=$1 name=$2 tree=$3 sha=$4 prof=()
-  [ "${5:-0}" -gt 0 ] && prof=(--profile-serving "$5")
-  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/bench_engine.py \
-    --serving-only --model /tmp/llama3-8b-fp8-block --load-format safetensors \
-    --quantization fp8 --kv-cache-dtype fp8 --out "$dir/engine-$name.json" \
-    --git-commit "$sha" "${prof[@]}" > "$dir/engine-$name.log" 2>&1)
-  grep -E "linear layers|weights .* GiB|batch-1|serving:|GPU while|serving profile" \
-    "$dir/engine-$name.log" | cut -c1-700
+  checkpoint_run "$1" "$2" "$3" "$4" /tmp/llama3-8b-fp8-block "${5:-0}"
 }
 if has tests; then
   step "block-wise, weight-only and W8A8 kernel tests"
