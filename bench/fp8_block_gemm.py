@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_gemm import SHAPES, copies_for, graph_us  # noqa: E402  (bench/fp8_gemm.py)
+from make_fp8_checkpoint import block_tensors  # noqa: E402  (bench/make_fp8_checkpoint.py)
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.kernels import triton_fp8_block, triton_fp8_quant  # noqa: E402
@@ -124,11 +125,9 @@ def main() -> None:
         g = torch.Generator(device=dev).manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
         cq, cs = quantize_per_row(w)
-        # block scales: each [128, 128] block's amax / 448 (as make_fp8_checkpoint.py)
-        blocks = w.float().view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3))
-        bs = (blocks / 448.0).clamp(min=1e-12)
-        bq = (w.float() / bs.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(
-            torch.float8_e4m3fn)
+        # block scales: each [128, 128] block's amax / 448, as the bench checkpoints have them
+        stored = block_tensors("w", w, BLOCK)
+        bq, bs = stored["w"].to(dev), stored["w_scale_inv"].to(dev)
         nc = copies_for(n * k, a.rotate_mib, a.calls)
         c_layers = [Layer(cq.clone(), cs.view(-1).clone()) for _ in range(nc)]
         b_layers = [Layer(bq.clone(), bs.clone(), 128) for _ in range(nc)]
