@@ -17,7 +17,8 @@ Each variant's max |difference| from the Triton block GEMM is recorded; an error
 kernel) is recorded as the error's first line. ``--sweep``: at ``SWEEP_M`` also the Triton
 block GEMM alone (activations quantized beforehand, as the norms and the SiLU gate hand
 them over) with its default launch (``sweep_default``) and each of ``SWEEP_LAUNCHES``
-(``BlockLaunch`` strings: rows, columns, split, warps, stages).
+(``BlockLaunch`` strings: rows, columns, split, warps, stages), or of ``--launches`` at
+``--sweep-m``.
 
     python bench/fp8_block_gemm.py --out results/h200-DATE-fp8-block-gemm.json [--sweep]
 """
@@ -79,14 +80,14 @@ def variants_for(x, c_layers, b_layers, channel, block, w8a8: bool) -> dict:
     return out
 
 
-def sweep(x: torch.Tensor, b_layers: list, calls: int, replays: int, want: torch.Tensor
-          ) -> dict:
+def sweep(x: torch.Tensor, b_layers: list, calls: int, replays: int, want: torch.Tensor,
+          launches: list[str]) -> dict:
     """µs and max |difference| of the Triton block GEMM on pre-quantized ``x``: its default
-    launch and each of ``SWEEP_LAUNCHES``."""
+    launch and each of ``launches`` (``BlockLaunch`` strings)."""
     xq, xs = triton_fp8_quant.quantize_per_group(x, BLOCK[1])
     nc = len(b_layers)
     out = {}
-    for spec in ["default", *SWEEP_LAUNCHES]:
+    for spec in ["default", *launches]:
         launch = None if spec == "default" else triton_fp8_block.BlockLaunch.parse(spec)
 
         def make(i, launch=launch):
@@ -109,6 +110,9 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=M_VALUES)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP_LAUNCHES")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=list(SWEEP_M))
+    ap.add_argument("--launches", nargs="+", default=SWEEP_LAUNCHES,
+                    help="the sweep's launches (default SWEEP_LAUNCHES)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--rotate-mib", type=int, default=256)
@@ -145,8 +149,8 @@ def main() -> None:
                                                       a.replays), 2)
                 except (RuntimeError, NotImplementedError) as e:
                     row[key + "_error"] = str(e).splitlines()[0][:300]
-            if a.sweep and m in SWEEP_M:
-                row["sweep"] = sweep(x, b_layers, a.calls, a.replays, want)
+            if a.sweep and m in a.sweep_m:
+                row["sweep"] = sweep(x, b_layers, a.calls, a.replays, want, a.launches)
             print(json.dumps(row), flush=True)
             rows.append(row)
     print_table(rows, a.m)

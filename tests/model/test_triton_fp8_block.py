@@ -103,11 +103,17 @@ def test_block_linear_matches_its_reference(kern, quantize_input, m, n, k, share
 
 
 def test_decode_sizes_split_the_groups_over_programs(kern):
-    """Few output tiles (decode sizes): the K groups go to about one program an SM, at
-    least four groups each; a full grid is not split."""
-    assert kern.tiles(1, 96, 8, 132) == (16, 64, 2)
-    assert kern.tiles(3, 300, 18, 132) == (16, 64, 4)
-    assert kern.tiles(1, 4096, 32, 132) == (16, 64, 2)  # o at M = 1: 64 tiles, 2 splits
+    """Fewer output tiles than SMs (decode sizes): the K groups go to up to three programs
+    an SM, at least eight groups each; a grid of at least one tile an SM is not split."""
+    assert kern.tiles(1, 96, 8, 132) == (16, 64, 1)  # 8 groups: no split
+    assert kern.tiles(3, 300, 18, 132) == (16, 64, 2)
+    assert kern.tiles(1, 4096, 32, 132) == (16, 64, 4)  # o at M = 1: 64 tiles, 4 splits
+    # Llama-3-8B at 64 tokens: qkv 96 tiles, 4 splits; down 64 tiles, 6 splits (of 112
+    # groups); gate_up 224 tiles of 128 columns, not split
+    assert kern.tiles(64, 6144, 32, 132) == (64, 64, 4)
+    assert kern.tiles(64, 4096, 112, 132) == (64, 64, 6)
+    assert kern.tiles(64, 28672, 32, 132) == (64, 128, 1)
+    assert kern.tiles(16, 132 * 64, 64, 132) == (16, 64, 1)  # one tile an SM
     assert kern.tiles(512, 28672, 32, 132) == (128, 128, 1)
 
 

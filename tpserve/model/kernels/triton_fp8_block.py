@@ -101,14 +101,17 @@ class BlockLaunch(NamedTuple):
 def tiles(m: int, n: int, groups: int, sms: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, split)`` for a static ``(M, N)`` and ``groups`` K steps: rows in
     tiles of 16 to 128 (the fewest that hold M), columns in 128 unless the grid would then
-    have fewer programs than ``sms`` (down to 64); then the groups split over about
-    ``sms`` programs, at least four groups each."""
+    have fewer programs than ``sms`` (down to 64). A grid still smaller than ``sms`` splits
+    its groups over up to three programs an SM, at least eight groups each (H200, Llama-3-8B
+    shapes at 40-64 tokens: qkv and o 4 splits, down 6; ``bench/README.md`` round 20)."""
     bm = min(max(16, triton.next_power_of_2(m)), 128)
     bn = 128
     while bn > 64 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
         bn //= 2
     n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return bm, bn, max(1, min(sms // n_tiles, groups // 4))
+    if n_tiles >= sms:
+        return bm, bn, 1
+    return bm, bn, max(1, min(3 * sms // n_tiles, groups // 8))
 
 
 def block_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_rows: int,
