@@ -125,7 +125,7 @@ def test_block_w8a8_is_the_dequantized_model_with_group_quantized_inputs(folders
 def test_block_weight_only_steps_multiply_the_unquantized_input(folders):
     """Steps of at most ``--fp8-weight-only-max-tokens`` (here 32 > 13 tokens): the block-
     dequantized weights times the unquantized activations, exactly."""
-    served, comm, _ = load_as_served(folders["block"], ONE, "fp8")
+    served, comm, _ = load_as_served(folders["block"], ONE, "fp8", weight_only_max_tokens=32)
     deq, deq_comm, _ = load_as_served(folders["block-dequantized"], ONE, "none")
     assert torch.equal(full_logits(served, comm, TOKENS), full_logits(deq, deq_comm, TOKENS))
 

@@ -265,8 +265,9 @@ def test_gate_up_gemv_with_silu_declines_where_no_gemv_runs(kern):
 
 def test_merged_layer_gates_in_one_kernel_or_falls_back_identically(kern):
     """``MergedColumnParallelLinear.forward_silu_mul`` with the Triton fp8 method: at M = 1
-    the fused kernel, at M = 5 the matmul then the separate gate; both equal the torch
-    reference's ``silu_and_mul(layer(x))`` (float32, summation order aside)."""
+    the fused kernel, at M = 5 (weight-only up to 32 tokens here) the matmul then the
+    separate gate; both equal the torch reference's ``silu_and_mul(layer(x))`` (float32,
+    summation order aside)."""
     from tpserve.model.quant.fp8 import Fp8LinearMethod
     from tpserve.parallel.comm import Communicator
     from tpserve.parallel.linear import MergedColumnParallelLinear
@@ -281,7 +282,8 @@ def test_merged_layer_gates_in_one_kernel_or_falls_back_identically(kern):
     outs = {}
     for backend in ("torch", "triton"):
         layer = MergedColumnParallelLinear(64, [24, 24], comm, dtype=torch.float32,
-                                           quant_method=Fp8LinearMethod(backend))
+                                           quant_method=Fp8LinearMethod(
+                                               backend, weight_only_max_tokens=32))
         layer.weight.data.copy_(w)
         layer.process_weights_after_loading()
         layer.to(DEVICE)

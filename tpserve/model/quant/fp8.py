@@ -54,10 +54,14 @@ WEIGHT_SCALE_CANDIDATES = 8
 SEARCH_ROWS = 2048
 # float32(1 / 448), correctly rounded (exact as a Python float)
 INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
-# the graph-timed sweep on an H200 (bench/fp8_gemm.py, llama3-8b shapes, summed over qkv, o,
-# gate_up, down): weight-only 97 us vs W8A8 130 us (bf16 118) at M = 16, 123 vs 129 (bf16 127)
-# at M = 32, 187 vs 123 at M = 64
-DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 32
+# Decode steps of more than this many tokens take W8A8. The graph-timed sweep on an H200
+# (bench/fp8_gemm.py, llama3-8b shapes, a layer's four products; bench/README.md round 20):
+# the Triton W8A8 kernel (activations quantized by their producers) 68.6-69.8 us at
+# M = 4-32 against weight-only 96.1-122.7; at M = 2 the weight-only GEMV takes 89.3, at
+# M = 1 63.1 (the W8A8 kernel ~68.6). Serving at concurrency 32: 5,209.1 / 5,205.0 out
+# tok/s with this 1 against 4,483.7 / 4,448.7 with the 32 of rounds 3-19 (cuBLAS's W8A8,
+# which the Triton kernel replaced up to 64 tokens, was slower than weight-only up to 32).
+DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 1
 # W8A8 steps up to this many tokens take the Triton split-K kernel, larger ones _scaled_mm
 # (H200, 1ca1fb8, a llama3-8b layer's four GEMMs: 81.8 against 109.9 us at M = 64; from
 # M = 128 cuBLAS was as fast or faster on every shape but down)
@@ -69,6 +73,11 @@ W8A8_TRITON_MAX_TOKENS = 64
 # (bench/results/h200-2026-12-02-r6a-*). The Triton W8A8 kernel (decode steps) follows the
 # same flag; the weight-only kernels widen fp8 to 16 bits and always sum in float32.
 DEFAULT_FAST_ACCUM = True
+
+
+def tokens(n: int) -> str:
+    """``"1 token"``, ``"32 tokens"`` (start-up lines)."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 class Fp8Activation(NamedTuple):
@@ -267,7 +276,7 @@ class Fp8LinearMethod:
     def describe_products(self) -> str:
         """Which products the W8A8 steps take (for the start-up log, with ``scaled_mm``)."""
         sums = "fast accumulation" if self.fast_accum else "sums promoted to float32"
-        return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (cuBLAS's "
+        return (f"fp8 x fp8 products above {tokens(self.weight_only_max_tokens)} (cuBLAS's "
                 f"above {self.w8a8_triton_max_tokens}: {sums})")
 
     def input_scale(self, layer: nn.Module) -> torch.Tensor | None:

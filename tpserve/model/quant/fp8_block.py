@@ -50,6 +50,7 @@ from tpserve.model.quant.fp8 import (
     Fp8Activation,
     dequantize,
     quantize_per_row,
+    tokens,
 )
 from tpserve.model.quant.fp8_checkpoint import (
     Fp8CheckpointMethod,
@@ -238,7 +239,7 @@ class Fp8BlockMethod(Fp8CheckpointMethod):
     def describe_products(self) -> str:
         cublas = (f"; cuBLAS's block scaling above {self.w8a8_triton_max_tokens}"
                   if self.block_mm else "")
-        return (f"fp8 x fp8 products above {self.weight_only_max_tokens} tokens (the Triton "
+        return (f"fp8 x fp8 products above {tokens(self.weight_only_max_tokens)} (the Triton "
                 f"block-scaled GEMM{cublas}, activations per token and {self.block[1]} "
                 "columns)")
 
