@@ -5,10 +5,11 @@ weight copies of >= 256 MiB, the median of ``--replays`` replays).
 For each shape (qkv, o, gate_up, down) and M, the product as the served layer takes it,
 activation quantization included:
 - ``channel``: ``--quantization fp8`` (``Fp8LinearMethod``, per-channel weight scales);
-- ``block``: a ``[128, 128]`` block-wise checkpoint's layer as served (``Fp8BlockMethod``:
-  the tuned weight-only launches with block scales up to 32 tokens, the Triton block GEMM
-  up to 64, cuBLAS's block scaling above where ``block_mm_supported``);
-- ``block_kernel``: the Triton block GEMM at every M (weight-only up to 32 tokens), as
+- ``block``: a ``[128, 128]`` block-wise checkpoint's layer as served (``Fp8BlockMethod``
+  at the default ``--fp8-weight-only-max-tokens``: the tuned weight-only launches with
+  block scales up to it, the Triton block GEMM up to 64 tokens, cuBLAS's block scaling
+  above where ``block_mm_supported``);
+- ``block_kernel``: the Triton block GEMM at every M (weight-only up to the default), as
   served before round 19;
 - ``cublas_block`` (M > 32): the group quantizer, then ``cublas_block_product``
   (``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` activations and

@@ -66,8 +66,9 @@ def weight_only_blocks(m: int, n: int, k: int) -> WoConfig:
     (89.3 against 96.9 us); M = 3..16 a 16-row dot over 32 x 256 tiles, three stages of
     cp.async pipelining, K split to two programs per SM (90fc4f7: the single best launch at
     every shape there; the GEMV rereads the weight per row and loses from M = 4);
-    M = 17..32 a 32 x 64 x 128 dot. Larger M (only with a raised
-    ``--fp8-weight-only-max-tokens``; W8A8 is faster there) a 64 x 64 x 128 dot."""
+    M = 17..32 a 32 x 64 x 128 dot. Larger M a 64 x 64 x 128 dot. Above M = 1 these run
+    only with a raised ``--fp8-weight-only-max-tokens`` (per-channel W8A8 is faster there,
+    ``quant.fp8.DEFAULT_WEIGHT_ONLY_MAX_TOKENS``)."""
     if m == 1:
         return WoConfig("gemvre", 1, 4, 2048, 0, 4)
     if m == 2:
