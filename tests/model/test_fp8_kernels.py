@@ -297,6 +297,19 @@ def test_merged_layer_gates_in_one_kernel_or_falls_back_identically(kern):
         torch.testing.assert_close(outs["triton", m], outs["torch", m], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("m", [1, 2, 32])
+def test_by_default_only_one_token_steps_are_weight_only(m):
+    """``--fp8-weight-only-max-tokens`` defaults to 1: a 1-token step multiplies the
+    unquantized activations by the fp8 weights, a step of 2 or more tokens quantizes them
+    per token (W8A8); the torch path, bit for bit its references."""
+    x = _rows(m, 64, torch.float32, 4).cpu()
+    wq, ws = (t.cpu() for t in _weight(32, 64, 5))
+    y = Fp8LinearMethod("torch").matmul(x, wq, ws, None)
+    want = (reference_weight_only if m == 1 else reference_w8a8)(x, wq, ws, None)
+    other = (reference_w8a8 if m == 1 else reference_weight_only)(x, wq, ws, None)
+    assert torch.equal(y, want) and not torch.equal(y, other)
+
+
 @pytest.mark.parametrize("m", [1, 8, 40])
 def test_fp8_method_chooses_by_static_m_and_matches_its_reference(kern, m):
     """The Triton method at M below and above its weight-only bound equals the torch

@@ -57,10 +57,11 @@ INV_FP8_MAX = (torch.tensor(1.0, dtype=torch.float32) / FP8_MAX).item()
 # Decode steps of more than this many tokens take W8A8. The graph-timed sweep on an H200
 # (bench/fp8_gemm.py, llama3-8b shapes, a layer's four products; bench/README.md round 20):
 # the Triton W8A8 kernel (activations quantized by their producers) 68.6-69.8 us at
-# M = 4-32 against weight-only 96.1-122.7; at M = 2 the weight-only GEMV takes 89.3, at
-# M = 1 63.1 (the W8A8 kernel ~68.6). Serving at concurrency 32: 5,209.1 / 5,205.0 out
-# tok/s with this 1 against 4,483.7 / 4,448.7 with the 32 of rounds 3-19 (cuBLAS's W8A8,
-# which the Triton kernel replaced up to 64 tokens, was slower than weight-only up to 32).
+# M = 4-32 against weight-only 96.1-122.7; the served layer at M = 2 81.6 (W8A8, its
+# quantizer included) against 89.3 (the weight-only GEMV); at M = 1 the GEMV's 62.3 stays.
+# Serving at concurrency 2 / 8 / 16 / 32: 563 / 1,975 / 3,357 / 5,209 out tok/s against
+# 509 / 1,726 / 3,020 / 4,484 with the 32 of rounds 3-19 (chosen when W8A8 meant cuBLAS,
+# slower than weight-only up to 32 tokens; the Triton kernel replaced it up to 64).
 DEFAULT_WEIGHT_ONLY_MAX_TOKENS = 1
 # W8A8 steps up to this many tokens take the Triton split-K kernel, larger ones _scaled_mm
 # (H200, 1ca1fb8, a llama3-8b layer's four GEMMs: 81.8 against 109.9 us at M = 64; from
