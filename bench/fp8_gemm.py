@@ -76,10 +76,10 @@ GEMV_CANDIDATES = [
     "gemvre,1,8,512,0,2", "gemvre,1,16,256,0,2", "gemvre,1,64,256,0,8"]
 
 
-def w8a8_candidates_for(m: int) -> list[str]:
+def w8a8_candidates_for(m: int, specs: list[str] | None = None) -> list[str]:
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
     out = []
-    for spec in W8A8_CANDIDATES:
+    for spec in W8A8_CANDIDATES if specs is None else specs:
         name = spec.replace(",M,", f",{bm},")
         if name not in out:
             out.append(name)
@@ -147,6 +147,9 @@ def main() -> None:
     ap.add_argument("--sweep-sets", nargs="+", default=["tiled", "gemv"],
                     choices=["tiled", "gemv", "w8a8"], help="which candidate lists --sweep times")
     ap.add_argument("--wo", nargs="*", default=[], help="extra weight-only launches to time")
+    ap.add_argument("--w8a8", nargs="*", default=[],
+                    help="extra Triton W8A8 launches to time with fast accumulation, at every M "
+                         "(\"w8a8,BM,BN,BK,SPLIT,WARPS,STAGES\"; BM \"M\": as W8A8_CANDIDATES)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--rotate-mib", type=int, default=256)
@@ -235,6 +238,9 @@ def main() -> None:
                 for spec in w8a8_candidates_for(m):
                     variants[f"w8a8[{spec}]"] = (w8a8(spec), b8)
                     variants[f"w8a8_fast[{spec}]"] = (w8a8(spec, True), b8)
+            for spec in a.w8a8:
+                for name_m in w8a8_candidates_for(m, [spec]):
+                    variants[f"w8a8_fast[{name_m}]"] = (w8a8(name_m, True), b8)
             row = {"shape": name, "m": m, "n": n, "k": k,
                    "default_config": ",".join(map(str, triton_fp8.weight_only_blocks(m, n, k))),
                    "w8a8_config": ",".join(map(str, triton_w8a8.w8a8_blocks(m, n, k))),
