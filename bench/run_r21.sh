@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Round 21 (issue 15) on the GPU machine: the per-channel Triton W8A8 kernel's K split at the
 # decode buckets (2-64 tokens).
-#   bash bench/run_r21.sh OUT SHA [PART...]   parts: sweep tests ab (default: sweep)
+#   bash bench/run_r21.sh OUT SHA [PART...]   parts: sweep tests ab caps (default: sweep)
 # sweep: bench/fp8_gemm.py at M = 2 8 16 32 48 64 with the table launches and every launch of
 # SPLITS (fast accumulation, as served), compiled first by 8 processes. tests: the GPU tests
 # of the W8A8 and fp8 kernels and the CUDA-graph path. ab: fp8 weights + KV serving at
 # concurrency C (default 64; 10 x C prompts), AB_ROUNDS rounds (default 2) alternating this
 # tree and a copy with .whl/r21.patch reversed (carry it: `git diff BASE HEAD -- tpserve`).
+# caps: fp8 weights + KV serving at concurrency C with each step budget while sequences
+# decode in CAPS (default "512 1024 2048 8192 512"; a cap above 512 also captures graphs up
+# to it when GRAPHS=1), one run each, in that order.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 round_start "$1" "$2" "sweep" "${@:3}"
@@ -56,6 +59,26 @@ if has ab; then
         --git-commit "$2-$name" > "$out/engine-c$c-$name-$i.log" 2>&1)
       grep -E "batch-1|serving:|GPU while" "$out/engine-c$c-$name-$i.log" | cut -c1-400
     done
+  done
+fi
+if has caps; then
+  c=${C:-64}
+  for cap in ${CAPS:-512 1024 2048 8192 512}; do
+    g=(); [ "${GRAPHS:-0}" = 1 ] && [ "$cap" -le 2048 ] && g=(--cuda-graph-max-tokens "$cap")
+    step "serving c=$c, step budget $cap while decoding ${g[*]}"
+    timeout 150 python3 bench/bench_engine.py --serving-only --quantization fp8 \
+      --kv-cache-dtype fp8 --concurrency "$c" --num-prompts $((10 * c)) \
+      --max-mixed-tokens "$cap" "${g[@]}" --out "$out/engine-c$c-cap$cap${g:+g}-$SECONDS.json" \
+      --git-commit "$2" > "$out/engine-c$c-cap$cap${g:+g}-$SECONDS.log" 2>&1
+    f=$(ls -t "$out"/engine-c$c-cap$cap*.log | head -1)
+    grep -E "batch-1|serving:|GPU while" "$f" | cut -c1-400
+    python3 - "${f%.log}.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1])).get("serving", {})
+print("  steps", s.get("steps"), s.get("step_tokens", {}).get("steps_per_bucket"),
+      "ttft p50/p99", s.get("ttft_ms", {}).get("p50"), s.get("ttft_ms", {}).get("p99"),
+      "itl p99", s.get("itl_ms", {}).get("p99"), "J/tok", s.get("joules_per_output_token"))
+PY
   done
 fi
 round_pack
