@@ -202,3 +202,39 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap):
             runner.store_sampled(torch.arange(11, 11 + logits.shape[0], device=dev))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+def test_a_step_that_scores_its_prompt_runs_eagerly_on_the_gpu():
+    """A prefill whose rows score the prompt (``SeqChunk.prompt_targets``) would fit a
+    mixed graph, which computes only the sampled row's logits: the runner runs it eagerly,
+    and each scored row equals the log-softmax of the logits a prefill ending there samples
+    from (bf16, so within bf16's rounding); the step's own sampled logits are unchanged."""
+    from tpserve.model.plan import StepLimits
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.parallel.state import TPGroup
+
+    dev = torch.device("cuda", 0)
+    cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
+                       device="cuda", kernel_backend="triton", kv_cache_memory=64 * 2**20,
+                       cuda_graph_max_tokens=128)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                        block_size=16)
+    runner = ModelRunner(cfg, limits, TPGroup(0, 1, dev, None))
+    a = list(range(5, 45))
+    scored = StepPlan.build([SeqChunk(a, 0, [0, 1, 2], True, -1, tuple(a[1:]))], 16,
+                            runner.attn)
+    plain = StepPlan.build([SeqChunk(a, 0, [3, 4, 5], True)], 16, runner.attn)
+    assert runner.graphs.select(scored) == (MIXED, 64)
+    got_logits = runner.execute(scored).float()
+    got = runner.prompt_logprobs.to_host()
+    assert got.logprobs.shape == (39,) and got.top_ids.shape == (39, 20)
+    torch.testing.assert_close(got_logits, runner.execute(plain).float(), atol=3e-2, rtol=0)
+    assert runner.prompt_logprobs is None  # a plain step clears them
+    for i in (0, 7, 20, 38):
+        ref = runner.execute(StepPlan.build([SeqChunk(a[:i + 1], 0, [6, 7, 8], True)], 16,
+                                            runner.attn))
+        lp = torch.log_softmax(ref.float()[0], -1).cpu()
+        assert abs(got.logprobs[i].item() - lp[a[i + 1]].item()) < 5e-2, i
+        assert abs(got.top_logprobs[i, 0].item() - lp.max().item()) < 5e-2, i

@@ -79,3 +79,69 @@ def test_logit_bias(server, client):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
                                   logit_bias={"49152": 1})
     assert info.value.body["param"] == "logit_bias"
+
+
+# ------------------------------------------------------------------ echo (prompt logprobs)
+ECHO_PROMPT = "The capital of France is Paris, and the capital of Italy is Rome."
+
+
+def test_echo_scores_the_prompt_as_generation_scores_its_next_token(server, client):
+    """``echo`` + ``logprobs`` + ``max_tokens: 0`` (lm-eval's loglikelihood request): the
+    prompt comes back as the text with one entry per prompt token, the first unscored; each
+    later entry equals what a generation request over the tokens before it reports for
+    that token among its top 5."""
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": ECHO_PROMPT},
+                     timeout=60).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=5,
+                                  max_tokens=0, temperature=0)
+    c = r.choices[0]
+    assert c.text == ECHO_PROMPT and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    checked = 0
+    for i in range(1, len(ids)):
+        gen = client.completions.create(model=MODEL, prompt=ids[:i], max_tokens=1,
+                                        logprobs=5, temperature=0).choices[0].logprobs
+        top = gen.top_logprobs[0]
+        # legacy top_logprobs hold the scored token itself beside the top 5
+        assert set(lp.top_logprobs[i]) == set(top) | {lp.tokens[i]}, i
+        if lp.tokens[i] in top:
+            assert abs(top[lp.tokens[i]] - lp.token_logprobs[i]) < 1e-3, i
+            checked += 1
+    assert checked >= len(ids) // 2  # a trained model ranks most of its text's tokens high
+
+
+def test_echo_then_generation(client):
+    plain = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=4,
+                                      logprobs=1, temperature=0, n=1).choices[0]
+    r = client.completions.create(model=MODEL, prompt=[ECHO_PROMPT, "1, 2, 3,"], echo=True,
+                                  logprobs=1, max_tokens=4, temperature=0, n=2)
+    assert len(r.choices) == 4
+    assert [c.text for c in r.choices[:2]] == [ECHO_PROMPT + plain.text] * 2
+    assert all(c.text.startswith("1, 2, 3,") for c in r.choices[2:])
+    lp = r.choices[0].logprobs
+    assert lp.tokens[-4:] == plain.logprobs.tokens
+    assert lp.token_logprobs[-4:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset[-4] == len(ECHO_PROMPT)
+    # without logprobs only the text is echoed
+    bare = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True,
+                                     max_tokens=4, temperature=0).choices[0]
+    assert bare.text == ECHO_PROMPT + plain.text and bare.logprobs is None
+
+
+def test_echo_streams_the_prompt_first(client):
+    whole = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=1,
+                                      max_tokens=3, temperature=0).choices[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True,
+                                            logprobs=1, max_tokens=3, temperature=0,
+                                            stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == ECHO_PROMPT
+    assert first.logprobs.tokens == whole.logprobs.tokens[:len(first.logprobs.tokens)]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.text
+    only = list(client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True,
+                                          max_tokens=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in only if ch.choices) == ECHO_PROMPT

@@ -55,7 +55,9 @@ def _smol_answers(base: str) -> list[str]:
 
 
 def _tiny_answers(base: str) -> list[tuple[str, list[str], list[float]]]:
-    """Greedy text, token strings and their logprobs of the tiny model (16 tokens each)."""
+    """Greedy text, token strings and their logprobs of the tiny model (16 tokens each),
+    then the second prompt echoed and scored (prompt logprobs: the vocab-parallel head's
+    all-gather on every rank for the scored rows)."""
     c = _client(base)
     out = []
     for p in TOKEN_PROMPTS:
@@ -63,6 +65,10 @@ def _tiny_answers(base: str) -> list[tuple[str, list[str], list[float]]]:
                                  logprobs=1, extra_body={"ignore_eos": True}).choices[0]
         assert r.finish_reason == "length" and len(r.logprobs.tokens) == 16
         out.append((r.text, r.logprobs.tokens, r.logprobs.token_logprobs))
+    r = c.completions.create(model="tiny", prompt=TOKEN_PROMPTS[1], max_tokens=0, echo=True,
+                             logprobs=2).choices[0]
+    assert len(r.logprobs.tokens) == len(TOKEN_PROMPTS[1])
+    out.append((r.text, r.logprobs.tokens, r.logprobs.token_logprobs[1:]))
     return out
 
 

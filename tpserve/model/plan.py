@@ -14,7 +14,7 @@ import torch
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 
-HEADER_LEN = 10
+HEADER_LEN = 11
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
 # rank 0 asks for every rank's allocator figures: each rank answers with one all-gather
@@ -47,13 +47,16 @@ class SeqChunk:
     tokens; ``sample`` asks for logits of its last new token. ``pending_src >= 0`` says the
     last new token is not known on the host yet: it is row ``pending_src`` of the previous
     step's sampled tokens, which every rank fills in on the device (``token_ids[-1]`` is a
-    placeholder)."""
+    placeholder). ``prompt_targets`` (prompt log-probabilities): the prompt tokens that
+    follow this chunk's first ``len(prompt_targets)`` tokens, whose log-probabilities under
+    those rows' logits the step computes (``StepPlan.prompt_rows``)."""
 
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]
     sample: bool
     pending_src: int = -1
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -71,6 +74,9 @@ class StepPlan:
     attn_extra: torch.Tensor      # int64 [N]: the attention back-end's own (plan_extra)
     pending_rows: torch.Tensor    # int64 [P]: input_ids rows to fill on the device ...
     pending_src: torch.Tensor     # int64 [P]: ... from these rows of the last sampled tokens
+    # prompt log-probabilities: rows whose logits score the next prompt token, and that token
+    prompt_rows: torch.Tensor     # int64 [R]
+    prompt_targets: torch.Tensor  # int64 [R]
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, attn: AttentionBackend
@@ -78,7 +84,7 @@ class StepPlan:
         """Chunks must come decodes first (single-token chunks of running sequences);
         ``attn`` adds what its kernels need beyond the common tensors."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
-        pend_rows, pend_src = [], []
+        pend_rows, pend_src, prompt_rows, prompt_targets = [], [], [], []
         num_decodes = 0
         for c in chunks:
             n = len(c.token_ids)
@@ -87,6 +93,10 @@ class StepPlan:
             ids.extend(c.token_ids)
             p = range(c.num_computed, c.num_computed + n)
             pos.extend(p)
+            if len(c.prompt_targets) > n:
+                raise ValueError(f"{len(c.prompt_targets)} prompt targets for {n} tokens")
+            prompt_rows.extend(range(qsl[-1], qsl[-1] + len(c.prompt_targets)))
+            prompt_targets.extend(c.prompt_targets)
             slots.extend(c.block_ids[i // block_size] * block_size + i % block_size for i in p)
             qsl.append(qsl[-1] + n)
             lens.append(c.num_computed + n)
@@ -107,7 +117,8 @@ class StepPlan:
             torch.tensor(sample_idx, dtype=i64), num_decodes,
             max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0),
             torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
-            torch.tensor(pend_src, dtype=i64))
+            torch.tensor(pend_src, dtype=i64), torch.tensor(prompt_rows, dtype=i64),
+            torch.tensor(prompt_targets, dtype=i64))
 
     @property
     def num_tokens(self) -> int:
@@ -118,26 +129,28 @@ class StepPlan:
         b, m = self.block_tables.shape
         header = torch.tensor([CMD_STEP, self.num_tokens, b, m, self.logits_indices.shape[0],
                                self.num_decodes, self.max_query_len, self.max_seq_len,
-                               self.attn_extra.shape[0], self.pending_rows.shape[0]],
-                              dtype=torch.int64)
+                               self.attn_extra.shape[0], self.pending_rows.shape[0],
+                               self.prompt_rows.shape[0]], dtype=torch.int64)
         payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
                              self.query_start_loc.long(), self.seq_lens.long(),
                              self.block_tables.flatten().long(), self.logits_indices,
-                             self.attn_extra, self.pending_rows, self.pending_src])
+                             self.attn_extra, self.pending_rows, self.pending_src,
+                             self.prompt_rows, self.prompt_targets])
         return header, payload
 
     @staticmethod
     def payload_sizes(tokens: int, seqs: int, blocks_per_seq: int, sampled: int, extra: int,
-                      pending: int) -> list[int]:
+                      pending: int, prompt: int) -> list[int]:
         """The payload's parts in order (see ``pack``); their sum bounds the receive
         buffer when the arguments are the largest a step can have."""
         t, b = tokens, seqs
-        return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, extra, pending, pending]
+        return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, extra, pending, pending,
+                prompt, prompt]
 
     @staticmethod
     def _sizes(header: list[int]) -> list[int]:
-        _, t, b, m, s, _, _, _, n, p = header
-        return StepPlan.payload_sizes(t, b, m, s, n, p)
+        _, t, b, m, s, _, _, _, n, p, r = header
+        return StepPlan.payload_sizes(t, b, m, s, n, p, r)
 
     @staticmethod
     def payload_len(header: torch.Tensor) -> int:
@@ -151,11 +164,11 @@ class StepPlan:
         parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
                    parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7],
-                   parts[8], parts[9])
+                   parts[8], parts[9], parts[10], parts[11])
 
     _TENSORS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_tables", "logits_indices", "attn_extra", "pending_rows",
-                "pending_src")
+                "pending_src", "prompt_rows", "prompt_targets")
 
     def to(self, device: torch.device) -> StepPlan:
         move = {k: getattr(self, k).to(device, non_blocking=True) for k in self._TENSORS}

@@ -57,8 +57,10 @@ from tpserve.model.plan import (
     StepLimits,
     StepPlan,
 )
+from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
+from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
@@ -89,6 +91,9 @@ class ModelRunner:
         self.device = device = group.device
         self.fault = fault_from_env(group.rank)  # test hook, parsed once; None when off
         self.steps = 0
+        # rank 0: the prompt log-probabilities of the last step run (None when its plan
+        # scored no prompt rows); every run replaces them (see model/prompt_logprobs.py)
+        self.prompt_logprobs: PromptLogprobs | None = None
         t0 = time.monotonic()
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
@@ -128,7 +133,7 @@ class ModelRunner:
         t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.max_payload = sum(StepPlan.payload_sizes(
             t, b, self.max_blocks_per_seq, sampled=b, extra=self.attn.max_plan_extra(t, b),
-            pending=b))
+            pending=b, prompt=t))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
         # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
@@ -426,11 +431,18 @@ class ModelRunner:
             self.fault.fire(self.steps)
         if plan.pending_rows.shape[0]:
             plan.input_ids[plan.pending_rows] = self.sampled_buf[plan.pending_src]
-        if self.graphs is not None and self.graphs.can_run(plan):
+        self.prompt_logprobs = None
+        scored = plan.prompt_rows.shape[0] > 0
+        if not scored and self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                             plan.metadata(self.attn))
-        return self.model.compute_logits(hidden[plan.logits_indices])
+        logits = self.model.compute_logits(hidden[plan.logits_indices])
+        if scored:
+            self.prompt_logprobs = score_prompt_rows(
+                self.model.compute_logits, hidden, plan.prompt_rows, plan.prompt_targets,
+                self.limits.max_num_seqs, SamplingParams.MAX_LOGPROBS, self.comm.rank == 0)
+        return logits
 
 
 def run_worker(rank: int, world_size: int, init_method: str, cfg: RunnerConfig,

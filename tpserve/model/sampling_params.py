@@ -30,7 +30,10 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``logprobs`` is None (no logprobs) or the number of top alternatives to
-    return beside the sampled token's own logprob (0 = only the sampled token).
+    return beside the sampled token's own logprob (0 = only the sampled token);
+    ``prompt_logprobs`` the same for every prompt token after the first (the completions
+    API's ``echo`` with ``logprobs``): the model's raw log-probability of each prompt token
+    given the ones before it, and that many top alternatives.
     """
 
     n: int = 1
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
@@ -88,6 +92,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise bad("prompt_logprobs",
+                      f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

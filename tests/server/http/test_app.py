@@ -375,7 +375,7 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
     ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", ""]}, "prompt"),

@@ -40,6 +40,14 @@ compile futures; this thread only polls them). Invariants:
 - their sequences count in ``num_requests_waiting``, and their queue time runs from the
   request's arrival, so it includes the compile.
 
+Prompt scoring (``SamplingParams.prompt_logprobs``, the completions API's ``echo``): the
+first sibling computes every prompt position itself (``Sequence.scores_prompt``: no
+prefix-cache hits) until its request holds an entry for every prompt token after the
+first; a step's entries are read back when the step is finalized, before its sampled
+tokens, and a repeated position (after preemption) is skipped. The other siblings are
+admitted only after that (``Scheduler._fork_tokens``), so every sibling's first delta
+carries the whole scored prompt.
+
 Out of device memory: a step is launched as one unit (``_launch``: forward, logits, grammar
 bitmask, sampling, the copy of the samples to the host). Nothing outside the engine's own
 bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
@@ -53,7 +61,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,6 +69,7 @@ import torch
 from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.model.prompt_logprobs import PromptLogprobs
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
@@ -69,7 +78,7 @@ from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.oom_recovery import recover_from_oom
-from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
@@ -96,6 +105,10 @@ class _InFlight:
     sample: PendingSample        # host copies, valid once ``event`` completed
     event: Any                   # torch.cuda.Event, or None on CPU
     rows: dict[int, int]         # seq_id -> row, for sequences given a placeholder
+    # prompt scoring: (sequence, first position, rows) per scored chunk, in plan order, and
+    # the runner's result for those rows (still on the device)
+    scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt: PromptLogprobs | None = None
 
 
 class EngineCore:
@@ -264,7 +277,7 @@ class EngineCore:
                     GRAMMAR_WAIT_S)
             return False
         pending = prev.rows if prev is not None else {}
-        chunks, sampling = [], []
+        chunks, sampling, scored = [], [], []
         for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -274,10 +287,16 @@ class EngineCore:
             src = pending.get(seq.seq_id, -1) if sample else -1
             if (src >= 0) != (tokens[-1] == PLACEHOLDER):
                 raise RuntimeError(f"seq {seq.seq_id}: placeholder bookkeeping is broken")
-            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src))
+            targets: tuple[int, ...] = ()
+            if seq.scores_prompt:  # positions whose next token is still in the prompt
+                k = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+                targets = tuple(seq.prompt_token_ids[start + 1:start + 1 + k])
+                if k:
+                    scored.append((seq, start, k))
+            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets))
             if sample:
                 sampling.append(seq)
-        launched = self._launch(chunks, sampling)
+        launched = self._launch(chunks, sampling, scored)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
             return True
@@ -296,7 +315,8 @@ class EngineCore:
             self.block_manager.check_integrity()
         return True
 
-    def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence]) -> _InFlight | None:
+    def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence],
+                scored: list[tuple[Sequence, int, int]]) -> _InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
         sampling, and the copy of the samples to the host. Returns None when any of it ran
         out of device memory at tp 1; the seeded rows' generators are then back where they
@@ -313,6 +333,7 @@ class EngineCore:
                 plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
                                                          self.runner.attn))
             logits = self.runner.run(plan)  # its own "forward" range
+            prompt = self.runner.prompt_logprobs
             bitmask = None
             if any(s.params.structured is not None for s in sampling):
                 # the matchers need the previous step's tokens: read them back now, while
@@ -320,7 +341,9 @@ class EngineCore:
                 self._finish_inflight()
                 bitmask = self._grammar_bitmask(sampling, logits.device)
             with ranges.range("sample"):
-                return self._sample(logits, sampling, generators, bitmask)
+                flight = self._sample(logits, sampling, generators, bitmask)
+            flight.scored, flight.prompt = scored, prompt
+            return flight
         except torch.OutOfMemoryError:
             if not recoverable:
                 raise
@@ -364,7 +387,7 @@ class EngineCore:
         """Reads back the in-flight step's tokens, fills in the placeholders, applies the
         stop rules and emits the deltas. Sequences that ended meanwhile are skipped."""
         flight, self._inflight = self._inflight, None
-        if flight is None or not flight.sampling:
+        if flight is None or not (flight.sampling or flight.scored):
             return
         with self.runner.ranges.range("finalize"):
             self._finalize(flight)
@@ -374,6 +397,10 @@ class EngineCore:
             t = time.perf_counter()
             flight.event.synchronize()
             self.counters["device_wait_seconds_total"] += time.perf_counter() - t
+        if flight.scored:
+            self._collect_prompt(flight)
+        if not flight.sampling:
+            return
         result = flight.sample.resolve()
         touched: dict[str, list[CompletionDelta]] = {}
         for row, seq in enumerate(flight.sampling):
@@ -381,9 +408,13 @@ class EngineCore:
                 continue
             seq.output_token_ids[-1] = result.token_ids[row]
             self.counters["generation_tokens_total"] += 1
-            if seq.first_token_time is None:
+            first = seq.first_token_time is None
+            if first:
                 seq.first_token_time = time.monotonic()
             delta = self._advance(seq, row, result)
+            if delta is not None and first and seq.params.prompt_logprobs is not None:
+                delta = replace(delta, prompt_logprobs=self.requests[
+                    seq.request_id].scored_prompt())
             if delta is not None:
                 touched.setdefault(seq.request_id, []).append(delta)
         for rid, deltas in touched.items():
@@ -394,6 +425,26 @@ class EngineCore:
                 state.done = True
                 del self.requests[rid]
                 state.observe_times(self.histograms)
+
+    def _collect_prompt(self, flight: _InFlight) -> None:
+        """Hands each scored chunk's rows (read back now) to its request."""
+        assert flight.prompt is not None
+        host = flight.prompt.to_host()
+        lps, top_ids, top_lps = (host.logprobs.tolist(), host.top_ids.tolist(),
+                                 host.top_logprobs.tolist())
+        row = 0
+        for seq, start, k in flight.scored:
+            state = self.requests.get(seq.request_id)
+            if state is not None and not seq.is_finished:
+                detok, want = state.detoks[0], seq.params.prompt_logprobs
+                entries = []
+                for r in range(row, row + k):
+                    target = seq.prompt_token_ids[start + 1 + r - row]
+                    pairs = zip(top_ids[r][:want], top_lps[r][:want], strict=True)
+                    top = tuple((t, detok.token_text(t), lp) for t, lp in pairs)
+                    entries.append(TokenLogprob(target, detok.token_text(target), lps[r], top))
+                state.add_prompt_logprobs(start, entries)
+            row += k
 
     def _recover_from_oom(self, failed_tokens: int) -> None:
         """Reads back the previous step, then ``oom_recovery.recover_from_oom``."""

@@ -21,6 +21,8 @@ class CompletionDelta:
 
     ``finish_reason`` is None while the sibling runs, then one of ``stop``, ``length``,
     ``abort`` or ``error``; ``stop_reason`` is the matched stop string or token id.
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``) comes with the sibling's first
+    delta: one entry per prompt token after the first, in order.
     """
 
     index: int
@@ -29,6 +31,7 @@ class CompletionDelta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass

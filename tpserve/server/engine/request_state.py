@@ -11,7 +11,7 @@ import torch
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.detokenizer import IncrementalDetokenizer
-from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.outputs import RequestOutput, TokenLogprob
 from tpserve.server.engine.sequence import Sequence
 
 
@@ -33,6 +33,8 @@ class RequestState:
     # one grammar matcher per sibling (structured output), else empty; see EngineCore
     matchers: list[Any] = field(default_factory=list)
     done: bool = False
+    # the scored prompt (``SamplingParams.prompt_logprobs``): entry i is prompt token i + 1
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def start(self, first_seq_id: int, tokenizer: Any, make_generator) -> None:
         """Creates the ``n`` sibling sequences; siblings wait to share the first one's
@@ -49,6 +51,26 @@ class RequestState:
                                                       self.params))
             seed = None if self.params.seed is None else self.params.seed + i
             self.generators.append(make_generator(seed))
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt tokens ``start + 1 ..`` from one step of the first sibling.
+        Positions already held are skipped (a preempted sequence scores its prompt again);
+        once every token after the first is held, the sibling stops scoring."""
+        for i, entry in enumerate(entries):
+            if start + i == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
+        if len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1:
+            self.seqs[0].prompt_scored = True
+
+    def scored_prompt(self) -> tuple[TokenLogprob, ...] | None:
+        """The whole scored prompt for a sibling's first delta (None when not asked for)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        if len(self.prompt_logprobs) != len(self.prompt_token_ids) - 1:
+            raise RuntimeError(f"request {self.request_id}: a first output before its "
+                               f"prompt was scored ({len(self.prompt_logprobs)} of "
+                               f"{len(self.prompt_token_ids) - 1} tokens)")
+        return tuple(self.prompt_logprobs)
 
     @property
     def all_finished(self) -> bool:

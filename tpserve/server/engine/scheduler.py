@@ -241,7 +241,8 @@ class Scheduler:
                     break
                 hit = fork_tokens
             else:
-                computed, num_cached = bm.get_computed_blocks(seq.all_token_ids)
+                computed, num_cached = ([], 0) if seq.scores_prompt else \
+                    bm.get_computed_blocks(seq.all_token_ids)
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate(seq, num_new, computed):
                     break
@@ -267,6 +268,8 @@ class Scheduler:
         parent = seq.fork_parent
         if parent is None:
             return 0
+        if parent.scores_prompt and not parent.is_finished:
+            return None  # every sibling's first output carries the scored prompt
         bs = self.config.block_size
         wanted = (seq.num_prompt_tokens - 1) // bs * bs
         if wanted == 0 or parent.status is not SequenceStatus.RUNNING:

@@ -70,6 +70,16 @@ class Sequence:
     # token was read back; None until then (request queue/prefill/decode time metrics)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # the prompt's log-probabilities are all collected (``scores_prompt``); set by the engine
+    prompt_scored: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this sequence's steps must still score its prompt tokens
+        (``params.prompt_logprobs``): the first sibling does, once, for the whole request,
+        computing every prompt position itself (no prefix-cache hits) until it is done."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and not self.prompt_scored and self.num_prompt_tokens > 1)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ from tpserve.server.http.protocol import (
 )
 
 if TYPE_CHECKING:
+    from tpserve.server.http.echo import Echo
     from tpserve.server.http.tools import ToolPlan
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -47,12 +48,17 @@ class ResponseContext:
     logprobs: bool
     include_usage: bool = False
     tools: ToolPlan | None = None  # set when tool calls are parsed from the output
+    echo: Echo | None = None       # completions with ``echo``
 
 
-def usage_info(out: RequestOutput) -> UsageInfo:
+def usage_info(out: RequestOutput, ctx: ResponseContext | None = None) -> UsageInfo:
+    """The request's usage; an echo of the prompt alone (``max_tokens: 0``) counts no
+    completion tokens (the one the engine sampled is dropped)."""
+    completion = 0 if ctx is not None and ctx.echo is not None and ctx.echo.only \
+        else out.num_output_tokens
     return UsageInfo(prompt_tokens=out.num_prompt_tokens,
-                     completion_tokens=out.num_output_tokens,
-                     total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                     completion_tokens=completion,
+                     total_tokens=out.num_prompt_tokens + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
@@ -89,8 +95,11 @@ class ChoiceState:
     text_len: int = 0  # characters emitted so far (completions text_offset)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the scored prompt (echo)
 
     def add(self, delta: CompletionDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text_parts.append(delta.text)
         self.text_len += len(delta.text)
         if delta.logprobs:
@@ -117,18 +126,31 @@ class OutputAccumulator:
         if out.finished:
             self.final = out
 
-    def usage(self) -> UsageInfo | None:
-        return usage_info(self.final) if self.final is not None else None
+    def usage(self, ctx: ResponseContext | None = None) -> UsageInfo | None:
+        return usage_info(self.final, ctx) if self.final is not None else None
+
+
+def _completion_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> CompletionChoice:
+    echo = ctx.echo
+    text, lps = c.text, c.logprobs
+    if echo is not None and echo.only:
+        text, lps = "", []
+    logprobs = None
+    if ctx.logprobs:
+        logprobs = completion_logprobs(lps, 0)
+    if echo is not None:
+        prefix = echo.text(i)
+        if ctx.logprobs:
+            logprobs = echo.joined_with(i, c.prompt_logprobs, lps)
+        text = prefix + text
+    return CompletionChoice(index=i, text=text, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason, logprobs=logprobs)
 
 
 def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> CompletionResponse:
-    choices = [
-        CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                         stop_reason=c.stop_reason,
-                         logprobs=completion_logprobs(c.logprobs, 0) if ctx.logprobs else None)
-        for i, c in enumerate(acc.choices)]
+    choices = [_completion_choice(i, c, ctx) for i, c in enumerate(acc.choices)]
     return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
-                              choices=choices, usage=acc.usage())
+                              choices=choices, usage=acc.usage(ctx))
 
 
 def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:

@@ -39,6 +39,9 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     (``logit_bias``, ``structured``) were validated by ``http/structured``."""
     defaults = defaults or {}
     max_tokens, max_tokens_field = _max_tokens(req)
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if echo and max_tokens == 0:
+        max_tokens = 1  # the prompt alone: one token is sampled and dropped (http/echo.py)
     room = max_model_len - prompt_len
     if max_tokens is None:
         if room < 1:
@@ -78,7 +81,8 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
-                              logprobs=_logprobs(req), **kwargs)
+                              logprobs=_logprobs(req),
+                              prompt_logprobs=req.logprobs if echo else None, **kwargs)
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
+from tpserve.server.http.echo import Echo, plan_echo
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import RequestTracker
@@ -83,7 +84,8 @@ def _with_tools(body: ChatCompletionRequest, plan: ToolPlan | None,
 
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
-                 tracker: RequestTracker, tools: ToolPlan | None = None) -> Response:
+                 tracker: RequestTracker, tools: ToolPlan | None = None,
+                 echo: Echo | None = None) -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -91,7 +93,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
                           include_usage=body.include_usage,
-                          tools=tools if tools is not None and tools.parses_output else None)
+                          tools=tools if tools is not None and tools.parses_output else None,
+                          echo=echo)
     record = access_record(request)
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
@@ -146,14 +149,14 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         tracker = state.metrics.track()  # latencies count from here
         model = state.resolve_model(body.model)
-        if body.echo:
-            raise APIError.bad_request("echo is not supported", "echo")
         constraints = _checked_constraints(state, body)
         state.check_available()
+        prompt_ids = await state.prompts.completion_prompts(body.prompt)
         prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
                                                state.default_sampling_params, constraints))
-                   for ids in await state.prompts.completion_prompts(body.prompt)]
-        return await _serve(request, state, body, "cmpl", prompts, model, tracker)
+                   for ids in prompt_ids]
+        echo = await plan_echo(body, prompt_ids, state.prompts, prompts[0][1].n)
+        return await _serve(request, state, body, "cmpl", prompts, model, tracker, echo=echo)
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})

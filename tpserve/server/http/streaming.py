@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -92,8 +93,12 @@ def _has_content(delta: CompletionDelta, ctx: ResponseContext) -> bool:
 
 async def completion_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                             ctx: ResponseContext) -> AsyncIterator[bytes]:
-    """``/v1/completions`` chunks: text per delta, a finish chunk per choice, usage, [DONE]."""
+    """``/v1/completions`` chunks: text per delta, a finish chunk per choice, usage, [DONE].
+    With ``echo`` a choice's first chunk is its prompt (with the scored prompt's logprobs),
+    sent when its first delta arrives; an echo of the prompt alone sends no other text."""
     states = [ChoiceState() for _ in range(ctx.n)]
+    echo = ctx.echo
+    echoed = [False] * ctx.n
 
     def chunk(choice: CompletionChoice) -> bytes:
         return _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
@@ -104,6 +109,15 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
         async for out in _all(first, outputs):
             for d in out.deltas:
                 state = states[d.index]
+                if echo is not None and not echoed[d.index]:
+                    echoed[d.index] = True
+                    text = echo.text(d.index)
+                    lps = echo.logprobs(d.index, d.prompt_logprobs or ()) if ctx.logprobs \
+                        else None
+                    yield chunk(CompletionChoice(index=d.index, text=text, logprobs=lps))
+                    state.text_len += len(text)
+                if echo is not None and echo.only:
+                    d = replace(d, text="", logprobs=None)
                 if _has_content(d, ctx):
                     lps = None
                     if ctx.logprobs:
@@ -118,7 +132,7 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
                 final = out
         if ctx.include_usage and final is not None:
             yield _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                        choices=[], usage=usage_info(final)), ctx)
+                                        choices=[], usage=usage_info(final, ctx)), ctx)
     except Exception as exc:
         yield _error_event(exc)
     finally:

@@ -1,0 +1,51 @@
+"""Prompt log-probabilities: how likely the model finds each prompt token given the ones
+before it (the completions API's ``echo`` with ``logprobs``; what lm-eval's loglikelihood
+and perplexity tasks read).
+
+A step that carries them (``StepPlan.prompt_rows``) runs eagerly: its hidden states at
+those rows go through the LM head in slices of at most ``slice_rows`` rows (the sampler's
+row bound, so the step's extra logits never exceed what the memory plan profiled for
+sampling), on every rank, since the head's all-gather is a collective. Rank 0 keeps, per
+row, the float32 ``log_softmax`` of the raw logits at the target token (no penalty, bias
+or temperature: the model's own distribution, as vLLM reports prompt logprobs) and the
+``top`` most likely tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Per scored row, on the device until ``to_host``: ``logprobs`` float32 [R],
+    ``top_ids`` int64 [R, K] and ``top_logprobs`` float32 [R, K] (descending)."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def to_host(self) -> PromptLogprobs:
+        return PromptLogprobs(self.logprobs.cpu(), self.top_ids.cpu(), self.top_logprobs.cpu())
+
+
+def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                      hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                      slice_rows: int, top: int, keep: bool) -> PromptLogprobs | None:
+    """``hidden[rows]`` scored against ``targets`` (see the module docstring); every rank
+    calls this with the same plan, and only the one with ``keep`` gets a result."""
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for i in range(0, rows.shape[0], slice_rows):
+        logits = compute_logits(hidden[rows[i:i + slice_rows]])
+        if not keep:
+            continue
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        target = lp.gather(1, targets[i:i + slice_rows, None])[:, 0]
+        top_lp, top_ids = lp.topk(min(top, lp.shape[1]), dim=1)
+        parts.append((target, top_ids, top_lp))
+    if not keep:
+        return None
+    return PromptLogprobs(*(torch.cat(p) for p in zip(*parts, strict=True)))
