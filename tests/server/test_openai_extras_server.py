@@ -145,3 +145,30 @@ def test_echo_streams_the_prompt_first(client):
     only = list(client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True,
                                           max_tokens=0, stream=True))
     assert "".join(ch.choices[0].text for ch in only if ch.choices) == ECHO_PROMPT
+
+
+def test_vllm_prompt_logprobs(client):
+    """vLLM's ``prompt_logprobs`` extension: per prompt token (the first null) a dict by
+    token id holding the token (its logprob as ``echo`` scores it, its rank) and the top
+    alternatives ranked 1..k; chat answers it once, at the top level."""
+    r = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    c = r.choices[0]
+    pl = c.model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(c.logprobs.tokens) - 1 == r.usage.prompt_tokens
+    assert len(c.logprobs.top_logprobs[1]) <= 2  # echo keeps its own logprobs=1
+    for i, entry in enumerate(pl[1:], start=1):
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        top = [e for e in ranked if e["rank"] <= 3]
+        assert [e["rank"] for e in top[:3]] == [1, 2, 3], i
+        assert [e["logprob"] for e in top] == sorted((e["logprob"] for e in top), reverse=True)
+        own = next(e for e in entry.values() if e["decoded_token"] == c.logprobs.tokens[i])
+        assert own["logprob"] == pytest.approx(c.logprobs.token_logprobs[i], abs=1e-6)
+        assert own["rank"] >= 1 and (own["rank"] > 3) == (len(entry) == 4), i
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=2,
+        temperature=0, extra_body={"prompt_logprobs": 0})
+    cpl = chat.model_extra["prompt_logprobs"]
+    assert cpl[0] is None and len(cpl) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in cpl[1:])

@@ -7,8 +7,8 @@ those rows go through the LM head in slices of at most ``slice_rows`` rows (the 
 row bound, so the step's extra logits never exceed what the memory plan profiled for
 sampling), on every rank, since the head's all-gather is a collective. Rank 0 keeps, per
 row, the float32 ``log_softmax`` of the raw logits at the target token (no penalty, bias
-or temperature: the model's own distribution, as vLLM reports prompt logprobs) and the
-``top`` most likely tokens.
+or temperature: the model's own distribution, as vLLM reports prompt logprobs), the
+target's rank (1 = the most likely token) and the ``top`` most likely tokens.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ import torch
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """Per scored row, on the device until ``to_host``: ``logprobs`` float32 [R],
-    ``top_ids`` int64 [R, K] and ``top_logprobs`` float32 [R, K] (descending)."""
+    """Per scored row, on the device until ``to_host``: ``logprobs`` float32 [R], ``ranks``
+    int64 [R], ``top_ids`` int64 [R, K] and ``top_logprobs`` float32 [R, K] (descending)."""
 
     logprobs: torch.Tensor
+    ranks: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
 
     def to_host(self) -> PromptLogprobs:
-        return PromptLogprobs(self.logprobs.cpu(), self.top_ids.cpu(), self.top_logprobs.cpu())
+        return PromptLogprobs(self.logprobs.cpu(), self.ranks.cpu(), self.top_ids.cpu(),
+                              self.top_logprobs.cpu())
 
 
 def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
@@ -43,9 +45,10 @@ def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
         if not keep:
             continue
         lp = torch.log_softmax(logits.float(), dim=-1)
-        target = lp.gather(1, targets[i:i + slice_rows, None])[:, 0]
+        target = lp.gather(1, targets[i:i + slice_rows, None])
+        ranks = (lp > target).sum(dim=1) + 1
         top_lp, top_ids = lp.topk(min(top, lp.shape[1]), dim=1)
-        parts.append((target, top_ids, top_lp))
+        parts.append((target[:, 0], ranks, top_ids, top_lp))
     if not keep:
         return None
     return PromptLogprobs(*(torch.cat(p) for p in zip(*parts, strict=True)))

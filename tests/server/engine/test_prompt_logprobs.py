@@ -1,7 +1,7 @@
 """Prompt log-probabilities (``SamplingParams.prompt_logprobs``, the completions API's
 ``echo`` with ``logprobs``) through EngineCore on CPU with the tiny Llama: every prompt
 token after the first gets transformers' log-softmax at the position before it, and its
-top alternatives in order, whether the prompt is prefilled in one step or in chunks
+top alternatives in order, and its rank, whether the prompt is prefilled in one step or in chunks
 (asynchronous scheduling, prefix-cache hits available but not taken for scoring, siblings,
 preemption); the pool is free at the end."""
 
@@ -34,6 +34,7 @@ def _check(scored, reference, top: int) -> None:
     for i, e in enumerate(scored):
         ref = reference[i]
         assert abs(e.logprob - ref[PROMPT[i + 1]].item()) < 1e-4, i
+        assert e.rank == int((ref > ref[PROMPT[i + 1]]).sum()) + 1, i
         want = ref.topk(top)
         assert [t for t, _, _ in e.top] == want.indices.tolist(), i
         assert max(abs(lp - w) for (_, _, lp), w in zip(e.top, want.values.tolist(), strict=True)) < 1e-4

@@ -376,6 +376,8 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", ""]}, "prompt"),

@@ -430,8 +430,8 @@ class EngineCore:
         """Hands each scored chunk's rows (read back now) to its request."""
         assert flight.prompt is not None
         host = flight.prompt.to_host()
-        lps, top_ids, top_lps = (host.logprobs.tolist(), host.top_ids.tolist(),
-                                 host.top_logprobs.tolist())
+        lps, ranks, top_ids, top_lps = (host.logprobs.tolist(), host.ranks.tolist(),
+                                        host.top_ids.tolist(), host.top_logprobs.tolist())
         row = 0
         for seq, start, k in flight.scored:
             state = self.requests.get(seq.request_id)
@@ -442,7 +442,8 @@ class EngineCore:
                     target = seq.prompt_token_ids[start + 1 + r - row]
                     pairs = zip(top_ids[r][:want], top_lps[r][:want], strict=True)
                     top = tuple((t, detok.token_text(t), lp) for t, lp in pairs)
-                    entries.append(TokenLogprob(target, detok.token_text(target), lps[r], top))
+                    entries.append(TokenLogprob(target, detok.token_text(target), lps[r], top,
+                                                ranks[r]))
                 state.add_prompt_logprobs(start, entries)
             row += k
 

@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's logprob and the top alternatives (token id, decoded text, logprob)."""
+    """The sampled token's logprob and the top alternatives (token id, decoded text,
+    logprob); ``rank`` (1 = the most likely token) where known (a scored prompt token)."""
 
     token_id: int
     text: str
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

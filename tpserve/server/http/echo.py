@@ -7,7 +7,7 @@ dropped and not counted). What lm-eval's loglikelihood and perplexity tasks send
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tpserve.server.engine.outputs import TokenLogprob
 from tpserve.server.http.openai_format import completion_logprobs
@@ -18,12 +18,15 @@ from tpserve.server.http.protocol import CompletionLogprobs, CompletionRequest
 @dataclass(frozen=True)
 class Echo:
     """Per prompt of the request: its text and its first token's text; choice ``i``
-    echoes prompt ``i // per_prompt``. ``only``: ``max_tokens`` was 0."""
+    echoes prompt ``i // per_prompt``. ``only``: ``max_tokens`` was 0. ``top``: the
+    request's ``logprobs`` (its scored prompt may hold more alternatives, for vLLM's
+    ``prompt_logprobs``)."""
 
     texts: tuple[str, ...]
     first_tokens: tuple[str, ...]
     per_prompt: int
     only: bool
+    top: int = 0
 
     def text(self, choice: int) -> str:
         return self.texts[choice // self.per_prompt]
@@ -33,7 +36,8 @@ class Echo:
         first = self.first_tokens[choice // self.per_prompt]
         out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
                                  text_offset=[0])
-        return joined(out, completion_logprobs(scored, len(first)))
+        cut = [replace(lp, top=lp.top[:self.top]) for lp in scored]
+        return joined(out, completion_logprobs(cut, len(first)))
 
     def joined_with(self, choice: int, scored: Sequence[TokenLogprob],
                     generated: Sequence[TokenLogprob]) -> CompletionLogprobs:
@@ -60,4 +64,4 @@ async def plan_echo(body: CompletionRequest, prompt_ids: list[list[int]],
     texts = [p if isinstance(p, str) else await prompts.decode(ids)
              for p, ids in zip(raw, prompt_ids, strict=True)]
     firsts = [await prompts.decode(ids[:1]) for ids in prompt_ids]
-    return Echo(tuple(texts), tuple(firsts), n, body.max_tokens == 0)
+    return Echo(tuple(texts), tuple(firsts), n, body.max_tokens == 0, body.logprobs or 0)

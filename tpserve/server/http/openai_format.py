@@ -17,6 +17,8 @@ from tpserve.server.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprobsList,
+    PromptTokenLogprob,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -49,6 +51,7 @@ class ResponseContext:
     include_usage: bool = False
     tools: ToolPlan | None = None  # set when tool calls are parsed from the output
     echo: Echo | None = None       # completions with ``echo``
+    prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: top alternatives
 
 
 def usage_info(out: RequestOutput, ctx: ResponseContext | None = None) -> UsageInfo:
@@ -75,6 +78,20 @@ def completion_logprobs(lps: Sequence[TokenLogprob], text_offset: int) -> Comple
         result.text_offset.append(text_offset)
         text_offset += len(lp.text)
     return result
+
+
+def vllm_prompt_logprobs(scored: Sequence[TokenLogprob], top: int) -> PromptLogprobsList:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a dict
+    by token id of the token itself (its rank) and its ``top`` alternatives (ranks 1..)."""
+    out: PromptLogprobsList = [None]
+    for lp in scored:
+        entry = {str(lp.token_id): PromptTokenLogprob(logprob=clamp_logprob(lp.logprob),
+                                                      rank=lp.rank, decoded_token=lp.text)}
+        for rank, (token, text, logprob) in enumerate(lp.top[:top], start=1):
+            entry.setdefault(str(token), PromptTokenLogprob(
+                logprob=clamp_logprob(logprob), rank=rank, decoded_token=text))
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChatLogprobs:
@@ -143,8 +160,11 @@ def _completion_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> Completi
         if ctx.logprobs:
             logprobs = echo.joined_with(i, c.prompt_logprobs, lps)
         text = prefix + text
+    prompt = None
+    if ctx.prompt_logprobs is not None:
+        prompt = vllm_prompt_logprobs(c.prompt_logprobs, ctx.prompt_logprobs)
     return CompletionChoice(index=i, text=text, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason, logprobs=logprobs)
+                            stop_reason=c.stop_reason, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> CompletionResponse:
@@ -166,5 +186,8 @@ def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
 
 def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletionResponse:
     choices = [_chat_choice(i, c, ctx) for i, c in enumerate(acc.choices)]
+    prompt = None
+    if ctx.prompt_logprobs is not None:  # one prompt: the first choice's scored prompt
+        prompt = vllm_prompt_logprobs(acc.choices[0].prompt_logprobs, ctx.prompt_logprobs)
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
-                                  choices=choices, usage=acc.usage())
+                                  choices=choices, usage=acc.usage(), prompt_logprobs=prompt)

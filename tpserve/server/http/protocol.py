@@ -118,6 +118,9 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: every prompt token after the first scored, with this many top alternatives
+    # (not with stream, as vLLM); the answer's ``prompt_logprobs``
+    prompt_logprobs: int | None = None
     # structured output (one constraint at most; see http/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -286,12 +289,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs`` (keyed by token id): ``rank`` 1 is the most
+    likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (the first null), the token itself and the top
+# alternatives, keyed by token id
+PromptLogprobsList = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -349,6 +367,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -40,6 +40,10 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     defaults = defaults or {}
     max_tokens, max_tokens_field = _max_tokens(req)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError.bad_request("prompt_logprobs is not available with stream",
+                                   "prompt_logprobs")
+    asked = [v for v in (req.prompt_logprobs, req.logprobs if echo else None) if v is not None]
     if echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: one token is sampled and dropped (http/echo.py)
     room = max_model_len - prompt_len
@@ -82,7 +86,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         return SamplingParams(max_tokens=max_tokens, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               logprobs=_logprobs(req),
-                              prompt_logprobs=req.logprobs if echo else None, **kwargs)
+                              prompt_logprobs=max(asked) if asked else None, **kwargs)
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]

@@ -94,7 +94,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
                           include_usage=body.include_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
-                          echo=echo)
+                          echo=echo, prompt_logprobs=body.prompt_logprobs)
     record = access_record(request)
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
