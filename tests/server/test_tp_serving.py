@@ -36,7 +36,9 @@ def _client(base: str, timeout: float = 120) -> openai.OpenAI:
 
 
 def _smol_answers(base: str) -> list[str]:
-    """Greedy completions and chats of 16 tokens, sent concurrently (batched)."""
+    """Greedy completions and chats of 16 tokens, sent concurrently (batched), then the
+    ranks of PROMPTS[0]'s tokens as its echo scores them (vLLM's prompt_logprobs: the LM
+    head's rows for every prompt position, through each tp layout's all-gather)."""
     c = _client(base)
 
     def complete(p: str) -> str:
@@ -51,7 +53,11 @@ def _smol_answers(base: str) -> list[str]:
     with ThreadPoolExecutor(len(PROMPTS) + len(CHATS)) as pool:
         futures = [pool.submit(complete, p) for p in PROMPTS]
         futures += [pool.submit(chat, m) for m in CHATS]
-        return [f.result(timeout=300) for f in futures]
+        answers = [f.result(timeout=300) for f in futures]
+    scored = c.completions.create(model=SMOL, prompt=PROMPTS[0], max_tokens=0, echo=True,
+                                  extra_body={"prompt_logprobs": 0}).choices[0]
+    ranks = [next(iter(e.values()))["rank"] for e in scored.model_extra["prompt_logprobs"][1:]]
+    return answers + [f"ranks {ranks}"]
 
 
 def _tiny_answers(base: str) -> list[tuple[str, list[str], list[float]]]:
@@ -104,7 +110,7 @@ def tp1_answers(smol_tp1):
     """The tp 1 server's ``_smol_answers``, asked once: what every other tp size and
     layout below must serve exactly."""
     want = _smol_answers(smol_tp1.base)
-    assert all(want) and want[0].startswith(" Paris")
+    assert all(want) and want[0].startswith(" Paris") and want[-1].startswith("ranks [") and want[-1] != "ranks []"
     return want
 
 
