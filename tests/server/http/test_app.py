@@ -415,6 +415,16 @@ def test_chat_400(http, payload, param):
     assert err["param"] is not None and err["param"].startswith(param), err
 
 
+def test_a_zero_token_budget_is_refused_by_the_name_sent(http):
+    chat = assert_error(http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 0}), 400)
+    assert chat["message"] == "max_completion_tokens must be at least 1, got 0", chat
+    cmpl = assert_error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 0}), 400)
+    assert cmpl["message"] == ("max_tokens must be at least 1, got 0 (0 returns the prompt "
+                               "alone with echo: true)"), cmpl
+
+
 def test_malformed_bodies_400(http):
     for content in (b"{not json", b"[1, 2]", b'"text"', b""):
         r = http.post("/v1/completions", content=content,

@@ -90,6 +90,9 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
-        if param == "max_tokens":
+        if param == "max_tokens":  # the field the request named
             param = max_tokens_field
+            message = max_tokens_field + message[len("max_tokens"):]
+            if isinstance(req, CompletionRequest) and max_tokens == 0:
+                message += " (0 returns the prompt alone with echo: true)"
         raise APIError.bad_request(message, param=param) from exc
