@@ -483,3 +483,26 @@ def test_percentile_flags_choose_the_keys_and_rows(tmp_path, capsys):
     rows = [line.split(":")[0] for line in table.splitlines() if "(ms):" in line]
     assert rows == ["Mean TTFT (ms)", "Median TTFT (ms)", "P50 TTFT (ms)", "P99 TTFT (ms)",
                     "Mean E2EL (ms)", "Median E2EL (ms)", "P50 E2EL (ms)", "P99 E2EL (ms)"]
+
+
+def test_progress_off_a_terminal_is_lines_not_a_bar():
+    """A pipe or a CI log gets a line at most every LINE_EVERY_S seconds and one at the end
+    (no carriage returns); ``--no-progress`` writes nothing."""
+    import io
+
+    from tpserve.loadtest.runner import LINE_EVERY_S, RunProgress
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = RunProgress(4, "rate inf", True, stream=out, clock=lambda: now[0])
+    for step in (1.0, LINE_EVERY_S, 1.0, 1.0):
+        now[0] += step
+        progress.update()
+    progress.close()
+    assert out.getvalue() == ("[loadtest] rate inf: 2/4 requests done, 6.0 s\n"
+                              "[loadtest] rate inf: 4/4 requests done, 8.0 s\n")
+    quiet = io.StringIO()
+    silent = RunProgress(2, None, False, stream=quiet)
+    silent.update()
+    silent.close()
+    assert quiet.getvalue() == ""

@@ -4,21 +4,67 @@ A request "arrives" at its scheduled time and then waits for a concurrency slot;
 latencies are measured from when it is actually sent. When ``stop`` is set (Ctrl-C),
 no further request is sent, requests in flight are cancelled, and the run returns what
 had completed, marked interrupted.
+
+Progress: a tqdm bar on a terminal; elsewhere (a pipe, a CI log) a line on stderr at most
+every ``LINE_EVERY_S`` seconds and one at the end, never a bar of carriage returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 from tqdm import tqdm
 
 from tpserve.loadtest.arrivals import arrival_offsets
 from tpserve.loadtest.client import RequestResult, RequestSender
 from tpserve.loadtest.datasets import PromptSpec
+
+LINE_EVERY_S = 5.0
+
+
+class RunProgress:
+    """Requests done out of ``total``: tqdm when ``stream`` is a terminal, else lines."""
+
+    def __init__(self, total: int, desc: str | None, enabled: bool,
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+        self.stream = sys.stderr if stream is None else stream
+        self.total, self.desc, self.clock = total, desc or "requests", clock
+        tty = enabled and _isatty(self.stream)
+        self.lines = enabled and not tty
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not tty, file=self.stream)
+        self.done = 0
+        self.start = self.last = clock()
+
+    def update(self) -> None:
+        self.done += 1
+        self.bar.update(1)
+        now = self.clock()
+        if self.lines and now - self.last >= LINE_EVERY_S:
+            self.last = now
+            self._line(now)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.lines:
+            self._line(self.clock())
+
+    def _line(self, now: float) -> None:
+        self.stream.write(f"[loadtest] {self.desc}: {self.done}/{self.total} requests done, "
+                          f"{now - self.start:.1f} s\n")
+        self.stream.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -52,7 +98,7 @@ async def run_once(
     offsets = arrival_offsets(len(prompts), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[RequestResult] = []
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress)
+    bar = RunProgress(len(prompts), desc, progress)
     stopped = asyncio.ensure_future(stop.wait())
     tasks: list[asyncio.Task] = []
     start = time.perf_counter()
@@ -61,7 +107,7 @@ async def run_once(
         async with limit if limit is not None else contextlib.nullcontext():
             result = await sender.send(spec, start)
         results.append(result)
-        bar.update(1)
+        bar.update()
 
     try:
         for spec, offset in zip(prompts, offsets, strict=True):
