@@ -172,3 +172,28 @@ def test_vllm_prompt_logprobs(client):
     cpl = chat.model_extra["prompt_logprobs"]
     assert cpl[0] is None and len(cpl) == chat.usage.prompt_tokens
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in cpl[1:])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_stats(client, kind):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so
+    far (the prompt's tokens, the completion tokens read back until then), ending at the
+    final usage chunk's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}],
+            max_tokens=12, temperature=0, stream=True, stream_options=options))
+    else:
+        chunks = list(client.completions.create(
+            model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0, stream=True,
+            stream_options=options))
+    assert all(c.usage is not None for c in chunks)
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 12
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] < 12
+    assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
+    plain = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=3,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]

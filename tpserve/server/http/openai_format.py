@@ -49,6 +49,7 @@ class ResponseContext:
     n: int
     logprobs: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far in every stream chunk
     tools: ToolPlan | None = None  # set when tool calls are parsed from the output
     echo: Echo | None = None       # completions with ``echo``
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: top alternatives

@@ -54,7 +54,11 @@ class RequestModel(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the usage; with it, vLLM's
+    ``continuous_usage_stats`` puts the usage so far in every chunk too."""
+
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -132,6 +136,10 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):

@@ -93,6 +93,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
                           include_usage=body.include_usage,
+                          continuous_usage=body.continuous_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
                           echo=echo, prompt_logprobs=body.prompt_logprobs)
     record = access_record(request)

@@ -30,6 +30,7 @@ from tpserve.server.http.protocol import (
     CompletionChoice,
     CompletionChunk,
     DeltaMessage,
+    UsageInfo,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,11 @@ async def _all(first: RequestOutput, rest: AsyncIterator[RequestOutput]
         yield out
 
 
+def _so_far(out: RequestOutput, ctx: ResponseContext) -> UsageInfo | None:
+    """vLLM's ``continuous_usage_stats``: every chunk's usage so far (else none)."""
+    return usage_info(out, ctx) if ctx.continuous_usage else None
+
+
 def _has_content(delta: CompletionDelta, ctx: ResponseContext) -> bool:
     return bool(delta.text) or bool(ctx.logprobs and delta.logprobs)
 
@@ -100,9 +106,9 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
     echo = ctx.echo
     echoed = [False] * ctx.n
 
-    def chunk(choice: CompletionChoice) -> bytes:
+    def chunk(choice: CompletionChoice, out: RequestOutput) -> bytes:
         return _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                     choices=[choice]), ctx)
+                                     choices=[choice], usage=_so_far(out, ctx)), ctx)
 
     try:
         final = None
@@ -114,7 +120,7 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
                     text = echo.text(d.index)
                     lps = echo.logprobs(d.index, d.prompt_logprobs or ()) if ctx.logprobs \
                         else None
-                    yield chunk(CompletionChoice(index=d.index, text=text, logprobs=lps))
+                    yield chunk(CompletionChoice(index=d.index, text=text, logprobs=lps), out)
                     state.text_len += len(text)
                 if echo is not None and echo.only:
                     d = replace(d, text="", logprobs=None)
@@ -122,12 +128,12 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
                     lps = None
                     if ctx.logprobs:
                         lps = completion_logprobs(d.logprobs or (), state.text_len)
-                    yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps))
+                    yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps), out)
                 state.add(d)
                 if d.finish_reason is not None:
                     yield chunk(CompletionChoice(index=d.index, text="",
                                                  finish_reason=d.finish_reason,
-                                                 stop_reason=d.stop_reason))
+                                                 stop_reason=d.stop_reason), out)
             if out.finished:
                 final = out
         if ctx.include_usage and final is not None:
@@ -145,13 +151,15 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     """``/v1/chat/completions`` chunks: a role chunk per choice, content deltas, a finish
     chunk per choice, usage, [DONE]."""
 
-    def chunk(choice: ChatChunkChoice) -> bytes:
+    def chunk(choice: ChatChunkChoice, out: RequestOutput) -> bytes:
         return _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                         choices=[choice]), ctx)
+                                         choices=[choice], usage=_so_far(out, ctx)), ctx)
 
     try:
+        before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
         for i in range(ctx.n):
-            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                    content="")), before)
         final = None
         held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
         async for out in _all(first, outputs):
@@ -159,17 +167,18 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
                 finish_reason = d.finish_reason
                 if held is not None:
                     for delta, lps in held[d.index].add(d, ctx):
-                        yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps))
+                        yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps),
+                                    out)
                     if finish_reason is not None:
                         finish_reason = held[d.index].finish_reason
                 elif _has_content(d, ctx):
                     lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
-                                                logprobs=lps))
+                                                logprobs=lps), out)
                 if finish_reason is not None:
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
                                                 finish_reason=finish_reason,
-                                                stop_reason=d.stop_reason))
+                                                stop_reason=d.stop_reason), out)
             if out.finished:
                 final = out
         if ctx.include_usage and final is not None:
