@@ -11,7 +11,8 @@ import pytest
 from tests.server.serverproc import SMALL, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+TEMPLATE = ("{% if note %}(note: {{ note }})\n{% endif %}"
+            "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
@@ -197,3 +198,33 @@ def test_continuous_usage_stats(client, kind):
     plain = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=3,
                                            stream=True, stream_options={"include_usage": True}))
     assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
+def test_chat_template_fields(server, client):
+    """vLLM's ``chat_template_kwargs`` reach the template; ``continue_final_message`` leaves
+    the last (assistant) message open and the model continues it; each is the prompt
+    /tokenize renders with the same fields."""
+    def tokenize(**fields):
+        return httpx.post(server.base + "/tokenize", json=fields, timeout=60).json()
+
+    msgs = [{"role": "user", "content": "Hi!"}]
+    ids = tokenize(messages=msgs, chat_template_kwargs={"note": "be kind"})["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert text["prompt"] == "(note: be kind)\n[user] Hi!\n[assistant] "
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"note": "be kind"}})
+    assert r.usage.prompt_tokens == len(ids)
+    open_msgs = msgs + [{"role": "assistant", "content": "The capital of France is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = tokenize(messages=open_msgs, **fields)["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert text["prompt"].endswith("[assistant] The capital of France is")
+    r = client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=4,
+                                       temperature=0, extra_body=fields)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=2,
+                                           extra_body=extra)
+        assert e.value.body["param"] == param

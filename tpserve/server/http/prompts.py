@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatMessage, ToolCall
+
+# apply_chat_template's own arguments, which a request's chat_template_kwargs cannot set
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 
@@ -85,9 +91,18 @@ class PromptProcessor:
 
     async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool = False,
-                          tools: list[dict[str, Any]] | None = None) -> str:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The chat template applied to ``messages`` (and ``tools``, as Hugging Face
-        templates take them)."""
+        templates take them); ``template_kwargs`` are more template variables (400 for one
+        that names an argument set here)."""
+        if add_generation_prompt and continue_final_message:
+            raise APIError.bad_request("add_generation_prompt and continue_final_message "
+                                       "cannot both be true", "continue_final_message")
+        taken = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise APIError.bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}",
+                                       "chat_template_kwargs")
         conversation = []
         for i, m in enumerate(messages):
             if m.media_type is not None:
@@ -106,7 +121,7 @@ class PromptProcessor:
             conversation.append(item)
         if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
-        kwargs: dict[str, Any] = {"tokenize": False,
+        kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
                                   "add_generation_prompt": add_generation_prompt}
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
@@ -126,10 +141,11 @@ class PromptProcessor:
     async def chat_ids(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        add_special_tokens: bool = False,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         text = await self.render_chat(messages, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
-                                      tools=tools)
+                                      tools=tools, template_kwargs=template_kwargs)
         ids = await self.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError.bad_request("messages render to an empty prompt", "messages")

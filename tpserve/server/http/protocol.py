@@ -224,7 +224,18 @@ class ChatMessage(BaseModel):
         return None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat-template fields (chat completions and /tokenize): ``add_generation_prompt``
+    (the assistant turn's opening), ``continue_final_message`` (the last message left open
+    for the model to continue; not with ``add_generation_prompt``), ``chat_template_kwargs``
+    (more variables for the template, e.g. a model's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -257,11 +268,9 @@ class TokenizeCompletionRequest(RequestModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(RequestModel):
+class TokenizeChatRequest(RequestModel, ChatTemplateOptions):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

@@ -36,13 +36,11 @@ def make_extra_router() -> APIRouter:
         if isinstance(body, TokenizeCompletionRequest):
             ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
         else:
-            if body.add_generation_prompt and body.continue_final_message:
-                raise APIError.bad_request("add_generation_prompt and continue_final_message "
-                                           "cannot both be true", "continue_final_message")
             ids = await state.prompts.chat_ids(
                 body.messages, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens)
+                add_special_tokens=body.add_special_tokens,
+                template_kwargs=body.chat_template_kwargs)
         strs = await state.prompts.token_strs(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len,
                                 tokens=ids, token_strs=strs)

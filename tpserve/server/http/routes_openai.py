@@ -170,8 +170,10 @@ def make_openai_router() -> APIRouter:
         body = _with_tools(body, tools, constraints)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(
-            body.messages, add_generation_prompt=True,
-            tools=tools.template_tools if tools is not None else None)
+            body.messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=tools.template_tools if tools is not None else None,
+            template_kwargs=body.chat_template_kwargs)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                        state.default_sampling_params, constraints)
         return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
