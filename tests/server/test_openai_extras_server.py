@@ -228,3 +228,29 @@ def test_chat_template_fields(server, client):
             client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=2,
                                            extra_body=extra)
         assert e.value.body["param"] == param
+
+
+def test_truncate_prompt_tokens_and_tokens_as_ids(server, client):
+    """vLLM's ``truncate_prompt_tokens`` serves the prompt's last k tokens (as if only they
+    were sent); ``return_tokens_as_token_ids`` names logprob tokens ``token_id:<id>``."""
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": ECHO_PROMPT},
+                     timeout=60).json()["tokens"]
+    cut = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=4,
+                                    temperature=0, extra_body={"truncate_prompt_tokens": 5})
+    tail = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": "Hi!"}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    r = client.completions.create(model=MODEL, prompt=ids[:6], max_tokens=3, temperature=0,
+                                  logprobs=2, echo=True,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens[:6] == [f"token_id:{i}" for i in ids[:6]]
+    assert all(t.startswith("token_id:") for t in lp.tokens[6:]) and len(lp.tokens) == 9
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, logprobs=True, top_logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.token.startswith("token_id:") for t in c.choices[0].logprobs.content)

@@ -377,6 +377,19 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "priority": 1}, "priority"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
+    ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "logits_processors": ["p"]}, "logits_processors"),
+    ({"prompt": "x", "cache_salt": "tenant"}, "cache_salt"),
+    ({"prompt": "x", "kv_transfer_params": {"a": 1}}, "kv_transfer_params"),
+    ({"prompt": "x", "vllm_xargs": {"a": 1}}, "vllm_xargs"),
+    ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -413,6 +426,14 @@ def test_completion_400(http, payload, param):
 def test_chat_400(http, payload, param):
     err = assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **payload}), 400)
     assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_vllm_fields_at_their_no_op_values_are_accepted(http):
+    r = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 0, "use_beam_search": False,
+        "length_penalty": 1.0, "bad_words": [], "guided_decoding_backend": "xgrammar",
+        "spaces_between_special_tokens": True, "vllm_xargs": {}})
+    assert r.status_code == 200, r.text
 
 
 def test_a_zero_token_budget_is_refused_by_the_name_sent(http):

@@ -56,12 +56,14 @@ def joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 async def plan_echo(body: CompletionRequest, prompt_ids: list[list[int]],
                     prompts: PromptProcessor, n: int) -> Echo | None:
     """The request's ``Echo`` (None without ``echo``): string prompts echo as sent, token
-    prompts as decoded."""
+    prompts (and truncated ones) as decoded."""
     if not body.echo:
         return None
     raw = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
         body.prompt[0], str | list) else [body.prompt]
-    texts = [p if isinstance(p, str) else await prompts.decode(ids)
+    whole = body.truncate_prompt_tokens is None
+    texts = [p if isinstance(p, str) and whole else await prompts.decode(ids)
              for p, ids in zip(raw, prompt_ids, strict=True)]
-    firsts = [await prompts.decode(ids[:1]) for ids in prompt_ids]
+    firsts = [f"token_id:{ids[0]}" if body.return_tokens_as_token_ids
+              else await prompts.decode(ids[:1]) for ids in prompt_ids]
     return Echo(tuple(texts), tuple(firsts), n, body.max_tokens == 0, body.logprobs or 0)

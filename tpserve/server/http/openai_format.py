@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
@@ -93,6 +93,28 @@ def vllm_prompt_logprobs(scored: Sequence[TokenLogprob], top: int) -> PromptLogp
                 logprob=clamp_logprob(logprob), rank=rank, decoded_token=text))
         out.append(entry)
     return out
+
+
+def _named_by_id(lps: tuple[TokenLogprob, ...] | None) -> tuple[TokenLogprob, ...] | None:
+    if lps is None:
+        return None
+    return tuple(replace(lp, text=f"token_id:{lp.token_id}",
+                         top=tuple((t, f"token_id:{t}", v) for t, _, v in lp.top))
+                 for lp in lps)
+
+
+async def tokens_named_by_id(outputs: AsyncIterator[RequestOutput]
+                             ) -> AsyncIterator[RequestOutput]:
+    """vLLM's ``return_tokens_as_token_ids``: every logprob token (and alternative) named
+    ``token_id:<id>`` instead of its text. Closing this closes ``outputs``."""
+    try:
+        async for out in outputs:
+            yield replace(out, deltas=[
+                replace(d, logprobs=_named_by_id(d.logprobs),
+                        prompt_logprobs=_named_by_id(d.prompt_logprobs))
+                for d in out.deltas])
+    finally:
+        await outputs.aclose()
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChatLogprobs:

@@ -125,6 +125,24 @@ class SamplingRequest(RequestModel):
     # vLLM's: every prompt token after the first scored, with this many top alternatives
     # (not with stream, as vLLM); the answer's ``prompt_logprobs``
     prompt_logprobs: int | None = None
+    # vLLM's: only the prompt's last k tokens (-1: its last max_model_len)
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: logprob tokens named "token_id:<id>" instead of their text
+    return_tokens_as_token_ids: bool | None = False
+    # vLLM fields this server cannot honour: refused with 400 unless set to their no-op
+    # value (http/unsupported.py)
+    priority: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    spaces_between_special_tokens: bool | None = None
     # structured output (one constraint at most; see http/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None

@@ -28,6 +28,19 @@ def _logprobs(req: SamplingRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: its last
+    ``max_model_len``); None leaves it whole; 400 for other values."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise APIError.bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
+                                   "truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
                           defaults: Mapping[str, float | int] | None = None,
                           constraints: dict[str, Any] | None = None) -> SamplingParams:

@@ -23,6 +23,7 @@ from tpserve.server.http.openai_format import (
     ResponseContext,
     chat_response,
     completion_response,
+    tokens_named_by_id,
 )
 from tpserve.server.http.protocol import (
     ChatCompletionRequest,
@@ -34,7 +35,7 @@ from tpserve.server.http.protocol import (
     ModelList,
     SamplingRequest,
 )
-from tpserve.server.http.request_params import build_sampling_params
+from tpserve.server.http.request_params import build_sampling_params, truncated_prompt
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import logit_bias, structured_output
@@ -105,6 +106,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
             engine_outputs(state.engine, f"{request_id}-{k}", ids, p,
                            tracker if k == 0 else state.metrics.track(), record)
             for k, (ids, p) in enumerate(prompts)], params.n)
+    if body.return_tokens_as_token_ids:
+        outputs = tokens_named_by_id(outputs)
     handed_over = False
     try:
         # The first output is awaited before answering, so that errors raised on submission
@@ -152,7 +155,9 @@ def make_openai_router() -> APIRouter:
         model = state.resolve_model(body.model)
         constraints = _checked_constraints(state, body)
         state.check_available()
-        prompt_ids = await state.prompts.completion_prompts(body.prompt)
+        prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
+                                       state.engine.max_model_len)
+                      for ids in await state.prompts.completion_prompts(body.prompt)]
         prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
                                                state.default_sampling_params, constraints))
                    for ids in prompt_ids]
@@ -174,6 +179,8 @@ def make_openai_router() -> APIRouter:
             continue_final_message=body.continue_final_message,
             tools=tools.template_tools if tools is not None else None,
             template_kwargs=body.chat_template_kwargs)
+        prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
+                                      state.engine.max_model_len)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                        state.default_sampling_params, constraints)
         return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,

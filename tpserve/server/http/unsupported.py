@@ -11,6 +11,13 @@ Decided per field of OpenAI's completions and chat completions APIs:
 - accepted and ignored, as OpenAI documents them as advisory (they never change the
   output): ``metadata`` (only stored with ``store``), ``service_tier``,
   ``prompt_cache_key`` (prefix caching needs no key), ``safety_identifier``, ``user``.
+
+vLLM's own request fields that need machinery this server does not have are refused the
+same way when set to anything but their no-op value: ``priority`` (only 0: first come,
+first served), ``use_beam_search``, ``length_penalty`` (beam search's), ``allowed_token_ids``,
+``bad_words``, ``logits_processors``, ``cache_salt`` (per-tenant prefix caches),
+``kv_transfer_params``, ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
+``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
 """
 
 from __future__ import annotations
@@ -41,6 +48,18 @@ def _noop_value(field: str, value: Any) -> bool:
         return list(value) == ["text"]
     if field == "store":
         return value is False
+    if field == "priority":
+        return value == 0
+    if field == "use_beam_search":
+        return value is False
+    if field == "length_penalty":
+        return value == 1.0
+    if field in ("bad_words", "logits_processors", "kv_transfer_params", "vllm_xargs"):
+        return not value
+    if field == "guided_decoding_backend":
+        return value in ("", "auto", "xgrammar")
+    if field == "spaces_between_special_tokens":
+        return value is True
     return False
 
 
@@ -61,12 +80,30 @@ CHAT_REFUSED = {
 }
 
 
+VLLM_REFUSED = {
+    "priority": "priority other than 0 is not supported: requests are served first come, "
+                "first served",
+    "use_beam_search": "beam search (use_beam_search) is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported: use structured output "
+                         "(guided_choice, response_format) or logit_bias",
+    "bad_words": "bad_words is not supported: use logit_bias",
+    "logits_processors": "logits_processors are not supported",
+    "cache_salt": "cache_salt is not supported: the prefix cache is shared by all requests",
+    "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
+    "vllm_xargs": "vllm_xargs is not supported",
+    "guided_decoding_backend": "only the xgrammar structured-output backend is available",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens: false is not supported",
+}
+
+
 def refuse_unsupported(req: SamplingRequest) -> None:
     """400 naming the first field set to something the server cannot honour."""
     if isinstance(req, CompletionRequest):
-        refused = COMPLETION_REFUSED
+        refused = {**COMPLETION_REFUSED, **VLLM_REFUSED}
     elif isinstance(req, ChatCompletionRequest):
-        refused = CHAT_REFUSED
+        refused = {**CHAT_REFUSED, **VLLM_REFUSED}
     else:
         refused = {}
     for field, message in refused.items():
