@@ -254,3 +254,33 @@ def test_truncate_prompt_tokens_and_tokens_as_ids(server, client):
                                        max_tokens=2, logprobs=True, top_logprobs=1,
                                        extra_body={"return_tokens_as_token_ids": True})
     assert all(t.token.startswith("token_id:") for t in c.choices[0].logprobs.content)
+
+
+def test_request_chat_template_documents_and_chat_echo(server, client):
+    """A request's own ``chat_template`` (with ``documents``) replaces the server's for that
+    request; chat ``echo`` starts the answer with the open assistant message, streamed or
+    not."""
+    template = ("{% for d in documents %}[doc {{ d.title }}] {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")
+    msgs = [{"role": "user", "content": "Hi!"}]
+    docs = [{"title": "a", "text": "Paris is in France."}]
+    fields = {"chat_template": template, "documents": docs}
+    ids = httpx.post(server.base + "/tokenize", json={"messages": msgs, **fields},
+                     timeout=60).json()["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert text["prompt"] == "[doc a] Paris is in France.\n<user>Hi!\n"
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                       temperature=0, extra_body=fields)
+    assert r.usage.prompt_tokens == len(ids)
+    open_msgs = msgs + [{"role": "assistant", "content": "The capital of France is"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=4,
+                                           temperature=0, extra_body=cont)
+    echoed = client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=4,
+                                            temperature=0, extra_body={**cont, "echo": True})
+    want = "The capital of France is" + plain.choices[0].message.content
+    assert echoed.choices[0].message.content == want
+    chunks = client.chat.completions.create(model=MODEL, messages=open_msgs, max_tokens=4,
+                                            temperature=0, stream=True,
+                                            extra_body={**cont, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want

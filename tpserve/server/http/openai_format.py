@@ -53,6 +53,7 @@ class ResponseContext:
     tools: ToolPlan | None = None  # set when tool calls are parsed from the output
     echo: Echo | None = None       # completions with ``echo``
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: top alternatives
+    chat_echo: str | None = None  # vLLM's chat ``echo``: the content every choice starts with
 
 
 def usage_info(out: RequestOutput, ctx: ResponseContext | None = None) -> UsageInfo:
@@ -202,6 +203,8 @@ def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
     finish_reason = c.finish_reason
     if ctx.tools is not None:
         content, calls, finish_reason = ctx.tools.extract(c.text, c.finish_reason)
+    if ctx.chat_echo:
+        content = ctx.chat_echo + (content or "")
     return ChatChoice(index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
                       finish_reason=finish_reason, stop_reason=c.stop_reason,
                       logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None)

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import ChatMessage, ToolCall
+from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, ToolCall
 
 # apply_chat_template's own arguments, which a request's chat_template_kwargs cannot set
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -92,10 +92,13 @@ class PromptProcessor:
     async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool = False,
                           tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The chat template applied to ``messages`` (and ``tools``, as Hugging Face
-        templates take them); ``template_kwargs`` are more template variables (400 for one
-        that names an argument set here)."""
+                          template_kwargs: Mapping[str, Any] | None = None,
+                          template: str | None = None,
+                          documents: list[dict[str, str]] | None = None) -> str:
+        """The chat template (``template``, else ``--chat-template``, else the model's)
+        applied to ``messages`` (and ``tools`` and ``documents``, as Hugging Face templates
+        take them); ``template_kwargs`` are more template variables (400 for one that names
+        an argument set here). Templates render in transformers' sandboxed environment."""
         if add_generation_prompt and continue_final_message:
             raise APIError.bad_request("add_generation_prompt and continue_final_message "
                                        "cannot both be true", "continue_final_message")
@@ -119,12 +122,15 @@ class PromptProcessor:
             if m.tool_calls:
                 item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             conversation.append(item)
-        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+        template = template if template is not None else self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
         kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
                                   "add_generation_prompt": add_generation_prompt}
-        if self.chat_template is not None:
-            kwargs["chat_template"] = self.chat_template
+        if template is not None:
+            kwargs["chat_template"] = template
+        if documents is not None:
+            kwargs["documents"] = documents
         if continue_final_message:
             kwargs["continue_final_message"] = True
         if tools is not None:
@@ -142,10 +148,18 @@ class PromptProcessor:
                        continue_final_message: bool = False,
                        add_special_tokens: bool = False,
                        tools: list[dict[str, Any]] | None = None,
-                       template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        text = await self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message,
-                                      tools=tools, template_kwargs=template_kwargs)
+                       options: ChatTemplateOptions | None = None) -> list[int]:
+        """The token ids of ``messages`` rendered; ``options`` (a request's vLLM template
+        fields) override the two flags when given."""
+        if options is not None:
+            add_generation_prompt = options.add_generation_prompt
+            continue_final_message = options.continue_final_message
+        text = await self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            template_kwargs=options.chat_template_kwargs if options else None,
+            template=options.chat_template if options else None,
+            documents=options.documents if options else None)
         ids = await self.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError.bad_request("messages render to an empty prompt", "messages")

@@ -246,11 +246,15 @@ class ChatTemplateOptions(BaseModel):
     """vLLM's chat-template fields (chat completions and /tokenize): ``add_generation_prompt``
     (the assistant turn's opening), ``continue_final_message`` (the last message left open
     for the model to continue; not with ``add_generation_prompt``), ``chat_template_kwargs``
-    (more variables for the template, e.g. a model's ``enable_thinking``)."""
+    (more variables for the template, e.g. a model's ``enable_thinking``), ``chat_template``
+    (this request's template instead of the server's) and ``documents`` (for templates
+    that take them, as Hugging Face's RAG templates do)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
@@ -258,6 +262,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: the answer starts with the last message's content when it is an assistant's
+    echo: bool | None = False
     # tool calling (http/tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

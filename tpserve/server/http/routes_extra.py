@@ -37,10 +37,7 @@ def make_extra_router() -> APIRouter:
             ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
         else:
             ids = await state.prompts.chat_ids(
-                body.messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-                template_kwargs=body.chat_template_kwargs)
+                body.messages, add_special_tokens=body.add_special_tokens, options=body)
         strs = await state.prompts.token_strs(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len,
                                 tokens=ids, token_strs=strs)

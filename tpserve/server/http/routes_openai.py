@@ -86,7 +86,7 @@ def _with_tools(body: ChatCompletionRequest, plan: ToolPlan | None,
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker, tools: ToolPlan | None = None,
-                 echo: Echo | None = None) -> Response:
+                 echo: Echo | None = None, chat_echo: str | None = None) -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -96,7 +96,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           include_usage=body.include_usage,
                           continuous_usage=body.continuous_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
-                          echo=echo, prompt_logprobs=body.prompt_logprobs)
+                          echo=echo, prompt_logprobs=body.prompt_logprobs,
+                          chat_echo=chat_echo)
     record = access_record(request)
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
@@ -175,15 +176,15 @@ def make_openai_router() -> APIRouter:
         body = _with_tools(body, tools, constraints)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(
-            body.messages, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tools=tools.template_tools if tools is not None else None,
-            template_kwargs=body.chat_template_kwargs)
+            body.messages, tools=tools.template_tools if tools is not None else None,
+            options=body)
         prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                       state.engine.max_model_len)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                        state.default_sampling_params, constraints)
+        last = body.messages[-1]
+        echo = last.text() if body.echo and last.role == "assistant" else None
         return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
-                            tracker, tools)
+                            tracker, tools, chat_echo=echo)
 
     return router

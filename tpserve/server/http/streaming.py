@@ -160,6 +160,9 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
         for i in range(ctx.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                     content="")), before)
+            if ctx.chat_echo:
+                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
+                            before)
         final = None
         held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
         async for out in _all(first, outputs):
