@@ -284,3 +284,35 @@ def test_request_chat_template_documents_and_chat_echo(server, client):
                                             temperature=0, stream=True,
                                             extra_body={**cont, "echo": True})
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_return_token_ids(server, client):
+    """vLLM's ``return_token_ids``: the prompt's ids (a stream's first chunk) and each
+    choice's generated ids (streamed: chunk by chunk), which decode to its text."""
+    extra = {"return_token_ids": True}
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": ECHO_PROMPT},
+                     timeout=60).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=6,
+                                  temperature=0, extra_body=extra)
+    c = r.choices[0].model_extra
+    assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == r.usage.completion_tokens
+    text = httpx.post(server.base + "/detokenize", json={"tokens": c["token_ids"]},
+                      timeout=60).json()["prompt"]
+    assert text == r.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=6,
+                                            temperature=0, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ids
+    assert all(ch.choices[0].model_extra["prompt_token_ids"] is None for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"] or []] \
+        == c["token_ids"]
+    msgs = [{"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
+                                          temperature=0, extra_body=extra)
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    want = chat.choices[0].model_extra["token_ids"]
+    assert len(want) == chat.usage.completion_tokens
+    stream = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
+                                                 temperature=0, stream=True, extra_body=extra))
+    assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [t for ch in stream if ch.choices
+            for t in ch.choices[0].model_extra["token_ids"] or []] == want

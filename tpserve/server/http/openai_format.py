@@ -54,6 +54,12 @@ class ResponseContext:
     echo: Echo | None = None       # completions with ``echo``
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: top alternatives
     chat_echo: str | None = None  # vLLM's chat ``echo``: the content every choice starts with
+    # vLLM's ``return_token_ids``: each prompt's ids (choice i has prompt i // per_prompt)
+    prompt_ids: tuple[list[int], ...] | None = None
+    per_prompt: int = 1
+
+    def prompt_ids_of(self, choice: int) -> list[int] | None:
+        return None if self.prompt_ids is None else self.prompt_ids[choice // self.per_prompt]
 
 
 def usage_info(out: RequestOutput, ctx: ResponseContext | None = None) -> UsageInfo:
@@ -137,8 +143,10 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the scored prompt (echo)
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: CompletionDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.text_parts.append(delta.text)
@@ -173,9 +181,9 @@ class OutputAccumulator:
 
 def _completion_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> CompletionChoice:
     echo = ctx.echo
-    text, lps = c.text, c.logprobs
+    text, lps, ids = c.text, c.logprobs, c.token_ids
     if echo is not None and echo.only:
-        text, lps = "", []
+        text, lps, ids = "", [], []
     logprobs = None
     if ctx.logprobs:
         logprobs = completion_logprobs(lps, 0)
@@ -187,8 +195,11 @@ def _completion_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> Completi
     prompt = None
     if ctx.prompt_logprobs is not None:
         prompt = vllm_prompt_logprobs(c.prompt_logprobs, ctx.prompt_logprobs)
+    prompt_ids = ctx.prompt_ids_of(i)
     return CompletionChoice(index=i, text=text, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason, logprobs=logprobs, prompt_logprobs=prompt)
+                            stop_reason=c.stop_reason, logprobs=logprobs, prompt_logprobs=prompt,
+                            prompt_token_ids=prompt_ids,
+                            token_ids=list(ids) if prompt_ids is not None else None)
 
 
 def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> CompletionResponse:
@@ -207,7 +218,8 @@ def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
         content = ctx.chat_echo + (content or "")
     return ChatChoice(index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
                       finish_reason=finish_reason, stop_reason=c.stop_reason,
-                      logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None)
+                      logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None,
+                      token_ids=list(c.token_ids) if ctx.prompt_ids is not None else None)
 
 
 def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletionResponse:
@@ -216,4 +228,5 @@ def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletio
     if ctx.prompt_logprobs is not None:  # one prompt: the first choice's scored prompt
         prompt = vllm_prompt_logprobs(acc.choices[0].prompt_logprobs, ctx.prompt_logprobs)
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
-                                  choices=choices, usage=acc.usage(), prompt_logprobs=prompt)
+                                  choices=choices, usage=acc.usage(), prompt_logprobs=prompt,
+                                  prompt_token_ids=ctx.prompt_ids_of(0))

@@ -129,6 +129,8 @@ class SamplingRequest(RequestModel):
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprob tokens named "token_id:<id>" instead of their text
     return_tokens_as_token_ids: bool | None = False
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: bool | None = False
     # vLLM fields this server cannot honour: refused with 400 unless set to their no-op
     # value (http/unsupported.py)
     priority: int | None = None
@@ -351,6 +353,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    # vLLM's return_token_ids (streamed: the prompt's in a choice's first chunk)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -398,6 +403,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -409,6 +415,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -429,6 +436,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -439,6 +447,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the first chunk's
 
 
 class ModelCard(BaseModel):

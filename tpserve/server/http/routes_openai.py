@@ -97,7 +97,9 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           continuous_usage=body.continuous_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
                           echo=echo, prompt_logprobs=body.prompt_logprobs,
-                          chat_echo=chat_echo)
+                          chat_echo=chat_echo,
+                          prompt_ids=tuple(ids for ids, _ in prompts)
+                          if body.return_token_ids else None, per_prompt=params.n)
     record = access_record(request)
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,

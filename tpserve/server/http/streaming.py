@@ -94,19 +94,31 @@ def _so_far(out: RequestOutput, ctx: ResponseContext) -> UsageInfo | None:
 
 
 def _has_content(delta: CompletionDelta, ctx: ResponseContext) -> bool:
-    return bool(delta.text) or bool(ctx.logprobs and delta.logprobs)
+    return (bool(delta.text) or bool(ctx.logprobs and delta.logprobs)
+            or bool(ctx.prompt_ids is not None and delta.token_ids))
+
+
+def _ids(delta: CompletionDelta, ctx: ResponseContext) -> list[int] | None:
+    """A chunk's token ids (vLLM's ``return_token_ids``), else None."""
+    return list(delta.token_ids) if ctx.prompt_ids is not None else None
 
 
 async def completion_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                             ctx: ResponseContext) -> AsyncIterator[bytes]:
     """``/v1/completions`` chunks: text per delta, a finish chunk per choice, usage, [DONE].
     With ``echo`` a choice's first chunk is its prompt (with the scored prompt's logprobs),
-    sent when its first delta arrives; an echo of the prompt alone sends no other text."""
+    sent when its first delta arrives; an echo of the prompt alone sends no other text.
+    With ``return_token_ids`` a choice's first chunk holds its prompt's ids and each chunk
+    the ids of its tokens."""
     states = [ChoiceState() for _ in range(ctx.n)]
     echo = ctx.echo
     echoed = [False] * ctx.n
+    started = [False] * ctx.n
 
     def chunk(choice: CompletionChoice, out: RequestOutput) -> bytes:
+        if not started[choice.index]:
+            started[choice.index] = True
+            choice.prompt_token_ids = ctx.prompt_ids_of(choice.index)
         return _dump(CompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
                                      choices=[choice], usage=_so_far(out, ctx)), ctx)
 
@@ -123,12 +135,13 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
                     yield chunk(CompletionChoice(index=d.index, text=text, logprobs=lps), out)
                     state.text_len += len(text)
                 if echo is not None and echo.only:
-                    d = replace(d, text="", logprobs=None)
+                    d = replace(d, text="", logprobs=None, token_ids=())
                 if _has_content(d, ctx):
                     lps = None
                     if ctx.logprobs:
                         lps = completion_logprobs(d.logprobs or (), state.text_len)
-                    yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps), out)
+                    yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps,
+                                                 token_ids=_ids(d, ctx)), out)
                 state.add(d)
                 if d.finish_reason is not None:
                     yield chunk(CompletionChoice(index=d.index, text="",
@@ -149,17 +162,22 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
 async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                       ctx: ResponseContext) -> AsyncIterator[bytes]:
     """``/v1/chat/completions`` chunks: a role chunk per choice, content deltas, a finish
-    chunk per choice, usage, [DONE]."""
+    chunk per choice, usage, [DONE]. With ``return_token_ids`` the first chunk holds the
+    prompt's ids and each content chunk its tokens' (held tool-call output: the finish
+    chunk holds them all)."""
 
-    def chunk(choice: ChatChunkChoice, out: RequestOutput) -> bytes:
+    def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None) -> bytes:
         return _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                         choices=[choice], usage=_so_far(out, ctx)), ctx)
+                                         choices=[choice], usage=_so_far(out, ctx),
+                                         prompt_token_ids=prompt_ids), ctx)
 
     try:
         before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
+        held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
         for i in range(ctx.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                    content="")), before)
+                                                                    content="")), before,
+                        ctx.prompt_ids_of(0) if i == 0 else None)
             if ctx.chat_echo:
                 yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
                             before)
@@ -169,6 +187,7 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
             for d in out.deltas:
                 finish_reason = d.finish_reason
                 if held is not None:
+                    held_ids[d.index].extend(d.token_ids)
                     for delta, lps in held[d.index].add(d, ctx):
                         yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps),
                                     out)
@@ -177,11 +196,13 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
                 elif _has_content(d, ctx):
                     lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
-                                                logprobs=lps), out)
+                                                logprobs=lps, token_ids=_ids(d, ctx)), out)
                 if finish_reason is not None:
+                    ids = held_ids[d.index] if held is not None and ctx.prompt_ids is not None \
+                        else None
                     yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
                                                 finish_reason=finish_reason,
-                                                stop_reason=d.stop_reason), out)
+                                                stop_reason=d.stop_reason, token_ids=ids), out)
             if out.finished:
                 final = out
         if ctx.include_usage and final is not None:
