@@ -108,6 +108,17 @@ def test_generation_config_vllm_reverts_to_openai_defaults(server_vllm_defaults)
     assert "tpserve.access" not in s.output()  # --disable-log-requests
 
 
+def test_the_access_log_counts_an_echoed_prompt_as_its_usage(server):
+    """``echo`` with ``max_tokens: 0``: the line counts no completion token, as the usage
+    does (the one token the engine samples is dropped)."""
+    before = len(access_lines(server, "/v1/completions"))
+    r = client(server).completions.create(model=MODEL, prompt=STORY, max_tokens=0, echo=True)
+    assert r.usage.completion_tokens == 0 and r.choices[0].text == STORY
+    lines = wait_for_lines(server, "/v1/completions", before + 1)
+    assert lines[before].startswith(f"POST /v1/completions 200 prompt_tokens="
+                                    f"{r.usage.prompt_tokens} completion_tokens=0 "), lines
+
+
 def test_one_access_log_line_per_request(server):
     c = client(server)
     before = len(access_lines(server, "/v1/completions"))

@@ -101,13 +101,17 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           prompt_ids=tuple(ids for ids, _ in prompts)
                           if body.return_token_ids else None, per_prompt=params.n)
     record = access_record(request)
+    counted = record
+    if echo is not None and echo.only:  # the prompt alone: its one sampled token is dropped
+        record.prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        record.completion_tokens, counted = 0, None
     if len(prompts) == 1:
         outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
-                                 record)
+                                 counted)
     else:
         outputs = merged_outputs(request_id, [
             engine_outputs(state.engine, f"{request_id}-{k}", ids, p,
-                           tracker if k == 0 else state.metrics.track(), record)
+                           tracker if k == 0 else state.metrics.track(), counted)
             for k, (ids, p) in enumerate(prompts)], params.n)
     if body.return_tokens_as_token_ids:
         outputs = tokens_named_by_id(outputs)
