@@ -258,6 +258,28 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     assert run(Sampler(), x[:1], [ignore], outputs=[[]], eos=frozenset({2})).token_ids == [5]
 
 
+def test_allowed_token_ids_mask_every_other_token(logits):
+    """vLLM's ``allowed_token_ids``: the row's distribution is the logits' softmax over the
+    allowed ids only (every other token -inf, logprobs renormalized), greedy or sampled; a
+    row without the field in the same step is untouched."""
+    allowed = (3, 7, 12)
+    logits = logits[:2, :16]  # processed() reads every logprob: at most 20 ids
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    masked = processed(logits, [greedy, SamplingParams(temperature=0.0)], [[], []],
+                       [[], []])
+    expected = torch.full_like(logits[0], -math.inf)
+    expected[list(allowed)] = logits[0, list(allowed)]
+    assert same_up_to_shift(masked[:1], expected[None])
+    assert same_up_to_shift(masked[1:], logits[1:2])
+    want = allowed[int(logits[0, list(allowed)].argmax())]
+    assert run(Sampler(), logits[:1], [greedy]).token_ids == [want]
+    hot = SamplingParams(temperature=5.0, allowed_token_ids=allowed, seed=1)
+    drawn = {run(Sampler(seed=s), logits[:1], [hot]).token_ids[0] for s in range(40)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=())
+
+
 def test_logprobs_values_and_top(logits):
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.9, logprobs=0), SamplingParams(temperature=1.0,

@@ -316,3 +316,20 @@ def test_return_token_ids(server, client):
     assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     assert [t for ch in stream if ch.choices
             for t in ch.choices[0].model_extra["token_ids"] or []] == want
+
+
+def test_allowed_token_ids(server, client):
+    """vLLM's ``allowed_token_ids``: every generated token is one of them, greedy or
+    sampled, in completions and chat."""
+    allowed = httpx.post(server.base + "/tokenize", json={"prompt": " yes no maybe",
+                                                          "add_special_tokens": False},
+                         timeout=60).json()["tokens"]
+    extra = {"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5,
+                                  temperature=1.0, seed=3, extra_body=extra)
+    got = r.choices[0].model_extra["token_ids"]
+    assert len(got) == 5 and set(got) <= set(allowed)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=3,
+        temperature=0, extra_body=extra)
+    assert set(chat.choices[0].model_extra["token_ids"]) <= set(allowed)

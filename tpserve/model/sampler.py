@@ -9,8 +9,9 @@ logits as they are, which is the same token):
    (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
 2. min_tokens (``_mask_min_tokens_``): while the output is shorter than ``min_tokens``,
    every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
-   then ``logit_bias`` is added, and the grammar bitmask of structured-output rows (built
-   by the engine) sets every token the grammar forbids to -inf;
+   then ``logit_bias`` is added, every token outside a row's ``allowed_token_ids`` is set
+   to -inf, and the grammar bitmask of structured-output rows (built by the engine) sets
+   every token the grammar forbids to -inf;
 3. logprobs: ``log_softmax`` of the logits after steps 1-2 and *before* temperature and the
    top-k / top-p / min-p filters. They describe the model's (penalized, constrained)
    distribution, not the request's sampling knobs, so a greedy request and a sampled one
@@ -149,6 +150,22 @@ def _bias_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
                           to_device(values, torch.float32, device), accumulate=True)
 
 
+def _allow_only_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: every logit outside a row's ``allowed_token_ids`` becomes -inf (ids
+    outside the vocabulary are ignored; the HTTP layer refuses them)."""
+    vocab = logits.shape[-1]
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return
+    device = logits.device
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for r, i in enumerate(rows):
+        ids = [t for t in params[i].allowed_token_ids if t < vocab]
+        keep[r, to_device(ids, torch.long, device)] = True
+    index = to_device(rows, torch.long, device)
+    logits[index] = logits[index].masked_fill(~keep, -math.inf)
+
+
 def _penalize_(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -230,7 +247,7 @@ def _plain_greedy(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
     """A greedy row that asks for no logprobs and whose logits no pipeline step changes
     (no penalty, no logit_bias, past its ``min_tokens``)."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
-            and len(output_token_ids) >= p.min_tokens)
+            and p.allowed_token_ids is None and len(output_token_ids) >= p.min_tokens)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -328,6 +345,7 @@ class Sampler:
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
         _bias_(x, params)
+        _allow_only_(x, params)
         if bitmask is not None:
             apply_token_bitmask_(x, bitmask)
 

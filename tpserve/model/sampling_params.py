@@ -55,6 +55,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    # vLLM's: only these token ids may be sampled (every other logit set to -inf)
+    allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None
 
     MAX_N = 128
@@ -106,6 +108,9 @@ class SamplingParams:
                     and -self.MAX_LOGIT_BIAS <= bias <= self.MAX_LOGIT_BIAS):
                 raise bad("logit_bias", f"values must be in [-100, 100], got {bias!r} "
                           f"for token {token}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
         if self.structured is not None and self.min_tokens > 0:
             # the grammar may allow only EOS where min_tokens forbids it
             raise bad("min_tokens", "cannot be combined with structured output")

@@ -38,7 +38,7 @@ from tpserve.server.http.protocol import (
 from tpserve.server.http.request_params import build_sampling_params, truncated_prompt
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
-from tpserve.server.http.structured import logit_bias, structured_output
+from tpserve.server.http.structured import allowed_token_ids, logit_bias, structured_output
 from tpserve.server.http.tools import ToolPlan, plan_tools
 from tpserve.server.http.unsupported import refuse_unsupported, warn_unknown_fields
 
@@ -63,6 +63,7 @@ def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str,
     refuse_unsupported(body)
     warn_unknown_fields(body, state.warned_fields)
     return {"logit_bias": logit_bias(body, state.engine.vocab_size),
+            "allowed_token_ids": allowed_token_ids(body, state.engine.vocab_size),
             "structured": structured_output(body)}
 
 

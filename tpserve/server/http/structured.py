@@ -106,3 +106,17 @@ def logit_bias(req: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float]
                 "logit_bias")
         pairs.append((token, float(bias)))
     return tuple(pairs)
+
+
+def allowed_token_ids(req: SamplingRequest, vocab_size: int) -> tuple[int, ...] | None:
+    """vLLM's ``allowed_token_ids`` (None: all); 400 for an empty list or ids outside the
+    vocabulary."""
+    if req.allowed_token_ids is None:
+        return None
+    ids = tuple(sorted(set(req.allowed_token_ids)))
+    if not ids:
+        raise APIError.bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        raise APIError.bad_request(
+            f"allowed_token_ids must be token ids in [0, {vocab_size})", "allowed_token_ids")
+    return ids
