@@ -280,6 +280,23 @@ def test_allowed_token_ids_mask_every_other_token(logits):
         SamplingParams(allowed_token_ids=())
 
 
+def test_bad_words_ban_the_token_that_would_complete_them():
+    """A one-token bad word is never sampled; a longer one's last token only right after
+    the output ends with the rest of it."""
+    x = torch.zeros(3, 8)
+    x[:, 4] = 3.0  # the favourite
+    x[:, 6] = 2.0
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=((1, 2, 4), (6,)))
+    masked = processed(x, [p, p, p], [[], [], []], [[1, 2], [2, 1], [0, 1, 2]])
+    assert masked[0, 4] == -math.inf and masked[2, 4] == -math.inf  # output ends 1, 2
+    assert masked[1, 4] > -math.inf  # output ends 2, 1: the word cannot be completed
+    assert bool((masked[:, 6] == -math.inf).all())
+    out = run(Sampler(), x, [p, p, p], outputs=[[1, 2], [2, 1], [0, 1, 2]])
+    assert out.token_ids == [0, 4, 0]
+    assert p.needs_output_history
+    assert not SamplingParams(bad_words_token_ids=((6,),)).needs_output_history
+
+
 def test_logprobs_values_and_top(logits):
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.9, logprobs=0), SamplingParams(temperature=1.0,

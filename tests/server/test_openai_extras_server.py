@@ -333,3 +333,20 @@ def test_allowed_token_ids(server, client):
         model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=3,
         temperature=0, extra_body=extra)
     assert set(chat.choices[0].model_extra["token_ids"]) <= set(allowed)
+
+
+def test_bad_words(client):
+    """vLLM's ``bad_words``: the greedy answer's first word, banned, is not generated (it is
+    banned as sent and after a space), and the answer changes, in completions and chat.
+    (Multi-token words: ``test_sampler.py``.)"""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                      temperature=0).choices[0].text
+    assert plain.startswith(" Paris")
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                       temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text and banned.choices[0].text != plain
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in chat.choices[0].message.content

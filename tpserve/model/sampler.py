@@ -9,6 +9,8 @@ logits as they are, which is the same token):
    (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
 2. min_tokens (``_mask_min_tokens_``): while the output is shorter than ``min_tokens``,
    every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
+   bad words (``_ban_bad_words_``): the last token of each ``bad_words_token_ids`` sequence
+   whose other tokens end the output is set to -inf;
    then ``logit_bias`` is added, every token outside a row's ``allowed_token_ids`` is set
    to -inf, and the grammar bitmask of structured-output rows (built by the engine) sets
    every token the grammar forbids to -inf;
@@ -219,6 +221,30 @@ def _mask_min_tokens_(
         logits[rows, cols] = -math.inf
 
 
+def _ban_bad_words_(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+) -> None:
+    """In place: -inf on the last token of every bad-word sequence that the output's
+    tokens would complete (one-token words always)."""
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    for i, p in enumerate(params):
+        out = output_token_ids[i]
+        for word in p.bad_words_token_ids:
+            head = len(word) - 1
+            if word[-1] < vocab and (head == 0 or (
+                    len(out) >= head and list(out[len(out) - head:]) == list(word[:-1]))):
+                row_idx.append(i)
+                col_idx.append(word[-1])
+    if row_idx:
+        rows = to_device(row_idx, torch.long, logits.device)
+        cols = to_device(col_idx, torch.long, logits.device)
+        logits[rows, cols] = -math.inf
+
+
 def apply_filters(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -247,7 +273,8 @@ def _plain_greedy(p: SamplingParams, output_token_ids: Sequence[int]) -> bool:
     """A greedy row that asks for no logprobs and whose logits no pipeline step changes
     (no penalty, no logit_bias, past its ``min_tokens``)."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
-            and p.allowed_token_ids is None and len(output_token_ids) >= p.min_tokens)
+            and p.allowed_token_ids is None and not p.bad_words_token_ids
+            and len(output_token_ids) >= p.min_tokens)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -344,6 +371,7 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         _penalize_(x, params, prompt_token_ids, output_token_ids)
         _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
+        _ban_bad_words_(x, params, output_token_ids)
         _bias_(x, params)
         _allow_only_(x, params)
         if bitmask is not None:

@@ -57,6 +57,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     # vLLM's: only these token ids may be sampled (every other logit set to -inf)
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words as token sequences: a sequence's last token is banned whenever the
+    # output ends with the rest of it (a one-token sequence: always)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured: StructuredOutput | None = None
 
     MAX_N = 128
@@ -111,6 +114,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if any(not w or min(w) < 0 for w in self.bad_words_token_ids):
+            raise bad("bad_words_token_ids", "must be non-empty token id sequences")
         if self.structured is not None and self.min_tokens > 0:
             # the grammar may allow only EOS where min_tokens forbids it
             raise bad("min_tokens", "cannot be combined with structured output")
@@ -118,6 +123,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling reads the row's output tokens on the host (penalties, bad words
+        of more than one token): the engine then finalizes each step before the next."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

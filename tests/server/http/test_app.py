@@ -384,7 +384,7 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1, 49152]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
-    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words"),
     ({"prompt": "x", "logits_processors": ["p"]}, "logits_processors"),
     ({"prompt": "x", "cache_salt": "tenant"}, "cache_salt"),
     ({"prompt": "x", "kv_transfer_params": {"a": 1}}, "kv_transfer_params"),

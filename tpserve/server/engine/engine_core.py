@@ -353,7 +353,7 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
-            s.params.has_penalties for s in self.scheduler.running)
+            s.params.needs_output_history for s in self.scheduler.running)
 
     def _grammar_bitmask(self, sampling: list[Sequence], device: torch.device):
         """The bitmask of the constrained rows that still run (their matchers are up to

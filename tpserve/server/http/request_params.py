@@ -7,6 +7,7 @@ from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # the fields a model's generation config may default (max_tokens is handled apart)
@@ -26,6 +27,22 @@ def _logprobs(req: SamplingRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def bad_words_token_ids(words: list[str] | None, prompts: PromptProcessor
+                              ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences: each word encoded as sent and with one
+    leading space (how it reads mid-sentence), without special tokens, duplicates once;
+    400 for an empty word."""
+    seqs: list[tuple[int, ...]] = []
+    for word in words or ():
+        if not word.strip():
+            raise APIError.bad_request("bad_words must not hold empty words", "bad_words")
+        for form in (word, " " + word.lstrip()):
+            ids = tuple(await prompts.encode(form, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return tuple(seqs)
 
 
 def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

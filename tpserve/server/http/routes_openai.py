@@ -35,7 +35,11 @@ from tpserve.server.http.protocol import (
     ModelList,
     SamplingRequest,
 )
-from tpserve.server.http.request_params import build_sampling_params, truncated_prompt
+from tpserve.server.http.request_params import (
+    bad_words_token_ids,
+    build_sampling_params,
+    truncated_prompt,
+)
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import allowed_token_ids, logit_bias, structured_output
@@ -57,13 +61,15 @@ async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: 
     return acc
 
 
-def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str, Any]:
+async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str, Any]:
     """Refuses fields the server cannot honour, logs unknown ones, and returns the
-    request's validated ``logit_bias`` and structured-output constraint (400s on error)."""
+    request's validated ``logit_bias``, ``allowed_token_ids``, bad words (tokenized) and
+    structured-output constraint (400s on error)."""
     refuse_unsupported(body)
     warn_unknown_fields(body, state.warned_fields)
     return {"logit_bias": logit_bias(body, state.engine.vocab_size),
             "allowed_token_ids": allowed_token_ids(body, state.engine.vocab_size),
+            "bad_words_token_ids": await bad_words_token_ids(body.bad_words, state.prompts),
             "structured": structured_output(body)}
 
 
@@ -161,7 +167,7 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         tracker = state.metrics.track()  # latencies count from here
         model = state.resolve_model(body.model)
-        constraints = _checked_constraints(state, body)
+        constraints = await _checked_constraints(state, body)
         state.check_available()
         prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
                                        state.engine.max_model_len)
@@ -178,7 +184,7 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
-        constraints = _checked_constraints(state, body)
+        constraints = await _checked_constraints(state, body)
         tools = plan_tools(body, state.auto_tool_parser)
         body = _with_tools(body, tools, constraints)
         state.check_available()
