@@ -325,3 +325,22 @@ def test_cpu_kv_budget_rules():
     cuda = torch.device("cuda")
     budget, _ = memory.kv_budget(cuda, 100 * gib, 90 * gib, 0.9, 16 * gib, 2 * gib, gib, None)
     assert budget == int(0.9 * 100 * gib) - 10 * gib - 16 * gib - 2 * gib - gib
+
+
+def test_a_multi_token_bad_word_sees_the_previous_token_under_async_scheduling(
+        folder, smollm2_tokenizer):
+    """The ban of a two-token bad word needs the token just sampled: such rows finalize
+    each step before the next is scheduled (as penalties do), so with asynchronous
+    scheduling the word's first token is still generated and its second never follows."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=20)
+    prompt = list(range(5, 30))
+    plain = submit(core, "plain", prompt, SamplingParams(temperature=0, max_tokens=4,
+                                                          ignore_eos=True))
+    run_to_end(core)
+    t = tokens_of(plain)
+    banned = submit(core, "banned", prompt, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, bad_words_token_ids=((t[0], t[1]),)))
+    run_to_end(core)
+    got = tokens_of(banned)
+    assert got[0] == t[0] and got[1] != t[1]
+    assert core.block_manager.num_used_blocks == 0
