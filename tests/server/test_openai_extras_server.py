@@ -350,3 +350,18 @@ def test_bad_words(client):
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=12, temperature=0, extra_body={"bad_words": ["Paris"]})
     assert "Paris" not in chat.choices[0].message.content
+
+
+def test_cache_salt(client):
+    """vLLM's ``cache_salt`` over HTTP: the second request of a salt hits its prefix cache,
+    another salt's does not."""
+    prompt = ECHO_PROMPT * 4 + " Unique salt test."
+
+    def cached(salt: str) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                      extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("one") == 0
+    assert cached("two") == 0
+    assert cached("one") > 0

@@ -60,6 +60,8 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token is banned whenever the
     # output ends with the rest of it (a one-token sequence: always)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: prefix-cache hits only between requests with the same salt
+    cache_salt: str | None = None
     structured: StructuredOutput | None = None
 
     MAX_N = 128
@@ -114,6 +116,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad("cache_salt", "must not be empty")
         if any(not w or min(w) < 0 for w in self.bad_words_token_ids):
             raise bad("bad_words_token_ids", "must be non-empty token id sequences")
         if self.structured is not None and self.min_tokens > 0:

@@ -344,3 +344,19 @@ def test_a_multi_token_bad_word_sees_the_previous_token_under_async_scheduling(
     got = tokens_of(banned)
     assert got[0] == t[0] and got[1] != t[1]
     assert core.block_manager.num_used_blocks == 0
+
+
+def test_cache_salt_keeps_prefix_caches_apart(folder, smollm2_tokenizer):
+    """vLLM's ``cache_salt``: a prompt's cached blocks serve only requests with the same
+    salt (none serves none: the unsalted cache is its own)."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    prompt = list(range(1, 50))  # 3 full blocks
+    cached = {}
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", None), ("d", "tenant-1"),
+                      ("e", None)):
+        outs = submit(core, rid, prompt + [7], SamplingParams(temperature=0, max_tokens=2,
+                                                              cache_salt=salt))
+        run_to_end(core)
+        cached[rid] = outs[-1].num_cached_tokens
+    assert cached == {"a": 0, "b": 0, "c": 0, "d": 48, "e": 48}
+    assert core.block_manager.num_used_blocks == 0

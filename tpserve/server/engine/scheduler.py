@@ -242,7 +242,7 @@ class Scheduler:
                 hit = fork_tokens
             else:
                 computed, num_cached = ([], 0) if seq.scores_prompt else \
-                    bm.get_computed_blocks(seq.all_token_ids)
+                    bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate(seq, num_new, computed):
                     break
@@ -308,7 +308,7 @@ class Scheduler:
                 f"seq {seq.seq_id} computed past its tokens")
             if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.cache_full_blocks(seq, seq.cache_key)
 
     # ----------------------------------------------------------------- checking
 

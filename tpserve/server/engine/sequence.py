@@ -74,6 +74,13 @@ class Sequence:
     prompt_scored: bool = False
 
     @property
+    def cache_key(self) -> bytes:
+        """The prefix cache's ``extra_key`` of this sequence's blocks: its request's
+        ``cache_salt`` (vLLM's; hits only between requests with the same salt), else none."""
+        salt = self.params.cache_salt
+        return b"" if salt is None else b"salt:" + salt.encode()
+
+    @property
     def scores_prompt(self) -> bool:
         """Whether this sequence's steps must still score its prompt tokens
         (``params.prompt_logprobs``): the first sibling does, once, for the whole request,

@@ -131,15 +131,17 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool | None = False
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool | None = False
+    # vLLM's: prefix-cache hits only between requests with the same salt
+    cache_salt: str | None = None
+    # vLLM's: only these ids sampled; words never completed (http/structured.py, the sampler)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM fields this server cannot honour: refused with 400 unless set to their no-op
     # value (http/unsupported.py)
     priority: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
-    cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None

@@ -14,7 +14,7 @@ Decided per field of OpenAI's completions and chat completions APIs:
 
 vLLM's own request fields that need machinery this server does not have are refused the
 same way when set to anything but their no-op value: ``priority`` (only 0: first come,
-first served), ``use_beam_search``, ``length_penalty`` (beam search's), ``logits_processors``, ``cache_salt`` (per-tenant prefix caches),
+first served), ``use_beam_search``, ``length_penalty`` (beam search's), ``logits_processors``,
 ``kv_transfer_params``, ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
 ``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
 """
@@ -85,7 +85,6 @@ VLLM_REFUSED = {
     "use_beam_search": "beam search (use_beam_search) is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
     "logits_processors": "logits_processors are not supported",
-    "cache_salt": "cache_salt is not supported: the prefix cache is shared by all requests",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
     "guided_decoding_backend": "only the xgrammar structured-output backend is available",
