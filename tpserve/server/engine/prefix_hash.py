@@ -24,7 +24,8 @@ ROOT_BYTES = 32
 
 def sha256_block_hash(parent: bytes, tokens: tuple[int, ...], extra_key: bytes = b"") -> bytes:
     """The chained hash of one full block. ``extra_key`` is for anything besides the tokens
-    that changes the block's K/V content (none today: a LoRA id, a multimodal input hash)."""
+    that keeps blocks apart: a request's ``cache_salt`` today (``Sequence.cache_key``);
+    later a LoRA id or a multimodal input hash."""
     h = hashlib.sha256(parent)
     h.update(len(tokens).to_bytes(8, "little"))
     h.update(array("q", tokens).tobytes())
