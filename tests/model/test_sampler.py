@@ -382,3 +382,25 @@ def test_warm_up_runs_every_path_and_changes_no_draw():
     params = [SamplingParams(temperature=1.0)] * 4
     args = (logits, params, [[1]] * 4, [[]] * 4, [None] * 4, frozenset())
     assert warmed.sample(*args).to_host().resolve() == fresh.sample(*args).to_host().resolve()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the CUDA sampler: GPU only")
+def test_the_sampler_on_the_gpu_takes_the_cpu_tokens():
+    """The pipeline's masks and biases on CUDA (pinned, non-blocking index copies): greedy
+    rows with allowed_token_ids, bad words, logit_bias, min_tokens and penalties take the
+    same tokens and logprobs as on the CPU."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 1000, generator=g) * 4
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=(3, 500, 999), logprobs=2),
+              SamplingParams(temperature=0.0, bad_words_token_ids=((1, 2, int(x[1].argmax())),
+                                                                   (int(x[1].topk(2)[1][1]),))),
+              SamplingParams(temperature=0.0, logit_bias=((10, 50.0),), logprobs=5),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(int(x[3].argmax()),)),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0,
+                             logprobs=1)]
+    outputs = [[], [1, 2], [], [4], [int(x[4].argmax())] * 3]
+    cpu = run(Sampler(), x, params, outputs=outputs)
+    gpu = run(Sampler(device=torch.device("cuda")), x.cuda(), params, outputs=outputs)
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+    assert cpu.token_ids[0] in (3, 500, 999) and cpu.token_ids[2] == 10
