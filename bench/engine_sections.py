@@ -117,13 +117,16 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     concurrency: int, time_limit: float | None, waste: list[float] | None,
                     tag: str, temperature: float = 0.0,
-                    on_step: Callable[[int], None] | None = None
+                    on_step: Callable[[int], None] | None = None,
+                    prompt_logprobs: int | None = None
                     ) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
-    ``on_step(n)`` is called after the n-th step. Returns the trackers, the wall time and
-    the number of steps."""
-    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
+    ``on_step(n)`` is called after the n-th step; ``prompt_logprobs`` scores every prompt
+    (the completions API's ``echo`` with ``logprobs``). Returns the trackers, the wall time
+    and the number of steps."""
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                            prompt_logprobs=prompt_logprobs)
     pending = deque(enumerate(prompts))
     inflight: list[Tracker] = []
     done: list[Tracker] = []
