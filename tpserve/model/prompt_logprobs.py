@@ -3,9 +3,11 @@ before it (the completions API's ``echo`` with ``logprobs``; what lm-eval's logl
 and perplexity tasks read).
 
 A step that carries them (``StepPlan.prompt_rows``) runs eagerly: its hidden states at
-those rows go through the LM head in slices of at most ``slice_rows`` rows (the sampler's
-row bound, so the step's extra logits never exceed what the memory plan profiled for
-sampling), on every rank, since the head's all-gather is a collective. Rank 0 keeps, per
+those rows go through the LM head in slices of ``score_slice_rows`` rows, on every rank,
+since the head's all-gather is a collective. A slice's temporaries (the logits, their
+float32 copy and log-softmax, the rank comparison) fit in the profiled activation
+workspace, which the forward has released by then; slices of the sampler's row bound
+alone ran ~4,000 small launches per 256k scored tokens (H200, ``bench_scoring.py``). Rank 0 keeps, per
 row, the float32 ``log_softmax`` of the raw logits at the target token (no penalty, bias
 or temperature: the model's own distribution, as vLLM reports prompt logprobs), the
 target's rank (1 = the most likely token) and the ``top`` most likely tokens.
@@ -32,6 +34,15 @@ class PromptLogprobs:
     def to_host(self) -> PromptLogprobs:
         return PromptLogprobs(self.logprobs.cpu(), self.ranks.cpu(), self.top_ids.cpu(),
                               self.top_logprobs.cpu())
+
+
+SCORE_BYTES_PER_LOGIT = 14  # bf16 logits, float32 copy and log-softmax, a bool comparison
+
+
+def score_slice_rows(sampler_rows: int, workspace_bytes: int, vocab_size: int) -> int:
+    """Rows per LM-head slice: as many as the activation workspace holds the temporaries
+    of, at least the sampler's row bound."""
+    return max(sampler_rows, workspace_bytes // (SCORE_BYTES_PER_LOGIT * vocab_size))
 
 
 def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],

@@ -57,7 +57,7 @@ from tpserve.model.plan import (
     StepLimits,
     StepPlan,
 )
-from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows
+from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sampling_params import SamplingParams
@@ -441,7 +441,9 @@ class ModelRunner:
         if scored:
             self.prompt_logprobs = score_prompt_rows(
                 self.model.compute_logits, hidden, plan.prompt_rows, plan.prompt_targets,
-                self.limits.max_num_seqs, SamplingParams.MAX_LOGPROBS, self.comm.rank == 0)
+                score_slice_rows(self.limits.max_num_seqs, self.plan.workspace,
+                                 self.model_config.vocab_size),
+                SamplingParams.MAX_LOGPROBS, self.comm.rank == 0)
         return logits
 
 
