@@ -223,7 +223,7 @@ def test_a_step_that_scores_its_prompt_runs_eagerly_on_the_gpu():
                         block_size=16)
     runner = ModelRunner(cfg, limits, TPGroup(0, 1, dev, None))
     a = list(range(5, 45))
-    scored = StepPlan.build([SeqChunk(a, 0, [0, 1, 2], True, -1, tuple(a[1:]))], 16,
+    scored = StepPlan.build([SeqChunk(a, 0, [0, 1, 2], True, -1, tuple(a[1:]), 20)], 16,
                             runner.attn)
     plain = StepPlan.build([SeqChunk(a, 0, [3, 4, 5], True)], 16, runner.attn)
     assert runner.graphs.select(scored) == (MIXED, 64)

@@ -64,8 +64,9 @@ def test_token_by_token_decode_equals_full_forward(model):
 
 
 def test_plan_round_trips_through_packing():
-    chunks = [SeqChunk([4], 9, [3, 1, 7], True), SeqChunk([1, 2, 3], 2, [5, 6], False),
-              SeqChunk([8, 9], 0, [2], True)]
+    chunks = [SeqChunk([4], 9, [3, 1, 7], True),
+              SeqChunk([1, 2, 3], 2, [5, 6], False, -1, (2, 3, 5), 4),
+              SeqChunk([8, 9], 0, [2], True, -1, (9,), 2)]
     plan = StepPlan.build(chunks, BLOCK, TorchAttention(torch.float32))
     header, payload = plan.pack()
     assert payload.shape[0] == StepPlan.payload_len(header)
@@ -78,3 +79,7 @@ def test_plan_round_trips_through_packing():
     assert back.query_start_loc.tolist() == [0, 1, 4, 6]
     assert back.seq_lens.tolist() == [10, 5, 2]
     torch.testing.assert_close(back.input_ids, plan.input_ids)
+    # the scored prompt rows, their targets and the most alternatives any chunk asked for
+    assert back.prompt_rows.tolist() == [1, 2, 3, 4] and back.prompt_targets.tolist() == [
+        2, 3, 5, 9]
+    assert back.prompt_top == 4

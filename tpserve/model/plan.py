@@ -14,7 +14,7 @@ import torch
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 
-HEADER_LEN = 11
+HEADER_LEN = 12
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
 # rank 0 asks for every rank's allocator figures: each rank answers with one all-gather
@@ -49,7 +49,8 @@ class SeqChunk:
     step's sampled tokens, which every rank fills in on the device (``token_ids[-1]`` is a
     placeholder). ``prompt_targets`` (prompt log-probabilities): the prompt tokens that
     follow this chunk's first ``len(prompt_targets)`` tokens, whose log-probabilities under
-    those rows' logits the step computes (``StepPlan.prompt_rows``)."""
+    those rows' logits the step computes (``StepPlan.prompt_rows``), with ``prompt_top``
+    top alternatives each."""
 
     token_ids: list[int]
     num_computed: int
@@ -57,6 +58,7 @@ class SeqChunk:
     sample: bool
     pending_src: int = -1
     prompt_targets: tuple[int, ...] = ()
+    prompt_top: int = 0
 
 
 @dataclass
@@ -77,6 +79,7 @@ class StepPlan:
     # prompt log-probabilities: rows whose logits score the next prompt token, and that token
     prompt_rows: torch.Tensor     # int64 [R]
     prompt_targets: torch.Tensor  # int64 [R]
+    prompt_top: int = 0           # top alternatives rank 0 keeps per scored row (the most asked)
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, attn: AttentionBackend
@@ -118,7 +121,8 @@ class StepPlan:
             max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0),
             torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
             torch.tensor(pend_src, dtype=i64), torch.tensor(prompt_rows, dtype=i64),
-            torch.tensor(prompt_targets, dtype=i64))
+            torch.tensor(prompt_targets, dtype=i64),
+            max((c.prompt_top for c in chunks if c.prompt_targets), default=0))
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +134,7 @@ class StepPlan:
         header = torch.tensor([CMD_STEP, self.num_tokens, b, m, self.logits_indices.shape[0],
                                self.num_decodes, self.max_query_len, self.max_seq_len,
                                self.attn_extra.shape[0], self.pending_rows.shape[0],
-                               self.prompt_rows.shape[0]], dtype=torch.int64)
+                               self.prompt_rows.shape[0], self.prompt_top], dtype=torch.int64)
         payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
                              self.query_start_loc.long(), self.seq_lens.long(),
                              self.block_tables.flatten().long(), self.logits_indices,
@@ -149,7 +153,7 @@ class StepPlan:
 
     @staticmethod
     def _sizes(header: list[int]) -> list[int]:
-        _, t, b, m, s, _, _, _, n, p, r = header
+        _, t, b, m, s, _, _, _, n, p, r, _ = header
         return StepPlan.payload_sizes(t, b, m, s, n, p, r)
 
     @staticmethod
@@ -164,7 +168,7 @@ class StepPlan:
         parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
                    parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7],
-                   parts[8], parts[9], parts[10], parts[11])
+                   parts[8], parts[9], parts[10], parts[11], h[11])
 
     _TENSORS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_tables", "logits_indices", "attn_extra", "pending_rows",
@@ -173,7 +177,8 @@ class StepPlan:
     def to(self, device: torch.device) -> StepPlan:
         move = {k: getattr(self, k).to(device, non_blocking=True) for k in self._TENSORS}
         return StepPlan(**move, num_decodes=self.num_decodes,
-                        max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
+                        max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                        prompt_top=self.prompt_top)
 
     def common_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping, self.query_start_loc, self.seq_lens,

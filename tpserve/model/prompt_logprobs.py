@@ -58,7 +58,7 @@ def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
         lp = torch.log_softmax(logits.float(), dim=-1)
         target = lp.gather(1, targets[i:i + slice_rows, None])
         ranks = (lp > target).sum(dim=1) + 1
-        top_lp, top_ids = lp.topk(min(top, lp.shape[1]), dim=1)
+        top_lp, top_ids = lp.topk(min(top, lp.shape[1]), dim=1)  # top 0: empty
         parts.append((target[:, 0], ranks, top_ids, top_lp))
     if not keep:
         return None

@@ -60,7 +60,6 @@ from tpserve.model.plan import (
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
-from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
@@ -443,7 +442,7 @@ class ModelRunner:
                 self.model.compute_logits, hidden, plan.prompt_rows, plan.prompt_targets,
                 score_slice_rows(self.limits.max_num_seqs, self.plan.workspace,
                                  self.model_config.vocab_size),
-                SamplingParams.MAX_LOGPROBS, self.comm.rank == 0)
+                plan.prompt_top, self.comm.rank == 0)
         return logits
 
 

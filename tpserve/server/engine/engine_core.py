@@ -293,7 +293,8 @@ class EngineCore:
                 targets = tuple(seq.prompt_token_ids[start + 1:start + 1 + k])
                 if k:
                     scored.append((seq, start, k))
-            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets))
+            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets,
+                                   seq.params.prompt_logprobs or 0))
             if sample:
                 sampling.append(seq)
         launched = self._launch(chunks, sampling, scored)
