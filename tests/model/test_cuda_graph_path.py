@@ -229,6 +229,7 @@ def test_a_step_that_scores_its_prompt_runs_eagerly_on_the_gpu():
     assert runner.graphs.select(scored) == (MIXED, 64)
     got_logits = runner.execute(scored).float()
     got = runner.prompt_logprobs.to_host()
+    torch.cuda.synchronize()  # the copies are not waited for
     assert got.logprobs.shape == (39,) and got.top_ids.shape == (39, 20)
     torch.testing.assert_close(got_logits, runner.execute(plain).float(), atol=3e-2, rtol=0)
     assert runner.prompt_logprobs is None  # a plain step clears them

@@ -32,8 +32,16 @@ class PromptLogprobs:
     top_logprobs: torch.Tensor
 
     def to_host(self) -> PromptLogprobs:
-        return PromptLogprobs(self.logprobs.cpu(), self.ranks.cpu(), self.top_ids.cpu(),
-                              self.top_logprobs.cpu())
+        """Copies on their way to pinned host memory (CUDA: not waited for; the caller
+        waits on an event recorded after them before reading), else the tensors."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "cuda":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True)
+
+        return PromptLogprobs(move(self.logprobs), move(self.ranks), move(self.top_ids),
+                              move(self.top_logprobs))
 
 
 SCORE_BYTES_PER_LOGIT = 14  # bf16 logits, float32 copy and log-softmax, a bool comparison

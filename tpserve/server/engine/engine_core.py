@@ -108,7 +108,8 @@ class _InFlight:
     # prompt scoring: (sequence, first position, rows) per scored chunk, in plan order, and
     # the runner's result for those rows (still on the device)
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    prompt: PromptLogprobs | None = None
+    prompt: PromptLogprobs | None = None  # host copies, valid once ``prompt_event`` completed
+    prompt_event: Any = None
 
 
 class EngineCore:
@@ -334,7 +335,12 @@ class EngineCore:
                 plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
                                                          self.runner.attn))
             logits = self.runner.run(plan)  # its own "forward" range
-            prompt = self.runner.prompt_logprobs
+            prompt, prompt_event = self.runner.prompt_logprobs, None
+            if prompt is not None:  # on its way to the host, read when finalized
+                prompt = prompt.to_host()
+                if logits.device.type == "cuda":
+                    prompt_event = torch.cuda.Event()
+                    prompt_event.record()
             bitmask = None
             if any(s.params.structured is not None for s in sampling):
                 # the matchers need the previous step's tokens: read them back now, while
@@ -343,7 +349,7 @@ class EngineCore:
                 bitmask = self._grammar_bitmask(sampling, logits.device)
             with ranges.range("sample"):
                 flight = self._sample(logits, sampling, generators, bitmask)
-            flight.scored, flight.prompt = scored, prompt
+            flight.scored, flight.prompt, flight.prompt_event = scored, prompt, prompt_event
             return flight
         except torch.OutOfMemoryError:
             if not recoverable:
@@ -430,7 +436,11 @@ class EngineCore:
     def _collect_prompt(self, flight: _InFlight) -> None:
         """Hands each scored chunk's rows (read back now) to its request."""
         assert flight.prompt is not None
-        host = flight.prompt.to_host()
+        if flight.prompt_event is not None:
+            t = time.perf_counter()
+            flight.prompt_event.synchronize()
+            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
+        host = flight.prompt
         lps, ranks, top_ids, top_lps = (host.logprobs.tolist(), host.ranks.tolist(),
                                         host.top_ids.tolist(), host.top_logprobs.tolist())
         row = 0
