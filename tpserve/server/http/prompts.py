@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -89,20 +89,18 @@ class PromptProcessor:
             raise APIError.bad_request("prompt must not be empty", "prompt")
         return ids
 
-    async def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
-                          continue_final_message: bool = False,
-                          tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: Mapping[str, Any] | None = None,
-                          template: str | None = None,
-                          documents: list[dict[str, str]] | None = None) -> str:
-        """The chat template (``template``, else ``--chat-template``, else the model's)
-        applied to ``messages`` (and ``tools`` and ``documents``, as Hugging Face templates
-        take them); ``template_kwargs`` are more template variables (400 for one that names
-        an argument set here). Templates render in transformers' sandboxed environment."""
-        if add_generation_prompt and continue_final_message:
+    async def render_chat(self, messages: Sequence[ChatMessage], options: ChatTemplateOptions,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template (the request's ``chat_template``, else ``--chat-template``,
+        else the model's) applied to ``messages`` as a request's ``options`` say (and
+        ``tools`` and ``documents``, as Hugging Face templates take them);
+        ``chat_template_kwargs`` are more template variables (400 for one that names an
+        argument set here). Templates render in transformers' sandboxed environment."""
+        if options.add_generation_prompt and options.continue_final_message:
             raise APIError.bad_request("add_generation_prompt and continue_final_message "
                                        "cannot both be true", "continue_final_message")
-        taken = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        template_kwargs = options.chat_template_kwargs or {}
+        taken = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if taken:
             raise APIError.bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}",
                                        "chat_template_kwargs")
@@ -122,16 +120,17 @@ class PromptProcessor:
             if m.tool_calls:
                 item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             conversation.append(item)
-        template = template if template is not None else self.chat_template
+        template = options.chat_template if options.chat_template is not None \
+            else self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
-        kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
-                                  "add_generation_prompt": add_generation_prompt}
+        kwargs: dict[str, Any] = {**template_kwargs, "tokenize": False,
+                                  "add_generation_prompt": options.add_generation_prompt}
         if template is not None:
             kwargs["chat_template"] = template
-        if documents is not None:
-            kwargs["documents"] = documents
-        if continue_final_message:
+        if options.documents is not None:
+            kwargs["documents"] = options.documents
+        if options.continue_final_message:
             kwargs["continue_final_message"] = True
         if tools is not None:
             kwargs["tools"] = tools
@@ -144,22 +143,11 @@ class PromptProcessor:
             raise APIError(500, "chat template did not render to text")
         return text
 
-    async def chat_ids(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                       continue_final_message: bool = False,
+    async def chat_ids(self, messages: Sequence[ChatMessage], options: ChatTemplateOptions, *,
                        add_special_tokens: bool = False,
-                       tools: list[dict[str, Any]] | None = None,
-                       options: ChatTemplateOptions | None = None) -> list[int]:
-        """The token ids of ``messages`` rendered; ``options`` (a request's vLLM template
-        fields) override the two flags when given."""
-        if options is not None:
-            add_generation_prompt = options.add_generation_prompt
-            continue_final_message = options.continue_final_message
-        text = await self.render_chat(
-            messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools,
-            template_kwargs=options.chat_template_kwargs if options else None,
-            template=options.chat_template if options else None,
-            documents=options.documents if options else None)
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of ``messages`` rendered as ``render_chat`` does."""
+        text = await self.render_chat(messages, options, tools)
         ids = await self.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError.bad_request("messages render to an empty prompt", "messages")

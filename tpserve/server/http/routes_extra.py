@@ -36,8 +36,8 @@ def make_extra_router() -> APIRouter:
         if isinstance(body, TokenizeCompletionRequest):
             ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
         else:
-            ids = await state.prompts.chat_ids(
-                body.messages, add_special_tokens=body.add_special_tokens, options=body)
+            ids = await state.prompts.chat_ids(body.messages, body,
+                                               add_special_tokens=body.add_special_tokens)
         strs = await state.prompts.token_strs(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len,
                                 tokens=ids, token_strs=strs)

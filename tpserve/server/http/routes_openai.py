@@ -189,8 +189,7 @@ def make_openai_router() -> APIRouter:
         body = _with_tools(body, tools, constraints)
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(
-            body.messages, tools=tools.template_tools if tools is not None else None,
-            options=body)
+            body.messages, body, tools=tools.template_tools if tools is not None else None)
         prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                       state.engine.max_model_len)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
