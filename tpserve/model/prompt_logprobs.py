@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.model.sampler import to_host_async
+
 
 @dataclass(frozen=True)
 class PromptLogprobs:
@@ -32,16 +34,10 @@ class PromptLogprobs:
     top_logprobs: torch.Tensor
 
     def to_host(self) -> PromptLogprobs:
-        """Copies on their way to pinned host memory (CUDA: not waited for; the caller
-        waits on an event recorded after them before reading), else the tensors."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device.type != "cuda":
-                return t
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True)
-
-        return PromptLogprobs(move(self.logprobs), move(self.ranks), move(self.top_ids),
-                              move(self.top_logprobs))
+        """Copies on their way to pinned host memory (``sampler.to_host_async``: the
+        caller waits on an event recorded after them before reading)."""
+        return PromptLogprobs(*(to_host_async(t) for t in (
+            self.logprobs, self.ranks, self.top_ids, self.top_logprobs)))
 
 
 SCORE_BYTES_PER_LOGIT = 14  # bf16 logits, float32 copy and log-softmax, a bool comparison

@@ -82,10 +82,7 @@ class PendingSample:
 
     def to_host(self) -> PendingSample:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.device.type != "cuda":
-                return t
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True)
+            return None if t is None else to_host_async(t)
 
         return PendingSample(move(self.token_ids), move(self.logprobs), move(self.top_values),
                              move(self.top_ids), self.top_counts)
@@ -119,6 +116,22 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on its way to pinned host memory without waiting (CUDA; the reader waits on an
+    event recorded after the copy), else ``t`` itself."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def _forbid_(logits: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> None:
+    """In place: -inf at the ``(row, col)`` pairs given, if any."""
+    if row_idx:
+        rows = to_device(row_idx, torch.long, logits.device)
+        cols = to_device(col_idx, torch.long, logits.device)
+        logits[rows, cols] = -math.inf
 
 
 def _token_counts(
@@ -215,10 +228,7 @@ def _mask_min_tokens_(
                 if 0 <= t < vocab:
                     row_idx.append(i)
                     col_idx.append(t)
-    if row_idx:
-        rows = to_device(row_idx, torch.long, logits.device)
-        cols = to_device(col_idx, torch.long, logits.device)
-        logits[rows, cols] = -math.inf
+    _forbid_(logits, row_idx, col_idx)
 
 
 def _ban_bad_words_(
@@ -239,10 +249,7 @@ def _ban_bad_words_(
                     len(out) >= head and list(out[len(out) - head:]) == list(word[:-1]))):
                 row_idx.append(i)
                 col_idx.append(word[-1])
-    if row_idx:
-        rows = to_device(row_idx, torch.long, logits.device)
-        cols = to_device(col_idx, torch.long, logits.device)
-        logits[rows, cols] = -math.inf
+    _forbid_(logits, row_idx, col_idx)
 
 
 def apply_filters(
