@@ -63,6 +63,10 @@ class SamplingParams:
     # vLLM's cache_salt: prefix-cache hits only between requests with the same salt
     cache_salt: str | None = None
     structured: StructuredOutput | None = None
+    # the grammar applies only after this token has been sampled (the end of a reasoning
+    # model's thinking, ``--reasoning-parser``): the tokens up to it are free; None: from
+    # the first token
+    structured_after: int | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
@@ -120,6 +124,9 @@ class SamplingParams:
             raise bad("cache_salt", "must not be empty")
         if any(not w or min(w) < 0 for w in self.bad_words_token_ids):
             raise bad("bad_words_token_ids", "must be non-empty token id sequences")
+        if self.structured_after is not None and (self.structured is None
+                                                  or self.structured_after < 0):
+            raise bad("structured_after", "needs structured output and a token id")
         if self.structured is not None and self.min_tokens > 0:
             # the grammar may allow only EOS where min_tokens forbids it
             raise bad("min_tokens", "cannot be combined with structured output")

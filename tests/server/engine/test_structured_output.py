@@ -360,3 +360,39 @@ def test_step_loop_serves_and_aborts_while_a_grammar_compiles(folder, smollm2_to
     assert not loop.is_alive() and loop.dead_reason is None
     with pytest.raises(RuntimeError, match="closed"):
         core.grammars.request(PHONE)
+
+
+def test_a_gated_grammar_starts_after_its_token(folder, smollm2_tokenizer):
+    """``structured_after`` (a reasoning model's end of thinking): the tokens up to and
+    including the first gate token are exactly the free request's, the rest follow the
+    schema; batched with asynchronous steps and preemption, the same as alone."""
+    greedy = dict(temperature=0, max_tokens=100)
+    free = run(make_core(folder, smollm2_tokenizer, num_blocks=40, async_scheduling=False),
+               {"free": (prompt(8), SamplingParams(ignore_eos=True, **greedy))})["free"]
+    free_tokens = tokens(free)
+    gate = free_tokens[5]
+    cut = free_tokens.index(gate) + 1  # the first time the gate token is sampled
+    gated = SamplingParams(structured=JSON, structured_after=gate, **greedy)
+    alone = run(make_core(folder, smollm2_tokenizer, num_blocks=40, async_scheduling=False),
+                {"gated": (prompt(8), gated)})["gated"]
+    got = tokens(alone)
+    assert got[:cut] == free_tokens[:cut]
+    jsonschema.validate(json.loads(smollm2_tokenizer.decode(got[cut:-1])), SCHEMA)
+    assert finish(alone) == "stop" and got[-1] == smollm2_tokenizer.eos_token_id
+    # the free tokens do not parse: the grammar did not apply to them
+    with pytest.raises(ValueError):
+        json.loads(smollm2_tokenizer.decode(got[:-1]))
+
+    core = make_core(folder, smollm2_tokenizer, num_blocks=16, budget=32)
+    together = run(core, {"gated": (prompt(8), gated),
+                          "json": (prompt(1), SamplingParams(structured=JSON, **greedy)),
+                          "free": (prompt(2), SamplingParams(ignore_eos=True, **greedy)),
+                          "free-2": (prompt(5), SamplingParams(ignore_eos=True, **greedy))})
+    assert core.counters["num_preemptions_total"] > 0
+    assert tokens(together["gated"]) == got
+    jsonschema.validate(json.loads(text(together["json"])), SCHEMA)
+
+
+def test_structured_after_needs_a_grammar():
+    with pytest.raises(ValueError, match="structured_after"):
+        SamplingParams(structured_after=5)

@@ -20,7 +20,8 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   has them, each step is finalized before the next is scheduled (synchronous fallback);
 - structured output: a sequence's grammar matcher has accepted exactly its output tokens
   read back so far (placeholders excluded; preemption by recompute keeps the output
-  tokens, so the matcher stays valid). A step that samples constrained rows reads back
+  tokens, so the matcher stays valid); with ``structured_after`` exactly those after the
+  first gate token, and while ``gated`` it has accepted nothing and masks nothing. A step that samples constrained rows reads back
   the previous step's tokens after its forward is launched and before it samples (the
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
@@ -189,6 +190,7 @@ class EngineCore:
         state.start(self._next_seq_id, self.tokenizer, self.sampler.new_request_generator)
         self._next_seq_id += state.params.n
         state.matchers = matchers
+        state.gated = [state.params.structured_after is not None] * len(matchers)
         self.requests[state.request_id] = state
         for seq in state.seqs:
             self.scheduler.add(seq)
@@ -368,7 +370,8 @@ class EngineCore:
         rows = []
         for row, seq in enumerate(sampling):
             state = self.requests.get(seq.request_id)
-            if state is not None and state.matchers and not seq.is_finished:
+            if state is not None and state.matchers and not seq.is_finished \
+                    and not state.gated[seq.index]:
                 rows.append((row, state.matchers[seq.index]))
         return fill_bitmask(rows, self.grammars.vocab_size, device)
 

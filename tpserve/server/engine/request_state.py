@@ -32,6 +32,9 @@ class RequestState:
     generators: list[torch.Generator | None] = field(default_factory=list)
     # one grammar matcher per sibling (structured output), else empty; see EngineCore
     matchers: list[Any] = field(default_factory=list)
+    # per sibling: its grammar still waits for ``params.structured_after`` (the matcher
+    # has accepted nothing and masks nothing until that token is sampled)
+    gated: list[bool] = field(default_factory=list)
     done: bool = False
     # the scored prompt (``SamplingParams.prompt_logprobs``): entry i is prompt token i + 1
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -18,7 +18,8 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     ``(text, status, reason)``: the text the token completes, and the status it ends the
     sequence with (None: it goes on) and its stop reason (a stop string or token id).
 
-    The first rule that holds wins: a token the grammar refuses (an error: the mask allowed
+    A gated grammar (``SamplingParams.structured_after``) accepts nothing up to and
+    including its gate token. The first rule that holds wins: a token the grammar refuses (an error: the mask allowed
     it), a stop string, a stop token id (from ``min_tokens`` on), EOS (from ``min_tokens``
     on, unless ``ignore_eos``), the grammar's end, ``max_tokens`` or the model's length.
     A sequence that ends other than by a stop string gets the detokenizer's held-back text
@@ -31,7 +32,9 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     n_out = seq.num_output_tokens
     matcher = state.matchers[seq.index] if state.matchers else None
     grammar_ended = False
-    if matcher is not None:
+    if matcher is not None and state.gated[seq.index]:
+        state.gated[seq.index] = token != params.structured_after  # the grammar starts next
+    elif matcher is not None:
         if not matcher.accept_token(token):  # the mask allowed it: a bookkeeping bug
             logger.error("request %s: grammar refused sampled token %d", seq.request_id, token)
             status = SequenceStatus.FINISHED_ERROR
