@@ -239,3 +239,13 @@ def test_serve_refuses_an_index_naming_a_shard_outside_the_folder(tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     assert "names the shard '../x.safetensors', which is not a file inside the model " \
            "folder" in out.stderr
+
+
+def test_a_reasoning_parser_needs_its_tags_in_the_vocabulary_before_the_load():
+    proc = tpserve("serve", "--reasoning-parser", "qwen3", "--port", "0")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "tpserve: error: --reasoning-parser qwen3 needs the tokens <think> and </think> in "
+        "the model's vocabulary")
+    assert "loading SmolLM2" not in proc.stderr  # refused before the weights load

@@ -91,6 +91,21 @@ def save_hf_folder(model, folder: Path, num_shards: int = 2) -> Path:
     return folder
 
 
+def hf_config(c, **overrides) -> dict:
+    """A Hugging Face ``config.json`` (Llama) for our ``ModelConfig`` ``c``, with
+    ``overrides``."""
+    return {"architectures": [c.architecture], "model_type": "llama",
+            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+            "eos_token_id": list(c.eos_token_ids), **overrides}
+
+
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

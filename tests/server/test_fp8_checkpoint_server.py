@@ -21,6 +21,7 @@ from tests.model.util import (
     fp8_quantization_config,
     fp8_state,
     full_logits,
+    hf_config,
     load,
 )
 from tests.server.serverproc import ServerProcess
@@ -51,18 +52,8 @@ def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None
         tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(
             input_scales[name], dtype=torch.float32)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": [c.architecture], "model_type": "llama",
-              "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-              "intermediate_size": c.intermediate_size,
-              "num_hidden_layers": c.num_hidden_layers,
-              "num_attention_heads": c.num_attention_heads,
-              "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "max_position_embeddings": c.max_position_embeddings,
-              "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
-              "eos_token_id": list(c.eos_token_ids),
-              "quantization_config": fp8_quantization_config(
-                  "fp8", static=input_scales is not None, block=block)}
+    config = hf_config(c, quantization_config=fp8_quantization_config(
+        "fp8", static=input_scales is not None, block=block))
     (folder / "config.json").write_text(json.dumps(config))
     ckpt.tokenizer().save_pretrained(str(folder))
     return folder

@@ -34,6 +34,7 @@ from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SchedulerConfig
+from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
 
@@ -50,6 +51,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template replacing the model's
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
     tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
+    reasoning_parser: str | None = None  # a name in http/reasoning REASONING_PARSERS
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -244,6 +246,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (Qwen2, <tool_call>...), "
                         "llama3_json (Llama 3 JSON) or mistral ([TOOL_CALLS]...)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="a thinking model's format: chat answers carry what it writes "
+                        "between <think> and </think> as `reasoning` (and vLLM's older "
+                        "`reasoning_content`), the rest as content; structured output and "
+                        "tool calls apply after </think>. deepseek_r1 (DeepSeek-R1 and its "
+                        "distills, QwQ: reasoning unless the prompt closed it) or qwen3 "
+                        "(reasoning only when the output begins with <think>)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="logging threshold")
     p.add_argument("--disable-log-requests", action="store_true",
@@ -302,13 +311,16 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           log_requests=not a.disable_log_requests,
                           chat_template=read_chat_template(a.chat_template),
                           enable_auto_tool_choice=a.enable_auto_tool_choice,
-                          tool_call_parser=a.tool_call_parser)
+                          tool_call_parser=a.tool_call_parser,
+                          reasoning_parser=a.reasoning_parser)
     if a.max_model_len is not None and a.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights
+    if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
+        REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, dtype=dtype,

@@ -16,6 +16,7 @@ from tpserve.server.http.http_errors import install_exception_handlers
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
 from tpserve.server.http.prompts import PromptProcessor
+from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.routes_extra import make_extra_router
 from tpserve.server.http.routes_openai import make_openai_router
 from tpserve.server.http.state import ServerState
@@ -37,12 +38,14 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_sampling_params: Mapping[str, float | int] | None = None,
               log_requests: bool = False, chat_template: str | None = None,
-              auto_tool_parser: str | None = None) -> FastAPI:
+              auto_tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
     tokenizer's; ``auto_tool_parser`` (a ``TOOL_PARSERS`` name) enables ``tool_choice``
-    ``auto`` with that parser."""
+    ``auto`` with that parser; ``reasoning_parser`` (a ``REASONING_PARSERS`` name) splits
+    chat answers into reasoning and content."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -65,6 +68,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         default_sampling_params=dict(default_sampling_params or {}),
         auto_tool_parser=(TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser is not None
                           else None),
+        reasoning_parser=(REASONING_PARSERS[reasoning_parser](engine.tokenizer)
+                          if reasoning_parser is not None else None),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -23,9 +23,11 @@ from tpserve.server.http.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from tpserve.server.http.reasoning.split import ReasoningSplit
 
 if TYPE_CHECKING:
     from tpserve.server.http.echo import Echo
+    from tpserve.server.http.reasoning import ReasoningPlan
     from tpserve.server.http.tools import ToolPlan
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -51,6 +53,7 @@ class ResponseContext:
     include_usage: bool = False
     continuous_usage: bool = False  # the usage so far in every stream chunk
     tools: ToolPlan | None = None  # set when tool calls are parsed from the output
+    reasoning: ReasoningPlan | None = None  # --reasoning-parser (chat): the output's split
     echo: Echo | None = None       # completions with ``echo``
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``: top alternatives
     chat_echo: str | None = None  # vLLM's chat ``echo``: the content every choice starts with
@@ -210,13 +213,20 @@ def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> Complet
 
 def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
     content: str | None = c.text
+    reasoning = None
     calls: list = []
     finish_reason = c.finish_reason
-    if ctx.tools is not None:
-        content, calls, finish_reason = ctx.tools.extract(c.text, c.finish_reason)
+    if ctx.reasoning is not None:
+        reasoning, content = ReasoningSplit.whole(ctx.reasoning, c.text)
+        if not ctx.reasoning.include:
+            reasoning = None
+    if ctx.tools is not None and content is not None:  # calls are in the answer only
+        content, calls, finish_reason = ctx.tools.extract(content, c.finish_reason)
     if ctx.chat_echo:
         content = ctx.chat_echo + (content or "")
-    return ChatChoice(index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
+    message = ChatResponseMessage(content=content, reasoning=reasoning,
+                                  reasoning_content=reasoning, tool_calls=calls)
+    return ChatChoice(index=i, message=message,
                       finish_reason=finish_reason, stop_reason=c.stop_reason,
                       logprobs=chat_logprobs(c.logprobs) if ctx.logprobs else None,
                       token_ids=list(c.token_ids) if ctx.prompt_ids is not None else None)

@@ -119,6 +119,9 @@ class PromptProcessor:
                 item["tool_call_id"] = m.tool_call_id
             if m.tool_calls:
                 item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:  # as vLLM passes it (e.g. Qwen3's template reads it)
+                item["reasoning_content"] = reasoning
             conversation.append(item)
         template = options.chat_template if options.chat_template is not None \
             else self.chat_template

@@ -227,6 +227,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None  # role tool: the call this message answers
     tool_calls: list[ToolCall] | None = None  # role assistant: calls it made
+    # role assistant: its reasoning (vLLM's two names), given to templates that show it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -268,6 +271,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's: the answer starts with the last message's content when it is an assistant's
     echo: bool | None = False
+    # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer
+    include_reasoning: bool = True
     # tool calling (http/tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -394,8 +399,13 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """With ``--reasoning-parser``, ``reasoning`` holds the model's thinking and
+    ``reasoning_content`` the same (vLLM's older name)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -425,6 +435,8 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # --reasoning-parser; reasoning_content the same
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # with "index" (see http/tools.py)
 
     @model_serializer(mode="wrap")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -35,6 +36,7 @@ from tpserve.server.http.protocol import (
     ModelList,
     SamplingRequest,
 )
+from tpserve.server.http.reasoning import ReasoningPlan
 from tpserve.server.http.request_params import (
     bad_words_token_ids,
     build_sampling_params,
@@ -93,7 +95,8 @@ def _with_tools(body: ChatCompletionRequest, plan: ToolPlan | None,
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker, tools: ToolPlan | None = None,
-                 echo: Echo | None = None, chat_echo: str | None = None) -> Response:
+                 echo: Echo | None = None, chat_echo: str | None = None,
+                 reasoning: ReasoningPlan | None = None) -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -103,6 +106,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           include_usage=body.include_usage,
                           continuous_usage=body.continuous_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
+                          reasoning=reasoning,
                           echo=echo, prompt_logprobs=body.prompt_logprobs,
                           chat_echo=chat_echo,
                           prompt_ids=tuple(ids for ids, _ in prompts)
@@ -187,6 +191,8 @@ def make_openai_router() -> APIRouter:
         constraints = await _checked_constraints(state, body)
         tools = plan_tools(body, state.auto_tool_parser)
         body = _with_tools(body, tools, constraints)
+        if state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens:
+            body = body.model_copy(update={"skip_special_tokens": False})  # keep the tags
         state.check_available()
         prompt_ids = await state.prompts.chat_ids(
             body.messages, body, tools=tools.template_tools if tools is not None else None)
@@ -194,9 +200,15 @@ def make_openai_router() -> APIRouter:
                                       state.engine.max_model_len)
         params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                        state.default_sampling_params, constraints)
+        reasoning = None
+        if state.reasoning_parser is not None:
+            reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
+            if params.structured is not None and reasoning.grammar_after is not None:
+                # the grammar (or the forced tool call) constrains the answer only
+                params = replace(params, structured_after=reasoning.grammar_after)
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else None
         return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
-                            tracker, tools, chat_echo=echo)
+                            tracker, tools, chat_echo=echo, reasoning=reasoning)
 
     return router

@@ -11,6 +11,7 @@ from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.prompts import PromptProcessor
+from tpserve.server.http.reasoning import ReasoningParser
 from tpserve.server.http.tool_parsers import ToolParser
 
 
@@ -26,6 +27,7 @@ class ServerState:
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields logged
     # --tool-call-parser when --enable-auto-tool-choice is set (tool_choice auto), else None
     auto_tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -32,6 +32,7 @@ from tpserve.server.http.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from tpserve.server.http.reasoning import ReasoningSplit
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,9 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     """``/v1/chat/completions`` chunks: a role chunk per choice, content deltas, a finish
     chunk per choice, usage, [DONE]. With ``return_token_ids`` the first chunk holds the
     prompt's ids and each content chunk its tokens' (held tool-call output: the finish
-    chunk holds them all)."""
+    chunk holds them all). With ``--reasoning-parser`` the reasoning goes out in
+    ``reasoning`` deltas as it is decided (text that may yet be a tag is held), the
+    answer as content, tool calls parsed from the answer alone."""
 
     def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None) -> bytes:
         return _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
@@ -183,9 +186,15 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
                             before)
         final = None
         held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
+        splits = [ReasoningSplit(ctx.reasoning) for _ in range(ctx.n)] \
+            if ctx.reasoning is not None else None
         async for out in _all(first, outputs):
             for d in out.deltas:
                 finish_reason = d.finish_reason
+                if splits is not None:  # the reasoning goes out now; the answer goes on
+                    reasoning, d = _split_delta(splits[d.index], d, ctx)
+                    if reasoning is not None:
+                        yield chunk(reasoning, out)
                 if held is not None:
                     held_ids[d.index].extend(d.token_ids)
                     for delta, lps in held[d.index].add(d, ctx):
@@ -213,6 +222,24 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     finally:
         await _close(outputs)
     yield DONE
+
+
+def _split_delta(split: ReasoningSplit, d: CompletionDelta, ctx: ResponseContext
+                 ) -> tuple[ChatChunkChoice | None, CompletionDelta]:
+    """The reasoning chunk of ``d`` (with its logprobs and ids), if it decides any
+    reasoning the response includes, and ``d`` left with its answer text."""
+    assert ctx.reasoning is not None
+    reasoning, content = split.feed(d.text)
+    if d.finish_reason is not None:
+        more = split.finish()
+        reasoning, content = reasoning + more[0], content + more[1]
+    if not (reasoning and ctx.reasoning.include):
+        return None, replace(d, text=content)
+    lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
+    choice = ChatChunkChoice(index=d.index, logprobs=lps, token_ids=_ids(d, ctx),
+                             delta=DeltaMessage(reasoning=reasoning,
+                                                reasoning_content=reasoning))
+    return choice, replace(d, text=content, logprobs=None, token_ids=())
 
 
 class _HeldChoice:

@@ -1,0 +1,146 @@
+"""``tpserve serve FOLDER --reasoning-parser deepseek_r1`` through the real openai client,
+on the thinking SmolLM2 (``tests/server/thinking_model.py``: real weights that answer
+"What is the capital of France?" with ``<think> capital of France</think> Paris.``).
+
+The raw output each chat answer is split from comes from ``/v1/completions`` on the same
+server with the chat's rendered prompt (completions are never parsed, as in vLLM), so
+every split is checked against the model's own text."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server.serverproc import ServerProcess, stopped_on_exit
+from tests.server.thinking_model import write_thinking_smollm2
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+          "required": ["city"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_thinking_smollm2(tmp_path_factory.mktemp("thinking") / "SmolLM2-thinking")
+
+
+@pytest.fixture(scope="module")
+def servers(folder):
+    with stopped_on_exit({}) as started:
+        started["r1"] = ServerProcess(str(folder), "--reasoning-parser", "deepseek_r1",
+                                      "--no-engine-process", wait=False)
+        started["qwen3"] = ServerProcess(str(folder), "--reasoning-parser", "qwen3",
+                                         "--no-engine-process", wait=False)
+        for s in started.values():
+            s.wait_until_healthy()
+        yield started
+
+
+def raw_output(server, folder, messages, max_tokens=24, **template) -> str:
+    """The model's whole output text for ``messages`` (greedy), unparsed."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    text = tok.apply_chat_template(messages, tokenize=False, **template)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    client = server.client()
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=ids,
+                                  max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text
+
+
+def chat(server, messages=QUESTION, max_tokens=24, **kwargs):
+    client = server.client()
+    return client.chat.completions.create(model=client.models.list().data[0].id,
+                                          messages=messages, temperature=0,
+                                          max_tokens=max_tokens, **kwargs)
+
+
+def test_the_answer_and_its_reasoning_are_split_at_the_tags(servers, folder):
+    raw = raw_output(servers["r1"], folder, QUESTION, add_generation_prompt=True)
+    assert raw == "<think> capital of France</think> Paris."  # what the weights were made for
+    for name in ("r1", "qwen3"):  # the output begins with <think>: both parsers split it
+        m = chat(servers[name]).choices[0].message
+        assert (m.reasoning, m.content) == (" capital of France", " Paris."), name
+        assert m.model_extra["reasoning_content"] == " capital of France"
+    m = chat(servers["r1"], extra_body={"include_reasoning": False}).choices[0].message
+    assert (m.reasoning, m.content) == (None, " Paris.")
+
+
+def test_streamed_reasoning_comes_first_and_adds_up_to_the_whole(servers):
+    whole = chat(servers["r1"], logprobs=True).choices[0]
+    client = servers["r1"].client()
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=QUESTION, temperature=0,
+        max_tokens=24, stream=True, logprobs=True)
+    kinds, reasoning, content, logprobs = [], "", "", 0
+    for chunk in stream:
+        for c in chunk.choices:
+            delta = c.delta.model_dump(exclude_none=True)
+            assert not {"reasoning", "content"} <= delta.keys() or delta["content"] == ""
+            if delta.get("reasoning"):
+                kinds.append("reasoning")
+                reasoning += delta["reasoning"]
+                assert delta["reasoning_content"] == delta["reasoning"]
+            elif delta.get("content"):
+                kinds.append("content")
+                content += delta["content"]
+            if c.logprobs is not None:
+                logprobs += len(c.logprobs.content)
+    assert (reasoning, content) == (whole.message.reasoning, whole.message.content)
+    assert kinds == sorted(kinds, key=["reasoning", "content"].index)  # reasoning first
+    assert logprobs == len(whole.logprobs.content) > 0  # every token's, reasoning or not
+
+
+def test_a_json_schema_constrains_the_answer_after_the_reasoning(servers):
+    free = chat(servers["r1"]).choices[0].message
+    r = chat(servers["r1"], max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    m = r.choices[0].message
+    assert m.reasoning == free.reasoning  # the free tokens up to </think> are the same
+    jsonschema.validate(json.loads(m.content), SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_named_tool_call_comes_after_the_reasoning(servers):
+    tool = {"type": "function", "function": {"name": "capital", "parameters": SCHEMA}}
+    r = chat(servers["r1"], max_tokens=64, tools=[tool],
+             tool_choice={"type": "function", "function": {"name": "capital"}})
+    m = r.choices[0].message
+    assert m.reasoning == " capital of France", (m, r.choices[0].finish_reason)
+    assert [c.function.name for c in m.tool_calls] == ["capital"], (m, r.choices[0])
+    jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), SCHEMA)
+
+
+def test_a_prompt_that_closed_the_reasoning_is_answered_with_content(servers, folder):
+    """The final assistant message ends with </think> and is continued: the output is all
+    answer, and a grammar applies from its first token."""
+    messages = QUESTION + [{"role": "assistant", "content": "<think>Easy.</think>"}]
+    template = {"continue_final_message": True, "add_generation_prompt": False}
+    raw = raw_output(servers["r1"], folder, messages, **template)
+    m = chat(servers["r1"], messages, extra_body=template).choices[0].message
+    assert (m.reasoning, m.content) == (None, raw)
+    r = chat(servers["r1"], messages, max_tokens=64, extra_body=template, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_without_a_tag_deepseek_r1_reasons_and_qwen3_answers(servers, folder):
+    messages = [{"role": "user", "content": "Give me a JSON object describing a cat."}]
+    raw = raw_output(servers["r1"], folder, messages, add_generation_prompt=True)
+    assert "<think>" not in raw and "</think>" not in raw
+    m = chat(servers["r1"], messages).choices[0].message
+    assert (m.reasoning, m.content) == (raw, None)
+    m = chat(servers["qwen3"], messages).choices[0].message
+    assert (m.reasoning, m.content) == (None, raw)
+
+
+def test_reasoning_in_the_history_reaches_the_template(servers):
+    """An assistant turn's ``reasoning_content`` is given to the template, as vLLM does
+    (this model's template does not print it, so the prompt is the same)."""
+    history = QUESTION + [{"role": "assistant", "content": "Paris.",
+                           "reasoning_content": "Easy."},
+                          {"role": "user", "content": "And of Spain?"}]
+    r = chat(servers["r1"], history)
+    assert r.choices[0].finish_reason in ("stop", "length")
