@@ -67,6 +67,9 @@ class SamplingParams:
     # model's thinking, ``--reasoning-parser``): the tokens up to it are free; None: from
     # the first token
     structured_after: int | None = None
+    # scheduling, not sampling (carried here so it travels with the request): under
+    # --scheduling-policy priority a lower value is served first (vLLM's ``priority``)
+    priority: int = 0
 
     MAX_N = 128
     MAX_LOGPROBS = 20

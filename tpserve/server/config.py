@@ -33,7 +33,7 @@ from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantizati
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
-from tpserve.server.engine.scheduler import SchedulerConfig
+from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
@@ -215,6 +215,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mixed-tokens", type=int, default=None,
                    help="token budget of a step while sequences decode (default: "
                         "--cuda-graph-max-tokens when graphs are on, else no cap)")
+    p.add_argument("--scheduling-policy", default=d.policy, choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: requests run in arrival order; priority: a request's "
+                        "`priority` field orders them (lower first, arrival order within "
+                        "one), and a waiting request that does not fit preempts running "
+                        "ones of a later priority (they recompute later)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading back the previous step's tokens")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -346,6 +351,6 @@ def config_from_args(a: argparse.Namespace) -> Config:
         max_model_len=resolve_max_model_len(a.max_model_len, model.max_position_embeddings,
                                             model.sliding_window),
         block_size=a.block_size, max_mixed_tokens=max_mixed,
-        enable_prefix_caching=a.enable_prefix_caching)
+        enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy)
     return Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
                   server=server)

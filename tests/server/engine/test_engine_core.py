@@ -46,11 +46,11 @@ class Readings:
 def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: int = 64,
               max_seqs: int = 8, async_scheduling: bool = True,
               max_mixed_tokens: int | None = None, readings: Readings | None = None,
-              compile_hook=None) -> EngineCore:
+              compile_hook=None, policy: str = "fcfs") -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=256, block_size=16, max_mixed_tokens=max_mixed_tokens,
-                            enable_prefix_caching=prefix)
+                            enable_prefix_caching=prefix, policy=policy)
     runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
     engine = EngineConfig(check_integrity=True, async_scheduling=async_scheduling)
     if readings is None:
@@ -97,6 +97,38 @@ def test_batched_greedy_equals_single_sequence_greedy(folder, smollm2_tokenizer)
     bm = core.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     bm.check_integrity()
+
+
+def test_priority_preemptions_on_arrival_keep_every_greedy_token(folder, smollm2_tokenizer):
+    """Under the priority policy, with asynchronous steps: requests of later priorities
+    run, then higher-priority ones arrive mid-run and take their blocks and seats (the
+    victims' in-flight tokens dropped, their KV recomputed); every request still gets
+    exactly its greedy tokens, and the high ones finish before the low ones."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
+    model, comm = load(folder)
+    expected = [greedy(model, comm, p, 16) for p in prompts]
+    core = make_core(folder, smollm2_tokenizer, num_blocks=16, max_seqs=4, policy="priority")
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, priority=p)
+              for p in (3, 3, 2, 2, 0, -1, 0, -2)]
+    outs = [submit(core, f"r{i}", prompts[i], params[i]) for i in range(4)]
+    for _ in range(6):
+        core.step()
+    assert not any(o and o[-1].finished for o in outs)
+    outs += [submit(core, f"r{i}", prompts[i], params[i]) for i in range(4, 8)]
+    finished: list[int] = []
+    steps = 0
+    while core.has_unfinished:
+        core.step()
+        steps += 1
+        assert steps < 5000
+        finished += [i for i, o in enumerate(outs) if i not in finished and o and o[-1].finished]
+    assert core.counters["num_preemptions_total"] > 0
+    for got, want in zip(outs, expected, strict=True):
+        assert tokens_of(got) == want
+    assert set(finished[:4]) == {4, 5, 6, 7}  # every late high priority before any low one
+    bm = core.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
 
 
 def _mixed_requests(stop_id: int) -> dict[str, tuple[list[int], SamplingParams]]:

@@ -19,20 +19,21 @@ class Harness:
     every schedule and every update."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=None, prefix_caching=False):
+                 max_model_len=None, prefix_caching=False, policy="fcfs"):
         max_model_len = max_model_len or num_blocks * block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, block_size=block_size),
+                            max_model_len=max_model_len, block_size=block_size,
+                            policy=policy),
             self.bm)
         self.ids = itertools.count()
         self.steps = 0
         self.seqs: list[Sequence] = []
 
-    def add(self, prompt, max_tokens=4, n=1, request_id=None) -> list[Sequence]:
-        params = SamplingParams(n=n, max_tokens=max_tokens)
+    def add(self, prompt, max_tokens=4, n=1, request_id=None, priority=0) -> list[Sequence]:
+        params = SamplingParams(n=n, max_tokens=max_tokens, priority=priority)
         request_id = request_id or f"req{len(self.seqs)}"
         seqs: list[Sequence] = []
         for index in range(n):
@@ -304,16 +305,17 @@ def test_add_rejects_out_of_order_ids():
 
 def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int = 24,
           max_num_seqs: int = 6, max_num_batched_tokens: int = 32, max_model_len: int = 64,
-          num_requests: int = 40, max_steps: int = 3000) -> Harness:
-    """Run random requests (shared prefixes, n in 1..3, random budgets and aborts) to
-    completion, checking integrity after every step. A fake KV pool checks that every
+          num_requests: int = 40, max_steps: int = 3000, policy: str = "fcfs") -> Harness:
+    """Run random requests (shared prefixes, n in 1..3, random budgets and aborts; under
+    the priority policy, priorities -1..2) to completion, checking integrity after every
+    step. A fake KV pool checks that every
     token a step attends to sits in the slot its block table names, which catches a wrong
     prefix hit, a bad fork, or two sequences writing one block."""
     rng = random.Random(seed)
     bs = block_size
     h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                prefix_caching=prefix_caching)
+                prefix_caching=prefix_caching, policy=policy)
     kv: list[int | None] = [None] * (num_blocks * bs)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
@@ -324,7 +326,8 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
             rng.randrange(1000) for _ in range(rng.randrange(1, max_model_len // 3))]
         prompt = prompt[:max_model_len - max_new]  # the engine's length check
         h.add(prompt, max_tokens=rng.randrange(1, max_new + 1), n=rng.choice([1, 1, 1, 2, 3]),
-              request_id=f"req{i}")
+              request_id=f"req{i}",
+              priority=rng.randrange(-1, 3) if policy == "priority" else 0)
 
     def slot(seq: Sequence, pos: int) -> int:
         return seq.block_ids[pos // bs] * bs + pos % bs
@@ -414,3 +417,65 @@ def test_first_scheduled_time_survives_preemption_and_readmission_queries_again(
     assert d.status is SequenceStatus.RUNNING and d.first_scheduled_time == first
     # 6 + 6 prompt tokens, then d again with its one output token
     assert h.sched.counters == {"prefix_cache_queries_total": 19, "prefix_cache_hits_total": 0}
+
+
+@pytest.mark.parametrize("seed,prefix_caching", [(4, False), (5, True)])
+def test_random_driver_under_the_priority_policy(seed, prefix_caching):
+    h = drive(seed, prefix_caching, policy="priority")
+    assert any(s.num_preemptions for s in h.seqs), "the pool was never tight"
+
+
+def first_scheduled(h: Harness) -> list[str]:
+    order: list[str] = []
+    while h.sched.has_unfinished:
+        for item in h.step().scheduled:
+            if item.seq.request_id not in order:
+                order.append(item.seq.request_id)
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_orders_admission_arrival_within_one(policy):
+    h = Harness(max_num_seqs=1, policy=policy)
+    for name, priority in (("a", 0), ("b", 5), ("c", -1), ("d", 0)):
+        h.add([1, 2, 3], max_tokens=2, request_id=name, priority=priority)
+    want = ["c", "a", "d", "b"] if policy == "priority" else ["a", "b", "c", "d"]
+    assert first_scheduled(h) == want
+
+
+def test_a_waiting_request_preempts_a_later_priority_for_blocks():
+    """A running low-priority sequence holds the pool; a higher-priority arrival takes
+    its blocks in the next step (the victim leaves the step being built), and the victim
+    recomputes afterwards and still ends with all its tokens. Under fcfs it waits."""
+    for policy in ("priority", "fcfs"):
+        h = Harness(num_blocks=4, block_size=4, max_num_seqs=4, policy=policy)
+        (low,) = h.add(list(range(12)), max_tokens=4, request_id="low", priority=5)
+        h.step()  # low's prompt: 3 blocks
+        (high,) = h.add(list(range(8)), max_tokens=2, request_id="high", priority=0)
+        out = h.step()
+        if policy == "fcfs":
+            assert out.preempted == [] and chunks(out) == [(low.seq_id, 1)]
+            assert high.status is SequenceStatus.WAITING
+            continue
+        assert out.preempted == [low] and chunks(out) == [(high.seq_id, 8)]
+        assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1
+        order = first_scheduled(h)
+        assert high.finish_reason == "length" and high.num_output_tokens == 2
+        assert order[0] == "high"
+        assert low.finish_reason == "length" and low.num_output_tokens == 4
+
+
+def test_a_waiting_request_preempts_a_later_priority_for_a_seat():
+    """max_num_seqs is full of a later priority: one running sequence makes way."""
+    h = Harness(max_num_seqs=1, policy="priority")
+    (low,) = h.add([1, 2, 3], max_tokens=8, request_id="low", priority=1)
+    h.step()
+    h.step()
+    (high,) = h.add([4, 5], max_tokens=2, request_id="high", priority=0)
+    out = h.step()
+    assert out.preempted == [low] and chunks(out) == [(high.seq_id, 2)]
+    (same,) = h.add([6], max_tokens=2, request_id="same", priority=0)
+    out = h.step()  # same priority as the running one: it waits its turn
+    assert out.preempted == [] and chunks(out) == [(high.seq_id, 1)]
+    assert first_scheduled(h) == ["same", "low"]
+    assert low.num_output_tokens == 8 and same.num_output_tokens == 2

@@ -5,24 +5,33 @@ its next chunk (one token when decoding, otherwise as much of its remaining pref
 token budget allows once a token is set aside for every decoding sequence after it, so a
 long prefill never starves decodes). While any sequence decodes, the step's budget is
 capped at ``max_mixed_tokens`` (when set): steps that carry decodes stay short, which keeps
-inter-token latency steady and lets such steps replay CUDA graphs. A running sequence that cannot get KV blocks preempts the newest
-running sequence (possibly itself), which frees its blocks and returns to the front of the
+inter-token latency steady and lets such steps replay CUDA graphs. A running sequence that cannot get KV blocks preempts the
+last-ranked running sequence (possibly itself), which frees its blocks and returns to the
 waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
-admitted strictly first come, first served while the budget, ``max_num_seqs`` and the
-block pool allow; the first one that does not fit stops admission.
+admitted in rank order while the budget, ``max_num_seqs`` and the block pool allow; the
+first one that does not fit stops admission.
+
+A sequence's rank is ``(priority, seq_id)``: under ``--scheduling-policy fcfs`` (the
+default) every priority counts as 0, so the rank is the arrival order; under ``priority``
+a lower ``priority`` goes first (vLLM's convention), arrival order within one priority,
+and a waiting sequence that does not fit preempts running sequences ranked after it
+(last-ranked first, taken out of the step being built) until it fits or none is left.
 
 Queue invariants (checked by ``check_integrity``):
-- ``running`` holds RUNNING sequences in increasing ``seq_id``; ``waiting`` holds WAITING
-  ones in increasing ``seq_id``; every running id is below every waiting id. (Admission
-  takes the front of ``waiting``; a preempted sequence is the newest running one and goes
-  back to the front; new arrivals have the largest ids.) So the oldest running sequence
+- ``running`` holds RUNNING sequences in increasing rank; ``waiting`` holds WAITING ones
+  in increasing rank; under fcfs every running rank is below every waiting rank.
+  (Admission takes the front of ``waiting``; a preempted sequence is the last-ranked
+  running one; new arrivals have the largest ids.) So the first-ranked running sequence
   always gets its blocks, and the scheduler makes progress as long as one sequence of
-  ``max_model_len`` tokens fits in the pool.
+  ``max_model_len`` tokens fits in the pool; under priority an admission preempts only
+  sequences ranked after the one admitted, so the first-ranked sequence overall always
+  gets to run.
 - Only running sequences hold blocks.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +39,8 @@ from dataclasses import dataclass, field
 from tpserve.model.plan import StepLimits
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +57,12 @@ class SchedulerConfig:
     block_size: int = 16
     max_mixed_tokens: int | None = None
     enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # fcfs | priority (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -102,8 +117,10 @@ class Scheduler:
                              f"max_model_len={config.max_model_len}; scheduling could stall")
         self.config = config
         self.block_manager = block_manager
-        self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing seq_id
-        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing rank
+        self._waiting: deque[Sequence] = deque()  # in increasing rank
+        self._by_priority = config.policy == "priority"
+        self._newest_id = -1  # the largest seq_id added
         self._requests: dict[str, list[Sequence]] = {}  # live sequences per request
         # prefix-cache lookups at admission, in tokens (vLLM's prefix_cache_queries/hits):
         # every admitted sequence's tokens are queried; hits are the tokens it got from
@@ -111,6 +128,29 @@ class Scheduler:
         self.counters = {"prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
 
     # ----------------------------------------------------------------- queues
+
+    def rank(self, seq: Sequence) -> tuple[int, int]:
+        """The order the scheduler serves ``seq`` in (lowest first)."""
+        return (seq.params.priority if self._by_priority else 0, seq.seq_id)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Puts a WAITING ``seq`` into ``waiting`` at its rank (at either end in O(1),
+        which is every case under fcfs)."""
+        rank, waiting = self.rank(seq), self._waiting
+        if not waiting or rank > self.rank(waiting[-1]):
+            waiting.append(seq)
+        elif rank < self.rank(waiting[0]):
+            waiting.appendleft(seq)
+        else:
+            waiting.insert(bisect.bisect_left(waiting, rank, key=self.rank), seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        """Adds ``seq`` to ``running`` at its rank."""
+        last = self._running[next(reversed(self._running))] if self._running else None
+        self._running[seq.seq_id] = seq
+        if last is not None and self.rank(seq) < self.rank(last):  # only under priority
+            self._running = dict(sorted(self._running.items(),
+                                        key=lambda item: self.rank(item[1])))
 
     @property
     def num_running(self) -> int:
@@ -133,16 +173,14 @@ class Scheduler:
         return list(self._waiting)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; its ``seq_id`` must exceed every id seen before."""
-        last = self._waiting[-1] if self._waiting else None
-        if last is None and self._running:
-            last = self._running[next(reversed(self._running))]
-        if last is not None and seq.seq_id <= last.seq_id:
-            raise ValueError(f"seq_id {seq.seq_id} is not above the newest queued "
-                             f"seq_id {last.seq_id}")
+        """Queue a new sequence; its ``seq_id`` must exceed every id added before."""
+        if seq.seq_id <= self._newest_id:
+            raise ValueError(f"seq_id {seq.seq_id} is not above the newest "
+                             f"seq_id {self._newest_id}")
         if seq.status is not SequenceStatus.WAITING or seq.block_ids:
             raise ValueError(f"seq {seq.seq_id} is not a fresh waiting sequence")
-        self._waiting.append(seq)
+        self._enqueue(seq)
+        self._newest_id = seq.seq_id
         self._requests.setdefault(seq.request_id, []).append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -211,7 +249,7 @@ class Scheduler:
 
         # Admitting right after a preemption could just take back the victim's blocks.
         if not preempted:
-            budget = self._admit(scheduled, budget)
+            budget = self._admit(scheduled, preempted, budget)
 
         decodes = [s for s in scheduled if _is_decode(s.seq, s.num_new_tokens)]
         prefills = [s for s in scheduled if not _is_decode(s.seq, s.num_new_tokens)]
@@ -222,11 +260,19 @@ class Scheduler:
             num_decodes=len(decodes),
         )
 
-    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
-        """Admit waiting sequences FCFS into ``scheduled``; returns the budget left."""
+    def _admit(self, scheduled: list[ScheduledSeq], preempted: list[Sequence],
+               budget: int) -> int:
+        """Admit waiting sequences in rank order into ``scheduled`` (under priority,
+        preempting running ones ranked after them); returns the budget left."""
         bm = self.block_manager
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0:
             seq = self._waiting[0]
+            if len(self._running) >= self.config.max_num_seqs:
+                room = self._make_room(seq, scheduled, preempted)
+                if room is None:
+                    break
+                budget += room
+                continue
             fork_tokens = self._fork_tokens(seq)
             if fork_tokens is None:
                 break  # a sibling waiting for its parent's prompt blocks
@@ -238,14 +284,22 @@ class Scheduler:
                 if not bm.allocate(seq, num_new):
                     bm.free(seq)
                     seq.num_computed_tokens = 0
-                    break
+                    room = self._make_room(seq, scheduled, preempted)
+                    if room is None:
+                        break
+                    budget += room
+                    continue
                 hit = fork_tokens
             else:
                 computed, num_cached = ([], 0) if seq.scores_prompt else \
                     bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate(seq, num_new, computed):
-                    break
+                    room = self._make_room(seq, scheduled, preempted)
+                    if room is None:
+                        break
+                    budget += room
+                    continue
                 seq.num_computed_tokens = num_cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = num_cached
@@ -257,10 +311,29 @@ class Scheduler:
             seq.fork_parent = None
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self._running[seq.seq_id] = seq
+            self._start_running(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq],
+                   preempted: list[Sequence]) -> int | None:
+        """Under priority: preempts the last-ranked running sequence if it ranks after
+        ``seq`` (taking it out of ``scheduled``), and returns the tokens its removal gives
+        back to the budget; None when there is none to preempt."""
+        if not self._by_priority or not self._running:
+            return None
+        victim = self._running[next(reversed(self._running))]
+        if self.rank(victim) <= self.rank(seq):
+            return None
+        freed = 0
+        for k, item in enumerate(scheduled):
+            if item.seq is victim:
+                freed = scheduled.pop(k).num_new_tokens
+                break
+        self._preempt(victim)
+        preempted.append(victim)
+        return freed
 
     def _fork_tokens(self, seq: Sequence) -> int | None:
         """How many prompt tokens ``seq`` can take from its fork parent now: 0 to prefill
@@ -284,15 +357,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._enqueue(seq)
 
     def preempt_newest(self, fraction: float = 0.5) -> list[Sequence]:
-        """Preempts the newest ``fraction`` of the running sequences (at least one, never
-        the oldest), e.g. after a step ran out of device memory. Returns them."""
-        running = sorted(self._running.values(), key=lambda s: s.seq_id)
+        """Preempts the last-ranked ``fraction`` of the running sequences (at least one,
+        never the first-ranked), e.g. after a step ran out of device memory. Returns
+        them."""
+        running = list(self._running.values())
         count = min(max(1, int(len(running) * fraction)), len(running) - 1)
         victims = running[len(running) - count:] if count > 0 else []
-        for seq in reversed(victims):  # newest first, so waiting stays in seq_id order
+        for seq in reversed(victims):  # last-ranked first: each goes to waiting's front
             self._preempt(seq)
         return victims
 
@@ -315,10 +389,14 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise AssertionError unless queue, sequence and block invariants hold."""
         running, waiting = list(self._running.values()), list(self._waiting)
+        ranks = [self.rank(s) for s in running], [self.rank(s) for s in waiting]
+        for queue in ranks:
+            assert queue == sorted(queue), f"queues out of rank order: {ranks}"
         ids = [s.seq_id for s in running] + [s.seq_id for s in waiting]
-        assert ids == sorted(ids) and len(set(ids)) == len(ids), (
-            f"queues out of seq_id order: running {ids[:len(running)]}, "
-            f"waiting {ids[len(running):]}")
+        assert len(set(ids)) == len(ids), f"a sequence queued twice: {ids}"
+        if not self._by_priority:
+            assert ids == sorted(ids), (f"queues out of seq_id order: running "
+                                        f"{ids[:len(running)]}, waiting {ids[len(running):]}")
         assert len(running) <= self.config.max_num_seqs, "more running than max_num_seqs"
         for sid, seq in self._running.items():
             assert sid == seq.seq_id and seq.status is SequenceStatus.RUNNING, (

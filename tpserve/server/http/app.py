@@ -39,13 +39,15 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               default_sampling_params: Mapping[str, float | int] | None = None,
               log_requests: bool = False, chat_template: str | None = None,
               auto_tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              priority_scheduling: bool = False) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
     tokenizer's; ``auto_tool_parser`` (a ``TOOL_PARSERS`` name) enables ``tool_choice``
     ``auto`` with that parser; ``reasoning_parser`` (a ``REASONING_PARSERS`` name) splits
-    chat answers into reasoning and content."""
+    chat answers into reasoning and content; ``priority_scheduling`` accepts requests'
+    ``priority`` (the engine runs ``--scheduling-policy priority``)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -70,6 +72,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
                           else None),
         reasoning_parser=(REASONING_PARSERS[reasoning_parser](engine.tokenizer)
                           if reasoning_parser is not None else None),
+        priority_scheduling=priority_scheduling,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

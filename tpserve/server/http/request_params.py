@@ -107,6 +107,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
+        "priority": req.priority,  # non-zero only under --scheduling-policy priority
     }
     for name in DEFAULTABLE:
         if kwargs[name] is None and name in defaults:

@@ -67,7 +67,7 @@ async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dic
     """Refuses fields the server cannot honour, logs unknown ones, and returns the
     request's validated ``logit_bias``, ``allowed_token_ids``, bad words (tokenized) and
     structured-output constraint (400s on error)."""
-    refuse_unsupported(body)
+    refuse_unsupported(body, state.priority_scheduling)
     warn_unknown_fields(body, state.warned_fields)
     return {"logit_bias": logit_bias(body, state.engine.vocab_size),
             "allowed_token_ids": allowed_token_ids(body, state.engine.vocab_size),

@@ -28,6 +28,7 @@ class ServerState:
     # --tool-call-parser when --enable-auto-tool-choice is set (tool_choice auto), else None
     auto_tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests' priority
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -13,8 +13,8 @@ Decided per field of OpenAI's completions and chat completions APIs:
   ``prompt_cache_key`` (prefix caching needs no key), ``safety_identifier``, ``user``.
 
 vLLM's own request fields that need machinery this server does not have are refused the
-same way when set to anything but their no-op value: ``priority`` (only 0: first come,
-first served), ``use_beam_search``, ``length_penalty`` (beam search's), ``logits_processors``,
+same way when set to anything but their no-op value: ``priority`` (only 0, unless the
+server runs ``--scheduling-policy priority``), ``use_beam_search``, ``length_penalty`` (beam search's), ``logits_processors``,
 ``kv_transfer_params``, ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
 ``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
 """
@@ -80,8 +80,8 @@ CHAT_REFUSED = {
 
 
 VLLM_REFUSED = {
-    "priority": "priority other than 0 is not supported: requests are served first come, "
-                "first served",
+    "priority": "priority other than 0 needs --scheduling-policy priority: this server "
+                "serves requests first come, first served",
     "use_beam_search": "beam search (use_beam_search) is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
     "logits_processors": "logits_processors are not supported",
@@ -93,14 +93,17 @@ VLLM_REFUSED = {
 }
 
 
-def refuse_unsupported(req: SamplingRequest) -> None:
-    """400 naming the first field set to something the server cannot honour."""
+def refuse_unsupported(req: SamplingRequest, priority_scheduling: bool = False) -> None:
+    """400 naming the first field set to something the server cannot honour
+    (``priority_scheduling``: the server honours ``priority``)."""
     if isinstance(req, CompletionRequest):
         refused = {**COMPLETION_REFUSED, **VLLM_REFUSED}
     elif isinstance(req, ChatCompletionRequest):
         refused = {**CHAT_REFUSED, **VLLM_REFUSED}
     else:
         refused = {}
+    if priority_scheduling:
+        refused.pop("priority", None)
     for field, message in refused.items():
         if not _noop_value(field, getattr(req, field)):
             raise APIError.bad_request(message, field)
