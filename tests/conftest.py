@@ -44,6 +44,8 @@ LONG_UNITS = (
     "tests/model/test_tokenizer_cache.py",  # 40 s
     "tests/server/test_first_contact.py",  # 40 s
     "tests/model/test_tiny_models.py",  # 40 s
+    "tests/server/test_reasoning_server.py",  # 31 s
+    "tests/server/test_priority_server.py",  # 31 s
     "tests/server/test_fp8_serving.py",  # 30 s
     "tests/server/test_fp8_kv_server.py",  # 30 s
     "tests/parallel/test_layers.py",  # 30 s

@@ -2,7 +2,7 @@
 
 Generated bodies that would make the model write many tokens get a small ``max_tokens``
 so that a CPU run stays short: a missing or null ``max_tokens`` / ``max_completion_tokens``
-(which means "the rest of the context") and an integer between the cap and the context
+/ ``max_output_tokens`` (which means "the rest of the context") and an integer between the cap and the context
 length. Values over the context length, negative, or not integers are sent unchanged:
 the server must answer them with a quick 400.
 """
@@ -16,7 +16,8 @@ import schemathesis
 CAP = int(os.environ.get("TPSERVE_FUZZ_MAX_TOKENS", "4"))
 MAX_MODEL_LEN = int(os.environ.get("TPSERVE_FUZZ_MAX_MODEL_LEN", "256"))
 GENERATING = {"/v1/completions": ("max_tokens",),
-              "/v1/chat/completions": ("max_tokens", "max_completion_tokens")}
+              "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+              "/v1/responses": ("max_output_tokens",)}
 
 
 @schemathesis.hook

@@ -144,3 +144,31 @@ def test_reasoning_in_the_history_reaches_the_template(servers):
                           {"role": "user", "content": "And of Spain?"}]
     r = chat(servers["r1"], history)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item(servers, folder):
+    """``/v1/responses``: a reasoning item (its text as ``reasoning_text``), then the
+    message; the usage counts the reasoning's tokens (up to and including </think>);
+    streamed, reasoning-text deltas come before the output-text deltas."""
+    client = servers["r1"].client()
+    model = client.models.list().data[0].id
+    r = client.responses.create(model=model, input=QUESTION, max_output_tokens=24,
+                                temperature=0)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == " capital of France"
+    assert r.output_text == " Paris."
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    thinking = tok("<think> capital of France</think>", add_special_tokens=False)["input_ids"]
+    assert r.usage.output_tokens_details.reasoning_tokens == len(thinking) == 5
+    events = list(client.responses.create(model=model, input=QUESTION, max_output_tokens=24,
+                                          temperature=0, stream=True))
+    deltas = [(e.type, e.delta) for e in events if e.type.endswith(".delta")]
+    kinds = [k for k, _ in deltas]
+    assert kinds == sorted(kinds, key=["response.reasoning_text.delta",
+                                       "response.output_text.delta"].index)
+    assert "".join(d for k, d in deltas if k == "response.reasoning_text.delta") == \
+        " capital of France"
+    assert "".join(d for k, d in deltas if k == "response.output_text.delta") == " Paris."
+    final = events[-1].response
+    assert final.usage.output_tokens_details.reasoning_tokens == 5
+    assert [item.type for item in final.output] == ["reasoning", "message"]

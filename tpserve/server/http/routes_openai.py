@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -42,6 +42,15 @@ from tpserve.server.http.request_params import (
     build_sampling_params,
     truncated_prompt,
 )
+from tpserve.server.http.responses.events import response_events
+from tpserve.server.http.responses.output import whole_response
+from tpserve.server.http.responses.request import (
+    PASSED_THROUGH,
+    ResponsesRequest,
+    chat_request,
+    echo_fields,
+    responses_error,
+)
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import allowed_token_ids, logit_bias, structured_output
@@ -52,6 +61,26 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 STREAM_RESPONSE: dict[int | str, dict] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How an endpoint answers: its stream of server-sent events, or its whole body."""
+
+    events: Callable[[RequestOutput, AsyncIterator[RequestOutput], ResponseContext],
+                     AsyncIterator[bytes]]
+    whole: Callable[[OutputAccumulator, ResponseContext], dict[str, Any]]
+
+
+CHAT = Answer(chat_events, lambda acc, ctx: chat_response(acc, ctx).model_dump())
+COMPLETIONS = Answer(completion_events,
+                     lambda acc, ctx: completion_response(acc, ctx).model_dump())
+
+
+def _responses_answer(echo: dict[str, Any]) -> Answer:
+    """The Responses API's answer; ``echo``: what it repeats of its request."""
+    return Answer(lambda first, outputs, ctx: response_events(first, outputs, ctx, echo),
+                  lambda acc, ctx: whole_response(chat_response(acc, ctx), ctx, echo))
 
 
 async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: int
@@ -96,9 +125,10 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker, tools: ToolPlan | None = None,
                  echo: Echo | None = None, chat_echo: str | None = None,
-                 reasoning: ReasoningPlan | None = None) -> Response:
+                 reasoning: ReasoningPlan | None = None, answer: Answer | None = None
+                 ) -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
-    whole."""
+    whole: as its endpoint does, or as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     params = prompts[0][1]
     ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
@@ -131,14 +161,13 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
         # The first output is awaited before answering, so that errors raised on submission
         # (overload, shutdown, dead engine) get their HTTP status even when streaming.
         first = await unless_disconnected(request, anext(outputs))
-        is_chat = isinstance(body, ChatCompletionRequest)
+        if answer is None:
+            answer = CHAT if isinstance(body, ChatCompletionRequest) else COMPLETIONS
         if body.stream:
-            events = chat_events if is_chat else completion_events
             handed_over = True
-            return SSEResponse(events(first, outputs, ctx))
+            return SSEResponse(answer.events(first, outputs, ctx))
         acc = await unless_disconnected(request, _collect(first, outputs, ctx.n))
-        result = chat_response(acc, ctx) if is_chat else completion_response(acc, ctx)
-        return JSONResponse(result.model_dump())
+        return JSONResponse(answer.whole(acc, ctx))
     finally:
         if not handed_over:
             await outputs.aclose()
@@ -188,27 +217,48 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
-        constraints = await _checked_constraints(state, body)
-        tools = plan_tools(body, state.auto_tool_parser)
-        body = _with_tools(body, tools, constraints)
-        if state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens:
-            body = body.model_copy(update={"skip_special_tokens": False})  # keep the tags
-        state.check_available()
-        prompt_ids = await state.prompts.chat_ids(
-            body.messages, body, tools=tools.template_tools if tools is not None else None)
-        prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
-                                      state.engine.max_model_len)
-        params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
-                                       state.default_sampling_params, constraints)
-        reasoning = None
-        if state.reasoning_parser is not None:
-            reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
-            if params.structured is not None and reasoning.grammar_after is not None:
-                # the grammar (or the forced tool call) constrains the answer only
-                params = replace(params, structured_after=reasoning.grammar_after)
-        last = body.messages[-1]
-        echo = last.text() if body.echo and last.role == "assistant" else None
-        return await _serve(request, state, body, "chatcmpl", [(prompt_ids, params)], model,
-                            tracker, tools, chat_echo=echo, reasoning=reasoning)
+        return await _chat(request, state, body, tracker, model)
+
+    @router.post("/responses", responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, answered by the chat machinery (nothing is stored)."""
+        state = get_state(request)
+        tracker = state.metrics.track()
+        model = state.resolve_model(body.model)
+        warn_unknown_fields(body, state.warned_fields, known=PASSED_THROUGH)
+        try:
+            return await _chat(request, state, chat_request(body), tracker, model, "resp",
+                               _responses_answer(echo_fields(body)))
+        except APIError as exc:
+            raise responses_error(exc) from None
 
     return router
+
+
+async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest,
+                tracker: RequestTracker, model: str, prefix: str = "chatcmpl",
+                answer: Answer | None = None) -> Response:
+    """Answers a chat request (or the chat request of another endpoint, ``answer``):
+    its constraints, tools and reasoning plan, its prompt and sampling parameters."""
+    constraints = await _checked_constraints(state, body)
+    tools = plan_tools(body, state.auto_tool_parser)
+    body = _with_tools(body, tools, constraints)
+    if state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})  # keep the tags
+    state.check_available()
+    prompt_ids = await state.prompts.chat_ids(
+        body.messages, body, tools=tools.template_tools if tools is not None else None)
+    prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
+                                  state.engine.max_model_len)
+    params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
+                                   state.default_sampling_params, constraints)
+    reasoning = None
+    if state.reasoning_parser is not None:
+        reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
+        if params.structured is not None and reasoning.grammar_after is not None:
+            # the grammar (or the forced tool call) constrains the answer only
+            params = replace(params, structured_after=reasoning.grammar_after)
+    last = body.messages[-1]
+    echo = last.text() if body.echo and last.role == "assistant" else None
+    return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
+                        tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer)

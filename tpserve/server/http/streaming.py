@@ -162,66 +162,75 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
 
 async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                       ctx: ResponseContext) -> AsyncIterator[bytes]:
-    """``/v1/chat/completions`` chunks: a role chunk per choice, content deltas, a finish
-    chunk per choice, usage, [DONE]. With ``return_token_ids`` the first chunk holds the
-    prompt's ids and each content chunk its tokens' (held tool-call output: the finish
-    chunk holds them all). With ``--reasoning-parser`` the reasoning goes out in
-    ``reasoning`` deltas as it is decided (text that may yet be a tag is held), the
-    answer as content, tool calls parsed from the answer alone."""
-
-    def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None) -> bytes:
-        return _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                         choices=[choice], usage=_so_far(out, ctx),
-                                         prompt_token_ids=prompt_ids), ctx)
-
+    """``/v1/chat/completions`` as server-sent events: ``chat_chunks``, then [DONE]; an
+    error while streaming becomes an error event."""
     try:
-        before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
-        held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
-        for i in range(ctx.n):
-            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                    content="")), before,
-                        ctx.prompt_ids_of(0) if i == 0 else None)
-            if ctx.chat_echo:
-                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
-                            before)
-        final = None
-        held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
-        splits = [ReasoningSplit(ctx.reasoning) for _ in range(ctx.n)] \
-            if ctx.reasoning is not None else None
-        async for out in _all(first, outputs):
-            for d in out.deltas:
-                finish_reason = d.finish_reason
-                if splits is not None:  # the reasoning goes out now; the answer goes on
-                    reasoning, d = _split_delta(splits[d.index], d, ctx)
-                    if reasoning is not None:
-                        yield chunk(reasoning, out)
-                if held is not None:
-                    held_ids[d.index].extend(d.token_ids)
-                    for delta, lps in held[d.index].add(d, ctx):
-                        yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps),
-                                    out)
-                    if finish_reason is not None:
-                        finish_reason = held[d.index].finish_reason
-                elif _has_content(d, ctx):
-                    lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
-                    yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
-                                                logprobs=lps, token_ids=_ids(d, ctx)), out)
-                if finish_reason is not None:
-                    ids = held_ids[d.index] if held is not None and ctx.prompt_ids is not None \
-                        else None
-                    yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
-                                                finish_reason=finish_reason,
-                                                stop_reason=d.stop_reason, token_ids=ids), out)
-            if out.finished:
-                final = out
-        if ctx.include_usage and final is not None:
-            yield _dump(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                                            choices=[], usage=usage_info(final)), ctx)
+        async for chunk in chat_chunks(first, outputs, ctx):
+            yield _dump(chunk, ctx)
     except Exception as exc:
         yield _error_event(exc)
     finally:
         await _close(outputs)
     yield DONE
+
+
+async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                      ctx: ResponseContext) -> AsyncIterator[ChatCompletionChunk]:
+    """The chat chunks of one request: a role chunk per choice, content deltas, a finish
+    chunk per choice, then (``include_usage``) one with the usage. With
+    ``return_token_ids`` the first chunk holds the prompt's ids and each content chunk its
+    tokens' (held tool-call output: the finish chunk holds them all). With
+    ``--reasoning-parser`` the reasoning goes out in ``reasoning`` deltas as it is decided
+    (text that may yet be a tag is held), the answer as content, tool calls parsed from
+    the answer alone. Raises what the engine raises; the caller closes ``outputs``."""
+
+    def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None
+              ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                   choices=[choice], usage=_so_far(out, ctx),
+                                   prompt_token_ids=prompt_ids)
+
+    before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
+    held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
+    for i in range(ctx.n):
+        yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                content="")), before,
+                    ctx.prompt_ids_of(0) if i == 0 else None)
+        if ctx.chat_echo:
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
+                        before)
+    final = None
+    held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
+    splits = [ReasoningSplit(ctx.reasoning) for _ in range(ctx.n)] \
+        if ctx.reasoning is not None else None
+    async for out in _all(first, outputs):
+        for d in out.deltas:
+            finish_reason = d.finish_reason
+            if splits is not None:  # the reasoning goes out now; the answer goes on
+                reasoning, d = _split_delta(splits[d.index], d, ctx)
+                if reasoning is not None:
+                    yield chunk(reasoning, out)
+            if held is not None:
+                held_ids[d.index].extend(d.token_ids)
+                for delta, lps in held[d.index].add(d, ctx):
+                    yield chunk(ChatChunkChoice(index=d.index, delta=delta, logprobs=lps), out)
+                if finish_reason is not None:
+                    finish_reason = held[d.index].finish_reason
+            elif _has_content(d, ctx):
+                lps = chat_logprobs(d.logprobs or ()) if ctx.logprobs else None
+                yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
+                                            logprobs=lps, token_ids=_ids(d, ctx)), out)
+            if finish_reason is not None:
+                ids = held_ids[d.index] if held is not None and ctx.prompt_ids is not None \
+                    else None
+                yield chunk(ChatChunkChoice(index=d.index, delta=DeltaMessage(),
+                                            finish_reason=finish_reason,
+                                            stop_reason=d.stop_reason, token_ids=ids), out)
+        if out.finished:
+            final = out
+    if ctx.include_usage and final is not None:
+        yield ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
+                                  choices=[], usage=usage_info(final))
 
 
 def _split_delta(split: ReasoningSplit, d: CompletionDelta, ctx: ResponseContext

@@ -22,8 +22,10 @@ server runs ``--scheduling-policy priority``), ``use_beam_search``, ``length_pen
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableSet
+from collections.abc import Collection, MutableSet
 from typing import Any
+
+from pydantic import BaseModel
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import (
@@ -109,11 +111,13 @@ def refuse_unsupported(req: SamplingRequest, priority_scheduling: bool = False) 
             raise APIError.bad_request(message, field)
 
 
-def warn_unknown_fields(req: SamplingRequest, warned: MutableSet[str]) -> None:
-    """Logs a warning for each unknown top-level field the first time it is seen by this
-    app (``warned`` remembers the names); the fields themselves are ignored."""
+def warn_unknown_fields(req: BaseModel, warned: MutableSet[str],
+                        known: Collection[str] = ()) -> None:
+    """Logs a warning for each unknown top-level field (not in ``known``) the first time
+    it is seen by this app (``warned`` remembers the names); the fields themselves are
+    ignored."""
     for name in req.model_extra or ():
-        if name not in warned:
+        if name not in warned and name not in known:
             warned.add(name)
             logger.warning("the request field %r is not supported and is ignored "
                            "(logged once per field name)", name)

@@ -1,0 +1,149 @@
+"""The Responses stream: chat chunks to ``response.*`` server-sent events."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.openai_format import ResponseContext
+from tpserve.server.http.protocol import ToolCall
+from tpserve.server.http.responses.output import (
+    function_call_item,
+    message_item,
+    new_id,
+    reasoning_item,
+    reasoning_tokens,
+    response_object,
+    usage_object,
+)
+from tpserve.server.http.streaming import chat_chunks
+
+logger = logging.getLogger(__name__)
+
+
+class _Events:
+    """Numbers the events and keeps the output items: at most one reasoning or message
+    item is open at a time; its text grows by deltas until the next kind of output (or
+    the end) closes it."""
+
+    def __init__(self) -> None:
+        self.seq = itertools.count()
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the open item, as it will be when done
+        self.text = ""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": next(self.seq), **fields}
+        return (f"event: {kind}\ndata: ".encode()
+                + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+    def delta(self, kind: str, text: str) -> list[bytes]:
+        """``text`` added to an open item of ``kind`` (reasoning or message)."""
+        out: list[bytes] = []
+        if self.open is not None and self.open["type"] != kind:
+            out += self.close("completed")
+        where = {"output_index": len(self.output)}
+        if self.open is None:
+            item_id = new_id("rs" if kind == "reasoning" else "msg")
+            self.open = reasoning_item(item_id, "", "in_progress") if kind == "reasoning" \
+                else message_item(item_id, "", "in_progress")
+            self.text = ""
+            out.append(self.event("response.output_item.added", item=self.open, **where))
+            out.append(self.event("response.content_part.added", item_id=item_id,
+                                  content_index=0, part=self.open["content"][0], **where))
+        self.text += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" \
+            else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        out.append(self.event(name, item_id=self.open["id"], content_index=0, delta=text,
+                              **extra, **where))
+        return out
+
+    def close(self, status: str) -> list[bytes]:
+        """The open item's done events; it joins the output."""
+        if self.open is None:
+            return []
+        item, text, where = self.open, self.text, {"output_index": len(self.output)}
+        done = (reasoning_item if item["type"] == "reasoning" else message_item)(
+            item["id"], text, status)
+        part = done["content"][0]
+        name = "response.reasoning_text.done" if item["type"] == "reasoning" \
+            else "response.output_text.done"
+        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        out = [self.event(name, item_id=item["id"], content_index=0, text=text, **extra,
+                          **where),
+               self.event("response.content_part.done", item_id=item["id"], content_index=0,
+                          part=part, **where),
+               self.event("response.output_item.done", item=done, **where)]
+        self.output.append(done)
+        self.open = None
+        return out
+
+    def function_call(self, call: ToolCall) -> list[bytes]:
+        out = self.close("completed")
+        item = function_call_item(new_id("fc"), call, "completed")
+        where = {"output_index": len(self.output)}
+        out += [self.event("response.output_item.added",
+                           item={**item, "arguments": "", "status": "in_progress"}, **where),
+                self.event("response.function_call_arguments.delta", item_id=item["id"],
+                           delta=item["arguments"], **where),
+                self.event("response.function_call_arguments.done", item_id=item["id"],
+                           name=item["name"], arguments=item["arguments"], **where),
+                self.event("response.output_item.done", item=item, **where)]
+        self.output.append(item)
+        return out
+
+
+async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                          ctx: ResponseContext, echo: dict[str, Any]) -> AsyncIterator[bytes]:
+    """``response.created`` and ``response.in_progress``; per output item its added,
+    delta and done events (reasoning text, output text, function-call arguments in one
+    delta); then ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
+    cut it) with the whole response, or an ``error`` event."""
+    ev = _Events()
+    start = response_object(ctx, echo, "in_progress", [], None)
+    yield ev.event("response.created", response=start)
+    yield ev.event("response.in_progress", response=start)
+    try:
+        usage, finish_reason, ids, reasoning = None, None, [], ""
+        async for chunk in chat_chunks(first, outputs, ctx):
+            if chunk.usage is not None and not chunk.choices:
+                usage = chunk.usage
+            for c in chunk.choices:
+                ids += c.token_ids or []
+                if c.delta.reasoning:
+                    reasoning += c.delta.reasoning
+                    for e in ev.delta("reasoning", c.delta.reasoning):
+                        yield e
+                if c.delta.content:
+                    for e in ev.delta("message", c.delta.content):
+                        yield e
+                for raw in c.delta.tool_calls or ():
+                    fields = {k: v for k, v in raw.items() if k != "index"}
+                    for e in ev.function_call(ToolCall.model_validate(fields)):
+                        yield e
+                if c.finish_reason is not None:
+                    finish_reason = c.finish_reason
+        for e in ev.close("incomplete" if finish_reason == "length" else "completed"):
+            yield e
+        final = response_object(ctx, echo, "completed", ev.output,
+                                usage_object(usage, reasoning_tokens(ctx, ids, reasoning)),
+                                finish_reason)
+        yield ev.event(f"response.{final['status']}", response=final)
+    except Exception as exc:
+        if isinstance(exc, EngineError):
+            err = APIError.from_engine(exc)
+        else:
+            logger.exception("error while streaming a response", exc_info=exc)
+            err = APIError(500, "Internal server error")
+        yield ev.event("error", code=err.type, message=err.message, param=err.param)
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,257 @@
+"""A Responses request and its chat request: ``input`` items to chat messages,
+``instructions`` to a system message, ``text.format`` to ``response_format``, function
+tools to chat tools; fields this server cannot honour are refused with 400."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
+
+# vLLM's sampling extensions a Responses request may carry; passed to the chat request
+PASSED_THROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+                  "min_tokens", "priority", "cache_salt", "chat_template_kwargs",
+                  "include_reasoning")
+
+REFUSED = {  # field: (is it a no-op value?, why it is refused)
+    "previous_response_id": (lambda v: v is None, "previous_response_id is not supported: "
+                             "responses are not stored; send the whole conversation as input"),
+    "conversation": (lambda v: v is None, "conversations are not supported: responses are "
+                     "not stored"),
+    "background": (lambda v: not v, "background responses are not supported"),
+    "include": (lambda v: not v, "include is not supported: there is no encrypted reasoning, "
+                "and output logprobs are not offered on this endpoint"),
+    "prompt": (lambda v: v is None, "prompt templates are not supported"),
+    "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is "
+                   "supported"),
+    "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported: the server "
+                       "runs no tools"),
+    "top_logprobs": (lambda v: not v, "top_logprobs is not supported on this endpoint"),
+    "reasoning": (lambda v: not v or all(x is None for x in v.values()),
+                  "reasoning options (effort, summary) are not supported with this model"),
+}
+
+
+class ResponsesRequest(RequestModel):
+    """``POST /v1/responses``. Unknown fields are kept in ``model_extra`` (logged once and
+    ignored, as on chat completions); vLLM's sampling fields among them (``PASSED_THROUGH``)
+    apply."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    # accepted; nothing is stored (retrieving a response by id is not offered)
+    store: bool | None = None
+    # advisory in OpenAI's API: accepted and ignored
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless their no-op value (REFUSED)
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    prompt: dict[str, Any] | None = None
+    truncation: str | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+class _Part(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class _Message(BaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_Part]
+
+
+class _FunctionCall(BaseModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionCallOutput(BaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[_Part]
+
+
+class _Reasoning(BaseModel):
+    type: Literal["reasoning"]
+
+
+_ITEMS = {"message": _Message, "function_call": _FunctionCall,
+          "function_call_output": _FunctionCallOutput, "reasoning": _Reasoning}
+
+
+def _text(content: str | list[_Part], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise APIError.bad_request(f"{part.type} content is not supported: this model "
+                                       "takes text only", f"{where}.content.{k}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``. Consecutive function calls
+    become one assistant message's ``tool_calls``; reasoning items are dropped (the
+    templates of the models served here do not take them back)."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, raw in enumerate(req.input):
+        kind = raw.get("type", "message") if isinstance(raw, dict) else None
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise APIError.bad_request(f"input items of type {kind!r} are not supported "
+                                       f"(message, function_call, function_call_output, "
+                                       f"reasoning)", f"input.{i}")
+        try:
+            item = model.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise APIError.bad_request(f"input.{i}.{where}: {first['msg']}",
+                                       f"input.{i}") from None
+        if isinstance(item, _Message):
+            messages.append({"role": item.role, "content": _text(item.content, f"input.{i}")})
+        elif isinstance(item, _FunctionCall):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
+                    and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, _FunctionCallOutput):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output, f"input.{i}.output")})
+    if not messages:
+        raise APIError.bad_request("input must hold at least one message", "input")
+    return messages
+
+
+def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise APIError.bad_request(f"tools of type {tool.get('type')!r} are not supported: "
+                                       "only function tools (with a name)", f"tools.{i}")
+        function = {"name": tool["name"], "parameters": tool.get("parameters")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError.bad_request("tool_choice must be none, auto, required or "
+                               '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "strict") if k in fmt}
+        schema["schema"] = fmt.get("schema")
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError.bad_request(f"text.format type {kind!r} is not supported (text, "
+                               "json_object, json_schema)", "text.format")
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that answers ``req`` (400s naming the Responses field)."""
+    for field, (noop, why) in REFUSED.items():
+        if not noop(getattr(req, field)):
+            raise APIError.bad_request(why, field)
+    body: dict[str, Any] = {
+        "model": req.model, "messages": _messages(req), "temperature": req.temperature,
+        "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens,
+        "stream": req.stream, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text),
+        "stream_options": {"include_usage": True} if req.stream else None,
+        # the answer's token ids, for the reasoning tokens of the usage
+        "return_token_ids": True}
+    extra = req.model_extra or {}
+    body.update({name: extra[name] for name in PASSED_THROUGH if name in extra})
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise APIError.bad_request(f"{where}: {first['msg']}",
+                                   RESPONSES_NAME.get(where.split(".")[0], where)) from None
+
+
+# chat field -> the Responses field it came from, for error messages
+RESPONSES_NAME = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+                  "response_format": "text.format"}
+
+
+def responses_error(exc: APIError) -> APIError:
+    """``exc`` (raised by the chat machinery) naming the Responses field."""
+    if exc.param is None:
+        return exc
+    head, _, rest = exc.param.partition(".")
+    name = RESPONSES_NAME.get(head)
+    if name is None:
+        return exc
+    exc.message = exc.message.replace(head, name)
+    exc.param = name + ("." + rest if rest else "")
+    exc.args = (exc.message,)
+    return exc
+
+
+def echo_fields(req: ResponsesRequest) -> dict[str, Any]:
+    """What a response object repeats of its request."""
+    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}},
+            "metadata": req.metadata or {}, "user": req.user, "store": False,
+            "background": False, "previous_response_id": None, "truncation": "disabled",
+            "reasoning": {"effort": None, "summary": None}}
+
