@@ -14,7 +14,8 @@ from tests.server.serverproc import ServerProcess
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--scheduling-policy", "priority", "--max-num-seqs", "1",
-                      "--max-model-len", "1024", "--no-engine-process")
+                      "--max-model-len", "1024", "--no-engine-process",
+                      "--log-stats-interval", "0.5", log_level="info")
     yield s
     assert s.stop() == 0, s.output()
 
@@ -64,4 +65,9 @@ def test_a_higher_priority_overtakes_the_running_request(server):
     assert not errors, errors
     assert finished[-1] == "low" and set(finished) == {"low", "mid", "high"}
     assert server.metric("num_preemptions_total") > before
+    # the engine's stats lines saw the queue and the preemptions
+    lines = [line for line in server.output().splitlines() if "tpserve: engine: " in line]
+    assert any("running 1, waiting 1 reqs" in line or "running 1, waiting 2 reqs" in line
+               for line in lines), lines
+    assert any("preemptions 0" not in line for line in lines), lines
 

@@ -48,6 +48,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
     log_requests: bool = True  # one access-log line per request
+    log_stats_interval_s: float | None = 10.0  # the engine's stats line (None: off)
     chat_template: str | None = None  # a Jinja template replacing the model's
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
     tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
@@ -62,6 +63,8 @@ class ServerConfig:
             raise ValueError("--max-request-body-bytes must be at least 1024")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:
+            raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +266,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per request (method, path, status, tokens, "
                         "latency)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine line (throughput, queues, KV cache use, prefix "
+                        "cache hits, preemptions)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between the engine's stats lines (logged only while it "
+                        "works or holds requests)")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the KV pool accounting after every step (debugging)")
     p.add_argument("--memory-history", type=int, nargs="?", const=MEMORY_HISTORY_ENTRIES,
@@ -314,6 +323,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
                           generation_config=a.generation_config,
                           log_requests=not a.disable_log_requests,
+                          log_stats_interval_s=(None if a.disable_log_stats
+                                                else a.log_stats_interval),
                           chat_template=read_chat_template(a.chat_template),
                           enable_auto_tool_choice=a.enable_auto_tool_choice,
                           tool_call_parser=a.tool_call_parser,

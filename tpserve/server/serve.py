@@ -33,6 +33,7 @@ from tpserve.server.exposure import exposure_warning
 from tpserve.server.failure import LateBoundFailure
 from tpserve.server.http.app import build_app
 from tpserve.server.startup import build_engine_core, join_group, leave_group
+from tpserve.server.stats_log import StatsLogger
 
 logger = logging.getLogger("tpserve")
 
@@ -169,10 +170,16 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     engine.start()
+    stats_log = None
+    if cfg.server.log_stats_interval_s is not None:
+        stats_log = StatsLogger(engine.stats, cfg.server.log_stats_interval_s)
+        stats_log.start()
     logger.info("serving %s on http://%s:%d", name, cfg.server.host, cfg.server.port)
     try:
         server.run()
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         engine.shutdown(timeout=10.0)
     if status.code:
         logger.error("exiting with status %d: %s", status.code,
