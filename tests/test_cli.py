@@ -194,7 +194,24 @@ def test_every_auto_is_resolved_from_the_checkpoint_on_cpu(tiny_folder):
     assert shape.scheduler.max_model_len == 131072
 
 
+def test_vllm_command_lines_are_taken(tiny_folder):
+    """What ``vllm serve`` command lines carry: ``--model``, several served names (the
+    first one reported), and flags that change nothing here."""
+    cfg = _cfg("--model", str(tiny_folder), "--served-model-name", "a", "b", "c",
+               "--trust-remote-code", "--enable-chunked-prefill", "-pp", "1",
+               "--disable-log-stats")
+    assert cfg.runner.model == str(tiny_folder)
+    assert (cfg.served_model_name, cfg.server.served_model_aliases) == ("a", ("b", "c"))
+    assert cfg.server.log_stats_interval_s is None
+    assert _cfg(str(tiny_folder), "--model", str(tiny_folder)).runner.model == str(tiny_folder)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--model", "other"], "the model is given twice"),
+    (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported; use "
+                                        "--tensor-parallel-size"),
+    (["--log-stats-interval", "0"], "--log-stats-interval must be > 0"),
     (["--max-model-len", "257"], "--max-model-len 257 exceeds the model's context of 256"),
     (["--max-model-len", "0"], "--max-model-len must be >= 1"),
     (["--max-mixed-tokens", "0"], "--max-mixed-tokens must be >= 1"),

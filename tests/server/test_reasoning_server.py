@@ -31,6 +31,7 @@ def folder(tmp_path_factory):
 def servers(folder):
     with stopped_on_exit({}) as started:
         started["r1"] = ServerProcess(str(folder), "--reasoning-parser", "deepseek_r1",
+                                      "--served-model-name", "thinker", "r1",
                                       "--no-engine-process", wait=False)
         started["qwen3"] = ServerProcess(str(folder), "--reasoning-parser", "qwen3",
                                          "--no-engine-process", wait=False)
@@ -172,3 +173,11 @@ def test_the_responses_api_gives_the_reasoning_its_own_item(servers, folder):
     final = events[-1].response
     assert final.usage.output_tokens_details.reasoning_tokens == 5
     assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_every_served_name_is_listed_and_answers(servers):
+    client = servers["r1"].client()
+    assert [m.id for m in client.models.list().data] == ["thinker", "r1"]
+    r = client.chat.completions.create(model="r1", messages=QUESTION, max_tokens=24,
+                                       temperature=0)
+    assert (r.model, r.choices[0].message.content) == ("r1", " Paris.")

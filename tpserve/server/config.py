@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,7 @@ from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cach
 from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
@@ -49,6 +50,7 @@ class ServerConfig:
     generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
     log_requests: bool = True  # one access-log line per request
     log_stats_interval_s: float | None = 10.0  # the engine's stats line (None: off)
+    served_model_aliases: tuple[str, ...] = ()  # more names (--served-model-name A B ...)
     chat_template: str | None = None  # a Jinja template replacing the model's
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
     tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
@@ -117,9 +119,29 @@ MEMORY_HISTORY_ENTRIES = 100_000  # --memory-history without N
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = SchedulerConfig(max_model_len=1)
     p.add_argument("model", nargs="?", default=None,
-                   help="a Hugging Face model folder, a .gguf file, or (with --load-format "
-                        "dummy) a shape name; default (or empty): the embedded "
-                        "SmolLM2-135M-Instruct")
+                   help="a Hugging Face model folder, a repository id (org/name: fetched "
+                        "into the Hugging Face cache, and its served name), a .gguf file, or "
+                        "(with --load-format dummy) a shape name; default (or empty): the "
+                        "embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as the positional argument takes it (the spelling of "
+                        "vLLM's api_server)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines; changes nothing: tpserve never "
+                        "runs code from a checkpoint (its architectures are built in)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="accepted for vLLM command lines: chunked prefill is always on "
+                        "(the --no- form is refused)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="only 1: tpserve shards a model by tensor parallelism")
+    p.add_argument("--revision", default=None,
+                   help="with a Hugging Face repository id as the model: the branch, tag "
+                        "or commit to serve (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="with a repository id: where to keep its files (default: the "
+                        "Hugging Face cache, $HF_HOME); HF_TOKEN for gated ones, "
+                        "HF_HUB_OFFLINE=1 to use the cache only")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
     p.add_argument("--tp-comm", default="allreduce", choices=["allreduce", "allgather"],
@@ -198,8 +220,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request omits: auto = the model "
                         "folder's generation_config.json (the embedded model: its own), "
                         "vllm = OpenAI's defaults, or a folder holding that file")
-    p.add_argument("--served-model-name", default=None,
-                   help="model id in the API; default: the model's folder or file name")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) in the API, the first the one answers report; default: "
+                        "the model's repository id, folder or file name")
     p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1; default: "
                         "$TPSERVE_API_KEY, else no key")
@@ -310,9 +333,21 @@ def config_from_args(a: argparse.Namespace) -> Config:
     """Builds, resolves and validates the whole tree; raises ValueError naming the flag
     (FileNotFoundError for a missing model). The checkpoint is opened for its config only
     (no weights are read)."""
+    if a.model_flag is not None:
+        if a.model is not None and a.model != a.model_flag:
+            raise ValueError(f"the model is given twice: {a.model!r} and --model "
+                             f"{a.model_flag!r}")
+        a.model = a.model_flag
+    if not a.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill: chunked prefill is always on "
+                         "(--max-num-batched-tokens bounds a step)")
+    if a.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size {a.pipeline_parallel_size}: pipeline "
+                         "parallelism is not supported; use --tensor-parallel-size")
+    names = a.served_model_name or [None]
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                               collective_timeout_s=a.collective_timeout)
-    engine = EngineConfig(served_model_name=a.served_model_name,
+    engine = EngineConfig(served_model_name=names[0],
                           check_integrity=a.check_integrity,
                           max_num_queued_requests=a.max_num_queued_requests,
                           max_num_queued_tokens=a.max_num_queued_tokens,
@@ -323,6 +358,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
                           generation_config=a.generation_config,
                           log_requests=not a.disable_log_requests,
+                          served_model_aliases=tuple(names[1:]),
                           log_stats_interval_s=(None if a.disable_log_stats
                                                 else a.log_stats_interval),
                           chat_template=read_chat_template(a.chat_template),
@@ -332,6 +368,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if a.max_model_len is not None and a.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model
+    if model_path is not None and is_repo_id(model_path):  # vllm serve org/name
+        if names[0] is None:
+            engine = replace(engine, served_model_name=model_path)
+        model_path = fetch_model(model_path, a.revision, a.download_dir)
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights

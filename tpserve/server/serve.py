@@ -135,7 +135,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
     shuts the engine down. Returns the exit status."""
     name = cfg.served_model_name
     logger.info(defaults.describe())
-    app = build_app(engine, served_model_names=(name,), api_key=cfg.server.api_key,
+    app = build_app(engine, served_model_names=(name, *cfg.server.served_model_aliases),
+                    api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes,
                     default_sampling_params=defaults.params,
                     log_requests=cfg.server.log_requests,

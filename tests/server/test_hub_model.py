@@ -1,0 +1,75 @@
+"""``tpserve serve org/name``: a model named by its Hugging Face repository id is served
+from its snapshot in the Hugging Face cache (here a cache this test writes, in the hub's
+own layout, read with ``HF_HUB_OFFLINE=1``: this machine has no network, so the fetch
+itself is huggingface_hub's ``snapshot_download`` on a cache hit), under the repository
+id as its name; an id that cannot be had stops the start with exit 2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.serverproc import ServerProcess
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A Hugging Face cache holding ``tpserve-test/tiny-llama`` at main: the tiny random
+    Llama with SmolLM2's tokenizer."""
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_hf_folder
+
+    root = tmp_path_factory.mktemp("hf-cache")
+    repo = root / "models--tpserve-test--tiny-llama"
+    snapshot = repo / "snapshots" / COMMIT
+    save_hf_folder(_hf_model("llama"), snapshot)
+    smollm2_tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return root
+
+
+def test_a_repository_id_is_served_from_the_cache_under_its_name(cache):
+    s = ServerProcess("tpserve-test/tiny-llama", "--download-dir", str(cache),
+                      "--max-model-len", "256", "--no-engine-process",
+                      env={"HF_HUB_OFFLINE": "1"}, log_level="info")
+    try:
+        client = s.client()
+        assert [m.id for m in client.models.list().data] == ["tpserve-test/tiny-llama"]
+        r = client.completions.create(model="tpserve-test/tiny-llama", prompt=[17, 42, 99],
+                                      max_tokens=5, temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        assert f"tpserve-test/tiny-llama: snapshot {cache}" in s.output()
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_a_repository_that_cannot_be_had_stops_the_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", "tpserve-test/missing",
+                          "--download-dir", str(tmp_path), "--port", "0"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("tpserve: error: model not found: 'tpserve-test/missing' is not a "
+                           "local path, and the Hugging Face repository could not be fetched "
+                           "(LocalEntryNotFoundError"), last
+
+
+def test_a_local_folder_of_that_name_wins(cache, tmp_path, monkeypatch):
+    """``org/name`` that exists as a relative folder is that folder (no hub lookup)."""
+    from tpserve.model.loader.hub import is_repo_id
+
+    monkeypatch.chdir(tmp_path)
+    assert is_repo_id("tpserve-test/tiny-llama")
+    shutil.copytree(cache / "models--tpserve-test--tiny-llama" / "snapshots" / COMMIT,
+                    tmp_path / "tpserve-test" / "tiny-llama")
+    assert not is_repo_id("tpserve-test/tiny-llama")
+    assert not is_repo_id("/abs/path") and not is_repo_id("a/b/c") and not is_repo_id("x.gguf")
