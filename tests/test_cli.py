@@ -202,7 +202,11 @@ def test_vllm_command_lines_are_taken(tiny_folder):
                "--disable-log-stats")
     assert cfg.runner.model == str(tiny_folder)
     assert (cfg.served_model_name, cfg.server.served_model_aliases) == ("a", ("b", "c"))
-    assert cfg.server.log_stats_interval_s is None
+    assert cfg.server.log_stats_interval_s is None and cfg.server.cors is None
+    cors = _cfg(str(tiny_folder), "--allowed-origins", '["*"]', "--allowed-methods",
+                "GET,POST", "--allow-credentials").server.cors
+    assert (cors.allowed_origins, cors.allowed_methods, cors.allowed_headers,
+            cors.allow_credentials) == (("*",), ("GET", "POST"), ("*",), True)
     assert _cfg(str(tiny_folder), "--model", str(tiny_folder)).runner.model == str(tiny_folder)
 
 

@@ -35,6 +35,7 @@ from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.state import ParallelConfig
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from tpserve.server.http.cors import CorsConfig, parse_list
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
@@ -51,6 +52,7 @@ class ServerConfig:
     log_requests: bool = True  # one access-log line per request
     log_stats_interval_s: float | None = 10.0  # the engine's stats line (None: off)
     served_model_aliases: tuple[str, ...] = ()  # more names (--served-model-name A B ...)
+    cors: CorsConfig | None = None  # --allowed-origins (None: no CORS headers)
     chat_template: str | None = None  # a Jinja template replacing the model's
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
     tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
@@ -271,6 +273,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) replacing "
                         "the model's")
+    p.add_argument("--allowed-origins", type=parse_list, default=None, metavar="LIST",
+                   help="origins browsers may call the API from (CORS), a JSON list or "
+                        "comma-separated, e.g. '[\"*\"]'; default: no CORS headers (vLLM "
+                        "allows every origin by default)")
+    p.add_argument("--allowed-methods", type=parse_list, default=("*",), metavar="LIST",
+                   help="with --allowed-origins: the methods allowed (default: all)")
+    p.add_argument("--allowed-headers", type=parse_list, default=("*",), metavar="LIST",
+                   help="with --allowed-origins: the request headers allowed (default: all)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="with --allowed-origins: allow credentials (cookies, auth headers)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto': the model decides whether to call tools, "
                         "and --tool-call-parser finds the calls in its output")
@@ -359,6 +371,11 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           generation_config=a.generation_config,
                           log_requests=not a.disable_log_requests,
                           served_model_aliases=tuple(names[1:]),
+                          cors=None if not a.allowed_origins else CorsConfig(
+                              allowed_origins=a.allowed_origins,
+                              allowed_methods=a.allowed_methods,
+                              allowed_headers=a.allowed_headers,
+                              allow_credentials=a.allow_credentials),
                           log_stats_interval_s=(None if a.disable_log_stats
                                                 else a.log_stats_interval),
                           chat_template=read_chat_template(a.chat_template),

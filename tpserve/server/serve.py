@@ -144,7 +144,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
                     auto_tool_parser=(cfg.server.tool_call_parser
                                       if cfg.server.enable_auto_tool_choice else None),
                     reasoning_parser=cfg.server.reasoning_parser,
-                    priority_scheduling=cfg.scheduler.policy == "priority")
+                    priority_scheduling=cfg.scheduler.policy == "priority",
+                    cors=cfg.server.cors)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=5, access_log=False))

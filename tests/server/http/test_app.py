@@ -5,17 +5,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from tests.server.http.fake_engine import FakeEngine
+from tests.server.http.uvicorn_app import running
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.http.app import build_app
 from tpserve.server.http.metrics import ServerMetrics
@@ -43,21 +41,8 @@ def engine(tokenizer) -> FakeEngine:
 def base_url(engine) -> Iterator[str]:
     app = build_app(engine, served_model_names=(MODEL, "smol-alias"), api_key=API_KEY,
                     max_request_body_bytes=BODY_LIMIT)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with running(app) as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 import tpserve
 from tpserve.server.http.access_log import AccessLogMiddleware
+from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import install_exception_handlers
 from tpserve.server.http.metrics import ServerMetrics
@@ -40,14 +42,15 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               log_requests: bool = False, chat_template: str | None = None,
               auto_tool_parser: str | None = None,
               reasoning_parser: str | None = None,
-              priority_scheduling: bool = False) -> FastAPI:
+              priority_scheduling: bool = False, cors: CorsConfig | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
     tokenizer's; ``auto_tool_parser`` (a ``TOOL_PARSERS`` name) enables ``tool_choice``
     ``auto`` with that parser; ``reasoning_parser`` (a ``REASONING_PARSERS`` name) splits
     chat answers into reasoning and content; ``priority_scheduling`` accepts requests'
-    ``priority`` (the engine runs ``--scheduling-policy priority``)."""
+    ``priority`` (the engine runs ``--scheduling-policy priority``); ``cors`` answers
+    browsers' cross-origin requests (preflights too, before the API-key check)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -82,6 +85,11 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=needs_api_key)
     app.add_middleware(CatchAllMiddleware)
+    if cors is not None:  # outside the key check: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
     if log_requests:  # outermost: it sees the status CatchAll answers with
         app.add_middleware(AccessLogMiddleware)
     return app
