@@ -366,7 +366,7 @@ class Scheduler:
         running = list(self._running.values())
         count = min(max(1, int(len(running) * fraction)), len(running) - 1)
         victims = running[len(running) - count:] if count > 0 else []
-        for seq in reversed(victims):  # last-ranked first: each goes to waiting's front
+        for seq in reversed(victims):  # last-ranked first, each into waiting at its rank
             self._preempt(seq)
         return victims
 
