@@ -203,6 +203,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert cfg.runner.model == str(tiny_folder)
     assert (cfg.served_model_name, cfg.server.served_model_aliases) == ("a", ("b", "c"))
     assert cfg.server.log_stats_interval_s is None and cfg.server.cors is None
+    over = _cfg(str(tiny_folder), "--override-generation-config",
+                '{"temperature": 0.6, "max_new_tokens": 64}').server.generation_overrides
+    assert over == (("temperature", 0.6), ("max_tokens", 64))
     cors = _cfg(str(tiny_folder), "--allowed-origins", '["*"]', "--allowed-methods",
                 "GET,POST", "--allow-credentials").server.cors
     assert (cors.allowed_origins, cors.allowed_methods, cors.allowed_headers,
@@ -216,6 +219,10 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported; use "
                                         "--tensor-parallel-size"),
     (["--log-stats-interval", "0"], "--log-stats-interval must be > 0"),
+    (["--override-generation-config", '{"do_sample": true}'],
+     "--override-generation-config: do_sample cannot be overridden"),
+    (["--override-generation-config", '{"temperature": -1}'],
+     "--override-generation-config: temperature must be in"),
     (["--max-model-len", "257"], "--max-model-len 257 exceeds the model's context of 256"),
     (["--max-model-len", "0"], "--max-model-len must be >= 1"),
     (["--max-mixed-tokens", "0"], "--max-mixed-tokens must be >= 1"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +40,21 @@ def cache(tmp_path_factory, smollm2_tokenizer) -> Path:
 def test_a_repository_id_is_served_from_the_cache_under_its_name(cache):
     s = ServerProcess("tpserve-test/tiny-llama", "--download-dir", str(cache),
                       "--max-model-len", "256", "--no-engine-process",
+                      "--override-generation-config",
+                      '{"temperature": 0, "max_new_tokens": 5}',
                       env={"HF_HUB_OFFLINE": "1"}, log_level="info")
     try:
         client = s.client()
-        assert [m.id for m in client.models.list().data] == ["tpserve-test/tiny-llama"]
-        r = client.completions.create(model="tpserve-test/tiny-llama", prompt=[17, 42, 99],
-                                      max_tokens=5, temperature=0)
+        (card,) = client.models.list().data
+        assert card.id == "tpserve-test/tiny-llama"
+        # the overridden defaults: greedy, 5 tokens when a request leaves max_tokens out
+        assert card.model_extra["default_sampling_params"] == {"temperature": 0,
+                                                               "max_tokens": 5}
+        r = client.completions.create(model="tpserve-test/tiny-llama", prompt=[17, 42, 99])
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        assert ("default sampling parameters (no " in s.output()
+                and "generation_config.json, with --override-generation-config): "
+                    "temperature=0, max_tokens=5" in s.output()), s.output()
         assert f"tpserve-test/tiny-llama: snapshot {cache}" in s.output()
     finally:
         assert s.stop() == 0, s.output()
@@ -73,3 +82,20 @@ def test_a_local_folder_of_that_name_wins(cache, tmp_path, monkeypatch):
                     tmp_path / "tpserve-test" / "tiny-llama")
     assert not is_repo_id("tpserve-test/tiny-llama")
     assert not is_repo_id("/abs/path") and not is_repo_id("a/b/c") and not is_repo_id("x.gguf")
+
+
+def test_a_taken_port_stops_the_start_before_the_fetch(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve",
+                              "tpserve-test/missing", "--download-dir", str(tmp_path),
+                              "--port", str(port)],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"tpserve: error: port {port} on 127.0.0.1 is already in use; stop what listens "
+        "there or choose another --port")
+    assert "fetching" not in out.stderr

@@ -63,6 +63,31 @@ def parse_generation_config(data: dict[str, Any], source: str) -> GenerationDefa
     return GenerationDefaults(params, source)
 
 
+OVERRIDE_FLAG = "--override-generation-config"
+
+
+def parse_overrides(overrides: dict[str, Any] | None) -> dict[str, float | int]:
+    """vLLM's ``--override-generation-config`` (generation_config.json's keys) as
+    ``SamplingParams`` fields; ValueError for a key this server does not read, or a value
+    ``SamplingParams`` would refuse."""
+    if not overrides:
+        return {}
+    unknown = sorted(set(overrides) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{OVERRIDE_FLAG}: {', '.join(unknown)} cannot be overridden (only "
+                         f"{', '.join(FIELDS)})")
+    return parse_generation_config(overrides, OVERRIDE_FLAG).params
+
+
+def with_overrides(defaults: GenerationDefaults, params: dict[str, float | int]
+                   ) -> GenerationDefaults:
+    """``params`` (from ``parse_overrides``) over ``defaults``."""
+    if not params:
+        return defaults
+    return GenerationDefaults({**defaults.params, **params},
+                              f"{defaults.source}, with {OVERRIDE_FLAG}")
+
+
 def read_generation_config(folder: Path) -> GenerationDefaults | None:
     """The defaults in ``folder/generation_config.json``, or None when there is no file."""
     path = folder / FILE_NAME

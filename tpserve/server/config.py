@@ -17,12 +17,15 @@ later.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from tpserve.model.cuda_graphs import mixed_buckets_for
+from tpserve.model.generation_config import parse_overrides
 from tpserve.model.kernels.backend import resolve_kernel_backend
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
@@ -32,12 +35,13 @@ from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
-from tpserve.parallel.state import ParallelConfig
+from tpserve.parallel.state import ParallelConfig, torchrun_env
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from tpserve.server.http.cors import CorsConfig, parse_list
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
+from tpserve.server.port import check_port_free
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +53,8 @@ class ServerConfig:
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
     generation_config: str = "auto"  # auto | vllm | FOLDER (model/generation_config.py)
+    # --override-generation-config: generation_config.json keys over those defaults
+    generation_overrides: tuple[tuple[str, float | int], ...] = ()
     log_requests: bool = True  # one access-log line per request
     log_stats_interval_s: float | None = 10.0  # the engine's stats line (None: off)
     served_model_aliases: tuple[str, ...] = ()  # more names (--served-model-name A B ...)
@@ -89,6 +95,17 @@ class Config:
         if self.runner.model is None:
             return "SmolLM2-135M-Instruct"
         return os.path.basename(os.path.normpath(self.runner.model)) or self.runner.model
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """A flag's JSON object."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return parsed
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -222,6 +239,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request omits: auto = the model "
                         "folder's generation_config.json (the embedded model: its own), "
                         "vllm = OpenAI's defaults, or a folder holding that file")
+    p.add_argument("--override-generation-config", type=json_object, default=None,
+                   metavar="JSON",
+                   help="sampling defaults over --generation-config's, as a JSON object of "
+                        "generation_config.json keys (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens), e.g. '{\"temperature\": 0.6}'")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id(s) in the API, the first the one answers report; default: "
                         "the model's repository id, folder or file name")
@@ -369,6 +391,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           max_request_body_bytes=a.max_request_body_bytes,
                           log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
                           generation_config=a.generation_config,
+                          generation_overrides=tuple(
+                              parse_overrides(a.override_generation_config).items()),
                           log_requests=not a.disable_log_requests,
                           served_model_aliases=tuple(names[1:]),
                           cors=None if not a.allowed_origins else CorsConfig(
@@ -388,7 +412,11 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if model_path is not None and is_repo_id(model_path):  # vllm serve org/name
         if names[0] is None:
             engine = replace(engine, served_model_name=model_path)
-        model_path = fetch_model(model_path, a.revision, a.download_dir)
+        env = torchrun_env()
+        if env is None or env[0] == 0:  # a taken port stops the start before the fetch
+            check_port_free(a.host, a.port)
+        model_path = fetch_model(model_path, a.revision, a.download_dir,
+                                 weights=a.load_format != "dummy")
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights

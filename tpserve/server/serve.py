@@ -13,16 +13,18 @@ through an ``EngineProxy``; failures and shutdown behave the same.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import signal
-import socket
 import threading
 
 import torch
 import uvicorn
 
-from tpserve.model.generation_config import GenerationDefaults, resolve_generation_defaults
+from tpserve.model.generation_config import (
+    GenerationDefaults,
+    resolve_generation_defaults,
+    with_overrides,
+)
 from tpserve.model.runner import ModelRunner
 from tpserve.parallel.launch import WorkerProcesses
 from tpserve.parallel.state import TPGroup, torchrun_env
@@ -32,6 +34,7 @@ from tpserve.server.engine_proxy import EngineProxy
 from tpserve.server.exposure import exposure_warning
 from tpserve.server.failure import LateBoundFailure
 from tpserve.server.http.app import build_app
+from tpserve.server.port import check_port_free
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 from tpserve.server.stats_log import StatsLogger
 
@@ -65,28 +68,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Binds ``host:port`` once and lets go, so that a taken port stops the start before
-    the model loads (uvicorn binds only after). ValueError (exit 2) names the port."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"port {port} on {host} is already in use; stop what "
-                                 f"listens there or choose another --port") from None
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-
-
 def serve(cfg: Config) -> int:
     env = torchrun_env()
     if env is None or env[0] == 0:  # rank 0 serves HTTP
@@ -94,8 +75,10 @@ def serve(cfg: Config) -> int:
         warning = exposure_warning(cfg.server.host, cfg.server.port, cfg.server.api_key)
         if warning is not None:
             logger.warning(warning)
-    defaults = resolve_generation_defaults(cfg.server.generation_config, cfg.runner.model,
-                                           cfg.runner.load_format)
+    defaults = with_overrides(
+        resolve_generation_defaults(cfg.server.generation_config, cfg.runner.model,
+                                    cfg.runner.load_format),
+        dict(cfg.server.generation_overrides))
     if cfg.engine.engine_process and env is None:
         return _serve_engine_process(cfg, defaults)
     status = _Exit()

@@ -25,9 +25,10 @@ def is_repo_id(model: str) -> bool:
 
 
 def fetch_model(repo_id: str, revision: str | None = None,
-                download_dir: str | None = None) -> str:
+                download_dir: str | None = None, weights: bool = True) -> str:
     """The local snapshot folder of ``repo_id`` at ``revision`` (default: main), fetched
-    if the cache lacks it. FileNotFoundError (exit 2) naming the repository when it
+    if the cache lacks it (without ``weights``: all but the safetensors, for dummy
+    weights of the repository's shape). FileNotFoundError (exit 2) naming the repository when it
     cannot be had: unknown, gated without a token (``HF_TOKEN``), offline and not cached."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars
@@ -38,8 +39,10 @@ def fetch_model(repo_id: str, revision: str | None = None,
     logger.info("fetching %s%s from the Hugging Face Hub (or its cache)", repo_id,
                 f" at {revision}" if revision else "")
     try:
+        patterns = SERVED_FILES if weights else [p for p in SERVED_FILES
+                                                  if p != "*.safetensors"]
         folder = snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                   allow_patterns=SERVED_FILES)
+                                   allow_patterns=patterns)
     except Exception as exc:  # the hub's errors: not found, gated, offline, HTTP
         raise FileNotFoundError(
             f"model not found: {repo_id!r} is not a local path, and the Hugging Face "
