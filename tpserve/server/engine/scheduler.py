@@ -264,46 +264,21 @@ class Scheduler:
                budget: int) -> int:
         """Admit waiting sequences in rank order into ``scheduled`` (under priority,
         preempting running ones ranked after them); returns the budget left."""
-        bm = self.block_manager
         while self._waiting and budget > 0:
             seq = self._waiting[0]
-            if len(self._running) >= self.config.max_num_seqs:
+            admitted = None
+            if len(self._running) < self.config.max_num_seqs:
+                fork_tokens = self._fork_tokens(seq)
+                if fork_tokens is None:
+                    break  # a sibling waiting for its parent's prompt blocks
+                admitted = self._allocate_admission(seq, fork_tokens, budget)
+            if admitted is None:  # no seat, or no blocks
                 room = self._make_room(seq, scheduled, preempted)
                 if room is None:
                     break
                 budget += room
                 continue
-            fork_tokens = self._fork_tokens(seq)
-            if fork_tokens is None:
-                break  # a sibling waiting for its parent's prompt blocks
-            if fork_tokens:
-                parent = seq.fork_parent
-                assert parent is not None
-                bm.fork(parent, seq, fork_tokens)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not bm.allocate(seq, num_new):
-                    bm.free(seq)
-                    seq.num_computed_tokens = 0
-                    room = self._make_room(seq, scheduled, preempted)
-                    if room is None:
-                        break
-                    budget += room
-                    continue
-                hit = fork_tokens
-            else:
-                computed, num_cached = ([], 0) if seq.scores_prompt else \
-                    bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
-                num_new = min(seq.num_tokens - num_cached, budget)
-                if not bm.allocate(seq, num_new, computed):
-                    room = self._make_room(seq, scheduled, preempted)
-                    if room is None:
-                        break
-                    budget += room
-                    continue
-                seq.num_computed_tokens = num_cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = num_cached
-                hit = num_cached
+            num_new, hit = admitted
             self.counters["prefix_cache_queries_total"] += seq.num_tokens
             self.counters["prefix_cache_hits_total"] += hit
             if seq.first_scheduled_time is None:
@@ -315,6 +290,32 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _allocate_admission(self, seq: Sequence, fork_tokens: int, budget: int
+                            ) -> tuple[int, int] | None:
+        """Blocks for the waiting ``seq``'s first chunk: its parent's ``fork_tokens``
+        prompt tokens shared, else its prefix-cache hits taken. ``(tokens scheduled,
+        tokens hit)``, or None (and ``seq`` untouched) when the pool cannot hold them."""
+        bm = self.block_manager
+        if fork_tokens:
+            parent = seq.fork_parent
+            assert parent is not None
+            bm.fork(parent, seq, fork_tokens)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.allocate(seq, num_new):
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                return None
+            return num_new, fork_tokens
+        computed, num_cached = ([], 0) if seq.scores_prompt else \
+            bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not bm.allocate(seq, num_new, computed):
+            return None
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+        return num_new, num_cached
 
     def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq],
                    preempted: list[Sequence]) -> int | None:
