@@ -22,7 +22,7 @@ server runs ``--scheduling-policy priority``), ``use_beam_search``, ``length_pen
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, MutableSet
+from collections.abc import Collection, Mapping, MutableSet
 from typing import Any
 
 from pydantic import BaseModel
@@ -55,8 +55,13 @@ def _noop_value(field: str, value: Any) -> bool:
         return value is False
     if field == "length_penalty":
         return value == 1.0
-    if field in ("logits_processors", "kv_transfer_params", "vllm_xargs"):
+    if field in ("logits_processors", "kv_transfer_params", "vllm_xargs", "background",
+                 "include", "top_logprobs"):
         return not value
+    if field == "truncation":
+        return value == "disabled"
+    if field == "reasoning":  # the Responses API's options: none set
+        return all(v is None for v in value.values())
     if field == "guided_decoding_backend":
         return value in ("", "auto", "xgrammar")
     if field == "spaces_between_special_tokens":
@@ -106,6 +111,12 @@ def refuse_unsupported(req: SamplingRequest, priority_scheduling: bool = False) 
         refused = {}
     if priority_scheduling:
         refused.pop("priority", None)
+    refuse_fields(req, refused)
+
+
+def refuse_fields(req: BaseModel, refused: Mapping[str, str]) -> None:
+    """400 with ``refused[field]`` for the first of those fields that ``req`` sets to
+    anything but its no-op value (None, or ``_noop_value``'s)."""
     for field, message in refused.items():
         if not _noop_value(field, getattr(req, field)):
             raise APIError.bad_request(message, field)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
+from tpserve.server.http.unsupported import refuse_fields
 
 # vLLM's sampling extensions a Responses request may carry; passed to the chat request
 PASSED_THROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -17,22 +18,18 @@ PASSED_THROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "min_tokens", "priority", "cache_salt", "chat_template_kwargs",
                   "include_reasoning")
 
-REFUSED = {  # field: (is it a no-op value?, why it is refused)
-    "previous_response_id": (lambda v: v is None, "previous_response_id is not supported: "
-                             "responses are not stored; send the whole conversation as input"),
-    "conversation": (lambda v: v is None, "conversations are not supported: responses are "
-                     "not stored"),
-    "background": (lambda v: not v, "background responses are not supported"),
-    "include": (lambda v: not v, "include is not supported: there is no encrypted reasoning, "
-                "and output logprobs are not offered on this endpoint"),
-    "prompt": (lambda v: v is None, "prompt templates are not supported"),
-    "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is "
-                   "supported"),
-    "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported: the server "
-                       "runs no tools"),
-    "top_logprobs": (lambda v: not v, "top_logprobs is not supported on this endpoint"),
-    "reasoning": (lambda v: not v or all(x is None for x in v.values()),
-                  "reasoning options (effort, summary) are not supported with this model"),
+REFUSED = {  # refused unless set to their no-op value (http/unsupported.py)
+    "previous_response_id": "previous_response_id is not supported: responses are not "
+                            "stored; send the whole conversation as input",
+    "conversation": "conversations are not supported: responses are not stored",
+    "background": "background responses are not supported",
+    "include": "include is not supported: there is no encrypted reasoning, and output "
+               "logprobs are not offered on this endpoint",
+    "prompt": "prompt templates are not supported",
+    "truncation": "only truncation 'disabled' is supported",
+    "max_tool_calls": "max_tool_calls is not supported: the server runs no tools",
+    "top_logprobs": "top_logprobs is not supported on this endpoint",
+    "reasoning": "reasoning options (effort, summary) are not supported with this model",
 }
 
 
@@ -201,9 +198,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that answers ``req`` (400s naming the Responses field)."""
-    for field, (noop, why) in REFUSED.items():
-        if not noop(getattr(req, field)):
-            raise APIError.bad_request(why, field)
+    refuse_fields(req, REFUSED)
     body: dict[str, Any] = {
         "model": req.model, "messages": _messages(req), "temperature": req.temperature,
         "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens,
