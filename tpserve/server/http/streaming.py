@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
-from tpserve.server.http.http_errors import APIError, error_body
+from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.openai_format import (
     ChoiceState,
     ResponseContext,
@@ -75,11 +75,17 @@ def _dump(chunk: CompletionChunk | ChatCompletionChunk, ctx: ResponseContext) ->
     return sse_event(chunk.model_dump(exclude=None if ctx.include_usage else {"usage"}))
 
 
-def _error_event(exc: Exception) -> bytes:
+def stream_error(exc: Exception) -> APIError:
+    """What a client is told of ``exc`` raised mid-stream: an engine error as it is, any
+    other as an internal error (logged here with its traceback)."""
     if isinstance(exc, EngineError):
-        return sse_event(APIError.from_engine(exc).body())
+        return APIError.from_engine(exc)
     logger.exception("error while streaming a response", exc_info=exc)
-    return sse_event(error_body("Internal server error", "internal_error"))
+    return APIError(500, "Internal server error")
+
+
+def _error_event(exc: Exception) -> bytes:
+    return sse_event(stream_error(exc).body())
 
 
 async def _all(first: RequestOutput, rest: AsyncIterator[RequestOutput]
@@ -156,7 +162,7 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
     except Exception as exc:
         yield _error_event(exc)
     finally:
-        await _close(outputs)
+        await close_outputs(outputs)
     yield DONE
 
 
@@ -170,7 +176,7 @@ async def chat_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     except Exception as exc:
         yield _error_event(exc)
     finally:
-        await _close(outputs)
+        await close_outputs(outputs)
     yield DONE
 
 
@@ -300,7 +306,7 @@ class _HeldChoice:
         return lps
 
 
-async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+async def close_outputs(outputs: AsyncIterator[RequestOutput]) -> None:
     aclose = getattr(outputs, "aclose", None)
     if aclose is not None:
         await aclose()

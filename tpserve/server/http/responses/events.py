@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import RequestOutput
-from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.openai_format import ResponseContext
 from tpserve.server.http.protocol import ToolCall
 from tpserve.server.http.responses.output import (
@@ -22,9 +19,7 @@ from tpserve.server.http.responses.output import (
     response_object,
     usage_object,
 )
-from tpserve.server.http.streaming import chat_chunks
-
-logger = logging.getLogger(__name__)
+from tpserve.server.http.streaming import chat_chunks, close_outputs, stream_error
 
 
 class _Events:
@@ -137,13 +132,7 @@ async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOu
                                 finish_reason)
         yield ev.event(f"response.{final['status']}", response=final)
     except Exception as exc:
-        if isinstance(exc, EngineError):
-            err = APIError.from_engine(exc)
-        else:
-            logger.exception("error while streaming a response", exc_info=exc)
-            err = APIError(500, "Internal server error")
+        err = stream_error(exc)
         yield ev.event("error", code=err.type, message=err.message, param=err.param)
     finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await close_outputs(outputs)
