@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -104,21 +104,16 @@ async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dic
             "structured": structured_output(body)}
 
 
-def _with_tools(body: ChatCompletionRequest, plan: ToolPlan | None,
-                constraints: dict[str, Any]) -> ChatCompletionRequest:
+def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
     """Puts a tool plan's constraint (``required``, a named function) into ``constraints``
-    (400 if the request sets another); a parser needing special tokens keeps them."""
-    if plan is None:
-        return body
-    if plan.structured is not None:
-        if constraints["structured"] is not None:
-            raise APIError.bad_request(
-                "tool_choice 'required' or a named function cannot be combined with "
-                "another structured-output constraint", "tool_choice")
-        constraints["structured"] = plan.structured
-    if plan.parser is not None and plan.parser.needs_special_tokens:
-        body = body.model_copy(update={"skip_special_tokens": False})
-    return body
+    (400 if the request sets another)."""
+    if plan is None or plan.structured is None:
+        return
+    if constraints["structured"] is not None:
+        raise APIError.bad_request(
+            "tool_choice 'required' or a named function cannot be combined with "
+            "another structured-output constraint", "tool_choice")
+    constraints["structured"] = plan.structured
 
 
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
@@ -242,22 +237,23 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     its constraints, tools and reasoning plan, its prompt and sampling parameters."""
     constraints = await _checked_constraints(state, body)
     tools = plan_tools(body, state.auto_tool_parser)
-    body = _with_tools(body, tools, constraints)
-    if state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens:
-        body = body.model_copy(update={"skip_special_tokens": False})  # keep the tags
+    _with_tools(tools, constraints)
+    parsers = (tools.parser if tools is not None else None, state.reasoning_parser)
+    if any(p is not None and p.needs_special_tokens for p in parsers):
+        body = body.model_copy(update={"skip_special_tokens": False})  # keep their tags
     state.check_available()
     prompt_ids = await state.prompts.chat_ids(
         body.messages, body, tools=tools.template_tools if tools is not None else None)
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len)
-    params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
-                                   state.default_sampling_params, constraints)
     reasoning = None
     if state.reasoning_parser is not None:
         reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
-        if params.structured is not None and reasoning.grammar_after is not None:
+        if constraints["structured"] is not None and reasoning.grammar_after is not None:
             # the grammar (or the forced tool call) constrains the answer only
-            params = replace(params, structured_after=reasoning.grammar_after)
+            constraints["structured_after"] = reasoning.grammar_after
+    params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
+                                   state.default_sampling_params, constraints)
     last = body.messages[-1]
     echo = last.text() if body.echo and last.role == "assistant" else None
     return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
