@@ -5,21 +5,96 @@ Which architectures are supported is the registry's business (``model/registry.p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from tpserve.parallel.heads import HeadLayout
 from tpserve.parallel.shard import padded_split
 
+# the RoPE types a config.json may name; every other one ("dynamic", "longrope", ...) refused
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (``rope_type == "llama3"``)."""
+    """RoPE frequency scaling (``rope_scaling`` / ``rope_parameters``), as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute it; ``layers/rotary.py`` builds the tables.
 
+    - ``linear``: every frequency divided by ``factor`` (positions divided by it).
+    - ``llama3``: low frequencies divided by ``factor``, high ones kept, a smooth blend
+      between (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+    - ``yarn``: frequencies that turn more than ``beta_fast`` times over
+      ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times divided by
+      ``factor``, a linear ramp over the pair index between (its ends rounded outwards with
+      ``truncate``); cos and sin both multiplied by ``attention_factor``.
+    ``attention_factor`` is resolved when the config is read and is 1 for the other types.
+    """
+
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # yarn
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 at factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(factor: float, mscale: float | None,
+                           mscale_all_dim: float | None) -> float:
+    """The magnitude of YaRN's cos and sin when the config sets no ``attention_factor``: with
+    both ``mscale`` and ``mscale_all_dim`` (DeepSeek's fields) the ratio of their two
+    corrections (1 when they are equal), else the correction at mscale 1. Either field alone
+    (or a zero) is ignored, as transformers ignores it."""
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def rope_scaling_from_hf(d: dict[str, Any], params: dict[str, Any]) -> RopeScaling | None:
+    """``params`` (``rope_scaling`` or ``rope_parameters``) of the ``config.json`` ``d`` ->
+    the scaling; None for plain RoPE. ``rope_type`` or the legacy ``type`` names it.
+
+    As transformers standardises it: a top-level ``original_max_position_embeddings``
+    (Phi-3 keeps it there) wins over the parameters', and without either it is
+    ``max_position_embeddings``; a YaRN ``factor`` of null is max_position_embeddings /
+    original_max_position_embeddings; ``beta_fast`` / ``beta_slow`` of null or 0 are 32 / 1.
+    """
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("default", None):
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: "
+                         f"{', '.join(ROPE_TYPES)})")
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
+    max_positions = int(d.get("max_position_embeddings", 4096))
+    original = int(d.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "llama3":
+        return RopeScaling(rope_type="llama3", factor=float(params["factor"]),
+                           original_max_position_embeddings=original,
+                           low_freq_factor=float(params["low_freq_factor"]),
+                           high_freq_factor=float(params["high_freq_factor"]))
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = _yarn_attention_factor(factor, params.get("mscale"),
+                                           params.get("mscale_all_dim"))
+    return RopeScaling(rope_type="yarn", factor=factor,
+                       original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)),
+                       attention_factor=float(attention))
 
 
 @dataclass(frozen=True)
@@ -95,15 +170,7 @@ class ModelConfig:
         rope_params = d.get("rope_parameters") or {}
         scaling_d = d.get("rope_scaling") or rope_params
         theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rope_type = scaling_d.get("rope_type", scaling_d.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                float(scaling_d["factor"]), float(scaling_d["low_freq_factor"]),
-                float(scaling_d["high_freq_factor"]),
-                int(scaling_d["original_max_position_embeddings"]))
-        elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+        scaling = rope_scaling_from_hf(d, scaling_d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(d.get("attention_bias", False))

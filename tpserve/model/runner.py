@@ -98,9 +98,7 @@ class ModelRunner:
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed)
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length
-        self.max_model_len = resolve_max_model_len(limits.max_model_len,
-                                                   mcfg.max_position_embeddings,
-                                                   mcfg.sliding_window)
+        self.max_model_len = resolve_max_model_len(limits.max_model_len, mcfg)
         self.dtype = DTYPES[cfg.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
@@ -93,11 +94,30 @@ class RunnerConfig:
         return self.device == "cuda" and not self.enforce_eager
 
 
-def resolve_max_model_len(requested: int | None, model_max: int, sliding_window: int | None
-                          ) -> int:
-    """The model's context (capped by its sliding window) when ``requested`` is None;
-    else ``requested``, which must not exceed it."""
-    limit = min(model_max, sliding_window) if sliding_window else model_max
+def model_context(model: ModelConfig) -> int:
+    """The model's context before the sliding-window cap: ``resolve_max_model_len``'s rule."""
+    scaling = model.rope_scaling
+    if scaling is None or scaling.rope_type == "llama3":
+        return model.max_position_embeddings
+    if scaling.rope_type == "yarn":
+        return int(scaling.original_max_position_embeddings * scaling.factor)
+    return int(model.max_position_embeddings * scaling.factor)
+
+
+def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
+    """The model's context (capped by its sliding window) when ``requested`` is None; else
+    ``requested``, which must not exceed it.
+
+    The context is derived as vLLM's ``_get_and_verify_max_len`` derives it:
+    ``max_position_embeddings``, except under RoPE scaling that stretches positions
+    (``model_context``): ``linear`` multiplies it by the factor, and ``yarn`` is
+    ``original_max_position_embeddings`` times the factor whatever
+    ``max_position_embeddings`` says (Qwen2.5 and Qwen3 configs with YaRN added by hand keep
+    the original context there, e.g. 32768 x 4 = 131072). ``llama3`` is not multiplied:
+    its ``max_position_embeddings`` is already the long context. The sliding-window cap is
+    ours, not vLLM's (no sliding-window attention here)."""
+    context, window = model_context(model), model.sliding_window
+    limit = min(context, window) if window else context
     if requested is None:
         return limit
     if requested > limit:

@@ -444,8 +444,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         max_mixed = default_max_mixed_tokens(runner, a.max_num_batched_tokens)
     scheduler = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=resolve_max_model_len(a.max_model_len, model.max_position_embeddings,
-                                            model.sliding_window),
+        max_model_len=resolve_max_model_len(a.max_model_len, model),
         block_size=a.block_size, max_mixed_tokens=max_mixed,
         enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy)
     return Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
