@@ -51,3 +51,25 @@ def test_dummy_logits_do_not_depend_on_tensor_parallel_size():
     assert want.abs().max().item() > 0
     for logits in run_ranks(_dummy_logits, 3, timeout_s=400):
         assert (logits - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name,params", [("qwen3-0.6b", 596_049_920),
+                                         ("qwen3-8b", 8_190_735_360)])
+def test_qwen3_shapes_are_transformers_tensors(name, params):
+    """A dummy Qwen3 shape lists exactly the tensors (names and shapes, the q/k head norms
+    included) transformers builds from the same config.json, with the parameter counts
+    of Qwen3-0.6B (tied embeddings) and Qwen3-8B."""
+    import transformers as tf
+
+    from tpserve.model.loader.dummy import shape_hf_config
+
+    hf_cfg = tf.Qwen3Config(**{k: v for k, v in shape_hf_config(name).items()
+                               if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        hf = tf.Qwen3ForCausalLM(hf_cfg)
+    want = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    if hf_cfg.tie_word_embeddings:
+        del want["lm_head.weight"]
+    tensors = dict(hf_tensors(shape_config(name)))
+    assert tensors == want
+    assert sum(torch.Size(s).numel() for s in tensors.values()) == params

@@ -1,6 +1,8 @@
-"""Tiny random Llama / Qwen2 / Mistral checkpoints written as sharded Hugging Face folders:
-our logits equal transformers' at tp 1, 2 and 4 (tp 4 replicates the 2 KV heads) and at
-tp 3 (zero padding: 4 -> 6 query heads, 2 -> 3 KV heads with their biases, MLP 128 -> 129)."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints written as sharded Hugging Face
+folders: our logits equal transformers' at tp 1, 2 and 4 (tp 4 replicates the 2 KV heads)
+and at tp 3 (zero padding: 4 -> 6 query heads, 2 -> 3 KV heads with their biases, MLP
+128 -> 129). The Qwen3 model's heads are wider than ``hidden / heads`` (4 x 32 > 64), as
+in Qwen3-0.6B, and each q and k head is RMS-normed before RoPE."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 def _hf_model(kind: str):
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "mistral": 3}[kind])
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "mistral": 3, "qwen3": 4}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**TINY, rope_theta=10000.0)
     elif kind == "llama3":
@@ -29,10 +31,14 @@ def _hf_model(kind: str):
                                            "original_max_position_embeddings": 32})
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**TINY, rope_theta=10000.0)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**TINY, head_dim=32, rope_theta=1000000.0,
+                             tie_word_embeddings=True)
     else:
         cfg = tf.MistralConfig(**TINY, rope_theta=10000.0, sliding_window=None)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM",
-                          "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[kind]]
+                          "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen3": "Qwen3ForCausalLM"}[kind]]
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # make biases and norms non-trivial so they are really tested
         for name, p in model.named_parameters():
@@ -71,7 +77,7 @@ def test_folder_is_sharded_with_index(checkpoints):
     assert len(set(index["weight_map"].values())) == 2
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral", "qwen3"])
 def test_tp1_equals_transformers(checkpoints, kind):
     folder, ref = checkpoints(kind)
     model, comm = load(folder)
@@ -79,10 +85,65 @@ def test_tp1_equals_transformers(checkpoints, kind):
 
 
 @pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("llama3", 2),
-                                     ("qwen2", 2), ("qwen2", 3), ("mistral", 2)])
+                                     ("qwen2", 2), ("qwen2", 3), ("mistral", 2),
+                                     ("qwen3", 2), ("qwen3", 3)])
 def test_tensor_parallel_equals_transformers(checkpoints, kind, tp):
     folder, ref = checkpoints(kind)
     results = run_ranks(_logits, tp, folder, timeout_s=300)
+    assert len(results) == tp
+    for logits in results:
+        assert (logits - ref).abs().max().item() < 1e-4
+
+
+def _write_gguf(hf, path) -> None:
+    """``hf``'s weights as a float32 GGUF file of llama.cpp's ``qwen3`` architecture (its
+    tensor names and metadata keys; Qwen's q/k rows are stored unpermuted)."""
+    import gguf
+
+    cfg = hf.config
+    layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for key, value in [("block_count", cfg.num_hidden_layers),
+                       ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("attention.key_length", cfg.head_dim),
+                       ("vocab_size", cfg.vocab_size),
+                       ("context_length", cfg.max_position_embeddings)]:
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied: llama.cpp writes no output.weight
+            continue
+        if name.startswith("model.layers."):
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            part, _, kind = rest.rpartition(".")
+            gname = f"blk.{layer}.{layer_names[part]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_qwen3_gguf_equals_transformers(checkpoints, tmp_path, tp):
+    """A Qwen3 GGUF (q/k norms as ``attn_q_norm``/``attn_k_norm``) gives transformers'
+    logits, at tp 3 with padded heads too."""
+    _, ref = checkpoints("qwen3")
+    path = tmp_path / "qwen3.gguf"
+    _write_gguf(_hf_model("qwen3"), path)
+    results = run_ranks(_logits, tp, str(path), timeout_s=300)
     assert len(results) == tp
     for logits in results:
         assert (logits - ref).abs().max().item() < 1e-4

@@ -113,6 +113,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    # Qwen3: an RMSNorm over each query and key head (weights [head_dim], shared by the
+    # heads) between the q/k projections and RoPE
+    qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -189,6 +192,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=scaling,
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             bos_token_id=d.get("bos_token_id"),

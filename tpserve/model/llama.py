@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) on tensor-parallel layers.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
 which ``STACKED`` maps checkpoint names onto.
@@ -24,6 +24,7 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
+from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
@@ -52,10 +53,18 @@ STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, attn: AttentionBackend,
+    """Self-attention on this rank's heads. With ``cfg.qk_norm`` (Qwen3) each query and
+    key head is RMS-normed over ``head_dim`` before RoPE, inside the back-end's RoPE + KV
+    write (``q_norm``/``k_norm`` hold the weights; a zero padding head stays zero)."""
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, reduce: str, quant=None):
         super().__init__()
         self.attn = attn
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype,
                                           quant_method=quant)
@@ -73,8 +82,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        head_norm = (HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                     if self.qk_norm else None)
         q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta,
-                                        self.kv_scale)
+                                        self.kv_scale, head_norm)
         out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale)
         return self.o_proj(out.flatten(1))
 
@@ -107,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-        self.self_attn = LlamaAttention(cfg, comm, attn, dtype, reduce, quant)
+        self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant)
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)

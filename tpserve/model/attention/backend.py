@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.kernels.torch_ops import HeadNorm
 
 ATTENTION_BACKENDS = {"torch": "tpserve.model.attention.torch_backend",
                       "triton": "tpserve.model.attention.triton_backend"}
@@ -81,11 +82,11 @@ class AttentionBackend(ABC):
     def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, kv_scale: torch.Tensor | None = None
-                          ) -> torch.Tensor:
-        """RoPE on q and k (and the Hadamard rotation with ``k_hadamard``), K/V written to
-        their slots in the cache's dtype (FP8: divided by ``kv_scale``, saturated at ±448);
-        returns the rotated q."""
+                          meta: AttentionMetadata, kv_scale: torch.Tensor | None = None,
+                          head_norm: HeadNorm | None = None) -> torch.Tensor:
+        """``head_norm`` (Qwen3's q/k head RMSNorm) when given, RoPE on q and k (and the
+        Hadamard rotation with ``k_hadamard``), K/V written to their slots in the cache's
+        dtype (FP8: divided by ``kv_scale``, saturated at ±448); returns the rotated q."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,10 +15,11 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                          meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
+                          meta: AttentionMetadata, kv_scale=None,
+                          head_norm=None) -> torch.Tensor:
         q, _ = torch_ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
                                            v_cache, meta.slot_mapping, kv_scale,
-                                           hadamard=self.k_hadamard)
+                                           hadamard=self.k_hadamard, head_norm=head_norm)
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -193,10 +193,12 @@ class TritonAttention(AttentionBackend):
         return TritonGraphState(max_num_seqs, max_tokens, device)
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                          meta: AttentionMetadata, kv_scale=None) -> torch.Tensor:
+                          meta: AttentionMetadata, kv_scale=None,
+                          head_norm=None) -> torch.Tensor:
         q, _ = triton_rope.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache,
                                              v_cache, meta.slot_mapping, kv_scale=kv_scale,
-                                             hadamard=self.k_hadamard)
+                                             hadamard=self.k_hadamard,
+                                             head_norm=head_norm)
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

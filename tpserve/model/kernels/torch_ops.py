@@ -9,6 +9,8 @@ half cosines and the second half sines (rotate-half / "neox" pairing, as Hugging
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -156,13 +158,27 @@ def write_kv(
     v_cache.view(nb * bs, h, d)[slots] = _to_cache(v[keep], v_cache, scale[1])
 
 
+class HeadNorm(NamedTuple):
+    """Qwen3's RMSNorm of every query and key head over ``head_dim`` before RoPE: one
+    weight ``[head_dim]`` for all q heads, one for all k heads (``rms_norm`` semantics)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
+    head_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q and k (then, with ``hadamard``, each head times ``H / sqrt(D)``:
-    ``model/kv_hadamard``), then the K/V cache write; returns the rotated ``(q, k)``."""
+    """``head_norm`` on each q and k head when given, RoPE on q and k (then, with
+    ``hadamard``, each head times ``H / sqrt(D)``: ``model/kv_hadamard``), then the K/V
+    cache write; returns the rotated ``(q, k)``."""
+    if head_norm is not None:
+        q = rms_norm(q, head_norm.q_weight, head_norm.eps)
+        k = rms_norm(k, head_norm.k_weight, head_norm.eps)
     q, k = rope(q, k, positions, cos_sin_cache)
     if hadamard:
         q, k = hadamard_rotate(q), hadamard_rotate(k)

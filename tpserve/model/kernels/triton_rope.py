@@ -15,6 +15,11 @@ FP8 cache stores ``e4m3(clamp(x / s, ±448))`` with ``s = kv_scale[0]`` for K an
 ``kv_scale[1]`` for V (device scalars: nothing is read on the host), computed from the
 rounded k exactly as ``torch_ops.quantize_kv`` does (``triton_fp8_kv``).
 
+With ``head_norm`` (Qwen3; RoPE over the whole head) each q and k head is first
+RMS-normed over ``D`` in float32 statistics, rounded to its dtype before the weight
+multiply and after it, as ``torch_ops.rms_norm`` does: the norm costs no launch and no
+pass over q and k of its own.
+
 With ``hadamard`` (``model/kv_hadamard``; RoPE over the whole head) the rotated q and k
 heads, rounded to their dtype, are then multiplied by ``H / sqrt(D)``: with
 ``H_D = [[H, H], [H, -H]]`` (``H`` Sylvester's of order ``D/2``) the halves become
@@ -30,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kernels.triton_fp8_kv import to_cache
 from tpserve.model.kv_cache_dtype import is_fp8
 
@@ -40,6 +46,22 @@ def _rotate_half(x1, x2, cos, sin):
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _head_norm(x1, x2, w_ptr, offs_r, r_mask, eps, HEAD_DIM: tl.constexpr,
+               HALF: tl.constexpr):
+    """The halves ``[ROWS, HALF]`` of each head (a row) RMS-normed over the whole head and
+    multiplied by the weight ``[HEAD_DIM]``, in the halves' dtype (see the module
+    docstring). Masked-off rows and columns are zero and stay zero."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
+    w1 = tl.load(w_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    n1 = (a * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w1
+    n2 = (b * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w2
+    return n1.to(x1.dtype), n2.to(x1.dtype)
 
 
 @triton.jit
@@ -89,12 +111,13 @@ def _hadamard_halves(x1, x2, inv_sqrt_d, ROWS: tl.constexpr, HALF: tl.constexpr)
 @triton.jit
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, kv_scale_ptr,
+    qw_ptr, kw_ptr, norm_eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_q_heads, num_kv_heads, inv_sqrt_d,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, HADAMARD: tl.constexpr,
+    KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, HEAD_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -109,6 +132,8 @@ def _rope_write_kv_kernel(
     q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs_r[None, :]
     q1 = tl.load(q_row, mask=q_mask, other=0.0)
     q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    if HEAD_NORM:
+        q1, q2 = _head_norm(q1, q2, qw_ptr, offs_r, r_mask, norm_eps, HEAD_DIM, HALF)
     o1, o2 = _rotate_half(q1, q2, cos, sin)
     o1 = o1.to(q1.dtype)
     o2 = o2.to(q1.dtype)
@@ -124,6 +149,8 @@ def _rope_write_kv_kernel(
     k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_r[None, :]
     k1 = tl.load(k_row, mask=k_mask, other=0.0)
     k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    if HEAD_NORM:
+        k1, k2 = _head_norm(k1, k2, kw_ptr, offs_r, r_mask, norm_eps, HEAD_DIM, HALF)
     r1, r2 = _rotate_half(k1, k2, cos, sin)
     r1 = r1.to(k1.dtype)
     r2 = r2.to(k1.dtype)
@@ -164,10 +191,10 @@ def rope_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
-    num_warps: int | None = None,
+    num_warps: int | None = None, head_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q and k (in place; then the Hadamard rotation with ``hadamard``), then the
-    K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
+    """``head_norm`` (when given) and RoPE on q and k (in place; then the Hadamard rotation
+    with ``hadamard``), then the K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
     V) is required for an FP8 cache, else ignored. ``num_warps``: the launch's (default 8 up
     to 512 tokens, 4 above: with or without the rotation the fastest or within 3 % of it
     at 1 to 8,192 tokens, Llama-3-8B's layer on the H200, ``bench/time_rope_hadamard.py``)."""
@@ -185,6 +212,11 @@ def rope_and_write_kv(
                        and kv_scale.numel() == 2), "an FP8 cache needs float32 kv_scale [2]"
     assert not hadamard or 2 <= rotary_dim == head_dim <= 512, \
         "the Hadamard rotation needs RoPE over the whole head, of 2 to 512"
+    assert head_norm is None or (
+        rotary_dim == head_dim and head_norm.q_weight.shape == head_norm.k_weight.shape
+        == (head_dim,) and head_norm.q_weight.is_contiguous()
+        and head_norm.k_weight.is_contiguous()), \
+        "the fused head norm needs RoPE over the whole head and contiguous [head_dim] weights"
     if num_warps is None:
         num_warps = 8 if num_tokens <= 512 else 4
     if num_tokens == 0:
@@ -193,6 +225,7 @@ def rope_and_write_kv(
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         kv_scale if fp8 else cos_sin_cache,  # a float32 pointer that is never read
+        *(head_norm if head_norm is not None else (q, q, 0.0)),  # never read without it
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -201,6 +234,6 @@ def rope_and_write_kv(
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, HADAMARD=hadamard, num_warps=num_warps,
+        KV_FP8=fp8, HADAMARD=hadamard, HEAD_NORM=head_norm is not None, num_warps=num_warps,
     )
     return q, k

@@ -13,7 +13,7 @@ from tpserve.model.config import ModelConfig
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m")
+SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b")
 
 
 def shape_config(name: str) -> ModelConfig:
@@ -39,6 +39,19 @@ def shape_hf_config(name: str) -> dict:
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                  rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
                  eos_token_id=2)
+    elif name.startswith("qwen3-"):
+        base = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "rms_norm_eps": 1e-6}
+        d = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, rope_theta=1000000.0,
+                 max_position_embeddings=40960, eos_token_id=151645)
+        if name == "qwen3-0.6b":
+            d.update(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                     num_attention_heads=16, tie_word_embeddings=True)
+        elif name == "qwen3-8b":
+            d.update(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32)
+        else:
+            raise ValueError(f"unknown dummy shape {name!r}; choose one of {', '.join(SHAPES)}")
     else:
         raise ValueError(f"unknown dummy shape {name!r}; choose one of {', '.join(SHAPES)}")
     return {**base, **d}
@@ -62,6 +75,8 @@ def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
                     (p + "self_attn.v_proj.bias", (kv,))]
         if cfg.o_bias:
             out.append((p + "self_attn.o_proj.bias", (h,)))
+        if cfg.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
     out.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", (cfg.vocab_size, h)))
