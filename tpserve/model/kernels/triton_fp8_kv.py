@@ -36,9 +36,9 @@ def quantize_e4m3(x, scale):
 
 
 @triton.jit
-def to_cache(x, scale_ptr, CACHE_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
-    """``x`` as the cache stores it: FP8 scaled by ``*scale_ptr`` and saturated, other
-    dtypes rounded (``scale_ptr`` is then never read)."""
+def to_cache(x, scale, CACHE_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
+    """``x`` as the cache stores it: FP8 scaled by ``scale`` (a float32 scalar) and
+    saturated, other dtypes rounded (``scale`` then unused)."""
     if KV_FP8:
-        x = quantize_e4m3(x, tl.load(scale_ptr))
+        x = quantize_e4m3(x, scale)
     return x.to(CACHE_DTYPE)

@@ -49,16 +49,21 @@ def _rotate_half(x1, x2, cos, sin):
 
 
 @triton.jit
-def _head_norm(x1, x2, w_ptr, offs_r, r_mask, eps, HEAD_DIM: tl.constexpr,
-               HALF: tl.constexpr):
+def _norm_weight(w_ptr, offs_r, r_mask, HALF: tl.constexpr):
+    """A head norm's weight ``[HEAD_DIM]`` as float32 halves ``[1, HALF]`` (masked: 0)."""
+    w1 = tl.load(w_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    return w1, w2
+
+
+@triton.jit
+def _head_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
     """The halves ``[ROWS, HALF]`` of each head (a row) RMS-normed over the whole head and
-    multiplied by the weight ``[HEAD_DIM]``, in the halves' dtype (see the module
-    docstring). Masked-off rows and columns are zero and stay zero."""
+    multiplied by the weight's halves ``w1``, ``w2`` (float32), in the halves' dtype (see
+    the module docstring). Masked-off rows and columns are zero and stay zero."""
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
-    w1 = tl.load(w_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     n1 = (a * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w1
     n2 = (b * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w2
     return n1.to(x1.dtype), n2.to(x1.dtype)
@@ -120,20 +125,51 @@ def _rope_write_kv_kernel(
     KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, HEAD_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # Every load is issued before the first store: the compiler keeps a load after a store
+    # it cannot prove apart (q, k and the caches may alias as far as it knows), so loads
+    # placed after the q stores each added a global round trip to a program's latency,
+    # which is the whole kernel at batch 1 (bench/README.md round 23).
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_mask = offs_r < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + offs_r, mask=r_mask, other=0.0)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
-
-    # q: rotate all heads in place.
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq[:, None] < num_q_heads) & r_mask[None, :]
     q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs_r[None, :]
     q1 = tl.load(q_row, mask=q_mask, other=0.0)
     q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    hk = tl.arange(0, BLOCK_HKV)
+    h_mask = hk < num_kv_heads
+    k_mask = h_mask[:, None] & r_mask[None, :]
+    k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_r[None, :]
+    k1 = tl.load(k_row, mask=k_mask, other=0.0)
+    k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    # The slot is loaded once per head (one value broadcast) so that ``write`` is a block
+    # mask, not a scalar: masks must be blocks of int1 (triton 3.9's interpreter refuses a
+    # scalar combined into a store mask).
+    slot = tl.load(slot_ptr + t + 0 * hk).to(tl.int64)[:, None]
+    write = slot >= 0
+    offs_d = tl.arange(0, HEAD_DIM)
+    v_mask = h_mask[:, None] & write
+    v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :],
+                mask=v_mask, other=0.0)
+    tail = h_mask[:, None] & (offs_d[None, :] >= 2 * HALF) & write
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of the head passes through unrotated
+        k_tail = tl.load(k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_d[None, :],
+                         mask=tail, other=0.0)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
     if HEAD_NORM:
-        q1, q2 = _head_norm(q1, q2, qw_ptr, offs_r, r_mask, norm_eps, HEAD_DIM, HALF)
+        qw1, qw2 = _norm_weight(qw_ptr, offs_r, r_mask, HALF)
+        kw1, kw2 = _norm_weight(kw_ptr, offs_r, r_mask, HALF)
+
+    # q: rotate all heads in place.
+    if HEAD_NORM:
+        q1, q2 = _head_norm(q1, q2, qw1, qw2, norm_eps, HEAD_DIM)
     o1, o2 = _rotate_half(q1, q2, cos, sin)
     o1 = o1.to(q1.dtype)
     o2 = o2.to(q1.dtype)
@@ -143,14 +179,8 @@ def _rope_write_kv_kernel(
     tl.store(q_row + HALF, o2, mask=q_mask)
 
     # k: rotate in place, and write the rotated head to the cache slot (if any).
-    hk = tl.arange(0, BLOCK_HKV)
-    h_mask = hk < num_kv_heads
-    k_mask = h_mask[:, None] & r_mask[None, :]
-    k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_r[None, :]
-    k1 = tl.load(k_row, mask=k_mask, other=0.0)
-    k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
     if HEAD_NORM:
-        k1, k2 = _head_norm(k1, k2, kw_ptr, offs_r, r_mask, norm_eps, HEAD_DIM, HALF)
+        k1, k2 = _head_norm(k1, k2, kw1, kw2, norm_eps, HEAD_DIM)
     r1, r2 = _rotate_half(k1, k2, cos, sin)
     r1 = r1.to(k1.dtype)
     r2 = r2.to(k1.dtype)
@@ -158,33 +188,20 @@ def _rope_write_kv_kernel(
         r1, r2 = _hadamard_halves(r1, r2, inv_sqrt_d, BLOCK_HKV, BLOCK_HALF)
     tl.store(k_row, r1, mask=k_mask)
     tl.store(k_row + HALF, r2, mask=k_mask)
-
-    # The slot is loaded once per head (one value broadcast) so that ``write`` is a block
-    # mask, not a scalar: masks must be blocks of int1 (triton 3.9's interpreter refuses a
-    # scalar combined into a store mask).
-    slot = tl.load(slot_ptr + t + 0 * hk).to(tl.int64)[:, None]
-    write = slot >= 0
     blk = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     kc_row = kc_ptr + blk * stride_kcb + off * stride_kco + hk[:, None] * stride_kch
     kc_dt = kc_ptr.dtype.element_ty
-    tl.store(kc_row + offs_r[None, :], to_cache(r1, kv_scale_ptr, kc_dt, KV_FP8),
+    tl.store(kc_row + offs_r[None, :], to_cache(r1, k_scale, kc_dt, KV_FP8),
              mask=k_mask & write)
-    tl.store(kc_row + HALF + offs_r[None, :], to_cache(r2, kv_scale_ptr, kc_dt, KV_FP8),
+    tl.store(kc_row + HALF + offs_r[None, :], to_cache(r2, k_scale, kc_dt, KV_FP8),
              mask=k_mask & write)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of the head passes through unrotated
-        tail = h_mask[:, None] & (offs_d[None, :] >= 2 * HALF) & write
-        k_tail = tl.load(k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_d[None, :],
-                         mask=tail, other=0.0)
-        tl.store(kc_row + offs_d[None, :], to_cache(k_tail, kv_scale_ptr, kc_dt, KV_FP8),
+    if 2 * HALF < HEAD_DIM:
+        tl.store(kc_row + offs_d[None, :], to_cache(k_tail, k_scale, kc_dt, KV_FP8),
                  mask=tail)
-    v_mask = h_mask[:, None] & write
-    v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :],
-                mask=v_mask, other=0.0)
     vc_row = vc_ptr + blk * stride_vcb + off * stride_vco + hk[:, None] * stride_vch
     tl.store(vc_row + offs_d[None, :],
-             to_cache(v, kv_scale_ptr + 1, vc_ptr.dtype.element_ty, KV_FP8), mask=v_mask)
+             to_cache(v, v_scale, vc_ptr.dtype.element_ty, KV_FP8), mask=v_mask)
 
 
 def rope_and_write_kv(
