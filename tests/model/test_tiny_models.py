@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.util import full_logits, load, save_hf_folder
+from tests.model.util import full_logits, load, save_gguf_file, save_hf_folder
 from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
@@ -95,54 +95,13 @@ def test_tensor_parallel_equals_transformers(checkpoints, kind, tp):
         assert (logits - ref).abs().max().item() < 1e-4
 
 
-def _write_gguf(hf, path) -> None:
-    """``hf``'s weights as a float32 GGUF file of llama.cpp's ``qwen3`` architecture (its
-    tensor names and metadata keys; Qwen's q/k rows are stored unpermuted)."""
-    import gguf
-
-    cfg = hf.config
-    layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                   "mlp.down_proj": "ffn_down"}
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    for key, value in [("block_count", cfg.num_hidden_layers),
-                       ("embedding_length", cfg.hidden_size),
-                       ("feed_forward_length", cfg.intermediate_size),
-                       ("attention.head_count", cfg.num_attention_heads),
-                       ("attention.head_count_kv", cfg.num_key_value_heads),
-                       ("attention.key_length", cfg.head_dim),
-                       ("vocab_size", cfg.vocab_size),
-                       ("context_length", cfg.max_position_embeddings)]:
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"])
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":  # tied: llama.cpp writes no output.weight
-            continue
-        if name.startswith("model.layers."):
-            layer, _, rest = name.removeprefix("model.layers.").partition(".")
-            part, _, kind = rest.rpartition(".")
-            gname = f"blk.{layer}.{layer_names[part]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight",
-                     "model.norm.weight": "output_norm.weight"}[name]
-        w.add_tensor(gname, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("tp", [1, 3])
 def test_qwen3_gguf_equals_transformers(checkpoints, tmp_path, tp):
     """A Qwen3 GGUF (q/k norms as ``attn_q_norm``/``attn_k_norm``) gives transformers'
     logits, at tp 3 with padded heads too."""
     _, ref = checkpoints("qwen3")
     path = tmp_path / "qwen3.gguf"
-    _write_gguf(_hf_model("qwen3"), path)
+    save_gguf_file(_hf_model("qwen3"), path, "qwen3")
     results = run_ranks(_logits, tp, str(path), timeout_s=300)
     assert len(results) == tp
     for logits in results:

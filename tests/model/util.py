@@ -219,3 +219,67 @@ def save_fp8_folder(source: Path, folder: Path, scales: str = "channel",
                 "config.json", "model.safetensors.index.json"):
             (folder / extra.name).write_bytes(extra.read_bytes())
     return folder
+
+
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+
+
+def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's ``LlamaModel.permute``: each head's rows reordered for its
+    rotary layout (the loader undoes it)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
+                   extra_tensors: dict | None = None) -> Path:
+    """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
+    metadata keys and tensor names, ``llama``'s q/k rows permuted as the converter permutes
+    them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
+    ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors."""
+    import gguf
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", cfg.num_hidden_layers),
+                       ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("attention.key_length", head_dim),
+                       ("vocab_size", cfg.vocab_size),
+                       ("context_length", cfg.max_position_embeddings)]:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    if write_metadata is not None:
+        write_metadata(w)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            part, _, kind = rest.rpartition(".")
+            gname = f"blk.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+            if arch == "llama" and part == "self_attn.q_proj":
+                t = _converter_permute(t, cfg.num_attention_heads)
+            elif arch == "llama" and part == "self_attn.k_proj":
+                t = _converter_permute(t, cfg.num_key_value_heads)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, t.float().numpy())
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

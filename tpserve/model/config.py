@@ -28,6 +28,9 @@ class RopeScaling:
       ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times divided by
       ``factor``, a linear ramp over the pair index between (its ends rounded outwards with
       ``truncate``); cos and sin both multiplied by ``attention_factor``.
+    - ``freq_factors``: each pair's frequency divided by its own ``freq_factors`` entry (one
+      per rotated pair; ``factor`` is 1). Never named by a ``config.json``: it is how a
+      GGUF file carries Llama-3's scaling (llama.cpp's ``rope_freqs.weight`` tensor).
     ``attention_factor`` is resolved when the config is read and is 1 for the other types.
     """
 
@@ -40,6 +43,7 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
     attention_factor: float = 1.0  # yarn
+    freq_factors: tuple[float, ...] | None = None  # freq_factors
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -63,9 +67,7 @@ def rope_scaling_from_hf(d: dict[str, Any], params: dict[str, Any]) -> RopeScali
     the scaling; None for plain RoPE. ``rope_type`` or the legacy ``type`` names it.
 
     As transformers standardises it: a top-level ``original_max_position_embeddings``
-    (Phi-3 keeps it there) wins over the parameters', and without either it is
-    ``max_position_embeddings``; a YaRN ``factor`` of null is max_position_embeddings /
-    original_max_position_embeddings; ``beta_fast`` / ``beta_slow`` of null or 0 are 32 / 1.
+    (Phi-3 keeps it there) wins over the parameters'.
     """
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in ("default", None):
@@ -73,16 +75,38 @@ def rope_scaling_from_hf(d: dict[str, Any], params: dict[str, Any]) -> RopeScali
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: "
                          f"{', '.join(ROPE_TYPES)})")
+    if d.get("original_max_position_embeddings"):
+        params = {**params,
+                  "original_max_position_embeddings": d["original_max_position_embeddings"]}
+    return build_rope_scaling(rope_type, params, int(d.get("max_position_embeddings", 4096)))
+
+
+def build_rope_scaling(rope_type: str, params: dict[str, Any],
+                       max_positions: int) -> RopeScaling:
+    """The one builder of a ``RopeScaling`` (``config.json`` and GGUF metadata alike):
+    ``params`` in transformers' keys (``factor``, ``original_max_position_embeddings``,
+    ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ``beta_slow``, ``truncate``,
+    ``attention_factor``, ``mscale``, ``mscale_all_dim``; ``freq_factors`` for that type),
+    ``max_positions`` the model's ``max_position_embeddings``.
+
+    As transformers computes them: without ``original_max_position_embeddings`` it is
+    ``max_positions``; a YaRN ``factor`` of null is max_positions / original; ``beta_fast``
+    / ``beta_slow`` of null or 0 are 32 / 1; a YaRN ``attention_factor`` of null is derived
+    from ``factor`` (and ``mscale`` / ``mscale_all_dim``).
+    """
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(params["factor"]))
-    max_positions = int(d.get("max_position_embeddings", 4096))
-    original = int(d.get("original_max_position_embeddings")
-                   or params.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "freq_factors":
+        return RopeScaling(rope_type="freq_factors", factor=1.0,
+                           freq_factors=tuple(float(f) for f in params["freq_factors"]))
+    original = int(params.get("original_max_position_embeddings") or max_positions)
     if rope_type == "llama3":
         return RopeScaling(rope_type="llama3", factor=float(params["factor"]),
                            original_max_position_embeddings=original,
                            low_freq_factor=float(params["low_freq_factor"]),
                            high_freq_factor=float(params["high_freq_factor"]))
+    if rope_type != "yarn":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
     factor = params.get("factor")
     factor = max_positions / original if factor is None else float(factor)
     attention = params.get("attention_factor")

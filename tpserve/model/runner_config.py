@@ -97,7 +97,7 @@ class RunnerConfig:
 def model_context(model: ModelConfig) -> int:
     """The model's context before the sliding-window cap: ``resolve_max_model_len``'s rule."""
     scaling = model.rope_scaling
-    if scaling is None or scaling.rope_type == "llama3":
+    if scaling is None or scaling.rope_type in ("llama3", "freq_factors"):
         return model.max_position_embeddings
     if scaling.rope_type == "yarn":
         return int(scaling.original_max_position_embeddings * scaling.factor)

@@ -1,6 +1,7 @@
 """Rotary position embedding tables: plain, or scaled as ``RopeScaling`` says (linear,
-Llama-3, YaRN), each computed in transformers' float32 operations and order, so the
-tables equal its cos/sin."""
+Llama-3, YaRN, each computed in transformers' float32 operations and order, so the
+tables equal its cos/sin; or per-pair frequency divisors, as llama.cpp applies a GGUF
+file's ``rope_freqs.weight``)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,12 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> 
         return inv / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3(inv, scaling)
+    if scaling.rope_type == "freq_factors":
+        factors = scaling.freq_factors or ()
+        if len(factors) != dim // 2:
+            raise ValueError(f"{len(factors)} RoPE frequency factors for a head of {dim} "
+                             f"({dim // 2} rotated pairs)")
+        return inv / torch.tensor(factors, dtype=torch.float32)
     raise ValueError(f"rope scaling type {scaling.rope_type!r} has no table")
 
 

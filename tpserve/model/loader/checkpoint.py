@@ -176,7 +176,7 @@ class GGUFCheckpoint:
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
         _load_all(model, gguf_file.iter_weights(self.reader, self.config),
-                  len(self.reader.tensors), self.description, show_progress)
+                  gguf_file.num_weights(self.reader), self.description, show_progress)
 
     def tokenizer(self) -> Any:
         return gguf_tokenizer(self.path)

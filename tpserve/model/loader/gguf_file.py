@@ -7,6 +7,12 @@ row-parallel weights, its quantization-block-aligned columns).
 The trap: llama.cpp stores the rows of each ``attn_q`` / ``attn_k`` head reordered for its
 rotary layout (the two halves of the head interleaved). ``read`` undoes that per head
 (``attn_k`` with the KV head count), which Hugging Face's layout and our RoPE expect.
+
+RoPE scaling comes two ways. llama.cpp's converter writes Llama-3's as a tensor,
+``rope_freqs.weight`` (per rotated pair, the divisor of its frequency), read here into the
+config (``freq_factors``), never loaded as a weight; linear and YaRN scaling as
+``{arch}.rope.scaling.*`` metadata, read into the ``RopeScaling`` transformers would compute
+from the original ``config.json`` (through ``config.build_rope_scaling``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpserve.model.config import ModelConfig
+from tpserve.model.config import ModelConfig, RopeScaling, build_rope_scaling
 from tpserve.model.loader.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
@@ -33,6 +39,11 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
+# tensors that are config, not weights: read by ``read_config``, skipped by ``iter_weights``
+_ROPE_FREQS = "rope_freqs.weight"
+_CONFIG_TENSORS = {_ROPE_FREQS}
+# ``{arch}.rope.scaling.type`` -> transformers' rope_type (None: plain RoPE)
+_SCALING_TYPES = {"none": None, "linear": "linear", "yarn": "yarn"}
 
 
 def open_reader(path: Path) -> GGUFFile:
@@ -68,6 +79,8 @@ def read_config(r, path: Path) -> ModelConfig:
     names = {t.name for t in r.tensors}
     heads = int(_field(r, f"{arch}.attention.head_count"))
     hidden = int(_field(r, f"{arch}.embedding_length"))
+    head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // heads))
+    context = int(_field(r, f"{arch}.context_length", 4096))
     vocab = _field(r, f"{arch}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"])
     eos = _field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -78,16 +91,75 @@ def read_config(r, path: Path) -> ModelConfig:
         num_hidden_layers=int(_field(r, f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(_field(r, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(r, f"{arch}.context_length", 4096)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=_rope_scaling(r, arch, path, head_dim, context),
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _rope_scaling(r, arch: str, path: Path, head_dim: int,
+                  context: int) -> RopeScaling | None:
+    """The file's RoPE scaling: its ``rope_freqs.weight`` (Llama-3's), or its
+    ``{arch}.rope.scaling.*`` metadata, read as llama.cpp reads it (no type is ``linear``;
+    no factor, or 0, is no scaling; ``rope.scale_linear`` is the factor's old name) into
+    the scaling transformers computes from the original ``config.json``.
+
+    YaRN's attention factor: llama.cpp's converter writes transformers' ``attention_factor``
+    as ``yarn_attn_factor`` (Olmo2's path and some other writers as ``attn_factor``), taken
+    as given; without either it is derived from the factor, as transformers derives it.
+    ``yarn_log_multiplier`` is refused: converters write it for DeepSeek-style models only,
+    some as ``mscale_all_dim`` and some as a tenth of it, so its meaning depends on the
+    writer. Where transformers' and llama.cpp's readings differ
+    (llama.cpp derives the factor whatever ``yarn_attn_factor`` says, and multiplies
+    ``attn_factor`` on top) this follows transformers', the model's own numbers."""
+    key = f"{arch}.rope.scaling."
+    kind = _field(r, key + "type", "linear")
+    if kind not in _SCALING_TYPES:
+        raise ValueError(f"{path.name}: RoPE scaling type {kind!r} ({key}type) is not "
+                         f"supported (supported: {', '.join(_SCALING_TYPES)})")
+    factor = _field(r, key + "factor") or _field(r, f"{arch}.rope.scale_linear")
+    rope_type = _SCALING_TYPES[kind] if factor else None
+    attention = _field(r, key + "yarn_attn_factor", _field(r, key + "attn_factor"))
+    if rope_type != "yarn" and attention not in (None, 1.0):
+        raise ValueError(f"{path.name}: a RoPE attention factor of {attention} without YaRN "
+                         "scaling is not supported")
+    ext = _field(r, key + "yarn_ext_factor")
+    if rope_type == "yarn" and ext not in (None, 1.0):
+        raise ValueError(f"{path.name}: a YaRN extrapolation factor of {ext} "
+                         f"({key}yarn_ext_factor) is not supported (only 1)")
+    freqs = next((t for t in r.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        if rope_type is not None:
+            raise ValueError(f"{path.name}: {_ROPE_FREQS} together with {kind} RoPE scaling "
+                             "is not supported")
+        factors = GGUFSource(freqs, None).read().flatten().tolist()
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"{path.name}: {_ROPE_FREQS} holds {len(factors)} factors, not "
+                             f"one per rotated pair of a {head_dim}-wide head "
+                             f"({head_dim // 2})")
+        if not all(0 < f < float("inf") for f in factors):
+            raise ValueError(f"{path.name}: {_ROPE_FREQS} holds a factor that is not "
+                             f"positive and finite: {min(factors)} .. {max(factors)}")
+        return build_rope_scaling("freq_factors", {"freq_factors": factors}, context)
+    if rope_type is None:
+        return None
+    if _field(r, key + "yarn_log_multiplier") is not None:
+        raise ValueError(f"{path.name}: {key}yarn_log_multiplier is not supported (its scale "
+                         "differs between converters)")
+    return build_rope_scaling(rope_type, {
+        "factor": factor,
+        "original_max_position_embeddings": _field(r, key + "original_context_length"),
+        "beta_fast": _field(r, key + "yarn_beta_fast"),
+        "beta_slow": _field(r, key + "yarn_beta_slow"),
+        "attention_factor": attention,
+    }, context)
 
 
 class GGUFSource:
@@ -145,9 +217,16 @@ class GGUFSource:
                 .reshape(w.shape))
 
 
+def num_weights(r) -> int:
+    """How many tensors ``iter_weights`` yields (the file's, less its config tensors)."""
+    return sum(t.name not in _CONFIG_TENSORS for t in r.tensors)
+
+
 def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in r.tensors:
+        if t.name in _CONFIG_TENSORS:
+            continue
         heads = None
         if permute and ".attn_q." in t.name:
             heads = cfg.num_attention_heads
