@@ -2,10 +2,12 @@
 from its snapshot in the Hugging Face cache (here a cache this test writes, in the hub's
 own layout, read with ``HF_HUB_OFFLINE=1``: this machine has no network, so the fetch
 itself is huggingface_hub's ``snapshot_download`` on a cache hit), under the repository
-id as its name; an id that cannot be had stops the start with exit 2."""
+id as its name; an id that cannot be had stops the start with exit 2. ``--tokenizer`` takes a repository
+id the same way, and ``--hf-overrides`` changes the served model's config."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -32,6 +34,16 @@ def cache(tmp_path_factory, smollm2_tokenizer) -> Path:
     snapshot = repo / "snapshots" / COMMIT
     save_hf_folder(_hf_model("llama"), snapshot)
     smollm2_tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    # a tokenizer-only repository: SmolLM2's tokenizer with a chat template of its own
+    repo = root / "models--tpserve-test--tokenizer"
+    snapshot = repo / "snapshots" / COMMIT
+    smollm2_tokenizer.save_pretrained(snapshot)
+    (snapshot / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((snapshot / "tokenizer_config.json").read_text())
+    config["chat_template"] = "<<{{ messages[0]['content'] }}>>"
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return root
@@ -99,3 +111,47 @@ def test_a_taken_port_stops_the_start_before_the_fetch(tmp_path):
         f"tpserve: error: port {port} on 127.0.0.1 is already in use; stop what listens "
         "there or choose another --port")
     assert "fetching" not in out.stderr
+
+
+def test_tokenizer_repository_and_hf_overrides(cache, tmp_path, smollm2_tokenizer):
+    """A bare folder (weights and config.json, no tokenizer) served with ``--tokenizer``
+    naming a tokenizer repository (its chat template renders the chat prompt) and
+    ``--hf-overrides`` shortening the model's context (256 in config.json)."""
+    import httpx
+
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_hf_folder
+
+    folder = save_hf_folder(_hf_model("llama"), tmp_path / "bare")
+    s = ServerProcess(str(folder), "--tokenizer", "tpserve-test/tokenizer",
+                      "--download-dir", str(cache), "--no-engine-process",
+                      "--hf-overrides", '{"max_position_embeddings": 128}',
+                      env={"HF_HUB_OFFLINE": "1"}, log_level="info")
+    try:
+        r = httpx.post(s.base + "/tokenize", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hello there"}]})
+        assert r.status_code == 200, r.text
+        want = smollm2_tokenizer("<<hello there>>", add_special_tokens=False).input_ids
+        assert r.json()["tokens"] == want
+        assert r.json()["max_model_len"] == 128
+        (card,) = s.client().models.list().data
+        assert card.model_extra["max_model_len"] == 128
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_tokenizer_flag_errors(tmp_path):
+    for args, last in [
+            (["--tokenizer", str(tmp_path)],
+             f"tpserve: error: --tokenizer: {tmp_path} is not a tokenizer folder (it has no "
+             "tokenizer_config.json)"),
+            (["--tokenizer-revision", "v1"],
+             "tpserve: error: --tokenizer-revision needs a repository id as --tokenizer"),
+            (["--hf-overrides", "[1]"],
+             "tpserve: error: --hf-overrides must be a JSON object of config.json keys, got "
+             "list: '[1]'")]:
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", "smollm2-135m",
+                              "--load-format", "dummy", "--port", "0", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1] == last

@@ -27,6 +27,10 @@ class RunnerConfig:
 
     model: str | None = None
     load_format: str = "auto"
+    # --hf-overrides as canonical JSON (loader/hf_overrides), laid over config.json
+    hf_overrides: str | None = None
+    # --tokenizer: a local tokenizer folder (a repository id is fetched by the config)
+    tokenizer: str | None = None
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"
     # fp8 cache, checkpoint without KV scales: calibrate them at start-up (kv_calibration)

@@ -31,6 +31,7 @@ from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES, resolve_kv_cach
 from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
 from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
@@ -161,6 +162,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a repository id: where to keep its files (default: the "
                         "Hugging Face cache, $HF_HOME); HF_TOKEN for gated ones, "
                         "HF_HUB_OFFLINE=1 to use the cache only")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="a JSON object of config.json keys laid over the model's (vLLM's), "
+                        "e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'; top-level keys "
+                        "replace the file's; not for GGUF files")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer folder or Hugging Face repository id to use instead of "
+                        "the model's (vLLM's; e.g. the original repository of a GGUF file)")
+    p.add_argument("--tokenizer-revision", default=None,
+                   help="with a repository id as --tokenizer: its branch, tag or commit")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
     p.add_argument("--tp-comm", default="allreduce", choices=["allreduce", "allgather"],
@@ -417,14 +428,23 @@ def config_from_args(a: argparse.Namespace) -> Config:
             check_port_free(a.host, a.port)
         model_path = fetch_model(model_path, a.revision, a.download_dir,
                                  weights=a.load_format != "dummy")
+    tokenizer = a.tokenizer
+    if tokenizer is not None and is_repo_id(tokenizer):
+        tokenizer = fetch_model(tokenizer, a.tokenizer_revision, a.download_dir,
+                                weights=False)
+    elif a.tokenizer_revision is not None:
+        raise ValueError("--tokenizer-revision needs a repository id as --tokenizer")
+    hf_overrides = canonical_overrides(a.hf_overrides)
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
-    ckpt = open_checkpoint(model_path, a.load_format, a.seed)  # its config: no weights
+    ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
+                           tokenizer)  # its config: no weights
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
     runner = RunnerConfig(
-        model=model_path, load_format=a.load_format, dtype=dtype,
+        model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,
+        tokenizer=tokenizer, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=a.calculate_kv_scales,
         kv_cache_hadamard=resolve_kv_cache_hadamard(a.kv_cache_hadamard, kv_cache_dtype,

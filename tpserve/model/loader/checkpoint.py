@@ -15,6 +15,7 @@ from torch import nn
 from tpserve.model.config import ModelConfig
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
 from tpserve.model.loader import dummy, gguf_file
+from tpserve.model.loader.hf_overrides import apply_overrides
 from tpserve.model.loader.progress import LoadProgress
 from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
 from tpserve.model.quant.checkpoint_format import (
@@ -45,10 +46,27 @@ class Checkpoint(Protocol):
     # whether it carries KV cache scale tensors (``kv_cache_dtype.KV_SCALE_NAMES``), read
     # from the tensor names when it is opened (no weights)
     kv_scales: bool
+    # --tokenizer: a tokenizer folder used instead of the checkpoint's own
+    tokenizer_folder: Path | None
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None: ...
 
     def tokenizer(self) -> Any: ...
+
+
+class _TokenizerSource:
+    """A checkpoint's tokenizer: its own (``_own_tokenizer``), or the tokenizer folder
+    ``--tokenizer`` names (``tokenizer_folder``, set by ``open_checkpoint``)."""
+
+    tokenizer_folder: Path | None = None
+
+    def tokenizer(self) -> Any:
+        if self.tokenizer_folder is not None:
+            return folder_tokenizer(self.tokenizer_folder)
+        return self._own_tokenizer()
+
+    def _own_tokenizer(self) -> Any:
+        raise NotImplementedError
 
 
 def embedded_model_path() -> Path:
@@ -95,18 +113,18 @@ def index_shard_paths(folder: Path, index: Any) -> list[Path]:
     return paths
 
 
-class SafetensorsCheckpoint:
+class SafetensorsCheckpoint(_TokenizerSource):
     """A Hugging Face folder: ``config.json`` and one or many ``*.safetensors`` (with
     ``model.safetensors.index.json`` when sharded); tokenizer through AutoTokenizer. A
     ``quantization_config`` is read (or refused) here, before any weight."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, overrides: str | None = None):
         cfg_path = folder / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{folder} has no config.json")
         self.folder = folder
         self.description = folder.name
-        raw = json.loads(cfg_path.read_text())
+        raw = apply_overrides(json.loads(cfg_path.read_text()), overrides)
         self.config = ModelConfig.from_hf(raw)
         self.quantization = read_checkpoint_quantization(raw, folder)
         index = folder / "model.safetensors.index.json"
@@ -134,7 +152,7 @@ class SafetensorsCheckpoint:
 
         _load_all(model, weights(), total, self.description, show_progress)
 
-    def tokenizer(self) -> Any:
+    def _own_tokenizer(self) -> Any:
         return folder_tokenizer(self.folder)
 
 
@@ -165,7 +183,7 @@ class _SafetensorsSource:
         return self.slice[tuple(index)]
 
 
-class GGUFCheckpoint:
+class GGUFCheckpoint(_TokenizerSource):
     def __init__(self, path: Path):
         self.path = path
         self.description = path.name
@@ -178,11 +196,11 @@ class GGUFCheckpoint:
         _load_all(model, gguf_file.iter_weights(self.reader, self.config),
                   gguf_file.num_weights(self.reader), self.description, show_progress)
 
-    def tokenizer(self) -> Any:
+    def _own_tokenizer(self) -> Any:
         return gguf_tokenizer(self.path)
 
 
-class DummyCheckpoint:
+class DummyCheckpoint(_TokenizerSource):
     """Random weights of a real shape, for benchmarks; the tokenizer is the folder's if
     a folder was given, else the embedded SmolLM2 tokenizer."""
 
@@ -201,27 +219,35 @@ class DummyCheckpoint:
         _load_all(model, dummy.iter_weights(self.config, self.seed, device), len(tensors),
                   self.description, show_progress)
 
-    def tokenizer(self) -> Any:
+    def _own_tokenizer(self) -> Any:
         if self.folder is not None and (self.folder / "tokenizer_config.json").is_file():
             return folder_tokenizer(self.folder)
         return gguf_tokenizer(embedded_model_path())
 
 
-def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0) -> Checkpoint:
-    """``model`` is a folder, a ``.gguf`` file, a dummy shape name, or None (embedded)."""
+def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
+                    hf_overrides: str | None = None, tokenizer: str | None = None
+                    ) -> Checkpoint:
+    """``model`` is a folder, a ``.gguf`` file, a dummy shape name, or None (embedded).
+    ``hf_overrides`` (canonical JSON, ``loader/hf_overrides``) is laid over its
+    ``config.json`` (a GGUF file has none: refused); ``tokenizer`` (a local folder, e.g.
+    the snapshot of a ``--tokenizer`` repository) replaces its tokenizer."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown --load-format {load_format!r}; choose one of {LOAD_FORMATS}")
     if load_format == "dummy":
         if model is None or model in dummy.SHAPES:
             name = model or "smollm2-135m"
-            ckpt: Checkpoint = DummyCheckpoint(dummy.shape_config(name), name, None, seed)
+            cfg = ModelConfig.from_hf(apply_overrides(dummy.shape_hf_config(name),
+                                                      hf_overrides))
+            ckpt: Checkpoint = DummyCheckpoint(cfg, name, None, seed)
         else:
             folder = Path(model)
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(
                     f"--load-format dummy needs a shape name ({', '.join(dummy.SHAPES)}) or a "
                     f"folder with config.json; got {model!r}")
-            cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+            cfg = ModelConfig.from_hf(apply_overrides(
+                json.loads((folder / "config.json").read_text()), hf_overrides))
             ckpt = DummyCheckpoint(cfg, folder.name, folder, seed)
     else:
         path = embedded_model_path() if model is None else Path(model)
@@ -229,10 +255,19 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
             raise FileNotFoundError(f"model not found: {path}")
         is_gguf = path.is_file() and path.suffix == ".gguf"
         if load_format == "gguf" or (load_format == "auto" and is_gguf):
+            if hf_overrides is not None:
+                raise ValueError(f"--hf-overrides: {path.name} is a GGUF file, whose config "
+                                 "comes from its metadata, not from a config.json")
             ckpt = GGUFCheckpoint(path)
         elif path.is_dir():
-            ckpt = SafetensorsCheckpoint(path)
+            ckpt = SafetensorsCheckpoint(path, hf_overrides)
         else:
             raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    if tokenizer is not None:
+        folder = Path(tokenizer)
+        if not (folder / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(f"--tokenizer: {tokenizer} is not a tokenizer folder (it "
+                                    "has no tokenizer_config.json)")
+        ckpt.tokenizer_folder = folder
     model_class(ckpt.config.architecture)  # unknown architectures fail here, early
     return ckpt
