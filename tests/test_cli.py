@@ -19,7 +19,9 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--enforce-eager", "--seed", "--cuda-graph-max-tokens", "--max-mixed-tokens",
          "--async-scheduling", "--no-async-scheduling", "--engine-process",
          "--no-engine-process", "--kv-cache-dtype", "--tp-comm",
-         "--disable-custom-all-reduce", "--memory-history", "--nvtx"]
+         "--disable-custom-all-reduce", "--memory-history", "--nvtx", "--ssl-keyfile",
+         "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
+         "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -34,6 +36,11 @@ def test_serve_help_lists_every_flag_with_defaults():
     for flag in FLAGS:
         assert flag in text, flag
     assert "(default: 256)" in text and "(default: 2048)" in text and "(default: 0.9)" in text
+    helps = option_helps(out.stdout)
+    assert helps["--response-role"].endswith("(default: assistant)")
+    assert helps["--max-logprobs"].endswith("(default: 20)")
+    assert helps["--uvicorn-log-level"].endswith("(default: info)")
+    assert helps["--ssl-cert-reqs"].endswith("(default: 0)")
 
 
 def test_top_level_help_lists_the_commands_in_one_screen():
@@ -277,3 +284,101 @@ def test_a_reasoning_parser_needs_its_tags_in_the_vocabulary_before_the_load():
         "tpserve: error: --reasoning-parser qwen3 needs the tokens <think> and </think> in "
         "the model's vocabulary")
     assert "loading SmolLM2" not in proc.stderr  # refused before the weights load
+
+
+# ------------------------------------------------------------- vLLM's HTTP-server flags
+
+
+def test_vllm_http_server_flags_reach_the_server_config(tmp_path):
+    from tests.server.http.certs import self_signed
+
+    server = _cfg().server
+    assert (server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs,
+            server.ssl_cert_reqs) == (None, None, None, 0)
+    assert (server.root_path, server.uvicorn_log_level, server.disable_fastapi_docs,
+            server.response_role, server.max_logprobs) == (None, "info", False, "assistant", 20)
+    assert server.scheme == "http" and server.uvicorn_options()["ssl_certfile"] is None
+    key, cert = self_signed(tmp_path)
+    server = _cfg("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs",
+                  str(cert), "--ssl-cert-reqs", "2", "--root-path", "/api/v1",
+                  "--uvicorn-log-level", "trace", "--disable-fastapi-docs",
+                  "--response-role", "bot", "--max-logprobs", "5").server
+    assert server.uvicorn_options() == {
+        "log_level": "trace", "ssl_keyfile": str(key), "ssl_certfile": str(cert),
+        "ssl_ca_certs": str(cert), "ssl_cert_reqs": 2}
+    assert (server.scheme, server.root_path, server.disable_fastapi_docs,
+            server.response_role, server.max_logprobs) == ("https", "/api/v1", True, "bot", 5)
+    assert _cfg("--root-path", "").server.root_path is None
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    from tests.server.http.certs import self_signed
+
+    folder = tmp_path_factory.mktemp("tls")
+    key, cert = self_signed(folder)
+    other_key, _ = self_signed(folder, "other")
+    encrypted = folder / "encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-aes256", "-passout", "pass:pw",
+                    "-out", str(encrypted)], check=True, capture_output=True, timeout=60)
+    return {"KEY": str(key), "CERT": str(cert), "OTHER_KEY": str(other_key),
+            "ENCRYPTED": str(encrypted), "MISSING": str(folder / "missing.pem")}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ssl-keyfile", "KEY"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-certfile", "CERT"], "--ssl-certfile needs --ssl-keyfile"),
+    (["--ssl-keyfile", "MISSING", "--ssl-certfile", "CERT"], "--ssl-keyfile: no such file: "),
+    (["--ssl-keyfile", "KEY", "--ssl-certfile", "MISSING"], "--ssl-certfile: no such file: "),
+    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ca-certs", "MISSING"],
+     "--ssl-ca-certs: no such file: "),
+    (["--ssl-keyfile", "OTHER_KEY", "--ssl-certfile", "CERT"],
+     "--ssl-certfile .* and --ssl-keyfile .*: not a PEM certificate and its key"),
+    (["--ssl-keyfile", "ENCRYPTED", "--ssl-certfile", "CERT"],
+     "--ssl-keyfile: .* is encrypted \\(password-protected\\); give an unencrypted key"),
+    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ca-certs", "KEY"],
+     "--ssl-ca-certs .*: no PEM certificates"),
+    (["--ssl-ca-certs", "CERT"], "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2 needs --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-cert-reqs", "1"],
+     "--ssl-cert-reqs 1 checks client certificates against --ssl-ca-certs"),
+    (["--root-path", "api"], "--root-path must start with '/' and not end with one"),
+    (["--root-path", "/api/"], "--root-path must start with '/' and not end with one"),
+    (["--response-role", " "], "--response-role must not be empty"),
+    (["--max-logprobs", "21"], "--max-logprobs must be in 0..20, got 21: tpserve's engine "
+                               "returns at most 20 log probabilities a token"),
+    (["--max-logprobs", "-1"], "--max-logprobs must be in 0..20, got -1"),
+])
+def test_vllm_http_server_flags_are_checked_before_the_model_opens(tls_files, argv, message):
+    argv = [tls_files.get(a, a) for a in argv]
+    with pytest.raises(ValueError, match=message):
+        _cfg("--model", "no-such-model.gguf", *argv)  # refused before the model is looked at
+
+
+def test_only_the_rank_serving_http_reads_the_tls_files(monkeypatch, tmp_path):
+    """Under torchrun the other nodes need not hold the key: rank 0 serves HTTP."""
+    argv = ("--ssl-keyfile", str(tmp_path / "k.pem"), "--ssl-certfile", str(tmp_path / "c.pem"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert _cfg(*argv).server.ssl_keyfile == str(tmp_path / "k.pem")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="--ssl-keyfile: no such file"):
+        _cfg(*argv)
+
+
+@pytest.mark.parametrize("argv", [["--uvicorn-log-level", "verbose"],
+                                  ["--ssl-cert-reqs", "3"]])
+def test_vllm_http_server_flag_choices(argv, capsys):
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["serve", *argv])
+    assert exit_.value.code == 2 and f"argument {argv[0]}: invalid choice" in capsys.readouterr().err
+
+
+def test_a_tls_flag_error_exits_2_naming_the_flag(tmp_path):
+    proc = tpserve("serve", "--ssl-keyfile", str(tmp_path / "k.pem"), "--ssl-certfile",
+                   str(tmp_path / "c.pem"), "--port", "0")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"tpserve: error: --ssl-keyfile: no such file: '{tmp_path / 'k.pem'}'")

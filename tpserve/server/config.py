@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,7 @@ from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES, resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
+from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import ParallelConfig, torchrun_env
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -64,8 +66,21 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
     tool_call_parser: str | None = None  # a name in http/tool_parsers TOOL_PARSERS
     reasoning_parser: str | None = None  # a name in http/reasoning REASONING_PARSERS
+    # vLLM's HTTP-server flags: TLS (uvicorn's; a key and its certificate, or neither),
+    # FastAPI's root_path, uvicorn's own log level, the docs routes, the chat answers'
+    # role and the most logprobs a request may ask
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # the CAs client certificates are checked against
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)  # client certificates: 0 none, 1 optional, 2 required
+    root_path: str | None = None
+    uvicorn_log_level: str = "info"
+    disable_fastapi_docs: bool = False
+    response_role: str = "assistant"
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
 
     def __post_init__(self) -> None:
+        self._check_http()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not 0 <= self.port <= 65535:
@@ -76,6 +91,87 @@ class ServerConfig:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
+
+    def _check_http(self) -> None:
+        """The vLLM HTTP-server flags, without reading files (``check_tls_files`` does)."""
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}"
+                             f", got {self.uvicorn_log_level!r}")
+        if not self.response_role.strip():
+            raise ValueError("--response-role must not be empty")
+        if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:
+            limit = SamplingParams.MAX_LOGPROBS
+            raise ValueError(f"--max-logprobs must be in 0..{limit}, got {self.max_logprobs}: "
+                             f"tpserve's engine returns at most {limit} log probabilities a "
+                             "token, so the flag can only lower that limit")
+        if self.root_path is not None and (not self.root_path.startswith("/")
+                                           or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with '/' and not end with one (e.g. "
+                             f"/api/v1), got {self.root_path!r}")
+        keyfile, certfile, reqs = self.ssl_keyfile, self.ssl_certfile, self.ssl_cert_reqs
+        if reqs not in SSL_CERT_REQS:
+            raise ValueError(f"--ssl-cert-reqs must be 0 (ssl.CERT_NONE), 1 (CERT_OPTIONAL) "
+                             f"or 2 (CERT_REQUIRED), got {reqs}")
+        if (keyfile is None) != (certfile is None):
+            given, missing = (("--ssl-keyfile", "--ssl-certfile") if certfile is None
+                              else ("--ssl-certfile", "--ssl-keyfile"))
+            raise ValueError(f"{given} needs {missing} (TLS takes a key and its certificate; "
+                             "a PEM file holding both may be given to both)")
+        if certfile is None:  # uvicorn would ignore these
+            if self.ssl_ca_certs is not None:
+                raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+            if reqs != ssl.CERT_NONE:
+                raise ValueError(f"--ssl-cert-reqs {reqs} needs --ssl-keyfile and "
+                                 "--ssl-certfile")
+        elif reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
+            raise ValueError(f"--ssl-cert-reqs {reqs} checks client certificates against "
+                             "--ssl-ca-certs: give the CA file")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """``uvicorn.Config``'s keywords for TLS and uvicorn's log level."""
+        return {"log_level": self.uvicorn_log_level, "ssl_keyfile": self.ssl_keyfile,
+                "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_cert_reqs": self.ssl_cert_reqs}
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SSL_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
+
+
+def _encrypted_key() -> str:
+    raise LookupError("encrypted")  # OpenSSL asks for the key's password: it has none
+
+
+def check_tls_files(server: ServerConfig) -> None:
+    """ValueError naming the flag for TLS files uvicorn would fail on after the model load:
+    missing or unreadable, a key that does not match its certificate or needs a password
+    (uvicorn would ask for it on the terminal), CAs that are no certificates."""
+    if server.ssl_certfile is None:
+        return
+    keyfile, certfile, ca_certs = server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile),
+                       ("--ssl-ca-certs", ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path!r}")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile, keyfile, password=_encrypted_key)
+    except LookupError:
+        raise ValueError(f"--ssl-keyfile: {keyfile!r} is encrypted (password-protected); "
+                         "give an unencrypted key") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--ssl-certfile {certfile!r} and --ssl-keyfile {keyfile!r}: not a "
+                         f"PEM certificate and its key ({exc})") from None
+    if ca_certs is not None:
+        try:
+            ctx.load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--ssl-ca-certs {ca_certs!r}: no PEM certificates ({exc})"
+                             ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,6 +412,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --allowed-origins: the request headers allowed (default: all)")
     p.add_argument("--allow-credentials", action="store_true",
                    help="with --allowed-origins: allow credentials (cookies, auth headers)")
+    # vLLM's HTTP-server flags (ServerConfig checks them)
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the PEM private key (unencrypted), with --ssl-certfile")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the PEM certificate (chain), with --ssl-keyfile (a file "
+                        "holding both may be given to both)")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="with HTTPS: the CA certificates client certificates are checked "
+                        "against (--ssl-cert-reqs)")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                   choices=list(SSL_CERT_REQS),
+                   help="with HTTPS: client certificates, as Python's ssl module numbers "
+                        "them: 0 not asked (CERT_NONE), 1 checked if sent (CERT_OPTIONAL), "
+                        "2 required (CERT_REQUIRED); 1 and 2 need --ssl-ca-certs")
+    p.add_argument("--root-path", default=None, metavar="PATH",
+                   help="FastAPI's root_path, behind a proxy that serves the API under a "
+                        "path prefix (e.g. /api/v1): routes answer with and without it, and "
+                        "/openapi.json and /docs name it")
+    p.add_argument("--uvicorn-log-level", default="info", choices=list(UVICORN_LOG_LEVELS),
+                   help="threshold of uvicorn's own loggers (--log-level sets tpserve's)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json, /docs (Swagger UI) or /redoc")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role chat answers carry (message and first stream delta) when "
+                        "the request's add_generation_prompt is true")
+    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS, metavar="N",
+                   help="the most logprobs (completions), top_logprobs (chat) or "
+                        "prompt_logprobs a request may ask; more gets 400 naming the field. "
+                        f"At most {SamplingParams.MAX_LOGPROBS}, the engine's own limit: the "
+                        "flag can only lower it (vLLM's -1, no cap, is refused)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto': the model decides whether to call tools, "
                         "and --tool-call-parser finds the calls in its output")
@@ -416,7 +542,15 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           chat_template=read_chat_template(a.chat_template),
                           enable_auto_tool_choice=a.enable_auto_tool_choice,
                           tool_call_parser=a.tool_call_parser,
-                          reasoning_parser=a.reasoning_parser)
+                          reasoning_parser=a.reasoning_parser,
+                          ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
+                          ssl_ca_certs=a.ssl_ca_certs, ssl_cert_reqs=a.ssl_cert_reqs,
+                          root_path=a.root_path or None,  # "": none
+                          uvicorn_log_level=a.uvicorn_log_level,
+                          disable_fastapi_docs=a.disable_fastapi_docs,
+                          response_role=a.response_role, max_logprobs=a.max_logprobs)
+    if torchrun_env() is None or torchrun_env()[0] == 0:  # the rank serving HTTP reads them
+        check_tls_files(server)
     if a.max_model_len is not None and a.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model

@@ -128,10 +128,14 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
                                       if cfg.server.enable_auto_tool_choice else None),
                     reasoning_parser=cfg.server.reasoning_parser,
                     priority_scheduling=cfg.scheduler.policy == "priority",
-                    cors=cfg.server.cors)
+                    cors=cfg.server.cors,
+                    response_role=cfg.server.response_role,
+                    max_logprobs=cfg.server.max_logprobs,
+                    root_path=cfg.server.root_path,
+                    docs=not cfg.server.disable_fastapi_docs)
     server = _Server(uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-        timeout_graceful_shutdown=5, access_log=False))
+        app, host=cfg.server.host, port=cfg.server.port, timeout_graceful_shutdown=5,
+        access_log=False, **cfg.server.uvicorn_options()))
     with status.lock:
         status.server = server
         server.should_exit = status.code != 0  # a worker failed before serving began
@@ -159,7 +163,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
     if cfg.server.log_stats_interval_s is not None:
         stats_log = StatsLogger(engine.stats, cfg.server.log_stats_interval_s)
         stats_log.start()
-    logger.info("serving %s on http://%s:%d", name, cfg.server.host, cfg.server.port)
+    logger.info("serving %s on %s://%s:%d%s", name, cfg.server.scheme, cfg.server.host,
+                cfg.server.port, cfg.server.root_path or "")
     try:
         server.run()
     finally:

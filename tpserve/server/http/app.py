@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import tpserve
+from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
@@ -42,7 +43,10 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               log_requests: bool = False, chat_template: str | None = None,
               auto_tool_parser: str | None = None,
               reasoning_parser: str | None = None,
-              priority_scheduling: bool = False, cors: CorsConfig | None = None) -> FastAPI:
+              priority_scheduling: bool = False, cors: CorsConfig | None = None,
+              response_role: str = "assistant",
+              max_logprobs: int = SamplingParams.MAX_LOGPROBS,
+              root_path: str | None = None, docs: bool = True) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -50,7 +54,11 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     ``auto`` with that parser; ``reasoning_parser`` (a ``REASONING_PARSERS`` name) splits
     chat answers into reasoning and content; ``priority_scheduling`` accepts requests'
     ``priority`` (the engine runs ``--scheduling-policy priority``); ``cors`` answers
-    browsers' cross-origin requests (preflights too, before the API-key check)."""
+    browsers' cross-origin requests (preflights too, before the API-key check).
+    ``response_role`` is the role of chat answers to requests with
+    ``add_generation_prompt``; ``max_logprobs`` the most logprobs a request may ask;
+    ``root_path`` FastAPI's (routes answer with and without the prefix); ``docs`` false
+    drops /openapi.json, /docs and /redoc."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -62,8 +70,12 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
 
+    no_docs = {} if docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="tpserve", version=tpserve.__version__, lifespan=lifespan,
-                  description="Tensor-parallel, OpenAI-compatible LLM inference server")
+                  description="Tensor-parallel, OpenAI-compatible LLM inference server",
+                  **no_docs)
+    if root_path:  # as vLLM sets it (FastAPI's constructor argument is deprecated)
+        app.root_path = root_path
     app.state.tpserve = ServerState(
         engine=engine,
         served_model_names=tuple(served_model_names),
@@ -76,6 +88,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         reasoning_parser=(REASONING_PARSERS[reasoning_parser](engine.tokenizer)
                           if reasoning_parser is not None else None),
         priority_scheduling=priority_scheduling,
+        response_role=response_role,
+        max_logprobs=max_logprobs,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -32,6 +32,16 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches (Starlette's rule): under a ``root_path`` (``--root-path``)
+    a request may name the prefix or not, and ``/api/v1/models`` is ``/v1/models``."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` on the paths ``protected(path)`` selects."""
 
@@ -48,7 +58,7 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.protected(scope["path"]):
+        if scope["type"] != "http" or not self.protected(route_path(scope)):
             return await self.app(scope, receive, send)
         if self._authorized(scope):
             return await self.app(scope, receive, send)

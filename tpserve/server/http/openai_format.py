@@ -60,6 +60,7 @@ class ResponseContext:
     # vLLM's ``return_token_ids``: each prompt's ids (choice i has prompt i // per_prompt)
     prompt_ids: tuple[list[int], ...] | None = None
     per_prompt: int = 1
+    role: str = "assistant"  # chat: the answer's role (--response-role)
 
     def prompt_ids_of(self, choice: int) -> list[int] | None:
         return None if self.prompt_ids is None else self.prompt_ids[choice // self.per_prompt]
@@ -224,7 +225,7 @@ def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
         content, calls, finish_reason = ctx.tools.extract(content, c.finish_reason)
     if ctx.chat_echo:
         content = ctx.chat_echo + (content or "")
-    message = ChatResponseMessage(content=content, reasoning=reasoning,
+    message = ChatResponseMessage(role=ctx.role, content=content, reasoning=reasoning,
                                   reasoning_content=reasoning, tool_calls=calls)
     return ChatChoice(index=i, message=message,
                       finish_reason=finish_reason, stop_reason=c.stop_reason,

@@ -268,7 +268,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     # vLLM's: the answer starts with the last message's content when it is an assistant's
     echo: bool | None = False
     # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer
@@ -400,9 +400,10 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     """With ``--reasoning-parser``, ``reasoning`` holds the model's thinking and
-    ``reasoning_content`` the same (vLLM's older name)."""
+    ``reasoning_content`` the same (vLLM's older name). ``role`` is ``--response-role``
+    (vLLM's; "assistant" by default) for requests with ``add_generation_prompt``."""
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
@@ -433,7 +434,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """A stream delta; fields left None are omitted, as OpenAI does."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None  # the first delta's: as ChatResponseMessage.role
     content: str | None = None
     reasoning: str | None = None  # --reasoning-parser; reasoning_content the same
     reasoning_content: str | None = None

@@ -29,6 +29,22 @@ def _logprobs(req: SamplingRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def check_logprob_counts(req: SamplingRequest, limit: int) -> None:
+    """400 for a request asking more logprobs than ``limit`` (``--max-logprobs``), naming
+    the field in vLLM's words."""
+    fields = {"prompt_logprobs": req.prompt_logprobs}
+    if isinstance(req, CompletionRequest):
+        fields["logprobs"] = req.logprobs
+    else:
+        assert isinstance(req, ChatCompletionRequest)
+        fields["top_logprobs"] = req.top_logprobs
+    for name, value in fields.items():
+        if value is not None and value > limit:
+            raise APIError.bad_request(
+                f"Requested {name} of {value}, which is greater than max allowed: {limit}",
+                name)
+
+
 async def bad_words_token_ids(words: list[str] | None, prompts: PromptProcessor
                               ) -> tuple[tuple[int, ...], ...]:
     """vLLM's ``bad_words`` as token sequences: each word encoded as sent and with one
@@ -60,8 +76,10 @@ def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> li
 
 def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
                           defaults: Mapping[str, float | int] | None = None,
-                          constraints: dict[str, Any] | None = None) -> SamplingParams:
-    """Raises ``APIError`` 400 for invalid values or prompt + max_tokens over the context.
+                          constraints: dict[str, Any] | None = None,
+                          max_logprobs: int = SamplingParams.MAX_LOGPROBS) -> SamplingParams:
+    """Raises ``APIError`` 400 for invalid values, more logprobs than ``max_logprobs`` or
+    prompt + max_tokens over the context.
 
     ``defaults`` (the model's generation config, by ``SamplingParams`` field) fill only
     the sampling fields the request omits; a default ``max_tokens`` is cut to the room
@@ -73,6 +91,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     if req.prompt_logprobs is not None and req.stream:
         raise APIError.bad_request("prompt_logprobs is not available with stream",
                                    "prompt_logprobs")
+    check_logprob_counts(req, max_logprobs)
     asked = [v for v in (req.prompt_logprobs, req.logprobs if echo else None) if v is not None]
     if echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: one token is sampled and dropped (http/echo.py)

@@ -120,8 +120,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker, tools: ToolPlan | None = None,
                  echo: Echo | None = None, chat_echo: str | None = None,
-                 reasoning: ReasoningPlan | None = None, answer: Answer | None = None
-                 ) -> Response:
+                 reasoning: ReasoningPlan | None = None, answer: Answer | None = None,
+                 role: str = "assistant") -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole: as its endpoint does, or as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -135,7 +135,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           echo=echo, prompt_logprobs=body.prompt_logprobs,
                           chat_echo=chat_echo,
                           prompt_ids=tuple(ids for ids, _ in prompts)
-                          if body.return_token_ids else None, per_prompt=params.n)
+                          if body.return_token_ids else None, per_prompt=params.n,
+                          role=role)
     record = access_record(request)
     counted = record
     if echo is not None and echo.only:  # the prompt alone: its one sampled token is dropped
@@ -201,7 +202,8 @@ def make_openai_router() -> APIRouter:
                                        state.engine.max_model_len)
                       for ids in await state.prompts.completion_prompts(body.prompt)]
         prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
-                                               state.default_sampling_params, constraints))
+                                               state.default_sampling_params, constraints,
+                                               state.max_logprobs))
                    for ids in prompt_ids]
         echo = await plan_echo(body, prompt_ids, state.prompts, prompts[0][1].n)
         return await _serve(request, state, body, "cmpl", prompts, model, tracker, echo=echo)
@@ -253,8 +255,11 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
             # the grammar (or the forced tool call) constrains the answer only
             constraints["structured_after"] = reasoning.grammar_after
     params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
-                                   state.default_sampling_params, constraints)
+                                   state.default_sampling_params, constraints,
+                                   state.max_logprobs)
     last = body.messages[-1]
     echo = last.text() if body.echo and last.role == "assistant" else None
+    role = state.response_role if body.add_generation_prompt else "assistant"
     return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
-                        tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer)
+                        tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer,
+                        role=role)

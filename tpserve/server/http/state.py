@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import APIError
@@ -29,6 +30,9 @@ class ServerState:
     auto_tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' priority
+    response_role: str = "assistant"  # --response-role: chat answers' role
+    # --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs a request may ask
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""

@@ -199,9 +199,8 @@ async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
     held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
     for i in range(ctx.n):
-        yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                content="")), before,
-                    ctx.prompt_ids_of(0) if i == 0 else None)
+        yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role=ctx.role, content="")),
+                    before, ctx.prompt_ids_of(0) if i == 0 else None)
         if ctx.chat_echo:
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
                         before)

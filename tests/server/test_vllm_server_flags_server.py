@@ -1,0 +1,72 @@
+"""vLLM's HTTP-server flags through a real ``tpserve serve`` (flags -> ServerConfig -> app
+and uvicorn): HTTPS with a self-signed certificate, ``--root-path``,
+``--disable-fastapi-docs``, ``--response-role``, ``--max-logprobs`` and
+``--uvicorn-log-level``, driven by the real openai client. The details of each are in
+``tests/server/http/test_vllm_server_flags.py``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.server.http.certs import self_signed, trusting
+from tests.server.serverproc import ServerProcess
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[ServerProcess, str, httpx.Client]]:
+    key, cert = self_signed(tmp_path_factory.mktemp("tls"))
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                      "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                      "--root-path", "/llm", "--disable-fastapi-docs",
+                      "--response-role", "bot", "--max-logprobs", "3",
+                      "--uvicorn-log-level", "info", wait=False)
+    base = f"https://127.0.0.1:{s.port}"
+    http = httpx.Client(verify=trusting(cert), timeout=120)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert s.proc.poll() is None, s.output()
+            assert time.monotonic() < deadline, s.output()
+            try:
+                if http.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield s, base, http
+    finally:
+        http.close()
+        assert s.stop() == 0, s.output()
+
+
+def test_every_flag_in_one_server(server):
+    s, base, http = server
+    assert f"Uvicorn running on https://127.0.0.1:{s.port}" in s.output()  # uvicorn at info
+    assert f"on https://127.0.0.1:{s.port}/llm" not in s.output()  # tpserve's at warning
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
+    assert http.get(f"{base}/openapi.json").status_code == 404
+    assert http.get(f"{base}/llm/docs").status_code == 404
+    client = openai.OpenAI(base_url=f"{base}/llm/v1", api_key="none", max_retries=0,
+                           http_client=http)
+    answer = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=MESSAGES, max_tokens=3,
+                                            logprobs=True, top_logprobs=3)
+    assert answer.choices[0].message.role == "bot"
+    assert all(len(t.top_logprobs) == 3 for t in answer.choices[0].logprobs.content)
+    first = next(iter(client.chat.completions.create(model=answer.model, messages=MESSAGES,
+                                                     max_tokens=2, stream=True)))
+    assert first.choices[0].delta.role == "bot"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=answer.model, messages=MESSAGES, max_tokens=2,
+                                       logprobs=True, top_logprobs=4)
+    assert err.value.body["param"] == "top_logprobs"
+    assert err.value.body["message"] == ("Requested top_logprobs of 4, which is greater "
+                                         "than max allowed: 3")
