@@ -218,6 +218,13 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert (cors.allowed_origins, cors.allowed_methods, cors.allowed_headers,
             cors.allow_credentials) == (("*",), ("GET", "POST"), ("*",), True)
     assert _cfg(str(tiny_folder), "--model", str(tiny_folder)).runner.model == str(tiny_folder)
+    # values that are what tpserve does anyway, and the spellings it maps onto its own
+    same = _cfg(str(tiny_folder), "--tokenizer-mode", "auto", "-dp", "1",
+                "--distributed-executor-backend", "mp", "--guided-decoding-backend",
+                "xgrammar", "--enable-log-requests", "--swap-space", "4",
+                "--kv-cache-memory-bytes", "3MiB", "--disable-frontend-multiprocessing")
+    assert same.server.log_requests and same.runner.kv_cache_memory == 3 * 2**20
+    assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -235,6 +242,14 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     (["--max-mixed-tokens", "0"], "--max-mixed-tokens must be >= 1"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
     (["--dtype", "int3"], "unknown --dtype 'int3'"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: data parallelism is not "
+                                    "supported; run one tpserve per replica"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: not "
+                                                "supported .*; accepted: mp, uni"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not supported"),
+    (["--structured-outputs-backend", "outlines"], "--guided-decoding-backend outlines: not "
+                                                   "supported .*accepted: auto, xgrammar"),
+    (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
     with pytest.raises(ValueError, match=message):

@@ -45,6 +45,7 @@ from tpserve.server.http.cors import CorsConfig, parse_list
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.port import check_port_free
+from tpserve.server.vllm_compat import add_vllm_compat_arguments, apply_vllm_compat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,15 +243,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                    help="the model, as the positional argument takes it (the spelling of "
                         "vLLM's api_server)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM command lines; changes nothing: tpserve never "
-                        "runs code from a checkpoint (its architectures are built in)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="accepted for vLLM command lines: chunked prefill is always on "
-                        "(the --no- form is refused)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="only 1: tpserve shards a model by tensor parallelism")
     p.add_argument("--revision", default=None,
                    help="with a Hugging Face repository id as the model: the branch, tag "
                         "or commit to serve (default: main)")
@@ -333,7 +325,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV cache block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory (on CPU: of available RAM) to use")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes,
+                   default=None,
                    help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
                         "planned from --gpu-memory-utilization")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -480,6 +473,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="named NVTX ranges (schedule, prepare, forward, sample, finalize, "
                         "each collective) for Nsight Systems timelines; host-side markers, "
                         "not recorded into CUDA graphs; a no-op off CUDA")
+    add_vllm_compat_arguments(p)
 
 
 def resolve_device(name: str) -> str:
@@ -509,12 +503,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
             raise ValueError(f"the model is given twice: {a.model!r} and --model "
                              f"{a.model_flag!r}")
         a.model = a.model_flag
-    if not a.enable_chunked_prefill:
-        raise ValueError("--no-enable-chunked-prefill: chunked prefill is always on "
-                         "(--max-num-batched-tokens bounds a step)")
-    if a.pipeline_parallel_size != 1:
-        raise ValueError(f"--pipeline-parallel-size {a.pipeline_parallel_size}: pipeline "
-                         "parallelism is not supported; use --tensor-parallel-size")
+    apply_vllm_compat(a)
     names = a.served_model_name or [None]
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                               collective_timeout_s=a.collective_timeout)

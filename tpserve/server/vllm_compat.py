@@ -1,0 +1,81 @@
+"""vLLM command-line compatibility: flags a ``vllm serve`` command line carries that
+tpserve takes as they are, because their only values here are the ones tpserve has
+(``--trust-remote-code``, ``--tokenizer-mode auto``, ``--distributed-executor-backend
+mp``, ...), or maps onto its own (``--disable-frontend-multiprocessing`` is
+``--no-engine-process``). A value tpserve cannot honour is refused at start-up, naming the
+flag and what to do instead, never ignored. tpserve's own spellings are in
+``config.add_serve_arguments``; ``apply_vllm_compat`` runs first in ``config_from_args``."""
+
+from __future__ import annotations
+
+import argparse
+
+TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
+EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
+STRUCTURED_BACKENDS = ("auto", "xgrammar")  # the one grammar engine tpserve has
+
+
+def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "vLLM compatibility", "flags of `vllm serve` command lines, taken where their value is "
+        "what tpserve does anyway (other values are refused with exit 2)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="changes nothing: tpserve never runs code from a checkpoint (its "
+                        "architectures are built in)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="chunked prefill is always on (the --no- form is refused)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="only 1: tpserve shards a model by tensor parallelism")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="only 1: run one tpserve per replica behind a load balancer")
+    g.add_argument("--distributed-executor-backend", default=None,
+                   help=f"{' or '.join(EXECUTOR_BACKENDS)}: tpserve's ranks are processes "
+                        "(spawned, or torchrun's); ray is refused")
+    g.add_argument("--tokenizer-mode", default="auto",
+                   help=f"{' or '.join(TOKENIZER_MODES)}: transformers' (fast) tokenizer; "
+                        "slow, mistral and custom are refused")
+    g.add_argument("--guided-decoding-backend", "--structured-outputs-backend",
+                   default="auto",
+                   help=f"{' or '.join(STRUCTURED_BACKENDS)}: structured output runs on "
+                        "xgrammar; other backends are refused")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="requests are logged by default (one access-log line each); the "
+                        "flag conflicts with --disable-log-requests")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="the same as --no-engine-process: HTTP and the engine in one "
+                        "process")
+    g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="changes nothing: preempted sequences are recomputed, never swapped "
+                        "to CPU memory (as in vLLM's V1 engine)")
+
+
+def apply_vllm_compat(a: argparse.Namespace) -> None:
+    """Checks the compatibility flags and maps them onto tpserve's own (in ``a``);
+    ValueError naming the flag for a value tpserve cannot honour."""
+    if not a.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill: chunked prefill is always on "
+                         "(--max-num-batched-tokens bounds a step)")
+    if a.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size {a.pipeline_parallel_size}: pipeline "
+                         "parallelism is not supported; use --tensor-parallel-size")
+    if a.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {a.data_parallel_size}: data parallelism is "
+                         "not supported; run one tpserve per replica behind a load balancer")
+    _one_of("--distributed-executor-backend", a.distributed_executor_backend,
+            EXECUTOR_BACKENDS, "ranks are spawned processes, or torchrun's")
+    _one_of("--tokenizer-mode", a.tokenizer_mode, TOKENIZER_MODES,
+            "tpserve uses transformers' tokenizer of the model (or --tokenizer)")
+    _one_of("--guided-decoding-backend", a.guided_decoding_backend, STRUCTURED_BACKENDS,
+            "structured output runs on xgrammar")
+    if a.enable_log_requests and a.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each "
+                         "other")
+    if a.disable_frontend_multiprocessing:
+        a.engine_process = False
+
+
+def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str) -> None:
+    if value is not None and value not in allowed:
+        raise ValueError(f"{flag} {value}: not supported ({why}); accepted: "
+                         f"{', '.join(allowed)}")
