@@ -384,6 +384,10 @@ def test_a_gated_grammar_starts_after_its_token(folder, smollm2_tokenizer):
         json.loads(smollm2_tokenizer.decode(got[:-1]))
 
     core = make_core(folder, smollm2_tokenizer, num_blocks=16, budget=32)
+    # the schema compiled first, so that all four requests start together and preempt one
+    # another whatever the machine's load (a compile still running when the free requests
+    # start could let them finish first: no preemption)
+    core.grammars.compile(JSON)
     together = run(core, {"gated": (prompt(8), gated),
                           "json": (prompt(1), SamplingParams(structured=JSON, **greedy)),
                           "free": (prompt(2), SamplingParams(ignore_eos=True, **greedy)),
