@@ -1,6 +1,7 @@
-"""RoPE scaling (linear, YaRN, Llama-3): our cos|sin tables equal transformers' rotary
-embedding, unsupported types are refused by name, the model's context follows vLLM's rule,
-and a tiny random Qwen2 with YaRN gives transformers' logits past its original context."""
+"""RoPE scaling (linear, YaRN, Llama-3; LongRoPE in ``test_phi3``): our cos|sin tables
+equal transformers' rotary embedding, unsupported types are refused by name, the model's
+context follows vLLM's rule, and a tiny random Qwen2 with YaRN gives transformers' logits
+past its original context."""
 
 from __future__ import annotations
 
@@ -159,15 +160,13 @@ def test_llama3_path_unchanged(dim, theta, old):
 @pytest.mark.parametrize("rope", [
     {"rope_type": "dynamic", "factor": 2.0},
     {"type": "dynamic", "factor": 2.0},
-    {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-    {"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
     {"rope_type": "mrope", "mrope_section": [16, 24, 24]},
 ])
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 def test_unsupported_type_is_refused_by_name(rope, key):
     name = rope.get("rope_type", rope.get("type"))
     with pytest.raises(ValueError, match=rf"'{name}' is not supported \(supported: default, "
-                                         r"linear, llama3, yarn\)"):
+                                         r"linear, llama3, yarn, longrope\)"):
         _our_config(rope, 64, 10000.0, 4096, key)
 
 

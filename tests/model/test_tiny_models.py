@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.util import full_logits, load, save_gguf_file, save_hf_folder
+from tests.model.util import full_logits, hf_checkpoints, load, save_gguf_file
 from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
@@ -50,17 +50,7 @@ def _hf_model(kind: str):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """kind -> (folder, reference logits); each tiny checkpoint is written once."""
-    made: dict[str, tuple[str, torch.Tensor]] = {}
-
-    def get(kind: str) -> tuple[str, torch.Tensor]:
-        if kind not in made:
-            hf = _hf_model(kind)
-            folder = save_hf_folder(hf, tmp_path_factory.mktemp(kind))
-            with torch.no_grad():
-                made[kind] = (str(folder), hf(torch.tensor([TOKENS])).logits[0])
-        return made[kind]
-
-    return get
+    return hf_checkpoints(tmp_path_factory, _hf_model, lambda kind: TOKENS)
 
 
 def _logits(group, folder):

@@ -580,25 +580,16 @@ def test_qwen3_head_norms_through_the_triton_ops(mods, attn, tmp_path):
     on the Triton norm, RoPE and attention kernels: its logits over a prefill and a decode
     step equal the torch reference's on CPU. On CUDA the same forward runs compiled."""
     from tests.model.test_tiny_models import TOKENS, _hf_model
-    from tests.model.util import load, new_pool, run, save_hf_folder
-    from tpserve.model.kv_pool import KVPool
+    from tests.model.util import assert_same_steps, load, save_hf_folder
     from tpserve.model.loader.build import build_model
     from tpserve.model.loader.checkpoint import open_checkpoint
-    from tpserve.model.plan import SeqChunk, StepPlan
+    from tpserve.model.plan import SeqChunk
 
     folder = str(save_hf_folder(_hf_model("qwen3"), tmp_path / "qwen3"))
     ref_model, comm = load(folder)
     model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
                         mods["triton_ops"], attn.TritonAttention(torch.float32), 512)
     assert model.cfg.qk_norm
-    ref_pool = new_pool(ref_model, comm, num_blocks=4)
-    pool = KVPool(model.cfg.num_hidden_layers, 4, 16, model.cfg.kv_heads_for(1),
-                  model.cfg.head_dim, torch.float32, DEVICE)
-    for step in ([SeqChunk(TOKENS, 0, [0], True)], [SeqChunk([5], len(TOKENS), [0], True)]):
-        want = run(ref_model, ref_pool, step)
-        plan = StepPlan.build(step, 16, model.attn_backend).to(DEVICE)
-        with torch.no_grad():
-            hidden = model(plan.input_ids, plan.positions, pool.layers,
-                           plan.metadata(model.attn_backend))
-            got = model.compute_logits(hidden[plan.logits_indices])
-        torch.testing.assert_close(got.cpu(), want, atol=2e-4, rtol=2e-4)
+    assert_same_steps(ref_model, model, comm,
+                      [[SeqChunk(TOKENS, 0, [0], True)],
+                       [SeqChunk([5], len(TOKENS), [0], True)]], DEVICE)

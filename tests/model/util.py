@@ -22,16 +22,18 @@ CPU = torch.device("cpu")
 
 def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
          kv_dtype: torch.dtype = torch.float32, backend: str = "torch",
-         tp_comm: str = "allreduce", quant_method=None, k_hadamard: bool = False):
+         tp_comm: str = "allreduce", quant_method=None, k_hadamard: bool = False,
+         max_positions: int = 512, hf_overrides: str | None = None):
     """Our float32 model on CPU, on the torch ops and the given attention back-end (with
     ``k_hadamard``: ``model/kv_hadamard``) and linear-layer ``quant_method`` (e.g.
-    ``Fp8LinearMethod()``)."""
+    ``Fp8LinearMethod()``), its RoPE table ``max_positions`` long; ``hf_overrides``
+    (canonical JSON) laid over the config."""
     group = group or TPGroup(0, 1, CPU, None)
-    ckpt = open_checkpoint(model_path, load_format)
+    ckpt = open_checkpoint(model_path, load_format, hf_overrides=hf_overrides)
     comm = Communicator(group)
     attn = select_attention(backend, kv_dtype, k_hadamard)
-    return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn, 512,
-                       tp_comm=tp_comm, quant_method=quant_method), comm
+    return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn,
+                       max_positions, tp_comm=tp_comm, quant_method=quant_method), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:
@@ -283,3 +285,36 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def hf_checkpoints(tmp_path_factory, make_model, tokens_of):
+    """A module fixture's body: kind -> (folder, transformers' logits over
+    ``tokens_of(kind)``), each tiny checkpoint (``make_model(kind)``) written once."""
+    made: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def get(kind: str) -> tuple[str, torch.Tensor]:
+        if kind not in made:
+            hf = make_model(kind)
+            folder = save_hf_folder(hf, tmp_path_factory.mktemp(kind))
+            with torch.no_grad():
+                made[kind] = (str(folder), hf(torch.tensor([tokens_of(kind)])).logits[0])
+        return made[kind]
+
+    return get
+
+
+def assert_same_steps(ref_model, model, comm, steps: list[list[SeqChunk]],
+                      device: torch.device, num_blocks: int = 4) -> None:
+    """``steps`` through the torch reference ``ref_model`` (CPU) and ``model`` (another
+    back-end, on ``device``, each with a float32 pool of its own): the same logits."""
+    ref_pool = new_pool(ref_model, comm, num_blocks=num_blocks)
+    pool = KVPool(model.cfg.num_hidden_layers, num_blocks, 16, model.cfg.kv_heads_for(1),
+                  model.cfg.head_dim, torch.float32, device)
+    for step in steps:
+        want = run(ref_model, ref_pool, step)
+        plan = StepPlan.build(step, 16, model.attn_backend).to(device)
+        with torch.no_grad():
+            hidden = model(plan.input_ids, plan.positions, pool.layers,
+                           plan.metadata(model.attn_backend))
+            got = model.compute_logits(hidden[plan.logits_indices])
+        torch.testing.assert_close(got.cpu(), want, atol=2e-4, rtol=2e-4)

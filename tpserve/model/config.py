@@ -12,8 +12,8 @@ from typing import Any
 from tpserve.parallel.heads import HeadLayout
 from tpserve.parallel.shard import padded_split
 
-# the RoPE types a config.json may name; every other one ("dynamic", "longrope", ...) refused
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the RoPE types a config.json may name; every other one ("dynamic", "mrope", ...) refused
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,14 @@ class RopeScaling:
       ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times divided by
       ``factor``, a linear ramp over the pair index between (its ends rounded outwards with
       ``truncate``); cos and sin both multiplied by ``attention_factor``.
+    - ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini): each pair's frequency divided by its
+      ``short_factor`` entry, cos and sin multiplied by ``attention_factor`` (by default
+      ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` by default max_position_embeddings
+      / ``original_max_position_embeddings``). transformers switches every position of a
+      sequence to the ``long_factor`` entries once it is longer than the original context
+      (recomputing its cache), which one static table cannot do: the context is capped at
+      ``original_max_position_embeddings`` (``runner_config.model_context``), where the
+      short factors are exactly transformers' RoPE. ``long_factor`` is kept, checked, unused.
     - ``freq_factors``: each pair's frequency divided by its own ``freq_factors`` entry (one
       per rotated pair; ``factor`` is 1). Never named by a ``config.json``: it is how a
       GGUF file carries Llama-3's scaling (llama.cpp's ``rope_freqs.weight`` tensor).
@@ -42,8 +50,17 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
-    attention_factor: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn, longrope
     freq_factors: tuple[float, ...] | None = None  # freq_factors
+    short_factor: tuple[float, ...] | None = None  # longrope
+    long_factor: tuple[float, ...] | None = None  # longrope
+
+    def per_pair_factors(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
+        """The per-rotated-pair lists this scaling carries, by name (their length must be
+        the rotary dim / 2)."""
+        named = (("freq_factors", self.freq_factors), ("short_factor", self.short_factor),
+                 ("long_factor", self.long_factor))
+        return tuple((name, f) for name, f in named if f is not None)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -67,11 +84,14 @@ def rope_scaling_from_hf(d: dict[str, Any], params: dict[str, Any]) -> RopeScali
     the scaling; None for plain RoPE. ``rope_type`` or the legacy ``type`` names it.
 
     As transformers standardises it: a top-level ``original_max_position_embeddings``
-    (Phi-3 keeps it there) wins over the parameters'.
+    (Phi-3 keeps it there) wins over the parameters'; Phi-3's old names ``su`` (and, in a
+    Phi-3 config, ``yarn``) are ``longrope``, as ``Phi3Config`` reads them.
     """
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in ("default", None):
         return None
+    if rope_type == "su" or (rope_type == "yarn" and d.get("model_type") == "phi3"):
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: "
                          f"{', '.join(ROPE_TYPES)})")
@@ -105,6 +125,8 @@ def build_rope_scaling(rope_type: str, params: dict[str, Any],
                            original_max_position_embeddings=original,
                            low_freq_factor=float(params["low_freq_factor"]),
                            high_freq_factor=float(params["high_freq_factor"]))
+    if rope_type == "longrope":
+        return _longrope(params, original, max_positions)
     if rope_type != "yarn":
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
     factor = params.get("factor")
@@ -119,6 +141,39 @@ def build_rope_scaling(rope_type: str, params: dict[str, Any],
                        beta_slow=float(params.get("beta_slow") or 1),
                        truncate=bool(params.get("truncate", True)),
                        attention_factor=float(attention))
+
+
+def _longrope(params: dict[str, Any], original: int, max_positions: int) -> RopeScaling:
+    """``longrope`` as transformers' ``_compute_longrope_parameters`` reads it: ``factor``
+    of null is max_positions / original, an ``attention_factor`` of null is
+    ``sqrt(1 + ln(factor) / ln(original))`` (1 at factor <= 1)."""
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"rope scaling type 'longrope' needs a list {key!r}, got "
+                             f"{value!r}")
+        lists[key] = tuple(float(f) for f in value)
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor,
+                       original_max_position_embeddings=original,
+                       attention_factor=float(attention), **lists)
+
+
+def rotary_dim_from_hf(d: dict[str, Any], rope_params: dict[str, Any], head_dim: int) -> int:
+    """The leading dims of each head that RoPE rotates: ``int(head_dim *
+    partial_rotary_factor)``, the factor read as transformers reads it (the RoPE
+    parameters' own, else the top-level key; Phi-4-mini: 0.75; absent or null: 1). The
+    rest of the head passes through unrotated.
+
+    Read for every architecture, as vLLM's Llama reads it (transformers' Llama, Qwen2,
+    Qwen3 and Mistral ignore it under plain RoPE)."""
+    factor = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return head_dim if factor is None else int(head_dim * float(factor))
 
 
 @dataclass(frozen=True)
@@ -144,11 +199,26 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the leading dims of each head that RoPE rotates (``partial_rotary_factor``); None:
+    # the whole head (set to ``head_dim`` on construction)
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        r = self.rotary_dim
+        if not (2 <= r <= self.head_dim and r % 2 == 0):
+            raise ValueError(f"RoPE must rotate an even number of dims from 2 to the head's "
+                             f"{self.head_dim}; partial_rotary_factor gives {r}")
+        for name, factors in (self.rope_scaling.per_pair_factors()
+                              if self.rope_scaling is not None else ()):
+            if len(factors) != r // 2:
+                raise ValueError(f"rope scaling {self.rope_scaling.rope_type!r}: {name} has "
+                                 f"{len(factors)} entries; RoPE rotates {r} dims of each "
+                                 f"head, {r // 2} pairs")
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raises a clear error for a ``tp`` the model cannot be sharded over.
@@ -200,7 +270,9 @@ class ModelConfig:
         scaling = rope_scaling_from_hf(d, scaling_d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        attention_bias = bool(d.get("attention_bias", False))
+        # Phi-3 has no biases whatever its config says (transformers ignores the key)
+        attention_bias = bool(d.get("attention_bias", False)) and arch != "Phi3ForCausalLM"
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -209,7 +281,7 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
@@ -221,4 +293,5 @@ class ModelConfig:
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
         )

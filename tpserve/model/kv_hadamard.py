@@ -25,7 +25,10 @@ it, so it cannot be folded into ``k_proj``). Invariants, kept by both attention 
   own scales were chosen for unrotated K, so by default a checkpoint that has them is not
   rotated (``--kv-cache-hadamard`` still asks for it).
 - ``D`` is a power of two from 2 to 512 (the Triton kernel's butterflies), and RoPE covers
-  the whole head (the models here always do).
+  the whole head: the kernel rotates the RoPE halves it holds in registers, so a model
+  with ``partial_rotary_factor`` (Phi-4-mini) is not rotated by default, and an explicit
+  request is refused (``resolve_kv_cache_hadamard``; the model refuses a back-end that
+  has it, ``AttentionBackend.check_model``).
 """
 
 from __future__ import annotations
@@ -55,15 +58,28 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_kv_cache_hadamard(flag: bool | None, kv_cache_dtype: str, head_dim: int,
-                              checkpoint_kv_scales: bool = False) -> bool:
+                              checkpoint_kv_scales: bool = False,
+                              rotary_dim: int | None = None) -> bool:
     """``--kv-cache-hadamard``'s value: None (the default) turns it on for an FP8 cache when
-    the head allows it and the checkpoint has no KV scales of its own (those were chosen for
+    the head allows it (a power of two up to 512, RoPE over all of it: ``rotary_dim`` None
+    or ``head_dim``) and the checkpoint has no KV scales of its own (those were chosen for
     unrotated K); True is refused (naming the flag) when the head does not allow it. Any
     cache dtype takes it (with a 16-bit or float32 cache it only reorders rounding)."""
     fits = 2 <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+    whole = rotary_dim is None or rotary_dim == head_dim
     if flag is None:
-        return fits and is_fp8(KV_CACHE_DTYPES[kv_cache_dtype]) and not checkpoint_kv_scales
+        return (fits and whole and is_fp8(KV_CACHE_DTYPES[kv_cache_dtype])
+                and not checkpoint_kv_scales)
     if flag and not fits:
         raise ValueError(f"--kv-cache-hadamard needs a head dim that is a power of two from 2 "
                          f"to {MAX_HEAD_DIM}; this model's is {head_dim}: leave the flag out")
+    if flag and not whole:
+        raise ValueError(partial_rotary_refusal(rotary_dim, head_dim))
     return flag
+
+
+def partial_rotary_refusal(rotary_dim: int, head_dim: int) -> str:
+    """Why the rotation is refused for a model whose RoPE covers part of each head."""
+    return (f"--kv-cache-hadamard needs RoPE over the whole head; this model rotates "
+            f"{rotary_dim} of its {head_dim} head dims (partial_rotary_factor), which the "
+            "Triton RoPE kernel cannot combine with the rotation: pass --no-kv-cache-hadamard")

@@ -1,7 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on tensor-parallel layers.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) on tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
-which ``STACKED`` maps checkpoint names onto.
+which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two fused
+(``FUSED``: q, k, v rows stacked; gate, then up): each part is loaded as if stored apart
+(``ColumnParallelLinear.load_stacked``). Otherwise Phi-3 is Llama: pre-norm RMSNorm blocks,
+SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope`` are the config's
+(``ModelConfig.rotary_dim``, ``config.RopeScaling``), its ``sliding_window`` caps the
+context (``runner_config.resolve_max_model_len``).
 
 ``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
 between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
@@ -50,6 +55,8 @@ STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+# fused parameters a checkpoint may store as one tensor, every part stacked along dim 0
+FUSED = (".qkv_proj.", ".gate_up_proj.")
 
 
 class LlamaAttention(nn.Module):
@@ -186,9 +193,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # set by load_weights when the checkpoint carries any KV cache scale
         self.kv_scales_from_checkpoint = False
+        attn.check_model(cfg.head_dim, cfg.rotary_dim, cfg.qk_norm)
+        # over the rotated dims only: the back-ends pass the rest of each head through
         self.register_buffer(
             "rope_cache",
-            cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
+            cos_sin_cache(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
             persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -229,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> set[str]:
         """Loads checkpoint tensors by Hugging Face name; returns the parameter names loaded.
 
-        Names the model does not have (rotary tables, a tied ``lm_head``) are skipped.
+        Names the model does not have (rotary tables, a tied ``lm_head``) are skipped. A
+        fused tensor (``FUSED``; Phi-3) is loaded part by part (``load_stacked``).
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
@@ -255,11 +265,15 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             loader = getattr(param, "weight_loader", None)
+            fused = shard_id is None and any(frag in name for frag in FUSED)
             if loader is None:
                 copy_into(param, as_source(source).read(), name)
             else:
                 try:
-                    loader(param, source, shard_id)
+                    if fused:
+                        self.get_submodule(name.rpartition(".")[0]).load_stacked(param, source)
+                    else:
+                        loader(param, source, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             loaded.add(name)

@@ -105,6 +105,8 @@ def model_context(model: ModelConfig) -> int:
         return model.max_position_embeddings
     if scaling.rope_type == "yarn":
         return int(scaling.original_max_position_embeddings * scaling.factor)
+    if scaling.rope_type == "longrope":  # the short factors' context (config.RopeScaling)
+        return scaling.original_max_position_embeddings
     return int(model.max_position_embeddings * scaling.factor)
 
 
@@ -118,13 +120,21 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     ``original_max_position_embeddings`` times the factor whatever
     ``max_position_embeddings`` says (Qwen2.5 and Qwen3 configs with YaRN added by hand keep
     the original context there, e.g. 32768 x 4 = 131072). ``llama3`` is not multiplied:
-    its ``max_position_embeddings`` is already the long context. The sliding-window cap is
-    ours, not vLLM's (no sliding-window attention here)."""
+    its ``max_position_embeddings`` is already the long context. Two caps are ours, not
+    vLLM's: the sliding window (no sliding-window attention here), and under ``longrope``
+    ``original_max_position_embeddings`` (the long factors are not served:
+    ``config.RopeScaling``)."""
     context, window = model_context(model), model.sliding_window
     limit = min(context, window) if window else context
     if requested is None:
         return limit
     if requested > limit:
+        scaling = model.rope_scaling
+        why = ""
+        if scaling is not None and scaling.rope_type == "longrope" and limit == context:
+            why = (" (LongRoPE: up to original_max_position_embeddings; past it transformers "
+                   "switches the whole sequence, cached keys included, to the long factors, "
+                   "which tpserve's static RoPE table cannot do)")
         raise ValueError(f"--max-model-len {requested} exceeds the model's context of {limit} "
-                         "tokens")
+                         f"tokens{why}")
     return requested

@@ -49,6 +49,7 @@ from torch import nn
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.heads import HeadLayout
 from tpserve.parallel.shard import (
+    NarrowSource,
     ShardMap,
     TensorSource,
     as_source,
@@ -157,6 +158,26 @@ class ColumnParallelLinear(nn.Module):
     def checkpoint_parts(self) -> tuple[object, ...]:
         """The ``shard_id`` of every checkpoint tensor this layer is made of, in order."""
         return (None,)
+
+    def load_stacked(self, param: nn.Parameter, source: TensorSource | torch.Tensor) -> None:
+        """Loads into ``param`` (the weight, or the bias) a checkpoint tensor that stores
+        every part of this layer stacked along dim 0 in ``checkpoint_parts`` order (Phi-3's
+        fused ``qkv_proj``: the q, k, v rows; ``gate_up_proj``: gate, then up). Each part
+        goes, as a ``NarrowSource`` of its rows, through ``param.weight_loader`` with its
+        shard id: exactly as if the checkpoint stored the parts apart (head padding,
+        replicated KV heads and a quant method's loader included), each rank reading only
+        its own rows."""
+        src = as_source(source)
+        parts = self.checkpoint_parts()
+        rows = [self.checkpoint_rows(p) for p in parts]
+        if not src.shape or src.shape[0] != sum(rows):
+            raise ValueError(f"a fused tensor of shape {tuple(src.shape)}; expected "
+                             f"{' + '.join(map(str, rows))} = {sum(rows)} rows (parts "
+                             f"{', '.join(map(str, parts))})")
+        offset = 0
+        for part, n in zip(parts, rows, strict=True):
+            param.weight_loader(param, NarrowSource(src, 0, offset, n), part)
+            offset += n
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights(self)

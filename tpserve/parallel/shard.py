@@ -41,6 +41,41 @@ def as_source(x: torch.Tensor | TensorSource) -> TensorSource:
     return InMemorySource(x) if isinstance(x, torch.Tensor) else x
 
 
+class NarrowSource:
+    """Units ``[start, start+length)`` of ``source`` along ``dim`` as a ``TensorSource`` of
+    their own: one part of a checkpoint tensor that stores several parts stacked (Phi-3's
+    fused ``qkv_proj``: the q, k and v rows), handed to a loader that expects that part
+    alone.
+
+    A read along ``dim`` is one read of the parent at an offset, so a rank still reads only
+    its own rows of the part. A read along another dim reads that range of the parent over
+    its whole extent along ``dim``, then narrows it (column-parallel layers, which alone
+    take fused parts, read along dim 0). Reads past the part are refused: the parent would
+    silently return the next part's rows.
+    """
+
+    def __init__(self, source: TensorSource, dim: int, start: int, length: int):
+        dim %= len(source.shape)
+        if start < 0 or length < 0 or start + length > source.shape[dim]:
+            raise ValueError(f"units [{start}, {start + length}) of dim {dim} lie outside a "
+                             f"tensor of shape {tuple(source.shape)}")
+        self.source, self.dim, self.start, self.length = source, dim, start, length
+        self.shape = tuple(length if d == dim else n for d, n in enumerate(source.shape))
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            return self.source.read(self.dim, self.start, self.length)
+        dim %= len(self.shape)
+        length = self.shape[dim] - start if length is None else length
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"units [{start}, {start + length}) of dim {dim} lie outside a "
+                             f"tensor part of shape {self.shape}")
+        if dim == self.dim:
+            return self.source.read(dim, self.start + start, length)
+        return self.source.read(dim, start, length).narrow(self.dim, self.start, self.length)
+
+
 def split_evenly(total: int, parts: int, what: str) -> int:
     """``total // parts``, or a clear error when ``parts`` does not divide ``total``."""
     if total % parts:

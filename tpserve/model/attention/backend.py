@@ -26,6 +26,7 @@ import torch
 
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kernels.torch_ops import HeadNorm
+from tpserve.model.kv_hadamard import partial_rotary_refusal
 
 ATTENTION_BACKENDS = {"torch": "tpserve.model.attention.torch_backend",
                       "triton": "tpserve.model.attention.triton_backend"}
@@ -58,6 +59,14 @@ class AttentionBackend(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.k_hadamard = k_hadamard
         self.overlap = overlap  # decode and prefill attention at once, where it can
+
+    def check_model(self, head_dim: int, rotary_dim: int, head_norm: bool) -> None:
+        """ValueError, naming the flag to change, when this back-end cannot serve heads of
+        ``head_dim`` whose first ``rotary_dim`` dims RoPE rotates (with ``head_norm``: after
+        Qwen3's q/k head norm). Here: the Hadamard rotation with partial RoPE (refused on
+        both back-ends, as ``resolve_kv_cache_hadamard`` refuses it)."""
+        if self.k_hadamard and rotary_dim != head_dim:
+            raise ValueError(partial_rotary_refusal(rotary_dim, head_dim))
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         """Rank 0, host: what the kernels need beyond the common plan for a step whose

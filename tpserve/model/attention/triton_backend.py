@@ -178,6 +178,19 @@ class TritonAttention(AttentionBackend):
             self._side_streams[device] = torch.cuda.Stream(device)
         return self._side_streams[device]
 
+    def check_model(self, head_dim: int, rotary_dim: int, head_norm: bool) -> None:
+        """Beyond the base's: the kernels tile a whole head (a power of two >= 16), and the
+        RoPE kernel norms q/k heads only when RoPE covers them whole."""
+        super().check_model(head_dim, rotary_dim, head_norm)
+        torch_instead = "the torch back-end (--kernel-backend torch, slower) serves it"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"the Triton kernels need a head dim that is a power of two of at "
+                             f"least 16; this model's is {head_dim}: {torch_instead}")
+        if head_norm and rotary_dim != head_dim:
+            raise ValueError(f"the Triton RoPE kernel norms q/k heads only under RoPE over "
+                             f"the whole head; this model rotates {rotary_dim} of its "
+                             f"{head_dim} head dims: {torch_instead}")
+
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
         return prefill_tiles(query_lens[num_decodes:], num_decodes)
 

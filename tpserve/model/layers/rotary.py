@@ -1,7 +1,11 @@
 """Rotary position embedding tables: plain, or scaled as ``RopeScaling`` says (linear,
-Llama-3, YaRN, each computed in transformers' float32 operations and order, so the
-tables equal its cos/sin; or per-pair frequency divisors, as llama.cpp applies a GGUF
-file's ``rope_freqs.weight``)."""
+Llama-3, YaRN, LongRoPE's short factors, each computed in transformers' float32
+operations and order, so the tables equal its cos/sin; or per-pair frequency divisors, as
+llama.cpp applies a GGUF file's ``rope_freqs.weight``).
+
+A table covers the ``dim`` leading dims of each head that RoPE rotates (the model's
+``rotary_dim``: the whole head unless ``partial_rotary_factor`` says less); the kernels
+pass the rest of the head through unrotated."""
 
 from __future__ import annotations
 
@@ -68,11 +72,14 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> 
         return inv / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3(inv, scaling)
-    if scaling.rope_type == "freq_factors":
-        factors = scaling.freq_factors or ()
+    if scaling.rope_type in ("freq_factors", "longrope"):
+        factors = (scaling.freq_factors if scaling.rope_type == "freq_factors"
+                   else scaling.short_factor) or ()
         if len(factors) != dim // 2:
             raise ValueError(f"{len(factors)} RoPE frequency factors for a head of {dim} "
                              f"({dim // 2} rotated pairs)")
+        if scaling.rope_type == "longrope":  # transformers' order: 1 / (factor * theta**x)
+            return 1.0 / (torch.tensor(factors, dtype=torch.float32) * _powers(dim, theta))
         return inv / torch.tensor(factors, dtype=torch.float32)
     raise ValueError(f"rope scaling type {scaling.rope_type!r} has no table")
 
@@ -81,9 +88,20 @@ def cos_sin_cache(dim: int, max_positions: int, theta: float,
                   scaling: RopeScaling | None) -> torch.Tensor:
     """``[max_positions, dim]`` float32: cosines in the first half, sines in the second.
 
-    With YaRN both are multiplied by ``attention_factor``: the kernels rotate q and k by
-    the table as read, so every q.k score grows by its square, as in transformers (which
-    scales its cos and sin the same way)."""
+    With YaRN and LongRoPE both are multiplied by ``attention_factor``: the kernels rotate
+    q and k by the table as read, so every q.k score grows by its square, as in
+    transformers (which scales its cos and sin the same way).
+
+    A LongRoPE table holds at most ``original_max_position_embeddings`` positions: there
+    transformers uses the short factors for every position of a sequence, past it the long
+    ones for every position (the cached keys' included), which no static table does."""
+    if (scaling is not None and scaling.rope_type == "longrope"
+            and max_positions > scaling.original_max_position_embeddings):
+        raise ValueError(
+            f"a LongRoPE model is served up to its original_max_position_embeddings "
+            f"({scaling.original_max_position_embeddings} tokens), not {max_positions}: "
+            "past it transformers switches the whole sequence, cached keys included, to "
+            "the long factors, which tpserve's static RoPE table cannot do")
     inv = inverse_frequencies(dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -14,6 +14,7 @@ from torch import nn
 
 from tpserve.model.config import ModelConfig
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
+from tpserve.model.llama import FUSED
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.hf_overrides import apply_overrides
 from tpserve.model.loader.progress import LoadProgress
@@ -137,7 +138,15 @@ class SafetensorsCheckpoint(_TokenizerSource):
         for f in self.files:
             if not f.is_file():
                 raise FileNotFoundError(f"{f} is named in the index but missing")
-        self.kv_scales = any(is_kv_scale_name(n) for n in _tensor_names(self.files))
+        names = list(_tensor_names(self.files))
+        self.kv_scales = any(is_kv_scale_name(n) for n in names)
+        fused = next((n for n in names if any(f in n for f in FUSED)), None)
+        if self.quantization is not None and fused is not None:
+            # an FP8 method loads each part's scales by shard id, from the part's own tensor
+            raise ValueError(f"{folder}: quantized checkpoints that store q/k/v or gate/up "
+                             f"fused (Phi-3's qkv_proj / gate_up_proj, e.g. {fused!r}) are "
+                             "not supported: serve the unquantized checkpoint (with "
+                             "--quantization fp8 to quantize it at load)")
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
         from safetensors import safe_open

@@ -13,7 +13,9 @@ from tpserve.model.config import ModelConfig
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b")
+SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4")
+# architectures whose checkpoints store q/k/v and gate/up fused (``llama.FUSED``)
+_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
 def shape_config(name: str) -> ModelConfig:
@@ -39,6 +41,14 @@ def shape_hf_config(name: str) -> dict:
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                  rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
                  eos_token_id=2)
+    elif name == "phi-4":  # microsoft/phi-4's config.json (Phi-3's architecture)
+        base = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                "rms_norm_eps": 1e-5}
+        d = dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+                 num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                 rope_theta=250000.0, max_position_embeddings=16384,
+                 original_max_position_embeddings=16384, sliding_window=None,
+                 bos_token_id=100257, eos_token_id=100265)
     elif name.startswith("qwen3-"):
         base = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "rms_norm_eps": 1e-6}
@@ -58,18 +68,24 @@ def shape_hf_config(name: str) -> dict:
 
 
 def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor a Hugging Face checkpoint of this Llama-family config holds, by name."""
+    """Every tensor a Hugging Face checkpoint of this Llama-family config holds, by name;
+    Phi-3's q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``), as its checkpoints
+    store them, so that dummy weights load through the fused path."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     out = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,)),
-                (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter))]
+                (p + "post_attention_layernorm.weight", (h,))]
+        fused = cfg.architecture in _FUSED_ARCHITECTURES
+        out += ([(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))] if fused else
+                [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                 (p + "self_attn.v_proj.weight", (kv, h))])
+        out.append((p + "self_attn.o_proj.weight", (h, q)))
+        out += ([(p + "mlp.gate_up_proj.weight", (2 * inter, h))] if fused else
+                [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))])
+        out.append((p + "mlp.down_proj.weight", (h, inter)))
         if cfg.qkv_bias:
             out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                     (p + "self_attn.v_proj.bias", (kv,))]
