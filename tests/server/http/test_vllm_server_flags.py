@@ -116,10 +116,16 @@ def test_response_role(engine):
                                                 stream=True, n=2))
         firsts = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].delta.role]
         assert [(f.index, f.delta.role) for f in firsts] == [(0, "bot"), (1, "bot")]
-        # without add_generation_prompt the answer continues the conversation: assistant
+        # without add_generation_prompt the answer continues the last message's turn (as
+        # vLLM answers): the user's here, the assistant's when it is continued
         answer = c.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=3,
             extra_body={"add_generation_prompt": False})
+        assert answer.choices[0].message.role == "user"
+        answer = c.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, {"role": "assistant", "content": "The"}],
+            max_tokens=3, extra_body={"add_generation_prompt": False,
+                                      "continue_final_message": True})
         assert answer.choices[0].message.role == "assistant"
 
 

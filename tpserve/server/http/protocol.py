@@ -401,7 +401,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     """With ``--reasoning-parser``, ``reasoning`` holds the model's thinking and
     ``reasoning_content`` the same (vLLM's older name). ``role`` is ``--response-role``
-    (vLLM's; "assistant" by default) for requests with ``add_generation_prompt``."""
+    (vLLM's; "assistant" by default) for requests with ``add_generation_prompt``, else
+    the last message's role (the turn the answer continues), as in vLLM."""
 
     role: str = "assistant"
     content: str | None = None

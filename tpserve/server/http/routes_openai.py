@@ -259,7 +259,8 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
                                    state.max_logprobs)
     last = body.messages[-1]
     echo = last.text() if body.echo and last.role == "assistant" else None
-    role = state.response_role if body.add_generation_prompt else "assistant"
+    # as vLLM: without a generation prompt the answer continues the last message's turn
+    role = state.response_role if body.add_generation_prompt else last.role
     return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
                         tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer,
                         role=role)
