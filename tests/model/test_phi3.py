@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ from tests.model.util import (  # noqa: E402
     full_logits,
     hf_checkpoints,
     load,
+    save_gguf_file,
     save_hf_folder,
 )
 from tpserve.model.config import ModelConfig  # noqa: E402
@@ -459,3 +461,52 @@ def test_triton_back_end_refuses_what_its_kernels_cannot_do(backend):
     with pytest.raises(ValueError, match="norms q/k heads only under RoPE over the whole"):
         attn.check_model(128, 64, True)
     attn.check_model(128, 96, False)  # Phi-4-mini
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _phi3_gguf(kind: str, path, **extra) -> str:
+    """The tiny ``kind`` Phi-3 as llama.cpp's converter writes a ``phi3`` file: fused
+    ``attn_qkv`` / ``ffn_up``, q/k rows unpermuted, ``rope.dimension_count`` the rotated
+    dims of a head, and ``extra`` keys (e.g. the sliding window)."""
+    hf = _hf_model(kind)
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    rotary = int(head_dim * (getattr(hf.config, "partial_rotary_factor", None) or 1.0))
+
+    def metadata(w):
+        w.add_uint32("phi3.rope.dimension_count", rotary)
+        for key, value in extra.items():
+            w.add_uint32(f"phi3.{key}", value)
+
+    return str(save_gguf_file(hf, path, "phi3", metadata))
+
+
+@pytest.mark.parametrize("kind,tp", [("plain", 1), ("partial", 1), ("partial", 3)])
+def test_phi3_gguf_equals_transformers(checkpoints, tmp_path, kind, tp):
+    """A ``phi3`` GGUF file (fused tensors loaded part by part, partial rotary from
+    ``rope.dimension_count``) gives transformers' logits, at tp 3 with padded heads too."""
+    _, ref = checkpoints(kind)
+    path = _phi3_gguf(kind, tmp_path / f"{kind}.gguf")
+    cfg = open_checkpoint(path).config
+    assert (cfg.architecture, cfg.rotary_dim) == ("Phi3ForCausalLM",
+                                                  16 if kind == "plain" else 8)
+    results = run_ranks(_logits, tp, path, kind, timeout_s=300)
+    assert len(results) == tp
+    for logits in results:
+        assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_phi3_gguf_sliding_window_and_longrope(tmp_path):
+    """A window in the metadata caps the context as a config.json's does; LongRoPE
+    factors stored as tensors are refused by name."""
+    path = _phi3_gguf("plain", tmp_path / "window.gguf", **{"attention.sliding_window": 100})
+    cfg = open_checkpoint(path).config
+    assert cfg.sliding_window == 100 and resolve_max_model_len(None, cfg) == 100
+    hf = _hf_model("plain")
+    factors = np.ones(8, dtype=np.float32)
+    path = save_gguf_file(hf, tmp_path / "longrope.gguf", "phi3",
+                          extra_tensors={"rope_factors_long.weight": factors,
+                                         "rope_factors_short.weight": factors})
+    with pytest.raises(ValueError, match="LongRoPE factors as tensors .*not supported"):
+        open_checkpoint(str(path))

@@ -228,7 +228,9 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                    "mlp.down_proj": "ffn_down"}
+                    "mlp.down_proj": "ffn_down",
+                    # Phi-3's fused tensors, kept fused by llama.cpp
+                    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -28,7 +28,8 @@ from tpserve.model.config import ModelConfig, RopeScaling, build_rope_scaling
 from tpserve.model.loader.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -37,8 +38,14 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's Phi-3 keeps Hugging Face's fused tensors: q/k/v rows in ``attn_qkv``, gate
+# then up rows in ``ffn_up`` (loaded part by part: ``llama.FUSED``)
+_ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                              "ffn_up": "mlp.gate_up_proj"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
+# LongRoPE's per-pair factors as tensors (Phi-3-*-128k, Phi-3.5, Phi-4-mini): not served
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # tensors that are config, not weights: read by ``read_config``, skipped by ``iter_weights``
 _ROPE_FREQS = "rope_freqs.weight"
 _CONFIG_TENSORS = {_ROPE_FREQS}
@@ -56,14 +63,16 @@ def _field(reader: GGUFFile, key: str, default=None):
     return reader.get(key, default)
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (``arch``'s
+    names: Phi-3's fused tensors keep their Hugging Face names)."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+        if part not in names:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base not in _GLOBAL_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -83,6 +92,13 @@ def read_config(r, path: Path) -> ModelConfig:
     context = int(_field(r, f"{arch}.context_length", 4096))
     vocab = _field(r, f"{arch}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"])
     eos = _field(r, "tokenizer.ggml.eos_token_id")
+    longrope = [n for n in _LONGROPE_TENSORS if n in names]
+    if longrope:
+        raise ValueError(f"{path.name}: LongRoPE factors as tensors ({', '.join(longrope)}; "
+                         "Phi-3-*-128k, Phi-3.5, Phi-4-mini) are not supported in GGUF files: "
+                         "serve the safetensors checkpoint")
+    # Phi-3's partial_rotary_factor: the rotated dims of each head (others: the whole head)
+    rotary_dim = _field(r, f"{arch}.rope.dimension_count") if arch == "phi3" else None
     return ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -99,6 +115,8 @@ def read_config(r, path: Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(r, arch, path, head_dim, context),
+        rotary_dim=None if rotary_dim is None else int(rotary_dim),
+        sliding_window=_field(r, f"{arch}.attention.sliding_window") or None,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
@@ -224,6 +242,7 @@ def num_weights(r) -> int:
 
 def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
     permute = cfg.architecture == "LlamaForCausalLM"
+    arch = _field(r, "general.architecture")
     for t in r.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
@@ -232,6 +251,6 @@ def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
             heads = cfg.num_attention_heads
         elif permute and ".attn_k." in t.name:
             heads = cfg.num_key_value_heads
-        yield hf_name(t.name), GGUFSource(t, heads)
+        yield hf_name(t.name, arch), GGUFSource(t, heads)
 
 
