@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model.test_rope_scaling import TOKENS as TOKENS_20
+from tests.model.test_rope_scaling import tiny_qwen2
 from tests.model.test_tiny_models import TOKENS as TOKENS_13
 from tests.model.test_tiny_models import _hf_model, _logits
 from tests.model.util import full_logits, load, save_gguf_file
@@ -141,10 +143,6 @@ def test_llama3_gguf_without_rope_freqs_differs(llama3):
     assert (full_logits(model, comm, TOKENS_13) - ref).abs().max().item() > 1e-3
 
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5)
-# 20 tokens: 12 past the original context of 8
-TOKENS_20 = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 5, 77, 140, 33, 210, 8, 61]
 
 
 @pytest.mark.parametrize("rope,context", [
@@ -157,19 +155,7 @@ def test_qwen2_gguf_scaling_metadata_equals_transformers(tmp_path, rope, context
     """A tiny Qwen2 with YaRN / linear scaling, written as a ``qwen2`` GGUF with the
     converter's ``rope.scaling.*`` keys, gives transformers' logits past the original
     context."""
-    import transformers as tf
-
-    torch.manual_seed(5)
-    cfg = tf.Qwen2Config(**TINY, rope_theta=10000.0, max_position_embeddings=32,
-                         rope_scaling=dict(rope))
-    cfg.architectures = ["Qwen2ForCausalLM"]
-    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    assert hf.model.rotary_emb.rope_type == rope.get("rope_type", rope.get("type"))
-    with torch.no_grad():  # non-trivial biases and norms
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-        ref = hf(torch.tensor([TOKENS_20])).logits[0]
+    hf, ref = tiny_qwen2(rope)
     path = tmp_path / "qwen2.gguf"
     _write_gguf(hf, path, "qwen2", rope=rope)
     model, comm = load(str(path))

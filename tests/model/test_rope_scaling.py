@@ -215,13 +215,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 5, 77, 140, 33, 210, 8, 61]
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
-     "beta_fast": 8, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5},
-    {"type": "linear", "factor": 3.0},
-], ids=["yarn", "yarn-mscale", "linear"])
-def test_tiny_qwen2_equals_transformers(tmp_path, rope):
+def tiny_qwen2(rope: dict):
+    """A tiny random transformers Qwen2 (32 positions) with ``rope`` as its
+    ``rope_scaling``, non-trivial biases and norms, and its logits over ``TOKENS``."""
     import transformers as tf
 
     torch.manual_seed(5)
@@ -230,11 +226,21 @@ def test_tiny_qwen2_equals_transformers(tmp_path, rope):
     cfg.architectures = ["Qwen2ForCausalLM"]
     hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     assert hf.model.rotary_emb.rope_type == rope.get("rope_type", rope.get("type"))
-    with torch.no_grad():  # non-trivial biases and norms
+    with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-        ref = hf(torch.tensor([TOKENS])).logits[0]
+        return hf, hf(torch.tensor([TOKENS])).logits[0]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+     "beta_fast": 8, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5},
+    {"type": "linear", "factor": 3.0},
+], ids=["yarn", "yarn-mscale", "linear"])
+def test_tiny_qwen2_equals_transformers(tmp_path, rope):
+    hf, ref = tiny_qwen2(rope)
     model, comm = load(str(save_hf_folder(hf, tmp_path / "qwen2")))
     assert model.cfg.rope_scaling is not None
     assert (full_logits(model, comm, TOKENS) - ref).abs().max().item() < 1e-4
