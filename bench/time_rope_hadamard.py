@@ -31,6 +31,20 @@ VARIANTS = [("off", False, 4), ("off", False, 8), ("on", True, 4), ("on", True, 
             ("on", True, 16)]
 
 
+def layer_inputs(tokens: int, hq: int, hkv: int, d: int, page: int,
+                 cache_dtype: torch.dtype, g: torch.Generator):
+    """One layer's RoPE + KV write operands at ``tokens`` tokens, on ``g``'s device: q, k, v
+    as views of one bf16 qkv output (as the model produces them), zeroed K/V caches of
+    ``cache_dtype`` with a block to spare, positions and slots ``0..tokens-1``."""
+    dev = g.device
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=dev, generator=g,
+                      dtype=torch.bfloat16)
+    q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    kc = torch.zeros(-(-tokens // page) + 1, page, hkv, d, device=dev, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    return q, k, v, kc, vc, torch.arange(tokens, device=dev), torch.arange(tokens, device=dev)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -42,13 +56,7 @@ def main() -> None:
     rows = []
     for t in TOKENS:
         g = torch.Generator(device=dev).manual_seed(0)
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, generator=g, dtype=torch.bfloat16)
-        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
-        blocks = -(-t // page) + 1
-        kc = torch.zeros(blocks, page, hkv, d, device=dev, dtype=FP8_KV_DTYPE)
-        vc = torch.zeros_like(kc)
-        pos = torch.arange(t, device=dev)
-        slots = torch.arange(t, device=dev)
+        q, k, v, kc, vc, pos, slots = layer_inputs(t, hq, hkv, d, page, FP8_KV_DTYPE, g)
         q0, k0 = q.clone(), k.clone()  # the timed launches rotate q and k in place
         ref_q, _ = torch_ops.rope_and_write_kv(q0.clone(), k0.clone(), v, pos, cs, kc.clone(),
                                                vc.clone(), slots, kv_scale, hadamard=True)

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from time_rope_hadamard import layer_inputs  # noqa: E402
 from tune_decode import time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels import torch_ops, triton_norm, triton_rope  # noqa: E402
@@ -52,14 +53,7 @@ def main() -> None:
     rows = []
     for t in TOKENS:
         for cache_dtype in (torch.bfloat16, FP8_KV_DTYPE):
-            qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, generator=g,
-                              dtype=torch.bfloat16)
-            q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
-            blocks = -(-t // page) + 1
-            kc = torch.zeros(blocks, page, hkv, d, device=dev, dtype=cache_dtype)
-            vc = torch.zeros_like(kc)
-            pos = torch.arange(t, device=dev)
-            slots = torch.arange(t, device=dev)
+            q, k, v, kc, vc, pos, slots = layer_inputs(t, hq, hkv, d, page, cache_dtype, g)
             q0, k0 = q.clone(), k.clone()  # the timed launches change q and k in place
             ref_q, _ = torch_ops.rope_and_write_kv(q0.clone(), k0.clone(), v, pos, cs,
                                                    kc.clone(), vc.clone(), slots, kv_scale,
