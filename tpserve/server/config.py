@@ -45,6 +45,7 @@ from tpserve.server.http.cors import CorsConfig, parse_list
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.port import check_port_free
+from tpserve.server.tls import SSL_CERT_REQS, check_tls_files, check_tls_flags
 from tpserve.server.vllm_compat import add_vllm_compat_arguments, apply_vllm_compat
 
 
@@ -109,24 +110,8 @@ class ServerConfig:
                                            or self.root_path.endswith("/")):
             raise ValueError(f"--root-path must start with '/' and not end with one (e.g. "
                              f"/api/v1), got {self.root_path!r}")
-        keyfile, certfile, reqs = self.ssl_keyfile, self.ssl_certfile, self.ssl_cert_reqs
-        if reqs not in SSL_CERT_REQS:
-            raise ValueError(f"--ssl-cert-reqs must be 0 (ssl.CERT_NONE), 1 (CERT_OPTIONAL) "
-                             f"or 2 (CERT_REQUIRED), got {reqs}")
-        if (keyfile is None) != (certfile is None):
-            given, missing = (("--ssl-keyfile", "--ssl-certfile") if certfile is None
-                              else ("--ssl-certfile", "--ssl-keyfile"))
-            raise ValueError(f"{given} needs {missing} (TLS takes a key and its certificate; "
-                             "a PEM file holding both may be given to both)")
-        if certfile is None:  # uvicorn would ignore these
-            if self.ssl_ca_certs is not None:
-                raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
-            if reqs != ssl.CERT_NONE:
-                raise ValueError(f"--ssl-cert-reqs {reqs} needs --ssl-keyfile and "
-                                 "--ssl-certfile")
-        elif reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
-            raise ValueError(f"--ssl-cert-reqs {reqs} checks client certificates against "
-                             "--ssl-ca-certs: give the CA file")
+        check_tls_flags(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs,
+                        self.ssl_cert_reqs)
 
     @property
     def scheme(self) -> str:
@@ -140,40 +125,6 @@ class ServerConfig:
 
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-SSL_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
-
-
-def _encrypted_key() -> str:
-    raise LookupError("encrypted")  # OpenSSL asks for the key's password: it has none
-
-
-def check_tls_files(server: ServerConfig) -> None:
-    """ValueError naming the flag for TLS files uvicorn would fail on after the model load:
-    missing or unreadable, a key that does not match its certificate or needs a password
-    (uvicorn would ask for it on the terminal), CAs that are no certificates."""
-    if server.ssl_certfile is None:
-        return
-    keyfile, certfile, ca_certs = server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs
-    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile),
-                       ("--ssl-ca-certs", ca_certs)):
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"{flag}: no such file: {path!r}")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(certfile, keyfile, password=_encrypted_key)
-    except LookupError:
-        raise ValueError(f"--ssl-keyfile: {keyfile!r} is encrypted (password-protected); "
-                         "give an unencrypted key") from None
-    except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"--ssl-certfile {certfile!r} and --ssl-keyfile {keyfile!r}: not a "
-                         f"PEM certificate and its key ({exc})") from None
-    if ca_certs is not None:
-        try:
-            ctx.load_verify_locations(ca_certs)
-        except (ssl.SSLError, OSError) as exc:
-            raise ValueError(f"--ssl-ca-certs {ca_certs!r}: no PEM certificates ({exc})"
-                             ) from None
-
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -538,16 +489,17 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           uvicorn_log_level=a.uvicorn_log_level,
                           disable_fastapi_docs=a.disable_fastapi_docs,
                           response_role=a.response_role, max_logprobs=a.max_logprobs)
-    if torchrun_env() is None or torchrun_env()[0] == 0:  # the rank serving HTTP reads them
-        check_tls_files(server)
+    env = torchrun_env()
+    serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
+    if serves_http:  # only the rank serving HTTP reads the TLS files
+        check_tls_files(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs)
     if a.max_model_len is not None and a.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     model_path = a.model or None  # "" (compose's default MODEL): the embedded model
     if model_path is not None and is_repo_id(model_path):  # vllm serve org/name
         if names[0] is None:
             engine = replace(engine, served_model_name=model_path)
-        env = torchrun_env()
-        if env is None or env[0] == 0:  # a taken port stops the start before the fetch
+        if serves_http:  # a taken port stops the start before the fetch
             check_port_free(a.host, a.port)
         model_path = fetch_model(model_path, a.revision, a.download_dir,
                                  weights=a.load_format != "dummy")
