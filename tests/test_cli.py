@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from tpserve.cli import build_parser
-from tpserve.server.config import config_from_args, parse_bytes
+from tpserve.server.arguments import parse_bytes
+from tpserve.server.config import config_from_args
 
 FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",

@@ -48,7 +48,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from tpserve import loadtest
     from tpserve.loadtest.memory import add_memory_arguments
     from tpserve.loadtest.soak import add_soak_arguments
-    from tpserve.server.config import add_serve_arguments
+    from tpserve.server.arguments import add_serve_arguments
 
     fmt = HelpFormatter
     parser = argparse.ArgumentParser(

@@ -4,7 +4,7 @@ tpserve takes as they are, because their only values here are the ones tpserve h
 mp``, ...), or maps onto its own (``--disable-frontend-multiprocessing`` is
 ``--no-engine-process``). A value tpserve cannot honour is refused at start-up, naming the
 flag and what to do instead, never ignored. tpserve's own spellings are in
-``config.add_serve_arguments``; ``apply_vllm_compat`` runs first in ``config_from_args``."""
+``arguments.add_serve_arguments``; ``apply_vllm_compat`` runs first in ``config_from_args``."""
 
 from __future__ import annotations
 

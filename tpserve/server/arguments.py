@@ -1,0 +1,291 @@
+"""``tpserve serve``'s command line: every flag with its help and default
+(``add_serve_arguments``) and the parsers of flag values; ``config.config_from_args``
+turns the parsed flags into the frozen config tree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+from typing import Any
+
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
+from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
+from tpserve.model.quant.methods import QUANTIZATION_CHOICES
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.config import UVICORN_LOG_LEVELS
+from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from tpserve.server.http.cors import parse_list
+from tpserve.server.http.reasoning import REASONING_PARSERS
+from tpserve.server.http.tool_parsers import TOOL_PARSERS
+from tpserve.server.tls import SSL_CERT_REQS
+from tpserve.server.vllm_compat import add_vllm_compat_arguments
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """A flag's JSON object."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return parsed
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``1e9`` or a plain integer number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower()
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+MEMORY_HISTORY_ENTRIES = 100_000  # --memory-history without N
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = SchedulerConfig(max_model_len=1)
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face model folder, a repository id (org/name: fetched "
+                        "into the Hugging Face cache, and its served name), a .gguf file, or "
+                        "(with --load-format dummy) a shape name; default (or empty): the "
+                        "embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as the positional argument takes it (the spelling of "
+                        "vLLM's api_server)")
+    p.add_argument("--revision", default=None,
+                   help="with a Hugging Face repository id as the model: the branch, tag "
+                        "or commit to serve (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="with a repository id: where to keep its files (default: the "
+                        "Hugging Face cache, $HF_HOME); HF_TOKEN for gated ones, "
+                        "HF_HUB_OFFLINE=1 to use the cache only")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="a JSON object of config.json keys laid over the model's (vLLM's), "
+                        "e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'; top-level keys "
+                        "replace the file's; not for GGUF files")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer folder or Hugging Face repository id to use instead of "
+                        "the model's (vLLM's; e.g. the original repository of a GGUF file)")
+    p.add_argument("--tokenizer-revision", default=None,
+                   help="with a repository id as --tokenizer: its branch, tag or commit")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="number of ranks (GPUs) the model is sharded over")
+    p.add_argument("--tp-comm", default="allreduce", choices=["allreduce", "allgather"],
+                   help="how tensor-parallel layers communicate: allreduce (every rank holds "
+                        "every token; row-parallel layers all-reduce) or allgather (sequence "
+                        "parallel: tokens sharded between layers, all-gather before and "
+                        "reduce-scatter after each tensor-parallel block)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="dtype of the KV cache (auto: the model's --dtype). fp8 (= fp8_e4m3): "
+                        "e4m3 with a float32 scale per layer for K and for V, from the "
+                        "checkpoint's k_scale/v_scale (or kv_scale) tensors, else 1.0 or, "
+                        "with --calculate-kv-scales, calibrated at start-up; values past "
+                        "±448 x scale saturate; half the bytes of bf16, twice the tokens")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="with --kv-cache-dtype fp8 and a checkpoint without KV scales: "
+                        "compute each layer's K and V scale at start-up from one prefill of "
+                        "a fixed text (its largest |K| and |V| x 2 / 448) instead of 1.0; "
+                        "for models whose K or V reach past 448 or stay far below 1")
+    p.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="rotate q and K by a Hadamard matrix after RoPE, so the cache holds "
+                        "rotated K (attention scores are unchanged; FP8's rounding error is "
+                        "spread over each head's channels: fp8 cache perplexity on SmolLM2 at "
+                        "2,000 tokens +2.73%% -> +0.69%% on an H200); default: on with "
+                        "--kv-cache-dtype fp8 when the head dim is a power of two up to 512 "
+                        "and the checkpoint has no KV scales (chosen for unrotated K)")
+    p.add_argument("--quantization", "-q", default="auto",
+                   choices=list(QUANTIZATION_CHOICES),
+                   help="weight quantization of the linear layers: auto (the checkpoint's "
+                        "own: fp8 for an FP8 checkpoint, whose e4m3 weights and scales are "
+                        "served as stored; else none), none, or fp8 (e4m3 weights with "
+                        "per-output-channel scales, quantized at load unless the checkpoint "
+                        "is FP8, whose per-tensor, per-channel or block scales are kept; "
+                        "activations scaled per token (per token and block column group for "
+                        "block scales, or by the checkpoint's static scales); FP8 matrix "
+                        "products on Hopper). none on an FP8 checkpoint is refused")
+    p.add_argument("--fp8-weight-only-max-tokens", type=int,
+                   default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
+                   help="with --quantization fp8: steps of at most this many tokens multiply "
+                        "the fp8 weights by unquantized activations (memory-bound decode "
+                        "kernel); larger steps quantize activations and use FP8 products")
+    p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction,
+                   default=DEFAULT_FAST_ACCUM,
+                   help="with --quantization fp8: the FP8 products (the Triton kernel up to "
+                        "64 tokens, cuBLAS above) keep the tensor cores' own running sums "
+                        "(default; ~7 %% faster GEMMs); --no-fp8-fast-accum promotes them "
+                        "into float32")
+    p.add_argument("--overlap-attention", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="Triton kernels on CUDA: in a step with both decodes and prefill, run "
+                        "decode attention on a second CUDA stream beside prefill attention "
+                        "(one memory-bound and one compute-bound kernel share the GPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default: the model's")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (chunked prefill splits longer prompts)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="tokens per KV cache block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory (on CPU: of available RAM) to use")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes,
+                   default=None,
+                   help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
+                        "planned from --gpu-memory-utilization")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--load-format", default="auto",
+                   choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="how to read MODEL: auto (by the path), safetensors, gguf, or dummy "
+                        "(random weights of a real shape)")
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="sampling defaults for fields a request omits: auto = the model "
+                        "folder's generation_config.json (the embedded model: its own), "
+                        "vllm = OpenAI's defaults, or a folder holding that file")
+    p.add_argument("--override-generation-config", type=json_object, default=None,
+                   metavar="JSON",
+                   help="sampling defaults over --generation-config's, as a JSON object of "
+                        "generation_config.json keys (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens), e.g. '{\"temperature\": 0.6}'")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) in the API, the first the one answers report; default: "
+                        "the model's repository id, folder or file name")
+    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1; default: "
+                        "$TPSERVE_API_KEY, else no key")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on; checked before the model loads")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="all-reduce through NCCL only (by default small all-reduces between "
+                        "GPUs of one host go over peer-to-peer memory)")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
+                   help="capture mixed prefill+decode steps of up to this many tokens "
+                        "(0: pure-decode graphs only)")
+    p.add_argument("--max-mixed-tokens", type=int, default=None,
+                   help="token budget of a step while sequences decode (default: "
+                        "--cuda-graph-max-tokens when graphs are on, else no cap)")
+    p.add_argument("--scheduling-policy", default=d.policy, choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: requests run in arrival order; priority: a request's "
+                        "`priority` field orders them (lower first, arrival order within "
+                        "one), and a waiting request that does not fit preempts running "
+                        "ones of a later priority (they recompute later)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each step before reading back the previous step's tokens")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine (rank 0's model, scheduler and step loop, and the "
+                        "spawning of the other ranks) in its own process, so that HTTP does "
+                        "not share the GIL with it (--no-engine-process: one process, the "
+                        "engine in a thread); ignored under torchrun")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="where the model runs: auto = CUDA when available, else CPU")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention and norm kernels: auto = Triton on CUDA, torch otherwise")
+    p.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20,
+                   help="larger request bodies get 413 (e.g. 16MiB)")
+    p.add_argument("--max-num-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond --max-num-seqs before new ones get 429")
+    p.add_argument("--max-num-queued-tokens", type=int, default=1 << 20,
+                   help="prompt tokens (times n) waiting beyond one step's budget before 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish")
+    p.add_argument("--collective-timeout", type=float, default=120.0,
+                   help="seconds any collective may wait before the rank gives up")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
+    p.add_argument("--allowed-origins", type=parse_list, default=None, metavar="LIST",
+                   help="origins browsers may call the API from (CORS), a JSON list or "
+                        "comma-separated, e.g. '[\"*\"]'; default: no CORS headers (vLLM "
+                        "allows every origin by default)")
+    p.add_argument("--allowed-methods", type=parse_list, default=("*",), metavar="LIST",
+                   help="with --allowed-origins: the methods allowed (default: all)")
+    p.add_argument("--allowed-headers", type=parse_list, default=("*",), metavar="LIST",
+                   help="with --allowed-origins: the request headers allowed (default: all)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="with --allowed-origins: allow credentials (cookies, auth headers)")
+    # vLLM's HTTP-server flags (ServerConfig checks them)
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the PEM private key (unencrypted), with --ssl-certfile")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the PEM certificate (chain), with --ssl-keyfile (a file "
+                        "holding both may be given to both)")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="with HTTPS: the CA certificates client certificates are checked "
+                        "against (--ssl-cert-reqs)")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                   choices=list(SSL_CERT_REQS),
+                   help="with HTTPS: client certificates, as Python's ssl module numbers "
+                        "them: 0 not asked (CERT_NONE), 1 checked if sent (CERT_OPTIONAL), "
+                        "2 required (CERT_REQUIRED); 1 and 2 need --ssl-ca-certs")
+    p.add_argument("--root-path", default=None, metavar="PATH",
+                   help="FastAPI's root_path, behind a proxy that serves the API under a "
+                        "path prefix (e.g. /api/v1): routes answer with and without it, and "
+                        "/openapi.json and /docs name it")
+    p.add_argument("--uvicorn-log-level", default="info", choices=list(UVICORN_LOG_LEVELS),
+                   help="threshold of uvicorn's own loggers (--log-level sets tpserve's)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json, /docs (Swagger UI) or /redoc")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role chat answers carry (message and first stream delta) when "
+                        "the request's add_generation_prompt is true")
+    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS, metavar="N",
+                   help="the most logprobs (completions), top_logprobs (chat) or "
+                        "prompt_logprobs a request may ask; more gets 400 naming the field. "
+                        f"At most {SamplingParams.MAX_LOGPROBS}, the engine's own limit: the "
+                        "flag can only lower it (vLLM's -1, no cap, is refused)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto': the model decides whether to call tools, "
+                        "and --tool-call-parser finds the calls in its output")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Qwen2, <tool_call>...), "
+                        "llama3_json (Llama 3 JSON) or mistral ([TOOL_CALLS]...)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="a thinking model's format: chat answers carry what it writes "
+                        "between <think> and </think> as `reasoning` (and vLLM's older "
+                        "`reasoning_content`), the rest as content; structured output and "
+                        "tool calls apply after </think>. deepseek_r1 (DeepSeek-R1 and its "
+                        "distills, QwQ: reasoning unless the prompt closed it) or qwen3 "
+                        "(reasoning only when the output begins with <think>)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="logging threshold")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per request (method, path, status, tokens, "
+                        "latency)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine line (throughput, queues, KV cache use, prefix "
+                        "cache hits, preemptions)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between the engine's stats lines (logged only while it "
+                        "works or holds requests)")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the KV pool accounting after every step (debugging)")
+    p.add_argument("--memory-history", type=int, nargs="?", const=MEMORY_HISTORY_ENTRIES,
+                   default=0, metavar="N",
+                   help="record the CUDA caching allocator's events (allocations, frees, "
+                        "segments, with Python stacks) on every rank from start-up, keeping "
+                        f"the last N ({MEMORY_HISTORY_ENTRIES} when N is left out); "
+                        "GET /memory/snapshot or `tpserve memory --snapshot FILE` dumps rank "
+                        "0's for https://pytorch.org/memory_viz. Costs host time on every "
+                        "allocation; CUDA only; default: off")
+    p.add_argument("--nvtx", action="store_true",
+                   help="named NVTX ranges (schedule, prepare, forward, sample, finalize, "
+                        "each collective) for Nsight Systems timelines; host-side markers, "
+                        "not recorded into CUDA graphs; a no-op off CUDA")
+    add_vllm_compat_arguments(p)
