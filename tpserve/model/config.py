@@ -14,6 +14,9 @@ from tpserve.parallel.shard import padded_split
 
 # the RoPE types a config.json may name; every other one ("dynamic", "mrope", ...) refused
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# base models (no LM head: embedding models such as e5-mistral) -> their causal LM
+BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +205,10 @@ class ModelConfig:
     # the leading dims of each head that RoPE rotates (``partial_rotary_factor``); None:
     # the whole head (set to ``head_dim`` on construction)
     rotary_dim: int | None = None
+    # an embedding model trained for shorter vectors (config.json's ``is_matryoshka`` or
+    # ``matryoshka_dimensions``, vLLM's keys): None: a request's ``dimensions`` is refused;
+    # (): any size; else those sizes only
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -263,6 +270,7 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json names no architecture ('architectures' is empty)")
         arch = archs[0]
+        family = BASE_ARCHITECTURES.get(arch, arch)  # a base model's flags are its LM's
         heads = d["num_attention_heads"]
         rope_params = d.get("rope_parameters") or {}
         scaling_d = d.get("rope_scaling") or rope_params
@@ -271,7 +279,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         # Phi-3 has no biases whatever its config says (transformers ignores the key)
-        attention_bias = bool(d.get("attention_bias", False)) and arch != "Phi3ForCausalLM"
+        attention_bias = bool(d.get("attention_bias", False)) and family != "Phi3ForCausalLM"
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         return cls(
             architecture=arch,
@@ -286,12 +294,24 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=family == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias and family != "Qwen2ForCausalLM",
+            qk_norm=family == "Qwen3ForCausalLM",
             rope_scaling=scaling,
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
+            matryoshka_dimensions=_matryoshka(d),
         )
+
+
+def _matryoshka(d: dict[str, Any]) -> tuple[int, ...] | None:
+    """config.json's Matryoshka keys (see ``ModelConfig.matryoshka_dimensions``)."""
+    dims = d.get("matryoshka_dimensions")
+    if dims is not None:
+        if not (isinstance(dims, list) and all(isinstance(x, int) and x > 0 for x in dims)):
+            raise ValueError(f"config.json: matryoshka_dimensions must be a list of positive "
+                             f"integers, got {dims!r}")
+        return tuple(dims)
+    return () if d.get("is_matryoshka") else None

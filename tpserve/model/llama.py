@@ -57,6 +57,9 @@ STACKED = {
 }
 # fused parameters a checkpoint may store as one tensor, every part stacked along dim 0
 FUSED = (".qkv_proj.", ".gate_up_proj.")
+# a base model's checkpoint (saved from e.g. ``Qwen3Model``, as Qwen3-Embedding's are)
+# names its tensors without the ``model.`` of the causal LM
+BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 class LlamaAttention(nn.Module):
@@ -178,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce",
-                 quant_method=None):
+                 quant_method=None, lm_head: bool = True):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
@@ -188,8 +191,11 @@ class LlamaForCausalLM(nn.Module):
         self.sequence_parallel = tp_comm == "allgather" and comm.world_size > 1
         self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel,
                                 quant_method)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
-        if cfg.tie_word_embeddings:
+        # a pooling runner's model has no LM head (``lm_head=False``): none is allocated,
+        # loaded or required of the checkpoint, and ``compute_logits`` refuses
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
+                        if lm_head else None)
+        if cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         # set by load_weights when the checkpoint carries any KV cache scale
         self.kv_scales_from_checkpoint = False
@@ -233,13 +239,17 @@ class LlamaForCausalLM(nn.Module):
         return torch.stack([layer.self_attn.kv_scale for layer in self.model.layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("this model was built without an LM head (--runner pooling)")
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> set[str]:
         """Loads checkpoint tensors by Hugging Face name; returns the parameter names loaded.
 
-        Names the model does not have (rotary tables, a tied ``lm_head``) are skipped. A
-        fused tensor (``FUSED``; Phi-3) is loaded part by part (``load_stacked``).
+        Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
+        without a head) are skipped; a base model's names (``BASE_MODEL_PREFIXES``) are the
+        ``model.`` ones. A fused tensor (``FUSED``; Phi-3) is loaded part by part
+        (``load_stacked``).
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
@@ -248,13 +258,16 @@ class LlamaForCausalLM(nn.Module):
             original = name
             if "rotary_emb" in name:
                 continue
+            if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
+                name = "model." + name
             prefix, _, tail = name.partition(".self_attn.")
             if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
                 _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
                                as_source(source).read(), name)
                 self.kv_scales_from_checkpoint = True
                 continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and (self.cfg.tie_word_embeddings
+                                             or self.lm_head is None):
                 continue
             shard_id = None
             for frag, (fused, sid) in STACKED.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tpserve.model.config import BASE_ARCHITECTURES
 from tpserve.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,6 +14,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv / gate_up tensors: llama.FUSED
 }
+# their checkpoints have no LM head: served by --runner pooling
+MODEL_CLASSES.update({base: MODEL_CLASSES[lm] for base, lm in BASE_ARCHITECTURES.items()})
 
 
 def model_class(architecture: str) -> type[nn.Module]:

@@ -57,6 +57,7 @@ from tpserve.model.plan import (
     StepLimits,
     StepPlan,
 )
+from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
@@ -93,6 +94,9 @@ class ModelRunner:
         # rank 0: the prompt log-probabilities of the last step run (None when its plan
         # scored no prompt rows); every run replaces them (see model/prompt_logprobs.py)
         self.prompt_logprobs: PromptLogprobs | None = None
+        # rank 0, pooling runner: the pooled sums ``[count, hidden]`` float32 (device) of the
+        # last step run (``model/pooling.PoolRows``), None when it pooled nothing
+        self.pooled: torch.Tensor | None = None
         t0 = time.monotonic()
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
@@ -116,7 +120,8 @@ class ModelRunner:
         try:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                      self.attn, self.max_model_len, show_progress,
-                                     tp_comm=cfg.tp_comm, quant_method=quant)
+                                     tp_comm=cfg.tp_comm, quant_method=quant,
+                                     lm_head=not cfg.pooling)
         except torch.OutOfMemoryError as e:
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
                                                 group.rank, free0, total,
@@ -277,7 +282,8 @@ class ModelRunner:
         estimate. The same forward warms the caching allocator for steady state."""
         lim, m = self.limits, self.model_config
         tokens = lim.max_num_batched_tokens
-        rows = min(lim.max_num_seqs, tokens)
+        # a pooling runner has no logits: its rows are pooled sums, [rows, hidden] float32
+        rows = 0 if self.cfg.pooling else min(lim.max_num_seqs, tokens)
         if self.device.type != "cuda":
             tp = self.comm.world_size
             heads = m.head_layout(tp)
@@ -302,10 +308,15 @@ class ModelRunner:
             for plan in plans:
                 hidden = self.model(plan.input_ids, plan.positions, tmp.layers,
                                     plan.metadata(self.attn))
-                idx = torch.arange(rows, device=self.device) % hidden.shape[0]
-                logits = self.model.compute_logits(hidden[idx]).float()
-                torch.sort(logits.softmax(-1), dim=-1)
-                del hidden, logits
+                if self.cfg.pooling:  # every row pooled (a MEAN step's largest work)
+                    every = torch.arange(hidden.shape[0])
+                    sum_rows(hidden, PoolRows(every, torch.zeros_like(every), 1))
+                else:
+                    idx = torch.arange(rows, device=self.device) % hidden.shape[0]
+                    logits = self.model.compute_logits(hidden[idx]).float()
+                    torch.sort(logits.softmax(-1), dim=-1)
+                    del logits
+                del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tmp
@@ -332,7 +343,8 @@ class ModelRunner:
                 with torch.inference_mode():
                     hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                                         plan.metadata(self.attn))
-                    self.model.compute_logits(hidden[plan.logits_indices])
+                    if not self.cfg.pooling:
+                        self.model.compute_logits(hidden[plan.logits_indices])
         torch.cuda.synchronize(self.device)
 
     def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
@@ -348,13 +360,13 @@ class ModelRunner:
         return chunks
 
     # ----------------------------------------------------------------------- stepping
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Rank 0: send the plan to every rank, run it; returns the logits of the sampled
+    def execute(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
+        """Rank 0: send the plan to every rank, run it (``run``); returns the logits of the sampled
         rows ``[S, vocab]`` in the model's dtype (the sampler widens them to float32 where
         its pipeline changes them; a step of plain greedy rows takes their argmax as is).
         Nothing here waits for the device: on CUDA the plan goes up from pinned memory, so
         the host can prepare the next step meanwhile."""
-        return self.run(self.upload(plan))
+        return self.run(self.upload(plan), pool)
 
     def upload(self, plan: StepPlan) -> StepPlan:
         """Rank 0, first half of ``execute``: the plan into the device buffers and to every
@@ -372,10 +384,12 @@ class ModelRunner:
                 self.comm.broadcast(self.sampled_buf)
         return StepPlan.unpack(header, self.payload_buf[:n])
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Rank 0, second half of ``execute``: the forward of an uploaded plan."""
+    def run(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
+        """Rank 0, second half of ``execute``: the forward of an uploaded plan; a pooling
+        runner's ``pool`` rows summed into ``pooled`` (the other ranks need not know: a
+        pooling runner never replays graphs, so every rank runs the same eager forward)."""
         with self.ranges.range("forward"):
-            return self._run_explained(plan)
+            return self._run_explained(plan, pool)
 
     def store_sampled(self, token_ids: torch.Tensor) -> None:
         """Rank 0: keep this step's sampled tokens (device) for the next step's pending
@@ -413,23 +427,30 @@ class ModelRunner:
             with self.ranges.range("forward"):
                 self._run_explained(plan)
 
-    def _run_explained(self, plan: StepPlan) -> torch.Tensor:
+    def _run_explained(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
         """``_run``; an out-of-memory error is logged with ``explain_oom`` and re-raised
         (what happens next is the engine's recovery's business)."""
         try:
-            return self._run(plan)
+            return self._run(plan, pool)
         except torch.OutOfMemoryError as e:
             logger.error("rank %d: %s", self.comm.rank, self.explain_oom(e))
             raise
 
     @torch.inference_mode()
-    def _run(self, plan: StepPlan) -> torch.Tensor:
+    def _run(self, plan: StepPlan, pool: PoolRows | None) -> torch.Tensor:
         self.steps += 1
         if self.fault is not None:
             self.fault.fire(self.steps)
         if plan.pending_rows.shape[0]:
             plan.input_ids[plan.pending_rows] = self.sampled_buf[plan.pending_src]
         self.prompt_logprobs = None
+        self.pooled = None
+        if self.cfg.pooling:  # no logits: nothing is sampled (an empty [0, hidden])
+            hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
+                                plan.metadata(self.attn))
+            if pool is not None and pool.count:
+                self.pooled = sum_rows(hidden, pool)
+            return hidden[plan.logits_indices]
         scored = plan.prompt_rows.shape[0] > 0
         if not scored and self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)

@@ -9,6 +9,7 @@ from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
+from tpserve.model.pooling import RUNNERS, PoolerConfig
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATIONS
 from tpserve.parallel.comm import TP_COMM_MODES
@@ -52,6 +53,10 @@ class RunnerConfig:
     overlap_attention: bool = False  # --overlap-attention: decode beside prefill (Triton, CUDA)
     memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
     nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
+    # --runner: generate (an LM head, sampling) or pooling (no LM head: embeddings, the
+    # pooling given by ``pooler``; steps run eagerly, no CUDA graphs)
+    runner: str = "generate"
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
@@ -93,9 +98,20 @@ class RunnerConfig:
                              f"but this server runs on {self.device} (no CUDA device): "
                              "leave the flag out, or serve on a GPU")
 
+        if self.runner not in RUNNERS:
+            raise ValueError(f"--runner must be one of {', '.join(RUNNERS)} once resolved, "
+                             f"got {self.runner!r}")
+        if (self.pooler is not None) != self.pooling:
+            raise ValueError("a pooler config goes with --runner pooling, and only with it")
+
+    @property
+    def pooling(self) -> bool:
+        return self.runner == "pooling"
+
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.device == "cuda" and not self.enforce_eager
+        """Graphs capture decode and mixed steps' logits; a pooling runner has neither."""
+        return self.device == "cuda" and not self.enforce_eager and not self.pooling
 
 
 def model_context(model: ModelConfig) -> int:

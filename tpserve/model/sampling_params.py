@@ -25,6 +25,25 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (``--runner pooling``): its prompt is pooled, nothing is
+    sampled. ``pooling_type`` is the server's (``model.pooling.PoolerConfig``);
+    ``normalize`` the request's or the server's; ``dimensions`` (Matryoshka) keeps the
+    first entries of the vector, None: all."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in ("LAST", "MEAN", "CLS"):
+            raise ValueError(f"pooling_type must be LAST, MEAN or CLS, got "
+                             f"{self.pooling_type!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
 
@@ -70,6 +89,9 @@ class SamplingParams:
     # scheduling, not sampling (carried here so it travels with the request): under
     # --scheduling-policy priority a lower value is served first (vLLM's ``priority``)
     priority: int = 0
+    # an embedding request: the prompt is pooled instead of continued (n 1, max_tokens
+    # unused: nothing is sampled)
+    pooling: PoolingParams | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
@@ -133,6 +155,10 @@ class SamplingParams:
         if self.structured is not None and self.min_tokens > 0:
             # the grammar may allow only EOS where min_tokens forbids it
             raise bad("min_tokens", "cannot be combined with structured output")
+        if self.pooling is not None and (self.n != 1 or self.structured is not None
+                                         or self.logprobs is not None
+                                         or self.prompt_logprobs is not None):
+            raise bad("pooling", "takes one sequence and no sampling constraints or logprobs")
 
     @property
     def greedy(self) -> bool:

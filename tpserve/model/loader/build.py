@@ -34,10 +34,11 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                 dtype: torch.dtype, ops: Ops, attn: AttentionBackend, max_positions: int,
                 show_progress: bool = False, tp_comm: str = "allreduce",
-                quant_method=None) -> nn.Module:
+                quant_method=None, lm_head: bool = True) -> nn.Module:
     """The model with this rank's shards loaded. With a ``quant_method`` each linear layer
     then processes (quantizes) its loaded shard, layer by layer in module order on every
-    rank, and the loaded copy is freed: ``parameters()`` then counts what is served."""
+    rank, and the loaded copy is freed: ``parameters()`` then counts what is served.
+    ``lm_head`` False: the model of a pooling runner, without an LM head."""
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
     padding = cfg.describe_padding(comm.world_size)
@@ -45,7 +46,8 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
         logger.warning(padding)  # a cost the user chose by --tensor-parallel-size
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions,
-                                                  tp_comm=tp_comm, quant_method=quant_method)
+                                                  tp_comm=tp_comm, quant_method=quant_method,
+                                                  lm_head=lm_head)
     ckpt.load_into(model, show_progress)
     if quant_method is not None:
         for name, module in model.named_modules():

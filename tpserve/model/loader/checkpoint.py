@@ -92,6 +92,9 @@ def _load_all(model: nn.Module, weights: Iterator[tuple[str, TensorSource]], tot
     loaded = model.load_weights(progress.wrap(weights))
     names = {n for n, _ in model.named_parameters()}
     missing = sorted(names - loaded)
+    if missing == ["lm_head.weight"]:
+        raise ValueError(f"{description}: the checkpoint has no LM head (lm_head.weight); "
+                         "an embedding model's checkpoint is served with --runner pooling")
     if missing:
         raise ValueError(f"{description}: checkpoint lacks {len(missing)} tensors, e.g. "
                          f"{missing[:3]}")

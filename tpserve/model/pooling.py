@@ -1,0 +1,223 @@
+"""Pooling runners (``--runner pooling``): a decoder's final hidden states turned into one
+embedding per prompt, as vLLM's embedding models and sentence-transformers compute them.
+
+``PoolerConfig`` is resolved once at start-up (``resolve_pooler_config``): vLLM's defaults
+for a decoder (``LAST`` token, L2-normalized), over them the checkpoint folder's
+sentence-transformers files (``modules.json`` naming a ``Pooling`` module's folder and a
+``Normalize`` module), over those ``--pooler-config``. What the engine then does per step
+is ``pool_rows`` (which rows of the step's hidden states each pooled chunk contributes),
+the runner sums them per chunk, and ``finish_embedding`` turns a prompt's pooled vector
+into its answer (``dimensions`` cut, normalization).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RUNNERS = ("generate", "pooling")
+RUNNER_CHOICES = ("auto", *RUNNERS)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' Pooling config keys -> our types; the other modes are refused
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_cls_token": "CLS"}
+_ST_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens")
+_ST_MODULES_KNOWN = ("sentence_transformers.models.Transformer",
+                     "sentence_transformers.models.Pooling",
+                     "sentence_transformers.models.Normalize")
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a prompt's hidden states become its embedding: ``LAST`` (the last prompt
+    token's), ``MEAN`` (the mean over every prompt token) or ``CLS`` (the first token's),
+    of the final-normed hidden states; ``normalize``: L2-normalized (a request's
+    ``normalize`` overrides it); ``source``: where the choice came from (start-up log)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    source: str = "vLLM's defaults for a decoder"
+    # the vector's size (the model's hidden size) and the shorter sizes a request's
+    # ``dimensions`` may ask (``ModelConfig.matryoshka_dimensions``: None none, () any)
+    size: int = 0
+    matryoshka: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}")
+
+    def describe(self) -> str:
+        return (f"{self.size}-dimensional embeddings, {self.pooling_type} pooling, "
+                f"{'' if self.normalize else 'not '}normalized ({self.source})")
+
+    def check_dimensions(self, dimensions: int | None) -> str | None:
+        """Why a request's ``dimensions`` cannot be served (vLLM's rules), else None."""
+        if dimensions is None:
+            return None
+        if self.matryoshka is None:
+            return ("this model does not support Matryoshka representation (config.json "
+                    "sets neither is_matryoshka nor matryoshka_dimensions): changing the "
+                    "output dimensions would give poor embeddings")
+        if dimensions < 1:
+            return f"dimensions must be at least 1, got {dimensions}"
+        if self.matryoshka and dimensions not in self.matryoshka:
+            return (f"this model supports dimensions {list(self.matryoshka)} only, got "
+                    f"{dimensions}")
+        if dimensions > self.size:
+            return f"dimensions must be at most the model's {self.size}, got {dimensions}"
+        return None
+
+
+def read_sentence_transformers(folder: Path | None) -> dict[str, Any] | None:
+    """The pooling a sentence-transformers model folder declares (``pooling_type`` and
+    ``normalize``), None when the folder has no ``modules.json``. A module that changes
+    the vector after pooling (``Dense``, ...) or a pooling mode other than last token,
+    mean or CLS is refused, naming it."""
+    if folder is None or not (folder / "modules.json").is_file():
+        return None
+    modules = json.loads((folder / "modules.json").read_text())
+    if not isinstance(modules, list):
+        raise ValueError(f"{folder / 'modules.json'}: a list of modules is expected")
+    found: dict[str, Any] = {"normalize": False}
+    for m in modules:
+        kind = m.get("type", "")
+        if kind not in _ST_MODULES_KNOWN:
+            raise ValueError(f"{folder / 'modules.json'}: module {m.get('name')!r} of type "
+                             f"{kind!r} is not supported (only Transformer, Pooling and "
+                             "Normalize modules are)")
+        if kind.endswith(".Normalize"):
+            found["normalize"] = True
+        elif kind.endswith(".Pooling"):
+            path = folder / m.get("path", "") / "config.json"
+            if not path.is_file():
+                raise ValueError(f"{folder / 'modules.json'}: the Pooling module's "
+                                 f"{path} is missing")
+            cfg = json.loads(path.read_text())
+            other = [k for k in _ST_OTHER_MODES if cfg.get(k)]
+            modes = [k for k in _ST_MODES if cfg.get(k)]
+            if other or len(modes) != 1:
+                raise ValueError(f"{path}: exactly one of {', '.join(_ST_MODES)} must be set "
+                                 f"(got {', '.join(other + modes) or 'none'}); "
+                                 "--pooler-config chooses the pooling instead")
+            if cfg.get("include_prompt", True) is False:
+                raise ValueError(f"{path}: include_prompt false (an instruction left out of "
+                                 "the pooling) is not supported")
+            found["pooling_type"] = _ST_MODES[modes[0]]
+    return found
+
+
+def parse_pooler_config(text: str | None) -> dict[str, Any]:
+    """``--pooler-config``: a JSON object of ``pooling_type`` (LAST, MEAN or CLS, any case)
+    and ``normalize``; any other key is refused by name."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--pooler-config: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--pooler-config: a JSON object is expected")
+    unknown = sorted(set(value) - set(POOLER_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--pooler-config: {', '.join(unknown)} not supported (keys: "
+                         f"{', '.join(POOLER_CONFIG_KEYS)})")
+    if "pooling_type" in value:
+        if not isinstance(value["pooling_type"], str):
+            raise ValueError("--pooler-config: pooling_type must be a string")
+        value["pooling_type"] = value["pooling_type"].upper()
+        if value["pooling_type"] not in POOLING_TYPES:
+            raise ValueError(f"--pooler-config: pooling_type must be one of "
+                             f"{', '.join(POOLING_TYPES)}, got {value['pooling_type']!r}")
+    if "normalize" in value and not isinstance(value["normalize"], bool):
+        raise ValueError("--pooler-config: normalize must be true or false")
+    return value
+
+
+def resolve_pooler_config(flag: str | None, folder: Path | None, size: int,
+                          matryoshka: tuple[int, ...] | None) -> PoolerConfig:
+    """The pooling of a ``--runner pooling`` server: defaults, then the folder's
+    sentence-transformers files, then ``--pooler-config`` (``flag``), each over the last;
+    ``size`` and ``matryoshka`` are the model's (``ModelConfig``)."""
+    values: dict[str, Any] = {"size": size, "matryoshka": matryoshka}
+    sources = []
+    st = read_sentence_transformers(folder)
+    if st is not None:
+        values.update(st)
+        sources.append("the checkpoint's sentence-transformers modules")
+    override = parse_pooler_config(flag)
+    if override:
+        values.update(override)
+        sources.append("--pooler-config")
+    return PoolerConfig(**values, **({"source": " and ".join(sources)} if sources else {}))
+
+
+def resolve_runner(flag: str) -> str:
+    """``--runner auto`` is ``generate``: tpserve's architectures are decoders, which vLLM
+    also runs generatively unless told ``--runner pooling``."""
+    if flag not in RUNNER_CHOICES:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNER_CHOICES)}, got {flag!r}")
+    return "generate" if flag == "auto" else flag
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """Rank 0's pooling work in one step: ``rows`` of the step's hidden states, each added
+    into output row ``segments[i]`` of a ``[count, hidden]`` float32 sum."""
+
+    rows: torch.Tensor      # int64 [Q]
+    segments: torch.Tensor  # int64 [Q]
+    count: int
+
+
+def pool_rows(chunks: list[tuple[int, int, int, bool, str]]) -> tuple[PoolRows, list[int]]:
+    """``chunks``: per pooled chunk of a step ``(first row in the step, rows, first
+    position, final, pooling type)``. Returns the rows to sum and, per chunk, its output
+    row (-1 where the chunk contributes none: LAST before the final chunk, CLS after the
+    first)."""
+    rows: list[int] = []
+    segments: list[int] = []
+    out: list[int] = []
+    count = 0
+    for first, n, start, final, kind in chunks:
+        if kind == "LAST":
+            take = [first + n - 1] if final else []
+        elif kind == "CLS":
+            take = [first] if start == 0 else []
+        else:
+            take = list(range(first, first + n))
+        out.append(count if take else -1)
+        if take:
+            rows.extend(take)
+            segments.extend([count] * len(take))
+            count += 1
+    i64 = torch.int64
+    return PoolRows(torch.tensor(rows, dtype=i64), torch.tensor(segments, dtype=i64),
+                    count), out
+
+
+def sum_rows(hidden: torch.Tensor, pool: PoolRows) -> torch.Tensor:
+    """``[count, hidden]`` float32: each output row the sum of its hidden rows."""
+    rows = pool.rows.to(hidden.device, non_blocking=True)
+    segments = pool.segments.to(hidden.device, non_blocking=True)
+    out = torch.zeros(pool.count, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, segments, hidden.index_select(0, rows).float())
+
+
+def finish_embedding(pooled: torch.Tensor, num_tokens: int, pooling_type: str,
+                     normalize: bool, dimensions: int | None) -> list[float]:
+    """A prompt's embedding from its pooled float32 vector (a MEAN's sum over its
+    ``num_tokens`` rows): the first ``dimensions`` entries (Matryoshka), then L2-normalized
+    if ``normalize`` (as sentence-transformers cuts, then normalizes)."""
+    v = pooled / num_tokens if pooling_type == "MEAN" else pooled
+    if dimensions is not None:
+        v = v[:dimensions]
+    if normalize:
+        v = torch.nn.functional.normalize(v, p=2.0, dim=0)
+    return v.tolist()
