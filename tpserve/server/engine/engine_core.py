@@ -49,6 +49,13 @@ tokens, and a repeated position (after preemption) is skipped. The other sibling
 admitted only after that (``Scheduler._fork_tokens``), so every sibling's first delta
 carries the whole scored prompt.
 
+Embeddings (``SamplingParams.pooling``, a pooling runner only): a pooled sequence's chunks
+sample nothing; each step's pooled rows (``model.pooling.pool_rows``: its last row, every
+row, or its first) are summed on rank 0 and read back when the step is finalized, into the
+request's ``pooled`` vector. A sequence is finished as soon as the step computing its last
+prompt token is launched (its blocks freed: later steps run after it on the stream), and
+its request answered with the embedding when that step is finalized.
+
 Out of device memory: a step is launched as one unit (``_launch``: forward, logits, grammar
 bitmask, sampling, the copy of the samples to the host). Nothing outside the engine's own
 bookkeeping changes before the unit has succeeded: ``scheduler.update`` (computed tokens,
@@ -70,6 +77,7 @@ import torch
 from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.model.pooling import finish_embedding, pool_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
@@ -111,6 +119,11 @@ class _InFlight:
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
     prompt: PromptLogprobs | None = None  # host copies, valid once ``prompt_event`` completed
     prompt_event: Any = None
+    # pooling: (sequence, first position, final, output row or -1) per pooled chunk, and
+    # the pooled sums of the step (host copy, valid once ``pooled_event`` completed)
+    pooling: list[tuple[Sequence, int, bool, int]] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
+    pooled_event: Any = None
 
 
 class EngineCore:
@@ -140,7 +153,9 @@ class EngineCore:
         self.async_scheduling = engine.async_scheduling
         self._inflight: _InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
-        if runner.device.type == "cuda":  # the shapes no start-up step sampled (sampler.py)
+        self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
+        if runner.device.type == "cuda" and not self.pooling:  # shapes no start-up step
+            # sampled (sampler.py)
             self.sampler.warm_up(runner.model_config.vocab_size,
                                  small_pool_rows(runner.model_config.vocab_size,
                                                  scheduler.max_num_seqs))
@@ -174,6 +189,10 @@ class EngineCore:
         enters the scheduler now; any other waits (``awaiting``) while its grammar
         compiles on the compiler's worker, and enters at the first step after the compile
         finished (``_admit_ready``). Raises (having registered nothing) if it cannot start."""
+        if (state.params.pooling is not None) != self.pooling:
+            raise ValueError("this engine runs a pooling model: it answers embedding "
+                             "requests only" if self.pooling else "this engine runs a "
+                             "generative model: it cannot answer embedding requests")
         spec = state.params.structured
         grammar = None if spec is None else self.grammars.request(spec)
         if isinstance(grammar, Future):
@@ -280,13 +299,19 @@ class EngineCore:
                     GRAMMAR_WAIT_S)
             return False
         pending = prev.rows if prev is not None else {}
-        chunks, sampling, scored = [], [], []
+        chunks, sampling, scored, pooled = [], [], [], []
+        row = 0  # the chunk's first row in the step
         for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             sample = end == seq.num_tokens
             tokens = seq.token_slice(start, end)
+            row += len(tokens)
+            if seq.params.pooling is not None:  # pooled, never sampled
+                pooled.append((seq, row - len(tokens), len(tokens), start, sample))
+                chunks.append(SeqChunk(tokens, start, seq.block_ids, False))
+                continue
             src = pending.get(seq.seq_id, -1) if sample else -1
             if (src >= 0) != (tokens[-1] == PLACEHOLDER):
                 raise RuntimeError(f"seq {seq.seq_id}: placeholder bookkeeping is broken")
@@ -300,7 +325,7 @@ class EngineCore:
                                    seq.params.prompt_logprobs or 0))
             if sample:
                 sampling.append(seq)
-        launched = self._launch(chunks, sampling, scored)
+        launched = self._launch(chunks, sampling, scored, pooled)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
             return True
@@ -308,6 +333,9 @@ class EngineCore:
         self.histograms["iteration_tokens_total"].observe(out.num_batched_tokens)
         self._finish_inflight()
         self.scheduler.update(out, {s.seq_id: PLACEHOLDER for s in sampling})
+        for seq, _, final, _ in launched.pooling:  # answered when the step is finalized
+            if final and seq.status is SequenceStatus.RUNNING:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
@@ -320,7 +348,8 @@ class EngineCore:
         return True
 
     def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence],
-                scored: list[tuple[Sequence, int, int]]) -> _InFlight | None:
+                scored: list[tuple[Sequence, int, int]],
+                pooled: list[tuple[Sequence, int, int, int, bool]]) -> _InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
         sampling, and the copy of the samples to the host. Returns None when any of it ran
         out of device memory at tp 1; the seeded rows' generators are then back where they
@@ -336,13 +365,17 @@ class EngineCore:
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
                 plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
                                                          self.runner.attn))
-            logits = self.runner.run(plan)  # its own "forward" range
+            pool, out_rows = pool_rows([(first, n, start, final, seq.params.pooling.pooling_type)
+                                        for seq, first, n, start, final in pooled])
+            logits = self.runner.run(plan, pool if pooled else None)  # its "forward" range
             prompt, prompt_event = self.runner.prompt_logprobs, None
             if prompt is not None:  # on its way to the host, read when finalized
                 prompt = prompt.to_host()
-                if logits.device.type == "cuda":
-                    prompt_event = torch.cuda.Event()
-                    prompt_event.record()
+                prompt_event = _host_copy_event(logits)
+            sums, sums_event = self.runner.pooled, None
+            if sums is not None:
+                sums = sums.to("cpu", non_blocking=True)
+                sums_event = _host_copy_event(logits)
             bitmask = None
             if any(s.params.structured is not None for s in sampling):
                 # the matchers need the previous step's tokens: read them back now, while
@@ -352,6 +385,9 @@ class EngineCore:
             with ranges.range("sample"):
                 flight = self._sample(logits, sampling, generators, bitmask)
             flight.scored, flight.prompt, flight.prompt_event = scored, prompt, prompt_event
+            flight.pooling = [(seq, start, final, out) for (seq, _, _, start, final), out
+                              in zip(pooled, out_rows, strict=True)]
+            flight.pooled, flight.pooled_event = sums, sums_event
             return flight
         except torch.OutOfMemoryError:
             if not recoverable:
@@ -387,17 +423,13 @@ class EngineCore:
         if self.runner.fault is not None:
             self.runner.fault.fire(self.runner.steps, SAMPLE)
         host = pending.to_host()
-        event = None
-        if logits.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return _InFlight(sampling, host, event, {})
+        return _InFlight(sampling, host, _host_copy_event(logits), {})
 
     def _finish_inflight(self) -> None:
         """Reads back the in-flight step's tokens, fills in the placeholders, applies the
         stop rules and emits the deltas. Sequences that ended meanwhile are skipped."""
         flight, self._inflight = self._inflight, None
-        if flight is None or not (flight.sampling or flight.scored):
+        if flight is None or not (flight.sampling or flight.scored or flight.pooling):
             return
         with self.runner.ranges.range("finalize"):
             self._finalize(flight)
@@ -409,6 +441,8 @@ class EngineCore:
             self.counters["device_wait_seconds_total"] += time.perf_counter() - t
         if flight.scored:
             self._collect_prompt(flight)
+        if flight.pooling:
+            self._collect_pooled(flight)
         if not flight.sampling:
             return
         result = flight.sample.resolve()
@@ -461,6 +495,37 @@ class EngineCore:
                 state.add_prompt_logprobs(start, entries)
             row += k
 
+    def _collect_pooled(self, flight: _InFlight) -> None:
+        """Adds each pooled chunk's sum (read back now) to its request's vector, and
+        answers each request whose last chunk this was with its embedding."""
+        if flight.pooled_event is not None:
+            t = time.perf_counter()
+            flight.pooled_event.synchronize()
+            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
+        for seq, start, final, out in flight.pooling:
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+                continue
+            if out >= 0:
+                assert flight.pooled is not None
+                part = flight.pooled[out]
+                # a chunk at position 0 starts the vector over (after a preemption too)
+                state.pooled = part.clone() if start == 0 or state.pooled is None \
+                    else state.pooled + part
+            if not final:
+                continue
+            pooling = seq.params.pooling
+            seq.first_token_time = time.monotonic()
+            assert state.pooled is not None, "a pooled sequence ended with no pooled rows"
+            embedding = finish_embedding(state.pooled, seq.num_prompt_tokens,
+                                         pooling.pooling_type, pooling.normalize,
+                                         pooling.dimensions)
+            state.done = True
+            del self.requests[seq.request_id]
+            state.emit(RequestOutput(seq.request_id, [CompletionDelta(0, "", (), None, "stop")],
+                                     finished=True, embedding=embedding, **state.usage()))
+            state.observe_times(self.histograms)
+
     def _recover_from_oom(self, failed_tokens: int) -> None:
         """Reads back the previous step, then ``oom_recovery.recover_from_oom``."""
         self._finish_inflight()
@@ -506,3 +571,13 @@ class EngineCore:
             **self.scheduler.counters,
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
         }
+
+
+def _host_copy_event(like: torch.Tensor) -> Any:
+    """An event recorded after the copies to the host just queued (on CUDA; else None:
+    a CPU copy is done when it returns)."""
+    if like.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -54,3 +54,11 @@ class EngineTimeoutError(EngineError):
 
     status = 504
     type = "timeout_error"
+
+
+class RequestAbortedError(EngineError):
+    """The engine aborted the request before it could answer (``abort_all`` while the
+    server stops); raised where an answer cannot be partial (an embedding)."""
+
+    status = 503
+    type = "service_unavailable"

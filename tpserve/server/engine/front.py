@@ -103,7 +103,12 @@ class EngineFront:
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
+        if params.pooling is not None:  # nothing is generated: the prompt alone
+            if len(prompt) > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the input has {len(prompt)} tokens")
+        elif len(prompt) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {len(prompt)} prompt tokens and max_tokens={params.max_tokens} "

@@ -47,3 +47,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
+    # an embedding request's answer (``SamplingParams.pooling``), with its finished output
+    embedding: list[float] | None = None

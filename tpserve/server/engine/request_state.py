@@ -38,6 +38,9 @@ class RequestState:
     done: bool = False
     # the scored prompt (``SamplingParams.prompt_logprobs``): entry i is prompt token i + 1
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # an embedding request (``params.pooling``): the pooled float32 vector so far (MEAN:
+    # the sum of its rows; CLS: the first row), on the host; reset by a chunk at position 0
+    pooled: torch.Tensor | None = None
 
     def start(self, first_seq_id: int, tokenizer: Any, make_generator) -> None:
         """Creates the ``n`` sibling sequences; siblings wait to share the first one's

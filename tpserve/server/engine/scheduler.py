@@ -307,7 +307,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 return None
             return num_new, fork_tokens
-        computed, num_cached = ([], 0) if seq.scores_prompt else \
+        computed, num_cached = ([], 0) if seq.computes_whole_prompt else \
             bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
         num_new = min(seq.num_tokens - num_cached, budget)
         if not bm.allocate(seq, num_new, computed):

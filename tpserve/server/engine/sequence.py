@@ -89,6 +89,13 @@ class Sequence:
                 and not self.prompt_scored and self.num_prompt_tokens > 1)
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether its steps must compute every prompt position themselves (no prefix-cache
+        hits): while it scores its prompt, or when it is pooled over every row (MEAN, CLS)."""
+        pooling = self.params.pooling
+        return self.scores_prompt or (pooling is not None and pooling.pooling_type != "LAST")
+
+    @property
     def all_token_ids(self) -> list[int]:
         """Prompt then output tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
