@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tpserve.cli import build_parser
+from tpserve.model.pooling import PoolerConfig
 from tpserve.server.arguments import parse_bytes
 from tpserve.server.config import config_from_args
 
@@ -22,7 +23,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--no-engine-process", "--kv-cache-dtype", "--tp-comm",
          "--disable-custom-all-reduce", "--memory-history", "--nvtx", "--ssl-keyfile",
          "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
-         "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs"]
+         "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
+         "--runner", "--pooler-config", "--task", "--convert"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -228,8 +230,35 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 
+def test_runner_flags(tiny_folder):
+    """--runner pooling, or vLLM's --task embed / --convert embed, builds a pooling runner
+    with its pooler resolved; the default generates."""
+    plain = _cfg(str(tiny_folder))
+    assert plain.runner.runner == "generate" and plain.runner.pooler is None
+    for argv in (["--runner", "pooling"], ["--task", "embed"], ["--convert", "embed"],
+                 ["--task", "embedding", "--runner", "pooling"]):
+        cfg = _cfg(str(tiny_folder), *argv)
+        assert cfg.runner.runner == "pooling", argv
+        assert cfg.runner.pooler == PoolerConfig(size=64), argv
+        assert not cfg.runner.uses_cuda_graphs
+    mean = _cfg(str(tiny_folder), "--runner", "pooling", "--pooler-config",
+                '{"pooling_type": "mean", "normalize": false}').runner.pooler
+    assert (mean.pooling_type, mean.normalize, mean.source) == ("MEAN", False,
+                                                                "--pooler-config")
+    assert _cfg(str(tiny_folder), "--task", "generate").runner.runner == "generate"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "other"], "the model is given twice"),
+    (["--pooler-config", '{"pooling_type": "LAST"}'], "--pooler-config needs --runner pooling"),
+    (["--runner", "generate", "--task", "embed"], "--task embed asks for --runner pooling, "
+                                                  "but --runner is generate"),
+    (["--convert", "classify"], "--convert classify: not supported"),
+    (["--task", "reward"], "--task reward: not supported"),
+    (["--runner", "pooling", "--pooler-config", '{"pooling_type": "MAX"}'],
+     "pooling_type must be one of LAST, MEAN, CLS"),
+    (["--runner", "pooling", "--pooler-config", '{"dimensions": 8}'],
+     "--pooler-config: dimensions not supported"),
     (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported; use "
                                         "--tensor-parallel-size"),

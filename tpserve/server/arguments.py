@@ -11,6 +11,7 @@ import ssl
 from typing import Any
 
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
+from tpserve.model.pooling import RUNNER_CHOICES
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES
 from tpserve.model.sampling_params import SamplingParams
@@ -150,6 +151,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"],
                    help="how to read MODEL: auto (by the path), safetensors, gguf, or dummy "
                         "(random weights of a real shape)")
+    p.add_argument("--runner", default="auto", choices=list(RUNNER_CHOICES),
+                   help="generate: completions and chat; pooling: /v1/embeddings only, the "
+                        "model's final hidden states pooled (no LM head is loaded; "
+                        "Qwen3-Embedding, e5-mistral and other decoder embedding models); "
+                        "auto = generate")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="with --runner pooling: {\"pooling_type\": \"LAST\"|\"MEAN\"|"
+                        "\"CLS\", \"normalize\": true|false} over the checkpoint's "
+                        "sentence-transformers modules (modules.json), else LAST, normalized")
     p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                    help="sampling defaults for fields a request omits: auto = the model "
                         "folder's generation_config.json (the embedded model: its own), "

@@ -33,6 +33,7 @@ from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id
+from tpserve.model.pooling import resolve_pooler_config, resolve_runner
 from tpserve.model.quant.methods import resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sampling_params import SamplingParams
@@ -246,6 +247,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
+    runner_kind = resolve_runner(a.runner)
+    if a.pooler_config is not None and runner_kind != "pooling":
+        raise ValueError("--pooler-config needs --runner pooling")
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,
         tokenizer=tokenizer, dtype=dtype,
@@ -262,7 +266,11 @@ def config_from_args(a: argparse.Namespace) -> Config:
         quantization=resolve_quantization(a.quantization, ckpt.quantization),
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
-        memory_history=a.memory_history, nvtx=a.nvtx)
+        memory_history=a.memory_history, nvtx=a.nvtx, runner=runner_kind,
+        pooler=resolve_pooler_config(a.pooler_config, getattr(ckpt, "folder", None),
+                                     ckpt.config.hidden_size,
+                                     ckpt.config.matryoshka_dimensions)
+        if runner_kind == "pooling" else None)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens
     if max_mixed is None:

@@ -117,7 +117,11 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
     """Runs uvicorn over ``engine`` until a signal (drain first) or a fatal failure; then
     shuts the engine down. Returns the exit status."""
     name = cfg.served_model_name
-    logger.info(defaults.describe())
+    if cfg.runner.pooler is not None:  # sampling defaults mean nothing to embeddings
+        logger.info("serving /v1/embeddings only (--runner pooling): %s",
+                    cfg.runner.pooler.describe())
+    else:
+        logger.info(defaults.describe())
     app = build_app(engine, served_model_names=(name, *cfg.server.served_model_aliases),
                     api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes,
@@ -132,7 +136,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
                     response_role=cfg.server.response_role,
                     max_logprobs=cfg.server.max_logprobs,
                     root_path=cfg.server.root_path,
-                    docs=not cfg.server.disable_fastapi_docs)
+                    docs=not cfg.server.disable_fastapi_docs,
+                    pooler=cfg.runner.pooler)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, timeout_graceful_shutdown=5,
         access_log=False, **cfg.server.uvicorn_options()))

@@ -13,6 +13,9 @@ import argparse
 TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
 EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
 STRUCTURED_BACKENDS = ("auto", "xgrammar")  # the one grammar engine tpserve has
+# vLLM's --task (older) and --convert, as --runner: generation or embeddings
+TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+CONVERTS = {"auto": None, "none": None, "embed": "pooling"}
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,12 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="the same as --no-engine-process: HTTP and the engine in one "
                         "process")
+    g.add_argument("--task", default=None,
+                   help=f"vLLM's older spelling of --runner: {', '.join(TASKS)} (embed: "
+                        "--runner pooling)")
+    g.add_argument("--convert", default=None,
+                   help=f"{', '.join(CONVERTS)}: embed serves a decoder's pooled hidden "
+                        "states (--runner pooling)")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")
@@ -73,6 +82,15 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
                          "other")
     if a.disable_frontend_multiprocessing:
         a.engine_process = False
+    for flag, value, table in (("--task", a.task, TASKS), ("--convert", a.convert, CONVERTS)):
+        _one_of(flag, value, tuple(table), "tpserve serves generation or embeddings")
+        runner = table.get(value) if value is not None else None
+        if runner is None:
+            continue
+        if a.runner not in ("auto", runner):
+            raise ValueError(f"{flag} {value} asks for --runner {runner}, but --runner is "
+                             f"{a.runner}")
+        a.runner = runner
 
 
 def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str) -> None:

@@ -496,9 +496,19 @@ def test_not_found_404(client, http):
     err = assert_error(http.post("/v1/chat/completions",
                                  json={"model": "gpt-4", "messages": MESSAGES}), 404)
     assert err["param"] == "model" and err["code"] == "model_not_found"
-    assert_error(http.get("/v1/embeddings"), 404)
+    assert_error(http.get("/v1/no-such-endpoint"), 404)
     assert_error(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}), 404)
     assert_error(http.get("/v1/completions"), 405)
+
+
+def test_a_generative_server_refuses_embeddings(client, http, engine):
+    """/v1/embeddings exists on every server; one that generates answers 400 naming the
+    flag that serves embeddings, and the engine never sees the request."""
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model=MODEL, input="hello")
+    err = assert_error(http.post("/v1/embeddings", json={"input": [1, 2]}), 400)
+    assert err["param"] == "model"
+    assert engine.started == []
 
 
 def test_body_too_large_413(http):

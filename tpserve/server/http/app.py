@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import tpserve
+from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.cors import CorsConfig
@@ -46,7 +47,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               priority_scheduling: bool = False, cors: CorsConfig | None = None,
               response_role: str = "assistant",
               max_logprobs: int = SamplingParams.MAX_LOGPROBS,
-              root_path: str | None = None, docs: bool = True) -> FastAPI:
+              root_path: str | None = None, docs: bool = True,
+              pooler: PoolerConfig | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -58,7 +60,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     ``response_role`` is the role of chat answers to requests with
     ``add_generation_prompt``; ``max_logprobs`` the most logprobs a request may ask;
     ``root_path`` FastAPI's (routes answer with and without the prefix); ``docs`` false
-    drops /openapi.json, /docs and /redoc."""
+    drops /openapi.json, /docs and /redoc; ``pooler`` (``--runner pooling``): the engine
+    pools, and the app answers /v1/embeddings instead of completions and chat."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -90,6 +93,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         priority_scheduling=priority_scheduling,
         response_role=response_role,
         max_logprobs=max_logprobs,
+        pooler=pooler,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -1,4 +1,5 @@
-"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/v1/models/{id}``."""
+"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``,
+``/v1/models`` and ``/v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
 from tpserve.server.http.echo import Echo, plan_echo
+from tpserve.server.http.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import RequestTracker
@@ -190,12 +192,18 @@ def make_openai_router() -> APIRouter:
         return ModelCard(id=model_id, created=state.created, root=state.engine.model_name,
                          max_model_len=state.engine.max_model_len)
 
+    @router.post("/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's embeddings, on a --runner pooling server (http/embeddings.py)."""
+        return await create_embeddings(body, request, get_state(request))
+
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         state = get_state(request)
         tracker = state.metrics.track()  # latencies count from here
         model = state.resolve_model(body.model)
+        state.check_generative()
         constraints = await _checked_constraints(state, body)
         state.check_available()
         prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
@@ -237,6 +245,7 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
                 answer: Answer | None = None) -> Response:
     """Answers a chat request (or the chat request of another endpoint, ``answer``):
     its constraints, tools and reasoning plan, its prompt and sampling parameters."""
+    state.check_generative()
     constraints = await _checked_constraints(state, body)
     tools = plan_tools(body, state.auto_tool_parser)
     _with_tools(tools, constraints)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
 from tpserve.server.http.engine_client import EngineClient
@@ -33,6 +34,9 @@ class ServerState:
     response_role: str = "assistant"  # --response-role: chat answers' role
     # --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs a request may ask
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
+    # --runner pooling: how embeddings are pooled (the server answers /v1/embeddings only);
+    # None: a generative server
+    pooler: PoolerConfig | None = None
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
@@ -42,6 +46,13 @@ class ServerState:
             return requested
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")
+
+    def check_generative(self) -> None:
+        """400 for a completions, chat or Responses request to an embedding server."""
+        if self.pooler is not None:
+            raise APIError.bad_request(
+                "this server runs an embedding model (--runner pooling): it answers "
+                "/v1/embeddings only, not completions or chat", "model")
 
     def check_available(self) -> None:
         """503 before doing any work when the engine is dead or draining."""
