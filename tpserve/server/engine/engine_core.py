@@ -69,7 +69,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,17 +77,23 @@ import torch
 from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
-from tpserve.model.pooling import finish_embedding, pool_rows
-from tpserve.model.prompt_logprobs import PromptLogprobs
+from tpserve.model.pooling import pool_rows
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
+from tpserve.server.engine.inflight import (
+    InFlight,
+    collect_pooled,
+    collect_prompt,
+    host_copy_event,
+    wait_for,
+)
 from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.oom_recovery import recover_from_oom
-from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
@@ -104,26 +110,6 @@ PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
 # the longest a step with nothing to run waits for a grammar compile (then returns, so the
 # step loop reads its inbox and sends heartbeats)
 GRAMMAR_WAIT_S = 0.02
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose sampled tokens are not read back yet."""
-
-    sampling: list[Sequence]     # row i of the samples belongs to sampling[i]
-    sample: PendingSample        # host copies, valid once ``event`` completed
-    event: Any                   # torch.cuda.Event, or None on CPU
-    rows: dict[int, int]         # seq_id -> row, for sequences given a placeholder
-    # prompt scoring: (sequence, first position, rows) per scored chunk, in plan order, and
-    # the runner's result for those rows (still on the device)
-    scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    prompt: PromptLogprobs | None = None  # host copies, valid once ``prompt_event`` completed
-    prompt_event: Any = None
-    # pooling: (sequence, first position, final, output row or -1) per pooled chunk, and
-    # the pooled sums of the step (host copy, valid once ``pooled_event`` completed)
-    pooling: list[tuple[Sequence, int, bool, int]] = field(default_factory=list)
-    pooled: torch.Tensor | None = None
-    pooled_event: Any = None
 
 
 class EngineCore:
@@ -151,7 +137,7 @@ class EngineCore:
                                           scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.block_manager)
         self.async_scheduling = engine.async_scheduling
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
         if runner.device.type == "cuda" and not self.pooling:  # shapes no start-up step
@@ -349,7 +335,7 @@ class EngineCore:
 
     def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence],
                 scored: list[tuple[Sequence, int, int]],
-                pooled: list[tuple[Sequence, int, int, int, bool]]) -> _InFlight | None:
+                pooled: list[tuple[Sequence, int, int, int, bool]]) -> InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
         sampling, and the copy of the samples to the host. Returns None when any of it ran
         out of device memory at tp 1; the seeded rows' generators are then back where they
@@ -371,11 +357,11 @@ class EngineCore:
             prompt, prompt_event = self.runner.prompt_logprobs, None
             if prompt is not None:  # on its way to the host, read when finalized
                 prompt = prompt.to_host()
-                prompt_event = _host_copy_event(logits)
+                prompt_event = host_copy_event(logits)
             sums, sums_event = self.runner.pooled, None
             if sums is not None:
                 sums = sums.to("cpu", non_blocking=True)
-                sums_event = _host_copy_event(logits)
+                sums_event = host_copy_event(logits)
             bitmask = None
             if any(s.params.structured is not None for s in sampling):
                 # the matchers need the previous step's tokens: read them back now, while
@@ -412,10 +398,10 @@ class EngineCore:
         return fill_bitmask(rows, self.grammars.vocab_size, device)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence],
-                generators: list[torch.Generator | None], bitmask=None) -> _InFlight:
+                generators: list[torch.Generator | None], bitmask=None) -> InFlight:
         """Samples on the device and starts copying the results to the host."""
         if not sampling:
-            return _InFlight([], PendingSample(torch.zeros(0, dtype=torch.int64)), None, {})
+            return InFlight([], PendingSample(torch.zeros(0, dtype=torch.int64)), None, {})
         pending = self.sampler.sample(
             logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
             [s.output_token_ids for s in sampling], generators, self.eos_token_ids, bitmask)
@@ -423,7 +409,7 @@ class EngineCore:
         if self.runner.fault is not None:
             self.runner.fault.fire(self.runner.steps, SAMPLE)
         host = pending.to_host()
-        return _InFlight(sampling, host, _host_copy_event(logits), {})
+        return InFlight(sampling, host, host_copy_event(logits), {})
 
     def _finish_inflight(self) -> None:
         """Reads back the in-flight step's tokens, fills in the placeholders, applies the
@@ -434,15 +420,12 @@ class EngineCore:
         with self.runner.ranges.range("finalize"):
             self._finalize(flight)
 
-    def _finalize(self, flight: _InFlight) -> None:
-        if flight.event is not None:
-            t = time.perf_counter()
-            flight.event.synchronize()
-            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
+    def _finalize(self, flight: InFlight) -> None:
+        wait_for(flight.event, self.counters)
         if flight.scored:
-            self._collect_prompt(flight)
+            collect_prompt(flight, self.requests, self.counters)
         if flight.pooling:
-            self._collect_pooled(flight)
+            collect_pooled(flight, self.requests, self.counters, self.histograms)
         if not flight.sampling:
             return
         result = flight.sample.resolve()
@@ -469,62 +452,6 @@ class EngineCore:
                 state.done = True
                 del self.requests[rid]
                 state.observe_times(self.histograms)
-
-    def _collect_prompt(self, flight: _InFlight) -> None:
-        """Hands each scored chunk's rows (read back now) to its request."""
-        assert flight.prompt is not None
-        if flight.prompt_event is not None:
-            t = time.perf_counter()
-            flight.prompt_event.synchronize()
-            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
-        host = flight.prompt
-        lps, ranks, top_ids, top_lps = (host.logprobs.tolist(), host.ranks.tolist(),
-                                        host.top_ids.tolist(), host.top_logprobs.tolist())
-        row = 0
-        for seq, start, k in flight.scored:
-            state = self.requests.get(seq.request_id)
-            if state is not None and not seq.is_finished:
-                detok, want = state.detoks[0], seq.params.prompt_logprobs
-                entries = []
-                for r in range(row, row + k):
-                    target = seq.prompt_token_ids[start + 1 + r - row]
-                    pairs = zip(top_ids[r][:want], top_lps[r][:want], strict=True)
-                    top = tuple((t, detok.token_text(t), lp) for t, lp in pairs)
-                    entries.append(TokenLogprob(target, detok.token_text(target), lps[r], top,
-                                                ranks[r]))
-                state.add_prompt_logprobs(start, entries)
-            row += k
-
-    def _collect_pooled(self, flight: _InFlight) -> None:
-        """Adds each pooled chunk's sum (read back now) to its request's vector, and
-        answers each request whose last chunk this was with its embedding."""
-        if flight.pooled_event is not None:
-            t = time.perf_counter()
-            flight.pooled_event.synchronize()
-            self.counters["device_wait_seconds_total"] += time.perf_counter() - t
-        for seq, start, final, out in flight.pooling:
-            state = self.requests.get(seq.request_id)
-            if state is None or seq.status is SequenceStatus.FINISHED_ABORTED:
-                continue
-            if out >= 0:
-                assert flight.pooled is not None
-                part = flight.pooled[out]
-                # a chunk at position 0 starts the vector over (after a preemption too)
-                state.pooled = part.clone() if start == 0 or state.pooled is None \
-                    else state.pooled + part
-            if not final:
-                continue
-            pooling = seq.params.pooling
-            seq.first_token_time = time.monotonic()
-            assert state.pooled is not None, "a pooled sequence ended with no pooled rows"
-            embedding = finish_embedding(state.pooled, seq.num_prompt_tokens,
-                                         pooling.pooling_type, pooling.normalize,
-                                         pooling.dimensions)
-            state.done = True
-            del self.requests[seq.request_id]
-            state.emit(RequestOutput(seq.request_id, [CompletionDelta(0, "", (), None, "stop")],
-                                     finished=True, embedding=embedding, **state.usage()))
-            state.observe_times(self.histograms)
 
     def _recover_from_oom(self, failed_tokens: int) -> None:
         """Reads back the previous step, then ``oom_recovery.recover_from_oom``."""
@@ -572,12 +499,3 @@ class EngineCore:
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
         }
 
-
-def _host_copy_event(like: torch.Tensor) -> Any:
-    """An event recorded after the copies to the host just queued (on CUDA; else None:
-    a CPU copy is done when it returns)."""
-    if like.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
