@@ -7,6 +7,7 @@ every tensor in place, and a generative runner refuses it, naming the flag."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -71,16 +72,46 @@ def test_sentence_transformers_refusals(tmp_path, modules, pooling, message):
         read_sentence_transformers(write_st(tmp_path, modules, pooling))
 
 
-def test_pooler_config_precedence(tmp_path):
+def test_pooler_config_precedence(tmp_path, tiny_llama):
     assert resolve_pooler_config(None, None, 64, None) == PoolerConfig(size=64)
-    folder = write_st(tmp_path, [("Pooling", "1_Pooling")], MEAN)
-    st = resolve_pooler_config(None, folder, 64, ())
+    assert open_checkpoint(tiny_llama).pooling() is None
+    folder = tmp_path / "st"
+    shutil.copytree(tiny_llama, folder)
+    write_st(folder, [("Pooling", "1_Pooling")], MEAN)
+    declared = open_checkpoint(str(folder)).pooling()
+    assert declared == ({"pooling_type": "MEAN", "normalize": False},
+                        "the checkpoint's sentence-transformers modules")
+    st = resolve_pooler_config(None, declared, 64, ())
     assert (st.pooling_type, st.normalize, st.matryoshka) == ("MEAN", False, ())
-    both = resolve_pooler_config('{"normalize": true, "pooling_type": "cls"}', folder, 64, None)
+    both = resolve_pooler_config('{"normalize": true, "pooling_type": "cls"}', declared, 64,
+                                 None)
     assert (both.pooling_type, both.normalize) == ("CLS", True)
     assert both.describe() == ("64-dimensional embeddings, CLS pooling, normalized (the "
                                "checkpoint's sentence-transformers modules and "
                                "--pooler-config)")
+
+
+@pytest.mark.parametrize(("code", "declared"), [
+    (None, None), (0, None), (1, ({"pooling_type": "MEAN"}, "the GGUF file's pooling_type")),
+    (2, ({"pooling_type": "CLS"}, "the GGUF file's pooling_type")),
+    (3, ({"pooling_type": "LAST"}, "the GGUF file's pooling_type")),
+    (4, "pooling_type 4 .rank"), (7, "unknown pooling_type 7")])
+def test_a_gguf_files_pooling_type(tmp_path, code, declared):
+    """llama.cpp's ``qwen3.pooling_type`` (Qwen3-Embedding GGUF files declare LAST)."""
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_gguf_file
+
+    def metadata(w):
+        if code is not None:
+            w.add_uint32("qwen3.pooling_type", code)
+
+    path = save_gguf_file(_hf_model("qwen3"), tmp_path / "m.gguf", "qwen3", metadata)
+    ckpt = open_checkpoint(str(path))
+    if isinstance(declared, str):
+        with pytest.raises(ValueError, match=f"m.gguf: {declared}"):
+            ckpt.pooling()
+    else:
+        assert ckpt.pooling() == declared
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -181,3 +212,20 @@ def test_a_base_model_checkpoint_loads_headless(tmp_path):
         from tests.model.util import load
 
         load(str(folder))
+
+
+def test_a_gguf_embedding_file_loads_headless(tmp_path):
+    """A qwen3 GGUF file (no output.weight, as Qwen3-Embedding's) in a pooling runner's
+    model at tp 1 and 2: its hidden states equal transformers'."""
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_gguf_file
+
+    hf = _hf_model("qwen3")
+    path = save_gguf_file(hf, tmp_path / "emb.gguf", "qwen3",
+                          lambda w: w.add_uint32("qwen3.pooling_type", 3))
+    ids = [3, 17, 200, 45, 9, 88, 131, 7]
+    with torch.no_grad():
+        want = hf.model(torch.tensor([ids])).last_hidden_state[0]
+    for world in (1, 2):
+        for got in run_ranks(_headless_hidden, world, str(path), ids):
+            assert torch.allclose(got, want, atol=1e-5), world

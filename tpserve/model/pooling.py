@@ -27,6 +27,9 @@ _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN
              "pooling_mode_cls_token": "CLS"}
 _ST_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                    "pooling_mode_weightedmean_tokens")
+# llama.cpp's ``{arch}.pooling_type`` in GGUF files (0, none: per-token vectors, as if unset)
+GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+_GGUF_REFUSED = {4: "rank (a reranker's score head)"}
 _ST_MODULES_KNOWN = ("sentence_transformers.models.Transformer",
                      "sentence_transformers.models.Pooling",
                      "sentence_transformers.models.Normalize")
@@ -113,6 +116,20 @@ def read_sentence_transformers(folder: Path | None) -> dict[str, Any] | None:
     return found
 
 
+def read_gguf_pooling(code: int | None, name: str) -> dict[str, Any] | None:
+    """The pooling a GGUF file declares (llama.cpp's ``pooling_type``; normalization is
+    not stored there: llama.cpp normalizes by default, so ``normalize`` stays the
+    default), None when it declares none."""
+    if code is None or code == 0:
+        return None
+    if code in _GGUF_REFUSED:
+        raise ValueError(f"{name}: pooling_type {code} ({_GGUF_REFUSED[code]}) is not "
+                         "supported")
+    if code not in GGUF_POOLING_TYPES:
+        raise ValueError(f"{name}: unknown pooling_type {code}")
+    return {"pooling_type": GGUF_POOLING_TYPES[code]}
+
+
 def parse_pooler_config(text: str | None) -> dict[str, Any]:
     """``--pooler-config``: a JSON object of ``pooling_type`` (LAST, MEAN or CLS, any case)
     and ``normalize``; any other key is refused by name."""
@@ -140,17 +157,17 @@ def parse_pooler_config(text: str | None) -> dict[str, Any]:
     return value
 
 
-def resolve_pooler_config(flag: str | None, folder: Path | None, size: int,
-                          matryoshka: tuple[int, ...] | None) -> PoolerConfig:
-    """The pooling of a ``--runner pooling`` server: defaults, then the folder's
-    sentence-transformers files, then ``--pooler-config`` (``flag``), each over the last;
-    ``size`` and ``matryoshka`` are the model's (``ModelConfig``)."""
+def resolve_pooler_config(flag: str | None, declared: tuple[dict[str, Any], str] | None,
+                          size: int, matryoshka: tuple[int, ...] | None) -> PoolerConfig:
+    """The pooling of a ``--runner pooling`` server: defaults, then what the checkpoint
+    declares (``declared``: its values and where they come from, ``Checkpoint.pooling``),
+    then ``--pooler-config`` (``flag``), each over the last; ``size`` and ``matryoshka``
+    are the model's (``ModelConfig``)."""
     values: dict[str, Any] = {"size": size, "matryoshka": matryoshka}
     sources = []
-    st = read_sentence_transformers(folder)
-    if st is not None:
-        values.update(st)
-        sources.append("the checkpoint's sentence-transformers modules")
+    if declared is not None:
+        values.update(declared[0])
+        sources.append(declared[1])
     override = parse_pooler_config(flag)
     if override:
         values.update(override)

@@ -267,7 +267,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
         memory_history=a.memory_history, nvtx=a.nvtx, runner=runner_kind,
-        pooler=resolve_pooler_config(a.pooler_config, getattr(ckpt, "folder", None),
+        pooler=resolve_pooler_config(a.pooler_config, ckpt.pooling(),
                                      ckpt.config.hidden_size,
                                      ckpt.config.matryoshka_dimensions)
         if runner_kind == "pooling" else None)

@@ -19,6 +19,7 @@ from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.hf_overrides import apply_overrides
 from tpserve.model.loader.progress import LoadProgress
 from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
+from tpserve.model.pooling import read_gguf_pooling, read_sentence_transformers
 from tpserve.model.quant.checkpoint_format import (
     CheckpointQuantization,
     read_checkpoint_quantization,
@@ -53,6 +54,10 @@ class Checkpoint(Protocol):
     def load_into(self, model: nn.Module, show_progress: bool) -> None: ...
 
     def tokenizer(self) -> Any: ...
+
+    def pooling(self) -> tuple[dict[str, Any], str] | None:
+        """The pooling the checkpoint declares for ``--runner pooling`` (``PoolerConfig``
+        fields) and where it says so, None when it declares none."""
 
 
 class _TokenizerSource:
@@ -167,6 +172,9 @@ class SafetensorsCheckpoint(_TokenizerSource):
     def _own_tokenizer(self) -> Any:
         return folder_tokenizer(self.folder)
 
+    def pooling(self) -> tuple[dict[str, Any], str] | None:
+        return _folder_pooling(self.folder)
+
 
 def _tensor_names(files: list[Path]) -> Iterator[str]:
     """Every tensor name of the safetensors ``files`` (their headers only)."""
@@ -211,6 +219,11 @@ class GGUFCheckpoint(_TokenizerSource):
     def _own_tokenizer(self) -> Any:
         return gguf_tokenizer(self.path)
 
+    def pooling(self) -> tuple[dict[str, Any], str] | None:
+        arch = self.reader.get("general.architecture")
+        values = read_gguf_pooling(self.reader.get(f"{arch}.pooling_type"), self.path.name)
+        return None if values is None else (values, "the GGUF file's pooling_type")
+
 
 class DummyCheckpoint(_TokenizerSource):
     """Random weights of a real shape, for benchmarks; the tokenizer is the folder's if
@@ -235,6 +248,15 @@ class DummyCheckpoint(_TokenizerSource):
         if self.folder is not None and (self.folder / "tokenizer_config.json").is_file():
             return folder_tokenizer(self.folder)
         return gguf_tokenizer(embedded_model_path())
+
+    def pooling(self) -> tuple[dict[str, Any], str] | None:
+        return _folder_pooling(self.folder)
+
+
+def _folder_pooling(folder: Path | None) -> tuple[dict[str, Any], str] | None:
+    values = read_sentence_transformers(folder)
+    return None if values is None else (values, "the checkpoint's sentence-transformers "
+                                                "modules")
 
 
 def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
