@@ -172,6 +172,12 @@ def test_tp2_mean_pooling_equals_transformers(servers, checkpoint, smollm2_token
     ({"input": "x", "messages": MESSAGES}, "messages", "exactly one of input and messages"),
     ({}, "input", "exactly one of input and messages"),
     ({"input": "x", "embed_dtype": "float16"}, "embed_dtype", "float32"),
+    ({"input": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs",
+     "applies to messages, not to input"),
+    ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt",
+     "applies to messages, not to input"),
+    ({"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message", "cannot both be true"),
     ({"input": "x", "priority": 3}, "priority", "--scheduling-policy priority"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
 ])

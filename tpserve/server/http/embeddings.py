@@ -88,6 +88,13 @@ def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
     if (body.input is None) == (body.messages is None):
         raise APIError.bad_request("give exactly one of input and messages",
                                    "input" if body.input is None else "messages")
+    if body.input is not None:  # the chat template's options mean nothing without messages
+        for name in ("chat_template", "chat_template_kwargs", "documents"):
+            if getattr(body, name) is not None:
+                raise APIError.bad_request(f"{name} applies to messages, not to input", name)
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if getattr(body, name):
+                raise APIError.bad_request(f"{name} applies to messages, not to input", name)
     if body.embed_dtype not in (None, "float32"):
         raise APIError.bad_request(f"embed_dtype {body.embed_dtype!r} is not supported: "
                                    "embeddings are float32", "embed_dtype")
