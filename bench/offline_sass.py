@@ -55,8 +55,9 @@ def compile_sm90a(fn, sig: dict, const: dict, num_warps: int, num_stages: int):
 
 def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, scale_v: bool,
                    splits: int, group: int = 4, num_kv_heads: int = 8, lazy: bool = False,
-                   bt_ahead: bool = False):
-    """``_decode_split_kernel`` for a bf16 q over a bf16 or e4m3 cache (Llama-3-8B's heads)."""
+                   bt_ahead: bool = False, window: int = 0):
+    """``_decode_split_kernel`` for a bf16 q over a bf16 or e4m3 cache (Llama-3-8B's heads);
+    ``window``: a sliding window (0: none)."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     types = ["*bf16", kv, kv, "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
     sig = dict(zip(POINTERS, types, strict=True)) | {"scale_log2": "fp32", "kv_scale_ptr": "*fp32"}
@@ -66,7 +67,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead}
+             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead, "WINDOW": window}
     return compile_sm90a(_decode_split_kernel, sig, const, num_warps, num_stages)
 
 
@@ -109,6 +110,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--lazy-rescale", action="store_true", help="DecodeLaunch.lazy_rescale")
     p.add_argument("--bt-ahead", action="store_true", help="DecodeLaunch.bt_ahead")
+    p.add_argument("--window", type=int, default=0, help="a sliding window (0: none)")
     p.add_argument("--w8a8", metavar="BM,BN,BK,WARPS,STAGES",
                    help="compile the W8A8 GEMM with this launch instead")
     p.add_argument("--fast", action="store_true", help="--w8a8 with fast accumulation")
@@ -122,7 +124,7 @@ def main() -> None:
     else:
         block_n, warps, stages = (int(v) for v in a.launch.split(","))
         c = compile_decode(a.cache == "fp8", block_n, warps, stages, a.scale_v, a.splits,
-                           lazy=a.lazy_rescale, bt_ahead=a.bt_ahead)
+                           lazy=a.lazy_rescale, bt_ahead=a.bt_ahead, window=a.window)
         rep = sass_report(c.asm["cubin"], a.top)
         print(f"triton {triton.__version__}, {a.cache} cache, launch {a.launch}, scale_v "
               f"{a.scale_v}: {rep['registers']} registers, {c.metadata.shared} B shared, "

@@ -214,11 +214,12 @@ def _phi4_mini(**keys) -> dict:
                       "long_factor": [1.0 + i for i in range(48)]}, **keys)
 
 
-def test_phi3_mini_4k_is_capped_by_its_sliding_window():
+def test_phi3_mini_4k_serves_its_context_with_its_sliding_window():
     cfg = ModelConfig.from_hf(_phi3_hub_config())
     assert (cfg.head_dim, cfg.rotary_dim, cfg.rope_scaling) == (96, 96, None)
     assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm)
-    assert resolve_max_model_len(None, cfg) == 2047
+    assert resolve_max_model_len(None, cfg) == 4096
+    assert {cfg.window_of(i) for i in range(cfg.num_hidden_layers)} == {2047}
 
 
 def test_phi4_mini_config():
@@ -498,11 +499,12 @@ def test_phi3_gguf_equals_transformers(checkpoints, tmp_path, kind, tp):
 
 
 def test_phi3_gguf_sliding_window_and_longrope(tmp_path):
-    """A window in the metadata caps the context as a config.json's does; LongRoPE
-    factors stored as tensors are refused by name."""
+    """A window in the metadata is every layer's, as a config.json's is (it does not cap
+    the context); LongRoPE factors stored as tensors are refused by name."""
     path = _phi3_gguf("plain", tmp_path / "window.gguf", **{"attention.sliding_window": 100})
     cfg = open_checkpoint(path).config
-    assert cfg.sliding_window == 100 and resolve_max_model_len(None, cfg) == 100
+    assert cfg.window_of(0) == cfg.window_of(cfg.num_hidden_layers - 1) == 100
+    assert resolve_max_model_len(None, cfg) == cfg.max_position_embeddings
     hf = _hf_model("plain")
     factors = np.ones(8, dtype=np.float32)
     path = save_gguf_file(hf, tmp_path / "longrope.gguf", "phi3",

@@ -183,7 +183,7 @@ def test_default_rope_has_no_scaling(rope):
 
 @pytest.mark.parametrize("max_pos,rope,window,context", [
     (32768, None, None, 32768),
-    (32768, None, 4096, 4096),  # capped by the sliding window
+    (32768, None, 4096, 32768),  # a sliding window does not cap it
     # llama3: max_position_embeddings is already the long context
     (131072, CASES["llama3"][0], None, 131072),
     (4096, {"rope_type": "linear", "factor": 4.0}, None, 16384),
@@ -193,16 +193,17 @@ def test_default_rope_has_no_scaling(rope):
     (40960, CASES["yarn-qwen2.5"][0], None, 131072),  # Qwen3's config with YaRN added
     (163840, CASES["yarn-mscale-ratio"][0], None, 163840),
     (4096, {"rope_type": "yarn", "factor": 2.0}, None, 8192),  # original: max_pos
-    (32, CASES["yarn-tiny"][0], 16, 16),
+    (32, CASES["yarn-tiny"][0], 16, 32),
 ])
 def test_model_context(max_pos, rope, window, context):
     d = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 64,
          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-         "max_position_embeddings": max_pos, "sliding_window": window}
+         "max_position_embeddings": max_pos, "sliding_window": window,
+         "use_sliding_window": window is not None}
     if rope is not None:
         d["rope_scaling"] = rope
     cfg = ModelConfig.from_hf(d)
-    assert min(model_context(cfg), window or math.inf) == context
+    assert model_context(cfg) == context
     assert resolve_max_model_len(None, cfg) == context
     assert resolve_max_model_len(context - 1, cfg) == context - 1
     with pytest.raises(ValueError, match=f"exceeds the model's context of {context} tokens"):

@@ -199,7 +199,11 @@ class ModelConfig:
     # heads) between the q/k projections and RoPE
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    # sliding-window attention: a query at position p sees keys at positions > p - W (W
+    # keys, itself included), as transformers masks; ``full_attention_layers`` see all
+    # (Qwen2/Qwen3's ``max_window_layers``, or ``layer_types``' "full_attention")
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # the leading dims of each head that RoPE rotates (``partial_rotary_factor``); None:
@@ -210,7 +214,15 @@ class ModelConfig:
     # (): any size; else those sizes only
     matryoshka_dimensions: tuple[int, ...] | None = None
 
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None where it attends to the whole context."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
+
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
@@ -281,6 +293,10 @@ class ModelConfig:
         # Phi-3 has no biases whatever its config says (transformers ignores the key)
         attention_bias = bool(d.get("attention_bias", False)) and family != "Phi3ForCausalLM"
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        # transformers' Llama has no sliding window; Qwen's only with use_sliding_window
+        qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        window = (d.get("sliding_window") if d.get("use_sliding_window", not qwen)
+                  and family != "LlamaForCausalLM" else None) or None
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -298,7 +314,8 @@ class ModelConfig:
             o_bias=attention_bias and family != "Qwen2ForCausalLM",
             qk_norm=family == "Qwen3ForCausalLM",
             rope_scaling=scaling,
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            sliding_window=window,
+            full_attention_layers=_full_attention_layers(d, family, window),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
@@ -315,3 +332,17 @@ def _matryoshka(d: dict[str, Any]) -> tuple[int, ...] | None:
                              f"integers, got {dims!r}")
         return tuple(dims)
     return () if d.get("is_matryoshka") else None
+
+
+def _full_attention_layers(d: dict[str, Any], family: str, window: int | None
+                           ) -> tuple[int, ...]:
+    """The layers that ignore the sliding window, as transformers decides: ``layer_types``
+    where the config lists them, else for Qwen2/Qwen3 the first ``max_window_layers``."""
+    if window is None:
+        return ()
+    types = d.get("layer_types")
+    if types is not None:
+        return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+    if family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return tuple(range(min(int(d.get("max_window_layers", 0)), d["num_hidden_layers"])))
+    return ()

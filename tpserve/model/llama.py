@@ -5,8 +5,9 @@ which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two 
 (``FUSED``: q, k, v rows stacked; gate, then up): each part is loaded as if stored apart
 (``ColumnParallelLinear.load_stacked``). Otherwise Phi-3 is Llama: pre-norm RMSNorm blocks,
 SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope`` are the config's
-(``ModelConfig.rotary_dim``, ``config.RopeScaling``), its ``sliding_window`` caps the
-context (``runner_config.resolve_max_model_len``).
+(``ModelConfig.rotary_dim``, ``config.RopeScaling``). A sliding window (Mistral, Phi-3,
+Qwen's ``use_sliding_window`` layers) is each attention layer's own
+(``ModelConfig.window_of``), handed to the back-end's attention.
 
 ``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
 between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
@@ -68,9 +69,10 @@ class LlamaAttention(nn.Module):
     write (``q_norm``/``k_norm`` hold the weights; a zero padding head stays zero)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, reduce: str, quant=None):
+                 dtype: torch.dtype, reduce: str, quant=None, window: int | None = None):
         super().__init__()
         self.attn = attn
+        self.window = window  # this layer's sliding window (ModelConfig.window_of), or None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
@@ -96,7 +98,7 @@ class LlamaAttention(nn.Module):
                      if self.qk_norm else None)
         q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta,
                                         self.kv_scale, head_norm)
-        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale)
+        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale, self.window)
         return self.o_proj(out.flatten(1))
 
 
@@ -123,12 +125,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, sequence_parallel: bool, quant=None):
+                 dtype: torch.dtype, sequence_parallel: bool, quant=None, layer: int = 0):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-        self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant)
+        self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
+                                        cfg.window_of(layer))
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -166,8 +169,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
                                                    reduce=reduce)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant)
-            for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
 

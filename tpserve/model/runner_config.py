@@ -115,7 +115,7 @@ class RunnerConfig:
 
 
 def model_context(model: ModelConfig) -> int:
-    """The model's context before the sliding-window cap: ``resolve_max_model_len``'s rule."""
+    """The model's context: ``resolve_max_model_len``'s rule."""
     scaling = model.rope_scaling
     if scaling is None or scaling.rope_type in ("llama3", "freq_factors"):
         return model.max_position_embeddings
@@ -127,8 +127,8 @@ def model_context(model: ModelConfig) -> int:
 
 
 def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
-    """The model's context (capped by its sliding window) when ``requested`` is None; else
-    ``requested``, which must not exceed it.
+    """The model's context when ``requested`` is None; else ``requested``, which must not
+    exceed it.
 
     The context is derived as vLLM's ``_get_and_verify_max_len`` derives it:
     ``max_position_embeddings``, except under RoPE scaling that stretches positions
@@ -136,12 +136,11 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     ``original_max_position_embeddings`` times the factor whatever
     ``max_position_embeddings`` says (Qwen2.5 and Qwen3 configs with YaRN added by hand keep
     the original context there, e.g. 32768 x 4 = 131072). ``llama3`` is not multiplied:
-    its ``max_position_embeddings`` is already the long context. Two caps are ours, not
-    vLLM's: the sliding window (no sliding-window attention here), and under ``longrope``
-    ``original_max_position_embeddings`` (the long factors are not served:
+    its ``max_position_embeddings`` is already the long context. A sliding window does not
+    cap it (its layers attend to the window only). One cap is ours, not vLLM's: under
+    ``longrope`` ``original_max_position_embeddings`` (the long factors are not served:
     ``config.RopeScaling``)."""
-    context, window = model_context(model), model.sliding_window
-    limit = min(context, window) if window else context
+    context = limit = model_context(model)
     if requested is None:
         return limit
     if requested > limit:

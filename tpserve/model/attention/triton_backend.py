@@ -82,10 +82,12 @@ class TritonMetadata(AttentionMetadata):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None,
-                    side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                    side_stream: torch.cuda.Stream | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
     context (any cache dtype; rounded to q's dtype as it is read; an FP8 cache is scaled
-    by ``kv_scale``, read on the device).
+    by ``kv_scale``, read on the device); with a sliding ``window``, over its last
+    ``window`` positions only.
 
     The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
     rows go to the split-K decode kernel (a padding slot, of length 0, writes nothing), the
@@ -114,11 +116,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         with torch.cuda.stream(side_stream if fork else None):  # None: no switch
             dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                                  meta.decode_lens(), scale, out[:slots], splits,
-                                 kv_scale=kv_scale, partials=partials)
+                                 kv_scale=kv_scale, partials=partials, window=window)
     if prefill:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.tiles(), scale, out, kv_scale=kv_scale)
+            meta.tiles(), scale, out, kv_scale=kv_scale, window=window)
     if fork:
         main.wait_stream(side_stream)
     return out
@@ -215,11 +217,11 @@ class TritonAttention(AttentionBackend):
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                kv_scale=None) -> torch.Tensor:
+                kv_scale=None, window=None) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
             meta = self.metadata(meta)
         return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale,
-                               self.side_stream(q.device))
+                               self.side_stream(q.device), window)
 
 
 BACKEND = TritonAttention

@@ -200,9 +200,10 @@ def _read(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float, kv_scale: torch.Tensor | None = None,
+    scale: float, kv_scale: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens over their sequences' cached context.
+    """Causal attention of the new tokens over their sequences' cached context; with a
+    sliding ``window`` W, a token at position p over positions p - W + 1 .. p only.
 
     ``q`` is ``[T, Hq, D]``; the K/V of the new tokens must already be in the cache.
     Decodes are batched (padded to the longest context); prefills run per sequence. An FP8
@@ -229,7 +230,10 @@ def paged_attention(
         qd = q[:nd].float().view(nd, hkv, group, -1)
         scores = torch.einsum("bhgd,blhd->bhgl", qd, k.float()) * scale
         lens = meta.seq_lens[:nd].to(scores.device)
-        valid = torch.arange(maxlen, device=scores.device)[None, :] < lens[:, None]
+        keys = torch.arange(maxlen, device=scores.device)[None, :]
+        valid = keys < lens[:, None]
+        if window is not None:
+            valid &= keys >= lens[:, None] - window
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(-1)
         v = torch.where(valid[:, :, None, None], v.float(), 0.0)  # padding slots: never NaN
@@ -245,13 +249,16 @@ def paged_attention(
             v = v.repeat_interleave(group, dim=1)
         qi = q[s:e].transpose(0, 1)  # [Hq, qlen, D]
         ctx = length - qlen
-        if ctx == 0:
+        if ctx == 0 and (window is None or window >= length):
             o = F.scaled_dot_product_attention(
                 qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
                 is_causal=True, scale=scale)
         else:
             pos_q = torch.arange(ctx, length, device=q.device)[:, None]
-            mask = torch.arange(length, device=q.device)[None, :] <= pos_q
+            keys = torch.arange(length, device=q.device)[None, :]
+            mask = keys <= pos_q
+            if window is not None:
+                mask &= keys > pos_q - window
             o = F.scaled_dot_product_attention(
                 qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
                 attn_mask=mask, scale=scale)

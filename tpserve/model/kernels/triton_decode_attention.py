@@ -5,6 +5,9 @@ Layouts:
 - ``k_cache``/``v_cache [num_blocks, PAGE_SIZE, Hkv, D]``; ``block_tables [B, max_blocks]``
   int32; ``seq_lens [B]`` int32 (context length including the new token, already cached).
 
+With a sliding ``WINDOW`` only a sequence's last ``WINDOW`` keys count: the tiles dealt out
+start at the tile holding the first of them, which is masked below it.
+
 Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
 all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
 (``BLOCK_G >= 16`` so the matmuls map onto tensor cores), so every K/V row is loaded once per
@@ -143,7 +146,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr, WINDOW: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -153,8 +156,14 @@ def _decode_split_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    if WINDOW > 0:  # keys first .. seq_len - 1, in tiles from first's tile on
+        first = tl.maximum(seq_len - WINDOW, 0)
+        base = (first // BLOCK_N) * BLOCK_N
+    else:
+        first = 0
+        base = 0
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - base, BLOCK_N), NUM_SPLITS)
+    start = base + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -188,7 +197,10 @@ def _decode_split_kernel(
         blk_next = offs_n.to(tl.int64)  # unused
     for tok0 in range(start, end, BLOCK_N):
         toks = tok0 + offs_n
-        valid = toks < end
+        if WINDOW > 0:
+            valid = (toks < end) & (toks >= first)
+        else:
+            valid = toks < end
         off = toks % PAGE_SIZE
         if BT_AHEAD:  # this tile's entries came a tile ahead; the next tile's load now
             blk = blk_next
@@ -209,7 +221,8 @@ def _decode_split_kernel(
                 kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
             s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        # finite: every tile has a valid key (with a window, the first tile holds ``first``)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
             if tl.max(m_new - m_i, axis=0) > TAU:  # +inf on the first tile
                 alpha = tl.exp2(m_i - m_new)
@@ -329,6 +342,7 @@ def decode_attention(
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
     bt_ahead: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -342,7 +356,8 @@ def decode_attention(
     ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the
     split scratch (``split_partials``) when the caller allocated it, e.g. before running
     this on another stream; None allocates it here. A sequence of length 0 leaves its rows
-    of ``out`` as they were.
+    of ``out`` as they were. ``window``: a sliding window, each query over its sequence's
+    last ``window`` keys (the splits share those keys' tiles out).
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -388,7 +403,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        BT_AHEAD=bt_ahead,
+        BT_AHEAD=bt_ahead, WINDOW=window or 0,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:

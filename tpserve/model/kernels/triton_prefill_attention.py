@@ -14,7 +14,10 @@ captured with a grid sized for the largest step and replayed for any smaller one
 ``0 .. ctx + j``. Program ``(tile, head)`` computes query tokens ``m * BLOCK_M ..`` of
 sequence ``i`` for one query head with a flash-attention online softmax (float32, log2
 domain). Key tiles entirely left of the tile's first query are processed without masks;
-only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. K/V rows are
+only the last ``ceil(BLOCK_M / BLOCK_N) + 1`` tiles at most are causally masked. With a
+sliding ``WINDOW`` query ``j`` sees keys ``ctx + j - WINDOW + 1 .. ctx + j`` only: the key
+tiles start at the tile's first row's first key and every tile is masked (a row may see
+no key of the first ones). K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
 
 FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype, or
@@ -49,10 +52,11 @@ def _attend_tile(
     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WIDEN_DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1`` (K, V and the
-    probabilities rounded to ``WIDEN_DTYPE`` before the matmuls)."""
+    probabilities rounded to ``WIDEN_DTYPE`` before the matmuls); with a ``WINDOW`` (masked
+    tiles only) a row sees keys ``pos - WINDOW + 1 .. pos`` and may see none of the tile."""
     toks = tok0 + offs_n
     if MASKED:
         valid = toks < seq_len
@@ -70,11 +74,18 @@ def _attend_tile(
     s = s * scale_log2
     if MASKED:
         keep = valid[None, :] & (toks[None, :] <= pos_q[:, None])
+        if WINDOW > 0:
+            keep = keep & (toks[None, :] > pos_q[:, None] - WINDOW)
         s = tl.where(keep, s, float("-inf"))
-    # Finite: the first tile reached has a visible key for every row (see the caller).
+    # Without a window finite: the first tile reached has a visible key for every row (see
+    # the caller). With one, a row that has seen no key yet keeps -inf and adds nothing.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOW > 0:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
@@ -96,7 +107,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDEN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -134,16 +145,26 @@ def _prefill_kernel(
         # first masked tile starts at or before first_pos, so each row sees a key in it.
         unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
         kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
-        for tok0 in range(0, unmasked_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
-                stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
-        for tok0 in range(unmasked_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
-                stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        if WINDOW > 0:  # every tile masked, from the first row's first key on
+            lo = tl.maximum(first_pos - WINDOW + 1, 0)
+            for tok0 in range((lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+                    stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, WINDOW)
+        else:
+            for tok0 in range(0, unmasked_end, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+                    stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+                    PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
+            for tok0 in range(unmasked_end, kv_end, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
+                    stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        if WINDOW > 0:  # a padding row (never stored) may have seen no key
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_i[:, None]
         if KV_FP8:
             o = o * tl.load(kv_scale_ptr + 1)
@@ -156,6 +177,7 @@ def prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int = 4,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
@@ -166,6 +188,7 @@ def prefill_attention(
     over an FP8 cache). ``kv_scale`` (float32 ``[2]``, K then V) is required
     for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
+    ``window``: a sliding window, each query over its last ``window`` positions.
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -194,7 +217,7 @@ def prefill_attention(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
-        WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype),
+        WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), WINDOW=window or 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
