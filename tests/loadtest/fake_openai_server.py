@@ -6,11 +6,17 @@ CHAT_TEMPLATE_TOKENS more. Every request streams ``max_tokens`` one-word chunks 
 Failures can be injected on every k-th request: a 500 response, or an error event in
 the stream after two tokens. The server counts what it received and generated, under a
 lock, so that tests can compare the load test's report with the server's own count.
+
+``/v1/embeddings`` answers one input with a base64 float32 vector of EMBEDDING_DIM values
+(after ``token_delay`` seconds); on every k-th request (``fail_every``) it fails by
+``fail_mode``: "http" a 500, or one of EMBEDDING_FAULTS, a 200 answer that is wrong.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import contextlib
 import json
 import threading
@@ -26,6 +32,8 @@ MODEL_ID = "fake-model"
 CHAT_TEMPLATE_TOKENS = 5
 TOKENS_BEFORE_STREAM_ERROR = 2
 DONE = "data: [DONE]\n\n"
+EMBEDDING_DIM = 8
+EMBEDDING_FAULTS = ("empty", "not_base64", "odd_bytes", "two_items", "nan", "no_usage")
 
 
 @dataclass
@@ -33,7 +41,7 @@ class FakeServerOptions:
     """How the fake server behaves; may be changed while it runs."""
 
     fail_every: int = 0
-    fail_mode: str = "http"  # "http": a 500 response; "stream": an error event mid-stream
+    fail_mode: str = "http"  # "http": a 500; "stream": an error mid-stream; EMBEDDING_FAULTS
     token_delay: float = 0.0
     eos_after: int | None = None
     tokenize: bool = True
@@ -162,6 +170,31 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
                               "total_tokens": prompt_tokens + n}})
         yield DONE
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        body = await request.json()
+        with stats.lock:
+            stats.requests += 1
+            number = stats.requests
+            stats.prompts.append(body["input"])
+            stats.bodies.append(body)
+        if options.token_delay:
+            await asyncio.sleep(options.token_delay)
+        fault = (options.fail_mode if options.fail_every > 0
+                 and number % options.fail_every == 0 else None)
+        if fault == "http":
+            return JSONResponse({"error": {"message": "injected failure",
+                                           "type": "InternalServerError", "code": 500}}, 500)
+        prompt_tokens = count_tokens(body["input"])
+        answer = embedding_answer(prompt_tokens, fault)
+        if fault is None:
+            with stats.lock:
+                stats.succeeded += 1
+                stats.prompt_tokens += prompt_tokens
+        return answer
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, chat=False)
@@ -171,6 +204,22 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+def embedding_answer(prompt_tokens: int, fault: str | None) -> dict:
+    """An embeddings answer for one input; wrong as EMBEDDING_FAULTS' ``fault`` says."""
+    values = [float("nan")] * EMBEDDING_DIM if fault == "nan" else [0.5] * EMBEDDING_DIM
+    encoded = base64.b64encode(array.array("f", values).tobytes()).decode("ascii")
+    encoded = {"empty": "", "not_base64": "not base64!",
+               "odd_bytes": base64.b64encode(b"12345").decode("ascii")}.get(fault, encoded)
+    item = {"index": 0, "object": "embedding", "embedding": encoded}
+    answer: dict = {"object": "list", "model": MODEL_ID,
+                    "data": [item, {**item, "index": 1}] if fault == "two_items" else [item],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                              "total_tokens": prompt_tokens}}
+    if fault == "no_usage":
+        del answer["usage"]
+    return answer
 
 
 def _sse(obj: dict) -> str:

@@ -1,4 +1,5 @@
-"""``tpserve loadtest``: a streaming load generator and report for OpenAI-compatible servers.
+"""``tpserve loadtest``: a load generator and report for OpenAI-compatible servers: streamed
+completions or chat requests, or /v1/embeddings requests (``--endpoint embeddings``).
 
 Wire it into a CLI with ``add_arguments(subparser)`` and ``main(parsed_args)``.
 """

@@ -9,13 +9,21 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ENDPOINTS = ("completions", "chat")
+ENDPOINTS = ("completions", "chat", "embeddings")
 # vLLM's --dataset-name values this load test knows, and the older names kept as aliases.
 DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
 DATASET_ALIASES = {"shared-prefix": "prefix-repetition", "prefix": "prefix-repetition",
                    "file": "custom"}
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PREFIX_LEN = 256  # --dataset-name prefix-repetition without --random-prefix-len
+DEFAULT_OUTPUT_LEN = 128  # --random-output-len when not given
+DEFAULT_TEMPERATURE = 0.0  # --temperature when not given: greedy, as vLLM's bench serve
+# --percentile-metrics when not given: vLLM's defaults for generation and for pooling
+DEFAULT_PERCENTILE_METRICS = {"generation": ("ttft", "tpot", "itl"), "embeddings": ("e2el",)}
+# Parameters of generation only: refused with --endpoint embeddings when given, and left
+# out of an embeddings result.
+GENERATION_PARAMETERS = ("random_output_len", "sharegpt_output_len", "ignore_eos",
+                         "temperature")
 
 
 class ConfigError(ValueError):
@@ -32,6 +40,10 @@ class LoadtestConfig:
     prefix (the prefix-repetition dataset, or random with ``--random-prefix-len``).
     ``percentile_metrics`` and ``metric_percentiles`` choose the ``p{N}_{metric}_ms``
     keys and table rows, as vLLM's ``--percentile-metrics``/``--metric-percentiles``.
+
+    With ``endpoint`` "embeddings" (vLLM's ``--backend openai-embeddings``) nothing is
+    generated: the generation parameters (GENERATION_PARAMETERS) keep their defaults and
+    are not used, and the only latency is the end-to-end one (e2el).
     """
 
     base_url: str
@@ -63,6 +75,11 @@ class LoadtestConfig:
     progress: bool
 
     @property
+    def embeddings(self) -> bool:
+        """The requests are /v1/embeddings ones, which generate nothing."""
+        return self.endpoint == "embeddings"
+
+    @property
     def plot_file(self) -> Path | None:
         """The PNG written beside the JSON result: same folder, same stem."""
         if self.result_file is None or not self.plot:
@@ -70,8 +87,9 @@ class LoadtestConfig:
         return self.result_file.with_suffix(".png")
 
     def parameters(self) -> dict:
-        """The run's parameters as stored in the JSON result (never the API key)."""
-        return {
+        """The run's parameters as stored in the JSON result (never the API key); an
+        embeddings run leaves out the parameters of generation."""
+        parameters = {
             "label": self.label,
             "base_url": self.base_url,
             "endpoint": self.endpoint,
@@ -93,6 +111,10 @@ class LoadtestConfig:
             "num_warmups": self.num_warmups,
             "timeout": self.timeout,
         }
+        if self.embeddings:
+            for name in GENERATION_PARAMETERS:
+                del parameters[name]
+        return parameters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--model", default=None,
                         help="model name to send (default: the first id of GET /v1/models)")
     server.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
-                        help="/v1/completions or /v1/chat/completions (default: %(default)s)")
+                        help="/v1/completions, /v1/chat/completions, or /v1/embeddings (a "
+                             "--runner pooling server; vLLM's --backend openai-embeddings): "
+                             "one non-streaming request per prompt, measured end to end, "
+                             "without the flags of generation (default: %(default)s)")
     server.add_argument("--api-key", default=None,
                         help="bearer token (default: the OPENAI_API_KEY environment variable)")
     server.add_argument("--timeout", type=float, default=600.0,
@@ -141,9 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=argparse.SUPPRESS)  # the old name of --dataset-name
     data.add_argument("--random-input-len", type=int, default=1024,
                       help="prompt tokens (after the prefix, if any) (default: %(default)s)")
-    data.add_argument("--random-output-len", type=int, default=128,
+    data.add_argument("--random-output-len", type=int, default=None,
                       help="max_tokens of each request; also the default for file "
-                           "prompts without output_len (default: %(default)s)")
+                           f"prompts without output_len (default: {DEFAULT_OUTPUT_LEN})")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="input and output lengths are drawn uniformly from "
                            "[len*(1-r), len*(1+r)] (default: %(default)s)")
@@ -163,9 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--ignore-eos", action="store_true",
                       help="ask the server to generate max_tokens whatever the model says "
                            "(vLLM's ignore_eos extension)")
-    data.add_argument("--temperature", type=float, default=0.0,
+    data.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature sent with every request (default: "
-                           "%(default)s, greedy, as vLLM's bench serve)")
+                           f"{DEFAULT_TEMPERATURE}, greedy, as vLLM's bench serve)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--save-result", action="store_true",
@@ -178,9 +203,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "[-concurrency{N}][-{model}]-{YYYYmmdd-HHMMSS}.json, as vLLM's)")
     out.add_argument("--result-file", type=Path, default=None,
                      help=argparse.SUPPRESS)  # the old flag: the whole path, implies saving
-    out.add_argument("--percentile-metrics", type=_metric_list, default="ttft,tpot,itl",
+    out.add_argument("--percentile-metrics", type=_metric_list, default=None,
                      help="comma-separated metrics of ttft,tpot,itl,e2el whose percentiles "
-                          "are reported (default: %(default)s)")
+                          "are reported; only e2el for --endpoint embeddings (default: "
+                          "ttft,tpot,itl; e2el for embeddings)")
     out.add_argument("--metric-percentiles", type=_percentile_list, default="99",
                      help="comma-separated percentiles reported for those metrics, e.g. "
                           "25,50,99 (default: %(default)s)")
@@ -208,7 +234,18 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     need(args.max_concurrency is None or args.max_concurrency >= 1,
          "--max-concurrency must be at least 1")
     need(args.random_input_len >= 1, "--random-input-len must be at least 1")
-    need(args.random_output_len >= 1, "--random-output-len must be at least 1")
+    embeddings = args.endpoint == "embeddings"
+    if embeddings:
+        _refuse_generation_flags(args)
+    output_len = DEFAULT_OUTPUT_LEN if args.random_output_len is None else args.random_output_len
+    need(output_len >= 1, "--random-output-len must be at least 1")
+    if args.percentile_metrics is None:
+        metrics = DEFAULT_PERCENTILE_METRICS["embeddings" if embeddings else "generation"]
+    else:
+        metrics = _as_metrics(args.percentile_metrics)
+    need(not embeddings or metrics == ("e2el",),
+         "--percentile-metrics can only be e2el with --endpoint embeddings: an embedding "
+         "comes in one piece, so there is no TTFT, TPOT or ITL to measure")
     need(0.0 <= args.random_range_ratio < 1.0, "--random-range-ratio must be in [0, 1)")
     need(args.num_warmups >= 0, "--num-warmups must be 0 or more")
     need(args.timeout > 0, "--timeout must be positive")
@@ -253,24 +290,38 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         max_concurrency=args.max_concurrency,
         dataset=dataset,
         random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len,
+        random_output_len=output_len,
         random_range_ratio=args.random_range_ratio,
         prefix_len=prefix_len,
         dataset_path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len,
         ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
+        temperature=DEFAULT_TEMPERATURE if args.temperature is None else args.temperature,
         seed=args.seed,
         num_warmups=args.num_warmups,
         api_key=api_key,
         result_file=result_file,
         timeout=args.timeout,
-        percentile_metrics=_as_metrics(args.percentile_metrics),
+        percentile_metrics=metrics,
         metric_percentiles=_as_percentiles(args.metric_percentiles),
         label=args.label,
         plot=args.plot,
         progress=args.progress,
     )
+
+
+def _refuse_generation_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming every flag of generation given with --endpoint embeddings."""
+    given = [flag for flag, value in (("--random-output-len", args.random_output_len),
+                                      ("--sharegpt-output-len", args.sharegpt_output_len),
+                                      ("--temperature", args.temperature))
+             if value is not None]
+    if args.ignore_eos:
+        given.append("--ignore-eos")
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} cannot be used with --endpoint embeddings: an embeddings "
+            "request generates no tokens")
 
 
 def _rate(text: str) -> float:

@@ -18,9 +18,10 @@ from pathlib import Path
 from tpserve.loadtest.args import ConfigError, LoadtestConfig, config_from_args
 from tpserve.loadtest.datasets import DatasetError
 from tpserve.loadtest.interrupt import sigint_sets
-from tpserve.loadtest.metrics import summarize
+from tpserve.loadtest.metrics import summarize, summarize_embeddings
 from tpserve.loadtest.plot import write_plot
 from tpserve.loadtest.report import format_summary, format_sweep, write_json
+from tpserve.loadtest.runner import RunRecord
 from tpserve.loadtest.session import Session, SetupError, run_session
 
 EXIT_OK, EXIT_NO_SUCCESS, EXIT_SETUP, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -55,9 +56,7 @@ def build_document(config: LoadtestConfig, session: Session) -> dict:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     common = {"date": date, "model": session.model, "tokenizer": session.tokenizer,
               **config.parameters()}
-    results = [{**common, **summarize(record, config.percentile_metrics,
-                                      config.metric_percentiles)}
-               for record in session.records]
+    results = [{**common, **_summary(config, record)} for record in session.records]
     if not config.sweep:
         return results[0]
     return {
@@ -67,6 +66,12 @@ def build_document(config: LoadtestConfig, session: Session) -> dict:
         "interrupted": session.interrupted,
         "results": results,
     }
+
+
+def _summary(config: LoadtestConfig, record: RunRecord) -> dict:
+    if config.embeddings:
+        return summarize_embeddings(record, config.metric_percentiles)
+    return summarize(record, config.percentile_metrics, config.metric_percentiles)
 
 
 def _report(config: LoadtestConfig, session: Session) -> int:

@@ -4,7 +4,8 @@ Times come from time.perf_counter(). TTFT is the time to the first chunk that ca
 text; ITL the gaps between text chunks; token counts come from the final ``usage``
 chunk (``stream_options.include_usage``). Every failure (HTTP status, error event in
 the stream, timeout, connection error, malformed stream) becomes a failed result with
-a message; cancellation (Ctrl-C) is not a failure and propagates.
+a message; cancellation (Ctrl-C) is not a failure and propagates. ``failure_of`` holds
+that convention for every kind of request (the embeddings one too).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -47,8 +50,33 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
+class Sender(Protocol):
+    """What a run needs of a request kind: send one PromptSpec and measure it."""
+
+    async def send(self, spec: PromptSpec, run_start: float) -> RequestResult: ...
+
+
 class StreamError(Exception):
-    """The server reported an error, or the stream broke the protocol."""
+    """The server reported an error, or its answer (a stream, an embeddings body) broke
+    the protocol."""
+
+
+async def failure_of(work: Awaitable[None], timeout: float) -> str | None:
+    """Await ``work`` for at most ``timeout`` seconds: None when it completed, else why it
+    failed (clipped to MAX_ERROR_CHARS). Never raises except CancelledError."""
+    try:
+        await asyncio.wait_for(work, timeout)
+    except asyncio.TimeoutError:
+        return f"timeout after {timeout:g}s"
+    except httpx.TimeoutException as e:
+        return f"timeout ({type(e).__name__})"
+    except httpx.HTTPError as e:
+        return clip_error(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    except StreamError as e:
+        return clip_error(str(e) or "protocol error")
+    except Exception as e:  # any other failure is a failed request, never a crash
+        return clip_error(f"{type(e).__name__}: {e}")
+    return None
 
 
 class RequestSender:
@@ -98,19 +126,8 @@ class RequestSender:
         result = RequestResult(target_input_len=spec.target_input_len)
         sent = time.perf_counter()
         result.start = sent - run_start
-        try:
-            await asyncio.wait_for(self._stream(spec, result, sent, run_start), self._timeout)
-            result.success = True
-        except asyncio.TimeoutError:
-            result.error = f"timeout after {self._timeout:g}s"
-        except httpx.TimeoutException as e:
-            result.error = f"timeout ({type(e).__name__})"
-        except httpx.HTTPError as e:
-            result.error = _clip(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-        except StreamError as e:
-            result.error = _clip(str(e))
-        except Exception as e:  # any other failure is a failed request, never a crash
-            result.error = _clip(f"{type(e).__name__}: {e}")
+        error = await failure_of(self._stream(spec, result, sent, run_start), self._timeout)
+        result.success, result.error = error is None, error or ""
         result.latency = time.perf_counter() - sent
         if result.success and not result.chunk_times:
             result.ttft = result.latency
@@ -123,7 +140,7 @@ class RequestSender:
         async with self._client.stream("POST", self._url, json=body) as response:
             if response.status_code != 200:
                 raw = await response.aread()
-                raise StreamError(f"HTTP {response.status_code}: {_error_message(raw)}")
+                raise StreamError(f"HTTP {response.status_code}: {error_message(raw)}")
             done = False
             last = sent
             async for event in iter_events(response.aiter_lines()):
@@ -176,7 +193,8 @@ def _message_of(obj: object) -> str:
     return str(obj)
 
 
-def _error_message(raw: bytes) -> str:
+def error_message(raw: bytes) -> str:
+    """The message of an error response's body (OpenAI's envelope, or the text itself)."""
     text = raw.decode("utf-8", errors="replace").strip()
     try:
         return _message_of(json.loads(text))
@@ -184,5 +202,6 @@ def _error_message(raw: bytes) -> str:
         return text or "(empty body)"
 
 
-def _clip(text: str) -> str:
+def clip_error(text: str) -> str:
+    """text, cut to MAX_ERROR_CHARS."""
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."

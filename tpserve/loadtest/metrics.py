@@ -5,6 +5,9 @@ are counted and their messages tallied in ``errors``. Statistics of an empty set
 0.0. Mean, median and std are given for every latency; ``p{N}_{metric}_ms`` only for
 the chosen metrics and percentiles (vLLM's ``--percentile-metrics`` and
 ``--metric-percentiles``). Per-request lists (seconds) are kept so that plots can be redrawn from the JSON.
+
+An embeddings run (``summarize_embeddings``) has the keys of vLLM's pooling result: no
+output tokens, TTFT, TPOT or ITL, only input tokens and the end-to-end latency.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ def summarize(
 ) -> dict:
     """The measured metrics of one run (parameters are added by the caller)."""
     ok = [r for r in record.results if r.success]
-    failed = [r for r in record.results if not r.success]
     duration = record.duration
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -42,14 +44,8 @@ def summarize(
         "itl": [x for r in ok for x in r.itl],
         "e2el": [r.latency for r in ok],
     }
-    out: dict = {
-        "request_rate": _json_rate(record.request_rate),
-        "interrupted": record.interrupted,
-        "completed": len(ok),
-        "failed": len(failed),
-        "cancelled": record.cancelled,
-        "not_sent": record.not_sent,
-        "duration": duration,
+    out = {
+        **_counts(record),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": _per_second(len(ok), duration),
@@ -57,18 +53,9 @@ def summarize(
         "total_token_throughput": _per_second(total_in + total_out, duration),
     }
     for name in LATENCIES:
-        values_ms = np.asarray(samples[name], dtype=float) * 1000.0
-        out[f"mean_{name}_ms"] = _stat(np.mean, values_ms)
-        out[f"median_{name}_ms"] = _stat(np.median, values_ms)
-        out[f"std_{name}_ms"] = _stat(np.std, values_ms)
-        if name in percentile_metrics:
-            for p in percentiles:
-                out[percentile_key(name, p)] = _stat(
-                    lambda v, p=p: np.percentile(v, p), values_ms)
-    out["errors"] = [
-        {"message": message, "count": count}
-        for message, count in Counter(r.error for r in failed).most_common()
-    ]
+        out |= _latency_stats(name, samples[name],
+                              percentiles if name in percentile_metrics else ())
+    out["errors"] = _errors(record)
     out["requests_without_usage"] = sum(1 for r in ok if not r.usage_reported)
     out["output_throughput_timeline"] = output_timeline(record)
     out["input_lens"] = [r.prompt_tokens for r in ok]
@@ -79,6 +66,57 @@ def summarize(
     out["e2els"] = samples["e2el"]
     out["itls"] = [list(r.itl) for r in ok]
     return out
+
+
+def summarize_embeddings(record: RunRecord, percentiles: tuple[float, ...] = (99.0,)) -> dict:
+    """The measured metrics of one embeddings run: counts, input tokens (total, mean, per
+    second as vLLM's ``total_token_throughput``), request throughput and the end-to-end
+    latency with its ``p{N}_e2el_ms``; per-request input lengths and latencies."""
+    ok = [r for r in record.results if r.success]
+    duration = record.duration
+    total_in = sum(r.prompt_tokens for r in ok)
+    return {
+        **_counts(record),
+        "total_input_tokens": total_in,
+        "mean_input_tokens": total_in / len(ok) if ok else 0.0,
+        "request_throughput": _per_second(len(ok), duration),
+        "total_token_throughput": _per_second(total_in, duration),
+        **_latency_stats("e2el", [r.latency for r in ok], percentiles),
+        "errors": _errors(record),
+        "input_lens": [r.prompt_tokens for r in ok],
+        "target_input_lens": [r.target_input_len for r in ok],
+        "e2els": [r.latency for r in ok],
+    }
+
+
+def _counts(record: RunRecord) -> dict:
+    completed = sum(1 for r in record.results if r.success)
+    return {
+        "request_rate": _json_rate(record.request_rate),
+        "interrupted": record.interrupted,
+        "completed": completed,
+        "failed": len(record.results) - completed,
+        "cancelled": record.cancelled,
+        "not_sent": record.not_sent,
+        "duration": record.duration,
+    }
+
+
+def _latency_stats(name: str, samples_s: list[float], percentiles: tuple[float, ...]) -> dict:
+    """mean, median, std and the given percentiles of samples_s, in milliseconds."""
+    values_ms = np.asarray(samples_s, dtype=float) * 1000.0
+    out = {f"mean_{name}_ms": _stat(np.mean, values_ms),
+           f"median_{name}_ms": _stat(np.median, values_ms),
+           f"std_{name}_ms": _stat(np.std, values_ms)}
+    for p in percentiles:
+        out[percentile_key(name, p)] = _stat(lambda v, p=p: np.percentile(v, p), values_ms)
+    return out
+
+
+def _errors(record: RunRecord) -> list[dict]:
+    """The failed requests' messages with their counts, most frequent first."""
+    failed = Counter(r.error for r in record.results if not r.success)
+    return [{"message": message, "count": count} for message, count in failed.most_common()]
 
 
 def output_timeline(record: RunRecord) -> dict:

@@ -3,6 +3,10 @@
 matplotlib is a dependency of tpserve, imported here lazily; where it is missing anyway
 (a bare install with --no-deps) the plot is skipped with a warning while the JSON result
 is still written.
+
+An embeddings result has only the E2E latency histogram, and its lower panel shows the
+latency against the input length (there is no output to plot over time); its sweep plot
+shows E2E latency against the achieved request throughput.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from tpserve.loadtest.report import is_embeddings
 
 HISTOGRAMS = (
     ("ttfts", "TTFT"),
@@ -49,8 +55,9 @@ def _title(document: dict) -> str:
 
 def _run_figure(figure_class, result: dict):
     figure = figure_class(figsize=(14, 8), layout="constrained")
-    grid = figure.add_gridspec(2, 4)
-    for i, (key, name) in enumerate(HISTOGRAMS):
+    histograms = [(key, name) for key, name in HISTOGRAMS if key in result]
+    grid = figure.add_gridspec(2, len(histograms))
+    for i, (key, name) in enumerate(histograms):
         values = result.get(key) or []
         if key == "itls":
             values = [x for request in values for x in request]
@@ -68,6 +75,15 @@ def _run_figure(figure_class, result: dict):
         ax.set_xlabel("ms")
         ax.set_ylabel("count")
     ax = figure.add_subplot(grid[1, :])
+    if is_embeddings(result):
+        _latency_by_input_len(ax, result)
+    else:
+        _output_timeline(ax, result)
+    figure.suptitle(_title(result))
+    return figure
+
+
+def _output_timeline(ax, result: dict) -> None:
     timeline = result.get("output_throughput_timeline") or {}
     rates = np.asarray(timeline.get("tokens_per_s") or [], dtype=float)
     width = float(timeline.get("bin_s") or 0.0)
@@ -81,16 +97,32 @@ def _run_figure(figure_class, result: dict):
                  f"{result['failed']} failed, rate {result['request_rate']} req/s)")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("output tokens / s")
-    figure.suptitle(_title(result))
-    return figure
+
+
+def _latency_by_input_len(ax, result: dict) -> None:
+    lens = np.asarray(result.get("input_lens") or [], dtype=float)
+    e2els_ms = np.asarray(result.get("e2els") or [], dtype=float) * 1000.0
+    if lens.size and lens.size == e2els_ms.size:
+        ax.scatter(lens, e2els_ms, s=12, color="C3")
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"E2E latency by input length ({result['completed']} completed, "
+                 f"{result['failed']} failed, rate {result['request_rate']} req/s)")
+    ax.set_xlabel("input tokens")
+    ax.set_ylabel("E2E latency (ms)")
 
 
 def _sweep_figure(figure_class, document: dict):
     results = document["results"]
     figure = figure_class(figsize=(12, 5), layout="constrained")
-    throughput = [r["output_throughput"] for r in results]
-    for i, (key, name) in enumerate((("ttft", "TTFT"), ("tpot", "TPOT"))):
-        ax = figure.add_subplot(1, 2, i + 1)
+    if results and is_embeddings(results[0]):
+        panels, x_key, x_label = (("e2el", "E2EL"),), "request_throughput", "requests / s"
+    else:
+        panels = (("ttft", "TTFT"), ("tpot", "TPOT"))
+        x_key, x_label = "output_throughput", "output tokens / s"
+    throughput = [r[x_key] for r in results]
+    for i, (key, name) in enumerate(panels):
+        ax = figure.add_subplot(1, len(panels), i + 1)
         ax.plot(throughput, [r[f"median_{key}_ms"] for r in results], marker="o",
                 label=f"median {name}")
         if all(f"p99_{key}_ms" in r for r in results):
@@ -101,7 +133,7 @@ def _sweep_figure(figure_class, document: dict):
             ax.annotate(rate if isinstance(rate, str) else f"{rate:g}", (x, r[f"median_{key}_ms"]),
                         textcoords="offset points", xytext=(4, 4), fontsize="small")
         ax.set_title(f"{name} vs achieved throughput (labels: request rate)")
-        ax.set_xlabel("output tokens / s")
+        ax.set_xlabel(x_label)
         ax.set_ylabel(f"{name} (ms)")
         ax.legend(fontsize="small")
     first = results[0] if results else {}

@@ -1,4 +1,9 @@
-"""Human-readable summary tables and the JSON result file."""
+"""Human-readable summary tables and the JSON result file.
+
+An embeddings result (``"endpoint": "embeddings"``) is shown as vLLM shows a pooling one:
+input tokens and throughputs, then the end-to-end latency; no generated tokens, TTFT, TPOT
+or ITL.
+"""
 
 from __future__ import annotations
 
@@ -35,16 +40,10 @@ def format_summary(result: dict, percentile_metrics: tuple[str, ...] = ("ttft", 
             _row("Cancelled in flight:", result["cancelled"]),
             _row("Not sent:", result["not_sent"]),
         ]
-    lines += [
-        _row("Benchmark duration (s):", f"{result['duration']:.2f}"),
-        _row("Total input tokens:", result["total_input_tokens"]),
-        _row("Total generated tokens:", result["total_output_tokens"]),
-        _row("Request throughput (req/s):", f"{result['request_throughput']:.2f}"),
-        _row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"),
-        _row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
-    ]
+    lines.append(_row("Benchmark duration (s):", f"{result['duration']:.2f}"))
+    lines += _embeddings_rows(result) if is_embeddings(result) else _generation_rows(result)
     for key, short, title in SECTIONS:
-        if key not in percentile_metrics:
+        if key not in percentile_metrics or f"mean_{key}_ms" not in result:
             continue
         lines.append(_rule(title, "-"))
         for stat, name in (("mean", "Mean"), ("median", "Median")):
@@ -65,9 +64,35 @@ def format_summary(result: dict, percentile_metrics: tuple[str, ...] = ("ttft", 
     return "\n".join(lines)
 
 
+def is_embeddings(result: dict) -> bool:
+    """Whether result is of an --endpoint embeddings run."""
+    return result.get("endpoint") == "embeddings"
+
+
+def _generation_rows(result: dict) -> list[str]:
+    return [
+        _row("Total input tokens:", result["total_input_tokens"]),
+        _row("Total generated tokens:", result["total_output_tokens"]),
+        _row("Request throughput (req/s):", f"{result['request_throughput']:.2f}"),
+        _row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"),
+        _row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
+    ]
+
+
+def _embeddings_rows(result: dict) -> list[str]:
+    return [
+        _row("Total input tokens:", result["total_input_tokens"]),
+        _row("Mean input tokens:", f"{result['mean_input_tokens']:.2f}"),
+        _row("Request throughput (req/s):", f"{result['request_throughput']:.2f}"),
+        _row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"),
+    ]
+
+
 def format_sweep(results: list[dict]) -> str:
     """One line per rate: throughput against median and p99 TTFT and TPOT ("-" where
-    p99 was not asked for)."""
+    p99 was not asked for); for embeddings, against median and p99 E2EL."""
+    if results and is_embeddings(results[0]):
+        return _format_embeddings_sweep(results)
     header = (f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}")
     width = len(header)
@@ -80,6 +105,23 @@ def format_sweep(results: list[dict]) -> str:
             f"{r['median_ttft_ms']:>9.1f} {_maybe(r.get('p99_ttft_ms'), '.1f'):>9} "
             f"{r['median_tpot_ms']:>9.2f} {_maybe(r.get('p99_tpot_ms'), '.2f'):>9} "
             f"{r['failed']:>7}"
+        )
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def _format_embeddings_sweep(results: list[dict]) -> str:
+    header = (f"{'rate':>8} {'req/s':>8} {'in tok/s':>10} {'E2EL p50':>9} {'E2EL p99':>9} "
+              f"{'failed':>7}")
+    width = len(header)
+    lines = [" Sweep (latencies in ms) ".center(width, "="), header]
+    for r in results:
+        rate = r["request_rate"]
+        rate_text = rate if isinstance(rate, str) else f"{rate:g}"
+        lines.append(
+            f"{rate_text:>8} {r['request_throughput']:>8.2f} "
+            f"{r['total_token_throughput']:>10.1f} {r['median_e2el_ms']:>9.1f} "
+            f"{_maybe(r.get('p99_e2el_ms'), '.1f'):>9} {r['failed']:>7}"
         )
     lines.append("=" * width)
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from tpserve.loadtest.arrivals import arrival_offsets
-from tpserve.loadtest.client import RequestResult, RequestSender
+from tpserve.loadtest.client import RequestResult, Sender
 from tpserve.loadtest.datasets import PromptSpec
 
 LINE_EVERY_S = 5.0
@@ -84,7 +84,7 @@ class RunRecord:
 
 
 async def run_once(
-    sender: RequestSender,
+    sender: Sender,
     prompts: Sequence[PromptSpec],
     request_rate: float,
     burstiness: float,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from tpserve.loadtest.args import LoadtestConfig
-from tpserve.loadtest.client import RequestSender
+from tpserve.loadtest.client import RequestSender, Sender
 from tpserve.loadtest.datasets import (
     PromptSpec,
     file_dataset,
@@ -23,6 +23,7 @@ from tpserve.loadtest.datasets import (
     random_dataset,
     sharegpt_dataset,
 )
+from tpserve.loadtest.embeddings_client import EmbeddingsSender
 from tpserve.loadtest.interrupt import Interrupted, unless_stopped
 from tpserve.loadtest.runner import RunRecord, run_once
 from tpserve.loadtest.token_count import TokenCounter, choose_counter
@@ -85,6 +86,14 @@ async def build_prompts(
                                 config.random_range_ratio, seed)
 
 
+def make_sender(config: LoadtestConfig, client: httpx.AsyncClient, model: str) -> Sender:
+    """The request kind of ``--endpoint``: embeddings, or streaming (chat) completions."""
+    if config.embeddings:
+        return EmbeddingsSender(client, config.base_url, model, config.timeout)
+    return RequestSender(client, config.base_url, model, config.endpoint, config.ignore_eos,
+                         config.timeout, config.temperature)
+
+
 async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
     """Run every rate of config until done or until stop is set."""
     model = tokenizer = None
@@ -97,8 +106,7 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
                 choose_counter(client, config.base_url, model, config.endpoint == "chat"), stop)
             tokenizer = counter.name
             _log(f"model {model!r}; prompt lengths by {tokenizer}")
-            sender = RequestSender(client, config.base_url, model, config.endpoint,
-                                   config.ignore_eos, config.timeout, config.temperature)
+            sender = make_sender(config, client, model)
             for index, rate in enumerate(config.request_rates):
                 records.append(await _run_rate(config, counter, sender, index, rate, stop))
                 if records[-1].interrupted:
@@ -112,7 +120,7 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
 async def _run_rate(
     config: LoadtestConfig,
     counter: TokenCounter,
-    sender: RequestSender,
+    sender: Sender,
     index: int,
     rate: float,
     stop: asyncio.Event,
