@@ -63,6 +63,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
     sig = dict(zip(POINTERS, types, strict=True)) | {"scale_log2": "fp32", "kv_scale_ptr": "*fp32"}
     sig |= {s: "i32" for s in STRIDES}
     const = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "HEAD_DIM": 128,
+             "BLOCK_D": 128,
              "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": splits,
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,

@@ -27,6 +27,8 @@ from tests.model.util import (  # noqa: E402
     full_logits,
     hf_checkpoints,
     load,
+    new_pool,
+    run,
     save_gguf_file,
     save_hf_folder,
 )
@@ -454,11 +456,45 @@ def test_partial_rotary_through_the_triton_ops(kernels, backend, checkpoints, ki
                        [SeqChunk([5], len(tokens), [0, 1], True)]], DEVICE)
 
 
+def test_phi3_mini_heads_and_window_through_the_triton_ops(kernels, backend, tmp_path):
+    """Phi-3-mini's shape in small: heads of 96 (the Triton kernels tile them as 128) and a
+    sliding window (8, shorter than the prompt), on the Triton norm, RoPE and attention
+    kernels (the interpreter off CUDA): a prefill, a chunk over the cache and decodes give
+    transformers' logits."""
+    import transformers as tf
+
+    from tests.model.test_triton_kernels import DEVICE
+    from tpserve.model.loader.build import build_model
+    from tpserve.model.plan import SeqChunk
+
+    torch.manual_seed(13)
+    cfg = tf.Phi3Config(**{**TINY, "hidden_size": 192, "num_attention_heads": 2,
+                           "num_key_value_heads": 2}, rope_theta=10000.0,
+                        max_position_embeddings=256, sliding_window=8)
+    cfg.architectures = ["Phi3ForCausalLM"]
+    hf = tf.Phi3ForCausalLM(cfg).eval()
+    tokens = TOKENS + [5, 6, 7]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+    folder = save_hf_folder(hf, tmp_path / "phi3-mini-like")
+    comm = load(str(folder))[1]
+    model = build_model(open_checkpoint(str(folder)), comm, DEVICE, torch.float32,
+                        kernels["triton_ops"], backend.TritonAttention(torch.float32), 512)
+    assert (model.cfg.head_dim, model.cfg.window_of(1)) == (96, 8)
+    pool = new_pool(model, comm)
+    got = [run(model, pool, [SeqChunk(tokens[:9], 0, [0], True)], all_logits=True),
+           run(model, pool, [SeqChunk(tokens[9:14], 9, [0], True)], all_logits=True)]
+    got += [run(model, pool, [SeqChunk([t], p, [0], True)])
+            for p, t in enumerate(tokens[14:], start=14)]
+    assert (torch.cat(got).cpu() - want).abs().max().item() < 1e-4
+
+
 def test_triton_back_end_refuses_what_its_kernels_cannot_do(backend):
     attn = backend.TritonAttention(torch.float32)
-    with pytest.raises(ValueError, match="power of two of at least 16; this model's is 96: "
+    with pytest.raises(ValueError, match="multiple of 8 of at least 16; this model's is 100: "
                                          r"the torch back-end \(--kernel-backend torch"):
-        attn.check_model(96, 96, False)  # Phi-3-mini, Phi-3.5-mini
+        attn.check_model(100, 100, False)
+    attn.check_model(96, 96, False)  # Phi-3-mini, Phi-3.5-mini: tiled as 128
     with pytest.raises(ValueError, match="norms q/k heads only under RoPE over the whole"):
         attn.check_model(128, 64, True)
     attn.check_model(128, 96, False)  # Phi-4-mini

@@ -34,9 +34,10 @@ def _ref(q, k_cache, v_cache, meta, scale, window):
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_decode_kernel_window(kernels, window, splits):
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_decode_kernel_window(kernels, window, splits, head_dim):
     gen = torch.Generator().manual_seed(21)
-    hkv, group, page, head_dim, dtype = 2, 4, 8, 64, torch.float32
+    hkv, group, page, dtype = 2, 4, 8, torch.float32
     lens = [1, 7, 33, 100, 300]
     meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
                                          dtype, gen)

@@ -213,8 +213,10 @@ def _cos_sin_cache(max_pos: int, rotary_dim: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rotary_dim,page", [(64, 64, 16), (128, 64, 8)])
+@pytest.mark.parametrize("head_dim,rotary_dim,page", [(64, 64, 16), (128, 64, 8), (96, 96, 16),
+                                                     (96, 64, 8)])
 def test_rope_and_write_kv(mods, dtype, head_dim, rotary_dim, page):
+    """Heads of 96 (Phi-3-mini) are tiled as 128: the pad is never read or written."""
     gen = torch.Generator().manual_seed(4)
     tokens, hq, hkv, num_blocks = 7, 12, 3, 5
     # q/k/v as strided views of one fused projection output, as the model produces them.
@@ -288,6 +290,7 @@ ATTN_SHAPES = [  # (group = Hq / Hkv, page size, head dim)
     (1, 16, 64),
     (4, 8, 128),
     (8, 32, 64),
+    (2, 16, 96),  # Phi-3-mini's head: tiled as 128, the pad masked
 ]
 
 

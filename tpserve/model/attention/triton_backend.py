@@ -181,13 +181,14 @@ class TritonAttention(AttentionBackend):
         return self._side_streams[device]
 
     def check_model(self, head_dim: int, rotary_dim: int, head_norm: bool) -> None:
-        """Beyond the base's: the kernels tile a whole head (a power of two >= 16), and the
-        RoPE kernel norms q/k heads only when RoPE covers them whole."""
+        """Beyond the base's: the kernels tile a whole head (a multiple of 8 of at least
+        16, padded to a power of two), and the RoPE kernel norms q/k heads only when RoPE
+        covers them whole."""
         super().check_model(head_dim, rotary_dim, head_norm)
         torch_instead = "the torch back-end (--kernel-backend torch, slower) serves it"
-        if head_dim < 16 or head_dim & (head_dim - 1):
-            raise ValueError(f"the Triton kernels need a head dim that is a power of two of at "
-                             f"least 16; this model's is {head_dim}: {torch_instead}")
+        if head_dim < 16 or head_dim % 8:
+            raise ValueError(f"the Triton kernels need a head dim that is a multiple of 8 of "
+                             f"at least 16; this model's is {head_dim}: {torch_instead}")
         if head_norm and rotary_dim != head_dim:
             raise ValueError(f"the Triton RoPE kernel norms q/k heads only under RoPE over "
                              f"the whole head; this model rotates {rotary_dim} of its "

@@ -141,7 +141,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
@@ -167,12 +167,17 @@ def _decode_split_kernel(
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
+    if BLOCK_D != HEAD_DIM:  # a head dim padded to a power of two: the pad reads as 0
+        d_ok = (offs_d < HEAD_DIM)[None, :]
+        q_mask = g_mask[:, None] & d_ok
+    else:
+        q_mask = g_mask[:, None]
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
+                mask=q_mask, other=0.0)
     io_dtype = q.dtype
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
@@ -186,7 +191,7 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
@@ -209,8 +214,12 @@ def _decode_split_kernel(
                                other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + toks // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        if BLOCK_D != HEAD_DIM:
+            kv_mask = valid[:, None] & d_ok
+        else:
+            kv_mask = valid[:, None]
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         if SWAP_QK:
             s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
                                 input_precision=DOT_PRECISION))
@@ -236,7 +245,7 @@ def _decode_split_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALE_V:
             v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
         else:
@@ -252,22 +261,26 @@ def _decode_split_kernel(
         acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_SPLITS == 1:  # a slot of length 0 (CUDA-graph padding) writes nothing
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_mask = (offs_g < tl.where(seq_len > 0, GROUP, 0))[:, None]
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & d_ok
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty),
-                 mask=(offs_g < tl.where(seq_len > 0, GROUP, 0))[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         row = (seq * (GROUP * NUM_KV_HEADS) + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + row, m_i, mask=g_mask)
         tl.store(part_sum_ptr + row, l_i, mask=g_mask)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=g_mask[:, None])
+        p_mask = g_mask[:, None]
+        if BLOCK_D != HEAD_DIM:
+            p_mask = p_mask & d_ok
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=p_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, seq_lens_ptr,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -275,8 +288,12 @@ def _decode_reduce_kernel(
     rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_max_ptr + rows)
     l_s = tl.load(part_sum_ptr + rows)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :])
+    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D != HEAD_DIM:
+        acc = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        acc = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :])
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights 0
     w = tl.exp2(m - m_max)
@@ -399,6 +416,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
@@ -409,6 +427,7 @@ def decode_attention(
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_out, part_max, part_sum, out, seq_lens, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits, num_warps=4,
         )
     return out

@@ -53,10 +53,12 @@ def _attend_tile(
     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WIDEN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1`` (K, V and the
     probabilities rounded to ``WIDEN_DTYPE`` before the matmuls); with a ``WINDOW`` (masked
-    tiles only) a row sees keys ``pos - WINDOW + 1 .. pos`` and may see none of the tile."""
+    tiles only) a row sees keys ``pos - WINDOW + 1 .. pos`` and may see none of the tile.
+    ``HEAD_DIM`` (non-zero: a head padded to ``offs_d``'s power of two): its pad reads 0."""
     toks = tok0 + offs_n
     if MASKED:
         valid = toks < seq_len
@@ -66,7 +68,14 @@ def _attend_tile(
     off = toks % PAGE_SIZE
     k_ptrs = k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko + offs_d[None, :]
     v_ptrs = v_head + blk[:, None] * stride_vb + off[:, None] * stride_vo + offs_d[None, :]
-    if MASKED:
+    if HEAD_DIM > 0:
+        d_ok = (offs_d < HEAD_DIM)[None, :]
+        if MASKED:
+            kv_mask = valid[:, None] & d_ok
+        else:
+            kv_mask = d_ok
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    elif MASKED:
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
@@ -87,7 +96,9 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
+    if HEAD_DIM > 0:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif MASKED:
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
@@ -104,7 +115,8 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDEN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WINDOW: tl.constexpr,
@@ -119,12 +131,18 @@ def _prefill_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
         ctx = seq_len - q_len
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         m_mask = offs_m < q_len
         rows = (q_start + offs_m).to(tl.int64)
+        if BLOCK_D != HEAD_DIM:  # a head padded to a power of two: the pad reads as 0
+            io_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            PAD_D: tl.constexpr = HEAD_DIM
+        else:
+            io_mask = m_mask[:, None]
+            PAD_D: tl.constexpr = 0
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None], other=0.0)
+                    mask=io_mask, other=0.0)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
         if FP16_DOT:  # scores come out already scaled: e4m3 widens to fp16 in one step
@@ -135,7 +153,7 @@ def _prefill_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         kv_head = head // GROUP
         k_head = k_cache_ptr + kv_head * stride_kh
@@ -151,25 +169,25 @@ def _prefill_kernel(
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, WINDOW)
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, WINDOW, PAD_D)
         else:
             for tok0 in range(0, unmasked_end, BLOCK_N):
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
+                    PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D)
             for tok0 in range(unmasked_end, kv_end, BLOCK_N):
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION)
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D)
         if WINDOW > 0:  # a padding row (never stored) may have seen no key
             l_i = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_i[:, None]
         if KV_FP8:
             o = o * tl.load(kv_scale_ptr + 1)
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention(
@@ -214,7 +232,8 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), WINDOW=window or 0,

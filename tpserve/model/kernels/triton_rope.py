@@ -120,8 +120,8 @@ def _rope_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_q_heads, num_kv_heads, inv_sqrt_d,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, HEAD_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -150,11 +150,15 @@ def _rope_write_kv_kernel(
     # scalar combined into a store mask).
     slot = tl.load(slot_ptr + t + 0 * hk).to(tl.int64)[:, None]
     write = slot >= 0
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     v_mask = h_mask[:, None] & write
+    if BLOCK_D != HEAD_DIM:  # a head padded to a power of two: the pad is never touched
+        v_mask = v_mask & (offs_d < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :],
                 mask=v_mask, other=0.0)
     tail = h_mask[:, None] & (offs_d[None, :] >= 2 * HALF) & write
+    if BLOCK_D != HEAD_DIM:
+        tail = tail & (offs_d < HEAD_DIM)[None, :]
     if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of the head passes through unrotated
         k_tail = tl.load(k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs_d[None, :],
                          mask=tail, other=0.0)
@@ -220,7 +224,7 @@ def rope_and_write_kv(
     rotary_dim = cos_sin_cache.shape[-1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
-    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
+    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
@@ -248,7 +252,8 @@ def rope_and_write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, head_dim ** -0.5,
-        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
         KV_FP8=fp8, HADAMARD=hadamard, HEAD_NORM=head_norm is not None, num_warps=num_warps,

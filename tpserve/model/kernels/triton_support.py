@@ -40,6 +40,7 @@ def dot_config(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]
 
 
 def check_head_dim(head_dim: int) -> None:
-    """Attention kernels tile the whole head dimension at once: it must be a power of two."""
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim must be a power of two >= 16, got {head_dim}")
+    """Attention kernels tile the whole head dimension at once, padded to a power of two
+    (the pad masked: Phi-3-mini's 96 tiles as 128): a multiple of 8 of at least 16."""
+    assert head_dim >= 16 and head_dim % 8 == 0, (
+        f"head_dim must be a multiple of 8 of at least 16, got {head_dim}")
