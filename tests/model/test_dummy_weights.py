@@ -73,3 +73,30 @@ def test_qwen3_shapes_are_transformers_tensors(name, params):
     tensors = dict(hf_tensors(shape_config(name)))
     assert tensors == want
     assert sum(torch.Size(s).numel() for s in tensors.values()) == params
+
+
+@pytest.mark.parametrize("name,params,window", [("phi-3-mini", 3_821_079_552, 2047),
+                                                ("mistral-7b", 7_241_732_096, 4096)])
+def test_windowed_shapes_are_transformers_tensors(name, params, window):
+    """The dummy Phi-3-mini (heads of 96, fused tensors) and Mistral-7B-v0.1 shapes list
+    exactly the tensors transformers builds from the same config.json, with their
+    parameter counts, and keep their sliding windows (which do not cap the context)."""
+    import transformers as tf
+
+    from tpserve.model.loader.dummy import shape_hf_config
+    from tpserve.model.runner_config import resolve_max_model_len
+
+    d = shape_hf_config(name)
+    cls = tf.Phi3ForCausalLM if name == "phi-3-mini" else tf.MistralForCausalLM
+    with torch.device("meta"):
+        hf = cls(cls.config_class(**{k: v for k, v in d.items()
+                                     if k not in ("architectures", "model_type")}))
+    want = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    cfg = shape_config(name)
+    tensors = dict(hf_tensors(cfg))
+    if name == "phi-3-mini":  # heads of 96: the Triton kernels tile them as 128
+        assert cfg.head_dim == 96
+    assert tensors == want
+    assert sum(torch.Size(s).numel() for s in tensors.values()) == params
+    assert cfg.window_of(0) == window
+    assert resolve_max_model_len(None, cfg) == d["max_position_embeddings"]

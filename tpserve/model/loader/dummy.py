@@ -13,7 +13,8 @@ from tpserve.model.config import ModelConfig
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4")
+SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4",
+          "phi-3-mini", "mistral-7b")
 # architectures whose checkpoints store q/k/v and gate/up fused (``llama.FUSED``)
 _FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
@@ -49,6 +50,21 @@ def shape_hf_config(name: str) -> dict:
                  rope_theta=250000.0, max_position_embeddings=16384,
                  original_max_position_embeddings=16384, sliding_window=None,
                  bos_token_id=100257, eos_token_id=100265)
+    elif name == "phi-3-mini":  # microsoft/Phi-3-mini-4k-instruct: heads of 96, a window
+        base = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                "rms_norm_eps": 1e-5}
+        d = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 rope_theta=10000.0, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, sliding_window=2047,
+                 bos_token_id=1, eos_token_id=32000)
+    elif name == "mistral-7b":  # mistralai/Mistral-7B-v0.1: a 4,096-token window
+        base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "rms_norm_eps": 1e-5}
+        d = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096,
+                 bos_token_id=1, eos_token_id=2)
     elif name.startswith("qwen3-"):
         base = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "rms_norm_eps": 1e-6}
