@@ -24,7 +24,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--disable-custom-all-reduce", "--memory-history", "--nvtx", "--ssl-keyfile",
          "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
          "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
-         "--runner", "--pooler-config", "--task", "--convert"]
+         "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:

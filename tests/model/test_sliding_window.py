@@ -18,6 +18,7 @@ from tests.model.test_triton_kernels import DEVICE, _close, _make_batch, _randn
 from tests.model.util import load, new_pool, run, save_hf_folder
 from tpserve.model.config import ModelConfig
 from tpserve.model.kernels import torch_ops
+from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.plan import SeqChunk
 from tpserve.model.runner_config import resolve_max_model_len
 from tpserve.parallel.launch import run_ranks
@@ -142,3 +143,25 @@ def test_the_window_no_longer_caps_the_context():
     with pytest.raises(ValueError, match="sliding_window must be at least 1"):
         ModelConfig.from_hf({**base, "sliding_window": -1})
     assert DEVICE.type in ("cpu", "cuda")
+
+
+def test_disable_sliding_window_caps_the_context(tmp_path):
+    """vLLM's --disable-sliding-window: every layer attends to everything, and the context
+    is capped at the window."""
+    from tpserve.cli import build_parser
+    from tpserve.server.config import config_from_args
+
+    folder = str(save_hf_folder(_hf("mistral"), tmp_path / "mistral"))
+
+    def cfg(*argv):
+        return config_from_args(build_parser()[0].parse_args(["serve", folder, *argv]))
+
+    assert cfg().scheduler.max_model_len == 256  # the window (8) does not cap it
+    off = cfg("--disable-sliding-window")
+    assert off.runner.disable_sliding_window and off.scheduler.max_model_len == 8
+    with pytest.raises(ValueError, match="exceeds the model's context of 8 tokens"):
+        cfg("--disable-sliding-window", "--max-model-len", "9")
+    model, _ = load(folder)
+    assert [layer.self_attn.window for layer in model.model.layers] == [8, 8]
+    headless = open_checkpoint(folder, disable_sliding_window=True).config
+    assert headless.window_of(0) is None and headless.context_cap == 8

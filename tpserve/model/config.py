@@ -6,7 +6,7 @@ Which architectures are supported is the registry's business (``model/registry.p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tpserve.parallel.heads import HeadLayout
@@ -204,6 +204,8 @@ class ModelConfig:
     # (Qwen2/Qwen3's ``max_window_layers``, or ``layer_types``' "full_attention")
     sliding_window: int | None = None
     full_attention_layers: tuple[int, ...] = ()
+    # --disable-sliding-window: the window is off and caps the context instead (vLLM's rule)
+    context_cap: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # the leading dims of each head that RoPE rotates (``partial_rotary_factor``); None:
@@ -213,6 +215,14 @@ class ModelConfig:
     # ``matryoshka_dimensions``, vLLM's keys): None: a request's ``dimensions`` is refused;
     # (): any size; else those sizes only
     matryoshka_dimensions: tuple[int, ...] | None = None
+
+    def without_sliding_window(self) -> ModelConfig:
+        """``--disable-sliding-window``: every layer attends to everything, and the context
+        is capped at the window (as vLLM does); unchanged without a window."""
+        if self.sliding_window is None:
+            return self
+        return replace(self, sliding_window=None, full_attention_layers=(),
+                       context_cap=self.sliding_window)
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, None where it attends to the whole context."""

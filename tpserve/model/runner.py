@@ -100,7 +100,7 @@ class ModelRunner:
         t0 = time.monotonic()
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
-                                    cfg.tokenizer)
+                                    cfg.tokenizer, cfg.disable_sliding_window)
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length
         self.max_model_len = resolve_max_model_len(limits.max_model_len, mcfg)

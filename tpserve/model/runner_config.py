@@ -53,6 +53,8 @@ class RunnerConfig:
     overlap_attention: bool = False  # --overlap-attention: decode beside prefill (Triton, CUDA)
     memory_history: int = 0  # allocator events kept per rank (--memory-history); 0: off
     nvtx: bool = False  # named NVTX ranges (--nvtx); a no-op off CUDA
+    # --disable-sliding-window: full attention, the context capped at the window
+    disable_sliding_window: bool = False
     # --runner: generate (an LM head, sampling) or pooling (no LM head: embeddings, the
     # pooling given by ``pooler``; steps run eagerly, no CUDA graphs)
     runner: str = "generate"
@@ -116,6 +118,12 @@ class RunnerConfig:
 
 def model_context(model: ModelConfig) -> int:
     """The model's context: ``resolve_max_model_len``'s rule."""
+    if model.context_cap is not None:  # --disable-sliding-window: the window caps it
+        return min(_scaled_context(model), model.context_cap)
+    return _scaled_context(model)
+
+
+def _scaled_context(model: ModelConfig) -> int:
     scaling = model.rope_scaling
     if scaling is None or scaling.rope_type in ("llama3", "freq_factors"):
         return model.max_position_embeddings
@@ -137,7 +145,8 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     ``max_position_embeddings`` says (Qwen2.5 and Qwen3 configs with YaRN added by hand keep
     the original context there, e.g. 32768 x 4 = 131072). ``llama3`` is not multiplied:
     its ``max_position_embeddings`` is already the long context. A sliding window does not
-    cap it (its layers attend to the window only). One cap is ours, not vLLM's: under
+    cap it (its layers attend to the window only), unless ``--disable-sliding-window``
+    turned it off (``ModelConfig.context_cap``, vLLM's rule). One cap is ours, not vLLM's: under
     ``longrope`` ``original_max_position_embeddings`` (the long factors are not served:
     ``config.RopeScaling``)."""
     context = limit = model_context(model)

@@ -151,6 +151,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"],
                    help="how to read MODEL: auto (by the path), safetensors, gguf, or dummy "
                         "(random weights of a real shape)")
+    p.add_argument("--disable-sliding-window", action="store_true",
+                   help="attend to the whole context in every layer of a model with a "
+                        "sliding window (Mistral-7B-v0.1, Phi-3-mini-4k, ...), its context "
+                        "then capped at the window (vLLM's flag)")
     p.add_argument("--runner", default="auto", choices=list(RUNNER_CHOICES),
                    help="generate: completions and chat; pooling: /v1/embeddings only, the "
                         "model's final hidden states pooled (no LM head is loaded; "

@@ -243,7 +243,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
-                           tokenizer)  # its config: no weights
+                           tokenizer, a.disable_sliding_window)  # its config: no weights
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
@@ -267,6 +267,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
         memory_history=a.memory_history, nvtx=a.nvtx, runner=runner_kind,
+        disable_sliding_window=a.disable_sliding_window,
         pooler=resolve_pooler_config(a.pooler_config, ckpt.pooling(),
                                      ckpt.config.hidden_size,
                                      ckpt.config.matryoshka_dimensions)

@@ -110,7 +110,8 @@ class EngineProxy(EngineFront):
         r = cfg.runner
         # no weights are read here: the checkpoint is opened for its tokenizer (and so a
         # missing model fails before a process is spawned)
-        ckpt = open_checkpoint(r.model, r.load_format, r.seed, r.hf_overrides, r.tokenizer)
+        ckpt = open_checkpoint(r.model, r.load_format, r.seed, r.hf_overrides, r.tokenizer,
+                               r.disable_sliding_window)
         self.dead_reason: str | None = None
         self._on_fatal = on_fatal
         self._stats: dict[str, float] = {}

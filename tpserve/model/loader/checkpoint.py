@@ -260,12 +260,14 @@ def _folder_pooling(folder: Path | None) -> tuple[dict[str, Any], str] | None:
 
 
 def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
-                    hf_overrides: str | None = None, tokenizer: str | None = None
-                    ) -> Checkpoint:
+                    hf_overrides: str | None = None, tokenizer: str | None = None,
+                    disable_sliding_window: bool = False) -> Checkpoint:
     """``model`` is a folder, a ``.gguf`` file, a dummy shape name, or None (embedded).
     ``hf_overrides`` (canonical JSON, ``loader/hf_overrides``) is laid over its
     ``config.json`` (a GGUF file has none: refused); ``tokenizer`` (a local folder, e.g.
-    the snapshot of a ``--tokenizer`` repository) replaces its tokenizer."""
+    the snapshot of a ``--tokenizer`` repository) replaces its tokenizer;
+    ``disable_sliding_window``: its config without a window, capped at it
+    (``ModelConfig.without_sliding_window``)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown --load-format {load_format!r}; choose one of {LOAD_FORMATS}")
     if load_format == "dummy":
@@ -304,4 +306,6 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
                                     "has no tokenizer_config.json)")
         ckpt.tokenizer_folder = folder
     model_class(ckpt.config.architecture)  # unknown architectures fail here, early
+    if disable_sliding_window:
+        ckpt.config = ckpt.config.without_sliding_window()
     return ckpt
