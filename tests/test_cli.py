@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +25,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--disable-custom-all-reduce", "--memory-history", "--nvtx", "--ssl-keyfile",
          "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
          "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
-         "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window"]
+         "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window",
+         "--config"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -427,3 +429,47 @@ def test_a_tls_flag_error_exits_2_naming_the_flag(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"tpserve: error: --ssl-keyfile: no such file: '{tmp_path / 'k.pem'}'")
+
+
+def test_config_file_flags_under_the_command_line(tiny_folder, tmp_path):
+    """vLLM's --config FILE: YAML keys are flags (dashes or underscores), switches,
+    --no- forms, lists and JSON objects map as on the command line, and the command
+    line's flags (and model) win over the file's."""
+    from tpserve.cli import parse_cli
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"""
+model: {tiny_folder}
+max_num_seqs: 7
+max-num-batched-tokens: 512
+enable-prefix-caching: false
+enforce-eager: true
+disable-log-stats: false
+served-model-name: [first, second]
+hf-overrides: {{max_position_embeddings: 128}}
+""")
+    cfg = config_from_args(parse_cli(["serve", "--config", str(path), "--max-num-seqs", "9"]))
+    assert cfg.scheduler.max_num_seqs == 9 and cfg.scheduler.max_num_batched_tokens == 512
+    assert not cfg.scheduler.enable_prefix_caching and cfg.runner.enforce_eager
+    assert cfg.server.log_stats_interval_s is not None
+    assert cfg.served_model_name == "first" and cfg.server.served_model_aliases == ("second",)
+    assert cfg.scheduler.max_model_len == 128 and cfg.runner.model == str(tiny_folder)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_folder, other)
+    assert config_from_args(parse_cli(["serve", str(other), "--config", str(path)])
+                            ).runner.model == str(other)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max-num-seqs: [1, 2]\nno-such-flag: 3", "'no-such-flag' is not a `tpserve serve` flag"),
+    ("- a\n- b", "a mapping of flag names to values is expected"),
+    ("enforce-eager: 3", "enforce-eager is a switch: true or false, got 3"),
+    ("config: other.yaml", "a config file cannot name another"),
+    ("max-num-seqs: [1", "not YAML"),
+])
+def test_a_bad_config_file_exits_2_naming_it(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    out = tpserve("serve", "--config", str(path))
+    assert out.returncode == 2
+    assert f"--config {path}: " in out.stderr and message in out.stderr, out.stderr

@@ -85,14 +85,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser, subs = build_parser()
     if not argv:
-        parser.print_help()
+        build_parser()[0].print_help()
         return 0
-    args, extras = parser.parse_known_args(argv)
-    if extras:
-        sub = subs.get(args.command, parser)
-        sub.error(unrecognized_message(sub, extras))  # exits 2
+    args = parse_cli(argv)
     if args.command == "loadtest":
         from tpserve import loadtest
 
@@ -117,6 +113,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpserve: error: {e}", file=sys.stderr)
         return 2
     _exit_without_finalization(code)
+
+
+def parse_cli(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line (``serve --config FILE``: its flags under the command
+    line's); a mistyped flag exits 2 naming the closest one."""
+    parser, subs = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if args.command == "serve" and args.config is not None and not extras:
+        args, extras = _with_config_file(args, argv, subs["serve"])
+    if extras:
+        sub = subs.get(args.command, parser)
+        sub.error(unrecognized_message(sub, extras))  # exits 2
+    return args
+
+
+def _with_config_file(args: argparse.Namespace, argv: list[str],
+                      serve: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """``serve --config FILE``: the file's flags first, then the command line's over them
+    (``server/config_file.py``); a bad file exits 2 naming it."""
+    from tpserve.server.config_file import config_file_args
+
+    try:
+        file_args = config_file_args(args.config, serve,
+                                     args.model is not None or args.model_flag is not None)
+    except ValueError as e:
+        serve.error(str(e))  # exits 2
+    namespace = serve.parse_args(file_args)  # a flag's own error exits 2, naming it
+    namespace.command = "serve"
+    # argparse fills in defaults only where the namespace has no value yet
+    return serve.parse_known_args(argv[argv.index("serve") + 1:], namespace=namespace)
 
 
 def _exit_without_finalization(code: int) -> NoReturn:

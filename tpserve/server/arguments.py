@@ -151,6 +151,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"],
                    help="how to read MODEL: auto (by the path), safetensors, gguf, or dummy "
                         "(random weights of a real shape)")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="flags from a YAML file of flag: value pairs (vLLM's --config); flags "
+                        "given on the command line win over the file's")
     p.add_argument("--disable-sliding-window", action="store_true",
                    help="attend to the whole context in every layer of a model with a "
                         "sliding window (Mistral-7B-v0.1, Phi-3-mini-4k, ...), its context "
