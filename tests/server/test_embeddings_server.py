@@ -162,6 +162,59 @@ def test_tp2_mean_pooling_equals_transformers(servers, checkpoint, smollm2_token
                                             "MEAN"))
 
 
+def test_score_is_the_cosine_of_the_embeddings(servers, checkpoint, smollm2_tokenizer):
+    """vLLM's score API on an embedding model: one text_1 against every text_2, or two
+    lists pairwise; each score the cosine similarity of transformers' embeddings."""
+    model = checkpoint[1]
+
+    def vec(text):
+        return reference(model, ids_of(smollm2_tokenizer, text), "LAST")
+
+    base = servers["last"].base
+    r = httpx.post(f"{base}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+    for d, text in zip(body["data"], TEXTS, strict=True):
+        assert abs(d["score"] - float(vec(TEXTS[0]) @ vec(text))) < 1e-5
+    assert abs(body["data"][0]["score"] - 1.0) < 1e-5
+    # each distinct text embedded once
+    assert body["usage"]["prompt_tokens"] == sum(len(ids_of(smollm2_tokenizer, t))
+                                                 for t in TEXTS)
+    pairwise = httpx.post(f"{base}/v1/score", timeout=60,
+                          json={"text_1": TEXTS[1:], "text_2": TEXTS[:2]}).json()["data"]
+    for d, (a, b) in zip(pairwise, zip(TEXTS[1:], TEXTS[:2], strict=True), strict=True):
+        assert abs(d["score"] - float(vec(a) @ vec(b))) < 1e-5
+    bad = httpx.post(f"{base}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_documents_by_cosine(servers, checkpoint, smollm2_tokenizer, path):
+    model = checkpoint[1]
+    query = "a quick brown fox"
+
+    def vec(text):
+        return reference(model, ids_of(smollm2_tokenizer, text), "LAST")
+
+    want = sorted(((float(vec(query) @ vec(d)), i) for i, d in enumerate(TEXTS)),
+                  reverse=True)
+    r = httpx.post(servers["last"].base + path, timeout=60,
+                   json={"query": query, "documents": TEXTS, "top_n": 2})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == [i for _, i in want[:2]]
+    for x, (score, i) in zip(results, want, strict=False):
+        assert abs(x["relevance_score"] - score) < 1e-5
+        assert x["document"] == {"text": TEXTS[i]}
+    assert r.json()["usage"]["total_tokens"] == sum(
+        len(ids_of(smollm2_tokenizer, t)) for t in [query, *TEXTS])
+    none = httpx.post(servers["last"].base + path, json={"query": query, "documents": []},
+                      timeout=60)
+    assert none.status_code == 400 and none.json()["error"]["param"] == "documents"
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": []}, "input", "must not be empty"),
     ({"input": ["fine", ""]}, "input.1", "must not be empty"),

@@ -483,7 +483,8 @@ def test_auth_401(base_url, http):
     with httpx.Client(base_url=base_url) as anon:
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
                              ("POST", "/tokenize"), ("POST", "/detokenize"),
-                             ("GET", "/v1/nope")):
+                             ("GET", "/v1/nope"), ("POST", "/score"), ("POST", "/rerank"),
+                             ("POST", "/v2/rerank"), ("POST", "/v1/embeddings")):
             assert_error(anon.request(method, path, json={}), 401)
         assert_error(anon.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}), 401)
         assert anon.get("/metrics").status_code == 200
@@ -508,6 +509,10 @@ def test_a_generative_server_refuses_embeddings(client, http, engine):
         client.embeddings.create(model=MODEL, input="hello")
     err = assert_error(http.post("/v1/embeddings", json={"input": [1, 2]}), 400)
     assert err["param"] == "model"
+    for path, body in (("/v1/score", {"text_1": "a", "text_2": "b"}),
+                       ("/rerank", {"query": "a", "documents": ["b"]})):
+        err = assert_error(http.post(path, json=body), 400)
+        assert "--runner pooling" in err["message"] and err["param"] == "model"
     assert engine.started == []
 
 

@@ -23,6 +23,7 @@ from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.routes_extra import make_extra_router
 from tpserve.server.http.routes_openai import make_openai_router
+from tpserve.server.http.scores import make_scores_router
 from tpserve.server.http.state import ServerState
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 
@@ -33,8 +34,8 @@ def needs_api_key(path: str) -> bool:
     """The paths ``--api-key`` protects; /health, /metrics, /memory, /version and docs stay
     open. /memory/snapshot is protected: it holds the server's source paths and stacks and
     costs the engine thread time."""
-    return path == "/v1" or path.startswith("/v1/") or path in (
-        "/tokenize", "/detokenize", "/memory/snapshot")
+    return path == "/v1" or path.startswith(("/v1/", "/v2/")) or path in (
+        "/tokenize", "/detokenize", "/memory/snapshot", "/score", "/rerank")
 
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
@@ -98,6 +99,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     install_exception_handlers(app)
     app.include_router(make_openai_router())
     app.include_router(make_extra_router())
+    app.include_router(make_scores_router())
     # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key is not None:

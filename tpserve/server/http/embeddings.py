@@ -15,18 +15,21 @@ import base64
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import PoolingParams, SamplingParams
 from tpserve.server.engine.errors import RequestAbortedError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.metrics import RequestTracker
 from tpserve.server.http.protocol import (
     ChatMessage,
     ChatTemplateOptions,
@@ -78,13 +81,18 @@ class EmbeddingResponse(BaseModel):
     usage: UsageInfo
 
 
+def pooler_of(state: ServerState, api: str) -> PoolerConfig:
+    """The server's pooler; 400 on a generative server, naming the flag that pools."""
+    if state.pooler is None:
+        raise APIError.bad_request(
+            f"this server runs a generative model, which does not answer the {api} API; "
+            "serve an embedding model with --runner pooling", "model")
+    return state.pooler
+
+
 def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
     """400 for what this server cannot answer; the request's pooling parameters."""
-    pooler = state.pooler
-    if pooler is None:
-        raise APIError.bad_request(
-            "this server runs a generative model, which does not answer the Embeddings API; "
-            "serve an embedding model with --runner pooling", "model")
+    pooler = pooler_of(state, "Embeddings")
     if (body.input is None) == (body.messages is None):
         raise APIError.bad_request("give exactly one of input and messages",
                                    "input" if body.input is None else "messages")
@@ -135,16 +143,23 @@ async def input_ids(body: EmbeddingRequest, state: ServerState) -> list[list[int
             if not ids:
                 raise APIError.bad_request("an input must not be empty", where)
             prompts.append(ids)
+    return fit_to_context(prompts, body.truncate_prompt_tokens, state, lambda i: (
+        "messages" if body.messages is not None else
+        ("input" if len(prompts) == 1 else f"input.{i}")))
+
+
+def fit_to_context(prompts: list[list[int]], truncate: int | None, state: ServerState,
+                   param: Callable[[int], str]) -> list[list[int]]:
+    """Each input truncated as ``truncate_prompt_tokens`` asks; 400 (naming ``param(i)``)
+    for one still over the model's context."""
     limit = state.engine.max_model_len
-    prompts = [truncated_prompt(ids, body.truncate_prompt_tokens, limit) for ids in prompts]
+    prompts = [truncated_prompt(ids, truncate, limit) for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {len(ids)} tokens in the input for embedding generation. Please "
-                "reduce the length of the input (or set truncate_prompt_tokens).",
-                "messages" if body.messages is not None else
-                ("input" if len(prompts) == 1 else f"input.{i}"))
+                "reduce the length of the input (or set truncate_prompt_tokens).", param(i))
     return prompts
 
 
@@ -164,6 +179,22 @@ async def create_embeddings(body: EmbeddingRequest, request: Request,
     prompts = await input_ids(body, state)
     params = SamplingParams(pooling=pooling, priority=body.priority or 0)
     request_id = f"embd-{uuid.uuid4().hex}"
+    outs = await embed_all(request, state, prompts, params, request_id, tracker)
+    used = sum(o.num_prompt_tokens for o in outs)
+    response = EmbeddingResponse(
+        id=request_id, created=int(time.time()), model=model,
+        data=[EmbeddingData(index=k, embedding=encode(o.embedding, body.encoding_format))
+              for k, o in enumerate(outs)],
+        usage=UsageInfo(prompt_tokens=used, completion_tokens=0, total_tokens=used))
+    return JSONResponse(response.model_dump())
+
+
+async def embed_all(request: Request, state: ServerState, prompts: list[list[int]],
+                    params: SamplingParams, request_id: str, tracker: RequestTracker
+                    ) -> list[RequestOutput]:
+    """Every prompt's finished output (with its embedding), each its own engine request
+    ``{request_id}-{k}``, all at once; the first error (or the client leaving) aborts the
+    rest. Their prompt tokens go into the access log's record."""
     record = access_record(request)
 
     async def one(k: int, ids: list[int]) -> RequestOutput:
@@ -177,15 +208,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request,
                                       "was computed")
         return last
 
-    outs = await unless_disconnected(request, _all_or_none(
+    return await unless_disconnected(request, _all_or_none(
         [one(k, ids) for k, ids in enumerate(prompts)]))
-    used = sum(o.num_prompt_tokens for o in outs)
-    response = EmbeddingResponse(
-        id=request_id, created=int(time.time()), model=model,
-        data=[EmbeddingData(index=k, embedding=encode(o.embedding, body.encoding_format))
-              for k, o in enumerate(outs)],
-        usage=UsageInfo(prompt_tokens=used, completion_tokens=0, total_tokens=used))
-    return JSONResponse(response.model_dump())
 
 
 async def _all_or_none(work: list) -> list[RequestOutput]:
