@@ -840,3 +840,41 @@ def test_logit_bias_and_constraints_reach_the_engine(client, engine):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=1,
                                   extra_body={"structured_outputs": {"regex": "[0-9]+"}})
     assert engine.params[r.id].structured == StructuredOutput("regex", "[0-9]+")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tokenizer):
+    """SmolLM2's tokenizer made to put a BOS (<|im_start|>, id 1) before every text, as
+    Llama's does: a real tokenizer whose special tokens show in the ids."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    assert tok("hi")["input_ids"][0] == 1 and tok("hi", add_special_tokens=False)[
+        "input_ids"][0] != 1
+    return tok
+
+
+@pytest.mark.parametrize(("endpoint", "flag", "bos"), [
+    ("completions", None, True), ("completions", True, True), ("completions", False, False),
+    ("chat", None, False), ("chat", False, False), ("chat", True, True)])
+def test_add_special_tokens(bos_tokenizer, endpoint, flag, bos):
+    """vLLM's add_special_tokens: on by default for a completions prompt, off for chat
+    (the template writes its own), and either way when asked; the engine sees the ids."""
+    engine = FakeEngine(bos_tokenizer, max_model_len=256)
+    app = build_app(engine, served_model_names=(MODEL,), api_key=None)
+    extra = {} if flag is None else {"add_special_tokens": flag}
+    body = ({"prompt": "Hello there", "max_tokens": 2} if endpoint == "completions"
+            else {"messages": MESSAGES, "max_tokens": 2})
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    with running(app) as url:
+        r = httpx.post(url + path, json={**body, **extra}, timeout=30)
+    assert r.status_code == 200, r.text
+    (prompt,) = engine.prompts.values()
+    if endpoint == "completions":  # "Hello there" has no <|im_start|> of its own
+        assert (prompt[0] == 1) == bos
+    else:  # the chat template itself opens with <|im_start|>: a BOS makes it two
+        assert (prompt[:2] == [1, 1]) == bos

@@ -69,19 +69,22 @@ class PromptProcessor:
     async def token_strs(self, ids: Sequence[int]) -> list[str]:
         return list(await self._run(self.tokenizer.convert_ids_to_tokens, list(ids)))
 
-    async def completion_prompts(self, prompt: CompletionPrompt) -> list[list[int]]:
+    async def completion_prompts(self, prompt: CompletionPrompt,
+                                 add_special_tokens: bool = True) -> list[list[int]]:
         """The token ids of each prompt of a completions ``prompt``: one string, one list
-        of ids, or a list of either."""
+        of ids, or a list of either (a string's with the tokenizer's special tokens unless
+        ``add_special_tokens`` is false)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return [await self.completion_ids(p) for p in prompt]
+            return [await self.completion_ids(p, add_special_tokens) for p in prompt]
         if isinstance(prompt, list) and not prompt:
             raise APIError.bad_request("prompt must not be empty", "prompt")
-        return [await self.completion_ids(prompt)]
+        return [await self.completion_ids(prompt, add_special_tokens)]
 
-    async def completion_ids(self, prompt: str | list[int]) -> list[int]:
+    async def completion_ids(self, prompt: str | list[int],
+                             add_special_tokens: bool = True) -> list[int]:
         """The token ids of one completions prompt (a string or a list of ids)."""
         if isinstance(prompt, str):
-            ids = await self.encode(prompt, add_special_tokens=True)
+            ids = await self.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             self.check_ids(ids, "prompt")

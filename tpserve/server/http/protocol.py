@@ -170,6 +170,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     best_of: int | None = None  # refused unless 1
     suffix: str | None = None   # refused unless empty
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt
+    add_special_tokens: bool = True
 
 
 class TextContentPart(BaseModel):
@@ -273,6 +275,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     echo: bool | None = False
     # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer
     include_reasoning: bool = True
+    # vLLM's: the tokenizer's special tokens on top of what the chat template writes
+    add_special_tokens: bool = False
     # tool calling (http/tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -208,7 +208,8 @@ def make_openai_router() -> APIRouter:
         state.check_available()
         prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
                                        state.engine.max_model_len)
-                      for ids in await state.prompts.completion_prompts(body.prompt)]
+                      for ids in await state.prompts.completion_prompts(
+                          body.prompt, body.add_special_tokens)]
         prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
                                                state.default_sampling_params, constraints,
                                                state.max_logprobs))
@@ -254,7 +255,8 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
         body = body.model_copy(update={"skip_special_tokens": False})  # keep their tags
     state.check_available()
     prompt_ids = await state.prompts.chat_ids(
-        body.messages, body, tools=tools.template_tools if tools is not None else None)
+        body.messages, body, add_special_tokens=body.add_special_tokens,
+        tools=tools.template_tools if tools is not None else None)
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len)
     reasoning = None
