@@ -878,3 +878,20 @@ def test_add_special_tokens(bos_tokenizer, endpoint, flag, bos):
         assert (prompt[0] == 1) == bos
     else:  # the chat template itself opens with <|im_start|>: a BOS makes it two
         assert (prompt[:2] == [1, 1]) == bos
+
+
+def test_request_id_names_the_answer(http):
+    """vLLM's request_id: the answer's id (and every stream chunk's) is the endpoint's
+    prefix and it; two requests may send the same one."""
+    for _ in range(2):
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                    "request_id": "abc-1"})
+        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-abc-1", r.text
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                           "request_id": "q7"})
+    assert r.json()["id"] == "cmpl-q7"
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"messages": MESSAGES, "max_tokens": 3, "stream": True,
+                           "request_id": "s"}) as response:
+        chunks = [c for c in sse_events(response) if c != "[DONE]"]
+    assert chunks and {c["id"] for c in chunks} == {"chatcmpl-s"}

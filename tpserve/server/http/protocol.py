@@ -133,6 +133,9 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool | None = False
     # vLLM's: prefix-cache hits only between requests with the same salt
     cache_salt: str | None = None
+    # vLLM's: the answer's id is "{cmpl|chatcmpl}-{request_id}" (the engine's own id stays
+    # unique, so two requests may share one)
+    request_id: str | None = None
     # vLLM's: only these ids sampled; words never completed (http/structured.py, the sampler)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

@@ -126,9 +126,10 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                  role: str = "assistant") -> Response:
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole: as its endpoint does, or as ``answer`` says."""
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique
     params = prompts[0][1]
-    ctx = ResponseContext(id=request_id, created=int(time.time()), model=model,
+    answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
+    ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
                           include_usage=body.include_usage,
                           continuous_usage=body.continuous_usage,
