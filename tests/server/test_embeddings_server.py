@@ -4,8 +4,9 @@
 ``Qwen3ForCausalLM``, sentence-transformers' ``modules.json`` asking for last-token pooling
 and normalization, ``is_matryoshka``). Every vector equals transformers' ``Qwen3Model``
 pooled the same way, in float32: at tp 1 (the checkpoint's pooling) and tp 2 (MEAN by
-``--pooler-config``, in one process); bad requests get 400 in OpenAI's envelope, and the
-KV pool is free afterwards."""
+``--pooler-config``, sequence parallel, in one process); score and rerank are the cosines
+of those vectors; bad requests get 400 in OpenAI's envelope, and the KV pool is free
+afterwards."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def servers(checkpoint):
     started = {
         "last": ServerProcess(folder, *common, "--served-model-name", "emb", wait=False),
         "mean": ServerProcess(folder, *common, "--tensor-parallel-size", "2",
+                              "--tp-comm", "allgather",
                               "--pooler-config", '{"pooling_type": "mean"}',
                               "--no-engine-process", wait=False, log_level="info"),
     }
