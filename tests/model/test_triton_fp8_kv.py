@@ -244,3 +244,43 @@ def test_fp8_cache_under_a_float32_model_on_the_triton_backend(kernels, backend,
     if DEVICE.type != "cpu":
         pytest.skip("CPU oracle check (the model helpers run on CPU)")
     assert_fp8_greedy(tiny_llama, "triton", 8)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("launch", [
+    {}, {"fp16_dot": True, "scale_v": True, "block_n": 16, "num_warps": 1, "num_stages": 4,
+         "bt_ahead": True}, {"fp16_dot": True, "scale_v": True, "block_n": 32,
+                             "num_warps": 1, "lazy_rescale": True}])
+@pytest.mark.parametrize("window", [5, 40])
+def test_windowed_decode_over_fp8(kernels, backend, head_dim, launch, window):
+    """A sliding window and heads of 96 (tiled as 128) over an FP8 cache: the default
+    launch, the one-warp launch with the block table a tile ahead and the lazy rescale
+    decode, and the mixed batch's prefill kernel, equal the torch reference over the
+    dequantized cache."""
+    from dataclasses import replace
+
+    gen = torch.Generator().manual_seed(9)
+    hkv, group, dtype = 2, 4, torch.bfloat16
+    kv_scale = _scales(2.0 ** -6, 0.013)
+    lens = [1, 7, 33, 100, 300]
+    meta, k_cache, v_cache = _fp8_batch([(n - 1, 1) for n in lens], 16, hkv, head_dim, gen,
+                                        kv_scale)
+    q = _randn(len(lens), hkv * group, head_dim, dtype=dtype, gen=gen)
+    tables = meta.block_tables.clone()
+    tables[tables >= k_cache.shape[0]] = 0
+    want = torch_ops.paged_attention(q, k_cache, v_cache, replace(meta, block_tables=tables),
+                                     0.125, kv_scale, window)
+    out = torch.full_like(q, float("nan"))
+    kernels["triton_decode_attention"].decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125, out, 4,
+        kv_scale=kv_scale, window=window, **launch)
+    _close(out, want, dtype)
+    meta, k_cache, v_cache = _fp8_batch([(4, 1), (0, 7), (20, 33), (100, 33)], 16, hkv,
+                                        head_dim, gen, kv_scale)
+    q = _randn(int(meta.query_start_loc[-1]), hkv * group, head_dim, dtype=dtype, gen=gen)
+    tables = meta.block_tables.clone()
+    tables[tables >= k_cache.shape[0]] = 0
+    want = torch_ops.paged_attention(q, k_cache, v_cache, replace(meta, block_tables=tables),
+                                     0.125, kv_scale, window)
+    _close(backend.paged_attention(q, k_cache, v_cache, meta, 0.125, kv_scale, window=window),
+           want, dtype)
