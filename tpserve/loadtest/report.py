@@ -92,37 +92,29 @@ def format_sweep(results: list[dict]) -> str:
     """One line per rate: throughput against median and p99 TTFT and TPOT ("-" where
     p99 was not asked for); for embeddings, against median and p99 E2EL."""
     if results and is_embeddings(results[0]):
-        return _format_embeddings_sweep(results)
+        header = (f"{'rate':>8} {'req/s':>8} {'in tok/s':>10} {'E2EL p50':>9} "
+                  f"{'E2EL p99':>9} {'failed':>7}")
+        return _sweep_table(results, header, lambda r: (
+            f"{r['total_token_throughput']:>10.1f} {r['median_e2el_ms']:>9.1f} "
+            f"{_maybe(r.get('p99_e2el_ms'), '.1f'):>9}"))
     header = (f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}")
+    return _sweep_table(results, header, lambda r: (
+        f"{r['output_throughput']:>10.1f} "
+        f"{r['median_ttft_ms']:>9.1f} {_maybe(r.get('p99_ttft_ms'), '.1f'):>9} "
+        f"{r['median_tpot_ms']:>9.2f} {_maybe(r.get('p99_tpot_ms'), '.2f'):>9}"))
+
+
+def _sweep_table(results: list[dict], header: str, middle) -> str:
+    """The sweep's lines: a rate, its request throughput, ``middle(result)``'s columns,
+    its failures."""
     width = len(header)
     lines = [" Sweep (latencies in ms) ".center(width, "="), header]
     for r in results:
         rate = r["request_rate"]
         rate_text = rate if isinstance(rate, str) else f"{rate:g}"
-        lines.append(
-            f"{rate_text:>8} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
-            f"{r['median_ttft_ms']:>9.1f} {_maybe(r.get('p99_ttft_ms'), '.1f'):>9} "
-            f"{r['median_tpot_ms']:>9.2f} {_maybe(r.get('p99_tpot_ms'), '.2f'):>9} "
-            f"{r['failed']:>7}"
-        )
-    lines.append("=" * width)
-    return "\n".join(lines)
-
-
-def _format_embeddings_sweep(results: list[dict]) -> str:
-    header = (f"{'rate':>8} {'req/s':>8} {'in tok/s':>10} {'E2EL p50':>9} {'E2EL p99':>9} "
-              f"{'failed':>7}")
-    width = len(header)
-    lines = [" Sweep (latencies in ms) ".center(width, "="), header]
-    for r in results:
-        rate = r["request_rate"]
-        rate_text = rate if isinstance(rate, str) else f"{rate:g}"
-        lines.append(
-            f"{rate_text:>8} {r['request_throughput']:>8.2f} "
-            f"{r['total_token_throughput']:>10.1f} {r['median_e2el_ms']:>9.1f} "
-            f"{_maybe(r.get('p99_e2el_ms'), '.1f'):>9} {r['failed']:>7}"
-        )
+        lines.append(f"{rate_text:>8} {r['request_throughput']:>8.2f} {middle(r)} "
+                     f"{r['failed']:>7}")
     lines.append("=" * width)
     return "\n".join(lines)
 

@@ -140,15 +140,22 @@ async def similarities(request: Request, state: ServerState, pairs: list[tuple[s
     return scores, sum(o.num_prompt_tokens for o in outs)
 
 
+def _served(body: ScoreRequest | RerankRequest, request: Request) -> tuple[ServerState, str]:
+    """The app's state and the served name to answer with (404 for another model); unknown
+    fields logged."""
+    state = get_state(request)
+    model = state.resolve_model(body.model)
+    warn_unknown_fields(body, state.warned_fields)
+    return state, model
+
+
 def make_scores_router() -> APIRouter:
     router = APIRouter(tags=["pooling"])
 
     @router.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
     @router.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
     async def create_score(body: ScoreRequest, request: Request) -> JSONResponse:
-        state = get_state(request)
-        model = state.resolve_model(body.model)
-        warn_unknown_fields(body, state.warned_fields)
+        state, model = _served(body, request)
         pairs = score_pairs(body.text_1, body.text_2)
         scores, used = await similarities(request, state, pairs, body, ("text_1", "text_2"),
                                           "Score", "score")
@@ -162,9 +169,7 @@ def make_scores_router() -> APIRouter:
     @router.post("/v1/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
     @router.post("/v2/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
     async def create_rerank(body: RerankRequest, request: Request) -> JSONResponse:
-        state = get_state(request)
-        model = state.resolve_model(body.model)
-        warn_unknown_fields(body, state.warned_fields)
+        state, model = _served(body, request)
         if not body.documents:
             raise APIError.bad_request("documents must not be empty", "documents")
         if body.top_n < 0:
