@@ -895,3 +895,19 @@ def test_request_id_names_the_answer(http):
                            "request_id": "s"}) as response:
         chunks = [c for c in sse_events(response) if c != "[DONE]"]
     assert chunks and {c["id"] for c in chunks} == {"chatcmpl-s"}
+
+
+def test_an_embedding_the_engine_ended_without_is_a_503(tokenizer):
+    """What the engine emits for a request it aborted (``abort_all`` while the server
+    stops): a finished output without an embedding. /v1/embeddings answers 503 with
+    OpenAI's envelope, never a partial or empty vector."""
+    from tpserve.model.pooling import PoolerConfig
+
+    engine = FakeEngine(tokenizer, max_model_len=256)  # its outputs carry no embedding
+    app = build_app(engine, served_model_names=(MODEL,), api_key=None,
+                    pooler=PoolerConfig(size=64))
+    with running(app) as url:
+        r = httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=30)
+    err = assert_error(r, 503, "service_unavailable")
+    assert "aborted the request before its embedding was computed" in err["message"]
+    assert len(engine.started) == 2
