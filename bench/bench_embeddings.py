@@ -105,7 +105,7 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def check(a, prompts, vectors: dict[str, list[list[float]]]) -> dict:
+def check(a, vectors: dict[str, list[list[float]]]) -> dict:
     """Agreement of each Triton run with the torch reference of the same dtype."""
     out = {}
     for dtype in ("float32", a.dtype):
@@ -165,7 +165,7 @@ def main() -> None:
     backend = core.runner.cfg.kernel_backend
     vectors[f"{'triton' if backend == 'triton' else 'torch'}-{a.dtype}"], _ = embed(core, checks)
     if not a.small:
-        result["agreement"] = check(a, checks, vectors)
+        result["agreement"] = check(a, vectors)
     device = core.runner.device
     result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result["kernel_backend"] = backend

@@ -445,17 +445,15 @@ class ModelRunner:
             plan.input_ids[plan.pending_rows] = self.sampled_buf[plan.pending_src]
         self.prompt_logprobs = None
         self.pooled = None
+        scored = plan.prompt_rows.shape[0] > 0
+        if not scored and self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.run(plan)  # never for a pooling runner: it has no graphs
+        hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
+                            plan.metadata(self.attn))
         if self.cfg.pooling:  # no logits: nothing is sampled (an empty [0, hidden])
-            hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                                plan.metadata(self.attn))
             if pool is not None and pool.count:
                 self.pooled = sum_rows(hidden, pool)
             return hidden[plan.logits_indices]
-        scored = plan.prompt_rows.shape[0] > 0
-        if not scored and self.graphs is not None and self.graphs.can_run(plan):
-            return self.graphs.run(plan)
-        hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                            plan.metadata(self.attn))
         logits = self.model.compute_logits(hidden[plan.logits_indices])
         if scored:
             self.prompt_logprobs = score_prompt_rows(

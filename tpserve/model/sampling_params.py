@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tpserve.model.pooling import POOLING_TYPES
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar")
 
 
@@ -36,8 +38,8 @@ class PoolingParams:
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in ("LAST", "MEAN", "CLS"):
-            raise ValueError(f"pooling_type must be LAST, MEAN or CLS, got "
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                              f"{self.pooling_type!r}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")

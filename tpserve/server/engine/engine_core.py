@@ -286,16 +286,16 @@ class EngineCore:
             return False
         pending = prev.rows if prev is not None else {}
         chunks, sampling, scored, pooled = [], [], [], []
-        row = 0  # the chunk's first row in the step
+        row = 0  # the next chunk's first row in the step
         for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             sample = end == seq.num_tokens
             tokens = seq.token_slice(start, end)
-            row += len(tokens)
+            first, row = row, row + len(tokens)
             if seq.params.pooling is not None:  # pooled, never sampled
-                pooled.append((seq, row - len(tokens), len(tokens), start, sample))
+                pooled.append((seq, first, len(tokens), start, sample))
                 chunks.append(SeqChunk(tokens, start, seq.block_ids, False))
                 continue
             src = pending.get(seq.seq_id, -1) if sample else -1
@@ -351,9 +351,10 @@ class EngineCore:
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
                 plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
                                                          self.runner.attn))
-            pool, out_rows = pool_rows([(first, n, start, final, seq.params.pooling.pooling_type)
-                                        for seq, first, n, start, final in pooled])
-            logits = self.runner.run(plan, pool if pooled else None)  # its "forward" range
+            pool, out_rows = pool_rows([
+                (first, n, start, final, seq.params.pooling.pooling_type)
+                for seq, first, n, start, final in pooled]) if pooled else (None, [])
+            logits = self.runner.run(plan, pool)  # its own "forward" range
             prompt, prompt_event = self.runner.prompt_logprobs, None
             if prompt is not None:  # on its way to the host, read when finalized
                 prompt = prompt.to_host()

@@ -16,7 +16,7 @@ from tpserve.model.prompt_logprobs import PromptLogprobs
 from tpserve.model.sampler import PendingSample
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
-from tpserve.server.engine.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.sequence import Sequence
 
 
 @dataclass
@@ -89,7 +89,7 @@ def collect_pooled(flight: InFlight, requests: dict[str, RequestState],
     wait_for(flight.pooled_event, counters)
     for seq, start, final, out in flight.pooling:
         state = requests.get(seq.request_id)
-        if state is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+        if state is None:  # aborted meanwhile (abort takes the request out first)
             continue
         if out >= 0:
             assert flight.pooled is not None
