@@ -21,22 +21,28 @@ from tpserve.model.quant.fp8 import quantize_per_row, quantize_static
 from tpserve.model.quant.fp8_block import quantize_per_group
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back before the weight (as Hugging Face does)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back before the weight (as Hugging Face's Llama
+    does). With ``unit_offset`` (Gemma's norms: the checkpoint stores ``w``, the scale is
+    ``1 + w``) the scale multiplies in float32 and the product is cast to ``x``'s dtype,
+    as Hugging Face's Gemma does."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    sum_out: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None, unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)``; the sum is stored in ``sum_out``
     when given (a contiguous tensor of the sum's shape and dtype, e.g. ``residual`` itself:
     the layers' residual stream is updated in place, with no new allocation)."""
     summed = torch.add(x, residual, out=check_sum_out(sum_out, x, residual))
-    return rms_norm(summed, weight, eps), summed
+    return rms_norm(summed, weight, eps, unit_offset), summed
 
 
 def holds_sum(t: torch.Tensor, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -59,6 +65,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (Gemma's ``gelu_pytorch_tanh``:
+    GeLU's tanh approximation)."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
 def _quantized(y: torch.Tensor, static_scale: torch.Tensor | None, group: int | None
@@ -159,12 +172,14 @@ def write_kv(
 
 
 class HeadNorm(NamedTuple):
-    """Qwen3's RMSNorm of every query and key head over ``head_dim`` before RoPE: one
-    weight ``[head_dim]`` for all q heads, one for all k heads (``rms_norm`` semantics)."""
+    """Qwen3's (and Gemma 3's) RMSNorm of every query and key head over ``head_dim``
+    before RoPE: one weight ``[head_dim]`` for all q heads, one for all k heads
+    (``rms_norm`` semantics; ``unit_offset``: Gemma's ``1 + w``)."""
 
     q_weight: torch.Tensor
     k_weight: torch.Tensor
     eps: float
+    unit_offset: bool = False
 
 
 def rope_and_write_kv(
@@ -177,8 +192,8 @@ def rope_and_write_kv(
     ``hadamard``, each head times ``H / sqrt(D)``: ``model/kv_hadamard``), then the K/V
     cache write; returns the rotated ``(q, k)``."""
     if head_norm is not None:
-        q = rms_norm(q, head_norm.q_weight, head_norm.eps)
-        k = rms_norm(k, head_norm.k_weight, head_norm.eps)
+        q = rms_norm(q, head_norm.q_weight, head_norm.eps, head_norm.unit_offset)
+        k = rms_norm(k, head_norm.k_weight, head_norm.eps, head_norm.unit_offset)
     q, k = rope(q, k, positions, cos_sin_cache)
     if hadamard:
         q, k = hadamard_rotate(q), hadamard_rotate(k)

@@ -246,7 +246,7 @@ def rope_and_write_kv(
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         kv_scale if fp8 else cos_sin_cache,  # a float32 pointer that is never read
-        *(head_norm if head_norm is not None else (q, q, 0.0)),  # never read without it
+        *(head_norm[:3] if head_norm is not None else (q, q, 0.0)),  # never read without it
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
