@@ -68,7 +68,8 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, sca
              "DOT_DTYPE": tl.float16 if fp8 else tl.bfloat16, "DOT_PRECISION": "ieee",
              "KV_FP8": fp8, "FP16_DOT": fp8, "LATE_WIDEN": False, "SWAP_QK": False,
              "HEADS_FIRST": False, "NUM_KV_HEADS": num_kv_heads, "SCALE_V": fp8 and scale_v,
-             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead, "WINDOW": window}
+             "LAZY": lazy, "TAU": LAZY_TAU, "BT_AHEAD": bt_ahead, "WINDOW": window,
+             "SOFTCAP": 0.0}
     return compile_sm90a(_decode_split_kernel, sig, const, num_warps, num_stages)
 
 

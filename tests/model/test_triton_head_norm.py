@@ -1,9 +1,10 @@
 """Qwen3's q/k head RMSNorm fused into the Triton RoPE + KV write kernel (``triton_rope``,
 ``head_norm``) against the torch reference (``torch_ops.rms_norm`` of each head, then RoPE),
-with and without the Hadamard rotation and into a bf16/fp16/fp32 or an FP8 cache. On CPU
-under ``TRITON_INTERPRET=1`` (set by ``test_triton_kernels``, imported first), on CUDA
-compiled. q and k agree to the dtype's tolerance; the cache holds the kernel's own k (bit
-for bit, FP8 codes included) and the reference's v; a zero (padding) head stays zero."""
+with and without the Hadamard rotation and into a bf16/fp16/fp32 or an FP8 cache; and
+Gemma 3's (``unit_offset``: ``1 + w``), heads of 128 and 256. On CPU under
+``TRITON_INTERPRET=1`` (set by ``test_triton_kernels``, imported first), on CUDA compiled.
+q and k agree to the dtype's tolerance; the cache holds the kernel's own k (bit for bit,
+FP8 codes included) and the reference's v; a zero (padding) head stays zero."""
 
 from __future__ import annotations
 
@@ -48,6 +49,48 @@ def test_rope_with_head_norm_and_write_kv(kernels, dtype, fp8, hadamard, head_di
     _close(out_k, ref_k, dtype, scale=2)
     assert not out_q[:, -1].any()
     assert torch.equal(out_q, q) and torch.equal(out_k, k)  # in place, in the qkv output
+    written = slots >= 0
+    flat = (-1, hkv, head_dim)
+    if fp8:
+        assert torch.equal(_bits(k_cache.view(flat)[slots[written]]),
+                           _bits(torch_ops.quantize_kv(out_k[written], kv_scale[0])))
+        assert torch.equal(_bits(v_cache), _bits(ref_vc))
+    else:
+        assert torch.equal(k_cache.view(flat)[slots[written]], out_k[written])
+        assert torch.equal(v_cache, ref_vc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 4, 2), (256, 8, 4), (256, 4, 1)])
+def test_rope_with_unit_offset_head_norm_and_write_kv(kernels, dtype, fp8, head_dim, hq, hkv):
+    """Gemma 3's head norm (``unit_offset``: the checkpoint's ``w`` near 0, the scale
+    ``1 + w`` multiplied in float32 and rounded once) on heads of 128 and 256."""
+    gen = torch.Generator().manual_seed(6)
+    tokens, num_blocks, page = 5, 3, 16
+    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen) * 3
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    norm = HeadNorm(_randn(head_dim, dtype=dtype, gen=gen) * 0.3,
+                    _randn(head_dim, dtype=dtype, gen=gen) * 0.3, 1e-6, unit_offset=True)
+    positions = torch.tensor([0, 7, 100, 3, 64], device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, 39], device=DEVICE)
+    cs = _cos_sin_cache(128, head_dim)
+    kv_scale = torch.tensor([0.01, 0.02], device=DEVICE)
+    cache_dtype = FP8_KV_DTYPE if fp8 else dtype
+    k_cache = torch.zeros(num_blocks, page, hkv, head_dim, device=DEVICE).to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, ref_kc,
+                                               ref_vc, slots, kv_scale, head_norm=norm)
+    plain_q, _ = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs,
+                                             ref_kc.clone(), ref_vc.clone(), slots, kv_scale,
+                                             head_norm=norm._replace(unit_offset=False))
+    assert not torch.allclose(ref_q.float(), plain_q.float(), atol=0.1)  # the offset acts
+    out_q, out_k = kernels["triton_rope"].rope_and_write_kv(
+        q, k, v, positions, cs, k_cache, v_cache, slots, kv_scale=kv_scale, head_norm=norm)
+    _close(out_q, ref_q, dtype, scale=2)
+    _close(out_k, ref_k, dtype, scale=2)
     written = slots >= 0
     flat = (-1, hkv, head_dim)
     if fp8:

@@ -100,12 +100,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences'
         cached context (their own K/V already written; FP8 read as ``q * kv_scale``);
         with a sliding ``window`` W (the layer's, fixed at build: graphs capture it), a
-        token at position p attends to positions p - W + 1 .. p only (transformers' mask).
-        Returns ``[T, Hq, D]``."""
+        token at position p attends to positions p - W + 1 .. p only (transformers' mask);
+        with ``softcap`` c (Gemma 2's ``attn_logit_softcapping``, fixed at build likewise;
+        None: off, else a finite c > 0, ValueError otherwise) each logit
+        ``s = q.k * scale`` becomes ``c * tanh(s / c)`` before the mask and the softmax
+        (transformers' eager attention). Returns ``[T, Hq, D]``."""
 
 
 def select_attention(backend: str, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,

@@ -23,8 +23,9 @@ class TorchAttention(AttentionBackend):
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                kv_scale=None, window=None) -> torch.Tensor:
-        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale, window)
+                kv_scale=None, window=None, softcap=None) -> torch.Tensor:
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale, kv_scale, window,
+                                         softcap)
 
 
 BACKEND = TorchAttention

@@ -15,7 +15,12 @@ import torch
 
 from tpserve.model.attention.backend import AttentionBackend, GraphAttentionState
 from tpserve.model.attention.metadata import AttentionMetadata
-from tpserve.model.kernels import triton_decode_attention, triton_prefill_attention, triton_rope
+from tpserve.model.kernels import (
+    torch_ops,
+    triton_decode_attention,
+    triton_prefill_attention,
+    triton_rope,
+)
 
 # Query rows per tile of the prefill kernel; the tile table below is built for it.
 PREFILL_TILE_M = triton_prefill_attention.BLOCK_M
@@ -83,11 +88,12 @@ class TritonMetadata(AttentionMetadata):
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonMetadata, scale: float, kv_scale: torch.Tensor | None = None,
                     side_stream: torch.cuda.Stream | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the new tokens ``q [T, Hq, D]`` over their sequences' cached
     context (any cache dtype; rounded to q's dtype as it is read; an FP8 cache is scaled
     by ``kv_scale``, read on the device); with a sliding ``window``, over its last
-    ``window`` positions only.
+    ``window`` positions only; with ``softcap`` c (None: off; else > 0) over logits
+    capped to ``c tanh(s / c)`` (``AttentionBackend.forward``).
 
     The K/V of the new tokens must already be in the cache. The first ``meta.decode_slots``
     rows go to the split-K decode kernel (a padding slot, of length 0, writes nothing), the
@@ -100,6 +106,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     static (a capture records the fork and join as graph edges). Rows no tile or slot
     covers (padding tokens) are left unwritten.
     """
+    torch_ops.check_softcap(softcap)  # before any launch
     out = torch.empty_like(q)
     slots = meta.num_decode_slots
     prefill = meta.num_seqs > meta.num_decodes
@@ -116,11 +123,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         with torch.cuda.stream(side_stream if fork else None):  # None: no switch
             dec.decode_attention(q[:slots], k_cache, v_cache, meta.block_tables[:slots],
                                  meta.decode_lens(), scale, out[:slots], splits,
-                                 kv_scale=kv_scale, partials=partials, window=window)
+                                 kv_scale=kv_scale, partials=partials, window=window,
+                                 softcap=softcap)
     if prefill:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.tiles(), scale, out, kv_scale=kv_scale, window=window)
+            meta.tiles(), scale, out, kv_scale=kv_scale, window=window, softcap=softcap)
     if fork:
         main.wait_stream(side_stream)
     return out
@@ -218,11 +226,11 @@ class TritonAttention(AttentionBackend):
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                kv_scale=None, window=None) -> torch.Tensor:
+                kv_scale=None, window=None, softcap=None) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):  # common metadata only (tests, tools)
             meta = self.metadata(meta)
         return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale,
-                               self.side_stream(q.device), window)
+                               self.side_stream(q.device), window, softcap)
 
 
 BACKEND = TritonAttention

@@ -17,7 +17,9 @@ KERNEL_BACKENDS = ("torch", "triton")
 class Ops:
     """The ops; the ``*_fp8`` variants also quantize their output per token for a W8A8
     layer (``quant.fp8.Fp8Activation``'s fields: codes, scales, dtype; the add variant
-    returns the residual sum after them)."""
+    returns the residual sum after them). The norms take ``unit_offset`` (Gemma's
+    ``1 + w``); ``gelu_tanh_and_mul`` is Gemma's gate (no fp8 variant: a Gemma W8A8
+    layer quantizes its own input)."""
 
     name: str
     rms_norm: Callable
@@ -26,12 +28,13 @@ class Ops:
     rms_norm_fp8: Callable
     add_rms_norm_fp8: Callable
     silu_and_mul_fp8: Callable
+    gelu_tanh_and_mul: Callable
 
 
 def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
     return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rms_norm_fp8,
-               m.add_rms_norm_fp8, m.silu_and_mul_fp8)
+               m.add_rms_norm_fp8, m.silu_and_mul_fp8, m.gelu_tanh_and_mul)
 
 
 def resolve_kernel_backend(name: str, device_type: str) -> str:

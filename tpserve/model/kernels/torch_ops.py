@@ -213,18 +213,48 @@ def _read(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return dequantize_kv(x, scale) if is_fp8(x.dtype) else x
 
 
+def check_softcap(softcap: float | None) -> None:
+    """ValueError unless ``softcap`` is None (off) or a finite number > 0."""
+    if softcap is not None and not 0 < softcap < float("inf"):  # NaN fails too
+        raise ValueError(f"the attention logit softcap must be a finite number > 0 "
+                         f"(None: off), got {softcap!r}")
+
+
+def _softcapped_prefill(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
+                        scale: float, window: int | None, softcap: float) -> torch.Tensor:
+    """One prefill sequence's attention with capped logits, as transformers' eager
+    attention: float32 scores ``qi [Hq, n, D] . k [L, Hq, D]`` times ``scale``, capped,
+    causally (and ``window``) masked, softmax, times ``v``; returns ``[Hq, n, D]`` in
+    float32."""
+    length = k.shape[0]
+    scores = torch.einsum("hqd,khd->hqk", qi.float(), k.float()) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    pos_q = torch.arange(ctx, length, device=qi.device)[:, None]
+    keys = torch.arange(length, device=qi.device)[None, :]
+    mask = keys <= pos_q
+    if window is not None:
+        mask &= keys > pos_q - window
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->hqd", probs, v.float())
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, kv_scale: torch.Tensor | None = None, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their sequences' cached context; with a
-    sliding ``window`` W, a token at position p over positions p - W + 1 .. p only.
+    sliding ``window`` W, a token at position p over positions p - W + 1 .. p only; with
+    ``softcap`` c (Gemma 2's ``attn_logit_softcapping``; None: off, else > 0) every logit
+    ``s = q.k * scale`` becomes ``c * tanh(s / c)`` before the mask and the softmax.
 
     ``q`` is ``[T, Hq, D]``; the K/V of the new tokens must already be in the cache.
-    Decodes are batched (padded to the longest context); prefills run per sequence. An FP8
-    cache is dequantized (``q * kv_scale``) to float32 as it is gathered, then used exactly
-    as a float32 cache holding those values.
+    Decodes are batched (padded to the longest context); prefills run per sequence (with
+    ``softcap``, their scores, softmax and P.V in float32, as transformers' eager attention
+    computes them in a float32 model). An FP8 cache is dequantized (``q * kv_scale``) to
+    float32 as it is gathered, then used exactly as a float32 cache holding those values.
     """
+    check_softcap(softcap)
     kv_scale = _unit(kv_scale, k_cache)
     k_scale, v_scale = kv_scale[0], kv_scale[1]
     out = torch.empty_like(q)
@@ -244,6 +274,8 @@ def paged_attention(
         v = _read(v_cache[blocks].flatten(1, 2)[:, :maxlen], v_scale)
         qd = q[:nd].float().view(nd, hkv, group, -1)
         scores = torch.einsum("bhgd,blhd->bhgl", qd, k.float()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         lens = meta.seq_lens[:nd].to(scores.device)
         keys = torch.arange(maxlen, device=scores.device)[None, :]
         valid = keys < lens[:, None]
@@ -264,7 +296,9 @@ def paged_attention(
             v = v.repeat_interleave(group, dim=1)
         qi = q[s:e].transpose(0, 1)  # [Hq, qlen, D]
         ctx = length - qlen
-        if ctx == 0 and (window is None or window >= length):
+        if softcap is not None:
+            o = _softcapped_prefill(qi, k, v, ctx, scale, window, softcap).to(q.dtype)
+        elif ctx == 0 and (window is None or window >= length):
             o = F.scaled_dot_product_attention(
                 qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
                 is_causal=True, scale=scale)

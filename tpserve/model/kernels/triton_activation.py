@@ -1,9 +1,10 @@
-"""SwiGLU gate, ``silu(gate) * up``, as a Triton kernel (same semantics as torch_ops).
+"""SwiGLU gate, ``silu(gate) * up``, and GeGLU's, ``gelu_tanh(gate) * up`` (Gemma), as
+Triton kernels (same semantics as torch_ops).
 
 Layout: ``x`` is ``[..., 2 * D]`` = ``[gate | up]`` along the last dimension, viewed as rows;
 the output is ``[..., D]`` in ``x.dtype``. The grid is ``(rows, cdiv(D, BLOCK))``. As in the
-reference, ``silu(gate)`` is computed in float32 and rounded to the input dtype before the
-multiply by ``up``.
+reference, the gate's activation is computed in float32 and rounded to the input dtype
+before the multiply by ``up``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,29 @@ def _silu_mul_cols(x_row, offs, mask, d):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _gelu_tanh_mul_cols(x_row, offs, mask, d):
+    """``gelu_tanh(gate) * up`` of columns ``offs``, as ``_silu_mul_cols``: GeLU's tanh
+    form ``0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, tanh written through exp
+    (``tanh(u) = 1 - 2 / (exp(2u) + 1)``, exact at both saturations)."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + d + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    act = (0.5 * g * (1.0 + t)).to(gate.dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
+                        GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    y = _silu_mul_cols(x_ptr + row * stride_x, offs, mask, d)
+    if GELU_TANH:
+        y = _gelu_tanh_mul_cols(x_ptr + row * stride_x, offs, mask, d)
+    else:
+        y = _silu_mul_cols(x_ptr + row * stride_x, offs, mask, d)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -45,12 +64,22 @@ def gate_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
+    return _act_and_mul(x, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     x2, d = gate_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
     rows = x2.shape[0]
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4)
+        _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, GELU_TANH=gelu_tanh,
+            num_warps=4)
     return out

@@ -8,6 +8,11 @@ Layouts:
 With a sliding ``WINDOW`` only a sequence's last ``WINDOW`` keys count: the tiles dealt out
 start at the tile holding the first of them, which is masked below it.
 
+With a logit ``SOFTCAP`` (Gemma 2's ``attn_logit_softcapping`` c, passed as ``c log2(e)``;
+0: off, and the code is as without it) each score is capped as it leaves the matmul, before
+the mask: in the log2 domain ``c log2(e) tanh(s / (c log2(e)))`` is ``log2(e)`` times the
+capped true logit ``c tanh(qk scale / c)`` (``cap_logits``: float32, ~2e-7 relative).
+
 Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
 all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
 (``BLOCK_G >= 16`` so the matmuls map onto tensor cores), so every K/V row is loaded once per
@@ -48,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.torch_ops import check_softcap
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config
 from tpserve.model.kv_cache_dtype import is_fp8
 
@@ -134,6 +140,23 @@ TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_split
 
 
 @triton.jit
+def cap_logits(s, CAP: tl.constexpr):
+    """``CAP * tanh(s / CAP)`` of float32 scores ``s``. Triton has no portable tanh: below
+    |x| = 0.625 Cephes' tanhf (an odd polynomial: no cancellation near 0), above it
+    ``(1 - e^-2|x|) / (1 + e^-2|x|)`` (no overflow); at most 1.8e-7 relative off float64's
+    tanh (numpy, float32 arithmetic)."""
+    x = s * (1.0 / CAP)
+    a = tl.abs(x)
+    z = x * x
+    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+              + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
+    t = tl.exp2(a * -2.8853900817779268)  # e^-2|x|
+    large = (1.0 - t) / (1.0 + t)
+    large = tl.where(x < 0, -large, large)
+    return CAP * tl.where(a < 0.625, small, large)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -147,6 +170,7 @@ def _decode_split_kernel(
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
     LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -229,7 +253,10 @@ def _decode_split_kernel(
             else:
                 kt = tl.trans(k.to(io_dtype).to(DOT_DTYPE))
             s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        if SOFTCAP > 0:  # capped before the mask, in the log2 domain (module docstring)
+            s = tl.where(valid[None, :], cap_logits(s * scale_log2, SOFTCAP), float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         # finite: every tile has a valid key (with a window, the first tile holds ``first``)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if LAZY:  # move the maximum (and rescale) only when some row passes it by > TAU
@@ -359,7 +386,7 @@ def decode_attention(
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
     bt_ahead: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes decode attention of ``q [B, Hq, D]`` into ``out [B, Hq, D]`` and returns it.
 
@@ -374,11 +401,13 @@ def decode_attention(
     split scratch (``split_partials``) when the caller allocated it, e.g. before running
     this on another stream; None allocates it here. A sequence of length 0 leaves its rows
     of ``out`` as they were. ``window``: a sliding window, each query over its sequence's
-    last ``window`` keys (the splits share those keys' tiles out).
+    last ``window`` keys (the splits share those keys' tiles out). ``softcap``: Gemma 2's
+    logit cap c (None: off; else > 0), each logit ``s`` becoming ``c tanh(s / c)``.
     """
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
+    check_softcap(softcap)
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -422,6 +451,7 @@ def decode_attention(
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
         BT_AHEAD=bt_ahead, WINDOW=window or 0,
+        SOFTCAP=0.0 if softcap is None else softcap * LOG2E,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:

@@ -73,7 +73,7 @@ def _rms_norm_fp8_kernel(
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
     v = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
-                    eps, offs, mask, HAS_RESIDUAL)
+                    eps, offs, mask, HAS_RESIDUAL, False)
     v = v.to(OUT_DTYPE).to(tl.float32)  # what the unfused norm stores
     if GROUP > 0:
         scale = _group_scales(v, s_ptr + row * stride_sc, 0, hidden, INV_FP8_MAX_C,

@@ -4,7 +4,8 @@ Layout: ``x`` is ``[..., H]`` and is viewed as ``rows = numel // H`` rows of ``H
 normalises one row held entirely in registers (``BLOCK_H = next_power_of_2(H)``), so each
 element is read once and written once. Statistics are float32. As in the reference, the
 normalised row is rounded to the input dtype *before* the weight multiply, and the output
-dtype is ``promote_types(weight.dtype, x.dtype)``.
+dtype is ``promote_types(weight.dtype, x.dtype)``; with ``unit_offset`` (Gemma) the row is
+multiplied by ``1 + w`` in float32 and the product rounded to ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from tpserve.model.kernels.torch_ops import check_sum_out
 
 @triton.jit
 def _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
-                eps, offs, mask, HAS_RESIDUAL: tl.constexpr):
-    """Row ``row``'s ``normed * weight`` in float32, before the output's rounding (the
-    residual sum, when given, rounded to its dtype and stored first)."""
+                eps, offs, mask, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Row ``row``'s ``normed * weight`` (``UNIT_OFFSET``: ``normed * (1 + weight)``, the
+    normed row unrounded) in float32, before the output's rounding (the residual sum, when
+    given, rounded to its dtype and stored first)."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -31,8 +33,11 @@ def _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return xf * inv_rms * (1.0 + w)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    return normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return normed * w
 
 
 @triton.jit
@@ -40,13 +45,13 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, stride_o, stride_s,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
     y = _normed_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, stride_x, stride_r, stride_s, hidden,
-                    eps, offs, mask, HAS_RESIDUAL)
+                    eps, offs, mask, HAS_RESIDUAL, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -64,7 +69,7 @@ class NormRows(NamedTuple):
 
 
 def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              sum_out: torch.Tensor | None = None) -> NormRows:
+              sum_out: torch.Tensor | None = None, unit_offset: bool = False) -> NormRows:
     """``NormRows`` of a launch; the residual sum goes to ``sum_out`` (checked as
     ``torch_ops.check_sum_out``; it may be ``residual`` itself: each program reads its row of
     ``x`` and ``residual`` before it stores the sum there), else to a new tensor."""
@@ -74,7 +79,7 @@ def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = torch.promote_types(weight.dtype, sum_dtype)
+    out_dtype = sum_dtype if unit_offset else torch.promote_types(weight.dtype, sum_dtype)
     if residual is None:
         return NormRows(x2, x2, None, x2, out_dtype)
     assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs {tuple(x.shape)}"
@@ -92,9 +97,9 @@ def num_warps_for(block_h: int) -> int:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            sum_out: torch.Tensor | None = None):
+            sum_out: torch.Tensor | None = None, unit_offset: bool = False):
     hidden = x.shape[-1]
-    r = norm_rows(x, residual, weight, sum_out)
+    r = norm_rows(x, residual, weight, sum_out, unit_offset)
     out = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
     out2 = out.view(-1, hidden)
     x2, r2, summed, s2 = r.x, r.residual, r.summed, r.sum_rows
@@ -105,20 +110,22 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2, r2, weight.contiguous(), out2, s2,
             x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps_for(block_h),
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, UNIT_OFFSET=unit_offset,
+            num_warps=num_warps_for(block_h),
         )
     return out, summed
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` (see torch_ops.rms_norm)."""
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, eps, None, unit_offset)[0]
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    sum_out: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None, unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)`` in one pass over the row (the sum
     in ``sum_out`` when given, see ``norm_rows``)."""
-    return _launch(x, residual, weight, eps, sum_out)
+    return _launch(x, residual, weight, eps, sum_out, unit_offset)

@@ -5,7 +5,7 @@ op lives in its own ``triton_*`` module; the attention kernels are composed by
 
 from __future__ import annotations
 
-from tpserve.model.kernels.triton_activation import silu_and_mul
+from tpserve.model.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from tpserve.model.kernels.triton_fp8_fused import (
     add_rms_norm_fp8,
     rms_norm_fp8,
@@ -13,5 +13,5 @@ from tpserve.model.kernels.triton_fp8_fused import (
 )
 from tpserve.model.kernels.triton_norm import add_rms_norm, rms_norm
 
-__all__ = ["add_rms_norm", "add_rms_norm_fp8", "rms_norm", "rms_norm_fp8", "silu_and_mul",
-           "silu_and_mul_fp8"]
+__all__ = ["add_rms_norm", "add_rms_norm_fp8", "gelu_tanh_and_mul", "rms_norm", "rms_norm_fp8",
+           "silu_and_mul", "silu_and_mul_fp8"]

@@ -19,6 +19,9 @@ sliding ``WINDOW`` query ``j`` sees keys ``ctx + j - WINDOW + 1 .. ctx + j`` onl
 tiles start at the tile's first row's first key and every tile is masked (a row may see
 no key of the first ones). K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
+With a logit ``SOFTCAP`` (Gemma 2's; 0: off, the code as without it) every tile's scores are
+capped before the mask, in the log2 domain as the decode kernel does
+(``triton_decode_attention.cap_logits``).
 
 FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype, or
 (``FP16_DOT``, the default under a 16-bit q) to fp16 with q pre-scaled into fp16 (the
@@ -33,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.torch_ops import check_softcap
+from tpserve.model.kernels.triton_decode_attention import cap_logits
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
 from tpserve.model.kv_cache_dtype import is_fp8
 
@@ -53,12 +58,13 @@ def _attend_tile(
     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WIDEN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
-    HEAD_DIM: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One online-softmax step over keys ``tok0 .. tok0 + BLOCK_N - 1`` (K, V and the
     probabilities rounded to ``WIDEN_DTYPE`` before the matmuls); with a ``WINDOW`` (masked
     tiles only) a row sees keys ``pos - WINDOW + 1 .. pos`` and may see none of the tile.
-    ``HEAD_DIM`` (non-zero: a head padded to ``offs_d``'s power of two): its pad reads 0."""
+    ``HEAD_DIM`` (non-zero: a head padded to ``offs_d``'s power of two): its pad reads 0.
+    ``SOFTCAP`` (non-zero: the cap in log2 units): the scores capped before the mask."""
     toks = tok0 + offs_n
     if MASKED:
         valid = toks < seq_len
@@ -81,6 +87,8 @@ def _attend_tile(
         k = tl.load(k_ptrs)
     s = tl.dot(q, tl.trans(k.to(WIDEN_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     s = s * scale_log2
+    if SOFTCAP > 0:
+        s = cap_logits(s, SOFTCAP)
     if MASKED:
         keep = valid[None, :] & (toks[None, :] <= pos_q[:, None])
         if WINDOW > 0:
@@ -120,6 +128,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDEN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.load(tiles_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -169,18 +178,21 @@ def _prefill_kernel(
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, WINDOW, PAD_D)
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, WINDOW, PAD_D,
+                    SOFTCAP)
         else:
             for tok0 in range(0, unmasked_end, BLOCK_N):
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D)
+                    PAGE_SIZE, False, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D,
+                    SOFTCAP)
             for tok0 in range(unmasked_end, kv_end, BLOCK_N):
                 acc, m_i, l_i = _attend_tile(
                     q, acc, m_i, l_i, tok0, offs_n, pos_q, seq_len, bt_row, k_head, v_head,
                     stride_kb, stride_ko, stride_vb, stride_vo, scale_log2, offs_d,
-                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D)
+                    PAGE_SIZE, True, WIDEN_DTYPE, DOT_DTYPE, DOT_PRECISION, 0, PAD_D,
+                    SOFTCAP)
         if WINDOW > 0:  # a padding row (never stored) may have seen no key
             l_i = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_i[:, None]
@@ -195,7 +207,7 @@ def prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int = 4,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
@@ -207,10 +219,13 @@ def prefill_attention(
     for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     ``window``: a sliding window, each query over its last ``window`` positions.
+    ``softcap``: Gemma 2's logit cap c (None: off; else > 0), each logit ``s`` becoming
+    ``c tanh(s / c)``.
     """
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
+    check_softcap(softcap)
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert tiles.dtype == torch.int32, tiles.dtype
@@ -237,6 +252,7 @@ def prefill_attention(
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), WINDOW=window or 0,
+        SOFTCAP=0.0 if softcap is None else softcap * LOG2E,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

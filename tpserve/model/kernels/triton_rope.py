@@ -15,10 +15,11 @@ FP8 cache stores ``e4m3(clamp(x / s, ±448))`` with ``s = kv_scale[0]`` for K an
 ``kv_scale[1]`` for V (device scalars: nothing is read on the host), computed from the
 rounded k exactly as ``torch_ops.quantize_kv`` does (``triton_fp8_kv``).
 
-With ``head_norm`` (Qwen3; RoPE over the whole head) each q and k head is first
+With ``head_norm`` (Qwen3, Gemma 3; RoPE over the whole head) each q and k head is first
 RMS-normed over ``D`` in float32 statistics, rounded to its dtype before the weight
-multiply and after it, as ``torch_ops.rms_norm`` does: the norm costs no launch and no
-pass over q and k of its own.
+multiply and after it, as ``torch_ops.rms_norm`` does (with ``unit_offset``, Gemma's,
+multiplied by ``1 + w`` in float32 and rounded once, after it): the norm costs no launch
+and no pass over q and k of its own.
 
 With ``hadamard`` (``model/kv_hadamard``; RoPE over the whole head) the rotated q and k
 heads, rounded to their dtype, are then multiplied by ``H / sqrt(D)``: with
@@ -57,15 +58,20 @@ def _norm_weight(w_ptr, offs_r, r_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _head_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+def _head_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, UNIT_OFFSET: tl.constexpr = False):
     """The halves ``[ROWS, HALF]`` of each head (a row) RMS-normed over the whole head and
-    multiplied by the weight's halves ``w1``, ``w2`` (float32), in the halves' dtype (see
-    the module docstring). Masked-off rows and columns are zero and stay zero."""
+    multiplied by the weight's halves ``w1``, ``w2`` (float32; with ``UNIT_OFFSET``, by
+    ``1 + w``), in the halves' dtype (see the module docstring). Masked-off rows and
+    columns are zero and stay zero."""
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
-    n1 = (a * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w1
-    n2 = (b * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w2
+    if UNIT_OFFSET:  # Gemma: the float32 product, rounded once
+        n1 = (a * inv_rms[:, None]) * (1.0 + w1)
+        n2 = (b * inv_rms[:, None]) * (1.0 + w2)
+    else:
+        n1 = (a * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w1
+        n2 = (b * inv_rms[:, None]).to(x1.dtype).to(tl.float32) * w2
     return n1.to(x1.dtype), n2.to(x1.dtype)
 
 
@@ -123,6 +129,7 @@ def _rope_write_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr, HADAMARD: tl.constexpr, HEAD_NORM: tl.constexpr,
+    HEAD_NORM_UNIT_OFFSET: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     # Every load is issued before the first store: the compiler keeps a load after a store
@@ -173,7 +180,7 @@ def _rope_write_kv_kernel(
 
     # q: rotate all heads in place.
     if HEAD_NORM:
-        q1, q2 = _head_norm(q1, q2, qw1, qw2, norm_eps, HEAD_DIM)
+        q1, q2 = _head_norm(q1, q2, qw1, qw2, norm_eps, HEAD_DIM, HEAD_NORM_UNIT_OFFSET)
     o1, o2 = _rotate_half(q1, q2, cos, sin)
     o1 = o1.to(q1.dtype)
     o2 = o2.to(q1.dtype)
@@ -184,7 +191,7 @@ def _rope_write_kv_kernel(
 
     # k: rotate in place, and write the rotated head to the cache slot (if any).
     if HEAD_NORM:
-        k1, k2 = _head_norm(k1, k2, kw1, kw2, norm_eps, HEAD_DIM)
+        k1, k2 = _head_norm(k1, k2, kw1, kw2, norm_eps, HEAD_DIM, HEAD_NORM_UNIT_OFFSET)
     r1, r2 = _rotate_half(k1, k2, cos, sin)
     r1 = r1.to(k1.dtype)
     r2 = r2.to(k1.dtype)
@@ -214,11 +221,12 @@ def rope_and_write_kv(
     slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, hadamard: bool = False,
     num_warps: int | None = None, head_norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``head_norm`` (when given) and RoPE on q and k (in place; then the Hadamard rotation
-    with ``hadamard``), then the K/V cache write; returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then
-    V) is required for an FP8 cache, else ignored. ``num_warps``: the launch's (default 8 up
-    to 512 tokens, 4 above: with or without the rotation the fastest or within 3 % of it
-    at 1 to 8,192 tokens, Llama-3-8B's layer on the H200, ``bench/time_rope_hadamard.py``)."""
+    """``head_norm`` (when given; ``unit_offset``: Gemma's ``1 + w``) and RoPE on q and k
+    (in place; then the Hadamard rotation with ``hadamard``), then the K/V cache write;
+    returns the rotated ``(q, k)``. ``kv_scale`` (float32 ``[2]``, K then V) is required
+    for an FP8 cache, else ignored. ``num_warps``: the launch's (default 8 up to 512
+    tokens, 4 above: with or without the rotation the fastest or within 3 % of it at 1 to
+    8,192 tokens, Llama-3-8B's layer on the H200, ``bench/time_rope_hadamard.py``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -256,6 +264,8 @@ def rope_and_write_kv(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=fp8, HADAMARD=hadamard, HEAD_NORM=head_norm is not None, num_warps=num_warps,
+        KV_FP8=fp8, HADAMARD=hadamard, HEAD_NORM=head_norm is not None,
+        HEAD_NORM_UNIT_OFFSET=head_norm is not None and head_norm.unit_offset,
+        num_warps=num_warps,
     )
     return q, k
