@@ -100,3 +100,33 @@ def test_windowed_shapes_are_transformers_tensors(name, params, window):
     assert sum(torch.Size(s).numel() for s in tensors.values()) == params
     assert cfg.window_of(0) == window
     assert resolve_max_model_len(None, cfg) == d["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("name,params,windows", [
+    ("gemma-2-9b", 9_241_705_984, [4096, None]),
+    ("gemma-3-12b", 11_766_034_176, [1024] * 5 + [None])])
+def test_gemma_shapes_are_transformers_tensors(name, params, windows):
+    """The dummy Gemma 2 9B and Gemma 3 12B (its language model) shapes list exactly the
+    tensors transformers builds from the same config.json (four norms a layer, Gemma 3's
+    q/k head norms), with their parameter counts; their norm weights are 0 (``1 + w``: a
+    scale of 1); Gemma 3 serves its 131,072 positions (the linear factor already counted)."""
+    import transformers as tf
+
+    from tpserve.model.loader.dummy import iter_weights, shape_hf_config
+    from tpserve.model.runner_config import resolve_max_model_len
+
+    d = shape_hf_config(name)
+    cls = tf.Gemma2ForCausalLM if name == "gemma-2-9b" else tf.Gemma3ForCausalLM
+    with torch.device("meta"):
+        hf = cls(cls.config_class(**{k: v for k, v in d.items()
+                                     if k not in ("architectures", "model_type")}))
+    want = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    del want["lm_head.weight"]  # tied
+    cfg = shape_config(name)
+    assert dict(hf_tensors(cfg)) == want
+    assert sum(torch.Size(s).numel() for s in want.values()) == params
+    assert [cfg.window_of(i) for i in range(len(windows))] == windows
+    assert resolve_max_model_len(None, cfg) == d["max_position_embeddings"]
+    norms = [src for n, src in iter_weights(cfg, 0, CPU) if n.endswith("norm.weight")]
+    assert len(norms) == cfg.num_hidden_layers * (6 if cfg.qk_norm else 4) + 1
+    assert all(torch.equal(src.read(), torch.zeros(src.shape)) for src in norms[:8])

@@ -127,6 +127,28 @@ def test_rms_norm(ops, dtype, shape):
     _close(ops.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_unit_offset(ops, dtype, residual):
+    """Gemma's norm: ``1 + w`` in float32, the product rounded once to ``x``'s dtype (an
+    fp32 weight does not promote)."""
+    gen = torch.Generator().manual_seed(4)
+    x = _randn(6, 80, dtype=dtype, gen=gen) * 3
+    for w in (_randn(80, dtype=dtype, gen=gen) * 0.5, _randn(80, dtype=torch.float32, gen=gen)):
+        if residual:
+            res = _randn(6, 80, dtype=dtype, gen=gen)
+            got, got_sum = ops.add_rms_norm(x, res.clone(), w, 1e-6, unit_offset=True)
+            want, want_sum = torch_ops.add_rms_norm(x, res.clone(), w, 1e-6, unit_offset=True)
+            _close(got_sum, want_sum, dtype)
+        else:
+            got = ops.rms_norm(x, w, 1e-6, unit_offset=True)
+            want = torch_ops.rms_norm(x, w, 1e-6, unit_offset=True)
+        _close(got, want, dtype)
+        assert got.dtype == dtype
+        plain = torch_ops.rms_norm(x, w, 1e-6)
+        assert not torch.allclose(want.float(), plain.float(), atol=0.1)  # the offset acts
+
+
 def test_rms_norm_fp32_weight_promotes(ops):
     gen = torch.Generator().manual_seed(1)
     x = _randn(5, 64, dtype=torch.bfloat16, gen=gen)
@@ -201,6 +223,17 @@ def test_silu_and_mul(ops, dtype, shape):
     gen = torch.Generator().manual_seed(3)
     x = _randn(*shape, dtype=dtype, gen=gen) * 4
     _close(ops.silu_and_mul(x), torch_ops.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 2 * 96), (2, 3, 2 * 1100)])
+def test_gelu_tanh_and_mul(ops, dtype, shape):
+    """Gemma's gate, over gates far into both saturations of tanh."""
+    gen = torch.Generator().manual_seed(5)
+    x = _randn(*shape, dtype=dtype, gen=gen) * 6
+    got, want = ops.gelu_tanh_and_mul(x), torch_ops.gelu_tanh_and_mul(x)
+    _close(got, want, dtype)
+    assert not torch.allclose(want.float(), torch_ops.silu_and_mul(x).float(), atol=0.1)
 
 
 # ----------------------------------------------------------------------------- rope + cache
@@ -596,3 +629,26 @@ def test_qwen3_head_norms_through_the_triton_ops(mods, attn, tmp_path):
     assert_same_steps(ref_model, model, comm,
                       [[SeqChunk(TOKENS, 0, [0], True)],
                        [SeqChunk([5], len(TOKENS), [0], True)]], DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_through_the_triton_ops(mods, attn, tmp_path, kind):
+    """Tiny Gemma 2 (softcapped attention in both kernels, sandwich and unit-offset norms,
+    the GeLU-tanh gate) and Gemma 3 (unit-offset q/k head norms in the RoPE kernel, two
+    RoPE tables) on the Triton ops: logits over a prefill, a chunk over a cached prefix and
+    a decode step equal the torch reference's on CPU."""
+    from tests.model.test_gemma import TOKENS, _hf_model
+    from tests.model.util import assert_same_steps, load, save_hf_folder
+    from tpserve.model.loader.build import build_model
+    from tpserve.model.loader.checkpoint import open_checkpoint
+    from tpserve.model.plan import SeqChunk
+
+    folder = str(save_hf_folder(_hf_model(kind), tmp_path / kind))
+    ref_model, comm = load(folder)
+    model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
+                        mods["triton_ops"], attn.TritonAttention(torch.float32), 512)
+    assert model.cfg.norm_unit_offset
+    assert_same_steps(ref_model, model, comm,
+                      [[SeqChunk(TOKENS[:10], 0, [0, 1], True)],
+                       [SeqChunk(TOKENS[10:], 10, [0, 1], True)],
+                       [SeqChunk([5], len(TOKENS), [0, 1], True)]], DEVICE)

@@ -17,6 +17,12 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # base models (no LM head: embedding models such as e5-mistral) -> their causal LM
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                       "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# a multimodal checkpoint whose language model is served alone (text in, text out) -> the
+# causal LM it holds (its ``text_config``)
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
+HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +221,27 @@ class ModelConfig:
     # ``matryoshka_dimensions``, vLLM's keys): None: a request's ``dimensions`` is refused;
     # (): any size; else those sizes only
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, GeLU's tanh form)
+    hidden_act: str = "silu"
+    # Gemma: every RMSNorm scales by ``1 + w`` in float32 (the checkpoint stores ``w``)
+    norm_unit_offset: bool = False
+    # Gemma: the embedding's output times sqrt(hidden_size) (rounded to the model's dtype)
+    embed_scale: float | None = None
+    # Gemma 2/3: a norm after attention and after the MLP as well as before each
+    # ("post_attention_layernorm" is then the attention output's norm)
+    sandwich_norms: bool = False
+    # the attention logits' scale (Gemma 2/3: query_pre_attn_scalar ** -0.5); None:
+    # head_dim ** -0.5
+    attention_scale: float | None = None
+    # Gemma 2: ``cap * tanh(x / cap)`` of the attention logits / of the final logits
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Gemma 3: the sliding-window layers' own RoPE base and scaling (the full layers take
+    # ``rope_theta`` / ``rope_scaling``) and the layers that take it (fixed by the layers'
+    # types, so ``--disable-sliding-window`` keeps each layer's RoPE)
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     def without_sliding_window(self) -> ModelConfig:
         """``--disable-sliding-window``: every layer attends to everything, and the context
@@ -230,7 +257,20 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with the local RoPE (Gemma 3's windowed layers)."""
+        return layer in self.local_rope_layers
+
     def __post_init__(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS.values():
+            raise ValueError(f"hidden_act {self.hidden_act!r}: choose one of "
+                             f"{sorted(set(HIDDEN_ACTS.values()))}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "attention_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.local_rope_layers and self.local_rope_theta is None:
+            raise ValueError("local_rope_layers needs local_rope_theta")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -292,9 +332,16 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json names no architecture ('architectures' is empty)")
         arch = archs[0]
-        family = BASE_ARCHITECTURES.get(arch, arch)  # a base model's flags are its LM's
+        family = architecture_family(arch)
+        if family in GEMMA_ARCHITECTURES:
+            d = _gemma_config(d, arch, family)
+        gemma = _gemma_fields(d, family) if family in GEMMA_ARCHITECTURES else {}
+        if gemma:
+            d = {**d, "layer_types": gemma.pop("layer_types")}
         heads = d["num_attention_heads"]
         rope_params = d.get("rope_parameters") or {}
+        if "full_attention" in rope_params:  # per layer type (Gemma 3): the full layers'
+            rope_params = rope_params["full_attention"] or {}
         scaling_d = d.get("rope_scaling") or rope_params
         theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = rope_scaling_from_hf(d, scaling_d)
@@ -306,8 +353,12 @@ class ModelConfig:
         # transformers' Llama has no sliding window; Qwen's only with use_sliding_window
         qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         window = (d.get("sliding_window") if d.get("use_sliding_window", not qwen)
-                  and family != "LlamaForCausalLM" else None) or None
-        return cls(
+                  and family not in ("LlamaForCausalLM", "GemmaForCausalLM") else None) or None
+        act = "silu" if gemma else d.get("hidden_act", "silu")  # Gemma's: _gemma_fields
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"config.json: hidden_act {act!r} is not supported (supported: "
+                             f"{', '.join(HIDDEN_ACTS)})")
+        fields = dict(
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -330,7 +381,85 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
             matryoshka_dimensions=_matryoshka(d),
+            hidden_act=HIDDEN_ACTS[act],
         )
+        return cls(**{**fields, **gemma})
+
+
+def architecture_family(arch: str) -> str:
+    """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``)
+    or a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``), else itself."""
+    return BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch) or arch
+
+
+def _gemma_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
+    """A Gemma ``config.json`` completed by transformers' own config class (hub files
+    leave most keys to its defaults: Gemma 3 4B's ``text_config`` names five), in its
+    current form (per-layer-type ``rope_parameters``, ``layer_types``). A multimodal
+    checkpoint's is its ``text_config``, with the outer token ids and tying."""
+    import transformers
+
+    if arch in LANGUAGE_MODEL_OF:
+        d = {**(d.get("text_config") or {}),
+             **{k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+                if d.get(k) is not None}}
+    cls = {"GemmaForCausalLM": transformers.GemmaConfig,
+           "Gemma2ForCausalLM": transformers.Gemma2Config,
+           "Gemma3ForCausalLM": transformers.Gemma3TextConfig}[family]
+    known = {k: v for k, v in d.items() if k != "model_type"}
+    return {**cls(**known).to_dict(), "architectures": [arch]}
+
+
+def _gemma_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """What Gemma (1, 2, 3) changes, as transformers' Gemma configs read ``config.json``
+    (their defaults where a key is absent), plus ``layer_types`` (the config's, else
+    Gemma 2's every other layer windowed, Gemma 3's ``sliding_window_pattern``: five in
+    six). Refuses ``use_bidirectional_attention`` (EmbeddingGemma)."""
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention (EmbeddingGemma) is not "
+                         "supported: tpserve's attention is causal")
+    gemma1 = family == "GemmaForCausalLM"
+    act = d.get("hidden_act") if gemma1 else d.get("hidden_activation")
+    act = "gelu_pytorch_tanh" if act in (None, "gelu") else act  # transformers' legacy rule
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"config.json: hidden activation {act!r} is not supported "
+                         f"(supported: {', '.join(HIDDEN_ACTS)})")
+    n = d["num_hidden_layers"]
+    fields: dict[str, Any] = dict(
+        hidden_act=HIDDEN_ACTS[act], norm_unit_offset=True,
+        embed_scale=float(d["hidden_size"]) ** 0.5,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        layer_types=d.get("layer_types"))
+    if gemma1:
+        return fields
+    gemma2 = family == "Gemma2ForCausalLM"
+    if fields["layer_types"] is None:
+        every = 2 if gemma2 else int(d.get("sliding_window_pattern", 6))
+        fields["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+                                 for i in range(n)]
+    fields.update(
+        sandwich_norms=True,
+        attention_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_logit_softcap=d.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcap=d.get("final_logit_softcapping", 30.0 if gemma2 else None))
+    if not gemma2:  # Gemma 3: q/k head norms, the windowed layers' own RoPE
+        local = _gemma3_local_rope(d)
+        full = (d.get("rope_parameters") or {}).get("full_attention") or {}
+        fields.update(qk_norm=True, rope_theta=float(d.get("rope_theta",
+                                                           full.get("rope_theta", 1e6))),
+                      local_rope_theta=local[0], local_rope_scaling=local[1],
+                      local_rope_layers=tuple(i for i, t in enumerate(fields["layer_types"])
+                                              if t == "sliding_attention"))
+    return fields
+
+
+def _gemma3_local_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Gemma 3's sliding-window layers' RoPE base and scaling: ``rope_parameters``'
+    ``sliding_attention`` entry, else the older ``rope_local_base_freq`` (10,000 by
+    default), unscaled."""
+    params = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+    theta = params.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
+    return float(theta), rope_scaling_from_hf(d, params)
 
 
 def _matryoshka(d: dict[str, Any]) -> tuple[int, ...] | None:

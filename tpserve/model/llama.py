@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) on tensor-parallel layers.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3) on
+tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
 which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two fused
@@ -8,6 +9,13 @@ SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope`` are th
 (``ModelConfig.rotary_dim``, ``config.RopeScaling``). A sliding window (Mistral, Phi-3,
 Qwen's ``use_sliding_window`` layers) is each attention layer's own
 (``ModelConfig.window_of``), handed to the back-end's attention.
+
+Gemma is Llama with what its ``ModelConfig`` fields say: norms scaling by ``1 + w``
+(``norm_unit_offset``), a GeLU-tanh gate, the embedding times sqrt(hidden); Gemma 2/3 add
+a norm after attention and after the MLP (``sandwich_norms``: their checkpoint's
+``post_attention_layernorm`` is the attention output's norm, ``pre_feedforward_layernorm``
+the MLP input's), ``query_pre_attn_scalar``'s attention scale, softcapped attention and
+final logits (Gemma 2), q/k head norms and the windowed layers' own RoPE table (Gemma 3).
 
 ``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
 between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
@@ -28,7 +36,7 @@ from torch import nn
 
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
-from tpserve.model.config import ModelConfig
+from tpserve.model.config import LANGUAGE_MODEL_OF, ModelConfig
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
@@ -61,6 +69,13 @@ FUSED = (".qkv_proj.", ".gate_up_proj.")
 # a base model's checkpoint (saved from e.g. ``Qwen3Model``, as Qwen3-Embedding's are)
 # names its tensors without the ``model.`` of the causal LM
 BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+# a multimodal checkpoint's language model (``config.LANGUAGE_MODEL_OF``: Gemma 3 4B and
+# up), as transformers 4 and 5 name it -> our names; its vision tower and projector are not
+# loaded
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head."}
+NOT_LANGUAGE_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                      "model.multi_modal_projector.")
 
 
 class LlamaAttention(nn.Module):
@@ -74,9 +89,12 @@ class LlamaAttention(nn.Module):
         self.attn = attn
         self.window = window  # this layer's sliding window (ModelConfig.window_of), or None
         self.qk_norm = cfg.qk_norm
+        self.softcap = cfg.attn_logit_softcap
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype,
+                                  cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype,
+                                  cfg.norm_unit_offset)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype,
                                           quant_method=quant)
@@ -86,7 +104,7 @@ class LlamaAttention(nn.Module):
                                         in_map=self.qkv_proj.layout.q_map(comm.rank,
                                                                           cfg.head_dim),
                                         reduce=reduce, quant_method=quant)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         # the FP8 KV cache's scales, [K, V] (model/kv_cache_dtype.py): 1.0 unless the
         # checkpoint has them; fixed after load; ignored by other cache dtypes
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32))
@@ -94,11 +112,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        head_norm = (HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-                     if self.qk_norm else None)
+        head_norm = (HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                              self.q_norm.unit_offset) if self.qk_norm else None)
         q = self.attn.rope_and_write_kv(q, k, v, positions, rope, kv[0], kv[1], meta,
                                         self.kv_scale, head_norm)
-        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale, self.window)
+        out = self.attn.forward(q, kv[0], kv[1], meta, self.scale, self.kv_scale, self.window,
+                                self.softcap)
         return self.o_proj(out.flatten(1))
 
 
@@ -107,6 +126,7 @@ class LlamaMLP(nn.Module):
                  reduce: str, quant=None):
         super().__init__()
         self.ops = ops
+        self.gelu_tanh = cfg.hidden_act == "gelu_tanh"
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
                                                        dtype=dtype, quant_method=quant)
@@ -116,6 +136,8 @@ class LlamaMLP(nn.Module):
             quant_method=quant)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if self.gelu_tanh:  # Gemma: no fused variants (down_proj quantizes its own input)
+            return self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
         how = input_quantization(self.down_proj, x.shape[0])
         if how is not None:  # the gate quantizes too
             q = self.ops.silu_and_mul_fp8(self.gate_up_proj(x), *how)
@@ -133,8 +155,19 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
                                         cfg.window_of(layer))
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
+        self.sandwich = cfg.sandwich_norms
+        # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off
+        self.fuse_quant = not (sequence_parallel or cfg.norm_unit_offset)
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, cfg.norm_unit_offset)
+        self.input_layernorm = norm()
+        # with sandwich norms (Gemma 2/3) the attention output's norm; else the MLP input's
+        self.post_attention_layernorm = norm()
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, residual, positions, rope, kv, meta):
         """Pre-norm block; the residual stream is carried separately so the add fuses.
@@ -143,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
         take fp8 input at this step's size, the norm quantizes its output (per token, with
         the layer's static input scale, or per group of a block-wise layer's columns)."""
         m = x.shape[0]
-        fuse = not self.sequence_parallel
+        fuse = self.fuse_quant
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         how = input_quantization(qkv, m) if fuse else None
         if residual is None:
@@ -154,11 +187,18 @@ class LlamaDecoderLayer(nn.Module):
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
-        h, residual = self.post_attention_layernorm(
-            h, residual, quantize=input_quantization(gate_up, m) if fuse else None)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h),
+                                                         residual)
+        else:
+            h, residual = self.post_attention_layernorm(
+                h, residual, quantize=input_quantization(gate_up, m) if fuse else None)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.sandwich:
+            h = self.post_feedforward_layernorm(h)
+        return h, residual
 
 
 class LlamaModel(nn.Module):
@@ -171,7 +211,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype,
+                            cfg.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,6 +249,17 @@ class LlamaForCausalLM(nn.Module):
             "rope_cache",
             cos_sin_cache(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
             persistent=False)
+        # Gemma 3's windowed layers' own table (None where every layer takes the one above)
+        self.register_buffer(
+            "local_rope_cache",
+            cos_sin_cache(cfg.rotary_dim, max_positions, cfg.local_rope_theta,
+                          cfg.local_rope_scaling) if cfg.local_rope_layers else None,
+            persistent=False)
+        # Gemma: the embedding's output times sqrt(hidden), the factor rounded to ``dtype``
+        # as transformers rounds it
+        self.embed_scale = (None if cfg.embed_scale is None
+                            else torch.tensor(cfg.embed_scale, dtype=dtype).item())
+        self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -215,9 +267,12 @@ class LlamaForCausalLM(nn.Module):
         if self.sequence_parallel:
             input_ids, positions, meta = self._pad_to_ranks(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope_cache, kv, meta)
+            rope = self.local_rope_cache if layer.local_rope else self.rope_cache
+            x, residual = layer(x, residual, positions, rope, kv, meta)
         x, _ = self.model.norm(x, residual)
         if self.sequence_parallel:
             x = self.comm.all_gather(x, dim=0)[:num_tokens]
@@ -244,23 +299,36 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             raise RuntimeError("this model was built without an LM head (--runner pooling)")
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> set[str]:
         """Loads checkpoint tensors by Hugging Face name; returns the parameter names loaded.
 
         Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
         without a head) are skipped; a base model's names (``BASE_MODEL_PREFIXES``) are the
-        ``model.`` ones. A fused tensor (``FUSED``; Phi-3) is loaded part by part
+        ``model.`` ones; a multimodal checkpoint's language model is renamed
+        (``LANGUAGE_MODEL_PREFIXES``) and the rest of it skipped. A fused tensor (``FUSED``; Phi-3) is loaded part by part
         (``load_stacked``).
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
+        multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
         for name, source in weights:
             original = name
             if "rotary_emb" in name:
                 continue
+            if multimodal:
+                if name.startswith(NOT_LANGUAGE_MODEL):
+                    continue
+                for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
+                    if name.startswith(theirs):
+                        name = ours + name[len(theirs):]
+                        break
             if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
                 name = "model." + name
             prefix, _, tail = name.partition(".self_attn.")

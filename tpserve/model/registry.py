@@ -13,6 +13,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv / gate_up tensors: llama.FUSED
+    # Gemma's differences are ModelConfig fields (config._gemma_fields)
+    "GemmaForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    # its language model alone (llama.LANGUAGE_MODEL_PREFIXES; the vision tower skipped)
+    "Gemma3ForConditionalGeneration": LlamaForCausalLM,
 }
 # their checkpoints have no LM head: served by --runner pooling
 MODEL_CLASSES.update({base: MODEL_CLASSES[lm] for base, lm in BASE_ARCHITECTURES.items()})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.model.config import ModelConfig
+from tpserve.model.config import ModelConfig, architecture_family
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
@@ -125,7 +125,10 @@ def model_context(model: ModelConfig) -> int:
 
 def _scaled_context(model: ModelConfig) -> int:
     scaling = model.rope_scaling
-    if scaling is None or scaling.rope_type in ("llama3", "freq_factors"):
+    # Gemma 3's max_position_embeddings already counts its full layers' linear scaling
+    # (vLLM skips the factor for gemma3 alike)
+    if (scaling is None or scaling.rope_type in ("llama3", "freq_factors")
+            or architecture_family(model.architecture) == "Gemma3ForCausalLM"):
         return model.max_position_embeddings
     if scaling.rope_type == "yarn":
         return int(scaling.original_max_position_embeddings * scaling.factor)

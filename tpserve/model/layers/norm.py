@@ -13,11 +13,18 @@ from tpserve.parallel.linear import InputQuantization
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, ops: Ops, dtype: torch.dtype | None = None):
+    """``unit_offset`` (Gemma): the weight is stored as the checkpoint's ``w`` and scales by
+    ``1 + w`` in float32 (``torch_ops.rms_norm``); such a norm never quantizes its output
+    (a W8A8 layer after it quantizes its own input)."""
+
+    def __init__(self, hidden: int, eps: float, ops: Ops, dtype: torch.dtype | None = None,
+                 unit_offset: bool = False):
         super().__init__()
         self.eps = eps
         self.ops = ops
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter((torch.zeros if unit_offset else torch.ones)(
+            hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 quantize: InputQuantization | None = None):
@@ -33,6 +40,14 @@ class RMSNorm(nn.Module):
         step each was 64 MiB, and one of them split the cached block the next gate/up
         output needed: bench/README.md round 17). Callers must not read ``residual``
         afterwards except through the returned sum."""
+        if self.unit_offset:
+            if quantize is not None:
+                raise ValueError("a unit-offset (Gemma) norm does not quantize its output")
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
+            sum_out = residual if holds_sum(residual, x, residual) else None
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out,
+                                         unit_offset=True)
         if residual is None:
             if quantize is not None:
                 return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps,

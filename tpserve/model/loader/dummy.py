@@ -14,7 +14,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4",
-          "phi-3-mini", "mistral-7b")
+          "phi-3-mini", "mistral-7b", "gemma-2-9b", "gemma-3-12b")
 # architectures whose checkpoints store q/k/v and gate/up fused (``llama.FUSED``)
 _FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
@@ -65,6 +65,22 @@ def shape_hf_config(name: str) -> dict:
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096,
                  bos_token_id=1, eos_token_id=2)
+    elif name == "gemma-2-9b":  # google/gemma-2-9b: softcaps, every other layer windowed
+        base = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                "rms_norm_eps": 1e-6}
+        d = dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                 num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                 max_position_embeddings=8192, bos_token_id=2, eos_token_id=1)
+    elif name == "gemma-3-12b":  # google/gemma-3-12b-it's language model (text_config)
+        base = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "rms_norm_eps": 1e-6}
+        d = dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                 num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0},
+                 max_position_embeddings=131072, bos_token_id=2, eos_token_id=[1, 106])
     elif name.startswith("qwen3-"):
         base = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "rms_norm_eps": 1e-6}
@@ -94,6 +110,9 @@ def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)),
                 (p + "post_attention_layernorm.weight", (h,))]
+        if cfg.sandwich_norms:
+            out += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                    (p + "post_feedforward_layernorm.weight", (h,))]
         fused = cfg.architecture in _FUSED_ARCHITECTURES
         out += ([(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))] if fused else
                 [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
@@ -129,14 +148,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 class HashedSource:
     """A dummy tensor whose every element is a pure function of (seed, name, index):
-    ones for norm weights, else uniform noise of std 0.02. ``read`` computes only the
+    ``norm_value`` for norm weights (1, or 0 for Gemma's ``1 + w`` norms: a scale of 1
+    either way), else uniform noise of std 0.02. ``read`` computes only the
     requested slice, on ``device``, so every tensor-parallel rank gets exactly its shard
     of the same full tensor (dummy weights do not change with ``--tensor-parallel-size``)
     and no full copy is ever made."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], seed: int, device: torch.device):
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int, device: torch.device,
+                 norm_value: float = 1.0):
         self.shape = shape
-        self.ones = name.endswith("norm.weight")
+        self.norm = name.endswith("norm.weight")
+        self.norm_value = norm_value
         self.key = zlib.crc32(f"{seed}:{name}".encode())
         self.device = device
         if math.prod(shape) > _MASK32:
@@ -150,8 +172,8 @@ class HashedSource:
         length = shape[dim] - start if length is None else length
         out_shape = shape.copy()
         out_shape[dim] = length
-        if self.ones:
-            return torch.ones(out_shape, device=self.device)
+        if self.norm:
+            return torch.full(out_shape, self.norm_value, device=self.device)
         # rows and columns of the slice in the full tensor viewed as 2-D; hashed a block
         # of rows at a time so that no temporary grows with the tensor
         rows_full, cols_full = (1, shape[0]) if len(shape) == 1 else shape
@@ -177,5 +199,6 @@ class HashedSource:
 
 def iter_weights(cfg: ModelConfig, seed: int, device: torch.device
                  ) -> Iterator[tuple[str, HashedSource]]:
+    norm_value = 0.0 if cfg.norm_unit_offset else 1.0
     for name, shape in hf_tensors(cfg):
-        yield name, HashedSource(name, shape, seed, device)
+        yield name, HashedSource(name, shape, seed, device, norm_value)
