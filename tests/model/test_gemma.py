@@ -52,7 +52,9 @@ def _config(kind: str, **changes):
     return cfg
 
 
-def _hf_model(kind: str, **changes):
+def _hf_model(kind: str, sharp: bool = True, **changes):
+    """The tiny model of ``kind``; ``sharp``: q/k weights times 8, attention logits of a few
+    units (where a softcap of 1.5 bends them)."""
     import transformers as tf
 
     torch.manual_seed({"gemma": 40, "gemma2": 41, "gemma3": 42}[kind])
@@ -62,8 +64,8 @@ def _hf_model(kind: str, **changes):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):  # logits of a few units,
-                p.mul_(8.0)  # where a softcap of 1.5 bends them
+            if sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
     return model
 
 
@@ -213,3 +215,57 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path, saved_by):
     assert own.local_rope_layers == (0, 2) and own.tie_word_embeddings
     _check(str(folder), want, 1)
     _check(str(folder), want, 2)
+
+
+def _fp8_logits(group, folder: str, weight_only: bool) -> torch.Tensor:
+    from tests.model.util import full_logits
+    from tpserve.model.quant.fp8 import Fp8LinearMethod
+
+    method = Fp8LinearMethod(weight_only_max_tokens=10**6) if weight_only else Fp8LinearMethod()
+    model, comm = load(folder, group, quant_method=method)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    return full_logits(model, comm, TOKENS)
+
+
+def _dequantized(hf, folder: str):
+    """``hf`` with every linear weight replaced by our tp 1 fp8 weight, dequantized."""
+    from tpserve.model.quant.fp8 import Fp8LinearMethod
+
+    ours, _ = load(folder, quant_method=Fp8LinearMethod())
+    cfg = ours.cfg
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    with torch.no_grad():
+        for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
+            for layer, parts, sizes in (
+                    (mine.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+                    (mine.mlp.gate_up_proj, ("gate_proj", "up_proj"), None),
+                    (mine.self_attn.o_proj, ("o_proj",), None),
+                    (mine.mlp.down_proj, ("down_proj",), None)):
+                w = layer.weight.float() * layer.weight_scale.float().reshape(-1, 1)
+                rows = w.split(sizes) if sizes else w.chunk(len(parts))
+                owner = theirs.self_attn if parts[0].endswith(("q_proj", "o_proj")) else theirs.mlp
+                for name, r in zip(parts, rows, strict=True):
+                    getattr(owner, name).weight.copy_(r)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2", "gemma3"])
+def test_gemma_quantized_at_load(tmp_path, kind):
+    """``--quantization fp8`` on Gemma (its norms and GeLU gate hand the linear layers
+    unquantized input, which they quantize themselves where they want it quantized): with
+    weight-only products every step, at tp 1 and 2, the logits equal transformers' over
+    the same fp8 weights dequantized; with the default W8A8 steps they stay within the
+    activations' fp8 error of those (sandwich norms rescale each sublayer's small output,
+    its relative error with it, so that error is not small on random weights)."""
+    from tests.model.util import save_hf_folder
+
+    folder = str(save_hf_folder(_hf_model(kind, sharp=False), tmp_path / kind))
+    with torch.no_grad():
+        want = _dequantized(_hf_model(kind, sharp=False), folder)(
+            torch.tensor([TOKENS])).logits[0]
+    for tp in (1, 2):
+        for logits in run_ranks(_fp8_logits, tp, folder, True):
+            assert (logits - want).abs().max().item() < 1e-4, tp
+    (w8a8,) = run_ranks(_fp8_logits, 1, folder, False)
+    err = (w8a8 - want).abs().max().item() / want.abs().max().item()
+    assert 0 < err < 0.15, err
