@@ -269,3 +269,60 @@ def test_gemma_quantized_at_load(tmp_path, kind):
     (w8a8,) = run_ranks(_fp8_logits, 1, folder, False)
     err = (w8a8 - want).abs().max().item() / want.abs().max().item()
     assert 0 < err < 0.15, err
+
+
+def _gemma_gguf(model, path, arch: str) -> str:
+    """``model`` as llama.cpp's converter writes a Gemma GGUF: norms stored ``1 + w``, Gemma
+    2/3's four norms under their llama.cpp names, the softcaps and the window as metadata
+    (Gemma 3's window pattern and local RoPE base left to llama.cpp's defaults: the tiny
+    Gemma 3 written here follows them)."""
+    from tests.model.util import save_gguf_file
+
+    cfg = model.config
+
+    def metadata(w):
+        if arch != "gemma":
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+            w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+        if arch == "gemma3":
+            w.add_string(f"{arch}.rope.scaling.type", "linear")
+            w.add_float32(f"{arch}.rope.scaling.factor", 4.0)
+
+    sandwich = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+    save_gguf_file(model, path, arch, metadata,
+                   layer_names=sandwich if arch != "gemma" else None, norm_shift=1.0)
+    return str(path)
+
+
+def _gguf_model(kind: str):
+    """The tiny models as a GGUF file can describe them: llama.cpp's head-dim attention
+    scale (``query_pre_attn_scalar`` = head_dim); Gemma 3's windows five in six layers
+    from the first and its local RoPE base 10,000."""
+    if kind == "gemma":
+        return _hf_model(kind)
+    if kind == "gemma2":
+        return _hf_model(kind, query_pre_attn_scalar=32)
+    types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    return _hf_model(kind, query_pre_attn_scalar=32, num_hidden_layers=7, layer_types=types,
+                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                         "rope_theta": 1000000.0},
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 10000.0}})
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2", "gemma3"])
+def test_gemma_gguf_equals_transformers(tmp_path, kind):
+    """A Gemma GGUF file (llama.cpp's ``gemma``, ``gemma2``, ``gemma3``) gives transformers'
+    logits at tp 1 and 2: its ``1 + w`` norms read back as ``w``, Gemma 2/3's four norms
+    under llama.cpp's names, the softcaps, the window and Gemma 3's linear scaling from
+    metadata."""
+    hf = _gguf_model(kind)
+    with torch.no_grad():
+        want = hf(torch.tensor([TOKENS])).logits[0]
+    path = _gemma_gguf(hf, tmp_path / f"{kind}.gguf", kind)
+    _check(path, want, 1)
+    _check(path, want, 2)

@@ -242,11 +242,14 @@ def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
-                   extra_tensors: dict | None = None) -> Path:
+                   extra_tensors: dict | None = None, layer_names: dict | None = None,
+                   norm_shift: float = 0.0) -> Path:
     """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
     metadata keys and tensor names, ``llama``'s q/k rows permuted as the converter permutes
     them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
-    ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors."""
+    ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors;
+    ``layer_names`` laid over ``GGUF_LAYER_NAMES``; ``norm_shift`` added to every norm
+    weight (Gemma's converter stores ``1 + w``)."""
     import gguf
 
     cfg = model.config
@@ -262,16 +265,18 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                        ("context_length", cfg.max_position_embeddings)]:
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters  # per layer type (Gemma 3): the full layers' base
+    w.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention") or rope)["rope_theta"])
     if write_metadata is not None:
         write_metadata(w)
+    names = {**GGUF_LAYER_NAMES, **(layer_names or {})}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name.startswith("model.layers."):
             layer, _, rest = name.removeprefix("model.layers.").partition(".")
             part, _, kind = rest.rpartition(".")
-            gname = f"blk.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+            gname = f"blk.{layer}.{names[part]}.{kind}"
             if arch == "llama" and part == "self_attn.q_proj":
                 t = _converter_permute(t, cfg.num_attention_heads)
             elif arch == "llama" and part == "self_attn.k_proj":
@@ -280,6 +285,8 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
             gname = {"model.embed_tokens.weight": "token_embd.weight",
                      "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
+        if gname.endswith("norm.weight"):
+            t = t + norm_shift
         w.add_tensor(gname, t.float().numpy())
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)

@@ -29,7 +29,8 @@ from tpserve.model.loader.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -40,8 +41,18 @@ _LAYER_NAMES = {
 }
 # llama.cpp's Phi-3 keeps Hugging Face's fused tensors: q/k/v rows in ``attn_qkv``, gate
 # then up rows in ``ffn_up`` (loaded part by part: ``llama.FUSED``)
+# Gemma 2/3's four norms: ``ffn_norm`` is the MLP input's, ``post_attention_norm`` the
+# attention output's
+_SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
-                              "ffn_up": "mlp.gate_up_proj"}}
+                              "ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": _SANDWICH_NAMES, "gemma3": _SANDWICH_NAMES}
+# llama.cpp's Gemma 2/3 at 27B scale attention by (hidden / heads) ** -0.5 (Hugging Face's
+# query_pre_attn_scalar: 144 and 168), every other size by head_dim ** -0.5; the files carry
+# no scale, llama.cpp tells the 27B models by their layer count
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 # LongRoPE's per-pair factors as tensors (Phi-3-*-128k, Phi-3.5, Phi-4-mini): not served
@@ -99,12 +110,16 @@ def read_config(r, path: Path) -> ModelConfig:
                          "serve the safetensors checkpoint")
     # Phi-3's partial_rotary_factor: the rotated dims of each head (others: the whole head)
     rotary_dim = _field(r, f"{arch}.rope.dimension_count") if arch == "phi3" else None
-    return ModelConfig(
+    layers = int(_field(r, f"{arch}.block_count"))
+    window = _field(r, f"{arch}.attention.sliding_window") or None
+    gemma = (_gemma_fields(r, arch, layers, hidden // heads, head_dim, window)
+             if arch.startswith("gemma") else {})
+    return ModelConfig(**{**dict(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(r, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(r, f"{arch}.block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(_field(r, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -116,10 +131,38 @@ def read_config(r, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(r, arch, path, head_dim, context),
         rotary_dim=None if rotary_dim is None else int(rotary_dim),
-        sliding_window=_field(r, f"{arch}.attention.sliding_window") or None,
+        sliding_window=window,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+    ), **gemma})
+
+
+def _gemma_fields(r, arch: str, layers: int, hidden_per_head: int, head_dim: int,
+                  window: int | None) -> dict:
+    """Gemma's config fields as llama.cpp reads them (see ``config._gemma_fields``): the
+    softcaps from metadata; the windowed layers every other one from the first (Gemma 2)
+    or five in six (Gemma 3; ``attention.sliding_window_pattern`` where the file has it);
+    Gemma 3's windowed layers on RoPE base ``rope.freq_base_swa``, else 10,000 unscaled.
+    The norm weights are stored as ``1 + w`` (``iter_weights`` undoes it)."""
+    fields = dict(hidden_act="gelu_tanh", norm_unit_offset=True,
+                  embed_scale=float(_field(r, f"{arch}.embedding_length")) ** 0.5)
+    if arch == "gemma":
+        return fields
+    every = 2 if arch == "gemma2" else int(_field(r, f"{arch}.attention.sliding_window_pattern",
+                                                  6))
+    windowed = tuple(i for i in range(layers) if (i + 1) % every)
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    fields.update(
+        sandwich_norms=True,
+        attention_scale=float(hidden_per_head if big else head_dim) ** -0.5,
+        attn_logit_softcap=_field(r, f"{arch}.attn_logit_softcapping") or None,
+        final_logit_softcap=_field(r, f"{arch}.final_logit_softcapping") or None,
+        full_attention_layers=tuple(i for i in range(layers) if i not in windowed)
+        if window is not None else ())
+    if arch == "gemma3":
+        fields.update(local_rope_theta=float(_field(r, f"{arch}.rope.freq_base_swa", 10000.0)),
+                      local_rope_layers=windowed)
+    return fields
 
 
 def _rope_scaling(r, arch: str, path: Path, head_dim: int,
@@ -183,9 +226,10 @@ def _rope_scaling(r, arch: str, path: Path, head_dim: int,
 class GGUFSource:
     """One GGUF tensor in torch orientation ``[out, in]``, dequantized on ``read``."""
 
-    def __init__(self, tensor, unpermute_heads: int | None):
+    def __init__(self, tensor, unpermute_heads: int | None, shift: float = 0.0):
         from gguf.constants import GGML_QUANT_SIZES
 
+        self.shift = shift  # added to every value read (Gemma's norms: -1)
         self.data = tensor.data
         self.qtype = tensor.tensor_type
         self.shape = tuple(int(x) for x in reversed(tensor.shape))
@@ -223,7 +267,7 @@ class GGUFSource:
             out = out[:, col_slice[0]:col_slice[0] + col_slice[1]]
         if self.unpermute_heads is not None:
             out = self._unpermute(out, start if dim == 0 else 0)
-        return out
+        return out + self.shift if self.shift else out
 
     def _unpermute(self, w: torch.Tensor, row_start: int) -> torch.Tensor:
         """Undo llama.cpp's per-head row interleaving for the heads in ``w``."""
@@ -241,6 +285,8 @@ def num_weights(r) -> int:
 
 
 def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
+    """The file's weights by Hugging Face name; a Gemma file's norms (stored ``1 + w`` by
+    llama.cpp's converter) read as ``w``, what the model's unit-offset norms take."""
     permute = cfg.architecture == "LlamaForCausalLM"
     arch = _field(r, "general.architecture")
     for t in r.tensors:
@@ -251,6 +297,7 @@ def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
             heads = cfg.num_attention_heads
         elif permute and ".attn_k." in t.name:
             heads = cfg.num_key_value_heads
-        yield hf_name(t.name, arch), GGUFSource(t, heads)
+        shift = -1.0 if cfg.norm_unit_offset and t.name.endswith("norm.weight") else 0.0
+        yield hf_name(t.name, arch), GGUFSource(t, heads, shift)
 
 
