@@ -50,6 +50,10 @@ BLOCK_N = 64  # keys per inner-loop tile
 # were the best of seven launches in all three cases (54.6 / 31.1 / 311.0 us against
 # 57.4 / 33.6 / 312.0 with 64 keys; a bf16 cache: 52.3 / 26.6 / 259.3).
 FP8_BLOCK_N = 128
+# Gemma's heads of 256 at 4 warps spill registers (sm_90a, Triton 3.9, compiled offline:
+# 255 registers and 29 spill stores bf16, 51 over FP8); at 8 warps neither spills (232 and
+# 240 registers, with the softcap 228 and 250). Chosen by that count, not yet timed.
+WIDE_HEAD_WARPS = 8
 
 
 @triton.jit
@@ -205,7 +209,8 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tiles: torch.Tensor, scale: float,
-    out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int = 4,
+    out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
     window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
@@ -215,7 +220,7 @@ def prefill_attention(
     its length fixes the launch grid and nothing here reads the device, so the launch is
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
     depend on them beyond rounding; ``block_n`` defaults to ``BLOCK_N``, or ``FP8_BLOCK_N``
-    over an FP8 cache). ``kv_scale`` (float32 ``[2]``, K then V) is required
+    over an FP8 cache; ``num_warps`` to 4, or ``WIDE_HEAD_WARPS`` for heads wider than 128). ``kv_scale`` (float32 ``[2]``, K then V) is required
     for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     ``window``: a sliding window, each query over its last ``window`` positions.
@@ -236,6 +241,8 @@ def prefill_attention(
         return out
     if block_n is None:
         block_n = FP8_BLOCK_N if fp8 else BLOCK_N
+    if num_warps is None:
+        num_warps = WIDE_HEAD_WARPS if head_dim > 128 else 4
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp8 and q.dtype in (torch.bfloat16, torch.float16) and fp16_dot is not False
     if fp16_dot and dot_dtype != tl.float32:
