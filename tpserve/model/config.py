@@ -21,6 +21,10 @@ GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausal
 # a multimodal checkpoint whose language model is served alone (text in, text out) -> the
 # causal LM it holds (its ``text_config``)
 LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# sequence classifiers (rerankers, reward models): the decoder and a ``score`` head over the
+# last token's hidden state, no LM head -> their causal LM (served by --runner pooling)
+SEQUENCE_CLASSIFIERS = {f"{name}ForSequenceClassification": f"{name}ForCausalLM"
+                        for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 # config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -221,6 +225,9 @@ class ModelConfig:
     # ``matryoshka_dimensions``, vLLM's keys): None: a request's ``dimensions`` is refused;
     # (): any size; else those sizes only
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # a sequence classifier's labels (``id2label``, in id order; the ``score`` head has one
+    # row per label); () for every other model
+    labels: tuple[str, ...] = ()
     # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, GeLU's tanh form)
     hidden_act: str = "silu"
     # Gemma: every RMSNorm scales by ``1 + w`` in float32 (the checkpoint stores ``w``)
@@ -382,6 +389,7 @@ class ModelConfig:
             rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
             matryoshka_dimensions=_matryoshka(d),
             hidden_act=HIDDEN_ACTS[act],
+            labels=_labels(d) if arch in SEQUENCE_CLASSIFIERS else (),
         )
         return cls(**{**fields, **gemma})
 
@@ -389,7 +397,8 @@ class ModelConfig:
 def architecture_family(arch: str) -> str:
     """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``)
     or a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``), else itself."""
-    return BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch) or arch
+    return (BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch)
+            or SEQUENCE_CLASSIFIERS.get(arch) or arch)
 
 
 def _gemma_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
@@ -460,6 +469,20 @@ def _gemma3_local_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
     theta = params.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
     return float(theta), rope_scaling_from_hf(d, params)
+
+
+def _labels(d: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names in id order, as transformers reads them: ``id2label``
+    (ids as strings), else ``num_labels`` of ``LABEL_i`` (2 by default)."""
+    id2label = d.get("id2label")
+    if id2label:
+        ids = sorted(int(i) for i in id2label)
+        if ids != list(range(len(ids))):
+            raise ValueError(f"config.json: id2label must number its labels 0..n-1, got "
+                             f"{sorted(id2label)}")
+        return tuple(str(id2label[str(i)] if str(i) in id2label else id2label[i])
+                     for i in ids)
+    return tuple(f"LABEL_{i}" for i in range(int(d.get("num_labels", 2))))
 
 
 def _matryoshka(d: dict[str, Any]) -> tuple[int, ...] | None:

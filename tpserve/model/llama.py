@@ -241,6 +241,13 @@ class LlamaForCausalLM(nn.Module):
                         if lm_head else None)
         if cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # a sequence classifier's head (``cfg.labels``; Hugging Face's ``score.weight``),
+        # whole on every rank; rank 0's engine applies it to pooled rows
+        # (``pooling.classifier_head``, ``pooling.finish_classification``)
+        self.score = None
+        if cfg.labels:
+            self.score = nn.Linear(cfg.hidden_size, len(cfg.labels), bias=False, dtype=dtype)
+            self.score.weight.requires_grad_(False)
         # set by load_weights when the checkpoint carries any KV cache scale
         self.kv_scales_from_checkpoint = False
         attn.check_model(cfg.head_dim, cfg.rotary_dim, cfg.qk_norm)

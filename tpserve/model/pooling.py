@@ -50,13 +50,24 @@ class PoolerConfig:
     # ``dimensions`` may ask (``ModelConfig.matryoshka_dimensions``: None none, () any)
     size: int = 0
     matryoshka: tuple[int, ...] | None = None
+    # a sequence classifier's labels (``ModelConfig.labels``): the server classifies
+    # (/classify; /score and /rerank as a cross-encoder) instead of embedding
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                              f"{self.pooling_type!r}")
 
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
+
     def describe(self) -> str:
+        if self.classifies:
+            how = "sigmoid" if len(self.labels) == 1 else "softmax"
+            return (f"a classifier of {len(self.labels)} label(s) ({', '.join(self.labels)}; "
+                    f"{how}) over {self.pooling_type} pooling ({self.source})")
         return (f"{self.size}-dimensional embeddings, {self.pooling_type} pooling, "
                 f"{'' if self.normalize else 'not '}normalized ({self.source})")
 
@@ -158,12 +169,16 @@ def parse_pooler_config(text: str | None) -> dict[str, Any]:
 
 
 def resolve_pooler_config(flag: str | None, declared: tuple[dict[str, Any], str] | None,
-                          size: int, matryoshka: tuple[int, ...] | None) -> PoolerConfig:
+                          size: int, matryoshka: tuple[int, ...] | None,
+                          labels: tuple[str, ...] = ()) -> PoolerConfig:
     """The pooling of a ``--runner pooling`` server: defaults, then what the checkpoint
     declares (``declared``: its values and where they come from, ``Checkpoint.pooling``),
-    then ``--pooler-config`` (``flag``), each over the last; ``size`` and ``matryoshka``
-    are the model's (``ModelConfig``)."""
-    values: dict[str, Any] = {"size": size, "matryoshka": matryoshka}
+    then ``--pooler-config`` (``flag``), each over the last; ``size``, ``matryoshka`` and
+    ``labels`` are the model's (``ModelConfig``). A classifier's defaults are vLLM's:
+    the last token's hidden state, unnormalized (the head takes it as transformers does)."""
+    values: dict[str, Any] = {"size": size, "matryoshka": matryoshka, "labels": labels}
+    if labels:
+        values["normalize"] = False
     sources = []
     if declared is not None:
         values.update(declared[0])
@@ -175,11 +190,17 @@ def resolve_pooler_config(flag: str | None, declared: tuple[dict[str, Any], str]
     return PoolerConfig(**values, **({"source": " and ".join(sources)} if sources else {}))
 
 
-def resolve_runner(flag: str) -> str:
+def resolve_runner(flag: str, classifier: bool = False) -> str:
     """``--runner auto`` is ``generate``: tpserve's architectures are decoders, which vLLM
-    also runs generatively unless told ``--runner pooling``."""
+    also runs generatively unless told ``--runner pooling``; a sequence classifier
+    (``classifier``: it has no LM head) is ``pooling``, and refuses ``generate``."""
     if flag not in RUNNER_CHOICES:
         raise ValueError(f"--runner must be one of {', '.join(RUNNER_CHOICES)}, got {flag!r}")
+    if classifier:
+        if flag == "generate":
+            raise ValueError("--runner generate: this checkpoint is a sequence classifier "
+                             "(no LM head); serve it with --runner pooling (or auto)")
+        return "pooling"
     return "generate" if flag == "auto" else flag
 
 
@@ -238,3 +259,21 @@ def finish_embedding(pooled: torch.Tensor, num_tokens: int, pooling_type: str,
     if normalize:
         v = torch.nn.functional.normalize(v, p=2.0, dim=0)
     return v.tolist()
+
+
+def classifier_head(model: Any) -> torch.Tensor | None:
+    """A float32 host copy of ``model``'s classifier head (``[labels, hidden]``), for rank
+    0's engine to apply to pooled rows; None for a model without one."""
+    score = getattr(model, "score", None)
+    return None if score is None else score.weight.detach().float().cpu()
+
+
+def finish_classification(pooled: torch.Tensor, num_tokens: int, pooling_type: str,
+                          head: torch.Tensor) -> list[float]:
+    """A prompt's label probabilities from its pooled float32 vector: the head's logits
+    (float32), then vLLM's activation: sigmoid for one label (a reranker's or reward
+    model's score), softmax over several."""
+    v = pooled / num_tokens if pooling_type == "MEAN" else pooled
+    logits = head @ v.to(head.device, torch.float32)
+    probs = torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
+    return probs.tolist()

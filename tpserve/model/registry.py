@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpserve.model.config import BASE_ARCHITECTURES
+from tpserve.model.config import BASE_ARCHITECTURES, SEQUENCE_CLASSIFIERS
 from tpserve.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -22,6 +22,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 # their checkpoints have no LM head: served by --runner pooling
 MODEL_CLASSES.update({base: MODEL_CLASSES[lm] for base, lm in BASE_ARCHITECTURES.items()})
+# sequence classifiers: the decoder and a ``score`` head, no LM head (--runner pooling)
+MODEL_CLASSES.update({c: MODEL_CLASSES[lm] for c, lm in SEQUENCE_CLASSIFIERS.items()})
 
 
 def model_class(architecture: str) -> type[nn.Module]:

@@ -247,7 +247,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
-    runner_kind = resolve_runner(a.runner)
+    runner_kind = resolve_runner(a.runner, classifier=bool(ckpt.config.labels))
     if a.pooler_config is not None and runner_kind != "pooling":
         raise ValueError("--pooler-config needs --runner pooling")
     runner = RunnerConfig(
@@ -270,7 +270,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         disable_sliding_window=a.disable_sliding_window,
         pooler=resolve_pooler_config(a.pooler_config, ckpt.pooling(),
                                      ckpt.config.hidden_size,
-                                     ckpt.config.matryoshka_dimensions)
+                                     ckpt.config.matryoshka_dimensions, ckpt.config.labels)
         if runner_kind == "pooling" else None)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens

@@ -77,7 +77,7 @@ import torch
 from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
 from tpserve.model.plan import SeqChunk, StepPlan
-from tpserve.model.pooling import pool_rows
+from tpserve.model.pooling import classifier_head, pool_rows
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
@@ -140,6 +140,7 @@ class EngineCore:
         self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
+        self.classifier = classifier_head(getattr(runner, "model", None))  # else None
         if runner.device.type == "cuda" and not self.pooling:  # shapes no start-up step
             # sampled (sampler.py)
             self.sampler.warm_up(runner.model_config.vocab_size,
@@ -426,7 +427,8 @@ class EngineCore:
         if flight.scored:
             collect_prompt(flight, self.requests, self.counters)
         if flight.pooling:
-            collect_pooled(flight, self.requests, self.counters, self.histograms)
+            collect_pooled(flight, self.requests, self.counters, self.histograms,
+                           self.classifier)
         if not flight.sampling:
             return
         result = flight.sample.resolve()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tpserve.model.pooling import finish_embedding
+from tpserve.model.pooling import finish_classification, finish_embedding
 from tpserve.model.prompt_logprobs import PromptLogprobs
 from tpserve.model.sampler import PendingSample
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
@@ -83,9 +83,11 @@ def collect_prompt(flight: InFlight, requests: dict[str, RequestState],
 
 
 def collect_pooled(flight: InFlight, requests: dict[str, RequestState],
-                   counters: dict[str, float], histograms: dict[str, Any]) -> None:
+                   counters: dict[str, float], histograms: dict[str, Any],
+                   classifier: torch.Tensor | None = None) -> None:
     """Adds each pooled chunk's sum (read back now) to its request's vector, and
-    answers each request whose last chunk this was with its embedding."""
+    answers each request whose last chunk this was with its embedding (a classifier's
+    server, ``classifier`` its head: with its label probabilities)."""
     wait_for(flight.pooled_event, counters)
     for seq, start, final, out in flight.pooling:
         state = requests.get(seq.request_id)
@@ -102,9 +104,13 @@ def collect_pooled(flight: InFlight, requests: dict[str, RequestState],
         pooling = seq.params.pooling
         seq.first_token_time = time.monotonic()
         assert state.pooled is not None, "a pooled sequence ended with no pooled rows"
-        embedding = finish_embedding(state.pooled, seq.num_prompt_tokens,
-                                     pooling.pooling_type, pooling.normalize,
-                                     pooling.dimensions)
+        if classifier is not None:
+            embedding = finish_classification(state.pooled, seq.num_prompt_tokens,
+                                              pooling.pooling_type, classifier)
+        else:
+            embedding = finish_embedding(state.pooled, seq.num_prompt_tokens,
+                                         pooling.pooling_type, pooling.normalize,
+                                         pooling.dimensions)
         state.done = True
         del requests[seq.request_id]
         state.emit(RequestOutput(seq.request_id, [CompletionDelta(0, "", (), None, "stop")],

@@ -90,9 +90,9 @@ def pooler_of(state: ServerState, api: str) -> PoolerConfig:
     return state.pooler
 
 
-def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
-    """400 for what this server cannot answer; the request's pooling parameters."""
-    pooler = pooler_of(state, "Embeddings")
+def check_inputs(body: EmbeddingRequest) -> None:
+    """400 unless exactly one of ``input`` and ``messages`` is given, and the chat
+    template's options only with ``messages``."""
     if (body.input is None) == (body.messages is None):
         raise APIError.bad_request("give exactly one of input and messages",
                                    "input" if body.input is None else "messages")
@@ -103,6 +103,16 @@ def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
         for name in ("add_generation_prompt", "continue_final_message"):
             if getattr(body, name):
                 raise APIError.bad_request(f"{name} applies to messages, not to input", name)
+
+
+def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
+    """400 for what this server cannot answer; the request's pooling parameters."""
+    pooler = pooler_of(state, "Embeddings")
+    if pooler.classifies:
+        raise APIError.bad_request(
+            "this server runs a sequence classifier: it answers /classify, /score and "
+            "/rerank, not embeddings", "model")
+    check_inputs(body)
     if body.embed_dtype not in (None, "float32"):
         raise APIError.bad_request(f"embed_dtype {body.embed_dtype!r} is not supported: "
                                    "embeddings are float32", "embed_dtype")

@@ -62,6 +62,12 @@ class PromptProcessor:
         return _as_ids(await self._run(self.tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens))
 
+    async def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A cross-encoder's input: ``text`` and ``pair`` as the tokenizer joins a pair
+        (its special tokens and separators; as vLLM tokenizes a score pair)."""
+        return _as_ids(await self._run(
+            lambda: self.tokenizer(text=text, text_pair=pair)["input_ids"]))
+
     async def decode(self, ids: Sequence[int], param: str = "tokens") -> str:
         self.check_ids(ids, param)
         return await self._run(self.tokenizer.decode, list(ids))

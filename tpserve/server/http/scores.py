@@ -1,6 +1,8 @@
-"""vLLM's score and rerank APIs on an embedding server (``--runner pooling``): a pair's
-score is the cosine similarity of its two texts' embeddings, as vLLM scores pairs with an
-embedding model (a cross-encoder's head is not served here).
+"""vLLM's score and rerank APIs on a ``--runner pooling`` server: on an embedding model a
+pair's score is the cosine similarity of its two texts' embeddings; on a sequence
+classifier of one label (a cross-encoder reranker) it is the classifier's sigmoid over the
+pair tokenized as one input (``Prompts.encode_pair``), as vLLM scores with each. The
+server's ``/classify`` (``classify.py``) is routed here too.
 
 - ``/score``, ``/v1/score``: ``text_1`` and ``text_2`` (a string or a list each): one
   ``text_1`` against every ``text_2``, or the two lists pairwise; one score per pair, in
@@ -8,8 +10,8 @@ embedding model (a cross-encoder's head is not served here).
 - ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (Jina's and Cohere's shape): a ``query``
   against ``documents``, the ``top_n`` best first, each with its index and text.
 
-Every distinct text is embedded once, as its own engine request (``embeddings.embed_all``);
-the usage counts those texts' tokens.
+Every distinct text is embedded once (every pair cross-encoded once), as its own engine
+request (``embeddings.embed_all``); the usage counts those inputs' tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpserve.model.sampling_params import PoolingParams, SamplingParams
+from tpserve.server.http.classify import (
+    ClassificationRequest,
+    ClassificationResponse,
+    classification_params,
+    create_classification,
+)
 from tpserve.server.http.embeddings import embed_all, fit_to_context, pooler_of
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ErrorResponse, RequestModel, UsageInfo
@@ -111,12 +119,15 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
 async def similarities(request: Request, state: ServerState, pairs: list[tuple[str, str]],
                        body: ScoreRequest | RerankRequest, names: tuple[str, str], api: str,
                        prefix: str) -> tuple[list[float], int]:
-    """Each pair's cosine similarity and the tokens of the distinct texts embedded;
-    ``names``: the request fields of a pair's first and second text (400s name them)."""
+    """Each pair's cosine similarity and the tokens of the distinct texts embedded (a
+    classifier's server: ``cross_scores``); ``names``: the request fields of a pair's first
+    and second text (400s name them)."""
     pooler = pooler_of(state, api)
     refused = {} if state.priority_scheduling else {"priority": VLLM_REFUSED["priority"]}
     refuse_fields(body, refused)
     state.check_available()
+    if pooler.classifies:
+        return await cross_scores(request, state, pairs, body, names, prefix)
     field: dict[str, str] = {}  # each distinct text, in order, and the field it came from
     for pair in pairs:
         for text, name in zip(pair, names, strict=True):
@@ -140,6 +151,32 @@ async def similarities(request: Request, state: ServerState, pairs: list[tuple[s
     return scores, sum(o.num_prompt_tokens for o in outs)
 
 
+async def cross_scores(request: Request, state: ServerState, pairs: list[tuple[str, str]],
+                       body: ScoreRequest | RerankRequest, names: tuple[str, str],
+                       prefix: str) -> tuple[list[float], int]:
+    """Each pair's score from a one-label classifier over the pair as one input (400 for a
+    classifier of several labels, whose score would be ambiguous), and the tokens of the
+    distinct pairs."""
+    pooler = state.pooler
+    assert pooler is not None and pooler.classifies
+    if len(pooler.labels) != 1:
+        raise APIError.bad_request(
+            f"scoring pairs needs a classifier of one label (a cross-encoder); this one has "
+            f"{len(pooler.labels)}: use /classify", "model")
+    distinct = list(dict.fromkeys(pairs))
+    prompts = []
+    for a, b in distinct:
+        if not a or not b:
+            raise APIError.bad_request("a text must not be empty", names[0] if not a else names[1])
+        prompts.append(await state.prompts.encode_pair(a, b))
+    prompts = fit_to_context(prompts, body.truncate_prompt_tokens, state, lambda i: names[1])
+    outs = await embed_all(request, state, prompts,
+                           classification_params(pooler, body.priority),
+                           f"{prefix}-{uuid.uuid4().hex}", state.metrics.track())
+    scores = dict(zip(distinct, (o.embedding[0] for o in outs), strict=True))
+    return [scores[p] for p in pairs], sum(o.num_prompt_tokens for o in outs)
+
+
 def _served(body: ScoreRequest | RerankRequest, request: Request) -> tuple[ServerState, str]:
     """The app's state and the served name to answer with (404 for another model); unknown
     fields logged."""
@@ -151,6 +188,12 @@ def _served(body: ScoreRequest | RerankRequest, request: Request) -> tuple[Serve
 
 def make_scores_router() -> APIRouter:
     router = APIRouter(tags=["pooling"])
+
+    @router.post("/classify", response_model=ClassificationResponse,
+                 responses=ERROR_RESPONSES)
+    async def classify(body: ClassificationRequest, request: Request) -> JSONResponse:
+        """vLLM's classification API, on a sequence classifier's server (classify.py)."""
+        return await create_classification(body, request, get_state(request))
 
     @router.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
     @router.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)

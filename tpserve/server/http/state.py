@@ -49,6 +49,10 @@ class ServerState:
 
     def check_generative(self) -> None:
         """400 for a completions, chat or Responses request to an embedding server."""
+        if self.pooler is not None and self.pooler.classifies:
+            raise APIError.bad_request(
+                "this server runs a sequence classifier (--runner pooling): it answers "
+                "/classify, /score and /rerank only, not completions or chat", "model")
         if self.pooler is not None:
             raise APIError.bad_request(
                 "this server runs an embedding model (--runner pooling): it answers "

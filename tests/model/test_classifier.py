@@ -1,0 +1,108 @@
+"""Sequence classifiers (``*ForSequenceClassification``: rerankers, reward models): tiny
+random Llama, Qwen3 and Gemma 2 checkpoints written by transformers load without an LM head
+and with their ``score`` head; the head over the last token's final hidden state gives
+transformers' logits in float32, at tp 1 and 2; their labels are read from ``id2label``;
+``--runner auto`` serves them pooling and ``generate`` is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.test_tiny_models import TINY
+from tests.model.util import full_logits, load, new_pool, save_hf_folder
+from tpserve.model.config import ModelConfig
+from tpserve.model.plan import SeqChunk
+from tpserve.model.pooling import (
+    classifier_head,
+    finish_classification,
+    resolve_pooler_config,
+    resolve_runner,
+)
+from tpserve.parallel.launch import run_ranks
+
+TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
+LABELS = {"llama": {0: "bad", 1: "good", 2: "neutral"}, "qwen3": {0: "relevance"},
+          "gemma2": {0: "LABEL_0", 1: "LABEL_1"}}
+
+
+def _hf_classifier(kind: str):
+    import transformers as tf
+
+    torch.manual_seed({"llama": 50, "qwen3": 51, "gemma2": 52}[kind])
+    labels = LABELS[kind]
+    common = dict(id2label=labels, label2id={v: k for k, v in labels.items()},
+                  num_labels=len(labels), pad_token_id=0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**TINY, rope_theta=10000.0, **common)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**TINY, head_dim=32, rope_theta=1000000.0, **common)
+    else:
+        cfg = tf.Gemma2Config(**{**TINY, "head_dim": 32}, sliding_window=6,
+                              query_pre_attn_scalar=24, **common)
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForSequenceClassification")]
+    model = tf.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name == "score.weight":
+                p.mul_(20.0)  # logits of a few units, so the probabilities differ
+    return model
+
+
+@torch.no_grad()
+def _last_logits(group, folder: str) -> torch.Tensor:
+    model, comm = load(folder, group, lm_head=False)
+    assert model.lm_head is None
+    hidden = model(*_inputs(model))
+    return classifier_head(model) @ hidden[-1].float()
+
+
+def _inputs(model):
+    from tpserve.model.plan import StepPlan
+
+    pool = new_pool(model, model.comm)
+    plan = StepPlan.build([SeqChunk(TOKENS, 0, [0], True)], pool.block_size,
+                          model.attn_backend)
+    return plan.input_ids, plan.positions, pool.layers, plan.metadata(model.attn_backend)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
+def test_classifier_head_equals_transformers(tmp_path, kind):
+    hf = _hf_classifier(kind)
+    folder = str(save_hf_folder(hf, tmp_path / kind))
+    with torch.no_grad():
+        want = hf(torch.tensor([TOKENS])).logits[0]
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    assert cfg.labels == tuple(LABELS[kind][i] for i in range(len(LABELS[kind])))
+    for tp in (1, 2):
+        for got in run_ranks(_last_logits, tp, folder):
+            assert (got - want).abs().max().item() < 1e-4, (kind, tp)
+    probs = finish_classification(torch.zeros(64), 1, "LAST", torch.zeros(len(cfg.labels), 64))
+    n = len(cfg.labels)
+    assert probs == pytest.approx([0.5] if n == 1 else [1 / n] * n)
+
+
+def test_a_classifier_has_no_lm_head_to_generate_with(tmp_path):
+    hf = _hf_classifier("qwen3")
+    folder = str(save_hf_folder(hf, tmp_path / "qwen3"))
+    with pytest.raises(ValueError, match="has no place in the model|no LM head"):
+        model, comm = load(folder)  # a generative build wants lm_head.weight
+        full_logits(model, comm, TOKENS)
+    assert resolve_runner("auto", classifier=True) == "pooling"
+    assert resolve_runner("pooling", classifier=True) == "pooling"
+    with pytest.raises(ValueError, match="sequence classifier"):
+        resolve_runner("generate", classifier=True)
+    pooler = resolve_pooler_config(None, None, 64, None, ("relevance",))
+    assert pooler.classifies and pooler.pooling_type == "LAST" and not pooler.normalize
+    assert "sigmoid" in pooler.describe()
+
+
+def test_sigmoid_for_one_label_softmax_for_several():
+    head = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    v = torch.tensor([3.0, 1.0])
+    assert finish_classification(v, 1, "LAST", head) == pytest.approx(
+        torch.softmax(torch.tensor([3.0, 2.0]), -1).tolist())
+    assert finish_classification(v * 4, 4, "MEAN", head[:1]) == pytest.approx(
+        [torch.sigmoid(torch.tensor(3.0)).item()])
