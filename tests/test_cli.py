@@ -250,12 +250,31 @@ def test_runner_flags(tiny_folder):
     assert _cfg(str(tiny_folder), "--task", "generate").runner.runner == "generate"
 
 
+def test_a_sequence_classifier_runs_pooling(tmp_path):
+    """A *ForSequenceClassification checkpoint: --runner auto and vLLM's --task classify /
+    score, --convert classify serve it pooling with its labels; generate and embed are
+    refused."""
+    from tests.model.test_classifier import _hf_classifier
+    from tests.model.util import save_hf_folder
+
+    folder = str(save_hf_folder(_hf_classifier("llama"), tmp_path / "classifier"))
+    for argv in ([], ["--task", "classify"], ["--task", "score"], ["--convert", "classify"]):
+        pooler = _cfg(folder, *argv).runner.pooler
+        assert pooler.labels == ("bad", "good", "neutral") and not pooler.normalize, argv
+    for argv, message in ((["--runner", "generate"], "is a sequence classifier"),
+                          (["--task", "embed"], "this checkpoint is a sequence classifier")):
+        with pytest.raises(ValueError, match=message):
+            _cfg(folder, *argv)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "other"], "the model is given twice"),
     (["--pooler-config", '{"pooling_type": "LAST"}'], "--pooler-config needs --runner pooling"),
     (["--runner", "generate", "--task", "embed"], "--task embed asks for --runner pooling, "
                                                   "but --runner is generate"),
-    (["--convert", "classify"], "--convert classify: not supported"),
+    (["--convert", "classify"], "--task/--convert classify: this checkpoint is not a "
+                                "\\*ForSequenceClassification classifier"),
+    (["--task", "score"], "converting a causal LM's head into a classifier is not supported"),
     (["--task", "reward"], "--task reward: not supported"),
     (["--runner", "pooling", "--pooler-config", '{"pooling_type": "MAX"}'],
      "pooling_type must be one of LAST, MEAN, CLS"),

@@ -248,6 +248,13 @@ def config_from_args(a: argparse.Namespace) -> Config:
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
     runner_kind = resolve_runner(a.runner, classifier=bool(ckpt.config.labels))
+    task = getattr(a, "pooling_task", None)  # vLLM's --task / --convert (vllm_compat)
+    if task is not None and (task == "classify") != bool(ckpt.config.labels):
+        raise ValueError(
+            f"--task/--convert {task}: this checkpoint is "
+            + ("a sequence classifier, served by /classify, /score and /rerank" if
+               ckpt.config.labels else "not a *ForSequenceClassification classifier "
+               "(converting a causal LM's head into a classifier is not supported)"))
     if a.pooler_config is not None and runner_kind != "pooling":
         raise ValueError("--pooler-config needs --runner pooling")
     runner = RunnerConfig(

@@ -13,9 +13,12 @@ import argparse
 TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
 EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
 STRUCTURED_BACKENDS = ("auto", "xgrammar")  # the one grammar engine tpserve has
-# vLLM's --task (older) and --convert, as --runner: generation or embeddings
-TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
-CONVERTS = {"auto": None, "none": None, "embed": "pooling"}
+# vLLM's --task (older) and --convert, as --runner: generation, embeddings, or a sequence
+# classifier's probabilities (its own checkpoint only: a causal LM is not converted)
+TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling",
+         "classify": "pooling", "score": "pooling"}
+CONVERTS = {"auto": None, "none": None, "embed": "pooling", "classify": "pooling"}
+CLASSIFY_VALUES = ("classify", "score")
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,10 +86,13 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
     if a.disable_frontend_multiprocessing:
         a.engine_process = False
     for flag, value, table in (("--task", a.task, TASKS), ("--convert", a.convert, CONVERTS)):
-        _one_of(flag, value, tuple(table), "tpserve serves generation or embeddings")
+        _one_of(flag, value, tuple(table),
+                "tpserve serves generation, embeddings or a sequence classifier")
         runner = table.get(value) if value is not None else None
         if runner is None:
             continue
+        # checked against the checkpoint by config_from_args (``pooling_task``)
+        a.pooling_task = "classify" if value in CLASSIFY_VALUES else "embed"
         if a.runner not in ("auto", runner):
             raise ValueError(f"{flag} {value} asks for --runner {runner}, but --runner is "
                              f"{a.runner}")
