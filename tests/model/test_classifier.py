@@ -106,3 +106,86 @@ def test_sigmoid_for_one_label_softmax_for_several():
         torch.softmax(torch.tensor([3.0, 2.0]), -1).tolist())
     assert finish_classification(v * 4, 4, "MEAN", head[:1]) == pytest.approx(
         [torch.sigmoid(torch.tensor(3.0)).item()])
+
+
+# ------------------------------------------------- a causal LM as a classifier by tokens
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
+                  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+
+def _causal_lm(kind: str):
+    """A tiny causal LM over SmolLM2's vocabulary (its tokenizer names the label tokens):
+    Qwen3 with tied embeddings (the label rows come from the embedding), Gemma untied."""
+    import transformers as tf
+
+    torch.manual_seed({"qwen3": 54, "gemma": 55}[kind])
+    if kind == "qwen3":
+        cfg = tf.Qwen3Config(**{**TINY, "vocab_size": 49152}, head_dim=32,
+                             rope_theta=1000000.0, tie_word_embeddings=True)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    else:
+        cfg = tf.GemmaConfig(**{**TINY, "vocab_size": 49152}, head_dim=32,
+                             tie_word_embeddings=False)
+        cfg.architectures = ["GemmaForCausalLM"]
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _token_scores(group, folder: str, overrides: str) -> list[float]:
+    model, _ = load(folder, group, lm_head=False, hf_overrides=overrides)
+    with torch.no_grad():
+        hidden = model(*_inputs(model))
+    return finish_classification(hidden[-1].float(), 1, "LAST", classifier_head(model))
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("qwen3", QWEN3_RERANKER),  # Qwen3-Reranker's recipe: softmax over (no, yes)
+    ("gemma", {"architectures": ["GemmaForSequenceClassification"],  # bge-reranker-v2-gemma
+               "classifier_from_token": ["Yes"], "method": "no_post_processing"})])
+def test_a_causal_lm_classifies_by_its_label_tokens(tmp_path, smollm2_tokenizer, kind,
+                                                    overrides):
+    """vLLM's ``classifier_from_token`` overrides: the score head is the LM head's rows of
+    the label tokens (``from_2_way_softmax``: the true row less the false one, whose
+    sigmoid is the two-way softmax's true probability; ``no_post_processing``: the rows
+    as they are, a sigmoid of the one logit), at tp 1 and 2; equal to transformers' causal
+    LM's last-position logits."""
+    import json
+
+    from tpserve.model.loader.hf_overrides import canonical_overrides
+
+    hf = _causal_lm(kind)
+    folder = save_hf_folder(hf, tmp_path / kind)
+    smollm2_tokenizer.save_pretrained(folder)
+    ids = [smollm2_tokenizer.convert_tokens_to_ids(t) for t in overrides["classifier_from_token"]]
+    with torch.no_grad():
+        logits = hf(torch.tensor([TOKENS])).logits[0, -1]
+    if len(ids) == 2:
+        want = [torch.softmax(logits[ids], -1)[1].item()]
+    else:
+        want = [torch.sigmoid(logits[ids[0]]).item()]
+    text = canonical_overrides(json.dumps(overrides))
+    cfg = ModelConfig.from_hf({**hf.config.to_dict(), **overrides})
+    assert cfg.labels == (overrides["classifier_from_token"][-1],)
+    for tp in (1, 2):
+        for got in run_ranks(_token_scores, tp, str(folder), text):
+            assert got == pytest.approx(want, abs=1e-5), (kind, tp)
+
+
+def test_token_classifier_overrides_are_checked():
+    base = dict(TINY, num_hidden_layers=2, architectures=["Qwen3ForSequenceClassification"])
+    for extra, message in (
+            ({"classifier_from_token": ["no", "yes"]}, "needs a method"),
+            ({"classifier_from_token": ["no"], "method": "from_2_way_softmax"},
+             "two tokens"),
+            ({"classifier_from_token": ["a"], "method": "reward"}, "method 'reward'"),
+            ({"classifier_from_token": [], "method": "no_post_processing"}, "non-empty"),
+            ({"classifier_from_token": ["yes"], "method": "no_post_processing",
+              "use_pad_token": True}, "use_pad_token")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf({**base, **extra})
+    with pytest.raises(ValueError, match="ForSequenceClassification"):
+        ModelConfig.from_hf({**base, **QWEN3_RERANKER, "architectures": ["Qwen3ForCausalLM"]})

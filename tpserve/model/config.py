@@ -25,6 +25,10 @@ LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # last token's hidden state, no LM head -> their causal LM (served by --runner pooling)
 SEQUENCE_CLASSIFIERS = {f"{name}ForSequenceClassification": f"{name}ForCausalLM"
                         for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+# vLLM's conversion of a causal LM checkpoint into a classifier by its LM head's rows of
+# label tokens (``--hf-overrides``: ``classifier_from_token``, ``method``, Qwen3-Reranker's
+# ``is_original_qwen3_reranker``)
+TOKEN_CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
 # config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -228,6 +232,13 @@ class ModelConfig:
     # a sequence classifier's labels (``id2label``, in id order; the ``score`` head has one
     # row per label); () for every other model
     labels: tuple[str, ...] = ()
+    # a classifier whose head is built from the LM head's rows of these tokens (vLLM's
+    # ``classifier_from_token``) by ``classifier_method``: ``from_2_way_softmax`` (two
+    # tokens, false then true: one label, the true row less the false one, so its sigmoid
+    # is the two-way softmax's true probability) or ``no_post_processing`` (a label per
+    # token, its row as it is); () : the checkpoint's own ``score.weight``
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_method: str | None = None
     # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, GeLU's tanh form)
     hidden_act: str = "silu"
     # Gemma: every RMSNorm scales by ``1 + w`` in float32 (the checkpoint stores ``w``)
@@ -391,6 +402,8 @@ class ModelConfig:
             hidden_act=HIDDEN_ACTS[act],
             labels=_labels(d) if arch in SEQUENCE_CLASSIFIERS else (),
         )
+        if d.get("classifier_from_token") is not None or d.get("is_original_qwen3_reranker"):
+            fields.update(_token_classifier(d, arch))
         return cls(**{**fields, **gemma})
 
 
@@ -469,6 +482,36 @@ def _gemma3_local_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
     theta = params.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
     return float(theta), rope_scaling_from_hf(d, params)
+
+
+def _token_classifier(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """vLLM's ``classifier_from_token`` overrides, checked as vLLM checks them: a
+    ``*ForSequenceClassification`` architecture, a ``method`` (``is_original_qwen3_reranker``
+    means ``from_2_way_softmax``), two tokens for ``from_2_way_softmax``."""
+    tokens = d.get("classifier_from_token")
+    if arch not in SEQUENCE_CLASSIFIERS:
+        raise ValueError("classifier_from_token: the architecture must be a "
+                         "*ForSequenceClassification one (--hf-overrides '{\"architectures\": "
+                         f"[...]}}'), got {arch!r}")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) and t
+                                                         for t in tokens)):
+        raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got "
+                         f"{tokens!r}")
+    method = d.get("method") or ("from_2_way_softmax" if d.get("is_original_qwen3_reranker")
+                                 else None)
+    if method is None:
+        raise ValueError("classifier_from_token needs a method: from_2_way_softmax or "
+                         "no_post_processing")
+    if method not in TOKEN_CLASSIFIER_METHODS:
+        raise ValueError(f"classifier_from_token: method {method!r} is not supported "
+                         f"(supported: {', '.join(TOKEN_CLASSIFIER_METHODS)})")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"from_2_way_softmax needs two tokens (false, true), got {tokens!r}")
+    if d.get("use_pad_token"):
+        raise ValueError("use_pad_token is not supported: pairs are tokenized as the "
+                         "tokenizer joins them")
+    labels = (tokens[1],) if method == "from_2_way_softmax" else tuple(tokens)
+    return dict(labels=labels, classifier_from_token=tuple(tokens), classifier_method=method)
 
 
 def _labels(d: dict[str, Any]) -> tuple[str, ...]:

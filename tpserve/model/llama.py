@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         # whole on every rank; rank 0's engine applies it to pooled rows
         # (``pooling.classifier_head``, ``pooling.finish_classification``)
         self.score = None
+        # vLLM's ``classifier_from_token``: the label tokens' ids (set by the loader before
+        # ``load_weights``), whose LM head rows become ``score``
+        self.classifier_token_ids: tuple[int, ...] = ()
         if cfg.labels:
             self.score = nn.Linear(cfg.hidden_size, len(cfg.labels), bias=False, dtype=dtype)
             self.score.weight.requires_grad_(False)
@@ -299,6 +302,24 @@ class LlamaForCausalLM(nn.Module):
         return (F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)),
                 replace(meta, slot_mapping=F.pad(meta.slot_mapping, (0, pad), value=-1)))
 
+    def _label_rows(self, name: str, source: TensorSource) -> bool:
+        """A classifier by tokens (``cfg.classifier_from_token``): when ``name`` is the LM
+        head's tensor (the embedding's, tied), its label tokens' rows into ``score`` (as
+        ``cfg.classifier_method`` combines them); whether it did."""
+        cfg = self.cfg
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if not cfg.classifier_from_token or name != head:
+            return False
+        if len(self.classifier_token_ids) != len(cfg.classifier_from_token):
+            raise RuntimeError("the loader sets classifier_token_ids before load_weights")
+        src = as_source(source)
+        rows = torch.stack([src.read(0, i, 1)[0].float() for i in self.classifier_token_ids])
+        if cfg.classifier_method == "from_2_way_softmax":
+            rows = rows[1:] - rows[:1]  # true less false: sigmoid = the 2-way softmax's true
+        with torch.no_grad():
+            self.score.weight.copy_(rows.to(self.score.weight.dtype))
+        return True
+
     def kv_scales(self) -> torch.Tensor:
         """Every layer's FP8 KV cache scales, ``[num_layers, 2]`` (K, V), a copy."""
         return torch.stack([layer.self_attn.kv_scale for layer in self.model.layers])
@@ -344,6 +365,8 @@ class LlamaForCausalLM(nn.Module):
                                as_source(source).read(), name)
                 self.kv_scales_from_checkpoint = True
                 continue
+            if self._label_rows(name, source):  # the head of a classifier by tokens
+                loaded.add("score.weight")
             if name == "lm_head.weight" and (self.cfg.tie_word_embeddings
                                              or self.lm_head is None):
                 continue

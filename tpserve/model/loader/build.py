@@ -48,6 +48,9 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
         model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions,
                                                   tp_comm=tp_comm, quant_method=quant_method,
                                                   lm_head=lm_head)
+    if cfg.classifier_from_token:  # the label tokens' ids, for the head built at load
+        model.classifier_token_ids = label_token_ids(ckpt.tokenizer(),
+                                                     cfg.classifier_from_token)
     ckpt.load_into(model, show_progress)
     if quant_method is not None:
         for name, module in model.named_modules():
@@ -60,3 +63,16 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the loaded copies: the memory plan reads free memory
     return model.eval()
+
+
+def label_token_ids(tokenizer, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """Each label token's id in ``tokenizer``'s vocabulary (``convert_tokens_to_ids``, as
+    vLLM maps ``classifier_from_token``); ValueError naming a token it does not have."""
+    ids = []
+    for token in tokens:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the "
+                             "model's tokenizer")
+        ids.append(int(i))
+    return tuple(ids)
