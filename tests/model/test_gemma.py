@@ -181,16 +181,10 @@ def test_gemma_refusals():
                                  architectures=["LlamaForCausalLM"]))
 
 
-@pytest.mark.parametrize("saved_by", ["save_pretrained", "state_dict"])
-def test_multimodal_gemma3_serves_its_language_model(tmp_path, saved_by):
-    """A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and up): its language model
-    alone, from ``text_config`` and the tensors under either naming (transformers'
-    ``save_pretrained`` writes ``language_model.model.*``, its state dict holds
-    ``model.language_model.*``), the vision tower and projector skipped; text logits equal
-    transformers' at tp 1 and 2."""
+def multimodal_gemma3(seed: int):
+    """A tiny Gemma3ForConditionalGeneration: the tiny Gemma 3 as its language model (norms
+    made non-trivial) beside a one-layer SigLIP vision tower."""
     import transformers as tf
-
-    from tests.model.util import save_hf_folder
 
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, image_size=28, patch_size=14)
@@ -198,12 +192,27 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path, saved_by):
                           vision_config=vision.to_dict(), mm_tokens_per_image=4,
                           image_token_index=255, boi_token_index=253, eoi_token_index=254)
     cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(43)
+    torch.manual_seed(seed)
     hf = tf.Gemma3ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "language_model" in name and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+@pytest.mark.parametrize("saved_by", ["save_pretrained", "state_dict"])
+def test_multimodal_gemma3_serves_its_language_model(tmp_path, saved_by):
+    """A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and up): its language model
+    alone, from ``text_config`` and the tensors under either naming (transformers'
+    ``save_pretrained`` writes ``language_model.model.*``, its state dict holds
+    ``model.language_model.*``), the vision tower and projector skipped; text logits equal
+    transformers' at tp 1 and 2."""
+    from tests.model.util import save_hf_folder
+
+    hf = multimodal_gemma3(43)
+    cfg = hf.config
+    with torch.no_grad():
         want = hf(input_ids=torch.tensor([TOKENS])).logits[0]
     folder = tmp_path / saved_by
     if saved_by == "save_pretrained":

@@ -49,8 +49,14 @@ def test_rope_with_head_norm_and_write_kv(kernels, dtype, fp8, hadamard, head_di
     _close(out_k, ref_k, dtype, scale=2)
     assert not out_q[:, -1].any()
     assert torch.equal(out_q, q) and torch.equal(out_k, k)  # in place, in the qkv output
+    _check_cache(k_cache, v_cache, ref_vc, out_k, slots, kv_scale, fp8)
+
+
+def _check_cache(k_cache, v_cache, ref_vc, out_k, slots, kv_scale, fp8: bool) -> None:
+    """The kernel's K rows are its rotated k (FP8: quantized as the reference quantizes),
+    its V cache the reference's, bit for bit."""
     written = slots >= 0
-    flat = (-1, hkv, head_dim)
+    flat = (-1, *k_cache.shape[2:])
     if fp8:
         assert torch.equal(_bits(k_cache.view(flat)[slots[written]]),
                            _bits(torch_ops.quantize_kv(out_k[written], kv_scale[0])))
@@ -91,15 +97,7 @@ def test_rope_with_unit_offset_head_norm_and_write_kv(kernels, dtype, fp8, head_
         q, k, v, positions, cs, k_cache, v_cache, slots, kv_scale=kv_scale, head_norm=norm)
     _close(out_q, ref_q, dtype, scale=2)
     _close(out_k, ref_k, dtype, scale=2)
-    written = slots >= 0
-    flat = (-1, hkv, head_dim)
-    if fp8:
-        assert torch.equal(_bits(k_cache.view(flat)[slots[written]]),
-                           _bits(torch_ops.quantize_kv(out_k[written], kv_scale[0])))
-        assert torch.equal(_bits(v_cache), _bits(ref_vc))
-    else:
-        assert torch.equal(k_cache.view(flat)[slots[written]], out_k[written])
-        assert torch.equal(v_cache, ref_vc)
+    _check_cache(k_cache, v_cache, ref_vc, out_k, slots, kv_scale, fp8)
 
 
 def test_head_norm_is_refused_with_partial_rotary(kernels):

@@ -161,6 +161,15 @@ class ServerProcess:
             raise KeyError(name)
         return total
 
+    def wait_pool_free(self, timeout: float = 30) -> None:
+        """Waits until the KV pool is free (``kv_cache_usage_perc`` 0: every request's blocks
+        back, the last ones released as its step is finalized); AssertionError after
+        ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while (usage := self.metric("kv_cache_usage_perc")) != 0.0:
+            assert time.monotonic() < deadline, f"KV cache still {usage:.0%} used"
+            time.sleep(0.2)
+
     def client(self, api_key: str = "none", timeout: float = 600) -> openai.OpenAI:
         """The real openai client on this server's /v1, without retries."""
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0,

@@ -8,8 +8,6 @@ classifier cannot answer is a 400 in OpenAI's envelope, and the KV pool is free 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import torch
@@ -115,12 +113,4 @@ def test_what_a_classifier_cannot_answer_is_a_400(served):
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["param"] == param, (path, r.json())
     for server in (reranker, classifier):
-        deadline = time.monotonic() + 30
-        while True:
-            text = httpx.get(f"{server.base}/metrics", timeout=10).text
-            usage = [line for line in text.splitlines()
-                     if line.startswith("tpserve:kv_cache_usage_perc")]
-            if usage and float(usage[0].split()[-1]) == 0.0:
-                break
-            assert time.monotonic() < deadline, usage
-            time.sleep(0.2)
+        server.wait_pool_free()

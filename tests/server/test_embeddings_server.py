@@ -11,7 +11,6 @@ afterwards."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -250,12 +249,4 @@ def test_generation_is_refused_and_the_pool_ends_free(servers):
     with pytest.raises(openai.BadRequestError, match="answers /v1/embeddings only"):
         client.completions.create(model="emb", prompt="hi")
     for server in servers.values():
-        deadline = time.monotonic() + 30
-        while True:
-            text = httpx.get(f"{server.base}/metrics", timeout=10).text
-            usage = [line for line in text.splitlines()
-                     if line.startswith("tpserve:kv_cache_usage_perc")]
-            if usage and float(usage[0].split()[-1]) == 0.0:
-                break
-            assert time.monotonic() < deadline, usage
-            time.sleep(0.2)
+        server.wait_pool_free()

@@ -10,33 +10,13 @@ import openai
 import pytest
 import torch
 
-from tests.model.test_gemma import _hf_model
+from tests.model.test_gemma import _hf_model, multimodal_gemma3
 from tests.server.serverproc import ServerProcess, stopped_on_exit
 
 PROMPTS = [[5, 9, 13, 200], [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]]
 NEW_TOKENS = 10
 FLAGS = ("--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
          "--tensor-parallel-size", "2", "--check-integrity")
-
-
-def _multimodal_gemma3():
-    import transformers as tf
-
-    from tests.model.test_gemma import _config
-
-    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, image_size=28, patch_size=14)
-    cfg = tf.Gemma3Config(text_config=_config("gemma3").to_dict(),
-                          vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                          image_token_index=255, boi_token_index=253, eoi_token_index=254)
-    cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(44)
-    hf = tf.Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "language_model" in name and "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    return hf
 
 
 def _greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -55,7 +35,7 @@ def _greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
 def served(tmp_path_factory, smollm2_tokenizer):
     """kind -> (server, transformers' answers); both servers start before either is
     waited for."""
-    models = {"gemma2": _hf_model("gemma2"), "gemma3-multimodal": _multimodal_gemma3()}
+    models = {"gemma2": _hf_model("gemma2"), "gemma3-multimodal": multimodal_gemma3(44)}
     servers, want = {}, {}
     for kind, hf in models.items():
         folder = tmp_path_factory.mktemp(kind)
