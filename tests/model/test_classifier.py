@@ -1,5 +1,5 @@
 """Sequence classifiers (``*ForSequenceClassification``: rerankers, reward models): tiny
-random Llama, Qwen3 and Gemma 2 checkpoints written by transformers load without an LM head
+random Llama, Qwen3, Gemma 2 and Gemma 3 (text) checkpoints written by transformers load without an LM head
 and with their ``score`` head; the head over the last token's final hidden state gives
 transformers' logits in float32, at tp 1 and 2; their labels are read from ``id2label``;
 ``--runner auto`` serves them pooling and ``generate`` is refused."""
@@ -23,13 +23,13 @@ from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
 LABELS = {"llama": {0: "bad", 1: "good", 2: "neutral"}, "qwen3": {0: "relevance"},
-          "gemma2": {0: "LABEL_0", 1: "LABEL_1"}}
+          "gemma2": {0: "LABEL_0", 1: "LABEL_1"}, "gemma3": {0: "score"}}
 
 
 def _hf_classifier(kind: str):
     import transformers as tf
 
-    torch.manual_seed({"llama": 50, "qwen3": 51, "gemma2": 52}[kind])
+    torch.manual_seed({"llama": 50, "qwen3": 51, "gemma2": 52, "gemma3": 56}[kind])
     labels = LABELS[kind]
     common = dict(id2label=labels, label2id={v: k for k, v in labels.items()},
                   num_labels=len(labels), pad_token_id=0)
@@ -37,11 +37,16 @@ def _hf_classifier(kind: str):
         cfg = tf.LlamaConfig(**TINY, rope_theta=10000.0, **common)
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**TINY, head_dim=32, rope_theta=1000000.0, **common)
-    else:
+    elif kind == "gemma2":
         cfg = tf.Gemma2Config(**{**TINY, "head_dim": 32}, sliding_window=6,
                               query_pre_attn_scalar=24, **common)
-    cfg.architectures = [type(cfg).__name__.replace("Config", "ForSequenceClassification")]
-    model = tf.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+    else:
+        cfg = tf.Gemma3TextConfig(**{**TINY, "head_dim": 32}, sliding_window=6,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=24, **common)
+    name = type(cfg).__name__.replace("Config", "ForSequenceClassification")
+    cfg.architectures = [name]
+    model = getattr(tf, name)(cfg).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -68,7 +73,7 @@ def _inputs(model):
     return plan.input_ids, plan.positions, pool.layers, plan.metadata(model.attn_backend)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_classifier_head_equals_transformers(tmp_path, kind):
     hf = _hf_classifier(kind)
     folder = str(save_hf_folder(hf, tmp_path / kind))

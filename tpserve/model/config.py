@@ -25,6 +25,7 @@ LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # last token's hidden state, no LM head -> their causal LM (served by --runner pooling)
 SEQUENCE_CLASSIFIERS = {f"{name}ForSequenceClassification": f"{name}ForCausalLM"
                         for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+SEQUENCE_CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 # vLLM's conversion of a causal LM checkpoint into a classifier by its LM head's rows of
 # label tokens (``--hf-overrides``: ``classifier_from_token``, ``method``, Qwen3-Reranker's
 # ``is_original_qwen3_reranker``)
@@ -408,8 +409,9 @@ class ModelConfig:
 
 
 def architecture_family(arch: str) -> str:
-    """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``)
-    or a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``), else itself."""
+    """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``),
+    a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``) or a sequence
+    classifier's decoder (``SEQUENCE_CLASSIFIERS``), else itself."""
     return (BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch)
             or SEQUENCE_CLASSIFIERS.get(arch) or arch)
 
