@@ -245,7 +245,7 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                    extra_tensors: dict | None = None, layer_names: dict | None = None,
                    norm_shift: float = 0.0) -> Path:
     """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
-    metadata keys and tensor names, ``llama``'s q/k rows permuted as the converter permutes
+    metadata keys and tensor names, ``llama``'s (and ``granite``'s) q/k rows permuted as the converter permutes
     them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
     ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors;
     ``layer_names`` laid over ``GGUF_LAYER_NAMES``; ``norm_shift`` added to every norm
@@ -277,9 +277,9 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
             layer, _, rest = name.removeprefix("model.layers.").partition(".")
             part, _, kind = rest.rpartition(".")
             gname = f"blk.{layer}.{names[part]}.{kind}"
-            if arch == "llama" and part == "self_attn.q_proj":
+            if arch in ("llama", "granite") and part == "self_attn.q_proj":
                 t = _converter_permute(t, cfg.num_attention_heads)
-            elif arch == "llama" and part == "self_attn.k_proj":
+            elif arch in ("llama", "granite") and part == "self_attn.k_proj":
                 t = _converter_permute(t, cfg.num_key_value_heads)
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight",

@@ -246,6 +246,11 @@ class ModelConfig:
     norm_unit_offset: bool = False
     # Gemma: the embedding's output times sqrt(hidden_size) (rounded to the model's dtype)
     embed_scale: float | None = None
+    # Granite's multipliers: the embedding's output, each attention and MLP output before
+    # its residual add, and the logits' divisor (``logits_scaling``); 1: none
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Gemma 2/3: a norm after attention and after the MLP as well as before each
     # ("post_attention_layernorm" is then the attention output's norm)
     sandwich_norms: bool = False
@@ -284,7 +289,8 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"hidden_act {self.hidden_act!r}: choose one of "
                              f"{sorted(set(HIDDEN_ACTS.values()))}")
-        for name in ("attn_logit_softcap", "final_logit_softcap", "attention_scale"):
+        for name in ("attn_logit_softcap", "final_logit_softcap", "attention_scale",
+                     "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -357,6 +363,8 @@ class ModelConfig:
         gemma = _gemma_fields(d, family) if family in GEMMA_ARCHITECTURES else {}
         if gemma:
             d = {**d, "layer_types": gemma.pop("layer_types")}
+        if family == "GraniteForCausalLM":
+            gemma = _granite_fields(d)
         heads = d["num_attention_heads"]
         rope_params = d.get("rope_parameters") or {}
         if "full_attention" in rope_params:  # per layer type (Gemma 3): the full layers'
@@ -475,6 +483,15 @@ def _gemma_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
                       local_rope_layers=tuple(i for i, t in enumerate(fields["layer_types"])
                                               if t == "sliding_attention"))
     return fields
+
+
+def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers, as transformers' Granite reads them (1 where absent):
+    ``attention_multiplier`` is the attention scale itself."""
+    return dict(embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+                logits_scaling=float(d.get("logits_scaling", 1.0)),
+                attention_scale=float(d.get("attention_multiplier", 1.0)))
 
 
 def _gemma3_local_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:

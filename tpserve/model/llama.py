@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3) on
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3, Granite) on
 tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
@@ -16,6 +16,8 @@ a norm after attention and after the MLP (``sandwich_norms``: their checkpoint's
 ``post_attention_layernorm`` is the attention output's norm, ``pre_feedforward_layernorm``
 the MLP input's), ``query_pre_attn_scalar``'s attention scale, softcapped attention and
 final logits (Gemma 2), q/k head norms and the windowed layers' own RoPE table (Gemma 3).
+Granite is Llama with multipliers: the embedding's output, each attention and MLP output
+before its residual add, the attention scale, and a divisor of the logits.
 
 ``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
 between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
@@ -157,6 +159,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
         self.sandwich = cfg.sandwich_norms
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1: none
         # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off
         self.fuse_quant = not (sequence_parallel or cfg.norm_unit_offset)
 
@@ -187,6 +190,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.sequence_parallel:
             h = self.comm.all_gather(h, dim=0)
         h = self.self_attn(h, positions, rope, kv, meta)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         if self.sandwich:
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h),
                                                          residual)
@@ -198,6 +203,8 @@ class LlamaDecoderLayer(nn.Module):
         h = self.mlp(h)
         if self.sandwich:
             h = self.post_feedforward_layernorm(h)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         return h, residual
 
 
@@ -267,9 +274,13 @@ class LlamaForCausalLM(nn.Module):
             persistent=False)
         # Gemma: the embedding's output times sqrt(hidden), the factor rounded to ``dtype``
         # as transformers rounds it
-        self.embed_scale = (None if cfg.embed_scale is None
-                            else torch.tensor(cfg.embed_scale, dtype=dtype).item())
+        # (Granite's multiplier is applied as given)
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dtype).item()
+                            if cfg.embed_scale is not None
+                            else cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0
+                            else None)
         self.final_logit_softcap = cfg.final_logit_softcap
+        self.logits_scaling = cfg.logits_scaling  # Granite's divisor; 1: none
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -328,6 +339,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("this model was built without an LM head (--runner pooling)")
         logits = self.lm_head(hidden)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         cap = self.final_logit_softcap
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in the logits' dtype
             logits = torch.tanh(logits / cap) * cap

@@ -17,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers: ModelConfig fields
     # its language model alone (llama.LANGUAGE_MODEL_PREFIXES; the vision tower skipped)
     "Gemma3ForConditionalGeneration": LlamaForCausalLM,
 }

@@ -30,7 +30,15 @@ from tpserve.model.loader.gguf_reader import GGUFFile
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "granite": "GraniteForCausalLM"}
+# llama.cpp's converter permutes these architectures' q/k rows (its LlamaModel's, which
+# Granite's extends); ``iter_weights`` undoes it
+_PERMUTED = ("LlamaForCausalLM", "GraniteForCausalLM")
+# Granite's multipliers, as llama.cpp's converter writes them -> ModelConfig's fields
+_GRANITE_SCALES = {"attention.scale": "attention_scale", "embedding_scale":
+                   "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "logit_scale": "logits_scaling"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -114,6 +122,9 @@ def read_config(r, path: Path) -> ModelConfig:
     window = _field(r, f"{arch}.attention.sliding_window") or None
     gemma = (_gemma_fields(r, arch, layers, hidden // heads, head_dim, window)
              if arch.startswith("gemma") else {})
+    if arch == "granite":
+        gemma = {ours: float(_field(r, f"{arch}.{key}")) for key, ours in _GRANITE_SCALES.items()
+                 if _field(r, f"{arch}.{key}") is not None}
     return ModelConfig(**{**dict(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -287,7 +298,7 @@ def num_weights(r) -> int:
 def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
     """The file's weights by Hugging Face name; a Gemma file's norms (stored ``1 + w`` by
     llama.cpp's converter) read as ``w``, what the model's unit-offset norms take."""
-    permute = cfg.architecture == "LlamaForCausalLM"
+    permute = cfg.architecture in _PERMUTED
     arch = _field(r, "general.architecture")
     for t in r.tensors:
         if t.name in _CONFIG_TENSORS:
