@@ -652,3 +652,24 @@ def test_gemma_through_the_triton_ops(mods, attn, tmp_path, kind):
                       [[SeqChunk(TOKENS[:10], 0, [0, 1], True)],
                        [SeqChunk(TOKENS[10:], 10, [0, 1], True)],
                        [SeqChunk([5], len(TOKENS), [0, 1], True)]], DEVICE)
+
+
+def test_smollm3_nope_layers_through_the_triton_ops(mods, attn, tmp_path):
+    """SmolLM3's NoPE layers on the Triton RoPE kernel: the identity table is one row
+    expanded over every position (stride 0), which the kernel reads as a table; logits
+    over a prefill, a chunk and a decode equal the torch reference's."""
+    from tests.model.test_smollm3 import TOKENS, _hf_smollm3
+    from tests.model.util import assert_same_steps, load, save_hf_folder
+    from tpserve.model.loader.build import build_model
+    from tpserve.model.loader.checkpoint import open_checkpoint
+    from tpserve.model.plan import SeqChunk
+
+    folder = str(save_hf_folder(_hf_smollm3(), tmp_path / "smollm3"))
+    ref_model, comm = load(folder)
+    model = build_model(open_checkpoint(folder, "auto"), comm, DEVICE, torch.float32,
+                        mods["triton_ops"], attn.TritonAttention(torch.float32), 512)
+    assert model.cfg.nope_layers == (1, 3)
+    assert_same_steps(ref_model, model, comm,
+                      [[SeqChunk(TOKENS[:9], 0, [0, 1], True)],
+                       [SeqChunk(TOKENS[9:], 9, [0, 1], True)],
+                       [SeqChunk([5], len(TOKENS), [0, 1], True)]], DEVICE)

@@ -18,6 +18,11 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                       "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# the families whose config.json is completed by transformers' config class (its name)
+COMPLETED_BY_TRANSFORMERS = {"GemmaForCausalLM": "GemmaConfig",
+                             "Gemma2ForCausalLM": "Gemma2Config",
+                             "Gemma3ForCausalLM": "Gemma3TextConfig",
+                             "SmolLM3ForCausalLM": "SmolLM3Config"}
 # a multimodal checkpoint whose language model is served alone (text in, text out) -> the
 # causal LM it holds (its ``text_config``)
 LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -246,6 +251,8 @@ class ModelConfig:
     norm_unit_offset: bool = False
     # Gemma: the embedding's output times sqrt(hidden_size) (rounded to the model's dtype)
     embed_scale: float | None = None
+    # SmolLM3's NoPE layers: no rotary embedding at all (the others rotate as usual)
+    nope_layers: tuple[int, ...] = ()
     # Granite's multipliers: the embedding's output, each attention and MLP output before
     # its residual add, and the logits' divisor (``logits_scaling``); 1: none
     embedding_multiplier: float = 1.0
@@ -358,8 +365,8 @@ class ModelConfig:
             raise ValueError("config.json names no architecture ('architectures' is empty)")
         arch = archs[0]
         family = architecture_family(arch)
-        if family in GEMMA_ARCHITECTURES:
-            d = _gemma_config(d, arch, family)
+        if family in COMPLETED_BY_TRANSFORMERS:
+            d = _completed_config(d, arch, family)
         gemma = _gemma_fields(d, family) if family in GEMMA_ARCHITECTURES else {}
         if gemma:
             d = {**d, "layer_types": gemma.pop("layer_types")}
@@ -378,7 +385,7 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False)) and family != "Phi3ForCausalLM"
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         # transformers' Llama has no sliding window; Qwen's only with use_sliding_window
-        qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
         window = (d.get("sliding_window") if d.get("use_sliding_window", not qwen)
                   and family not in ("LlamaForCausalLM", "GemmaForCausalLM") else None) or None
         act = "silu" if gemma else d.get("hidden_act", "silu")  # Gemma's: _gemma_fields
@@ -399,6 +406,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=family == "Qwen2ForCausalLM" or attention_bias,
+            nope_layers=tuple(i for i, r in enumerate(d.get("no_rope_layers") or ()) if not r),
             o_bias=attention_bias and family != "Qwen2ForCausalLM",
             qk_norm=family == "Qwen3ForCausalLM",
             rope_scaling=scaling,
@@ -424,20 +432,19 @@ def architecture_family(arch: str) -> str:
             or SEQUENCE_CLASSIFIERS.get(arch) or arch)
 
 
-def _gemma_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
-    """A Gemma ``config.json`` completed by transformers' own config class (hub files
-    leave most keys to its defaults: Gemma 3 4B's ``text_config`` names five), in its
-    current form (per-layer-type ``rope_parameters``, ``layer_types``). A multimodal
-    checkpoint's is its ``text_config``, with the outer token ids and tying."""
+def _completed_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
+    """A ``config.json`` completed by transformers' own config class, where the hub files
+    leave keys to its defaults (Gemma 3 4B's ``text_config`` names five; SmolLM3's NoPE
+    layers come from ``no_rope_layer_interval``), in its current form (per-layer-type
+    ``rope_parameters``, ``layer_types``, ``no_rope_layers``). A multimodal checkpoint's is
+    its ``text_config``, with the outer token ids and tying."""
     import transformers
 
     if arch in LANGUAGE_MODEL_OF:
         d = {**(d.get("text_config") or {}),
              **{k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
                 if d.get(k) is not None}}
-    cls = {"GemmaForCausalLM": transformers.GemmaConfig,
-           "Gemma2ForCausalLM": transformers.Gemma2Config,
-           "Gemma3ForCausalLM": transformers.Gemma3TextConfig}[family]
+    cls = getattr(transformers, COMPLETED_BY_TRANSFORMERS[family])
     known = {k: v for k, v in d.items() if k != "model_type"}
     return {**cls(**known).to_dict(), "architectures": [arch]}
 

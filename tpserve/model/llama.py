@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3, Granite) on
-tensor-parallel layers.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3, Granite,
+SmolLM3) on tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
 which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two fused
@@ -17,7 +17,8 @@ a norm after attention and after the MLP (``sandwich_norms``: their checkpoint's
 the MLP input's), ``query_pre_attn_scalar``'s attention scale, softcapped attention and
 final logits (Gemma 2), q/k head norms and the windowed layers' own RoPE table (Gemma 3).
 Granite is Llama with multipliers: the embedding's output, each attention and MLP output
-before its residual add, the attention scale, and a divisor of the logits.
+before its residual add, the attention scale, and a divisor of the logits. SmolLM3's NoPE
+layers rotate by an identity table (cos 1, sin 0: one row, every position reading it).
 
 ``tp_comm`` (see ``parallel/comm.py``): with "allreduce" every rank holds all T tokens
 between layers. With "allgather" (sequence parallel) the step is padded to T' tokens, a
@@ -158,6 +159,7 @@ class LlamaDecoderLayer(nn.Module):
                                         cfg.window_of(layer))
         self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
+        self.nope = layer in cfg.nope_layers  # ... or the identity table
         self.sandwich = cfg.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1: none
         # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off
@@ -272,6 +274,13 @@ class LlamaForCausalLM(nn.Module):
             cos_sin_cache(cfg.rotary_dim, max_positions, cfg.local_rope_theta,
                           cfg.local_rope_scaling) if cfg.local_rope_layers else None,
             persistent=False)
+        # SmolLM3's NoPE layers' table: cos 1 and sin 0 (exact identity), one row expanded
+        # over every position (stride 0: no memory per position)
+        self.register_buffer(
+            "identity_rope_row",
+            torch.cat([torch.ones(cfg.rotary_dim // 2), torch.zeros(cfg.rotary_dim // 2)])[None]
+            if cfg.nope_layers else None, persistent=False)
+        self.max_positions = max_positions
         # Gemma: the embedding's output times sqrt(hidden), the factor rounded to ``dtype``
         # as transformers rounds it
         # (Granite's multiplier is applied as given)
@@ -293,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             rope = self.local_rope_cache if layer.local_rope else self.rope_cache
+            if layer.nope:
+                rope = self.identity_rope_row.expand(self.max_positions, -1)
             x, residual = layer(x, residual, positions, rope, kv, meta)
         x, _ = self.model.norm(x, residual)
         if self.sequence_parallel:
