@@ -18,9 +18,9 @@ from tests.model.test_rope_scaling import tiny_qwen2
 from tests.model.test_tiny_models import TOKENS as TOKENS_13
 from tests.model.test_tiny_models import _hf_model, _logits
 from tests.model.util import full_logits, load, save_gguf_file
-from tpserve.model.config import RopeScaling
 from tpserve.model.layers.rotary import cos_sin_cache, inverse_frequencies
 from tpserve.model.loader.gguf_file import iter_weights, num_weights, open_reader, read_config
+from tpserve.model.rope_scaling import RopeScaling
 from tpserve.model.runner_config import model_context
 from tpserve.parallel.launch import run_ranks
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.model.util import full_logits, load, save_hf_folder
-from tpserve.model.config import ModelConfig, RopeScaling
+from tpserve.model.config import ModelConfig
 from tpserve.model.layers.rotary import cos_sin_cache, inverse_frequencies
+from tpserve.model.rope_scaling import RopeScaling
 from tpserve.model.runner_config import model_context, resolve_max_model_len
 
 POSITIONS = 1024

@@ -1,202 +1,30 @@
 """The model's shape, read from a Hugging Face ``config.json`` (or GGUF metadata), frozen.
 
-Which architectures are supported is the registry's business (``model/registry.py``).
+Which architectures are supported is the registry's business (``model/registry.py``); what
+each family changes in the reading is ``model/families.py``'s, RoPE scaling
+``model/rope_scaling.py``'s.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tpserve.model.families import (
+    COMPLETED_BY_TRANSFORMERS,
+    GEMMA_ARCHITECTURES,
+    HIDDEN_ACTS,
+    SEQUENCE_CLASSIFIERS,
+    architecture_family,
+    classifier_labels,
+    completed_config,
+    gemma_fields,
+    granite_fields,
+    token_classifier,
+)
+from tpserve.model.rope_scaling import RopeScaling, rope_scaling_from_hf, rotary_dim_from_hf
 from tpserve.parallel.heads import HeadLayout
 from tpserve.parallel.shard import padded_split
-
-# the RoPE types a config.json may name; every other one ("dynamic", "mrope", ...) refused
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-# base models (no LM head: embedding models such as e5-mistral) -> their causal LM
-BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
-                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# the families whose config.json is completed by transformers' config class (its name)
-COMPLETED_BY_TRANSFORMERS = {"GemmaForCausalLM": "GemmaConfig",
-                             "Gemma2ForCausalLM": "Gemma2Config",
-                             "Gemma3ForCausalLM": "Gemma3TextConfig",
-                             "SmolLM3ForCausalLM": "SmolLM3Config"}
-# a multimodal checkpoint whose language model is served alone (text in, text out) -> the
-# causal LM it holds (its ``text_config``)
-LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-# sequence classifiers (rerankers, reward models): the decoder and a ``score`` head over the
-# last token's hidden state, no LM head -> their causal LM (served by --runner pooling)
-SEQUENCE_CLASSIFIERS = {f"{name}ForSequenceClassification": f"{name}ForCausalLM"
-                        for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
-SEQUENCE_CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
-# vLLM's conversion of a causal LM checkpoint into a classifier by its LM head's rows of
-# label tokens (``--hf-overrides``: ``classifier_from_token``, ``method``, Qwen3-Reranker's
-# ``is_original_qwen3_reranker``)
-TOKEN_CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
-# config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
-HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """RoPE frequency scaling (``rope_scaling`` / ``rope_parameters``), as transformers'
-    ``ROPE_INIT_FUNCTIONS`` compute it; ``layers/rotary.py`` builds the tables.
-
-    - ``linear``: every frequency divided by ``factor`` (positions divided by it).
-    - ``llama3``: low frequencies divided by ``factor``, high ones kept, a smooth blend
-      between (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
-    - ``yarn``: frequencies that turn more than ``beta_fast`` times over
-      ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times divided by
-      ``factor``, a linear ramp over the pair index between (its ends rounded outwards with
-      ``truncate``); cos and sin both multiplied by ``attention_factor``.
-    - ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini): each pair's frequency divided by its
-      ``short_factor`` entry, cos and sin multiplied by ``attention_factor`` (by default
-      ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` by default max_position_embeddings
-      / ``original_max_position_embeddings``). transformers switches every position of a
-      sequence to the ``long_factor`` entries once it is longer than the original context
-      (recomputing its cache), which one static table cannot do: the context is capped at
-      ``original_max_position_embeddings`` (``runner_config.model_context``), where the
-      short factors are exactly transformers' RoPE. ``long_factor`` is kept, checked, unused.
-    - ``freq_factors``: each pair's frequency divided by its own ``freq_factors`` entry (one
-      per rotated pair; ``factor`` is 1). Never named by a ``config.json``: it is how a
-      GGUF file carries Llama-3's scaling (llama.cpp's ``rope_freqs.weight`` tensor).
-    ``attention_factor`` is resolved when the config is read and is 1 for the other types.
-    """
-
-    rope_type: str
-    factor: float
-    original_max_position_embeddings: int | None = None  # llama3, yarn
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    truncate: bool = True  # yarn
-    attention_factor: float = 1.0  # yarn, longrope
-    freq_factors: tuple[float, ...] | None = None  # freq_factors
-    short_factor: tuple[float, ...] | None = None  # longrope
-    long_factor: tuple[float, ...] | None = None  # longrope
-
-    def per_pair_factors(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
-        """The per-rotated-pair lists this scaling carries, by name (their length must be
-        the rotary dim / 2)."""
-        named = (("freq_factors", self.freq_factors), ("short_factor", self.short_factor),
-                 ("long_factor", self.long_factor))
-        return tuple((name, f) for name, f in named if f is not None)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 at factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_attention_factor(factor: float, mscale: float | None,
-                           mscale_all_dim: float | None) -> float:
-    """The magnitude of YaRN's cos and sin when the config sets no ``attention_factor``: with
-    both ``mscale`` and ``mscale_all_dim`` (DeepSeek's fields) the ratio of their two
-    corrections (1 when they are equal), else the correction at mscale 1. Either field alone
-    (or a zero) is ignored, as transformers ignores it."""
-    if mscale and mscale_all_dim:
-        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return _yarn_mscale(factor)
-
-
-def rope_scaling_from_hf(d: dict[str, Any], params: dict[str, Any]) -> RopeScaling | None:
-    """``params`` (``rope_scaling`` or ``rope_parameters``) of the ``config.json`` ``d`` ->
-    the scaling; None for plain RoPE. ``rope_type`` or the legacy ``type`` names it.
-
-    As transformers standardises it: a top-level ``original_max_position_embeddings``
-    (Phi-3 keeps it there) wins over the parameters'; Phi-3's old names ``su`` (and, in a
-    Phi-3 config, ``yarn``) are ``longrope``, as ``Phi3Config`` reads them.
-    """
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("default", None):
-        return None
-    if rope_type == "su" or (rope_type == "yarn" and d.get("model_type") == "phi3"):
-        rope_type = "longrope"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: "
-                         f"{', '.join(ROPE_TYPES)})")
-    if d.get("original_max_position_embeddings"):
-        params = {**params,
-                  "original_max_position_embeddings": d["original_max_position_embeddings"]}
-    return build_rope_scaling(rope_type, params, int(d.get("max_position_embeddings", 4096)))
-
-
-def build_rope_scaling(rope_type: str, params: dict[str, Any],
-                       max_positions: int) -> RopeScaling:
-    """The one builder of a ``RopeScaling`` (``config.json`` and GGUF metadata alike):
-    ``params`` in transformers' keys (``factor``, ``original_max_position_embeddings``,
-    ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ``beta_slow``, ``truncate``,
-    ``attention_factor``, ``mscale``, ``mscale_all_dim``; ``freq_factors`` for that type),
-    ``max_positions`` the model's ``max_position_embeddings``.
-
-    As transformers computes them: without ``original_max_position_embeddings`` it is
-    ``max_positions``; a YaRN ``factor`` of null is max_positions / original; ``beta_fast``
-    / ``beta_slow`` of null or 0 are 32 / 1; a YaRN ``attention_factor`` of null is derived
-    from ``factor`` (and ``mscale`` / ``mscale_all_dim``).
-    """
-    if rope_type == "linear":
-        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
-    if rope_type == "freq_factors":
-        return RopeScaling(rope_type="freq_factors", factor=1.0,
-                           freq_factors=tuple(float(f) for f in params["freq_factors"]))
-    original = int(params.get("original_max_position_embeddings") or max_positions)
-    if rope_type == "llama3":
-        return RopeScaling(rope_type="llama3", factor=float(params["factor"]),
-                           original_max_position_embeddings=original,
-                           low_freq_factor=float(params["low_freq_factor"]),
-                           high_freq_factor=float(params["high_freq_factor"]))
-    if rope_type == "longrope":
-        return _longrope(params, original, max_positions)
-    if rope_type != "yarn":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
-    factor = params.get("factor")
-    factor = max_positions / original if factor is None else float(factor)
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = _yarn_attention_factor(factor, params.get("mscale"),
-                                           params.get("mscale_all_dim"))
-    return RopeScaling(rope_type="yarn", factor=factor,
-                       original_max_position_embeddings=original,
-                       beta_fast=float(params.get("beta_fast") or 32),
-                       beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=bool(params.get("truncate", True)),
-                       attention_factor=float(attention))
-
-
-def _longrope(params: dict[str, Any], original: int, max_positions: int) -> RopeScaling:
-    """``longrope`` as transformers' ``_compute_longrope_parameters`` reads it: ``factor``
-    of null is max_positions / original, an ``attention_factor`` of null is
-    ``sqrt(1 + ln(factor) / ln(original))`` (1 at factor <= 1)."""
-    lists = {}
-    for key in ("short_factor", "long_factor"):
-        value = params.get(key)
-        if not isinstance(value, list) or not value:
-            raise ValueError(f"rope scaling type 'longrope' needs a list {key!r}, got "
-                             f"{value!r}")
-        lists[key] = tuple(float(f) for f in value)
-    factor = params.get("factor")
-    factor = max_positions / original if factor is None else float(factor)
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(rope_type="longrope", factor=factor,
-                       original_max_position_embeddings=original,
-                       attention_factor=float(attention), **lists)
-
-
-def rotary_dim_from_hf(d: dict[str, Any], rope_params: dict[str, Any], head_dim: int) -> int:
-    """The leading dims of each head that RoPE rotates: ``int(head_dim *
-    partial_rotary_factor)``, the factor read as transformers reads it (the RoPE
-    parameters' own, else the top-level key; Phi-4-mini: 0.75; absent or null: 1). The
-    rest of the head passes through unrotated.
-
-    Read for every architecture, as vLLM's Llama reads it (transformers' Llama, Qwen2,
-    Qwen3 and Mistral ignore it under plain RoPE)."""
-    factor = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    return head_dim if factor is None else int(head_dim * float(factor))
 
 
 @dataclass(frozen=True)
@@ -366,12 +194,12 @@ class ModelConfig:
         arch = archs[0]
         family = architecture_family(arch)
         if family in COMPLETED_BY_TRANSFORMERS:
-            d = _completed_config(d, arch, family)
-        gemma = _gemma_fields(d, family) if family in GEMMA_ARCHITECTURES else {}
+            d = completed_config(d, arch, family)
+        gemma = gemma_fields(d, family) if family in GEMMA_ARCHITECTURES else {}
         if gemma:
             d = {**d, "layer_types": gemma.pop("layer_types")}
         if family == "GraniteForCausalLM":
-            gemma = _granite_fields(d)
+            gemma = granite_fields(d)
         heads = d["num_attention_heads"]
         rope_params = d.get("rope_parameters") or {}
         if "full_attention" in rope_params:  # per layer type (Gemma 3): the full layers'
@@ -388,7 +216,7 @@ class ModelConfig:
         qwen = family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
         window = (d.get("sliding_window") if d.get("use_sliding_window", not qwen)
                   and family not in ("LlamaForCausalLM", "GemmaForCausalLM") else None) or None
-        act = "silu" if gemma else d.get("hidden_act", "silu")  # Gemma's: _gemma_fields
+        act = "silu" if gemma else d.get("hidden_act", "silu")  # Gemma's: gemma_fields
         if act not in HIDDEN_ACTS:
             raise ValueError(f"config.json: hidden_act {act!r} is not supported (supported: "
                              f"{', '.join(HIDDEN_ACTS)})")
@@ -417,141 +245,12 @@ class ModelConfig:
             rotary_dim=rotary_dim_from_hf(d, scaling_d, head_dim),
             matryoshka_dimensions=_matryoshka(d),
             hidden_act=HIDDEN_ACTS[act],
-            labels=_labels(d) if arch in SEQUENCE_CLASSIFIERS else (),
+            labels=classifier_labels(d) if arch in SEQUENCE_CLASSIFIERS else (),
         )
         if d.get("classifier_from_token") is not None or d.get("is_original_qwen3_reranker"):
-            fields.update(_token_classifier(d, arch))
+            fields.update(token_classifier(d, arch))
         return cls(**{**fields, **gemma})
 
-
-def architecture_family(arch: str) -> str:
-    """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``),
-    a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``) or a sequence
-    classifier's decoder (``SEQUENCE_CLASSIFIERS``), else itself."""
-    return (BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch)
-            or SEQUENCE_CLASSIFIERS.get(arch) or arch)
-
-
-def _completed_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
-    """A ``config.json`` completed by transformers' own config class, where the hub files
-    leave keys to its defaults (Gemma 3 4B's ``text_config`` names five; SmolLM3's NoPE
-    layers come from ``no_rope_layer_interval``), in its current form (per-layer-type
-    ``rope_parameters``, ``layer_types``, ``no_rope_layers``). A multimodal checkpoint's is
-    its ``text_config``, with the outer token ids and tying."""
-    import transformers
-
-    if arch in LANGUAGE_MODEL_OF:
-        d = {**(d.get("text_config") or {}),
-             **{k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
-                if d.get(k) is not None}}
-    cls = getattr(transformers, COMPLETED_BY_TRANSFORMERS[family])
-    known = {k: v for k, v in d.items() if k != "model_type"}
-    return {**cls(**known).to_dict(), "architectures": [arch]}
-
-
-def _gemma_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
-    """What Gemma (1, 2, 3) changes, as transformers' Gemma configs read ``config.json``
-    (their defaults where a key is absent), plus ``layer_types`` (the config's, else
-    Gemma 2's every other layer windowed, Gemma 3's ``sliding_window_pattern``: five in
-    six). Refuses ``use_bidirectional_attention`` (EmbeddingGemma)."""
-    if d.get("use_bidirectional_attention"):
-        raise ValueError("config.json: use_bidirectional_attention (EmbeddingGemma) is not "
-                         "supported: tpserve's attention is causal")
-    gemma1 = family == "GemmaForCausalLM"
-    act = d.get("hidden_act") if gemma1 else d.get("hidden_activation")
-    act = "gelu_pytorch_tanh" if act in (None, "gelu") else act  # transformers' legacy rule
-    if act not in HIDDEN_ACTS:
-        raise ValueError(f"config.json: hidden activation {act!r} is not supported "
-                         f"(supported: {', '.join(HIDDEN_ACTS)})")
-    n = d["num_hidden_layers"]
-    fields: dict[str, Any] = dict(
-        hidden_act=HIDDEN_ACTS[act], norm_unit_offset=True,
-        embed_scale=float(d["hidden_size"]) ** 0.5,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        layer_types=d.get("layer_types"))
-    if gemma1:
-        return fields
-    gemma2 = family == "Gemma2ForCausalLM"
-    if fields["layer_types"] is None:
-        every = 2 if gemma2 else int(d.get("sliding_window_pattern", 6))
-        fields["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
-                                 for i in range(n)]
-    fields.update(
-        sandwich_norms=True,
-        attention_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        attn_logit_softcap=d.get("attn_logit_softcapping", 50.0 if gemma2 else None),
-        final_logit_softcap=d.get("final_logit_softcapping", 30.0 if gemma2 else None))
-    if not gemma2:  # Gemma 3: q/k head norms, the windowed layers' own RoPE
-        local = _gemma3_local_rope(d)
-        full = (d.get("rope_parameters") or {}).get("full_attention") or {}
-        fields.update(qk_norm=True, rope_theta=float(d.get("rope_theta",
-                                                           full.get("rope_theta", 1e6))),
-                      local_rope_theta=local[0], local_rope_scaling=local[1],
-                      local_rope_layers=tuple(i for i, t in enumerate(fields["layer_types"])
-                                              if t == "sliding_attention"))
-    return fields
-
-
-def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four multipliers, as transformers' Granite reads them (1 where absent):
-    ``attention_multiplier`` is the attention scale itself."""
-    return dict(embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
-                residual_multiplier=float(d.get("residual_multiplier", 1.0)),
-                logits_scaling=float(d.get("logits_scaling", 1.0)),
-                attention_scale=float(d.get("attention_multiplier", 1.0)))
-
-
-def _gemma3_local_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """Gemma 3's sliding-window layers' RoPE base and scaling: ``rope_parameters``'
-    ``sliding_attention`` entry, else the older ``rope_local_base_freq`` (10,000 by
-    default), unscaled."""
-    params = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
-    theta = params.get("rope_theta", d.get("rope_local_base_freq", 10000.0))
-    return float(theta), rope_scaling_from_hf(d, params)
-
-
-def _token_classifier(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    """vLLM's ``classifier_from_token`` overrides, checked as vLLM checks them: a
-    ``*ForSequenceClassification`` architecture, a ``method`` (``is_original_qwen3_reranker``
-    means ``from_2_way_softmax``), two tokens for ``from_2_way_softmax``."""
-    tokens = d.get("classifier_from_token")
-    if arch not in SEQUENCE_CLASSIFIERS:
-        raise ValueError("classifier_from_token: the architecture must be a "
-                         "*ForSequenceClassification one (--hf-overrides '{\"architectures\": "
-                         f"[...]}}'), got {arch!r}")
-    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) and t
-                                                         for t in tokens)):
-        raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got "
-                         f"{tokens!r}")
-    method = d.get("method") or ("from_2_way_softmax" if d.get("is_original_qwen3_reranker")
-                                 else None)
-    if method is None:
-        raise ValueError("classifier_from_token needs a method: from_2_way_softmax or "
-                         "no_post_processing")
-    if method not in TOKEN_CLASSIFIER_METHODS:
-        raise ValueError(f"classifier_from_token: method {method!r} is not supported "
-                         f"(supported: {', '.join(TOKEN_CLASSIFIER_METHODS)})")
-    if method == "from_2_way_softmax" and len(tokens) != 2:
-        raise ValueError(f"from_2_way_softmax needs two tokens (false, true), got {tokens!r}")
-    if d.get("use_pad_token"):
-        raise ValueError("use_pad_token is not supported: pairs are tokenized as the "
-                         "tokenizer joins them")
-    labels = (tokens[1],) if method == "from_2_way_softmax" else tuple(tokens)
-    return dict(labels=labels, classifier_from_token=tuple(tokens), classifier_method=method)
-
-
-def _labels(d: dict[str, Any]) -> tuple[str, ...]:
-    """A classifier's label names in id order, as transformers reads them: ``id2label``
-    (ids as strings), else ``num_labels`` of ``LABEL_i`` (2 by default)."""
-    id2label = d.get("id2label")
-    if id2label:
-        ids = sorted(int(i) for i in id2label)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"config.json: id2label must number its labels 0..n-1, got "
-                             f"{sorted(id2label)}")
-        return tuple(str(id2label[str(i)] if str(i) in id2label else id2label[i])
-                     for i in ids)
-    return tuple(f"LABEL_{i}" for i in range(int(d.get("num_labels", 2))))
 
 
 def _matryoshka(d: dict[str, Any]) -> tuple[int, ...] | None:

@@ -6,7 +6,7 @@ which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two 
 (``FUSED``: q, k, v rows stacked; gate, then up): each part is loaded as if stored apart
 (``ColumnParallelLinear.load_stacked``). Otherwise Phi-3 is Llama: pre-norm RMSNorm blocks,
 SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope`` are the config's
-(``ModelConfig.rotary_dim``, ``config.RopeScaling``). A sliding window (Mistral, Phi-3,
+(``ModelConfig.rotary_dim``, ``rope_scaling.RopeScaling``). A sliding window (Mistral, Phi-3,
 Qwen's ``use_sliding_window`` layers) is each attention layer's own
 (``ModelConfig.window_of``), handed to the back-end's attention.
 
@@ -39,7 +39,8 @@ from torch import nn
 
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
-from tpserve.model.config import LANGUAGE_MODEL_OF, ModelConfig
+from tpserve.model.config import ModelConfig
+from tpserve.model.families import LANGUAGE_MODEL_OF
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
@@ -72,7 +73,7 @@ FUSED = (".qkv_proj.", ".gate_up_proj.")
 # a base model's checkpoint (saved from e.g. ``Qwen3Model``, as Qwen3-Embedding's are)
 # names its tensors without the ``model.`` of the causal LM
 BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
-# a multimodal checkpoint's language model (``config.LANGUAGE_MODEL_OF``: Gemma 3 4B and
+# a multimodal checkpoint's language model (``families.LANGUAGE_MODEL_OF``: Gemma 3 4B and
 # up), as transformers 4 and 5 name it -> our names; its vision tower and projector are not
 # loaded
 LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpserve.model.config import BASE_ARCHITECTURES, SEQUENCE_CLASSIFIERS
+from tpserve.model.families import BASE_ARCHITECTURES, SEQUENCE_CLASSIFIERS
 from tpserve.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,7 +13,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv / gate_up tensors: llama.FUSED
-    # Gemma's differences are ModelConfig fields (config._gemma_fields)
+    # Gemma's differences are ModelConfig fields (families.gemma_fields)
     "GemmaForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.model.config import ModelConfig, architecture_family
+from tpserve.model.config import ModelConfig
+from tpserve.model.families import architecture_family
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
@@ -132,7 +133,7 @@ def _scaled_context(model: ModelConfig) -> int:
         return model.max_position_embeddings
     if scaling.rope_type == "yarn":
         return int(scaling.original_max_position_embeddings * scaling.factor)
-    if scaling.rope_type == "longrope":  # the short factors' context (config.RopeScaling)
+    if scaling.rope_type == "longrope":  # the short factors' context (rope_scaling.RopeScaling)
         return scaling.original_max_position_embeddings
     return int(model.max_position_embeddings * scaling.factor)
 
@@ -151,7 +152,7 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     cap it (its layers attend to the window only), unless ``--disable-sliding-window``
     turned it off (``ModelConfig.context_cap``, vLLM's rule). One cap is ours, not vLLM's: under
     ``longrope`` ``original_max_position_embeddings`` (the long factors are not served:
-    ``config.RopeScaling``)."""
+    ``rope_scaling.RopeScaling``)."""
     context = limit = model_context(model)
     if requested is None:
         return limit

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tpserve.model.config import RopeScaling
+from tpserve.model.rope_scaling import RopeScaling
 
 
 def _powers(dim: int, theta: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ RoPE scaling comes two ways. llama.cpp's converter writes Llama-3's as a tensor,
 ``rope_freqs.weight`` (per rotated pair, the divisor of its frequency), read here into the
 config (``freq_factors``), never loaded as a weight; linear and YaRN scaling as
 ``{arch}.rope.scaling.*`` metadata, read into the ``RopeScaling`` transformers would compute
-from the original ``config.json`` (through ``config.build_rope_scaling``).
+from the original ``config.json`` (through ``rope_scaling.build_rope_scaling``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpserve.model.config import ModelConfig, RopeScaling, build_rope_scaling
+from tpserve.model.config import ModelConfig
 from tpserve.model.loader.gguf_reader import GGUFFile
+from tpserve.model.rope_scaling import RopeScaling, build_rope_scaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -150,7 +151,7 @@ def read_config(r, path: Path) -> ModelConfig:
 
 def _gemma_fields(r, arch: str, layers: int, hidden_per_head: int, head_dim: int,
                   window: int | None) -> dict:
-    """Gemma's config fields as llama.cpp reads them (see ``config._gemma_fields``): the
+    """Gemma's config fields as llama.cpp reads them (see ``families.gemma_fields``): the
     softcaps from metadata; the windowed layers every other one from the first (Gemma 2)
     or five in six (Gemma 3; ``attention.sliding_window_pattern`` where the file has it);
     Gemma 3's windowed layers on RoPE base ``rope.freq_base_swa``, else 10,000 unscaled.
