@@ -14,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.util import hf_checkpoints, load, new_pool, run
+from tests.model.util import hf_checkpoints, load, whole_and_stepped
 from tpserve.model.config import ModelConfig
-from tpserve.model.plan import SeqChunk
 from tpserve.model.runner_config import resolve_max_model_len
 from tpserve.parallel.launch import run_ranks
 
@@ -74,19 +73,11 @@ def checkpoints(tmp_path_factory):
     return hf_checkpoints(tmp_path_factory, _hf_model, lambda kind: TOKENS)
 
 
-@torch.no_grad()
 def _steps(group, folder: str, tp_comm: str = "allreduce") -> list[torch.Tensor]:
     """Every position's logits from one whole prefill, and from prefill 9 + chunk 8 +
     decodes."""
     model, comm = load(folder, group, tp_comm=tp_comm)
-    blocks = list(range(4))
-    whole = run(model, new_pool(model, comm), [SeqChunk(TOKENS, 0, blocks, True)], True)
-    pool = new_pool(model, comm)
-    parts = [run(model, pool, [SeqChunk(TOKENS[:9], 0, blocks, True)], True),
-             run(model, pool, [SeqChunk(TOKENS[9:17], 9, blocks, True)], True)]
-    parts += [run(model, pool, [SeqChunk([t], p, blocks, True)])
-              for p, t in enumerate(TOKENS[17:], start=17)]
-    return [whole, torch.cat(parts)]
+    return whole_and_stepped(model, comm, TOKENS, 9, 8)
 
 
 def _check(folder: str, want: torch.Tensor, tp: int, tp_comm: str = "allreduce") -> None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from tests.model.test_tiny_models import TINY
-from tests.model.util import hf_checkpoints, load, new_pool, run
+from tests.model.util import hf_checkpoints, load, whole_and_stepped
 from tpserve.model.config import ModelConfig
-from tpserve.model.plan import SeqChunk
 from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60, 61, 8]
@@ -34,17 +33,9 @@ def _hf_smollm3(interval: int = 2):
     return model
 
 
-@torch.no_grad()
 def _steps(group, folder: str) -> list[torch.Tensor]:
     model, comm = load(folder, group)
-    blocks = [0, 1]
-    whole = run(model, new_pool(model, comm), [SeqChunk(TOKENS, 0, blocks, True)], True)
-    pool = new_pool(model, comm)
-    parts = [run(model, pool, [SeqChunk(TOKENS[:7], 0, blocks, True)], True),
-             run(model, pool, [SeqChunk(TOKENS[7:15], 7, blocks, True)], True)]
-    parts += [run(model, pool, [SeqChunk([t], p, blocks, True)])
-              for p, t in enumerate(TOKENS[15:], start=15)]
-    return [whole, torch.cat(parts)]
+    return whole_and_stepped(model, comm, TOKENS, 7, 8)
 
 
 def test_smollm3_equals_transformers(tmp_path_factory):

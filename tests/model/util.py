@@ -60,6 +60,22 @@ def full_logits(model, comm, token_ids: list[int]) -> torch.Tensor:
     return run(model, pool, [SeqChunk(token_ids, 0, list(range(nblocks)), True)], True)
 
 
+@torch.no_grad()
+def whole_and_stepped(model, comm, tokens: list[int], prefill: int, chunk: int
+                      ) -> list[torch.Tensor]:
+    """Every position's logits two ways: one whole prefill; and a ``prefill``-token
+    prefill, a ``chunk``-token chunk over its cache, then one decode step per token."""
+    blocks = list(range(-(-len(tokens) // 16)))
+    whole = run(model, new_pool(model, comm), [SeqChunk(tokens, 0, blocks, True)], True)
+    pool = new_pool(model, comm)
+    cut = prefill + chunk
+    parts = [run(model, pool, [SeqChunk(tokens[:prefill], 0, blocks, True)], True),
+             run(model, pool, [SeqChunk(tokens[prefill:cut], prefill, blocks, True)], True)]
+    parts += [run(model, pool, [SeqChunk([t], p, blocks, True)])
+              for p, t in enumerate(tokens[cut:], start=cut)]
+    return [whole, torch.cat(parts)]
+
+
 def greedy(model, comm, prompt: list[int], n: int) -> list[int]:
     pool = new_pool(model, comm)
     blocks = list(range(pool.num_blocks))
