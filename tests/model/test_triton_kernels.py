@@ -33,7 +33,7 @@ from tpserve.model.kernels import torch_ops  # noqa: E402
 _KERNEL_MODULES = (  # dependency order, for re-import
     "triton_support", "triton_norm", "triton_activation", "triton_fp8_kv", "triton_fp8_quant",
     "triton_fp8",
-    "triton_fp8_fused", "triton_rope",
+    "triton_fp8_fused", "triton_rope", "triton_softcap",
     "triton_decode_attention", "triton_prefill_attention", "triton_ops",
 )
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

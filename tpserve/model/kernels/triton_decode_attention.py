@@ -11,7 +11,7 @@ start at the tile holding the first of them, which is masked below it.
 With a logit ``SOFTCAP`` (Gemma 2's ``attn_logit_softcapping`` c, passed as ``c log2(e)``;
 0: off, and the code is as without it) each score is capped as it leaves the matmul, before
 the mask: in the log2 domain ``c log2(e) tanh(s / (c log2(e)))`` is ``log2(e)`` times the
-capped true logit ``c tanh(qk scale / c)`` (``cap_logits``: float32, ~2e-7 relative).
+capped true logit ``c tanh(qk scale / c)`` (``triton_softcap``: float32, ~2e-7 relative).
 
 Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
 all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
@@ -53,11 +53,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.torch_ops import check_softcap
+from tpserve.model.kernels.triton_softcap import LOG2E, cap_logits, softcap_constexpr
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config
 from tpserve.model.kv_cache_dtype import is_fp8
 
-LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
 # reach 3.7-4.3 TB/s of KV reads for batches that fill the GPU; small batches need splits.
 BLOCK_N = 64  # keys per inner-loop tile
@@ -137,23 +136,6 @@ MAX_SPLITS = 32
 LAZY_TAU = 8.0  # lazy_rescale: scores may pass the running maximum by this (log2) before it moves
 MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
-
-
-@triton.jit
-def cap_logits(s, CAP: tl.constexpr):
-    """``CAP * tanh(s / CAP)`` of float32 scores ``s``. Triton has no portable tanh: below
-    |x| = 0.625 Cephes' tanhf (an odd polynomial: no cancellation near 0), above it
-    ``(1 - e^-2|x|) / (1 + e^-2|x|)`` (no overflow); at most 1.8e-7 relative off float64's
-    tanh (numpy, float32 arithmetic)."""
-    x = s * (1.0 / CAP)
-    a = tl.abs(x)
-    z = x * x
-    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
-              + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
-    t = tl.exp2(a * -2.8853900817779268)  # e^-2|x|
-    large = (1.0 - t) / (1.0 + t)
-    large = tl.where(x < 0, -large, large)
-    return CAP * tl.where(a < 0.625, small, large)
 
 
 @triton.jit
@@ -407,7 +389,7 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
-    check_softcap(softcap)
+    cap = softcap_constexpr(softcap)  # refused before anything is allocated or launched
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -451,7 +433,7 @@ def decode_attention(
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
         BT_AHEAD=bt_ahead, WINDOW=window or 0,
-        SOFTCAP=0.0 if softcap is None else softcap * LOG2E,
+        SOFTCAP=cap,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:

@@ -21,7 +21,7 @@ no key of the first ones). K/V rows are
 gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
 With a logit ``SOFTCAP`` (Gemma 2's; 0: off, the code as without it) every tile's scores are
 capped before the mask, in the log2 domain as the decode kernel does
-(``triton_decode_attention.cap_logits``).
+(``triton_softcap``).
 
 FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened exactly to q's dtype, or
 (``FP16_DOT``, the default under a 16-bit q) to fp16 with q pre-scaled into fp16 (the
@@ -36,12 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.torch_ops import check_softcap
-from tpserve.model.kernels.triton_decode_attention import cap_logits
+from tpserve.model.kernels.triton_softcap import LOG2E, cap_logits, softcap_constexpr
 from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
 from tpserve.model.kv_cache_dtype import is_fp8
 
-LOG2E = 1.4426950408889634
 # Measured on an H200 (bf16, D=128): 64x64 tiles with 4 warps and 2 stages were the best or
 # near-best single choice across long, chunked and short-batch prefills.
 BLOCK_M = 64  # query tokens per program (the tile table is built for it)
@@ -230,7 +228,7 @@ def prefill_attention(
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
-    check_softcap(softcap)
+    cap = softcap_constexpr(softcap)  # refused even when there are no tiles to launch
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads vs {num_kv_heads} kv heads"
     assert q.stride(-1) == out.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert tiles.dtype == torch.int32, tiles.dtype
@@ -259,7 +257,7 @@ def prefill_attention(
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), WINDOW=window or 0,
-        SOFTCAP=0.0 if softcap is None else softcap * LOG2E,
+        SOFTCAP=cap,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
