@@ -20,15 +20,24 @@ from tpserve.model.kv_cache_dtype import FP8_KV_DTYPE
 triton = pytest.importorskip("triton")
 
 
+def _qkv_and_caches(tokens: int, num_blocks: int, hq: int, hkv: int, head_dim: int,
+                    dtype: torch.dtype, fp8: bool, gen: torch.Generator):
+    """q, k, v views of one ``[tokens, (hq + 2 hkv) head_dim]`` projection output (as the
+    model hands them over), and empty K/V caches of 16-slot pages (FP8 or ``dtype``)."""
+    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen) * 3
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    cache_dtype = FP8_KV_DTYPE if fp8 else dtype
+    k_cache = torch.zeros(num_blocks, 16, hkv, head_dim, device=DEVICE).to(cache_dtype)
+    return q, k, v, k_cache, torch.zeros_like(k_cache)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp8,hadamard", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("head_dim,hq,hkv", [(64, 12, 3), (128, 4, 2)])
 def test_rope_with_head_norm_and_write_kv(kernels, dtype, fp8, hadamard, head_dim, hq, hkv):
     gen = torch.Generator().manual_seed(5)
-    tokens, num_blocks, page = 6, 4, 16
-    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen) * 3
-    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
-    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    q, k, v, k_cache, v_cache = _qkv_and_caches(6, 4, hq, hkv, head_dim, dtype, fp8, gen)
     q[:, -1] = 0  # a zero-padding query head (tp that does not divide the heads)
     norm = HeadNorm(1 + _randn(head_dim, dtype=dtype, gen=gen) * 0.3,
                     1 + _randn(head_dim, dtype=dtype, gen=gen) * 0.3, 1e-6)
@@ -36,9 +45,6 @@ def test_rope_with_head_norm_and_write_kv(kernels, dtype, fp8, hadamard, head_di
     slots = torch.tensor([3, -1, 17, 0, 39, 8], device=DEVICE)
     cs = _cos_sin_cache(128, head_dim)
     kv_scale = torch.tensor([0.01, 0.02], device=DEVICE)
-    cache_dtype = FP8_KV_DTYPE if fp8 else dtype
-    k_cache = torch.zeros(num_blocks, page, hkv, head_dim, device=DEVICE).to(cache_dtype)
-    v_cache = torch.zeros_like(k_cache)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, ref_kc,
                                                ref_vc, slots, kv_scale, hadamard, norm)
@@ -73,19 +79,13 @@ def test_rope_with_unit_offset_head_norm_and_write_kv(kernels, dtype, fp8, head_
     """Gemma 3's head norm (``unit_offset``: the checkpoint's ``w`` near 0, the scale
     ``1 + w`` multiplied in float32 and rounded once) on heads of 128 and 256."""
     gen = torch.Generator().manual_seed(6)
-    tokens, num_blocks, page = 5, 3, 16
-    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen) * 3
-    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
-    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    q, k, v, k_cache, v_cache = _qkv_and_caches(5, 3, hq, hkv, head_dim, dtype, fp8, gen)
     norm = HeadNorm(_randn(head_dim, dtype=dtype, gen=gen) * 0.3,
                     _randn(head_dim, dtype=dtype, gen=gen) * 0.3, 1e-6, unit_offset=True)
     positions = torch.tensor([0, 7, 100, 3, 64], device=DEVICE)
     slots = torch.tensor([3, -1, 17, 0, 39], device=DEVICE)
     cs = _cos_sin_cache(128, head_dim)
     kv_scale = torch.tensor([0.01, 0.02], device=DEVICE)
-    cache_dtype = FP8_KV_DTYPE if fp8 else dtype
-    k_cache = torch.zeros(num_blocks, page, hkv, head_dim, device=DEVICE).to(cache_dtype)
-    v_cache = torch.zeros_like(k_cache)
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = torch_ops.rope_and_write_kv(q.clone(), k.clone(), v, positions, cs, ref_kc,
                                                ref_vc, slots, kv_scale, head_norm=norm)

@@ -281,7 +281,6 @@ class LlamaForCausalLM(nn.Module):
             "identity_rope_row",
             torch.cat([torch.ones(cfg.rotary_dim // 2), torch.zeros(cfg.rotary_dim // 2)])[None]
             if cfg.nope_layers else None, persistent=False)
-        self.max_positions = max_positions
         # Gemma: the embedding's output times sqrt(hidden), the factor rounded to ``dtype``
         # as transformers rounds it
         # (Granite's multiplier is applied as given)
@@ -304,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             rope = self.local_rope_cache if layer.local_rope else self.rope_cache
             if layer.nope:
-                rope = self.identity_rope_row.expand(self.max_positions, -1)
+                rope = self.identity_rope_row.expand(self.rope_cache.shape[0], -1)
             x, residual = layer(x, residual, positions, rope, kv, meta)
         x, _ = self.model.norm(x, residual)
         if self.sequence_parallel:

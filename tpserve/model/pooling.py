@@ -248,12 +248,18 @@ def sum_rows(hidden: torch.Tensor, pool: PoolRows) -> torch.Tensor:
     return out.index_add_(0, segments, hidden.index_select(0, rows).float())
 
 
+def pooled_vector(pooled: torch.Tensor, num_tokens: int, pooling_type: str) -> torch.Tensor:
+    """A prompt's pooled vector from its summed rows: the mean for ``MEAN`` (the sum over
+    its ``num_tokens`` rows), the one row's for ``LAST`` and ``CLS``."""
+    return pooled / num_tokens if pooling_type == "MEAN" else pooled
+
+
 def finish_embedding(pooled: torch.Tensor, num_tokens: int, pooling_type: str,
                      normalize: bool, dimensions: int | None) -> list[float]:
     """A prompt's embedding from its pooled float32 vector (a MEAN's sum over its
     ``num_tokens`` rows): the first ``dimensions`` entries (Matryoshka), then L2-normalized
     if ``normalize`` (as sentence-transformers cuts, then normalizes)."""
-    v = pooled / num_tokens if pooling_type == "MEAN" else pooled
+    v = pooled_vector(pooled, num_tokens, pooling_type)
     if dimensions is not None:
         v = v[:dimensions]
     if normalize:
@@ -273,7 +279,7 @@ def finish_classification(pooled: torch.Tensor, num_tokens: int, pooling_type: s
     """A prompt's label probabilities from its pooled float32 vector: the head's logits
     (float32), then vLLM's activation: sigmoid for one label (a reranker's or reward
     model's score), softmax over several."""
-    v = pooled / num_tokens if pooling_type == "MEAN" else pooled
+    v = pooled_vector(pooled, num_tokens, pooling_type)
     logits = head @ v.to(head.device, torch.float32)
     probs = torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
     return probs.tolist()

@@ -15,12 +15,7 @@ import torch
 
 from tpserve.model.attention.backend import AttentionBackend, GraphAttentionState
 from tpserve.model.attention.metadata import AttentionMetadata
-from tpserve.model.kernels import (
-    torch_ops,
-    triton_decode_attention,
-    triton_prefill_attention,
-    triton_rope,
-)
+from tpserve.model.kernels import triton_decode_attention, triton_prefill_attention, triton_rope
 
 # Query rows per tile of the prefill kernel; the tile table below is built for it.
 PREFILL_TILE_M = triton_prefill_attention.BLOCK_M
@@ -106,7 +101,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     static (a capture records the fork and join as graph edges). Rows no tile or slot
     covers (padding tokens) are left unwritten.
     """
-    torch_ops.check_softcap(softcap)  # before any launch
     out = torch.empty_like(q)
     slots = meta.num_decode_slots
     prefill = meta.num_seqs > meta.num_decodes

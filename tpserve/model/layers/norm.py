@@ -40,22 +40,17 @@ class RMSNorm(nn.Module):
         step each was 64 MiB, and one of them split the cached block the next gate/up
         output needed: bench/README.md round 17). Callers must not read ``residual``
         afterwards except through the returned sum."""
-        if self.unit_offset:
-            if quantize is not None:
-                raise ValueError("a unit-offset (Gemma) norm does not quantize its output")
-            if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
-            sum_out = residual if holds_sum(residual, x, residual) else None
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out,
-                                         unit_offset=True)
+        if self.unit_offset and quantize is not None:
+            raise ValueError("a unit-offset (Gemma) norm does not quantize its output")
         if residual is None:
             if quantize is not None:
                 return Fp8Activation(*self.ops.rms_norm_fp8(x, self.weight, self.eps,
                                                             *quantize))
-            return self.ops.rms_norm(x, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         sum_out = residual if holds_sum(residual, x, residual) else None
         if quantize is not None:
             q, s, dtype, summed = self.ops.add_rms_norm_fp8(x, residual, self.weight,
                                                             self.eps, sum_out, *quantize)
             return Fp8Activation(q, s, dtype), summed
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, sum_out,
+                                     self.unit_offset)

@@ -124,8 +124,8 @@ def read_config(r, path: Path) -> ModelConfig:
     gemma = (_gemma_fields(r, arch, layers, hidden // heads, head_dim, window)
              if arch.startswith("gemma") else {})
     if arch == "granite":
-        gemma = {ours: float(_field(r, f"{arch}.{key}")) for key, ours in _GRANITE_SCALES.items()
-                 if _field(r, f"{arch}.{key}") is not None}
+        gemma = {ours: float(value) for key, ours in _GRANITE_SCALES.items()
+                 if (value := _field(r, f"{arch}.{key}")) is not None}
     return ModelConfig(**{**dict(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(vocab),

@@ -517,3 +517,8 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# the error answers every API route declares in its OpenAPI schema (OpenAI's envelope)
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}

@@ -29,11 +29,11 @@ from tpserve.server.http.openai_format import (
     tokens_named_by_id,
 )
 from tpserve.server.http.protocol import (
+    ERROR_RESPONSES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -59,8 +59,6 @@ from tpserve.server.http.structured import allowed_token_ids, logit_bias, struct
 from tpserve.server.http.tools import ToolPlan, plan_tools
 from tpserve.server.http.unsupported import refuse_unsupported, warn_unknown_fields
 
-ERROR_RESPONSES: dict[int | str, dict] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 STREAM_RESPONSE: dict[int | str, dict] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 

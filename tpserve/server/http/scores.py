@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import PoolingParams, SamplingParams
 from tpserve.server.http.classify import (
     ClassificationRequest,
@@ -34,12 +35,9 @@ from tpserve.server.http.classify import (
 )
 from tpserve.server.http.embeddings import embed_all, fit_to_context, pooler_of
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import ErrorResponse, RequestModel, UsageInfo
+from tpserve.server.http.protocol import ERROR_RESPONSES, RequestModel, UsageInfo
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.unsupported import VLLM_REFUSED, refuse_fields, warn_unknown_fields
-
-ERROR_RESPONSES: dict[int | str, dict] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
 class ScoreRequest(RequestModel):
@@ -127,7 +125,7 @@ async def similarities(request: Request, state: ServerState, pairs: list[tuple[s
     refuse_fields(body, refused)
     state.check_available()
     if pooler.classifies:
-        return await cross_scores(request, state, pairs, body, names, prefix)
+        return await cross_scores(request, state, pooler, pairs, body, names, prefix)
     field: dict[str, str] = {}  # each distinct text, in order, and the field it came from
     for pair in pairs:
         for text, name in zip(pair, names, strict=True):
@@ -151,14 +149,12 @@ async def similarities(request: Request, state: ServerState, pairs: list[tuple[s
     return scores, sum(o.num_prompt_tokens for o in outs)
 
 
-async def cross_scores(request: Request, state: ServerState, pairs: list[tuple[str, str]],
-                       body: ScoreRequest | RerankRequest, names: tuple[str, str],
-                       prefix: str) -> tuple[list[float], int]:
+async def cross_scores(request: Request, state: ServerState, pooler: PoolerConfig,
+                       pairs: list[tuple[str, str]], body: ScoreRequest | RerankRequest,
+                       names: tuple[str, str], prefix: str) -> tuple[list[float], int]:
     """Each pair's score from a one-label classifier over the pair as one input (400 for a
     classifier of several labels, whose score would be ambiguous), and the tokens of the
     distinct pairs."""
-    pooler = state.pooler
-    assert pooler is not None and pooler.classifies
     if len(pooler.labels) != 1:
         raise APIError.bad_request(
             f"scoring pairs needs a classifier of one label (a cross-encoder); this one has "
