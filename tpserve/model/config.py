@@ -14,16 +14,19 @@ from tpserve.model.families import (
     COMPLETED_BY_TRANSFORMERS,
     GEMMA_ARCHITECTURES,
     HIDDEN_ACTS,
+    MOE_ARCHITECTURES,
     SEQUENCE_CLASSIFIERS,
     architecture_family,
     classifier_labels,
     completed_config,
     gemma_fields,
     granite_fields,
+    moe_fields,
     token_classifier,
 )
 from tpserve.model.rope_scaling import RopeScaling, rope_scaling_from_hf, rotary_dim_from_hf
 from tpserve.parallel.heads import HeadLayout
+from tpserve.parallel.moe import expert_width_per_rank
 from tpserve.parallel.shard import padded_split
 
 
@@ -101,6 +104,18 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling | None = None
     local_rope_layers: tuple[int, ...] = ()
+    # a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): each of ``moe_layers``' MLPs
+    # is ``num_experts`` gated MLPs ``moe_intermediate_size`` wide, each token through the
+    # ``num_experts_per_tok`` a router (a softmax over the experts) picks, weighted by
+    # their probabilities (renormalized to sum 1 with ``norm_topk_prob``); plus, with
+    # ``shared_expert_intermediate_size``, a shared MLP every token takes, gated by a
+    # sigmoid (Qwen2-MoE). The other layers' MLPs are dense. 0 experts: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     def without_sliding_window(self) -> ModelConfig:
         """``--disable-sliding-window``: every layer attends to everything, and the context
@@ -116,6 +131,24 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return layer in self.moe_layers
+
+    def mlp_activation_columns(self, tp: int) -> int:
+        """Columns per token of an MLP's largest live activations on one rank (a dense
+        MLP's gate/up output and its product, three per column; an expert layer's per
+        routed copy of a token: its row, gate/up output and product, its output and that
+        output unsorted), for the CPU's activation estimate."""
+        dense = 3 * self.intermediate_per_rank(tp)
+        if not self.num_experts:
+            return dense
+        moe = (self.num_experts_per_tok * (3 * expert_width_per_rank(self.moe_intermediate_size,
+                                                                     tp)
+                                           + 3 * self.hidden_size)
+               + 3 * padded_split(self.shared_expert_intermediate_size, tp))
+        return max(moe, dense if len(self.moe_layers) < self.num_hidden_layers else 0)
+
     def uses_local_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates with the local RoPE (Gemma 3's windowed layers)."""
         return layer in self.local_rope_layers
@@ -129,6 +162,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"a mixture of {self.num_experts} experts needs 1 to "
+                             f"{self.num_experts} experts per token and a positive width; "
+                             f"got {self.num_experts_per_tok} and "
+                             f"{self.moe_intermediate_size}")
         if self.local_rope_layers and self.local_rope_theta is None:
             raise ValueError("local_rope_layers needs local_rope_theta")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -178,12 +217,16 @@ class ModelConfig:
         layout = self.head_layout(tp)
         inter = self.intermediate_per_rank(tp) * tp
         parts = [layout.describe()] if layout.padded else []
-        if inter != self.intermediate_size:
+        if inter != self.intermediate_size and len(self.moe_layers) < self.num_hidden_layers:
             parts.append(f"MLP width {self.intermediate_size} -> {inter} "
                          f"(+{inter / self.intermediate_size - 1:.1%} MLP FLOPs)")
+        expert = expert_width_per_rank(self.moe_intermediate_size, tp) * tp
+        if self.num_experts and expert != self.moe_intermediate_size:
+            parts.append(f"expert width {self.moe_intermediate_size} -> {expert} "
+                         f"(+{expert / self.moe_intermediate_size - 1:.1%} expert FLOPs)")
         if not parts:
             return None
-        return "; ".join(parts) if layout.padded else f"tp {tp}: padding " + parts[0]
+        return "; ".join(parts) if layout.padded else f"tp {tp}: padding " + "; ".join(parts)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -249,6 +292,8 @@ class ModelConfig:
         )
         if d.get("classifier_from_token") is not None or d.get("is_original_qwen3_reranker"):
             fields.update(token_classifier(d, arch))
+        if arch in MOE_ARCHITECTURES:
+            fields.update(moe_fields(d, arch))
         return cls(**{**fields, **gemma})
 
 

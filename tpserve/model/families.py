@@ -1,8 +1,8 @@
 """What each architecture family changes in a ``config.json``'s reading, beside Llama's
 (``ModelConfig.from_hf`` applies it): base models, multimodal checkpoints' language models
 and sequence classifiers mapped onto their causal LM (``architecture_family``); Gemma's
-and SmolLM3's files completed by transformers' own config class; Gemma's, Granite's and a
-classifier's ``ModelConfig`` fields."""
+and SmolLM3's files completed by transformers' own config class; Gemma's, Granite's, a
+classifier's and a mixture of experts' ``ModelConfig`` fields."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ SEQUENCE_CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM
 # label tokens (``--hf-overrides``: ``classifier_from_token``, ``method``, Qwen3-Reranker's
 # ``is_original_qwen3_reranker``)
 TOKEN_CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+# mixture-of-experts models -> the dense family whose attention (and flags) they share;
+# their experts: ``moe_fields``
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "MistralForCausalLM",
+                     "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+                     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM"}
 # config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -38,10 +43,41 @@ HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 
 def architecture_family(arch: str) -> str:
     """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``),
-    a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``) or a sequence
-    classifier's decoder (``SEQUENCE_CLASSIFIERS``), else itself."""
+    a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``), a sequence
+    classifier's decoder (``SEQUENCE_CLASSIFIERS``) or a mixture of experts' dense family
+    (``MOE_ARCHITECTURES``), else itself."""
     return (BASE_ARCHITECTURES.get(arch) or LANGUAGE_MODEL_OF.get(arch)
-            or SEQUENCE_CLASSIFIERS.get(arch) or arch)
+            or SEQUENCE_CLASSIFIERS.get(arch) or MOE_ARCHITECTURES.get(arch) or arch)
+
+
+def moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A mixture of experts' ``ModelConfig`` fields, as transformers builds the model:
+    Mixtral's every layer sparse, its experts ``intermediate_size`` wide, the top-k
+    weights renormalized; Qwen2-MoE's and Qwen3-MoE's sparse layers every
+    ``decoder_sparse_step`` but ``mlp_only_layers`` (the rest dense, ``intermediate_size``
+    wide), experts ``moe_intermediate_size`` wide, renormalized by ``norm_topk_prob``,
+    Qwen2-MoE's shared expert gated by a sigmoid. ``{}`` without experts."""
+    experts = int(d.get("num_experts", d.get("num_local_experts")) or 0)
+    if not experts:
+        return {}
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"config.json: num_experts_per_tok must be from 1 to the "
+                         f"{experts} experts, got {top_k}")
+    layers = int(d["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                    moe_layers=tuple(range(layers)))
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or ())
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
+                moe_layers=tuple(i for i in range(layers)
+                                 if i not in dense and (i + 1) % step == 0))
 
 
 def completed_config(d: dict[str, Any], arch: str, family: str) -> dict[str, Any]:

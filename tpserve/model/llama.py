@@ -44,6 +44,7 @@ from tpserve.model.families import LANGUAGE_MODEL_OF
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
+from tpserve.model.layers.moe import SparseMoeBlock, expert_param
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
@@ -55,6 +56,7 @@ from tpserve.parallel.linear import (
     RowParallelLinear,
     input_quantization,
 )
+from tpserve.parallel.moe import DOWN, GATE, UP
 from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -126,12 +128,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP, ``intermediate`` columns wide (default: the config's); ``reduce``:
+    its down projection's (``"none"``: partial sums, a MoE block's shared expert)."""
+
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 reduce: str, quant=None):
+                 reduce: str, quant=None, intermediate: int | None = None):
         super().__init__()
         self.ops = ops
         self.gelu_tanh = cfg.hidden_act == "gelu_tanh"
-        inter = cfg.intermediate_size
+        inter = intermediate or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
                                                        dtype=dtype, quant_method=quant)
         self.down_proj = RowParallelLinear(
@@ -158,13 +163,15 @@ class LlamaDecoderLayer(nn.Module):
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
                                         cfg.window_of(layer))
-        self.mlp = LlamaMLP(cfg, comm, ops, dtype, reduce, quant)
+        self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce) if cfg.is_moe_layer(layer)
+                    else LlamaMLP(cfg, comm, ops, dtype, reduce, quant))
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
         self.nope = layer in cfg.nope_layers  # ... or the identity table
         self.sandwich = cfg.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1: none
-        # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off
-        self.fuse_quant = not (sequence_parallel or cfg.norm_unit_offset)
+        # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off (nor
+        # does anything of a mixture of experts' model: quantization refuses them)
+        self.fuse_quant = not (sequence_parallel or cfg.norm_unit_offset or cfg.num_experts)
 
         def norm():
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, cfg.norm_unit_offset)
@@ -183,7 +190,7 @@ class LlamaDecoderLayer(nn.Module):
         the layer's static input scale, or per group of a block-wise layer's columns)."""
         m = x.shape[0]
         fuse = self.fuse_quant
-        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        qkv, gate_up = self.self_attn.qkv_proj, getattr(self.mlp, "gate_up_proj", None)
         how = input_quantization(qkv, m) if fuse else None
         if residual is None:
             residual = x
@@ -209,6 +216,14 @@ class LlamaDecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         return h, residual
+
+
+def _moe_block(cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+               reduce: str) -> SparseMoeBlock:
+    shared = (LlamaMLP(cfg, comm, ops, dtype, "none",
+                       intermediate=cfg.shared_expert_intermediate_size)
+              if cfg.shared_expert_intermediate_size else None)
+    return SparseMoeBlock(cfg, comm, ops, dtype, reduce, shared)
 
 
 class LlamaModel(nn.Module):
@@ -239,6 +254,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
+        if cfg.num_experts and quant_method is not None:
+            raise ValueError(f"{cfg.architecture} is a mixture of experts: FP8 quantization "
+                             "(--quantization, or an FP8 checkpoint) does not cover its "
+                             "experts yet; serve it unquantized")
         self.cfg = cfg
         self.comm = comm
         self.attn_backend = attn
@@ -370,6 +389,8 @@ class LlamaForCausalLM(nn.Module):
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
+        # each expert parameter's (expert, part)s loaded: it is loaded once all are
+        expert_parts: dict[str, set[tuple[int, str]]] = {}
         for name, source in weights:
             original = name
             if "rotary_emb" in name:
@@ -383,6 +404,26 @@ class LlamaForCausalLM(nn.Module):
                         break
             if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
                 name = "model." + name
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's experts' block
+            expert = expert_param(name)
+            if expert is not None:
+                if expert[0] not in params:
+                    raise ValueError(f"checkpoint tensor {original!r} has no place in the "
+                                     "model (a dense layer's)")
+                param, part = params[expert[0]], expert[1]
+                experts = self.get_submodule(expert[0].rpartition(".")[0])
+                try:
+                    if part is None:  # every expert stacked (transformers 5's layout)
+                        experts.load_stacked(param, source)
+                    else:
+                        param.weight_loader(param, source, part)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
+                expert_parts.setdefault(expert[0], set()).update(
+                    [part] if part is not None else
+                    [(i, p) for i in range(self.cfg.num_experts)
+                     for p in ((DOWN,) if expert[0].endswith(".w2") else (GATE, UP))])
+                continue
             prefix, _, tail = name.partition(".self_attn.")
             if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
                 _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
@@ -415,6 +456,9 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             loaded.add(name)
+        for name, parts in expert_parts.items():  # every expert's every part
+            if len(parts) == self.cfg.num_experts * (1 if name.endswith(".w2") else 2):
+                loaded.add(name)
         return loaded
 
 

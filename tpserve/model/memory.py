@@ -241,11 +241,12 @@ def kv_budget(device: torch.device, total: int, free_at_start: int, utilization:
     return budget, f"{utilization:.2f} x available RAM - weights - workspace"
 
 
-def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate_per_rank: int,
+def estimate_activation_bytes(num_tokens: int, hidden: int, mlp_columns: int,
                               qkv_per_rank: int, vocab: int, num_logit_rows: int,
                               itemsize: int) -> int:
     """Peak activation bytes of one forward (CPU, where no allocator peak is measurable):
-    the largest live set is the residual stream, the gate/up output and its product, plus
-    the logits of the sampled rows in float32."""
-    per_token = (3 * hidden + qkv_per_rank + 3 * intermediate_per_rank) * itemsize
+    the largest live set is the residual stream, the MLP's live activations
+    (``ModelConfig.mlp_activation_columns``: a dense MLP's gate/up output and its product),
+    plus the logits of the sampled rows in float32."""
+    per_token = (3 * hidden + qkv_per_rank + mlp_columns) * itemsize
     return num_tokens * per_token + num_logit_rows * vocab * 4 * 2

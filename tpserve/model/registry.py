@@ -18,6 +18,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers: ModelConfig fields
+    # mixtures of experts: their MLPs layers.moe.SparseMoeBlock (ModelConfig.moe_layers)
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # its NoPE layers: ModelConfig.nope_layers
     # its language model alone (llama.LANGUAGE_MODEL_PREFIXES; the vision tower skipped)
     "Gemma3ForConditionalGeneration": LlamaForCausalLM,

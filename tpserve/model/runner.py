@@ -288,8 +288,9 @@ class ModelRunner:
             tp = self.comm.world_size
             heads = m.head_layout(tp)
             q = (heads.heads_per_rank + 2 * heads.kv_heads_per_rank) * m.head_dim
-            est = estimate_activation_bytes(tokens, m.hidden_size, m.intermediate_per_rank(tp),
-                                            q, m.vocab_size, rows, self.dtype.itemsize)
+            est = estimate_activation_bytes(tokens, m.hidden_size,
+                                            m.mlp_activation_columns(tp), q, m.vocab_size,
+                                            rows, self.dtype.itemsize)
             return est, False
         # pass 1: pure prefill of the whole budget; pass 2: a mixed step of (rows - 1)
         # decodes plus prefill, so the allocator also sees the shapes of serving steps

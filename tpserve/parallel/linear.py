@@ -280,7 +280,9 @@ class RowParallelLinear(nn.Module):
     shard of ``x`` (as produced by a column-parallel layer). Partial sums are all-reduced
     (``reduce="all_reduce"``) or reduce-scattered over tokens (``"reduce_scatter"``: rank
     r returns rows ``[r*T/tp, (r+1)*T/tp)``; T must divide by tp), then the (unsharded)
-    bias is added once.
+    bias is added once. ``reduce="none"``: this rank's partial sums, no bias, for a caller
+    that adds other partial sums before reducing them once (a mixture of experts' shared
+    expert).
 
     ``in_map`` says which checkpoint columns this rank holds (default: an even split); its
     padding columns are zero, so padded inputs (zero heads, zero MLP columns) add nothing.
@@ -291,8 +293,10 @@ class RowParallelLinear(nn.Module):
                  in_map: ShardMap | None = None, reduce: str = "all_reduce",
                  quant_method=None):
         super().__init__()
-        if reduce not in ("all_reduce", "reduce_scatter"):
+        if reduce not in ("all_reduce", "reduce_scatter", "none"):
             raise ValueError(f"unknown reduce {reduce!r}")
+        if reduce == "none" and bias:
+            raise ValueError("a row-parallel layer returning partial sums has no bias")
         self.comm = comm
         self.quant_method = quant_method or UNQUANTIZED
         self.reduce = reduce
@@ -333,6 +337,6 @@ class RowParallelLinear(nn.Module):
         y = self.quant_method.apply(self, x, None)
         if self.reduce == "all_reduce":
             y = self.comm.all_reduce(y)
-        else:
+        elif self.reduce == "reduce_scatter":
             y = self.comm.reduce_scatter(y)
         return y + self.bias if self.bias is not None else y

@@ -14,7 +14,8 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4",
-          "phi-3-mini", "mistral-7b", "gemma-2-9b", "gemma-3-12b")
+          "phi-3-mini", "mistral-7b", "gemma-2-9b", "gemma-3-12b", "qwen3-30b-a3b",
+          "mixtral-8x7b")
 # architectures whose checkpoints store q/k/v and gate/up fused (``llama.FUSED``)
 _FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
@@ -81,6 +82,23 @@ def shape_hf_config(name: str) -> dict:
                  head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
                  rope_scaling={"rope_type": "linear", "factor": 8.0},
                  max_position_embeddings=131072, bos_token_id=2, eos_token_id=[1, 106])
+    elif name == "qwen3-30b-a3b":  # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token
+        base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "rms_norm_eps": 1e-6}
+        d = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                 moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 rope_theta=1000000.0, max_position_embeddings=40960, bos_token_id=151643,
+                 eos_token_id=151645)
+    elif name == "mixtral-8x7b":  # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token
+        base = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "rms_norm_eps": 1e-5}
+        d = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+                 max_position_embeddings=32768, sliding_window=None, bos_token_id=1,
+                 eos_token_id=2)
     elif name.startswith("qwen3-"):
         base = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "rms_norm_eps": 1e-6}
@@ -118,9 +136,13 @@ def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
                 [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
                  (p + "self_attn.v_proj.weight", (kv, h))])
         out.append((p + "self_attn.o_proj.weight", (h, q)))
-        out += ([(p + "mlp.gate_up_proj.weight", (2 * inter, h))] if fused else
-                [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))])
-        out.append((p + "mlp.down_proj.weight", (h, inter)))
+        if cfg.is_moe_layer(i):
+            out += _moe_tensors(cfg, p)
+        else:
+            out += ([(p + "mlp.gate_up_proj.weight", (2 * inter, h))] if fused else
+                    [(p + "mlp.gate_proj.weight", (inter, h)),
+                     (p + "mlp.up_proj.weight", (inter, h))])
+            out.append((p + "mlp.down_proj.weight", (h, inter)))
         if cfg.qkv_bias:
             out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                     (p + "self_attn.v_proj.bias", (kv,))]
@@ -131,6 +153,28 @@ def hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", (cfg.vocab_size, h)))
+    return out
+
+
+def _moe_tensors(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A mixture-of-experts layer's tensors as its checkpoints name them: Mixtral's
+    ``block_sparse_moe`` (experts' ``w1`` gate, ``w3`` up, ``w2`` down), Qwen's ``mlp``
+    (and Qwen2-MoE's shared expert)."""
+    h, width, shared = (cfg.hidden_size, cfg.moe_intermediate_size,
+                        cfg.shared_expert_intermediate_size)
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = [(block + "gate.weight", (cfg.num_experts, h))]
+    for e in range(cfg.num_experts):
+        out += [(f"{block}experts.{e}.{gate}.weight", (width, h)),
+                (f"{block}experts.{e}.{up}.weight", (width, h)),
+                (f"{block}experts.{e}.{down}.weight", (h, width))]
+    if shared:
+        out += [(block + "shared_expert.gate_proj.weight", (shared, h)),
+                (block + "shared_expert.up_proj.weight", (shared, h)),
+                (block + "shared_expert.down_proj.weight", (h, shared)),
+                (block + "shared_expert_gate.weight", (1, h))]
     return out
 
 

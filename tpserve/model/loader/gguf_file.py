@@ -106,6 +106,10 @@ def read_config(r, path: Path) -> ModelConfig:
         raise ValueError(f"unknown architecture {arch!r} in {path.name}; supported GGUF "
                          f"architectures: {', '.join(sorted(ARCHITECTURES))}")
     names = {t.name for t in r.tensors}
+    if _field(r, f"{arch}.expert_count"):
+        raise ValueError(f"{path.name} is a mixture of experts ({arch}, "
+                         f"{_field(r, f'{arch}.expert_count')} experts): GGUF experts are not "
+                         "supported; serve the model's safetensors checkpoint")
     heads = int(_field(r, f"{arch}.attention.head_count"))
     hidden = int(_field(r, f"{arch}.embedding_length"))
     head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // heads))

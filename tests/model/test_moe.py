@@ -1,0 +1,201 @@
+"""Mixtures of experts: tiny random Mixtral, Qwen2-MoE (a sigmoid-gated shared expert, a
+dense layer by ``mlp_only_layers``, top-k weights not renormalized) and Qwen3-MoE (q/k
+head norms, renormalized) checkpoints written by transformers give transformers' logits in
+float32 at tp 1, 2 and 3 (tp 3 pads the heads and each expert's columns), prefilled whole,
+in chunks and decoded, and in sequence-parallel mode; the dummy shapes hold transformers'
+tensors; what cannot be served is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.model.test_tiny_models import TINY
+from tests.model.util import hf_checkpoints, load, whole_and_stepped
+from tpserve.model.config import ModelConfig
+from tpserve.model.loader.dummy import hf_tensors, shape_config, shape_hf_config
+from tpserve.model.quant.fp8 import Fp8LinearMethod
+from tpserve.parallel.launch import run_ranks
+
+TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60, 61, 8]
+KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _hf_moe(kind: str):
+    import transformers as tf
+
+    torch.manual_seed({"mixtral": 70, "qwen2_moe": 71, "qwen3_moe": 72}[kind])
+    tiny = {**TINY, "num_hidden_layers": 3}
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(**tiny, num_local_experts=4, num_experts_per_tok=2,
+                               rope_theta=10000.0, sliding_window=None)
+    elif kind == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**tiny, num_experts=6, num_experts_per_tok=2,
+                                moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                                norm_topk_prob=False, mlp_only_layers=[1], rope_theta=10000.0)
+    else:
+        cfg = tf.Qwen3MoeConfig(**tiny, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                moe_intermediate_size=32, norm_topk_prob=True,
+                                rope_theta=1000000.0)
+    cfg.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+                p.mul_(50.0)  # routers far from ties: rounding never flips an expert
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return hf_checkpoints(tmp_path_factory, _hf_moe, lambda kind: TOKENS)
+
+
+def _steps(group, folder: str, tp_comm: str) -> list[torch.Tensor]:
+    model, comm = load(folder, group, tp_comm=tp_comm)
+    return whole_and_stepped(model, comm, TOKENS, 7, 8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_equals_transformers(checkpoints, kind):
+    folder, want = checkpoints(kind)
+    for tp in (1, 2, 3):
+        for whole, stepped in run_ranks(_steps, tp, folder, "allreduce"):
+            assert (whole - want).abs().max().item() < 1e-4, (kind, tp)
+            assert (stepped - want).abs().max().item() < 1e-4, (kind, tp)
+    for whole, stepped in run_ranks(_steps, 2, folder, "allgather"):
+        assert (whole - want).abs().max().item() < 1e-4, (kind, "allgather")
+        assert (stepped - want).abs().max().item() < 1e-4, (kind, "allgather")
+
+
+def test_configs_read_as_transformers_builds_them():
+    cfgs = {kind: ModelConfig.from_hf(_hf_moe(kind).config.to_dict()) for kind in KINDS}
+    mixtral, qwen2, qwen3 = (cfgs[k] for k in KINDS)
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
+            mixtral.norm_topk_prob, mixtral.moe_layers) == (4, 2, 128, True, (0, 1, 2))
+    assert (qwen2.num_experts, qwen2.shared_expert_intermediate_size, qwen2.norm_topk_prob,
+            qwen2.moe_layers, qwen2.qkv_bias) == (6, 48, False, (0, 2), True)
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.norm_topk_prob,
+            qwen3.qk_norm, qwen3.shared_expert_intermediate_size) == (8, 3, True, True, 0)
+    stepped = ModelConfig.from_hf({**_hf_moe("qwen3_moe").config.to_dict(),
+                                   "decoder_sparse_step": 2})
+    assert stepped.moe_layers == (1,)  # (i + 1) % 2 == 0, as transformers builds it
+    assert qwen3.describe_padding(3).endswith(
+        "; expert width 32 -> 48 (+50.0% expert FLOPs)")  # 11 columns each, aligned to 16
+    assert qwen3.describe_padding(2) is None
+    assert qwen2.describe_padding(2) == "tp 2: padding expert width 40 -> 48 (+20.0% expert FLOPs)"
+
+
+def test_the_dense_and_sparse_layers_each_matter(checkpoints):
+    """The shared expert and the dense layer are really loaded and run: zeroing either
+    changes transformers' answer by far more than the tolerance above."""
+    _, want = checkpoints("qwen2_moe")
+    x = torch.tensor([TOKENS])
+    for part in ("layers.0.mlp.shared_expert.down_proj", "layers.1.mlp.down_proj"):
+        hf = _hf_moe("qwen2_moe")
+        with torch.no_grad():
+            hf.get_submodule("model." + part).weight.zero_()
+            assert (hf(x).logits[0] - want).abs().max() > 1e-2, part
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_dummy_shapes_hold_transformers_tensors(shape):
+    import transformers as tf
+
+    d = shape_hf_config(shape)
+    cfg = tf.AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items()
+                                                      if k != "model_type"})
+    small = dict(num_hidden_layers=2, num_local_experts=2, num_experts=2,
+                 num_experts_per_tok=2, vocab_size=64, hidden_size=64, intermediate_size=64,
+                 moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16)
+    for key, value in small.items():  # transformers' names, the shape's structure
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    with torch.device("meta"):
+        hf = tf.AutoModelForCausalLM.from_config(cfg)
+    ours = ModelConfig.from_hf({**d, **{k: v for k, v in small.items() if k in d
+                                        or k in ("num_hidden_layers", "vocab_size")}})
+    state = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert dict(hf_tensors(ours)) == _per_expert(state, ours)
+    full = shape_config(shape)
+    params = sum(_numel(s) for _, s in hf_tensors(full))
+    assert params == {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}[shape]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _per_expert(state: dict[str, tuple[int, ...]], cfg: ModelConfig
+                ) -> dict[str, tuple[int, ...]]:
+    """transformers 5's fused expert tensors (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) as checkpoints store them, one per expert and part."""
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, shape in state.items():
+        if mixtral:  # as Mixtral's checkpoints name its block
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):
+            e, two_i, h = shape
+            for i in range(e):
+                out[f"{name[:-len('gate_up_proj')]}{i}.{gate}.weight"] = (two_i // 2, h)
+                out[f"{name[:-len('gate_up_proj')]}{i}.{up}.weight"] = (two_i // 2, h)
+        elif name.endswith("experts.down_proj"):
+            e, h, i_ = shape
+            for i in range(e):
+                out[f"{name[:-len('down_proj')]}{i}.{down}.weight"] = (h, i_)
+        else:
+            out[name] = shape
+    return out
+
+
+def test_refusals(checkpoints, tmp_path):
+    folder, _ = checkpoints("qwen3_moe")
+    with pytest.raises(ValueError, match="mixture of experts: FP8 quantization"):
+        load(folder, quant_method=Fp8LinearMethod())
+    with pytest.raises(ValueError, match="num_experts_per_tok must be from 1 to the 8"):
+        ModelConfig.from_hf({**_hf_moe("qwen3_moe").config.to_dict(),
+                             "num_experts_per_tok": 9})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_moe_steps_replay_in_cuda_graphs_as_they_run_eagerly(checkpoints, dtype):
+    """On a GPU, the Triton ops: a prefill, a mixed step and a pure decode of the tiny
+    Qwen3-MoE through captured graphs (the grouped expert products read their offsets on
+    the device) equal the eager forward, and the eager forward equals transformers' logits
+    (float32; bf16 within its rounding)."""
+    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.parallel.state import TPGroup
+
+    folder, want = checkpoints("qwen3_moe")
+    dev = torch.device("cuda", 0)
+    cfg = RunnerConfig(model=folder, dtype=dtype, device="cuda", kernel_backend="triton",
+                       kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
+                        block_size=16)
+    runners = [ModelRunner(cfg, limits, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(cfg, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
+    steps = [[SeqChunk(TOKENS, 0, [0, 1], True), SeqChunk(TOKENS[:5], 0, [2], True)],
+             [SeqChunk([7], 20, [0, 1], True), SeqChunk(TOKENS[5:15], 5, [2], True)],
+             [SeqChunk([9], 21, [0, 1], True), SeqChunk([4], 15, [2], True)]]
+    outs = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        for chunks in steps:
+            out.append(runner.execute(StepPlan.build(chunks, 16, runner.attn)).float().cpu())
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for got, eager in zip(*outs, strict=True):
+        torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[1][0][0], want[-1], atol=tol * 10, rtol=tol * 10)

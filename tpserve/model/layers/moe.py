@@ -1,0 +1,102 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE) on tensor-parallel
+experts, and the checkpoint names of its tensors.
+
+Each token's router logits (a replicated ``[E, H]`` product, in the model's dtype) go
+through a float32 softmax; the ``k`` most probable experts take the token, weighted by
+their probabilities (renormalized to sum 1 where ``norm_topk_prob``), as transformers
+routes. Every rank routes every token alike (the router and its input are replicated), runs
+its columns of the chosen experts (``parallel.moe.ParallelExperts``) and, with Qwen2-MoE's
+shared expert, adds that expert's partial sums times its sigmoid gate; the block's one
+all-reduce (or reduce-scatter, sequence parallel) sums both.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.model.config import ModelConfig
+from tpserve.model.kernels.backend import Ops
+from tpserve.parallel.comm import Communicator
+from tpserve.parallel.moe import DOWN, GATE, UP, ParallelExperts
+
+# Mixtral's names of an expert's parts (w1 the gate, w3 the up, w2 the down projection)
+# and Qwen's
+_PARTS = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP,
+          "down_proj": DOWN}
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+                     r"\.weight$")
+# transformers 5's own layout: every expert stacked in one tensor per part
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def expert_param(name: str) -> tuple[str, tuple[int, str] | None] | None:
+    """A checkpoint's expert tensor (``...mlp.experts.7.gate_proj.weight``; Mixtral's
+    ``block_sparse_moe`` already renamed ``mlp``) -> the ``ParallelExperts`` parameter that
+    holds it and its ``(expert, part)`` shard id; a tensor of every expert stacked
+    (``...mlp.experts.gate_up_proj``, ``down_proj``) -> its parameter and None (loaded by
+    ``ParallelExperts.load_stacked``); None for any other name."""
+    m = _EXPERT.match(name)
+    if m is not None:
+        part = _PARTS[m.group(3)]
+        return f"{m.group(1)}.{'w2' if part == DOWN else 'w13'}", (int(m.group(2)), part)
+    m = _STACKED.match(name)
+    if m is not None:
+        return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", None
+    return None
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``top_k`` experts by softmax probability (float32) -> (weights, ids),
+    both ``[T, top_k]``, the weights summing to 1 per row with ``renormalize``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class _Replicated(nn.Module):
+    """A weight every rank holds whole (the router, the shared expert's gate)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of one of ``ModelConfig.moe_layers``; parameters named as transformers names
+    them (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``) but for the
+    experts' fused ``w13`` / ``w2`` (``expert_param``). ``reduce``: ``all_reduce`` or
+    ``reduce_scatter`` (the decoder layer's mode)."""
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
+                 reduce: str, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.comm = comm
+        self.ops = ops
+        self.reduce = reduce
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = _Replicated(cfg.num_experts, cfg.hidden_size, dtype)
+        self.experts = ParallelExperts(cfg.num_experts, cfg.hidden_size,
+                                       cfg.moe_intermediate_size, comm, dtype)
+        self.shared_expert = shared_expert  # its down projection returns partial sums
+        if shared_expert is not None:
+            self.shared_expert_gate = _Replicated(1, cfg.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        y = self.experts(x, ids, weights, self.ops.silu_and_mul)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.reduce == "all_reduce":
+            return self.comm.all_reduce(y)
+        return self.comm.reduce_scatter(y)
