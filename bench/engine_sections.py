@@ -28,6 +28,7 @@ from measure import sync  # noqa: E402  (bench/measure.py)
 from tpserve.model.memory import start_memory_history  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
+from tpserve.parallel.moe import ParallelExperts  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
 from tpserve.server.engine.outputs import RequestOutput  # noqa: E402
 from tpserve.server.engine.request_state import RequestState  # noqa: E402
@@ -93,9 +94,10 @@ def alloc_stats(device: torch.device) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- sections
 def weight_bytes_read_per_step(runner: ModelRunner) -> tuple[int, int, int, int]:
-    """(bytes a decode step reads from the weights, total params, params applied to every
-    prefill token, LM-head params). The embedding is a gather (a few rows), so its bytes are
-    left out unless it is tied to the LM head, which reads all of it."""
+    """(bytes a batch-1 decode step reads from the weights, total params, params applied to
+    every prefill token, LM-head params). The embedding is a gather (a few rows), so its
+    bytes are left out unless it is tied to the LM head, which reads all of it; of a mixture
+    of experts' experts only the ``k`` of ``E`` one token takes count."""
     model = runner.model
     emb = model.model.embed_tokens.weight
     head = model.lm_head.weight
@@ -107,6 +109,15 @@ def weight_bytes_read_per_step(runner: ModelRunner) -> tuple[int, int, int, int]
         per_token = total - emb.numel() - head.numel()
     else:
         per_token = total - emb.numel()
+    # a mixture of experts: one token takes k of E experts per sparse layer, so a batch-1
+    # step reads (and a prefill token multiplies) k / E of the expert weights
+    cfg = runner.model_config
+    unused = 1 - cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0.0
+    for module in model.modules():
+        if isinstance(module, ParallelExperts):
+            for p in (module.w13, module.w2):
+                read -= int(p.numel() * p.element_size() * unused)
+                per_token -= int(p.numel() * unused)
     return read, total, per_token, head.numel()
 
 

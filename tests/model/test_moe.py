@@ -199,3 +199,18 @@ def test_moe_steps_replay_in_cuda_graphs_as_they_run_eagerly(checkpoints, dtype)
     for got, eager in zip(*outs, strict=True):
         torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
     torch.testing.assert_close(outs[1][0][0], want[-1], atol=tol * 10, rtol=tol * 10)
+
+
+def test_a_checkpoint_missing_one_expert_is_refused(tmp_path):
+    """transformers' own file (one tensor per expert and part) less one expert's up
+    projection: the layer's gate/up parameter is not loaded, and loading says so."""
+    from safetensors.torch import load_file, save_file
+
+    _hf_moe("qwen3_moe").save_pretrained(tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    state = load_file(path)
+    del state["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e.g. \['model.layers.0.mlp."
+                                         r"experts.w13'\]"):
+        load(str(tmp_path))

@@ -44,7 +44,7 @@ from tpserve.model.families import LANGUAGE_MODEL_OF
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
-from tpserve.model.layers.moe import SparseMoeBlock, expert_param
+from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
@@ -56,7 +56,6 @@ from tpserve.parallel.linear import (
     RowParallelLinear,
     input_quantization,
 )
-from tpserve.parallel.moe import DOWN, GATE, UP
 from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -382,15 +381,16 @@ class LlamaForCausalLM(nn.Module):
         Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
         without a head) are skipped; a base model's names (``BASE_MODEL_PREFIXES``) are the
         ``model.`` ones; a multimodal checkpoint's language model is renamed
-        (``LANGUAGE_MODEL_PREFIXES``) and the rest of it skipped. A fused tensor (``FUSED``; Phi-3) is loaded part by part
-        (``load_stacked``).
+        (``LANGUAGE_MODEL_PREFIXES``) and the rest of it skipped. A fused tensor (``FUSED``;
+        Phi-3) is loaded part by part (``load_stacked``); a mixture of experts' expert
+        tensors by ``layers.moe.ExpertLoading`` (Mixtral's ``block_sparse_moe`` read as
+        ``mlp``).
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
-        # each expert parameter's (expert, part)s loaded: it is loaded once all are
-        expert_parts: dict[str, set[tuple[int, str]]] = {}
+        experts = ExpertLoading(self, self.cfg.num_experts)
         for name, source in weights:
             original = name
             if "rotary_emb" in name:
@@ -405,25 +405,11 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
                 name = "model." + name
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's experts' block
-            expert = expert_param(name)
-            if expert is not None:
-                if expert[0] not in params:
-                    raise ValueError(f"checkpoint tensor {original!r} has no place in the "
-                                     "model (a dense layer's)")
-                param, part = params[expert[0]], expert[1]
-                experts = self.get_submodule(expert[0].rpartition(".")[0])
-                try:
-                    if part is None:  # every expert stacked (transformers 5's layout)
-                        experts.load_stacked(param, source)
-                    else:
-                        param.weight_loader(param, source, part)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
-                expert_parts.setdefault(expert[0], set()).update(
-                    [part] if part is not None else
-                    [(i, p) for i in range(self.cfg.num_experts)
-                     for p in ((DOWN,) if expert[0].endswith(".w2") else (GATE, UP))])
-                continue
+            try:
+                if experts.load(name, source):
+                    continue
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             prefix, _, tail = name.partition(".self_attn.")
             if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
                 _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
@@ -456,9 +442,7 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             loaded.add(name)
-        for name, parts in expert_parts.items():  # every expert's every part
-            if len(parts) == self.cfg.num_experts * (1 if name.endswith(".w2") else 2):
-                loaded.add(name)
+        loaded |= experts.complete()
         return loaded
 
 

@@ -49,6 +49,43 @@ def expert_param(name: str) -> tuple[str, tuple[int, str] | None] | None:
     return None
 
 
+class ExpertLoading:
+    """A checkpoint's expert tensors loaded into ``model``'s ``ParallelExperts``, and which
+    ``(expert, part)``s each parameter has got: it counts as loaded (``complete``) once
+    every expert's every part has, so a checkpoint missing one expert is refused."""
+
+    def __init__(self, model: nn.Module, num_experts: int):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.num_experts = num_experts
+        self.parts: dict[str, set[tuple[int, str]]] = {}
+
+    def load(self, name: str, source) -> bool:
+        """Loads ``name`` if it is an expert tensor (``expert_param``); False otherwise."""
+        found = expert_param(name)
+        if found is None:
+            return False
+        param_name, part = found
+        param = self.params.get(param_name)
+        if param is None:
+            raise ValueError("no place in the model (a dense layer's MLP)")
+        experts = self.model.get_submodule(param_name.rpartition(".")[0])
+        if part is None:  # every expert stacked (transformers 5's layout)
+            experts.load_stacked(param, source)
+        else:
+            param.weight_loader(param, source, part)
+        kinds = (DOWN,) if param_name.endswith(".w2") else (GATE, UP)
+        self.parts.setdefault(param_name, set()).update(
+            [part] if part is not None else
+            [(e, k) for e in range(self.num_experts) for k in kinds])
+        return True
+
+    def complete(self) -> set[str]:
+        """The expert parameters every expert's every part of which was loaded."""
+        return {name for name, parts in self.parts.items()
+                if len(parts) == self.num_experts * (1 if name.endswith(".w2") else 2)}
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``top_k`` experts by softmax probability (float32) -> (weights, ids),
