@@ -34,7 +34,7 @@ _KERNEL_MODULES = (  # dependency order, for re-import
     "triton_support", "triton_norm", "triton_activation", "triton_fp8_kv", "triton_fp8_quant",
     "triton_fp8",
     "triton_fp8_fused", "triton_rope", "triton_softcap",
-    "triton_decode_attention", "triton_prefill_attention", "triton_ops",
+    "triton_decode_attention", "triton_prefill_attention", "triton_moe", "triton_ops",
 )
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-4}

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tpserve.model.kernels.torch_ops import grouped_mm
 from tpserve.model.layers.moe import expert_param, route
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
@@ -62,7 +63,7 @@ def _partial_sums(group: TPGroup) -> dict[str, torch.Tensor]:
             experts.weight_loader(experts.w2 if part == DOWN else experts.w13, w, (e, part))
     # a shard each, 16 columns at tp 1 (10 aligned to 8), 8 at tp 2 and 3 (5 and 4 aligned)
     assert experts.w13.shape == (E, 2 * (16 if comm.world_size == 1 else 8), H)
-    return {name: comm.all_reduce(experts(x, ids, w, _silu_and_mul))
+    return {name: comm.all_reduce(experts(x, ids, w, _silu_and_mul, grouped_mm))
             for name, (x, ids, w) in _routings().items()}
 
 

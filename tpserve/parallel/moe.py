@@ -6,8 +6,8 @@ this rank's partial sums; the caller reduces them (``Communicator``), once, with
 else it adds first.
 
 The experts run as two grouped matrix products over the routed copies of the tokens
-sorted by expert (``torch._grouped_mm``: one group per expert, its rows given by device
-offsets), so a step's shapes depend only on its token count: no host synchronisation,
+sorted by expert (the ops' ``grouped_mm``: one group per expert, its rows given by device
+offsets; ``torch._grouped_mm`` or a Triton kernel), so a step's shapes depend only on its token count: no host synchronisation,
 capturable in a CUDA graph, the same code on CPU and on the GPU (its test oracle is a loop
 over experts in float32, ``tests/parallel/test_moe_experts.py``).
 """
@@ -29,6 +29,8 @@ from tpserve.parallel.shard import (
     padded_split,
 )
 
+# rows grouped by expert, each expert's [N, K] weights, the groups' row ends -> the products
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # the parts of one expert's gated MLP as checkpoints store them
 GATE, UP, DOWN = "gate", "up", "down"
 # the grouped product needs rows whose strides are multiples of 16 bytes: each rank's
@@ -100,12 +102,15 @@ class ParallelExperts(nn.Module):
             self.weight_loader(param, NarrowSource(expert, 0, rows, rows), (e, UP))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                grouped_mm: GroupedMM) -> torch.Tensor:
         """``sum_j w[t, j] expert_{ids[t, j]}(x[t])`` over this rank's columns: ``x``
         ``[T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, k]`` (weights in any float dtype;
         the weighted sum is taken in ``x``'s dtype, accumulated as the matrix product
         accumulates); ``act_and_mul`` maps ``[rows, 2 I_r]`` = ``[gate | up]`` to
-        ``[rows, I_r]``."""
+        ``[rows, I_r]``; ``grouped_mm(rows, w, ends)`` multiplies rows grouped by expert
+        (group e's end at ``ends[e]``) by each expert's ``w[e]`` transposed (the ops'
+        ``grouped_mm``: ``torch._grouped_mm``, or a Triton kernel)."""
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # routed copies, grouped by expert
@@ -113,8 +118,7 @@ class ParallelExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # group e's rows end at ends[e]
         rows = x.index_select(0, order // k)
-        h = act_and_mul(torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=ends))
-        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
+        y = grouped_mm(act_and_mul(grouped_mm(rows, self.w13, ends)), self.w2, ends)
         per_copy = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, j) order
         weights = topk_weights.to(x.dtype).unsqueeze(1)  # [T, 1, k]
         return torch.bmm(weights, per_copy.view(t, k, -1)).squeeze(1)

@@ -19,7 +19,8 @@ class Ops:
     layer (``quant.fp8.Fp8Activation``'s fields: codes, scales, dtype; the add variant
     returns the residual sum after them). The norms take ``unit_offset`` (Gemma's
     ``1 + w``); ``gelu_tanh_and_mul`` is Gemma's gate (no fp8 variant: a Gemma W8A8
-    layer quantizes its own input)."""
+    layer quantizes its own input); ``grouped_mm(a, w, ends)`` a mixture of experts'
+    product of rows grouped by expert with each expert's ``[N, K]`` weight."""
 
     name: str
     rms_norm: Callable
@@ -29,12 +30,13 @@ class Ops:
     add_rms_norm_fp8: Callable
     silu_and_mul_fp8: Callable
     gelu_tanh_and_mul: Callable
+    grouped_mm: Callable
 
 
 def _ops_from(module_name: str, name: str) -> Ops:
     m = importlib.import_module(module_name)
     return Ops(name, m.rms_norm, m.add_rms_norm, m.silu_and_mul, m.rms_norm_fp8,
-               m.add_rms_norm_fp8, m.silu_and_mul_fp8, m.gelu_tanh_and_mul)
+               m.add_rms_norm_fp8, m.silu_and_mul_fp8, m.gelu_tanh_and_mul, m.grouped_mm)
 
 
 def resolve_kernel_backend(name: str, device_type: str) -> str:

@@ -74,6 +74,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts' grouped product: ``a`` ``[R, K]``, its rows grouped by expert
+    (group e's end at ``ends[e]``, int32), times each expert's ``w[e]`` ``[N, K]``
+    transposed -> ``[R, N]``; ``torch._grouped_mm`` (CUTLASS on Hopper in bf16)."""
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
+
+
 def _quantized(y: torch.Tensor, static_scale: torch.Tensor | None, group: int | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """``y``'s rows quantized per token (``quant.fp8.quantize_per_row``), with a static

@@ -131,7 +131,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        y = self.experts(x, ids, weights, self.ops.silu_and_mul)
+        y = self.experts(x, ids, weights, self.ops.silu_and_mul, self.ops.grouped_mm)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.reduce == "all_reduce":

@@ -1,0 +1,67 @@
+"""The Triton grouped product of a mixture of experts' layers (``triton_moe.grouped_mm``)
+against the torch ops' ``torch._grouped_mm`` (float32, on CPU) in float16, bf16 and
+float32: groups of every size around the row tile (0, 1, 15, 16, 17, 40 rows), experts no
+row chose (first, last, in between), one expert holding every row, a single row, and the
+tile sizes of small and large steps; widths not a multiple of the tiles. On CPU under
+``TRITON_INTERPRET=1`` (``test_triton_kernels``, imported first), on CUDA compiled; and a
+whole expert layer (``ParallelExperts``) on the Triton ops equals the torch ops'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model.test_triton_kernels import ATOL, DEVICE, DTYPES
+from tpserve.model.kernels import torch_ops
+
+triton = pytest.importorskip("triton")
+
+GROUPS = {"sizes_around_the_tile": [0, 1, 15, 16, 17, 0, 40, 0],
+          "one_expert": [0, 0, 0, 33, 0, 0, 0, 0],
+          "one_row": [0, 0, 0, 0, 0, 0, 0, 1],
+          "large": [300, 0, 129, 64, 1, 0, 7, 100]}
+
+
+def _reference(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` in float32 on CPU (the torch ops' path)."""
+    return torch_ops.grouped_mm(a.float().cpu(), w.float().cpu(), ends.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_grouped_mm_equals_torch(kernels, dtype, groups):
+    gen = torch.Generator().manual_seed(11)
+    sizes = GROUPS[groups]
+    rows, n, k = sum(sizes), 72, 136  # neither a multiple of the column or K tiles
+    a = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype=dtype, device=DEVICE)
+    w = torch.randn(len(sizes), n, k, generator=gen).to(dtype=dtype, device=DEVICE)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    got = kernels["triton_moe"].grouped_mm(a, w, ends)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = ATOL[dtype] * 4
+    torch.testing.assert_close(got.float().cpu(), _reference(a, w, ends), atol=tol, rtol=tol)
+
+
+def test_an_expert_layer_on_the_triton_ops_equals_the_torch_ops(kernels):
+    from tpserve.model.layers.moe import route
+    from tpserve.parallel.comm import Communicator
+    from tpserve.parallel.moe import ParallelExperts
+    from tpserve.parallel.state import TPGroup
+
+    gen = torch.Generator().manual_seed(12)
+    comm = Communicator(TPGroup(0, 1, DEVICE, None))
+    experts = ParallelExperts(8, 64, 40, comm, torch.float32).to(DEVICE)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) / 8)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) / 8)
+    x = torch.randn(21, 64, generator=gen).to(DEVICE)
+    weights, ids = route(torch.randn(21, 8, generator=gen).to(DEVICE), 3, True)
+
+    def silu_and_mul(h):
+        return F.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:]
+
+    got = experts(x, ids, weights, silu_and_mul, kernels["triton_moe"].grouped_mm)
+    want = experts.cpu()(x.cpu(), ids.cpu(), weights.cpu(), silu_and_mul,
+                         torch_ops.grouped_mm)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
