@@ -2,8 +2,9 @@
 dense layer by ``mlp_only_layers``, top-k weights not renormalized) and Qwen3-MoE (q/k
 head norms, renormalized) checkpoints written by transformers give transformers' logits in
 float32 at tp 1, 2 and 3 (tp 3 pads the heads and each expert's columns), prefilled whole,
-in chunks and decoded, and in sequence-parallel mode; the dummy shapes hold transformers'
-tensors; what cannot be served is refused by name."""
+in chunks and decoded, and in sequence-parallel mode, from safetensors folders and from
+llama.cpp GGUF files (``llama`` with experts, ``qwen2moe``, ``qwen3moe``); the dummy shapes
+hold transformers' tensors; what cannot be served is refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60,
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def _hf_moe(kind: str):
+def _hf_moe(kind: str, all_sparse: bool = False):
+    """The tiny model of ``kind``; ``all_sparse``: Qwen2-MoE without its dense layer."""
     import transformers as tf
 
     torch.manual_seed({"mixtral": 70, "qwen2_moe": 71, "qwen3_moe": 72}[kind])
@@ -34,7 +36,8 @@ def _hf_moe(kind: str):
     elif kind == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(**tiny, num_experts=6, num_experts_per_tok=2,
                                 moe_intermediate_size=40, shared_expert_intermediate_size=48,
-                                norm_topk_prob=False, mlp_only_layers=[1], rope_theta=10000.0)
+                                norm_topk_prob=False, mlp_only_layers=[] if all_sparse else [1],
+                                rope_theta=10000.0)
     else:
         cfg = tf.Qwen3MoeConfig(**tiny, head_dim=32, num_experts=8, num_experts_per_tok=3,
                                 moe_intermediate_size=32, norm_topk_prob=True,
@@ -214,3 +217,68 @@ def test_a_checkpoint_missing_one_expert_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"lacks 1 tensors, e.g. \['model.layers.0.mlp."
                                          r"experts.w13'\]"):
         load(str(tmp_path))
+
+
+# llama.cpp's names of a mixture of experts' tensors (experts stacked, one tensor per part)
+GGUF_MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+                  "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+                  "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                  "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                  "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                  "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+GGUF_ARCHES = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _gguf_state(hf) -> dict[str, torch.Tensor]:
+    """transformers 5's state as llama.cpp's converter lays it out: gate and up stacked
+    apart, the shared expert's gate a vector."""
+    state = {}
+    for name, t in hf.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            state[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            state[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            state[name + ".weight"] = t
+        elif name.endswith("shared_expert_gate.weight"):
+            state[name] = t[0]
+        else:
+            state[name] = t
+    return state
+
+
+def _gguf_logits(group, path: str) -> torch.Tensor:
+    model, comm = load(path, group)
+    return whole_and_stepped(model, comm, TOKENS, 7, 8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_gguf_equals_transformers(checkpoints, tmp_path, kind):
+    """A llama.cpp file of each (Mixtral as ``llama`` with experts, q/k rows permuted;
+    ``qwen2moe`` all layers sparse, as llama.cpp reads it, so its dense layer is dropped
+    from the reference; ``qwen3moe``) gives transformers' logits at tp 1 and 2."""
+    from tests.model.util import save_gguf_file
+
+    hf = _hf_moe(kind, all_sparse=True)  # llama.cpp's qwen2moe: every layer sparse
+    with torch.no_grad():
+        want = hf(torch.tensor([TOKENS])).logits[0]
+    cfg = hf.config
+    arch = GGUF_ARCHES[kind]
+
+    def metadata(w):
+        w.add_uint32(f"{arch}.expert_count", cfg.num_experts if kind != "mixtral"
+                     else cfg.num_local_experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        if kind != "mixtral":
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+        if kind == "qwen2_moe":
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                         cfg.shared_expert_intermediate_size)
+
+    path = str(save_gguf_file(hf, tmp_path / f"{kind}.gguf", arch, metadata,
+                              layer_names=GGUF_MOE_NAMES, state=_gguf_state(hf)))
+    for tp in (1, 2):
+        for whole, stepped in run_ranks(_gguf_logits, tp, path):
+            assert (whole - want).abs().max().item() < 1e-4, (kind, tp)
+            assert (stepped - want).abs().max().item() < 1e-4, (kind, tp)
+

@@ -259,13 +259,14 @@ def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                    extra_tensors: dict | None = None, layer_names: dict | None = None,
-                   norm_shift: float = 0.0) -> Path:
+                   norm_shift: float = 0.0, state: dict | None = None) -> Path:
     """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
     metadata keys and tensor names, ``llama``'s (and ``granite``'s) q/k rows permuted as the converter permutes
     them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
     ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors;
     ``layer_names`` laid over ``GGUF_LAYER_NAMES``; ``norm_shift`` added to every norm
-    weight (Gemma's converter stores ``1 + w``)."""
+    weight (Gemma's converter stores ``1 + w``); ``state`` written instead of the model's
+    ``state_dict()`` (tensors renamed or split as llama.cpp's converter would)."""
     import gguf
 
     cfg = model.config
@@ -286,7 +287,7 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
     if write_metadata is not None:
         write_metadata(w)
     names = {**GGUF_LAYER_NAMES, **(layer_names or {})}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state is None else state).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name.startswith("model.layers."):

@@ -84,18 +84,21 @@ class ParallelExperts(nn.Module):
         dest = self.w13[expert].narrow(0, 0 if part == GATE else width, width)
         self.in_map.load(dest, src, 0, f"expert {part} weight")
 
-    def load_stacked(self, param: nn.Parameter, source: TensorSource | torch.Tensor) -> None:
-        """Every expert's part in one tensor, stacked along dim 0 (transformers 5's layout):
+    def load_stacked(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
+                     part: str | None = None) -> None:
+        """Every expert's ``part`` in one tensor, stacked along dim 0, read one expert at a
+        time: ``GATE`` or ``UP`` ``[E, I, H]`` into ``w13`` (llama.cpp's ``ffn_gate_exps``,
+        ``ffn_up_exps``), ``DOWN`` ``[E, H, I]`` into ``w2``; None: transformers 5's
         ``gate_up_proj`` ``[E, 2 I, H]`` (each expert's gate rows, then its up rows) into
-        ``w13``, ``down_proj`` ``[E, H, I]`` into ``w2``; read one expert at a time."""
+        ``w13``, or its ``down_proj`` into ``w2``."""
         src = as_source(source)
         if len(src.shape) != 3 or src.shape[0] != self.num_experts:
             raise ValueError(f"stacked experts of shape {tuple(src.shape)}; expected "
                              f"[{self.num_experts}, rows, columns]")
         for e in range(self.num_experts):
             expert = InMemorySource(src.read(0, e, 1)[0])
-            if param is self.w2:
-                self.weight_loader(param, expert, (e, DOWN))
+            if param is self.w2 or part is not None:
+                self.weight_loader(param, expert, (e, DOWN if param is self.w2 else part))
                 continue
             rows = expert.shape[0] // 2
             self.weight_loader(param, NarrowSource(expert, 0, 0, rows), (e, GATE))

@@ -22,6 +22,7 @@ from tpserve.model.config import ModelConfig
 from tpserve.model.kernels.backend import Ops
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.moe import DOWN, GATE, UP, ParallelExperts
+from tpserve.parallel.shard import as_source, copy_into
 
 # Mixtral's names of an expert's parts (w1 the gate, w3 the up, w2 the down projection)
 # and Qwen's
@@ -29,23 +30,28 @@ _PARTS = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP,
           "down_proj": DOWN}
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
                      r"\.weight$")
-# transformers 5's own layout: every expert stacked in one tensor per part
-_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# every expert stacked in one tensor per part: transformers 5's own layout (gate and up
+# fused, no ``.weight``) and llama.cpp's (``ffn_gate_exps``, ...: one part each)
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)"
+                      r"(\.weight)?$")
+_STACKED_PARTS = {"gate_up_proj": None, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
 
 
-def expert_param(name: str) -> tuple[str, tuple[int, str] | None] | None:
+def expert_param(name: str) -> tuple[str, tuple[int, str] | str | None] | None:
     """A checkpoint's expert tensor (``...mlp.experts.7.gate_proj.weight``; Mixtral's
     ``block_sparse_moe`` already renamed ``mlp``) -> the ``ParallelExperts`` parameter that
     holds it and its ``(expert, part)`` shard id; a tensor of every expert stacked
-    (``...mlp.experts.gate_up_proj``, ``down_proj``) -> its parameter and None (loaded by
-    ``ParallelExperts.load_stacked``); None for any other name."""
+    (``...mlp.experts.gate_up_proj``, ``down_proj``; a GGUF file's ``gate_proj``, ...)
+    -> its parameter and its part (None: gate and up), loaded by
+    ``ParallelExperts.load_stacked``; None for any other name."""
     m = _EXPERT.match(name)
     if m is not None:
         part = _PARTS[m.group(3)]
         return f"{m.group(1)}.{'w2' if part == DOWN else 'w13'}", (int(m.group(2)), part)
     m = _STACKED.match(name)
     if m is not None:
-        return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", None
+        part = _STACKED_PARTS[m.group(2)]
+        return f"{m.group(1)}.{'w2' if part == DOWN else 'w13'}", part
     return None
 
 
@@ -70,14 +76,14 @@ class ExpertLoading:
         if param is None:
             raise ValueError("no place in the model (a dense layer's MLP)")
         experts = self.model.get_submodule(param_name.rpartition(".")[0])
-        if part is None:  # every expert stacked (transformers 5's layout)
-            experts.load_stacked(param, source)
-        else:
+        if isinstance(part, tuple):  # one expert's part
             param.weight_loader(param, source, part)
-        kinds = (DOWN,) if param_name.endswith(".w2") else (GATE, UP)
-        self.parts.setdefault(param_name, set()).update(
-            [part] if part is not None else
-            [(e, k) for e in range(self.num_experts) for k in kinds])
+            done = [part]
+        else:  # every expert stacked: one part, or (None) gate and up
+            experts.load_stacked(param, source, part)
+            kinds = (part,) if part is not None else (GATE, UP)
+            done = [(e, k) for e in range(self.num_experts) for k in kinds]
+        self.parts.setdefault(param_name, set()).update(done)
         return True
 
     def complete(self) -> set[str]:
@@ -103,6 +109,15 @@ class _Replicated(nn.Module):
     def __init__(self, rows: int, cols: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, source, shard_id=None) -> None:
+        """The whole tensor; a one-row weight may come as a vector (llama.cpp's
+        ``ffn_gate_inp_shexp``)."""
+        value = as_source(source).read()
+        if param.shape[0] == 1 and value.dim() == 1:
+            value = value[None]
+        copy_into(param, value, "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -32,10 +32,16 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "granite": "GraniteForCausalLM"}
+                 "granite": "GraniteForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+# a ``llama`` file with experts is Mixtral (its q/k rows permuted as a Llama's)
+_LLAMA_EXPERTS = "MixtralForCausalLM"
+# llama.cpp renormalizes the top-k weights of these (``{arch}.expert_weights_norm``
+# where the file says)
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # llama.cpp's converter permutes these architectures' q/k rows (its LlamaModel's, which
 # Granite's extends); ``iter_weights`` undoes it
-_PERMUTED = ("LlamaForCausalLM", "GraniteForCausalLM")
+_PERMUTED = ("LlamaForCausalLM", "GraniteForCausalLM", _LLAMA_EXPERTS)
 # Granite's multipliers, as llama.cpp's converter writes them -> ModelConfig's fields
 _GRANITE_SCALES = {"attention.scale": "attention_scale", "embedding_scale":
                    "embedding_multiplier", "residual_scale": "residual_multiplier",
@@ -47,6 +53,13 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, every expert's part stacked ``[E, rows, cols]``
+    # (``layers.moe.expert_param``), Qwen2-MoE's shared expert and its gate (``[H]``)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # llama.cpp's Phi-3 keeps Hugging Face's fused tensors: q/k/v rows in ``attn_qkv``, gate
 # then up rows in ``ffn_up`` (loaded part by part: ``llama.FUSED``)
@@ -106,10 +119,7 @@ def read_config(r, path: Path) -> ModelConfig:
         raise ValueError(f"unknown architecture {arch!r} in {path.name}; supported GGUF "
                          f"architectures: {', '.join(sorted(ARCHITECTURES))}")
     names = {t.name for t in r.tensors}
-    if _field(r, f"{arch}.expert_count"):
-        raise ValueError(f"{path.name} is a mixture of experts ({arch}, "
-                         f"{_field(r, f'{arch}.expert_count')} experts): GGUF experts are not "
-                         "supported; serve the model's safetensors checkpoint")
+    experts = _experts(r, arch, path)
     heads = int(_field(r, f"{arch}.attention.head_count"))
     hidden = int(_field(r, f"{arch}.embedding_length"))
     head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // heads))
@@ -131,10 +141,11 @@ def read_config(r, path: Path) -> ModelConfig:
         gemma = {ours: float(value) for key, ours in _GRANITE_SCALES.items()
                  if (value := _field(r, f"{arch}.{key}")) is not None}
     return ModelConfig(**{**dict(
-        architecture=ARCHITECTURES[arch],
+        architecture=_LLAMA_EXPERTS if experts and arch == "llama" else ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(r, f"{arch}.feed_forward_length")),
+        intermediate_size=int(_field(r, f"{arch}.feed_forward_length")
+                              or experts["moe_intermediate_size"]),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(_field(r, f"{arch}.attention.head_count_kv", heads)),
@@ -150,7 +161,30 @@ def read_config(r, path: Path) -> ModelConfig:
         sliding_window=window,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
-    ), **gemma})
+    ), **gemma, **experts})
+
+
+def _experts(r, arch: str, path: Path) -> dict:
+    """A mixture of experts' config fields as llama.cpp reads them (every layer sparse;
+    the top-k weights renormalized per ``_EXPERT_WEIGHTS_NORM``, or the file's
+    ``expert_weights_norm``); ``{}`` for a dense model."""
+    count = int(_field(r, f"{arch}.expert_count") or 0)
+    if not count:
+        return {}
+    if arch not in _EXPERT_WEIGHTS_NORM:
+        raise ValueError(f"{path.name}: a {arch} mixture of experts is not supported (GGUF "
+                         f"experts: {', '.join(sorted(_EXPERT_WEIGHTS_NORM))})")
+    width = _field(r, f"{arch}.expert_feed_forward_length",
+                   _field(r, f"{arch}.feed_forward_length"))
+    layers = int(_field(r, f"{arch}.block_count"))
+    return dict(num_experts=count,
+                num_experts_per_tok=int(_field(r, f"{arch}.expert_used_count", 0)),
+                moe_intermediate_size=int(width),
+                norm_topk_prob=bool(_field(r, f"{arch}.expert_weights_norm",
+                                           _EXPERT_WEIGHTS_NORM[arch])),
+                shared_expert_intermediate_size=int(
+                    _field(r, f"{arch}.expert_shared_feed_forward_length", 0)),
+                moe_layers=tuple(range(layers)))
 
 
 def _gemma_fields(r, arch: str, layers: int, hidden_per_head: int, head_dim: int,
@@ -277,7 +311,11 @@ class GGUFSource:
             else:
                 col_slice = (start, length)
         out = self._dequantize(data)
-        if len(self.shape) > 1:
+        if len(self.shape) > 2:  # experts stacked: read whole experts (dim 0) only
+            if dim not in (None, 0):
+                raise ValueError(f"a {len(self.shape)}-d GGUF tensor is read along dim 0")
+            out = out.reshape(rows, *self.shape[1:])
+        elif len(self.shape) > 1:
             out = out.reshape(rows, -1)
         if col_slice is not None:
             out = out[:, col_slice[0]:col_slice[0] + col_slice[1]]
