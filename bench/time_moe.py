@@ -5,7 +5,8 @@ bf16, per expert layer of Qwen3-30B-A3B (128 experts of 768 columns, 8 per token
 with uniform random routing: each product alone (gate/up, then down) and the whole
 ``ParallelExperts.forward`` (sort, gather, products, SiLU gate, weighted sum), timed as
 CUDA-graph replays (``tune_decode.time_graph``), with the weight bytes the step touches
-over the time and the largest difference between the two paths.
+over the time and the largest difference between the two paths; and the Triton path over
+the same experts quantized to fp8 (``--quantization fp8``: weight-only, half the bytes).
 
     python bench/time_moe.py --out results/moe.json
 """
@@ -26,6 +27,7 @@ from tune_decode import time_graph, write_rows  # noqa: E402
 
 from tpserve.model.kernels import torch_ops, triton_activation, triton_moe  # noqa: E402
 from tpserve.model.layers.moe import route  # noqa: E402
+from tpserve.model.quant.fp8 import Fp8LinearMethod  # noqa: E402
 from tpserve.parallel.comm import Communicator  # noqa: E402
 from tpserve.parallel.moe import ParallelExperts  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
@@ -35,8 +37,10 @@ TOKENS = [1, 8, 64, 256, 1024, 8192]
 PATHS = {"torch": torch_ops.grouped_mm, "triton": triton_moe.grouped_mm}
 
 
-def measure(experts: ParallelExperts, t: int, k: int, g: torch.Generator) -> dict:
-    """One row: both paths at ``t`` tokens routed uniformly at random, ``k`` per token."""
+def measure(experts: ParallelExperts, fp8: ParallelExperts, t: int, k: int,
+            g: torch.Generator) -> dict:
+    """One row: both paths at ``t`` tokens routed uniformly at random, ``k`` per token, and
+    the Triton path over the same experts in fp8 (``fp8``: weight-only, per-row scales)."""
     e, h, width = experts.num_experts, experts.w2.shape[1], experts.w2.shape[2]
     dev = g.device
     x = torch.randn(t, h, device=dev, generator=g, dtype=torch.bfloat16)
@@ -57,6 +61,11 @@ def measure(experts: ParallelExperts, t: int, k: int, g: torch.Generator) -> dic
                                           3)
         outs[name] = layer().float()
     row["max_abs_diff"] = (outs["torch"] - outs["triton"]).abs().max().item()
+    layer = partial(fp8, x, ids, weights, triton_activation.silu_and_mul, PATHS["triton"])
+    row["triton_fp8_layer_us"] = round(time_graph(layer), 2)
+    row["triton_fp8_layer_TBps"] = round(row["weight_bytes"] / 2 / row["triton_fp8_layer_us"]
+                                         / 1e6, 3)
+    row["fp8_max_abs_diff"] = (layer().float() - outs["triton"]).abs().max().item()
     return row
 
 
@@ -71,14 +80,17 @@ def main() -> None:
     for shape, (e, k, h, width) in SHAPES.items():
         with torch.device(dev):
             experts = ParallelExperts(e, h, width, comm, torch.bfloat16)
+            fp8 = ParallelExperts(e, h, width, comm, torch.bfloat16, Fp8LinearMethod())
         with torch.no_grad():
-            for w in (experts.w13, experts.w2):
+            for w, w8 in ((experts.w13, fp8.w13), (experts.w2, fp8.w2)):
                 w.copy_(torch.randn(w.shape, device=dev, generator=g) * 0.02)
+                w8.copy_(w)
+        fp8.process_weights_after_loading()
         for t in TOKENS:
-            row = {"shape": shape, **measure(experts, t, k, g)}
+            row = {"shape": shape, **measure(experts, fp8, t, k, g)}
             print(row, flush=True)
             rows.append(row)
-        del experts
+        del experts, fp8
         torch.cuda.empty_cache()
     write_rows(a.out, rows)
 

@@ -163,9 +163,11 @@ def _per_expert(state: dict[str, tuple[int, ...]], cfg: ModelConfig
 
 
 def test_refusals(checkpoints, tmp_path):
+    from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
+
     folder, _ = checkpoints("qwen3_moe")
-    with pytest.raises(ValueError, match="mixture of experts: FP8 quantization"):
-        load(folder, quant_method=Fp8LinearMethod())
+    with pytest.raises(ValueError, match="mixture of experts: an FP8 checkpoint's experts"):
+        load(folder, quant_method=Fp8CheckpointMethod())
     with pytest.raises(ValueError, match="num_experts_per_tok must be from 1 to the 8"):
         ModelConfig.from_hf({**_hf_moe("qwen3_moe").config.to_dict(),
                              "num_experts_per_tok": 9})
@@ -282,3 +284,57 @@ def test_moe_gguf_equals_transformers(checkpoints, tmp_path, kind):
             assert (whole - want).abs().max().item() < 1e-4, (kind, tp)
             assert (stepped - want).abs().max().item() < 1e-4, (kind, tp)
 
+
+
+def _fp8_steps(group, folder: str) -> list[torch.Tensor]:
+    model, comm = load(folder, group, quant_method=Fp8LinearMethod(weight_only_max_tokens=10**6))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+    return whole_and_stepped(model, comm, TOKENS, 7, 8)
+
+
+def _dequantized(hf, folder: str):
+    """``hf`` with every linear and expert weight replaced by our tp 1 fp8 weight,
+    dequantized (the router stays as it is: it is never quantized)."""
+    ours, _ = load(folder, quant_method=Fp8LinearMethod())
+    cfg = ours.cfg
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+    def dequantized(layer):
+        return layer.weight.float() * layer.weight_scale.float().reshape(-1, 1)
+
+    with torch.no_grad():
+        for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
+            att = theirs.self_attn
+            for name, w in zip(("q_proj", "k_proj", "v_proj"),
+                               dequantized(mine.self_attn.qkv_proj).split([q, kv, kv]),
+                               strict=True):
+                getattr(att, name).weight.copy_(w)
+            att.o_proj.weight.copy_(dequantized(mine.self_attn.o_proj))
+            mlps = [(mine.mlp, theirs.mlp)]
+            if hasattr(mine.mlp, "experts"):
+                ex = mine.mlp.experts
+                theirs.mlp.experts.gate_up_proj.copy_(ex.w13.float() * ex.w13_scale[..., None])
+                theirs.mlp.experts.down_proj.copy_(ex.w2.float() * ex.w2_scale[..., None])
+                mlps = [(mine.mlp.shared_expert, theirs.mlp.shared_expert)]
+            for my_mlp, their_mlp in mlps:
+                gate, up = dequantized(my_mlp.gate_up_proj).chunk(2)
+                their_mlp.gate_proj.weight.copy_(gate)
+                their_mlp.up_proj.weight.copy_(up)
+                their_mlp.down_proj.weight.copy_(dequantized(my_mlp.down_proj))
+    return hf
+
+
+def test_moe_quantized_at_load(checkpoints):
+    """``--quantization fp8`` on Qwen2-MoE: the experts (per expert and output row, the
+    down projection's scales tp-invariant) and every linear layer in e4m3; with weight-only
+    products every step, at tp 1 and 2, whole, chunked and decoded, the logits equal
+    transformers' over the same fp8 weights dequantized."""
+    folder, plain = checkpoints("qwen2_moe")
+    with torch.no_grad():
+        want = _dequantized(_hf_moe("qwen2_moe"), folder)(torch.tensor([TOKENS])).logits[0]
+    assert (want - plain).abs().max() > 1e-3  # the fp8 weights give another answer
+    for tp in (1, 2):
+        for whole, stepped in run_ranks(_fp8_steps, tp, folder):
+            assert (whole - want).abs().max().item() < 1e-4, tp
+            assert (stepped - want).abs().max().item() < 1e-4, tp

@@ -65,3 +65,23 @@ def test_an_expert_layer_on_the_triton_ops_equals_the_torch_ops(kernels):
     want = experts.cpu()(x.cpu(), ids.cpu(), weights.cpu(), silu_and_mul,
                          torch_ops.grouped_mm)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups", ["sizes_around_the_tile", "large"])
+def test_grouped_mm_of_fp8_experts_equals_torch(kernels, dtype, groups):
+    """Weight-only fp8 experts (``--quantization fp8``): e4m3 codes with a scale per expert
+    and output row give the product with the dequantized weights."""
+    from tpserve.model.quant.fp8 import quantize_per_row
+
+    gen = torch.Generator().manual_seed(13)
+    sizes = GROUPS[groups]
+    e, n, k = len(sizes), 40, 96
+    q, scale = quantize_per_row(torch.randn(e * n, k, generator=gen))
+    w, scale = q.view(e, n, k).to(DEVICE), scale.view(e, n).to(DEVICE)
+    a = (torch.randn(sum(sizes), k, generator=gen) / k**0.5).to(dtype=dtype, device=DEVICE)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    got = kernels["triton_moe"].grouped_mm(a, w, ends, scale)
+    want = torch_ops.grouped_mm(a.float().cpu(), w.cpu(), ends.cpu(), scale.cpu())
+    tol = ATOL[dtype] * 4
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)

@@ -162,14 +162,14 @@ class LlamaDecoderLayer(nn.Module):
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
                                         cfg.window_of(layer))
-        self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce) if cfg.is_moe_layer(layer)
+        self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce, quant) if cfg.is_moe_layer(layer)
                     else LlamaMLP(cfg, comm, ops, dtype, reduce, quant))
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
         self.nope = layer in cfg.nope_layers  # ... or the identity table
         self.sandwich = cfg.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1: none
-        # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off (nor
-        # does anything of a mixture of experts' model: quantization refuses them)
+        # Gemma's norms (unit offset) never quantize their output: ``fuse`` is off (nor do a
+        # mixture of experts': its experts take their input unquantized)
         self.fuse_quant = not (sequence_parallel or cfg.norm_unit_offset or cfg.num_experts)
 
         def norm():
@@ -218,11 +218,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def _moe_block(cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-               reduce: str) -> SparseMoeBlock:
-    shared = (LlamaMLP(cfg, comm, ops, dtype, "none",
+               reduce: str, quant=None) -> SparseMoeBlock:
+    shared = (LlamaMLP(cfg, comm, ops, dtype, "none", quant,
                        intermediate=cfg.shared_expert_intermediate_size)
               if cfg.shared_expert_intermediate_size else None)
-    return SparseMoeBlock(cfg, comm, ops, dtype, reduce, shared)
+    return SparseMoeBlock(cfg, comm, ops, dtype, reduce, shared, quant)
 
 
 class LlamaModel(nn.Module):
@@ -245,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
     full-vocabulary logits (on every rank).
 
     ``quant_method`` (``model/quant``; None: unquantized) is every q/k/v, o, gate/up and
-    down projection's; the embedding and the LM head stay in ``dtype``."""
+    down projection's, and a mixture of experts' experts' (``process_experts``); the
+    embedding, the LM head and a router stay in ``dtype``."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce",
@@ -253,10 +254,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
-        if cfg.num_experts and quant_method is not None:
-            raise ValueError(f"{cfg.architecture} is a mixture of experts: FP8 quantization "
-                             "(--quantization, or an FP8 checkpoint) does not cover its "
-                             "experts yet; serve it unquantized")
+        if cfg.num_experts and not getattr(quant_method, "quantizes_experts", True):
+            raise ValueError(f"{cfg.architecture} is a mixture of experts: an FP8 "
+                             "checkpoint's experts are not supported yet; serve the model's "
+                             "unquantized checkpoint (--quantization fp8 quantizes it at "
+                             "load)")
         self.cfg = cfg
         self.comm = comm
         self.attn_backend = attn

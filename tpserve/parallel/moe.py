@@ -29,8 +29,10 @@ from tpserve.parallel.shard import (
     padded_split,
 )
 
-# rows grouped by expert, each expert's [N, K] weights, the groups' row ends -> the products
-GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rows grouped by expert, each expert's [N, K] weights, the groups' row ends, each expert's
+# [N] output scales (None: none) -> the products
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                     torch.Tensor]
 # the parts of one expert's gated MLP as checkpoints store them
 GATE, UP, DOWN = "gate", "up", "down"
 # the grouped product needs rows whose strides are multiples of 16 bytes: each rank's
@@ -52,11 +54,20 @@ class ParallelExperts(nn.Module):
     """``num_experts`` gated MLPs ``act(x G_e^T) * (x U_e^T)`` then ``D_e``: ``w13``
     ``[E, 2 I_r, H]`` (each expert's gate rows, then its up rows, of this rank's ``I_r``
     columns) and ``w2`` ``[E, H, I_r]``, both loaded expert by expert through
-    ``weight_loader`` with a ``(expert, part)`` shard id."""
+    ``weight_loader`` with a ``(expert, part)`` shard id.
+
+    ``quant_method`` (duck-typed, as the linear layers'; None: unquantized): its
+    ``process_experts(experts)``, called after loading (``process_weights_after_loading``),
+    may replace ``w13`` / ``w2`` by quantized codes and set ``w13_scale`` / ``w2_scale``
+    (``[E, rows]`` float32, one per output row), which the grouped products then apply."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, comm: Communicator,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant_method=None):
         super().__init__()
+        self.comm = comm
+        self.quant_method = quant_method
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
         self.num_experts = num_experts
         split = ShardMap.contiguous(intermediate, comm.world_size, comm.rank)
         self.in_map = ShardMap(expert_width_per_rank(intermediate, comm.world_size),
@@ -104,6 +115,10 @@ class ParallelExperts(nn.Module):
             self.weight_loader(param, NarrowSource(expert, 0, 0, rows), (e, GATE))
             self.weight_loader(param, NarrowSource(expert, 0, rows, rows), (e, UP))
 
+    def process_weights_after_loading(self) -> None:
+        if self.quant_method is not None:
+            self.quant_method.process_experts(self)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 act_and_mul: Callable[[torch.Tensor], torch.Tensor],
                 grouped_mm: GroupedMM) -> torch.Tensor:
@@ -111,9 +126,10 @@ class ParallelExperts(nn.Module):
         ``[T, H]``, ``topk_ids`` / ``topk_weights`` ``[T, k]`` (weights in any float dtype;
         the weighted sum is taken in ``x``'s dtype, accumulated as the matrix product
         accumulates); ``act_and_mul`` maps ``[rows, 2 I_r]`` = ``[gate | up]`` to
-        ``[rows, I_r]``; ``grouped_mm(rows, w, ends)`` multiplies rows grouped by expert
-        (group e's end at ``ends[e]``) by each expert's ``w[e]`` transposed (the ops'
-        ``grouped_mm``: ``torch._grouped_mm``, or a Triton kernel)."""
+        ``[rows, I_r]``; ``grouped_mm(rows, w, ends, scale)`` multiplies rows grouped by
+        expert (group e's end at ``ends[e]``) by each expert's ``w[e]`` transposed, each
+        output column times ``scale[e]``'s entry where given (the ops' ``grouped_mm``:
+        ``torch._grouped_mm``, or a Triton kernel)."""
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # routed copies, grouped by expert
@@ -121,7 +137,8 @@ class ParallelExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # group e's rows end at ends[e]
         rows = x.index_select(0, order // k)
-        y = grouped_mm(act_and_mul(grouped_mm(rows, self.w13, ends)), self.w2, ends)
+        h = act_and_mul(grouped_mm(rows, self.w13, ends, self.w13_scale))
+        y = grouped_mm(h, self.w2, ends, self.w2_scale)
         per_copy = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, j) order
         weights = topk_weights.to(x.dtype).unsqueeze(1)  # [T, 1, k]
         return torch.bmm(weights, per_copy.view(t, k, -1)).squeeze(1)

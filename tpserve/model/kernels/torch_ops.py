@@ -74,10 +74,15 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture of experts' grouped product: ``a`` ``[R, K]``, its rows grouped by expert
     (group e's end at ``ends[e]``, int32), times each expert's ``w[e]`` ``[N, K]``
-    transposed -> ``[R, N]``; ``torch._grouped_mm`` (CUTLASS on Hopper in bf16)."""
+    transposed -> ``[R, N]``; ``torch._grouped_mm`` (CUTLASS on Hopper in bf16). With
+    ``scale`` (``[E, N]`` float32: fp8 codes' per-row scales) ``w`` is dequantized to
+    ``a``'s dtype first (the reference: every expert widened on each call)."""
+    if scale is not None:
+        w = (w.float() * scale.unsqueeze(-1)).to(a.dtype)
     return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
 
 

@@ -2,7 +2,8 @@
 ``out[rows of group e] = a[rows of group e] @ w[e]^T``, the groups (experts) given by
 their row ends on the device (``ends[e]``: group e's rows end there, ascending; the last
 end is the rows' count), as ``torch._grouped_mm(a, w.transpose(1, 2), offs=ends)`` computes
-it (the torch ops' path and this kernel's test oracle).
+it (the torch ops' path and this kernel's test oracle); weight-only fp8 (``--quantization
+fp8``): e4m3 codes and a scale per expert and output row.
 
 Each program takes one ``BLOCK_M``-row tile of one group and one ``BLOCK_N`` column tile:
 tiles never straddle two groups, so program ``m`` finds its group by counting the tiles
@@ -23,10 +24,11 @@ from tpserve.model.kernels.triton_support import dot_config, tl_dtype
 
 
 @triton.jit
-def _grouped_mm_kernel(a_ptr, w_ptr, out_ptr, ends_ptr, N, K, stride_a, stride_we,
+def _grouped_mm_kernel(a_ptr, w_ptr, out_ptr, ends_ptr, scale_ptr, N, K, stride_a, stride_we,
                        stride_wn, stride_o, E: tl.constexpr, E_PAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       SCALED: tl.constexpr):
     tile = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
@@ -52,6 +54,9 @@ def _grouped_mm_kernel(a_ptr, w_ptr, out_ptr, ends_ptr, N, K, stride_a, stride_w
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if SCALED:  # fp8 codes: each output column's scale, once on the sum (exact)
+        scale = tl.load(scale_ptr + e.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
+        acc = acc * scale[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -63,9 +68,12 @@ def _launch(rows: int, n: int) -> tuple[int, int, int, int]:
     return 64, 128, 64, 4
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
     """``a`` ``[R, K]`` (rows grouped by expert), ``w`` ``[E, N, K]``, ``ends`` ``[E]``
-    int32 -> ``[R, N]`` in ``a``'s dtype."""
+    int32 -> ``[R, N]`` in ``a``'s dtype. ``w`` may hold e4m3 codes with ``scale``
+    ``[E, N]`` float32 (one per output row): each tile widened to the dot dtype in
+    registers (exact), the scale applied to the float32 sum."""
     rows, k = a.shape
     e, n, k_w = w.shape
     assert k == k_w and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
@@ -77,8 +85,11 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     dot_dtype, precision = dot_config(a.dtype, a.device)
     tl_dtype(a.dtype)  # refuses dtypes the kernel has no dot for
     grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
-    _grouped_mm_kernel[grid](a, w, out, ends, n, k, a.stride(0), w.stride(0), w.stride(1),
+    if scale is not None:
+        assert scale.shape == (e, n) and scale.dtype == torch.float32 and scale.is_contiguous()
+    _grouped_mm_kernel[grid](a, w, out, ends, scale if scale is not None else ends, n, k, a.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot_dtype,
-                             DOT_PRECISION=precision, num_warps=warps)
+                             DOT_PRECISION=precision, SCALED=scale is not None,
+                             num_warps=warps)
     return out

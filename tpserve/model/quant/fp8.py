@@ -247,6 +247,9 @@ class Fp8LinearMethod:
     w8a8_triton_max_tokens: int = W8A8_TRITON_MAX_TOKENS
     fast_accum: bool = DEFAULT_FAST_ACCUM
 
+    # a mixture of experts' experts are quantized at load as well (``process_experts``)
+    quantizes_experts = True
+
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
                        dtype: torch.dtype | None) -> None:
         """The weight is loaded in the model's dtype, then quantized by ``process_weights``."""
@@ -257,6 +260,26 @@ class Fp8LinearMethod:
         # the loaded weight is dropped here: the layer holds fp8 codes + float32 scales
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def process_experts(self, experts: nn.Module) -> None:
+        """A mixture of experts' ``w13`` / ``w2`` (``parallel.moe.ParallelExperts``) as e4m3
+        codes with a least-error scale per expert and output row, as a linear layer's
+        (``w2``, split by columns over the ranks like a row-parallel weight: its amax
+        max-reduced and its errors summed over the ranks, so every rank picks the tp-1
+        scale); weight-only products (the activations stay in the model's dtype)."""
+        comm = experts.comm
+        for name, row_parallel in (("w13", False), ("w2", True)):
+            w = getattr(experts, name).detach()
+            e, n, k = w.shape
+            flat = w.reshape(e * n, k)
+            amax = flat.abs().amax(dim=-1, keepdim=True).float()
+            reduce = None
+            if row_parallel and comm.world_size > 1:
+                amax = -comm.all_reduce_min(-amax)  # max over ranks
+                reduce = comm.all_reduce
+            q, scale = quantize_per_row(flat, searched_amax(flat, amax, reduce))
+            setattr(experts, name, nn.Parameter(q.view(e, n, k), requires_grad=False))
+            setattr(experts, f"{name}_scale", scale.view(e, n))
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               bias: torch.Tensor | None) -> torch.Tensor:

@@ -99,6 +99,9 @@ def check_row_scales(scale: torch.Tensor, name: str) -> None:
 
 @dataclass(frozen=True)
 class Fp8CheckpointMethod(Fp8LinearMethod):
+    # an FP8 checkpoint's expert tensors (and their scales) are not read
+    quantizes_experts = False
+
     """The ``quant_method`` of an FP8 checkpoint: loads codes and scales as stored
     (``create_weights``), checks them (``process_weights``); ``apply`` is
     ``Fp8LinearMethod``'s, its W8A8 products quantizing the input with the layer's
