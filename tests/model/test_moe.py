@@ -338,3 +338,16 @@ def test_moe_quantized_at_load(checkpoints):
         for whole, stepped in run_ranks(_fp8_steps, tp, folder):
             assert (whole - want).abs().max().item() < 1e-4, tp
             assert (stepped - want).abs().max().item() < 1e-4, tp
+
+
+def test_the_start_up_line_says_where_the_experts_are(checkpoints):
+    from tpserve.model.layers.moe import experts_line
+
+    model, _ = load(checkpoints("qwen2_moe")[0])
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    line = experts_line(model, model.cfg, weights * 2**20)  # as if 2**20 times larger
+    assert line.startswith("mixture of experts: 6 experts, 2 per token, in 2 of 3 layers, "
+                           "a shared expert 48 wide; experts ")
+    assert f"experts {experts * 4 / 2**30:.2f} GiB of the rank's {weights / 2**10:.2f} GiB" \
+        in line and line.endswith("a token reading 33.3% of them")

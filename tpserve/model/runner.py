@@ -24,6 +24,7 @@ from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
 from tpserve.model.kv_calibration import calibrate_kv_scales, checkpoint_calibration_ids
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
+from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.memory import (
@@ -130,6 +131,8 @@ class ModelRunner:
         if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
             self._calibrate_kv_scales()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if mcfg.num_experts and group.rank == 0:
+            logger.info(experts_line(self.model, mcfg, weights))
         tp = self.comm.world_size
         bs = limits.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / bs)

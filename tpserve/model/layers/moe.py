@@ -152,3 +152,20 @@ class SparseMoeBlock(nn.Module):
         if self.reduce == "all_reduce":
             return self.comm.all_reduce(y)
         return self.comm.reduce_scatter(y)
+
+
+def experts_line(model: nn.Module, cfg: ModelConfig, weights: int) -> str:
+    """The start-up log's line on a mixture of experts: its routing, and the share of this
+    rank's ``weights`` bytes its experts hold (the rest is read by every token; of the
+    experts, a token reads ``k / E``)."""
+    experts = sum(p.numel() * p.element_size() + (s.numel() * s.element_size()
+                                                    if s is not None else 0)
+                  for m in model.modules() if isinstance(m, ParallelExperts)
+                  for p, s in ((m.w13, m.w13_scale), (m.w2, m.w2_scale)))
+    gib = 2**30
+    return (f"mixture of experts: {cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
+            f"token, in {len(cfg.moe_layers)} of {cfg.num_hidden_layers} layers"
+            + (f", a shared expert {cfg.shared_expert_intermediate_size} wide"
+               if cfg.shared_expert_intermediate_size else "")
+            + f"; experts {experts / gib:.2f} GiB of the rank's {weights / gib:.2f} GiB of "
+            f"weights, a token reading {cfg.num_experts_per_tok / cfg.num_experts:.1%} of them")
