@@ -1,6 +1,6 @@
 """Mixtures of experts: tiny random Mixtral, Qwen2-MoE (a sigmoid-gated shared expert, a
-dense layer by ``mlp_only_layers``, top-k weights not renormalized) and Qwen3-MoE (q/k
-head norms, renormalized) checkpoints written by transformers give transformers' logits in
+dense layer by ``mlp_only_layers``, top-k weights not renormalized), Qwen3-MoE (q/k
+head norms, renormalized) and Granite-MoE (Granite's multipliers) checkpoints written by transformers give transformers' logits in
 float32 at tp 1, 2 and 3 (tp 3 pads the heads and each expert's columns), prefilled whole,
 in chunks and decoded, and in sequence-parallel mode, from safetensors folders and from
 llama.cpp GGUF files (``llama`` with experts, ``qwen2moe``, ``qwen3moe``); the dummy shapes
@@ -21,14 +21,14 @@ from tpserve.model.quant.fp8 import Fp8LinearMethod
 from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60, 61, 8]
-KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 
 
 def _hf_moe(kind: str, all_sparse: bool = False):
     """The tiny model of ``kind``; ``all_sparse``: Qwen2-MoE without its dense layer."""
     import transformers as tf
 
-    torch.manual_seed({"mixtral": 70, "qwen2_moe": 71, "qwen3_moe": 72}[kind])
+    torch.manual_seed({"mixtral": 70, "qwen2_moe": 71, "qwen3_moe": 72, "granitemoe": 73}[kind])
     tiny = {**TINY, "num_hidden_layers": 3}
     if kind == "mixtral":
         cfg = tf.MixtralConfig(**tiny, num_local_experts=4, num_experts_per_tok=2,
@@ -38,18 +38,24 @@ def _hf_moe(kind: str, all_sparse: bool = False):
                                 moe_intermediate_size=40, shared_expert_intermediate_size=48,
                                 norm_topk_prob=False, mlp_only_layers=[] if all_sparse else [1],
                                 rope_theta=10000.0)
+    elif kind == "granitemoe":  # Granite's multipliers, a softmax over the top-k logits
+        cfg = tf.GraniteMoeConfig(**tiny, num_local_experts=5, num_experts_per_tok=2,
+                                  rope_theta=10000.0, embedding_multiplier=12.0,
+                                  residual_multiplier=0.22, attention_multiplier=0.125,
+                                  logits_scaling=8.0, tie_word_embeddings=True)
     else:
         cfg = tf.Qwen3MoeConfig(**tiny, head_dim=32, num_experts=8, num_experts_per_tok=3,
                                 moe_intermediate_size=32, norm_topk_prob=True,
                                 rope_theta=1000000.0)
     cfg.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                          "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+                          "qwen3_moe": "Qwen3MoeForCausalLM",
+                          "granitemoe": "GraniteMoeForCausalLM"}[kind]]
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
                 p.mul_(50.0)  # routers far from ties: rounding never flips an expert
     return model
 
@@ -78,7 +84,10 @@ def test_moe_equals_transformers(checkpoints, kind):
 
 def test_configs_read_as_transformers_builds_them():
     cfgs = {kind: ModelConfig.from_hf(_hf_moe(kind).config.to_dict()) for kind in KINDS}
-    mixtral, qwen2, qwen3 = (cfgs[k] for k in KINDS)
+    mixtral, qwen2, qwen3, granite = (cfgs[k] for k in KINDS)
+    assert (granite.num_experts, granite.moe_intermediate_size, granite.norm_topk_prob,
+            granite.embedding_multiplier, granite.attention_scale) == (5, 128, True, 12.0,
+                                                                        0.125)
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
             mixtral.norm_topk_prob, mixtral.moe_layers) == (4, 2, 128, True, (0, 1, 2))
     assert (qwen2.num_experts, qwen2.shared_expert_intermediate_size, qwen2.norm_topk_prob,
@@ -254,7 +263,7 @@ def _gguf_logits(group, path: str) -> torch.Tensor:
     return whole_and_stepped(model, comm, TOKENS, 7, 8)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS[:3])
 def test_moe_gguf_equals_transformers(checkpoints, tmp_path, kind):
     """A llama.cpp file of each (Mixtral as ``llama`` with experts, q/k rows permuted;
     ``qwen2moe`` all layers sparse, as llama.cpp reads it, so its dense layer is dropped
@@ -351,3 +360,18 @@ def test_the_start_up_line_says_where_the_experts_are(checkpoints):
                            "a shared expert 48 wide; experts ")
     assert f"experts {experts * 4 / 2**30:.2f} GiB of the rank's {weights / 2**10:.2f} GiB" \
         in line and line.endswith("a token reading 33.3% of them")
+
+
+@pytest.mark.parametrize("kind", ["granitemoe", "mixtral"])
+def test_transformers_own_files_load(tmp_path, kind):
+    """``save_pretrained``'s files (the hub's layout: Granite-MoE's stacked
+    ``input_linear`` / ``output_linear`` and ``router.layer``, Mixtral's ``w1``/``w3``/``w2``
+    per expert), not the in-memory names the other tests write, give the same logits."""
+    from tests.model.util import full_logits
+
+    hf = _hf_moe(kind)
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():
+        want = hf(torch.tensor([TOKENS])).logits[0]
+    model, comm = load(str(tmp_path))
+    assert (full_logits(model, comm, TOKENS) - want).abs().max().item() < 1e-4

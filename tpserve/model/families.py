@@ -34,6 +34,7 @@ TOKEN_CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
 # mixture-of-experts models -> the dense family whose attention (and flags) they share;
 # their experts: ``moe_fields``
 MOE_ARCHITECTURES = {"MixtralForCausalLM": "MistralForCausalLM",
+                     "GraniteMoeForCausalLM": "GraniteForCausalLM",
                      "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
                      "Qwen3MoeForCausalLM": "Qwen3ForCausalLM"}
 # config.json's activation names -> the MLP gates the model runs (gated: act(gate) * up)
@@ -52,8 +53,9 @@ def architecture_family(arch: str) -> str:
 
 def moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     """A mixture of experts' ``ModelConfig`` fields, as transformers builds the model:
-    Mixtral's every layer sparse, its experts ``intermediate_size`` wide, the top-k
-    weights renormalized; Qwen2-MoE's and Qwen3-MoE's sparse layers every
+    Mixtral's and Granite-MoE's every layer sparse, their experts ``intermediate_size``
+    wide, the top-k weights renormalized (Granite-MoE's softmax over the top-k logits is
+    that); Qwen2-MoE's and Qwen3-MoE's sparse layers every
     ``decoder_sparse_step`` but ``mlp_only_layers`` (the rest dense, ``intermediate_size``
     wide), experts ``moe_intermediate_size`` wide, renormalized by ``norm_topk_prob``,
     Qwen2-MoE's shared expert gated by a sigmoid. ``{}`` without experts."""
@@ -65,7 +67,7 @@ def moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ValueError(f"config.json: num_experts_per_tok must be from 1 to the "
                          f"{experts} experts, got {top_k}")
     layers = int(d["num_hidden_layers"])
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         return dict(num_experts=experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
                     moe_layers=tuple(range(layers)))

@@ -44,7 +44,7 @@ from tpserve.model.families import LANGUAGE_MODEL_OF
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
-from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock
+from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock, checkpoint_name
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
@@ -406,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
                         break
             if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
                 name = "model." + name
-            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's experts' block
+            name = checkpoint_name(name)  # Mixtral's and Granite-MoE's names
             try:
                 if experts.load(name, source):
                     continue

@@ -20,6 +20,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers: ModelConfig fields
     # mixtures of experts: their MLPs layers.moe.SparseMoeBlock (ModelConfig.moe_layers)
     "MixtralForCausalLM": LlamaForCausalLM,
+    "GraniteMoeForCausalLM": LlamaForCausalLM,  # Granite's multipliers too
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # its NoPE layers: ModelConfig.nope_layers

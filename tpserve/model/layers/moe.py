@@ -37,6 +37,21 @@ _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|dow
 _STACKED_PARTS = {"gate_up_proj": None, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
 
 
+# other names of a mixture of experts' tensors -> ours (Mixtral's and Granite-MoE's block
+# ``block_sparse_moe`` is ``mlp``; Granite-MoE's router and stacked experts)
+_RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.router.layer.weight", ".mlp.gate.weight"),
+            (".mlp.router.weight", ".mlp.gate.weight"),
+            (".mlp.input_linear.weight", ".mlp.experts.gate_up_proj"),
+            (".mlp.output_linear.weight", ".mlp.experts.down_proj"))
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name as ``SparseMoeBlock`` names it (``_RENAMED``)."""
+    for theirs, ours in _RENAMED:
+        name = name.replace(theirs, ours)
+    return name
+
+
 def expert_param(name: str) -> tuple[str, tuple[int, str] | str | None] | None:
     """A checkpoint's expert tensor (``...mlp.experts.7.gate_proj.weight``; Mixtral's
     ``block_sparse_moe`` already renamed ``mlp``) -> the ``ParallelExperts`` parameter that
