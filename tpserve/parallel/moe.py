@@ -1,15 +1,14 @@
 """A mixture of experts' expert MLPs, tensor-parallel: every rank holds every expert, each
 expert's intermediate columns split over ranks as a dense MLP's are (``ShardMap.contiguous``),
 zero-padded where tp does not divide and up to a multiple of ``WIDTH_ALIGN`` (a padded
-column adds nothing). ``forward`` returns
-this rank's partial sums; the caller reduces them (``Communicator``), once, with whatever
-else it adds first.
+column adds nothing). ``forward`` returns this rank's partial sums; the caller reduces them
+(``Communicator``), once, with whatever else it adds first.
 
-The experts run as two grouped matrix products over the routed copies of the tokens
-sorted by expert (the ops' ``grouped_mm``: one group per expert, its rows given by device
-offsets; ``torch._grouped_mm`` or a Triton kernel), so a step's shapes depend only on its token count: no host synchronisation,
-capturable in a CUDA graph, the same code on CPU and on the GPU (its test oracle is a loop
-over experts in float32, ``tests/parallel/test_moe_experts.py``).
+The experts run as two grouped matrix products over the routed copies of the tokens sorted
+by expert (the ops' ``grouped_mm``: one group per expert, its rows given by device offsets;
+``torch._grouped_mm`` or a Triton kernel), so a step's shapes depend only on its token
+count: no host synchronisation, capturable in a CUDA graph, the same code on CPU and on the
+GPU (its test oracle is a loop over experts in float64, ``tests/parallel/test_moe_experts.py``).
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
     if scale is not None:
         assert scale.shape == (e, n) and scale.dtype == torch.float32 and scale.is_contiguous()
-    _grouped_mm_kernel[grid](a, w, out, ends, scale if scale is not None else ends, n, k, a.stride(0), w.stride(0), w.stride(1),
-                             out.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
+    _grouped_mm_kernel[grid](a, w, out, ends, scale if scale is not None else ends, n, k,
+                             a.stride(0), w.stride(0), w.stride(1), out.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot_dtype,
                              DOT_PRECISION=precision, SCALED=scale is not None,
                              num_warps=warps)

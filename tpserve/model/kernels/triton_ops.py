@@ -1,7 +1,7 @@
 """Triton ops for the CUDA path: the norms and the activation (and their fp8-quantizing
-variants), a mixture of experts' grouped product, with the same signatures and semantics as torch_ops (the ``Ops`` bundle). Each
-op lives in its own ``triton_*`` module; the attention kernels are composed by
-``attention.triton_backend``."""
+variants) and a mixture of experts' grouped product, with the same signatures and semantics
+as torch_ops (the ``Ops`` bundle). Each op lives in its own ``triton_*`` module; the
+attention kernels are composed by ``attention.triton_backend``."""
 
 from __future__ import annotations
 

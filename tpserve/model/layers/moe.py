@@ -1,5 +1,5 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE) on tensor-parallel
-experts, and the checkpoint names of its tensors.
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE) on
+tensor-parallel experts, and the checkpoint names of its tensors.
 
 Each token's router logits (a replicated ``[E, H]`` product, in the model's dtype) go
 through a float32 softmax; the ``k`` most probable experts take the token, weighted by
