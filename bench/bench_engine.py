@@ -114,6 +114,8 @@ def parse_args() -> argparse.Namespace:
                    help="how row-parallel layers finish (see tpserve serve --tp-comm)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="NCCL for every all-reduce (no peer-to-peer one/two-shot)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts: experts whole on each rank")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")
@@ -156,6 +158,8 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
             "--tensor-parallel-size", str(a.tensor_parallel_size), "--tp-comm", a.tp_comm]
     if a.disable_custom_all_reduce:
         argv.append("--disable-custom-all-reduce")
+    if a.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
     if a.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(a.kv_cache_memory)]
     if a.max_mixed_tokens is not None:
@@ -195,7 +199,8 @@ def main() -> int:
         "torch": torch.__version__, "triton": None, "python": platform.python_version(),
         "config": {k: getattr(a, k) for k in FULL}, "quantization": a.quantization,
         "parallel": {"tensor_parallel_size": a.tensor_parallel_size, "tp_comm": a.tp_comm,
-                     "disable_custom_all_reduce": a.disable_custom_all_reduce},
+                     "disable_custom_all_reduce": a.disable_custom_all_reduce,
+                     "expert_parallel": a.enable_expert_parallel},
         "notes": []}
     try:
         import triton

@@ -26,7 +26,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
          "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
          "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window",
-         "--config"]
+         "--config", "--enable-expert-parallel"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -134,6 +134,12 @@ def test_config_tree_from_flags():
     assert _cfg("--no-engine-process").engine.engine_process is False
     assert _cfg().runner.tp_comm == "allreduce"
     assert _cfg("--tp-comm", "allgather").runner.tp_comm == "allgather"
+    assert _cfg().runner.expert_parallel is False
+    assert _cfg("qwen3-30b-a3b", "--load-format", "dummy",
+                "--enable-expert-parallel").runner.expert_parallel is True
+    with pytest.raises(ValueError, match="--enable-expert-parallel: LlamaForCausalLM has no "
+                                         "experts"):
+        _cfg("--enable-expert-parallel")
     assert _cfg().runner.disable_custom_all_reduce is False
     assert _cfg("--disable-custom-all-reduce").runner.disable_custom_all_reduce is True
 

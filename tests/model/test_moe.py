@@ -65,8 +65,9 @@ def checkpoints(tmp_path_factory):
     return hf_checkpoints(tmp_path_factory, _hf_moe, lambda kind: TOKENS)
 
 
-def _steps(group, folder: str, tp_comm: str) -> list[torch.Tensor]:
-    model, comm = load(folder, group, tp_comm=tp_comm)
+def _steps(group, folder: str, tp_comm: str, expert_parallel: bool = False
+           ) -> list[torch.Tensor]:
+    model, comm = load(folder, group, tp_comm=tp_comm, expert_parallel=expert_parallel)
     return whole_and_stepped(model, comm, TOKENS, 7, 8)
 
 
@@ -80,6 +81,18 @@ def test_moe_equals_transformers(checkpoints, kind):
     for whole, stepped in run_ranks(_steps, 2, folder, "allgather"):
         assert (whole - want).abs().max().item() < 1e-4, (kind, "allgather")
         assert (stepped - want).abs().max().item() < 1e-4, (kind, "allgather")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_parallel_equals_transformers(checkpoints, kind):
+    """``--enable-expert-parallel``: each of 2 ranks holds half the experts whole (Qwen2-MoE's
+    shared expert and dense layer still split by columns), with either reduction; at tp 3
+    (Mixtral's 4, Qwen2-MoE's 6, Qwen3-MoE's 8, Granite-MoE's 5 experts) uneven ranges."""
+    folder, want = checkpoints(kind)
+    for tp, tp_comm in ((2, "allreduce"), (2, "allgather"), (3, "allreduce")):
+        for whole, stepped in run_ranks(_steps, tp, folder, tp_comm, True):
+            assert (whole - want).abs().max().item() < 1e-4, (kind, tp, tp_comm)
+            assert (stepped - want).abs().max().item() < 1e-4, (kind, tp, tp_comm)
 
 
 def test_configs_read_as_transformers_builds_them():
@@ -177,6 +190,9 @@ def test_refusals(checkpoints, tmp_path):
     folder, _ = checkpoints("qwen3_moe")
     with pytest.raises(ValueError, match="mixture of experts: an FP8 checkpoint's experts"):
         load(folder, quant_method=Fp8CheckpointMethod())
+    with pytest.raises(ValueError, match="--enable-expert-parallel: LlamaForCausalLM has no "
+                                         "experts"):
+        load(None, expert_parallel=True)
     with pytest.raises(ValueError, match="num_experts_per_tok must be from 1 to the 8"):
         ModelConfig.from_hf({**_hf_moe("qwen3_moe").config.to_dict(),
                              "num_experts_per_tok": 9})

@@ -23,18 +23,20 @@ CPU = torch.device("cpu")
 def load(model_path: str | None, group: TPGroup | None = None, load_format: str = "auto",
          kv_dtype: torch.dtype = torch.float32, backend: str = "torch",
          tp_comm: str = "allreduce", quant_method=None, k_hadamard: bool = False,
-         max_positions: int = 512, hf_overrides: str | None = None, lm_head: bool = True):
+         max_positions: int = 512, hf_overrides: str | None = None, lm_head: bool = True,
+         expert_parallel: bool = False):
     """Our float32 model on CPU, on the torch ops and the given attention back-end (with
     ``k_hadamard``: ``model/kv_hadamard``) and linear-layer ``quant_method`` (e.g.
     ``Fp8LinearMethod()``), its RoPE table ``max_positions`` long; ``hf_overrides``
-    (canonical JSON) laid over the config; ``lm_head`` False: a pooling runner's model."""
+    (canonical JSON) laid over the config; ``lm_head`` False: a pooling runner's model;
+    ``expert_parallel``: a mixture of experts' experts whole on each rank."""
     group = group or TPGroup(0, 1, CPU, None)
     ckpt = open_checkpoint(model_path, load_format, hf_overrides=hf_overrides)
     comm = Communicator(group)
     attn = select_attention(backend, kv_dtype, k_hadamard)
     return build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"), attn,
                        max_positions, tp_comm=tp_comm, quant_method=quant_method,
-                       lm_head=lm_head), comm
+                       lm_head=lm_head, expert_parallel=expert_parallel), comm
 
 
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:

@@ -102,3 +102,14 @@ def test_expert_names_and_refusals():
         experts.weight_loader(experts.w13, torch.zeros(WIDTH, H), (6, GATE))
     with pytest.raises(ValueError, match=r"shape \(10, 15\), expected \(10, 16\)"):
         experts.weight_loader(experts.w13, torch.zeros(WIDTH, H - 1), (0, UP))
+
+
+def test_expert_ranges_cover_every_expert_once():
+    from tpserve.parallel.moe import expert_range
+
+    assert [expert_range(5, 3, r) for r in range(3)] == [(0, 2), (2, 2), (4, 1)]
+    assert [expert_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [expert_range(2, 4, r) for r in range(4)] == [(0, 1), (1, 1), (2, 0), (2, 0)]
+    with pytest.raises(ValueError, match="2 experts for 4 ranks"):
+        ParallelExperts(2, H, WIDTH, Communicator(TPGroup(0, 4, torch.device("cpu"), None)),
+                        torch.float32, expert_parallel=True)

@@ -155,15 +155,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, sequence_parallel: bool, quant=None, layer: int = 0):
+                 dtype: torch.dtype, sequence_parallel: bool, quant=None, layer: int = 0,
+                 expert_parallel: bool = False):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
                                         cfg.window_of(layer))
-        self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce, quant) if cfg.is_moe_layer(layer)
-                    else LlamaMLP(cfg, comm, ops, dtype, reduce, quant))
+        self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce, quant, expert_parallel)
+                    if cfg.is_moe_layer(layer) else LlamaMLP(cfg, comm, ops, dtype, reduce, quant))
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
         self.nope = layer in cfg.nope_layers  # ... or the identity table
         self.sandwich = cfg.sandwich_norms
@@ -218,22 +219,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def _moe_block(cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-               reduce: str, quant=None) -> SparseMoeBlock:
+               reduce: str, quant=None, expert_parallel: bool = False) -> SparseMoeBlock:
     shared = (LlamaMLP(cfg, comm, ops, dtype, "none", quant,
                        intermediate=cfg.shared_expert_intermediate_size)
               if cfg.shared_expert_intermediate_size else None)
-    return SparseMoeBlock(cfg, comm, ops, dtype, reduce, shared, quant)
+    return SparseMoeBlock(cfg, comm, ops, dtype, reduce, shared, quant, expert_parallel)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, sequence_parallel: bool, quant=None):
+                 dtype: torch.dtype, sequence_parallel: bool, quant=None,
+                 expert_parallel: bool = False):
         super().__init__()
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
                                                    reduce=reduce)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i)
+            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i,
+                              expert_parallel)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype,
                             cfg.norm_unit_offset)
@@ -250,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce",
-                 quant_method=None, lm_head: bool = True):
+                 quant_method=None, lm_head: bool = True, expert_parallel: bool = False):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
@@ -263,8 +266,10 @@ class LlamaForCausalLM(nn.Module):
         self.comm = comm
         self.attn_backend = attn
         self.sequence_parallel = tp_comm == "allgather" and comm.world_size > 1
+        if expert_parallel and not cfg.num_experts:
+            raise ValueError(f"--enable-expert-parallel: {cfg.architecture} has no experts")
         self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel,
-                                quant_method)
+                                quant_method, expert_parallel)
         # a pooling runner's model has no LM head (``lm_head=False``): none is allocated,
         # loaded or required of the checkpoint, and ``compute_logits`` refuses
         self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)

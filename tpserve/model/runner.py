@@ -122,6 +122,7 @@ class ModelRunner:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                      self.attn, self.max_model_len, show_progress,
                                      tp_comm=cfg.tp_comm, quant_method=quant,
+                                     expert_parallel=cfg.expert_parallel,
                                      lm_head=not cfg.pooling)
         except torch.OutOfMemoryError as e:
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),

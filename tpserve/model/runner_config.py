@@ -48,6 +48,8 @@ class RunnerConfig:
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
     tp_comm: str = "allreduce"
+    # --enable-expert-parallel: a mixture of experts' experts split whole over the ranks
+    expert_parallel: bool = False
     quantization: str = "none"
     fp8_weight_only_max_tokens: int = DEFAULT_WEIGHT_ONLY_MAX_TOKENS
     fp8_fast_accum: bool = DEFAULT_FAST_ACCUM  # --fp8-fast-accum: _scaled_mm's fp8 sums

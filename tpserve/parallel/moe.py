@@ -39,6 +39,13 @@ GATE, UP, DOWN = "gate", "up", "down"
 WIDTH_ALIGN = 8
 
 
+def expert_range(num_experts: int, tp: int, rank: int) -> tuple[int, int]:
+    """Expert parallel: ``(first, count)`` of ``rank``'s experts, the ``E mod tp`` first
+    ranks holding one more than the others."""
+    base, extra = divmod(num_experts, tp)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def expert_width_per_rank(intermediate: int, tp: int) -> int:
     """Each rank's columns of an expert ``intermediate`` wide: ``ceil(intermediate / tp)``
     rounded up to ``WIDTH_ALIGN``."""
@@ -58,32 +65,51 @@ class ParallelExperts(nn.Module):
     ``quant_method`` (duck-typed, as the linear layers'; None: unquantized): its
     ``process_experts(experts)``, called after loading (``process_weights_after_loading``),
     may replace ``w13`` / ``w2`` by quantized codes and set ``w13_scale`` / ``w2_scale``
-    (``[E, rows]`` float32, one per output row), which the grouped products then apply."""
+    (``[E, rows]`` float32, one per output row), which the grouped products then apply.
+
+    ``expert_parallel`` (``--enable-expert-parallel``): each rank holds a contiguous range
+    of whole experts instead (``expert_range``: E / tp each, the first E mod tp ranks one
+    more): it runs the routed
+    copies of the tokens that chose them and returns zero for the others, so the caller's
+    one reduction sums the experts as it sums the column shards otherwise. Fewer, wider
+    products per rank; the load is as balanced as the routing."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, comm: Communicator,
-                 dtype: torch.dtype | None = None, quant_method=None):
+                 dtype: torch.dtype | None = None, quant_method=None,
+                 expert_parallel: bool = False):
         super().__init__()
         self.comm = comm
         self.quant_method = quant_method
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
         self.num_experts = num_experts
-        split = ShardMap.contiguous(intermediate, comm.world_size, comm.rank)
-        self.in_map = ShardMap(expert_width_per_rank(intermediate, comm.world_size),
-                               split.runs)
+        self.expert_parallel = expert_parallel and comm.world_size > 1
+        tp, rank = (1, 0) if self.expert_parallel else (comm.world_size, comm.rank)
+        if self.expert_parallel and num_experts < comm.world_size:
+            raise ValueError(f"--enable-expert-parallel: {num_experts} experts for "
+                             f"{comm.world_size} ranks (each rank needs one at least)")
+        # this rank's experts: [first, first + local)
+        self.first, self.local = (expert_range(num_experts, comm.world_size, comm.rank)
+                                  if self.expert_parallel else (0, num_experts))
+        split = ShardMap.contiguous(intermediate, tp, rank)
+        self.in_map = ShardMap(expert_width_per_rank(intermediate, tp), split.runs)
         width = self.in_map.numel
-        self.w13 = _param((num_experts, 2 * width, hidden), dtype)
-        self.w2 = _param((num_experts, hidden, width), dtype)
+        self.w13 = _param((self.local, 2 * width, hidden), dtype)
+        self.w2 = _param((self.local, hidden, width), dtype)
         for p in (self.w13, self.w2):
             p.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource | torch.Tensor,
                       shard_id: tuple[int, str]) -> None:
         """One expert's checkpoint tensor: its gate or up ``[I, H]`` (this rank's rows into
-        ``w13``) or its down ``[H, I]`` (this rank's columns into ``w2``)."""
+        ``w13``) or its down ``[H, I]`` (this rank's columns into ``w2``); another rank's
+        expert (expert parallel) is not read."""
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of a model with {self.num_experts} experts")
+        expert -= self.first
+        if not 0 <= expert < self.local:
+            return
         src = as_source(source)
         if part == DOWN:
             self.in_map.load(self.w2[expert], src, 1, "expert down weight")
@@ -105,7 +131,7 @@ class ParallelExperts(nn.Module):
         if len(src.shape) != 3 or src.shape[0] != self.num_experts:
             raise ValueError(f"stacked experts of shape {tuple(src.shape)}; expected "
                              f"[{self.num_experts}, rows, columns]")
-        for e in range(self.num_experts):
+        for e in range(self.first, self.first + self.local):
             expert = InMemorySource(src.read(0, e, 1)[0])
             if param is self.w2 or part is not None:
                 self.weight_loader(param, expert, (e, DOWN if param is self.w2 else part))
@@ -131,14 +157,22 @@ class ParallelExperts(nn.Module):
         ``torch._grouped_mm``, or a Triton kernel)."""
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
+        mine = None
+        if self.expert_parallel:  # other ranks' experts: one group past this rank's own
+            flat = flat - self.first
+            mine = (flat >= 0) & (flat < self.local)
+            flat = torch.where(mine, flat, self.local)
         order = torch.argsort(flat, stable=True)  # routed copies, grouped by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.local + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)  # group e's rows end at ends[e]
+        # group e's rows end at ends[e]; rows past the last (other ranks') are not computed
+        ends = counts[:self.local].cumsum(0, dtype=torch.int32)
         rows = x.index_select(0, order // k)
         h = act_and_mul(grouped_mm(rows, self.w13, ends, self.w13_scale))
         y = grouped_mm(h, self.w2, ends, self.w2_scale)
         per_copy = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, j) order
+        if mine is not None:  # whatever the uncomputed rows hold: zero
+            per_copy = torch.where(mine.unsqueeze(1), per_copy, 0)
         weights = topk_weights.to(x.dtype).unsqueeze(1)  # [T, 1, k]
         return torch.bmm(weights, per_copy.view(t, k, -1)).squeeze(1)
 

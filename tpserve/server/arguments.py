@@ -83,6 +83,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "every token; row-parallel layers all-reduce) or allgather (sequence "
                         "parallel: tokens sharded between layers, all-gather before and "
                         "reduce-scatter after each tensor-parallel block)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts: each rank holds 1/tp of the experts whole "
+                        "(tp must divide their number) instead of 1/tp of every expert's "
+                        "columns; the same one all-reduce per layer (vLLM's flag)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,

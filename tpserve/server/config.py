@@ -247,6 +247,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
+    if a.enable_expert_parallel and not ckpt.config.num_experts:
+        raise ValueError(f"--enable-expert-parallel: {ckpt.config.architecture} has no "
+                         "experts (it is not a mixture of experts)")
     runner_kind = resolve_runner(a.runner, classifier=bool(ckpt.config.labels))
     task = getattr(a, "pooling_task", None)  # vLLM's --task / --convert (vllm_compat)
     if task is not None and (task == "classify") != bool(ckpt.config.labels):
@@ -270,6 +273,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
+        expert_parallel=a.enable_expert_parallel,
         quantization=resolve_quantization(a.quantization, ckpt.quantization),
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,

@@ -145,7 +145,8 @@ class SparseMoeBlock(nn.Module):
     ``reduce_scatter`` (the decoder layer's mode)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 reduce: str, shared_expert: nn.Module | None = None, quant_method=None):
+                 reduce: str, shared_expert: nn.Module | None = None, quant_method=None,
+                 expert_parallel: bool = False):
         super().__init__()
         self.comm = comm
         self.ops = ops
@@ -154,7 +155,8 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.gate = _Replicated(cfg.num_experts, cfg.hidden_size, dtype)
         self.experts = ParallelExperts(cfg.num_experts, cfg.hidden_size,
-                                       cfg.moe_intermediate_size, comm, dtype, quant_method)
+                                       cfg.moe_intermediate_size, comm, dtype, quant_method,
+                                       expert_parallel)
         self.shared_expert = shared_expert  # its down projection returns partial sums
         if shared_expert is not None:
             self.shared_expert_gate = _Replicated(1, cfg.hidden_size, dtype)

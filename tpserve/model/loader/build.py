@@ -34,11 +34,13 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                 dtype: torch.dtype, ops: Ops, attn: AttentionBackend, max_positions: int,
                 show_progress: bool = False, tp_comm: str = "allreduce",
-                quant_method=None, lm_head: bool = True) -> nn.Module:
+                quant_method=None, lm_head: bool = True,
+                expert_parallel: bool = False) -> nn.Module:
     """The model with this rank's shards loaded. With a ``quant_method`` each linear layer
     then processes (quantizes) its loaded shard, layer by layer in module order on every
     rank, and the loaded copy is freed: ``parameters()`` then counts what is served.
-    ``lm_head`` False: the model of a pooling runner, without an LM head."""
+    ``lm_head`` False: the model of a pooling runner, without an LM head;
+    ``expert_parallel``: a mixture of experts' experts split whole over the ranks."""
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
     padding = cfg.describe_padding(comm.world_size)
@@ -47,7 +49,8 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions,
                                                   tp_comm=tp_comm, quant_method=quant_method,
-                                                  lm_head=lm_head)
+                                                  lm_head=lm_head,
+                                                  expert_parallel=expert_parallel)
     if cfg.classifier_from_token:  # the label tokens' ids, for the head built at load
         model.classifier_token_ids = label_token_ids(ckpt.tokenizer(),
                                                      cfg.classifier_from_token)

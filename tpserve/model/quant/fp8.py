@@ -268,7 +268,8 @@ class Fp8LinearMethod:
         max-reduced and its errors summed over the ranks, so every rank picks the tp-1
         scale); weight-only products (the activations stay in the model's dtype)."""
         comm = experts.comm
-        for name, row_parallel in (("w13", False), ("w2", True)):
+        # expert parallel: every expert whole on one rank, nothing to agree on
+        for name, row_parallel in (("w13", False), ("w2", not experts.expert_parallel)):
             w = getattr(experts, name).detach()
             e, n, k = w.shape
             flat = w.reshape(e * n, k)
