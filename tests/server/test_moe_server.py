@@ -1,8 +1,9 @@
 """A mixture of experts served end to end: a real ``tpserve serve`` at tp 2 (engine
 process, memory plan, step loop) on a tiny Qwen2-MoE checkpoint (a shared expert, a dense
-layer, experts split over the ranks), driven by the ``openai`` client, several requests at
-once; greedy tokens and their log-probabilities equal transformers' own generation from
-the same prompt ids, and the KV pool ends free."""
+layer, experts split over the ranks by their columns, or whole with
+``--enable-expert-parallel``), driven by the ``openai`` client, several requests at once;
+greedy tokens and their log-probabilities equal transformers' own generation from the same
+prompt ids, and the KV pool ends free."""
 
 from __future__ import annotations
 
@@ -22,14 +23,18 @@ def served(tmp_path_factory, smollm2_tokenizer):
     folder = tmp_path_factory.mktemp("qwen2_moe")
     hf.save_pretrained(folder)  # transformers' own file layout and names
     smollm2_tokenizer.save_pretrained(folder)  # its first 256 ids are the tiny vocab
-    server = ServerProcess(str(folder), *FLAGS, wait=False)
+    servers = {"columns": ServerProcess(str(folder), *FLAGS, wait=False),
+               "experts": ServerProcess(str(folder), *FLAGS, "--enable-expert-parallel",
+                                        wait=False)}
     want = [_greedy(hf, p) for p in PROMPTS]
-    with stopped_on_exit({"moe": server}) as started:
-        yield started["moe"].wait_until_healthy(), want
+    with stopped_on_exit(servers) as started:
+        yield {k: started[k].wait_until_healthy() for k in servers}, want
 
 
-def test_moe_serves_transformers_greedy_tokens(served):
-    server, want = served
+@pytest.mark.parametrize("split", ["columns", "experts"])
+def test_moe_serves_transformers_greedy_tokens(served, split):
+    servers, want = served
+    server = servers[split]
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
 
     def complete(prompt):
