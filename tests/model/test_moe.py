@@ -391,3 +391,13 @@ def test_transformers_own_files_load(tmp_path, kind):
         want = hf(torch.tensor([TOKENS])).logits[0]
     model, comm = load(str(tmp_path))
     assert (full_logits(model, comm, TOKENS) - want).abs().max().item() < 1e-4
+
+
+def test_a_gguf_mixture_of_another_architecture_is_refused(tmp_path):
+    from tests.model.test_tiny_models import _hf_model
+    from tests.model.util import save_gguf_file
+
+    path = save_gguf_file(_hf_model("qwen2"), tmp_path / "q.gguf", "qwen2",
+                          lambda w: w.add_uint32("qwen2.expert_count", 4))
+    with pytest.raises(ValueError, match="a qwen2 mixture of experts is not supported"):
+        load(str(path))
