@@ -85,3 +85,17 @@ def test_grouped_mm_of_fp8_experts_equals_torch(kernels, dtype, groups):
     want = torch_ops.grouped_mm(a.float().cpu(), w.cpu(), ends.cpu(), scale.cpu())
     tol = ATOL[dtype] * 4
     torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the torch ops' CUDA path for dtypes "
+                                                   "torch._grouped_mm does not take")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_torch_ops_grouped_mm_on_cuda_in_other_dtypes(dtype):
+    gen = torch.Generator().manual_seed(14)
+    sizes = GROUPS["sizes_around_the_tile"]
+    a = (torch.randn(sum(sizes), 136, generator=gen) / 136**0.5).to(dtype)
+    w = torch.randn(len(sizes), 72, 136, generator=gen).to(dtype)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    got = torch_ops.grouped_mm(a.to(DEVICE), w.to(DEVICE), ends.to(DEVICE))
+    tol = ATOL[dtype] * 4
+    torch.testing.assert_close(got.float().cpu(), _reference(a, w, ends), atol=tol, rtol=tol)

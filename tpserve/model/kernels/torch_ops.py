@@ -78,11 +78,20 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
                scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture of experts' grouped product: ``a`` ``[R, K]``, its rows grouped by expert
     (group e's end at ``ends[e]``, int32), times each expert's ``w[e]`` ``[N, K]``
-    transposed -> ``[R, N]``; ``torch._grouped_mm`` (CUTLASS on Hopper in bf16). With
-    ``scale`` (``[E, N]`` float32: fp8 codes' per-row scales) ``w`` is dequantized to
-    ``a``'s dtype first (the reference: every expert widened on each call)."""
+    transposed -> ``[R, N]``; ``torch._grouped_mm`` (CUTLASS on Hopper, which takes bf16
+    only: other dtypes on CUDA multiply every row by every expert and keep each row's own,
+    E times the work but the same static shapes). With ``scale`` (``[E, N]`` float32: fp8
+    codes' per-row scales) ``w`` is dequantized to ``a``'s dtype first (the reference:
+    every expert widened on each call)."""
     if scale is not None:
         w = (w.float() * scale.unsqueeze(-1)).to(a.dtype)
+    if a.is_cuda and a.dtype != torch.bfloat16:
+        group = torch.searchsorted(ends, torch.arange(a.shape[0], device=a.device,
+                                                       dtype=ends.dtype), right=True)
+        out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+        for e in range(w.shape[0]):
+            out = torch.where((group == e).unsqueeze(1), a @ w[e].T, out)
+        return out
     return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
 
 
