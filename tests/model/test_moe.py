@@ -311,8 +311,9 @@ def test_moe_gguf_equals_transformers(checkpoints, tmp_path, kind):
 
 
 
-def _fp8_steps(group, folder: str) -> list[torch.Tensor]:
-    model, comm = load(folder, group, quant_method=Fp8LinearMethod(weight_only_max_tokens=10**6))
+def _fp8_steps(group, folder: str, expert_parallel: bool = False) -> list[torch.Tensor]:
+    model, comm = load(folder, group, quant_method=Fp8LinearMethod(weight_only_max_tokens=10**6),
+                       expert_parallel=expert_parallel)
     experts = model.model.layers[0].mlp.experts
     assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
     return whole_and_stepped(model, comm, TOKENS, 7, 8)
@@ -353,16 +354,16 @@ def _dequantized(hf, folder: str):
 def test_moe_quantized_at_load(checkpoints):
     """``--quantization fp8`` on Qwen2-MoE: the experts (per expert and output row, the
     down projection's scales tp-invariant) and every linear layer in e4m3; with weight-only
-    products every step, at tp 1 and 2, whole, chunked and decoded, the logits equal
-    transformers' over the same fp8 weights dequantized."""
+    products every step, at tp 1 and 2 (experts split by columns or whole), whole, chunked
+    and decoded, the logits equal transformers' over the same fp8 weights dequantized."""
     folder, plain = checkpoints("qwen2_moe")
     with torch.no_grad():
         want = _dequantized(_hf_moe("qwen2_moe"), folder)(torch.tensor([TOKENS])).logits[0]
     assert (want - plain).abs().max() > 1e-3  # the fp8 weights give another answer
-    for tp in (1, 2):
-        for whole, stepped in run_ranks(_fp8_steps, tp, folder):
-            assert (whole - want).abs().max().item() < 1e-4, tp
-            assert (stepped - want).abs().max().item() < 1e-4, tp
+    for tp, expert_parallel in ((1, False), (2, False), (2, True)):
+        for whole, stepped in run_ranks(_fp8_steps, tp, folder, expert_parallel):
+            assert (whole - want).abs().max().item() < 1e-4, (tp, expert_parallel)
+            assert (stepped - want).abs().max().item() < 1e-4, (tp, expert_parallel)
 
 
 def test_the_start_up_line_says_where_the_experts_are(checkpoints):
