@@ -6,7 +6,8 @@ with uniform random routing: each product alone (gate/up, then down) and the who
 ``ParallelExperts.forward`` (sort, gather, products, SiLU gate, weighted sum), timed as
 CUDA-graph replays (``tune_decode.time_graph``), with the weight bytes the step touches
 over the time and the largest difference between the two paths; and the Triton path over
-the same experts quantized to fp8 (``--quantization fp8``: weight-only, half the bytes).
+the same experts quantized to fp8 (``--quantization fp8``: weight-only, half the bytes);
+and the Triton gate/up product at other tiles (``SWEEP``).
 
     python bench/time_moe.py --out results/moe.json
 """
@@ -35,6 +36,9 @@ from tpserve.parallel.state import TPGroup  # noqa: E402
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 TOKENS = [1, 8, 64, 256, 1024, 8192]
 PATHS = {"torch": torch_ops.grouped_mm, "triton": triton_moe.grouped_mm}
+# other (BLOCK_M, BLOCK_N, BLOCK_K, warps) launches of the gate/up product: [large, small]
+SWEEP = [[(64, 128, 64, 8), (128, 128, 64, 8), (64, 256, 64, 8), (128, 256, 64, 8)],
+         [(16, 32, 128, 4), (16, 128, 64, 4), (16, 64, 256, 4), (16, 32, 256, 2)]]
 
 
 def measure(experts: ParallelExperts, fp8: ParallelExperts, t: int, k: int,
@@ -66,6 +70,9 @@ def measure(experts: ParallelExperts, fp8: ParallelExperts, t: int, k: int,
     row["triton_fp8_layer_TBps"] = round(row["weight_bytes"] / 2 / row["triton_fp8_layer_us"]
                                          / 1e6, 3)
     row["fp8_max_abs_diff"] = (layer().float() - outs["triton"]).abs().max().item()
+    for launch in SWEEP[t <= 64]:  # the gate/up product at other tiles
+        row["up_us_" + "x".join(map(str, launch))] = round(time_graph(partial(
+            triton_moe.grouped_mm, rows_in, experts.w13, ends, None, launch)), 2)
     return row
 
 

@@ -69,11 +69,13 @@ def _launch(rows: int, n: int) -> tuple[int, int, int, int]:
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None,
+               launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``a`` ``[R, K]`` (rows grouped by expert), ``w`` ``[E, N, K]``, ``ends`` ``[E]``
     int32 -> ``[R, N]`` in ``a``'s dtype. ``w`` may hold e4m3 codes with ``scale``
     ``[E, N]`` float32 (one per output row): each tile widened to the dot dtype in
-    registers (exact), the scale applied to the float32 sum."""
+    registers (exact), the scale applied to the float32 sum. ``launch``: (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps) instead of ``_launch``'s (the benchmark's sweep)."""
     rows, k = a.shape
     e, n, k_w = w.shape
     assert k == k_w and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
@@ -81,7 +83,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if rows == 0:
         return out
-    bm, bn, bk, warps = _launch(rows, n)
+    bm, bn, bk, warps = launch or _launch(rows, n)
     dot_dtype, precision = dot_config(a.dtype, a.device)
     tl_dtype(a.dtype)  # refuses dtypes the kernel has no dot for
     grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
