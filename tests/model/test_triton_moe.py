@@ -99,3 +99,15 @@ def test_the_torch_ops_grouped_mm_on_cuda_in_other_dtypes(dtype):
     got = torch_ops.grouped_mm(a.to(DEVICE), w.to(DEVICE), ends.to(DEVICE))
     tol = ATOL[dtype] * 4
     torch.testing.assert_close(got.float().cpu(), _reference(a, w, ends), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("launch", [(16, 32, 128, 4), (64, 256, 64, 8), (128, 128, 64, 8)])
+def test_other_launches_give_the_same_product(kernels, launch):
+    """The benchmark's tiles (``bench/time_moe.py``'s sweep) compute the same product."""
+    gen = torch.Generator().manual_seed(15)
+    sizes = GROUPS["large"]
+    a = (torch.randn(sum(sizes), 136, generator=gen) / 136**0.5).to(DEVICE)
+    w = torch.randn(len(sizes), 72, 136, generator=gen).to(DEVICE)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    got = kernels["triton_moe"].grouped_mm(a, w, ends, None, launch)
+    torch.testing.assert_close(got.cpu(), _reference(a, w, ends), atol=4e-4, rtol=4e-4)
