@@ -111,3 +111,18 @@ def test_other_launches_give_the_same_product(kernels, launch):
     ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
     got = kernels["triton_moe"].grouped_mm(a, w, ends, None, launch)
     torch.testing.assert_close(got.cpu(), _reference(a, w, ends), atol=4e-4, rtol=4e-4)
+
+
+def test_large_bf16_steps_go_to_cutlass():
+    """The measured split (``CUTLASS_ROWS_PER_EXPERT``): above 64 routed rows per expert,
+    unscaled bf16 on CUDA takes ``torch._grouped_mm``; fp8 experts, other dtypes and the
+    CPU never do."""
+    from tpserve.model.kernels.triton_moe import uses_cutlass
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not uses_cutlass(128 * 64, 128, torch.bfloat16, cuda, False)
+    assert uses_cutlass(128 * 64 + 1, 128, torch.bfloat16, cuda, False)
+    assert uses_cutlass(8 * 2048, 8, torch.bfloat16, cuda, False)
+    assert not uses_cutlass(8 * 2048, 8, torch.bfloat16, cuda, True)
+    assert not uses_cutlass(8 * 2048, 8, torch.float16, cuda, False)
+    assert not uses_cutlass(8 * 2048, 8, torch.bfloat16, cpu, False)

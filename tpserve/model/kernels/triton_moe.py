@@ -61,6 +61,23 @@ def _grouped_mm_kernel(a_ptr, w_ptr, out_ptr, ends_ptr, scale_ptr, N, K, stride_
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# bf16 experts on CUDA: above this many routed rows per expert (on average) CUTLASS's
+# grouped GEMM (``torch._grouped_mm``) is faster than this kernel, below it slower
+# (H200, ``bench/time_moe.py``, round 26, whole expert layers: Qwen3-30B-A3B's 128
+# experts 1.21-1.49x faster here up to 256 tokens (16 rows each), 1.03x slower at 1,024
+# (64 each), 1.35x slower at 8,192 (512); Mixtral's 8 experts 1.14-1.59x faster up to 256
+# tokens (64 each), 1.20x slower at 1,024 (256))
+CUTLASS_ROWS_PER_EXPERT = 64
+
+
+def uses_cutlass(rows: int, experts: int, dtype: torch.dtype, device: torch.device,
+                 scaled: bool) -> bool:
+    """Whether ``grouped_mm`` hands the product to ``torch._grouped_mm``: unscaled bf16 on
+    CUDA with more than ``CUTLASS_ROWS_PER_EXPERT`` rows per expert."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and not scaled
+            and rows > CUTLASS_ROWS_PER_EXPERT * experts)
+
+
 def _launch(rows: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) for ``rows`` routed rows of ``n`` columns."""
     if rows <= 256:
@@ -75,9 +92,12 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     int32 -> ``[R, N]`` in ``a``'s dtype. ``w`` may hold e4m3 codes with ``scale``
     ``[E, N]`` float32 (one per output row): each tile widened to the dot dtype in
     registers (exact), the scale applied to the float32 sum. ``launch``: (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps) instead of ``_launch``'s (the benchmark's sweep)."""
+    BLOCK_K, warps) instead of ``_launch``'s (the benchmark's sweep); without it, large
+    bf16 steps go to ``torch._grouped_mm`` (``uses_cutlass``)."""
     rows, k = a.shape
     e, n, k_w = w.shape
+    if launch is None and uses_cutlass(rows, e, a.dtype, a.device, scale is not None):
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
     assert k == k_w and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
     assert ends.shape == (e,) and ends.dtype == torch.int32
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
