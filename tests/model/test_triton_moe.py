@@ -126,3 +126,30 @@ def test_large_bf16_steps_go_to_cutlass():
     assert not uses_cutlass(8 * 2048, 8, torch.bfloat16, cuda, True)
     assert not uses_cutlass(8 * 2048, 8, torch.float16, cuda, False)
     assert not uses_cutlass(8 * 2048, 8, torch.bfloat16, cpu, False)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="captures a CUDA graph: GPU only")
+def test_the_cutlass_path_replays_in_a_cuda_graph(kernels):
+    """A step large enough for ``torch._grouped_mm`` (bf16, 80 rows per expert), captured
+    in a CUDA graph with new routing written into its inputs before the replay, equals the
+    CPU reference of that routing."""
+    gen = torch.Generator().manual_seed(16)
+    e, rows = 8, 8 * 80
+    a = (torch.randn(rows, 136, generator=gen) / 136**0.5).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(e, 72, 136, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ends = torch.full((e,), 80, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    mm = kernels["triton_moe"]
+    assert mm.uses_cutlass(rows, e, a.dtype, a.device, False)
+    mm.grouped_mm(a, w, ends)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mm.grouped_mm(a, w, ends)
+    sizes = torch.tensor([0, 200, 40, 0, 100, 100, 1, 199], dtype=torch.int32)
+    ends.copy_(sizes.cumsum(0, dtype=torch.int32))
+    a.copy_((torch.randn(rows, 136, generator=gen) / 136**0.5).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(a, w, ends)
+    torch.testing.assert_close(out.float().cpu(), want, atol=ATOL[torch.bfloat16] * 4,
+                               rtol=ATOL[torch.bfloat16] * 4)
