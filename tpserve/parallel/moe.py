@@ -69,10 +69,10 @@ class ParallelExperts(nn.Module):
 
     ``expert_parallel`` (``--enable-expert-parallel``): each rank holds a contiguous range
     of whole experts instead (``expert_range``: E / tp each, the first E mod tp ranks one
-    more): it runs the routed
-    copies of the tokens that chose them and returns zero for the others, so the caller's
-    one reduction sums the experts as it sums the column shards otherwise. Fewer, wider
-    products per rank; the load is as balanced as the routing."""
+    more): it runs the routed copies of the tokens that chose them and returns zero for
+    the others, so the caller's one reduction sums the experts as it sums the column
+    shards otherwise. Fewer, wider products per rank; the load is as balanced as the
+    routing."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, comm: Communicator,
                  dtype: torch.dtype | None = None, quant_method=None,
