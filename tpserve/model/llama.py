@@ -397,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
-        experts = ExpertLoading(self, self.cfg.num_experts)
+        experts = ExpertLoading(self, params, self.cfg.num_experts)
         for name, source in weights:
             original = name
             if "rotary_emb" in name:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_support import dot_config, tl_dtype
+from tpserve.model.kernels.triton_support import dot_config
 
 
 @triton.jit
@@ -104,8 +104,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     if rows == 0:
         return out
     bm, bn, bk, warps = launch or _launch(rows, n)
-    dot_dtype, precision = dot_config(a.dtype, a.device)
-    tl_dtype(a.dtype)  # refuses dtypes the kernel has no dot for
+    dot_dtype, precision = dot_config(a.dtype, a.device)  # refuses other dtypes
     grid = (triton.cdiv(rows, bm) + e, triton.cdiv(n, bn))
     if scale is not None:
         assert scale.shape == (e, n) and scale.dtype == torch.float32 and scale.is_contiguous()

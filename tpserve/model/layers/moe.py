@@ -75,9 +75,9 @@ class ExpertLoading:
     ``(expert, part)``s each parameter has got: it counts as loaded (``complete``) once
     every expert's every part has, so a checkpoint missing one expert is refused."""
 
-    def __init__(self, model: nn.Module, num_experts: int):
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], num_experts: int):
         self.model = model
-        self.params = dict(model.named_parameters())
+        self.params = params  # model.named_parameters(), as the caller already holds them
         self.num_experts = num_experts
         self.parts: dict[str, set[tuple[int, str]]] = {}
 

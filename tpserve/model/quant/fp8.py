@@ -212,19 +212,25 @@ def searched_amax(w: torch.Tensor, amax: torch.Tensor, reduce=None) -> torch.Ten
     return amax * weight_scale_factors(w.device)[best]
 
 
-def quantize_layer_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's shard of ``layer.weight`` as ``(q [N, K] e4m3, scale [N] float32)``,
-    scaled per output channel of the unsharded weight with the least-error scale of the
-    search (row-parallel: the row amax is max-reduced and the errors summed over the
-    ranks, so that every rank picks the tp-1 scale)."""
-    w = layer.weight.detach()
+def quantize_rows(w: torch.Tensor, comm, row_parallel: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard ``w [N, K]`` as ``(q [N, K] e4m3, scale [N] float32)``, scaled per
+    output row of the unsharded weight with the least-error scale of the search
+    (``row_parallel``, columns split over ``comm``'s ranks: the row amax is max-reduced and
+    the errors summed over the ranks, so that every rank picks the tp-1 scale)."""
     amax = w.abs().amax(dim=-1, keepdim=True).float()
     reduce = None
-    if isinstance(layer, RowParallelLinear) and layer.comm.world_size > 1:
-        amax = -layer.comm.all_reduce_min(-amax)  # max over ranks
-        reduce = layer.comm.all_reduce
+    if row_parallel and comm.world_size > 1:
+        amax = -comm.all_reduce_min(-amax)  # max over ranks
+        reduce = comm.all_reduce
     q, scale = quantize_per_row(w, searched_amax(w, amax, reduce))
     return q, scale.view(-1)
+
+
+def quantize_layer_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of this rank's shard of ``layer.weight``."""
+    return quantize_rows(layer.weight.detach(), layer.comm,
+                         isinstance(layer, RowParallelLinear))
 
 
 @dataclass(frozen=True)
@@ -267,18 +273,11 @@ class Fp8LinearMethod:
         (``w2``, split by columns over the ranks like a row-parallel weight: its amax
         max-reduced and its errors summed over the ranks, so every rank picks the tp-1
         scale); weight-only products (the activations stay in the model's dtype)."""
-        comm = experts.comm
         # expert parallel: every expert whole on one rank, nothing to agree on
         for name, row_parallel in (("w13", False), ("w2", not experts.expert_parallel)):
             w = getattr(experts, name).detach()
             e, n, k = w.shape
-            flat = w.reshape(e * n, k)
-            amax = flat.abs().amax(dim=-1, keepdim=True).float()
-            reduce = None
-            if row_parallel and comm.world_size > 1:
-                amax = -comm.all_reduce_min(-amax)  # max over ranks
-                reduce = comm.all_reduce
-            q, scale = quantize_per_row(flat, searched_amax(flat, amax, reduce))
+            q, scale = quantize_rows(w.reshape(e * n, k), experts.comm, row_parallel)
             setattr(experts, name, nn.Parameter(q.view(e, n, k), requires_grad=False))
             setattr(experts, f"{name}_scale", scale.view(e, n))
 
