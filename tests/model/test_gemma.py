@@ -229,23 +229,12 @@ def _fp8_logits(group, folder: str, weight_only: bool) -> torch.Tensor:
 
 def _dequantized(hf, folder: str):
     """``hf`` with every linear weight replaced by our tp 1 fp8 weight, dequantized."""
+    from tests.model.util import copy_dequantized_layer
     from tpserve.model.quant.fp8 import Fp8LinearMethod
 
     ours, _ = load(folder, quant_method=Fp8LinearMethod())
-    cfg = ours.cfg
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    with torch.no_grad():
-        for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
-            for layer, parts, sizes in (
-                    (mine.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
-                    (mine.mlp.gate_up_proj, ("gate_proj", "up_proj"), None),
-                    (mine.self_attn.o_proj, ("o_proj",), None),
-                    (mine.mlp.down_proj, ("down_proj",), None)):
-                w = layer.weight.float() * layer.weight_scale.float().reshape(-1, 1)
-                rows = w.split(sizes) if sizes else w.chunk(len(parts))
-                owner = theirs.self_attn if parts[0].endswith(("q_proj", "o_proj")) else theirs.mlp
-                for name, r in zip(parts, rows, strict=True):
-                    getattr(owner, name).weight.copy_(r)
+    for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
+        copy_dequantized_layer(mine, theirs, ours.cfg)
     return hf
 
 

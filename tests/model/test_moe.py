@@ -322,32 +322,18 @@ def _fp8_steps(group, folder: str, expert_parallel: bool = False) -> list[torch.
 def _dequantized(hf, folder: str):
     """``hf`` with every linear and expert weight replaced by our tp 1 fp8 weight,
     dequantized (the router stays as it is: it is never quantized)."""
+    from tests.model.util import copy_dequantized_layer
+
     ours, _ = load(folder, quant_method=Fp8LinearMethod())
-    cfg = ours.cfg
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-
-    def dequantized(layer):
-        return layer.weight.float() * layer.weight_scale.float().reshape(-1, 1)
-
     with torch.no_grad():
         for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
-            att = theirs.self_attn
-            for name, w in zip(("q_proj", "k_proj", "v_proj"),
-                               dequantized(mine.self_attn.qkv_proj).split([q, kv, kv]),
-                               strict=True):
-                getattr(att, name).weight.copy_(w)
-            att.o_proj.weight.copy_(dequantized(mine.self_attn.o_proj))
-            mlps = [(mine.mlp, theirs.mlp)]
+            mlps = None
             if hasattr(mine.mlp, "experts"):
                 ex = mine.mlp.experts
                 theirs.mlp.experts.gate_up_proj.copy_(ex.w13.float() * ex.w13_scale[..., None])
                 theirs.mlp.experts.down_proj.copy_(ex.w2.float() * ex.w2_scale[..., None])
                 mlps = [(mine.mlp.shared_expert, theirs.mlp.shared_expert)]
-            for my_mlp, their_mlp in mlps:
-                gate, up = dequantized(my_mlp.gate_up_proj).chunk(2)
-                their_mlp.gate_proj.weight.copy_(gate)
-                their_mlp.up_proj.weight.copy_(up)
-                their_mlp.down_proj.weight.copy_(dequantized(my_mlp.down_proj))
+            copy_dequantized_layer(mine, theirs, ours.cfg, mlps)
     return hf
 
 

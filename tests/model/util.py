@@ -127,6 +127,27 @@ def hf_config(c, **overrides) -> dict:
             "eos_token_id": list(c.eos_token_ids), **overrides}
 
 
+@torch.no_grad()
+def copy_dequantized_layer(mine, theirs, cfg, mlps=None) -> None:
+    """Our tp 1 fp8 decoder layer's attention and MLP weights, dequantized, into
+    transformers' layer ``theirs``: q/k/v and o, and each ``(our MLP, their MLP)`` of
+    ``mlps`` (default: the layers' own ``mlp``) gate/up and down."""
+    def dequantized(layer):
+        return layer.weight.float() * layer.weight_scale.float().reshape(-1, 1)
+
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    att = theirs.self_attn
+    for name, w in zip(("q_proj", "k_proj", "v_proj"),
+                       dequantized(mine.self_attn.qkv_proj).split([q, kv, kv]), strict=True):
+        getattr(att, name).weight.copy_(w)
+    att.o_proj.weight.copy_(dequantized(mine.self_attn.o_proj))
+    for my_mlp, their_mlp in mlps or [(mine.mlp, theirs.mlp)]:
+        gate, up = dequantized(my_mlp.gate_up_proj).chunk(2)
+        their_mlp.gate_proj.weight.copy_(gate)
+        their_mlp.up_proj.weight.copy_(up)
+        their_mlp.down_proj.weight.copy_(dequantized(my_mlp.down_proj))
+
+
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -41,7 +41,6 @@ MOE_ARCHITECTURES = {"MixtralForCausalLM": "MistralForCausalLM",
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-
 def architecture_family(arch: str) -> str:
     """The causal LM whose flags ``arch`` takes: a base model's (``BASE_ARCHITECTURES``),
     a multimodal checkpoint's language model (``LANGUAGE_MODEL_OF``), a sequence
@@ -55,9 +54,8 @@ def moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     """A mixture of experts' ``ModelConfig`` fields, as transformers builds the model:
     Mixtral's and Granite-MoE's every layer sparse, their experts ``intermediate_size``
     wide, the top-k weights renormalized (Granite-MoE's softmax over the top-k logits is
-    that); Qwen2-MoE's and Qwen3-MoE's sparse layers every
-    ``decoder_sparse_step`` but ``mlp_only_layers`` (the rest dense, ``intermediate_size``
-    wide), experts ``moe_intermediate_size`` wide, renormalized by ``norm_topk_prob``,
+    that); Qwen2-MoE's and Qwen3-MoE's sparse layers every ``decoder_sparse_step`` but
+    ``mlp_only_layers`` (the rest dense, ``intermediate_size`` wide), experts ``moe_intermediate_size`` wide, renormalized by ``norm_topk_prob``,
     Qwen2-MoE's shared expert gated by a sigmoid. ``{}`` without experts."""
     experts = int(d.get("num_experts", d.get("num_local_experts")) or 0)
     if not experts:
