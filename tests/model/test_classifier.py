@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.model.test_tiny_models import TINY
-from tests.model.util import full_logits, load, new_pool, save_hf_folder
+from tests.model.util import full_logits, load, new_pool, save_hf_folder, tiny_hf_model
 from tpserve.model.config import ModelConfig
 from tpserve.model.plan import SeqChunk
 from tpserve.model.pooling import (
@@ -125,19 +125,11 @@ def _causal_lm(kind: str):
 
     torch.manual_seed({"qwen3": 54, "gemma": 55}[kind])
     if kind == "qwen3":
-        cfg = tf.Qwen3Config(**{**TINY, "vocab_size": 49152}, head_dim=32,
-                             rope_theta=1000000.0, tie_word_embeddings=True)
-        cfg.architectures = ["Qwen3ForCausalLM"]
-    else:
-        cfg = tf.GemmaConfig(**{**TINY, "vocab_size": 49152}, head_dim=32,
-                             tie_word_embeddings=False)
-        cfg.architectures = ["GemmaForCausalLM"]
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+        return tiny_hf_model(tf.Qwen3Config(**{**TINY, "vocab_size": 49152}, head_dim=32,
+                                            rope_theta=1000000.0, tie_word_embeddings=True),
+                             "Qwen3ForCausalLM")
+    return tiny_hf_model(tf.GemmaConfig(**{**TINY, "vocab_size": 49152}, head_dim=32,
+                                        tie_word_embeddings=False), "GemmaForCausalLM")
 
 
 def _token_scores(group, folder: str, overrides: str) -> list[float]:

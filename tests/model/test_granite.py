@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.model.test_tiny_models import TINY, TOKENS
-from tests.model.util import full_logits, load, save_gguf_file, save_hf_folder
+from tests.model.util import full_logits, load, save_gguf_file, save_hf_folder, tiny_hf_model
 from tpserve.model.config import ModelConfig
 from tpserve.parallel.launch import run_ranks
 
@@ -23,15 +23,9 @@ def _hf_granite(**changes):
     torch.manual_seed(60)
     cfg = tf.GraniteConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=True,
                            **{**MULTIPLIERS, **changes})
-    cfg.architectures = ["GraniteForCausalLM"]
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):  # scores of a few units:
-                p.mul_(8.0)  # the attention multiplier's changes the answer
-    return model
+    # q/k times 8: scores of a few units, so the attention multiplier changes the answer
+    return tiny_hf_model(cfg, "GraniteForCausalLM",
+                         scaled=(("q_proj.weight", "k_proj.weight"), 8.0))
 
 
 def _logits(group, path: str) -> torch.Tensor:

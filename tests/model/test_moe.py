@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.model.test_tiny_models import TINY
-from tests.model.util import hf_checkpoints, load, whole_and_stepped
+from tests.model.util import hf_checkpoints, load, tiny_hf_model, whole_and_stepped
 from tpserve.model.config import ModelConfig
 from tpserve.model.loader.dummy import hf_tensors, shape_config, shape_hf_config
 from tpserve.model.quant.fp8 import Fp8LinearMethod
@@ -47,17 +47,11 @@ def _hf_moe(kind: str, all_sparse: bool = False):
         cfg = tf.Qwen3MoeConfig(**tiny, head_dim=32, num_experts=8, num_experts_per_tok=3,
                                 moe_intermediate_size=32, norm_topk_prob=True,
                                 rope_theta=1000000.0)
-    cfg.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                          "qwen3_moe": "Qwen3MoeForCausalLM",
-                          "granitemoe": "GraniteMoeForCausalLM"}[kind]]
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
-                p.mul_(50.0)  # routers far from ties: rounding never flips an expert
-    return model
+    arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}[kind]
+    # routers times 50, far from ties: rounding never flips an expert
+    return tiny_hf_model(cfg, arch, biases=True, scaled=(
+        ("gate.weight", "shared_expert_gate.weight", "router.weight"), 50.0))
 
 
 @pytest.fixture(scope="module")

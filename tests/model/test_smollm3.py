@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.model.test_tiny_models import TINY
-from tests.model.util import hf_checkpoints, load, whole_and_stepped
+from tests.model.util import hf_checkpoints, load, tiny_hf_model, whole_and_stepped
 from tpserve.model.config import ModelConfig
 from tpserve.parallel.launch import run_ranks
 
@@ -22,15 +22,9 @@ def _hf_smollm3(interval: int = 2):
     torch.manual_seed(61)
     cfg = tf.SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, rope_theta=10000.0,
                            no_rope_layer_interval=interval, pad_token_id=0)
-    cfg.architectures = ["SmolLM3ForCausalLM"]
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(8.0)  # attention scores of a few units: positions matter
-    return model
+    # q/k times 8: attention scores of a few units, so positions matter
+    return tiny_hf_model(cfg, "SmolLM3ForCausalLM",
+                         scaled=(("q_proj.weight", "k_proj.weight"), 8.0))
 
 
 def _steps(group, folder: str) -> list[torch.Tensor]:

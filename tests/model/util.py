@@ -128,6 +128,25 @@ def hf_config(c, **overrides) -> dict:
 
 
 @torch.no_grad()
+def tiny_hf_model(cfg, architecture: str, biases: bool = False,
+                  scaled: tuple[tuple[str, ...], float] | None = None):
+    """transformers' float32 model of ``cfg`` (as ``architecture``), its norms (and with
+    ``biases`` its biases) moved off their initial values by N(0, 0.1) noise so that they
+    are really tested, and the parameters whose names end in ``scaled[0]`` multiplied by
+    ``scaled[1]``."""
+    import transformers as tf
+
+    cfg.architectures = [architecture]
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    for name, p in model.named_parameters():
+        if "norm" in name or (biases and name.endswith("bias")):
+            p.add_(torch.randn_like(p) * 0.1)
+        if scaled is not None and name.endswith(scaled[0]):
+            p.mul_(scaled[1])
+    return model
+
+
+@torch.no_grad()
 def copy_dequantized_layer(mine, theirs, cfg, mlps=None) -> None:
     """Our tp 1 fp8 decoder layer's attention and MLP weights, dequantized, into
     transformers' layer ``theirs``: q/k/v and o, and each ``(our MLP, their MLP)`` of
