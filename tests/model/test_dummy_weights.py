@@ -75,6 +75,15 @@ def test_qwen3_shapes_are_transformers_tensors(name, params):
     assert sum(torch.Size(s).numel() for s in tensors.values()) == params
 
 
+def _transformers_shapes(d: dict, cls) -> dict[str, tuple[int, ...]]:
+    """Every tensor (name -> shape) transformers' ``cls`` builds, on the meta device, from
+    the config.json contents ``d`` of a dummy shape."""
+    with torch.device("meta"):
+        hf = cls(cls.config_class(**{k: v for k, v in d.items()
+                                     if k not in ("architectures", "model_type")}))
+    return {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+
+
 @pytest.mark.parametrize("name,params,window", [("phi-3-mini", 3_821_079_552, 2047),
                                                 ("mistral-7b", 7_241_732_096, 4096)])
 def test_windowed_shapes_are_transformers_tensors(name, params, window):
@@ -87,11 +96,8 @@ def test_windowed_shapes_are_transformers_tensors(name, params, window):
     from tpserve.model.runner_config import resolve_max_model_len
 
     d = shape_hf_config(name)
-    cls = tf.Phi3ForCausalLM if name == "phi-3-mini" else tf.MistralForCausalLM
-    with torch.device("meta"):
-        hf = cls(cls.config_class(**{k: v for k, v in d.items()
-                                     if k not in ("architectures", "model_type")}))
-    want = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    want = _transformers_shapes(
+        d, tf.Phi3ForCausalLM if name == "phi-3-mini" else tf.MistralForCausalLM)
     cfg = shape_config(name)
     tensors = dict(hf_tensors(cfg))
     if name == "phi-3-mini":  # heads of 96: the Triton kernels tile them as 128
@@ -116,11 +122,8 @@ def test_gemma_shapes_are_transformers_tensors(name, params, windows):
     from tpserve.model.runner_config import resolve_max_model_len
 
     d = shape_hf_config(name)
-    cls = tf.Gemma2ForCausalLM if name == "gemma-2-9b" else tf.Gemma3ForCausalLM
-    with torch.device("meta"):
-        hf = cls(cls.config_class(**{k: v for k, v in d.items()
-                                     if k not in ("architectures", "model_type")}))
-    want = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    want = _transformers_shapes(
+        d, tf.Gemma2ForCausalLM if name == "gemma-2-9b" else tf.Gemma3ForCausalLM)
     del want["lm_head.weight"]  # tied
     cfg = shape_config(name)
     assert dict(hf_tensors(cfg)) == want
