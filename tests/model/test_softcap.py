@@ -121,12 +121,12 @@ def test_reference_equals_transformers_eager_attention(window):
     group, d, n, softcap = 4, 64, 21, 50.0
     q, k_cache, v_cache, meta = _case([(0, n)], group, d, torch.float32, seed=2, q_gain=12.0)
     scale = d ** -0.5
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=q.device)
     k, v = (_gather(c, meta, n) for c in (k_cache, v_cache))  # [n, Hkv, D]
     seen = pos[None, :] <= pos[:, None]
     if window is not None:
         seen &= pos[None, :] > pos[:, None] - window
-    mask = torch.zeros(n, n).masked_fill(~seen, float("-inf"))[None, None]
+    mask = torch.zeros(n, n, device=q.device).masked_fill(~seen, float("-inf"))[None, None]
     module = types.SimpleNamespace(num_key_value_groups=group, training=False, head_dim=d)
     want, _ = gemma2.eager_attention_forward(
         module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
