@@ -26,7 +26,8 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
          "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
          "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window",
-         "--config", "--enable-expert-parallel"]
+         "--config", "--enable-expert-parallel", "--enable-lora", "--lora-modules",
+         "--max-loras", "--max-lora-rank"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:

@@ -33,6 +33,7 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kv_pool import KVPool
 from tpserve.model.plan import StepPlan
+from tpserve.parallel.lora import LoraBatch
 
 DECODE, MIXED = "decode", "mixed"
 
@@ -83,8 +84,10 @@ def _smallest_at_least(buckets: list[int], n: int) -> int | None:
 class StepGraphs:
     def __init__(self, model: nn.Module, kv_pool: KVPool, attn: AttentionBackend,
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device, max_mixed_tokens: int = 0, token_multiple: int = 1):
+                 device: torch.device, max_mixed_tokens: int = 0, token_multiple: int = 1,
+                 lora: LoraBatch | None = None):
         self.model = model
+        self.lora = lora  # the adapters' per-token slots: graphs are captured with them on
         self.kv_pool = kv_pool
         self.attn = attn
         self.decode_buckets = buckets_for(max_num_seqs, token_multiple)
@@ -168,6 +171,8 @@ class StepGraphs:
         self.input_ids[:t].copy_(plan.input_ids)
         self.positions[:t].copy_(plan.positions)
         self.slot_mapping[:t].copy_(plan.slot_mapping)
+        if self.lora is not None:
+            self.lora.set(plan.lora_slots, True)
         self.seq_lens[:b].copy_(plan.seq_lens)
         self.block_tables[:b, :m].copy_(plan.block_tables)
         if bucket > t:
@@ -218,6 +223,8 @@ class StepGraphs:
         self.seq_lens.zero_()
         self.attn_state.reset()
         self.query_start_loc.zero_()
+        if self.lora is not None:
+            self.lora.set(None, True)
         keys = ([(MIXED, b) for b in reversed(self.mixed_buckets)]
                 + [(DECODE, b) for b in reversed(self.decode_buckets)])
         for key in keys:

@@ -14,7 +14,7 @@ import torch
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 
-HEADER_LEN = 12
+HEADER_LEN = 13
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built for
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
 # rank 0 asks for every rank's allocator figures: each rank answers with one all-gather
@@ -50,7 +50,8 @@ class SeqChunk:
     placeholder). ``prompt_targets`` (prompt log-probabilities): the prompt tokens that
     follow this chunk's first ``len(prompt_targets)`` tokens, whose log-probabilities under
     those rows' logits the step computes (``StepPlan.prompt_rows``), with ``prompt_top``
-    top alternatives each."""
+    top alternatives each. ``lora_slot``: the LoRA adapter slot its tokens run under
+    (``parallel/lora.py``), -1 the base model."""
 
     token_ids: list[int]
     num_computed: int
@@ -59,6 +60,7 @@ class SeqChunk:
     pending_src: int = -1
     prompt_targets: tuple[int, ...] = ()
     prompt_top: int = 0
+    lora_slot: int = -1
 
 
 @dataclass
@@ -79,6 +81,8 @@ class StepPlan:
     # prompt log-probabilities: rows whose logits score the next prompt token, and that token
     prompt_rows: torch.Tensor     # int64 [R]
     prompt_targets: torch.Tensor  # int64 [R]
+    # each token's LoRA adapter slot (-1: the base model); empty when no token has one
+    lora_slots: torch.Tensor      # int64 [T] or [0]
     prompt_top: int = 0           # top alternatives rank 0 keeps per scored row (the most asked)
 
     @classmethod
@@ -87,13 +91,14 @@ class StepPlan:
         """Chunks must come decodes first (single-token chunks of running sequences);
         ``attn`` adds what its kernels need beyond the common tensors."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
-        pend_rows, pend_src, prompt_rows, prompt_targets = [], [], [], []
+        pend_rows, pend_src, prompt_rows, prompt_targets, lora = [], [], [], [], []
         num_decodes = 0
         for c in chunks:
             n = len(c.token_ids)
             if n == 1 and num_decodes == len(lens):
                 num_decodes += 1
             ids.extend(c.token_ids)
+            lora.extend([c.lora_slot] * n)
             p = range(c.num_computed, c.num_computed + n)
             pos.extend(p)
             if len(c.prompt_targets) > n:
@@ -122,6 +127,7 @@ class StepPlan:
             torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
             torch.tensor(pend_src, dtype=i64), torch.tensor(prompt_rows, dtype=i64),
             torch.tensor(prompt_targets, dtype=i64),
+            torch.tensor(lora if any(s >= 0 for s in lora) else [], dtype=i64),
             max((c.prompt_top for c in chunks if c.prompt_targets), default=0))
 
     @property
@@ -134,27 +140,28 @@ class StepPlan:
         header = torch.tensor([CMD_STEP, self.num_tokens, b, m, self.logits_indices.shape[0],
                                self.num_decodes, self.max_query_len, self.max_seq_len,
                                self.attn_extra.shape[0], self.pending_rows.shape[0],
-                               self.prompt_rows.shape[0], self.prompt_top], dtype=torch.int64)
+                               self.prompt_rows.shape[0], self.prompt_top,
+                               self.lora_slots.shape[0]], dtype=torch.int64)
         payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
                              self.query_start_loc.long(), self.seq_lens.long(),
                              self.block_tables.flatten().long(), self.logits_indices,
                              self.attn_extra, self.pending_rows, self.pending_src,
-                             self.prompt_rows, self.prompt_targets])
+                             self.prompt_rows, self.prompt_targets, self.lora_slots])
         return header, payload
 
     @staticmethod
     def payload_sizes(tokens: int, seqs: int, blocks_per_seq: int, sampled: int, extra: int,
-                      pending: int, prompt: int) -> list[int]:
+                      pending: int, prompt: int, lora: int = 0) -> list[int]:
         """The payload's parts in order (see ``pack``); their sum bounds the receive
         buffer when the arguments are the largest a step can have."""
         t, b = tokens, seqs
         return [t, t, t, b + 1, b, b * blocks_per_seq, sampled, extra, pending, pending,
-                prompt, prompt]
+                prompt, prompt, lora]
 
     @staticmethod
     def _sizes(header: list[int]) -> list[int]:
-        _, t, b, m, s, _, _, _, n, p, r, _ = header
-        return StepPlan.payload_sizes(t, b, m, s, n, p, r)
+        _, t, b, m, s, _, _, _, n, p, r, _, lora = header
+        return StepPlan.payload_sizes(t, b, m, s, n, p, r, lora)
 
     @staticmethod
     def payload_len(header: torch.Tensor) -> int:
@@ -168,11 +175,11 @@ class StepPlan:
         parts = payload.split(cls._sizes(h))
         return cls(parts[0], parts[1], parts[2], parts[3].int(), parts[4].int(),
                    parts[5].int().view(b, m), parts[6], nd, mq, ms, parts[7],
-                   parts[8], parts[9], parts[10], parts[11], h[11])
+                   parts[8], parts[9], parts[10], parts[11], parts[12], h[11])
 
     _TENSORS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_tables", "logits_indices", "attn_extra", "pending_rows",
-                "pending_src", "prompt_rows", "prompt_targets")
+                "pending_src", "prompt_rows", "prompt_targets", "lora_slots")
 
     def to(self, device: torch.device) -> StepPlan:
         move = {k: getattr(self, k).to(device, non_blocking=True) for k in self._TENSORS}

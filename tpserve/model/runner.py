@@ -27,6 +27,7 @@ from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.lora.attach import attach_lora
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
@@ -63,6 +64,7 @@ from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, sco
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.comm import Communicator
+from tpserve.parallel.lora import LoraBatch
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
@@ -128,19 +130,22 @@ class ModelRunner:
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
                                                 group.rank, free0, total,
                                                 other_gpu_processes(device))) from None
+        tp = self.comm.world_size
+        t, b = limits.max_num_batched_tokens, limits.max_num_seqs
+        self.lora_batch: LoraBatch | None = None
+        if cfg.lora is not None:
+            self._attach_lora(cfg, quant, max(t, b) + tp)
         self.kv_calibration_tokens = 0
         if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
             self._calibrate_kv_scales()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if mcfg.num_experts and group.rank == 0:
             logger.info(experts_line(self.model, mcfg, weights))
-        tp = self.comm.world_size
         bs = limits.block_size
         self.max_blocks_per_seq = math.ceil(self.max_model_len / bs)
-        t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.max_payload = sum(StepPlan.payload_sizes(
             t, b, self.max_blocks_per_seq, sampled=b, extra=self.attn.max_plan_extra(t, b),
-            pending=b, prompt=t))
+            pending=b, prompt=t, lora=t if cfg.lora is not None else 0))
         self.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         self.payload_buf = torch.zeros(self.max_payload, dtype=torch.int64, device=device)
         # the last step's sampled tokens (rank 0 stores them; see SeqChunk.pending_src)
@@ -186,7 +191,7 @@ class ModelRunner:
         if use_graphs:
             self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
-                                     max_mixed, token_multiple=multiple)
+                                     max_mixed, token_multiple=multiple, lora=self.lora_batch)
             graphs = self.graphs.capture()
         free_now, _ = read_memory(device)
         named = other_gpu_processes(device)
@@ -202,6 +207,28 @@ class ModelRunner:
         self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
+
+    def _attach_lora(self, cfg: RunnerConfig, quant, max_tokens: int) -> None:
+        """Slots for ``cfg.lora``'s adapters on every LoRA-able layer, the adapters loaded
+        (``model/lora``); the slots count as weights in the memory plan."""
+        if quant is not None:
+            raise ValueError("LoRA adapters on FP8 linear layers are not supported: serve "
+                             "the model unquantized (--quantization none) with --enable-lora")
+        self.lora_batch = LoraBatch(max_tokens, self.device)
+        nbytes = attach_lora(self.model, cfg.lora, self.lora_batch)
+        if self.comm.rank == 0:
+            lora = cfg.lora
+            logger.info("LoRA: %d adapter(s) (%s) in %d slot(s) of rank %d on every "
+                        "projection: %.1f MiB per rank", len(lora.modules),
+                        ", ".join(m.name for m in lora.modules) or "none", lora.max_loras,
+                        lora.max_lora_rank, nbytes / 2**20)
+
+    def _lora_all_base(self) -> None:
+        """Profiling and warm-up steps run the adapters' products (masked: every token
+        on the base model), so their workspace is measured and nothing new is allocated
+        later."""
+        if self.lora_batch is not None:
+            self.lora_batch.set(None, True)
 
     def _calibrate_kv_scales(self) -> None:
         """Every layer's FP8 KV scales from one prefill of the calibration text (every rank,
@@ -306,6 +333,7 @@ class ModelRunner:
                      self.device)
         plans = [StepPlan.build(c, lim.block_size, self.attn).to(self.device)
                  for c in (prefill_only, mixed)]
+        self._lora_all_base()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -338,6 +366,7 @@ class ModelRunner:
         bs = self.limits.block_size
         nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
         table = list(range(nblocks))
+        self._lora_all_base()
         for d in buckets_for(self.limits.max_num_seqs):
             contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
                                         if c < nblocks * bs}
@@ -453,6 +482,8 @@ class ModelRunner:
         scored = plan.prompt_rows.shape[0] > 0
         if not scored and self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)  # never for a pooling runner: it has no graphs
+        if self.lora_batch is not None:
+            self.lora_batch.set(plan.lora_slots, plan.lora_slots.shape[0] > 0)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                             plan.metadata(self.attn))
         if self.cfg.pooling:  # no logits: nothing is sampled (an empty [0, hidden])

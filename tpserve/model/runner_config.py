@@ -10,6 +10,7 @@ from tpserve.model.families import architecture_family
 from tpserve.model.kernels.backend import KERNEL_BACKENDS
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, is_fp8
 from tpserve.model.loader.build import DTYPE_NAMES
+from tpserve.model.lora.adapter import LoraConfig
 from tpserve.model.pooling import RUNNERS, PoolerConfig
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATIONS
@@ -62,6 +63,8 @@ class RunnerConfig:
     # pooling given by ``pooler``; steps run eagerly, no CUDA graphs)
     runner: str = "generate"
     pooler: PoolerConfig | None = None
+    # --enable-lora: the adapters served, each in its slot (model/lora); None: no LoRA
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         for flag, value, names in (("--dtype", self.dtype, DTYPE_NAMES),
@@ -108,6 +111,12 @@ class RunnerConfig:
                              f"got {self.runner!r}")
         if (self.pooler is not None) != self.pooling:
             raise ValueError("a pooler config goes with --runner pooling, and only with it")
+        if self.lora is not None and self.pooling:
+            raise ValueError("--enable-lora serves adapters for generation; --runner pooling "
+                             "(embeddings, classifiers) takes none")
+        if self.lora is not None and self.quantization != "none":
+            raise ValueError(f"--enable-lora with --quantization {self.quantization}: LoRA "
+                             "adapters on FP8 linear layers are not supported")
 
     @property
     def pooling(self) -> bool:

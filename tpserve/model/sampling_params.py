@@ -94,6 +94,9 @@ class SamplingParams:
     # an embedding request: the prompt is pooled instead of continued (n 1, max_tokens
     # unused: nothing is sampled)
     pooling: PoolingParams | None = None
+    # the LoRA adapter the request runs under: its slot (``LoraConfig.modules`` order, fixed
+    # at start-up); None: the base model. Not sampling either; it travels with the request
+    lora_slot: int | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
@@ -147,6 +150,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.lora_slot is not None and self.lora_slot < 0:
+            raise bad("lora_slot", f"must be a slot >= 0, got {self.lora_slot}")
         if self.cache_salt is not None and not self.cache_salt:
             raise bad("cache_salt", "must not be empty")
         if any(not w or min(w) < 0 for w in self.bad_words_token_ids):

@@ -35,6 +35,9 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
   None where per token. ``input_quantization`` below asks all three.
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
+
+``lora`` (None unless LoRA adapters are served: ``parallel/lora.py``) adds the adapters'
+deltas to this rank's output before any gather or reduction.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.out_per_rank = out_per_rank
         self.quant_method.create_weights(self, out_per_rank, in_features, dtype)
+        self.lora = None
         self.bias = empty_param((out_per_rank,), dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -184,6 +188,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None and self.lora.batch.active:
+            y = self.lora.add_to(x, y)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -300,12 +306,14 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.quant_method = quant_method or UNQUANTIZED
         self.reduce = reduce
+        self.in_features = in_features  # the checkpoint's, unsharded
         if in_map is None:
             per = split_evenly(in_features, comm.world_size, "input features")
             in_map = ShardMap(per, ((0, comm.rank * per, per),))
         self.in_map = in_map
         self.in_per_rank = in_map.numel
         self.quant_method.create_weights(self, out_features, self.in_per_rank, dtype)
+        self.lora = None
         self.bias = empty_param((out_features,), dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.bias_loader
@@ -335,6 +343,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, None)
+        if self.lora is not None and self.lora.batch.active:
+            y = self.lora.add_to(x, y)
         if self.reduce == "all_reduce":
             y = self.comm.all_reduce(y)
         elif self.reduce == "reduce_scatter":

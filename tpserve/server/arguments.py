@@ -167,6 +167,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "model's final hidden states pooled (no LM head is loaded; "
                         "Qwen3-Embedding, e5-mistral and other decoder embedding models); "
                         "auto = generate")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (--lora-modules) beside the base model, a request "
+                        "choosing one by its model name (vLLM's flag)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="the adapters: NAME=PATH (a PEFT adapter folder) or a JSON object "
+                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapter slots on the device; default: one per --lora-modules entry")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank the slots hold (a larger one is refused)")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help="with --runner pooling: {\"pooling_type\": \"LAST\"|\"MEAN\"|"
                         "\"CLS\", \"normalize\": true|false} over the checkpoint's "

@@ -20,6 +20,7 @@ import argparse
 import os
 import ssl
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id
+from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter
 from tpserve.model.pooling import resolve_pooler_config, resolve_runner
 from tpserve.model.quant.methods import resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
@@ -175,6 +177,26 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
     return buckets[-1] if buckets else None
 
 
+def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
+    """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
+    adapter, before any weight loads); None without the flag."""
+    if not a.enable_lora:
+        if a.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    modules = tuple(LoraModule.parse(m) for m in a.lora_modules or ())
+    for m in modules:
+        if not Path(m.path).is_dir():
+            raise ValueError(f"--lora-modules {m.name}={m.path}: not a folder (tpserve reads "
+                             "local PEFT adapter folders)")
+        try:
+            read_adapter(m.path, a.max_lora_rank)
+        except ValueError as e:  # naming what it cannot apply
+            raise ValueError(f"--lora-modules {m.name}: {e}") from None
+    return LoraConfig(modules, a.max_loras if a.max_loras is not None else max(1, len(modules)),
+                      a.max_lora_rank)
+
+
 def config_from_args(a: argparse.Namespace) -> Config:
     """Builds, resolves and validates the whole tree; raises ValueError naming the flag
     (FileNotFoundError for a missing model). The checkpoint is opened for its config only
@@ -260,6 +282,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                "(converting a causal LM's head into a classifier is not supported)"))
     if a.pooler_config is not None and runner_kind != "pooling":
         raise ValueError("--pooler-config needs --runner pooling")
+    lora = resolve_lora(a)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,
         tokenizer=tokenizer, dtype=dtype,
@@ -278,7 +301,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
         memory_history=a.memory_history, nvtx=a.nvtx, runner=runner_kind,
-        disable_sliding_window=a.disable_sliding_window,
+        disable_sliding_window=a.disable_sliding_window, lora=lora,
         pooler=resolve_pooler_config(a.pooler_config, ckpt.pooling(),
                                      ckpt.config.hidden_size,
                                      ckpt.config.matryoshka_dimensions, ckpt.config.labels)
@@ -292,5 +315,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
         max_model_len=resolve_max_model_len(a.max_model_len, model),
         block_size=a.block_size, max_mixed_tokens=max_mixed,
         enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy)
-    return Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
-                  server=server)
+    cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
+                 server=server)
+    served = (cfg.served_model_name, *server.served_model_aliases)
+    for m in lora.modules if lora is not None else ():
+        if m.name in served:
+            raise ValueError(f"--lora-modules: {m.name!r} is the served model's name")
+    return cfg

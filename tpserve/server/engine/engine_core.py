@@ -308,8 +308,10 @@ class EngineCore:
                 targets = tuple(seq.prompt_token_ids[start + 1:start + 1 + k])
                 if k:
                     scored.append((seq, start, k))
+            lora = seq.params.lora_slot
             chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets,
-                                   seq.params.prompt_logprobs or 0))
+                                   seq.params.prompt_logprobs or 0,
+                                   -1 if lora is None else lora))
             if sample:
                 sampling.append(seq)
         launched = self._launch(chunks, sampling, scored, pooled)

@@ -76,9 +76,11 @@ class Sequence:
     @property
     def cache_key(self) -> bytes:
         """The prefix cache's ``extra_key`` of this sequence's blocks: its request's
-        ``cache_salt`` (vLLM's; hits only between requests with the same salt), else none."""
-        salt = self.params.cache_salt
-        return b"" if salt is None else b"salt:" + salt.encode()
+        ``cache_salt`` (vLLM's; hits only between requests with the same salt) and its LoRA
+        adapter (an adapter's K and V are not the base model's), else none."""
+        salt, lora = self.params.cache_salt, self.params.lora_slot
+        key = b"" if salt is None else b"salt:" + salt.encode()
+        return key if lora is None else key + b"|lora:" + str(lora).encode()
 
     @property
     def scores_prompt(self) -> bool:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import tpserve
+from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.access_log import AccessLogMiddleware
@@ -49,7 +50,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               response_role: str = "assistant",
               max_logprobs: int = SamplingParams.MAX_LOGPROBS,
               root_path: str | None = None, docs: bool = True,
-              pooler: PoolerConfig | None = None) -> FastAPI:
+              pooler: PoolerConfig | None = None,
+              lora_modules: tuple[LoraModule, ...] = ()) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -62,7 +64,9 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     ``add_generation_prompt``; ``max_logprobs`` the most logprobs a request may ask;
     ``root_path`` FastAPI's (routes answer with and without the prefix); ``docs`` false
     drops /openapi.json, /docs and /redoc; ``pooler`` (``--runner pooling``): the engine
-    pools, and the app answers /v1/embeddings instead of completions and chat."""
+    pools, and the app answers /v1/embeddings instead of completions and chat;
+    ``lora_modules``: the LoRA adapters served (slot i: ``lora_modules[i]``), each a model
+    name a request may choose."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -95,6 +99,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         response_role=response_role,
         max_logprobs=max_logprobs,
         pooler=pooler,
+        lora_modules=tuple(lora_modules),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
@@ -116,6 +117,15 @@ def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
     constraints["structured"] = plan.structured
 
 
+def _adapter_card(state: ServerState, module: LoraModule) -> ModelCard:
+    """A LoRA adapter's entry in /v1/models, as vLLM lists one: its folder as ``root``, the
+    base model as ``parent``."""
+    return ModelCard(id=module.name, created=state.created, root=module.path,
+                     parent=module.base_model_name or state.served_model_names[0],
+                     max_model_len=state.engine.max_model_len,
+                     default_sampling_params=state.default_sampling_params)
+
+
 async def _serve(request: Request, state: ServerState, body: SamplingRequest, prefix: str,
                  prompts: list[tuple[list[int], SamplingParams]], model: str,
                  tracker: RequestTracker, tools: ToolPlan | None = None,
@@ -125,6 +135,9 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole: as its endpoint does, or as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique
+    slot = state.lora_slot(model)
+    if slot is not None:  # the adapter the request named
+        prompts = [(ids, replace(p, lora_slot=slot)) for ids, p in prompts]
     params = prompts[0][1]
     answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
@@ -180,11 +193,15 @@ def make_openai_router() -> APIRouter:
             ModelCard(id=name, created=state.created, root=state.engine.model_name,
                       max_model_len=state.engine.max_model_len,
                       default_sampling_params=state.default_sampling_params)
-            for name in state.served_model_names])
+            for name in state.served_model_names] + [
+            _adapter_card(state, m) for m in state.lora_modules])
 
     @router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def retrieve_model(model_id: str, request: Request) -> ModelCard:
         state = get_state(request)
+        slot = state.lora_slot(model_id)
+        if slot is not None:
+            return _adapter_card(state, state.lora_modules[slot])
         if model_id not in state.served_model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                            code="model_not_found")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
@@ -37,12 +38,19 @@ class ServerState:
     # --runner pooling: how embeddings are pooled (the server answers /v1/embeddings only);
     # None: a generative server
     pooler: PoolerConfig | None = None
+    # --lora-modules: the adapters served beside the base model, ``lora_modules[i]`` in slot i
+    lora_modules: tuple[LoraModule, ...] = ()
+
+    def lora_slot(self, model: str) -> int | None:
+        """The slot of the adapter served as ``model``; None for the base model."""
+        return next((i for i, m in enumerate(self.lora_modules) if m.name == model), None)
 
     def resolve_model(self, requested: str | None) -> str:
-        """The served name to answer with; 404 for a model this server does not serve."""
+        """The served name to answer with (the base model's or an adapter's); 404 for a
+        model this server does not serve."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested in self.served_model_names:
+        if requested in self.served_model_names or self.lora_slot(requested) is not None:
             return requested
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")

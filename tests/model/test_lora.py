@@ -1,0 +1,252 @@
+"""LoRA adapters written by PEFT (``save_pretrained``) on tiny random Llama and Qwen2
+(biased q/k/v) checkpoints: one step holding sequences under two adapters and the base
+model gives, row for row, PEFT's own logits with that adapter active (or disabled) in
+float32, at tp 1, 2 and 3 (tp 3 pads heads and MLP columns, and the adapters' shards with
+them) and sequence parallel at tp 2, prefilled whole, in chunks and decoded. Adapter "a"
+has rank 4 on all seven projections; "b" rank 8, rsLoRA, on q, v and down only; a third
+slot stays empty. A token on the base model gets exactly the model without LoRA; what
+tpserve cannot apply is refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model.test_tiny_models import TINY
+from tests.model.util import CPU, load, new_pool, save_hf_folder, tiny_hf_model
+from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter
+from tpserve.model.lora.attach import attach_lora, lora_layers
+from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.parallel.launch import run_ranks
+from tpserve.parallel.lora import LoraBatch
+
+peft = pytest.importorskip("peft")
+
+TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60, 61, 8]
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"a": dict(r=4, lora_alpha=8, target_modules=ALL),
+            "b": dict(r=8, lora_alpha=4, use_rslora=True,
+                      target_modules=["q_proj", "v_proj", "down_proj"])}
+SLOTS = (0, 1, -1)  # the sequences of each step: adapter a, adapter b, the base model
+MAX_RANK = 8
+
+
+def _hf(kind: str):
+    import transformers as tf
+
+    torch.manual_seed({"llama": 80, "qwen2": 81}[kind])
+    if kind == "llama":
+        return tiny_hf_model(tf.LlamaConfig(**TINY, rope_theta=10000.0), "LlamaForCausalLM")
+    return tiny_hf_model(tf.Qwen2Config(**TINY, rope_theta=10000.0), "Qwen2ForCausalLM",
+                         biases=True)
+
+
+@torch.no_grad()
+def save_adapter(hf, folder: Path, seed: int, **config) -> Path:
+    """PEFT's adapter of ``config`` on a copy of ``hf``, both its matrices random (PEFT
+    starts B at zero), saved as PEFT saves it."""
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**config))
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@torch.no_grad()
+def peft_logits(hf, folders: dict[str, Path], tokens: list[int]) -> dict:
+    """Every position's logits under each adapter (PEFT applying it) and without any."""
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(folders["a"]),
+                                           adapter_name="a")
+    model.load_adapter(str(folders["b"]), adapter_name="b")
+    x = torch.tensor([tokens])
+    want = {}
+    for name in folders:
+        model.set_adapter(name)
+        want[name] = model(x).logits[0]
+    with model.disable_adapter():
+        want[None] = model(x).logits[0]
+    return want
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            root = tmp_path_factory.mktemp(f"lora-{kind}")
+            hf = _hf(kind)
+            folder = save_hf_folder(hf, root / "base")
+            folders = {n: save_adapter(hf, root / n, 90 + i, **c)
+                       for i, (n, c) in enumerate(ADAPTERS.items())}
+            made[kind] = str(folder), folders, peft_logits(hf, folders, TOKENS)
+        return made[kind]
+    return get
+
+
+def lora_config(folders: dict[str, Path], max_loras: int = 3) -> LoraConfig:
+    return LoraConfig(tuple(LoraModule(n, str(f)) for n, f in folders.items()), max_loras,
+                      MAX_RANK)
+
+
+def with_lora(folder: str, folders, group=None, tp_comm: str = "allreduce"):
+    model, comm = load(folder, group, tp_comm=tp_comm)
+    batch = LoraBatch(256, CPU)
+    attach_lora(model, lora_config(folders), batch)
+    return model, comm, batch
+
+
+@torch.no_grad()
+def run_step(model, batch: LoraBatch | None, pool, chunks: list[SeqChunk]) -> torch.Tensor:
+    """Every new token's logits of one step, the batch's slots set from the plan as the
+    runner sets them."""
+    attn = model.attn_backend
+    plan = StepPlan.build(chunks, pool.block_size, attn)
+    if batch is not None:
+        batch.set(plan.lora_slots, plan.lora_slots.shape[0] > 0)
+    hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata(attn))
+    return model.compute_logits(hidden)
+
+
+def _per_sequence(logits: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(logits.split(sizes))
+
+
+def _steps(group, folder: str, folders, tp_comm: str) -> list[list[torch.Tensor]]:
+    """Each sequence's logits at every position two ways: the three sequences prefilled
+    whole in one step; and together in steps of 7 and 8 prompt tokens, then decodes."""
+    model, comm, batch = with_lora(folder, folders, group, tp_comm)
+    n = len(TOKENS)
+    per = -(-n // 16)
+    blocks = [list(range(i * per, (i + 1) * per)) for i in range(len(SLOTS))]
+    pool = new_pool(model, comm)
+    whole = _per_sequence(run_step(model, batch, pool, [
+        SeqChunk(TOKENS, 0, blocks[i], True, lora_slot=s) for i, s in enumerate(SLOTS)]),
+        [n] * len(SLOTS))
+    pool = new_pool(model, comm)
+    stepped: list[list[torch.Tensor]] = [[] for _ in SLOTS]
+    cuts = [(0, 7), (7, 15)] + [(p, p + 1) for p in range(15, n)]
+    for lo, hi in cuts:
+        out = run_step(model, batch, pool, [
+            SeqChunk(TOKENS[lo:hi], lo, blocks[i], True, lora_slot=s)
+            for i, s in enumerate(SLOTS)])
+        for i, part in enumerate(_per_sequence(out, [hi - lo] * len(SLOTS))):
+            stepped[i].append(part)
+    return [whole, [torch.cat(p) for p in stepped]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_adapters_equal_peft(checkpoints, kind):
+    folder, folders, want = checkpoints(kind)
+    rows = [want["a"], want["b"], want[None]]
+    for name in ("a", "b"):  # each adapter really changes the answer
+        assert (want[name] - want[None]).abs().max().item() > 0.1
+    for tp, tp_comm in ((1, "allreduce"), (2, "allreduce"), (3, "allreduce"),
+                        (2, "allgather")):
+        for whole, stepped in run_ranks(_steps, tp, folder, folders, tp_comm):
+            for got_whole, got_stepped, w, slot in zip(whole, stepped, rows, SLOTS,
+                                                       strict=True):
+                assert (got_whole - w).abs().max().item() < 1e-4, (kind, tp, tp_comm, slot)
+                assert (got_stepped - w).abs().max().item() < 1e-4, (kind, tp, tp_comm, slot)
+
+
+def test_the_base_model_is_unchanged_exactly(checkpoints):
+    """With the slots attached, a step with no adapter (the layers skip them) and a step
+    whose tokens are all on the base model beside nothing else (the products run, masked)
+    both give exactly the logits of the model without LoRA."""
+    folder, folders, _ = checkpoints("llama")
+    plain, comm = load(folder)
+    model, _, batch = with_lora(folder, folders)
+    chunk = [SeqChunk(TOKENS, 0, [0, 1], True)]
+    want = run_step(plain, None, new_pool(plain, comm), chunk)
+    assert torch.equal(run_step(model, batch, new_pool(model, comm), chunk), want)
+    assert not batch.active
+    batch.set(None, True)  # as CUDA graphs replay a step without adapters
+    plan = StepPlan.build(chunk, 16, model.attn_backend)
+    with torch.no_grad():
+        hidden = model(plan.input_ids, plan.positions, new_pool(model, comm).layers,
+                       plan.metadata(model.attn_backend))
+        assert torch.equal(model.compute_logits(hidden), want)
+
+
+def test_slots_cover_every_projection(checkpoints):
+    """Every attention and MLP projection carries max_loras slots of the max rank; adapter
+    b's layers outside its targets, and the empty third slot, are zero."""
+    folder, folders, _ = checkpoints("llama")
+    model, _, _ = with_lora(folder, folders)
+    layers = lora_layers(model)
+    assert sorted({name.rpartition(".")[2] for name in layers}) == [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert len(layers) == 4 * TINY["num_hidden_layers"]
+    qkv = layers["model.layers.0.self_attn.qkv_proj"].lora
+    assert qkv.a.shape == (3 * 3 * MAX_RANK, TINY["hidden_size"])
+    k_b = qkv.b[:, qkv.columns(1, "k")]
+    assert not k_b.any() and not qkv.a[qkv.columns(1, "k")].any()  # b has no k_proj
+    assert qkv.a[qkv.columns(0, "k")][:4].any()
+    assert not qkv.a[qkv.columns(0, "k")][4:].any()  # rank 4 of 8: padded with zeros
+    assert not qkv.a[2 * 3 * MAX_RANK:].any() and not qkv.b[:, 2 * 3 * MAX_RANK:].any()
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_refusals(checkpoints, tmp_path):
+    """Each adapter tpserve cannot apply as PEFT would is refused, naming why."""
+    import shutil
+
+    folder, folders, _ = checkpoints("llama")
+
+    def variant(name: str, **changes) -> Path:
+        out = tmp_path / name
+        shutil.copytree(folders["a"], out)
+        _edit_config(out, **changes)
+        return out
+
+    refusals = {
+        "DoRA": variant("dora", use_dora=True),
+        "LoRA biases": variant("lora-bias", lora_bias=True),
+        "bias 'all'": variant("bias", bias="all"),
+        "modules_to_save": variant("save", modules_to_save=["lm_head"]),
+        "per-module ranks": variant("ranks", rank_pattern={"q_proj": 2}),
+        "exceeds --max-lora-rank 8": variant("rank", r=16),
+        "peft_type 'IA3'": variant("ia3", peft_type="IA3"),
+    }
+    for why, path in refusals.items():
+        with pytest.raises(ValueError, match=why):
+            read_adapter(path, MAX_RANK)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(folders["a"], pickled)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(ValueError, match="is a pickle"):
+        read_adapter(pickled, MAX_RANK)
+    hf = _hf("llama")
+    with pytest.raises(ValueError, match="applies LoRA to q_proj"):  # embeddings, the head
+        read_adapter(save_adapter(hf, tmp_path / "head", 1, r=4,
+                                  target_modules=["q_proj", "lm_head"]), MAX_RANK)
+    with pytest.raises(ValueError, match="not a LoRA A or B matrix"):
+        read_adapter(save_adapter(hf, tmp_path / "embed", 1, r=4,
+                                  target_modules=["embed_tokens"]), MAX_RANK)
+    with pytest.raises(ValueError, match="--max-loras is 1"):
+        lora_config(folders, max_loras=1)
+    import transformers as tf
+
+    deeper = tiny_hf_model(tf.LlamaConfig(**{**TINY, "num_hidden_layers": 3}),
+                           "LlamaForCausalLM")
+    model, _ = load(folder)
+    deep = {"deep": save_adapter(deeper, tmp_path / "deep", 2, r=4, target_modules=ALL)}
+    with pytest.raises(ValueError, match="'deep'.*no layer model.layers.2"):
+        attach_lora(model, lora_config(deep, 1), LoraBatch(8, CPU))
+    wider = tiny_hf_model(tf.LlamaConfig(**{**TINY, "intermediate_size": 96}),
+                          "LlamaForCausalLM")
+    model, _ = load(folder)
+    wide = {"wide": save_adapter(wider, tmp_path / "wide", 3, r=4, target_modules=ALL)}
+    with pytest.raises(ValueError, match="'wide'.*shape"):
+        attach_lora(model, lora_config(wide, 1), LoraBatch(8, CPU))

@@ -1,0 +1,130 @@
+"""LoRA adapters served end to end: a real ``tpserve serve --enable-lora`` at tp 2 (engine
+process, memory plan, step loop) with two PEFT adapters on a tiny Llama, driven by the
+``openai`` client. Requests naming the base model and each adapter run together; each
+gets PEFT's own greedy tokens and log-probabilities for its adapter; a prompt cached under
+one model is not reused under another (the prefix cache keys on the adapter); /v1/models
+lists the adapters under their base model; an unknown model is a 404; the KV pool ends
+free. The flags resolve to the runner's config and bad ones stop the start naming them."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.model.test_lora import ADAPTERS, _hf, save_adapter
+from tests.server.serverproc import ServerProcess, stopped_on_exit
+from tests.server.test_gemma_server import FLAGS, NEW_TOKENS, _greedy
+from tests.test_cli import _cfg
+
+peft = pytest.importorskip("peft")
+
+# the second prompt fills two KV blocks of 16: a prefix-cache hit if keys ignored adapters
+PROMPTS = [[5, 9, 13, 200], [(7 * i + 3) % 256 for i in range(36)]]
+MODELS = ("tiny", "a", "b")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-served")
+    hf = _hf("llama")
+    folders = {n: save_adapter(hf, root / n, 90 + i, **c)
+               for i, (n, c) in enumerate(ADAPTERS.items())}
+    return root, hf, folders
+
+
+@pytest.fixture(scope="module")
+def served(adapters, smollm2_tokenizer):
+    root, hf, folders = adapters
+    base = root / "base"
+    hf.save_pretrained(base)
+    smollm2_tokenizer.save_pretrained(base)  # its first 256 ids are the tiny vocab
+    server = ServerProcess(str(base), *FLAGS, "--enable-lora", "--lora-modules",
+                           f"a={folders['a']}",
+                           f'{{"name": "b", "path": "{folders["b"]}", '
+                           f'"base_model_name": "tiny-base"}}', "--max-lora-rank", "8",
+                           wait=False)
+    oracle = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(folders["a"]),
+                                            adapter_name="a")
+    oracle.load_adapter(str(folders["b"]), adapter_name="b")
+    want = {}
+    for name in ("a", "b"):
+        oracle.set_adapter(name)
+        want[name] = [_greedy(oracle, p) for p in PROMPTS]
+    want["tiny"] = [_greedy(hf, p) for p in PROMPTS]
+    with stopped_on_exit({"lora": server}) as started:
+        yield started["lora"].wait_until_healthy(), want, folders
+
+
+def _complete(client, model, prompt):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def _check(answer, want):
+    ids, lps = want
+    choice = answer.choices[0]
+    assert choice.model_extra["token_ids"] == ids
+    assert choice.logprobs.token_logprobs == pytest.approx(lps, abs=1e-4)
+
+
+def test_each_model_name_gets_its_adapters_tokens(served):
+    server, want, _ = served
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    for name in MODELS:  # adapters really change the answers of this test
+        assert name == "tiny" or want[name] != want["tiny"]
+    jobs = [(m, i) for m in MODELS for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # batched together: slots mixed in steps
+        answers = list(pool.map(lambda j: _complete(client, j[0], PROMPTS[j[1]]), jobs))
+    for (model, i), answer in zip(jobs, answers, strict=True):
+        assert answer.model == model
+        _check(answer, want[model][i])
+    # one after another on the two-block prompt: each finds the others' blocks cached
+    for model in ("tiny", "a", "b", "a", "tiny"):
+        _check(_complete(client, model, PROMPTS[1]), want[model][1])
+    server.wait_pool_free()
+
+
+def test_models_list_the_adapters_and_unknown_names_are_404(served):
+    server, _, folders = served
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=60)
+    cards = {m.id: m for m in client.models.list().data}
+    assert list(cards) == ["tiny", "a", "b"]
+    assert cards["a"].model_extra["parent"] == "tiny" and cards["a"].root == str(folders["a"])
+    assert cards["b"].model_extra["parent"] == "tiny-base"
+    assert client.models.retrieve("b").root == str(folders["b"])
+    with pytest.raises(openai.NotFoundError, match="The model `c` does not exist"):
+        _complete(client, "c", PROMPTS[0])
+
+
+def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
+    _, _, folders = adapters
+    lora = _cfg("--enable-lora", "--lora-modules", f"x={folders['a']}", f"y={folders['b']}",
+                "--max-lora-rank", "8").runner.lora
+    assert [(m.name, m.path) for m in lora.modules] == [("x", str(folders["a"])),
+                                                       ("y", str(folders["b"]))]
+    assert (lora.max_loras, lora.max_lora_rank) == (2, 8)
+    assert _cfg("--enable-lora", "--max-loras", "4").runner.lora.max_loras == 4
+    assert _cfg().runner.lora is None
+    bad = {
+        ("--lora-modules", f"x={folders['a']}"): "--lora-modules needs --enable-lora",
+        ("--enable-lora", "--lora-modules", "x"): "expected NAME=PATH",
+        ("--enable-lora", "--lora-modules", '{"name": "x"}'): 'needs "name" and "path"',
+        ("--enable-lora", "--lora-modules", f"x={tmp_path / 'none'}"): "not a folder",
+        ("--enable-lora", "--lora-modules", f"x={folders['b']}", "--max-lora-rank", "4"):
+            "--lora-modules x: .*rank 8 exceeds --max-lora-rank 4",
+        ("--enable-lora", "--lora-modules", f"x={folders['a']}", f"x={folders['b']}",
+         "--max-lora-rank", "8"): "names an adapter twice",
+        ("--enable-lora", "--lora-modules", f"x={folders['a']}", f"y={folders['b']}",
+         "--max-loras", "1", "--max-lora-rank", "8"): "--max-loras is 1",
+        ("--enable-lora", "--lora-modules", f"SmolLM2-135M-Instruct={folders['a']}"):
+            "is the served model's name",
+        ("--enable-lora", "--runner", "pooling"): "--runner pooling",
+        ("--enable-lora", "--quantization", "fp8"): "LoRA adapters on FP8",
+    }
+    for argv, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            _cfg(*argv)

@@ -1,0 +1,54 @@
+"""Every LoRA-able layer of a model given its ``LoraStack`` of ``max_loras`` slots, and the
+served adapters loaded into them, slot ``i`` holding ``LoraConfig.modules[i]``.
+
+The LoRA-able layers are the projections ``adapter.TARGETS`` names: every
+``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` (a mixture of experts'
+shared expert and dense layers' too; its routed experts are not linear layers). Every rank
+reads every adapter file and keeps its own shards, as it does the model's weights.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tpserve.model.lora.adapter import TARGETS, LoraConfig, read_adapter
+from tpserve.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tpserve.parallel.lora import LoraBatch, LoraStack, load_lora
+
+LORA_LAYERS = frozenset(layer for layer, _ in TARGETS.values())
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``name -> layer`` of every LoRA-able linear layer of ``model``."""
+    return {name: m for name, m in model.named_modules()
+            if name.rpartition(".")[2] in LORA_LAYERS
+            and isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
+    """Gives every LoRA-able layer its (zero) slots and loads ``cfg``'s adapters; returns
+    the bytes the slots take on this rank. ValueError naming the adapter for one that does
+    not fit the model (a layer it does not have, a shape that is not the layer's)."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("this model has no layer LoRA applies to")
+    nbytes = 0
+    for layer in layers.values():
+        rows, cols = layer.weight.shape
+        layer.lora = LoraStack(rows, cols, layer.checkpoint_parts(), cfg.max_loras,
+                               cfg.max_lora_rank, layer.weight.dtype, batch)
+        layer.lora.to(layer.weight.device)
+        nbytes += sum(p.numel() * p.element_size() for p in layer.lora.parameters())
+    for slot, module in enumerate(cfg.modules):
+        adapter, tensors = read_adapter(module.path, cfg.max_lora_rank)
+        for (name, part), (a, b) in tensors.items():
+            layer = layers.get(name)
+            if layer is None:
+                raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): the model has "
+                                 f"no layer {name}")
+            try:
+                load_lora(layer, slot, part, a, b, adapter.scale)
+            except ValueError as e:
+                raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): {name}: "
+                                 f"{e}") from None
+    return nbytes
