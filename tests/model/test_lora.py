@@ -250,3 +250,50 @@ def test_refusals(checkpoints, tmp_path):
     wide = {"wide": save_adapter(wider, tmp_path / "wide", 3, r=4, target_modules=ALL)}
     with pytest.raises(ValueError, match="'wide'.*shape"):
         attach_lora(model, lora_config(wide, 1), LoraBatch(8, CPU))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lora_steps_replay_in_cuda_graphs_as_they_run_eagerly(checkpoints, dtype):
+    """On a GPU, the runner with both adapters: a prefill, a mixed step and a pure decode
+    whose sequences are under adapter a, adapter b and the base model replay captured
+    graphs (the slots read from the static per-token buffer) equal to the eager forward,
+    and the eager forward's last prompt rows equal PEFT's (float32; bf16 within its
+    rounding)."""
+    from dataclasses import replace
+
+    from tpserve.model.plan import StepLimits
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.parallel.state import TPGroup
+
+    folder, folders, want = checkpoints("llama")
+    dev = torch.device("cuda", 0)
+    cfg = RunnerConfig(model=folder, dtype=dtype, device="cuda", kernel_backend="triton",
+                       kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128,
+                       lora=lora_config(folders))
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
+                        block_size=16)
+    runners = [ModelRunner(cfg, limits, TPGroup(0, 1, dev, None)),
+               ModelRunner(replace(cfg, enforce_eager=True), limits, TPGroup(0, 1, dev, None))]
+    n = len(TOKENS)
+    steps = [[SeqChunk(TOKENS, 0, [0, 1], True, lora_slot=0),
+              SeqChunk(TOKENS, 0, [2, 3], True, lora_slot=1),
+              SeqChunk(TOKENS, 0, [4, 5], True)],
+             [SeqChunk([7], n, [0, 1], True, lora_slot=0),
+              SeqChunk([7], n, [2, 3], True, lora_slot=1),
+              SeqChunk([7], n, [4, 5], True)],
+             [SeqChunk([9], n + 1, [0, 1], True, lora_slot=0),
+              SeqChunk([9], n + 1, [2, 3], True, lora_slot=1),
+              SeqChunk([9], n + 1, [4, 5], True)]]
+    outs = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        for chunks in steps:
+            out.append(runner.execute(StepPlan.build(chunks, 16, runner.attn)).float().cpu())
+    assert runners[0].graphs is not None and runners[0].graphs.graphs
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for got, eager in zip(*outs, strict=True):
+        torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+    for row, name in enumerate(("a", "b", None)):
+        torch.testing.assert_close(outs[1][0][row], want[name][-1], atol=tol * 10,
+                                   rtol=tol * 10)
