@@ -29,6 +29,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,11 @@ from engine_sections import (  # noqa: E402  (bench/engine_sections.py)
     weight_bytes_read_per_step,
 )
 from gpu_power import PowerSampler, describe  # noqa: E402  (bench/gpu_power.py)
+from lora_adapters import write_random_adapters  # noqa: E402  (bench/lora_adapters.py)
 from measure import git_commit, measure_limits  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
+from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
 from tpserve.model.plan import CMD_SHUTDOWN  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.parallel.state import TPGroup, pick_device  # noqa: E402
@@ -122,6 +125,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", default="dummy", choices=["dummy", "safetensors"],
                    help="dummy: random weights of the --model shape; safetensors: --model is "
                         "a checkpoint folder (e.g. bench/make_fp8_checkpoint.py's)")
+    p.add_argument("--lora-adapters", type=int, default=0,
+                   help="serve this many random LoRA adapters of the shape (all seven "
+                        "projections), request i under adapter i %% N (0: no LoRA)")
+    p.add_argument("--lora-rank", type=int, default=16, help="their rank")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="weight quantization (the server's --quantization)")
     p.add_argument("--fp8-weight-only-max-tokens", type=int, default=None,
@@ -179,6 +186,12 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv += ["--overlap-attention" if a.overlap_attention else "--no-overlap-attention"]
     if a.calculate_kv_scales:
         argv.append("--calculate-kv-scales")
+    if a.lora_adapters:
+        config = open_checkpoint(a.model, a.load_format).config
+        folders = write_random_adapters(config, a.lora_adapters, a.lora_rank,
+                                        Path(tempfile.mkdtemp(prefix="tpserve-lora-")))
+        argv += ["--enable-lora", "--max-lora-rank", str(a.lora_rank), "--lora-modules",
+                 *(f"lora-{i}={f}" for i, f in enumerate(folders))]
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(argv))
 
@@ -201,6 +214,8 @@ def main() -> int:
         "parallel": {"tensor_parallel_size": a.tensor_parallel_size, "tp_comm": a.tp_comm,
                      "disable_custom_all_reduce": a.disable_custom_all_reduce,
                      "expert_parallel": a.enable_expert_parallel},
+        "lora": {"adapters": a.lora_adapters, "rank": a.lora_rank} if a.lora_adapters
+        else None,
         "notes": []}
     try:
         import triton
@@ -416,7 +431,7 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     t = time.perf_counter()
     run_closed_loop(core, [random_prompt(rng, a.input_len, vocab)
                            for _ in range(a.warmup_prompts)], a.warmup_output_len,
-                    a.concurrency, None, None, "warm")
+                    a.concurrency, None, None, "warm", lora_slots=a.lora_adapters)
     R["warmup_s"] = round(time.perf_counter() - t, 2)
     log(f"warm-up {R['warmup_s']} s")
 

@@ -11,6 +11,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +130,14 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     concurrency: int, time_limit: float | None, waste: list[float] | None,
                     tag: str, temperature: float = 0.0,
                     on_step: Callable[[int], None] | None = None,
-                    prompt_logprobs: int | None = None
+                    prompt_logprobs: int | None = None, lora_slots: int = 0
                     ) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
     ``on_step(n)`` is called after the n-th step; ``prompt_logprobs`` scores every prompt
-    (the completions API's ``echo`` with ``logprobs``). Returns the trackers, the wall time
-    and the number of steps."""
+    (the completions API's ``echo`` with ``logprobs``); ``lora_slots`` > 0: prompt i runs
+    under LoRA adapter ``i % lora_slots``. Returns the trackers, the wall time and the
+    number of steps."""
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
                             prompt_logprobs=prompt_logprobs)
     pending = deque(enumerate(prompts))
@@ -150,7 +152,8 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
         while pending and len(inflight) < concurrency:
             i, p = pending.popleft()
             tr = Tracker(f"{tag}-{i}")
-            core.add(RequestState(tr.rid, p, params, tr.emit))
+            mine = replace(params, lora_slot=i % lora_slots) if lora_slots else params
+            core.add(RequestState(tr.rid, p, mine, tr.emit))
             inflight.append(tr)
         if not inflight:
             break
@@ -177,9 +180,10 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
 
 def decode_batch1(core: EngineCore, rng: random.Random, vocab: int, input_len: int,
                   output_len: int, weight_bytes: int, kv_per_token: int,
-                  copy_gbps: float) -> dict[str, Any]:
+                  copy_gbps: float, lora_slots: int = 0) -> dict[str, Any]:
     done, wall, steps = run_closed_loop(core, [random_prompt(rng, input_len, vocab)],
-                                        output_len, 1, None, None, "b1")
+                                        output_len, 1, None, None, "b1",
+                                        lora_slots=lora_slots)
     tr = done[0]
     n = len(tr.token_times)
     tpot = (tr.token_times[-1] - tr.token_times[0]) / (n - 1)
@@ -243,7 +247,7 @@ def decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, l
     graphs = runner.graphs
     R["decode_batch1"] = decode_batch1(core, rng, vocab, a.decode_input_len,
                                        a.decode_output_len, weight_bytes, kv_per_token,
-                                       lim["copy_GBps"])
+                                       lim["copy_GBps"], a.lora_adapters)
     save()
     d = R["decode_batch1"]
     log(f"batch-1 decode: {d['tok_per_s']} tok/s, TPOT {d['tpot_ms']} ms, MBU {d['mbu']}")
@@ -254,7 +258,7 @@ def decode_figures(a, R, core, runner, rng, vocab, weight_bytes, kv_per_token, l
                             None, None, "b1-eager-warm")
             R["decode_batch1_eager"] = decode_batch1(
                 core, rng, vocab, a.decode_input_len, a.decode_output_len, weight_bytes,
-                kv_per_token, lim["copy_GBps"])
+                kv_per_token, lim["copy_GBps"], a.lora_adapters)
         finally:
             runner.graphs = graphs
         save()
@@ -294,7 +298,8 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     elif history:  # slows every allocation: the run's speed is then not a figure
         start_memory_history(device, 2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
-                                        a.serving_time_limit, waste, "srv", a.temperature)
+                                        a.serving_time_limit, waste, "srv", a.temperature,
+                                        lora_slots=a.lora_adapters)
     sync(device)
     snap = None
     if history:
