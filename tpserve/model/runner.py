@@ -214,7 +214,8 @@ class ModelRunner:
         if quant is not None:
             raise ValueError("LoRA adapters on FP8 linear layers are not supported: serve "
                              "the model unquantized (--quantization none) with --enable-lora")
-        self.lora_batch = LoraBatch(max_tokens, self.device)
+        self.lora_batch = LoraBatch(max_tokens, cfg.lora.max_loras, cfg.lora.max_lora_rank,
+                                    self.dtype, self.device)
         nbytes = attach_lora(self.model, cfg.lora, self.lora_batch)
         if self.comm.rank == 0:
             lora = cfg.lora

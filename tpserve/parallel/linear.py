@@ -36,8 +36,9 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 
 ``UNQUANTIZED`` (``F.linear`` on the loaded weight) is the default.
 
-``lora`` (None unless LoRA adapters are served: ``parallel/lora.py``) adds the adapters'
-deltas to this rank's output before any gather or reduction.
+``lora`` (None unless LoRA adapters are served: ``parallel/lora.py``; only over
+``UNQUANTIZED``) computes this rank's output with the adapters' deltas, before any gather
+or reduction, while a step has tokens under adapters.
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class ColumnParallelLinear(nn.Module):
         self.quant_method.process_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None and self.lora.batch.active:
-            y = self.lora.add_to(x, y)
+            y = self.lora(x, self.bias)
+        else:
+            y = self.quant_method.apply(self, x, self.bias)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -342,9 +344,10 @@ class RowParallelLinear(nn.Module):
         self.quant_method.process_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, None)
         if self.lora is not None and self.lora.batch.active:
-            y = self.lora.add_to(x, y)
+            y = self.lora(x, None)
+        else:
+            y = self.quant_method.apply(self, x, None)
         if self.reduce == "all_reduce":
             y = self.comm.all_reduce(y)
         elif self.reduce == "reduce_scatter":

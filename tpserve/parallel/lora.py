@@ -13,30 +13,45 @@ padding, replicated KV heads, uneven MLP columns included):
   ``x_r A_r^T B^T`` is a partial sum like ``x_r W_r^T``, so the layer's one all-reduce (or
   reduce-scatter) sums both: no collective of its own.
 
-A step multiplies every slot's A at once (one ``[T, S*P*R]`` product), zeroes each
-token's columns of the other slots (``LoraBatch.token_slots``: -1 for the base model) and
-adds the product with B to the layer's output: two products and a mask, static shapes
-only, so CUDA graphs capture it. A rank below ``rank`` is zero-padded; an empty slot is
-zero; PEFT's scale (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into B.
+The layer's weight and every slot's A share one tensor, ``w_ext = [W; A]`` (``weight``
+and ``a`` are its two row ranges), so one product gives the layer's output and every
+slot's ``x A^T`` together; each token's columns of the other slots are zeroed by a mask
+built once per step (``LoraBatch.mask``: -1 for the base model), and the product with B
+is added to the output: one product and two small kernels more than the plain layer,
+static shapes only, so CUDA graphs capture it. A rank below ``rank`` is zero-padded; an
+empty slot is zero; PEFT's scale (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is
+folded into B.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class LoraBatch:
-    """Which adapter slot each token of the running step is under.
+    """Which adapter slot each token of the running step is under, and the masks the
+    layers apply.
 
     Invariants: ``token_slots`` (int64, device, ``max_tokens`` long) holds the step's
     tokens' slots in its first T entries and -1 (the base model) in every other entry, so a
     forward over a padded token count (sequence parallel, a CUDA graph's bucket) reads -1
-    for the padding. ``active`` False: no token of the step is under an adapter and the
-    layers skip the adapters' products (eager steps only; graphs are captured active)."""
+    for the padding; ``masks[p]`` (``[max_tokens, slots * p * rank]``, the model's dtype)
+    is 1 where a token's slot owns the column of a layer of ``p`` parts and 0 elsewhere,
+    rebuilt by every ``set`` (static buffers: CUDA graphs read them). ``active`` False: no
+    token of the step is under an adapter and the layers skip the adapters (eager steps
+    only; graphs are captured active)."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    PARTS = (1, 2, 3)  # o/down, gate/up, q/k/v
+
+    def __init__(self, max_tokens: int, slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device):
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.col_slots = {p: torch.arange(slots, device=device).repeat_interleave(p * rank)
+                          for p in self.PARTS}
+        self.masks = {p: torch.zeros(max_tokens, slots * p * rank, dtype=dtype, device=device)
+                      for p in self.PARTS}
         self.active = False
 
     def set(self, slots: torch.Tensor | None, active: bool) -> None:
@@ -44,23 +59,43 @@ class LoraBatch:
         self.token_slots.fill_(-1)
         if slots is not None and slots.numel():
             self.token_slots[: slots.shape[0]].copy_(slots)
+        for p, mask in self.masks.items():
+            torch.eq(self.token_slots[:, None], self.col_slots[p], out=mask)
         self.active = active
+
+    def mask(self, parts: int, num_tokens: int) -> torch.Tensor:
+        return self.masks[parts][:num_tokens]
 
 
 class LoraStack(nn.Module):
-    """One layer's adapters (module docstring). ``rows`` and ``cols``: the layer's weight
-    shard's shape on this rank; ``parts``: its ``checkpoint_parts()``."""
+    """One layer's adapters (module docstring), taking over ``layer``'s weight (and bias)
+    storage: ``layer.weight`` and ``a`` become the two row ranges of ``w_ext``, every
+    value kept. ``parts``: the layer's ``checkpoint_parts()``."""
 
-    def __init__(self, rows: int, cols: int, parts: tuple[object, ...], slots: int,
-                 rank: int, dtype: torch.dtype, batch: LoraBatch):
+    def __init__(self, layer: nn.Module, slots: int, rank: int, batch: LoraBatch):
         super().__init__()
-        self.parts = parts
+        w = layer.weight
+        rows, cols = w.shape
+        self.parts = layer.checkpoint_parts()
         self.rank = rank
-        width = slots * len(parts) * rank
-        self.a = nn.Parameter(torch.zeros(width, cols, dtype=dtype), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(rows, width, dtype=dtype), requires_grad=False)
-        self.register_buffer("col_slot", torch.arange(slots).repeat_interleave(
-            len(parts) * rank), persistent=False)
+        self.rows = rows
+        width = slots * len(self.parts) * rank
+        with torch.no_grad():
+            w_ext = torch.zeros(rows + width, cols, dtype=w.dtype, device=w.device)
+            w_ext[:rows].copy_(w)
+            self.bias_ext = None
+            bias = getattr(layer, "bias", None)
+            # a column-parallel layer's bias goes into the product (a row-parallel layer
+            # adds its own after the reduction)
+            if bias is not None and not hasattr(layer, "in_map"):
+                self.bias_ext = torch.zeros(rows + width, dtype=bias.dtype, device=w.device)
+                self.bias_ext[:rows].copy_(bias)
+                layer.bias = nn.Parameter(self.bias_ext[:rows], requires_grad=False)
+        self.w_ext = w_ext  # not a parameter: ``layer.weight`` and ``a`` count its bytes
+        layer.weight = nn.Parameter(w_ext[:rows], requires_grad=False)
+        self.a = nn.Parameter(w_ext[rows:], requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(rows, width, dtype=w.dtype, device=w.device),
+                              requires_grad=False)
         self.batch = batch
 
     def columns(self, slot: int, part: object) -> slice:
@@ -68,11 +103,12 @@ class LoraStack(nn.Module):
         start = (slot * len(self.parts) + self.parts.index(part)) * self.rank
         return slice(start, start + self.rank)
 
-    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus every token's adapter delta (``x``: the layer's input on this rank)."""
-        xa = x @ self.a.t()
-        other = self.batch.token_slots[: x.shape[0], None] != self.col_slot
-        return torch.addmm(y, xa.masked_fill(other, 0.0), self.b.t())
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's ``x W^T (+ bias)`` plus every token's adapter delta (``x``: the
+        layer's input on this rank)."""
+        out = F.linear(x, self.w_ext, None if bias is None else self.bias_ext)
+        xa = out[:, self.rows:] * self.batch.mask(len(self.parts), x.shape[0])
+        return torch.addmm(out[:, :self.rows], xa, self.b.t())
 
 
 def lora_rows_loader(layer: nn.Module):

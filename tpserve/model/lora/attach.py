@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from tpserve.model.lora.adapter import TARGETS, LoraConfig, read_adapter
-from tpserve.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tpserve.parallel.linear import UNQUANTIZED, ColumnParallelLinear, RowParallelLinear
 from tpserve.parallel.lora import LoraBatch, LoraStack, load_lora
 
 LORA_LAYERS = frozenset(layer for layer, _ in TARGETS.values())
@@ -27,17 +27,17 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
     """Gives every LoRA-able layer its (zero) slots and loads ``cfg``'s adapters; returns
-    the bytes the slots take on this rank. ValueError naming the adapter for one that does
+    the bytes the slots take on this rank (their A rows live beside the layer's weight:
+    ``LoraStack``). ValueError naming the adapter for one that does
     not fit the model (a layer it does not have, a shape that is not the layer's)."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("this model has no layer LoRA applies to")
     nbytes = 0
     for layer in layers.values():
-        rows, cols = layer.weight.shape
-        layer.lora = LoraStack(rows, cols, layer.checkpoint_parts(), cfg.max_loras,
-                               cfg.max_lora_rank, layer.weight.dtype, batch)
-        layer.lora.to(layer.weight.device)
+        if layer.quant_method is not UNQUANTIZED:
+            raise ValueError("LoRA adapters on quantized linear layers are not supported")
+        layer.lora = LoraStack(layer, cfg.max_loras, cfg.max_lora_rank, batch)
         nbytes += sum(p.numel() * p.element_size() for p in layer.lora.parameters())
     for slot, module in enumerate(cfg.modules):
         adapter, tensors = read_adapter(module.path, cfg.max_lora_rank)
