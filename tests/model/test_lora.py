@@ -1,5 +1,5 @@
-"""LoRA adapters written by PEFT (``save_pretrained``) on tiny random Llama and Qwen2
-(biased q/k/v) checkpoints: one step holding sequences under two adapters and the base
+"""LoRA adapters written by PEFT (``save_pretrained``) on tiny random Llama, Qwen2
+(biased q/k/v) and Phi-3 (fused q/k/v and gate/up: one A for the parts) checkpoints: one step holding sequences under two adapters and the base
 model gives, row for row, PEFT's own logits with that adapter active (or disabled) in
 float32, at tp 1, 2 and 3 (tp 3 pads heads and MLP columns, and the adapters' shards with
 them) and sequence parallel at tp 2, prefilled whole, in chunks and decoded. Adapter "a"
@@ -31,6 +31,11 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 ADAPTERS = {"a": dict(r=4, lora_alpha=8, target_modules=ALL),
             "b": dict(r=8, lora_alpha=4, use_rslora=True,
                       target_modules=["q_proj", "v_proj", "down_proj"])}
+# Phi-3's projections are fused: one A for q, k and v (gate and up), B's rows stacked
+PHI3_ADAPTERS = {"a": dict(r=4, lora_alpha=8,
+                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                 "b": dict(r=8, lora_alpha=4, use_rslora=True,
+                           target_modules=["qkv_proj", "down_proj"])}
 SLOTS = (0, 1, -1)  # the sequences of each step: adapter a, adapter b, the base model
 MAX_RANK = 8
 
@@ -38,9 +43,12 @@ MAX_RANK = 8
 def _hf(kind: str):
     import transformers as tf
 
-    torch.manual_seed({"llama": 80, "qwen2": 81}[kind])
+    torch.manual_seed({"llama": 80, "qwen2": 81, "phi3": 82}[kind])
     if kind == "llama":
         return tiny_hf_model(tf.LlamaConfig(**TINY, rope_theta=10000.0), "LlamaForCausalLM")
+    if kind == "phi3":
+        return tiny_hf_model(tf.Phi3Config(**TINY, rope_theta=10000.0, pad_token_id=0),
+                             "Phi3ForCausalLM")
     return tiny_hf_model(tf.Qwen2Config(**TINY, rope_theta=10000.0), "Qwen2ForCausalLM",
                          biases=True)
 
@@ -83,8 +91,9 @@ def checkpoints(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"lora-{kind}")
             hf = _hf(kind)
             folder = save_hf_folder(hf, root / "base")
+            configs = PHI3_ADAPTERS if kind == "phi3" else ADAPTERS
             folders = {n: save_adapter(hf, root / n, 90 + i, **c)
-                       for i, (n, c) in enumerate(ADAPTERS.items())}
+                       for i, (n, c) in enumerate(configs.items())}
             made[kind] = str(folder), folders, peft_logits(hf, folders, TOKENS)
         return made[kind]
     return get
@@ -141,7 +150,7 @@ def _steps(group, folder: str, folders, tp_comm: str) -> list[list[torch.Tensor]
     return [whole, [torch.cat(p) for p in stepped]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
 def test_adapters_equal_peft(checkpoints, kind):
     folder, folders, want = checkpoints(kind)
     rows = [want["a"], want["b"], want[None]]

@@ -2,8 +2,8 @@
 ``adapter_model.safetensors``), read and checked against what tpserve applies.
 
 tpserve applies LoRA to the attention and MLP projections (``q_proj``, ``k_proj``,
-``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``: ``TARGETS``) of every
-family it serves, a mixture of experts' shared expert and dense layers included (not its
+``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, and Phi-3's fused
+``qkv_proj`` and ``gate_up_proj``: ``TARGETS``) of every family it serves, a mixture of experts' shared expert and dense layers included (not its
 routed experts). What it would have to ignore is refused by name: DoRA, LoRA biases,
 ``modules_to_save`` (fully trained embeddings or heads), per-module ranks or alphas
 (``rank_pattern``, ``alpha_pattern``), adapters on other modules (embeddings, the LM head),
@@ -23,11 +23,15 @@ from safetensors import safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# the part of a fused checkpoint projection (Phi-3's ``qkv_proj``, ``gate_up_proj``): one
+# A for every part, B's rows every part's stacked in ``checkpoint_parts()`` order
+FUSED = "fused"
 # a checkpoint projection -> (our fused layer, its part: ``checkpoint_parts()``'s id)
 TARGETS = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "o_proj": ("o_proj", None), "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+    "qkv_proj": ("qkv_proj", FUSED), "gate_up_proj": ("gate_up_proj", FUSED),
 }
 # PEFT's tensor names: ``base_model.model.<module>.lora_A[.<adapter name>].weight``
 _TENSOR = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$")

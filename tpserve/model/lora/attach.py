@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpserve.model.lora.adapter import TARGETS, LoraConfig, read_adapter
+from tpserve.model.lora.adapter import FUSED, TARGETS, LoraConfig, read_adapter
 from tpserve.parallel.linear import UNQUANTIZED, ColumnParallelLinear, RowParallelLinear
 from tpserve.parallel.lora import LoraBatch, LoraStack, load_lora
 
@@ -47,8 +47,23 @@ def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
                 raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): the model has "
                                  f"no layer {name}")
             try:
-                load_lora(layer, slot, part, a, b, adapter.scale)
+                for p, b_part in _parts(layer, part, b):
+                    load_lora(layer, slot, p, a, b_part, adapter.scale)
             except ValueError as e:
                 raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): {name}: "
                                  f"{e}") from None
     return nbytes
+
+
+def _parts(layer: nn.Module, part: object, b):
+    """``(part, B)`` of each part an adapter tensor pair covers: the one it names, or for a
+    fused projection every part of the layer, B's rows split as the checkpoint stacks
+    them (the parts share the one A)."""
+    if part != FUSED:
+        return [(part, b)]
+    parts = layer.checkpoint_parts()
+    rows = [layer.checkpoint_rows(p) for p in parts]
+    if b.shape[0] != sum(rows):
+        raise ValueError(f"a fused lora_B of {b.shape[0]} rows; the layer's parts have "
+                         f"{' + '.join(map(str, rows))}")
+    return list(zip(parts, b.split(rows), strict=True))
