@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -18,6 +19,7 @@ from tests.model.test_lora import ADAPTERS, _hf, save_adapter
 from tests.server.serverproc import ServerProcess, stopped_on_exit
 from tests.server.test_gemma_server import FLAGS, NEW_TOKENS, _greedy
 from tests.test_cli import _cfg
+from tpserve.server.config import RUNTIME_LORA_ENV
 
 peft = pytest.importorskip("peft")
 
@@ -46,6 +48,10 @@ def served(adapters, smollm2_tokenizer):
                            f'{{"name": "b", "path": "{folders["b"]}", '
                            f'"base_model_name": "tiny-base"}}', "--max-lora-rank", "8",
                            wait=False)
+    # two slots, adapter a in one: b (and others) loaded and unloaded while serving
+    runtime = ServerProcess(str(base), *FLAGS, "--enable-lora", "--lora-modules",
+                            f"a={folders['a']}", "--max-loras", "2", "--max-lora-rank", "8",
+                            env={RUNTIME_LORA_ENV: "True"}, wait=False)
     oracle = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(folders["a"]),
                                             adapter_name="a")
     oracle.load_adapter(str(folders["b"]), adapter_name="b")
@@ -54,8 +60,9 @@ def served(adapters, smollm2_tokenizer):
         oracle.set_adapter(name)
         want[name] = [_greedy(oracle, p) for p in PROMPTS]
     want["tiny"] = [_greedy(hf, p) for p in PROMPTS]
-    with stopped_on_exit({"lora": server}) as started:
-        yield started["lora"].wait_until_healthy(), want, folders
+    with stopped_on_exit({"lora": server, "runtime": runtime}) as started:
+        started["runtime"].wait_until_healthy()
+        yield started["lora"].wait_until_healthy(), want, folders, started["runtime"]
 
 
 def _complete(client, model, prompt):
@@ -72,7 +79,7 @@ def _check(answer, want):
 
 
 def test_each_model_name_gets_its_adapters_tokens(served):
-    server, want, _ = served
+    server, want, _, _ = served
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
     for name in MODELS:  # adapters really change the answers of this test
         assert name == "tiny" or want[name] != want["tiny"]
@@ -89,7 +96,7 @@ def test_each_model_name_gets_its_adapters_tokens(served):
 
 
 def test_models_list_the_adapters_and_unknown_names_are_404(served):
-    server, _, folders = served
+    server, _, folders, _ = served
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=60)
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == ["tiny", "a", "b"]
@@ -128,3 +135,45 @@ def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
     for argv, message in bad.items():
         with pytest.raises(ValueError, match=message):
             _cfg(*argv)
+
+
+def _post(server, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{server.base}/v1/{route}", json=body, timeout=120)
+
+
+def test_adapters_load_and_unload_while_serving(served, tmp_path):
+    """vLLM's runtime routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): b loads into the free
+    slot at tp 2 and answers as PEFT's b; a third adapter finds no slot; unloading b frees
+    it (its name then a 404), and an adapter loaded there next (a's folder as "c") answers
+    as a, not from b's cached blocks of the same prompt; what cannot load is a 400 that
+    leaves the slot free. A server started without the variable refuses both routes."""
+    static, want, folders, server = served
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    assert [m.id for m in client.models.list().data] == ["tiny", "a"]
+    r = _post(server, "load_lora_adapter", lora_name="b", lora_path=str(folders["b"]))
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' added successfully.")
+    assert [m.id for m in client.models.list().data] == ["tiny", "a", "b"]
+    _check(_complete(client, "b", PROMPTS[1]), want["b"][1])  # its blocks now cached
+    _check(_complete(client, "a", PROMPTS[1]), want["a"][1])
+    for name, path, status, message in (
+            ("c", folders["a"], 400, "every one of the 2 LoRA slots"),
+            ("a", folders["b"], 400, "The lora adapter 'a' has already been loaded."),
+            ("tiny", folders["b"], 400, "already been loaded")):
+        r = _post(server, "load_lora_adapter", lora_name=name, lora_path=str(path))
+        assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    r = _post(server, "unload_lora_adapter", lora_name="b")
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' removed successfully.")
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "b", PROMPTS[0])
+    assert _post(server, "unload_lora_adapter", lora_name="b").status_code == 404
+    r = _post(server, "load_lora_adapter", lora_name="d", lora_path=str(tmp_path))
+    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    r = _post(server, "load_lora_adapter", lora_name="c", lora_path=str(folders["a"]))
+    assert r.status_code == 200, r.text
+    _check(_complete(client, "c", PROMPTS[1]), want["a"][1])
+    _check(_complete(client, "a", PROMPTS[0]), want["a"][0])
+    _check(_complete(client, "tiny", PROMPTS[1]), want["tiny"][1])
+    server.wait_pool_free()
+    r = _post(static, "load_lora_adapter", lora_name="x", lora_path=str(folders["a"]))
+    assert r.status_code == 400 and "runtime LoRA updates are off" in r.text
+    assert _post(static, "unload_lora_adapter", lora_name="a").status_code == 400

@@ -19,6 +19,9 @@ KV_BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels are built fo
 CMD_STEP, CMD_SHUTDOWN, CMD_NOOP = 1, 2, 3
 # rank 0 asks for every rank's allocator figures: each rank answers with one all-gather
 CMD_MEMORY = 4
+# rank 0 has every rank load a LoRA adapter into a slot (header: slot, path bytes; the path
+# as the payload); every rank answers with one all-gather of whether it could
+CMD_LORA = 5
 
 
 @dataclass(frozen=True, kw_only=True)

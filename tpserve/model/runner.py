@@ -27,7 +27,7 @@ from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
-from tpserve.model.lora.attach import attach_lora
+from tpserve.model.lora.attach import attach_lora, clear_slot, load_adapter, lora_layers
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
@@ -50,6 +50,7 @@ from tpserve.model.memory_advice import (
     tp_options,
 )
 from tpserve.model.plan import (
+    CMD_LORA,
     CMD_MEMORY,
     CMD_NOOP,
     CMD_SHUTDOWN,
@@ -223,6 +224,34 @@ class ModelRunner:
                         "projection: %.1f MiB per rank", len(lora.modules),
                         ", ".join(m.name for m in lora.modules) or "none", lora.max_loras,
                         lora.max_lora_rank, nbytes / 2**20)
+
+    def load_lora_adapter(self, slot: int, path: str) -> None:
+        """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``
+        (``CMD_LORA``; the workers in ``worker_loop``). ValueError if any rank could not:
+        the slot is then cleared on every rank."""
+        data = path.encode()
+        if len(data) > self.payload_buf.shape[0]:
+            raise ValueError(f"a LoRA adapter path of {len(data)} bytes is too long")
+        if self.comm.world_size > 1:
+            self.header_buf.zero_()
+            self.header_buf[:3] = torch.tensor([CMD_LORA, slot, len(data)])
+            self.comm.broadcast(self.header_buf)
+            self.payload_buf[: len(data)].copy_(torch.tensor(list(data), dtype=torch.int64))
+            self.comm.broadcast(self.payload_buf[: len(data)])
+        self._load_lora(slot, path)
+
+    def _load_lora(self, slot: int, path: str) -> None:
+        """Every rank: ``path`` into ``slot``, then one all-gather of who could."""
+        layers = lora_layers(self.model)
+        error = None
+        try:
+            load_adapter(layers, self.cfg.lora.max_lora_rank, slot, path, path)
+        except (ValueError, OSError) as e:
+            error = str(e)
+        failed = [r for r, (ok,) in enumerate(self._gather_ints([error is None])) if not ok]
+        if failed:
+            clear_slot(layers, slot)
+            raise ValueError(error or f"rank(s) {failed} could not load {path}")
 
     def _lora_all_base(self) -> None:
         """Profiling and warm-up steps run the adapters' products (masked: every token
@@ -450,6 +479,15 @@ class ModelRunner:
                 continue
             if cmd == CMD_MEMORY:
                 self._gather_ints(read_allocator(self.device).as_ints())
+                continue
+            if cmd == CMD_LORA:
+                slot, n = int(header[1]), int(header[2])
+                self.comm.broadcast(self.payload_buf[:n])
+                path = bytes(self.payload_buf[:n].tolist()).decode()
+                try:
+                    self._load_lora(slot, path)
+                except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
+                    logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
                 continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")

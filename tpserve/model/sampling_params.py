@@ -97,6 +97,8 @@ class SamplingParams:
     # the LoRA adapter the request runs under: its slot (``LoraConfig.modules`` order, fixed
     # at start-up); None: the base model. Not sampling either; it travels with the request
     lora_slot: int | None = None
+    # that adapter's id (``server/engine/lora_slots``): the prefix cache keys on it
+    lora_id: int | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20

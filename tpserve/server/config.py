@@ -177,9 +177,14 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
     return buckets[-1] if buckets else None
 
 
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, read once here
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
 def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
-    adapter, before any weight loads); None without the flag."""
+    adapter, before any weight loads), and whether adapters may be loaded and unloaded
+    while serving (``RUNTIME_LORA_ENV``); None without the flag."""
     if not a.enable_lora:
         if a.lora_modules:
             raise ValueError("--lora-modules needs --enable-lora")
@@ -193,8 +198,9 @@ def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
             read_adapter(m.path, a.max_lora_rank)
         except ValueError as e:  # naming what it cannot apply
             raise ValueError(f"--lora-modules {m.name}: {e}") from None
+    runtime = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
     return LoraConfig(modules, a.max_loras if a.max_loras is not None else max(1, len(modules)),
-                      a.max_lora_rank)
+                      a.max_lora_rank, runtime_updates=runtime)
 
 
 def config_from_args(a: argparse.Namespace) -> Config:

@@ -86,7 +86,7 @@ class PipeTransport:
     def has_requests(self) -> bool:
         return bool(self.queues)
 
-    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+    def query(self, query_id: int, name: str | tuple, answer: asyncio.Future) -> None:
         self.loop = asyncio.get_running_loop()
         self.answers[query_id] = answer
         if not self.send(("query", query_id, name)):

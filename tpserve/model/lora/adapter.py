@@ -74,6 +74,9 @@ class LoraConfig:
     modules: tuple[LoraModule, ...]
     max_loras: int
     max_lora_rank: int
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: adapters loaded into free slots (and
+    # unloaded) while serving, by /v1/load_lora_adapter and /v1/unload_lora_adapter
+    runtime_updates: bool = False
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.modules]

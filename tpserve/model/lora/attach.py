@@ -9,6 +9,7 @@ reads every adapter file and keeps its own shards, as it does the model's weight
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from tpserve.model.lora.adapter import FUSED, TARGETS, LoraConfig, read_adapter
@@ -40,19 +41,39 @@ def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
         layer.lora = LoraStack(layer, cfg.max_loras, cfg.max_lora_rank, batch)
         nbytes += sum(p.numel() * p.element_size() for p in layer.lora.parameters())
     for slot, module in enumerate(cfg.modules):
-        adapter, tensors = read_adapter(module.path, cfg.max_lora_rank)
-        for (name, part), (a, b) in tensors.items():
-            layer = layers.get(name)
-            if layer is None:
-                raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): the model has "
-                                 f"no layer {name}")
-            try:
-                for p, b_part in _parts(layer, part, b):
-                    load_lora(layer, slot, p, a, b_part, adapter.scale)
-            except ValueError as e:
-                raise ValueError(f"LoRA adapter {module.name!r} ({module.path}): {name}: "
-                                 f"{e}") from None
+        load_adapter(layers, cfg.max_lora_rank, slot, module.name, module.path)
     return nbytes
+
+
+def load_adapter(layers: dict[str, nn.Module], max_rank: int, slot: int, name: str,
+                 path: str) -> None:
+    """The adapter folder ``path`` (served as ``name``) into ``slot`` of ``layers``
+    (``lora_layers``), every layer's slot cleared first, so the layers an adapter leaves
+    out are zero. ValueError naming the adapter for one that does not fit the model (a
+    layer it does not have, a shape that is not the layer's)."""
+    clear_slot(layers, slot)
+    adapter, tensors = read_adapter(path, max_rank)
+    for (layer_name, part), (a, b) in tensors.items():
+        layer = layers.get(layer_name)
+        if layer is None:
+            raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer "
+                             f"{layer_name}")
+        try:
+            for p, b_part in _parts(layer, part, b):
+                load_lora(layer, slot, p, a, b_part, adapter.scale)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {name!r} ({path}): {layer_name}: {e}") from None
+
+
+@torch.no_grad()
+def clear_slot(layers: dict[str, nn.Module], slot: int) -> None:
+    """Zeroes ``slot`` of every layer: tokens under it then get the base model."""
+    for layer in layers.values():
+        stack = layer.lora
+        for part in stack.parts:
+            cols = stack.columns(slot, part)
+            stack.a[cols].zero_()
+            stack.b[:, cols].zero_()
 
 
 def _parts(layer: nn.Module, part: object, b):

@@ -91,6 +91,7 @@ from tpserve.server.engine.inflight import (
     host_copy_event,
     wait_for,
 )
+from tpserve.server.engine.lora_slots import LoraSlots
 from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.oom_recovery import recover_from_oom
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
@@ -129,6 +130,9 @@ class EngineCore:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
                              f"for {scheduler.limits}")
         self.runner = runner
+        # the LoRA adapter each slot holds (runtime loads and unloads: engine/queries.py)
+        lora = runner.cfg.lora
+        self.lora_slots = LoraSlots(lora) if lora is not None else None
         self.tokenizer = tokenizer
         self.block_size = scheduler.block_size
         self.max_model_len = scheduler.max_model_len
@@ -180,6 +184,8 @@ class EngineCore:
             raise ValueError("this engine runs a pooling model: it answers embedding "
                              "requests only" if self.pooling else "this engine runs a "
                              "generative model: it cannot answer embedding requests")
+        if self.lora_slots is not None:
+            self.lora_slots.check(state.params.lora_slot, state.params.lora_id)
         spec = state.params.structured
         grammar = None if spec is None else self.grammars.request(spec)
         if isinstance(grammar, Future):

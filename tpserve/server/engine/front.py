@@ -48,7 +48,7 @@ class EngineTransport(Protocol):
     def has_requests(self) -> bool:
         """Whether any request is still registered."""
 
-    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+    def query(self, query_id: int, name: str | tuple, answer: asyncio.Future) -> None:
         """Asks the engine ``name`` (``queries``); the answer or its error is set on
         ``answer`` on this event loop (unless ``answer`` is done already). Raises
         ``EngineError`` (and has registered nothing) when it cannot ask."""
@@ -114,8 +114,9 @@ class EngineFront:
                 f"request has {len(prompt)} prompt tokens and max_tokens={params.max_tokens} "
                 f"({len(prompt) + params.max_tokens} in total)")
 
-    async def query(self, name: str, timeout: float = QUERY_TIMEOUT_S) -> Any:
-        """The engine's answer to the query ``name`` (``queries``), asked between steps;
+    async def query(self, name: str | tuple, timeout: float = QUERY_TIMEOUT_S) -> Any:
+        """The engine's answer to the query ``name`` (``queries``; a tuple: its name, then
+        its arguments), asked between steps;
         raises the query's own ``EngineError``, ``EngineDeadError``, or
         ``EngineTimeoutError`` after ``timeout`` s."""
         if self.dead_reason is not None:

@@ -14,7 +14,12 @@ Queries:
 - ``memory_report``: every rank's allocator figures gathered now (a collective at tp > 1),
   then the memory report (what ``GET /memory?fresh=true`` serves);
 - ``memory_snapshot``: rank 0's allocator segments and recorded events as the pickle
-  https://pytorch.org/memory_viz reads (needs ``--memory-history``).
+  https://pytorch.org/memory_viz reads (needs ``--memory-history``);
+- ``("lora_load", path)``: every rank loads the LoRA adapter folder into a free slot
+  (``lora_slots``); answers ``(slot, id)``;
+- ``("lora_unload", slot, id)``: frees that adapter's slot.
+
+A query with arguments is a tuple, its name first.
 """
 
 from __future__ import annotations
@@ -42,17 +47,43 @@ def memory_snapshot(core: EngineCore) -> bytes:
     return core.runner.allocator_snapshot()
 
 
-QUERIES: dict[str, Callable[[EngineCore], Any]] = {
+def _lora_slots(core: EngineCore):
+    if core.lora_slots is None:
+        raise InvalidRequestError("this server serves no LoRA adapters: start it with "
+                                  "--enable-lora")
+    return core.lora_slots
+
+
+def lora_load(core: EngineCore, path: str) -> tuple[int, int]:
+    slots = _lora_slots(core)
+    live = (s.params.lora_slot for s in core.requests.values())
+    slot, lora_id = slots.reserve(s for s in live if s is not None)
+    try:
+        core.runner.load_lora_adapter(slot, path)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    slots.commit(slot, lora_id)
+    return slot, lora_id
+
+
+def lora_unload(core: EngineCore, slot: int, lora_id: int) -> None:
+    _lora_slots(core).unload(slot, lora_id)
+
+
+QUERIES: dict[str, Callable[..., Any]] = {
     "memory_report": fresh_memory_report,
     "memory_snapshot": memory_snapshot,
+    "lora_load": lora_load,
+    "lora_unload": lora_unload,
 }
 
 
-def run_query(core: EngineCore, name: str) -> Any:
+def run_query(core: EngineCore, name: str | tuple) -> Any:
     """Engine thread only. Raises ``InvalidRequestError`` for an unknown name or a query
     this server cannot answer."""
+    name, args = (name[0], name[1:]) if isinstance(name, tuple) else (name, ())
     fn = QUERIES.get(name)
     if fn is None:
         raise InvalidRequestError(f"unknown engine query {name!r}; known: "
                                   f"{', '.join(sorted(QUERIES))}")
-    return fn(core)
+    return fn(core, *args)

@@ -78,7 +78,7 @@ class Sequence:
         """The prefix cache's ``extra_key`` of this sequence's blocks: its request's
         ``cache_salt`` (vLLM's; hits only between requests with the same salt) and its LoRA
         adapter (an adapter's K and V are not the base model's), else none."""
-        salt, lora = self.params.cache_salt, self.params.lora_slot
+        salt, lora = self.params.cache_salt, self.params.lora_id
         key = b"" if salt is None else b"salt:" + salt.encode()
         return key if lora is None else key + b"|lora:" + str(lora).encode()
 

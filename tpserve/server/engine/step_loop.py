@@ -135,7 +135,7 @@ class StepLoop:
     def abort_all(self) -> None:
         self._inbox.put(("abort_all", None))
 
-    def query(self, name: str, reply: Reply) -> None:
+    def query(self, name: str | tuple, reply: Reply) -> None:
         """``queries.run_query(name)`` on the engine thread after the step in flight;
         ``reply`` is called there once with the answer or the error (from the failing
         thread when the engine dies first; never when the loop stopped without failing:
@@ -305,7 +305,7 @@ class StepLoopTransport:
     def has_requests(self) -> bool:
         return self.steps.has_requests
 
-    def query(self, query_id: int, name: str, answer: asyncio.Future) -> None:
+    def query(self, query_id: int, name: str | tuple, answer: asyncio.Future) -> None:
         if not self.steps.is_alive():
             raise EngineDeadError("the engine thread is not running")
         loop = asyncio.get_running_loop()

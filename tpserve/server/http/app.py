@@ -18,6 +18,8 @@ from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import install_exception_handlers
+from tpserve.server.http.lora import make_lora_router
+from tpserve.server.http.lora_names import LoraNames
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
 from tpserve.server.http.prompts import PromptProcessor
@@ -99,12 +101,13 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         response_role=response_role,
         max_logprobs=max_logprobs,
         pooler=pooler,
-        lora_modules=tuple(lora_modules),
+        loras=LoraNames(tuple(lora_modules)),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())
     app.include_router(make_extra_router())
     app.include_router(make_scores_router())
+    app.include_router(make_lora_router())
     # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key is not None:

@@ -36,6 +36,6 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
-    async def query(self, name: str) -> Any:
+    async def query(self, name: str | tuple) -> Any:
         """The engine's answer to a query (``server/engine/queries.py``), asked between
         steps; raises ``EngineError`` (the query's refusal, a dead engine, a timeout)."""

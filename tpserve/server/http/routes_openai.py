@@ -12,7 +12,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
@@ -20,6 +19,7 @@ from tpserve.server.http.echo import Echo, plan_echo
 from tpserve.server.http.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.metrics import RequestTracker
 from tpserve.server.http.multi_prompt import merged_outputs
 from tpserve.server.http.openai_format import (
@@ -117,11 +117,11 @@ def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
     constraints["structured"] = plan.structured
 
 
-def _adapter_card(state: ServerState, module: LoraModule) -> ModelCard:
+def _adapter_card(state: ServerState, adapter: ServedAdapter) -> ModelCard:
     """A LoRA adapter's entry in /v1/models, as vLLM lists one: its folder as ``root``, the
     base model as ``parent``."""
-    return ModelCard(id=module.name, created=state.created, root=module.path,
-                     parent=module.base_model_name or state.served_model_names[0],
+    return ModelCard(id=adapter.name, created=state.created, root=adapter.path,
+                     parent=adapter.parent or state.served_model_names[0],
                      max_model_len=state.engine.max_model_len,
                      default_sampling_params=state.default_sampling_params)
 
@@ -135,9 +135,10 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     """Runs the request (one engine request per prompt) and answers it, streamed or
     whole: as its endpoint does, or as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique
-    slot = state.lora_slot(model)
-    if slot is not None:  # the adapter the request named
-        prompts = [(ids, replace(p, lora_slot=slot)) for ids, p in prompts]
+    adapter = state.adapter(model)
+    if adapter is not None:  # the adapter the request named
+        prompts = [(ids, replace(p, lora_slot=adapter.slot, lora_id=adapter.lora_id))
+                   for ids, p in prompts]
     params = prompts[0][1]
     answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
@@ -194,14 +195,14 @@ def make_openai_router() -> APIRouter:
                       max_model_len=state.engine.max_model_len,
                       default_sampling_params=state.default_sampling_params)
             for name in state.served_model_names] + [
-            _adapter_card(state, m) for m in state.lora_modules])
+            _adapter_card(state, m) for m in state.loras.adapters.values()])
 
     @router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def retrieve_model(model_id: str, request: Request) -> ModelCard:
         state = get_state(request)
-        slot = state.lora_slot(model_id)
-        if slot is not None:
-            return _adapter_card(state, state.lora_modules[slot])
+        adapter = state.adapter(model_id)
+        if adapter is not None:
+            return _adapter_card(state, adapter)
         if model_id not in state.served_model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                            code="model_not_found")

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.lora_names import LoraNames, ServedAdapter
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.reasoning import ReasoningParser
@@ -38,19 +38,19 @@ class ServerState:
     # --runner pooling: how embeddings are pooled (the server answers /v1/embeddings only);
     # None: a generative server
     pooler: PoolerConfig | None = None
-    # --lora-modules: the adapters served beside the base model, ``lora_modules[i]`` in slot i
-    lora_modules: tuple[LoraModule, ...] = ()
+    # the LoRA adapters served beside the base model (--lora-modules, then runtime loads)
+    loras: LoraNames = field(default_factory=LoraNames)
 
-    def lora_slot(self, model: str) -> int | None:
-        """The slot of the adapter served as ``model``; None for the base model."""
-        return next((i for i, m in enumerate(self.lora_modules) if m.name == model), None)
+    def adapter(self, model: str) -> ServedAdapter | None:
+        """The LoRA adapter served as ``model``; None for the base model."""
+        return self.loras.get(model)
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with (the base model's or an adapter's); 404 for a
         model this server does not serve."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested in self.served_model_names or self.lora_slot(requested) is not None:
+        if requested in self.served_model_names or self.adapter(requested) is not None:
             return requested
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")

@@ -1,0 +1,69 @@
+"""The LoRA adapters served by name, and vLLM's runtime routes that change them:
+``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``), answered as vLLM answers them
+(plain-text success, 400 for a name already served or an adapter that cannot be loaded,
+404 for unloading a name not served). They need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+at start-up (the engine refuses them otherwise, 400).
+
+The engine owns the slots (``server/engine/lora_slots``); this side maps names to
+``(slot, id)``, updated only after the engine has answered, one change at a time.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.lora_names import ServedAdapter
+from tpserve.server.http.protocol import ErrorResponse
+from tpserve.server.http.state import get_state
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name alone says which
+
+
+ERRORS: dict[int | str, dict] = {s: {"model": ErrorResponse} for s in (400, 401, 404)}
+
+
+def make_lora_router() -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["lora"])
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
+        state = get_state(request)
+        name = body.lora_name
+        if not name or not body.lora_path:
+            raise APIError.bad_request("lora_name and lora_path must not be empty",
+                                       "lora_name" if not name else "lora_path")
+        async with state.loras.lock:
+            if name in state.served_model_names or state.loras.get(name) is not None:
+                raise APIError.bad_request(
+                    f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            slot, lora_id = await state.engine.query(("lora_load", body.lora_path))
+            state.loras.adapters[name] = ServedAdapter(name, body.lora_path, None, slot,
+                                                       lora_id)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
+        state = get_state(request)
+        name = body.lora_name
+        async with state.loras.lock:
+            adapter = state.loras.get(name)
+            if adapter is None:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.",
+                               param="lora_name", code="model_not_found")
+            await state.engine.query(("lora_unload", adapter.slot, adapter.lora_id))
+            del state.loras.adapters[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    return router
