@@ -152,7 +152,8 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
         while pending and len(inflight) < concurrency:
             i, p = pending.popleft()
             tr = Tracker(f"{tag}-{i}")
-            mine = replace(params, lora_slot=i % lora_slots) if lora_slots else params
+            slot = i % lora_slots if lora_slots else None  # a start-up adapter: id = slot
+            mine = replace(params, lora_slot=slot, lora_id=slot) if lora_slots else params
             core.add(RequestState(tr.rid, p, mine, tr.emit))
             inflight.append(tr)
         if not inflight:
