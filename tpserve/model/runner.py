@@ -27,7 +27,7 @@ from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
-from tpserve.model.lora.attach import attach_lora, clear_slot, load_adapter, lora_layers
+from tpserve.model.lora.runner_side import RunnerLora
 from tpserve.model.memory import (
     AllocatorReading,
     MemoryPlan,
@@ -65,7 +65,6 @@ from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, sco
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.parallel.comm import Communicator
-from tpserve.parallel.lora import LoraBatch
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
 from tpserve.parallel.state import (
@@ -133,9 +132,14 @@ class ModelRunner:
                                                 other_gpu_processes(device))) from None
         tp = self.comm.world_size
         t, b = limits.max_num_batched_tokens, limits.max_num_seqs
-        self.lora_batch: LoraBatch | None = None
+        self.lora: RunnerLora | None = None
         if cfg.lora is not None:
-            self._attach_lora(cfg, quant, max(t, b) + tp)
+            if quant is not None:
+                raise ValueError("LoRA adapters on FP8 linear layers are not supported: serve "
+                                 "the model unquantized (--quantization none) with "
+                                 "--enable-lora")
+            self.lora = RunnerLora(self.model, cfg.lora, max(t, b) + tp, self.dtype, device,
+                                   group.rank == 0)
         self.kv_calibration_tokens = 0
         if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
             self._calibrate_kv_scales()
@@ -192,7 +196,8 @@ class ModelRunner:
         if use_graphs:
             self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
                                      self.max_blocks_per_seq, self.max_model_len, device,
-                                     max_mixed, token_multiple=multiple, lora=self.lora_batch)
+                                     max_mixed, token_multiple=multiple,
+                                     lora=self.lora.batch if self.lora else None)
             graphs = self.graphs.capture()
         free_now, _ = read_memory(device)
         named = other_gpu_processes(device)
@@ -209,22 +214,6 @@ class ModelRunner:
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
 
-    def _attach_lora(self, cfg: RunnerConfig, quant, max_tokens: int) -> None:
-        """Slots for ``cfg.lora``'s adapters on every LoRA-able layer, the adapters loaded
-        (``model/lora``); the slots count as weights in the memory plan."""
-        if quant is not None:
-            raise ValueError("LoRA adapters on FP8 linear layers are not supported: serve "
-                             "the model unquantized (--quantization none) with --enable-lora")
-        self.lora_batch = LoraBatch(max_tokens, cfg.lora.max_loras, cfg.lora.max_lora_rank,
-                                    self.dtype, self.device)
-        nbytes = attach_lora(self.model, cfg.lora, self.lora_batch)
-        if self.comm.rank == 0:
-            lora = cfg.lora
-            logger.info("LoRA: %d adapter(s) (%s) in %d slot(s) of rank %d on every "
-                        "projection: %.1f MiB per rank", len(lora.modules),
-                        ", ".join(m.name for m in lora.modules) or "none", lora.max_loras,
-                        lora.max_lora_rank, nbytes / 2**20)
-
     def load_lora_adapter(self, slot: int, path: str) -> None:
         """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``
         (``CMD_LORA``; the workers in ``worker_loop``). ValueError if any rank could not:
@@ -238,27 +227,7 @@ class ModelRunner:
             self.comm.broadcast(self.header_buf)
             self.payload_buf[: len(data)].copy_(torch.tensor(list(data), dtype=torch.int64))
             self.comm.broadcast(self.payload_buf[: len(data)])
-        self._load_lora(slot, path)
-
-    def _load_lora(self, slot: int, path: str) -> None:
-        """Every rank: ``path`` into ``slot``, then one all-gather of who could."""
-        layers = lora_layers(self.model)
-        error = None
-        try:
-            load_adapter(layers, self.cfg.lora.max_lora_rank, slot, path, path)
-        except (ValueError, OSError) as e:
-            error = str(e)
-        failed = [r for r, (ok,) in enumerate(self._gather_ints([error is None])) if not ok]
-        if failed:
-            clear_slot(layers, slot)
-            raise ValueError(error or f"rank(s) {failed} could not load {path}")
-
-    def _lora_all_base(self) -> None:
-        """Profiling and warm-up steps run the adapters' products (masked: every token
-        on the base model), so their workspace is measured and nothing new is allocated
-        later."""
-        if self.lora_batch is not None:
-            self.lora_batch.set(None, True)
+        self.lora.load(slot, path, self._gather_ints)
 
     def _calibrate_kv_scales(self) -> None:
         """Every layer's FP8 KV scales from one prefill of the calibration text (every rank,
@@ -363,7 +332,8 @@ class ModelRunner:
                      self.device)
         plans = [StepPlan.build(c, lim.block_size, self.attn).to(self.device)
                  for c in (prefill_only, mixed)]
-        self._lora_all_base()
+        if self.lora is not None:
+            self.lora.all_base()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -396,7 +366,8 @@ class ModelRunner:
         bs = self.limits.block_size
         nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
         table = list(range(nblocks))
-        self._lora_all_base()
+        if self.lora is not None:
+            self.lora.all_base()
         for d in buckets_for(self.limits.max_num_seqs):
             contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
                                         if c < nblocks * bs}
@@ -485,7 +456,7 @@ class ModelRunner:
                 self.comm.broadcast(self.payload_buf[:n])
                 path = bytes(self.payload_buf[:n].tolist()).decode()
                 try:
-                    self._load_lora(slot, path)
+                    self.lora.load(slot, path, self._gather_ints)
                 except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
                 continue
@@ -521,8 +492,8 @@ class ModelRunner:
         scored = plan.prompt_rows.shape[0] > 0
         if not scored and self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)  # never for a pooling runner: it has no graphs
-        if self.lora_batch is not None:
-            self.lora_batch.set(plan.lora_slots, plan.lora_slots.shape[0] > 0)
+        if self.lora is not None:
+            self.lora.batch.set(plan.lora_slots, plan.lora_slots.shape[0] > 0)
         hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
                             plan.metadata(self.attn))
         if self.cfg.pooling:  # no logits: nothing is sampled (an empty [0, hidden])
