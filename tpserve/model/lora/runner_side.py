@@ -27,6 +27,8 @@ class RunnerLora:
         self.cfg = cfg
         self.batch = LoraBatch(max_tokens, cfg.max_loras, cfg.max_lora_rank, dtype, device)
         nbytes = attach_lora(model, cfg, self.batch)
+        if device.type == "cuda":  # the weights' old storage (now in w_ext): the plan reads
+            torch.cuda.empty_cache()  # free memory and counts what the parameters hold
         if log:
             logger.info("LoRA: %d adapter(s) (%s) in %d slot(s) of rank %d on every "
                         "projection: %.1f MiB per rank", len(cfg.modules),
