@@ -3,8 +3,10 @@ process, memory plan, step loop) with two PEFT adapters on a tiny Llama, driven 
 ``openai`` client. Requests naming the base model and each adapter run together; each
 gets PEFT's own greedy tokens and log-probabilities for its adapter; a prompt cached under
 one model is not reused under another (the prefix cache keys on the adapter); /v1/models
-lists the adapters under their base model; an unknown model is a 404; the KV pool ends
-free. The flags resolve to the runner's config and bad ones stop the start naming them."""
+lists the adapters under their base model; an unknown model is a 404; /metrics names the
+adapters with running requests; the KV pool ends free; adapters load and unload while
+serving (vLLM's runtime routes). The flags resolve to the runner's config and bad ones
+stop the start naming them."""
 
 from __future__ import annotations
 
@@ -177,3 +179,32 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     r = _post(static, "load_lora_adapter", lora_name="x", lora_path=str(folders["a"]))
     assert r.status_code == 400 and "runtime LoRA updates are off" in r.text
     assert _post(static, "unload_lora_adapter", lora_name="a").status_code == 400
+
+
+def _lora_info(server) -> dict[str, str]:
+    """The labels of /metrics' ``tpserve:lora_requests_info`` sample."""
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith("tpserve:lora_requests_info{")]
+    labels = line[line.index("{") + 1:line.index("}")]
+    return dict((k, v.strip('"')) for k, v in (p.split("=", 1) for p in labels.split('",')))
+
+
+def test_metrics_name_the_adapters_with_running_requests(served):
+    """vLLM's ``lora_requests_info``: while a request under b streams, b is listed as
+    running (by name; the engine process sends its figures every 0.5 s, so they are read
+    until they show it, at most once per streamed token); once it is done, none is."""
+    server, want, _, _ = served
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    stream = client.completions.create(model="b", prompt=PROMPTS[0],
+                                       max_tokens=250 - len(PROMPTS[0]), temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    seen = None
+    for _ in stream:
+        seen = _lora_info(server)
+        if seen["running_lora_adapters"]:
+            break
+    assert seen == {"max_lora": "2", "running_lora_adapters": "b",
+                    "waiting_lora_adapters": ""}
+    assert sum(1 for _ in stream) > 0  # it was still running
+    server.wait_pool_free()
+    assert _lora_info(server)["running_lora_adapters"] == ""

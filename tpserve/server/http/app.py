@@ -86,11 +86,12 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
                   **no_docs)
     if root_path:  # as vLLM sets it (FastAPI's constructor argument is deprecated)
         app.root_path = root_path
+    loras = LoraNames(tuple(lora_modules))
     app.state.tpserve = ServerState(
         engine=engine,
         served_model_names=tuple(served_model_names),
         prompts=PromptProcessor(engine.tokenizer, executor, chat_template),
-        metrics=ServerMetrics(engine.stats, engine.model_name),
+        metrics=ServerMetrics(engine.stats, engine.model_name, loras.names_by_id),
         created=int(time.time()),
         default_sampling_params=dict(default_sampling_params or {}),
         auto_tool_parser=(TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser is not None
@@ -101,7 +102,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         response_role=response_role,
         max_logprobs=max_logprobs,
         pooler=pooler,
-        loras=LoraNames(tuple(lora_modules)),
+        loras=loras,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

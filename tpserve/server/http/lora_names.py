@@ -29,3 +29,7 @@ class LoraNames:
 
     def get(self, name: str) -> ServedAdapter | None:
         return self.adapters.get(name)
+
+    def names_by_id(self) -> dict[int, str]:
+        """Adapter id -> name, for /metrics (read on the scrape's thread: a copy)."""
+        return {a.lora_id: a.name for a in list(self.adapters.values())}

@@ -76,12 +76,19 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
                  100000, 200000, 500000, 1000000)
 
 
-class EngineStatsCollector(Collector):
-    """Exports ``stats()`` as gauges and (from cumulative values) counters at scrape time."""
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str):
+
+class EngineStatsCollector(Collector):
+    """Exports ``stats()`` as gauges and (from cumulative values) counters at scrape time;
+    with LoRA adapters, vLLM's ``lora_requests_info`` (the adapters with running and waiting
+    requests, named by ``lora_names``: id -> name, as labels; the scrape time as value)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
+                 lora_names: Callable[[], Mapping[int, str]] | None = None):
         self.stats = stats
         self.model_name = model_name
+        self.lora_names = lora_names
 
     def _families(self, values: Mapping[str, float] | None) -> Iterator[Metric]:
         for key, doc in ENGINE_GAUGES.items():
@@ -106,6 +113,21 @@ class EngineStatsCollector(Collector):
                 yield family
         yield from memory_families(None if values is None else values.get("memory", {}),
                                    self.model_name)
+        lora = None if values is None else values.get("lora")
+        if values is None or lora is not None:
+            yield self._lora_family(lora)
+
+    def _lora_family(self, lora: Mapping[str, Any] | None) -> Metric:
+        family = GaugeMetricFamily(PREFIX + "lora_requests_info",
+                                   "Running stats on LoRA requests.", labels=LORA_INFO_LABELS)
+        if lora is not None:
+            names = self.lora_names() if self.lora_names is not None else {}
+
+            def listed(ids) -> str:  # an unloaded adapter's requests: its id
+                return ",".join(names.get(i, str(i)) for i in ids)
+            family.add_metric([str(lora["max_lora"]), listed(lora["running"]),
+                               listed(lora["waiting"])], time.time())
+        return family
 
     def describe(self) -> Iterator[Metric]:
         return self._families(None)
@@ -124,7 +146,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str):
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str,
+                 lora_names: Callable[[], Mapping[int, str]] | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -151,7 +174,7 @@ class ServerMetrics:
             histogram.labels(model_name)  # export zero-valued series from the start
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
-        r.register(EngineStatsCollector(stats, model_name))
+        r.register(EngineStatsCollector(stats, model_name, lora_names))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
