@@ -1,12 +1,14 @@
 """LoRA adapters written by PEFT (``save_pretrained``) on tiny random Llama, Qwen2 (biased
-q/k/v) and Phi-3 (fused q/k/v and gate/up: one A for the parts) checkpoints: one step
-holding sequences under two adapters and the base model gives, row for row, PEFT's own
-logits with that adapter active (or disabled) in float32, prefilled whole, in chunks and
-decoded; Llama at tp 1, 2 and 3 (tp 3 pads heads and MLP columns, and the adapters'
-shards with them) and sequence parallel at tp 2, Qwen2 and Phi-3 at tp 1 and 3. Adapter
-"a" has rank 4 on all seven projections (Phi-3: its four); "b" rank 8, rsLoRA, on q, v and
-down only (Phi-3: qkv and down); a third slot stays empty. A step without adapters gets
-exactly the model without LoRA; what tpserve cannot apply is refused by name."""
+q/k/v), Phi-3 (fused q/k/v and gate/up: one A for the parts) and Qwen2-MoE (its shared
+expert's and dense layer's projections; routed experts are not LoRA targets) checkpoints:
+one step holding sequences under two adapters and the base model gives, row for row,
+PEFT's own logits with that adapter active (or disabled) in float32, prefilled whole, in
+chunks and decoded; Llama at tp 1, 2 and 3 (tp 3 pads heads and MLP columns, and the
+adapters' shards with them) and sequence parallel at tp 2, the others at tp 1 and 3.
+Adapter "a" has rank 4 on all seven projections (Phi-3: its four); "b" rank 8, rsLoRA, on
+q, v and down only (Phi-3: qkv and down); a third slot stays empty. A step without
+adapters gets exactly the model without LoRA; what tpserve cannot apply is refused by
+name."""
 
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ MAX_RANK = 8
 def _hf(kind: str):
     import transformers as tf
 
+    if kind == "qwen2_moe":  # a shared expert and a dense layer LoRA applies to
+        from tests.model.test_moe import _hf_moe
+
+        return _hf_moe("qwen2_moe")
     torch.manual_seed({"llama": 80, "qwen2": 81, "phi3": 82}[kind])
     if kind == "llama":
         return tiny_hf_model(tf.LlamaConfig(**TINY, rope_theta=10000.0), "LlamaForCausalLM")
@@ -151,7 +157,7 @@ def _steps(group, folder: str, folders, tp_comm: str) -> list[list[torch.Tensor]
     return [whole, [torch.cat(p) for p in stepped]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3", "qwen2_moe"])
 def test_adapters_equal_peft(checkpoints, kind):
     folder, folders, want = checkpoints(kind)
     rows = [want["a"], want["b"], want[None]]
