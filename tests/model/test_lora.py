@@ -315,3 +315,18 @@ def test_lora_steps_replay_in_cuda_graphs_as_they_run_eagerly(checkpoints, dtype
     for row, name in enumerate(("a", "b", None)):
         torch.testing.assert_close(outs[1][0][row], want[name][-1], atol=tol * 10,
                                    rtol=tol * 10)
+
+
+def test_adapters_on_a_gguf_base_equal_peft(checkpoints, tmp_path):
+    """The same adapters on the Llama's weights as a llama.cpp GGUF file (q/k rows
+    permuted by the converter, unpermuted at load) give PEFT's logits at tp 1 and 2."""
+    from tests.model.util import save_gguf_file
+
+    _, folders, want = checkpoints("llama")
+    path = str(save_gguf_file(_hf("llama"), tmp_path / "llama.gguf", "llama"))
+    rows = [want["a"], want["b"], want[None]]
+    for tp in (1, 2):
+        for whole, stepped in run_ranks(_steps, tp, path, folders, "allreduce"):
+            for got_whole, got_stepped, w in zip(whole, stepped, rows, strict=True):
+                assert (got_whole - w).abs().max().item() < 1e-4, tp
+                assert (got_stepped - w).abs().max().item() < 1e-4, tp
