@@ -208,3 +208,28 @@ def test_metrics_name_the_adapters_with_running_requests(served):
     assert sum(1 for _ in stream) > 0  # it was still running
     server.wait_pool_free()
     assert _lora_info(server)["running_lora_adapters"] == ""
+
+
+def test_an_adapter_named_by_repository_id_is_served_from_the_cache(adapters, tmp_path,
+                                                                    monkeypatch):
+    """``--lora-modules x=org/name``: the adapter's snapshot in the Hugging Face cache
+    (``--download-dir``; offline, a cache hit), as vLLM takes a repository id; one the
+    cache lacks stops the start naming it."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    _, _, folders = adapters
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tpserve-test--tiny-lora"
+    shutil.copytree(folders["a"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    lora = _cfg("--enable-lora", "--lora-modules", "x=tpserve-test/tiny-lora",
+                "--download-dir", str(tmp_path)).runner.lora
+    assert lora.modules[0].name == "x"
+    assert lora.modules[0].path == str(repo / "snapshots" / commit)
+    with pytest.raises(FileNotFoundError, match="'tpserve-test/none'"):
+        _cfg("--enable-lora", "--lora-modules", "x=tpserve-test/none", "--download-dir",
+             str(tmp_path))

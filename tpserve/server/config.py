@@ -181,6 +181,14 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
+def _fetched(module: LoraModule, download_dir: str | None) -> LoraModule:
+    """An adapter named by a Hugging Face repository id, as vLLM takes one: fetched into
+    the cache (or found there), served from its snapshot folder."""
+    if not is_repo_id(module.path):
+        return module
+    return replace(module, path=fetch_model(module.path, None, download_dir))
+
+
 def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
     adapter, before any weight loads), and whether adapters may be loaded and unloaded
@@ -189,11 +197,11 @@ def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
         if a.lora_modules:
             raise ValueError("--lora-modules needs --enable-lora")
         return None
-    modules = tuple(LoraModule.parse(m) for m in a.lora_modules or ())
+    modules = tuple(_fetched(LoraModule.parse(m), a.download_dir) for m in a.lora_modules or ())
     for m in modules:
         if not Path(m.path).is_dir():
-            raise ValueError(f"--lora-modules {m.name}={m.path}: not a folder (tpserve reads "
-                             "local PEFT adapter folders)")
+            raise ValueError(f"--lora-modules {m.name}={m.path}: not a folder (a PEFT adapter "
+                             "folder, or a Hugging Face repository id)")
         try:
             read_adapter(m.path, a.max_lora_rank)
         except ValueError as e:  # naming what it cannot apply
