@@ -34,7 +34,7 @@ from tpserve.model.loader.build import resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id
-from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter
+from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter_layout
 from tpserve.model.pooling import resolve_pooler_config, resolve_runner
 from tpserve.model.quant.methods import resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
@@ -203,7 +203,7 @@ def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
             raise ValueError(f"--lora-modules {m.name}={m.path}: not a folder (a PEFT adapter "
                              "folder, or a Hugging Face repository id)")
         try:
-            read_adapter(m.path, a.max_lora_rank)
+            read_adapter_layout(m.path, a.max_lora_rank)  # the header only: no tensor
         except ValueError as e:  # naming what it cannot apply
             raise ValueError(f"--lora-modules {m.name}: {e}") from None
     runtime = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")

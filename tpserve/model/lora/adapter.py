@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tpserve.model.llama import LANGUAGE_MODEL_PREFIXES
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # the part of a fused checkpoint projection (Phi-3's ``qkv_proj``, ``gate_up_proj``): one
@@ -35,8 +37,6 @@ TARGETS = {
 }
 # PEFT's tensor names: ``base_model.model.<module>.lora_A[.<adapter name>].weight``
 _TENSOR = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$")
-# a multimodal checkpoint's language model (Gemma 3), as transformers 4 and 5 name it
-_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."))
 
 
 @dataclass(frozen=True)
@@ -142,19 +142,24 @@ def read_adapter_config(folder: str | Path, max_rank: int) -> AdapterConfig:
 
 
 def _module_path(peft_module: str) -> str:
-    for theirs, ours in _LANGUAGE_MODEL:
+    """Our name of a module: a multimodal checkpoint's language model's renamed as the
+    model's own weights are (``llama.LANGUAGE_MODEL_PREFIXES``)."""
+    for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
         if peft_module.startswith(theirs):
             return ours + peft_module[len(theirs):]
     return peft_module
 
 
-def read_adapter(folder: str | Path, max_rank: int
-                 ) -> tuple[AdapterConfig, dict[tuple[str, object], tuple[torch.Tensor,
-                                                                          torch.Tensor]]]:
-    """The adapter's config and its tensors: ``(our layer's path, part) -> (A, B)`` in the
-    checkpoint's shapes (``A [r, in]``, ``B [out, r]``). ValueError for anything
-    ``read_adapter_config`` refuses, a module outside ``TARGETS``, a rank that is not the
-    config's, or an A without its B."""
+AdapterLayout = dict[tuple[str, object], tuple[str, str]]
+
+
+def read_adapter_layout(folder: str | Path, max_rank: int
+                        ) -> tuple[AdapterConfig, AdapterLayout]:
+    """The adapter's config and where its matrices are: ``(our layer's path, part) ->
+    (A's tensor name, B's)``, their shapes checked from the file's header (no tensor is
+    read: the start-up check). ValueError for anything ``read_adapter_config`` refuses,
+    a module outside ``TARGETS``, a rank that is not the config's, or an A without its
+    B."""
     cfg = read_adapter_config(folder, max_rank)
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
@@ -162,7 +167,8 @@ def read_adapter(folder: str | Path, max_rank: int
         raise ValueError(f"{folder}: no {WEIGHTS_FILE}" + (
             " (adapter_model.bin is a pickle, which tpserve does not load: save the adapter "
             "with safe_serialization=True)" if pickled else ""))
-    halves: dict[tuple[str, object], dict[str, torch.Tensor]] = {}
+    halves: dict[tuple[str, object], dict[str, str]] = {}
+    shapes: dict[str, list[int]] = {}
     with safe_open(str(path), framework="pt") as f:
         names = sorted(f.keys(), key=lambda n: _TENSOR.match(n) is None)  # LoRA's first
         for name in names:
@@ -175,16 +181,28 @@ def read_adapter(folder: str | Path, max_rank: int
                 raise ValueError(f"{folder}: an adapter on {m.group(1)!r}; tpserve applies "
                                  f"LoRA to {', '.join(TARGETS)} only")
             layer, part = TARGETS[proj]
-            halves.setdefault((f"{module}.{layer}", part), {})[m.group(2)] = f.get_tensor(name)
-    tensors = {}
+            halves.setdefault((f"{module}.{layer}", part), {})[m.group(2)] = name
+            shapes[name] = f.get_slice(name).get_shape()
+    layout: AdapterLayout = {}
     for key, pair in halves.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"{folder}: {key[0]} part {key[1]} has only {', '.join(pair)}")
-        a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != cfg.rank or b.shape[1] != cfg.rank:
-            raise ValueError(f"{folder}: {key[0]}: lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)} are not of rank {cfg.rank} (the config's r)")
-        tensors[key] = (a, b)
-    if not tensors:
+        a, b = shapes[pair["lora_A"]], shapes[pair["lora_B"]]
+        if len(a) != 2 or len(b) != 2 or a[0] != cfg.rank or b[1] != cfg.rank:
+            raise ValueError(f"{folder}: {key[0]}: lora_A {tuple(a)} and lora_B "
+                             f"{tuple(b)} are not of rank {cfg.rank} (the config's r)")
+        layout[key] = (pair["lora_A"], pair["lora_B"])
+    if not layout:
         raise ValueError(f"{folder}: {WEIGHTS_FILE} holds no LoRA tensors")
-    return cfg, tensors
+    return cfg, layout
+
+
+def read_adapter(folder: str | Path, max_rank: int
+                 ) -> tuple[AdapterConfig, dict[tuple[str, object], tuple[torch.Tensor,
+                                                                          torch.Tensor]]]:
+    """The adapter's config and its tensors: ``(our layer's path, part) -> (A, B)`` in the
+    checkpoint's shapes (``A [r, in]``, ``B [out, r]``), after ``read_adapter_layout``'s
+    checks."""
+    cfg, layout = read_adapter_layout(folder, max_rank)
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
+        return cfg, {key: (f.get_tensor(a), f.get_tensor(b)) for key, (a, b) in layout.items()}
