@@ -94,14 +94,17 @@ class StepPlan:
         """Chunks must come decodes first (single-token chunks of running sequences);
         ``attn`` adds what its kernels need beyond the common tensors."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
-        pend_rows, pend_src, prompt_rows, prompt_targets, lora = [], [], [], [], []
+        pend_rows, pend_src, prompt_rows, prompt_targets = [], [], [], []
+        # each token's adapter slot, only where some chunk has one (most steps: none)
+        lora: list[int] | None = [] if any(c.lora_slot >= 0 for c in chunks) else None
         num_decodes = 0
         for c in chunks:
             n = len(c.token_ids)
             if n == 1 and num_decodes == len(lens):
                 num_decodes += 1
             ids.extend(c.token_ids)
-            lora.extend([c.lora_slot] * n)
+            if lora is not None:
+                lora.extend([c.lora_slot] * n)
             p = range(c.num_computed, c.num_computed + n)
             pos.extend(p)
             if len(c.prompt_targets) > n:
@@ -130,7 +133,7 @@ class StepPlan:
             torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
             torch.tensor(pend_src, dtype=i64), torch.tensor(prompt_rows, dtype=i64),
             torch.tensor(prompt_targets, dtype=i64),
-            torch.tensor(lora if any(s >= 0 for s in lora) else [], dtype=i64),
+            torch.tensor(lora or [], dtype=i64),
             max((c.prompt_top for c in chunks if c.prompt_targets), default=0))
 
     @property

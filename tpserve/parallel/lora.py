@@ -29,19 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.parallel.linear import RowParallelLinear
+
 
 class LoraBatch:
     """Which adapter slot each token of the running step is under, and the masks the
     layers apply.
 
-    Invariants: ``token_slots`` (int64, device, ``max_tokens`` long) holds the step's
-    tokens' slots in its first T entries and -1 (the base model) in every other entry, so a
-    forward over a padded token count (sequence parallel, a CUDA graph's bucket) reads -1
-    for the padding; ``masks[p]`` (``[max_tokens, slots * p * rank]``, the model's dtype)
-    is 1 where a token's slot owns the column of a layer of ``p`` parts and 0 elsewhere,
-    rebuilt by every ``set`` (static buffers: CUDA graphs read them). ``active`` False: no
-    token of the step is under an adapter and the layers skip the adapters (eager steps
-    only; graphs are captured active)."""
+    Invariants, while ``active``: ``token_slots`` (int64, device, ``max_tokens`` long)
+    holds the step's tokens' slots in its first T entries and -1 (the base model) in every
+    other entry, so a forward over a padded token count (sequence parallel, a CUDA graph's
+    bucket) reads -1 for the padding; ``masks[p]`` (``[max_tokens, slots * p * rank]``, the
+    model's dtype) is 1 where a token's slot owns the column of a layer of ``p`` parts and
+    0 elsewhere, rebuilt by every active ``set`` (static buffers: CUDA graphs read them).
+    ``active`` False: no token of the step is under an adapter, the layers skip the
+    adapters and nothing here is written (eager steps only; graphs are captured active)."""
 
     PARTS = (1, 2, 3)  # o/down, gate/up, q/k/v
 
@@ -55,13 +57,16 @@ class LoraBatch:
         self.active = False
 
     def set(self, slots: torch.Tensor | None, active: bool) -> None:
-        """The step's per-token slots (None or empty: every token on the base model)."""
+        """The step's per-token slots (None or empty: every token on the base model); an
+        inactive step's are not written (no layer reads them)."""
+        self.active = active
+        if not active:
+            return
         self.token_slots.fill_(-1)
         if slots is not None and slots.numel():
             self.token_slots[: slots.shape[0]].copy_(slots)
         for p, mask in self.masks.items():
             torch.eq(self.token_slots[:, None], self.col_slots[p], out=mask)
-        self.active = active
 
     def mask(self, parts: int, num_tokens: int) -> torch.Tensor:
         return self.masks[parts][:num_tokens]
@@ -87,7 +92,7 @@ class LoraStack(nn.Module):
             bias = getattr(layer, "bias", None)
             # a column-parallel layer's bias goes into the product (a row-parallel layer
             # adds its own after the reduction)
-            if bias is not None and not hasattr(layer, "in_map"):
+            if bias is not None and not isinstance(layer, RowParallelLinear):
                 self.bias_ext = torch.zeros(rows + width, dtype=bias.dtype, device=w.device)
                 self.bias_ext[:rows].copy_(bias)
                 layer.bias = nn.Parameter(self.bias_ext[:rows], requires_grad=False)
@@ -111,13 +116,6 @@ class LoraStack(nn.Module):
         return torch.addmm(out[:, :self.rows], xa, self.b.t())
 
 
-def lora_rows_loader(layer: nn.Module):
-    """How ``layer`` shards a tensor of its checkpoint's output rows: B of a column-parallel
-    layer (its ``weight_loader`` with a part's shard id), None for a row-parallel layer
-    (every rank holds every output row)."""
-    return None if hasattr(layer, "in_map") else layer.weight_loader
-
-
 @torch.no_grad()
 def load_lora(layer: nn.Module, slot: int, part: object, a: torch.Tensor, b: torch.Tensor,
               scale: float) -> None:
@@ -130,21 +128,21 @@ def load_lora(layer: nn.Module, slot: int, part: object, a: torch.Tensor, b: tor
                          "one adapter (A [r, in], B [out, r])")
     if r > stack.rank:
         raise ValueError(f"rank {r} exceeds --max-lora-rank {stack.rank}")
-    rows_loader = lora_rows_loader(layer)
-    want = ((layer.weight.shape[0], layer.in_features) if rows_loader is None
+    row_parallel = isinstance(layer, RowParallelLinear)
+    want = ((layer.weight.shape[0], layer.in_features) if row_parallel
             else (layer.checkpoint_rows(part), layer.weight.shape[1]))
     if (b.shape[0], a.shape[1]) != want:
         raise ValueError(f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "
                          f"projection of shape {want} (out, in)")
     b = b.float() * scale
-    if rows_loader is None:  # row parallel: A by input columns, B whole
+    if row_parallel:  # A by input columns (the weight's loader), B whole
         a_rank = torch.zeros(r, stack.a.shape[1], dtype=torch.float32, device=stack.a.device)
         layer.weight_loader(a_rank, a.float())
         b_rank = b
-    else:  # column parallel: A whole, B by output rows
+    else:  # column parallel: A whole, B by output rows (the weight's loader, part by part)
         a_rank = a.float()
         b_rank = torch.zeros(stack.b.shape[0], r, dtype=torch.float32, device=stack.b.device)
-        rows_loader(b_rank, b, part)
+        layer.weight_loader(b_rank, b, part)
     cols = stack.columns(slot, part)
     for param, value in ((stack.a, a_rank), (stack.b.t(), b_rank.t())):
         if tuple(value.shape[1:]) != tuple(param.shape[1:]):
