@@ -133,11 +133,7 @@ class ModelRunner:
         tp = self.comm.world_size
         t, b = limits.max_num_batched_tokens, limits.max_num_seqs
         self.lora: RunnerLora | None = None
-        if cfg.lora is not None:
-            if quant is not None:
-                raise ValueError("LoRA adapters on FP8 linear layers are not supported: serve "
-                                 "the model unquantized (--quantization none) with "
-                                 "--enable-lora")
+        if cfg.lora is not None:  # never with FP8 layers (RunnerConfig refuses them)
             self.lora = RunnerLora(self.model, cfg.lora, max(t, b) + tp, self.dtype, device,
                                    group.rank == 0)
         self.kv_calibration_tokens = 0
