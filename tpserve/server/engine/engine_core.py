@@ -508,15 +508,9 @@ class EngineCore:
             **self.counters,
             **self.scheduler.counters,
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
-            **({} if self.lora_slots is None else {"lora": self._lora_stats()}),
+            # other threads call this: ``running`` and ``waiting`` are copied in one C call
+            # each (atomic under the GIL), then read
+            **({} if self.lora_slots is None else {"lora": self.lora_slots.stats(
+                self.scheduler.running, self.scheduler.waiting)}),
         }
-
-    def _lora_stats(self) -> dict[str, Any]:
-        """The LoRA adapters (ids) that running and waiting sequences run under, and the
-        slots (vLLM's ``lora_requests_info``). Other threads may call it: ``running`` and
-        ``waiting`` are copied in one C call each (atomic under the GIL), then read."""
-        def ids(seqs):
-            return sorted({s.params.lora_id for s in seqs if s.params.lora_id is not None})
-        return {"running": ids(self.scheduler.running), "waiting": ids(self.scheduler.waiting),
-                "max_lora": len(self.lora_slots.ids)}
 

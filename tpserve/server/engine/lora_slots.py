@@ -16,6 +16,7 @@ started with until they finish).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from tpserve.model.lora.adapter import LoraConfig
 from tpserve.server.engine.errors import InvalidRequestError
@@ -53,6 +54,13 @@ class LoraSlots:
     def commit(self, slot: int, lora_id: int) -> None:
         self.ids[slot] = lora_id
         self._next_id = max(self._next_id, lora_id + 1)
+
+    def stats(self, running: Iterable, waiting: Iterable) -> dict[str, Any]:
+        """The adapters (ids) the ``running`` and ``waiting`` sequences run under, and the
+        slots (vLLM's ``lora_requests_info``)."""
+        def ids(seqs):
+            return sorted({s.params.lora_id for s in seqs if s.params.lora_id is not None})
+        return {"running": ids(running), "waiting": ids(waiting), "max_lora": len(self.ids)}
 
     def unload(self, slot: int, lora_id: int) -> None:
         """Frees ``slot`` (its live requests finish under its weights)."""
