@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
-from tpserve.server.http.protocol import ErrorResponse
+from tpserve.server.http.protocol import ERROR_RESPONSES
 from tpserve.server.http.state import get_state
 
 
@@ -31,13 +31,10 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; the name alone says which
 
 
-ERRORS: dict[int | str, dict] = {s: {"model": ErrorResponse} for s in (400, 401, 404)}
-
-
 def make_lora_router() -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["lora"])
 
-    @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
         state = get_state(request)
         name = body.lora_name
@@ -53,7 +50,7 @@ def make_lora_router() -> APIRouter:
                                                        lora_id)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
         state = get_state(request)
         name = body.lora_name
