@@ -254,8 +254,7 @@ def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
 
 
 @pytest.mark.parametrize("qc, words", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq' is not supported"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "per-tensor"},
      "activation_scheme = 'per-tensor' is not supported"),
@@ -345,7 +344,7 @@ def test_quantization_flag_resolves_against_the_checkpoint(folders):
         resolved(fp8, "--quantization", "none")
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq"])
 def test_cli_exits_2_naming_an_unsupported_method(folders, tmp_path, capsys, method):
     from tpserve.cli import main
 

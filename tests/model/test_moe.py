@@ -182,8 +182,12 @@ def test_refusals(checkpoints, tmp_path):
     from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 
     folder, _ = checkpoints("qwen3_moe")
-    with pytest.raises(ValueError, match="mixture of experts: an FP8 checkpoint's experts"):
-        load(folder, quant_method=Fp8CheckpointMethod())
+    from tpserve.model.quant.wna16_method import Wna16Method
+
+    for method in (Fp8CheckpointMethod(), Wna16Method("gptq", 4, 128, 1)):
+        with pytest.raises(ValueError, match="mixture of experts: the experts of an FP8, "
+                                             "GPTQ or AWQ checkpoint"):
+            load(folder, quant_method=method)
     with pytest.raises(ValueError, match="--enable-expert-parallel: LlamaForCausalLM has no "
                                          "experts"):
         load(None, expert_parallel=True)

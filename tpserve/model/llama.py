@@ -258,10 +258,10 @@ class LlamaForCausalLM(nn.Module):
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
         if cfg.num_experts and not getattr(quant_method, "quantizes_experts", True):
-            raise ValueError(f"{cfg.architecture} is a mixture of experts: an FP8 "
-                             "checkpoint's experts are not supported yet; serve the model's "
-                             "unquantized checkpoint (--quantization fp8 quantizes it at "
-                             "load)")
+            raise ValueError(f"{cfg.architecture} is a mixture of experts: the experts of "
+                             "an FP8, GPTQ or AWQ checkpoint are not supported yet; serve "
+                             "the model's unquantized checkpoint (--quantization fp8 "
+                             "quantizes it at load)")
         self.cfg = cfg
         self.comm = comm
         self.attn_backend = attn
@@ -434,6 +434,8 @@ class LlamaForCausalLM(nn.Module):
                     name, shard_id = name.replace(frag, fused), sid
                     break
             param = params.get(name)
+            if param is None and name.endswith(".bias") and _is_zero(source):
+                continue  # AutoGPTQ writes a zero bias for every layer: it adds nothing
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             loader = getattr(param, "weight_loader", None)
@@ -451,6 +453,10 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         loaded |= experts.complete()
         return loaded
+
+
+def _is_zero(source: TensorSource) -> bool:
+    return not bool(as_source(source).read().any())
 
 
 def _load_kv_scale(kv_scale: torch.Tensor, entries: tuple[int, ...], value: torch.Tensor,

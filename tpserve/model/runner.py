@@ -116,7 +116,8 @@ class ModelRunner:
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
         if quant is not None and group.rank == 0:
-            products = f"; {quant.describe_products()}" if quant.scaled_mm else ""
+            products = (f"; {quant.describe_products()}"
+                        if getattr(quant, "scaled_mm", False) else "")
             logger.info("linear layers: %s weights, %s%s", cfg.quantization,
                         f"as stored ({self.ckpt.quantization.describe()})"
                         if self.ckpt.quantization else "quantized at load", products)

@@ -15,8 +15,11 @@ How a layer stores and multiplies its weight is its ``quant_method`` (duck-typed
 - ``create_weights(layer, rows, cols, dtype)``: called once by the layer's constructor;
   registers ``layer.weight`` (``[rows, cols]``: this rank's shard, padding included) in the
   dtype it is stored in, and any parameter it loads beside it (e.g. a checkpoint's
-  ``weight_scale``, one float per output row, loaded through ``layer.load_output_rows``),
-  each with its ``weight_loader`` (the weight's: ``layer.weight_loader``, or a wrapper).
+  ``weight_scale``, one float per output row, loaded through ``layer.load_output_rows``;
+  a GPTQ ``g_idx``, one int per input column, through ``layer.load_input_columns``), each
+  with its ``weight_loader`` (the weight's: ``layer.weight_loader``, or a wrapper). A
+  method may store the weight under other names (GPTQ's ``qweight``); ``layer.in_features``
+  is the checkpoint's input size (a row-parallel rank holds ``in_per_rank`` of it).
 - ``process_weights(layer)``: called once on every rank, in module order, after all of the
   layer's shards are loaded. It may replace ``layer.weight`` (e.g. by an fp8 tensor) and
   register more parameters (e.g. ``weight_scale``); it may run collectives on
@@ -134,6 +137,7 @@ class ColumnParallelLinear(nn.Module):
         self.quant_method = quant_method or UNQUANTIZED
         self.gather_output = gather_output
         self.out_per_rank = out_per_rank
+        self.in_features = in_features  # every rank's: the input is not split
         self.quant_method.create_weights(self, out_per_rank, in_features, dtype)
         self.lora = None
         self.bias = empty_param((out_per_rank,), dtype) if bias else None
@@ -155,6 +159,13 @@ class ColumnParallelLinear(nn.Module):
         (shard_id)`` long) into ``param``, one entry per row of this rank's weight, exactly
         as the weight's rows are loaded; padding rows get ``fill``."""
         self.weight_loader(param, source, shard_id, fill=fill)
+
+    def load_input_columns(self, param: torch.Tensor, source: TensorSource | torch.Tensor,
+                           fill: float = 0.0) -> None:
+        """Loads a checkpoint tensor indexed by input column (its dim 0, ``in_features``
+        long; e.g. a GPTQ ``g_idx``) into ``param``, one entry per column of this rank's
+        weight: all of it (the input is not split)."""
+        copy_into(param, as_source(source).read(), "column-parallel input columns")
 
     def checkpoint_rows(self, shard_id: object = None) -> int:
         """Rows of the checkpoint tensor that ``shard_id`` names (the unsharded part)."""
@@ -309,6 +320,7 @@ class RowParallelLinear(nn.Module):
         self.quant_method = quant_method or UNQUANTIZED
         self.reduce = reduce
         self.in_features = in_features  # the checkpoint's, unsharded
+        self.out_features = out_features
         if in_map is None:
             per = split_evenly(in_features, comm.world_size, "input features")
             in_map = ShardMap(per, ((0, comm.rank * per, per),))
@@ -334,8 +346,15 @@ class RowParallelLinear(nn.Module):
         holds every output row, so all of it (no padding rows)."""
         copy_into(param, as_source(source).read(), "row-parallel output rows")
 
+    def load_input_columns(self, param: torch.Tensor, source: TensorSource | torch.Tensor,
+                           fill: float = 0.0) -> None:
+        """Loads a checkpoint tensor indexed by input column (its dim 0, ``in_features``
+        long) into ``param``, one entry per column of this rank's weight, exactly as the
+        weight's columns are loaded (``in_map``); padding columns get ``fill``."""
+        self.in_map.load(param, as_source(source), 0, "row-parallel input columns", fill)
+
     def checkpoint_rows(self, shard_id: object = None) -> int:
-        return self.weight.shape[0]
+        return self.out_features
 
     def checkpoint_parts(self) -> tuple[object, ...]:
         return (None,)

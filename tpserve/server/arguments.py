@@ -112,13 +112,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default="auto",
                    choices=list(QUANTIZATION_CHOICES),
                    help="weight quantization of the linear layers: auto (the checkpoint's "
-                        "own: fp8 for an FP8 checkpoint, whose e4m3 weights and scales are "
-                        "served as stored; else none), none, or fp8 (e4m3 weights with "
+                        "own: fp8, gptq or awq for such a checkpoint, whose weights and "
+                        "scales are served as stored; else none), none, fp8 (e4m3 weights with "
                         "per-output-channel scales, quantized at load unless the checkpoint "
                         "is FP8, whose per-tensor, per-channel or block scales are kept; "
                         "activations scaled per token (per token and block column group for "
                         "block scales, or by the checkpoint's static scales); FP8 matrix "
-                        "products on Hopper). none on an FP8 checkpoint is refused")
+                        "products on Hopper), gptq or awq (a GPTQ / AWQ checkpoint's 4- or "
+                        "8-bit weights with group scales and zero points, multiplied in the "
+                        "model's dtype). none on a quantized checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,
                    default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
                    help="with --quantization fp8: steps of at most this many tokens multiply "

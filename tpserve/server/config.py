@@ -277,9 +277,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ValueError("--tokenizer-revision needs a repository id as --tokenizer")
     hf_overrides = canonical_overrides(a.hf_overrides)
     device = resolve_device(a.device)
-    dtype = resolve_dtype(a.dtype, torch.device(device))
     ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
                            tokenizer, a.disable_sliding_window)  # its config: no weights
+    dtype = resolve_dtype(a.dtype, torch.device(device),
+                          getattr(ckpt.quantization, "bits", None) is not None)
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)

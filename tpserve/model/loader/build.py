@@ -21,11 +21,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the resolved, canonical names
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
+def resolve_dtype(name: str, device: torch.device, integer_weights: bool = False) -> str:
     """The canonical dtype name (``DTYPE_NAMES``) for a ``--dtype`` value: ``auto`` is
-    bf16 on GPU and fp32 on CPU. Called once, when the config tree is built."""
+    bf16 on GPU (fp16 for a GPTQ / AWQ checkpoint, ``integer_weights``: its scales are
+    fp16, which bf16 would round, and vLLM serves these in fp16 too) and fp32 on CPU.
+    Called once, when the config tree is built."""
     if name == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
+        if device.type != "cuda":
+            return "float32"
+        return "float16" if integer_weights else "bfloat16"
     if name not in DTYPES:
         raise ValueError(f"unknown --dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return str(DTYPES[name]).removeprefix("torch.")

@@ -23,17 +23,24 @@ W8A8 product quantizes its input with it, see ``Fp8CheckpointMethod``). Block-wi
 bn), ceil(in / bk)]`` (``weight_block``, ``scale_name``; see ``fp8_block.py``). ``bk`` must
 be a power of two of at least 16 (it is the kernels' K step).
 
-Refused: any other method (awq, gptq, bitsandbytes, ...), block-wise scales with static
-activations, and static activation scales other than one per tensor.
+Served as stored with integer weights (``model/quant/wna16_method.py``): ``quant_method``
+"gptq" and "awq", 4 or 8 bits with group scales and zero points (``int_checkpoint.py``
+checks their fields and reads their packed tensors).
+
+Refused: any other method (bitsandbytes, ...), block-wise scales with static activations,
+and static activation scales other than one per tensor.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SERVED_METHODS = ("fp8", "compressed-tensors")
+from tpserve.model.quant.int_checkpoint import check_awq, check_gptq
+
+SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 # files older GPTQ/AWQ exports keep their settings in instead of config.json
 SIDE_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -41,21 +48,33 @@ SIDE_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """What a checkpoint's linear weights are: ``method`` is the ``--quantization`` value
-    that serves them ("fp8"); ``quant_method`` as ``config.json`` spells it;
+    that serves them ("fp8", "gptq", "awq"); ``quant_method`` as ``config.json`` spells it;
     ``static_activations``: the activations' scales are the checkpoint's (``input_scale``,
-    one per tensor, calibrated offline) rather than computed per token at run time."""
+    one per tensor, calibrated offline) rather than computed per token at run time.
+    Integer weights (GPTQ, AWQ): ``bits``, ``group_size`` (-1: one group per row),
+    ``zero_offset`` (added to every stored zero point: 1 in GPTQ's v1 format),
+    ``act_order`` (GPTQ's ``desc_act``: groups in any column order)."""
 
     method: str
     quant_method: str
     static_activations: bool = False
     weight_block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"
+    bits: int | None = None
+    group_size: int = -1
+    zero_offset: int = 0
+    act_order: bool = False
 
     def describe(self) -> str:
+        integer = ""
+        if self.bits is not None:
+            integer = (f", {self.bits}-bit, " + ("one group per row" if self.group_size == -1
+                                                 else f"groups of {self.group_size}")
+                       + (", act-order" if self.act_order else ""))
         return (f"quantization_config.quant_method {self.quant_method!r}"
                 + (", static activation scales" if self.static_activations else "")
                 + (f", block-wise weight scales {list(self.weight_block)}"
-                   if self.weight_block else ""))
+                   if self.weight_block else "") + integer)
 
 
 def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = None
@@ -64,15 +83,15 @@ def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = N
     unsupported method or field."""
     qc = config.get("quantization_config")
     if qc is None:
-        for name in SIDE_CONFIG_FILES:
-            if folder is not None and (folder / name).is_file():
-                raise ValueError(f"{folder / name}: a quantized checkpoint (GPTQ/AWQ-style "
-                                 "settings file) is not supported; tpserve serves "
-                                 "unquantized or FP8 checkpoints")
-        return None
+        qc = _side_config(folder)
+        if qc is None:
+            return None
     if not isinstance(qc, dict):
         raise ValueError("config.json: quantization_config must be an object")
     method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        fields = check_gptq(qc) if method == "gptq" else check_awq(qc)
+        return CheckpointQuantization(method, method, **fields)
     if method == "fp8":
         static, block = _check_fp8(qc)
         scale_name = "weight_scale_inv" if block else "weight_scale"
@@ -81,9 +100,30 @@ def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = N
         scale_name = "weight_scale"
     else:
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not "
-                         f"supported; tpserve serves {' and '.join(map(repr, SERVED_METHODS))} "
-                         "(FP8 e4m3 weights with per-tensor, per-channel or block scales)")
+                         f"supported; tpserve serves {', '.join(map(repr, SERVED_METHODS))} "
+                         "(FP8 e4m3 weights with per-tensor, per-channel or block scales; "
+                         "4- or 8-bit integer weights with group scales)")
     return CheckpointQuantization("fp8", method, static, block, scale_name)
+
+
+def _side_config(folder: Path | None) -> dict[str, Any] | None:
+    """The settings of an older GPTQ / AWQ export that keeps them beside config.json
+    (AutoGPTQ's ``quantize_config.json``, AutoAWQ's ``quant_config.json``), as vLLM reads
+    them: the file's ``quant_method``, else AWQ where the file is AutoAWQ's (its name, or
+    its ``w_bit`` / ``zero_point`` fields), else GPTQ."""
+    for name in SIDE_CONFIG_FILES:
+        path = None if folder is None else folder / name
+        if path is None or not path.is_file():
+            continue
+        try:
+            qc = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(qc, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        awq = name == "quant_config.json" or "w_bit" in qc or "zero_point" in qc
+        return {"quant_method": "awq" if awq else "gptq", **qc}
+    return None
 
 
 def _refuse(field: str, value: Any, why: str) -> ValueError:

@@ -3,9 +3,10 @@ chosen once when the model is built.
 
 ``auto`` (the flag's default) is resolved by ``resolve_quantization`` when the config tree
 is built: the checkpoint's own method (``checkpoint_format.py``) if it has one, else
-``none``. The runner's config holds ``none`` or ``fp8`` only; which fp8 method serves it
-follows from the checkpoint: quantize at load (an unquantized checkpoint) or load the fp8
-codes and scales as stored (an FP8 checkpoint).
+``none``. The runner's config holds ``none``, ``fp8``, ``gptq`` or ``awq``; which fp8
+method serves fp8 follows from the checkpoint: quantize at load (an unquantized checkpoint)
+or load the fp8 codes and scales as stored (an FP8 checkpoint). ``gptq`` and ``awq`` serve
+only checkpoints of that method, as stored (``wna16_method.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, Fp8LinearMethod, scaled_mm_supported
 from tpserve.model.quant.fp8_block import Fp8BlockMethod, block_mm_supported
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
+from tpserve.model.quant.wna16_method import Wna16Method
 
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "gptq", "awq")
+STORED_ONLY = ("gptq", "awq")  # never quantized at load: a checkpoint of that method
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
 
@@ -41,23 +44,33 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
                          f"({checkpoint.describe()}) and is served as stored; use "
                          f"--quantization auto or {checkpoint.method} (tpserve does not "
                          "dequantize it)")
+    if checkpoint is None and quantization in STORED_ONLY:
+        raise ValueError(f"--quantization {quantization} serves {quantization.upper()} "
+                         "checkpoints (config.json's quantization_config.quant_method "
+                         f"{quantization!r}) as stored; this checkpoint is not quantized "
+                         "(--quantization fp8 quantizes one at load)")
 
 
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
                   dtype: torch.dtype, weight_only_max_tokens: int,
                   checkpoint: CheckpointQuantization | None = None,
                   fast_accum: bool = DEFAULT_FAST_ACCUM
-                  ) -> Fp8LinearMethod | None:
+                  ) -> Fp8LinearMethod | Wna16Method | None:
     """None (the layers' default, unquantized) or the method for ``quantization``: fp8
     quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
-    the Triton kernels with the Triton kernel back-end, the torch reference otherwise."""
+    gptq / awq load the checkpoint's integer weights as stored; the Triton kernels with the
+    Triton kernel back-end, the torch reference otherwise."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {quantization!r}; choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
     check_matches(quantization, checkpoint)
     if quantization == "none":
         return None
-    kw = dict(backend="triton" if kernel_backend == "triton" else "torch",
+    backend = "triton" if kernel_backend == "triton" else "torch"
+    if quantization in STORED_ONLY:
+        return Wna16Method(checkpoint.method, checkpoint.bits, checkpoint.group_size,
+                           checkpoint.zero_offset, backend)
+    kw = dict(backend=backend,
               weight_only_max_tokens=weight_only_max_tokens,
               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,
               fast_accum=fast_accum)

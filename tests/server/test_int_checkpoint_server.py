@@ -1,0 +1,61 @@
+"""``tpserve serve FOLDER`` of GPTQ and AWQ checkpoint folders through the real openai client,
+with the default ``--quantization auto``.
+
+The folders are the embedded SmolLM2-135M written as Hugging Face folders with every linear
+weight quantized to 4 bits in groups of 128 columns (``tests/model/int_checkpoints.py``;
+SmolLM2's 576 columns are four and a half groups), GPTQ with act-order and AWQ; the
+oracle is each folder's dequantized float32 twin, run here in process. At tp 2 SmolLM2's 9
+query heads pad to 10, so o_proj has padding columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from tests.model.int_checkpoints import save_int_folders
+from tests.model.util import hf_config
+from tests.server.serverproc import ServerProcess
+from tests.server.test_fp8_checkpoint_server import check_served_logprobs, in_process_logprobs
+from tpserve.model.loader import gguf_file
+from tpserve.model.loader.checkpoint import open_checkpoint
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The embedded GGUF's weights as a float32 Hugging Face folder with its tokenizer."""
+    ckpt = open_checkpoint(None)
+    c = ckpt.config
+    state = {name: src.read().float().contiguous()
+             for name, src in gguf_file.iter_weights(ckpt.reader, c)}
+    state.pop("lm_head.weight", None)  # tied to the embedding
+    folder = tmp_path_factory.mktemp("smollm2") / "SmolLM2"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(c)))
+    ckpt.tokenizer().save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("fmt, tp, words", [
+    ("gptq", 2, "'gptq', 4-bit, groups of 128, act-order"),
+    ("awq", 1, "'awq', 4-bit, groups of 128"),
+])
+def test_served_as_stored_with_the_dequantized_models_logprobs(base, tmp_path, fmt, tp, words):
+    folder, twin = save_int_folders(base, tmp_path / f"SmolLM2-{fmt}", fmt, 4, 128,
+                                    act_order=fmt == "gptq")
+    server = ServerProcess(str(folder), "--no-engine-process", "--tensor-parallel-size",
+                           str(tp), log_level="info")
+    try:
+        assert (f"linear layers: {fmt} weights, as stored (quantization_config.quant_method "
+                f"{words})") in server.output(), server.output()
+        check_served_logprobs(server, in_process_logprobs(str(twin), None))
+        client = server.client()
+        r = client.completions.create(model=client.models.list().data[0].id,
+                                      prompt="The capital of France is", max_tokens=8,
+                                      temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    finally:
+        assert server.stop() == 0, server.output()

@@ -1,0 +1,154 @@
+"""GPTQ and AWQ checkpoints (``quant_method`` "gptq" / "awq"): their ``quantization_config``
+checked into a ``CheckpointQuantization``, and their packed tensors read as the logical
+``[out, in]`` integers the layers' own loaders shard (``CodesSource``, ``TransposedSource``).
+
+The formats, as AutoGPTQ / GPTQModel and AutoAWQ write them (``bits`` b, ``pack = 32 // b``
+codes per int32, a layer of ``in`` input and ``out`` output features, ``G`` groups of
+``group_size`` input columns, one group of all of them for ``group_size`` -1):
+- GPTQ: ``qweight`` int32 ``[in / pack, out]``, packed along the input (code of input row
+  ``r * pack + j`` in bits ``[j b, (j + 1) b)`` of row ``r``); ``qzeros`` int32 ``[G, out /
+  pack]``, packed along the output in the same order; ``scales`` ``[G, out]``; ``g_idx``
+  int32 ``[in]``, the group of each input row (act-order, ``desc_act``: any order).
+  ``checkpoint_format`` "gptq" (the default, v1) stores each zero point minus one; "gptq_v2"
+  stores it as is. ``W[o, i] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]``.
+- AWQ (``version`` "gemm"): ``qweight`` int32 ``[in, out / pack]`` and ``qzeros`` int32
+  ``[G, out / pack]``, both packed along the output with AutoAWQ's interleave (bits ``[j b,
+  (j + 1) b)`` hold output column ``AWQ_ORDER[j]`` of the pack); ``scales`` ``[G, out]``;
+  no ``g_idx`` (group ``i // group_size``). ``W[o, i] = (q[i, o] - z[i // gs, o]) * s[i //
+  gs, o]``.
+
+Refused by name: other bit widths, AWQ without zero points or in another ``version``, a
+quantized LM head (GPTQ's ``lm_head``), per-module overrides (GPTQModel's ``dynamic``,
+AWQ's ``modules_to_not_convert`` naming more than the LM head).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tpserve.model.quant.wna16 import BITS, pack_factor
+from tpserve.parallel.shard import TensorSource
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each 4-bit field of an AWQ int32
+
+
+def check_gptq(qc: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a GPTQ ``quantization_config`` that serve it: ``bits``,
+    ``group_size``, ``zero_offset`` (1 for v1 checkpoints), ``act_order``."""
+    bits = _bits(qc, "bits")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("checkpoint_format", fmt, "tpserve reads 'gptq' (v1) and 'gptq_v2' "
+                      "packing")
+    if qc.get("lm_head"):
+        raise _refuse("lm_head", qc["lm_head"], "tpserve serves the LM head unquantized")
+    if qc.get("dynamic"):
+        raise _refuse("dynamic", qc["dynamic"], "per-module quantization overrides")
+    return dict(bits=bits, group_size=_group_size(qc, "group_size"),
+                zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")))
+
+
+def check_awq(qc: dict[str, Any]) -> dict[str, Any]:
+    """The same fields for an AWQ ``quantization_config``."""
+    bits = _bits(qc, "bits" if "bits" in qc else "w_bit")
+    if bits != 4:
+        raise _refuse("bits", bits, "AWQ checkpoints are served in 4 bits")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("version", qc.get("version"), "tpserve reads AutoAWQ's 'gemm' packing")
+    if not qc.get("zero_point", True):
+        raise _refuse("zero_point", qc["zero_point"], "AWQ without zero points")
+    skipped = [m for m in qc.get("modules_to_not_convert") or ()
+               if not str(m).endswith("lm_head")]
+    if skipped:
+        raise _refuse("modules_to_not_convert", skipped, "tpserve serves every linear "
+                      "layer of the decoder quantized (only the LM head may be left out)")
+    gs_field = "group_size" if "group_size" in qc else "q_group_size"
+    return dict(bits=bits, group_size=_group_size(qc, gs_field), zero_offset=0,
+                act_order=False)
+
+
+def _refuse(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"config.json: quantization_config.{field} = {value!r} is not "
+                      f"supported: {why}")
+
+
+def _bits(qc: dict[str, Any], field: str) -> int:
+    bits = qc.get(field)
+    if bits not in BITS or isinstance(bits, bool):
+        raise _refuse(field, bits, f"tpserve serves {' or '.join(map(str, BITS))}-bit "
+                      "integer weights")
+    return int(bits)
+
+
+def _group_size(qc: dict[str, Any], field: str) -> int:
+    gs = qc.get(field, -1)
+    if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
+        raise _refuse(field, gs, "expected a positive number of input columns per group, "
+                      "or -1 (one group per output row)")
+    return gs
+
+
+class CodesSource:
+    """A packed int32 checkpoint tensor read as its integers in the layers' ``[out, in]``
+    orientation (the checkpoint's ``[in, out]`` transposed), unsigned ``0 .. 2**bits - 1``,
+    int16. ``packed_dim`` is the checkpoint dim the codes are packed along (0: GPTQ's
+    ``qweight``; 1: the others); ``order[j]``: the position within its pack of the code in
+    bit field ``j`` (AWQ's interleave; identity otherwise). A read covers the whole int32s
+    around the requested range and narrows them, so any range may be read."""
+
+    def __init__(self, source: TensorSource, bits: int, packed_dim: int,
+                 order: tuple[int, ...] | None = None):
+        self.source, self.bits, self.packed_dim = source, bits, packed_dim
+        self.pack = pack_factor(bits)
+        self.order = order or tuple(range(self.pack))
+        if len(source.shape) != 2:
+            raise ValueError(f"a packed tensor of shape {tuple(source.shape)}; expected 2-d")
+        rows, cols = source.shape
+        unpacked = (rows * self.pack, cols) if packed_dim == 0 else (rows, cols * self.pack)
+        self.shape = (unpacked[1], unpacked[0])  # [out, in]
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            return self._unpack(self.source.read()).t().contiguous()
+        dim %= 2
+        length = self.shape[dim] - start if length is None else length
+        theirs = 1 - dim
+        if theirs != self.packed_dim:
+            return self._unpack(self.source.read(theirs, start, length)).t().contiguous()
+        first, last = start // self.pack, -(-(start + length) // self.pack)
+        codes = self._unpack(self.source.read(theirs, first, last - first))
+        codes = codes.narrow(theirs, start - first * self.pack, length)
+        return codes.t().contiguous()
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        if packed.dtype != torch.int32:
+            raise ValueError(f"a packed tensor stored as {packed.dtype}; expected int32")
+        p = packed.to(torch.int64)
+        fields = [(p >> (j * self.bits)) & (2**self.bits - 1) for j in range(self.pack)]
+        by_position = [fields[self.order.index(i)] for i in range(self.pack)]
+        codes = torch.stack(by_position, dim=self.packed_dim + 1)
+        shape = list(packed.shape)
+        shape[self.packed_dim] *= self.pack
+        return codes.reshape(shape).to(torch.int16)
+
+
+class TransposedSource:
+    """A 2-d checkpoint tensor read transposed (``scales [G, out]`` as ``[out, G]``, so the
+    layers' output-row loaders shard it)."""
+
+    def __init__(self, source: TensorSource):
+        if len(source.shape) != 2:
+            raise ValueError(f"a tensor of shape {tuple(source.shape)}; expected 2-d")
+        self.source = source
+        self.shape = (source.shape[1], source.shape[0])
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            return self.source.read().t().contiguous()
+        dim %= 2
+        return self.source.read(1 - dim, start, length).t().contiguous()

@@ -1,0 +1,68 @@
+"""Integer weights with float group scales, activations in the model's dtype ("WNA16": GPTQ
+and AWQ checkpoints, ``--quantization gptq`` / ``awq``): the layout a linear layer serves
+them in, and its torch reference.
+
+Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, ``pack =
+32 // bits`` codes per int32, K the layer's input columns on this rank, N its output rows:
+- ``qweight`` int32 ``[K // pack, N]``: code ``q[k, n]`` (unsigned, ``0 .. 2**bits - 1``)
+  is bits ``[(k % pack) * bits, (k % pack + 1) * bits)`` of ``qweight[k // pack, n]``
+  (packed along K, GPTQ's order);
+- ``scales`` ``[G, N]`` and ``zeros`` ``[G, N]``, both in the activation dtype: the scale
+  and the zero point (a float, the checkpoint's integer zero as served) of group ``g``;
+- ``g_idx`` int32 ``[K]``: the group of input column ``k`` (``0 <= g_idx[k] < G``; with
+  GPTQ's act-order any order, else ``k // group_size`` shifted to this rank's groups).
+
+``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, computed in float32
+and rounded once to the activation dtype; ``y = x W^T (+ bias)``. Zero padding (the rows and
+columns ``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
+padding columns, where the input is zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = (4, 8)
+
+
+def pack_factor(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"{bits}-bit weights are not supported; tpserve serves 4 or 8 bits")
+    return 32 // bits
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes`` ``[K, N]`` (integers in ``0 .. 2**bits - 1``, K a multiple of the pack
+    factor) -> int32 ``[K // pack, N]`` in the served layout."""
+    pack = pack_factor(bits)
+    k, n = codes.shape
+    if k % pack:
+        raise ValueError(f"{k} input columns do not pack by {pack}")
+    c = codes.reshape(k // pack, pack, n)
+    packed = torch.zeros((k // pack, n), dtype=torch.int64, device=codes.device)
+    for j in range(pack):  # one field at a time: a byte of temporaries per code
+        packed |= c[:, j].to(torch.int64) << (j * bits)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of ``pack_rows``: int32 ``[K // pack, N]`` -> int64 codes ``[K, N]``."""
+    pack = pack_factor(bits)
+    shifts = (torch.arange(pack, device=qweight.device, dtype=torch.int64) * bits).view(1, -1, 1)
+    codes = (qweight.to(torch.int64).unsqueeze(1) >> shifts) & (2**bits - 1)
+    return codes.reshape(-1, qweight.shape[1])
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               g_idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product)."""
+    q = unpack_rows(qweight, bits).float()  # [K, N]
+    g = g_idx.long()
+    w = (q - zeros.float()[g]) * scales.float()[g]
+    return w.t().to(scales.dtype)
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path)."""
+    return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, g_idx, bits), bias)
