@@ -129,7 +129,8 @@ def parse_args() -> argparse.Namespace:
                    help="serve this many random LoRA adapters of the shape (all seven "
                         "projections), request i under adapter i %% N (0: no LoRA)")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank")
-    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "auto", "gptq",
+                                                              "awq"],
                    help="weight quantization (the server's --quantization)")
     p.add_argument("--fp8-weight-only-max-tokens", type=int, default=None,
                    help="the server's flag of that name (default: the server's default)")

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shard_writer import ShardWriter  # noqa: E402  (bench/shard_writer.py)
 
 from tpserve.model.attention.backend import select_attention  # noqa: E402
 from tpserve.model.kernels.backend import select_ops  # noqa: E402
@@ -51,7 +52,6 @@ from tpserve.parallel.state import TPGroup  # noqa: E402
 INPUT_OF = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
             "down_proj": "down_proj"}
-SHARD_BYTES = 4 << 30
 BLOCK = 16
 
 
@@ -128,19 +128,8 @@ def embedded_weights(shape: str):
 
 def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | None,
           out: Path, block: tuple[int, int] | None = None, embedded: bool = False) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
     cfg = dummy.shape_config(shape)
-    shard: dict[str, torch.Tensor] = {}
-    size, files, weight_map = 0, [], {}
-
-    def flush():
-        nonlocal shard, size
-        fname = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update(dict.fromkeys(shard, fname))
-        shard, size = {}, 0
-
+    writer = ShardWriter(out)
     weights = embedded_weights(shape) if embedded else dummy.iter_weights(cfg, seed, device)
     for name, source in weights:
         w = source.read().to(device)
@@ -151,14 +140,8 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | 
             part = block_tensors(name, w, block)
         else:
             part = fp8_tensors(name, w, amax)
-        shard.update(part)
-        size += sum(t.numel() * t.element_size() for t in part.values())
-        if size >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        writer.add(part)
+    info = writer.finish()
     config = dummy.shape_hf_config(shape)
     config["torch_dtype"] = "float32" if embedded else "bfloat16"
     config["quantization_config"] = {"quant_method": "fp8",
@@ -167,7 +150,7 @@ def write(shape: str, seed: int, device: torch.device, amax: dict[str, float] | 
     if block is not None:
         config["quantization_config"]["weight_block_size"] = list(block)
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    return {"files": files, "bytes": sum((out / f).stat().st_size for f in files)}
+    return info
 
 
 def main() -> None:
