@@ -30,10 +30,12 @@ def group_indices(cols: int, group_size: int, act_order: bool, seed: int) -> tor
     return g
 
 
-def quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, min_zero: int
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, min_zero: int,
+             symmetric: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest of ``w [out, in]`` per (row, group): ``(codes [in, out],
-    zeros [G, out], scales [G, out] float16, dequantized [out, in] float32)``."""
+    """Round-to-nearest of ``w [out, in]`` per (row, group), asymmetric or (``symmetric``)
+    with every zero point ``2**(bits - 1)``: ``(codes [in, out], zeros [G, out], scales
+    [G, out] float16, dequantized [out, in] float32)``."""
     top = 2**bits - 1
     groups = int(g_idx.max()) + 1
     scales = torch.empty(groups, w.shape[0], dtype=torch.float16)
@@ -41,6 +43,11 @@ def quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, min_zero: int
     for g in range(groups):
         cols = w[:, g_idx == g]
         lo, hi = cols.min(dim=1).values.clamp(max=0), cols.max(dim=1).values.clamp(min=0)
+        if symmetric:
+            half = 2**(bits - 1)
+            s = (torch.maximum(-lo, hi) / (half - 1)).clamp(min=1e-4).to(torch.float16)
+            scales[g], zeros[g] = s, half
+            continue
         s = ((hi - lo) / top).clamp(min=1e-4).to(torch.float16)
         scales[g] = s
         zeros[g] = torch.round(-lo / s.float()).clamp(min_zero, top).long()
@@ -66,10 +73,11 @@ def pack(values: torch.Tensor, bits: int, dim: int, order: list[int] | None = No
 
 def save_int_folders(base: Path, folder: Path, fmt: str, bits: int = 4, group_size: int = 32,
                      act_order: bool = False, gptq_version: str = "gptq",
-                     biases: bool = True) -> tuple[Path, Path]:
+                     biases: bool = True, symmetric: bool = False) -> tuple[Path, Path]:
     """``(quantized folder, its dequantized float32 twin)`` of the unquantized folder
-    ``base``: every linear layer quantized (``fmt`` "gptq" or "awq"); GPTQ folders also
-    hold each layer's all-zero ``bias`` when ``biases`` (AutoGPTQ writes one)."""
+    ``base``: every linear layer quantized (``fmt`` "gptq", "awq" or "compressed-tensors",
+    llm-compressor's pack-quantized, ``symmetric`` or not); GPTQ folders also hold each
+    layer's all-zero ``bias`` when ``biases`` (AutoGPTQ writes one)."""
     twin = folder.with_name(folder.name + "-dequantized")
     shutil.copytree(base, folder)
     shutil.copytree(base, twin)
@@ -86,8 +94,18 @@ def save_int_folders(base: Path, folder: Path, fmt: str, bits: int = 4, group_si
                                   seed=zlib.crc32(shared.replace("up_proj", "gate_proj")
                                                   .encode()))
             v1 = fmt == "gptq" and gptq_version == "gptq"
-            codes, zeros, scales, deq = quantize(w.float(), g_idx, bits, 1 if v1 else 0)
+            codes, zeros, scales, deq = quantize(w.float(), g_idx, bits, 1 if v1 else 0,
+                                                 symmetric)
             dense[name] = deq
+            if fmt == "compressed-tensors":
+                quantized[f"{layer}.weight_packed"] = pack(codes.t(), bits, 1)
+                quantized[f"{layer}.weight_scale"] = scales.t().contiguous()
+                quantized[f"{layer}.weight_shape"] = torch.tensor(w.shape, dtype=torch.int32)
+                if not symmetric:
+                    quantized[f"{layer}.weight_zero_point"] = pack(zeros.t(), bits, 0)
+                if act_order:
+                    quantized[f"{layer}.weight_g_idx"] = g_idx
+                continue
             quantized[f"{layer}.scales"] = scales
             if fmt == "gptq":
                 quantized[f"{layer}.qweight"] = pack(codes, bits, 0)
@@ -110,13 +128,24 @@ def save_int_folders(base: Path, folder: Path, fmt: str, bits: int = 4, group_si
         index.write_text(json.dumps(d))
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(fmt, bits, group_size, act_order,
-                                                     gptq_version)
+                                                     gptq_version, symmetric)
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder, twin
 
 
 def quantization_config(fmt: str, bits: int, group_size: int, act_order: bool,
-                        gptq_version: str) -> dict:
+                        gptq_version: str, symmetric: bool = False) -> dict:
+    if fmt == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
+                   "strategy": "channel" if group_size == -1 else "group",
+                   "group_size": None if group_size == -1 else group_size,
+                   "actorder": "group" if act_order else None, "dynamic": False,
+                   "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "quantization_status": "compressed", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": None,
+                                              "output_activations": None}}}
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
                 "desc_act": act_order, "sym": False, "lm_head": False,

@@ -1,5 +1,6 @@
-"""GPTQ and AWQ checkpoints (``quantization_config`` "gptq" / "awq") served as stored: integer
-codes packed 8 (4-bit) or 4 (8-bit) to an int32, float16 group scales and zero points, on
+"""GPTQ, AWQ and compressed-tensors pack-quantized checkpoints (``quantization_config``
+"gptq" / "awq" / "compressed-tensors") served as stored: integer codes packed 8 (4-bit) or 4
+(8-bit) to an int32, float16 group scales and zero points (or symmetric ones), on
 real safetensors folders written here (``tests/model/int_checkpoints.py``) and real gloo
 ranks, against the same model with the dequantized weights stored as float32.
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tests.model.int_checkpoints import save_int_folders
-from tests.model.util import CPU, full_logits, save_hf_folder
+from tests.model.util import CPU, full_logits, save_fp8_folder, save_hf_folder
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
@@ -35,6 +36,9 @@ SHAPE = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
 ONE = TPGroup(0, 1, CPU, None)
 # name: (format, bits, group size, act-order, GPTQ checkpoint_format)
 KINDS = {"gptq-4bit-g32": ("gptq", 4, 32, False, "gptq"),
+         "ct-4bit-g32-symmetric": ("compressed-tensors", 4, 32, False, "symmetric"),
+         "ct-4bit-g16-act-order": ("compressed-tensors", 4, 16, True, ""),
+         "ct-8bit-per-row": ("compressed-tensors", 8, -1, False, "symmetric"),
          "gptq-4bit-act-order": ("gptq", 4, 32, True, "gptq"),
          "gptq-8bit-per-row": ("gptq", 8, -1, False, "gptq"),
          "gptq_v2-4bit-g16": ("gptq", 4, 16, False, "gptq_v2"),
@@ -53,7 +57,8 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("intckpt")
     base = save_hf_folder(hf, root / "base")
-    out = {name: save_int_folders(base, root / name, fmt, bits, gs, act, version)
+    out = {name: save_int_folders(base, root / name, fmt, bits, gs, act, version,
+                                  symmetric=version == "symmetric")
            for name, (fmt, bits, gs, act, version) in KINDS.items()}
     out["base"] = (base, base)
     return out
@@ -73,8 +78,9 @@ def load_as_served(folder: Path, group: TPGroup, quantization: str = "auto"):
 def test_served_as_stored_equals_the_dequantized_model(folders, kind):
     quantized, twin = folders[kind]
     served, comm, method = load_as_served(quantized, ONE)
-    fmt, bits, gs, _, version = KINDS[kind]
-    assert method == Wna16Method(fmt, bits, gs, int(fmt == "gptq" and version == "gptq"))
+    fmt, bits, gs, act_order, version = KINDS[kind]
+    assert method == Wna16Method(fmt, bits, gs, int(fmt == "gptq" and version == "gptq"),
+                                 symmetric=version == "symmetric", act_order=act_order)
     dense, dense_comm, none = load_as_served(twin, ONE)
     assert none is None
     # every layer's weight, dequantized from what is served, is the twin's float32 weight
@@ -108,7 +114,8 @@ def _tp_rank(group: TPGroup, folders: dict[str, str]) -> dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tensor_parallel_equals_tp1(folders, tp):
-    kinds = ("gptq-4bit-act-order", "gptq-8bit-per-row", "awq-4bit-g32")
+    kinds = ("gptq-4bit-act-order", "gptq-8bit-per-row", "awq-4bit-g32",
+             "ct-4bit-g16-act-order")
     ranks = run_ranks(_tp_rank, tp, {k: str(folders[k][0]) for k in kinds})
     for kind in kinds:
         dense, comm, _ = load_as_served(folders[kind][1], ONE)
@@ -144,6 +151,27 @@ def test_parts_of_a_fused_layer_with_different_g_idx_are_refused(folders, tmp_pa
 
 
 @pytest.mark.parametrize("kind, edit, words", [
+    ("ct-4bit-g32-symmetric", lambda g: g["weights"].update(num_bits=3),
+     "weights.num_bits = 3"),
+    ("ct-4bit-g32-symmetric", lambda g: g["weights"].update(dynamic=True),
+     "config_groups.group_0.weights"),
+    ("ct-4bit-g32-symmetric", lambda g: g["weights"].update(strategy="tensor"),
+     "config_groups.group_0.weights"),
+    ("ct-4bit-g32-symmetric", lambda g: g.update(input_activations={"num_bits": 8}),
+     "config_groups.group_0.input_activations"),
+    ("ct-4bit-g32-symmetric", lambda g: g.update(targets=["re:.*proj"]), "targets"),
+])
+def test_unsupported_compressed_tensors_groups_are_refused(folders, tmp_path, kind, edit,
+                                                           words):
+    from tests.model.test_fp8_checkpoint import _rewrite
+
+    folder = _rewrite(folders[kind][0], tmp_path / "m", config=lambda d: edit(
+        d["quantization_config"]["config_groups"]["group_0"]))
+    with pytest.raises(ValueError, match=words):
+        open_checkpoint(str(folder))
+
+
+@pytest.mark.parametrize("kind, edit, words", [
     ("gptq-4bit-g32", {"bits": 3}, "bits = 3 is not supported"),
     ("gptq-4bit-g32", {"bits": 2}, "bits = 2 is not supported"),
     ("gptq-4bit-g32", {"lm_head": True}, "lm_head = True is not supported"),
@@ -155,6 +183,9 @@ def test_parts_of_a_fused_layer_with_different_g_idx_are_refused(folders, tmp_pa
     ("awq-4bit-g32", {"zero_point": False}, "zero_point = False"),
     ("awq-4bit-g32", {"modules_to_not_convert": ["model.layers.0.mlp.down_proj"]},
      "modules_to_not_convert"),
+    ("ct-4bit-g32-symmetric", {"ignore": ["lm_head", "re:.*down_proj"]}, "ignore"),
+    ("ct-4bit-g32-symmetric", {"sparsity_config": {"format": "sparse-24"}},
+     "sparsity_config"),
 ])
 def test_unsupported_settings_are_refused_naming_the_field(folders, tmp_path, kind, edit,
                                                            words):
@@ -166,19 +197,29 @@ def test_unsupported_settings_are_refused_naming_the_field(folders, tmp_path, ki
         open_checkpoint(str(folder))
 
 
-def test_the_quantization_flag_must_match_the_checkpoint(folders):
+def test_the_quantization_flag_must_match_the_checkpoint(folders, tmp_path):
     gptq = open_checkpoint(str(folders["gptq-4bit-g32"][0])).quantization
     awq = open_checkpoint(str(folders["awq-4bit-g32"][0])).quantization
     assert resolve_quantization("auto", gptq) == "gptq"
     assert resolve_quantization("gptq", gptq) == "gptq"
     assert resolve_quantization("auto", awq) == "awq"
-    for flag, ckpt in (("fp8", gptq), ("none", gptq), ("gptq", awq), ("awq", gptq)):
-        with pytest.raises(ValueError, match=f"--quantization {flag}: the checkpoint is "
+    # vLLM's kernel names for these checkpoints, and the checkpoint's own spelling
+    assert resolve_quantization("gptq_marlin", gptq) == "gptq"
+    assert resolve_quantization("awq_marlin", awq) == "awq"
+    ct = open_checkpoint(str(folders["ct-4bit-g32-symmetric"][0])).quantization
+    assert resolve_quantization("auto", ct) == "compressed-tensors"
+    assert resolve_quantization("compressed-tensors", ct) == "compressed-tensors"
+    ct_fp8 = open_checkpoint(str(save_fp8_folder(folders["base"][0], tmp_path / "fp8",
+                                                 fmt="compressed-tensors"))).quantization
+    assert resolve_quantization("compressed-tensors", ct_fp8) == "fp8"
+    for flag, ckpt in (("fp8", gptq), ("none", gptq), ("gptq", awq), ("awq", gptq),
+                       ("awq_marlin", gptq), ("gptq", ct), ("compressed-tensors", awq)):
+        with pytest.raises(ValueError, match=r"--quantization [\w-]+: the checkpoint is "
                                              "quantized"):
             resolve_quantization(flag, ckpt)
     for flag in ("gptq", "awq"):
-        with pytest.raises(ValueError, match=f"--quantization {flag} serves {flag.upper()} "
-                                             "checkpoints"):
+        with pytest.raises(ValueError, match=f"--quantization {flag} serves the checkpoints "
+                                             "whose config.json's"):
             resolve_quantization(flag, None)
 
 
@@ -219,7 +260,7 @@ def test_the_config_tree_serves_the_checkpoints_method_in_fp16_on_a_gpu(folders)
     assert runner(gptq).quantization == "gptq"
     assert runner(awq, "--quantization", "awq").quantization == "awq"
     assert runner(gptq).dtype == "float32"  # CPU
-    with pytest.raises(ValueError, match="--quantization gptq serves GPTQ checkpoints"):
+    with pytest.raises(ValueError, match="--quantization gptq serves the checkpoints whose"):
         runner(str(folders["base"][0]), "--quantization", "gptq")
     cuda = torch.device("cuda")
     assert resolve_dtype("auto", cuda, integer_weights=True) == "float16"
@@ -241,7 +282,7 @@ def test_an_older_export_with_a_side_settings_file_is_read(folders, tmp_path):
                           config=lambda d: d.pop("quantization_config"))
         (folder / name).write_text(json.dumps(settings))
         served, comm, method = load_as_served(folder, ONE)
-        assert method == Wna16Method(fmt, 4, 32, int(fmt == "gptq"))
+        assert method == Wna16Method(fmt, 4, 32, int(fmt == "gptq"), act_order=fmt == "gptq")
         dense, dense_comm, _ = load_as_served(folders[kind][1], ONE)
         assert torch.equal(full_logits(served, comm, TOKENS),
                            full_logits(dense, dense_comm, TOKENS))

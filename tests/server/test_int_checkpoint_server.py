@@ -1,11 +1,13 @@
-"""``tpserve serve FOLDER`` of GPTQ and AWQ checkpoint folders through the real openai client,
+"""``tpserve serve FOLDER`` of integer-weight checkpoint folders through the real openai client,
 with the default ``--quantization auto``.
 
 The folders are the embedded SmolLM2-135M written as Hugging Face folders with every linear
 weight quantized to 4 bits in groups of 128 columns (``tests/model/int_checkpoints.py``;
-SmolLM2's 576 columns are four and a half groups), GPTQ with act-order and AWQ; the
-oracle is each folder's dequantized float32 twin, run here in process. At tp 2 SmolLM2's 9
-query heads pad to 10, so o_proj has padding columns."""
+SmolLM2's 576 columns are four and a half groups), GPTQ with act-order at tp 2 and
+llm-compressor's symmetric pack-quantized at tp 1 (AWQ and the other layouts:
+``tests/model/test_int_checkpoint.py``); the oracle is each folder's dequantized float32
+twin, run here in process. At tp 2 SmolLM2's 9 query heads pad to 10, so o_proj has padding
+columns."""
 
 from __future__ import annotations
 
@@ -41,11 +43,11 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("fmt, tp, words", [
     ("gptq", 2, "'gptq', 4-bit, groups of 128, act-order"),
-    ("awq", 1, "'awq', 4-bit, groups of 128"),
+    ("compressed-tensors", 1, "'compressed-tensors', 4-bit, groups of 128, symmetric"),
 ])
 def test_served_as_stored_with_the_dequantized_models_logprobs(base, tmp_path, fmt, tp, words):
     folder, twin = save_int_folders(base, tmp_path / f"SmolLM2-{fmt}", fmt, 4, 128,
-                                    act_order=fmt == "gptq")
+                                    act_order=fmt == "gptq", symmetric=fmt != "gptq")
     server = ServerProcess(str(folder), "--no-engine-process", "--tensor-parallel-size",
                            str(tp), log_level="info")
     try:

@@ -118,9 +118,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "is FP8, whose per-tensor, per-channel or block scales are kept; "
                         "activations scaled per token (per token and block column group for "
                         "block scales, or by the checkpoint's static scales); FP8 matrix "
-                        "products on Hopper), gptq or awq (a GPTQ / AWQ checkpoint's 4- or "
-                        "8-bit weights with group scales and zero points, multiplied in the "
-                        "model's dtype). none on a quantized checkpoint is refused")
+                        "products on Hopper), gptq, awq or compressed-tensors (a GPTQ / AWQ / "
+                        "pack-quantized checkpoint's 4- or 8-bit weights with group scales "
+                        "and zero points, multiplied in the model's dtype; gptq_marlin and "
+                        "awq_marlin name the same). none on a quantized checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,
                    default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
                    help="with --quantization fp8: steps of at most this many tokens multiply "

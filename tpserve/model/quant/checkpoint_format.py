@@ -24,8 +24,9 @@ bn), ceil(in / bk)]`` (``weight_block``, ``scale_name``; see ``fp8_block.py``). 
 be a power of two of at least 16 (it is the kernels' K step).
 
 Served as stored with integer weights (``model/quant/wna16_method.py``): ``quant_method``
-"gptq" and "awq", 4 or 8 bits with group scales and zero points (``int_checkpoint.py``
-checks their fields and reads their packed tensors).
+"gptq" and "awq", and "compressed-tensors" of ``format`` "pack-quantized", 4 or 8 bits with
+group scales and zero points (``int_checkpoint.py`` checks their fields and reads their
+packed tensors).
 
 Refused: any other method (bitsandbytes, ...), block-wise scales with static activations,
 and static activation scales other than one per tensor.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpserve.model.quant.int_checkpoint import check_awq, check_gptq
+from tpserve.model.quant.int_checkpoint import check_awq, check_compressed_int, check_gptq
 
 SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 # files older GPTQ/AWQ exports keep their settings in instead of config.json
@@ -53,7 +54,8 @@ class CheckpointQuantization:
     one per tensor, calibrated offline) rather than computed per token at run time.
     Integer weights (GPTQ, AWQ): ``bits``, ``group_size`` (-1: one group per row),
     ``zero_offset`` (added to every stored zero point: 1 in GPTQ's v1 format),
-    ``act_order`` (GPTQ's ``desc_act``: groups in any column order)."""
+    ``act_order`` (GPTQ's ``desc_act``: groups in any column order), ``symmetric`` (no
+    zero points stored: compressed-tensors)."""
 
     method: str
     quant_method: str
@@ -64,13 +66,15 @@ class CheckpointQuantization:
     group_size: int = -1
     zero_offset: int = 0
     act_order: bool = False
+    symmetric: bool = False
 
     def describe(self) -> str:
         integer = ""
         if self.bits is not None:
             integer = (f", {self.bits}-bit, " + ("one group per row" if self.group_size == -1
                                                  else f"groups of {self.group_size}")
-                       + (", act-order" if self.act_order else ""))
+                       + (", act-order" if self.act_order else "")
+                       + (", symmetric" if self.symmetric else ""))
         return (f"quantization_config.quant_method {self.quant_method!r}"
                 + (", static activation scales" if self.static_activations else "")
                 + (f", block-wise weight scales {list(self.weight_block)}"
@@ -92,6 +96,9 @@ def read_checkpoint_quantization(config: dict[str, Any], folder: Path | None = N
     if method in ("gptq", "awq"):
         fields = check_gptq(qc) if method == "gptq" else check_awq(qc)
         return CheckpointQuantization(method, method, **fields)
+    integer = check_compressed_int(qc) if method == "compressed-tensors" else None
+    if integer is not None:
+        return CheckpointQuantization(method, method, **integer)
     if method == "fp8":
         static, block = _check_fp8(qc)
         scale_name = "weight_scale_inv" if block else "weight_scale"

@@ -17,13 +17,26 @@ codes per int32, a layer of ``in`` input and ``out`` output features, ``G`` grou
   no ``g_idx`` (group ``i // group_size``). ``W[o, i] = (q[i, o] - z[i // gs, o]) * s[i //
   gs, o]``.
 
+- compressed-tensors ``pack-quantized`` (llm-compressor's W4A16 / W8A16): ``weight_packed``
+  int32 ``[out, in / pack]``, packed along the input in GPTQ's order, each code stored
+  unsigned (the signed value plus ``2**(bits - 1)``); ``weight_scale`` ``[out, G]``;
+  asymmetric: ``weight_zero_point`` int32 ``[out / pack, G]`` packed along the output, also
+  offset (symmetric: no zero point, i.e. ``2**(bits - 1)`` unsigned); ``weight_g_idx``
+  ``[in]`` with act-order "group" (else group ``i // group_size``); ``weight_shape``
+  ``[out, in]``. ``W[o, i] = (q[o, i] - z[o, g]) * s[o, g]``.
+
+Each format's tensor names and readers are a ``PackedFormat`` (``FORMATS``).
+
 Refused by name: other bit widths, AWQ without zero points or in another ``version``, a
 quantized LM head (GPTQ's ``lm_head``), per-module overrides (GPTQModel's ``dynamic``,
-AWQ's ``modules_to_not_convert`` naming more than the LM head).
+AWQ's ``modules_to_not_convert`` naming more than the LM head), compressed-tensors groups
+other than one of integer weights on every linear layer with unquantized activations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,24 +83,66 @@ def check_awq(qc: dict[str, Any]) -> dict[str, Any]:
                 act_order=False)
 
 
+def check_compressed_int(qc: dict[str, Any]) -> dict[str, Any] | None:
+    """The same fields (and ``symmetric``) for a compressed-tensors ``pack-quantized``
+    config; None for any other compressed-tensors format (its FP8 reader checks it)."""
+    if qc.get("format") != "pack-quantized":
+        return None
+    if qc.get("sparsity_config"):
+        raise _refuse("sparsity_config", qc["sparsity_config"], "sparse weights")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse("config_groups", sorted(groups), "exactly one config group (integer "
+                      "weights on every linear layer) is supported")
+    (name, group), = groups.items()
+    field = f"config_groups.{name}"
+    if group.get("targets") != ["Linear"]:
+        raise _refuse(f"{field}.targets", group.get("targets"), "tpserve serves every "
+                      "linear layer quantized (targets ['Linear'])")
+    w = group.get("weights") or {}
+    if w.get("type") != "int" or w.get("dynamic", False) or w.get("strategy") not in (
+            "group", "channel"):
+        raise _refuse(f"{field}.weights", w, "tpserve serves static integer weights with "
+                      "group or channel scales in the pack-quantized format")
+    bits = _bits(w, "num_bits", f"{field}.weights.")
+    gs = _group_size(w, "group_size", f"{field}.weights.") if w["strategy"] == "group" else -1
+    if gs == -1 and w["strategy"] == "group":
+        raise _refuse(f"{field}.weights.group_size", -1, "a group strategy needs a size")
+    act_order = w.get("actorder")
+    if act_order not in (None, "group", "weight", "static", "dynamic"):
+        raise _refuse(f"{field}.weights.actorder", act_order, "unknown ordering")
+    for other in ("input_activations", "output_activations"):
+        if group.get(other) is not None:
+            raise _refuse(f"{field}.{other}", group[other], "integer weights are served "
+                          "with unquantized activations (W4A16 / W8A16)")
+    skipped = [m for m in qc.get("ignore") or () if not str(m).endswith("lm_head")]
+    if skipped:
+        raise _refuse("ignore", skipped, "tpserve serves every linear layer of the decoder "
+                      "quantized (only the LM head may be left out)")
+    return dict(bits=bits, group_size=gs, zero_offset=0,
+                act_order=act_order in ("group", "dynamic"),
+                symmetric=bool(w.get("symmetric", True)))
+
+
 def _refuse(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"config.json: quantization_config.{field} = {value!r} is not "
                       f"supported: {why}")
 
 
-def _bits(qc: dict[str, Any], field: str) -> int:
+def _bits(qc: dict[str, Any], field: str, where: str = "") -> int:
+    """``qc[field]``, 4 or 8; ``where``: the path of ``qc`` in the config, for the error."""
     bits = qc.get(field)
     if bits not in BITS or isinstance(bits, bool):
-        raise _refuse(field, bits, f"tpserve serves {' or '.join(map(str, BITS))}-bit "
-                      "integer weights")
+        raise _refuse(where + field, bits, f"tpserve serves {' or '.join(map(str, BITS))}"
+                      "-bit integer weights")
     return int(bits)
 
 
-def _group_size(qc: dict[str, Any], field: str) -> int:
+def _group_size(qc: dict[str, Any], field: str, where: str = "") -> int:
     gs = qc.get(field, -1)
     if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
-        raise _refuse(field, gs, "expected a positive number of input columns per group, "
-                      "or -1 (one group per output row)")
+        raise _refuse(where + field, gs, "expected a positive number of input columns per "
+                      "group, or -1 (one group per output row)")
     return gs
 
 
@@ -152,3 +207,50 @@ class TransposedSource:
             return self.source.read().t().contiguous()
         dim %= 2
         return self.source.read(1 - dim, start, length).t().contiguous()
+
+
+class OffsetCodesSource:
+    """compressed-tensors' ``[out, in / pack]`` (or ``[out / pack, G]``) packed codes read
+    as ``[out, in]`` (``[out, G]``) unsigned integers, without the transpose of the other
+    formats' ``[in, out]`` tensors (a ``CodesSource`` of the transposed tensor)."""
+
+    def __init__(self, source: TensorSource, bits: int, packed_dim: int):
+        self.inner = CodesSource(TransposedSource(source), bits, 1 - packed_dim)
+        self.shape = self.inner.shape
+
+    def read(self, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        return self.inner.read(dim, start, length)
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """One checkpoint format's tensor names (``g_idx`` None: never stored; ``zeros``: the
+    name of the zero points, absent in symmetric compressed-tensors checkpoints;
+    ``shape``: a tensor of the unsharded ``[out, in]`` that is checked and dropped) and
+    the readers that present them as the layers' ``[out, in]`` codes, ``[out, G]`` zero
+    points and ``[out, G]`` scales (``Callable[[source, bits], TensorSource]``)."""
+
+    codes: str
+    zeros: str
+    scales: str
+    g_idx: str | None
+    shape: str | None
+    read_codes: Callable[[TensorSource, int], Any]
+    read_zeros: Callable[[TensorSource, int], Any]
+    read_scales: Callable[[TensorSource], Any]
+
+
+FORMATS = {
+    "gptq": PackedFormat("qweight", "qzeros", "scales", "g_idx", None,
+                         lambda src, bits: CodesSource(src, bits, 0),
+                         lambda src, bits: CodesSource(src, bits, 1), TransposedSource),
+    "awq": PackedFormat("qweight", "qzeros", "scales", None, None,
+                        lambda src, bits: CodesSource(src, bits, 1, AWQ_ORDER),
+                        lambda src, bits: CodesSource(src, bits, 1, AWQ_ORDER),
+                        TransposedSource),
+    "compressed-tensors": PackedFormat(
+        "weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx", "weight_shape",
+        lambda src, bits: OffsetCodesSource(src, bits, 1),
+        lambda src, bits: OffsetCodesSource(src, bits, 0), lambda src: src),
+}

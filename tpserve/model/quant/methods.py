@@ -19,9 +19,13 @@ from tpserve.model.quant.fp8_block import Fp8BlockMethod, block_mm_supported
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 from tpserve.model.quant.wna16_method import Wna16Method
 
-QUANTIZATIONS = ("none", "fp8", "gptq", "awq")
-STORED_ONLY = ("gptq", "awq")  # never quantized at load: a checkpoint of that method
-QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
+QUANTIZATIONS = ("none", "fp8", "gptq", "awq", "compressed-tensors")
+# never quantized at load: a checkpoint of that method ("compressed-tensors": its integer
+# weights; its FP8 checkpoints resolve to fp8)
+STORED_ONLY = ("gptq", "awq", "compressed-tensors")
+# vLLM's names of its kernels for these checkpoints: the same weights here
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS, *ALIASES)
 
 
 def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -> str:
@@ -33,6 +37,9 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -
                          f"{', '.join(QUANTIZATION_CHOICES)}")
     if flag == "auto":
         return "none" if checkpoint is None else checkpoint.method
+    flag = ALIASES.get(flag, flag)
+    if checkpoint is not None and flag == checkpoint.quant_method:
+        flag = checkpoint.method  # as config.json spells it: compressed-tensors FP8 is fp8
     check_matches(flag, checkpoint)
     return flag
 
@@ -45,9 +52,9 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
                          f"--quantization auto or {checkpoint.method} (tpserve does not "
                          "dequantize it)")
     if checkpoint is None and quantization in STORED_ONLY:
-        raise ValueError(f"--quantization {quantization} serves {quantization.upper()} "
-                         "checkpoints (config.json's quantization_config.quant_method "
-                         f"{quantization!r}) as stored; this checkpoint is not quantized "
+        raise ValueError(f"--quantization {quantization} serves the checkpoints whose "
+                         "config.json's quantization_config.quant_method is "
+                         f"{quantization!r}, as stored; this checkpoint is not quantized "
                          "(--quantization fp8 quantizes one at load)")
 
 
@@ -69,7 +76,8 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     backend = "triton" if kernel_backend == "triton" else "torch"
     if quantization in STORED_ONLY:
         return Wna16Method(checkpoint.method, checkpoint.bits, checkpoint.group_size,
-                           checkpoint.zero_offset, backend)
+                           checkpoint.zero_offset, backend, checkpoint.symmetric,
+                           checkpoint.act_order)
     kw = dict(backend=backend,
               weight_only_max_tokens=weight_only_max_tokens,
               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpserve.model.quant.int_checkpoint import AWQ_ORDER, CodesSource, TransposedSource
+from tpserve.model.quant.int_checkpoint import FORMATS
 from tpserve.model.quant.wna16 import linear, pack_factor, pack_rows
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import InMemorySource, as_source
@@ -39,15 +39,20 @@ UNSET = -1  # a g_idx entry no checkpoint tensor has reached yet
 
 @dataclass(frozen=True)
 class Wna16Method:
-    """``fmt`` "gptq" or "awq"; ``bits``; ``group_size`` (-1: one group per row);
-    ``zero_offset`` added to every stored zero point (1: GPTQ v1); ``backend`` "triton"
-    or "torch"."""
+    """``fmt`` a key of ``int_checkpoint.FORMATS`` ("gptq", "awq", "compressed-tensors");
+    ``bits``; ``group_size`` (-1: one group per row); ``zero_offset`` added to every
+    stored zero point (1: GPTQ v1); ``symmetric``: no zero points stored, each is
+    ``2**(bits - 1)`` (compressed-tensors); ``act_order``: groups in any column order
+    (a compressed-tensors checkpoint then stores its ``g_idx``; GPTQ's always does);
+    ``backend`` "triton" or "torch"."""
 
     fmt: str
     bits: int
     group_size: int
     zero_offset: int = 0
     backend: str = "torch"
+    symmetric: bool = False
+    act_order: bool = False
     quantizes_experts = False  # a mixture of experts' experts have no WNA16 product
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
@@ -59,25 +64,36 @@ class Wna16Method:
         full_cols = layer.in_features  # the checkpoint's (row parallel: every rank's)
         groups = 1 if self.group_size == -1 else -(-full_cols // self.group_size)
         layer.input_groups = groups
-        packed_dim, order = (0, None) if self.fmt == "gptq" else (1, AWQ_ORDER)
-        zeros_order = None if self.fmt == "gptq" else AWQ_ORDER
+        f = FORMATS[self.fmt]
 
-        layer.qweight = empty_param((rows, cols), torch.uint8)
-        layer.qweight.weight_loader = (
-            lambda p, src, shard_id=None: layer.weight_loader(
-                p, CodesSource(as_source(src), self.bits, packed_dim, order), shard_id))
-        layer.qzeros = empty_param((rows, groups), torch.uint8)
-        layer.qzeros.weight_loader = (
-            lambda p, src, shard_id=None: layer.load_output_rows(
-                p, CodesSource(as_source(src), self.bits, 1, zeros_order), shard_id))
-        layer.scales = empty_param((rows, groups), dtype)
-        layer.scales.weight_loader = (
-            lambda p, src, shard_id=None: layer.load_output_rows(
-                p, TransposedSource(as_source(src)), shard_id, fill=0.0))
-        if self.fmt != "gptq":
+        codes = empty_param((rows, cols), torch.uint8)
+        codes.weight_loader = (lambda p, src, shard_id=None: layer.weight_loader(
+            p, f.read_codes(as_source(src), self.bits), shard_id))
+        setattr(layer, f.codes, codes)
+        scales = empty_param((rows, groups), dtype)
+        scales.weight_loader = (lambda p, src, shard_id=None: layer.load_output_rows(
+            p, f.read_scales(as_source(src)), shard_id, fill=0.0))
+        setattr(layer, f.scales, scales)
+        if not self.symmetric:
+            zeros = empty_param((rows, groups), torch.uint8)
+            zeros.weight_loader = (lambda p, src, shard_id=None: layer.load_output_rows(
+                p, f.read_zeros(as_source(src), self.bits), shard_id))
+            setattr(layer, f.zeros, zeros)
+        if f.shape is not None:  # the unsharded [out, in] of each part: its columns checked
+            shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+            def check_shape(param: nn.Parameter, source, shard_id: object = None) -> None:
+                value = [int(v) for v in as_source(source).read().reshape(-1)]
+                want = [layer.checkpoint_rows(shard_id), full_cols]
+                if value != want:
+                    raise ValueError(f"{f.shape} is {value}; the model's layer is {want}")
+
+            shape.weight_loader = check_shape
+            setattr(layer, f.shape, shape)
+        if f.g_idx is None or (self.fmt != "gptq" and not self.act_order):
             return
-        layer.g_idx = nn.Parameter(torch.full((cols,), UNSET, dtype=torch.int32),
-                                   requires_grad=False)
+        g_idx = nn.Parameter(torch.full((cols,), UNSET, dtype=torch.int32),
+                             requires_grad=False)
 
         def load_g_idx(param: nn.Parameter, source, shard_id: object = None) -> None:
             loaded = torch.empty_like(param)
@@ -88,22 +104,32 @@ class Wna16Method:
                 raise ValueError(f"part {shard_id}'s g_idx differs from the other parts' "
                                  "(the parts of a fused layer share one input order)")
 
-        layer.g_idx.weight_loader = load_g_idx
+        g_idx.weight_loader = load_g_idx
+        setattr(layer, f.g_idx, g_idx)
 
     def process_weights(self, layer: nn.Module) -> None:
-        codes = layer.qweight
-        del layer.qweight
+        f = FORMATS[self.fmt]
+        codes = getattr(layer, f.codes)
+        delattr(layer, f.codes)
         layer.qweight = nn.Parameter(pack_rows(codes.t(), self.bits), requires_grad=False)
         del codes
-        dtype = layer.scales.dtype
-        zeros = (layer.qzeros.float() + self.zero_offset).t().contiguous().to(dtype)
-        del layer.qzeros
-        layer.zeros = nn.Parameter(zeros, requires_grad=False)
-        layer.scales = nn.Parameter(layer.scales.t().contiguous(), requires_grad=False)
+        scales = getattr(layer, f.scales)
+        delattr(layer, f.scales)
+        dtype = scales.dtype
+        if self.symmetric:
+            zeros = torch.full(scales.shape, 2**(self.bits - 1), device=scales.device)
+        else:
+            zeros = getattr(layer, f.zeros).float() + self.zero_offset
+            delattr(layer, f.zeros)
+        layer.zeros = nn.Parameter(zeros.t().contiguous().to(dtype), requires_grad=False)
+        layer.scales = nn.Parameter(scales.t().contiguous(), requires_grad=False)
+        if f.shape is not None:
+            delattr(layer, f.shape)
         groups = layer.input_groups
-        if self.fmt == "gptq":
-            g_idx = layer.g_idx.data
-        else:  # AWQ: consecutive groups, each rank's columns mapped as the weight's
+        if f.g_idx is not None and hasattr(layer, f.g_idx):
+            g_idx = getattr(layer, f.g_idx).data
+            delattr(layer, f.g_idx)
+        else:  # consecutive groups, each rank's columns mapped as the weight's
             g_idx = torch.zeros(layer.qweight.shape[0] * pack_factor(self.bits),
                                 dtype=torch.int32, device=layer.qweight.device)
             full = layer.in_features
