@@ -286,3 +286,50 @@ def test_an_older_export_with_a_side_settings_file_is_read(folders, tmp_path):
         dense, dense_comm, _ = load_as_served(folders[kind][1], ONE)
         assert torch.equal(full_logits(served, comm, TOKENS),
                            full_logits(dense, dense_comm, TOKENS))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: GPU only")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_integer_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path, dtype):
+    """On a GPU, the Triton ops (the WNA16 kernel, split over K at decode): a prefill, a
+    mixed step and a pure decode of a tiny Llama (heads of 16: the attention kernels'
+    smallest) from GPTQ act-order, AWQ and symmetric 8-bit compressed-tensors folders,
+    through captured graphs, equal the eager forward; the eager forward equals the
+    dequantized twin's logits on the CPU reference (float32; 16-bit within rounding)."""
+    from dataclasses import replace
+
+    import transformers as tf
+
+    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+
+    torch.manual_seed(11)
+    cfg = tf.LlamaConfig(**{**SHAPE, "hidden_size": 64, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "intermediate_size": 128})
+    cfg.architectures = ["LlamaForCausalLM"]
+    base = save_hf_folder(tf.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "b")
+    dev = torch.device("cuda", 0)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
+                        block_size=16)
+    steps = [[SeqChunk(TOKENS, 0, [0], True), SeqChunk(TOKENS[:5], 0, [1], True)],
+             [SeqChunk([7], 13, [0], True), SeqChunk(TOKENS[5:], 5, [1], True)],
+             [SeqChunk([9], 14, [0], True), SeqChunk([4], 13, [1], True)]]
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for fmt, bits, gs, act, sym in (("gptq", 4, 32, True, False), ("awq", 4, 32, False, False),
+                                    ("compressed-tensors", 8, 32, False, True)):
+        folder, twin = save_int_folders(base, tmp_path / fmt, fmt, bits, gs, act,
+                                        symmetric=sym)
+        rc = RunnerConfig(model=str(folder), dtype=dtype, device="cuda",
+                          kernel_backend="triton", quantization=fmt,
+                          kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
+        outs = []
+        for c in (rc, replace(rc, enforce_eager=True)):
+            runner = ModelRunner(c, limits, TPGroup(0, 1, dev, None))
+            outs.append([runner.execute(StepPlan.build(chunks, 16, runner.attn)).float().cpu()
+                         for chunks in steps])
+        for got, eager in zip(*outs, strict=True):
+            torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+        dense, comm, _ = load_as_served(twin, ONE)
+        want = full_logits(dense, comm, TOKENS)
+        torch.testing.assert_close(outs[1][0][0], want[-1], atol=tol * 10, rtol=tol * 10)
