@@ -111,8 +111,8 @@ def lora_config(folders: dict[str, Path], max_loras: int = 3) -> LoraConfig:
                       MAX_RANK)
 
 
-def with_lora(folder: str, folders, group=None, tp_comm: str = "allreduce"):
-    model, comm = load(folder, group, tp_comm=tp_comm)
+def with_lora(folder: str, folders, group=None, tp_comm: str = "allreduce", quant_method=None):
+    model, comm = load(folder, group, tp_comm=tp_comm, quant_method=quant_method)
     batch = LoraBatch(256, 3, MAX_RANK, torch.float32, CPU)
     attach_lora(model, lora_config(folders), batch)
     return model, comm, batch
@@ -134,10 +134,11 @@ def _per_sequence(logits: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(logits.split(sizes))
 
 
-def _steps(group, folder: str, folders, tp_comm: str) -> list[list[torch.Tensor]]:
+def _steps(group, folder: str, folders, tp_comm: str, quant_method=None
+           ) -> list[list[torch.Tensor]]:
     """Each sequence's logits at every position two ways: the three sequences prefilled
     whole in one step; and together in steps of 7 and 8 prompt tokens, then decodes."""
-    model, comm, batch = with_lora(folder, folders, group, tp_comm)
+    model, comm, batch = with_lora(folder, folders, group, tp_comm, quant_method)
     n = len(TOKENS)
     per = -(-n // 16)
     blocks = [list(range(i * per, (i + 1) * per)) for i in range(len(SLOTS))]
@@ -315,6 +316,36 @@ def test_lora_steps_replay_in_cuda_graphs_as_they_run_eagerly(checkpoints, dtype
     for row, name in enumerate(("a", "b", None)):
         torch.testing.assert_close(outs[1][0][row], want[name][-1], atol=tol * 10,
                                    rtol=tol * 10)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_adapters_on_an_integer_base_equal_peft_on_its_dequantized_weights(checkpoints,
+                                                                          tmp_path, fmt):
+    """The same adapters on a GPTQ (act-order) / AWQ checkpoint of the Llama (its weights
+    stay 4-bit codes; the adapters' products run beside the layer's own): PEFT's logits
+    over the checkpoint's dequantized weights, at tp 1 and 2, mixed in one step with the
+    base model."""
+    import transformers as tf
+
+    from tests.model.int_checkpoints import save_int_folders
+    from tpserve.model.quant.wna16_method import Wna16Method
+
+    base, folders, _ = checkpoints("llama")
+    folder, twin = save_int_folders(Path(base), tmp_path / fmt, fmt, 4, 32,
+                                    act_order=fmt == "gptq")
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    want = peft_logits(hf, folders, TOKENS)
+    rows = [want["a"], want["b"], want[None]]
+    method = Wna16Method(fmt, 4, 32, int(fmt == "gptq"), act_order=fmt == "gptq")
+    for tp in (1, 2):
+        for whole, stepped in run_ranks(_steps, tp, str(folder), folders, "allreduce",
+                                        method):
+            for got_whole, got_stepped, w in zip(whole, stepped, rows, strict=True):
+                assert (got_whole - w).abs().max().item() < 1e-4, tp
+                assert (got_stepped - w).abs().max().item() < 1e-4, tp
+    model, _, _ = with_lora(str(folder), folders, quant_method=method)
+    qkv = lora_layers(model)["model.layers.0.self_attn.qkv_proj"].lora
+    assert qkv.w_ext is None and qkv.a.dtype == torch.float32  # beside the integer weight
 
 
 def test_adapters_on_a_gguf_base_equal_peft(checkpoints, tmp_path):

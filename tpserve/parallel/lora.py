@@ -15,7 +15,9 @@ padding, replicated KV heads, uneven MLP columns included):
 
 The layer's weight and every slot's A share one tensor, ``w_ext = [W; A]`` (``weight``
 and ``a`` are its two row ranges), so one product gives the layer's output and every
-slot's ``x A^T`` together; each token's columns of the other slots are zeroed by a mask
+slot's ``x A^T`` together. A layer whose weight is stored quantized (GPTQ / AWQ integers:
+any ``quant_method`` but ``UNQUANTIZED``) keeps its own product and ``a`` apart, in the
+activations' dtype: one product more. Each token's columns of the other slots are zeroed by a mask
 built once per step (``LoraBatch.mask``: -1 for the base model), and the product with B
 is added to the output: one product and two small kernels more than the plain layer,
 static shapes only, so CUDA graphs capture it. A rank below ``rank`` is zero-padded; an
@@ -25,11 +27,13 @@ folded into B.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.parallel.linear import RowParallelLinear
+from tpserve.parallel.linear import UNQUANTIZED, RowParallelLinear
 
 
 class LoraBatch:
@@ -49,6 +53,7 @@ class LoraBatch:
 
     def __init__(self, max_tokens: int, slots: int, rank: int, dtype: torch.dtype,
                  device: torch.device):
+        self.dtype, self.device = dtype, device  # the activations'
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.col_slots = {p: torch.arange(slots, device=device).repeat_interleave(p * rank)
                           for p in self.PARTS}
@@ -73,18 +78,32 @@ class LoraBatch:
 
 
 class LoraStack(nn.Module):
-    """One layer's adapters (module docstring), taking over ``layer``'s weight (and bias)
-    storage: ``layer.weight`` and ``a`` become the two row ranges of ``w_ext``, every
-    value kept. ``parts``: the layer's ``checkpoint_parts()``."""
+    """One layer's adapters (module docstring), taking over an unquantized ``layer``'s
+    weight (and bias) storage: ``layer.weight`` and ``a`` become the two row ranges of
+    ``w_ext``, every value kept; beside a quantized layer's (``w_ext`` None, ``base``: its
+    own product). ``parts``: the layer's ``checkpoint_parts()``."""
 
     def __init__(self, layer: nn.Module, slots: int, rank: int, batch: LoraBatch):
         super().__init__()
-        w = layer.weight
-        rows, cols = w.shape
         self.parts = layer.checkpoint_parts()
         self.rank = rank
-        self.rows = rows
+        self.batch = batch
         width = slots * len(self.parts) * rank
+        if layer.quant_method is not UNQUANTIZED:
+            self.rows = (layer.out_features if isinstance(layer, RowParallelLinear)
+                         else layer.out_per_rank)
+            cols = (layer.in_per_rank if isinstance(layer, RowParallelLinear)
+                    else layer.in_features)
+            self.w_ext = self.bias_ext = None
+            # not a submodule: the layer owns this stack
+            self.base = functools.partial(layer.quant_method.apply, layer)
+            kw = dict(dtype=batch.dtype, device=batch.device)
+            self.a = nn.Parameter(torch.zeros(width, cols, **kw), requires_grad=False)
+            self.b = nn.Parameter(torch.zeros(self.rows, width, **kw), requires_grad=False)
+            return
+        w = layer.weight
+        rows, cols = w.shape
+        self.rows = rows
         with torch.no_grad():
             w_ext = torch.zeros(rows + width, cols, dtype=w.dtype, device=w.device)
             w_ext[:rows].copy_(w)
@@ -101,7 +120,6 @@ class LoraStack(nn.Module):
         self.a = nn.Parameter(w_ext[rows:], requires_grad=False)
         self.b = nn.Parameter(torch.zeros(rows, width, dtype=w.dtype, device=w.device),
                               requires_grad=False)
-        self.batch = batch
 
     def columns(self, slot: int, part: object) -> slice:
         """The stacked rank columns of ``slot``'s ``part``."""
@@ -111,9 +129,11 @@ class LoraStack(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's ``x W^T (+ bias)`` plus every token's adapter delta (``x``: the
         layer's input on this rank)."""
+        mask = self.batch.mask(len(self.parts), x.shape[0])
+        if self.w_ext is None:  # a quantized layer: its own product, then the adapters'
+            return torch.addmm(self.base(x, bias), F.linear(x, self.a) * mask, self.b.t())
         out = F.linear(x, self.w_ext, None if bias is None else self.bias_ext)
-        xa = out[:, self.rows:] * self.batch.mask(len(self.parts), x.shape[0])
-        return torch.addmm(out[:, :self.rows], xa, self.b.t())
+        return torch.addmm(out[:, :self.rows], out[:, self.rows:] * mask, self.b.t())
 
 
 @torch.no_grad()
@@ -129,8 +149,8 @@ def load_lora(layer: nn.Module, slot: int, part: object, a: torch.Tensor, b: tor
     if r > stack.rank:
         raise ValueError(f"rank {r} exceeds --max-lora-rank {stack.rank}")
     row_parallel = isinstance(layer, RowParallelLinear)
-    want = ((layer.weight.shape[0], layer.in_features) if row_parallel
-            else (layer.checkpoint_rows(part), layer.weight.shape[1]))
+    want = ((stack.rows, layer.in_features) if row_parallel
+            else (layer.checkpoint_rows(part), stack.a.shape[1]))
     if (b.shape[0], a.shape[1]) != want:
         raise ValueError(f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "
                          f"projection of shape {want} (out, in)")

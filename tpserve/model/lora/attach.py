@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tpserve.model.lora.adapter import FUSED, TARGETS, LoraConfig, read_adapter
-from tpserve.parallel.linear import UNQUANTIZED, ColumnParallelLinear, RowParallelLinear
+from tpserve.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tpserve.parallel.lora import LoraBatch, LoraStack, load_lora
 
 LORA_LAYERS = frozenset(layer for layer, _ in TARGETS.values())
@@ -36,8 +36,9 @@ def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
         raise ValueError("this model has no layer LoRA applies to")
     nbytes = 0
     for layer in layers.values():
-        if layer.quant_method is not UNQUANTIZED:
-            raise ValueError("LoRA adapters on quantized linear layers are not supported")
+        if getattr(layer.quant_method, "takes_quantized_input", None) is not None:
+            raise ValueError("LoRA adapters on FP8 linear layers are not supported (their "
+                             "inputs may arrive quantized)")
         layer.lora = LoraStack(layer, cfg.max_loras, cfg.max_lora_rank, batch)
         nbytes += sum(p.numel() * p.element_size() for p in layer.lora.parameters())
     for slot, module in enumerate(cfg.modules):
