@@ -52,7 +52,7 @@ def test_a_higher_priority_overtakes_the_running_request(server):
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
 
-    long = threading.Thread(target=run, args=("low", 5, 400, True))
+    long = threading.Thread(target=run, args=("low", 5, 160, True))
     long.start()
     assert started.wait(120)
     before = server.metric("num_preemptions_total")
