@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -50,10 +51,14 @@ def served(adapters, smollm2_tokenizer):
                            f'{{"name": "b", "path": "{folders["b"]}", '
                            f'"base_model_name": "tiny-base"}}', "--max-lora-rank", "8",
                            wait=False)
-    # two slots, adapter a in one: b (and others) loaded and unloaded while serving
+    # two slots, adapter a in one: b (and others) loaded and unloaded while serving, b
+    # also by repository id from an offline Hugging Face cache
+    cache = root / "hub-cache"
+    cache_snapshot(cache, "tpserve-test/tiny-lora-b", folders["b"])
     runtime = ServerProcess(str(base), *FLAGS, "--enable-lora", "--lora-modules",
                             f"a={folders['a']}", "--max-loras", "2", "--max-lora-rank", "8",
-                            env={RUNTIME_LORA_ENV: "True"}, wait=False)
+                            "--download-dir", str(cache),
+                            env={RUNTIME_LORA_ENV: "True", "HF_HUB_OFFLINE": "1"}, wait=False)
     oracle = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(folders["a"]),
                                             adapter_name="a")
     oracle.load_adapter(str(folders["b"]), adapter_name="b")
@@ -65,6 +70,19 @@ def served(adapters, smollm2_tokenizer):
     with stopped_on_exit({"lora": server, "runtime": runtime}) as started:
         started["runtime"].wait_until_healthy()
         yield started["lora"].wait_until_healthy(), want, folders, started["runtime"]
+
+
+def cache_snapshot(cache: Path, repo_id: str, folder: Path) -> Path:
+    """``folder`` as the one snapshot of ``repo_id`` in the Hugging Face cache ``cache``
+    (the hub's layout: its ``main`` ref naming the snapshot), so offline fetches find it."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
 
 
 def _complete(client, model, prompt):
@@ -148,7 +166,9 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     slot at tp 2 and answers as PEFT's b; a third adapter finds no slot; unloading b frees
     it (its name then a 404), and an adapter loaded there next (a's folder as "c") answers
     as a, not from b's cached blocks of the same prompt; what cannot load is a 400 that
-    leaves the slot free. A server started without the variable refuses both routes."""
+    leaves the slot free; b named by repository id loads from the Hugging Face cache (one
+    the cache lacks: a 400 naming it). A server started without the variable refuses both
+    routes."""
     static, want, folders, server = served
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
     assert [m.id for m in client.models.list().data] == ["tiny", "a"]
@@ -175,6 +195,14 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     _check(_complete(client, "c", PROMPTS[1]), want["a"][1])
     _check(_complete(client, "a", PROMPTS[0]), want["a"][0])
     _check(_complete(client, "tiny", PROMPTS[1]), want["tiny"][1])
+    # a repository id, as vLLM takes one: fetched from the (offline) cache
+    assert _post(server, "unload_lora_adapter", lora_name="c").status_code == 200
+    r = _post(server, "load_lora_adapter", lora_name="hub-b",
+              lora_path="tpserve-test/tiny-lora-b")
+    assert r.status_code == 200, r.text
+    _check(_complete(client, "hub-b", PROMPTS[0]), want["b"][0])
+    r = _post(server, "load_lora_adapter", lora_name="e", lora_path="tpserve-test/none")
+    assert r.status_code == 400 and "'tpserve-test/none'" in r.json()["error"]["message"]
     server.wait_pool_free()
     r = _post(static, "load_lora_adapter", lora_name="x", lora_path=str(folders["a"]))
     assert r.status_code == 400 and "runtime LoRA updates are off" in r.text
@@ -215,21 +243,15 @@ def test_an_adapter_named_by_repository_id_is_served_from_the_cache(adapters, tm
     """``--lora-modules x=org/name``: the adapter's snapshot in the Hugging Face cache
     (``--download-dir``; offline, a cache hit), as vLLM takes a repository id; one the
     cache lacks stops the start naming it."""
-    import shutil
-
     import huggingface_hub.constants
 
     _, _, folders = adapters
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--tpserve-test--tiny-lora"
-    shutil.copytree(folders["a"], repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    snapshot = cache_snapshot(tmp_path, "tpserve-test/tiny-lora", folders["a"])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     lora = _cfg("--enable-lora", "--lora-modules", "x=tpserve-test/tiny-lora",
                 "--download-dir", str(tmp_path)).runner.lora
     assert lora.modules[0].name == "x"
-    assert lora.modules[0].path == str(repo / "snapshots" / commit)
+    assert lora.modules[0].path == str(snapshot)
     with pytest.raises(FileNotFoundError, match="'tpserve-test/none'"):
         _cfg("--enable-lora", "--lora-modules", "x=tpserve-test/none", "--download-dir",
              str(tmp_path))

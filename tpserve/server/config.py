@@ -80,6 +80,9 @@ class ServerConfig:
     disable_fastapi_docs: bool = False
     response_role: str = "assistant"
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
+    # --download-dir: the Hugging Face cache that LoRA adapters named by repository id in
+    # /v1/load_lora_adapter are fetched into (None: the default cache)
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -254,7 +257,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           root_path=a.root_path or None,  # "": none
                           uvicorn_log_level=a.uvicorn_log_level,
                           disable_fastapi_docs=a.disable_fastapi_docs,
-                          response_role=a.response_role, max_logprobs=a.max_logprobs)
+                          response_role=a.response_role, max_logprobs=a.max_logprobs,
+                          download_dir=a.download_dir)
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

@@ -53,7 +53,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               max_logprobs: int = SamplingParams.MAX_LOGPROBS,
               root_path: str | None = None, docs: bool = True,
               pooler: PoolerConfig | None = None,
-              lora_modules: tuple[LoraModule, ...] = ()) -> FastAPI:
+              lora_modules: tuple[LoraModule, ...] = (),
+              download_dir: str | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -68,7 +69,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     drops /openapi.json, /docs and /redoc; ``pooler`` (``--runner pooling``): the engine
     pools, and the app answers /v1/embeddings instead of completions and chat;
     ``lora_modules``: the LoRA adapters served (slot i: ``lora_modules[i]``), each a model
-    name a request may choose."""
+    name a request may choose; ``download_dir``: the Hugging Face cache runtime LoRA loads
+    by repository id fetch into."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -103,6 +105,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         max_logprobs=max_logprobs,
         pooler=pooler,
         loras=loras,
+        download_dir=download_dir,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

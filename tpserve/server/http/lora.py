@@ -2,7 +2,9 @@
 ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
 ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``), answered as vLLM answers them
 (plain-text success, 400 for a name already served or an adapter that cannot be loaded,
-404 for unloading a name not served). They need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+404 for unloading a name not served). A ``lora_path`` that is a Hugging Face repository id
+(not a local path) is fetched into the cache (``--download-dir``) first, off the event
+loop, as vLLM resolves one. They need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
 at start-up (the engine refuses them otherwise, 400).
 
 The engine owns the slots (``server/engine/lora_slots``); this side maps names to
@@ -11,10 +13,13 @@ The engine owns the slots (``server/engine/lora_slots``); this side maps names t
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
+from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.protocol import ERROR_RESPONSES
@@ -41,13 +46,18 @@ def make_lora_router() -> APIRouter:
         if not name or not body.lora_path:
             raise APIError.bad_request("lora_name and lora_path must not be empty",
                                        "lora_name" if not name else "lora_path")
+        path = body.lora_path
+        if is_repo_id(path):  # as vLLM takes one: the snapshot in the Hugging Face cache
+            try:
+                path = await asyncio.to_thread(fetch_model, path, None, state.download_dir)
+            except FileNotFoundError as e:
+                raise APIError.bad_request(str(e), "lora_path") from None
         async with state.loras.lock:
             if name in state.served_model_names or state.loras.get(name) is not None:
                 raise APIError.bad_request(
                     f"The lora adapter '{name}' has already been loaded.", "lora_name")
-            slot, lora_id = await state.engine.query(("lora_load", body.lora_path))
-            state.loras.adapters[name] = ServedAdapter(name, body.lora_path, None, slot,
-                                                       lora_id)
+            slot, lora_id = await state.engine.query(("lora_load", path))
+            state.loras.adapters[name] = ServedAdapter(name, path, None, slot, lora_id)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)

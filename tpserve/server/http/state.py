@@ -40,6 +40,8 @@ class ServerState:
     pooler: PoolerConfig | None = None
     # the LoRA adapters served beside the base model (--lora-modules, then runtime loads)
     loras: LoraNames = field(default_factory=LoraNames)
+    # --download-dir: where /v1/load_lora_adapter fetches an adapter named by repository id
+    download_dir: str | None = None
 
     def adapter(self, model: str) -> ServedAdapter | None:
         """The LoRA adapter served as ``model``; None for the base model."""
