@@ -136,6 +136,9 @@ def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
     assert (lora.max_loras, lora.max_lora_rank) == (2, 8)
     assert _cfg("--enable-lora", "--max-loras", "4").runner.lora.max_loras == 4
     assert _cfg().runner.lora is None
+    taken = _cfg("--enable-lora", "--lora-modules", f"x={folders['a']}", "--max-cpu-loras",
+                 "8", "--lora-dtype", "fp32").runner.lora  # the model's dtype on CPU
+    assert (taken.max_loras, [m.name for m in taken.modules]) == (1, ["x"])
     bad = {
         ("--lora-modules", f"x={folders['a']}"): "--lora-modules needs --enable-lora",
         ("--enable-lora", "--lora-modules", "x"): "expected NAME=PATH",
@@ -151,6 +154,13 @@ def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
             "is the served model's name",
         ("--enable-lora", "--runner", "pooling"): "--runner pooling",
         ("--enable-lora", "--quantization", "fp8"): "LoRA adapters on FP8",
+        # vLLM's other LoRA flags: checked, or refused where tpserve cannot honour them
+        ("--enable-lora", "--lora-modules", f"x={folders['a']}", "--max-cpu-loras", "0"):
+            "--max-cpu-loras 0 must be at least --max-loras \\(1\\)",
+        ("--enable-lora", "--lora-dtype", "float16"): "--lora-dtype float16: the adapters "
+                                                      "are held in the model's dtype",
+        ("--enable-lora", "--fully-sharded-loras"): "--fully-sharded-loras: not supported",
+        ("--max-cpu-loras", "4"): "--max-cpu-loras needs --enable-lora",
     }
     for argv, message in bad.items():
         with pytest.raises(ValueError, match=message):

@@ -30,7 +30,7 @@ from tpserve.model.generation_config import parse_overrides
 from tpserve.model.kernels.backend import resolve_kernel_backend
 from tpserve.model.kv_cache_dtype import resolve_kv_cache_dtype
 from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
-from tpserve.model.loader.build import resolve_dtype
+from tpserve.model.loader.build import DTYPES, resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id
@@ -192,14 +192,25 @@ def _fetched(module: LoraModule, download_dir: str | None) -> LoraModule:
     return replace(module, path=fetch_model(module.path, None, download_dir))
 
 
-def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
+def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
     adapter, before any weight loads), and whether adapters may be loaded and unloaded
-    while serving (``RUNTIME_LORA_ENV``); None without the flag."""
+    while serving (``RUNTIME_LORA_ENV``); None without the flag. vLLM's ``--lora-dtype``
+    must be auto or the model's resolved ``dtype``, ``--max-cpu-loras`` at least
+    ``--max-loras``; ``--fully-sharded-loras`` is refused."""
     if not a.enable_lora:
-        if a.lora_modules:
-            raise ValueError("--lora-modules needs --enable-lora")
+        for flag, value in (("--lora-modules", a.lora_modules),
+                            ("--max-cpu-loras", a.max_cpu_loras is not None),
+                            ("--fully-sharded-loras", a.fully_sharded_loras)):
+            if value:
+                raise ValueError(f"{flag} needs --enable-lora")
         return None
+    if a.fully_sharded_loras:
+        raise ValueError("--fully-sharded-loras: not supported; tpserve shards each adapter "
+                         "like the weight it modifies (A whole on column-parallel layers)")
+    if a.lora_dtype not in ("auto", dtype) and DTYPES.get(a.lora_dtype) != DTYPES[dtype]:
+        raise ValueError(f"--lora-dtype {a.lora_dtype}: the adapters are held in the model's "
+                         f"dtype ({dtype}); use auto")
     modules = tuple(_fetched(LoraModule.parse(m), a.download_dir) for m in a.lora_modules or ())
     for m in modules:
         if not Path(m.path).is_dir():
@@ -210,8 +221,11 @@ def resolve_lora(a: argparse.Namespace) -> LoraConfig | None:
         except ValueError as e:  # naming what it cannot apply
             raise ValueError(f"--lora-modules {m.name}: {e}") from None
     runtime = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
-    return LoraConfig(modules, a.max_loras if a.max_loras is not None else max(1, len(modules)),
-                      a.max_lora_rank, runtime_updates=runtime)
+    slots = a.max_loras if a.max_loras is not None else max(1, len(modules))
+    if a.max_cpu_loras is not None and a.max_cpu_loras < slots:
+        raise ValueError(f"--max-cpu-loras {a.max_cpu_loras} must be at least --max-loras "
+                         f"({slots}), as in vLLM")
+    return LoraConfig(modules, slots, a.max_lora_rank, runtime_updates=runtime)
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
@@ -301,7 +315,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                "(converting a causal LM's head into a classifier is not supported)"))
     if a.pooler_config is not None and runner_kind != "pooling":
         raise ValueError("--pooler-config needs --runner pooling")
-    lora = resolve_lora(a)
+    lora = resolve_lora(a, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,
         tokenizer=tokenizer, dtype=dtype,

@@ -57,6 +57,15 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--convert", default=None,
                    help=f"{', '.join(CONVERTS)}: embed serves a decoder's pooled hidden "
                         "states (--runner pooling)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="at least --max-loras (checked): every adapter tpserve serves stays "
+                        "in its device slot, so no CPU cache of more adapters is kept")
+    g.add_argument("--lora-dtype", default="auto",
+                   help="auto or the model's --dtype: the adapters are held in the model's "
+                        "dtype (other values are refused)")
+    g.add_argument("--fully-sharded-loras", action="store_true",
+                   help="refused: tpserve shards each adapter like the weight it modifies "
+                        "(column-parallel layers keep A whole)")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")
