@@ -29,7 +29,7 @@ from importlib import resources
 
 import torch
 
-from tpserve.model.kv_cache_dtype import FP8_MAX
+from tpserve.model.kv_cache_dtype import FP8_MAX, is_fp8
 from tpserve.model.kv_pool import KVPool
 from tpserve.model.loader.checkpoint import Checkpoint, DummyCheckpoint
 from tpserve.model.plan import SeqChunk, StepPlan
@@ -102,3 +102,29 @@ def calibrate_kv_scales(model, attn, token_ids: list[int], block_size: int,
     for layer, s in zip(model.model.layers, scales, strict=True):
         layer.self_attn.kv_scale.copy_(s)
     return scales
+
+
+def describe_kv_scales(model, kv_dtype: torch.dtype, hadamard: bool,
+                       calibration_tokens: int) -> str:
+    """How the FP8 cache's scales were chosen, for the memory plan's log line ("" for
+    other cache dtypes); reads ``model``'s scales once, at start-up. ``calibration_tokens``:
+    the tokens ``calibrate_kv_scales`` ran over (0: not calibrated)."""
+    if not is_fp8(kv_dtype):
+        return ""
+    if hadamard:
+        rotated = "K Hadamard-rotated"
+    elif model.kv_scales_from_checkpoint:
+        rotated = "K not rotated: the checkpoint's scales are for unrotated K"
+    else:
+        rotated = "K not rotated (--kv-cache-hadamard)"
+    scales = model.kv_scales()
+    if model.kv_scales_from_checkpoint:
+        how = "scales from the checkpoint"
+    elif calibration_tokens:
+        how = f"scales calibrated on {calibration_tokens} tokens"
+    else:
+        return ("scales 1.0 (the checkpoint has none; --calculate-kv-scales computes "
+                f"them), {rotated}")
+    return (f"{how} (K {scales[:, 0].min().item():.3g}..{scales[:, 0].max().item():.3g}, "
+            f"V {scales[:, 1].min().item():.3g}..{scales[:, 1].max().item():.3g}), "
+            f"{rotated}")

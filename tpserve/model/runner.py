@@ -17,12 +17,16 @@ import time
 import torch
 
 from tpserve.model.attention.backend import select_attention
-from tpserve.model.cuda_graphs import StepGraphs, buckets_for, graph_reserve_bytes
+from tpserve.model.cuda_graphs import StepGraphs, graph_reserve_bytes
 from tpserve.model.fault import fault_from_env
 from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import select_ops
-from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES, is_fp8
-from tpserve.model.kv_calibration import calibrate_kv_scales, checkpoint_calibration_ids
+from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES
+from tpserve.model.kv_calibration import (
+    calibrate_kv_scales,
+    checkpoint_calibration_ids,
+    describe_kv_scales,
+)
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
@@ -33,7 +37,6 @@ from tpserve.model.memory import (
     MemoryPlan,
     allocator_snapshot,
     allocator_stats,
-    estimate_activation_bytes,
     kv_budget,
     plan_from_ints,
     read_allocator,
@@ -56,7 +59,6 @@ from tpserve.model.plan import (
     CMD_SHUTDOWN,
     CMD_STEP,
     HEADER_LEN,
-    SeqChunk,
     StepLimits,
     StepPlan,
 )
@@ -64,6 +66,7 @@ from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
+from tpserve.model.startup_profile import profile_workspace, warm_kernels
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
@@ -155,7 +158,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         static = (HEADER_LEN + self.max_payload + b) * 8
         try:
-            workspace, measured = self._profile()
+            workspace, measured = profile_workspace(self)
         except torch.OutOfMemoryError as e:
             raise MemoryError(explain_start_oom("profiling the largest step", str(e),
                                                 str(device), group.rank, free0, total,
@@ -187,7 +190,7 @@ class ModelRunner:
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
                               mcfg.head_dim, self.kv_dtype, device)
         if device.type == "cuda":
-            self._warm_kernels()
+            warm_kernels(self)
         self.graphs: StepGraphs | None = None
         graphs_reserve, graphs = graphs, 0
         if use_graphs:
@@ -205,7 +208,9 @@ class ModelRunner:
                                graphs_reserve=graphs_reserve, other_processes=others,
                                free=free_now, after_warmup=read_allocator(device),
                                kv_cache_dtype=cfg.kv_cache_dtype,
-                               kv_scales=self._kv_scales_source())
+                               kv_scales=describe_kv_scales(
+                                   self.model, self.kv_dtype, cfg.kv_cache_hadamard,
+                                   self.kv_calibration_tokens))
         # every rank's plan, gathered once while the ranks are in lockstep
         self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
@@ -250,29 +255,6 @@ class ModelRunner:
             logger.info("KV cache scales calibrated on %d tokens in %.1f s", len(ids),
                         time.monotonic() - t0)
 
-    def _kv_scales_source(self) -> str:
-        """How the FP8 cache's scales were chosen (the log line says), "" for other dtypes;
-        reads the scales once, at start-up."""
-        if not is_fp8(self.kv_dtype):
-            return ""
-        if self.cfg.kv_cache_hadamard:
-            rotated = "K Hadamard-rotated"
-        elif self.model.kv_scales_from_checkpoint:
-            rotated = "K not rotated: the checkpoint's scales are for unrotated K"
-        else:
-            rotated = "K not rotated (--kv-cache-hadamard)"
-        scales = self.model.kv_scales()
-        if self.model.kv_scales_from_checkpoint:
-            how = "scales from the checkpoint"
-        elif self.kv_calibration_tokens:
-            how = f"scales calibrated on {self.kv_calibration_tokens} tokens"
-        else:
-            return ("scales 1.0 (the checkpoint has none; --calculate-kv-scales computes "
-                    f"them), {rotated}")
-        return (f"{how} (K {scales[:, 0].min().item():.3g}..{scales[:, 0].max().item():.3g}, "
-                f"V {scales[:, 1].min().item():.3g}..{scales[:, 1].max().item():.3g}), "
-                f"{rotated}")
-
     # ----------------------------------------------------------------- memory figures
     def _gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length on every rank), in rank order: one
@@ -301,95 +283,6 @@ class ModelRunner:
         free, _ = read_memory(self.device)
         return explain_oom(str(exc), self.plan, read_allocator(self.device), free,
                            other_gpu_processes(self.device), self.limits.max_num_batched_tokens)
-
-    # ----------------------------------------------------------------- start-up profile
-    def _profile(self) -> tuple[int, bool]:
-        """Activation workspace bytes: on GPU the allocator's peak over one forward at
-        ``max_num_batched_tokens`` (plus the logits of ``max_num_seqs`` rows); on CPU an
-        estimate. The same forward warms the caching allocator for steady state."""
-        lim, m = self.limits, self.model_config
-        tokens = lim.max_num_batched_tokens
-        # a pooling runner has no logits: its rows are pooled sums, [rows, hidden] float32
-        rows = 0 if self.cfg.pooling else min(lim.max_num_seqs, tokens)
-        if self.device.type != "cuda":
-            tp = self.comm.world_size
-            heads = m.head_layout(tp)
-            q = (heads.heads_per_rank + 2 * heads.kv_heads_per_rank) * m.head_dim
-            est = estimate_activation_bytes(tokens, m.hidden_size,
-                                            m.mlp_activation_columns(tp), q, m.vocab_size,
-                                            rows, self.dtype.itemsize)
-            return est, False
-        # pass 1: pure prefill of the whole budget; pass 2: a mixed step of (rows - 1)
-        # decodes plus prefill, so the allocator also sees the shapes of serving steps
-        prefill_only = self._profile_chunks([], tokens)
-        mixed = self._profile_chunks([1] * (rows - 1), tokens - (rows - 1))
-        nblocks = max(sum(len(c.block_ids) for c in p) for p in (prefill_only, mixed))
-        tmp = KVPool(m.num_hidden_layers, nblocks, lim.block_size,
-                     m.kv_heads_for(self.comm.world_size), m.head_dim, self.kv_dtype,
-                     self.device)
-        plans = [StepPlan.build(c, lim.block_size, self.attn).to(self.device)
-                 for c in (prefill_only, mixed)]
-        if self.lora is not None:
-            self.lora.all_base()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            for plan in plans:
-                hidden = self.model(plan.input_ids, plan.positions, tmp.layers,
-                                    plan.metadata(self.attn))
-                if self.cfg.pooling:  # every row pooled (a MEAN step's largest work)
-                    every = torch.arange(hidden.shape[0])
-                    sum_rows(hidden, PoolRows(every, torch.zeros_like(every), 1))
-                else:
-                    idx = torch.arange(rows, device=self.device) % hidden.shape[0]
-                    logits = self.model.compute_logits(hidden[idx]).float()
-                    torch.sort(logits.softmax(-1), dim=-1)
-                    del logits
-                del hidden
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del tmp
-        # hand the profile's cached segments back: from here on the allocator holds only
-        # what the plan counts (weights, buffers; then the KV pool, graphs, activations)
-        torch.cuda.empty_cache()
-        return int(peak), True
-
-    def _warm_kernels(self) -> None:
-        """Runs small mixed steps (d decodes at short and full context plus one prefill
-        chunk) for every decode batch bucket, so Triton compiles each kernel variant
-        (split counts, batch-offset specialisations) at start-up, not under load. The
-        steps write into free blocks of the pool, which are overwritten before use."""
-        bs = self.limits.block_size
-        nblocks = min(self.max_blocks_per_seq, self.kv_pool.num_blocks)
-        table = list(range(nblocks))
-        if self.lora is not None:
-            self.lora.all_base()
-        for d in buckets_for(self.limits.max_num_seqs):
-            contexts = {nblocks * bs} | {c for c in (16, 64, 256, 1024, 4096, 16384, 65536)
-                                        if c < nblocks * bs}
-            for ctx in sorted(contexts):
-                chunks = [SeqChunk([0], ctx - 1, table, True) for _ in range(d)]
-                chunks.append(SeqChunk([0] * bs, 0, table[:1], True))
-                plan = StepPlan.build(chunks, bs, self.attn).to(self.device)
-                with torch.inference_mode():
-                    hidden = self.model(plan.input_ids, plan.positions, self.kv_pool.layers,
-                                        plan.metadata(self.attn))
-                    if not self.cfg.pooling:
-                        self.model.compute_logits(hidden[plan.logits_indices])
-        torch.cuda.synchronize(self.device)
-
-    def _profile_chunks(self, decodes: list[int], prefill_tokens: int) -> list[SeqChunk]:
-        """Chunks of a profiling step: single-token decodes, then prefills of at most
-        ``max_model_len`` tokens, each sequence on its own consecutive blocks."""
-        bs, chunks, first = self.limits.block_size, [], 0
-        sizes = decodes + [min(self.max_model_len, prefill_tokens - i)
-                           for i in range(0, max(prefill_tokens, 0), self.max_model_len)]
-        for n in sizes:
-            nb = math.ceil(n / bs)
-            chunks.append(SeqChunk([0] * n, 0, list(range(first, first + nb)), True))
-            first += nb
-        return chunks
 
     # ----------------------------------------------------------------------- stepping
     def execute(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
