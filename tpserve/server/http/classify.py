@@ -22,13 +22,8 @@ from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import PoolingParams, SamplingParams
 from tpserve.server.http.embeddings import check_inputs, embed_all, input_ids, pooler_of
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import (
-    ChatMessage,
-    ChatTemplateOptions,
-    RequestModel,
-    TokenIds,
-    UsageInfo,
-)
+from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, RequestModel, TokenIds
+from tpserve.server.http.replies import UsageInfo
 from tpserve.server.http.state import ServerState
 from tpserve.server.http.unsupported import VLLM_REFUSED, refuse_fields, warn_unknown_fields
 

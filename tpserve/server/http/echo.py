@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from tpserve.server.engine.outputs import TokenLogprob
 from tpserve.server.http.openai_format import completion_logprobs
 from tpserve.server.http.prompts import PromptProcessor
-from tpserve.server.http.protocol import CompletionLogprobs, CompletionRequest
+from tpserve.server.http.protocol import CompletionRequest
+from tpserve.server.http.replies import CompletionLogprobs
 
 
 @dataclass(frozen=True)

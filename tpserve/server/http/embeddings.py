@@ -30,13 +30,8 @@ from tpserve.server.http.access_log import access_record
 from tpserve.server.http.generation import engine_outputs, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.metrics import RequestTracker
-from tpserve.server.http.protocol import (
-    ChatMessage,
-    ChatTemplateOptions,
-    RequestModel,
-    TokenIds,
-    UsageInfo,
-)
+from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, RequestModel, TokenIds
+from tpserve.server.http.replies import UsageInfo
 from tpserve.server.http.request_params import truncated_prompt
 from tpserve.server.http.state import ServerState
 from tpserve.server.http.unsupported import VLLM_REFUSED, refuse_fields, warn_unknown_fields

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from tpserve.model.loader.hub import fetch_model, is_repo_id
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
-from tpserve.server.http.protocol import ERROR_RESPONSES
+from tpserve.server.http.replies import ERROR_RESPONSES
 from tpserve.server.http.state import get_state
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
-from tpserve.server.http.protocol import (
+from tpserve.server.http.reasoning.split import ReasoningSplit
+from tpserve.server.http.replies import (
     ChatChoice,
     ChatCompletionResponse,
     ChatLogprobs,
@@ -23,7 +24,6 @@ from tpserve.server.http.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from tpserve.server.http.reasoning.split import ReasoningSplit
 
 if TYPE_CHECKING:
     from tpserve.server.http.echo import Echo

@@ -12,10 +12,12 @@ import tpserve
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import (
     DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorResponse,
     TokenizeCompletionRequest,
     TokenizeRequest,
+)
+from tpserve.server.http.replies import (
+    DetokenizeResponse,
+    ErrorResponse,
     TokenizeResponse,
     VersionResponse,
 )

@@ -29,17 +29,15 @@ from tpserve.server.http.openai_format import (
     completion_response,
     tokens_named_by_id,
 )
-from tpserve.server.http.protocol import (
+from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tpserve.server.http.reasoning import ReasoningPlan
+from tpserve.server.http.replies import (
     ERROR_RESPONSES,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    SamplingRequest,
 )
-from tpserve.server.http.reasoning import ReasoningPlan
 from tpserve.server.http.request_params import (
     bad_words_token_ids,
     build_sampling_params,

@@ -35,7 +35,8 @@ from tpserve.server.http.classify import (
 )
 from tpserve.server.http.embeddings import embed_all, fit_to_context, pooler_of
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import ERROR_RESPONSES, RequestModel, UsageInfo
+from tpserve.server.http.protocol import RequestModel
+from tpserve.server.http.replies import ERROR_RESPONSES, UsageInfo
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.unsupported import VLLM_REFUSED, refuse_fields, warn_unknown_fields
 

@@ -23,7 +23,8 @@ from tpserve.server.http.openai_format import (
     completion_logprobs,
     usage_info,
 )
-from tpserve.server.http.protocol import (
+from tpserve.server.http.reasoning import ReasoningSplit
+from tpserve.server.http.replies import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatLogprobs,
@@ -32,7 +33,6 @@ from tpserve.server.http.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from tpserve.server.http.reasoning import ReasoningSplit
 
 logger = logging.getLogger(__name__)
 

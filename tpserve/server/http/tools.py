@@ -25,12 +25,7 @@ from typing import Any, Literal
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.engine.structured.spec import GrammarError, check_structured_output
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import (
-    ChatCompletionRequest,
-    ChatTool,
-    FunctionCall,
-    ToolCall,
-)
+from tpserve.server.http.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from tpserve.server.http.tool_parsers import ParsedCall, ToolParser
 from tpserve.server.http.tool_parsers.base import as_call
 

@@ -28,11 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tpserve.server.http.openai_format import ResponseContext
-from tpserve.server.http.protocol import ChatCompletionResponse, ToolCall, UsageInfo
+from tpserve.server.http.protocol import ToolCall
+from tpserve.server.http.replies import ChatCompletionResponse, UsageInfo
 
 
 def new_id(prefix: str) -> str:
