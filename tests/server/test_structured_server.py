@@ -59,21 +59,24 @@ def person(client, seed: int, stream: bool = False) -> tuple[str, str]:
     return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
 
+SEEDS = 12  # whole and streamed: 24 requests, one batch under --max-num-seqs 32
+
+
 @pytest.fixture(scope="module")
-def twenty_seeds(client) -> dict[bool, list[tuple[str, str]]]:
-    """``person`` for seeds 0-19, whole (False) and streamed (True): the 40 requests are
-    sent together, so the engine batches them (up to --max-num-seqs at a time) instead of
-    running two batches of 20 one after the other with a tail of long answers each."""
-    with ThreadPoolExecutor(40) as pool:
-        futures = {stream: [pool.submit(person, client, s, stream) for s in range(20)]
+def many_seeds(client) -> dict[bool, list[tuple[str, str]]]:
+    """``person`` for seeds 0-11, whole (False) and streamed (True): the 24 requests are
+    sent together, so the engine runs them in one batch (--max-num-seqs 32) instead of two
+    batches one after the other with a tail of long answers each."""
+    with ThreadPoolExecutor(2 * SEEDS) as pool:
+        futures = {stream: [pool.submit(person, client, s, stream) for s in range(SEEDS)]
                    for stream in (False, True)}
         return {stream: [f.result(timeout=600) for f in fs] for stream, fs in futures.items()}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_json_schema_twenty_seeds(twenty_seeds, stream):
-    results = twenty_seeds[stream]
-    assert [finish for _, finish in results] == ["stop"] * 20, results
+def test_json_schema_many_seeds(many_seeds, stream):
+    results = many_seeds[stream]
+    assert [finish for _, finish in results] == ["stop"] * SEEDS, results
     for text, _ in results:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len({text for text, _ in results}) > 1
