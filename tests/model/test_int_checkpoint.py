@@ -64,13 +64,15 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-def load_as_served(folder: Path, group: TPGroup, quantization: str = "auto"):
+def load_as_served(folder: Path, group: TPGroup, quantization: str = "auto",
+                   tp_comm: str = "allreduce"):
     ckpt = open_checkpoint(str(folder))
     resolved = resolve_quantization(quantization, ckpt.quantization)
     method = linear_method(resolved, "torch", CPU, torch.float32, 32, ckpt.quantization)
     comm = Communicator(group)
     model = build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"),
-                        select_attention("torch", torch.float32), 512, quant_method=method)
+                        select_attention("torch", torch.float32), 512, tp_comm=tp_comm,
+                        quant_method=method)
     return model, comm, method
 
 
@@ -104,24 +106,28 @@ def test_the_served_linear_layers_hold_bits_per_weight(folders):
                      "zeros": (torch.float32, (3, 48)), "g_idx": (torch.int32, (96,))}
 
 
-def _tp_rank(group: TPGroup, folders: dict[str, str]) -> dict[str, torch.Tensor]:
+def _tp_rank(group: TPGroup, folders: dict[str, str], tp_comm: str
+             ) -> dict[str, torch.Tensor]:
     out = {}
     for kind, path in folders.items():
-        model, comm, _ = load_as_served(Path(path), group)
+        model, comm, _ = load_as_served(Path(path), group, tp_comm=tp_comm)
         out[kind] = full_logits(model, comm, TOKENS)
     return out
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_tensor_parallel_equals_tp1(folders, tp):
+@pytest.mark.parametrize("tp, tp_comm", [(2, "allreduce"), (3, "allreduce"),
+                                         (2, "allgather")])
+def test_tensor_parallel_equals_tp1(folders, tp, tp_comm):
+    """Every rank's logits equal tp 1's on the dequantized twin, with the all-reduce and
+    with sequence parallelism (all-gather in, reduce-scatter out of each block)."""
     kinds = ("gptq-4bit-act-order", "gptq-8bit-per-row", "awq-4bit-g32",
              "ct-4bit-g16-act-order")
-    ranks = run_ranks(_tp_rank, tp, {k: str(folders[k][0]) for k in kinds})
+    ranks = run_ranks(_tp_rank, tp, {k: str(folders[k][0]) for k in kinds}, tp_comm)
     for kind in kinds:
         dense, comm, _ = load_as_served(folders[kind][1], ONE)
         want = full_logits(dense, comm, TOKENS)
         for r in ranks:
-            assert torch.allclose(r[kind], want, rtol=1e-4, atol=1e-4), (kind, tp)
+            assert torch.allclose(r[kind], want, rtol=1e-4, atol=1e-4), (kind, tp, tp_comm)
 
 
 def test_gptq_zero_biases_are_skipped_and_others_refused(folders, tmp_path):
