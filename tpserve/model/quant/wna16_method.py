@@ -8,7 +8,9 @@ Loading (``create_weights``): the checkpoint's packed tensors are read as the lo
 ``[out, in]`` integers (``int_checkpoint.CodesSource``) through the layer's own loaders,
 so head padding, replicated KV heads and the row-parallel column split apply to them
 exactly as to an unquantized weight:
-- ``qweight`` uint8 ``[rows, cols]`` (one code a byte while loading), padding 0;
+- the codes (``qweight``; compressed-tensors' ``weight_packed``): each checkpoint tensor's
+  rows of this rank are written by the layer's loader into a transient ``[rows, cols]``
+  and packed at once into the served int32 ``[cols / pack, rows]`` (padding: code 0);
 - ``qzeros`` uint8 ``[rows, G]`` and ``scales`` ``[rows, G]`` through
   ``load_output_rows``; padding rows get scale 0, so they multiply to exactly zero;
 - ``g_idx`` (GPTQ) int32 ``[cols]`` through ``load_input_columns``: a row-parallel rank
@@ -16,9 +18,9 @@ exactly as to an unquantized weight:
   span two ranks' columns; with act-order any rank may use any group). The parts of a
   fused layer (q/k/v, gate/up) share their input and must share their ``g_idx``.
 
-``process_weights`` packs the codes along K (``wna16.pack_rows``), turns the zero points
-into floats (plus GPTQ v1's offset of one), transposes scales and zeros to ``[G, N]`` and
-checks every group index; the byte-per-code copy is freed. ``apply`` is the Triton kernel
+``process_weights`` turns the zero points into floats (plus GPTQ v1's offset of one),
+transposes scales and zeros to ``[G, N]`` and checks every group index; the codes are
+served as packed while loading. ``apply`` is the Triton kernel
 with the Triton kernel back-end, the torch reference otherwise.
 """
 
@@ -66,9 +68,20 @@ class Wna16Method:
         layer.input_groups = groups
         f = FORMATS[self.fmt]
 
-        codes = empty_param((rows, cols), torch.uint8)
-        codes.weight_loader = (lambda p, src, shard_id=None: layer.weight_loader(
-            p, f.read_codes(as_source(src), self.bits), shard_id))
+        codes = nn.Parameter(torch.zeros((cols // pack, rows), dtype=torch.int32),
+                             requires_grad=False)
+
+        def load_codes(param: nn.Parameter, source, shard_id: object = None) -> None:
+            # the layer's loader writes this part's rows (padding included) of a
+            # transient [rows, cols] (-1: not this part's); they are packed into the
+            # served columns at once, so the model never holds a byte per weight
+            rows_of = torch.full((rows, cols), -1, dtype=torch.int16, device=param.device)
+            layer.weight_loader(rows_of, f.read_codes(as_source(source), self.bits), shard_id)
+            written = (rows_of >= 0).all(dim=1).nonzero().squeeze(1)
+            with torch.no_grad():
+                param[:, written] = pack_rows(rows_of[written].t(), self.bits)
+
+        codes.weight_loader = load_codes
         setattr(layer, f.codes, codes)
         scales = empty_param((rows, groups), dtype)
         scales.weight_loader = (lambda p, src, shard_id=None: layer.load_output_rows(
@@ -109,10 +122,9 @@ class Wna16Method:
 
     def process_weights(self, layer: nn.Module) -> None:
         f = FORMATS[self.fmt]
-        codes = getattr(layer, f.codes)
+        codes = getattr(layer, f.codes)  # packed as loaded
         delattr(layer, f.codes)
-        layer.qweight = nn.Parameter(pack_rows(codes.t(), self.bits), requires_grad=False)
-        del codes
+        layer.qweight = codes
         scales = getattr(layer, f.scales)
         delattr(layer, f.scales)
         dtype = scales.dtype
