@@ -339,3 +339,26 @@ def test_integer_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path, dtype
         dense, comm, _ = load_as_served(twin, ONE)
         want = full_logits(dense, comm, TOKENS)
         torch.testing.assert_close(outs[1][0][0], want[-1], atol=tol * 10, rtol=tol * 10)
+
+
+def test_the_reference_scales_whole_groups_where_they_run_in_column_order():
+    """``consecutive_groups`` finds ``g_idx = first + k // size`` (a row-parallel rank's
+    whole groups, one group of every column) and nothing else (act-order, a rank starting
+    mid-group); ``dequantize`` with those runs gives the gathered result exactly."""
+    from tpserve.model.quant.wna16 import consecutive_groups, pack_rows
+
+    k = 256
+    cases = [(torch.arange(k) // 32, 8, (0, 32)), (4 + torch.arange(k) // 32, 12, (4, 32)),
+             (torch.zeros(k, dtype=torch.long), 1, (0, k)),
+             ((torch.arange(k) + 16) // 32, 9, None),
+             ((torch.arange(k) // 32)[torch.randperm(k, generator=torch.Generator()
+                                                     .manual_seed(0))], 8, None)]
+    gen = torch.Generator().manual_seed(1)
+    for g_idx, groups, want in cases:
+        g_idx = g_idx.to(torch.int32)
+        assert consecutive_groups(g_idx, groups) == want
+        qweight = pack_rows(torch.randint(0, 16, (k, 5), generator=gen), 4)
+        scales, zeros = torch.rand(groups, 5, generator=gen), torch.rand(groups, 5) * 16
+        gathered = dequantize(qweight, scales, zeros, g_idx, 4)
+        if want is not None:
+            assert torch.equal(dequantize(qweight, scales, zeros, g_idx, 4, want), gathered)

@@ -54,15 +54,44 @@ def unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               g_idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product)."""
-    q = unpack_rows(qweight, bits).float()  # [K, N]
-    g = g_idx.long()
-    w = (q - zeros.float()[g]) * scales.float()[g]
+               g_idx: torch.Tensor, bits: int,
+               runs: tuple[int, int] | None = None) -> torch.Tensor:
+    """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product).
+    ``runs`` ``(first, size)``: ``g_idx`` is known to be ``first + k // size`` (groups in
+    column order, ``consecutive_groups``), so each group's rows are scaled as one block
+    instead of gathering a scale and a zero point per element: the same values."""
+    pack = pack_factor(bits)
+    k, n = qweight.shape[0] * pack, qweight.shape[1]
+    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & (2**bits - 1)).view(k, n).float()
+    if runs is not None:
+        first, size = runs
+        w = q.view(k // size, size, n)
+        w.sub_(zeros[first:first + k // size].float().unsqueeze(1))
+        w.mul_(scales[first:first + k // size].float().unsqueeze(1))
+        w = w.view(k, n)
+    else:
+        g = g_idx.long()
+        w = q.sub_(zeros.float().index_select(0, g)).mul_(scales.float().index_select(0, g))
     return w.t().to(scales.dtype)
 
 
+def consecutive_groups(g_idx: torch.Tensor, groups: int) -> tuple[int, int] | None:
+    """``(first, size)`` when ``g_idx == first + arange(K) // size`` with ``size`` dividing
+    K (no act-order: this rank's columns in whole groups, or all in one), else None; read
+    once, when the weights are processed (``dequantize``'s ``runs``)."""
+    k = g_idx.numel()
+    first = int(g_idx[0])
+    size = int((g_idx == first).sum())  # the first group's columns: every group's, if any
+    if k % size or first + k // size > groups:
+        return None
+    want = first + torch.arange(k, device=g_idx.device) // size
+    return (first, size) if torch.equal(g_idx.long(), want) else None
+
+
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-           g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+           g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
+           runs: tuple[int, int] | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path)."""
-    return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, g_idx, bits), bias)
+    w = dequantize(qweight, scales, zeros, g_idx, bits, runs)
+    return torch.nn.functional.linear(x, w, bias)

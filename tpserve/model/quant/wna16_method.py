@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tpserve.model.quant.int_checkpoint import FORMATS
-from tpserve.model.quant.wna16 import linear, pack_factor, pack_rows
+from tpserve.model.quant.wna16 import consecutive_groups, linear, pack_factor, pack_rows
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import InMemorySource, as_source
 
@@ -151,6 +151,7 @@ class Wna16Method:
         if bool(((g_idx < 0) | (g_idx >= groups)).any()):
             raise ValueError(f"g_idx holds group indices outside [0, {groups})")
         layer.g_idx = nn.Parameter(g_idx.to(torch.int32), requires_grad=False)
+        layer.group_runs = consecutive_groups(layer.g_idx, groups)  # the torch path's
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,4 +160,4 @@ class Wna16Method:
             from tpserve.model.kernels.triton_wna16 import wna16_matmul
 
             return wna16_matmul(x.contiguous(), *args, bias=bias)
-        return linear(x, *args, bias=bias)
+        return linear(x, *args, bias=bias, runs=layer.group_runs)
