@@ -1,5 +1,7 @@
-"""The ``quant_method`` of GPTQ and AWQ checkpoints (``--quantization gptq`` / ``awq``, from
-the checkpoint's ``quantization_config``): integer weights served as stored, 4 or 8 bits
+"""The ``quant_method`` of GPTQ, AWQ and compressed-tensors pack-quantized checkpoints
+(``--quantization gptq`` / ``awq`` / ``compressed-tensors``, from the checkpoint's
+``quantization_config``; tensor names and readers by ``int_checkpoint.FORMATS``): integer
+weights served as stored, 4 or 8 bits
 each, with float group scales and zero points, multiplied by activations in the model's
 dtype (``wna16.py``: the served layout and the torch reference; the Triton kernel
 ``kernels/triton_wna16.py``).
@@ -11,17 +13,20 @@ exactly as to an unquantized weight:
 - the codes (``qweight``; compressed-tensors' ``weight_packed``): each checkpoint tensor's
   rows of this rank are written by the layer's loader into a transient ``[rows, cols]``
   and packed at once into the served int32 ``[cols / pack, rows]`` (padding: code 0);
-- ``qzeros`` uint8 ``[rows, G]`` and ``scales`` ``[rows, G]`` through
-  ``load_output_rows``; padding rows get scale 0, so they multiply to exactly zero;
-- ``g_idx`` (GPTQ) int32 ``[cols]`` through ``load_input_columns``: a row-parallel rank
+- the zero points (``qzeros``, uint8 ``[rows, G]``; none when symmetric) and ``scales``
+  ``[rows, G]`` through ``load_output_rows``; padding rows get scale 0, so they multiply
+  to exactly zero; compressed-tensors' ``weight_shape`` is checked against the layer;
+- ``g_idx`` (GPTQ; compressed-tensors with act-order) int32 ``[cols]`` through
+  ``load_input_columns`` (else ``k // group_size``, mapped the same way): a row-parallel rank
   holds the groups of its own columns, every rank all ``G`` groups' scales (a group may
   span two ranks' columns; with act-order any rank may use any group). The parts of a
   fused layer (q/k/v, gate/up) share their input and must share their ``g_idx``.
 
 ``process_weights`` turns the zero points into floats (plus GPTQ v1's offset of one),
-transposes scales and zeros to ``[G, N]`` and checks every group index; the codes are
-served as packed while loading. ``apply`` is the Triton kernel
-with the Triton kernel back-end, the torch reference otherwise.
+transposes scales and zeros to ``[G, N]``, checks every group index and notes whether
+the groups run in column order (``wna16.consecutive_groups``: the torch reference then
+scales whole groups); the codes are served as packed while loading. ``apply`` is the
+Triton kernel with the Triton kernel back-end, the torch reference otherwise.
 """
 
 from __future__ import annotations
