@@ -348,6 +348,43 @@ def test_adapters_on_an_integer_base_equal_peft_on_its_dequantized_weights(check
     assert qkv.w_ext is None and qkv.a.dtype == torch.float32  # beside the integer weight
 
 
+def test_adapters_on_an_fp8_base_equal_peft_on_its_dequantized_weights(checkpoints):
+    """The same adapters over ``--quantization fp8`` (e4m3 weights quantized at load, every
+    step weight-only): PEFT's logits over the fp8 model's dequantized weights, at tp 1 and
+    2 (every rank picks the tp 1 scales). With W8A8 steps (activations quantized per token
+    by the layer, not by the norm before it, while adapters are attached) the base model's
+    rows of a mixed step are those of the fp8 model without LoRA."""
+    import transformers as tf
+
+    from tests.model.util import copy_dequantized_layer
+    from tpserve.model.quant.fp8 import Fp8LinearMethod
+
+    folder, folders, _ = checkpoints("llama")
+    weight_only = Fp8LinearMethod(weight_only_max_tokens=512)
+    ours, _ = load(folder, quant_method=weight_only)
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for mine, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
+            copy_dequantized_layer(mine, theirs, ours.cfg)
+    want = peft_logits(hf, folders, TOKENS)
+    rows = [want["a"], want["b"], want[None]]
+    for tp in (1, 2):
+        for whole, stepped in run_ranks(_steps, tp, folder, folders, "allreduce",
+                                        weight_only):
+            for got_whole, got_stepped, w in zip(whole, stepped, rows, strict=True):
+                assert (got_whole - w).abs().max().item() < 1e-4, tp
+                assert (got_stepped - w).abs().max().item() < 1e-4, tp
+    w8a8 = Fp8LinearMethod(weight_only_max_tokens=0)
+    plain, comm = load(folder, quant_method=w8a8)
+    chunk = [SeqChunk(TOKENS, 0, [0, 1], True)]
+    base = run_step(plain, None, new_pool(plain, comm), chunk)
+    model, _, batch = with_lora(folder, folders, quant_method=w8a8)
+    mixed = run_step(model, batch, new_pool(model, comm), [
+        SeqChunk(TOKENS, 0, [0, 1], True), SeqChunk(TOKENS, 0, [2, 3], True, lora_slot=0)])
+    torch.testing.assert_close(mixed[:len(TOKENS)], base, atol=1e-4, rtol=1e-4)
+    assert (mixed[len(TOKENS):] - base).abs().max().item() > 0.1  # adapter a applies
+
+
 def test_adapters_on_a_gguf_base_equal_peft(checkpoints, tmp_path):
     """The same adapters on the Llama's weights as a llama.cpp GGUF file (q/k rows
     permuted by the converter, unpermuted at load) give PEFT's logits at tp 1 and 2."""

@@ -139,6 +139,8 @@ def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
     taken = _cfg("--enable-lora", "--lora-modules", f"x={folders['a']}", "--max-cpu-loras",
                  "8", "--lora-dtype", "fp32").runner.lora  # the model's dtype on CPU
     assert (taken.max_loras, [m.name for m in taken.modules]) == (1, ["x"])
+    fp8 = _cfg("--enable-lora", "--lora-modules", f"x={folders['a']}", "--quantization", "fp8")
+    assert fp8.runner.quantization == "fp8" and fp8.runner.lora.max_loras == 1
     bad = {
         ("--lora-modules", f"x={folders['a']}"): "--lora-modules needs --enable-lora",
         ("--enable-lora", "--lora-modules", "x"): "expected NAME=PATH",
@@ -153,7 +155,6 @@ def test_flags_resolve_to_the_runner_config(adapters, tmp_path):
         ("--enable-lora", "--lora-modules", f"SmolLM2-135M-Instruct={folders['a']}"):
             "is the served model's name",
         ("--enable-lora", "--runner", "pooling"): "--runner pooling",
-        ("--enable-lora", "--quantization", "fp8"): "LoRA adapters on FP8",
         # vLLM's other LoRA flags: checked, or refused where tpserve cannot honour them
         ("--enable-lora", "--lora-modules", f"x={folders['a']}", "--max-cpu-loras", "0"):
             "--max-cpu-loras 0 must be at least --max-loras \\(1\\)",

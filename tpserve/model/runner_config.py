@@ -114,9 +114,6 @@ class RunnerConfig:
         if self.lora is not None and self.pooling:
             raise ValueError("--enable-lora serves adapters for generation; --runner pooling "
                              "(embeddings, classifiers) takes none")
-        if self.lora is not None and self.quantization == "fp8":
-            raise ValueError(f"--enable-lora with --quantization {self.quantization}: LoRA "
-                             "adapters on FP8 linear layers are not supported")
 
     @property
     def pooling(self) -> bool:

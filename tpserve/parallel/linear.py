@@ -96,8 +96,12 @@ class InputQuantization(NamedTuple):
 
 def input_quantization(layer: nn.Module, num_tokens: int) -> InputQuantization | None:
     """None where ``layer``'s quant method does not want its input quantized by the input's
-    producer at this static token count (its optional ``takes_quantized_input``); else how
-    (its optional ``input_scale`` and ``input_group``)."""
+    producer at this static token count (its optional ``takes_quantized_input``), or where
+    the layer carries LoRA adapters (their products take the unquantized input; the
+    method then quantizes it itself); else how (its optional ``input_scale`` and
+    ``input_group``)."""
+    if getattr(layer, "lora", None) is not None:
+        return None
     method = layer.quant_method
     takes = getattr(method, "takes_quantized_input", None)
     if takes is None or not takes(layer, num_tokens):
@@ -236,9 +240,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """``silu_and_mul`` of this (gate, up) layer's output: in one kernel where the
         ``quant_method`` has one for this input (``apply_silu_mul`` returning a tensor),
         else ``silu_and_mul(self(x))``. Each rank gates its own shard (gate rows, then up
-        rows), so the output stays sharded."""
+        rows), so the output stays sharded. A layer with LoRA adapters never takes the
+        fused kernel (the adapters add to the product before the gate)."""
         assert not self.gather_output, "the gate applies to this rank's shard"
-        fused = getattr(self.quant_method, "apply_silu_mul", None)
+        fused = (getattr(self.quant_method, "apply_silu_mul", None) if self.lora is None
+                 else None)
         y = fused(self, x, self.bias) if fused is not None else None
         return silu_and_mul(self(x)) if y is None else y
 

@@ -36,9 +36,6 @@ def attach_lora(model: nn.Module, cfg: LoraConfig, batch: LoraBatch) -> int:
         raise ValueError("this model has no layer LoRA applies to")
     nbytes = 0
     for layer in layers.values():
-        if getattr(layer.quant_method, "takes_quantized_input", None) is not None:
-            raise ValueError("LoRA adapters on FP8 linear layers are not supported (their "
-                             "inputs may arrive quantized)")
         layer.lora = LoraStack(layer, cfg.max_loras, cfg.max_lora_rank, batch)
         nbytes += sum(p.numel() * p.element_size() for p in layer.lora.parameters())
     for slot, module in enumerate(cfg.modules):
