@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpserve.model.quant.config_fields import check_ignored, linear_group, refuse
 from tpserve.model.quant.int_checkpoint import check_awq, check_compressed_int, check_gptq
 
 SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
@@ -133,27 +134,13 @@ def _side_config(folder: Path | None) -> dict[str, Any] | None:
     return None
 
 
-def _refuse(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config.json: quantization_config.{field} = {value!r} is not "
-                      f"supported: {why}")
-
-
-def _check_ignored(field: str, names: Any) -> None:
-    """Only the LM head may stay unquantized (tpserve never quantizes it)."""
-    for name in names or ():
-        if not (isinstance(name, str) and name.removeprefix("re:").rstrip("$")
-                .endswith("lm_head")):
-            raise _refuse(field, names, "tpserve serves every linear layer in FP8 or none "
-                          "(only the LM head may be left out)")
-
-
 def _block_size(field: str, block: Any) -> tuple[int, int]:
     """``[bn, bk]``: positive ints, ``bk`` a power of two >= 16."""
     if not (isinstance(block, list | tuple) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
             and block[1] >= 16 and block[1] & (block[1] - 1) == 0):
-        raise _refuse(field, block, "expected [rows, columns] of a weight block, the columns "
-                      "a power of two of at least 16 (e.g. [128, 128])")
+        raise refuse(field, block, "expected [rows, columns] of a weight block, the columns "
+                     "a power of two of at least 16 (e.g. [128, 128])")
     return int(block[0]), int(block[1])
 
 
@@ -162,15 +149,15 @@ def _check_fp8(qc: dict[str, Any]) -> tuple[bool, tuple[int, int] | None]:
     per channel)."""
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
-        raise _refuse("activation_scheme", scheme, "expected 'dynamic' (activations scaled "
-                      "per token at run time) or 'static' (the checkpoint's input_scale)")
+        raise refuse("activation_scheme", scheme, "expected 'dynamic' (activations scaled "
+                     "per token at run time) or 'static' (the checkpoint's input_scale)")
     block = qc.get("weight_block_size")
     if block is not None:
         block = _block_size("weight_block_size", block)
         if scheme != "dynamic":
-            raise _refuse("activation_scheme", scheme, "block-wise weight scales take "
-                          "dynamic activation scales (per token and group), as in vLLM")
-    _check_ignored("ignored_layers", qc.get("ignored_layers"))
+            raise refuse("activation_scheme", scheme, "block-wise weight scales take "
+                         "dynamic activation scales (per token and group), as in vLLM")
+    check_ignored("ignored_layers", qc.get("ignored_layers"), "in FP8 or none")
     return scheme == "static", block
 
 
@@ -179,26 +166,17 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> tuple[bool, tuple[int, int]
     per channel)."""
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
-        raise _refuse("format", fmt, "tpserve serves compressed-tensors FP8 "
-                      "('float-quantized') checkpoints only")
-    if qc.get("sparsity_config"):
-        raise _refuse("sparsity_config", qc["sparsity_config"], "sparse weights")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise _refuse("config_groups", sorted(groups), "exactly one config group (FP8 "
-                      "weights on every linear layer) is supported")
-    (name, group), = groups.items()
-    if group.get("targets") != ["Linear"]:
-        raise _refuse(f"config_groups.{name}.targets", group.get("targets"),
-                      "tpserve serves every linear layer in FP8 (targets ['Linear'])")
+        raise refuse("format", fmt, "tpserve serves compressed-tensors FP8 "
+                     "('float-quantized') checkpoints only")
+    field, group = linear_group(qc, "FP8")
     w = group.get("weights") or {}
     if not (w.get("type") == "float" and w.get("num_bits") == 8
             and w.get("strategy") in ("tensor", "channel", "block") and w.get("symmetric", True)
             and not w.get("dynamic", False)):
-        raise _refuse(f"config_groups.{name}.weights", w, "tpserve serves 8-bit float "
-                      "weights with per-tensor, per-channel or block ('tensor'/'channel'/"
-                      "'block') scales")
-    block = (_block_size(f"config_groups.{name}.weights.block_structure",
+        raise refuse(f"{field}.weights", w, "tpserve serves 8-bit float "
+                     "weights with per-tensor, per-channel or block ('tensor'/'channel'/"
+                     "'block') scales")
+    block = (_block_size(f"{field}.weights.block_structure",
                          w.get("block_structure")) if w["strategy"] == "block" else None)
     a = group.get("input_activations")
     static = a is not None and a.get("dynamic") is False
@@ -206,17 +184,17 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> tuple[bool, tuple[int, int]
                               and a.get("symmetric", True)
                               and (a.get("dynamic") is True
                                    or (static and a.get("strategy") == "tensor"))):
-        raise _refuse(f"config_groups.{name}.input_activations", a, "tpserve serves 8-bit "
-                      "float input activations, dynamic (scaled per token at run time) or "
-                      "static with one scale per tensor (strategy 'tensor', input_scale)")
+        raise refuse(f"{field}.input_activations", a, "tpserve serves 8-bit "
+                     "float input activations, dynamic (scaled per token at run time) or "
+                     "static with one scale per tensor (strategy 'tensor', input_scale)")
     if block is not None and not (a is not None and a.get("dynamic") is True
                                   and a.get("strategy") == "group"
                                   and a.get("group_size") == block[1]):
-        raise _refuse(f"config_groups.{name}.input_activations", a, "block-wise weights "
-                      f"take dynamic activations per group of {block[1]} columns (strategy "
-                      f"'group', group_size {block[1]}: the block's columns)")
+        raise refuse(f"{field}.input_activations", a, "block-wise weights "
+                     f"take dynamic activations per group of {block[1]} columns (strategy "
+                     f"'group', group_size {block[1]}: the block's columns)")
     if group.get("output_activations") is not None:
-        raise _refuse(f"config_groups.{name}.output_activations",
-                      group["output_activations"], "output activations are not quantized")
-    _check_ignored("ignore", qc.get("ignore"))
+        raise refuse(f"{field}.output_activations",
+                     group["output_activations"], "output activations are not quantized")
+    check_ignored("ignore", qc.get("ignore"), "in FP8 or none")
     return static, block

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from tpserve.model.quant.wna16 import BITS, pack_factor
+from tpserve.model.quant.config_fields import check_ignored, linear_group, refuse
+from tpserve.model.quant.wna16 import BITS, pack_factor, unpack
 from tpserve.parallel.shard import TensorSource
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each 4-bit field of an AWQ int32
@@ -53,12 +54,12 @@ def check_gptq(qc: dict[str, Any]) -> dict[str, Any]:
     bits = _bits(qc, "bits")
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
-        raise _refuse("checkpoint_format", fmt, "tpserve reads 'gptq' (v1) and 'gptq_v2' "
-                      "packing")
+        raise refuse("checkpoint_format", fmt, "tpserve reads 'gptq' (v1) and 'gptq_v2' "
+                     "packing")
     if qc.get("lm_head"):
-        raise _refuse("lm_head", qc["lm_head"], "tpserve serves the LM head unquantized")
+        raise refuse("lm_head", qc["lm_head"], "tpserve serves the LM head unquantized")
     if qc.get("dynamic"):
-        raise _refuse("dynamic", qc["dynamic"], "per-module quantization overrides")
+        raise refuse("dynamic", qc["dynamic"], "per-module quantization overrides")
     return dict(bits=bits, group_size=_group_size(qc, "group_size"),
                 zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")))
 
@@ -67,17 +68,13 @@ def check_awq(qc: dict[str, Any]) -> dict[str, Any]:
     """The same fields for an AWQ ``quantization_config``."""
     bits = _bits(qc, "bits" if "bits" in qc else "w_bit")
     if bits != 4:
-        raise _refuse("bits", bits, "AWQ checkpoints are served in 4 bits")
+        raise refuse("bits", bits, "AWQ checkpoints are served in 4 bits")
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
-        raise _refuse("version", qc.get("version"), "tpserve reads AutoAWQ's 'gemm' packing")
+        raise refuse("version", qc.get("version"), "tpserve reads AutoAWQ's 'gemm' packing")
     if not qc.get("zero_point", True):
-        raise _refuse("zero_point", qc["zero_point"], "AWQ without zero points")
-    skipped = [m for m in qc.get("modules_to_not_convert") or ()
-               if not str(m).endswith("lm_head")]
-    if skipped:
-        raise _refuse("modules_to_not_convert", skipped, "tpserve serves every linear "
-                      "layer of the decoder quantized (only the LM head may be left out)")
+        raise refuse("zero_point", qc["zero_point"], "AWQ without zero points")
+    check_ignored("modules_to_not_convert", qc.get("modules_to_not_convert"), "quantized")
     gs_field = "group_size" if "group_size" in qc else "q_group_size"
     return dict(bits=bits, group_size=_group_size(qc, gs_field), zero_offset=0,
                 act_order=False)
@@ -88,61 +85,43 @@ def check_compressed_int(qc: dict[str, Any]) -> dict[str, Any] | None:
     config; None for any other compressed-tensors format (its FP8 reader checks it)."""
     if qc.get("format") != "pack-quantized":
         return None
-    if qc.get("sparsity_config"):
-        raise _refuse("sparsity_config", qc["sparsity_config"], "sparse weights")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise _refuse("config_groups", sorted(groups), "exactly one config group (integer "
-                      "weights on every linear layer) is supported")
-    (name, group), = groups.items()
-    field = f"config_groups.{name}"
-    if group.get("targets") != ["Linear"]:
-        raise _refuse(f"{field}.targets", group.get("targets"), "tpserve serves every "
-                      "linear layer quantized (targets ['Linear'])")
+    field, group = linear_group(qc, "integer")
     w = group.get("weights") or {}
     if w.get("type") != "int" or w.get("dynamic", False) or w.get("strategy") not in (
             "group", "channel"):
-        raise _refuse(f"{field}.weights", w, "tpserve serves static integer weights with "
-                      "group or channel scales in the pack-quantized format")
+        raise refuse(f"{field}.weights", w, "tpserve serves static integer weights with "
+                     "group or channel scales in the pack-quantized format")
     bits = _bits(w, "num_bits", f"{field}.weights.")
     gs = _group_size(w, "group_size", f"{field}.weights.") if w["strategy"] == "group" else -1
     if gs == -1 and w["strategy"] == "group":
-        raise _refuse(f"{field}.weights.group_size", -1, "a group strategy needs a size")
+        raise refuse(f"{field}.weights.group_size", -1, "a group strategy needs a size")
     act_order = w.get("actorder")
     if act_order not in (None, "group", "weight", "static", "dynamic"):
-        raise _refuse(f"{field}.weights.actorder", act_order, "unknown ordering")
+        raise refuse(f"{field}.weights.actorder", act_order, "unknown ordering")
     for other in ("input_activations", "output_activations"):
         if group.get(other) is not None:
-            raise _refuse(f"{field}.{other}", group[other], "integer weights are served "
-                          "with unquantized activations (W4A16 / W8A16)")
-    skipped = [m for m in qc.get("ignore") or () if not str(m).endswith("lm_head")]
-    if skipped:
-        raise _refuse("ignore", skipped, "tpserve serves every linear layer of the decoder "
-                      "quantized (only the LM head may be left out)")
+            raise refuse(f"{field}.{other}", group[other], "integer weights are served "
+                         "with unquantized activations (W4A16 / W8A16)")
+    check_ignored("ignore", qc.get("ignore"), "quantized")
     return dict(bits=bits, group_size=gs, zero_offset=0,
                 act_order=act_order in ("group", "dynamic"),
                 symmetric=bool(w.get("symmetric", True)))
-
-
-def _refuse(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config.json: quantization_config.{field} = {value!r} is not "
-                      f"supported: {why}")
 
 
 def _bits(qc: dict[str, Any], field: str, where: str = "") -> int:
     """``qc[field]``, 4 or 8; ``where``: the path of ``qc`` in the config, for the error."""
     bits = qc.get(field)
     if bits not in BITS or isinstance(bits, bool):
-        raise _refuse(where + field, bits, f"tpserve serves {' or '.join(map(str, BITS))}"
-                      "-bit integer weights")
+        raise refuse(where + field, bits, f"tpserve serves {' or '.join(map(str, BITS))}"
+                     "-bit integer weights")
     return int(bits)
 
 
 def _group_size(qc: dict[str, Any], field: str, where: str = "") -> int:
     gs = qc.get(field, -1)
     if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
-        raise _refuse(where + field, gs, "expected a positive number of input columns per "
-                      "group, or -1 (one group per output row)")
+        raise refuse(where + field, gs, "expected a positive number of input columns per "
+                     "group, or -1 (one group per output row)")
     return gs
 
 
@@ -158,7 +137,7 @@ class CodesSource:
                  order: tuple[int, ...] | None = None):
         self.source, self.bits, self.packed_dim = source, bits, packed_dim
         self.pack = pack_factor(bits)
-        self.order = order or tuple(range(self.pack))
+        self.order = order
         if len(source.shape) != 2:
             raise ValueError(f"a packed tensor of shape {tuple(source.shape)}; expected 2-d")
         rows, cols = source.shape
@@ -182,13 +161,7 @@ class CodesSource:
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         if packed.dtype != torch.int32:
             raise ValueError(f"a packed tensor stored as {packed.dtype}; expected int32")
-        p = packed.to(torch.int64)
-        fields = [(p >> (j * self.bits)) & (2**self.bits - 1) for j in range(self.pack)]
-        by_position = [fields[self.order.index(i)] for i in range(self.pack)]
-        codes = torch.stack(by_position, dim=self.packed_dim + 1)
-        shape = list(packed.shape)
-        shape[self.packed_dim] *= self.pack
-        return codes.reshape(shape).to(torch.int16)
+        return unpack(packed, self.bits, self.packed_dim, self.order).to(torch.int16)
 
 
 class TransposedSource:

@@ -45,12 +45,22 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of ``pack_rows``: int32 ``[K // pack, N]`` -> int64 codes ``[K, N]``."""
+def unpack(packed: torch.Tensor, bits: int, dim: int = 0,
+           order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``packed`` along ``dim`` (2-d) -> its int32 codes, ``dim`` ``pack`` times
+    longer: bit field ``j`` of each int32 holds position ``order[j]`` of its pack (default:
+    position ``j``, the served layout's and GPTQ's order; AWQ interleaves). The inverse of
+    ``pack_rows`` for ``dim`` 0."""
     pack = pack_factor(bits)
-    shifts = (torch.arange(pack, device=qweight.device, dtype=torch.int64) * bits).view(1, -1, 1)
-    codes = (qweight.to(torch.int64).unsqueeze(1) >> shifts) & (2**bits - 1)
-    return codes.reshape(-1, qweight.shape[1])
+    fields = order or tuple(range(pack))
+    shifts = torch.tensor([fields.index(i) * bits for i in range(pack)], dtype=torch.int32,
+                          device=packed.device)
+    view = [1, 1, 1]
+    view[dim + 1] = pack
+    codes = (packed.unsqueeze(dim + 1) >> shifts.view(view)) & (2**bits - 1)
+    shape = list(packed.shape)
+    shape[dim] *= pack
+    return codes.reshape(shape)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -60,10 +70,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     ``runs`` ``(first, size)``: ``g_idx`` is known to be ``first + k // size`` (groups in
     column order, ``consecutive_groups``), so each group's rows are scaled as one block
     instead of gathering a scale and a zero point per element: the same values."""
-    pack = pack_factor(bits)
-    k, n = qweight.shape[0] * pack, qweight.shape[1]
-    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
-    q = ((qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & (2**bits - 1)).view(k, n).float()
+    q = unpack(qweight, bits).float()
+    k, n = q.shape
     if runs is not None:
         first, size = runs
         w = q.view(k // size, size, n)
