@@ -112,6 +112,26 @@ def save_hf_folder(model, folder: Path, num_shards: int = 2) -> Path:
     return folder
 
 
+def embedded_state(ckpt) -> dict[str, torch.Tensor]:
+    """The embedded GGUF's (``ckpt = open_checkpoint(None)``) weights dequantized to float32,
+    by Hugging Face name (its tied ``lm_head.weight`` included)."""
+    from tpserve.model.loader import gguf_file
+
+    return {name: src.read().float().contiguous()
+            for name, src in gguf_file.iter_weights(ckpt.reader, ckpt.config)}
+
+
+def save_embedded_folder(folder: Path, ckpt, tensors: dict[str, torch.Tensor],
+                         tokenizer=None, **config) -> Path:
+    """``tensors`` as a Hugging Face folder of the embedded model ``ckpt``: one safetensors
+    file, ``hf_config`` with ``config`` over it, and its tokenizer (or ``tokenizer``)."""
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config, **config)))
+    (tokenizer or ckpt.tokenizer()).save_pretrained(str(folder))
+    return folder
+
+
 def hf_config(c, **overrides) -> dict:
     """A Hugging Face ``config.json`` (Llama) for our ``ModelConfig`` ``c``, with
     ``overrides``."""

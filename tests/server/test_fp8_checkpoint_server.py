@@ -9,23 +9,21 @@ how the prompts are batched)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.model.util import (
+    embedded_state,
     fp8_block_state,
     fp8_quantization_config,
     fp8_state,
     full_logits,
-    hf_config,
     load,
+    save_embedded_folder,
 )
 from tests.server.serverproc import ServerProcess
-from tpserve.model.loader import gguf_file
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.quant.fp8 import Fp8LinearMethod
 from tpserve.model.quant.fp8_block import Fp8BlockMethod
@@ -42,21 +40,15 @@ def write_fp8_smollm2(folder: Path, input_scales: dict[str, float] | None = None
     weight name -> scale) static activation scales too, as ``neuralmagic/*-FP8`` stores
     them; with ``block`` block-wise weight scales (transformers' FineGrainedFP8)."""
     ckpt = open_checkpoint(None)
-    c = ckpt.config
-    state = {name: src.read().float().contiguous()
-             for name, src in gguf_file.iter_weights(ckpt.reader, c)}
+    state = embedded_state(ckpt)
     state.pop("lm_head.weight", None)  # tied to the embedding
-    folder.mkdir(parents=True)
     tensors = fp8_state(state) if block is None else fp8_block_state(state, block)
     for name in input_scales or ():
         tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(
             input_scales[name], dtype=torch.float32)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(c, quantization_config=fp8_quantization_config(
-        "fp8", static=input_scales is not None, block=block))
-    (folder / "config.json").write_text(json.dumps(config))
-    ckpt.tokenizer().save_pretrained(str(folder))
-    return folder
+    return save_embedded_folder(folder, ckpt, tensors,
+                                quantization_config=fp8_quantization_config(
+                                    "fp8", static=input_scales is not None, block=block))
 
 
 def calibrated_input_scales(ids: list[int]) -> dict[str, float]:

@@ -11,17 +11,14 @@ columns."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
 
 from tests.model.int_checkpoints import save_int_folders
-from tests.model.util import hf_config
+from tests.model.util import embedded_state, save_embedded_folder
 from tests.server.serverproc import ServerProcess
 from tests.server.test_fp8_checkpoint_server import check_served_logprobs, in_process_logprobs
-from tpserve.model.loader import gguf_file
 from tpserve.model.loader.checkpoint import open_checkpoint
 
 
@@ -29,16 +26,9 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 def base(tmp_path_factory) -> Path:
     """The embedded GGUF's weights as a float32 Hugging Face folder with its tokenizer."""
     ckpt = open_checkpoint(None)
-    c = ckpt.config
-    state = {name: src.read().float().contiguous()
-             for name, src in gguf_file.iter_weights(ckpt.reader, c)}
+    state = embedded_state(ckpt)
     state.pop("lm_head.weight", None)  # tied to the embedding
-    folder = tmp_path_factory.mktemp("smollm2") / "SmolLM2"
-    folder.mkdir()
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config(c)))
-    ckpt.tokenizer().save_pretrained(str(folder))
-    return folder
+    return save_embedded_folder(tmp_path_factory.mktemp("smollm2") / "SmolLM2", ckpt, state)
 
 
 @pytest.mark.parametrize("fmt, tp, words", [

@@ -11,14 +11,11 @@ deterministically, from real weights."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tests.model.util import hf_config
-from tpserve.model.loader import gguf_file
+from tests.model.util import embedded_state, save_embedded_folder
 from tpserve.model.loader.checkpoint import open_checkpoint
 
 TAGS = (("<think>", "The"), ("</think>", "Ġis"))  # (tag, the word whose rows it copies)
@@ -27,9 +24,7 @@ HEAD_SCALE = 1.25
 
 def write_thinking_smollm2(folder: Path) -> Path:
     ckpt = open_checkpoint(None)
-    c = ckpt.config
-    state = {name: src.read().float().contiguous()
-             for name, src in gguf_file.iter_weights(ckpt.reader, c)}
+    state = embedded_state(ckpt)
     tokenizer = ckpt.tokenizer()
     embed = state["model.embed_tokens.weight"]
     head = state.pop("lm_head.weight", embed)  # tied in SmolLM2
@@ -39,9 +34,5 @@ def write_thinking_smollm2(folder: Path) -> Path:
     state["lm_head.weight"] = torch.cat([head, HEAD_SCALE * head[words]])
     vocab_size = len(tokenizer)
     assert state["lm_head.weight"].shape[0] == vocab_size
-    folder.mkdir(parents=True)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(c, vocab_size=vocab_size, tie_word_embeddings=False)
-    (folder / "config.json").write_text(json.dumps(config))
-    tokenizer.save_pretrained(str(folder))
-    return folder
+    return save_embedded_folder(folder, ckpt, state, tokenizer, vocab_size=vocab_size,
+                                tie_word_embeddings=False)
