@@ -33,7 +33,7 @@ from tpserve.model.kv_hadamard import resolve_kv_cache_hadamard
 from tpserve.model.loader.build import DTYPES, resolve_dtype
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.hf_overrides import canonical_overrides
-from tpserve.model.loader.hub import fetch_model, is_repo_id
+from tpserve.model.loader.hub import fetch_model, is_repo_id, local_folder
 from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter_layout
 from tpserve.model.pooling import resolve_pooler_config, resolve_runner
 from tpserve.model.quant.methods import resolve_quantization
@@ -184,14 +184,6 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
-def _fetched(module: LoraModule, download_dir: str | None) -> LoraModule:
-    """An adapter named by a Hugging Face repository id, as vLLM takes one: fetched into
-    the cache (or found there), served from its snapshot folder."""
-    if not is_repo_id(module.path):
-        return module
-    return replace(module, path=fetch_model(module.path, None, download_dir))
-
-
 def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
     adapter, before any weight loads), and whether adapters may be loaded and unloaded
@@ -208,10 +200,11 @@ def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     if a.fully_sharded_loras:
         raise ValueError("--fully-sharded-loras: not supported; tpserve shards each adapter "
                          "like the weight it modifies (A whole on column-parallel layers)")
-    if a.lora_dtype not in ("auto", dtype) and DTYPES.get(a.lora_dtype) != DTYPES[dtype]:
+    if a.lora_dtype != "auto" and DTYPES.get(a.lora_dtype) != DTYPES[dtype]:
         raise ValueError(f"--lora-dtype {a.lora_dtype}: the adapters are held in the model's "
                          f"dtype ({dtype}); use auto")
-    modules = tuple(_fetched(LoraModule.parse(m), a.download_dir) for m in a.lora_modules or ())
+    modules = tuple(replace(m, path=local_folder(m.path, a.download_dir))  # a repo id too
+                    for m in map(LoraModule.parse, a.lora_modules or ()))
     for m in modules:
         if not Path(m.path).is_dir():
             raise ValueError(f"--lora-modules {m.name}={m.path}: not a folder (a PEFT adapter "

@@ -50,3 +50,10 @@ def fetch_model(repo_id: str, revision: str | None = None,
             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     logger.info("%s: snapshot %s (%.1f s)", repo_id, folder, time.monotonic() - start)
     return folder
+
+
+def local_folder(path: str, download_dir: str | None = None) -> str:
+    """``path`` itself, or where it names a repository (``is_repo_id``) its snapshot folder
+    in the cache, fetched if missing (``fetch_model``), as vLLM resolves an adapter's
+    path."""
+    return fetch_model(path, None, download_dir) if is_repo_id(path) else path

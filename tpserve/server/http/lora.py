@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from tpserve.model.loader.hub import fetch_model, is_repo_id
+from tpserve.model.loader.hub import local_folder
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.replies import ERROR_RESPONSES
@@ -46,12 +46,10 @@ def make_lora_router() -> APIRouter:
         if not name or not body.lora_path:
             raise APIError.bad_request("lora_name and lora_path must not be empty",
                                        "lora_name" if not name else "lora_path")
-        path = body.lora_path
-        if is_repo_id(path):  # as vLLM takes one: the snapshot in the Hugging Face cache
-            try:
-                path = await asyncio.to_thread(fetch_model, path, None, state.download_dir)
-            except FileNotFoundError as e:
-                raise APIError.bad_request(str(e), "lora_path") from None
+        try:  # a repository id, as vLLM takes one: its snapshot in the cache
+            path = await asyncio.to_thread(local_folder, body.lora_path, state.download_dir)
+        except FileNotFoundError as e:
+            raise APIError.bad_request(str(e), "lora_path") from None
         async with state.loras.lock:
             if name in state.served_model_names or state.loras.get(name) is not None:
                 raise APIError.bad_request(
