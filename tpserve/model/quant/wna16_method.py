@@ -70,7 +70,6 @@ class Wna16Method:
                              f"({self.bits}-bit codes): choose another --tensor-parallel-size")
         full_cols = layer.in_features  # the checkpoint's (row parallel: every rank's)
         groups = 1 if self.group_size == -1 else -(-full_cols // self.group_size)
-        layer.input_groups = groups
         f = FORMATS[self.fmt]
 
         codes = nn.Parameter(torch.zeros((cols // pack, rows), dtype=torch.int32),
@@ -142,7 +141,7 @@ class Wna16Method:
         layer.scales = nn.Parameter(scales.t().contiguous(), requires_grad=False)
         if f.shape is not None:
             delattr(layer, f.shape)
-        groups = layer.input_groups
+        groups = layer.scales.shape[0]  # [G, N]
         if f.g_idx is not None and hasattr(layer, f.g_idx):
             g_idx = getattr(layer, f.g_idx).data
             delattr(layer, f.g_idx)
