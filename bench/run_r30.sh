@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two device calls (the first lease of a GPU since the integer path was written,
 # 2026-12-05): GPTQ / AWQ / compressed-tensors integer weights measured for the first time.
-#   bash bench/run_r30.sh SHA kernel  (about 8 minutes)
+#   bash bench/run_r30.sh SHA kernel  (about 8 minutes; a first run at 5de14f4, the kernel
+#   before its rewrite, is bench/results/h100-2026-12-05-wna16-r30a.json)
 #  1. the WNA16 kernel tests compiled on the GPU (bf16 / fp16 / fp32, 4 and 8 bits,
 #     act-order, split K) and the tiny Llama's GPTQ / AWQ / pack-quantized steps through
 #     captured CUDA graphs against eager and the dequantized twin;
@@ -22,11 +23,20 @@ OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 if [ "$PART" = kernel ]; then
   step "wna16 tests"
-  timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 240 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
     tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py 2>&1 | tail -15 || true
   step "kernel against cuBLAS"
-  timeout 240 python3 bench/time_wna16.py --git-commit "$SHA" --act-order \
-    --out "$OUT/wna16.json" 2>&1 | tail -40 || true
+  timeout 300 python3 bench/time_wna16.py --git-commit "$SHA" --act-order \
+    --launch dequant wna16,64,128,128,0,8,3 --out "$OUT/wna16.json" 2>&1 | tail -16 || true
+  python3 - "$OUT/wna16.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+keys = ["w4", "w4[dequant]", "w4[wna16,64,128,128,1,8,3]", "w4_act", "w8", "w8[dequant]"]
+print("shape M linear | " + " | ".join(keys))
+for r in rows:
+    cells = [f"{r[k]['us']:.1f}" if "us" in r.get(k, {}) else "-" for k in keys]
+    print(r["shape"], r["m"], r["linear"]["us"], "|", " | ".join(cells))
+PY
 elif [ "$PART" = engine ]; then
   step "gptq checkpoint llama3-8b"
   timeout 150 python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq --bits 4 \

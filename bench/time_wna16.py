@@ -6,7 +6,10 @@ For each shape (qkv, o, gate_up, down; ``--tp N`` divides N of qkv / gate_up and
 down, as the column- and row-parallel shards do) and M: ``F.linear`` with a dense ``[N, K]``
 weight (``linear``), and the WNA16 kernel at its default launch (``wna16_blocks``) for each
 of ``--bits``, group ``--group``, ``g_idx = k // group`` (``w4``, ``w8``) and, with
-``--act-order``, a shuffled ``g_idx`` (``w4_act``, ``w8_act``). ``--sweep`` also times the
+``--act-order``, a shuffled ``g_idx`` served sorted by group as at tp 1 (``w4_act``,
+``w8_act``: ``wna16.sort_columns``, the activations read through ``perm``). ``--launch
+dequant`` also times the dequantized weight times cuBLAS (the launch from
+``DEQUANT_MIN_M`` rows) at every M. ``--sweep`` also times the
 launches of ``candidates`` (``axes``: the default with one of block M / N / K, warps, stages
 or the split, x0.5 / x1 / x2 of ``fill_split``, changed; ``grid``: every combination) and
 ``--launch`` given ``WoConfig`` strings, as ``w4[wna16,BM,BN,BK,SPLIT,WARPS,STAGES]`` (the
@@ -128,7 +131,7 @@ def main() -> None:
 
     from tpserve.model.kernels import triton_wna16 as kern
     from tpserve.model.kernels.triton_fp8 import _sm_count
-    from tpserve.model.quant.wna16 import linear, pack_rows
+    from tpserve.model.quant.wna16 import consecutive_groups, linear, pack_rows, sort_columns
 
     shapes = SMOKE_SHAPES if a.smoke else {s: SHAPES[s] for s in a.shapes}
     ms = a.m or (SMOKE_M if a.smoke else M_ALL)
@@ -156,7 +159,8 @@ def main() -> None:
         gen = torch.Generator(device=dev).manual_seed(0)
         w16 = (torch.randn(n, k, generator=gen, device=dev) / k**0.5).to(dtype)
         dense = n * k * w16.element_size()
-        wvars = {}  # name -> (bits, [(qweight, scales, zeros, g_idx)] copies, weight bytes)
+        # name -> (bits, [(qweight, scales, zeros, g_idx)] copies, (perm, runs), weight bytes)
+        wvars = {}
         for bits in a.bits:
             q = pack_rows(torch.randint(0, 2**bits, (k, n), generator=gen, device=dev), bits)
             scales = ((torch.rand(k // a.group, n, generator=gen, device=dev) + 0.5) * 2
@@ -166,11 +170,18 @@ def main() -> None:
             nbytes = q.numel() * 4 + 2 * scales.numel() * scales.element_size()
             sets = [(q, scales, zeros)] + [(q.clone(), scales.clone(), zeros.clone())
                                            for _ in range(copies(nbytes) - 1)]
-            orders = {"": g_idx}
-            if a.act_order:
-                orders["_act"] = g_idx[torch.randperm(k, generator=gen, device=dev)]
-            for suffix, g in orders.items():
-                wvars[f"w{bits}{suffix}"] = (bits, [(*s, g.clone()) for s in sets], nbytes)
+            groups = scales.shape[0]
+            orders = {"": (sets, g_idx, None, consecutive_groups(g_idx, groups))}
+            if a.act_order:  # served sorted by group, as Wna16Method serves it at tp 1
+                shuffled = g_idx[torch.randperm(k, generator=gen, device=dev)].int()
+                sorted_sets = []
+                for qs, sc, zs in sets:
+                    q2, g2, perm, runs = sort_columns(qs, shuffled, bits, groups)
+                    sorted_sets.append((q2, sc, zs))
+                orders["_act"] = (sorted_sets, g2, perm, runs)
+            for suffix, (vsets, g, perm, runs) in orders.items():
+                wvars[f"w{bits}{suffix}"] = (bits, [(*s, g.clone()) for s in vsets],
+                                             (perm, runs), nbytes)
         w_c = [w16] + [w16.clone() for _ in range(copies(dense) - 1)]
         for m in ms:
             task += 1
@@ -192,17 +203,19 @@ def main() -> None:
             if not a.compile_only:
                 row["linear"] = entry([partial(F.linear, x, w_c[i % len(w_c)])
                                        for i in range(calls)], dense)
-            extra = [resolve(kern.WoConfig.parse(s), m, n, k, sms, kern.fill_split)
+            extra = [s if s == "dequant" else
+                     resolve(kern.WoConfig.parse(s), m, n, k, sms, kern.fill_split)
                      for s in a.launch]
             extra += candidates(kern, m, n, k, sms, a.sweep) if a.sweep else []
-            for v, (bits, sets, nbytes) in wvars.items():
-                ref = None if a.compile_only else linear(x, *sets[0], bits).float()
+            for v, (bits, sets, (perm, runs), nbytes) in wvars.items():
+                ref = (None if a.compile_only else
+                       linear(x, *sets[0], bits, runs=runs, perm=perm).float())
                 results = {}  # launch -> its entry
                 for launch in dict.fromkeys([default, *extra]):
                     cfg = None if launch == default else launch  # None: the served path
                     # one graph's calls, each on the next copy of the weight
-                    fns = [partial(kern.wna16_matmul, x, *sets[i % len(sets)], bits, None, cfg)
-                           for i in range(calls)]
+                    fns = [partial(kern.wna16_matmul, x, *sets[i % len(sets)], bits, None, cfg,
+                                   perm, runs) for i in range(calls)]
                     try:
                         if a.compile_only:
                             fns[0]()

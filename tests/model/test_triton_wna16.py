@@ -20,7 +20,13 @@ if DEVICE.type == "cpu":
 triton = pytest.importorskip("triton")
 
 from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
-from tpserve.model.quant.wna16 import dequantize, linear, pack_rows  # noqa: E402
+from tpserve.model.quant.wna16 import (  # noqa: E402
+    consecutive_groups,
+    dequantize,
+    linear,
+    pack_rows,
+    sort_columns,
+)
 
 NAMES = (("tpserve.model.kernels.triton_fp8", "_wo_load"),
          ("tpserve.model.kernels.triton_wna16", "_wna16_kernel"))
@@ -38,34 +44,49 @@ def kern():
         yield interpreted_modules(mp, NAMES, DEVICE.type == "cpu")[-1]
 
 
+# how the groups are served: in column order with ``runs`` (the kernels read a scale row
+# per K step or per packed row), without (one per column), act-order sorted by group
+# (``perm``, ``runs``) or left unsorted (a row-parallel rank's: one per column)
+LAYOUTS = ["grouped", "columns", "act-order", "act-order-unsorted"]
+
+
 def _operands(m: int, n: int, k: int, bits: int, dtype: torch.dtype, seed: int,
-              act_order: bool = False, group: int = 32):
-    """Random codes, positive scales, float zero points anywhere in the code range, and
-    ``g_idx = k // group`` (``act_order``: a random permutation of it), in the served
-    layout, with activations ``x [M, K]``."""
+              layout: str = "grouped", group: int = 32):
+    """Random codes, positive scales, integer zero points anywhere in the code range (the
+    served layout's contract) and activations ``x [M, K]``, in the served layout of
+    ``layout`` (``LAYOUTS``): ``(x, qweight, scales, zeros, g_idx, perm, runs)``."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (k, n), generator=g)
     groups = triton.cdiv(k, group)
     g_idx = torch.arange(k) // group
-    if act_order:
+    if layout.startswith("act-order"):
         g_idx = g_idx[torch.randperm(k, generator=g)]
     scales = (torch.rand(groups, n, generator=g) + 0.5) * 2 / (2**bits * k**0.5)
-    zeros = torch.rand(groups, n, generator=g) * 2**bits
+    zeros = torch.randint(0, 2**bits + 1, (groups, n), generator=g).float()
     x = torch.randn(m, k, generator=g)
-    return (x.to(dtype).to(DEVICE), pack_rows(codes, bits).to(DEVICE),
-            scales.to(dtype).to(DEVICE), zeros.to(dtype).to(DEVICE),
-            g_idx.to(torch.int32).to(DEVICE))
+    qweight, g_idx = pack_rows(codes, bits), g_idx.to(torch.int32)
+    perm = runs = None
+    if layout == "grouped":
+        runs = consecutive_groups(g_idx, groups)
+        assert runs is not None
+    elif layout == "act-order":
+        qweight, g_idx, perm, runs = sort_columns(qweight, g_idx, bits, groups, chunk=k * 7)
+        assert perm is not None and runs == (0, group)
+    return (x.to(dtype).to(DEVICE), qweight.to(DEVICE), scales.to(dtype).to(DEVICE),
+            zeros.to(dtype).to(DEVICE), g_idx.to(DEVICE),
+            None if perm is None else perm.to(DEVICE), runs)
 
 
-def _check(kern, x, qweight, scales, zeros, g_idx, bits, bias=None, config=None):
+def _check(kern, x, qweight, scales, zeros, g_idx, perm, runs, bits, bias=None, config=None):
     """Against the reference in x's dtype: both sides round the same ``W`` and sum in
     float32, so they differ by the two sums' orders (each within ``K * 2^-24`` of
     ``sum |x w|``) and then one rounding of the output dtype."""
-    y = kern.wna16_matmul(x, qweight, scales, zeros, g_idx, bits, bias, config)
-    want = linear(x, qweight, scales, zeros, g_idx, bits, bias)
+    y = kern.wna16_matmul(x, qweight, scales, zeros, g_idx, bits, bias, config, perm, runs)
+    want = linear(x, qweight, scales, zeros, g_idx, bits, bias, perm=perm)
     assert y.dtype == x.dtype and y.shape == want.shape
     w = dequantize(qweight, scales, zeros, g_idx, bits).float()
-    mag = F.linear(x.float().abs(), w.abs())
+    xs = x if perm is None else x[:, perm.long()]
+    mag = F.linear(xs.float().abs(), w.abs())
     k = x.shape[1]
     tol = (ULP[x.dtype] * want.float().abs() + (2 * k * 2**-24 + MMA_ROUNDING) * mag
            + 1e-30)
@@ -74,59 +95,74 @@ def _check(kern, x, qweight, scales, zeros, g_idx, bits, bias=None, config=None)
     return y
 
 
-@pytest.mark.parametrize("act_order", [False, True], ids=["grouped", "act-order"])
+def _weight(qweight, scales, zeros, g_idx, perm, bits):
+    """The reference's ``W [N, K]`` in the checkpoint's column order."""
+    w = dequantize(qweight, scales, zeros, g_idx, bits)
+    return w if perm is None else torch.empty_like(w).index_copy_(1, perm.long(), w)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dtype,
-                                                                  act_order):
+def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dtype, layout,
+                                                                  group):
     """``x = I``: every output is one product by 1, so ``y = W^T`` bit for bit: the codes'
-    shifts, the ``g_idx`` gather and the rounding of ``(q - z) * s`` to x's dtype are the
-    reference's (64 rows: the 64-row launch, 24 columns: an N tail)."""
-    _, qweight, scales, zeros, g_idx = _operands(1, 24, 64, bits, dtype, 1, act_order)
-    x = torch.eye(64, dtype=dtype, device=DEVICE)
-    y = kern.wna16_matmul(x, qweight, scales, zeros, g_idx, bits)
-    assert torch.equal(y, dequantize(qweight, scales, zeros, g_idx, bits).t())
+    shifts, the scale rows (per K step with groups of 128, per packed row with 32, per
+    column), the sorted columns' ``perm`` and the rounding of ``(q - z) * s`` to x's dtype
+    are the reference's (256 rows: the fused 64 x 128 launch and the dequantized weight
+    times a matmul; 24 columns: an N tail)."""
+    _, *ops = _operands(1, 24, 256, bits, dtype, 1, layout, group)
+    x = torch.eye(256, dtype=dtype, device=DEVICE)
+    want = _weight(*ops[:4], ops[4], bits).t()
+    for config in ("wna16,64,128,128,1,8,3", None):
+        y = kern.wna16_matmul(x, *ops[:4], bits, None, config, *ops[4:])
+        assert torch.equal(y, want), config
+    assert torch.equal(kern.wna16_dequantize(*ops[:4], bits, *ops[4:]), want)
 
 
-@pytest.mark.parametrize("act_order", [False, True], ids=["grouped", "act-order"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m,n,k", [(1, 72, 192), (5, 24, 64), (33, 72, 192)])
-def test_equals_the_dequantized_product(kern, m, n, k, bits, dtype, act_order):
-    """The shipped launches at decode (M = 1, 5: 16-row tiles) and above (M = 33: a 64-row
-    tile, an M tail), N tails of the 64-column tile, K = 192 a tail of the 128-column
-    step, with a bias at M = 5."""
-    x, qweight, scales, zeros, g_idx = _operands(m, n, k, bits, dtype, 2, act_order)
+@pytest.mark.parametrize("m,n,k", [(1, 72, 384), (5, 24, 256), (33, 72, 384), (130, 40, 256)])
+def test_equals_the_dequantized_product(kern, m, n, k, bits, dtype, layout):
+    """The shipped launches at decode (M = 1, 5: 16-row tiles), above (M = 33: a 64-row
+    tile, an M tail) and from ``DEQUANT_MIN_M`` (M = 130: the dequantized weight times a
+    matmul), N tails of the 64-column tile, K = 384 three 128-column steps in groups of
+    128 (one scale row a step), with a bias at M = 5 and 130."""
+    x, *ops = _operands(m, n, k, bits, dtype, 2, layout, group=128)
     bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
-            if m == 5 else None)
-    _check(kern, x, qweight, scales, zeros, g_idx, bits, bias)
+            if m in (5, 130) else None)
+    assert (kern.wna16_blocks(m, n, k, 132) == kern.DEQUANT) == (m >= kern.DEQUANT_MIN_M)
+    _check(kern, x, *ops[:4], *ops[4:], bits, bias)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_splits_k_over_programs(kern, bits):
-    """M = 1, one output tile, K = 1,096 (nine 128-column steps): the shipped launch asks
-    for four programs along K, ``split_k`` cuts three chunks of three steps (the last
-    ending in a 72-column tail), the float32 partials reduced with the bias after; it
-    equals the reference as the unsplit launch does."""
-    m, n, k = 1, 24, 1096
+    """M = 1, one output tile, K = 1,088 (nine 128-column steps, act-order sorted in groups
+    of 32): the shipped launch asks for four programs along K, ``split_k`` cuts three
+    chunks of three steps (the last ending in a 64-column tail), the float32 partials
+    reduced with the bias after; it equals the reference as the unsplit launch does."""
+    m, n, k = 1, 24, 1088
     cfg = kern.wna16_blocks(m, n, k, 132)
     assert cfg.split == 4 and kern.split_k(cfg.split, m, n, k, cfg.block_k, torch.empty(m, n))[:3] == (
         3, 384, False)
-    x, qweight, scales, zeros, g_idx = _operands(m, n, k, bits, torch.bfloat16, 4, True)
+    x, *ops = _operands(m, n, k, bits, torch.bfloat16, 4, "act-order")
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(x).to(DEVICE)
-    split = _check(kern, x, qweight, scales, zeros, g_idx, bits, bias)
-    whole = _check(kern, x, qweight, scales, zeros, g_idx, bits, bias, cfg._replace(split=1))
+    split = _check(kern, x, *ops, bits, bias)
+    whole = _check(kern, x, *ops, bits, bias, cfg._replace(split=1))
     assert (split.float() - whole.float()).abs().max() <= 2**-6 * whole.float().abs().max()
 
 
-@pytest.mark.parametrize("config", ["wna16,16,16,32,3,4,1", "wna16,32,32,64,0,4,2",
-                                    "wna16,16,64,16,1,4,1"])
+@pytest.mark.parametrize("config", ["wna16,16,16,128,3,4,1", "wna16,32,32,128,0,4,2",
+                                    "wna16,16,64,256,1,4,1"])
 def test_explicit_launches_mask_every_tail(kern, config):
     """Small tiles over M = 33, N = 72, K = 200 (tails of every block; 200 columns in
-    groups of 32 leave a short last group), split in three, auto-split (two ways) and
-    unsplit with 16-column steps (two packed words of 4 bits a step)."""
-    x, qweight, scales, zeros, g_idx = _operands(33, 72, 200, 4, torch.float32, 6)
-    _check(kern, x, qweight, scales, zeros, g_idx, 4, None, config)
+    groups of 32 leave a short last group: a scale row per packed row), split in three
+    (two chunks: two steps), auto-split and unsplit with one 256-column step."""
+    x, *ops = _operands(33, 72, 200, 4, torch.float32, 6)
+    assert ops[-1] == (0, 32)
+    _check(kern, x, *ops, 4, None, config)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -134,17 +170,19 @@ def test_zero_scale_rows_give_exactly_zero_columns(kern, bits):
     """Padding as ``parallel/`` serves it: weight rows with scale 0 (any codes and zeros)
     give exactly 0 output columns, and input columns whose activations are 0 (code 0
     there) change nothing; the other columns equal the reference."""
-    x, qweight, scales, zeros, g_idx = _operands(5, 40, 64, bits, torch.bfloat16, 7)
+    x, *ops = _operands(5, 40, 64, bits, torch.bfloat16, 7)
     pad_rows, pad_cols = [3, 38, 39], [60, 61, 62, 63]
-    scales[:, pad_rows] = 0
+    ops[1][:, pad_rows] = 0
     x[:, pad_cols] = 0
-    y = _check(kern, x, qweight, scales, zeros, g_idx, bits)
+    y = _check(kern, x, *ops, bits)
     assert torch.equal(y[:, pad_rows], torch.zeros(5, 3, dtype=y.dtype, device=DEVICE))
     assert (y[:, :3] != 0).all()
 
 
 def test_refuses_other_bit_widths_dtypes_and_launch_kinds(kern):
-    x, qweight, scales, zeros, g_idx = _operands(2, 16, 32, 4, torch.float16, 8)
+    x, qweight, scales, zeros, g_idx, _, _ = _operands(2, 16, 32, 4, torch.float16, 8)
+    with pytest.raises(AssertionError, match="products of < 16"):
+        kern.wna16_matmul(x, qweight, scales, zeros, g_idx, 4, None, "wna16,16,16,64,1,4")
     with pytest.raises(ValueError, match="3-bit"):
         kern.wna16_matmul(x, qweight, scales, zeros, g_idx, 3)
     with pytest.raises(AssertionError):

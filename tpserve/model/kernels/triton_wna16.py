@@ -1,24 +1,37 @@
-"""The WNA16 GEMM as a Triton kernel (``--quantization gptq`` / ``awq``): integer weights
-(4 or 8 bits, packed along K) with float group scales and zero points, activations in
-fp16 / bf16 / fp32. See ``model/quant/wna16.py`` for the served layout and the torch
-reference ``linear``.
+"""The WNA16 GEMM as Triton kernels (``--quantization gptq`` / ``awq`` /
+``compressed-tensors``): integer weights (4 or 8 bits, packed along K) with float group
+scales and zero points, activations in fp16 / bf16 / fp32. See ``model/quant/wna16.py`` for
+the served layout (``perm``, ``runs``) and the torch reference ``linear``.
 
-Numerics: each program dequantizes its weight tile in registers exactly as the reference
-does, ``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]`` in float32,
-rounded once to the activation dtype, then multiplies it with ``tl.dot`` (operand dtype
-and precision from ``triton_support.dot_config``) into a float32 accumulator; the bias is
-added to the K-complete float32 sum (after the split reduction when split) and the result
-rounded once to the activation dtype. So the result is the reference's up to float32
-summation order and the output's rounding. ``g_idx`` is gathered per input column: any
-group order (GPTQ act-order) is served by the same program. Off CUDA, Triton 3.9's
-interpreter truncates float32 -> bf16 casts: there the weight is first rounded to nearest
-even by bit arithmetic (``_round_bf16``), so it is still the reference's bit for bit (the
-output's cast there truncates: within one bf16 ulp).
+Numerics: every weight is the reference's ``W[n, k] = (q[k, n] - z[g, n]) * s[g, n]``
+(``g = g_idx[k]``) rounded once to the activation dtype: in float32 and then rounded (bf16,
+fp32; ``ROUND_BF16``: by bit arithmetic first, off CUDA, where Triton 3.9's interpreter
+truncates float32 -> bf16 casts), or for fp16 in fp16 itself (``MAGIC``): the code's bits
+OR-ed into the mantissa of 1024.0 give ``1024 + q`` exactly, and the zero points are
+integers (the served layout's contract), so ``(1024 + q) - (1024 + z)`` is exact in fp16
+and the one multiplication by ``s`` rounds once, as the reference's cast does: no integer
+to float conversion, the kernel's costliest step at decode. Products go through ``tl.dot`` into
+float32; the bias is added to the K-complete float32 sum; the output rounded once. So each
+product is the reference's up to float32 summation order and the output's rounding.
 
-Launch: shapes alone choose it (``wna16_blocks``): decode (M <= 16) 16-row tiles with K
-split over programs (``fill_split``: two per SM, chunks of at least two K steps) so a
-few output tiles still fill the GPU; float32 partials in a ``torch.empty`` of a static size, summed in order by
-``triton_fp8.reduce_splits``. No host synchronisation: capturable in CUDA graphs.
+Two paths, chosen by M alone (``wna16_blocks``, static: CUDA graphs capture either):
+- the fused GEMM (``_wna16_kernel``, M up to ``DEQUANT_MIN_M - 1``): each program
+  dequantizes its weight tile in registers. A K step loads ``BLOCK_K / pack`` packed rows
+  once and takes code ``j`` of every word in turn (``PACK`` products of ``[BLOCK_M,
+  BLOCK_K / pack] x [BLOCK_K / pack, BLOCK_N]``, the activation columns ``k = pack * r +
+  j``, through ``perm`` when the served columns are sorted). Scales and zero points:
+  ``SCALES`` 0: one row a K step (groups in column order, ``BLOCK_K`` dividing the group:
+  ``runs``), 1: one row a packed row (smaller groups in order), 2: one per column through
+  ``g_idx`` (groups in any order: act-order columns that could not be sorted into even
+  runs). Decode splits K over programs (``fill_split``) so a few output tiles still fill
+  the GPU; float32 partials in a ``torch.empty`` of a static size, summed in order by
+  ``triton_fp8.reduce_splits``.
+- larger M: the weight dequantized into a ``[K, N]`` scratch in the activation dtype
+  (``wna16_dequantize``: rows written back in the checkpoint's column order through
+  ``perm``) and multiplied by cuBLAS (``torch.addmm`` / ``matmul``): the dequantization
+  (one read of the codes, one write) is paid once for all M rows, and the product runs at
+  the dense rate. The scratch is a transient of the step, so the start-up profile counts it.
+No host synchronisation on either path.
 """
 
 from __future__ import annotations
@@ -37,6 +50,10 @@ from tpserve.model.kernels.triton_fp8 import (
 from tpserve.model.kernels.triton_support import dot_config
 from tpserve.model.quant.wna16 import pack_factor
 
+# from this many activation rows the weight is dequantized once and multiplied by cuBLAS
+DEQUANT_MIN_M = 128
+DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
+
 
 def fill_split(tiles: int, k: int, block_k: int, sms: int) -> int:
     """The K split for ``tiles`` output tiles: enough programs for two per SM, at most one
@@ -46,23 +63,32 @@ def fill_split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 def wna16_blocks(m: int, n: int, k: int, sms: int) -> WoConfig:
-    """The launch (a ``WoConfig`` of kind "wna16", its ``split`` resolved by
-    ``fill_split``) for a static ``(M, N, K)`` on ``sms`` SMs. Tiles by M: up to 16 rows
-    (decode) 16 x 64 output tiles over 128-column K steps; up to 64 rows 32- or 64-row
-    tiles over 64-column steps; larger M 64 x 128 tiles, 8 warps. At decode on 132 SMs the
-    llama3-8b layers split qkv's 96 tiles three ways, o's and down's 64 five ways, and leave
-    gate_up's 448 whole. Not yet tuned by a sweep: the shapes and stages are first choices
-    that keep the dequantized tile (``BLOCK_K x BLOCK_N`` float32 in registers) small."""
+    """The launch (a ``WoConfig``: kind "wna16", its ``split`` resolved by ``fill_split``;
+    or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs. Up to 16 rows (decode)
+    16 x 64 output tiles over 128-column K steps, K split to fill the SMs; up to 64 rows
+    32- or 64-row tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128 tiles, 8 warps; from
+    ``DEQUANT_MIN_M`` the dequantized weight times cuBLAS. ``BLOCK_K`` is 128 so each
+    of the ``pack`` products of a step has 16 (4-bit) or 32 (8-bit) columns."""
+    if m >= DEQUANT_MIN_M:
+        return DEQUANT
     if m <= 16:
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     elif m <= 32:
-        cfg = WoConfig("wna16", 32, 64, 64, 0, 4, 3)
+        cfg = WoConfig("wna16", 32, 64, 128, 0, 4, 3)
     elif m <= 64:
-        cfg = WoConfig("wna16", 64, 64, 64, 0, 4, 3)
+        cfg = WoConfig("wna16", 64, 64, 128, 0, 4, 3)
     else:
-        cfg = WoConfig("wna16", 64, 128, 64, 0, 8, 3)
+        cfg = WoConfig("wna16", 64, 128, 128, 0, 8, 3)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return cfg._replace(split=fill_split(tiles, k, cfg.block_k, sms))
+
+
+def scale_mode(runs: tuple[int, int] | None, block_k: int, pack: int) -> int:
+    """``SCALES`` for groups ``runs`` (``(first, size)``: ``g_idx == first + k // size``;
+    None: any order) under K steps of ``block_k`` columns."""
+    if runs is None:
+        return 2
+    return 0 if runs[1] % block_k == 0 else 1 if runs[1] % pack == 0 else 2
 
 
 @triton.jit
@@ -75,104 +101,222 @@ def _round_bf16(w):
 
 
 @triton.jit
-def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
-                  stride_x, stride_q, stride_s, stride_y,
-                  BITS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                  PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _dequant(packed, j: tl.constexpr, s, z, BITS: tl.constexpr, MAGIC: tl.constexpr,
+             ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr):
+    """Code ``j`` of each packed word, as ``(q - z) * s`` rounded once to ``act_dtype``
+    (``s``, ``z`` broadcastable to ``packed``: with ``MAGIC`` fp16 and ``z`` already
+    ``1024 + z``, else float32)."""
+    q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
+    if MAGIC:  # 1024 + q by its bits; minus 1024 + z exact (integer zeros), times s rounds
+        w = ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - z) * s
+    else:
+        w = (q.to(tl.float32) - z) * s
+        if ROUND_BF16:
+            w = _round_bf16(w)  # then the cast below is exact
+        w = w.to(act_dtype)
+    return w
+
+
+@triton.jit
+def _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
+                stride_s, PACK: tl.constexpr, SCALES: tl.constexpr, MAGIC: tl.constexpr):
+    """Scales and zero points of a step (``SCALES`` 0: ``[1, BLOCK_N]``; 1: ``[ROWS,
+    BLOCK_N]``, one per packed row; 2: not loaded here, per column in the caller)."""
+    if SCALES == 0:
+        sz = (FIRST + k0 // GROUP_SIZE) * stride_s + rn[None, :]
+        ok = (n_ok & (rn * 0 + k0 < K))[None, :]
+    else:
+        sz = (FIRST + (rows * PACK) // GROUP_SIZE)[:, None] * stride_s + rn[None, :]
+        ok = row_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
+    z = tl.load(z_ptr + sz, mask=ok, other=0.0)
+    if MAGIC:
+        z = z + 1024.0  # exact: an integer below 1024
+    else:
+        s, z = s.to(tl.float32), z.to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC: tl.constexpr):
+    """Scales and zero points of the columns ``kk`` (``SCALES`` 2): ``[ROWS, BLOCK_N]``."""
+    g = tl.load(g_ptr + kk, mask=row_ok, other=0)
+    sz = g[:, None] * stride_s + rn[None, :]
+    ok = row_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
+    z = tl.load(z_ptr + sz, mask=ok, other=0.0)
+    if MAGIC:
+        z = z + 1024.0  # exact: an integer below 1024
+    else:
+        s, z = s.to(tl.float32), z.to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_ptr,
+                  M, N, K, K_CHUNK, FIRST, GROUP_SIZE, stride_x, stride_q, stride_s, stride_y,
+                  BITS: tl.constexpr, SCALES: tl.constexpr, HAS_PERM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                  MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
-    +K_CHUNK`` (a multiple of ``BLOCK_K``, itself a multiple of the pack factor). Each
-    step loads the packed int32 of every column's row ``k // PACK`` (``PACK`` columns
-    share a row: repeated loads, served by the cache), shifts out its code, gathers the
-    scale and zero rows ``g_idx[k]``, and forms ``(q - z) * s`` in float32 rounded to the
-    activation dtype (``ROUND_BF16``: by ``_round_bf16`` first, off CUDA), then
-    ``tl.dot`` in ``DOT_DTYPE``. Columns past K (the last chunk or a K tail) load code,
-    zero, scale and activation 0: they add nothing. Offsets inside ``qweight``, ``scales``
-    and ``zeros`` are int32 (the wrapper checks their sizes)."""
+    +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step loads the
+    ``ROWS = BLOCK_K / PACK`` packed rows once; code ``j`` of row ``r`` is column ``k0 +
+    PACK * r + j``, so the step is ``PACK`` products of ``ROWS`` columns each. Packed rows
+    past K load code 0, scale and zero 0 and activation 0: they add nothing. Offsets inside
+    ``qweight``, ``scales`` and ``zeros`` are int32 (the wrapper checks their sizes)."""
     PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    ROWS: tl.constexpr = BLOCK_K // PACK
     act_dtype = x_ptr.dtype.element_ty
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, ROWS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
-        kk = k0 + rk
+        rows = k0 // PACK + rr
         if EVEN_K:
-            x_ok = m_ok[:, None]
+            row_ok = rr >= 0
             w_ok = n_ok[None, :]
-            g = tl.load(g_ptr + kk)
         else:
-            k_ok = kk < K
-            x_ok = m_ok[:, None] & k_ok[None, :]
-            w_ok = k_ok[:, None] & n_ok[None, :]
-            g = tl.load(g_ptr + kk, mask=k_ok, other=0)
-        packed = tl.load(q_ptr + (kk // PACK)[:, None] * stride_q + rn[None, :], mask=w_ok,
-                         other=0)
-        q = (packed >> ((kk % PACK) * BITS)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
-        sz = g[:, None] * stride_s + rn[None, :]
-        s = tl.load(s_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
-        if ROUND_BF16:
-            w = _round_bf16(w)  # then the cast below is exact
-        w = w.to(act_dtype)
-        x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            row_ok = rows < K // PACK
+            w_ok = row_ok[:, None] & n_ok[None, :]
+        x_ok = m_ok[:, None] & row_ok[None, :]
+        packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+        if SCALES != 2:
+            s, z = _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST,
+                               GROUP_SIZE, stride_s, PACK, SCALES, MAGIC)
+        for j in tl.static_range(PACK):
+            kk = rows * PACK + j
+            if SCALES == 2:
+                s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s,
+                                      MAGIC)
+            w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, act_dtype)
+            if HAS_PERM:
+                kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
+            x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr, stride_y,
                  HAS_BIAS, PARTIAL, False)
 
 
-def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None, config: WoConfig | str | None = None
-                 ) -> torch.Tensor:
-    """``x [M, K]`` (fp16 / bf16 / fp32, contiguous rows) times the WNA16 weight in the
-    served layout (``qweight`` int32 ``[K // pack, N]``, ``scales`` and ``zeros`` ``[G, N]``
-    in x's dtype, ``g_idx`` int32 ``[K]``, all with contiguous rows), plus ``bias [N]``:
-    ``[M, N]`` in x's dtype, ``quant.wna16.linear`` up to float32 summation order.
-    ``config`` (a ``WoConfig`` of kind "wna16" or its string; split 0: ``fill_split``)
-    overrides ``wna16_blocks`` (benchmarks, tests). Shapes alone choose the launch and the
-    split partials are a ``torch.empty`` of a static size: capturable in CUDA graphs."""
+@triton.jit
+def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, w_ptr, N, K, FIRST,
+                          GROUP_SIZE, stride_q, stride_s, stride_w, BITS: tl.constexpr,
+                          SCALES: tl.constexpr, HAS_PERM: tl.constexpr, MAGIC: tl.constexpr,
+                          ROUND_BF16: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Program ``(r, n)``: packed rows ``r*ROWS ..`` of columns ``n*BLOCK_N ..`` written
+    as ``W[k, n]`` (``k = perm[c]`` for served column ``c`` with ``HAS_PERM``) in w's dtype.
+    ``SCALES`` 0 needs ``ROWS * PACK`` to divide the group size (a launch of whole groups)."""
+    PACK: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, n_ok = rows < K // PACK, rn < N
+    ok = row_ok[:, None] & n_ok[None, :]
+    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=ok, other=0)
+    k0 = tl.program_id(0) * ROWS * PACK
+    if SCALES != 2:
+        s, z = _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST,
+                           GROUP_SIZE, stride_s, PACK, SCALES, MAGIC)
+    for j in tl.static_range(PACK):
+        kk = rows * PACK + j
+        if SCALES == 2:
+            s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC)
+        w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, w_ptr.dtype.element_ty)
+        if HAS_PERM:
+            kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
+        tl.store(w_ptr + kk.to(tl.int64)[:, None] * stride_w + rn[None, :], w, mask=ok)
+
+
+def _check_operands(qweight, scales, zeros, g_idx, bits, dtype, perm):
     pack = pack_factor(bits)
-    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
-    assert scales.dtype == zeros.dtype == x.dtype, (x.dtype, scales.dtype, zeros.dtype)
+    assert scales.dtype == zeros.dtype == dtype, (dtype, scales.dtype, zeros.dtype)
     assert qweight.dtype == torch.int32 and g_idx.dtype == torch.int32
     assert qweight.stride(-1) == 1 and scales.stride(-1) == 1 and g_idx.stride(-1) == 1
     assert zeros.shape == scales.shape and zeros.stride() == scales.stride()
-    m, k = x.shape
-    n = qweight.shape[1]
-    assert qweight.shape[0] * pack == k and g_idx.shape == (k,) and scales.shape[1] == n, (
-        f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
-        f"{tuple(scales.shape)}, g_idx {tuple(g_idx.shape)} at {bits} bits")
+    k, n = qweight.shape[0] * pack, qweight.shape[1]
+    assert g_idx.shape == (k,) and scales.shape[1] == n, (
+        f"qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, g_idx "
+        f"{tuple(g_idx.shape)} at {bits} bits")
+    assert perm is None or (perm.shape == (k,) and perm.dtype == torch.int32)
     assert qweight.shape[0] * qweight.stride(0) < 2**31 and scales.numel() < 2**31
+    return pack, k, n
+
+
+def _numerics(dtype: torch.dtype, device: torch.device) -> dict:
+    return {"MAGIC": dtype == torch.float16,
+            "ROUND_BF16": dtype == torch.bfloat16 and device.type != "cuda"}
+
+
+def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     g_idx: torch.Tensor, bits: int, perm: torch.Tensor | None = None,
+                     runs: tuple[int, int] | None = None, rows: int = 16,
+                     block_n: int = 256) -> torch.Tensor:
+    """The weight ``W [K, N]`` in ``scales``' dtype, rows in the checkpoint's column order
+    (``perm``): ``quant.wna16.dequantize`` (transposed, unsorted) bit for bit."""
+    pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, scales.dtype, perm)
+    w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
+    mode = scale_mode(runs, rows * pack, pack)
+    first, size = runs or (0, 1)
+    _wna16_dequant_kernel[(triton.cdiv(k // pack, rows), triton.cdiv(n, block_n))](
+        qweight, scales, zeros, g_idx, perm if perm is not None else g_idx, w, n, k, first,
+        size, qweight.stride(0), scales.stride(0), w.stride(0), BITS=bits, SCALES=mode,
+        HAS_PERM=perm is not None, ROWS=rows, BLOCK_N=block_n,
+        **_numerics(scales.dtype, qweight.device), num_warps=4)
+    return w
+
+
+def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None, config: WoConfig | str | None = None,
+                 perm: torch.Tensor | None = None, runs: tuple[int, int] | None = None
+                 ) -> torch.Tensor:
+    """``x [M, K]`` (fp16 / bf16 / fp32, contiguous rows) times the WNA16 weight in the
+    served layout (``qweight`` int32 ``[K // pack, N]``, ``scales`` and ``zeros`` ``[G, N]``
+    in x's dtype, ``g_idx`` int32 ``[K]``, ``perm`` int32 ``[K]`` or None, all with
+    contiguous rows; ``runs`` as ``wna16.consecutive_groups`` reads ``g_idx``, or None),
+    plus ``bias [N]``: ``[M, N]`` in x's dtype, ``quant.wna16.linear`` up to float32
+    summation order. ``config`` (a ``WoConfig`` of kind "wna16", its string, or "dequant";
+    split 0: ``fill_split``) overrides ``wna16_blocks`` (benchmarks, tests). Shapes alone
+    choose the launch, and every buffer is a ``torch.empty`` of a static size: capturable
+    in CUDA graphs."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
+    pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, x.dtype, perm)
+    m = x.shape[0]
+    assert x.shape[1] == k, f"x {tuple(x.shape)} against {k} input columns"
+    if config is None:
+        cfg = wna16_blocks(m, n, k, _sm_count(x.device))
+    elif config == "dequant" or config == DEQUANT:
+        cfg = DEQUANT
+    else:
+        cfg = WoConfig.parse(config) if isinstance(config, str) else config
+        if cfg.kind != "wna16":
+            raise ValueError(f"not a wna16 launch: {cfg}")
+    if cfg == DEQUANT:
+        w = wna16_dequantize(qweight, scales, zeros, g_idx, bits, perm, runs)
+        return torch.addmm(bias, x, w) if bias is not None else x @ w
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if config is None:
-        cfg = wna16_blocks(m, n, k, _sm_count(x.device))
-    else:
-        cfg = WoConfig.parse(config) if isinstance(config, str) else config
-    if cfg.kind != "wna16":
-        raise ValueError(f"not a wna16 launch: {cfg}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    assert bk % pack == 0, f"K steps of {bk} columns split packed words of {pack}"
+    assert bk % (16 * pack) == 0, f"K steps of {bk} columns: products of < 16 at {bits} bits"
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     split = cfg.split or fill_split(m_tiles * n_tiles, k, bk, _sm_count(x.device))
     split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
     dot_dtype, precision = dot_config(x.dtype, x.device)
+    first, size = runs or (0, 1)
     _wna16_kernel[(m_tiles, n_tiles, split)](
-        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, y, part,
-        m, n, k, k_chunk, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        BITS=bits, HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        ROUND_BF16=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, qweight, scales, zeros, g_idx, perm if perm is not None else g_idx,
+        bias if bias is not None else scales, y, part, m, n, k, k_chunk, first, size,
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        BITS=bits, SCALES=scale_mode(runs, bk, pack), HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        **_numerics(x.dtype, x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce_splits(part, None, bias, y, split)
     return y

@@ -8,9 +8,12 @@ Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, `
   is bits ``[(k % pack) * bits, (k % pack + 1) * bits)`` of ``qweight[k // pack, n]``
   (packed along K, GPTQ's order);
 - ``scales`` ``[G, N]`` and ``zeros`` ``[G, N]``, both in the activation dtype: the scale
-  and the zero point (a float, the checkpoint's integer zero as served) of group ``g``;
+  and the zero point (the checkpoint's integer zero as a float: always an integer, below
+  ``2**bits + 1``; the fp16 kernel relies on it) of group ``g``;
 - ``g_idx`` int32 ``[K]``: the group of input column ``k`` (``0 <= g_idx[k] < G``; with
-  GPTQ's act-order any order, else ``k // group_size`` shifted to this rank's groups).
+  GPTQ's act-order any order, else ``k // group_size`` shifted to this rank's groups);
+- ``perm`` int32 ``[K]`` or None: served column ``c`` multiplies activation column
+  ``perm[c]`` (act-order columns sorted by group, ``sort_columns``).
 
 ``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, computed in float32
 and rounded once to the activation dtype; ``y = x W^T (+ bias)``. Zero padding (the rows and
@@ -69,10 +72,11 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product).
     ``runs`` ``(first, size)``: ``g_idx`` is known to be ``first + k // size`` (groups in
     column order, ``consecutive_groups``), so each group's rows are scaled as one block
-    instead of gathering a scale and a zero point per element: the same values."""
+    (when ``size`` divides K) instead of gathering a scale and a zero point per element:
+    the same values."""
     q = unpack(qweight, bits).float()
     k, n = q.shape
-    if runs is not None:
+    if runs is not None and k % runs[1] == 0:
         first, size = runs
         w = q.view(k // size, size, n)
         w.sub_(zeros[first:first + k // size].float().unsqueeze(1))
@@ -85,21 +89,52 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 def consecutive_groups(g_idx: torch.Tensor, groups: int) -> tuple[int, int] | None:
-    """``(first, size)`` when ``g_idx == first + arange(K) // size`` with ``size`` dividing
-    K (no act-order: this rank's columns in whole groups, or all in one), else None; read
-    once, when the weights are processed (``dequantize``'s ``runs``)."""
+    """``(first, size)`` when ``g_idx == first + arange(K) // size`` (no act-order: this
+    rank's columns in groups of ``size`` from its first, the last one possibly shorter, or
+    all in one), else None; read once, when the weights are processed (the kernels' and
+    ``dequantize``'s ``runs``)."""
     k = g_idx.numel()
     first = int(g_idx[0])
     size = int((g_idx == first).sum())  # the first group's columns: every group's, if any
-    if k % size or first + k // size > groups:
+    if first + (k - 1) // size >= groups:
         return None
     want = first + torch.arange(k, device=g_idx.device) // size
     return (first, size) if torch.equal(g_idx.long(), want) else None
 
 
+def sort_columns(qweight: torch.Tensor, g_idx: torch.Tensor, bits: int, groups: int,
+                 chunk: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor,
+                                                torch.Tensor | None, tuple[int, int] | None]:
+    """``(qweight, g_idx, perm, runs)`` to serve: groups already in column order are
+    returned as they are (``perm`` None, ``runs`` their ``consecutive_groups``). Groups in
+    any order (GPTQ's act-order) whose columns, sorted by group, fall into runs of one size
+    (every group whole on this rank: tp 1, or a column-parallel layer) are served sorted:
+    served column ``c`` is the checkpoint's column ``perm[c]`` (its codes moved there, its
+    activation read from there), so the kernels read one scale row per group instead of one
+    per column. Otherwise (a row-parallel rank holding parts of groups) nothing changes
+    (``runs`` None). The codes are unpacked ``chunk`` codes at a time."""
+    runs = consecutive_groups(g_idx, groups)
+    if runs is not None:
+        return qweight, g_idx, None, runs
+    order = torch.argsort(g_idx, stable=True)
+    runs = consecutive_groups(g_idx[order], groups)
+    if runs is None:
+        return qweight, g_idx, None, None
+    k, n = qweight.shape[0] * pack_factor(bits), qweight.shape[1]
+    step = max(1, chunk // k)
+    out = torch.empty_like(qweight)
+    for c in range(0, n, step):
+        out[:, c:c + step] = pack_rows(unpack(qweight[:, c:c + step], bits)[order], bits)
+    return out, g_idx[order].to(torch.int32), order.to(torch.int32), runs
+
+
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
-           runs: tuple[int, int] | None = None) -> torch.Tensor:
-    """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path)."""
+           runs: tuple[int, int] | None = None, perm: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path); served
+    column ``c`` multiplies activation column ``perm[c]`` (``sort_columns``)."""
     w = dequantize(qweight, scales, zeros, g_idx, bits, runs)
+    if perm is not None:
+        x = x.index_select(-1, perm.long())
     return torch.nn.functional.linear(x, w, bias)

@@ -24,8 +24,10 @@ exactly as to an unquantized weight:
 
 ``process_weights`` turns the zero points into floats (plus GPTQ v1's offset of one),
 transposes scales and zeros to ``[G, N]``, checks every group index and notes whether
-the groups run in column order (``wna16.consecutive_groups``: the torch reference then
-scales whole groups); the codes are served as packed while loading. ``apply`` is the
+the groups run in column order (``group_runs``: the kernels then read one scale row per
+group, the torch reference scales whole groups); act-order columns are sorted by group
+where that makes even runs (``wna16.sort_columns``: ``perm`` reorders the activations);
+the codes are served as packed while loading. ``apply`` is the
 Triton kernel with the Triton kernel back-end, the torch reference otherwise.
 """
 
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from tpserve.model.quant.int_checkpoint import FORMATS
-from tpserve.model.quant.wna16 import consecutive_groups, linear, pack_factor, pack_rows
+from tpserve.model.quant.wna16 import linear, pack_factor, pack_rows, sort_columns
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import InMemorySource, as_source
 
@@ -154,8 +156,11 @@ class Wna16Method:
                 torch.arange(full, dtype=torch.int32, device=g_idx.device) // per))
         if bool(((g_idx < 0) | (g_idx >= groups)).any()):
             raise ValueError(f"g_idx holds group indices outside [0, {groups})")
-        layer.g_idx = nn.Parameter(g_idx.to(torch.int32), requires_grad=False)
-        layer.group_runs = consecutive_groups(layer.g_idx, groups)  # the torch path's
+        qweight, g_idx, perm, layer.group_runs = sort_columns(
+            layer.qweight.data, g_idx.to(torch.int32), self.bits, groups)
+        layer.qweight = nn.Parameter(qweight, requires_grad=False)
+        layer.g_idx = nn.Parameter(g_idx, requires_grad=False)
+        layer.perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -163,5 +168,6 @@ class Wna16Method:
         if self.backend == "triton":
             from tpserve.model.kernels.triton_wna16 import wna16_matmul
 
-            return wna16_matmul(x.contiguous(), *args, bias=bias)
-        return linear(x, *args, bias=bias, runs=layer.group_runs)
+            return wna16_matmul(x.contiguous(), *args, bias=bias, perm=layer.perm,
+                                runs=layer.group_runs)
+        return linear(x, *args, bias=bias, runs=layer.group_runs, perm=layer.perm)
