@@ -13,6 +13,7 @@
 #     about 5.7 GB on the device's disk);
 #  4. batch-1 decode and serving (bench_engine.py --serving-only): the fp16 dummy, then the
 #     GPTQ checkpoint in fp16, in the same call.
+#   bash bench/run_r30.sh SHA all     tests, engine gptq and fp16, kernel timing in one call
 #   bash bench/run_r30.sh SHA sweep   a sweep of the kernel's launch (4-bit, M 1 .. 256)
 # Results under $OUT; carry [".whl"].
 set -euo pipefail
@@ -54,6 +55,30 @@ elif [ "$PART" = engine ]; then
   grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
     | cut -c1-600 || true
   tail -5 "$OUT/engine-gptq.log"
+elif [ "$PART" = all ]; then  # one call of at most 10 minutes: the engine first
+  step "wna16 tests (fp16 identity, graphs)"
+  timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
+    -k "(identity and float16) or cuda_graphs" 2>&1 | tail -8 || true
+  step "gptq checkpoint llama3-8b"
+  timeout 110 python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq --bits 4 \
+    --group-size 128 --out /tmp/llama3-8b-gptq 2>&1 | tail -3 || true
+  step "engine llama3-8b gptq"
+  timeout 170 python3 bench/bench_engine.py --model /tmp/llama3-8b-gptq \
+    --load-format safetensors --dtype float16 --quantization auto --serving-only \
+    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-gptq.json" > "$OUT/engine-gptq.log" 2>&1 \
+    || true
+  grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
+    | cut -c1-400 || true
+  tail -3 "$OUT/engine-gptq.log" | cut -c1-400
+  step "engine llama3-8b fp16"
+  timeout 150 python3 bench/bench_engine.py --model llama3-8b --dtype float16 --serving-only \
+    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-fp16.json" > "$OUT/engine-fp16.log" 2>&1 \
+    || true
+  grep -E "weights .* GiB|batch-1|serving:" "$OUT/engine-fp16.log" | cut -c1-400 || true
+  step "kernel against cuBLAS (4-bit)"
+  timeout 100 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
+    --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -13 || true
 else
   step "kernel launch sweep (4-bit, decode to mid sizes)"
   timeout 500 python3 bench/time_wna16.py --git-commit "$SHA" --sweep --bits 4 \
