@@ -55,11 +55,14 @@ elif [ "$PART" = engine ]; then
   grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
     | cut -c1-600 || true
   tail -5 "$OUT/engine-gptq.log"
-elif [ "$PART" = all ]; then  # one call of at most 10 minutes: the engine first
+elif [ "$PART" = all ]; then  # one call of at most 10 minutes, the shortest steps first
   step "wna16 tests (fp16 identity, graphs)"
   timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
     tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
     -k "(identity and float16) or cuda_graphs" 2>&1 | tail -8 || true
+  step "kernel against cuBLAS (4-bit)"
+  timeout 70 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
+    --m 1 4 16 64 128 512 2048 --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -9 || true
   step "gptq checkpoint llama3-8b"
   timeout 110 python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq --bits 4 \
     --group-size 128 --out /tmp/llama3-8b-gptq 2>&1 | tail -3 || true
@@ -76,9 +79,6 @@ elif [ "$PART" = all ]; then  # one call of at most 10 minutes: the engine first
     --git-commit "$SHA" --out "$OUT/engine-llama3-8b-fp16.json" > "$OUT/engine-fp16.log" 2>&1 \
     || true
   grep -E "weights .* GiB|batch-1|serving:" "$OUT/engine-fp16.log" | cut -c1-400 || true
-  step "kernel against cuBLAS (4-bit)"
-  timeout 100 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
-    --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -13 || true
 else
   step "kernel launch sweep (4-bit, decode to mid sizes)"
   timeout 500 python3 bench/time_wna16.py --git-commit "$SHA" --sweep --bits 4 \
