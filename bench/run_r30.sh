@@ -13,6 +13,7 @@
 #     about 5.7 GB on the device's disk);
 #  4. batch-1 decode and serving (bench_engine.py --serving-only): the fp16 dummy, then the
 #     GPTQ checkpoint in fp16, in the same call.
+#   bash bench/run_r30.sh SHA quick   the kernel timing (4-bit) and the GPU tests only
 #   bash bench/run_r30.sh SHA all     tests, engine gptq and fp16, kernel timing in one call
 #   bash bench/run_r30.sh SHA sweep   a sweep of the kernel's launch (4-bit, M 1 .. 256)
 # Results under $OUT; carry [".whl"].
@@ -55,6 +56,14 @@ elif [ "$PART" = engine ]; then
   grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
     | cut -c1-600 || true
   tail -5 "$OUT/engine-gptq.log"
+elif [ "$PART" = quick ]; then  # what a few minutes of device time allow
+  step "kernel against cuBLAS (4-bit)"
+  timeout 90 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
+    --m 1 4 16 64 128 512 --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -8 || true
+  step "wna16 tests (fp16 identity, graphs)"
+  timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
+    -k "(identity and float16) or cuda_graphs" 2>&1 | tail -8 || true
 elif [ "$PART" = all ]; then  # one call of at most 10 minutes, the shortest steps first
   step "wna16 tests (fp16 identity, graphs)"
   timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
