@@ -118,6 +118,17 @@ def _dequant(packed, j: tl.constexpr, s, z, BITS: tl.constexpr, MAGIC: tl.conste
 
 
 @triton.jit
+def _load_groups(s_ptr, z_ptr, sz, ok, MAGIC: tl.constexpr):
+    """The scales and zero points at offsets ``sz``: fp16 with ``1024 + z`` (``MAGIC``;
+    exact, an integer below 1024), else float32."""
+    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
+    z = tl.load(z_ptr + sz, mask=ok, other=0.0)
+    if MAGIC:
+        return s, z + 1024.0
+    return s.to(tl.float32), z.to(tl.float32)
+
+
+@triton.jit
 def _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
                 stride_s, PACK: tl.constexpr, SCALES: tl.constexpr, MAGIC: tl.constexpr):
     """Scales and zero points of a step (``SCALES`` 0: ``[1, BLOCK_N]``; 1: ``[ROWS,
@@ -128,13 +139,7 @@ def _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP
     else:
         sz = (FIRST + (rows * PACK) // GROUP_SIZE)[:, None] * stride_s + rn[None, :]
         ok = row_ok[:, None] & n_ok[None, :]
-    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
-    z = tl.load(z_ptr + sz, mask=ok, other=0.0)
-    if MAGIC:
-        z = z + 1024.0  # exact: an integer below 1024
-    else:
-        s, z = s.to(tl.float32), z.to(tl.float32)
-    return s, z
+    return _load_groups(s_ptr, z_ptr, sz, ok, MAGIC)
 
 
 @triton.jit
@@ -143,13 +148,7 @@ def _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC: t
     g = tl.load(g_ptr + kk, mask=row_ok, other=0)
     sz = g[:, None] * stride_s + rn[None, :]
     ok = row_ok[:, None] & n_ok[None, :]
-    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
-    z = tl.load(z_ptr + sz, mask=ok, other=0.0)
-    if MAGIC:
-        z = z + 1024.0  # exact: an integer below 1024
-    else:
-        s, z = s.to(tl.float32), z.to(tl.float32)
-    return s, z
+    return _load_groups(s_ptr, z_ptr, sz, ok, MAGIC)
 
 
 @triton.jit
