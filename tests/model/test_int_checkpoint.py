@@ -113,6 +113,27 @@ def _same_function(got: torch.Tensor, want: torch.Tensor, act_order: bool) -> No
         assert torch.equal(got, want)
 
 
+def test_captured_steps_reserve_the_largest_dequantized_weight(folders):
+    """From ``DEQUANT_MIN_M`` rows a product dequantizes its layer's weight into a ``[K,
+    N]`` scratch, so the graphs' reserve grows by the largest one (the tiny Llama's
+    gate_up, K 48 by N 192), and by nothing below that size or without integer layers."""
+    from tpserve.model.quant.wna16 import DEQUANT_MIN_M
+    from tpserve.model.quant.wna16_method import graph_scratch_bytes
+
+    served, _, _ = load_as_served(folders["gptq-4bit-g32"][0], ONE)
+    dense, _, _ = load_as_served(folders["gptq-4bit-g32"][1], ONE)
+    gate_up = served.model.layers[0].mlp.gate_up_proj
+    want = gate_up.g_idx.numel() * gate_up.qweight.shape[1] * 4  # float32 on CPU
+    assert (gate_up.g_idx.numel(), gate_up.qweight.shape[1]) == (48, 192)
+    sizes = [m.g_idx.numel() * m.qweight.shape[1] * 4 for m in served.modules()
+             if hasattr(m, "qweight")]
+    assert want == max(sizes) and len(set(sizes)) > 1
+    assert graph_scratch_bytes(served, DEQUANT_MIN_M) == want
+    assert graph_scratch_bytes(served, 512) == want
+    assert graph_scratch_bytes(served, DEQUANT_MIN_M - 1) == 0
+    assert graph_scratch_bytes(dense, 512) == 0
+
+
 def test_the_served_linear_layers_hold_bits_per_weight(folders):
     """4 bits a weight plus a scale and a zero point per group of 32 (float32 model)."""
     served, _, _ = load_as_served(folders["gptq-4bit-g32"][0], ONE)

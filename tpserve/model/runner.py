@@ -65,6 +65,7 @@ from tpserve.model.plan import (
 from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method
+from tpserve.model.quant.wna16_method import graph_scratch_bytes
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
 from tpserve.parallel.comm import Communicator
@@ -170,7 +171,7 @@ class ModelRunner:
         multiple = tp if cfg.tp_comm == "allgather" else 1
         # reserve for the graphs' pool: their logits outputs plus a margin; measured below
         graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size, multiple)
-                  if use_graphs else 0)
+                  + graph_scratch_bytes(self.model, max_mixed) if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
         kv_heads = mcfg.kv_heads_for(tp)

@@ -30,7 +30,8 @@ Two paths, chosen by M alone (``wna16_blocks``, static: CUDA graphs capture eith
   (``wna16_dequantize``: rows written back in the checkpoint's column order through
   ``perm``) and multiplied by cuBLAS (``torch.addmm`` / ``matmul``): the dequantization
   (one read of the codes, one write) is paid once for all M rows, and the product runs at
-  the dense rate. The scratch is a transient of the step, so the start-up profile counts it.
+  the dense rate. The scratch is a transient of the step: the start-up profile counts it,
+  and the graphs' reserve adds the largest (``wna16_method.graph_scratch_bytes``).
 No host synchronisation on either path.
 """
 
@@ -48,10 +49,8 @@ from tpserve.model.kernels.triton_fp8 import (
     split_k,
 )
 from tpserve.model.kernels.triton_support import dot_config
-from tpserve.model.quant.wna16 import pack_factor
+from tpserve.model.quant.wna16 import DEQUANT_MIN_M, pack_factor
 
-# from this many activation rows the weight is dequantized once and multiplied by cuBLAS
-DEQUANT_MIN_M = 128
 DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
 
 

@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 
 BITS = (4, 8)
+# from this many activation rows a product dequantizes the layer's weight once into a
+# [K, N] scratch and multiplies it by cuBLAS (``kernels/triton_wna16.py``)
+DEQUANT_MIN_M = 128
 
 
 def pack_factor(bits: int) -> int:

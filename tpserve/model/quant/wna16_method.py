@@ -39,7 +39,13 @@ import torch
 from torch import nn
 
 from tpserve.model.quant.int_checkpoint import FORMATS
-from tpserve.model.quant.wna16 import linear, pack_factor, pack_rows, sort_columns
+from tpserve.model.quant.wna16 import (
+    DEQUANT_MIN_M,
+    linear,
+    pack_factor,
+    pack_rows,
+    sort_columns,
+)
 from tpserve.parallel.linear import empty_param
 from tpserve.parallel.shard import InMemorySource, as_source
 
@@ -171,3 +177,15 @@ class Wna16Method:
             return wna16_matmul(x.contiguous(), *args, bias=bias, perm=layer.perm,
                                 runs=layer.group_runs)
         return linear(x, *args, bias=bias, runs=layer.group_runs, perm=layer.perm)
+
+
+def graph_scratch_bytes(model: nn.Module, max_tokens: int) -> int:
+    """What the integer layers add to a captured step of up to ``max_tokens`` rows: from
+    ``DEQUANT_MIN_M`` rows each product dequantizes its weight into a transient ``[K, N]``
+    scratch, one layer at a time, so the graphs' pool needs the largest one (0 without
+    integer layers or below that size)."""
+    if max_tokens < DEQUANT_MIN_M:
+        return 0
+    return max((layer.g_idx.numel() * layer.qweight.shape[1] * layer.scales.element_size()
+                for layer in model.modules()
+                if isinstance(getattr(layer, "quant_method", None), Wna16Method)), default=0)
