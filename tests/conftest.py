@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from tpserve.model.loader.checkpoint import embedded_model_path
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel is decorated: set before any module imports triton,
+    # so every kernel module is built for the CPU interpreter whichever test (or library,
+    # such as PEFT) imports it first. The kernel test modules set it too, for a lone run.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tpserve.model.loader.checkpoint import embedded_model_path  # noqa: E402
 
 # ------------------------------------------------------------------------------ xdist
 # Modules that share a session-scoped server (below) form one unit of work, so that one
