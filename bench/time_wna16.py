@@ -54,7 +54,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROW_PARALLEL = ("o", "down")  # their K is split over the ranks; the others' N
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 SMOKE_SHAPES, SMOKE_M = {"tiny": (64, 256)}, [1, 5]
-AXES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128), "block_k": (64, 128, 256),
+AXES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128), "block_k": (128, 256),
         "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 SPLIT_FACTORS = (0.5, 1, 2)
 
@@ -62,6 +62,8 @@ SPLIT_FACTORS = (0.5, 1, 2)
 def resolve(cfg, m: int, n: int, k: int, sms: int, fill_split, factor: float = 1) -> str:
     """``cfg``'s string with the split as the kernel runs it: 0 -> ``fill_split`` times
     ``factor``, then cut to whole ``block_k`` steps with no empty chunk (``split_k``)."""
+    if cfg.kind == "dequant":  # the dequantized weight times cuBLAS: no tiles
+        return "dequant"
     split = cfg.split or max(1, int(factor * fill_split(
         -(-m // cfg.block_m) * -(-n // cfg.block_n), k, cfg.block_k, sms)))
     steps = -(-k // cfg.block_k)
@@ -73,6 +75,8 @@ def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
     """``--sweep``'s launches for ``(M, N, K)`` (the default's excluded); tiles of more rows
     than ``max(16, M)`` rounded up to a power of two are left out (padding only)."""
     base = kern.wna16_blocks(m, n, k, sms)._replace(split=0)
+    if base.kind == "dequant":  # sweep the fused kernel's largest tile against it
+        base = kern.WoConfig("wna16", 64, 128, 128, 0, 8, 3)
     if mode == "grid":
         pairs = [(base._replace(**dict(zip(AXES, vals, strict=True))), f)
                  for vals in itertools.product(*AXES.values()) for f in SPLIT_FACTORS]
@@ -80,7 +84,7 @@ def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
         pairs = [(base._replace(**{field: v}), 1) for field, vs in AXES.items() for v in vs]
         pairs += [(base, f) for f in SPLIT_FACTORS]
     top_m = max(16, 1 << (m - 1).bit_length())
-    default = resolve(base, m, n, k, sms, kern.fill_split)
+    default = resolve(kern.wna16_blocks(m, n, k, sms), m, n, k, sms, kern.fill_split)
     out = []
     for cfg, f in pairs:
         spec = resolve(cfg, m, n, k, sms, kern.fill_split, f)
