@@ -128,17 +128,21 @@ def _load_groups(s_ptr, z_ptr, sz, ok, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
-                stride_s, PACK: tl.constexpr, SCALES: tl.constexpr, MAGIC: tl.constexpr):
+def _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE, stride_s,
+                PACK: tl.constexpr, SCALES: tl.constexpr, MAGIC: tl.constexpr):
     """Scales and zero points of a step (``SCALES`` 0: ``[1, BLOCK_N]``; 1: ``[ROWS,
-    BLOCK_N]``, one per packed row; 2: not loaded here, per column in the caller)."""
-    if SCALES == 0:
-        sz = (FIRST + k0 // GROUP_SIZE) * stride_s + rn[None, :]
-        ok = (n_ok & (rn * 0 + k0 < K))[None, :]
+    BLOCK_N]``, one per packed row; 2: placeholders, ``_code`` gathers them per column)."""
+    if SCALES == 2:
+        s, z = 0.0, 0.0
     else:
-        sz = (FIRST + (rows * PACK) // GROUP_SIZE)[:, None] * stride_s + rn[None, :]
-        ok = row_ok[:, None] & n_ok[None, :]
-    return _load_groups(s_ptr, z_ptr, sz, ok, MAGIC)
+        if SCALES == 0:
+            sz = (FIRST + k0 // GROUP_SIZE) * stride_s + rn[None, :]
+            ok = (n_ok & (rn * 0 + k0 < K))[None, :]
+        else:
+            sz = (FIRST + (rows * PACK) // GROUP_SIZE)[:, None] * stride_s + rn[None, :]
+            ok = row_ok[:, None] & n_ok[None, :]
+        s, z = _load_groups(s_ptr, z_ptr, sz, ok, MAGIC)
+    return s, z
 
 
 @triton.jit
@@ -148,6 +152,24 @@ def _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC: t
     sz = g[:, None] * stride_s + rn[None, :]
     ok = row_ok[:, None] & n_ok[None, :]
     return _load_groups(s_ptr, z_ptr, sz, ok, MAGIC)
+
+
+@triton.jit
+def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr,
+          perm_ptr, stride_s, BITS: tl.constexpr, SCALES: tl.constexpr,
+          HAS_PERM: tl.constexpr, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr,
+          act_dtype: tl.constexpr):
+    """Code ``j`` of the packed rows ``rows``, both kernels' inner step: ``(w, kk)``, the
+    weights ``[ROWS, BLOCK_N]`` in ``act_dtype`` and the checkpoint columns they multiply
+    (served columns ``PACK * r + j``, through ``perm`` with ``HAS_PERM``). ``s``, ``z``:
+    the step's scale rows (``SCALES`` 0 / 1); with ``SCALES`` 2 they are gathered here."""
+    kk = rows * (32 // BITS) + j
+    if SCALES == 2:
+        s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC)
+    w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, act_dtype)
+    if HAS_PERM:
+        kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
+    return w, kk
 
 
 @triton.jit
@@ -185,17 +207,12 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
             w_ok = row_ok[:, None] & n_ok[None, :]
         x_ok = m_ok[:, None] & row_ok[None, :]
         packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
-        if SCALES != 2:
-            s, z = _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST,
-                               GROUP_SIZE, stride_s, PACK, SCALES, MAGIC)
+        s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
+                           stride_s, PACK, SCALES, MAGIC)
         for j in tl.static_range(PACK):
-            kk = rows * PACK + j
-            if SCALES == 2:
-                s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s,
-                                      MAGIC)
-            w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, act_dtype)
-            if HAS_PERM:
-                kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
+            w, kk = _code(packed, j, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr,
+                          perm_ptr, stride_s, BITS, SCALES, HAS_PERM, MAGIC, ROUND_BF16,
+                          act_dtype)
             x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
             acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr, stride_y,
@@ -218,16 +235,12 @@ def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, w_ptr, N, K, FIR
     ok = row_ok[:, None] & n_ok[None, :]
     packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=ok, other=0)
     k0 = tl.program_id(0) * ROWS * PACK
-    if SCALES != 2:
-        s, z = _group_rows(s_ptr, z_ptr, g_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST,
-                           GROUP_SIZE, stride_s, PACK, SCALES, MAGIC)
+    s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
+                       stride_s, PACK, SCALES, MAGIC)
     for j in tl.static_range(PACK):
-        kk = rows * PACK + j
-        if SCALES == 2:
-            s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC)
-        w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, w_ptr.dtype.element_ty)
-        if HAS_PERM:
-            kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
+        w, kk = _code(packed, j, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr, perm_ptr,
+                      stride_s, BITS, SCALES, HAS_PERM, MAGIC, ROUND_BF16,
+                      w_ptr.dtype.element_ty)
         tl.store(w_ptr + kk.to(tl.int64)[:, None] * stride_w + rn[None, :], w, mask=ok)
 
 
