@@ -20,16 +20,47 @@
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
-PART=${2:?kernel, engine or sweep}
+PART=${2:?kernel, engine, quick, all or sweep}
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+# gpu_tests SECONDS [-k EXPR]: the WNA16 kernel and checkpoint tests, stopping at a failure
+gpu_tests() {
+  local secs=$1
+  shift
+  timeout "$secs" python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py "$@" 2>&1 \
+    | tail -15 || true
+}
+# timing SECONDS ARGS...: time_wna16.py (act-order too) into $OUT/wna16.json
+timing() {
+  local secs=$1
+  shift
+  timeout "$secs" python3 bench/time_wna16.py --git-commit "$SHA" --act-order \
+    --out "$OUT/wna16.json" "$@" 2>&1 | tail -16 || true
+}
+# checkpoint SECONDS: the random 4-bit GPTQ llama3-8b (groups of 128) in /tmp/llama3-8b-gptq
+checkpoint() {
+  timeout "$1" python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq \
+    --bits 4 --group-size 128 --out /tmp/llama3-8b-gptq 2>&1 | tail -3 || true
+}
+# engine NAME SECONDS ARGS...: bench_engine.py --serving-only --dtype float16 into
+# $OUT/engine-llama3-8b-NAME.json (log: $OUT/engine-NAME.log), its summary lines printed
+engine() {
+  local name=$1 secs=$2
+  shift 2
+  timeout "$secs" python3 bench/bench_engine.py --dtype float16 --serving-only \
+    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-$name.json" "$@" \
+    > "$OUT/engine-$name.log" 2>&1 || true
+  grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-$name.log" \
+    | cut -c1-400 || true
+  tail -3 "$OUT/engine-$name.log" | cut -c1-400
+}
+GPTQ=(--model /tmp/llama3-8b-gptq --load-format safetensors --quantization auto)
 if [ "$PART" = kernel ]; then
   step "wna16 tests"
-  timeout 240 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
-    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py 2>&1 | tail -15 || true
+  gpu_tests 240
   step "kernel against cuBLAS"
-  timeout 300 python3 bench/time_wna16.py --git-commit "$SHA" --act-order \
-    --launch dequant wna16,64,128,128,0,8,3 --out "$OUT/wna16.json" 2>&1 | tail -16 || true
+  timing 300 --launch dequant wna16,64,128,128,0,8,3
   python3 - "$OUT/wna16.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -41,53 +72,27 @@ for r in rows:
 PY
 elif [ "$PART" = engine ]; then
   step "gptq checkpoint llama3-8b"
-  timeout 150 python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq --bits 4 \
-    --group-size 128 --out /tmp/llama3-8b-gptq 2>&1 | tail -3
+  checkpoint 150
   step "engine llama3-8b fp16"
-  timeout 180 python3 bench/bench_engine.py --model llama3-8b --dtype float16 --serving-only \
-    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-fp16.json" > "$OUT/engine-fp16.log" 2>&1 \
-    || true
-  grep -E "weights .* GiB|batch-1|serving:" "$OUT/engine-fp16.log" | cut -c1-600 || true
+  engine fp16 180 --model llama3-8b
   step "engine llama3-8b gptq"
-  timeout 220 python3 bench/bench_engine.py --model /tmp/llama3-8b-gptq \
-    --load-format safetensors --dtype float16 --quantization auto --serving-only \
-    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-gptq.json" > "$OUT/engine-gptq.log" 2>&1 \
-    || true
-  grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
-    | cut -c1-600 || true
-  tail -5 "$OUT/engine-gptq.log"
+  engine gptq 220 "${GPTQ[@]}"
 elif [ "$PART" = quick ]; then  # what a few minutes of device time allow
   step "kernel against cuBLAS (4-bit)"
-  timeout 90 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
-    --m 1 4 16 64 128 512 --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -8 || true
+  timing 90 --bits 4 --m 1 4 16 64 128 512 --launch dequant
   step "wna16 tests (fp16 identity, graphs)"
-  timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
-    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
-    -k "(identity and float16) or cuda_graphs" 2>&1 | tail -8 || true
+  gpu_tests 100 -k "(identity and float16) or cuda_graphs"
 elif [ "$PART" = all ]; then  # one call of at most 10 minutes, the shortest steps first
   step "wna16 tests (fp16 identity, graphs)"
-  timeout 100 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
-    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
-    -k "(identity and float16) or cuda_graphs" 2>&1 | tail -8 || true
+  gpu_tests 100 -k "(identity and float16) or cuda_graphs"
   step "kernel against cuBLAS (4-bit)"
-  timeout 70 python3 bench/time_wna16.py --git-commit "$SHA" --act-order --bits 4 \
-    --m 1 4 16 64 128 512 2048 --launch dequant --out "$OUT/wna16.json" 2>&1 | tail -9 || true
+  timing 70 --bits 4 --m 1 4 16 64 128 512 2048 --launch dequant
   step "gptq checkpoint llama3-8b"
-  timeout 110 python3 bench/make_int_checkpoint.py --shape llama3-8b --format gptq --bits 4 \
-    --group-size 128 --out /tmp/llama3-8b-gptq 2>&1 | tail -3 || true
+  checkpoint 110
   step "engine llama3-8b gptq"
-  timeout 170 python3 bench/bench_engine.py --model /tmp/llama3-8b-gptq \
-    --load-format safetensors --dtype float16 --quantization auto --serving-only \
-    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-gptq.json" > "$OUT/engine-gptq.log" 2>&1 \
-    || true
-  grep -E "linear layers|weights .* GiB|batch-1|serving:" "$OUT/engine-gptq.log" \
-    | cut -c1-400 || true
-  tail -3 "$OUT/engine-gptq.log" | cut -c1-400
+  engine gptq 170 "${GPTQ[@]}"
   step "engine llama3-8b fp16"
-  timeout 150 python3 bench/bench_engine.py --model llama3-8b --dtype float16 --serving-only \
-    --git-commit "$SHA" --out "$OUT/engine-llama3-8b-fp16.json" > "$OUT/engine-fp16.log" 2>&1 \
-    || true
-  grep -E "weights .* GiB|batch-1|serving:" "$OUT/engine-fp16.log" | cut -c1-400 || true
+  engine fp16 150 --model llama3-8b
 else
   step "kernel launch sweep (4-bit, decode to mid sizes)"
   timeout 500 python3 bench/time_wna16.py --git-commit "$SHA" --sweep --bits 4 \
