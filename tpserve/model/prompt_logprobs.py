@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model.sampler import to_host_async
+from tpserve.model.host_copy import to_host_async
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class PromptLogprobs:
     top_logprobs: torch.Tensor
 
     def to_host(self) -> PromptLogprobs:
-        """Copies on their way to pinned host memory (``sampler.to_host_async``: the
+        """Copies on their way to pinned host memory (``host_copy.to_host_async``: the
         caller waits on an event recorded after them before reading)."""
         return PromptLogprobs(*(to_host_async(t) for t in (
             self.logprobs, self.ranks, self.top_ids, self.top_logprobs)))

@@ -4,12 +4,12 @@ Pipeline, per row of ``logits`` (computed in float32 on the logits' device; a st
 rows are all greedy, unconstrained and untouched by steps 1-3 takes the argmax of the
 logits as they are, which is the same token):
 
-1. penalties (``_penalize_``): repetition penalty over prompt + output tokens
+1. penalties (``logits_processors.penalize_``): repetition penalty over prompt + output tokens
    (Hugging Face style: positive logits divided, negative ones multiplied), then frequency
    (``x count``) and presence (``x [count > 0]``) penalties over output tokens only;
-2. min_tokens (``_mask_min_tokens_``): while the output is shorter than ``min_tokens``,
+2. min_tokens (``mask_min_tokens_``): while the output is shorter than ``min_tokens``,
    every EOS id and every ``stop_token_ids`` entry is set to -inf (``ignore_eos`` or not);
-   bad words (``_ban_bad_words_``): the last token of each ``bad_words_token_ids`` sequence
+   bad words (``ban_bad_words_``): the last token of each ``bad_words_token_ids`` sequence
    whose other tokens end the output is set to -inf;
    then ``logit_bias`` is added, every token outside a row's ``allowed_token_ids`` is set
    to -inf, and the grammar bitmask of structured-output rows (built by the engine) sets
@@ -48,8 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.model.host_copy import to_device, to_host_async
+from tpserve.model.logits_processors import process_
 from tpserve.model.sampling_params import SamplingParams
-from tpserve.model.token_bitmask import TokenBitmask, apply_token_bitmask_
+from tpserve.model.token_bitmask import TokenBitmask
 
 
 @dataclass
@@ -106,150 +108,6 @@ SMALL_POOL_BYTES = 1 << 20  # torch's caching allocator: requests up to this use
 def small_pool_rows(vocab_size: int, max_rows: int) -> range:
     """Row counts whose ``[rows, vocab_size]`` float32 tensors the small pool serves."""
     return range(1, min(max_rows, SMALL_POOL_BYTES // (4 * vocab_size)) + 1)
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
-    it goes up from pinned memory, non-blocking (a pageable copy would wait for every step
-    queued before it, which would undo asynchronous scheduling)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def to_host_async(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on its way to pinned host memory without waiting (CUDA; the reader waits on an
-    event recorded after the copy), else ``t`` itself."""
-    if t.device.type != "cuda":
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-
-def _forbid_(logits: torch.Tensor, row_idx: list[int], col_idx: list[int]) -> None:
-    """In place: -inf at the ``(row, col)`` pairs given, if any."""
-    if row_idx:
-        rows = to_device(row_idx, torch.long, logits.device)
-        cols = to_device(col_idx, torch.long, logits.device)
-        logits[rows, cols] = -math.inf
-
-
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """``[len(token_ids), vocab_size]`` float32 occurrence counts (ids out of range ignored)."""
-    rows = len(token_ids)
-    longest = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32, device=device)
-    if longest:
-        padded = [list(t) + [vocab_size] * (longest - len(t)) for t in token_ids]
-        index = to_device(padded, torch.long, device).clamp_(0, vocab_size)
-        counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
-
-
-def _bias_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """In place: adds each row's ``logit_bias`` (ids outside the vocabulary are ignored;
-    the HTTP layer refuses them)."""
-    vocab = logits.shape[-1]
-    rows, cols, values = [], [], []
-    for i, p in enumerate(params):
-        for token, bias in p.logit_bias:
-            if 0 <= token < vocab:
-                rows.append(i)
-                cols.append(token)
-                values.append(bias)
-    if rows:
-        device = logits.device
-        logits.index_put_((to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
-                          to_device(values, torch.float32, device), accumulate=True)
-
-
-def _allow_only_(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """In place: every logit outside a row's ``allowed_token_ids`` becomes -inf (ids
-    outside the vocabulary are ignored; the HTTP layer refuses them)."""
-    vocab = logits.shape[-1]
-    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
-    if not rows:
-        return
-    device = logits.device
-    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    for r, i in enumerate(rows):
-        ids = [t for t in params[i].allowed_token_ids if t < vocab]
-        keep[r, to_device(ids, torch.long, device)] = True
-    index = to_device(rows, torch.long, device)
-    logits[index] = logits[index].masked_fill(~keep, -math.inf)
-
-
-def _penalize_(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-) -> None:
-    """In-place penalties on float32 ``logits``; rows without penalties are left untouched."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
-    if not rows:
-        return
-    device, vocab = logits.device, logits.shape[-1]
-    index = to_device(rows, torch.long, device)
-    sub = logits.index_select(0, index)
-
-    def column(values: list[float]) -> torch.Tensor:
-        return to_device(values, torch.float32, device).unsqueeze(1)
-
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        seen = _token_counts(
-            [list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rows], vocab, device
-        ) > 0
-        rep = column([params[i].repetition_penalty for i in rows])
-        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
-    if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows):
-        counts = _token_counts([output_token_ids[i] for i in rows], vocab, device)
-        freq = column([params[i].frequency_penalty for i in rows])
-        pres = column([params[i].presence_penalty for i in rows])
-        sub = sub - (freq * counts + pres * (counts > 0).to(torch.float32))
-    logits.index_copy_(0, index, sub)
-
-
-def _mask_min_tokens_(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: frozenset[int],
-) -> None:
-    """In place: -inf on EOS and stop token ids of rows still short of ``min_tokens``."""
-    vocab = logits.shape[-1]
-    row_idx: list[int] = []
-    col_idx: list[int] = []
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) < p.min_tokens:
-            for t in sorted(set(eos_token_ids) | set(p.stop_token_ids)):
-                if 0 <= t < vocab:
-                    row_idx.append(i)
-                    col_idx.append(t)
-    _forbid_(logits, row_idx, col_idx)
-
-
-def _ban_bad_words_(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-) -> None:
-    """In place: -inf on the last token of every bad-word sequence that the output's
-    tokens would complete (one-token words always)."""
-    vocab = logits.shape[-1]
-    row_idx: list[int] = []
-    col_idx: list[int] = []
-    for i, p in enumerate(params):
-        out = output_token_ids[i]
-        for word in p.bad_words_token_ids:
-            head = len(word) - 1
-            if word[-1] < vocab and (head == 0 or (
-                    len(out) >= head and list(out[len(out) - head:]) == list(word[:-1]))):
-                row_idx.append(i)
-                col_idx.append(word[-1])
-    _forbid_(logits, row_idx, col_idx)
 
 
 def apply_filters(
@@ -376,13 +234,7 @@ class Sampler:
             # without the [rows, vocab] float32 copy
             return PendingSample(argmax_rows(logits))
         x = logits.to(torch.float32, copy=True)
-        _penalize_(x, params, prompt_token_ids, output_token_ids)
-        _mask_min_tokens_(x, params, output_token_ids, eos_token_ids)
-        _ban_bad_words_(x, params, output_token_ids)
-        _bias_(x, params)
-        _allow_only_(x, params)
-        if bitmask is not None:
-            apply_token_bitmask_(x, bitmask)
+        process_(x, params, prompt_token_ids, output_token_ids, eos_token_ids, bitmask)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < n:

@@ -1,0 +1,29 @@
+"""Small host <-> device copies that never make the host wait for the device.
+
+Both matter under asynchronous scheduling: a pageable copy waits for every step queued
+before it, so it would serialize the host with the device it is meant to run ahead of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
+    it goes up from pinned memory, non-blocking (a pageable copy would wait for every step
+    queued before it, which would undo asynchronous scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on its way to pinned host memory without waiting (CUDA; the reader waits on an
+    event recorded after the copy), else ``t`` itself."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
