@@ -2,13 +2,13 @@
 SmolLM3) on tensor-parallel layers.
 
 Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``,
-which ``STACKED`` maps checkpoint names onto. Phi-3 checkpoints store those two fused
-(``FUSED``: q, k, v rows stacked; gate, then up): each part is loaded as if stored apart
-(``ColumnParallelLinear.load_stacked``). Otherwise Phi-3 is Llama: pre-norm RMSNorm blocks,
-SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope`` are the config's
-(``ModelConfig.rotary_dim``, ``rope_scaling.RopeScaling``). A sliding window (Mistral, Phi-3,
-Qwen's ``use_sliding_window`` layers) is each attention layer's own
-(``ModelConfig.window_of``), handed to the back-end's attention.
+which ``checkpoint_names.STACKED`` maps checkpoint names onto. Phi-3 checkpoints store
+those two fused (``FUSED``: q, k, v rows stacked; gate, then up): each part is loaded as if
+stored apart (``ColumnParallelLinear.load_stacked``). Otherwise Phi-3 is Llama: pre-norm
+RMSNorm blocks, SiLU-gated MLP, no biases; its ``partial_rotary_factor`` and ``longrope``
+are the config's (``ModelConfig.rotary_dim``, ``rope_scaling.RopeScaling``). A sliding
+window (Mistral, Phi-3, Qwen's ``use_sliding_window`` layers) is each attention layer's
+own (``ModelConfig.window_of``), handed to the back-end's attention.
 
 Gemma is Llama with what its ``ModelConfig`` fields say: norms scaling by ``1 + w``
 (``norm_unit_offset``), a GeLU-tanh gate, the embedding times sqrt(hidden); Gemma 2/3 add
@@ -39,12 +39,19 @@ from torch import nn
 
 from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
+from tpserve.model.checkpoint_names import (
+    FUSED,
+    is_zero,
+    load_kv_scale,
+    model_name,
+    stacked_name,
+)
 from tpserve.model.config import ModelConfig
 from tpserve.model.families import LANGUAGE_MODEL_OF
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kv_cache_dtype import KV_SCALE_NAMES
-from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock, checkpoint_name
+from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
@@ -59,28 +66,6 @@ from tpserve.parallel.linear import (
 from tpserve.parallel.shard import ShardMap, TensorSource, as_source, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-# checkpoint name fragment -> (fused parameter fragment, shard id)
-STACKED = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-# fused parameters a checkpoint may store as one tensor, every part stacked along dim 0
-FUSED = (".qkv_proj.", ".gate_up_proj.")
-# a base model's checkpoint (saved from e.g. ``Qwen3Model``, as Qwen3-Embedding's are)
-# names its tensors without the ``model.`` of the causal LM
-BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
-# a multimodal checkpoint's language model (``families.LANGUAGE_MODEL_OF``: Gemma 3 4B and
-# up), as transformers 4 and 5 name it -> our names; its vision tower and projector are not
-# loaded
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                           "language_model.lm_head.": "lm_head."}
-NOT_LANGUAGE_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                      "model.multi_modal_projector.")
 
 
 class LlamaAttention(nn.Module):
@@ -386,9 +371,9 @@ class LlamaForCausalLM(nn.Module):
         """Loads checkpoint tensors by Hugging Face name; returns the parameter names loaded.
 
         Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
-        without a head) are skipped; a base model's names (``BASE_MODEL_PREFIXES``) are the
-        ``model.`` ones; a multimodal checkpoint's language model is renamed
-        (``LANGUAGE_MODEL_PREFIXES``) and the rest of it skipped. A fused tensor (``FUSED``;
+        without a head) are skipped; other names are mapped by ``checkpoint_names``: a base
+        model's names are the ``model.`` ones, a multimodal checkpoint's language model is
+        renamed and the rest of it skipped. A fused tensor (``checkpoint_names.FUSED``;
         Phi-3) is loaded part by part (``load_stacked``); a mixture of experts' expert
         tensors by ``layers.moe.ExpertLoading`` (Mixtral's ``block_sparse_moe`` read as
         ``mlp``).
@@ -400,18 +385,9 @@ class LlamaForCausalLM(nn.Module):
         experts = ExpertLoading(self, params, self.cfg.num_experts)
         for name, source in weights:
             original = name
-            if "rotary_emb" in name:
+            name = model_name(name, multimodal)
+            if name is None:
                 continue
-            if multimodal:
-                if name.startswith(NOT_LANGUAGE_MODEL):
-                    continue
-                for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
-                    if name.startswith(theirs):
-                        name = ours + name[len(theirs):]
-                        break
-            if name.startswith(BASE_MODEL_PREFIXES):  # a base model's file (Qwen3-Embedding)
-                name = "model." + name
-            name = checkpoint_name(name)  # Mixtral's and Granite-MoE's names
             try:
                 if experts.load(name, source):
                     continue
@@ -419,8 +395,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
             prefix, _, tail = name.partition(".self_attn.")
             if tail in KV_SCALE_NAMES:  # not parameters: never required of a checkpoint
-                _load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
-                               as_source(source).read(), name)
+                load_kv_scale(buffers[f"{prefix}.self_attn.kv_scale"], KV_SCALE_NAMES[tail],
+                              as_source(source).read(), name)
                 self.kv_scales_from_checkpoint = True
                 continue
             if self._label_rows(name, source):  # the head of a classifier by tokens
@@ -428,13 +404,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and (self.cfg.tie_word_embeddings
                                              or self.lm_head is None):
                 continue
-            shard_id = None
-            for frag, (fused, sid) in STACKED.items():
-                if frag in name:
-                    name, shard_id = name.replace(frag, fused), sid
-                    break
+            name, shard_id = stacked_name(name)
             param = params.get(name)
-            if param is None and name.endswith(".bias") and _is_zero(source):
+            if param is None and name.endswith(".bias") and is_zero(source):
                 continue  # AutoGPTQ writes a zero bias for every layer: it adds nothing
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
@@ -454,20 +426,3 @@ class LlamaForCausalLM(nn.Module):
         loaded |= experts.complete()
         return loaded
 
-
-def _is_zero(source: TensorSource) -> bool:
-    return not bool(as_source(source).read().any())
-
-
-def _load_kv_scale(kv_scale: torch.Tensor, entries: tuple[int, ...], value: torch.Tensor,
-                   name: str) -> None:
-    """One checkpoint KV scale (a one-element tensor) into a layer's ``kv_scale``."""
-    if value.numel() != 1:
-        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be one value "
-                         f"per layer, got shape {tuple(value.shape)}")
-    scale = value.reshape(()).float()
-    if not (torch.isfinite(scale) and scale > 0):
-        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be finite and "
-                         f"> 0, got {scale.item()}")
-    for i in entries:
-        kv_scale[i] = scale

@@ -12,7 +12,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv / gate_up tensors: llama.FUSED
+    "Phi3ForCausalLM": LlamaForCausalLM,  # fused qkv / gate_up tensors: checkpoint_names.FUSED
     # Gemma's differences are ModelConfig fields (families.gemma_fields)
     "GemmaForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
@@ -24,7 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # its NoPE layers: ModelConfig.nope_layers
-    # its language model alone (llama.LANGUAGE_MODEL_PREFIXES; the vision tower skipped)
+    # its language model alone (checkpoint_names.LANGUAGE_MODEL_PREFIXES; the vision tower skipped)
     "Gemma3ForConditionalGeneration": LlamaForCausalLM,
 }
 # their checkpoints have no LM head: served by --runner pooling

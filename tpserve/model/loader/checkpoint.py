@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tpserve.model.checkpoint_names import FUSED
 from tpserve.model.config import ModelConfig
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
-from tpserve.model.llama import FUSED
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.hf_overrides import apply_overrides
 from tpserve.model.loader.progress import LoadProgress

@@ -16,7 +16,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "phi-4",
           "phi-3-mini", "mistral-7b", "gemma-2-9b", "gemma-3-12b", "qwen3-30b-a3b",
           "mixtral-8x7b")
-# architectures whose checkpoints store q/k/v and gate/up fused (``llama.FUSED``)
+# architectures whose checkpoints store q/k/v and gate/up fused (``checkpoint_names.FUSED``)
 _FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 

@@ -62,7 +62,7 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # llama.cpp's Phi-3 keeps Hugging Face's fused tensors: q/k/v rows in ``attn_qkv``, gate
-# then up rows in ``ffn_up`` (loaded part by part: ``llama.FUSED``)
+# then up rows in ``ffn_up`` (loaded part by part: ``checkpoint_names.FUSED``)
 # Gemma 2/3's four norms: ``ffn_norm`` is the MLP input's, ``post_attention_norm`` the
 # attention output's
 _SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tpserve.model.llama import LANGUAGE_MODEL_PREFIXES
+from tpserve.model.checkpoint_names import LANGUAGE_MODEL_PREFIXES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -143,7 +143,7 @@ def read_adapter_config(folder: str | Path, max_rank: int) -> AdapterConfig:
 
 def _module_path(peft_module: str) -> str:
     """Our name of a module: a multimodal checkpoint's language model's renamed as the
-    model's own weights are (``llama.LANGUAGE_MODEL_PREFIXES``)."""
+    model's own weights are (``checkpoint_names.LANGUAGE_MODEL_PREFIXES``)."""
     for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
         if peft_module.startswith(theirs):
             return ours + peft_module[len(theirs):]
