@@ -122,9 +122,13 @@ def _load_groups(s_ptr, z_ptr, sz, ok, MAGIC: tl.constexpr):
     exact, an integer below 1024), else float32."""
     s = tl.load(s_ptr + sz, mask=ok, other=0.0)
     z = tl.load(z_ptr + sz, mask=ok, other=0.0)
+    # one return: Triton compiles the statements after a constexpr branch that returns
+    # too, and refuses the two return types (fp16 and float32) it then sees
     if MAGIC:
-        return s, z + 1024.0
-    return s.to(tl.float32), z.to(tl.float32)
+        z = z + 1024.0
+    else:
+        s, z = s.to(tl.float32), z.to(tl.float32)
+    return s, z
 
 
 @triton.jit
