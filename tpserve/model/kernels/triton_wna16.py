@@ -136,8 +136,9 @@ def _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE, 
                 PACK: tl.constexpr, SCALES: tl.constexpr, MAGIC: tl.constexpr):
     """Scales and zero points of a step (``SCALES`` 0: ``[1, BLOCK_N]``; 1: ``[ROWS,
     BLOCK_N]``, one per packed row; 2: placeholders, ``_code`` gathers them per column)."""
-    if SCALES == 2:
-        s, z = 0.0, 0.0
+    if SCALES == 2:  # tensors, not constants: what a jit function returns
+        s = tl.zeros((1, 1), tl.float32)
+        z = tl.zeros((1, 1), tl.float32)
     else:
         if SCALES == 0:
             sz = (FIRST + k0 // GROUP_SIZE) * stride_s + rn[None, :]
