@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import pickle
 import queue
 import threading
@@ -116,7 +117,11 @@ def _rank_context() -> Any:
 
 
 def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, init_method: str,
-              args: tuple, results: mp.Queue, device: str) -> None:
+              args: tuple, results: mp.Queue, device: str, env: dict[str, str]) -> None:
+    # the caller's environment now, not the fork server's (from its start), as a spawned
+    # process would have it
+    os.environ.clear()
+    os.environ.update(env)
     try:
         if device == "cpu":
             torch.set_num_threads(1)
@@ -137,15 +142,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """Runs ``fn(group: TPGroup, *args)`` on ``world_size`` fresh ranks (CPU and gloo, or
     ``device="cuda"``: rank r on GPU r with NCCL) and returns the results in rank order.
     Raises with the failing rank's traceback, or on timeout; never hangs. The ranks are
-    forks of a fork server (``_rank_context``), so ``fn`` and ``args`` travel pickled, as
-    to spawned processes.
+    forks of a fork server (``_rank_context``), so ``fn`` and ``args`` travel pickled, and
+    the caller's environment at this call is the ranks', as with spawned processes.
     """
     ctx = _rank_context()
     results: mp.Queue = ctx.Queue()
     rendezvous = LocalRendezvous()
     procs = [ctx.Process(target=_run_rank, daemon=True,
                          args=(fn, r, world_size, rendezvous.init_method, args, results,
-                               device))
+                               device, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
