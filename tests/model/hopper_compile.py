@@ -1,0 +1,106 @@
+"""Compiles the WNA16 kernels' launches for Hopper (sm_90) on a machine without a GPU:
+``python -m tests.model.hopper_compile`` (``test_hopper_compile.py`` runs it).
+
+Triton's interpreter, which the CPU tests use, runs only the constexpr branches a launch
+takes, so an error that only the compiler sees (two return types in one function, say)
+reaches the GPU unseen. Triton compiles for a target without the device (front end, LLVM,
+``ptxas`` from its wheel), so this script calls the real launch wrappers with CPU tensors,
+every ``JITFunction.run`` compiling its launch for ``TARGET`` instead of running it, and
+the wrappers' device-dependent choices (``dot_config``, ``_numerics``) made as on CUDA.
+It prints one JSON line: the launches compiled, by kernel. Must run without
+``TRITON_INTERPRET`` (it is removed before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from tpserve.model.kernels import triton_wna16  # noqa: E402
+from tpserve.model.quant.wna16 import consecutive_groups, pack_rows, sort_columns  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTEE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+           torch.int32: "i32", torch.int64: "i64"}
+OPTIONS = ("num_warps", "num_stages")
+CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
+    """Compiles ``fn`` for ``TARGET`` as a launch with these arguments would be."""
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        value = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = "*" + POINTEE[value.dtype]
+        elif isinstance(value, bool):
+            signature[p.name] = "i1"
+        elif isinstance(value, int):
+            signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            signature[p.name] = "fp32"
+    triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
+
+
+def _operands(m: int, n: int, k: int, bits: int, dtype: torch.dtype, layout: str,
+              group: int):
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 2**bits, (k, n), generator=g)
+    groups = triton.cdiv(k, group)
+    g_idx = torch.arange(k) // group
+    if layout.startswith("act-order"):
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    qweight, g_idx = pack_rows(codes, bits), g_idx.to(torch.int32)
+    scales = torch.ones(groups, n, dtype=dtype)
+    zeros = torch.zeros(groups, n, dtype=dtype)
+    perm = runs = None
+    if layout == "grouped":
+        runs = consecutive_groups(g_idx, groups)
+    elif layout == "act-order":
+        qweight, g_idx, perm, runs = sort_columns(qweight, g_idx, bits, groups)
+    return torch.zeros(m, k, dtype=dtype), qweight, scales, zeros, g_idx, perm, runs
+
+
+def main() -> int:
+    compiled: collections.Counter[str] = collections.Counter()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        compile_launch(self, args, kwargs)
+        compiled[self.__name__] += 1
+
+    JITFunction.run = run
+    numerics, dot_config = triton_wna16._numerics, triton_wna16.dot_config
+    triton_wna16._numerics = lambda dtype, device: numerics(dtype, CUDA)
+    triton_wna16.dot_config = lambda dtype, device: dot_config(dtype, CUDA)
+    n = 256
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for bits in (4, 8):
+            # scale rows per K step, per packed row (groups of 32), per column, act-order
+            # sorted (perm); M = 1 (split K), 33, 130 (dequantized, then cuBLAS); K = 384
+            # a whole number of K steps, 320 not
+            for layout, group in (("grouped", 128), ("grouped", 32), ("columns", 128),
+                                  ("act-order", 128)):
+                for m, k in ((1, 384), (33, 320), (130, 384)):
+                    x, *weight, perm, runs = _operands(m, n, k, bits, dtype, layout, group)
+                    triton_wna16.wna16_matmul(x, *weight, bits, torch.zeros(n, dtype=dtype),
+                                              perm=perm, runs=runs)
+    print(json.dumps(dict(compiled)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
