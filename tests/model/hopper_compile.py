@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from tests.model.wna16_operands import operands  # noqa: E402
 from tpserve.model.kernels import triton_wna16  # noqa: E402
-from tpserve.model.quant.wna16 import consecutive_groups, pack_rows, sort_columns  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTEE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
@@ -56,25 +56,6 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
     triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
 
 
-def _operands(m: int, n: int, k: int, bits: int, dtype: torch.dtype, layout: str,
-              group: int):
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 2**bits, (k, n), generator=g)
-    groups = triton.cdiv(k, group)
-    g_idx = torch.arange(k) // group
-    if layout.startswith("act-order"):
-        g_idx = g_idx[torch.randperm(k, generator=g)]
-    qweight, g_idx = pack_rows(codes, bits), g_idx.to(torch.int32)
-    scales = torch.ones(groups, n, dtype=dtype)
-    zeros = torch.zeros(groups, n, dtype=dtype)
-    perm = runs = None
-    if layout == "grouped":
-        runs = consecutive_groups(g_idx, groups)
-    elif layout == "act-order":
-        qweight, g_idx, perm, runs = sort_columns(qweight, g_idx, bits, groups)
-    return torch.zeros(m, k, dtype=dtype), qweight, scales, zeros, g_idx, perm, runs
-
-
 def main() -> int:
     compiled: collections.Counter[str] = collections.Counter()
 
@@ -95,7 +76,7 @@ def main() -> int:
             for layout, group in (("grouped", 128), ("grouped", 32), ("columns", 128),
                                   ("act-order", 128)):
                 for m, k in ((1, 384), (33, 320), (130, 384)):
-                    x, *weight, perm, runs = _operands(m, n, k, bits, dtype, layout, group)
+                    x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, layout, group)
                     triton_wna16.wna16_matmul(x, *weight, bits, torch.zeros(n, dtype=dtype),
                                               perm=perm, runs=runs)
     print(json.dumps(dict(compiled)))

@@ -20,13 +20,8 @@ if DEVICE.type == "cpu":
 triton = pytest.importorskip("triton")
 
 from tests.model.test_triton_kernels import interpreted_modules  # noqa: E402
-from tpserve.model.quant.wna16 import (  # noqa: E402
-    consecutive_groups,
-    dequantize,
-    linear,
-    pack_rows,
-    sort_columns,
-)
+from tests.model.wna16_operands import LAYOUTS, operands  # noqa: E402
+from tpserve.model.quant.wna16 import dequantize, linear  # noqa: E402
 
 NAMES = (("tpserve.model.kernels.triton_fp8", "_wo_load"),
          ("tpserve.model.kernels.triton_wna16", "_wna16_kernel"))
@@ -44,37 +39,9 @@ def kern():
         yield interpreted_modules(mp, NAMES, DEVICE.type == "cpu")[-1]
 
 
-# how the groups are served: in column order with ``runs`` (the kernels read a scale row
-# per K step or per packed row), without (one per column), act-order sorted by group
-# (``perm``, ``runs``) or left unsorted (a row-parallel rank's: one per column)
-LAYOUTS = ["grouped", "columns", "act-order", "act-order-unsorted"]
-
-
-def _operands(m: int, n: int, k: int, bits: int, dtype: torch.dtype, seed: int,
-              layout: str = "grouped", group: int = 32):
-    """Random codes, positive scales, integer zero points anywhere in the code range (the
-    served layout's contract) and activations ``x [M, K]``, in the served layout of
-    ``layout`` (``LAYOUTS``): ``(x, qweight, scales, zeros, g_idx, perm, runs)``."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**bits, (k, n), generator=g)
-    groups = triton.cdiv(k, group)
-    g_idx = torch.arange(k) // group
-    if layout.startswith("act-order"):
-        g_idx = g_idx[torch.randperm(k, generator=g)]
-    scales = (torch.rand(groups, n, generator=g) + 0.5) * 2 / (2**bits * k**0.5)
-    zeros = torch.randint(0, 2**bits + 1, (groups, n), generator=g).float()
-    x = torch.randn(m, k, generator=g)
-    qweight, g_idx = pack_rows(codes, bits), g_idx.to(torch.int32)
-    perm = runs = None
-    if layout == "grouped":
-        runs = consecutive_groups(g_idx, groups)
-        assert runs is not None
-    elif layout == "act-order":
-        qweight, g_idx, perm, runs = sort_columns(qweight, g_idx, bits, groups, chunk=k * 7)
-        assert perm is not None and runs == (0, group)
-    return (x.to(dtype).to(DEVICE), qweight.to(DEVICE), scales.to(dtype).to(DEVICE),
-            zeros.to(dtype).to(DEVICE), g_idx.to(DEVICE),
-            None if perm is None else perm.to(DEVICE), runs)
+def _operands(*args, **kwargs):
+    """``wna16_operands.operands`` on this run's device."""
+    return operands(*args, device=DEVICE, **kwargs)
 
 
 def _check(kern, x, qweight, scales, zeros, g_idx, perm, runs, bits, bias=None, config=None):
