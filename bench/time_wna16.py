@@ -54,7 +54,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROW_PARALLEL = ("o", "down")  # their K is split over the ranks; the others' N
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 SMOKE_SHAPES, SMOKE_M = {"tiny": (64, 256)}, [1, 5]
-AXES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128), "block_k": (128, 256),
+AXES = {"block_m": (1, 16, 32, 64, 128), "block_n": (16, 32, 64, 128),
+        "block_k": (64, 128, 256),
         "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 SPLIT_FACTORS = (0.5, 1, 2)
 
@@ -73,7 +74,8 @@ def resolve(cfg, m: int, n: int, k: int, sms: int, fill_split, factor: float = 1
 
 def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
     """``--sweep``'s launches for ``(M, N, K)`` (the default's excluded); tiles of more rows
-    than ``max(16, M)`` rounded up to a power of two are left out (padding only)."""
+    than ``max(16, M)`` rounded up to a power of two are left out (padding only), and the
+    one-row GEMV above two rows (it reads the weight once a row)."""
     base = kern.wna16_blocks(m, n, k, sms)._replace(split=0)
     if base.kind == "dequant":  # sweep the fused kernel's largest tile against it
         base = kern.WoConfig("wna16", 64, 128, 128, 0, 8, 3)
@@ -88,7 +90,8 @@ def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
     out = []
     for cfg, f in pairs:
         spec = resolve(cfg, m, n, k, sms, kern.fill_split, f)
-        if cfg.block_m <= top_m and spec != default and spec not in out:
+        if (cfg.block_m <= top_m and (cfg.block_m > 1 or m <= 2) and spec != default
+                and spec not in out):
             out.append(spec)
     return out
 

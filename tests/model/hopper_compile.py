@@ -68,17 +68,21 @@ def main() -> int:
     triton_wna16._numerics = lambda dtype, device: numerics(dtype, CUDA)
     triton_wna16.dot_config = lambda dtype, device: dot_config(dtype, CUDA)
     n = 256
+    gemv = triton_wna16.wna16_blocks(1, n, 384, 132).block_m == 1
+    OTHER_DECODE = "wna16,16,64,128,0,4,3" if gemv else "wna16,1,64,128,0,4,3"  # noqa: N806
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for bits in (4, 8):
             # scale rows per K step, per packed row (groups of 32), per column, act-order
-            # sorted (perm); M = 1 (split K), 33, 130 (dequantized, then cuBLAS); K = 384
-            # a whole number of K steps, 320 not
+            # sorted (perm); M = 1 (split K; the shipped launch and the other of GEMV and
+            # 16-row dot), 33, 130 (dequantized, then cuBLAS); K = 384 a whole number of
+            # K steps, 320 not
             for layout, group in (("grouped", 128), ("grouped", 32), ("columns", 128),
                                   ("act-order", 128)):
-                for m, k in ((1, 384), (33, 320), (130, 384)):
+                for m, k, config in ((1, 384, None), (1, 384, OTHER_DECODE), (33, 320, None),
+                                     (130, 384, None)):
                     x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, layout, group)
                     triton_wna16.wna16_matmul(x, *weight, bits, torch.zeros(n, dtype=dtype),
-                                              perm=perm, runs=runs)
+                                              config, perm=perm, runs=runs)
     print(json.dumps(dict(compiled)))
     return 0
 

@@ -78,13 +78,17 @@ def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dt
     shifts, the scale rows (per K step with groups of 128, per packed row with 32, per
     column), the sorted columns' ``perm`` and the rounding of ``(q - z) * s`` to x's dtype
     are the reference's (256 rows: the fused 64 x 128 launch and the dequantized weight
-    times a matmul; 24 columns: an N tail)."""
+    times a matmul; and every 17th row through the one-row GEMV, a program per row;
+    24 columns: an N tail)."""
     _, *ops = _operands(1, 24, 256, bits, dtype, 1, layout, group)
     x = torch.eye(256, dtype=dtype, device=DEVICE)
     want = _weight(*ops[:4], ops[4], bits).t()
     for config in ("wna16,64,128,128,1,8,3", None):
         y = kern.wna16_matmul(x, *ops[:4], bits, None, config, *ops[4:])
         assert torch.equal(y, want), config
+    y = kern.wna16_matmul(x[::17].contiguous(), *ops[:4], bits, None, "wna16,1,32,128,1,4,3",
+                          *ops[4:])
+    assert torch.equal(y, want[::17])
     assert torch.equal(kern.wna16_dequantize(*ops[:4], bits, *ops[4:]), want)
 
 
@@ -102,6 +106,20 @@ def test_equals_the_dequantized_product(kern, m, n, k, bits, dtype, layout):
             if m in (5, 130) else None)
     assert (kern.wna16_blocks(m, n, k, 132) == kern.DEQUANT) == (m >= kern.DEQUANT_MIN_M)
     _check(kern, x, *ops[:4], *ops[4:], bits, bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_row_gemv_equals_the_dequantized_product(kern, bits, dtype, layout):
+    """The GEMV launch (``BLOCK_M`` 1: CUDA-core multiply-adds, the pack axis summed each
+    step): M = 2 (a program per row), N = 72 (a tail of the 64-column tile), K = 384 in
+    three 128-column steps split over two programs (partials reduced with the bias), and
+    unsplit over 256-column steps (the last half past K)."""
+    x, *ops = _operands(2, 72, 384, bits, dtype, 9, layout, group=128)
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    for config in ("wna16,1,64,128,2,4,3", "wna16,1,32,256,1,4,2"):
+        _check(kern, x, *ops[:4], *ops[4:], bits, bias, config)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -122,11 +140,12 @@ def test_decode_splits_k_over_programs(kern, bits):
 
 
 @pytest.mark.parametrize("config", ["wna16,16,16,128,3,4,1", "wna16,32,32,128,0,4,2",
-                                    "wna16,16,64,256,1,4,1"])
+                                    "wna16,16,64,256,1,4,1", "wna16,1,16,64,3,4,1"])
 def test_explicit_launches_mask_every_tail(kern, config):
     """Small tiles over M = 33, N = 72, K = 200 (tails of every block; 200 columns in
     groups of 32 leave a short last group: a scale row per packed row), split in three
-    (two chunks: two steps), auto-split and unsplit with one 256-column step."""
+    (two chunks: two steps), auto-split and unsplit with one 256-column step, and the
+    one-row GEMV over 64-column steps split in three."""
     x, *ops = _operands(33, 72, 200, 4, torch.float32, 6)
     assert ops[-1] == (0, 32)
     _check(kern, x, *ops, 4, None, config)
@@ -148,8 +167,10 @@ def test_zero_scale_rows_give_exactly_zero_columns(kern, bits):
 
 def test_refuses_other_bit_widths_dtypes_and_launch_kinds(kern):
     x, qweight, scales, zeros, g_idx, _, _ = _operands(2, 16, 32, 4, torch.float16, 8)
-    with pytest.raises(AssertionError, match="products of < 16"):
-        kern.wna16_matmul(x, qweight, scales, zeros, g_idx, 4, None, "wna16,16,16,64,1,4")
+    for steps in ("8", "96"):
+        with pytest.raises(AssertionError, match="a power of two from 16"):
+            kern.wna16_matmul(x, qweight, scales, zeros, g_idx, 4, None,
+                              f"wna16,16,16,{steps},1,4")
     with pytest.raises(ValueError, match="3-bit"):
         kern.wna16_matmul(x, qweight, scales, zeros, g_idx, 3)
     with pytest.raises(AssertionError):
@@ -170,7 +191,7 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     steps a chunk), and tiles that fill two waves are never split."""
     cfg = kern.wna16_blocks(m, n, k, 132)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    assert cfg.kind == "wna16" and cfg.block_m == 16 and cfg.split >= 1
+    assert cfg.kind == "wna16" and cfg.block_m == (1 if m == 1 else 16) and cfg.split >= 1
     assert tiles * cfg.split >= 0.9 * 132
     assert cfg.split == 1 or tiles < 2 * 132
 

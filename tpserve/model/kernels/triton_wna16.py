@@ -17,9 +17,11 @@ product is the reference's up to float32 summation order and the output's roundi
 Two paths, chosen by M alone (``wna16_blocks``, static: CUDA graphs capture either):
 - the fused GEMM (``_wna16_kernel``, M up to ``DEQUANT_MIN_M - 1``): each program
   dequantizes its weight tile in registers. A K step loads ``BLOCK_K / pack`` packed rows
-  once and takes code ``j`` of every word in turn (``PACK`` products of ``[BLOCK_M,
-  BLOCK_K / pack] x [BLOCK_K / pack, BLOCK_N]``, the activation columns ``k = pack * r +
-  j``, through ``perm`` when the served columns are sorted). Scales and zero points:
+  once, shifts every word by each code's offset into ``[BLOCK_K / pack, PACK, BLOCK_N]``
+  (column ``pack * r + j`` at ``(r, j)``) and multiplies the contiguous activation columns
+  ``k0 .. k0 + BLOCK_K`` (through ``perm`` when the served columns are sorted): one
+  ``tl.dot`` of ``BLOCK_K`` columns a step, or at one activation row (``BLOCK_M`` 1) a GEMV
+  on the CUDA cores. Scales and zero points:
   ``SCALES`` 0: one row a K step (groups in column order, ``BLOCK_K`` dividing the group:
   ``runs``), 1: one row a packed row (smaller groups in order), 2: one per column through
   ``g_idx`` (groups in any order: act-order columns that could not be sorted into even
@@ -70,7 +72,9 @@ def wna16_blocks(m: int, n: int, k: int, sms: int) -> WoConfig:
     of the ``pack`` products of a step has 16 (4-bit) or 32 (8-bit) columns."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT
-    if m <= 16:
+    if m == 1:
+        cfg = WoConfig("wna16", 1, 64, 128, 0, 4, 3)
+    elif m <= 16:
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     elif m <= 32:
         cfg = WoConfig("wna16", 32, 64, 128, 0, 4, 3)
@@ -100,12 +104,10 @@ def _round_bf16(w):
 
 
 @triton.jit
-def _dequant(packed, j: tl.constexpr, s, z, BITS: tl.constexpr, MAGIC: tl.constexpr,
-             ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr):
-    """Code ``j`` of each packed word, as ``(q - z) * s`` rounded once to ``act_dtype``
-    (``s``, ``z`` broadcastable to ``packed``: with ``MAGIC`` fp16 and ``z`` already
-    ``1024 + z``, else float32)."""
-    q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
+def _dequant(q, s, z, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr):
+    """Codes ``q`` (int32, below ``2^BITS``) as ``(q - z) * s`` rounded once to ``act_dtype``
+    (``s``, ``z`` broadcastable to ``q``: with ``MAGIC`` fp16 and ``z`` already ``1024 + z``,
+    else float32)."""
     if MAGIC:  # 1024 + q by its bits; minus 1024 + z exact (integer zeros), times s rounds
         w = ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - z) * s
     else:
@@ -171,10 +173,44 @@ def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g
     kk = rows * (32 // BITS) + j
     if SCALES == 2:
         s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC)
-    w = _dequant(packed, j, s, z, BITS, MAGIC, ROUND_BF16, act_dtype)
+    w = _dequant((packed >> (j * BITS)) & ((1 << BITS) - 1), s, z, MAGIC, ROUND_BF16,
+                 act_dtype)
     if HAS_PERM:
         kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
     return w, kk
+
+
+@triton.jit
+def _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE, stride_q,
+                  stride_s, BITS: tl.constexpr, SCALES: tl.constexpr, EVEN_K: tl.constexpr,
+                  MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The fused kernel's weights for served columns ``k0 .. k0 + BLOCK_K``: ``[ROWS, PACK,
+    BLOCK_N]`` in ``act_dtype``, element ``(r, j, n)`` the weight of column ``k0 + PACK * r
+    + j`` (code ``j`` of packed row ``k0 / PACK + r``), so a row-major reshape to
+    ``[BLOCK_K, BLOCK_N]`` puts the columns in order. Each packed word is loaded once; rows
+    past K give 0 (code 0, scale 0)."""
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    jj = tl.arange(0, PACK)
+    rows = k0 // PACK + tl.arange(0, ROWS)
+    if EVEN_K:
+        row_ok = rows >= 0
+        w_ok = n_ok[None, :]
+    else:
+        row_ok = rows < K // PACK
+        w_ok = row_ok[:, None] & n_ok[None, :]
+    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+    q = (packed[:, None, :] >> (jj * BITS)[None, :, None]) & ((1 << BITS) - 1)
+    if SCALES == 2:  # a group per column, through g_idx
+        g = tl.load(g_ptr + rows[:, None] * PACK + jj[None, :], mask=row_ok[:, None], other=0)
+        s, z = _load_groups(s_ptr, z_ptr, g[:, :, None] * stride_s + rn[None, None, :],
+                            row_ok[:, None, None] & n_ok[None, None, :], MAGIC)
+    else:  # a row a step ([1, BLOCK_N]) or a row a packed row ([ROWS, BLOCK_N])
+        s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
+                           stride_s, PACK, SCALES, MAGIC)
+        s, z = s[:, None, :], z[:, None, :]
+    return _dequant(q, s, z, MAGIC, ROUND_BF16, act_dtype)
 
 
 @triton.jit
@@ -186,11 +222,14 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
                   ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
-    +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step loads the
-    ``ROWS = BLOCK_K / PACK`` packed rows once; code ``j`` of row ``r`` is column ``k0 +
-    PACK * r + j``, so the step is ``PACK`` products of ``ROWS`` columns each. Packed rows
-    past K load code 0, scale and zero 0 and activation 0: they add nothing. Offsets inside
-    ``qweight``, ``scales`` and ``zeros`` are int32 (the wrapper checks their sizes)."""
+    +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step
+    dequantizes its ``[BLOCK_K, BLOCK_N]`` weight tile (``_step_weights``) and loads the
+    activations of the same ``BLOCK_K`` columns (through ``perm`` with ``HAS_PERM``).
+    ``BLOCK_M`` 1 (one activation row, decode) is a GEMV: float32 multiply-adds on the CUDA
+    cores into a ``[ROWS, BLOCK_N]`` accumulator (the pack axis summed each step, the rows
+    at the end); otherwise one ``tl.dot`` of ``BLOCK_K`` columns a step. Columns past K
+    load weight 0 and activation 0: they add nothing. Offsets inside ``qweight``,
+    ``scales`` and ``zeros`` are int32 (the wrapper checks their sizes)."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PACK
     act_dtype = x_ptr.dtype.element_ty
@@ -199,27 +238,35 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
     pid_k = tl.program_id(2)
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    rr = tl.arange(0, ROWS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if BLOCK_M == 1:
+        acc_rows = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        # the step's columns as [ROWS, PACK], the weight tile's first two axes
+        kk2 = tl.arange(0, ROWS)[:, None] * PACK + tl.arange(0, PACK)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
-        rows = k0 // PACK + rr
-        if EVEN_K:
-            row_ok = rr >= 0
-            w_ok = n_ok[None, :]
+        w = _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE,
+                          stride_q, stride_s, BITS, SCALES, EVEN_K, MAGIC, ROUND_BF16,
+                          act_dtype, BLOCK_K)
+        if BLOCK_M == 1:
+            kk = k0 + kk2
+            x_ok = kk < K
+            if HAS_PERM:
+                kk = tl.load(perm_ptr + kk, mask=x_ok, other=0)
+            x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + kk, mask=x_ok,
+                        other=0.0)
+            acc_rows += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32), axis=1)
         else:
-            row_ok = rows < K // PACK
-            w_ok = row_ok[:, None] & n_ok[None, :]
-        x_ok = m_ok[:, None] & row_ok[None, :]
-        packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
-        s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
-                           stride_s, PACK, SCALES, MAGIC)
-        for j in tl.static_range(PACK):
-            w, kk = _code(packed, j, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr,
-                          perm_ptr, stride_s, BITS, SCALES, HAS_PERM, MAGIC, ROUND_BF16,
-                          act_dtype)
-            x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            if HAS_PERM:
+                kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
             acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_rows, axis=0)[None, :]
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr, stride_y,
                  HAS_BIAS, PARTIAL, False)
 
@@ -320,7 +367,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return y
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    assert bk % (16 * pack) == 0, f"K steps of {bk} columns: products of < 16 at {bits} bits"
+    assert bk >= 16 and bk & (bk - 1) == 0, f"K steps of {bk} columns: a power of two from 16"
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     split = cfg.split or fill_split(m_tiles * n_tiles, k, bk, _sm_count(x.device))
     split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)

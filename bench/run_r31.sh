@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call (round 31, 2026-12-05): the WNA16 kernel's fused path rewritten (one
+# tl.dot of BLOCK_K columns a step, contiguous activations; a one-row GEMV at M = 1),
+# timed against fp16 cuBLAS per llama3-8b layer shape.
+#   bash bench/run_r31.sh SHA
+#  1. the Triton cache filled by 8 --compile-only workers (the sweep's and the defaults'
+#     launches), so the timed steps compile nothing;
+#  2. the WNA16 GPU tests (fp16 identity, the GEMV, CUDA graphs), stopping at a failure;
+#  3. the launch sweep (4-bit, M 1 / 16 / 64, each axis around the default) into
+#     $OUT/wna16-sweep.json;
+#  4. the shipped launches (4-bit, act-order too) at M 1 .. 2,048 with the dequantized
+#     path beside them into $OUT/wna16.json.
+# carry [".whl"].
+set -euo pipefail
+source bench/gpu_env.sh
+SHA=${1:?commit}
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+SWEEP=(--sweep --bits 4 --m 1 16 64 --launch dequant)
+DEFAULTS=(--bits 4 --act-order --m 1 2 4 8 16 32 64 128 256 512 2048 --launch dequant)
+step "compile (8 workers)"
+for w in 0 1 2 3 4 5 6 7; do
+  (timeout 200 python3 bench/time_wna16.py --compile-only "${SWEEP[@]}" --worker "$w/8" \
+     > /dev/null 2>&1
+   timeout 100 python3 bench/time_wna16.py --compile-only "${DEFAULTS[@]}" --worker "$w/8" \
+     > /dev/null 2>&1) &
+done
+wait
+step "wna16 tests (fp16 identity, GEMV, graphs)"
+timeout 120 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
+  tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
+  -k "(identity and float16) or gemv or cuda_graphs or launches" 2>&1 | tail -8 || true
+step "sweep (4-bit, M 1 16 64)"
+timeout 200 python3 bench/time_wna16.py --git-commit "$SHA" "${SWEEP[@]}" \
+  --out "$OUT/wna16-sweep.json" 2>&1 | tail -24 || true
+step "shipped launches (4-bit, act-order)"
+timeout 120 python3 bench/time_wna16.py --git-commit "$SHA" "${DEFAULTS[@]}" \
+  --out "$OUT/wna16.json" 2>&1 | tail -14 || true
+step "done"
