@@ -2,7 +2,7 @@
 # One device call (round 31, 2026-12-05): the WNA16 kernel's fused path rewritten (one
 # tl.dot of BLOCK_K columns a step, contiguous activations; a one-row GEMV at M = 1),
 # timed against fp16 cuBLAS per llama3-8b layer shape.
-#   bash bench/run_r31.sh SHA
+#   bash bench/run_r31.sh SHA sweep   (bef20d6: results/h100-2026-12-05-wna16-r31b*.json)
 #  1. the Triton cache filled by 8 --compile-only workers (the sweep's and the defaults'
 #     launches), so the timed steps compile nothing;
 #  2. the WNA16 GPU tests (fp16 identity, the GEMV, CUDA graphs), stopping at a failure;
@@ -10,14 +10,25 @@
 #     $OUT/wna16-sweep.json;
 #  4. the shipped launches (4-bit, act-order too) at M 1 .. 2,048 with the dequantized
 #     path beside them into $OUT/wna16.json.
+#   bash bench/run_r31.sh SHA tiles   the same steps with the sweep at M = 1 only and the
+#     tensor-core tiles of 64 and 128 rows timed beside the shipped launches at every M
+#     (where the dequantized path should take over: DEQUANT_MIN_M).
 # carry [".whl"].
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
+PART=${2:?sweep or tiles}
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
-SWEEP=(--sweep --bits 4 --m 1 16 64 --launch dequant)
-DEFAULTS=(--bits 4 --act-order --m 1 2 4 8 16 32 64 128 256 512 2048 --launch dequant)
+if [ "$PART" = sweep ]; then
+  SWEEP=(--sweep --bits 4 --m 1 16 64 --launch dequant)
+  DEFAULTS=(--bits 4 --act-order --m 1 2 4 8 16 32 64 128 256 512 2048 --launch dequant)
+else
+  SWEEP=(--sweep --bits 4 --m 1)
+  DEFAULTS=(--bits 4 --act-order --m 1 2 4 8 16 32 64 128 256 512 2048 --launch dequant
+            wna16,64,128,128,0,4,3 wna16,64,128,128,0,8,3 wna16,128,128,128,0,8,3
+            wna16,128,256,64,0,8,3)
+fi
 step "compile (8 workers)"
 for w in 0 1 2 3 4 5 6 7; do
   (timeout 200 python3 bench/time_wna16.py --compile-only "${SWEEP[@]}" --worker "$w/8" \
@@ -27,13 +38,13 @@ for w in 0 1 2 3 4 5 6 7; do
 done
 wait
 step "wna16 tests (fp16 identity, GEMV, graphs)"
-timeout 120 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
+timeout 90 python3 -m pytest -q -x -o addopts="" -p no:cacheprovider \
   tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
   -k "(identity and float16) or gemv or cuda_graphs or launches" 2>&1 | tail -8 || true
-step "sweep (4-bit, M 1 16 64)"
-timeout 200 python3 bench/time_wna16.py --git-commit "$SHA" "${SWEEP[@]}" \
+step "sweep (4-bit)"
+timeout 150 python3 bench/time_wna16.py --git-commit "$SHA" "${SWEEP[@]}" \
   --out "$OUT/wna16-sweep.json" 2>&1 | tail -24 || true
 step "shipped launches (4-bit, act-order)"
-timeout 120 python3 bench/time_wna16.py --git-commit "$SHA" "${DEFAULTS[@]}" \
+timeout 200 python3 bench/time_wna16.py --git-commit "$SHA" "${DEFAULTS[@]}" \
   --out "$OUT/wna16.json" 2>&1 | tail -14 || true
 step "done"

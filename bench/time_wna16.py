@@ -54,7 +54,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROW_PARALLEL = ("o", "down")  # their K is split over the ranks; the others' N
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 SMOKE_SHAPES, SMOKE_M = {"tiny": (64, 256)}, [1, 5]
-AXES = {"block_m": (1, 16, 32, 64, 128), "block_n": (16, 32, 64, 128),
+AXES = {"block_m": (1, 16, 32, 64, 128), "block_n": (16, 32, 64, 128, 256),
         "block_k": (64, 128, 256),
         "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 SPLIT_FACTORS = (0.5, 1, 2)
@@ -66,7 +66,7 @@ def resolve(cfg, m: int, n: int, k: int, sms: int, fill_split, factor: float = 1
     if cfg.kind == "dequant":  # the dequantized weight times cuBLAS: no tiles
         return "dequant"
     split = cfg.split or max(1, int(factor * fill_split(
-        -(-m // cfg.block_m) * -(-n // cfg.block_n), k, cfg.block_k, sms)))
+        -(-m // cfg.block_m) * -(-n // cfg.block_n), k, cfg.block_k, sms, cfg.block_m)))
     steps = -(-k // cfg.block_k)
     chunk = -(-steps // max(1, min(split, steps))) * cfg.block_k
     return ",".join(map(str, cfg._replace(split=-(-k // chunk))))

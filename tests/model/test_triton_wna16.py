@@ -125,13 +125,14 @@ def test_one_row_gemv_equals_the_dequantized_product(kern, bits, dtype, layout):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_splits_k_over_programs(kern, bits):
     """M = 1, one output tile, K = 1,088 (nine 128-column steps, act-order sorted in groups
-    of 32): the shipped launch asks for four programs along K, ``split_k`` cuts three
-    chunks of three steps (the last ending in a 64-column tail), the float32 partials
-    reduced with the bias after; it equals the reference as the unsplit launch does."""
+    of 32): the shipped launch (the GEMV) asks for eight programs along K, one per step,
+    ``split_k`` cuts five chunks of two steps (the last a 64-column tail), the float32
+    partials reduced with the bias after; it equals the reference as the unsplit launch
+    does."""
     m, n, k = 1, 24, 1088
     cfg = kern.wna16_blocks(m, n, k, 132)
-    assert cfg.split == 4 and kern.split_k(cfg.split, m, n, k, cfg.block_k, torch.empty(m, n))[:3] == (
-        3, 384, False)
+    assert cfg.block_m == 1 and cfg.split == 8
+    assert kern.split_k(cfg.split, m, n, k, cfg.block_k, torch.empty(m, n))[:3] == (5, 256, False)
     x, *ops = _operands(m, n, k, bits, torch.bfloat16, 4, "act-order")
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(x).to(DEVICE)
     split = _check(kern, x, *ops, bits, bias)
@@ -188,12 +189,13 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     """The static launch table (no kernel run) at decode, for the llama3-8b shapes and
     their tp-8 shards on 132 SMs: the programs (tiles times split) fill at least 90 % of
     the SMs (the smallest shard, 8 tiles of 512 x 4096, runs 128 at its cap of two K
-    steps a chunk), and tiles that fill two waves are never split."""
+    steps a chunk), and tiles that fill two programs per SM (GEMV) or four (tensor-core
+    tiles) are never split."""
     cfg = kern.wna16_blocks(m, n, k, 132)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     assert cfg.kind == "wna16" and cfg.block_m == (1 if m == 1 else 16) and cfg.split >= 1
     assert tiles * cfg.split >= 0.9 * 132
-    assert cfg.split == 1 or tiles < 2 * 132
+    assert cfg.split == 1 or tiles < (2 if m == 1 else 4) * 132
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

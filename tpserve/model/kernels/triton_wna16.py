@@ -56,34 +56,36 @@ from tpserve.model.quant.wna16 import DEQUANT_MIN_M, pack_factor
 DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
 
 
-def fill_split(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """The K split for ``tiles`` output tiles: enough programs for two per SM, at most one
-    per two ``block_k`` steps of K (``triton_fp8.auto_split`` allows one per four, which
-    leaves a tp-8 shard at decode, 8 tiles of 512 x 4096, on 64 of 132 SMs; here 128)."""
-    return max(1, min(triton.cdiv(2 * sms, tiles), k // (2 * block_k)))
+def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) -> int:
+    """The K split for ``tiles`` output tiles of ``block_m`` rows: enough programs for four
+    per SM (the H100 sweep of round 31 found the tensor-core launches 5-15 % faster at
+    four than at two), at most one per two ``block_k`` steps of K (``triton_fp8.auto_split``
+    allows one per four, which leaves a tp-8 shard at decode, 8 tiles of 512 x 4096, on 64
+    of 132 SMs; here 128). The one-row GEMV: two per SM, at most one per step (its 128-column
+    tiles leave a tp-8 shard of 768 x 4096 six)."""
+    if block_m == 1:
+        return max(1, min(triton.cdiv(2 * sms, tiles), k // block_k))
+    return max(1, min(triton.cdiv(4 * sms, tiles), k // (2 * block_k)))
 
 
 def wna16_blocks(m: int, n: int, k: int, sms: int) -> WoConfig:
     """The launch (a ``WoConfig``: kind "wna16", its ``split`` resolved by ``fill_split``;
-    or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs. Up to 16 rows (decode)
-    16 x 64 output tiles over 128-column K steps, K split to fill the SMs; up to 64 rows
-    32- or 64-row tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128 tiles, 8 warps; from
-    ``DEQUANT_MIN_M`` the dequantized weight times cuBLAS. ``BLOCK_K`` is 128 so each
-    of the ``pack`` products of a step has 16 (4-bit) or 32 (8-bit) columns."""
+    or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the CUDA-graph-timed
+    sweep of ``bench/time_wna16.py`` on an H100 (round 31, llama3-8b shapes, 4-bit): one
+    row the GEMV over 128-column tiles (4.5-6x faster than over 64 columns, 1.3x the
+    16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
+    tiles; all over 128-column K steps, K split to fill the SMs. From ``DEQUANT_MIN_M``
+    the dequantized weight times cuBLAS."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m == 1:
-        cfg = WoConfig("wna16", 1, 64, 128, 0, 4, 3)
+        cfg = WoConfig("wna16", 1, 128, 128, 0, 4, 3)
     elif m <= 16:
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
-    elif m <= 32:
-        cfg = WoConfig("wna16", 32, 64, 128, 0, 4, 3)
-    elif m <= 64:
-        cfg = WoConfig("wna16", 64, 64, 128, 0, 4, 3)
     else:
-        cfg = WoConfig("wna16", 64, 128, 128, 0, 8, 3)
+        cfg = WoConfig("wna16", 64, 128, 128, 0, 4, 3)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return cfg._replace(split=fill_split(tiles, k, cfg.block_k, sms))
+    return cfg._replace(split=fill_split(tiles, k, cfg.block_k, sms, cfg.block_m))
 
 
 def scale_mode(runs: tuple[int, int] | None, block_k: int, pack: int) -> int:
@@ -368,8 +370,13 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return y
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     assert bk >= 16 and bk & (bk - 1) == 0, f"K steps of {bk} columns: a power of two from 16"
+    if perm is not None and bm > 1:
+        # the activations in served column order, one gather for the call: through perm in
+        # the tile loop every step's [BLOCK_M, BLOCK_K] load is uncoalesced (round 31:
+        # 2.5x the product's time at 16 rows, 9x at 64); the GEMV's [BLOCK_K] is not
+        x, perm = x.index_select(1, perm), None
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    split = cfg.split or fill_split(m_tiles * n_tiles, k, bk, _sm_count(x.device))
+    split = cfg.split or fill_split(m_tiles * n_tiles, k, bk, _sm_count(x.device), bm)
     split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
     dot_dtype, precision = dot_config(x.dtype, x.device)
     first, size = runs or (0, 1)
