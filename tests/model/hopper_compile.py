@@ -74,12 +74,12 @@ def main() -> int:
         for bits in (4, 8):
             # scale rows per K step, per packed row (groups of 32), per column, act-order
             # sorted (perm); M = 1 (split K; the shipped launch and the other of GEMV and
-            # 16-row dot), 33, 130 (dequantized, then cuBLAS); K = 384 a whole number of
+            # 16-row dot), 33, 170 (dequantized, then cuBLAS); K = 384 a whole number of
             # K steps, 320 not
             for layout, group in (("grouped", 128), ("grouped", 32), ("columns", 128),
                                   ("act-order", 128)):
                 for m, k, config in ((1, 384, None), (1, 384, OTHER_DECODE), (33, 320, None),
-                                     (130, 384, None)):
+                                     (170, 384, None)):
                     x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, layout, group)
                     triton_wna16.wna16_matmul(x, *weight, bits, torch.zeros(n, dtype=dtype),
                                               config, perm=perm, runs=runs)

@@ -1,6 +1,6 @@
 """The WNA16 kernels compile for Hopper (sm_90) on this machine, GPU or not: every launch
 the wrappers make for fp16 / bf16 / fp32, 4 and 8 bits, scales per K step, per packed
-row, per column and act-order sorted, at M = 1 (GEMV and 16-row dot), 33 and 130 (``hopper_compile.py``).
+row, per column and act-order sorted, at M = 1 (GEMV and 16-row dot), 33 and 170 (``hopper_compile.py``).
 
 The interpreter the other kernel tests use off CUDA cannot see an error that only the
 compiler raises; the first H200 compile of the rewritten kernel failed on one
@@ -29,7 +29,7 @@ def test_every_wna16_launch_compiles_for_sm90():
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
-    # 3 dtypes x 2 widths x 4 layouts: M = 1 (GEMV and 16-row dot) and 33 fused, M = 130
+    # 3 dtypes x 2 widths x 4 layouts: M = 1 (GEMV and 16-row dot) and 33 fused, M = 170
     # dequantized; the GEMV's K split (three 128-column steps) reduced by triton_fp8's kernel
     assert compiled == {"_wna16_kernel": 72, "_wna16_dequant_kernel": 24,
                         "_wo_reduce_kernel": 24}

@@ -95,15 +95,15 @@ def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dt
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m,n,k", [(1, 72, 384), (5, 24, 256), (33, 72, 384), (130, 40, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 72, 384), (5, 24, 256), (33, 72, 384), (170, 40, 256)])
 def test_equals_the_dequantized_product(kern, m, n, k, bits, dtype, layout):
     """The shipped launches at decode (M = 1, 5: 16-row tiles), above (M = 33: a 64-row
-    tile, an M tail) and from ``DEQUANT_MIN_M`` (M = 130: the dequantized weight times a
+    tile, an M tail) and from ``DEQUANT_MIN_M`` (M = 170: the dequantized weight times a
     matmul), N tails of the 64-column tile, K = 384 three 128-column steps in groups of
-    128 (one scale row a step), with a bias at M = 5 and 130."""
+    128 (one scale row a step), with a bias at M = 5 and 170."""
     x, *ops = _operands(m, n, k, bits, dtype, 2, layout, group=128)
     bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
-            if m in (5, 130) else None)
+            if m in (5, 170) else None)
     assert (kern.wna16_blocks(m, n, k, 132) == kern.DEQUANT) == (m >= kern.DEQUANT_MIN_M)
     _check(kern, x, *ops[:4], *ops[4:], bits, bias)
 
@@ -189,13 +189,12 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     """The static launch table (no kernel run) at decode, for the llama3-8b shapes and
     their tp-8 shards on 132 SMs: the programs (tiles times split) fill at least 90 % of
     the SMs (the smallest shard, 8 tiles of 512 x 4096, runs 128 at its cap of two K
-    steps a chunk), and tiles that fill two programs per SM (GEMV) or four (tensor-core
-    tiles) are never split."""
+    steps a chunk), and tiles that fill four programs per SM are never split."""
     cfg = kern.wna16_blocks(m, n, k, 132)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     assert cfg.kind == "wna16" and cfg.block_m == (1 if m == 1 else 16) and cfg.split >= 1
     assert tiles * cfg.split >= 0.9 * 132
-    assert cfg.split == 1 or tiles < (2 if m == 1 else 4) * 132
+    assert cfg.split == 1 or tiles < 4 * 132
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

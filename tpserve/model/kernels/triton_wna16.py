@@ -58,24 +58,23 @@ DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
 
 def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) -> int:
     """The K split for ``tiles`` output tiles of ``block_m`` rows: enough programs for four
-    per SM (the H100 sweep of round 31 found the tensor-core launches 5-15 % faster at
-    four than at two), at most one per two ``block_k`` steps of K (``triton_fp8.auto_split``
-    allows one per four, which leaves a tp-8 shard at decode, 8 tiles of 512 x 4096, on 64
-    of 132 SMs; here 128). The one-row GEMV: two per SM, at most one per step (its 128-column
-    tiles leave a tp-8 shard of 768 x 4096 six)."""
-    if block_m == 1:
-        return max(1, min(triton.cdiv(2 * sms, tiles), k // block_k))
-    return max(1, min(triton.cdiv(4 * sms, tiles), k // (2 * block_k)))
+    per SM (the H100 sweeps of round 31: 5-20 % faster than two), at most one per two
+    ``block_k`` steps of K (``triton_fp8.auto_split`` allows one per four, which leaves a
+    tp-8 shard at decode, 8 tiles of 512 x 4096, on 64 of 132 SMs; here 128); the one-row
+    GEMV at most one per step (its 128-column tiles leave a tp-8 shard of 768 x 4096 six)."""
+    steps = k // block_k if block_m == 1 else k // (2 * block_k)
+    return max(1, min(triton.cdiv(4 * sms, tiles), steps))
 
 
 def wna16_blocks(m: int, n: int, k: int, sms: int) -> WoConfig:
     """The launch (a ``WoConfig``: kind "wna16", its ``split`` resolved by ``fill_split``;
     or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the CUDA-graph-timed
-    sweep of ``bench/time_wna16.py`` on an H100 (round 31, llama3-8b shapes, 4-bit): one
+    sweeps of ``bench/time_wna16.py`` on an H100 (round 31, llama3-8b shapes, 4-bit): one
     row the GEMV over 128-column tiles (4.5-6x faster than over 64 columns, 1.3x the
     16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
-    tiles; all over 128-column K steps, K split to fill the SMs. From ``DEQUANT_MIN_M``
-    the dequantized weight times cuBLAS."""
+    tiles (4 warps: 8 were 5-10 % slower, 128-row tiles 15-60 %); all over 128-column K
+    steps, K split to fill the SMs. From ``DEQUANT_MIN_M`` the dequantized weight times
+    cuBLAS."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m == 1:
