@@ -72,11 +72,12 @@ def resolve(cfg, m: int, n: int, k: int, sms: int, fill_split, factor: float = 1
     return ",".join(map(str, cfg._replace(split=-(-k // chunk))))
 
 
-def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
+def candidates(kern, m: int, n: int, k: int, sms: int, mode: str, dtype: torch.dtype
+               ) -> list[str]:
     """``--sweep``'s launches for ``(M, N, K)`` (the default's excluded); tiles of more rows
     than ``max(16, M)`` rounded up to a power of two are left out (padding only), and the
     one-row GEMV above two rows (it reads the weight once a row)."""
-    base = kern.wna16_blocks(m, n, k, sms)._replace(split=0)
+    base = kern.wna16_blocks(m, n, k, sms, dtype)._replace(split=0)
     if base.kind == "dequant":  # sweep the fused kernel's largest tile against it
         base = kern.WoConfig("wna16", 64, 128, 128, 0, 8, 3)
     if mode == "grid":
@@ -86,7 +87,7 @@ def candidates(kern, m: int, n: int, k: int, sms: int, mode: str) -> list[str]:
         pairs = [(base._replace(**{field: v}), 1) for field, vs in AXES.items() for v in vs]
         pairs += [(base, f) for f in SPLIT_FACTORS]
     top_m = max(16, 1 << (m - 1).bit_length())
-    default = resolve(kern.wna16_blocks(m, n, k, sms), m, n, k, sms, kern.fill_split)
+    default = resolve(kern.wna16_blocks(m, n, k, sms, dtype), m, n, k, sms, kern.fill_split)
     out = []
     for cfg, f in pairs:
         spec = resolve(cfg, m, n, k, sms, kern.fill_split, f)
@@ -195,7 +196,7 @@ def main() -> None:
             if task % wn != wi:
                 continue
             x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
-            default = resolve(kern.wna16_blocks(m, n, k, sms), m, n, k, sms, kern.fill_split)
+            default = resolve(kern.wna16_blocks(m, n, k, sms, dtype), m, n, k, sms, kern.fill_split)
             row = {"shape": name, "m": m, "n": n, "k": k, "default_launch": default}
 
             def entry(fns, nbytes, ref=None, base_us=None, m=m, n=n, k=k):
@@ -213,7 +214,7 @@ def main() -> None:
             extra = [s if s == "dequant" else
                      resolve(kern.WoConfig.parse(s), m, n, k, sms, kern.fill_split)
                      for s in a.launch]
-            extra += candidates(kern, m, n, k, sms, a.sweep) if a.sweep else []
+            extra += candidates(kern, m, n, k, sms, a.sweep, dtype) if a.sweep else []
             for v, (bits, sets, (perm, runs), nbytes) in wvars.items():
                 ref = (None if a.compile_only else
                        linear(x, *sets[0], bits, runs=runs, perm=perm).float())

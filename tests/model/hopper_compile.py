@@ -34,6 +34,7 @@ POINTEE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
 OPTIONS = ("num_warps", "num_stages")
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+SHARED_MAX = 232_448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 
 
 def compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
@@ -53,7 +54,13 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
             signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
         else:
             signature[p.name] = "fp32"
-    triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
+                            options=options)
+    # the launch, not the compiler, refuses more shared memory than an SM gives a block
+    # (OutOfResources): round 31's fp32 per-column tiles of 64 x 128 asked for 238,080
+    assert kernel.metadata.shared <= SHARED_MAX, (
+        f"{fn.__name__} {constexprs} {options}: {kernel.metadata.shared} bytes of shared "
+        f"memory, sm_90 gives a block {SHARED_MAX}")
 
 
 def main() -> int:
@@ -68,7 +75,7 @@ def main() -> int:
     triton_wna16._numerics = lambda dtype, device: numerics(dtype, CUDA)
     triton_wna16.dot_config = lambda dtype, device: dot_config(dtype, CUDA)
     n = 256
-    gemv = triton_wna16.wna16_blocks(1, n, 384, 132).block_m == 1
+    gemv = triton_wna16.wna16_blocks(1, n, 384, 132, torch.float16).block_m == 1
     OTHER_DECODE = "wna16,16,64,128,0,4,3" if gemv else "wna16,1,64,128,0,4,3"  # noqa: N806
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for bits in (4, 8):

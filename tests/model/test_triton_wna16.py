@@ -104,7 +104,7 @@ def test_equals_the_dequantized_product(kern, m, n, k, bits, dtype, layout):
     x, *ops = _operands(m, n, k, bits, dtype, 2, layout, group=128)
     bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
             if m in (5, 170) else None)
-    assert (kern.wna16_blocks(m, n, k, 132) == kern.DEQUANT) == (m >= kern.DEQUANT_MIN_M)
+    assert (kern.wna16_blocks(m, n, k, 132, torch.float16) == kern.DEQUANT) == (m >= kern.DEQUANT_MIN_M)
     _check(kern, x, *ops[:4], *ops[4:], bits, bias)
 
 
@@ -130,7 +130,7 @@ def test_decode_splits_k_over_programs(kern, bits):
     partials reduced with the bias after; it equals the reference as the unsplit launch
     does."""
     m, n, k = 1, 24, 1088
-    cfg = kern.wna16_blocks(m, n, k, 132)
+    cfg = kern.wna16_blocks(m, n, k, 132, torch.float16)
     assert cfg.block_m == 1 and cfg.split == 8
     assert kern.split_k(cfg.split, m, n, k, cfg.block_k, torch.empty(m, n))[:3] == (5, 256, False)
     x, *ops = _operands(m, n, k, bits, torch.bfloat16, 4, "act-order")
@@ -190,11 +190,20 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     their tp-8 shards on 132 SMs: the programs (tiles times split) fill at least 90 % of
     the SMs (the smallest shard, 8 tiles of 512 x 4096, runs 128 at its cap of two K
     steps a chunk), and tiles that fill four programs per SM are never split."""
-    cfg = kern.wna16_blocks(m, n, k, 132)
+    cfg = kern.wna16_blocks(m, n, k, 132, torch.float16)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     assert cfg.kind == "wna16" and cfg.block_m == (1 if m == 1 else 16) and cfg.split >= 1
     assert tiles * cfg.split >= 0.9 * 132
     assert cfg.split == 1 or tiles < 4 * 132
+
+
+def test_float32_keeps_16_row_tiles_above_16_rows(kern):
+    """float32 products run on the CUDA cores (``ieee``): 16 x 64 tiles at 33 rows, where a
+    64 x 128 tile with per-column groups needs more shared memory than an H100 gives a block
+    (``test_hopper_compile.py`` checks every launch's); fp16 / bf16 take the 64 x 128 tile."""
+    assert kern.wna16_blocks(33, 4096, 4096, 132, torch.float32)[:4] == ("wna16", 16, 64, 128)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert kern.wna16_blocks(33, 4096, 4096, 132, dtype)[:4] == ("wna16", 64, 128, 128)
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

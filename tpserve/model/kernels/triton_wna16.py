@@ -66,20 +66,23 @@ def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) ->
     return max(1, min(triton.cdiv(4 * sms, tiles), steps))
 
 
-def wna16_blocks(m: int, n: int, k: int, sms: int) -> WoConfig:
+def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype) -> WoConfig:
     """The launch (a ``WoConfig``: kind "wna16", its ``split`` resolved by ``fill_split``;
     or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the CUDA-graph-timed
     sweeps of ``bench/time_wna16.py`` on an H100 (round 31, llama3-8b shapes, 4-bit): one
     row the GEMV over 128-column tiles (4.5-6x faster than over 64 columns, 1.3x the
     16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
     tiles (4 warps: 8 were 5-10 % slower, 128-row tiles 15-60 %); all over 128-column K
-    steps, K split to fill the SMs. From ``DEQUANT_MIN_M`` the dequantized weight times
-    cuBLAS."""
+    steps, K split to fill the SMs. float32 activations keep 16 x 64 tiles above 16 rows:
+    their products run on the CUDA cores (``ieee``), so larger tiles gain nothing, and a 64
+    x 128 tile with per-column groups needs 238,080 bytes of shared memory, over an H100's
+    232,448 (round 31: the launch was refused). From ``DEQUANT_MIN_M`` the dequantized
+    weight times cuBLAS."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m == 1:
         cfg = WoConfig("wna16", 1, 128, 128, 0, 4, 3)
-    elif m <= 16:
+    elif m <= 16 or dtype == torch.float32:
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     else:
         cfg = WoConfig("wna16", 64, 128, 128, 0, 4, 3)
@@ -354,7 +357,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m = x.shape[0]
     assert x.shape[1] == k, f"x {tuple(x.shape)} against {k} input columns"
     if config is None:
-        cfg = wna16_blocks(m, n, k, _sm_count(x.device))
+        cfg = wna16_blocks(m, n, k, _sm_count(x.device), x.dtype)
     elif config == "dequant" or config == DEQUANT:
         cfg = DEQUANT
     else:
