@@ -64,7 +64,7 @@ def resolve(cfg, m: int, n: int, k: int, sms: int, fill_split, factor: float = 1
     """``cfg``'s string with the split as the kernel runs it: 0 -> ``fill_split`` times
     ``factor``, then cut to whole ``block_k`` steps with no empty chunk (``split_k``)."""
     if cfg.kind == "dequant":  # the dequantized weight times cuBLAS: no tiles
-        return "dequant"
+        return ",".join(map(str, cfg)) if cfg.block_n else "dequant"  # block_n: a chunk
     split = cfg.split or max(1, int(factor * fill_split(
         -(-m // cfg.block_m) * -(-n // cfg.block_n), k, cfg.block_k, sms, cfg.block_m)))
     steps = -(-k // cfg.block_k)

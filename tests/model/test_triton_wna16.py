@@ -122,6 +122,22 @@ def test_one_row_gemv_equals_the_dequantized_product(kern, bits, dtype, layout):
         _check(kern, x, *ops[:4], *ops[4:], bits, bias, config)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_dequantized_weight_in_column_chunks(kern, bits, layout):
+    """The dequantized path a chunk of output columns at a time (``dequant,0,CHUNK,...``:
+    one ``[K, CHUNK]`` scratch, each chunk's product written into its columns of the
+    output): N = 40 in chunks of 16, 16 and 8 (a short last chunk), with a bias; each chunk's
+    weight is the whole dequantized weight's columns bit for bit (``x = I``)."""
+    x, *ops = _operands(170, 40, 256, bits, torch.float32, 10, layout, group=128)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    _check(kern, x, *ops[:4], *ops[4:], bits, bias, "dequant,0,16,0,1,0")
+    eye = torch.eye(256, device=DEVICE)
+    assert torch.equal(kern.wna16_matmul(eye, *ops[:4], bits, None, "dequant,0,16,0,1,0",
+                                         *ops[4:]),
+                       _weight(*ops[:4], ops[4], bits).t())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_splits_k_over_programs(kern, bits):
     """M = 1, one output tile, K = 1,088 (nine 128-column steps, act-order sorted in groups

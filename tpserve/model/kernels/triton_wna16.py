@@ -323,11 +323,16 @@ def _numerics(dtype: torch.dtype, device: torch.device) -> dict:
 def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      g_idx: torch.Tensor, bits: int, perm: torch.Tensor | None = None,
                      runs: tuple[int, int] | None = None, rows: int = 16,
-                     block_n: int = 256) -> torch.Tensor:
+                     block_n: int = 256, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight ``W [K, N]`` in ``scales``' dtype, rows in the checkpoint's column order
-    (``perm``): ``quant.wna16.dequantize`` (transposed, unsorted) bit for bit."""
+    (``perm``): ``quant.wna16.dequantize`` (transposed, unsorted) bit for bit; written
+    into ``out`` (``[K, N]``, contiguous rows) when given."""
     pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, scales.dtype, perm)
-    w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
+    if out is None:
+        w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
+    else:
+        assert out.shape == (k, n) and out.dtype == scales.dtype and out.stride(-1) == 1
+        w = out
     mode = scale_mode(runs, rows * pack, pack)
     first, size = runs or (0, 1)
     _wna16_dequant_kernel[(triton.cdiv(k // pack, rows), triton.cdiv(n, block_n))](
@@ -336,6 +341,29 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         HAS_PERM=perm is not None, ROWS=rows, BLOCK_N=block_n,
         **_numerics(scales.dtype, qweight.device), num_warps=4)
     return w
+
+
+def _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
+                         chunk: int) -> torch.Tensor:
+    """``x W (+ bias)`` through the dequantized weight: whole (``chunk`` 0), or ``chunk``
+    output columns at a time through one ``[K, chunk]`` scratch, each chunk's product
+    written into its columns of the output (cuBLAS with the output's leading dimension):
+    a scratch that fits in L2 is read back from there rather than from HBM."""
+    n = qweight.shape[1]
+    if not chunk or chunk >= n:
+        w = wna16_dequantize(qweight, scales, zeros, g_idx, bits, perm, runs)
+        return torch.addmm(bias, x, w) if bias is not None else x @ w
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    scratch = torch.empty((g_idx.numel(), chunk), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk):
+        cols = slice(n0, min(n, n0 + chunk))
+        w = wna16_dequantize(qweight[:, cols], scales[:, cols], zeros[:, cols], g_idx, bits,
+                             perm, runs, out=scratch[:, :cols.stop - n0])
+        if bias is not None:
+            torch.addmm(bias[cols], x, w, out=y[:, cols])
+        else:
+            torch.mm(x, w, out=y[:, cols])
+    return y
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -358,15 +386,15 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert x.shape[1] == k, f"x {tuple(x.shape)} against {k} input columns"
     if config is None:
         cfg = wna16_blocks(m, n, k, _sm_count(x.device), x.dtype)
-    elif config == "dequant" or config == DEQUANT:
+    elif config == "dequant":
         cfg = DEQUANT
     else:
         cfg = WoConfig.parse(config) if isinstance(config, str) else config
-        if cfg.kind != "wna16":
+        if cfg.kind not in ("wna16", "dequant"):
             raise ValueError(f"not a wna16 launch: {cfg}")
-    if cfg == DEQUANT:
-        w = wna16_dequantize(qweight, scales, zeros, g_idx, bits, perm, runs)
-        return torch.addmm(bias, x, w) if bias is not None else x @ w
+    if cfg.kind == "dequant":
+        return _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
+                                    cfg.block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
