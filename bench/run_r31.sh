@@ -13,13 +13,28 @@
 #   bash bench/run_r31.sh SHA tiles   the same steps with the sweep at M = 1 only and the
 #     tensor-core tiles of 64 and 128 rows timed beside the shipped launches at every M
 #     (where the dequantized path should take over: DEQUANT_MIN_M).
+#   bash bench/run_r31.sh SHA chunks  (planned, about 4 minutes) the dequantized path whole
+#     and in chunks of 512 .. 4,096 output columns (a scratch that stays in L2) at M 128 ..
+#     2,048 into $OUT/wna16-chunks.json, then the float32 tests that failed in round 31's
+#     fifth call and the chunk test.
 # carry [".whl"].
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
-PART=${2:?sweep or tiles}
+PART=${2:?sweep, tiles or chunks}
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+if [ "$PART" = chunks ]; then
+  timeout 150 python3 bench/time_wna16.py --git-commit "$SHA" --bits 4 --m 128 256 512 2048 \
+    --launch dequant dequant,0,512,0,1,0 dequant,0,1024,0,1,0 dequant,0,2048,0,1,0 \
+    dequant,0,4096,0,1,0 --out "$OUT/wna16-chunks.json" 2>&1 | tail -6 || true
+  timeout 90 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py \
+    -k "equals_the_dequantized_product and 33 and float32 or float32_keeps or column_chunks" \
+    2>&1 | tail -3 || true
+  step "done"
+  exit 0
+fi
 if [ "$PART" = sweep ]; then
   SWEEP=(--sweep --bits 4 --m 1 16 64 --launch dequant)
   DEFAULTS=(--bits 4 --act-order --m 1 2 4 8 16 32 64 128 256 512 2048 --launch dequant)

@@ -13,7 +13,8 @@ dequant`` also times the dequantized weight times cuBLAS (the launch from
 launches of ``candidates`` (``axes``: the default with one of block M / N / K, warps, stages
 or the split, x0.5 / x1 / x2 of ``fill_split``, changed; ``grid``: every combination) and
 ``--launch`` given ``WoConfig`` strings, as ``w4[wna16,BM,BN,BK,SPLIT,WARPS,STAGES]`` (the
-split resolved as the kernel cuts it), and records the fastest as ``<variant>_best``
+split resolved as the kernel cuts it; ``dequant,0,CHUNK,0,1,0``: the dequantized weight
+``CHUNK`` output columns at a time through one scratch), and records the fastest as ``<variant>_best``
 (``axes``: about 10-15 launches per variant and M; ``grid``: hundreds: narrow it with ``--m``,
 ``--shapes``, ``--bits`` and fill the Triton cache first with ``--compile-only`` workers).
 
