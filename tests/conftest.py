@@ -48,6 +48,7 @@ LONG_UNITS = (
     "tests/server/test_server_e2e.py",  # 50 s
     "tests/server/test_fp8_checkpoint_server.py",  # 45 s
     "tests/server/test_int_checkpoint_server.py",  # 45 s
+    "tests/server/test_gguf_integer_server.py",  # 45 s
     "tests/model/test_tokenizer_cache.py",  # 40 s
     "tests/server/test_first_contact.py",  # 40 s
     "tests/model/test_tiny_models.py",  # 40 s

@@ -321,14 +321,17 @@ def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                    extra_tensors: dict | None = None, layer_names: dict | None = None,
-                   norm_shift: float = 0.0, state: dict | None = None) -> Path:
+                   norm_shift: float = 0.0, state: dict | None = None,
+                   linear_type=None) -> Path:
     """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
     metadata keys and tensor names, ``llama``'s (and ``granite``'s) q/k rows permuted as the converter permutes
     them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
     ``write_metadata(writer)`` adds keys, ``extra_tensors`` (name -> numpy array) tensors;
     ``layer_names`` laid over ``GGUF_LAYER_NAMES``; ``norm_shift`` added to every norm
     weight (Gemma's converter stores ``1 + w``); ``state`` written instead of the model's
-    ``state_dict()`` (tensors renamed or split as llama.cpp's converter would)."""
+    ``state_dict()`` (tensors renamed or split as llama.cpp's converter would);
+    ``linear_type`` (a ``gguf.GGMLQuantizationType``) quantizes the decoder layers' 2-d
+    linear weights to it by ``gguf.quants.quantize``, as llama.cpp's quantizer does."""
     import gguf
 
     cfg = model.config
@@ -366,6 +369,11 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                      "lm_head.weight": "output.weight"}[name]
         if gname.endswith("norm.weight"):
             t = t + norm_shift
+        if linear_type is not None and gname.startswith("blk.") and t.dim() == 2 \
+                and not gname.endswith("norm.weight"):
+            w.add_tensor(gname, gguf.quants.quantize(t.float().numpy(), linear_type),
+                         raw_dtype=linear_type)
+            continue
         w.add_tensor(gname, t.float().numpy())
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)

@@ -41,13 +41,19 @@ def test_served_as_stored_with_the_dequantized_models_logprobs(base, tmp_path, f
     server = ServerProcess(str(folder), "--no-engine-process", "--tensor-parallel-size",
                            str(tp), log_level="info")
     try:
-        assert (f"linear layers: {fmt} weights, as stored (quantization_config.quant_method "
-                f"{words})") in server.output(), server.output()
-        check_served_logprobs(server, in_process_logprobs(str(twin), None))
-        client = server.client()
-        r = client.completions.create(model=client.models.list().data[0].id,
-                                      prompt="The capital of France is", max_tokens=8,
-                                      temperature=0)
-        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+        check_stored_server(server, f"linear layers: {fmt} weights, as stored "
+                            f"(quantization_config.quant_method {words})", twin)
     finally:
         assert server.stop() == 0, server.output()
+
+
+def check_stored_server(server: ServerProcess, log_line: str, oracle: Path) -> None:
+    """The server logged ``log_line`` at start-up, serves ``oracle``'s log-probabilities
+    (the model loaded in process, unquantized) and answers a greedy completion in full."""
+    assert log_line in server.output(), server.output()
+    check_served_logprobs(server, in_process_logprobs(str(oracle), None))
+    client = server.client()
+    r = client.completions.create(model=client.models.list().data[0].id,
+                                  prompt="The capital of France is", max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8

@@ -244,9 +244,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
         if cfg.num_experts and not getattr(quant_method, "quantizes_experts", True):
             raise ValueError(f"{cfg.architecture} is a mixture of experts: the experts of "
-                             "an FP8, GPTQ or AWQ checkpoint are not supported yet; serve "
-                             "the model's unquantized checkpoint (--quantization fp8 "
-                             "quantizes it at load)")
+                             "an FP8, GPTQ or AWQ checkpoint (or of a GGUF file held as "
+                             "stored, --quantization gguf) are not supported yet; serve the "
+                             "model's unquantized checkpoint or the GGUF file dequantized "
+                             "(--quantization auto; fp8 quantizes either at load)")
         self.cfg = cfg
         self.comm = comm
         self.attn_backend = attn

@@ -64,7 +64,7 @@ from tpserve.model.plan import (
 )
 from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
-from tpserve.model.quant.methods import linear_method
+from tpserve.model.quant.methods import linear_method, served_quantization
 from tpserve.model.quant.wna16_method import graph_scratch_bytes
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
@@ -119,12 +119,13 @@ class ModelRunner:
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
+        stored = served_quantization(cfg.quantization, self.ckpt.quantization)
         if quant is not None and group.rank == 0:
             products = (f"; {quant.describe_products()}"
                         if getattr(quant, "scaled_mm", False) else "")
             logger.info("linear layers: %s weights, %s%s", cfg.quantization,
-                        f"as stored ({self.ckpt.quantization.describe()})"
-                        if self.ckpt.quantization else "quantized at load", products)
+                        f"as stored ({stored.describe()})" if stored else "quantized at load",
+                        products)
         try:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                      self.attn, self.max_model_len, show_progress,

@@ -121,7 +121,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "products on Hopper), gptq, awq or compressed-tensors (a GPTQ / AWQ / "
                         "pack-quantized checkpoint's 4- or 8-bit weights with group scales "
                         "and zero points, multiplied in the model's dtype; gptq_marlin and "
-                        "awq_marlin name the same). none on a quantized checkpoint is refused")
+                        "awq_marlin name the same), gguf (a GGUF file whose decoder linear "
+                        "weights are all Q8_0 or all Q4_0, held at 8 or 4 bits a weight "
+                        "instead of dequantized at load, which auto does). none on a "
+                        "quantized safetensors checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,
                    default=DEFAULT_WEIGHT_ONLY_MAX_TOKENS,
                    help="with --quantization fp8: steps of at most this many tokens multiply "

@@ -36,7 +36,7 @@ from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.model.loader.hub import fetch_model, is_repo_id, local_folder
 from tpserve.model.lora.adapter import LoraConfig, LoraModule, read_adapter_layout
 from tpserve.model.pooling import resolve_pooler_config, resolve_runner
-from tpserve.model.quant.methods import resolve_quantization
+from tpserve.model.quant.methods import STORED_ONLY, resolve_quantization
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import ParallelConfig, torchrun_env
@@ -290,8 +290,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
                            tokenizer, a.disable_sliding_window)  # its config: no weights
-    dtype = resolve_dtype(a.dtype, torch.device(device),
-                          getattr(ckpt.quantization, "bits", None) is not None)
+    quantization = resolve_quantization(a.quantization, ckpt.quantization)
+    # integer weights served as stored: their scales' dtype (fp16) decides auto on a GPU
+    dtype = resolve_dtype(a.dtype, torch.device(device), quantization in STORED_ONLY)
     if a.reasoning_parser is not None:  # its tags must be tokens: checked before the load
         REASONING_PARSERS[a.reasoning_parser](ckpt.tokenizer())
     kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
@@ -323,7 +324,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         expert_parallel=a.enable_expert_parallel,
-        quantization=resolve_quantization(a.quantization, ckpt.quantization),
+        quantization=quantization,
         fp8_weight_only_max_tokens=a.fp8_weight_only_max_tokens,
         fp8_fast_accum=a.fp8_fast_accum, overlap_attention=a.overlap_attention,
         memory_history=a.memory_history, nvtx=a.nvtx, runner=runner_kind,

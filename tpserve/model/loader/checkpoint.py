@@ -16,6 +16,7 @@ from tpserve.model.checkpoint_names import FUSED
 from tpserve.model.config import ModelConfig
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
 from tpserve.model.loader import dummy, gguf_file
+from tpserve.model.loader.gguf_integer import stored_integer
 from tpserve.model.loader.hf_overrides import apply_overrides
 from tpserve.model.loader.progress import LoadProgress
 from tpserve.model.loader.tokenizer_cache import gguf_tokenizer
@@ -208,13 +209,19 @@ class GGUFCheckpoint(_TokenizerSource):
         self.path = path
         self.description = path.name
         self.reader = gguf_file.open_reader(path)
-        self.quantization = None
+        # Q8_0 / Q4_0 linear weights: servable as stored (--quantization gguf), else None
+        self.quantization = stored_integer(self.reader.tensors)
         self.kv_scales = False  # GGUF has no KV cache scales
         self.config = gguf_file.read_config(self.reader, path)
 
     def load_into(self, model: nn.Module, show_progress: bool) -> None:
-        _load_all(model, gguf_file.iter_weights(self.reader, self.config),
-                  gguf_file.num_weights(self.reader), self.description, show_progress)
+        # the model's layers say which form they take: codes where --quantization gguf built
+        # WNA16 layers, else floats (the file's blocks dequantized)
+        integer = any(getattr(getattr(m, "quant_method", None), "fmt", None) == "gguf"
+                      for m in model.modules())
+        _load_all(model, gguf_file.iter_weights(self.reader, self.config, integer),
+                  gguf_file.num_weights(self.reader, integer), self.description,
+                  show_progress)
 
     def _own_tokenizer(self) -> Any:
         return gguf_tokenizer(self.path)

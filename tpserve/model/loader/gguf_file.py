@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tpserve.model.config import ModelConfig
+from tpserve.model.loader import gguf_integer
 from tpserve.model.loader.gguf_reader import GGUFFile
 from tpserve.model.rope_scaling import RopeScaling, build_rope_scaling
 
@@ -325,22 +326,22 @@ class GGUFSource:
 
     def _unpermute(self, w: torch.Tensor, row_start: int) -> torch.Tensor:
         """Undo llama.cpp's per-head row interleaving for the heads in ``w``."""
-        head_dim = self.shape[0] // self.unpermute_heads
-        if row_start % head_dim or w.shape[0] % head_dim:
-            raise ValueError("GGUF q/k shards must be whole heads")
-        n = w.shape[0] // head_dim
-        return (w.reshape(n, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2)
-                .reshape(w.shape))
+        return gguf_integer.unpermute_rows(w, self.unpermute_heads, self.shape[0], row_start)
 
 
-def num_weights(r) -> int:
-    """How many tensors ``iter_weights`` yields (the file's, less its config tensors)."""
-    return sum(t.name not in _CONFIG_TENSORS for t in r.tensors)
+def num_weights(r, integer: bool = False) -> int:
+    """How many tensors ``iter_weights`` yields (the file's, less its config tensors; with
+    ``integer``, three for each linear weight served as stored)."""
+    extra = 2 * sum(bool(gguf_integer.LINEAR.fullmatch(t.name)) for t in r.tensors)
+    return sum(t.name not in _CONFIG_TENSORS for t in r.tensors) + (extra if integer else 0)
 
 
-def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
+def iter_weights(r, cfg: ModelConfig, integer: bool = False
+                 ) -> Iterator[tuple[str, GGUFSource | gguf_integer.GGUFBlocks]]:
     """The file's weights by Hugging Face name; a Gemma file's norms (stored ``1 + w`` by
-    llama.cpp's converter) read as ``w``, what the model's unit-offset norms take."""
+    llama.cpp's converter) read as ``w``, what the model's unit-offset norms take. With
+    ``integer`` (``--quantization gguf``), each decoder linear weight as its codes, scales
+    and zero points (``gguf_integer``: ``q_proj.gguf_codes`` ...) instead of floats."""
     permute = cfg.architecture in _PERMUTED
     arch = _field(r, "general.architecture")
     for t in r.tensors:
@@ -351,7 +352,14 @@ def iter_weights(r, cfg: ModelConfig) -> Iterator[tuple[str, GGUFSource]]:
             heads = cfg.num_attention_heads
         elif permute and ".attn_k." in t.name:
             heads = cfg.num_key_value_heads
+        name = hf_name(t.name, arch)
+        if integer and gguf_integer.LINEAR.fullmatch(t.name):
+            base = name.removesuffix(".weight")
+            for part, suffix in zip(("codes", "scales", "zeros"), gguf_integer.SUFFIXES,
+                                    strict=True):
+                yield f"{base}.{suffix}", gguf_integer.GGUFBlocks(t, part, heads)
+            continue
         shift = -1.0 if cfg.norm_unit_offset and t.name.endswith("norm.weight") else 0.0
-        yield hf_name(t.name, arch), GGUFSource(t, heads, shift)
+        yield name, GGUFSource(t, heads, shift)
 
 

@@ -56,7 +56,9 @@ class CheckpointQuantization:
     Integer weights (GPTQ, AWQ): ``bits``, ``group_size`` (-1: one group per row),
     ``zero_offset`` (added to every stored zero point: 1 in GPTQ's v1 format),
     ``act_order`` (GPTQ's ``desc_act``: groups in any column order), ``symmetric`` (no
-    zero points stored: compressed-tensors)."""
+    zero points stored: compressed-tensors). ``dequantizable``: a GGUF file whose weights
+    the WNA16 method can serve as stored (``--quantization gguf``), while every other
+    choice (``auto`` and ``none`` included) dequantizes them at load, as before."""
 
     method: str
     quant_method: str
@@ -68,8 +70,12 @@ class CheckpointQuantization:
     zero_offset: int = 0
     act_order: bool = False
     symmetric: bool = False
+    dequantizable: bool = False
 
     def describe(self) -> str:
+        if self.method == "gguf":
+            return (f"the GGUF file's {self.quant_method} blocks, {self.bits}-bit, groups of "
+                    f"{self.group_size}")
         integer = ""
         if self.bits is not None:
             integer = (f", {self.bits}-bit, " + ("one group per row" if self.group_size == -1

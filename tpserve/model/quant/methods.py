@@ -6,7 +6,9 @@ is built: the checkpoint's own method (``checkpoint_format.py``) if it has one, 
 ``none``. The runner's config holds ``none``, ``fp8``, ``gptq`` or ``awq``; which fp8
 method serves fp8 follows from the checkpoint: quantize at load (an unquantized checkpoint)
 or load the fp8 codes and scales as stored (an FP8 checkpoint). ``gptq`` and ``awq`` serve
-only checkpoints of that method, as stored (``wna16_method.py``).
+only checkpoints of that method, as stored (``wna16_method.py``). ``gguf`` serves a GGUF
+file's ``Q8_0`` / ``Q4_0`` weights as stored (``loader/gguf_integer.py``); for such a file
+every other choice, ``auto`` included, dequantizes them at load (``dequantizable``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from tpserve.model.quant.fp8_block import Fp8BlockMethod, block_mm_supported
 from tpserve.model.quant.fp8_checkpoint import Fp8CheckpointMethod
 from tpserve.model.quant.wna16_method import Wna16Method
 
-QUANTIZATIONS = ("none", "fp8", "gptq", "awq", "compressed-tensors")
+QUANTIZATIONS = ("none", "fp8", "gptq", "awq", "compressed-tensors", "gguf")
 # never quantized at load: a checkpoint of that method ("compressed-tensors": its integer
 # weights; its FP8 checkpoints resolve to fp8)
-STORED_ONLY = ("gptq", "awq", "compressed-tensors")
+STORED_ONLY = ("gptq", "awq", "compressed-tensors", "gguf")
 # vLLM's names of its kernels for these checkpoints: the same weights here
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS, *ALIASES)
@@ -35,6 +37,7 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -
     if flag not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown --quantization {flag!r}; choose one of "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
+    checkpoint = served_quantization(flag, checkpoint)
     if flag == "auto":
         return "none" if checkpoint is None else checkpoint.method
     flag = ALIASES.get(flag, flag)
@@ -44,8 +47,24 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -
     return flag
 
 
+def served_quantization(quantization: str, checkpoint: CheckpointQuantization | None
+            ) -> CheckpointQuantization | None:
+    """The checkpoint's quantization as ``quantization`` serves it: a ``dequantizable`` one
+    (a GGUF file's integer blocks) counts only for its own method; otherwise its weights
+    are dequantized at load, as an unquantized checkpoint's."""
+    if checkpoint is not None and checkpoint.dequantizable and quantization != checkpoint.method:
+        return None
+    return checkpoint
+
+
 def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) -> None:
     """ValueError when the resolved ``quantization`` cannot serve the checkpoint."""
+    checkpoint = served_quantization(quantization, checkpoint)
+    if quantization == "gguf" and checkpoint is None:
+        raise ValueError("--quantization gguf serves GGUF files whose decoder layers' linear "
+                         "weights are all Q8_0 or all Q4_0 (and not Phi-3's fused attn_qkv), "
+                         "as stored; this checkpoint is not one (other GGUF files are "
+                         "dequantized at load: --quantization auto)")
     if checkpoint is not None and quantization != checkpoint.method:
         raise ValueError(f"--quantization {quantization}: the checkpoint is quantized "
                          f"({checkpoint.describe()}) and is served as stored; use "
@@ -71,6 +90,7 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
         raise ValueError(f"unknown --quantization {quantization!r}; choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
     check_matches(quantization, checkpoint)
+    checkpoint = served_quantization(quantization, checkpoint)
     if quantization == "none":
         return None
     backend = "triton" if kernel_backend == "triton" else "torch"

@@ -1,0 +1,179 @@
+"""GGUF ``Q8_0`` / ``Q4_0`` weights served as stored (``--quantization gguf``,
+``loader/gguf_integer.py``): the blocks read as WNA16 codes, scales and zero points, against
+the ``gguf`` package's own dequantization, and a tiny Llama written as a real GGUF file
+(q/k rows permuted as llama.cpp's converter does) served both ways: as stored, and
+dequantized at load (the default), on real gloo ranks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model.util import CPU, full_logits, save_gguf_file
+from tpserve.model.attention.backend import select_attention
+from tpserve.model.kernels.backend import select_ops
+from tpserve.model.loader.build import build_model
+from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
+from tpserve.model.loader.gguf_integer import GGUFBlocks, stored_integer
+from tpserve.model.quant.fp8 import Fp8LinearMethod
+from tpserve.model.quant.methods import linear_method, resolve_quantization
+from tpserve.model.quant.wna16 import dequantize
+from tpserve.model.quant.wna16_method import Wna16Method
+from tpserve.parallel.comm import Communicator
+from tpserve.parallel.launch import run_ranks
+from tpserve.parallel.state import TPGroup
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+TYPES = {"Q8_0": (Q.Q8_0, 8), "Q4_0": (Q.Q4_0, 4)}
+# 64 / 128 columns: whole 32-column blocks on each of 2 ranks (o_proj, down_proj)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+             max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
+
+
+def _tensor(values: np.ndarray, qtype) -> SimpleNamespace:
+    """A GGUF reader's tensor record of ``values`` quantized to ``qtype``."""
+    data = gguf.quants.quantize(values, qtype)
+    return SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=qtype, data=data,
+                           shape=tuple(reversed(values.shape)))
+
+
+def _weight(t, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
+    parts = [GGUFBlocks(t, part, heads) for part in ("codes", "scales", "zeros")]
+    per = {"codes": 1, "scales": 32, "zeros": 32}
+    codes, scales, zeros = (
+        p.read(dim, start // (per[p.part] if dim == 1 else 1),
+               None if length is None else length // (per[p.part] if dim == 1 else 1))
+        for p in parts)
+    assert codes.dtype == torch.int16 and scales.dtype == torch.float16
+    assert zeros.dtype == torch.uint8
+    groups = (codes.float() - zeros.float().repeat_interleave(32, 1)[:, :codes.shape[1]])
+    return groups * scales.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_blocks_equal_the_gguf_packages_dequantization(kind):
+    """``(code - zero) * scale`` of every element equals ``gguf.quants.dequantize`` of the
+    same bytes exactly: whole, a range of rows, a range of whole blocks of columns, and
+    rows of a q tensor with llama.cpp's per-head permutation undone."""
+    qtype, bits = TYPES[kind]
+    values = np.random.default_rng(3).standard_normal((48, 96)).astype(np.float32)
+    t = _tensor(values, qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(48, 96).copy())
+    got = _weight(t)
+    assert torch.equal(got, want)
+    codes = GGUFBlocks(t, "codes", None).read()
+    assert codes.min() >= 0 and codes.max() < 2**bits and codes.float().std() > 1
+    assert torch.equal(_weight(t, dim=0, start=8, length=16), want[8:24])
+    assert torch.equal(_weight(t, dim=1, start=32, length=64), want[:, 32:96])
+    # a head-permuted q of 6 heads of 8 rows: read as 3 + 3 heads equals the whole
+    heads = GGUFBlocks(t, "codes", 6)
+    whole = heads.read()
+    assert torch.equal(torch.cat([heads.read(0, 0, 24), heads.read(0, 24, 24)]), whole)
+    assert torch.equal(whole.reshape(6, 2, 4, 96).transpose(1, 2).reshape(48, 96), codes)
+
+
+def test_only_files_of_one_type_of_the_two_are_servable():
+    """A file is servable as stored when its decoder linear weights are all Q8_0 or all
+    Q4_0; Q4_1 (the embedded SmolLM2: float offsets), a mix, or Phi-3's fused q/k/v is
+    not; embeddings and norms do not count."""
+    def record(name, qtype):
+        return SimpleNamespace(name=name, tensor_type=qtype)
+
+    lin = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.1.attn_output.weight"]
+    other = [record("token_embd.weight", Q.Q6_K), record("blk.0.attn_norm.weight", Q.F32)]
+    q8 = stored_integer([record(n, Q.Q8_0) for n in lin] + other)
+    assert (q8.method, q8.bits, q8.group_size, q8.dequantizable) == ("gguf", 8, 32, True)
+    assert stored_integer([record(n, Q.Q4_0) for n in lin]).bits == 4
+    assert stored_integer([record(lin[0], Q.Q8_0), record(lin[1], Q.Q4_0)]) is None
+    assert stored_integer([record(n, Q.Q4_1) for n in lin]) is None
+    # Phi-3's fused q/k/v (loaded part by part) is not served as stored
+    assert stored_integer([record(n, Q.Q8_0) for n in lin]
+                          + [record("blk.0.attn_qkv.weight", Q.Q8_0)]) is None
+    embedded = open_checkpoint(str(embedded_model_path()))
+    assert embedded.quantization is None
+    with pytest.raises(ValueError, match="all Q8_0 or all Q4_0"):
+        resolve_quantization("gguf", embedded.quantization)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    import transformers as tf
+
+    torch.manual_seed(11)
+    cfg = tf.LlamaConfig(**SHAPE)
+    cfg.architectures = ["LlamaForCausalLM"]
+    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("ggufint")
+    return {kind: str(save_gguf_file(hf, root / f"{kind}.gguf", "llama",
+                                     linear_type=qtype))
+            for kind, (qtype, _) in TYPES.items()}
+
+
+def _load(path: str, quantization: str, group: TPGroup, backend: str = "torch"):
+    ckpt = open_checkpoint(path)
+    resolved = resolve_quantization(quantization, ckpt.quantization)
+    method = linear_method(resolved, backend, CPU, torch.float32, 32, ckpt.quantization)
+    comm = Communicator(group)
+    model = build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"),
+                        select_attention("torch", torch.float32), 512, quant_method=method)
+    return model, comm, method
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
+    """``--quantization gguf`` holds every decoder linear weight as its codes (int32-packed)
+    with fp16-exact scales and the type's zero point, and gives bit for bit the logits of
+    the default, which dequantizes the same blocks at load; ``auto``, ``none`` and ``fp8``
+    keep serving such a file as before (dequantized; fp8 quantizes the floats)."""
+    _, bits = TYPES[kind]
+    served, comm, method = _load(files[kind], "gguf", TPGroup(0, 1, CPU, None))
+    assert method == Wna16Method("gguf", bits, 32)
+    dense, dense_comm, none = _load(files[kind], "auto", TPGroup(0, 1, CPU, None))
+    assert none is None and _load(files[kind], "none", TPGroup(0, 1, CPU, None))[2] is None
+    assert isinstance(_load(files[kind], "fp8", TPGroup(0, 1, CPU, None))[2], Fp8LinearMethod)
+    params = dict(dense.named_parameters())
+    layers = 0
+    for name, mod in served.named_modules():
+        if isinstance(getattr(mod, "quant_method", None), Wna16Method):
+            layers += 1
+            assert mod.qweight.dtype == torch.int32
+            assert mod.qweight.shape[0] == mod.g_idx.numel() * bits // 32
+            assert set(mod.zeros.unique().tolist()) == {2.0 ** (bits - 1)}
+            w = dequantize(mod.qweight, mod.scales, mod.zeros, mod.g_idx, bits)
+            assert torch.equal(w, params[f"{name}.weight"]), name
+    assert layers == 2 * SHAPE["num_hidden_layers"] * 2  # qkv, o, gate_up, down a layer
+    got, want = full_logits(served, comm, TOKENS), full_logits(dense, dense_comm, TOKENS)
+    assert torch.equal(got, want) and got.abs().max() > 0
+
+
+def _tp_logits(group: TPGroup, path: str, quantization: str) -> torch.Tensor:
+    model, comm, _ = _load(path, quantization, group)
+    return full_logits(model, comm, TOKENS)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_two_ranks_serve_the_blocks_as_one_does(files, kind):
+    """At tp 2 each rank holds its rows of q/k/v and gate/up (whole heads, unpermuted) and
+    its 32-column blocks of o and down: the logits equal tp 1's dequantized model within
+    float32 summation order."""
+    want = full_logits(*_load(files[kind], "auto", TPGroup(0, 1, CPU, None))[:2], TOKENS)
+    for got in run_ranks(_tp_logits, 2, files[kind], "gguf"):
+        assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_triton_kernels_serve_the_blocks_as_the_reference_does(files, kind):
+    """The Triton back-end (the WNA16 kernels; Triton's interpreter off CUDA) on the 32-column
+    groups: a scale row per packed row of a K step, 13 rows through 16-row tiles."""
+    pytest.importorskip("triton")
+    one = TPGroup(0, 1, CPU, None)
+    model, comm, method = _load(files[kind], "gguf", one, "triton")
+    assert method.backend == "triton"
+    want = full_logits(*_load(files[kind], "gguf", one)[:2], TOKENS)
+    assert (full_logits(model, comm, TOKENS) - want).abs().max() <= 1e-5
