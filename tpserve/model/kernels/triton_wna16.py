@@ -14,7 +14,7 @@ to float conversion, the kernel's costliest step at decode. Products go through 
 float32; the bias is added to the K-complete float32 sum; the output rounded once. So each
 product is the reference's up to float32 summation order and the output's rounding.
 
-Two paths, chosen by M alone (``wna16_blocks``, static: CUDA graphs capture either):
+Two paths, chosen by M and the dtype (``wna16_blocks``, static: CUDA graphs capture either):
 - the fused GEMM (``_wna16_kernel``, M up to ``DEQUANT_MIN_M - 1``): each program
   dequantizes its weight tile in registers. A K step loads ``BLOCK_K / pack`` packed rows
   once, shifts every word by each code's offset into ``[BLOCK_K / pack, PACK, BLOCK_N]``
