@@ -72,7 +72,7 @@ def main() -> int:
 
     JITFunction.run = run
     numerics, dot_config = triton_wna16._numerics, triton_wna16.dot_config
-    triton_wna16._numerics = lambda dtype, device: numerics(dtype, CUDA)
+    triton_wna16._numerics = lambda dtype, device, offset: numerics(dtype, CUDA, offset)
     triton_wna16.dot_config = lambda dtype, device: dot_config(dtype, CUDA)
     n = 256
     gemv = triton_wna16.wna16_blocks(1, n, 384, 132, torch.float16).block_m == 1
@@ -90,6 +90,11 @@ def main() -> int:
                     x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, layout, group)
                     triton_wna16.wna16_matmul(x, *weight, bits, torch.zeros(n, dtype=dtype),
                                               config, perm=perm, runs=runs)
+        # float offsets (GGUF's Q4_1: 4 bits, groups of 32): the GEMV, a 33-row tile, the
+        # dequantized weight
+        for m, k in ((1, 384), (33, 320), (170, 384)):
+            x, *weight, perm, runs = operands(m, n, k, 4, dtype, 0, "grouped", 32)
+            triton_wna16.wna16_matmul(x, *weight, 4, None, perm=perm, runs=runs, offset=True)
     print(json.dumps(dict(compiled)))
     return 0
 

@@ -1,4 +1,4 @@
-"""GGUF ``Q8_0`` / ``Q4_0`` weights served as stored (``--quantization gguf``,
+"""GGUF ``Q8_0`` / ``Q4_0`` / ``Q4_1`` weights served as stored (``--quantization gguf``,
 ``loader/gguf_integer.py``): the blocks read as WNA16 codes, scales and zero points, against
 the ``gguf`` package's own dequantization, and a tiny Llama written as a real GGUF file
 (q/k rows permuted as llama.cpp's converter does) served both ways: as stored, and
@@ -28,7 +28,7 @@ from tpserve.parallel.state import TPGroup
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-TYPES = {"Q8_0": (Q.Q8_0, 8), "Q4_0": (Q.Q4_0, 4)}
+TYPES = {"Q8_0": (Q.Q8_0, 8), "Q4_0": (Q.Q4_0, 4), "Q4_1": (Q.Q4_1, 4)}
 # 64 / 128 columns: whole 32-column blocks on each of 2 ranks (o_proj, down_proj)
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -51,15 +51,19 @@ def _weight(t, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
                None if length is None else length // (per[p.part] if dim == 1 else 1))
         for p in parts)
     assert codes.dtype == torch.int16 and scales.dtype == torch.float16
+    z = zeros.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
+    s = scales.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
+    if t.tensor_type == Q.Q4_1:  # float offsets after the scale
+        assert zeros.dtype == torch.float16
+        return codes.float() * s + z
     assert zeros.dtype == torch.uint8
-    groups = (codes.float() - zeros.float().repeat_interleave(32, 1)[:, :codes.shape[1]])
-    return groups * scales.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
+    return (codes.float() - z) * s
 
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_blocks_equal_the_gguf_packages_dequantization(kind):
-    """``(code - zero) * scale`` of every element equals ``gguf.quants.dequantize`` of the
-    same bytes exactly: whole, a range of rows, a range of whole blocks of columns, and
+    """``(code - zero) * scale`` (``Q4_1``: ``code * scale + offset``) of every element
+    equals ``gguf.quants.dequantize`` of the same bytes exactly: whole, a range of rows, a range of whole blocks of columns, and
     rows of a q tensor with llama.cpp's per-head permutation undone."""
     qtype, bits = TYPES[kind]
     values = np.random.default_rng(3).standard_normal((48, 96)).astype(np.float32)
@@ -79,9 +83,9 @@ def test_blocks_equal_the_gguf_packages_dequantization(kind):
 
 
 def test_only_files_of_one_type_of_the_two_are_servable():
-    """A file is servable as stored when its decoder linear weights are all Q8_0 or all
-    Q4_0; Q4_1 (the embedded SmolLM2: float offsets), a mix, or Phi-3's fused q/k/v is
-    not; embeddings and norms do not count."""
+    """A file is servable as stored when its decoder linear weights are all Q8_0, all Q4_0
+    or all Q4_1 (the embedded SmolLM2's, with float offsets); a K-quant, a mix, or Phi-3's
+    fused q/k/v is not; embeddings and norms do not count."""
     def record(name, qtype):
         return SimpleNamespace(name=name, tensor_type=qtype)
 
@@ -91,14 +95,18 @@ def test_only_files_of_one_type_of_the_two_are_servable():
     assert (q8.method, q8.bits, q8.group_size, q8.dequantizable) == ("gguf", 8, 32, True)
     assert stored_integer([record(n, Q.Q4_0) for n in lin]).bits == 4
     assert stored_integer([record(lin[0], Q.Q8_0), record(lin[1], Q.Q4_0)]) is None
-    assert stored_integer([record(n, Q.Q4_1) for n in lin]) is None
+    q41 = stored_integer([record(n, Q.Q4_1) for n in lin])
+    assert (q41.bits, q41.offset, q8.offset) == (4, True, False)
+    assert stored_integer([record(n, Q.Q4_K) for n in lin]) is None
     # Phi-3's fused q/k/v (loaded part by part) is not served as stored
     assert stored_integer([record(n, Q.Q8_0) for n in lin]
                           + [record("blk.0.attn_qkv.weight", Q.Q8_0)]) is None
     embedded = open_checkpoint(str(embedded_model_path()))
-    assert embedded.quantization is None
-    with pytest.raises(ValueError, match="all Q8_0 or all Q4_0"):
-        resolve_quantization("gguf", embedded.quantization)
+    assert embedded.quantization.quant_method == "Q4_1"
+    assert resolve_quantization("gguf", embedded.quantization) == "gguf"
+    assert resolve_quantization("auto", embedded.quantization) == "none"
+    with pytest.raises(ValueError, match="all Q8_0, all Q4_0 or all Q4_1"):
+        resolve_quantization("gguf", stored_integer([record(n, Q.Q4_K) for n in lin]))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +141,8 @@ def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
     keep serving such a file as before (dequantized; fp8 quantizes the floats)."""
     _, bits = TYPES[kind]
     served, comm, method = _load(files[kind], "gguf", TPGroup(0, 1, CPU, None))
-    assert method == Wna16Method("gguf", bits, 32)
+    offset = kind == "Q4_1"
+    assert method == Wna16Method("gguf", bits, 32, offset=offset)
     dense, dense_comm, none = _load(files[kind], "auto", TPGroup(0, 1, CPU, None))
     assert none is None and _load(files[kind], "none", TPGroup(0, 1, CPU, None))[2] is None
     assert isinstance(_load(files[kind], "fp8", TPGroup(0, 1, CPU, None))[2], Fp8LinearMethod)
@@ -144,8 +153,10 @@ def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
             layers += 1
             assert mod.qweight.dtype == torch.int32
             assert mod.qweight.shape[0] == mod.g_idx.numel() * bits // 32
-            assert set(mod.zeros.unique().tolist()) == {2.0 ** (bits - 1)}
-            w = dequantize(mod.qweight, mod.scales, mod.zeros, mod.g_idx, bits)
+            if not offset:  # the type's zero point; Q4_1: every block's own offset
+                assert set(mod.zeros.unique().tolist()) == {2.0 ** (bits - 1)}
+            w = dequantize(mod.qweight, mod.scales, mod.zeros, mod.g_idx, bits,
+                           offset=offset)
             assert torch.equal(w, params[f"{name}.weight"]), name
     assert layers == 2 * SHAPE["num_hidden_layers"] * 2  # qkv, o, gate_up, down a layer
     got, want = full_logits(served, comm, TOKENS), full_logits(dense, dense_comm, TOKENS)
@@ -177,3 +188,28 @@ def test_the_triton_kernels_serve_the_blocks_as_the_reference_does(files, kind):
     assert method.backend == "triton"
     want = full_logits(*_load(files[kind], "gguf", one)[:2], TOKENS)
     assert (full_logits(model, comm, TOKENS) - want).abs().max() <= 1e-5
+
+
+def test_the_embedded_q4_1_model_served_as_stored_gives_its_logits():
+    """The embedded SmolLM2 (a real llama.cpp Q4_1 file, its token embedding Q8_0):
+    ``--quantization gguf`` holds its 210 Q4_1 weights (30 layers, 7 each) at 4 bits with
+    their offsets; each served weight is the default's (dequantized at load) bit for bit,
+    and the logits agree within float32 summation order (the reference multiplies a
+    transposed dequantized weight, which BLAS may sum in another order at these sizes),
+    with the same greedy token at every position."""
+    path = str(embedded_model_path())
+    one = TPGroup(0, 1, CPU, None)
+    served, comm, method = _load(path, "gguf", one)
+    assert method == Wna16Method("gguf", 4, 32, offset=True)
+    dense, dense_comm, _ = _load(path, "auto", one)
+    params = dict(dense.named_parameters())
+    layers = 0
+    for name, mod in served.named_modules():
+        if isinstance(getattr(mod, "quant_method", None), Wna16Method):
+            layers += 1
+            w = dequantize(mod.qweight, mod.scales, mod.zeros, mod.g_idx, 4, offset=True)
+            assert torch.equal(w, params[f"{name}.weight"]), name
+    assert layers == 30 * 4  # qkv, o, gate_up, down
+    got, want = full_logits(served, comm, TOKENS), full_logits(dense, dense_comm, TOKENS)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -44,14 +44,16 @@ def _operands(*args, **kwargs):
     return operands(*args, device=DEVICE, **kwargs)
 
 
-def _check(kern, x, qweight, scales, zeros, g_idx, perm, runs, bits, bias=None, config=None):
+def _check(kern, x, qweight, scales, zeros, g_idx, perm, runs, bits, bias=None, config=None,
+           offset=False):
     """Against the reference in x's dtype: both sides round the same ``W`` and sum in
     float32, so they differ by the two sums' orders (each within ``K * 2^-24`` of
     ``sum |x w|``) and then one rounding of the output dtype."""
-    y = kern.wna16_matmul(x, qweight, scales, zeros, g_idx, bits, bias, config, perm, runs)
-    want = linear(x, qweight, scales, zeros, g_idx, bits, bias, perm=perm)
+    y = kern.wna16_matmul(x, qweight, scales, zeros, g_idx, bits, bias, config, perm, runs,
+                          offset=offset)
+    want = linear(x, qweight, scales, zeros, g_idx, bits, bias, perm=perm, offset=offset)
     assert y.dtype == x.dtype and y.shape == want.shape
-    w = dequantize(qweight, scales, zeros, g_idx, bits).float()
+    w = dequantize(qweight, scales, zeros, g_idx, bits, offset=offset).float()
     xs = x if perm is None else x[:, perm.long()]
     mag = F.linear(xs.float().abs(), w.abs())
     k = x.shape[1]
@@ -136,6 +138,26 @@ def test_the_dequantized_weight_in_column_chunks(kern, bits, layout):
     assert torch.equal(kern.wna16_matmul(eye, *ops[:4], bits, None, "dequant,0,16,0,1,0",
                                          *ops[4:]),
                        _weight(*ops[:4], ops[4], bits).t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 33, 170])
+def test_float_offsets_equal_the_reference(kern, m, dtype):
+    """Float offsets after the scale (``offset``, GGUF's ``Q4_1``: ``W = q * s + z``, ``z``
+    any float): the GEMV (M = 1), 16-row tiles (5), 64-row tiles (33) and the dequantized
+    weight (170) against the reference, 4-bit codes in groups of 32 (a scale row per packed
+    row of a K step); with ``x = I`` each output is one weight, bit for bit."""
+    x, qweight, scales, zeros, g_idx, perm, runs = _operands(m, 72, 384, 4, dtype, 12)
+    zeros = (torch.randn(zeros.shape, generator=torch.Generator().manual_seed(12))
+             * scales.float().cpu() * 8).to(dtype).to(DEVICE)
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(13)).to(dtype).to(DEVICE)
+    _check(kern, x, qweight, scales, zeros, g_idx, perm, runs, 4, bias, offset=True)
+    eye = torch.eye(384, dtype=dtype, device=DEVICE)[:m]
+    y = kern.wna16_matmul(eye, qweight, scales, zeros, g_idx, 4, None, None, perm, runs,
+                          offset=True)
+    w = dequantize(qweight, scales, zeros, g_idx, 4, offset=True)
+    assert torch.equal(y, w.t()[:m])
+    assert not torch.equal(w, dequantize(qweight, scales, zeros, g_idx, 4))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -10,7 +10,9 @@ truncates float32 -> bf16 casts), or for fp16 in fp16 itself (``MAGIC``): the co
 OR-ed into the mantissa of 1024.0 give ``1024 + q`` exactly, and the zero points are
 integers (the served layout's contract), so ``(1024 + q) - (1024 + z)`` is exact in fp16
 and the one multiplication by ``s`` rounds once, as the reference's cast does: no integer
-to float conversion, the kernel's costliest step at decode. Products go through ``tl.dot`` into
+to float conversion, the kernel's costliest step at decode. With ``OFFSET`` (float offsets
+after the scale, GGUF's ``Q4_1``) ``q * s + z`` in float32 (the product exact, one
+rounding), then the cast, in every dtype. Products go through ``tl.dot`` into
 float32; the bias is added to the K-complete float32 sum; the output rounded once. So each
 product is the reference's up to float32 summation order and the output's rounding.
 
@@ -108,12 +110,19 @@ def _round_bf16(w):
 
 
 @triton.jit
-def _dequant(q, s, z, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr):
-    """Codes ``q`` (int32, below ``2^BITS``) as ``(q - z) * s`` rounded once to ``act_dtype``
-    (``s``, ``z`` broadcastable to ``q``: with ``MAGIC`` fp16 and ``z`` already ``1024 + z``,
-    else float32)."""
+def _dequant(q, s, z, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr,
+             act_dtype: tl.constexpr):
+    """Codes ``q`` (int32, below ``2^BITS``) as ``(q - z) * s`` (``OFFSET``: float offsets,
+    ``q * s + z``, the product exact) rounded once to ``act_dtype`` (``s``, ``z``
+    broadcastable to ``q``: with ``MAGIC`` fp16 and ``z`` already ``1024 + z``, else
+    float32)."""
     if MAGIC:  # 1024 + q by its bits; minus 1024 + z exact (integer zeros), times s rounds
         w = ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - z) * s
+    elif OFFSET:
+        w = q.to(tl.float32) * s + z
+        if ROUND_BF16:
+            w = _round_bf16(w)
+        w = w.to(act_dtype)
     else:
         w = (q.to(tl.float32) - z) * s
         if ROUND_BF16:
@@ -169,7 +178,7 @@ def _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC: t
 def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr,
           perm_ptr, stride_s, BITS: tl.constexpr, SCALES: tl.constexpr,
           HAS_PERM: tl.constexpr, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr,
-          act_dtype: tl.constexpr):
+          OFFSET: tl.constexpr, act_dtype: tl.constexpr):
     """Code ``j`` of the packed rows ``rows``, both kernels' inner step: ``(w, kk)``, the
     weights ``[ROWS, BLOCK_N]`` in ``act_dtype`` and the checkpoint columns they multiply
     (served columns ``PACK * r + j``, through ``perm`` with ``HAS_PERM``). ``s``, ``z``:
@@ -178,7 +187,7 @@ def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g
     if SCALES == 2:
         s, z = _column_groups(s_ptr, z_ptr, g_ptr, kk, rn, row_ok, n_ok, stride_s, MAGIC)
     w = _dequant((packed >> (j * BITS)) & ((1 << BITS) - 1), s, z, MAGIC, ROUND_BF16,
-                 act_dtype)
+                 OFFSET, act_dtype)
     if HAS_PERM:
         kk = tl.load(perm_ptr + kk, mask=row_ok, other=0)
     return w, kk
@@ -187,8 +196,8 @@ def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g
 @triton.jit
 def _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE, stride_q,
                   stride_s, BITS: tl.constexpr, SCALES: tl.constexpr, EVEN_K: tl.constexpr,
-                  MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, act_dtype: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr,
+                  act_dtype: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fused kernel's weights for served columns ``k0 .. k0 + BLOCK_K``: ``[ROWS, PACK,
     BLOCK_N]`` in ``act_dtype``, element ``(r, j, n)`` the weight of column ``k0 + PACK * r
     + j`` (code ``j`` of packed row ``k0 / PACK + r``), so a row-major reshape to
@@ -214,7 +223,7 @@ def _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE
         s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
                            stride_s, PACK, SCALES, MAGIC)
         s, z = s[:, None, :], z[:, None, :]
-    return _dequant(q, s, z, MAGIC, ROUND_BF16, act_dtype)
+    return _dequant(q, s, z, MAGIC, ROUND_BF16, OFFSET, act_dtype)
 
 
 @triton.jit
@@ -223,8 +232,8 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
                   BITS: tl.constexpr, SCALES: tl.constexpr, HAS_PERM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                   MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step
     dequantizes its ``[BLOCK_K, BLOCK_N]`` weight tile (``_step_weights``) and loads the
@@ -252,7 +261,7 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
         w = _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE,
                           stride_q, stride_s, BITS, SCALES, EVEN_K, MAGIC, ROUND_BF16,
-                          act_dtype, BLOCK_K)
+                          OFFSET, act_dtype, BLOCK_K)
         if BLOCK_M == 1:
             kk = k0 + kk2
             x_ok = kk < K
@@ -279,8 +288,8 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
 def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, w_ptr, N, K, FIRST,
                           GROUP_SIZE, stride_q, stride_s, stride_w, BITS: tl.constexpr,
                           SCALES: tl.constexpr, HAS_PERM: tl.constexpr, MAGIC: tl.constexpr,
-                          ROUND_BF16: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program ``(r, n)``: packed rows ``r*ROWS ..`` of columns ``n*BLOCK_N ..`` written
     as ``W[k, n]`` (``k = perm[c]`` for served column ``c`` with ``HAS_PERM``) in w's dtype.
     ``SCALES`` 0 needs ``ROWS * PACK`` to divide the group size (a launch of whole groups)."""
@@ -295,7 +304,7 @@ def _wna16_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, w_ptr, N, K, FIR
                        stride_s, PACK, SCALES, MAGIC)
     for j in tl.static_range(PACK):
         w, kk = _code(packed, j, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g_ptr, perm_ptr,
-                      stride_s, BITS, SCALES, HAS_PERM, MAGIC, ROUND_BF16,
+                      stride_s, BITS, SCALES, HAS_PERM, MAGIC, ROUND_BF16, OFFSET,
                       w_ptr.dtype.element_ty)
         tl.store(w_ptr + kk.to(tl.int64)[:, None] * stride_w + rn[None, :], w, mask=ok)
 
@@ -315,18 +324,22 @@ def _check_operands(qweight, scales, zeros, g_idx, bits, dtype, perm):
     return pack, k, n
 
 
-def _numerics(dtype: torch.dtype, device: torch.device) -> dict:
-    return {"MAGIC": dtype == torch.float16,
-            "ROUND_BF16": dtype == torch.bfloat16 and device.type != "cuda"}
+def _numerics(dtype: torch.dtype, device: torch.device, offset: bool) -> dict:
+    """The dequantization's constexprs: fp16 by the codes' bits (``MAGIC``) only with
+    integer zero points; float offsets (``OFFSET``) in float32."""
+    return {"MAGIC": dtype == torch.float16 and not offset,
+            "ROUND_BF16": dtype == torch.bfloat16 and device.type != "cuda",
+            "OFFSET": offset}
 
 
 def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      g_idx: torch.Tensor, bits: int, perm: torch.Tensor | None = None,
                      runs: tuple[int, int] | None = None, rows: int = 16,
-                     block_n: int = 256, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_n: int = 256, out: torch.Tensor | None = None,
+                     offset: bool = False) -> torch.Tensor:
     """The weight ``W [K, N]`` in ``scales``' dtype, rows in the checkpoint's column order
-    (``perm``): ``quant.wna16.dequantize`` (transposed, unsorted) bit for bit; written
-    into ``out`` (``[K, N]``, contiguous rows) when given."""
+    (``perm``): ``quant.wna16.dequantize`` (transposed, unsorted; ``offset`` as there) bit
+    for bit; written into ``out`` (``[K, N]``, contiguous rows) when given."""
     pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, scales.dtype, perm)
     if out is None:
         w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
@@ -339,26 +352,26 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         qweight, scales, zeros, g_idx, perm if perm is not None else g_idx, w, n, k, first,
         size, qweight.stride(0), scales.stride(0), w.stride(0), BITS=bits, SCALES=mode,
         HAS_PERM=perm is not None, ROWS=rows, BLOCK_N=block_n,
-        **_numerics(scales.dtype, qweight.device), num_warps=4)
+        **_numerics(scales.dtype, qweight.device, offset), num_warps=4)
     return w
 
 
 def _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
-                         chunk: int) -> torch.Tensor:
+                         chunk: int, offset: bool) -> torch.Tensor:
     """``x W (+ bias)`` through the dequantized weight: whole (``chunk`` 0), or ``chunk``
     output columns at a time through one ``[K, chunk]`` scratch, each chunk's product
     written into its columns of the output (cuBLAS with the output's leading dimension):
     a scratch that fits in L2 is read back from there rather than from HBM."""
     n = qweight.shape[1]
     if not chunk or chunk >= n:
-        w = wna16_dequantize(qweight, scales, zeros, g_idx, bits, perm, runs)
+        w = wna16_dequantize(qweight, scales, zeros, g_idx, bits, perm, runs, offset=offset)
         return torch.addmm(bias, x, w) if bias is not None else x @ w
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     scratch = torch.empty((g_idx.numel(), chunk), dtype=x.dtype, device=x.device)
     for n0 in range(0, n, chunk):
         cols = slice(n0, min(n, n0 + chunk))
         w = wna16_dequantize(qweight[:, cols], scales[:, cols], zeros[:, cols], g_idx, bits,
-                             perm, runs, out=scratch[:, :cols.stop - n0])
+                             perm, runs, out=scratch[:, :cols.stop - n0], offset=offset)
         if bias is not None:
             torch.addmm(bias[cols], x, w, out=y[:, cols])
         else:
@@ -369,14 +382,15 @@ def _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, run
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, config: WoConfig | str | None = None,
-                 perm: torch.Tensor | None = None, runs: tuple[int, int] | None = None
-                 ) -> torch.Tensor:
+                 perm: torch.Tensor | None = None, runs: tuple[int, int] | None = None,
+                 offset: bool = False) -> torch.Tensor:
     """``x [M, K]`` (fp16 / bf16 / fp32, contiguous rows) times the WNA16 weight in the
     served layout (``qweight`` int32 ``[K // pack, N]``, ``scales`` and ``zeros`` ``[G, N]``
     in x's dtype, ``g_idx`` int32 ``[K]``, ``perm`` int32 ``[K]`` or None, all with
     contiguous rows; ``runs`` as ``wna16.consecutive_groups`` reads ``g_idx``, or None),
     plus ``bias [N]``: ``[M, N]`` in x's dtype, ``quant.wna16.linear`` up to float32
-    summation order. ``config`` (a ``WoConfig`` of kind "wna16", its string, or "dequant";
+    summation order (``offset``: ``zeros`` are float offsets, ``W = q * s + z``, GGUF's
+    ``Q4_1``). ``config`` (a ``WoConfig`` of kind "wna16", its string, or "dequant";
     split 0: ``fill_split``) overrides ``wna16_blocks`` (benchmarks, tests). Shapes alone
     choose the launch, and every buffer is a ``torch.empty`` of a static size: capturable
     in CUDA graphs."""
@@ -394,7 +408,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             raise ValueError(f"not a wna16 launch: {cfg}")
     if cfg.kind == "dequant":
         return _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
-                                    cfg.block_n)
+                                    cfg.block_n, offset)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -417,6 +431,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         BITS=bits, SCALES=scale_mode(runs, bk, pack), HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        **_numerics(x.dtype, x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **_numerics(x.dtype, x.device, offset), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     reduce_splits(part, None, bias, y, split)
     return y

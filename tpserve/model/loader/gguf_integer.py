@@ -1,20 +1,22 @@
-"""GGUF ``Q8_0`` and ``Q4_0`` weights served as stored (``--quantization gguf``): their
-blocks are integer codes with one fp16 scale per 32 input columns and an integer zero
-point, which is the WNA16 layout (``model/quant/wna16.py``) exactly:
+"""GGUF ``Q8_0``, ``Q4_0`` and ``Q4_1`` weights served as stored (``--quantization gguf``):
+their blocks are integer codes with one fp16 scale per 32 input columns and a zero point or
+an offset, which is the WNA16 layout (``model/quant/wna16.py``) exactly:
 
 - ``Q8_0``: a block is ``d`` (fp16) and 32 signed bytes ``q``; ``w = d * q``. Served as
   8-bit code ``q + 128`` with zero point 128 and scale ``d``.
 - ``Q4_0``: a block is ``d`` and 16 bytes, element ``j`` the low nibble of byte ``j``,
   element ``16 + j`` its high nibble; ``w = d * (q - 8)``. Served as 4-bit code ``q`` with
   zero point 8 and scale ``d``.
+- ``Q4_1``: ``d``, ``m`` (fp16) and 16 bytes of nibbles as ``Q4_0``'s; ``w = d * q + m``.
+  Served as code ``q``, scale ``d`` and the float offset ``m`` (the WNA16 ``offset`` form).
 
-``(code - zero) * d`` is an integer times an fp16 scale, exact in float32, so the served
-weights round to the model's dtype exactly as the file's dequantized weights do
-(``gguf.quants.dequantize``, the default path). Other GGML types (``Q4_1``'s float
-offsets, the K-quants' 6-bit sub-block scales) are not this layout; a file serves as stored
-only when every linear weight of its decoder layers is one of these two types, the same
-one, and none is Phi-3's fused ``attn_qkv`` (``stored_integer``); a mixture of experts'
-experts have no WNA16 product (the model refuses the method). Embeddings, the LM head and norms are dequantized as before.
+``(code - zero) * d`` is an integer times an fp16 scale, exact in float32, and so is
+``q * d`` before the one rounding of ``+ m``, so the served weights round to the model's
+dtype exactly as the file's dequantized weights do (``gguf.quants.dequantize``, the default
+path). The K-quants (6-bit sub-block scales under an fp16 one) are not this layout; a file
+serves as stored only when every linear weight of its decoder layers is one of these three
+types, the same one, and none is Phi-3's fused ``attn_qkv`` (``stored_integer``); a mixture
+of experts' experts have no WNA16 product (the model refuses the method). Embeddings, the LM head and norms are dequantized as before.
 
 The sources present a tensor as the WNA16 loader reads a checkpoint's
 (``int_checkpoint.FORMATS["gguf"]``): codes ``[out, in]`` (int16, unsigned), scales and
@@ -32,8 +34,8 @@ import torch
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 
 BLOCK = 32  # input columns per block: the group size
-# GGML type name -> (bits, zero point, bytes per block)
-TYPES = {"Q8_0": (8, 128, 34), "Q4_0": (4, 8, 18)}
+# GGML type name -> (bits, zero point (None: an fp16 offset after the scale), bytes per block)
+TYPES = {"Q8_0": (8, 128, 34), "Q4_0": (4, 8, 18), "Q4_1": (4, None, 20)}
 # the decoder layers' linear weights (llama.cpp's names; experts and Phi-3's fused tensors
 # excluded: the WNA16 method serves neither)
 LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
@@ -44,17 +46,18 @@ FUSED = re.compile(r"blk\.\d+\.attn_qkv\.weight")
 
 
 def stored_integer(tensors) -> CheckpointQuantization | None:
-    """The WNA16 quantization of a file whose decoder linear weights are all ``Q8_0`` or
-    all ``Q4_0`` (``dequantizable``: ``--quantization auto`` still dequantizes them at
-    load), else None."""
+    """The WNA16 quantization of a file whose decoder linear weights are all ``Q8_0``, all
+    ``Q4_0`` or all ``Q4_1`` (``dequantizable``: ``--quantization auto`` still dequantizes
+    them at load), else None."""
     kinds = {t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name)}
     if len(kinds) != 1 or next(iter(kinds)) not in TYPES:
         return None
     if any(FUSED.fullmatch(t.name) for t in tensors):
         return None
     name = next(iter(kinds))
-    return CheckpointQuantization("gguf", name, bits=TYPES[name][0],
-                                  group_size=BLOCK, dequantizable=True)
+    bits, zero, _ = TYPES[name]
+    return CheckpointQuantization("gguf", name, bits=bits, group_size=BLOCK,
+                                  dequantizable=True, offset=zero is None)
 
 
 def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> torch.Tensor:
@@ -68,8 +71,8 @@ def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> to
 
 
 class GGUFBlocks:
-    """One ``Q8_0`` / ``Q4_0`` tensor's blocks; ``part`` "codes", "scales" or "zeros" is
-    what ``read`` returns (a ``TensorSource``: rows along dim 0, input columns or groups
+    """One ``Q8_0`` / ``Q4_0`` / ``Q4_1`` tensor's blocks; ``part`` "codes", "scales" or
+    "zeros" (``Q4_1``: its fp16 offsets) is what ``read`` returns (a ``TensorSource``: rows along dim 0, input columns or groups
     along dim 1)."""
 
     def __init__(self, tensor, part: str, unpermute_heads: int | None):
@@ -108,12 +111,13 @@ class GGUFBlocks:
     def _decode(self, data: np.ndarray) -> torch.Tensor:
         rows = data.shape[0]
         blocks = data.reshape(rows, -1, self.block_bytes)
-        if self.part == "zeros":
+        if self.part == "zeros" and self.zero is not None:
             return torch.full((rows, blocks.shape[1]), self.zero, dtype=torch.uint8)
-        if self.part == "scales":
-            d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0]
-            return torch.from_numpy(d.copy())
-        qs = blocks[:, :, 2:]
+        if self.part != "codes":  # the fp16 d, or Q4_1's offset m after it
+            at = 0 if self.part == "scales" else 2
+            half = np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0]
+            return torch.from_numpy(half.copy())
+        qs = blocks[:, :, 2 if self.zero is not None else 4:]
         if self.kind == "Q8_0":
             codes = qs.view(np.int8).astype(np.int16) + self.zero
         else:  # low nibbles are the block's first 16 elements, high nibbles the last 16

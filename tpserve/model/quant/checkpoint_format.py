@@ -58,7 +58,8 @@ class CheckpointQuantization:
     ``act_order`` (GPTQ's ``desc_act``: groups in any column order), ``symmetric`` (no
     zero points stored: compressed-tensors). ``dequantizable``: a GGUF file whose weights
     the WNA16 method can serve as stored (``--quantization gguf``), while every other
-    choice (``auto`` and ``none`` included) dequantizes them at load, as before."""
+    choice (``auto`` and ``none`` included) dequantizes them at load, as before;
+    ``offset``: its zero points are float offsets added after the scale (``Q4_1``)."""
 
     method: str
     quant_method: str
@@ -71,6 +72,7 @@ class CheckpointQuantization:
     act_order: bool = False
     symmetric: bool = False
     dequantizable: bool = False
+    offset: bool = False
 
     def describe(self) -> str:
         if self.method == "gguf":

@@ -7,8 +7,9 @@ is built: the checkpoint's own method (``checkpoint_format.py``) if it has one, 
 method serves fp8 follows from the checkpoint: quantize at load (an unquantized checkpoint)
 or load the fp8 codes and scales as stored (an FP8 checkpoint). ``gptq`` and ``awq`` serve
 only checkpoints of that method, as stored (``wna16_method.py``). ``gguf`` serves a GGUF
-file's ``Q8_0`` / ``Q4_0`` weights as stored (``loader/gguf_integer.py``); for such a file
-every other choice, ``auto`` included, dequantizes them at load (``dequantizable``).
+file's ``Q8_0`` / ``Q4_0`` / ``Q4_1`` weights as stored (``loader/gguf_integer.py``); for
+such a file every other choice, ``auto`` included, dequantizes them at load
+(``dequantizable``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
     checkpoint = served_quantization(quantization, checkpoint)
     if quantization == "gguf" and checkpoint is None:
         raise ValueError("--quantization gguf serves GGUF files whose decoder layers' linear "
-                         "weights are all Q8_0 or all Q4_0 (and not Phi-3's fused attn_qkv), "
+                         "weights are all Q8_0, all Q4_0 or all Q4_1 (and not Phi-3's fused "
+                         "attn_qkv), "
                          "as stored; this checkpoint is not one (other GGUF files are "
                          "dequantized at load: --quantization auto)")
     if checkpoint is not None and quantization != checkpoint.method:
@@ -97,7 +99,7 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     if quantization in STORED_ONLY:
         return Wna16Method(checkpoint.method, checkpoint.bits, checkpoint.group_size,
                            checkpoint.zero_offset, backend, checkpoint.symmetric,
-                           checkpoint.act_order)
+                           checkpoint.act_order, checkpoint.offset)
     kw = dict(backend=backend,
               weight_only_max_tokens=weight_only_max_tokens,
               scaled_mm=scaled_mm_supported(device) and dtype == torch.bfloat16,

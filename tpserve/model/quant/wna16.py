@@ -1,5 +1,5 @@
 """Integer weights with float group scales, activations in the model's dtype ("WNA16": GPTQ
-and AWQ checkpoints, ``--quantization gptq`` / ``awq``): the layout a linear layer serves
+and AWQ checkpoints, ``--quantization gptq`` / ``awq``; GGUF blocks, ``gguf``): the layout a linear layer serves
 them in, and its torch reference.
 
 Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, ``pack =
@@ -16,7 +16,10 @@ Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, `
   ``perm[c]`` (act-order columns sorted by group, ``sort_columns``).
 
 ``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, computed in float32
-and rounded once to the activation dtype; ``y = x W^T (+ bias)``. Zero padding (the rows and
+and rounded once to the activation dtype; ``y = x W^T (+ bias)``. The ``offset`` form
+(GGUF's ``Q4_1``, ``Wna16Method.offset``): ``zeros`` are any floats added after the scale,
+``W = q * scales + zeros`` (the product exact in float32, the sum rounded once, then the
+cast). Zero padding (the rows and
 columns ``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
 padding columns, where the input is zero.
 """
@@ -73,24 +76,25 @@ def unpack(packed: torch.Tensor, bits: int, dim: int = 0,
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                g_idx: torch.Tensor, bits: int,
-               runs: tuple[int, int] | None = None) -> torch.Tensor:
-    """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product).
-    ``runs`` ``(first, size)``: ``g_idx`` is known to be ``first + k // size`` (groups in
-    column order, ``consecutive_groups``), so each group's rows are scaled as one block
-    (when ``size`` divides K) instead of gathering a scale and a zero point per element:
-    the same values."""
+               runs: tuple[int, int] | None = None, offset: bool = False) -> torch.Tensor:
+    """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product):
+    ``(q - z) * s`` in float32, or with ``offset`` (float offsets, GGUF's ``Q4_1``)
+    ``q * s + z``, rounded once. ``runs`` ``(first, size)``: ``g_idx`` is known to be
+    ``first + k // size`` (groups in column order, ``consecutive_groups``), so each group's
+    rows are scaled as one block (when ``size`` divides K) instead of gathering a scale and
+    a zero point per element: the same values."""
     q = unpack(qweight, bits).float()
     k, n = q.shape
     if runs is not None and k % runs[1] == 0:
         first, size = runs
+        z = zeros[first:first + k // size].float().unsqueeze(1)
+        s = scales[first:first + k // size].float().unsqueeze(1)
         w = q.view(k // size, size, n)
-        w.sub_(zeros[first:first + k // size].float().unsqueeze(1))
-        w.mul_(scales[first:first + k // size].float().unsqueeze(1))
-        w = w.view(k, n)
     else:
         g = g_idx.long()
-        w = q.sub_(zeros.float().index_select(0, g)).mul_(scales.float().index_select(0, g))
-    return w.t().to(scales.dtype)
+        z, s, w = zeros.float().index_select(0, g), scales.float().index_select(0, g), q
+    w = w.mul_(s).add_(z) if offset else w.sub_(z).mul_(s)
+    return w.reshape(k, n).t().to(scales.dtype)
 
 
 def consecutive_groups(g_idx: torch.Tensor, groups: int) -> tuple[int, int] | None:
@@ -135,11 +139,12 @@ def sort_columns(qweight: torch.Tensor, g_idx: torch.Tensor, bits: int, groups: 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
-           runs: tuple[int, int] | None = None, perm: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path); served
-    column ``c`` multiplies activation column ``perm[c]`` (``sort_columns``)."""
-    w = dequantize(qweight, scales, zeros, g_idx, bits, runs)
+           runs: tuple[int, int] | None = None, perm: torch.Tensor | None = None,
+           offset: bool = False) -> torch.Tensor:
+    """``x W^T (+ bias)`` through the dequantized weight (the torch ops' path; ``offset``
+    as in ``dequantize``); served column ``c`` multiplies activation column ``perm[c]``
+    (``sort_columns``)."""
+    w = dequantize(qweight, scales, zeros, g_idx, bits, runs, offset)
     if perm is not None:
         x = x.index_select(-1, perm.long())
     return torch.nn.functional.linear(x, w, bias)

@@ -59,7 +59,8 @@ class Wna16Method:
     stored zero point (1: GPTQ v1); ``symmetric``: no zero points stored, each is
     ``2**(bits - 1)`` (compressed-tensors); ``act_order``: groups in any column order
     (a compressed-tensors checkpoint then stores its ``g_idx``; GPTQ's always does);
-    ``backend`` "triton" or "torch"."""
+    ``offset``: the zero points are float offsets added after the scale, ``W = q * s + z``
+    (GGUF's ``Q4_1``; served in the model's dtype); ``backend`` "triton" or "torch"."""
 
     fmt: str
     bits: int
@@ -68,6 +69,7 @@ class Wna16Method:
     backend: str = "torch"
     symmetric: bool = False
     act_order: bool = False
+    offset: bool = False
     quantizes_experts = False  # a mixture of experts' experts have no WNA16 product
 
     def create_weights(self, layer: nn.Module, rows: int, cols: int,
@@ -100,7 +102,7 @@ class Wna16Method:
             p, f.read_scales(as_source(src)), shard_id, fill=0.0))
         setattr(layer, f.scales, scales)
         if not self.symmetric:
-            zeros = empty_param((rows, groups), torch.uint8)
+            zeros = empty_param((rows, groups), dtype if self.offset else torch.uint8)
             zeros.weight_loader = (lambda p, src, shard_id=None: layer.load_output_rows(
                 p, f.read_zeros(as_source(src), self.bits), shard_id))
             setattr(layer, f.zeros, zeros)
@@ -175,8 +177,9 @@ class Wna16Method:
             from tpserve.model.kernels.triton_wna16 import wna16_matmul
 
             return wna16_matmul(x.contiguous(), *args, bias=bias, perm=layer.perm,
-                                runs=layer.group_runs)
-        return linear(x, *args, bias=bias, runs=layer.group_runs, perm=layer.perm)
+                                runs=layer.group_runs, offset=self.offset)
+        return linear(x, *args, bias=bias, runs=layer.group_runs, perm=layer.perm,
+                      offset=self.offset)
 
 
 def graph_scratch_bytes(model: nn.Module, max_tokens: int) -> int:
