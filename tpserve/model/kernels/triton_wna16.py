@@ -118,13 +118,11 @@ def _dequant(q, s, z, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, OFFSET: tl.
     float32)."""
     if MAGIC:  # 1024 + q by its bits; minus 1024 + z exact (integer zeros), times s rounds
         w = ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - z) * s
-    elif OFFSET:
-        w = q.to(tl.float32) * s + z
-        if ROUND_BF16:
-            w = _round_bf16(w)
-        w = w.to(act_dtype)
     else:
-        w = (q.to(tl.float32) - z) * s
+        if OFFSET:
+            w = q.to(tl.float32) * s + z
+        else:
+            w = (q.to(tl.float32) - z) * s
         if ROUND_BF16:
             w = _round_bf16(w)  # then the cast below is exact
         w = w.to(act_dtype)
