@@ -332,8 +332,10 @@ class GGUFSource:
 def num_weights(r, integer: bool = False) -> int:
     """How many tensors ``iter_weights`` yields (the file's, less its config tensors; with
     ``integer``, three for each linear weight served as stored)."""
-    extra = 2 * sum(bool(gguf_integer.LINEAR.fullmatch(t.name)) for t in r.tensors)
-    return sum(t.name not in _CONFIG_TENSORS for t in r.tensors) + (extra if integer else 0)
+    count = sum(t.name not in _CONFIG_TENSORS for t in r.tensors)
+    if integer:
+        count += 2 * sum(bool(gguf_integer.LINEAR.fullmatch(t.name)) for t in r.tensors)
+    return count
 
 
 def iter_weights(r, cfg: ModelConfig, integer: bool = False

@@ -16,7 +16,8 @@ dtype exactly as the file's dequantized weights do (``gguf.quants.dequantize``, 
 path). The K-quants (6-bit sub-block scales under an fp16 one) are not this layout; a file
 serves as stored only when every linear weight of its decoder layers is one of these three
 types, the same one, and none is Phi-3's fused ``attn_qkv`` (``stored_integer``); a mixture
-of experts' experts have no WNA16 product (the model refuses the method). Embeddings, the LM head and norms are dequantized as before.
+of experts' experts have no WNA16 product (the model refuses the method). Embeddings, the
+LM head and norms are dequantized as before.
 
 The sources present a tensor as the WNA16 loader reads a checkpoint's
 (``int_checkpoint.FORMATS["gguf"]``): codes ``[out, in]`` (int16, unsigned), scales and
@@ -72,8 +73,8 @@ def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> to
 
 class GGUFBlocks:
     """One ``Q8_0`` / ``Q4_0`` / ``Q4_1`` tensor's blocks; ``part`` "codes", "scales" or
-    "zeros" (``Q4_1``: its fp16 offsets) is what ``read`` returns (a ``TensorSource``: rows along dim 0, input columns or groups
-    along dim 1)."""
+    "zeros" (``Q4_1``: its fp16 offsets) is what ``read`` returns (a ``TensorSource``: rows
+    along dim 0, input columns or groups along dim 1)."""
 
     def __init__(self, tensor, part: str, unpermute_heads: int | None):
         self.data = tensor.data  # uint8 [rows, blocks * bytes per block]
@@ -101,7 +102,7 @@ class GGUFBlocks:
             first, last = start // per, -(-(start + length) // per)
             data = data[:, first * self.block_bytes:last * self.block_bytes]
             narrow = (start - first * per, length)
-        out = self._decode(np.ascontiguousarray(data))
+        out = self._decode(data)
         if narrow is not None:
             out = out.narrow(1, *narrow)
         if self.unpermute_heads is not None:
@@ -109,10 +110,13 @@ class GGUFBlocks:
         return out.contiguous()
 
     def _decode(self, data: np.ndarray) -> torch.Tensor:
+        """This part of the blocks in ``data`` (rows of whole blocks, a view of the file):
+        only the bytes the part needs are read (none for a fixed zero point)."""
         rows = data.shape[0]
-        blocks = data.reshape(rows, -1, self.block_bytes)
         if self.part == "zeros" and self.zero is not None:
-            return torch.full((rows, blocks.shape[1]), self.zero, dtype=torch.uint8)
+            return torch.full((rows, data.shape[1] // self.block_bytes), self.zero,
+                              dtype=torch.uint8)
+        blocks = data.reshape(rows, -1, self.block_bytes)
         if self.part != "codes":  # the fp16 d, or Q4_1's offset m after it
             at = 0 if self.part == "scales" else 2
             half = np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0]

@@ -49,7 +49,7 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuantization | None) -
 
 
 def served_quantization(quantization: str, checkpoint: CheckpointQuantization | None
-            ) -> CheckpointQuantization | None:
+                        ) -> CheckpointQuantization | None:
     """The checkpoint's quantization as ``quantization`` serves it: a ``dequantizable`` one
     (a GGUF file's integer blocks) counts only for its own method; otherwise its weights
     are dequantized at load, as an unquantized checkpoint's."""
@@ -64,9 +64,8 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
     if quantization == "gguf" and checkpoint is None:
         raise ValueError("--quantization gguf serves GGUF files whose decoder layers' linear "
                          "weights are all Q8_0, all Q4_0 or all Q4_1 (and not Phi-3's fused "
-                         "attn_qkv), "
-                         "as stored; this checkpoint is not one (other GGUF files are "
-                         "dequantized at load: --quantization auto)")
+                         "attn_qkv), as stored; this checkpoint is not one (other GGUF files "
+                         "are dequantized at load: --quantization auto)")
     if checkpoint is not None and quantization != checkpoint.method:
         raise ValueError(f"--quantization {quantization}: the checkpoint is quantized "
                          f"({checkpoint.describe()}) and is served as stored; use "
