@@ -7,7 +7,8 @@ down, as the column- and row-parallel shards do) and M: ``F.linear`` with a dens
 weight (``linear``), and the WNA16 kernel at its default launch (``wna16_blocks``) for each
 of ``--bits``, group ``--group``, ``g_idx = k // group`` (``w4``, ``w8``) and, with
 ``--act-order``, a shuffled ``g_idx`` served sorted by group as at tp 1 (``w4_act``,
-``w8_act``: ``wna16.sort_columns``, the activations read through ``perm``). ``--launch
+``w8_act``: ``wna16.sort_columns``, the activations read through ``perm``); ``--offset``: float
+offsets after the scale (GGUF's ``Q4_1``) instead of integer zero points. ``--launch
 dequant`` also times the dequantized weight times cuBLAS (the launch from
 ``DEQUANT_MIN_M`` rows) at every M. ``--sweep`` also times the
 launches of ``candidates`` (``axes``: the default with one of block M / N / K, warps, stages
@@ -120,6 +121,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--offset", action="store_true",
+                    help="float offsets added after the scale (W = q * s + z, GGUF's Q4_1; "
+                         "with --group 32 and --bits 4 the embedded SmolLM2's blocks)")
     ap.add_argument("--act-order", action="store_true", help="also a shuffled g_idx")
     ap.add_argument("--sweep", nargs="?", const="axes", choices=["axes", "grid"])
     ap.add_argument("--launch", nargs="*", default=[], help="extra WoConfig strings to time")
@@ -150,6 +154,7 @@ def main() -> None:
     meta = {"git_commit": commit, "dirty": dirty, "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__,
             "triton": triton.__version__, "dtype": a.dtype, "tp": a.tp, "group": a.group,
+            "offset": a.offset,
             "timing": f"CUDA graph of {a.calls} calls, median of {a.replays} replays, weights "
                       f"rotated over >= {a.rotate_mib} MiB" if dev.type == "cuda" else
                       f"plain loop, median of {a.replays}", "rows": []}
@@ -175,6 +180,10 @@ def main() -> None:
             scales = ((torch.rand(k // a.group, n, generator=gen, device=dev) + 0.5) * 2
                       / (2**bits * k**0.5)).to(dtype)
             zeros = torch.randint(0, 2**bits, scales.shape, generator=gen, device=dev).to(dtype)
+            if a.offset:  # GGUF Q4_1: the block's minimum, about -2**(bits-1) scales
+                zeros = (-(2 ** (bits - 1)) * scales.float()
+                         * (1 + 0.1 * torch.randn(scales.shape, generator=gen, device=dev))
+                         ).to(dtype)
             g_idx = (torch.arange(k, device=dev) // a.group).int()
             nbytes = q.numel() * 4 + 2 * scales.numel() * scales.element_size()
             sets = [(q, scales, zeros)] + [(q.clone(), scales.clone(), zeros.clone())
@@ -218,13 +227,14 @@ def main() -> None:
             extra += candidates(kern, m, n, k, sms, a.sweep, dtype) if a.sweep else []
             for v, (bits, sets, (perm, runs), nbytes) in wvars.items():
                 ref = (None if a.compile_only else
-                       linear(x, *sets[0], bits, runs=runs, perm=perm).float())
+                       linear(x, *sets[0], bits, runs=runs, perm=perm,
+                              offset=a.offset).float())
                 results = {}  # launch -> its entry
                 for launch in dict.fromkeys([default, *extra]):
                     cfg = None if launch == default else launch  # None: the served path
                     # one graph's calls, each on the next copy of the weight
                     fns = [partial(kern.wna16_matmul, x, *sets[i % len(sets)], bits, None, cfg,
-                                   perm, runs) for i in range(calls)]
+                                   perm, runs, a.offset) for i in range(calls)]
                     try:
                         if a.compile_only:
                             fns[0]()
