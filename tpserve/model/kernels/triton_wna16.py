@@ -11,8 +11,12 @@ OR-ed into the mantissa of 1024.0 give ``1024 + q`` exactly, and the zero points
 integers (the served layout's contract), so ``(1024 + q) - (1024 + z)`` is exact in fp16
 and the one multiplication by ``s`` rounds once, as the reference's cast does: no integer
 to float conversion, the kernel's costliest step at decode. With ``OFFSET`` (float offsets
-after the scale, GGUF's ``Q4_1``) ``q * s + z`` in float32 (the product exact, one
-rounding), then the cast, in every dtype. Products go through ``tl.dot`` into
+after the scale, GGUF's ``Q4_1``) ``q * s + z`` in float32, the product and the sum each
+rounded as the reference rounds them, then the cast, in every dtype: a 16-bit scale has at
+most 11 significant bits and a code 8, so the product is exact and a fused multiply-add
+rounds once, as the reference's two steps do; a float32 scale can have 24 bits, so on CUDA
+(``OFFSET`` 2) the product is rounded on its own (``libdevice.mul_rn``, which the compiler
+does not fuse into the add). Products go through ``tl.dot`` into
 float32; the bias is added to the K-complete float32 sum; the output rounded once. So each
 product is the reference's up to float32 summation order and the output's rounding.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from tpserve.model.kernels.triton_fp8 import (
     WoConfig,
@@ -112,14 +117,16 @@ def _round_bf16(w):
 @triton.jit
 def _dequant(q, s, z, MAGIC: tl.constexpr, ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr,
              act_dtype: tl.constexpr):
-    """Codes ``q`` (int32, below ``2^BITS``) as ``(q - z) * s`` (``OFFSET``: float offsets,
-    ``q * s + z``, the product exact) rounded once to ``act_dtype`` (``s``, ``z``
-    broadcastable to ``q``: with ``MAGIC`` fp16 and ``z`` already ``1024 + z``, else
-    float32)."""
+    """Codes ``q`` (int32, below ``2^BITS``) as ``(q - z) * s`` (``OFFSET`` 1: float
+    offsets, ``q * s + z``; 2: the product rounded before the add) rounded to
+    ``act_dtype`` (``s``, ``z`` broadcastable to ``q``: with ``MAGIC`` fp16 and ``z``
+    already ``1024 + z``, else float32)."""
     if MAGIC:  # 1024 + q by its bits; minus 1024 + z exact (integer zeros), times s rounds
         w = ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - z) * s
     else:
-        if OFFSET:
+        if OFFSET == 2:  # not fused into a multiply-add: rounded as the reference rounds it
+            w = libdevice.mul_rn(q.to(tl.float32), s) + z
+        elif OFFSET:
             w = q.to(tl.float32) * s + z
         else:
             w = (q.to(tl.float32) - z) * s
@@ -324,10 +331,13 @@ def _check_operands(qweight, scales, zeros, g_idx, bits, dtype, perm):
 
 def _numerics(dtype: torch.dtype, device: torch.device, offset: bool) -> dict:
     """The dequantization's constexprs: fp16 by the codes' bits (``MAGIC``) only with
-    integer zero points; float offsets (``OFFSET``) in float32."""
+    integer zero points; float offsets (``OFFSET``) in float32, their products rounded on
+    their own (2) where float32 scales on CUDA would otherwise be fused into the add (off
+    CUDA the interpreter rounds each step; 16-bit scales give exact products)."""
+    exact = dtype != torch.float32 or device.type != "cuda"
     return {"MAGIC": dtype == torch.float16 and not offset,
             "ROUND_BF16": dtype == torch.bfloat16 and device.type != "cuda",
-            "OFFSET": offset}
+            "OFFSET": (1 if exact else 2) if offset else 0}
 
 
 def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
