@@ -58,6 +58,10 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
                             options=options)
     # the launch, not the compiler, refuses more shared memory than an SM gives a block
     # (OutOfResources): round 31's fp32 per-column tiles of 64 x 128 asked for 238,080
+    # the transposed product exists for this: sm_90's wgmma, its first operand (the
+    # dequantized weight) in registers
+    assert not constexprs.get("SWAP") or "ttng.warp_group_dot" in kernel.asm["ttgir"], (
+        f"{fn.__name__} {constexprs} {options}: no wgmma")
     assert kernel.metadata.shared <= SHARED_MAX, (
         f"{fn.__name__} {constexprs} {options}: {kernel.metadata.shared} bytes of shared "
         f"memory, sm_90 gives a block {SHARED_MAX}")
@@ -95,6 +99,13 @@ def main() -> int:
         for m, k in ((1, 384), (33, 320), (170, 384)):
             x, *weight, perm, runs = operands(m, n, k, 4, dtype, 0, "grouped", 32)
             triton_wna16.wna16_matmul(x, *weight, 4, None, perm=perm, runs=runs, offset=True)
+    # the transposed product ("wna16t", a benchmark launch): 16- and 64-row tiles in fp16 /
+    # bf16 over K-step and act-order scales, each a wgmma with the weight from registers
+    for dtype in (torch.float16, torch.bfloat16):
+        for layout in ("grouped", "act-order"):
+            for config in ("wna16t,16,64,128,1,4,3", "wna16t,64,128,128,1,4,3"):
+                x, *weight, perm, runs = operands(33, n, 384, 4, dtype, 0, layout, 128)
+                triton_wna16.wna16_matmul(x, *weight, 4, None, config, perm=perm, runs=runs)
     print(json.dumps(dict(compiled)))
     return 0
 

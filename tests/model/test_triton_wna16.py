@@ -193,6 +193,26 @@ def test_explicit_launches_mask_every_tail(kern, config):
     _check(kern, x, *ops, 4, None, config)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_transposed_product_equals_the_reference(kern, dtype, layout):
+    """Launch kind "wna16t" (``W x^T``: the dequantized tile as the product's first operand)
+    over M = 33, N = 72, K = 384 in 16 x 64 tiles split in two and 64 x 128 tiles (tails of
+    M and N; 8-bit codes in groups of 32: a scale row per packed row): the reference within
+    summation order; with ``x = I`` every output is one weight, bit for bit (float32: 16 x
+    64 only, as ``wna16_blocks`` keeps it)."""
+    x, *ops = _operands(33, 72, 384, 8, dtype, 14, layout, group=32)
+    tiles = ["wna16t,16,64,128,2,4,3"] + (["wna16t,64,128,128,1,4,3"]
+                                          if dtype != torch.float32 else [])
+    eye = torch.eye(384, dtype=dtype, device=DEVICE)[::7].contiguous()
+    want = _weight(*ops[:4], ops[4], 8).t()[::7]
+    for config in tiles:
+        _check(kern, x, *ops, 8, None, config)
+        assert torch.equal(kern.wna16_matmul(eye, *ops[:4], 8, None, config, *ops[4:]), want)
+    with pytest.raises(AssertionError, match="16-row tiles"):
+        kern.wna16_matmul(x, *ops[:4], 8, None, "wna16t,1,64,128,1,4,3", *ops[4:])
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_zero_scale_rows_give_exactly_zero_columns(kern, bits):
     """Padding as ``parallel/`` serves it: weight rows with scale 0 (any codes and zeros)

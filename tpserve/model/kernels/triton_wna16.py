@@ -237,15 +237,18 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
                   BITS: tl.constexpr, SCALES: tl.constexpr, HAS_PERM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                   MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr, SWAP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step
     dequantizes its ``[BLOCK_K, BLOCK_N]`` weight tile (``_step_weights``) and loads the
     activations of the same ``BLOCK_K`` columns (through ``perm`` with ``HAS_PERM``).
     ``BLOCK_M`` 1 (one activation row, decode) is a GEMV: float32 multiply-adds on the CUDA
     cores into a ``[ROWS, BLOCK_N]`` accumulator (the pack axis summed each step, the rows
-    at the end); otherwise one ``tl.dot`` of ``BLOCK_K`` columns a step. Columns past K
+    at the end); otherwise one ``tl.dot`` of ``BLOCK_K`` columns a step (``SWAP``, launch
+    kind "wna16t": as ``W x^T``, the dequantized tile the product's first operand, which
+    sm_90's wgmma takes from registers; the 16-row tile otherwise runs ``mma`` v2, both
+    operands through shared memory). Columns past K
     load weight 0 and activation 0: they add nothing. Offsets inside ``qweight``,
     ``scales`` and ``zeros`` are int32 (the wrapper checks their sizes)."""
     PACK: tl.constexpr = 32 // BITS
@@ -260,6 +263,8 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
         acc_rows = tl.zeros((ROWS, BLOCK_N), tl.float32)
         # the step's columns as [ROWS, PACK], the weight tile's first two axes
         kk2 = tl.arange(0, ROWS)[:, None] * PACK + tl.arange(0, PACK)[None, :]
+    elif SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
@@ -282,9 +287,16 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
                 kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.reshape(w, (BLOCK_K, BLOCK_N))
-            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            if SWAP:
+                acc_t = tl.dot(tl.trans(w).to(DOT_DTYPE), tl.trans(x).to(DOT_DTYPE), acc_t,
+                               input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc,
+                             input_precision=DOT_PRECISION)
     if BLOCK_M == 1:
         acc = tl.sum(acc_rows, axis=0)[None, :]
+    elif SWAP:
+        acc = tl.trans(acc_t)
     _wo_epilogue(acc, rm, rn, pid_k, m_ok, n_ok, M, N, s_ptr, b_ptr, y_ptr, p_ptr, stride_y,
                  HAS_BIAS, PARTIAL, False)
 
@@ -398,7 +410,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     contiguous rows; ``runs`` as ``wna16.consecutive_groups`` reads ``g_idx``, or None),
     plus ``bias [N]``: ``[M, N]`` in x's dtype, ``quant.wna16.linear`` up to float32
     summation order (``offset``: ``zeros`` are float offsets, ``W = q * s + z``, GGUF's
-    ``Q4_1``). ``config`` (a ``WoConfig`` of kind "wna16", its string, or "dequant";
+    ``Q4_1``). ``config`` (a ``WoConfig`` of kind "wna16" or "wna16t", its string, or "dequant";
     split 0: ``fill_split``) overrides ``wna16_blocks`` (benchmarks, tests). Shapes alone
     choose the launch, and every buffer is a ``torch.empty`` of a static size: capturable
     in CUDA graphs."""
@@ -412,7 +424,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         cfg = DEQUANT
     else:
         cfg = WoConfig.parse(config) if isinstance(config, str) else config
-        if cfg.kind not in ("wna16", "dequant"):
+        if cfg.kind not in ("wna16", "wna16t", "dequant"):
             raise ValueError(f"not a wna16 launch: {cfg}")
     if cfg.kind == "dequant":
         return _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
@@ -422,6 +434,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return y
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     assert bk >= 16 and bk & (bk - 1) == 0, f"K steps of {bk} columns: a power of two from 16"
+    assert cfg.kind == "wna16" or bm >= 16, "a transposed product needs 16-row tiles or more"
     if perm is not None and bm > 1:
         # the activations in served column order, one gather for the call: through perm in
         # the tile loop every step's [BLOCK_M, BLOCK_K] load is uncoalesced (round 31:
@@ -438,7 +451,8 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, SCALES=scale_mode(runs, bk, pack), HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, SWAP=cfg.kind == "wna16t",
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **_numerics(x.dtype, x.device, offset), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     reduce_splits(part, None, bias, y, split)
