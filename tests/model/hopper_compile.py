@@ -78,6 +78,9 @@ def main() -> int:
     numerics, dot_config = triton_wna16._numerics, triton_wna16.dot_config
     triton_wna16._numerics = lambda dtype, device, offset: numerics(dtype, CUDA, offset)
     triton_wna16.dot_config = lambda dtype, device: dot_config(dtype, CUDA)
+    code_pairs = triton_wna16._code_pairs
+    triton_wna16._code_pairs = lambda kind, bm, dtype, device, offset, scales: code_pairs(
+        kind, bm, dtype, CUDA, offset, scales)
     n = 256
     gemv = triton_wna16.wna16_blocks(1, n, 384, 132, torch.float16).block_m == 1
     OTHER_DECODE = "wna16,16,64,128,0,4,3" if gemv else "wna16,1,64,128,0,4,3"  # noqa: N806
@@ -106,6 +109,13 @@ def main() -> int:
             for config in ("wna16t,16,64,128,1,4,3", "wna16t,64,128,128,1,4,3"):
                 x, *weight, perm, runs = operands(33, n, 384, 4, dtype, 0, layout, 128)
                 triton_wna16.wna16_matmul(x, *weight, 4, None, config, perm=perm, runs=runs)
+    # the fp16 GEMV with code pairs by PTX ("wna16p"): 4 and 8 bits, scales per K step,
+    # per packed row and act-order sorted, split over K
+    for bits in (4, 8):
+        for layout, group in (("grouped", 128), ("grouped", 32), ("act-order", 128)):
+            x, *weight, perm, runs = operands(1, n, 384, bits, torch.float16, 0, layout, group)
+            triton_wna16.wna16_matmul(x, *weight, bits, None, "wna16p,1,128,128,3,4,3",
+                                      perm=perm, runs=runs)
     print(json.dumps(dict(compiled)))
     return 0
 

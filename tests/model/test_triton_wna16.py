@@ -80,8 +80,8 @@ def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dt
     shifts, the scale rows (per K step with groups of 128, per packed row with 32, per
     column), the sorted columns' ``perm`` and the rounding of ``(q - z) * s`` to x's dtype
     are the reference's (256 rows: the fused 64 x 128 launch (float32: 16 x 64) and the
-    dequantized weight times a matmul; and every 17th row through the one-row GEMV, a program per row;
-    24 columns: an N tail)."""
+    dequantized weight times a matmul; and every 17th row through the one-row GEMV, a
+    program per row, also with code pairs ("wna16p"); 24 columns: an N tail)."""
     _, *ops = _operands(1, 24, 256, bits, dtype, 1, layout, group)
     x = torch.eye(256, dtype=dtype, device=DEVICE)
     want = _weight(*ops[:4], ops[4], bits).t()
@@ -91,9 +91,9 @@ def test_identity_activations_give_the_dequantized_weight_exactly(kern, bits, dt
     for config in (tile, None):
         y = kern.wna16_matmul(x, *ops[:4], bits, None, config, *ops[4:])
         assert torch.equal(y, want), config
-    y = kern.wna16_matmul(x[::17].contiguous(), *ops[:4], bits, None, "wna16,1,32,128,1,4,3",
-                          *ops[4:])
-    assert torch.equal(y, want[::17])
+    for gemv in ("wna16,1,32,128,1,4,3", "wna16p,1,32,128,1,4,3"):  # p: code pairs (fp16)
+        y = kern.wna16_matmul(x[::17].contiguous(), *ops[:4], bits, None, gemv, *ops[4:])
+        assert torch.equal(y, want[::17]), gemv
     assert torch.equal(kern.wna16_dequantize(*ops[:4], bits, *ops[4:]), want)
 
 
@@ -120,10 +120,12 @@ def test_one_row_gemv_equals_the_dequantized_product(kern, bits, dtype, layout):
     """The GEMV launch (``BLOCK_M`` 1: CUDA-core multiply-adds, the pack axis summed each
     step): M = 2 (a program per row), N = 72 (a tail of the 64-column tile), K = 384 in
     three 128-column steps split over two programs (partials reduced with the bias), and
-    unsplit over 256-column steps (the last half past K)."""
+    unsplit over 256-column steps (the last half past K); each also as "wna16p" (fp16 on
+    CUDA: codes turned into weights two at a time by PTX; elsewhere the same launch)."""
     x, *ops = _operands(2, 72, 384, bits, dtype, 9, layout, group=128)
     bias = torch.randn(72, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
-    for config in ("wna16,1,64,128,2,4,3", "wna16,1,32,256,1,4,2"):
+    for config in ("wna16,1,64,128,2,4,3", "wna16,1,32,256,1,4,2", "wna16p,1,64,128,2,4,3",
+                   "wna16p,1,32,256,1,4,2"):
         _check(kern, x, *ops[:4], *ops[4:], bits, bias, config)
 
 

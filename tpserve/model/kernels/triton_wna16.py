@@ -198,6 +198,74 @@ def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g
     return w, kk
 
 
+# Two codes of a packed word as an fp16 pair in one 32-bit operation: ``(w >> shift) & mask
+# | 0x6400_6400`` (lop3) puts code j in the low half and code j + PACK/2 in the high half,
+# each ``1024 + q`` exactly; then ``((1024 + q) - (1024 + z)) * s`` as f16x2, exact and
+# rounded once, the MAGIC path's numerics for two weights an instruction.
+_PAIR_MASK = {4: "0x000F000F", 8: "0x00FF00FF"}
+
+
+def _pairs_asm(bits: int) -> str:
+    """PTX: packed word ``$P`` (``P = PACK``), scale ``$(P+1)`` and ``1024 + z``
+    ``$(P+2)`` (fp16) -> the ``PACK`` weights ``$0 .. $(P-1)`` (fp16), code order."""
+    pack, half = 32 // bits, 16 // bits
+    lines = [f"mov.b32 s2, {{${pack + 1}, ${pack + 1}}};",
+             f"mov.b32 z2, {{${pack + 2}, ${pack + 2}}};"]
+    for j in range(half):
+        src = f"${pack}" if j == 0 else "t"
+        if j:
+            lines.append(f"shr.u32 t, ${pack}, {j * bits};")
+        lines += [f"lop3.b32 p, {src}, {_PAIR_MASK[bits]}, 0x64006400, 0xEA;",
+                  "sub.f16x2 p, p, z2;", "mul.f16x2 p, p, s2;",
+                  f"mov.b32 {{${j}, ${j + half}}}, p;"]
+    return "{\n.reg .b32 t, p, s2, z2;\n" + "\n".join(lines) + "\n}"
+
+
+PAIRS_ASM_4 = tl.constexpr(_pairs_asm(4))  # constants a jit function may read
+PAIRS_ASM_8 = tl.constexpr(_pairs_asm(8))
+
+
+@triton.jit
+def _gemv_pairs_step(acc_rows, x_row, q_ptr, s_ptr, z_ptr, perm_ptr, k0, rn, n_ok, K, FIRST,
+                     GROUP_SIZE, stride_q, stride_s, BITS: tl.constexpr,
+                     SCALES: tl.constexpr, EVEN_K: tl.constexpr, HAS_PERM: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of the fp16 GEMV with code pairs (launch kind "wna16p", CUDA): each
+    packed word becomes its ``PACK`` weights by ``_pairs_asm`` (2 weights an f16x2
+    operation), and code ``j`` of the ``ROWS`` packed rows multiplies activation columns
+    ``k0 + PACK * r + j`` into ``acc_rows [ROWS, BLOCK_N]`` (float32). Scales per step or
+    per packed row (``SCALES`` 0 / 1). Rows past K: activation 0."""
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    rows = k0 // PACK + tl.arange(0, ROWS)
+    if EVEN_K:
+        row_ok = rows >= 0
+        w_ok = n_ok[None, :]
+    else:
+        row_ok = rows < K // PACK
+        w_ok = row_ok[:, None] & n_ok[None, :]
+    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+    s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
+                       stride_s, PACK, SCALES, True)
+    s = tl.broadcast_to(s, (ROWS, BLOCK_N))
+    z = tl.broadcast_to(z, (ROWS, BLOCK_N))
+    if BITS == 4:
+        w = tl.inline_asm_elementwise(PAIRS_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                                      [packed, s, z], dtype=(tl.float16,) * 8, is_pure=True,
+                                      pack=1)
+    else:
+        w = tl.inline_asm_elementwise(PAIRS_ASM_8, "=h,=h,=h,=h,r,h,h", [packed, s, z],
+                                      dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    for j in tl.static_range(PACK):
+        kk = k0 + tl.arange(0, ROWS) * PACK + j
+        x_ok = kk < K
+        if HAS_PERM:
+            kk = tl.load(perm_ptr + kk, mask=x_ok, other=0)
+        x = tl.load(x_row + kk, mask=x_ok, other=0.0)
+        acc_rows += x.to(tl.float32)[:, None] * w[j].to(tl.float32)
+    return acc_rows
+
+
 @triton.jit
 def _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE, stride_q,
                   stride_s, BITS: tl.constexpr, SCALES: tl.constexpr, EVEN_K: tl.constexpr,
@@ -238,7 +306,8 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                   MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   ROUND_BF16: tl.constexpr, OFFSET: tl.constexpr, SWAP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output tile ``m, n`` over K columns ``s*K_CHUNK ..
     +K_CHUNK`` (whole ``BLOCK_K`` steps; K itself a multiple of ``PACK``). A step
     dequantizes its ``[BLOCK_K, BLOCK_N]`` weight tile (``_step_weights``) and loads the
@@ -269,30 +338,36 @@ def _wna16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, perm_ptr, b_ptr, y_ptr, p_p
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_CHUNK
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K):
-        w = _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE,
-                          stride_q, stride_s, BITS, SCALES, EVEN_K, MAGIC, ROUND_BF16,
-                          OFFSET, act_dtype, BLOCK_K)
-        if BLOCK_M == 1:
-            kk = k0 + kk2
-            x_ok = kk < K
-            if HAS_PERM:
-                kk = tl.load(perm_ptr + kk, mask=x_ok, other=0)
-            x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + kk, mask=x_ok,
-                        other=0.0)
-            acc_rows += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32), axis=1)
+        if PAIRS:
+            acc_rows = _gemv_pairs_step(
+                acc_rows, x_ptr + tl.program_id(0).to(tl.int64) * stride_x, q_ptr, s_ptr,
+                z_ptr, perm_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE, stride_q, stride_s, BITS,
+                SCALES, EVEN_K, HAS_PERM, BLOCK_K, BLOCK_N)
         else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            if HAS_PERM:
-                kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
-            if SWAP:
-                acc_t = tl.dot(tl.trans(w).to(DOT_DTYPE), tl.trans(x).to(DOT_DTYPE), acc_t,
-                               input_precision=DOT_PRECISION)
+            w = _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE,
+                              stride_q, stride_s, BITS, SCALES, EVEN_K, MAGIC, ROUND_BF16,
+                              OFFSET, act_dtype, BLOCK_K)
+            if BLOCK_M == 1:
+                kk = k0 + kk2
+                x_ok = kk < K
+                if HAS_PERM:
+                    kk = tl.load(perm_ptr + kk, mask=x_ok, other=0)
+                x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + kk, mask=x_ok,
+                            other=0.0)
+                acc_rows += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32), axis=1)
             else:
-                acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc,
-                             input_precision=DOT_PRECISION)
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < K
+                if HAS_PERM:
+                    kk = tl.load(perm_ptr + kk, mask=k_ok, other=0)
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+                if SWAP:
+                    acc_t = tl.dot(tl.trans(w).to(DOT_DTYPE), tl.trans(x).to(DOT_DTYPE), acc_t,
+                                   input_precision=DOT_PRECISION)
+                else:
+                    acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc,
+                                 input_precision=DOT_PRECISION)
     if BLOCK_M == 1:
         acc = tl.sum(acc_rows, axis=0)[None, :]
     elif SWAP:
@@ -350,6 +425,16 @@ def _numerics(dtype: torch.dtype, device: torch.device, offset: bool) -> dict:
     return {"MAGIC": dtype == torch.float16 and not offset,
             "ROUND_BF16": dtype == torch.bfloat16 and device.type != "cuda",
             "OFFSET": (1 if exact else 2) if offset else 0}
+
+
+def _code_pairs(kind: str, block_m: int, dtype: torch.dtype, device: torch.device,
+                offset: bool, scales: int) -> bool:
+    """``PAIRS``: launch kind "wna16p" turns codes into weights two at a time by PTX
+    (``_gemv_pairs_step``) where it applies, the fp16 GEMV on CUDA with integer zero points
+    and scales per step or packed row; elsewhere (the interpreter included) the launch runs
+    as "wna16", with the same numerics."""
+    return (kind == "wna16p" and block_m == 1 and dtype == torch.float16 and not offset
+            and device.type == "cuda" and scales != 2)
 
 
 def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -410,8 +495,9 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     contiguous rows; ``runs`` as ``wna16.consecutive_groups`` reads ``g_idx``, or None),
     plus ``bias [N]``: ``[M, N]`` in x's dtype, ``quant.wna16.linear`` up to float32
     summation order (``offset``: ``zeros`` are float offsets, ``W = q * s + z``, GGUF's
-    ``Q4_1``). ``config`` (a ``WoConfig`` of kind "wna16" or "wna16t", its string, or "dequant";
-    split 0: ``fill_split``) overrides ``wna16_blocks`` (benchmarks, tests). Shapes alone
+    ``Q4_1``). ``config`` (a ``WoConfig`` of kind "wna16", "wna16t" or "wna16p", its
+    string, or "dequant"; split 0: ``fill_split``) overrides ``wna16_blocks`` (benchmarks,
+    tests). Shapes alone
     choose the launch, and every buffer is a ``torch.empty`` of a static size: capturable
     in CUDA graphs."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous rows"
@@ -424,7 +510,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         cfg = DEQUANT
     else:
         cfg = WoConfig.parse(config) if isinstance(config, str) else config
-        if cfg.kind not in ("wna16", "wna16t", "dequant"):
+        if cfg.kind not in ("wna16", "wna16t", "wna16p", "dequant"):
             raise ValueError(f"not a wna16 launch: {cfg}")
     if cfg.kind == "dequant":
         return _dequantized_product(x, qweight, scales, zeros, g_idx, bits, bias, perm, runs,
@@ -434,7 +520,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return y
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     assert bk >= 16 and bk & (bk - 1) == 0, f"K steps of {bk} columns: a power of two from 16"
-    assert cfg.kind == "wna16" or bm >= 16, "a transposed product needs 16-row tiles or more"
+    assert cfg.kind != "wna16t" or bm >= 16, "a transposed product needs 16-row tiles or more"
     if perm is not None and bm > 1:
         # the activations in served column order, one gather for the call: through perm in
         # the tile loop every step's [BLOCK_M, BLOCK_K] load is uncoalesced (round 31:
@@ -445,13 +531,15 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     split, k_chunk, even_k, part = split_k(split, m, n, k, bk, y)
     dot_dtype, precision = dot_config(x.dtype, x.device)
     first, size = runs or (0, 1)
+    scales_mode = scale_mode(runs, bk, pack)
     _wna16_kernel[(m_tiles, n_tiles, split)](
         x, qweight, scales, zeros, g_idx, perm if perm is not None else g_idx,
         bias if bias is not None else scales, y, part, m, n, k, k_chunk, first, size,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        BITS=bits, SCALES=scale_mode(runs, bk, pack), HAS_PERM=perm is not None,
+        BITS=bits, SCALES=scales_mode, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, SWAP=cfg.kind == "wna16t",
+        PAIRS=_code_pairs(cfg.kind, bm, x.dtype, x.device, offset, scales_mode),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **_numerics(x.dtype, x.device, offset), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
