@@ -32,7 +32,7 @@ from tpserve.model.kernels import triton_wna16  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 POINTEE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
 SHARED_MAX = 232_448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.triton_support import FP_FUSION
+
 _BLOCK = 1024
 
 
@@ -81,5 +83,5 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         block = min(_BLOCK, triton.next_power_of_2(d))
         _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
             x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, GELU_TANH=gelu_tanh,
-            num_warps=4)
+            enable_fp_fusion=FP_FUSION, num_warps=4)
     return out

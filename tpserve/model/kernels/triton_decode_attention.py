@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_softcap import LOG2E, cap_logits, softcap_constexpr
-from tpserve.model.kernels.triton_support import check_head_dim, dot_config
+from tpserve.model.kernels.triton_support import FP_FUSION, check_head_dim, dot_config
 from tpserve.model.kv_cache_dtype import is_fp8
 
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
@@ -434,12 +434,13 @@ def decode_attention(
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
         BT_AHEAD=bt_ahead, WINDOW=window or 0,
         SOFTCAP=cap,
-        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,  # None: no cap
+        enable_fp_fusion=FP_FUSION, num_warps=num_warps, num_stages=num_stages,
+        maxnreg=maxnreg,  # None: no cap
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_out, part_max, part_sum, out, seq_lens, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits, num_warps=4,
+            NUM_SPLITS=num_splits, enable_fp_fusion=FP_FUSION, num_warps=4,
         )
     return out

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_support import dot_config
+from tpserve.model.kernels.triton_support import FP_FUSION, dot_config
 
 
 class WoConfig(NamedTuple):
@@ -352,7 +352,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     grid = (m_tiles, n_tiles, split)
     common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_K=bk, GROUP=group, SCALE_ROWS=scale_rows,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  enable_fp_fusion=FP_FUSION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.kind.startswith("gemv"):  # "gemv" + flags: r REDUCE_EACH, e EVICT
         assert bm == 1, "a gemv launch has one activation row per program"
         flags = cfg.kind[4:]
@@ -394,7 +394,7 @@ def reduce_splits(part: torch.Tensor, w_scale: torch.Tensor | None,
     _wo_reduce_kernel[(triton.cdiv(m * n, block),)](
         part, part if w_scale is None else w_scale, part if bias is None else bias, y, m, n,
         split, y.stride(0), HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=4)
+        BLOCK=block, enable_fp_fusion=FP_FUSION, num_warps=4)
 
 
 def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -428,5 +428,5 @@ def weight_only_silu_mul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
         x.stride(0), wq.stride(0), y.stride(0), w_scale.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, REDUCE_EACH="r" in flags, EVICT="e" in flags,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=group, SCALE_ROWS=scale_rows,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        enable_fp_fusion=FP_FUSION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

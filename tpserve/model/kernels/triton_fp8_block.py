@@ -39,6 +39,7 @@ from tpserve.model.kernels.triton_fp8 import (
     weight_only_linear,
 )
 from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_group
+from tpserve.model.kernels.triton_support import FP_FUSION
 
 
 @triton.jit
@@ -169,6 +170,6 @@ def block_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, scale_r
         SCALE_ROWS=scale_rows, QUANT_X=quantize_input,
         IEEE=x.device.type != "cuda" or y.dtype == torch.float32,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn, GROUP=group,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        enable_fp_fusion=FP_FUSION, num_warps=launch.num_warps, num_stages=launch.num_stages)
     reduce_splits(out, None, bias, y, split)
     return y

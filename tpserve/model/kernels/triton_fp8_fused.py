@@ -38,7 +38,7 @@ from tpserve.model.kernels.triton_fp8_quant import (
     _quantize_store,
 )
 from tpserve.model.kernels.triton_norm import _normed_row, norm_rows, num_warps_for
-from tpserve.model.kernels.triton_support import tl_dtype
+from tpserve.model.kernels.triton_support import FP_FUSION, tl_dtype
 
 _SILU_BLOCK = 2048
 # Llama-3-8B's 14,336 gate columns at tp 1 fit (16,384 lanes, 32 a thread at 16 warps). In
@@ -170,7 +170,7 @@ def _norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
             s if static_scale is None else static_scale,
             x2.stride(0), r2.stride(0), q.stride(0), s2.stride(0), s.stride(0), hidden, eps,
             OUT_DTYPE=tl_dtype(r.out_dtype), HAS_RESIDUAL=residual is not None,
-            BLOCK_H=block_h, num_warps=num_warps_for(block_h),
+            BLOCK_H=block_h, enable_fp_fusion=FP_FUSION, num_warps=num_warps_for(block_h),
             **_consts(x.device, static_scale, group, block_h))
     return q, s, r.summed, r.out_dtype
 
@@ -217,6 +217,7 @@ def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
         _silu_and_mul_fp8_kernel[(rows,)](
             x2, q.view(torch.uint8), s, s if static_scale is None else static_scale,
             x2.stride(0), q.stride(0), s.stride(0), d, BLOCK=block, ONE_PASS=one_pass,
+            enable_fp_fusion=FP_FUSION,
             num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
             **_consts(x.device, static_scale, group, block))
     return q, s, x.dtype

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.model.kernels.triton_support import FP_FUSION
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MIN_SCALE = 1e-12
@@ -113,7 +115,7 @@ def quantize_per_token(x: torch.Tensor, bit_cast: bool | None = None,
                                   FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX,
                                   MIN_SCALE_C=MIN_SCALE, STATIC=static,
                                   BIT_CAST=bit_cast, BLOCK=block,
-                                  num_warps=4 if block <= 1024 else 8)
+                                  enable_fp_fusion=FP_FUSION, num_warps=4 if block <= 1024 else 8)
     return q, s
 
 
@@ -149,5 +151,6 @@ def quantize_per_group(x: torch.Tensor, group: int, bit_cast: bool | None = None
     _quant_per_group_kernel[(m, groups)](x, q.view(torch.uint8), s, k, x.stride(0),
                                          q.stride(0), s.stride(0), FP8_MAX_C=FP8_MAX,
                                          INV_FP8_MAX_C=INV_FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                         BIT_CAST=bit_cast, GROUP=group, num_warps=4)
+                                         BIT_CAST=bit_cast, GROUP=group,
+                                         enable_fp_fusion=FP_FUSION, num_warps=4)
     return q, s

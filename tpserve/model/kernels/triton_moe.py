@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.model.kernels.triton_support import dot_config
+from tpserve.model.kernels.triton_support import FP_FUSION, dot_config
 
 
 @triton.jit
@@ -112,5 +112,5 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
                              a.stride(0), w.stride(0), w.stride(1), out.stride(0), E=e, E_PAD=triton.next_power_of_2(e),
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot_dtype,
                              DOT_PRECISION=precision, SCALED=scale is not None,
-                             num_warps=warps)
+                             enable_fp_fusion=FP_FUSION, num_warps=warps)
     return out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.torch_ops import check_sum_out
+from tpserve.model.kernels.triton_support import FP_FUSION
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, UNIT_OFFSET=unit_offset,
-            num_warps=num_warps_for(block_h),
+            enable_fp_fusion=FP_FUSION, num_warps=num_warps_for(block_h),
         )
     return out, summed
 

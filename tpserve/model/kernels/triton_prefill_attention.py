@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tpserve.model.kernels.triton_softcap import LOG2E, cap_logits, softcap_constexpr
-from tpserve.model.kernels.triton_support import check_head_dim, dot_config, tl_dtype
+from tpserve.model.kernels.triton_support import FP_FUSION, check_head_dim, dot_config, tl_dtype
 from tpserve.model.kv_cache_dtype import is_fp8
 
 # Measured on an H200 (bf16, D=128): 64x64 tiles with 4 warps and 2 stages were the best or
@@ -258,6 +258,6 @@ def prefill_attention(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         WIDEN_DTYPE=tl.float16 if fp16_dot else tl_dtype(q.dtype), WINDOW=window or 0,
         SOFTCAP=cap,
-        num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=FP_FUSION, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from tpserve.model.kernels.torch_ops import HeadNorm
 from tpserve.model.kernels.triton_fp8_kv import to_cache
+from tpserve.model.kernels.triton_support import FP_FUSION
 from tpserve.model.kv_cache_dtype import is_fp8
 
 
@@ -266,6 +267,6 @@ def rope_and_write_kv(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=k_cache.shape[1],
         KV_FP8=fp8, HADAMARD=hadamard, HEAD_NORM=head_norm is not None,
         HEAD_NORM_UNIT_OFFSET=head_norm is not None and head_norm.unit_offset,
-        num_warps=num_warps,
+        enable_fp_fusion=FP_FUSION, num_warps=num_warps,
     )
     return q, k

@@ -41,6 +41,7 @@ from tpserve.model.kernels.triton_fp8 import (
     split_k,
 )
 from tpserve.model.kernels.triton_fp8_quant import FP8
+from tpserve.model.kernels.triton_support import FP_FUSION
 
 PROMOTE_K = 128  # products summed in the tensor cores before a float32 add (at most)
 
@@ -141,6 +142,6 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         HAS_BIAS=bias is not None, EVEN_K=even_k, PARTIAL=split > 1,
         WIDEN=xq.device.type != "cuda", PROMOTE=min(bk, PROMOTE_K), FAST=fast_accum,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        enable_fp_fusion=FP_FUSION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     reduce_splits(part, w_scale, bias, y, split)
     return y

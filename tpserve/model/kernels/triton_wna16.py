@@ -57,7 +57,7 @@ from tpserve.model.kernels.triton_fp8 import (
     reduce_splits,
     split_k,
 )
-from tpserve.model.kernels.triton_support import dot_config
+from tpserve.model.kernels.triton_support import FP_FUSION, dot_config
 from tpserve.model.quant.wna16 import DEQUANT_MIN_M, pack_factor
 
 DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
@@ -457,7 +457,7 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         qweight, scales, zeros, g_idx, perm if perm is not None else g_idx, w, n, k, first,
         size, qweight.stride(0), scales.stride(0), w.stride(0), BITS=bits, SCALES=mode,
         HAS_PERM=perm is not None, ROWS=rows, BLOCK_N=block_n,
-        **_numerics(scales.dtype, qweight.device, offset), num_warps=4)
+        **_numerics(scales.dtype, qweight.device, offset), enable_fp_fusion=FP_FUSION, num_warps=4)
     return w
 
 
@@ -541,7 +541,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, SWAP=cfg.kind == "wna16t",
         PAIRS=_code_pairs(cfg.kind, bm, x.dtype, x.device, offset, scales_mode),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        **_numerics(x.dtype, x.device, offset), num_warps=cfg.num_warps,
+        **_numerics(x.dtype, x.device, offset), enable_fp_fusion=FP_FUSION, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     reduce_splits(part, None, bias, y, split)
     return y
