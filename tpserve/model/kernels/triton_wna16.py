@@ -198,6 +198,22 @@ def _code(packed, j: tl.constexpr, s, z, rows, rn, row_ok, n_ok, s_ptr, z_ptr, g
     return w, kk
 
 
+@triton.jit
+def _packed_rows(q_ptr, k0, rn, n_ok, K, stride_q, PACK: tl.constexpr, ROWS: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """The K step's ``ROWS`` packed rows from ``k0 / PACK`` of columns ``rn``: ``(rows,
+    row_ok, packed)``, rows past K (and columns past N) loaded as 0."""
+    rows = k0 // PACK + tl.arange(0, ROWS)
+    if EVEN_K:
+        row_ok = rows >= 0
+        w_ok = n_ok[None, :]
+    else:
+        row_ok = rows < K // PACK
+        w_ok = row_ok[:, None] & n_ok[None, :]
+    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+    return rows, row_ok, packed
+
+
 # Two codes of a packed word as an fp16 pair in one 32-bit operation: ``(w >> shift) & mask
 # | 0x6400_6400`` (lop3) puts code j in the low half and code j + PACK/2 in the high half,
 # each ``1024 + q`` exactly; then ``((1024 + q) - (1024 + z)) * s`` as f16x2, exact and
@@ -237,14 +253,7 @@ def _gemv_pairs_step(acc_rows, x_row, q_ptr, s_ptr, z_ptr, perm_ptr, k0, rn, n_o
     per packed row (``SCALES`` 0 / 1). Rows past K: activation 0."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PACK
-    rows = k0 // PACK + tl.arange(0, ROWS)
-    if EVEN_K:
-        row_ok = rows >= 0
-        w_ok = n_ok[None, :]
-    else:
-        row_ok = rows < K // PACK
-        w_ok = row_ok[:, None] & n_ok[None, :]
-    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+    rows, row_ok, packed = _packed_rows(q_ptr, k0, rn, n_ok, K, stride_q, PACK, ROWS, EVEN_K)
     s, z = _group_rows(s_ptr, z_ptr, rows, k0, rn, row_ok, n_ok, K, FIRST, GROUP_SIZE,
                        stride_s, PACK, SCALES, True)
     s = tl.broadcast_to(s, (ROWS, BLOCK_N))
@@ -279,14 +288,7 @@ def _step_weights(q_ptr, s_ptr, z_ptr, g_ptr, k0, rn, n_ok, K, FIRST, GROUP_SIZE
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PACK
     jj = tl.arange(0, PACK)
-    rows = k0 // PACK + tl.arange(0, ROWS)
-    if EVEN_K:
-        row_ok = rows >= 0
-        w_ok = n_ok[None, :]
-    else:
-        row_ok = rows < K // PACK
-        w_ok = row_ok[:, None] & n_ok[None, :]
-    packed = tl.load(q_ptr + rows[:, None] * stride_q + rn[None, :], mask=w_ok, other=0)
+    rows, row_ok, packed = _packed_rows(q_ptr, k0, rn, n_ok, K, stride_q, PACK, ROWS, EVEN_K)
     q = (packed[:, None, :] >> (jj * BITS)[None, :, None]) & ((1 << BITS) - 1)
     if SCALES == 2:  # a group per column, through g_idx
         g = tl.load(g_ptr + rows[:, None] * PACK + jj[None, :], mask=row_ok[:, None], other=0)
