@@ -24,6 +24,7 @@ from tests.model.wna16_operands import LAYOUTS, operands  # noqa: E402
 from tpserve.model.quant.wna16 import dequantize, linear  # noqa: E402
 
 NAMES = (("tpserve.model.kernels.triton_fp8", "_wo_load"),
+         ("tpserve.model.kernels.triton_wna16_codes", "_step_weights"),
          ("tpserve.model.kernels.triton_wna16", "_wna16_kernel"))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # the spacing of the output dtype relative to a value (one rounding of either side)

@@ -21,7 +21,7 @@ import triton.language as tl
 # through 3.9, which warns when it is left unset, and which 3.10 turns off. The kernels'
 # numerics are stated for it (a float32 product of 16-bit values is exact, so fusing it
 # into an add rounds as the torch reference does; float32 scales are rounded on their own,
-# ``triton_wna16._dequant``), and the GEMVs' sums are one instruction a weight.
+# ``triton_wna16_codes._dequant``), and the GEMVs' sums are one instruction a weight.
 FP_FUSION = True
 
 _TL_DTYPES = {
