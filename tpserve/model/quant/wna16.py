@@ -1,6 +1,6 @@
 """Integer weights with float group scales, activations in the model's dtype ("WNA16": GPTQ
-and AWQ checkpoints, ``--quantization gptq`` / ``awq``; GGUF blocks, ``gguf``): the layout a linear layer serves
-them in, and its torch reference.
+and AWQ checkpoints, ``--quantization gptq`` / ``awq``; GGUF blocks, ``gguf``): the layout
+a linear layer serves them in, and its torch reference.
 
 Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, ``pack =
 32 // bits`` codes per int32, K the layer's input columns on this rank, N its output rows:
@@ -18,9 +18,9 @@ Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, `
 ``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, computed in float32
 and rounded once to the activation dtype; ``y = x W^T (+ bias)``. The ``offset`` form
 (GGUF's ``Q4_1``, ``Wna16Method.offset``): ``zeros`` are any floats added after the scale,
-``W = q * scales + zeros`` (the product exact in float32, the sum rounded once, then the
-cast). Zero padding (the rows and
-columns ``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
+``W = q * scales + zeros`` (in float32, the product and the sum each rounded, then the
+cast; with 16-bit scales the product is exact). Zero padding (the rows and columns
+``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
 padding columns, where the input is zero.
 """
 
