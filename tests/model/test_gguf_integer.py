@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.util import CPU, full_logits, save_gguf_file
+from tests.model.util import CPU, full_logits, graphs_and_eager, save_gguf_file
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
 from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
-from tpserve.model.loader.gguf_integer import GGUFBlocks, stored_integer
+from tpserve.model.loader.gguf_integer import Form, GGUFBlocks, stored_integer
 from tpserve.model.quant.fp8 import Fp8LinearMethod
 from tpserve.model.quant.methods import linear_method, resolve_quantization
 from tpserve.model.quant.wna16 import dequantize
@@ -44,17 +44,19 @@ def _tensor(values: np.ndarray, qtype) -> SimpleNamespace:
 
 
 def _weight(t, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
-    parts = [GGUFBlocks(t, part, heads) for part in ("codes", "scales", "zeros")]
+    offset = t.tensor_type == Q.Q4_1
+    form = Form(TYPES[t.tensor_type.name][1], 32, offset)
+    parts = [GGUFBlocks(t, part, heads, form) for part in ("codes", "scales", "zeros")]
     per = {"codes": 1, "scales": 32, "zeros": 32}
     codes, scales, zeros = (
         p.read(dim, start // (per[p.part] if dim == 1 else 1),
                None if length is None else length // (per[p.part] if dim == 1 else 1))
         for p in parts)
-    assert codes.dtype == torch.int16 and scales.dtype == torch.float16
+    assert codes.dtype == torch.int16 and scales.dtype == torch.float32
     z = zeros.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
     s = scales.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
-    if t.tensor_type == Q.Q4_1:  # float offsets after the scale
-        assert zeros.dtype == torch.float16
+    if offset:  # float offsets after the scale
+        assert zeros.dtype == torch.float32
         return codes.float() * s + z
     assert zeros.dtype == torch.uint8
     return (codes.float() - z) * s
@@ -71,21 +73,25 @@ def test_blocks_equal_the_gguf_packages_dequantization(kind):
     want = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(48, 96).copy())
     got = _weight(t)
     assert torch.equal(got, want)
-    codes = GGUFBlocks(t, "codes", None).read()
+    form = Form(bits, 32, kind == "Q4_1")
+    codes = GGUFBlocks(t, "codes", None, form).read()
     assert codes.min() >= 0 and codes.max() < 2**bits and codes.float().std() > 1
     assert torch.equal(_weight(t, dim=0, start=8, length=16), want[8:24])
     assert torch.equal(_weight(t, dim=1, start=32, length=64), want[:, 32:96])
     # a head-permuted q of 6 heads of 8 rows: read as 3 + 3 heads equals the whole
-    heads = GGUFBlocks(t, "codes", 6)
+    heads = GGUFBlocks(t, "codes", 6, form)
     whole = heads.read()
     assert torch.equal(torch.cat([heads.read(0, 0, 24), heads.read(0, 24, 24)]), whole)
     assert torch.equal(whole.reshape(6, 2, 4, 96).transpose(1, 2).reshape(48, 96), codes)
 
 
-def test_only_files_of_one_type_of_the_two_are_servable():
-    """A file is servable as stored when its decoder linear weights are all Q8_0, all Q4_0
-    or all Q4_1 (the embedded SmolLM2's, with float offsets); a K-quant, a mix, or Phi-3's
-    fused q/k/v is not; embeddings and norms do not count."""
+def test_which_files_are_servable_and_in_which_forms():
+    """A file is servable as stored when its decoder linear weights are all of the served
+    types (``gguf_blocks.BLOCK_TYPES``); each module (q/k/v, o, gate/up, down of a layer)
+    takes 4 bits if its parts have at most 4, else 8, the smallest group, and the type's
+    zero point when all its parts are of one such type, else offsets. One form for all: one
+    method; forms that differ (a ``Q4_K_M`` file): a method per module. ``Q2_K``, an ``IQ``
+    type or Phi-3's fused q/k/v is not servable; embeddings and norms do not count."""
     def record(name, qtype):
         return SimpleNamespace(name=name, tensor_type=qtype)
 
@@ -93,11 +99,43 @@ def test_only_files_of_one_type_of_the_two_are_servable():
     other = [record("token_embd.weight", Q.Q6_K), record("blk.0.attn_norm.weight", Q.F32)]
     q8 = stored_integer([record(n, Q.Q8_0) for n in lin] + other)
     assert (q8.method, q8.bits, q8.group_size, q8.dequantizable) == ("gguf", 8, 32, True)
+    assert (q8.modules, q8.block_types) == ((), (("Q8_0", 3),))
     assert stored_integer([record(n, Q.Q4_0) for n in lin]).bits == 4
-    assert stored_integer([record(lin[0], Q.Q8_0), record(lin[1], Q.Q4_0)]) is None
     q41 = stored_integer([record(n, Q.Q4_1) for n in lin])
     assert (q41.bits, q41.offset, q8.offset) == (4, True, False)
-    assert stored_integer([record(n, Q.Q4_K) for n in lin]) is None
+    q4k = stored_integer([record(n, Q.Q4_K) for n in lin])
+    assert (q4k.bits, q4k.group_size, q4k.offset, q4k.modules) == (4, 32, True, ())
+    q6k = stored_integer([record(n, Q.Q6_K) for n in lin])
+    assert (q6k.bits, q6k.group_size, q6k.offset, q6k.modules) == (8, 16, False, ())
+    # types by module: each module in its own type's form
+    mixed = stored_integer([record(lin[0], Q.Q8_0), record(lin[1], Q.Q4_0),
+                            record(lin[2], Q.Q5_1)])
+    assert mixed.modules == ((0, "down_proj", 4, 32, False), (0, "qkv_proj", 8, 32, False),
+                             (1, "o_proj", 8, 32, True))
+    assert (mixed.quant_method, mixed.bits, mixed.group_size) == ("Q4_0+Q5_1+Q8_0", 8, 32)
+    # Q4_K_M's q/k/v: Q4_K q and k with a Q6_K v, one module in 8 bits, groups of 16, offsets
+    q4km = stored_integer([record("blk.0.attn_q.weight", Q.Q4_K),
+                           record("blk.0.attn_k.weight", Q.Q4_K),
+                           record("blk.0.attn_v.weight", Q.Q6_K),
+                           record("blk.0.ffn_gate.weight", Q.Q4_K),
+                           record("blk.0.ffn_up.weight", Q.Q4_K),
+                           record("blk.0.ffn_down.weight", Q.Q6_K)])
+    assert q4km.modules == ((0, "down_proj", 8, 16, False), (0, "gate_up_proj", 4, 32, True),
+                            (0, "qkv_proj", 8, 16, True))
+    assert q4km.describe() == (
+        "the GGUF file's blocks (4 x Q4_K, 2 x Q6_K) in 3 modules: 1 in 4-bit groups of 32 "
+        "with offsets, 1 in 8-bit groups of 16, 1 in 8-bit groups of 16 with offsets")
+    methods = linear_method("gguf", "torch", CPU, torch.float32, 32, q4km)
+    assert methods.of(0, "qkv_proj") == Wna16Method("gguf", 8, 16, offset=True)
+    assert methods.of(0, "down_proj") == Wna16Method("gguf", 8, 16)
+    assert methods.of(0, "gate_up_proj") == Wna16Method("gguf", 4, 32, offset=True)
+    with pytest.raises(ValueError, match="no weight for layer 0's o_proj"):
+        methods.of(0, "o_proj")
+    assert resolve_quantization("auto", q4km) == "none"  # dequantized at load
+    assert linear_method("none", "torch", CPU, torch.float32, 32, q4km) is None
+    for unserved in (Q.Q2_K, Q.IQ4_XS, Q.Q3_K):
+        assert stored_integer([record(n, unserved) for n in lin]) is None
+    assert stored_integer([record(lin[0], Q.Q4_K), record(lin[1], Q.Q2_K)]) is None
     # Phi-3's fused q/k/v (loaded part by part) is not served as stored
     assert stored_integer([record(n, Q.Q8_0) for n in lin]
                           + [record("blk.0.attn_qkv.weight", Q.Q8_0)]) is None
@@ -105,8 +143,9 @@ def test_only_files_of_one_type_of_the_two_are_servable():
     assert embedded.quantization.quant_method == "Q4_1"
     assert resolve_quantization("gguf", embedded.quantization) == "gguf"
     assert resolve_quantization("auto", embedded.quantization) == "none"
-    with pytest.raises(ValueError, match="all Q8_0, all Q4_0 or all Q4_1"):
-        resolve_quantization("gguf", stored_integer([record(n, Q.Q4_K) for n in lin]))
+    with pytest.raises(ValueError, match="all of the types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                         "Q4_K, Q5_K and Q6_K"):
+        resolve_quantization("gguf", stored_integer([record(n, Q.Q2_K) for n in lin]))
 
 
 @pytest.fixture(scope="module")
@@ -225,13 +264,10 @@ def test_the_blocks_on_the_gpu_kernels(files, kind, dtype):
     of 32): a prefill and two decode steps replayed in CUDA graphs equal the eager forward,
     and the eager prefill's last logits equal the CPU reference's (the file dequantized at
     load, float32) within float32 summation order (float16: its rounding)."""
-    from dataclasses import replace
-
-    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
-    from tpserve.model.runner import ModelRunner
+    from tpserve.model.plan import SeqChunk, StepLimits
     from tpserve.model.runner_config import RunnerConfig
 
-    dev, n = torch.device("cuda", 0), len(TOKENS)
+    n = len(TOKENS)
     limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128,
                         block_size=16)
     steps = [[SeqChunk(TOKENS, 0, [0], True)], [SeqChunk([7], n, [0], True)],
@@ -239,18 +275,15 @@ def test_the_blocks_on_the_gpu_kernels(files, kind, dtype):
     rc = RunnerConfig(model=files[kind], dtype=dtype, device="cuda", kernel_backend="triton",
                       quantization="gguf", kv_cache_memory=64 * 2**20,
                       cuda_graph_max_tokens=64)
-    bits, offset = TYPES[kind][1], kind == "Q4_1"
-    outs = []
-    for c in (rc, replace(rc, enforce_eager=True)):
-        runner = ModelRunner(c, limits, TPGroup(0, 1, dev, None))
-        methods = {getattr(m, "quant_method", None) for m in runner.model.modules()}
-        assert Wna16Method("gguf", bits, 32, backend="triton", offset=offset) in methods
-        outs.append([runner.execute(StepPlan.build(chunks, 16, runner.attn)).float().cpu()
-                     for chunks in steps])
-        del runner
+    method = Wna16Method("gguf", TYPES[kind][1], 32, backend="triton", offset=kind == "Q4_1")
+
+    def check(runner):
+        assert method in {getattr(m, "quant_method", None) for m in runner.model.modules()}
+
+    graphed, eager = graphs_and_eager(rc, limits, steps, check)
     tol = 1e-5 if dtype == "float32" else 1e-2
-    for got, eager in zip(*outs, strict=True):
-        torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+    for got, ref in zip(graphed, eager, strict=True):
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
     dense, comm, _ = _load(files[kind], "auto", TPGroup(0, 1, CPU, None))
     want = full_logits(dense, comm, TOKENS)[-1]
-    assert float((outs[1][0][0] - want).abs().max()) <= tol * float(want.abs().max())
+    assert float((eager[0][0] - want).abs().max()) <= tol * float(want.abs().max())

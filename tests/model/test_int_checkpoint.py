@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from tests.model.int_checkpoints import save_int_folders
-from tests.model.util import CPU, full_logits, save_fp8_folder, save_hf_folder
+from tests.model.util import (
+    CPU,
+    full_logits,
+    graphs_and_eager,
+    save_fp8_folder,
+    save_hf_folder,
+)
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
@@ -339,12 +345,9 @@ def test_integer_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path, dtype
     smallest) from GPTQ act-order, AWQ and symmetric 8-bit compressed-tensors folders,
     through captured graphs, equal the eager forward; the eager forward equals the
     dequantized twin's logits on the CPU reference (float32; 16-bit within rounding)."""
-    from dataclasses import replace
-
     import transformers as tf
 
-    from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
-    from tpserve.model.runner import ModelRunner
+    from tpserve.model.plan import SeqChunk, StepLimits
     from tpserve.model.runner_config import RunnerConfig
 
     torch.manual_seed(11)
@@ -352,7 +355,6 @@ def test_integer_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path, dtype
                             "num_key_value_heads": 2, "intermediate_size": 128})
     cfg.architectures = ["LlamaForCausalLM"]
     base = save_hf_folder(tf.AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "b")
-    dev = torch.device("cuda", 0)
     limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
                         block_size=16)
     steps = [[SeqChunk(TOKENS, 0, [0], True), SeqChunk(TOKENS[:5], 0, [1], True)],
@@ -366,16 +368,12 @@ def test_integer_steps_replay_in_cuda_graphs_as_they_run_eagerly(tmp_path, dtype
         rc = RunnerConfig(model=str(folder), dtype=dtype, device="cuda",
                           kernel_backend="triton", quantization=fmt,
                           kv_cache_memory=64 * 2**20, cuda_graph_max_tokens=128)
-        outs = []
-        for c in (rc, replace(rc, enforce_eager=True)):
-            runner = ModelRunner(c, limits, TPGroup(0, 1, dev, None))
-            outs.append([runner.execute(StepPlan.build(chunks, 16, runner.attn)).float().cpu()
-                         for chunks in steps])
-        for got, eager in zip(*outs, strict=True):
-            torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+        graphed, eager = graphs_and_eager(rc, limits, steps)
+        for got, ref in zip(graphed, eager, strict=True):
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
         dense, comm, _ = load_as_served(twin, ONE)
         want = full_logits(dense, comm, TOKENS)
-        torch.testing.assert_close(outs[1][0][0], want[-1], atol=tol * 10, rtol=tol * 10)
+        torch.testing.assert_close(eager[0][0], want[-1], atol=tol * 10, rtol=tol * 10)
 
 
 def test_the_reference_scales_whole_groups_where_they_run_in_column_order():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -63,6 +64,26 @@ def full_logits(model, comm, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def graphs_and_eager(rc, limits, steps: list[list[SeqChunk]], check=None
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On a GPU: the outputs (float32, on the CPU) of ``steps`` run by a ``ModelRunner`` of
+    ``rc`` (``RunnerConfig``) through its captured CUDA graphs, then by one with
+    ``enforce_eager``; ``check(runner)`` is called on each before it runs."""
+    from dataclasses import replace
+
+    from tpserve.model.runner import ModelRunner
+
+    outs = []
+    for c in (rc, replace(rc, enforce_eager=True)):
+        runner = ModelRunner(c, limits, TPGroup(0, 1, torch.device("cuda", 0), None))
+        if check is not None:
+            check(runner)
+        outs.append([runner.execute(StepPlan.build(chunks, limits.block_size, runner.attn))
+                     .float().cpu() for chunks in steps])
+        del runner
+    return outs[0], outs[1]
+
+
 def whole_and_stepped(model, comm, tokens: list[int], prefill: int, chunk: int
                       ) -> list[torch.Tensor]:
     """Every position's logits two ways: one whole prefill; and a ``prefill``-token
@@ -312,6 +333,30 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
                     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
+# the fp16 scale of random blocks, by type: weights of about 0.01 - 0.1
+RANDOM_BLOCK_SCALE = {"Q8_0": 1e-3, "Q4_0": 1e-2, "Q4_1": 1e-2, "Q5_0": 5e-3, "Q5_1": 5e-3,
+                      "Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 3e-5}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 ``[rows, cols / columns * nbytes]``: blocks of GGML type ``kind`` with random
+    bytes (every code, scale and min pattern) but for their fp16 ``d`` (and ``dmin`` or
+    ``m``), drawn of either sign around ``RANDOM_BLOCK_SCALE``."""
+    from tpserve.model.loader.gguf_blocks import BLOCK_TYPES
+
+    t = BLOCK_TYPES[kind]
+    n = cols // t.columns
+    raw = rng.integers(0, 256, (rows, n, t.nbytes), dtype=np.uint8)
+    fields = [208] if kind == "Q6_K" else [0] if t.zero is not None else [0, 2]
+    for at in fields:
+        half = (rng.uniform(0.5, 1.5, (rows, n)) * rng.choice([-1, 1], (rows, n))
+                * RANDOM_BLOCK_SCALE[kind]).astype(np.float16)
+        if at == 2 and kind in ("Q4_K", "Q5_K"):
+            half = np.abs(half) * 4  # dmin: the mins subtract
+        raw[..., at:at + 2] = half.view(np.uint8).reshape(rows, n, 2)
+    return raw.reshape(rows, -1)
+
+
 def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's converter's ``LlamaModel.permute``: each head's rows reordered for its
     rotary layout (the loader undoes it)."""
@@ -322,7 +367,7 @@ def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                    extra_tensors: dict | None = None, layer_names: dict | None = None,
                    norm_shift: float = 0.0, state: dict | None = None,
-                   linear_type=None) -> Path:
+                   linear_type=None, linear_blocks=None) -> Path:
     """A transformers model's weights as a float32 GGUF file of llama.cpp's ``arch``: its
     metadata keys and tensor names, ``llama``'s (and ``granite``'s) q/k rows permuted as the converter permutes
     them (Qwen's are not), no ``output.weight`` when the embeddings are tied;
@@ -331,7 +376,9 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
     weight (Gemma's converter stores ``1 + w``); ``state`` written instead of the model's
     ``state_dict()`` (tensors renamed or split as llama.cpp's converter would);
     ``linear_type`` (a ``gguf.GGMLQuantizationType``) quantizes the decoder layers' 2-d
-    linear weights to it by ``gguf.quants.quantize``, as llama.cpp's quantizer does."""
+    linear weights to it by ``gguf.quants.quantize``, as llama.cpp's quantizer does;
+    ``linear_blocks(gguf_name, rows, cols)`` -> ``(raw uint8 blocks, qtype)`` replaces them
+    with blocks of its own (types the package cannot quantize: the K-quants)."""
     import gguf
 
     cfg = model.config
@@ -369,8 +416,12 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
                      "lm_head.weight": "output.weight"}[name]
         if gname.endswith("norm.weight"):
             t = t + norm_shift
-        if linear_type is not None and gname.startswith("blk.") and t.dim() == 2 \
-                and not gname.endswith("norm.weight"):
+        linear = gname.startswith("blk.") and t.dim() == 2 and not gname.endswith("norm.weight")
+        if linear_blocks is not None and linear:
+            raw, qtype = linear_blocks(gname, *t.shape)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+            continue
+        if linear_type is not None and linear:
             w.add_tensor(gname, gguf.quants.quantize(t.float().numpy(), linear_type),
                          raw_dtype=linear_type)
             continue

@@ -45,6 +45,6 @@ def test_q8_0_blocks_served_as_stored_give_the_dequantized_files_logprobs(q8_fil
                            log_level="info")
     try:  # the oracle: the same file, dequantized at load (auto)
         check_stored_server(server, "linear layers: gguf weights, as stored (the GGUF "
-                            "file's Q8_0 blocks, 8-bit, groups of 32)", path)
+                            "file's blocks (210 x Q8_0), 8-bit, groups of 32)", path)
     finally:
         assert server.stop() == 0, server.output()

@@ -55,6 +55,7 @@ from tpserve.model.layers.moe import ExpertLoading, SparseMoeBlock
 from tpserve.model.layers.norm import RMSNorm
 from tpserve.model.layers.rotary import cos_sin_cache
 from tpserve.model.quant.fp8 import Fp8Activation
+from tpserve.model.quant.methods import module_method
 from tpserve.parallel.comm import TP_COMM_MODES, Communicator
 from tpserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.parallel.linear import (
@@ -74,7 +75,8 @@ class LlamaAttention(nn.Module):
     write (``q_norm``/``k_norm`` hold the weights; a zero padding head stays zero)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
-                 dtype: torch.dtype, reduce: str, quant=None, window: int | None = None):
+                 dtype: torch.dtype, reduce: str, quant=None, window: int | None = None,
+                 layer: int = 0):
         super().__init__()
         self.attn = attn
         self.window = window  # this layer's sliding window (ModelConfig.window_of), or None
@@ -87,13 +89,14 @@ class LlamaAttention(nn.Module):
                                   cfg.norm_unit_offset)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, comm, cfg.qkv_bias, dtype,
-                                          quant_method=quant)
+                                          quant_method=module_method(quant, layer, "qkv_proj"))
         # o_proj's input columns follow the (padded) query heads of this rank
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         comm, cfg.o_bias, dtype,
                                         in_map=self.qkv_proj.layout.q_map(comm.rank,
                                                                           cfg.head_dim),
-                                        reduce=reduce, quant_method=quant)
+                                        reduce=reduce,
+                                        quant_method=module_method(quant, layer, "o_proj"))
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         # the FP8 KV cache's scales, [K, V] (model/kv_cache_dtype.py): 1.0 unless the
         # checkpoint has them; fixed after load; ignored by other cache dtypes
@@ -116,17 +119,19 @@ class LlamaMLP(nn.Module):
     its down projection's (``"none"``: partial sums, a MoE block's shared expert)."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtype,
-                 reduce: str, quant=None, intermediate: int | None = None):
+                 reduce: str, quant=None, intermediate: int | None = None, layer: int = 0):
         super().__init__()
         self.ops = ops
         self.gelu_tanh = cfg.hidden_act == "gelu_tanh"
         inter = intermediate or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], comm,
-                                                       dtype=dtype, quant_method=quant)
+                                                       dtype=dtype,
+                                                       quant_method=module_method(
+                                                           quant, layer, "gate_up_proj"))
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, comm, dtype=dtype,
             in_map=ShardMap.contiguous(inter, comm.world_size, comm.rank), reduce=reduce,
-            quant_method=quant)
+            quant_method=module_method(quant, layer, "down_proj"))
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if self.gelu_tanh:  # Gemma: no fused variants (down_proj quantizes its own input)
@@ -146,10 +151,12 @@ class LlamaDecoderLayer(nn.Module):
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
+        # ``quant``: one method for every module, or a method per module (ModuleMethods)
         self.self_attn = LlamaAttention(cfg, comm, ops, attn, dtype, reduce, quant,
-                                        cfg.window_of(layer))
+                                        cfg.window_of(layer), layer)
         self.mlp = (_moe_block(cfg, comm, ops, dtype, reduce, quant, expert_parallel)
-                    if cfg.is_moe_layer(layer) else LlamaMLP(cfg, comm, ops, dtype, reduce, quant))
+                    if cfg.is_moe_layer(layer)
+                    else LlamaMLP(cfg, comm, ops, dtype, reduce, quant, layer=layer))
         self.local_rope = cfg.uses_local_rope(layer)  # the model hands it the local table
         self.nope = layer in cfg.nope_layers  # ... or the identity table
         self.sandwich = cfg.sandwich_norms

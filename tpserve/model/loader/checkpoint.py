@@ -209,7 +209,7 @@ class GGUFCheckpoint(_TokenizerSource):
         self.path = path
         self.description = path.name
         self.reader = gguf_file.open_reader(path)
-        # Q8_0 / Q4_0 / Q4_1 linear weights: servable as stored (--quantization gguf)
+        # linear weights of the types gguf_blocks lists: servable as stored (--quantization gguf)
         self.quantization = stored_integer(self.reader.tensors)
         self.kv_scales = False  # GGUF has no KV cache scales
         self.config = gguf_file.read_config(self.reader, path)

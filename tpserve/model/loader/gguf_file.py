@@ -346,6 +346,10 @@ def iter_weights(r, cfg: ModelConfig, integer: bool = False
     and zero points (``gguf_integer``: ``q_proj.gguf_codes`` ...) instead of floats."""
     permute = cfg.architecture in _PERMUTED
     arch = _field(r, "general.architecture")
+    forms = gguf_integer.module_forms(r.tensors) if integer else None
+    if integer and forms is None:
+        raise ValueError("the GGUF file's decoder linear weights are not all of types "
+                         "served as stored (loader/gguf_blocks.py)")
     for t in r.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
@@ -355,11 +359,13 @@ def iter_weights(r, cfg: ModelConfig, integer: bool = False
         elif permute and ".attn_k." in t.name:
             heads = cfg.num_key_value_heads
         name = hf_name(t.name, arch)
-        if integer and gguf_integer.LINEAR.fullmatch(t.name):
+        linear = gguf_integer.LINEAR.fullmatch(t.name) if integer else None
+        if linear is not None:
             base = name.removesuffix(".weight")
+            form = forms[(int(linear[1]), gguf_integer.MODULES[linear[2]])]
             for part, suffix in zip(("codes", "scales", "zeros"), gguf_integer.SUFFIXES,
                                     strict=True):
-                yield f"{base}.{suffix}", gguf_integer.GGUFBlocks(t, part, heads)
+                yield f"{base}.{suffix}", gguf_integer.GGUFBlocks(t, part, heads, form)
             continue
         shift = -1.0 if cfg.norm_unit_offset and t.name.endswith("norm.weight") else 0.0
         yield name, GGUFSource(t, heads, shift)

@@ -1,64 +1,106 @@
-"""GGUF ``Q8_0``, ``Q4_0`` and ``Q4_1`` weights served as stored (``--quantization gguf``):
-their blocks are integer codes with one fp16 scale per 32 input columns and a zero point or
-an offset, which is the WNA16 layout (``model/quant/wna16.py``) exactly:
+"""GGUF block types served as stored (``--quantization gguf``; ``gguf_blocks.py`` lists
+them: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``): their
+blocks are integer codes with a float scale per group of input columns and a zero point or
+a float offset, the WNA16 layout (``model/quant/wna16.py``).
 
-- ``Q8_0``: a block is ``d`` (fp16) and 32 signed bytes ``q``; ``w = d * q``. Served as
-  8-bit code ``q + 128`` with zero point 128 and scale ``d``.
-- ``Q4_0``: a block is ``d`` and 16 bytes, element ``j`` the low nibble of byte ``j``,
-  element ``16 + j`` its high nibble; ``w = d * (q - 8)``. Served as 4-bit code ``q`` with
-  zero point 8 and scale ``d``.
-- ``Q4_1``: ``d``, ``m`` (fp16) and 16 bytes of nibbles as ``Q4_0``'s; ``w = d * q + m``.
-  Served as code ``q``, scale ``d`` and the float offset ``m`` (the WNA16 ``offset`` form).
+Each decoder layer's linear module (q/k/v, o, gate/up, down) takes one ``Form``: codes of 4
+bits where every part's type has at most 4, else 8 (a 5- or 6-bit code in a byte); the
+smallest group of its parts' types (``Q6_K``'s 16, else 32); and the type's own zero point
+(``Q8_0`` 128, ``Q4_0`` 8, ``Q5_0`` 16, ``Q6_K`` 32) where all its parts are of one such
+type, else float offsets after the scale (``W = q * s + z``: an integer zero point becomes
+the offset ``-zero * s``, exact in float32). So a file that mixes types by tensor, as
+llama.cpp's ``Q4_K_M`` (``Q6_K`` for some ``attn_v`` and ``ffn_down``) and ``Q5_K_M`` do, is
+served with a method per module (``quant.methods.ModuleMethods``); a file whose modules all
+take one form, with one ``Wna16Method``. A fused module of mixed types is served in 8 bits
+(a ``Q4_K_M`` q/k/v with its ``Q6_K`` v). In float32 the served weights equal the file's
+dequantized ones (``gguf.quants.dequantize``, the default path) bit for bit; in a 16-bit
+dtype see ``gguf_blocks.py``.
 
-``(code - zero) * d`` is an integer times an fp16 scale, exact in float32, and so is
-``q * d`` before the one rounding of ``+ m``, so the served weights round to the model's
-dtype exactly as the file's dequantized weights do (``gguf.quants.dequantize``, the default
-path). The K-quants (6-bit sub-block scales under an fp16 one) are not this layout; a file
-serves as stored only when every linear weight of its decoder layers is one of these three
-types, the same one, and none is Phi-3's fused ``attn_qkv`` (``stored_integer``); a mixture
-of experts' experts have no WNA16 product (the model refuses the method). Embeddings, the
-LM head and norms are dequantized as before.
+A file serves as stored only when every linear weight of its decoder layers is of one of
+these types and none is Phi-3's fused ``attn_qkv`` (``stored_integer``); a mixture of
+experts' experts have no WNA16 product (the model refuses the method). Embeddings, the LM
+head and norms are dequantized as before.
 
 The sources present a tensor as the WNA16 loader reads a checkpoint's
 (``int_checkpoint.FORMATS["gguf"]``): codes ``[out, in]`` (int16, unsigned), scales and
-zero points ``[out, in / 32]``, in rows as Hugging Face orders them (llama.cpp's q/k
-row permutation undone, as ``gguf_file.GGUFSource`` does for floats).
+zero points (or offsets) ``[out, in / group]``, in rows as Hugging Face orders them
+(llama.cpp's q/k row permutation undone, as ``gguf_file.GGUFSource`` does for floats).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tpserve.model.loader import gguf_blocks
+from tpserve.model.loader.gguf_blocks import BLOCK_TYPES
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 
-BLOCK = 32  # input columns per block: the group size
-# GGML type name -> (bits, zero point (None: an fp16 offset after the scale), bytes per block)
-TYPES = {"Q8_0": (8, 128, 34), "Q4_0": (4, 8, 18), "Q4_1": (4, None, 20)}
 # the decoder layers' linear weights (llama.cpp's names; experts and Phi-3's fused tensors
-# excluded: the WNA16 method serves neither)
-LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
+# excluded: the WNA16 method serves neither) and the module that holds each
+LINEAR = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
                     r"\.weight")
+MODULES = {"attn_q": "qkv_proj", "attn_k": "qkv_proj", "attn_v": "qkv_proj",
+           "attn_output": "o_proj", "ffn_gate": "gate_up_proj", "ffn_up": "gate_up_proj",
+           "ffn_down": "down_proj"}
 SUFFIXES = ("gguf_codes", "gguf_scales", "gguf_zeros")
 # Phi-3's fused q/k/v (its ``ffn_up`` holds gate and up): loaded part by part, not served
 FUSED = re.compile(r"blk\.\d+\.attn_qkv\.weight")
 
 
+@dataclass(frozen=True)
+class Form:
+    """How a module's weights are served: ``bits`` per code (4 or 8), ``group`` input
+    columns per scale, ``offset``: float offsets after the scale rather than the one type's
+    integer zero point."""
+
+    bits: int
+    group: int
+    offset: bool
+
+
+def module_forms(tensors) -> dict[tuple[int, str], Form] | None:
+    """``(layer, module) -> Form`` for a file whose decoder linear weights are all of the
+    served types (``gguf_blocks.BLOCK_TYPES``), else None."""
+    kinds: dict[tuple[int, str], set[str]] = {}
+    for t in tensors:
+        if FUSED.fullmatch(t.name):
+            return None
+        m = LINEAR.fullmatch(t.name)
+        if m is not None:
+            kinds.setdefault((int(m[1]), MODULES[m[2]]), set()).add(t.tensor_type.name)
+    if not kinds or any(k not in BLOCK_TYPES for ks in kinds.values() for k in ks):
+        return None
+    forms = {}
+    for key, ks in kinds.items():
+        types = [BLOCK_TYPES[k] for k in ks]
+        forms[key] = Form(4 if all(t.bits <= 4 for t in types) else 8,
+                          min(t.group for t in types),
+                          len(types) > 1 or types[0].zero is None)
+    return forms
+
+
 def stored_integer(tensors) -> CheckpointQuantization | None:
-    """The WNA16 quantization of a file whose decoder linear weights are all ``Q8_0``, all
-    ``Q4_0`` or all ``Q4_1`` (``dequantizable``: ``--quantization auto`` still dequantizes
-    them at load), else None."""
-    kinds = {t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name)}
-    if len(kinds) != 1 or next(iter(kinds)) not in TYPES:
+    """The WNA16 quantization of a file whose decoder linear weights are all of the served
+    types (``dequantizable``: ``--quantization auto`` still dequantizes them at load), else
+    None; ``modules`` lists each module's form where they differ."""
+    forms = module_forms(tensors)
+    if forms is None:
         return None
-    if any(FUSED.fullmatch(t.name) for t in tensors):
-        return None
-    name = next(iter(kinds))
-    bits, zero, _ = TYPES[name]
-    return CheckpointQuantization("gguf", name, bits=bits, group_size=BLOCK,
-                                  dequantizable=True, offset=zero is None)
+    counts = Counter(t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name))
+    distinct = set(forms.values())
+    modules = (() if len(distinct) == 1 else
+               tuple(sorted((layer, name, f.bits, f.group, f.offset)
+                            for (layer, name), f in forms.items())))
+    return CheckpointQuantization(
+        "gguf", "+".join(sorted(counts)), bits=max(f.bits for f in distinct),
+        group_size=min(f.group for f in distinct), dequantizable=True,
+        offset=any(f.offset for f in distinct), modules=modules,
+        block_types=tuple(sorted(counts.items())))
 
 
 def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> torch.Tensor:
@@ -72,19 +114,23 @@ def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> to
 
 
 class GGUFBlocks:
-    """One ``Q8_0`` / ``Q4_0`` / ``Q4_1`` tensor's blocks; ``part`` "codes", "scales" or
-    "zeros" (``Q4_1``: its fp16 offsets) is what ``read`` returns (a ``TensorSource``: rows
-    along dim 0, input columns or groups along dim 1)."""
+    """One tensor's blocks served in its module's ``form``; ``part`` "codes", "scales" or
+    "zeros" (float32 offsets in an offset form, else the type's zero point as uint8) is what
+    ``read`` returns (a ``TensorSource``: rows along dim 0, input columns or the form's
+    groups along dim 1). A type with groups larger than the form's (32 in a form of 16)
+    repeats each scale and offset."""
 
-    def __init__(self, tensor, part: str, unpermute_heads: int | None):
+    def __init__(self, tensor, part: str, unpermute_heads: int | None, form: Form):
         self.data = tensor.data  # uint8 [rows, blocks * bytes per block]
         self.kind = tensor.tensor_type.name
-        self.bits, self.zero, self.block_bytes = TYPES[self.kind]
+        self.type = BLOCK_TYPES[self.kind]
+        self.form = form
         rows, cols = (int(x) for x in reversed(tensor.shape))
-        if cols % BLOCK:
+        if cols % self.type.columns:
             raise ValueError(f"{tensor.name}: {cols} columns are not whole blocks")
         self.part = part
-        self.shape = (rows, cols) if part == "codes" else (rows, cols // BLOCK)
+        self.unit = 1 if part == "codes" else form.group  # columns per element read
+        self.shape = (rows, cols // self.unit)
         self.unpermute_heads = unpermute_heads
 
     def read(self, dim: int | None = None, start: int = 0,
@@ -98,11 +144,11 @@ class GGUFBlocks:
         if dim == 0:
             data, row_start = data[start:start + length], start
         elif dim == 1:
-            per = BLOCK if self.part == "codes" else 1  # columns per block
+            per = self.type.columns // self.unit  # elements per block
             first, last = start // per, -(-(start + length) // per)
-            data = data[:, first * self.block_bytes:last * self.block_bytes]
+            data = data[:, first * self.type.nbytes:last * self.type.nbytes]
             narrow = (start - first * per, length)
-        out = self._decode(data)
+        out = self._decode(np.asarray(data))
         if narrow is not None:
             out = out.narrow(1, *narrow)
         if self.unpermute_heads is not None:
@@ -110,20 +156,19 @@ class GGUFBlocks:
         return out.contiguous()
 
     def _decode(self, data: np.ndarray) -> torch.Tensor:
-        """This part of the blocks in ``data`` (rows of whole blocks, a view of the file):
-        only the bytes the part needs are read (none for a fixed zero point)."""
+        """This part of the blocks in ``data`` (rows of whole blocks, a view of the file)."""
         rows = data.shape[0]
-        if self.part == "zeros" and self.zero is not None:
-            return torch.full((rows, data.shape[1] // self.block_bytes), self.zero,
-                              dtype=torch.uint8)
-        blocks = data.reshape(rows, -1, self.block_bytes)
-        if self.part != "codes":  # the fp16 d, or Q4_1's offset m after it
-            at = 0 if self.part == "scales" else 2
-            half = np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0]
-            return torch.from_numpy(half.copy())
-        qs = blocks[:, :, 2 if self.zero is not None else 4:]
-        if self.kind == "Q8_0":
-            codes = qs.view(np.int8).astype(np.int16) + self.zero
-        else:  # low nibbles are the block's first 16 elements, high nibbles the last 16
-            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
-        return torch.from_numpy(codes.reshape(rows, -1))
+        blocks = data.reshape(rows, -1, self.type.nbytes)
+        if self.part == "codes":
+            return torch.from_numpy(gguf_blocks.codes(self.kind, blocks))
+        repeat = self.type.group // self.form.group
+        if self.part == "zeros" and not self.form.offset:
+            groups = blocks.shape[1] * self.type.columns // self.form.group
+            return torch.full((rows, groups), self.type.zero, dtype=torch.uint8)
+        if self.part == "scales" or self.type.zero is not None:
+            values = gguf_blocks.scales(self.kind, blocks)
+            if self.part == "zeros":  # an integer zero point as the offset -zero * scale
+                values = values * np.float32(-self.type.zero)
+        else:
+            values = gguf_blocks.offsets(self.kind, blocks)
+        return torch.from_numpy(np.repeat(values, repeat, axis=1) if repeat > 1 else values)

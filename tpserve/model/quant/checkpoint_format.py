@@ -35,6 +35,7 @@ and static activation scales other than one per tensor.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,11 @@ class CheckpointQuantization:
     zero points stored: compressed-tensors). ``dequantizable``: a GGUF file whose weights
     the WNA16 method can serve as stored (``--quantization gguf``), while every other
     choice (``auto`` and ``none`` included) dequantizes them at load, as before;
-    ``offset``: its zero points are float offsets added after the scale (``Q4_1``)."""
+    ``offset``: its zero points are float offsets added after the scale (``Q4_1``, the
+    K-quants). A GGUF file's ``block_types``: ``(type, tensors)`` of its decoder linear
+    weights; ``modules``: ``(layer, module, bits, group_size, offset)`` of each decoder
+    linear module where they differ (``loader/gguf_integer.Form``; ``bits``, ``group_size``
+    and ``offset`` then give the widest, the smallest and any), else empty."""
 
     method: str
     quant_method: str
@@ -73,11 +78,19 @@ class CheckpointQuantization:
     symmetric: bool = False
     dequantizable: bool = False
     offset: bool = False
+    block_types: tuple[tuple[str, int], ...] = ()
+    modules: tuple[tuple[int, str, int, int, bool], ...] = ()
 
     def describe(self) -> str:
         if self.method == "gguf":
-            return (f"the GGUF file's {self.quant_method} blocks, {self.bits}-bit, groups of "
-                    f"{self.group_size}")
+            types = ", ".join(f"{n} x {k}" for k, n in self.block_types) or self.quant_method
+            if not self.modules:
+                return (f"the GGUF file's blocks ({types}), {self.bits}-bit, groups of "
+                        f"{self.group_size}" + (", offsets" if self.offset else ""))
+            forms = Counter(f"{b}-bit groups of {g}" + (" with offsets" if o else "")
+                            for _, _, b, g, o in self.modules)
+            return (f"the GGUF file's blocks ({types}) in {len(self.modules)} modules: "
+                    + ", ".join(f"{n} in {f}" for f, n in sorted(forms.items())))
         integer = ""
         if self.bits is not None:
             integer = (f", {self.bits}-bit, " + ("one group per row" if self.group_size == -1

@@ -226,8 +226,8 @@ FORMATS = {
         "weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx", "weight_shape",
         lambda src, bits: OffsetCodesSource(src, bits, 1),
         lambda src, bits: OffsetCodesSource(src, bits, 0), lambda src: src),
-    # a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks, presented as [out, in] codes and [out, G]
-    # zero points (Q4_1: offsets) and scales by ``loader/gguf_integer.py``'s sources
+    # a GGUF file's integer blocks, presented as [out, in] codes and [out, G] zero points
+    # (or offsets) and scales by ``loader/gguf_integer.py``'s sources
     "gguf": PackedFormat("gguf_codes", "gguf_zeros", "gguf_scales", None, None,
                          lambda src, bits: src, lambda src, bits: src, lambda src: src),
 }

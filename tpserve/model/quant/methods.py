@@ -7,12 +7,15 @@ is built: the checkpoint's own method (``checkpoint_format.py``) if it has one, 
 method serves fp8 follows from the checkpoint: quantize at load (an unquantized checkpoint)
 or load the fp8 codes and scales as stored (an FP8 checkpoint). ``gptq`` and ``awq`` serve
 only checkpoints of that method, as stored (``wna16_method.py``). ``gguf`` serves a GGUF
-file's ``Q8_0`` / ``Q4_0`` / ``Q4_1`` weights as stored (``loader/gguf_integer.py``); for
+file's integer blocks as stored (``loader/gguf_integer.py``; a method per module,
+``ModuleMethods``, where its modules take different forms); for
 such a file every other choice, ``auto`` included, dequantizes them at load
 (``dequantizable``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -63,9 +66,10 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
     checkpoint = served_quantization(quantization, checkpoint)
     if quantization == "gguf" and checkpoint is None:
         raise ValueError("--quantization gguf serves GGUF files whose decoder layers' linear "
-                         "weights are all Q8_0, all Q4_0 or all Q4_1 (and not Phi-3's fused "
-                         "attn_qkv), as stored; this checkpoint is not one (other GGUF files "
-                         "are dequantized at load: --quantization auto)")
+                         "weights are all of the types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+                         "Q5_K and Q6_K (and not Phi-3's fused attn_qkv), as stored; this "
+                         "checkpoint is not one (other GGUF files are dequantized at load: "
+                         "--quantization auto)")
     if checkpoint is not None and quantization != checkpoint.method:
         raise ValueError(f"--quantization {quantization}: the checkpoint is quantized "
                          f"({checkpoint.describe()}) and is served as stored; use "
@@ -78,11 +82,35 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
                          "(--quantization fp8 quantizes one at load)")
 
 
+@dataclass(frozen=True, eq=False)
+class ModuleMethods:
+    """A method per decoder linear module: a GGUF file whose layers mix block types
+    (``Q4_K_M``: ``Q6_K`` in some ``attn_v`` and ``ffn_down``), each module in its form
+    (``loader/gguf_integer.Form``). ``methods``: ``(layer, module) -> Wna16Method``, module
+    one of "qkv_proj", "o_proj", "gate_up_proj", "down_proj"."""
+
+    methods: dict[tuple[int, str], Wna16Method]
+    quantizes_experts = False  # as Wna16Method: the experts have no WNA16 product
+
+    def of(self, layer: int, module: str) -> Wna16Method:
+        try:
+            return self.methods[(layer, module)]
+        except KeyError:
+            raise ValueError(f"the checkpoint has no weight for layer {layer}'s "
+                             f"{module}") from None
+
+
+def module_method(quant, layer: int, module: str):
+    """The method of decoder layer ``layer``'s linear ``module``: ``quant`` itself (None,
+    or one method for every layer) unless it is a ``ModuleMethods``."""
+    return quant.of(layer, module) if isinstance(quant, ModuleMethods) else quant
+
+
 def linear_method(quantization: str, kernel_backend: str, device: torch.device,
                   dtype: torch.dtype, weight_only_max_tokens: int,
                   checkpoint: CheckpointQuantization | None = None,
                   fast_accum: bool = DEFAULT_FAST_ACCUM
-                  ) -> Fp8LinearMethod | Wna16Method | None:
+                  ) -> Fp8LinearMethod | Wna16Method | ModuleMethods | None:
     """None (the layers' default, unquantized) or the method for ``quantization``: fp8
     quantizes an unquantized checkpoint at load, or loads an FP8 ``checkpoint`` as stored;
     gptq / awq load the checkpoint's integer weights as stored; the Triton kernels with the
@@ -95,6 +123,10 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     if quantization == "none":
         return None
     backend = "triton" if kernel_backend == "triton" else "torch"
+    if checkpoint is not None and checkpoint.modules:  # a GGUF file whose modules take different forms
+        return ModuleMethods({(layer, name): Wna16Method(checkpoint.method, bits, group,
+                                                         backend=backend, offset=offset)
+                              for layer, name, bits, group, offset in checkpoint.modules})
     if quantization in STORED_ONLY:
         return Wna16Method(checkpoint.method, checkpoint.bits, checkpoint.group_size,
                            checkpoint.zero_offset, backend, checkpoint.symmetric,

@@ -17,9 +17,9 @@ Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, `
 
 ``W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, computed in float32
 and rounded once to the activation dtype; ``y = x W^T (+ bias)``. The ``offset`` form
-(GGUF's ``Q4_1``, ``Wna16Method.offset``): ``zeros`` are any floats added after the scale,
-``W = q * scales + zeros`` (in float32, the product and the sum each rounded, then the
-cast; with 16-bit scales the product is exact). Zero padding (the rows and columns
+(GGUF's ``Q4_1``, ``Q5_1``, K-quants and modules mixing types, ``Wna16Method.offset``):
+``zeros`` are any floats added after the scale, ``W = q * scales + zeros`` (in float32, the
+product and the sum each rounded, then the cast; with 16-bit scales the product is exact). Zero padding (the rows and columns
 ``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
 padding columns, where the input is zero.
 """
@@ -78,7 +78,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                g_idx: torch.Tensor, bits: int,
                runs: tuple[int, int] | None = None, offset: bool = False) -> torch.Tensor:
     """``W [N, K]`` in ``scales``' dtype (the torch reference of every WNA16 product):
-    ``(q - z) * s`` in float32, or with ``offset`` (float offsets, GGUF's ``Q4_1``)
+    ``(q - z) * s`` in float32, or with ``offset`` (float offsets, GGUF's ``Q4_1`` ...)
     ``q * s + z``, rounded once. ``runs`` ``(first, size)``: ``g_idx`` is known to be
     ``first + k // size`` (groups in column order, ``consecutive_groups``), so each group's
     rows are scaled as one block (when ``size`` divides K) instead of gathering a scale and

@@ -60,7 +60,8 @@ class Wna16Method:
     ``2**(bits - 1)`` (compressed-tensors); ``act_order``: groups in any column order
     (a compressed-tensors checkpoint then stores its ``g_idx``; GPTQ's always does);
     ``offset``: the zero points are float offsets added after the scale, ``W = q * s + z``
-    (GGUF's ``Q4_1``; served in the model's dtype); ``backend`` "triton" or "torch"."""
+    (GGUF's ``Q4_1``, ``Q5_1``, K-quants and modules mixing types; served in the model's
+    dtype); ``backend`` "triton" or "torch"."""
 
     fmt: str
     bits: int

@@ -1,0 +1,147 @@
+"""The GGML block types whose weights the WNA16 method serves as stored (``--quantization
+gguf``), and how a tensor's blocks split into integer codes, float32 scales and zero points
+or float offsets, one scale (and offset) per ``group`` input columns:
+
+- ``Q8_0`` (34 bytes / 32 columns): fp16 ``d``, 32 signed bytes; ``w = d * q``: code
+  ``q + 128``, zero point 128.
+- ``Q4_0`` (18 / 32): ``d``, 16 bytes of nibbles (element ``j`` the low nibble of byte
+  ``j``, element ``16 + j`` its high nibble); ``w = d * (q - 8)``.
+- ``Q4_1`` (20 / 32): ``d``, fp16 ``m``, nibbles as ``Q4_0``'s; ``w = d * q + m``.
+- ``Q5_0`` / ``Q5_1`` (22 / 24 per 32): as ``Q4_0`` / ``Q4_1`` with a fifth bit per element
+  (bit ``j`` of a little-endian uint32 before the nibbles); zero point 16 / offset ``m``.
+- ``Q4_K`` (144 / 256): fp16 ``d`` and ``dmin``, 12 bytes of eight 6-bit scales ``sc`` and
+  mins ``m`` (one per 32 columns), 128 bytes of nibbles (sub-blocks ``2c`` and ``2c + 1`` the
+  low and high nibbles of bytes ``32c ..``); ``w = (d * sc) * q - dmin * m``.
+- ``Q5_K`` (176 / 256): ``Q4_K`` with a fifth bit (bit ``i`` of byte ``l`` of 32 bytes
+  before the nibbles: sub-block ``i``'s element ``l``).
+- ``Q6_K`` (210 / 256): 128 bytes of low nibbles, 64 of 2-bit high parts, 16 signed 8-bit
+  scales (one per 16 columns), fp16 ``d``; ``w = (d * sc) * (q - 32)``.
+
+Every scale is ``d`` (fp16) times a small integer and every K-quant offset ``-dmin * m``,
+both exact in float32, and ``gguf.quants.dequantize`` computes the weight from them in the
+same order, so in float32 ``(q - zero) * scale`` and ``q * scale + offset`` equal the
+package's dequantization bit for bit. In a 16-bit model dtype a K-quant's scales and
+offsets are rounded to it once when loaded (they may need 17 significant bits): the served
+weight can differ from the file's dequantized one (rounded once) by a unit in the last
+place.
+
+The K-quants' other types (``Q2_K``, ``Q3_K``) and the ``IQ`` types are not served as
+stored (they are dequantized at load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """``bits`` per code; ``group`` input columns per scale; ``zero``: the fixed zero point,
+    or None where each group has a float offset added after the scale; ``columns`` and
+    ``nbytes`` of one block."""
+
+    bits: int
+    group: int
+    zero: int | None
+    columns: int
+    nbytes: int
+
+
+BLOCK_TYPES = {
+    "Q8_0": BlockType(8, 32, 128, 32, 34),
+    "Q4_0": BlockType(4, 32, 8, 32, 18),
+    "Q4_1": BlockType(4, 32, None, 32, 20),
+    "Q5_0": BlockType(5, 32, 16, 32, 22),
+    "Q5_1": BlockType(5, 32, None, 32, 24),
+    "Q4_K": BlockType(4, 32, None, 256, 144),
+    "Q5_K": BlockType(5, 32, None, 256, 176),
+    "Q6_K": BlockType(6, 16, 32, 256, 210),
+}
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block, as float32 ``[rows, blocks]``."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(
+        np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[..., n]`` bytes -> ``[..., 2n]``: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """``Q5_0`` / ``Q5_1``: 4 bytes (a little-endian uint32) -> bit ``j`` for element ``j``
+    (32), shifted to bit 4."""
+    word = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
+    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``Q4_K`` / ``Q5_K``: 12 bytes -> the eight 6-bit scales and mins (float32): bytes
+    0-3 hold scales 0-3 and the top bits of scales 4-7, bytes 4-7 the same for the mins,
+    bytes 8-11 the low nibbles of scales 4-7 and (high nibbles) mins 4-7."""
+    d, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """``Q4_K`` / ``Q5_K``: 128 bytes -> 256 codes' low four bits, as ``[..., 8, 32]`` (sub-
+    block, element)."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*qs.shape[:-2], 8, 32)
+
+
+def codes(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """``blocks`` uint8 ``[rows, n, nbytes]`` -> int16 codes ``[rows, n * columns]``
+    (unsigned, below ``2**bits``)."""
+    rows = blocks.shape[0]
+    if kind == "Q8_0":
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+    elif kind in ("Q4_0", "Q4_1"):
+        q = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4:])
+    elif kind in ("Q5_0", "Q5_1"):
+        at = 2 if kind == "Q5_0" else 4
+        q = _nibbles(blocks[..., at + 4:]) | _fifth_bits(blocks[..., at:at + 4])
+    elif kind == "Q4_K":
+        q = _k_nibbles(blocks[..., 16:])
+    elif kind == "Q5_K":
+        # bit i of byte l: sub-block i's element l -> [rows, n, 8, 32]
+        high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q = _k_nibbles(blocks[..., 48:]) | (high << 4)
+    elif kind == "Q6_K":
+        low = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 64)
+        low = np.stack([low & 0x0F, low >> 4], axis=-2)  # [.., half, shift, 64]
+        high = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+        high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
+        q = low.reshape(*blocks.shape[:-1], 256) | (high.reshape(*blocks.shape[:-1], 256) << 4)
+    else:
+        raise ValueError(f"GGML type {kind} is not served as stored")
+    return q.astype(np.int16).reshape(rows, -1)
+
+
+def scales(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, n * columns / group]``: each group's scale."""
+    rows = blocks.shape[0]
+    if kind == "Q6_K":
+        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+        return (_half(blocks, 208)[..., None] * sc).reshape(rows, -1)
+    if kind in ("Q4_K", "Q5_K"):
+        sc, _ = _k_scales(blocks[..., 4:16])
+        return (_half(blocks, 0)[..., None] * sc).reshape(rows, -1)
+    return _half(blocks, 0)
+
+
+def offsets(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, n * columns / group]``: the float offset of each group of a type
+    without a zero point (``Q4_1``, ``Q5_1``: ``m``; ``Q4_K``, ``Q5_K``: ``-dmin * m``)."""
+    rows = blocks.shape[0]
+    if kind in ("Q4_K", "Q5_K"):
+        _, mins = _k_scales(blocks[..., 4:16])
+        return -(_half(blocks, 2)[..., None] * mins).reshape(rows, -1)
+    if kind in ("Q4_1", "Q5_1"):
+        return _half(blocks, 2)
+    raise ValueError(f"GGML type {kind} has a zero point, not offsets")
