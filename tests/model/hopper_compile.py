@@ -102,13 +102,15 @@ def main() -> int:
         for m, k in ((1, 384), (33, 320), (170, 384)):
             x, *weight, perm, runs = operands(m, n, k, 4, dtype, 0, "grouped", 32)
             triton_wna16.wna16_matmul(x, *weight, 4, None, perm=perm, runs=runs, offset=True)
-        # GGUF's K-quant forms: 8-bit codes in groups of 16, with float offsets (a Q4_K_M
-        # q/k/v whose v is Q6_K) and with a zero point (Q6_K alone)
-        for offset in (True, False):
-            for m, k in ((1, 384), (33, 320), (170, 384)):
-                x, *weight, perm, runs = operands(m, n, k, 8, dtype, 0, "grouped", 16)
-                triton_wna16.wna16_matmul(x, *weight, 8, None, perm=perm, runs=runs,
-                                          offset=offset)
+        # GGUF's K-quant forms in groups of 16: 8-bit codes with float offsets (a Q4_K_M
+        # q/k/v whose v is Q6_K) and with a zero point (Q6_K alone), 4-bit ones likewise
+        # (Q2_K; Q3_K)
+        for bits in (8, 4):
+            for offset in (True, False):
+                for m, k in ((1, 384), (33, 320), (170, 384)):
+                    x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, "grouped", 16)
+                    triton_wna16.wna16_matmul(x, *weight, bits, None, perm=perm, runs=runs,
+                                              offset=offset)
     # the transposed product ("wna16t", a benchmark launch): 16- and 64-row tiles in fp16 /
     # bf16 over K-step and act-order scales, each a wgmma with the weight from registers
     for dtype in (torch.float16, torch.bfloat16):

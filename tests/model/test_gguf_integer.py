@@ -90,8 +90,8 @@ def test_which_files_are_servable_and_in_which_forms():
     types (``gguf_blocks.BLOCK_TYPES``); each module (q/k/v, o, gate/up, down of a layer)
     takes 4 bits if its parts have at most 4, else 8, the smallest group, and the type's
     zero point when all its parts are of one such type, else offsets. One form for all: one
-    method; forms that differ (a ``Q4_K_M`` file): a method per module. ``Q2_K``, an ``IQ``
-    type or Phi-3's fused q/k/v is not servable; embeddings and norms do not count."""
+    method; forms that differ (a ``Q4_K_M`` file): a method per module. An ``IQ`` type, a
+    float type or Phi-3's fused q/k/v is not servable; embeddings and norms do not count."""
     def record(name, qtype):
         return SimpleNamespace(name=name, tensor_type=qtype)
 
@@ -133,9 +133,11 @@ def test_which_files_are_servable_and_in_which_forms():
         methods.of(0, "o_proj")
     assert resolve_quantization("auto", q4km) == "none"  # dequantized at load
     assert linear_method("none", "torch", CPU, torch.float32, 32, q4km) is None
-    for unserved in (Q.Q2_K, Q.IQ4_XS, Q.Q3_K):
+    q3k = stored_integer([record(n, Q.Q3_K) for n in lin])
+    assert (q3k.bits, q3k.group_size, q3k.offset, q3k.modules) == (4, 16, False, ())
+    for unserved in (Q.IQ4_XS, Q.IQ4_NL, Q.IQ2_XXS, Q.F16):
         assert stored_integer([record(n, unserved) for n in lin]) is None
-    assert stored_integer([record(lin[0], Q.Q4_K), record(lin[1], Q.Q2_K)]) is None
+    assert stored_integer([record(lin[0], Q.Q4_K), record(lin[1], Q.IQ4_XS)]) is None
     # Phi-3's fused q/k/v (loaded part by part) is not served as stored
     assert stored_integer([record(n, Q.Q8_0) for n in lin]
                           + [record("blk.0.attn_qkv.weight", Q.Q8_0)]) is None
@@ -144,8 +146,8 @@ def test_which_files_are_servable_and_in_which_forms():
     assert resolve_quantization("gguf", embedded.quantization) == "gguf"
     assert resolve_quantization("auto", embedded.quantization) == "none"
     with pytest.raises(ValueError, match="all of the types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                         "Q4_K, Q5_K and Q6_K"):
-        resolve_quantization("gguf", stored_integer([record(n, Q.Q2_K) for n in lin]))
+                                         "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"):
+        resolve_quantization("gguf", stored_integer([record(n, Q.IQ4_XS) for n in lin]))
 
 
 @pytest.fixture(scope="module")

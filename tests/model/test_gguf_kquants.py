@@ -1,4 +1,4 @@
-"""GGUF K-quants (``Q4_K``, ``Q5_K``, ``Q6_K``), ``Q5_0`` / ``Q5_1`` and files that mix types
+"""GGUF K-quants (``Q2_K`` .. ``Q6_K``), ``Q5_0`` / ``Q5_1`` and files that mix types
 by tensor, as llama.cpp's ``Q4_K_M`` does, served as stored (``--quantization gguf``,
 ``loader/gguf_blocks.py``, ``loader/gguf_integer.py``): every type's blocks against the
 ``gguf`` package's dequantization, and a tiny Llama written as a real GGUF file of random
@@ -30,25 +30,30 @@ from tpserve.parallel.state import TPGroup
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 # hidden 256: whole 256-column superblocks; at tp 2 a rank's o/down columns split them
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
 # layer -> llama.cpp tensor -> type: layer 0 as Q4_K_M (a Q6_K v and down), layer 1 mixing
-# Q5_K, Q5_0 and Q8_0 (every module's form differs from some other's)
+# Q5_K, Q5_0 and Q8_0, layer 2 as Q2_K / Q3_K_S files (every module's form differs from
+# some other's)
 MIXES = {
     "Q4_K_M": {0: dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q4_K",
                        ffn_gate="Q4_K", ffn_up="Q4_K", ffn_down="Q6_K"),
                1: dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q5_K", attn_output="Q8_0",
-                       ffn_gate="Q5_0", ffn_up="Q5_1", ffn_down="Q4_K")},
+                       ffn_gate="Q5_0", ffn_up="Q5_1", ffn_down="Q4_K"),
+               2: dict(attn_q="Q2_K", attn_k="Q2_K", attn_v="Q3_K", attn_output="Q3_K",
+                       ffn_gate="Q2_K", ffn_up="Q2_K", ffn_down="Q4_0")},
     "Q4_K": {layer: dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                   "ffn_up", "ffn_down"), "Q4_K") for layer in (0, 1)},
+                                   "ffn_up", "ffn_down"), "Q4_K") for layer in (0, 1, 2)},
 }
 # the modules' forms for MIXES["Q4_K_M"]: (layer, module) -> (bits, group, offset)
 FORMS = {(0, "qkv_proj"): (8, 16, True), (0, "o_proj"): (4, 32, True),
          (0, "gate_up_proj"): (4, 32, True), (0, "down_proj"): (8, 16, False),
          (1, "qkv_proj"): (8, 32, True), (1, "o_proj"): (8, 32, False),
-         (1, "gate_up_proj"): (8, 32, True), (1, "down_proj"): (4, 32, True)}
+         (1, "gate_up_proj"): (8, 32, True), (1, "down_proj"): (4, 32, True),
+         (2, "qkv_proj"): (4, 16, True), (2, "o_proj"): (4, 16, False),
+         (2, "gate_up_proj"): (4, 16, True), (2, "down_proj"): (4, 32, False)}
 
 
 def _tensor(kind: str, rows: int, cols: int, seed: int) -> SimpleNamespace:
@@ -169,7 +174,9 @@ def test_a_mixed_file_is_served_as_stored_a_form_per_module(files):
         assert method == Wna16Method("gguf", bits, group, offset=offset), name
         assert torch.equal(w, params[f"{name}.weight"]), name
     got, want = full_logits(served, comm, TOKENS), full_logits(dense, dense_comm, TOKENS)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max() and want.abs().max() > 0
+    # 1e-4: three layers of random blocks; the order BLAS sums in varies between runs
+    # (a run measured 1e-6, one exceeded 1e-5); a wrong weight moves logits by ~1
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max() and want.abs().max() > 0
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -181,7 +188,7 @@ def test_a_file_of_one_k_quant_takes_one_method(files):
     assert method == Wna16Method("gguf", 4, 32, offset=True)
     params = dict(_load(files["Q4_K"], "auto", one)[0].named_parameters())
     weights = _served_weights(served)
-    assert len(weights) == 8
+    assert len(weights) == 4 * SHAPE["num_hidden_layers"]
     for name, (_, w) in weights.items():
         assert torch.equal(w, params[f"{name}.weight"]), name
 
@@ -190,13 +197,14 @@ def test_sixteen_bit_weights_round_the_scales_once_more(files):
     """In float16 a K-quant's scale ``d * sc`` and offset ``-dmin * m`` (up to 17
     significant bits) are held in float16: each served weight is within ``2**-10 (|q s| +
     |z|)`` plus its own rounding of the file's dequantized weight, which rounds once; the
-    modules whose scales are ``d`` itself (``Q8_0``; ``Q5_0`` and ``Q5_1``, with an integer
-    zero point as the offset ``-16 d``, exact) are served bit for bit."""
+    modules whose scales are ``d`` itself (``Q8_0``, ``Q4_0``; ``Q5_0`` and ``Q5_1``, with an
+    integer zero point as the offset ``-16 d``, exact) are served bit for bit."""
     one = TPGroup(0, 1, CPU, None)
     served = _load(files["Q4_K_M"], "gguf", one, dtype=torch.float16)[0]
     dense = dict(_load(files["Q4_K_M"], "auto", one, dtype=torch.float16)[0]
                  .named_parameters())
-    exact = {"model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj"}
+    exact = {"model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
+             "model.layers.2.mlp.down_proj"}
     rounded = 0
     for name, (method, w) in _served_weights(served).items():
         want = dense[f"{name}.weight"].float()
@@ -225,22 +233,22 @@ def test_two_ranks_serve_the_mixed_file_as_one_does(files):
     want = full_logits(*_load(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))[:2],
                        TOKENS)
     for got in run_ranks(_tp_logits, 2, files["Q4_K_M"]):
-        assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+        assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the interpreter's run; on a GPU: test_the_mixed_file_on_the_gpu")
 def test_the_triton_kernels_serve_the_mixed_file_as_the_reference_does(files):
     """The Triton back-end (the WNA16 kernels; Triton's interpreter off CUDA) on every form
-    of the mixed file: 8-bit codes in groups of 16 with offsets, 4-bit with offsets, 8-bit
-    with a zero point; 13 rows through 16-row tiles."""
+    of the mixed file: 8- and 4-bit codes in groups of 16 and 32, with offsets or a zero
+    point; 13 rows through 16-row tiles."""
     pytest.importorskip("triton")
     one = TPGroup(0, 1, CPU, None)
     model, comm, methods = _load(files["Q4_K_M"], "gguf", one, "triton")
     assert {m.backend for m in methods.methods.values()} == {"triton"}
     want = full_logits(*_load(files["Q4_K_M"], "gguf", one)[:2], TOKENS)
     got = full_logits(model, comm, TOKENS)
-    assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on a GPU")
@@ -269,7 +277,7 @@ def test_the_mixed_file_on_the_gpu(files, dtype):
         assert got == {(*form, "triton") for form in FORMS.values()}
 
     graphed, eager = graphs_and_eager(rc, limits, steps, check)
-    tol = 1e-5 if dtype == "float32" else 1e-2
+    tol = 1e-4 if dtype == "float32" else 1e-2
     for got, ref in zip(graphed, eager, strict=True):
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
     dense, comm, _ = _load(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))

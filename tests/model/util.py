@@ -335,7 +335,7 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
 
 # the fp16 scale of random blocks, by type: weights of about 0.01 - 0.1
 RANDOM_BLOCK_SCALE = {"Q8_0": 1e-3, "Q4_0": 1e-2, "Q4_1": 1e-2, "Q5_0": 5e-3, "Q5_1": 5e-3,
-                      "Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 3e-5}
+                      "Q2_K": 3e-3, "Q3_K": 5e-4, "Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 3e-5}
 
 
 def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -347,12 +347,11 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     t = BLOCK_TYPES[kind]
     n = cols // t.columns
     raw = rng.integers(0, 256, (rows, n, t.nbytes), dtype=np.uint8)
-    fields = [208] if kind == "Q6_K" else [0] if t.zero is not None else [0, 2]
-    for at in fields:
+    for i, at in enumerate(t.halves):
         half = (rng.uniform(0.5, 1.5, (rows, n)) * rng.choice([-1, 1], (rows, n))
                 * RANDOM_BLOCK_SCALE[kind]).astype(np.float16)
-        if at == 2 and kind in ("Q4_K", "Q5_K"):
-            half = np.abs(half) * 4  # dmin: the mins subtract
+        if i and t.columns == 256:
+            half = np.abs(half) * 4  # a K-quant's dmin: the mins subtract
         raw[..., at:at + 2] = half.view(np.uint8).reshape(rows, n, 2)
     return raw.reshape(rows, -1)
 

@@ -122,8 +122,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "pack-quantized checkpoint's 4- or 8-bit weights with group scales "
                         "and zero points, multiplied in the model's dtype; gptq_marlin and "
                         "awq_marlin name the same), gguf (a GGUF file whose decoder linear "
-                        "weights are of types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or "
-                        "Q6_K, mixed by tensor as in Q4_K_M or not, held at 4 or 8 bits a "
+                        "weights are of types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q2_K .. Q6_K, "
+                        "mixed by tensor as in Q4_K_M or not, held at 4 or 8 bits a "
                         "weight instead of dequantized at load, which auto does). none on a "
                         "quantized safetensors checkpoint is refused")
     p.add_argument("--fp8-weight-only-max-tokens", type=int,

@@ -16,6 +16,13 @@ or float offsets, one scale (and offset) per ``group`` input columns:
   before the nibbles: sub-block ``i``'s element ``l``).
 - ``Q6_K`` (210 / 256): 128 bytes of low nibbles, 64 of 2-bit high parts, 16 signed 8-bit
   scales (one per 16 columns), fp16 ``d``; ``w = (d * sc) * (q - 32)``.
+- ``Q3_K`` (110 / 256): 32 bytes of high bits (bit ``i`` of byte ``l``: sub-block ``i``'s
+  element ``l``, 32 columns each), 64 bytes of 2-bit low parts (bits ``2t ..`` of byte
+  ``32h + l``: element ``128h + 32t + l``), sixteen 6-bit scales in 12 bytes (one per 16
+  columns, less 32), fp16 ``d``; ``w = (d * (sc - 32)) * (q - 4)``.
+- ``Q2_K`` (84 / 256): sixteen bytes of a 4-bit scale ``sc`` (low nibble) and min ``m``
+  (high nibble) per 16 columns, 64 bytes of 2-bit codes laid out as ``Q3_K``'s low parts,
+  fp16 ``d`` and ``dmin``; ``w = (d * sc) * q - dmin * m``.
 
 Every scale is ``d`` (fp16) times a small integer and every K-quant offset ``-dmin * m``,
 both exact in float32, and ``gguf.quants.dequantize`` computes the weight from them in the
@@ -25,8 +32,8 @@ offsets are rounded to it once when loaded (they may need 17 significant bits): 
 weight can differ from the file's dequantized one (rounded once) by a unit in the last
 place.
 
-The K-quants' other types (``Q2_K``, ``Q3_K``) and the ``IQ`` types are not served as
-stored (they are dequantized at load)."""
+The ``IQ`` types (codebooks, not an affine map of integer codes) and ``Q8_K`` are not
+served as stored (they are dequantized at load)."""
 
 from __future__ import annotations
 
@@ -39,24 +46,28 @@ import numpy as np
 class BlockType:
     """``bits`` per code; ``group`` input columns per scale; ``zero``: the fixed zero point,
     or None where each group has a float offset added after the scale; ``columns`` and
-    ``nbytes`` of one block."""
+    ``nbytes`` of one block; ``halves``: the byte offsets of its fp16 fields, ``d`` first
+    (then ``m`` or ``dmin``)."""
 
     bits: int
     group: int
     zero: int | None
     columns: int
     nbytes: int
+    halves: tuple[int, ...]
 
 
 BLOCK_TYPES = {
-    "Q8_0": BlockType(8, 32, 128, 32, 34),
-    "Q4_0": BlockType(4, 32, 8, 32, 18),
-    "Q4_1": BlockType(4, 32, None, 32, 20),
-    "Q5_0": BlockType(5, 32, 16, 32, 22),
-    "Q5_1": BlockType(5, 32, None, 32, 24),
-    "Q4_K": BlockType(4, 32, None, 256, 144),
-    "Q5_K": BlockType(5, 32, None, 256, 176),
-    "Q6_K": BlockType(6, 16, 32, 256, 210),
+    "Q8_0": BlockType(8, 32, 128, 32, 34, (0,)),
+    "Q4_0": BlockType(4, 32, 8, 32, 18, (0,)),
+    "Q4_1": BlockType(4, 32, None, 32, 20, (0, 2)),
+    "Q5_0": BlockType(5, 32, 16, 32, 22, (0,)),
+    "Q5_1": BlockType(5, 32, None, 32, 24, (0, 2)),
+    "Q2_K": BlockType(2, 16, None, 256, 84, (80, 82)),
+    "Q3_K": BlockType(3, 16, 4, 256, 110, (108,)),
+    "Q4_K": BlockType(4, 32, None, 256, 144, (0, 2)),
+    "Q5_K": BlockType(5, 32, None, 256, 176, (0, 2)),
+    "Q6_K": BlockType(6, 16, 32, 256, 210, (208,)),
 }
 
 
@@ -88,11 +99,36 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.float32), mins.astype(np.float32)
 
 
+def _q3_scales(packed: np.ndarray) -> np.ndarray:
+    """``Q3_K``: 12 bytes -> the sixteen 6-bit scales less 32 (float32): scale ``j``'s low
+    four bits are nibble ``j // 8`` of byte ``j % 8``, its top two bits ``2 (j // 4) ..`` of
+    byte ``8 + j % 4``."""
+    low = np.concatenate([packed[..., :8] & 0x0F, packed[..., :8] >> 4], axis=-1)
+    high = packed[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    high = (high & 0x03).reshape(*packed.shape[:-1], 16)
+    return (low | (high << 4)).astype(np.float32) - 32
+
+
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     """``Q4_K`` / ``Q5_K``: 128 bytes -> 256 codes' low four bits, as ``[..., 8, 32]`` (sub-
     block, element)."""
     qs = qs.reshape(*qs.shape[:-1], 4, 32)
     return np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*qs.shape[:-2], 8, 32)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """``Q2_K`` / ``Q3_K``: 64 bytes -> 256 2-bit values: bits ``2t ..`` of byte ``32h + l``
+    are element ``128h + 32t + l``."""
+    qs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03).reshape(
+        *qs.shape[:-3], 256)
+
+
+def _bit_planes(qh: np.ndarray) -> np.ndarray:
+    """``Q3_K`` / ``Q5_K``: 32 bytes -> 256 single bits: bit ``i`` of byte ``l`` is element
+    ``32i + l``."""
+    planes = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return planes.reshape(*qh.shape[:-1], 256)
 
 
 def codes(kind: str, blocks: np.ndarray) -> np.ndarray:
@@ -109,9 +145,12 @@ def codes(kind: str, blocks: np.ndarray) -> np.ndarray:
     elif kind == "Q4_K":
         q = _k_nibbles(blocks[..., 16:])
     elif kind == "Q5_K":
-        # bit i of byte l: sub-block i's element l -> [rows, n, 8, 32]
-        high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-        q = _k_nibbles(blocks[..., 48:]) | (high << 4)
+        q = (_k_nibbles(blocks[..., 48:]).reshape(*blocks.shape[:-1], 256)
+             | (_bit_planes(blocks[..., 16:48]) << 4))
+    elif kind == "Q2_K":
+        q = _crumbs(blocks[..., 16:80])
+    elif kind == "Q3_K":  # the high bit set: no -4 (llama.cpp stores it inverted)
+        q = _crumbs(blocks[..., 32:96]) | (_bit_planes(blocks[..., :32]) << 2)
     elif kind == "Q6_K":
         low = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 64)
         low = np.stack([low & 0x0F, low >> 4], axis=-2)  # [.., half, shift, 64]
@@ -129,6 +168,12 @@ def scales(kind: str, blocks: np.ndarray) -> np.ndarray:
     if kind == "Q6_K":
         sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
         return (_half(blocks, 208)[..., None] * sc).reshape(rows, -1)
+    if kind == "Q2_K":
+        sc = (blocks[..., :16] & 0x0F).astype(np.float32)
+        return (_half(blocks, 80)[..., None] * sc).reshape(rows, -1)
+    if kind == "Q3_K":
+        return (_half(blocks, 108)[..., None] * _q3_scales(blocks[..., 96:108])).reshape(
+            rows, -1)
     if kind in ("Q4_K", "Q5_K"):
         sc, _ = _k_scales(blocks[..., 4:16])
         return (_half(blocks, 0)[..., None] * sc).reshape(rows, -1)
@@ -142,6 +187,9 @@ def offsets(kind: str, blocks: np.ndarray) -> np.ndarray:
     if kind in ("Q4_K", "Q5_K"):
         _, mins = _k_scales(blocks[..., 4:16])
         return -(_half(blocks, 2)[..., None] * mins).reshape(rows, -1)
+    if kind == "Q2_K":
+        mins = (blocks[..., :16] >> 4).astype(np.float32)
+        return -(_half(blocks, 82)[..., None] * mins).reshape(rows, -1)
     if kind in ("Q4_1", "Q5_1"):
         return _half(blocks, 2)
     raise ValueError(f"GGML type {kind} has a zero point, not offsets")

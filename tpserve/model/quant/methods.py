@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.model.loader.gguf_blocks import BLOCK_TYPES
 from tpserve.model.quant.checkpoint_format import CheckpointQuantization
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, Fp8LinearMethod, scaled_mm_supported
 from tpserve.model.quant.fp8_block import Fp8BlockMethod, block_mm_supported
@@ -66,9 +67,9 @@ def check_matches(quantization: str, checkpoint: CheckpointQuantization | None) 
     checkpoint = served_quantization(quantization, checkpoint)
     if quantization == "gguf" and checkpoint is None:
         raise ValueError("--quantization gguf serves GGUF files whose decoder layers' linear "
-                         "weights are all of the types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
-                         "Q5_K and Q6_K (and not Phi-3's fused attn_qkv), as stored; this "
-                         "checkpoint is not one (other GGUF files are dequantized at load: "
+                         f"weights are all of the types {', '.join(BLOCK_TYPES)} (and not "
+                         "Phi-3's fused attn_qkv), as stored; this checkpoint is not one "
+                         "(other GGUF files, the IQ types', are dequantized at load: "
                          "--quantization auto)")
     if checkpoint is not None and quantization != checkpoint.method:
         raise ValueError(f"--quantization {quantization}: the checkpoint is quantized "
