@@ -92,14 +92,16 @@ def test_which_files_are_servable_and_in_which_forms():
     zero point when all its parts are of one such type, else offsets. One form for all: one
     method; forms that differ (a ``Q4_K_M`` file): a method per module. An ``IQ`` type, a
     float type or Phi-3's fused q/k/v is not servable; embeddings and norms do not count."""
-    def record(name, qtype):
-        return SimpleNamespace(name=name, tensor_type=qtype)
+    def record(name, qtype):  # GGUF's shape: columns first
+        return SimpleNamespace(name=name, tensor_type=qtype, shape=(512, 256))
 
     lin = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.1.attn_output.weight"]
     other = [record("token_embd.weight", Q.Q6_K), record("blk.0.attn_norm.weight", Q.F32)]
     q8 = stored_integer([record(n, Q.Q8_0) for n in lin] + other)
     assert (q8.method, q8.bits, q8.group_size, q8.dequantizable) == ("gguf", 8, 32, True)
     assert (q8.modules, q8.block_types) == ((), (("Q8_0", 3),))
+    # 3 x 256 x 512 weights: a byte each, a 2-byte scale and a byte zero point per 32
+    assert (q8.linear_weights, q8.stored_bytes) == (3 * 256 * 512, 3 * 256 * 16 * 35)
     assert stored_integer([record(n, Q.Q4_0) for n in lin]).bits == 4
     q41 = stored_integer([record(n, Q.Q4_1) for n in lin])
     assert (q41.bits, q41.offset, q8.offset) == (4, True, False)

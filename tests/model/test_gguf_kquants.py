@@ -283,3 +283,38 @@ def test_the_mixed_file_on_the_gpu(files, dtype):
     dense, comm, _ = _load(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))
     want = full_logits(dense, comm, TOKENS)[-1]
     assert float((eager[0][0] - want).abs().max()) <= tol * float(want.abs().max())
+
+
+def test_the_default_says_what_serving_as_stored_would_take(files, caplog):
+    """Served dequantized (``auto``), a servable file's start-up log names its block types
+    and both sizes of its linear weights: dequantized (elements x the dtype's bytes) and as
+    stored (each module's codes at 4 or 8 bits, a 16-bit scale per group, and a 16-bit
+    offset or an 8-bit zero point)."""
+    from tpserve.model.plan import StepLimits
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+
+    h, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    elements = {"qkv_proj": (h + 2 * kv) * h, "o_proj": h * h,
+                "gate_up_proj": 2 * inter * h, "down_proj": h * inter}
+    want = sum(elements[module] * bits // 8
+               + elements[module] // group * (2 + (2 if offset else 1))
+               for (_, module), (bits, group, offset) in FORMS.items())
+    total = SHAPE["num_hidden_layers"] * sum(elements.values())
+    q = open_checkpoint(files["Q4_K_M"]).quantization
+    assert (q.linear_weights, q.stored_bytes) == (total, want)
+    assert dict(q.block_types) == {"Q2_K": 4, "Q3_K": 2, "Q4_0": 1, "Q4_K": 6, "Q5_0": 1,
+                                   "Q5_1": 1, "Q5_K": 3, "Q6_K": 2, "Q8_0": 1}
+    limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                        block_size=16)
+    with caplog.at_level("INFO", logger="tpserve.model.runner"):
+        ModelRunner(RunnerConfig(model=files["Q4_K_M"], dtype="bfloat16",
+                                 kv_cache_memory=2**20), limits, TPGroup(0, 1, CPU, None))
+    gib = 2.0**30
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("linear layers:"))
+    assert line == ("linear layers: the GGUF file's blocks (4 x Q2_K, 2 x Q3_K, 1 x Q4_0, "
+                    "6 x Q4_K, 1 x Q5_0, 1 x Q5_1, 3 x Q5_K, 2 x Q6_K, 1 x Q8_0) dequantized "
+                    f"to bfloat16 at load: {total * 2 / gib:.2f} GiB over all ranks; "
+                    f"--quantization gguf serves them as stored in {want / gib:.2f} GiB")

@@ -126,6 +126,10 @@ class ModelRunner:
             logger.info("linear layers: %s weights, %s%s", cfg.quantization,
                         f"as stored ({stored.describe()})" if stored else "quantized at load",
                         products)
+        elif quant is None and group.rank == 0 and getattr(self.ckpt.quantization,
+                                                           "dequantizable", False):
+            logger.info("linear layers: %s", self.ckpt.quantization.describe_dequantized(
+                self.dtype.itemsize, cfg.dtype))
         try:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
                                      self.attn, self.max_model_len, show_progress,

@@ -92,6 +92,14 @@ def stored_integer(tensors) -> CheckpointQuantization | None:
     if forms is None:
         return None
     counts = Counter(t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name))
+    weights = stored = 0  # the linear weights' elements; their bytes as stored (16-bit
+    for t in tensors:     # scales and offsets, 8-bit zero points)
+        m = LINEAR.fullmatch(t.name)
+        if m is not None:
+            form = forms[(int(m[1]), MODULES[m[2]])]
+            n = int(np.prod([int(x) for x in t.shape]))
+            weights += n
+            stored += n * form.bits // 8 + n // form.group * (2 + (2 if form.offset else 1))
     distinct = set(forms.values())
     modules = (() if len(distinct) == 1 else
                tuple(sorted((layer, name, f.bits, f.group, f.offset)
@@ -100,7 +108,8 @@ def stored_integer(tensors) -> CheckpointQuantization | None:
         "gguf", "+".join(sorted(counts)), bits=max(f.bits for f in distinct),
         group_size=min(f.group for f in distinct), dequantizable=True,
         offset=any(f.offset for f in distinct), modules=modules,
-        block_types=tuple(sorted(counts.items())))
+        block_types=tuple(sorted(counts.items())), linear_weights=weights,
+        stored_bytes=stored)
 
 
 def unpermute_rows(w: torch.Tensor, heads: int, rows: int, row_start: int) -> torch.Tensor:

@@ -64,7 +64,9 @@ class CheckpointQuantization:
     K-quants). A GGUF file's ``block_types``: ``(type, tensors)`` of its decoder linear
     weights; ``modules``: ``(layer, module, bits, group_size, offset)`` of each decoder
     linear module where they differ (``loader/gguf_integer.Form``; ``bits``, ``group_size``
-    and ``offset`` then give the widest, the smallest and any), else empty."""
+    and ``offset`` then give the widest, the smallest and any), else empty;
+    ``linear_weights``: their elements, ``stored_bytes``: what they take served as stored
+    (every rank together, 16-bit scales; ``describe_dequantized``)."""
 
     method: str
     quant_method: str
@@ -80,6 +82,17 @@ class CheckpointQuantization:
     offset: bool = False
     block_types: tuple[tuple[str, int], ...] = ()
     modules: tuple[tuple[int, str, int, int, bool], ...] = ()
+    linear_weights: int = 0
+    stored_bytes: int = 0
+
+    def describe_dequantized(self, dtype_bytes: int, dtype: str) -> str:
+        """A GGUF file served dequantized (``--quantization auto``): what its linear
+        weights take so and as stored (``--quantization gguf``)."""
+        gib = 2.0**30
+        return (f"the GGUF file's blocks ({', '.join(f'{n} x {k}' for k, n in self.block_types)})"
+                f" dequantized to {dtype} at load: {self.linear_weights * dtype_bytes / gib:.2f}"
+                f" GiB over all ranks; --quantization gguf serves them as stored in "
+                f"{self.stored_bytes / gib:.2f} GiB")
 
     def describe(self) -> str:
         if self.method == "gguf":
