@@ -125,9 +125,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     for seed, mix in enumerate(MIXES):
         rng = np.random.default_rng(seed)
 
-        def blocks(gname, rows, cols, mix=mix, rng=rng):
+        def blocks(gname, values, mix=mix, rng=rng):
             kind = _types(mix, gname)
-            return random_blocks(kind, rows, cols, rng), getattr(Q, kind)
+            return random_blocks(kind, *values.shape, rng), getattr(Q, kind)
 
         out[mix] = str(save_gguf_file(hf, root / f"{mix}.gguf", "llama",
                                       linear_blocks=blocks))

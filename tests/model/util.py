@@ -356,6 +356,52 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return raw.reshape(rows, -1)
 
 
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8).reshape(*v.shape, 2)
+
+
+def _safe(v: np.ndarray) -> np.ndarray:
+    return np.where(v == 0, 1, v)
+
+
+def quantize_k(values: np.ndarray, kind: str) -> np.ndarray:
+    """``values`` float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 blocks of
+    ``Q4_K`` or ``Q6_K`` (a plain min/max fit per sub-block, not llama.cpp's search; the
+    ``gguf`` package dequantizes but cannot quantize these types)."""
+    rows = values.shape[0]
+    if kind == "Q4_K":
+        b = values.reshape(-1, 8, 32).astype(np.float32)
+        lo, hi = np.minimum(b.min(-1), 0), np.maximum(b.max(-1), 0)
+        scale, mn = (hi - lo) / 15, -lo
+        d = (scale.max(-1) / 63).astype(np.float16)
+        dmin = (mn.max(-1) / 63).astype(np.float16)
+        sc = np.clip(np.round(scale / _safe(d.astype(np.float32))[:, None]), 0, 63)
+        m = np.clip(np.round(mn / _safe(dmin.astype(np.float32))[:, None]), 0, 63)
+        s, z = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * m
+        q = np.clip(np.round((b + z[..., None]) / _safe(s)[..., None]), 0, 15).astype(np.uint8)
+        sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+        packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+                                 m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                                 (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=-1)
+        qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+        out = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
+    elif kind == "Q6_K":
+        b = values.reshape(-1, 16, 16).astype(np.float32)
+        scale = np.abs(b).max(-1) / 31
+        d = (scale.max(-1) / 127).astype(np.float16)
+        sc = np.clip(np.round(scale / _safe(d.astype(np.float32))[:, None]), 0, 127)
+        s = d.astype(np.float32)[:, None] * sc
+        q = np.clip(np.round(b / _safe(s)[..., None]) + 32, 0, 63).astype(np.uint8)
+        q = q.reshape(-1, 2, 128)  # [superblock, half, 128]
+        ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)
+        qh = sum(((q[..., 32 * t:32 * t + 32] >> 4) & 3) << (2 * t) for t in range(4))
+        out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64).astype(np.uint8),
+                              sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=-1)
+    else:
+        raise ValueError(kind)
+    return out.reshape(rows, -1)
+
+
 def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's converter's ``LlamaModel.permute``: each head's rows reordered for its
     rotary layout (the loader undoes it)."""
@@ -376,8 +422,8 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
     ``state_dict()`` (tensors renamed or split as llama.cpp's converter would);
     ``linear_type`` (a ``gguf.GGMLQuantizationType``) quantizes the decoder layers' 2-d
     linear weights to it by ``gguf.quants.quantize``, as llama.cpp's quantizer does;
-    ``linear_blocks(gguf_name, rows, cols)`` -> ``(raw uint8 blocks, qtype)`` replaces them
-    with blocks of its own (types the package cannot quantize: the K-quants)."""
+    ``linear_blocks(gguf_name, values)`` -> ``(raw uint8 blocks, qtype)`` writes blocks of
+    its own instead (types the package cannot quantize: the K-quants, ``quantize_k``)."""
     import gguf
 
     cfg = model.config
@@ -417,7 +463,7 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
             t = t + norm_shift
         linear = gname.startswith("blk.") and t.dim() == 2 and not gname.endswith("norm.weight")
         if linear_blocks is not None and linear:
-            raw, qtype = linear_blocks(gname, *t.shape)
+            raw, qtype = linear_blocks(gname, t.float().numpy())
             w.add_tensor(gname, raw, raw_dtype=qtype)
             continue
         if linear_type is not None and linear:
