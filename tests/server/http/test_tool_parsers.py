@@ -88,6 +88,56 @@ def test_mistral_plain_content(text):
     assert parse("mistral", text) == ExtractedToolCalls(text, [])
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('[get_weather(city="Paris", unit="celsius")]', [ParsedCall("get_weather", ARGS)]),
+    ("  [a(), tools.b(x=[1, (2, 3)], y={'k': None, 2: True}, z=-1.5e3)]\n",
+     [ParsedCall("a", "{}"),
+      ParsedCall("tools.b", '{"x": [1, [2, 3]], "y": {"k": null, "2": true}, "z": -1500.0}')]),
+    ('<|python_start|>[ping(q="é")]<|python_end|>', [ParsedCall("ping", '{"q": "é"}')]),
+])
+def test_pythonic(text, calls):
+    assert parse("pythonic", text) == ExtractedToolCalls(None, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny in Paris.",
+    "[1, 2, 3]",                                       # not calls
+    "[]",                                              # no call
+    '[get_weather("Paris")]',                          # a positional argument
+    "[f(**opts)]",                                     # keyword unpacking
+    "[f(x=open('/etc/passwd'))]",                      # not a literal: never evaluated
+    "[f(x=1j)]",                                       # no JSON value
+    "[f(x=1)] and more",                               # trailing text
+    "[f(x=1)",                                         # unclosed
+    "[(lambda: 1)()]",                                 # not a named function
+])
+def test_pythonic_plain_content(text):
+    assert parse("pythonic", text) == ExtractedToolCalls(text, [])
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"celsius"}}]', None, [ParsedCall("get_weather", ARGS)]),
+    ('Let me look. <tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": '
+     '{"n": 2}}]', "Let me look. ", [ParsedCall("a", "{}"), ParsedCall("b", '{"n": 2}')]),
+    (' [{"name": "a", "arguments": {"s": "x"}}]', None, [ParsedCall("a", '{"s": "x"}')]),
+])
+def test_granite(text, content, calls):
+    assert parse("granite", text) == ExtractedToolCalls(content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "Nothing to call.",
+    '<|tool_call|>[{"name": "a", "arguments": {}',     # malformed JSON
+    "<|tool_call|>[]",                                 # no call
+    '<|tool_call|>{"name": "a", "arguments": {}}',     # not a list
+    '<tool_call>[{"name": "a", "arguments": 3}]',      # arguments not an object
+    'See [{"name": "a", "arguments": {}}]',            # a bare list must start the output
+])
+def test_granite_plain_content(text):
+    assert parse("granite", text) == ExtractedToolCalls(text, [])
+
+
 @pytest.mark.parametrize("name, text, expected", [
     ("hermes", "Hello <tool", len("Hello ")),
     ("hermes", "Hello <tool_call>{", len("Hello ")),
@@ -98,6 +148,14 @@ def test_mistral_plain_content(text):
     ("llama3_json", ' {"name"', 0),
     ("llama3_json", "<|python", 0),
     ("llama3_json", "Hello {", len("Hello {")),
+    ("pythonic", " [get_", 0),
+    ("pythonic", "<|python_st", 0),
+    ("pythonic", "Sure: [", len("Sure: [")),
+    ("granite", "", 0),
+    ("granite", " [{", 0),
+    ("granite", "Hi <|tool", len("Hi ")),
+    ("granite", "Hi <tool_call>[", len("Hi ")),
+    ("granite", "Hi [x]", len("Hi [x]")),
 ])
 def test_content_prefix_len(name, text, expected):
     assert TOOL_PARSERS[name]().content_prefix_len(text) == expected
@@ -136,3 +194,32 @@ def test_constrained_extraction():
     assert required.extract('[{"name": "ping", "para', "length") == (
         '[{"name": "ping", "para', [], "length")
     assert named.extract("[]", "stop") == ("[]", [], "stop")
+
+
+STREAMED = [  # (parser, a whole output) that streaming sends piece by piece
+    ("hermes", 'Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>'),
+    ("hermes", "No tools <b>here</b>."),
+    ("llama3_json", '<|python_tag|>{"name": "a", "arguments": {"x": 1}}'),
+    ("llama3_json", "Plain {text}."),
+    ("mistral", 'Checking. [TOOL_CALLS][{"name": "a", "arguments": {}}]'),
+    ("pythonic", '[get_weather(city="Paris")]'),
+    ("pythonic", "Sure: [1, 2] is a list."),
+    ("pythonic", '<|python_start|>[ping(q="x")]<|python_end|>'),
+    ("granite", 'Let me look. <|tool_call|>[{"name": "a", "arguments": {}}]'),
+    ("granite", ' [{"name": "a", "arguments": {"s": "x"}}]'),
+    ("granite", "Hi [x] <tool"),
+]
+
+
+@pytest.mark.parametrize("name, text", STREAMED)
+def test_what_streaming_sends_early_is_the_final_content(name, text):
+    """At every prefix of an output, the content streaming sends at once
+    (``content_prefix_len``) is a prefix of the content the whole output parses to, and it
+    only grows."""
+    parser = TOOL_PARSERS[name]()
+    final = parser.extract(text).content or ""
+    sent = 0
+    for i in range(len(text) + 1):
+        n = parser.content_prefix_len(text[:i])
+        assert n >= sent and final.startswith(text[:n]), (i, text[:i], n)
+        sent = n

@@ -5,14 +5,18 @@ output format. Malformed calls leave the whole text as plain content, with no ca
 from __future__ import annotations
 
 from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, ParsedCall, ToolParser
+from tpserve.server.http.tool_parsers.granite import GraniteToolParser
 from tpserve.server.http.tool_parsers.hermes import HermesToolParser
 from tpserve.server.http.tool_parsers.llama3_json import Llama3JsonToolParser
 from tpserve.server.http.tool_parsers.mistral import MistralToolParser
+from tpserve.server.http.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "granite": GraniteToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "ParsedCall", "ToolParser"]
