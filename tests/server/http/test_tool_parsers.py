@@ -138,6 +138,53 @@ def test_granite_plain_content(text):
     assert parse("granite", text) == ExtractedToolCalls(text, [])
 
 
+QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "metric": {"type": "boolean"}, "hours": {"type": "array"},
+        "opts": {"type": ["object", "null"]}, "note": {"type": "string"}}}}}]
+
+
+def _qwen_call(name: str, params: dict[str, str], close: bool = True) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return (f"<tool_call>\n<function={name}>\n{body}</function>\n"
+            + ("</tool_call>" if close else ""))
+
+
+def test_qwen3_coder_types_values_by_the_requests_schema():
+    """Each value is read as the type the request's tool declares for its key; an
+    undeclared key or an unknown function keeps strings; ``null`` is null except for a
+    string; a value its type cannot read stays the string written."""
+    text = "I will check.\n" + _qwen_call("get_weather", {
+        "city": "Paris", "days": "3", "ratio": "0.5", "metric": "True",
+        "hours": "[1, 2]", "opts": "{'a': (1, 2)}", "note": "null", "extra": "42"}) \
+        + "\n" + _qwen_call("other", {"days": "3"}) + "\n" + _qwen_call("get_weather", {
+            "city": "  Oslo\nNorway ", "days": "three", "ratio": "7", "opts": "null",
+            "metric": "no"}, close=False)  # the output ended inside its last call
+    got = TOOL_PARSERS["qwen3_coder"]().extract(text, QWEN_TOOLS)
+    assert got.content == "I will check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "ratio": 0.5, "metric": True,
+                         "hours": [1, 2], "opts": {"a": [1, 2]}, "note": "null",
+                         "extra": "42"}),
+        ("other", {"days": "3"}),
+        ("get_weather", {"city": "  Oslo\nNorway ", "days": "three", "ratio": 7,
+                         "opts": None, "metric": "no"})]
+    assert TOOL_PARSERS["qwen3_coder"]().extract(_qwen_call("get_weather", {"days": "3"})) \
+        == ExtractedToolCalls(None, [ParsedCall("get_weather", '{"days": "3"}')])
+
+
+@pytest.mark.parametrize("text", [
+    "No call here.",
+    "<tool_call>\n<function=f>\nstray text\n<parameter=a>\n1\n</parameter>\n</function>",
+    "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>",      # no function
+    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",  # unclosed
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call>',           # hermes' JSON
+])
+def test_qwen3_coder_plain_content(text):
+    assert parse("qwen3_coder", text) == ExtractedToolCalls(text, [])
+
+
 @pytest.mark.parametrize("name, text, expected", [
     ("hermes", "Hello <tool", len("Hello ")),
     ("hermes", "Hello <tool_call>{", len("Hello ")),
@@ -155,6 +202,8 @@ def test_granite_plain_content(text):
     ("granite", " [{", 0),
     ("granite", "Hi <|tool", len("Hi ")),
     ("granite", "Hi <tool_call>[", len("Hi ")),
+    ("qwen3_coder", "Ok <tool_ca", len("Ok ")),
+    ("qwen3_coder", "Ok <tool_call>\n<function=", len("Ok ")),
     ("granite", "Hi [x]", len("Hi [x]")),
 ])
 def test_content_prefix_len(name, text, expected):
@@ -208,6 +257,8 @@ STREAMED = [  # (parser, a whole output) that streaming sends piece by piece
     ("granite", 'Let me look. <|tool_call|>[{"name": "a", "arguments": {}}]'),
     ("granite", ' [{"name": "a", "arguments": {"s": "x"}}]'),
     ("granite", "Hi [x] <tool"),
+    ("qwen3_coder", "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"
+                    "</function>\n</tool_call>"),
 ]
 
 

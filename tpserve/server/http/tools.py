@@ -79,7 +79,7 @@ class ToolPlan:
         """(content, tool calls, finish reason) of one choice's whole output."""
         if self.mode == "auto":
             assert self.parser is not None
-            found = self.parser.extract(text)
+            found = self.parser.extract(text, self.template_tools)
             if found.tools_called:
                 return found.content, tool_calls(found.calls), "tool_calls"
             return text, [], finish_reason

@@ -10,6 +10,7 @@ from tpserve.server.http.tool_parsers.hermes import HermesToolParser
 from tpserve.server.http.tool_parsers.llama3_json import Llama3JsonToolParser
 from tpserve.server.http.tool_parsers.mistral import MistralToolParser
 from tpserve.server.http.tool_parsers.pythonic import PythonicToolParser
+from tpserve.server.http.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "granite": GraniteToolParser,
@@ -17,6 +18,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "ParsedCall", "ToolParser"]

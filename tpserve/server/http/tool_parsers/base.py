@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,9 @@ class ToolParser:
     # whether the format's marker is a special token the detokenizer must keep
     needs_special_tokens: bool = False
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
+        """``tools``: the request's tools as its template sees them (OpenAI's ``{"type":
+        "function", "function": {...}}``), for formats whose arguments are typed by them."""
         raise NotImplementedError
 
     def content_prefix_len(self, text: str) -> int:

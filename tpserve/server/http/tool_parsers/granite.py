@@ -7,6 +7,8 @@ special token, so requests parsed with this format keep special tokens in the ou
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
@@ -31,7 +33,7 @@ class GraniteToolParser(ToolParser):
         body = text.lstrip()
         return (0, len(text) - len(body)) if body.startswith("[") else (-1, -1)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at, start = self._start(text)
         if at < 0:
             return ExtractedToolCalls(text)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
 
@@ -15,7 +17,7 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 class HermesToolParser(MarkerToolParser):
     marker = "<tool_call>"
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at = text.find(self.marker)
         if at < 0:
             return ExtractedToolCalls(text)

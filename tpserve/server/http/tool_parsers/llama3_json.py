@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
@@ -17,7 +19,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):].lstrip()

@@ -6,6 +6,8 @@ tokens in the output."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
 
@@ -14,7 +16,7 @@ class MistralToolParser(MarkerToolParser):
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at = text.find(self.marker)
         if at < 0:
             return ExtractedToolCalls(text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
@@ -58,7 +60,7 @@ def _call(node: ast.expr) -> ParsedCall | None:
 
 
 class PythonicToolParser(ToolParser):
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip()
         if body.startswith(START):
             body = body[len(START):]
