@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.util import CPU, full_logits, graphs_and_eager, random_blocks, save_gguf_file
+from tests.model.util import (
+    CPU,
+    full_logits,
+    graphs_and_eager,
+    random_blocks,
+    save_gguf_file,
+    tiny_hf_model,
+)
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
@@ -116,10 +123,8 @@ def _types(mix: str, gname: str) -> str:
 def files(tmp_path_factory) -> dict[str, str]:
     import transformers as tf
 
-    torch.manual_seed(12)
-    cfg = tf.LlamaConfig(**SHAPE)
-    cfg.architectures = ["LlamaForCausalLM"]
-    hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    torch.manual_seed(12)  # the linear weights: random blocks; the rest: the model's
+    hf = tiny_hf_model(tf.LlamaConfig(**SHAPE), "LlamaForCausalLM")
     root = tmp_path_factory.mktemp("kquants")
     out = {}
     for seed, mix in enumerate(MIXES):

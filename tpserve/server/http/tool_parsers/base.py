@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,17 @@ class MarkerToolParser(ToolParser):
     """A format whose calls follow a start marker; text before it is plain content."""
 
     marker: str = ""
+
+    def calls_in(self, text: str, bodies: Sequence[str],
+                 parse: Callable[[str], ParsedCall | None]) -> ExtractedToolCalls:
+        """Each of ``bodies`` (the calls' texts, after the first marker) ``parse``d, the
+        text before the marker as content; the whole text as content when any body does
+        not parse or there is no marker."""
+        at = text.find(self.marker)
+        calls = [parse(body) for body in bodies]
+        if at < 0 or not calls or any(c is None for c in calls):
+            return ExtractedToolCalls(text)
+        return ExtractedToolCalls(text[:at] or None, calls)  # type: ignore[arg-type]
 
     def content_prefix_len(self, text: str) -> int:
         at = text.find(self.marker)

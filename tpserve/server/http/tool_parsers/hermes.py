@@ -9,7 +9,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
+from tpserve.server.http.tool_parsers.base import (
+    ExtractedToolCalls,
+    MarkerToolParser,
+    ParsedCall,
+    as_call,
+)
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
@@ -18,16 +23,12 @@ class HermesToolParser(MarkerToolParser):
     marker = "<tool_call>"
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        at = text.find(self.marker)
-        if at < 0:
-            return ExtractedToolCalls(text)
-        calls = []
-        for closed, unclosed in _CALL.findall(text):
-            try:
-                call = as_call(json.loads(closed or unclosed), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                return ExtractedToolCalls(text)
-            calls.append(call)
-        return ExtractedToolCalls(text[:at] or None, calls)
+        return self.calls_in(text, [closed or unclosed for closed, unclosed
+                                    in _CALL.findall(text)], _parse)
+
+
+def _parse(body: str) -> ParsedCall | None:
+    try:
+        return as_call(json.loads(body), "arguments")
+    except ValueError:
+        return None

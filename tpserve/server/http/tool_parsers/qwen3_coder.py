@@ -98,13 +98,4 @@ class Qwen3CoderToolParser(MarkerToolParser):
     marker = "<tool_call>"
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        at = text.find(self.marker)
-        if at < 0:
-            return ExtractedToolCalls(text)
-        calls = []
-        for body in _CALL.findall(text):
-            call = _call(body, tools)
-            if call is None:
-                return ExtractedToolCalls(text)
-            calls.append(call)
-        return ExtractedToolCalls(text[:at] or None, calls)
+        return self.calls_in(text, _CALL.findall(text), lambda body: _call(body, tools))
