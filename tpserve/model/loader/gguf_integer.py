@@ -1,18 +1,19 @@
 """GGUF block types served as stored (``--quantization gguf``; ``gguf_blocks.py`` lists
-them: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``): their
+them: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1`` and ``Q2_K`` .. ``Q6_K``): their
 blocks are integer codes with a float scale per group of input columns and a zero point or
 a float offset, the WNA16 layout (``model/quant/wna16.py``).
 
 Each decoder layer's linear module (q/k/v, o, gate/up, down) takes one ``Form``: codes of 4
-bits where every part's type has at most 4, else 8 (a 5- or 6-bit code in a byte); the
-smallest group of its parts' types (``Q6_K``'s 16, else 32); and the type's own zero point
-(``Q8_0`` 128, ``Q4_0`` 8, ``Q5_0`` 16, ``Q6_K`` 32) where all its parts are of one such
-type, else float offsets after the scale (``W = q * s + z``: an integer zero point becomes
-the offset ``-zero * s``, exact in float32). So a file that mixes types by tensor, as
-llama.cpp's ``Q4_K_M`` (``Q6_K`` for some ``attn_v`` and ``ffn_down``) and ``Q5_K_M`` do, is
-served with a method per module (``quant.methods.ModuleMethods``); a file whose modules all
-take one form, with one ``Wna16Method``. A fused module of mixed types is served in 8 bits
-(a ``Q4_K_M`` q/k/v with its ``Q6_K`` v). In float32 the served weights equal the file's
+bits where every part's type has at most 4 (a 2- or 3-bit code in 4 bits), else 8 (a 5- or
+6-bit code in a byte); the smallest group of its parts' types (16 for ``Q2_K``, ``Q3_K`` and
+``Q6_K``, else 32); and the type's own zero point (``Q8_0`` 128, ``Q4_0`` 8, ``Q5_0`` 16,
+``Q3_K`` 4, ``Q6_K`` 32) where all its parts are of one such type, else float offsets after
+the scale (``W = q * s + z``: an integer zero point becomes the offset ``-zero * s``, exact
+in float32). So a file that mixes types by tensor, as llama.cpp's ``Q4_K_M`` (``Q6_K`` for
+some ``attn_v`` and ``ffn_down``) and ``Q5_K_M`` do, is served with a method per module
+(``quant.methods.ModuleMethods``); a file whose modules all take one form, with one
+``Wna16Method``. A fused module takes its widest part's width (a ``Q4_K_M`` q/k/v with its
+``Q6_K`` v: 8 bits, groups of 16, offsets). In float32 the served weights equal the file's
 dequantized ones (``gguf.quants.dequantize``, the default path) bit for bit; in a 16-bit
 dtype see ``gguf_blocks.py``.
 
@@ -92,8 +93,10 @@ def stored_integer(tensors) -> CheckpointQuantization | None:
     if forms is None:
         return None
     counts = Counter(t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name))
-    weights = stored = 0  # the linear weights' elements; their bytes as stored (16-bit
-    for t in tensors:     # scales and offsets, 8-bit zero points)
+    # the linear weights' elements, and their bytes as stored (16-bit scales and offsets,
+    # 8-bit zero points)
+    weights = stored = 0
+    for t in tensors:
         m = LINEAR.fullmatch(t.name)
         if m is not None:
             form = forms[(int(m[1]), MODULES[m[2]])]
