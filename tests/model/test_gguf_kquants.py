@@ -294,7 +294,8 @@ def test_the_default_says_what_serving_as_stored_would_take(files, caplog):
     """Served dequantized (``auto``), a servable file's start-up log names its block types
     and both sizes of its linear weights: dequantized (elements x the dtype's bytes) and as
     stored (each module's codes at 4 or 8 bits, a 16-bit scale per group, and a 16-bit
-    offset or an 8-bit zero point)."""
+    offset or an 8-bit zero point); the does-not-fit advice holds the weights as stored
+    (none when served as stored already)."""
     from tpserve.model.plan import StepLimits
     from tpserve.model.runner import ModelRunner
     from tpserve.model.runner_config import RunnerConfig
@@ -314,8 +315,14 @@ def test_the_default_says_what_serving_as_stored_would_take(files, caplog):
     limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
                         block_size=16)
     with caplog.at_level("INFO", logger="tpserve.model.runner"):
-        ModelRunner(RunnerConfig(model=files["Q4_K_M"], dtype="bfloat16",
-                                 kv_cache_memory=2**20), limits, TPGroup(0, 1, CPU, None))
+        runner = ModelRunner(RunnerConfig(model=files["Q4_K_M"], dtype="bfloat16",
+                                          kv_cache_memory=2**20), limits,
+                             TPGroup(0, 1, CPU, None))
+    # the does-not-fit advice's weights as stored: the linear weights' saving taken off
+    assert runner.fit.stored_weights == runner.fit.weights - (total * 2 - want)
+    served = ModelRunner(RunnerConfig(model=files["Q4_K_M"], quantization="gguf",
+                                      kv_cache_memory=2**20), limits, TPGroup(0, 1, CPU, None))
+    assert served.fit.stored_weights is None
     gib = 2.0**30
     line = next(r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("linear layers:"))

@@ -55,6 +55,25 @@ def test_gpu_suggestions_are_exact():
     ]
 
 
+def test_a_gguf_file_served_dequantized_is_told_what_as_stored_would_give():
+    """A GGUF file served dequantized whose blocks ``--quantization gguf`` could hold (36
+    GiB of weights, 12 GiB as stored): the suggestion gives the weights and the KV blocks
+    as stored, after the KV cache dtype's and before tensor parallelism's; with
+    ``--kv-cache-memory`` set the weights do not move the pool, so it is not offered."""
+    from dataclasses import replace
+
+    gguf = replace(GPU, stored_weights=12 * GiB)
+    # 72 - 20 - 12 - 8 - 1 = 31 GiB of 2 MiB blocks
+    want = Suggestion("--quantization", "gguf",
+                      "the GGUF file's blocks as stored, about 12.00 GiB of weights per GPU "
+                      "instead of 36.00 GiB: 15872 blocks = 253952 tokens")
+    got = suggest_fits(gguf)
+    assert got == [*suggest_fits(GPU)[:4], want, suggest_fits(GPU)[4]]
+    assert want not in suggest_fits(replace(gguf, stored_weights=34 * GiB))  # still short
+    assert want.flag not in {s.flag for s in suggest_fits(replace(gguf,
+                                                                  kv_cache_memory=GiB))}
+
+
 def test_nothing_fits_says_so():
     f = FitInputs(**{**GPU.__dict__, "free_at_start": 1 * GiB, "tp_options": (),
                      "smaller_kv_dtypes": (), "seq_options": ()})

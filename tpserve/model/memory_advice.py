@@ -32,7 +32,9 @@ class FitInputs:
     per KV block per rank)`` for larger tensor-parallel sizes; ``seq_options``:
     ``(max_num_seqs, bytes the workspace and graphs would shrink by)`` for smaller
     ``--max-num-seqs``; ``smaller_kv_dtypes``: ``(name, itemsize)`` of KV cache dtypes
-    smaller than the current one."""
+    smaller than the current one; ``stored_weights``: this rank's weights if a GGUF file
+    served dequantized held its blocks as stored (``--quantization gguf``; None: not such a
+    file)."""
 
     device_type: str
     total: int
@@ -51,6 +53,7 @@ class FitInputs:
     smaller_kv_dtypes: tuple[tuple[str, int], ...] = ()
     tp_options: tuple[tuple[int, int, int], ...] = ()
     seq_options: tuple[tuple[int, int], ...] = ()
+    stored_weights: int | None = None
 
     def budget(self, weights: int | None = None, workspace: int | None = None,
                cuda_graphs: int | None = None, utilization: float | None = None,
@@ -144,7 +147,8 @@ def seq_options(lim: StepLimits, vocab: int, use_graphs: bool, max_mixed: int,
 def suggest_fits(f: FitInputs) -> list[Suggestion]:
     """The single-flag changes that make one full sequence fit, each with what it gives
     (KV blocks and tokens), in the order: --max-model-len, --gpu-memory-utilization or
-    --kv-cache-memory, --max-num-seqs, --kv-cache-dtype, --tensor-parallel-size."""
+    --kv-cache-memory, --max-num-seqs, --kv-cache-dtype, --quantization gguf (a GGUF file
+    served dequantized), --tensor-parallel-size."""
     out: list[Suggestion] = []
     need = f.blocks_needed
     blocks = f.num_blocks
@@ -190,6 +194,14 @@ def suggest_fits(f: FitInputs) -> list[Suggestion]:
                                   f"{f.bytes_per_block}: {b} blocks = {b * f.block_size} "
                                   "tokens"))
             break
+    if f.stored_weights is not None and f.kv_cache_memory is None:
+        b = max(f.budget(weights=f.stored_weights), 0) // f.bytes_per_block
+        if b >= need:
+            out.append(Suggestion("--quantization", "gguf",
+                                  f"the GGUF file's blocks as stored, about "
+                                  f"{_gib(f.stored_weights)} of weights per GPU instead of "
+                                  f"{_gib(f.weights)}: {b} blocks = {b * f.block_size} "
+                                  "tokens"))
     for tp, weights, per_block in sorted(f.tp_options):
         if tp <= f.tp:
             continue

@@ -189,7 +189,8 @@ class ModelRunner:
             weights, workspace, graphs, per_block, bs, self.max_model_len,
             self.kv_dtype.itemsize, b, tp, smaller_kv_dtypes(self.kv_dtype),
             tp_options(mcfg, tp, bs, self.kv_dtype, weights),
-            seq_options(limits, mcfg.vocab_size, use_graphs, max_mixed, multiple))
+            seq_options(limits, mcfg.vocab_size, use_graphs, max_mixed, multiple),
+            self._stored_weights(quant, weights, tp))
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
                                              str(device), group.rank))
@@ -221,6 +222,16 @@ class ModelRunner:
         self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
+
+    def _stored_weights(self, quant, weights: int, tp: int) -> int | None:
+        """A GGUF file served dequantized whose blocks ``--quantization gguf`` could hold
+        as stored: this rank's weights then, about (its linear weights' saving split
+        evenly over the ranks); else None."""
+        q = self.ckpt.quantization
+        if quant is not None or not getattr(q, "dequantizable", False):
+            return None
+        saved = (q.linear_weights * self.dtype.itemsize - q.stored_bytes) // tp
+        return max(weights - saved, 0)
 
     def load_lora_adapter(self, slot: int, path: str) -> None:
         """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``
