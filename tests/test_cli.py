@@ -234,7 +234,8 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     same = _cfg(str(tiny_folder), "--tokenizer-mode", "auto", "-dp", "1",
                 "--distributed-executor-backend", "mp", "--guided-decoding-backend",
                 "xgrammar", "--enable-log-requests", "--swap-space", "4",
-                "--kv-cache-memory-bytes", "3MiB", "--disable-frontend-multiprocessing")
+                "--kv-cache-memory-bytes", "3MiB", "--disable-frontend-multiprocessing",
+                "--cpu-offload-gb", "0", "--num-scheduler-steps", "1")
     assert same.server.log_requests and same.runner.kv_cache_memory == 3 * 2**20
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
@@ -308,6 +309,16 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--structured-outputs-backend", "outlines"], "--guided-decoding-backend outlines: not "
                                                    "supported .*accepted: auto, xgrammar"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
+    (["--speculative-config", '{"method": "ngram"}'],
+     "--speculative-config {\"method\": \"ngram\"}: speculative decoding is not supported"),
+    (["-O3"], "--compilation-config 3: tpserve does not use torch.compile; .*"
+              "--cuda-graph-max-tokens"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode: there is no sleep mode"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: weights are not offloaded"),
+    (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
+    (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
+    (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
+    (["--kv-transfer-config", "{}"], "disaggregated prefill"),
 ])
 def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
     with pytest.raises(ValueError, match=message):

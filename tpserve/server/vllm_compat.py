@@ -19,6 +19,27 @@ TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": 
          "classify": "pooling", "score": "pooling"}
 CONVERTS = {"auto": None, "none": None, "embed": "pooling", "classify": "pooling"}
 CLASSIFY_VALUES = ("classify", "score")
+# vLLM flags for what tpserve does not do: flag -> (why, and what to do instead; the one
+# value that asks for nothing, taken as it is, or None)
+REFUSED = {
+    "--speculative-config": ("speculative decoding is not supported yet; serve without "
+                             "it", None),
+    "--compilation-config": ("tpserve does not use torch.compile; its CUDA graphs are set "
+                             "by --cuda-graph-max-tokens (or off: --enforce-eager)", None),
+    "--max-seq-len-to-capture": ("CUDA graphs are captured by step size: "
+                                 "--cuda-graph-max-tokens", None),
+    "--enable-sleep-mode": ("there is no sleep mode: the weights and the KV pool stay on "
+                            "the device", None),
+    "--cpu-offload-gb": ("weights are not offloaded to CPU memory; split them with "
+                         "--tensor-parallel-size or hold them in fewer bits "
+                         "(--quantization)", "0"),
+    "--num-scheduler-steps": ("multi-step scheduling is not supported (vLLM's V1 engine "
+                              "dropped it too); --async-scheduling overlaps the host's "
+                              "work with the device instead", "1"),
+    "--limit-mm-per-prompt": ("tpserve serves text-only models", None),
+    "--kv-transfer-config": ("disaggregated prefill (KV transfer between instances) is not "
+                             "supported", None),
+}
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +87,11 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fully-sharded-loras", action="store_true",
                    help="refused: tpserve shards each adapter like the weight it modifies "
                         "(column-parallel layers keep A whole)")
+    for flag, (why, accepted) in REFUSED.items():
+        names = (flag, "-O") if flag == "--compilation-config" else (flag,)
+        g.add_argument(*names, nargs="?", const="", default=None, metavar="VALUE",
+                       help=f"refused: {why}" + (f" ({flag} {accepted} is taken: it asks "
+                                                 "for nothing)" if accepted else ""))
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")
@@ -74,6 +100,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
 def apply_vllm_compat(a: argparse.Namespace) -> None:
     """Checks the compatibility flags and maps them onto tpserve's own (in ``a``);
     ValueError naming the flag for a value tpserve cannot honour."""
+    for flag, (why, accepted) in REFUSED.items():
+        value = getattr(a, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and value != accepted:
+            raise ValueError(f"{flag}{' ' + value if value else ''}: {why}")
     if not a.enable_chunked_prefill:
         raise ValueError("--no-enable-chunked-prefill: chunked prefill is always on "
                          "(--max-num-batched-tokens bounds a step)")
