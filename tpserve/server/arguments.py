@@ -295,8 +295,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's tool-call format: hermes (Qwen2 / Qwen3, "
                         "<tool_call>...), llama3_json (Llama 3 JSON), mistral "
                         "([TOOL_CALLS]...), pythonic (Llama 3.2 / 4: [f(x=1), g()]), "
-                        "granite (<|tool_call|>[...]) or qwen3_coder (Qwen3-Coder: "
-                        "<function=f><parameter=x>...)")
+                        "granite (<|tool_call|>[...]), phi4_mini_json (functools[...]) or "
+                        "qwen3_coder (Qwen3-Coder: <function=f><parameter=x>...)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="a thinking model's format: chat answers carry what it writes "
                         "between <think> and </think> as `reasoning` (and vLLM's older "

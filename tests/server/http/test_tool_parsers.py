@@ -138,6 +138,27 @@ def test_granite_plain_content(text):
     assert parse("granite", text) == ExtractedToolCalls(text, [])
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+     None, [ParsedCall("get_weather", ARGS)]),
+    ('Checking. functools[{"name": "a", "arguments": {}}, {"name": "b", "parameters": '
+     '{"k": [1]}}]\n', "Checking. ", [ParsedCall("a", "{}"), ParsedCall("b", '{"k": [1]}')]),
+])
+def test_phi4_mini_json(text, content, calls):
+    assert parse("phi4_mini_json", text) == ExtractedToolCalls(content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "No tools.",
+    'functools[{"name": "a", "arguments": {}}',       # unclosed
+    "functools[]",                                    # no call
+    'functools[{"arguments": {}}]',                   # no name
+    'functools[{"name": "a", "arguments": {}}] then',  # text after the list
+])
+def test_phi4_mini_json_plain_content(text):
+    assert parse("phi4_mini_json", text) == ExtractedToolCalls(text, [])
+
+
 QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
@@ -257,6 +278,7 @@ STREAMED = [  # (parser, a whole output) that streaming sends piece by piece
     ("granite", 'Let me look. <|tool_call|>[{"name": "a", "arguments": {}}]'),
     ("granite", ' [{"name": "a", "arguments": {"s": "x"}}]'),
     ("granite", "Hi [x] <tool"),
+    ("phi4_mini_json", 'Ok. functools[{"name": "a", "arguments": {}}]'),
     ("qwen3_coder", "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"
                     "</function>\n</tool_call>"),
 ]

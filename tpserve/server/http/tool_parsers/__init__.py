@@ -9,6 +9,7 @@ from tpserve.server.http.tool_parsers.granite import GraniteToolParser
 from tpserve.server.http.tool_parsers.hermes import HermesToolParser
 from tpserve.server.http.tool_parsers.llama3_json import Llama3JsonToolParser
 from tpserve.server.http.tool_parsers.mistral import MistralToolParser
+from tpserve.server.http.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
 from tpserve.server.http.tool_parsers.pythonic import PythonicToolParser
 from tpserve.server.http.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -17,6 +18,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }

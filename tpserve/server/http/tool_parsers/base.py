@@ -78,8 +78,8 @@ class MarkerToolParser(ToolParser):
 
     marker: str = ""
 
-    def calls_in(self, text: str, bodies: Sequence[str],
-                 parse: Callable[[str], ParsedCall | None]) -> ExtractedToolCalls:
+    def calls_in(self, text: str, bodies: Sequence[Any],
+                 parse: Callable[[Any], ParsedCall | None]) -> ExtractedToolCalls:
         """Each of ``bodies`` (the calls' texts, after the first marker) ``parse``d, the
         text before the marker as content; the whole text as content when any body does
         not parse or there is no marker."""
