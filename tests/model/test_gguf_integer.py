@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.util import CPU, full_logits, graphs_and_eager, save_gguf_file
+from tests.model.util import (
+    CPU,
+    full_logits,
+    graphs_and_eager,
+    recompose_blocks,
+    save_gguf_file,
+)
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
@@ -43,41 +49,22 @@ def _tensor(values: np.ndarray, qtype) -> SimpleNamespace:
                            shape=tuple(reversed(values.shape)))
 
 
-def _weight(t, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
-    offset = t.tensor_type == Q.Q4_1
-    form = Form(TYPES[t.tensor_type.name][1], 32, offset)
-    parts = [GGUFBlocks(t, part, heads, form) for part in ("codes", "scales", "zeros")]
-    per = {"codes": 1, "scales": 32, "zeros": 32}
-    codes, scales, zeros = (
-        p.read(dim, start // (per[p.part] if dim == 1 else 1),
-               None if length is None else length // (per[p.part] if dim == 1 else 1))
-        for p in parts)
-    assert codes.dtype == torch.int16 and scales.dtype == torch.float32
-    z = zeros.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
-    s = scales.float().repeat_interleave(32, 1)[:, :codes.shape[1]]
-    if offset:  # float offsets after the scale
-        assert zeros.dtype == torch.float32
-        return codes.float() * s + z
-    assert zeros.dtype == torch.uint8
-    return (codes.float() - z) * s
-
-
 @pytest.mark.parametrize("kind", TYPES)
 def test_blocks_equal_the_gguf_packages_dequantization(kind):
-    """``(code - zero) * scale`` (``Q4_1``: ``code * scale + offset``) of every element
-    equals ``gguf.quants.dequantize`` of the same bytes exactly: whole, a range of rows, a range of whole blocks of columns, and
+    """Values quantized by the ``gguf`` package: ``(code - zero) * scale`` (``Q4_1``:
+    ``code * scale + offset``) of every element equals ``gguf.quants.dequantize`` of the
+    same bytes exactly: whole, a range of rows, a range of whole blocks of columns, and
     rows of a q tensor with llama.cpp's per-head permutation undone."""
     qtype, bits = TYPES[kind]
     values = np.random.default_rng(3).standard_normal((48, 96)).astype(np.float32)
     t = _tensor(values, qtype)
     want = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(48, 96).copy())
-    got = _weight(t)
-    assert torch.equal(got, want)
     form = Form(bits, 32, kind == "Q4_1")
+    assert torch.equal(recompose_blocks(t, form), want)
     codes = GGUFBlocks(t, "codes", None, form).read()
     assert codes.min() >= 0 and codes.max() < 2**bits and codes.float().std() > 1
-    assert torch.equal(_weight(t, dim=0, start=8, length=16), want[8:24])
-    assert torch.equal(_weight(t, dim=1, start=32, length=64), want[:, 32:96])
+    assert torch.equal(recompose_blocks(t, form, dim=0, start=8, length=16), want[8:24])
+    assert torch.equal(recompose_blocks(t, form, dim=1, start=32, length=64), want[:, 32:96])
     # a head-permuted q of 6 heads of 8 rows: read as 3 + 3 heads equals the whole
     heads = GGUFBlocks(t, "codes", 6, form)
     whole = heads.read()

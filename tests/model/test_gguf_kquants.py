@@ -18,6 +18,7 @@ from tests.model.util import (
     full_logits,
     graphs_and_eager,
     random_blocks,
+    recompose_blocks,
     save_gguf_file,
     tiny_hf_model,
 )
@@ -69,24 +70,6 @@ def _tensor(kind: str, rows: int, cols: int, seed: int) -> SimpleNamespace:
                            data=raw, shape=(cols, rows))
 
 
-def _weight(t, form: Form, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
-    """``t`` read in ``form`` (rows ``start ..`` or columns ``start ..`` with ``dim``) and
-    recomposed in float32: ``(q - zero) * s`` or ``q * s + offset``."""
-    parts = [GGUFBlocks(t, part, heads, form) for part in ("codes", "scales", "zeros")]
-    codes, scales, zeros = (
-        p.read(dim, start // (p.unit if dim == 1 else 1),
-               None if length is None else length // (p.unit if dim == 1 else 1))
-        for p in parts)
-    assert codes.dtype == torch.int16 and scales.dtype == torch.float32
-    s = scales.repeat_interleave(form.group, 1)[:, :codes.shape[1]]
-    z = zeros.float().repeat_interleave(form.group, 1)[:, :codes.shape[1]]
-    if form.offset:
-        assert zeros.dtype == torch.float32
-        return codes.float() * s + z
-    assert zeros.dtype == torch.uint8
-    return (codes.float() - z) * s
-
-
 @pytest.mark.parametrize("kind", BLOCK_TYPES)
 def test_every_type_recomposes_to_the_gguf_packages_dequantization(kind):
     """Each type's codes, scales and zero points (or offsets), in its own form and in the
@@ -104,13 +87,13 @@ def test_every_type_recomposes_to_the_gguf_packages_dequantization(kind):
     assert codes.min() == 0 and codes.max() == 2**bt.bits - 1  # every code reached
     own = Form(4 if bt.bits <= 4 else 8, bt.group, bt.zero is None)
     for form in (own, Form(8, 16, True)):
-        assert torch.equal(_weight(t, form), want), form
-        assert torch.equal(_weight(t, form, dim=0, start=8, length=16), want[8:24])
-        assert torch.equal(_weight(t, form, dim=1, start=64, length=320), want[:, 64:384])
-        heads = _weight(t, form, heads=6)
+        assert torch.equal(recompose_blocks(t, form), want), form
+        assert torch.equal(recompose_blocks(t, form, dim=0, start=8, length=16), want[8:24])
+        assert torch.equal(recompose_blocks(t, form, dim=1, start=64, length=320), want[:, 64:384])
+        heads = recompose_blocks(t, form, heads=6)
         assert torch.equal(heads.reshape(6, 2, 4, cols).transpose(1, 2).reshape(rows, cols),
                            want)
-        halves = [_weight(t, form, heads=6, dim=0, start=s, length=24) for s in (0, 24)]
+        halves = [recompose_blocks(t, form, heads=6, dim=0, start=s, length=24) for s in (0, 24)]
         assert torch.equal(torch.cat(halves), heads)
 
 

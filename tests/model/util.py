@@ -356,6 +356,28 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return raw.reshape(rows, -1)
 
 
+def recompose_blocks(t, form, heads=None, dim=None, start=0, length=None) -> torch.Tensor:
+    """A GGUF tensor record ``t`` read as its codes, scales and zero points (or offsets) in
+    ``form`` (``gguf_integer.Form``; rows ``start ..`` or, with ``dim`` 1, columns ``start
+    ..``; ``heads``: llama.cpp's q/k permutation undone) and recomposed in float32:
+    ``(q - zero) * s`` or ``q * s + offset``."""
+    from tpserve.model.loader.gguf_integer import GGUFBlocks
+
+    parts = [GGUFBlocks(t, part, heads, form) for part in ("codes", "scales", "zeros")]
+    codes, scales, zeros = (
+        p.read(dim, start // (p.unit if dim == 1 else 1),
+               None if length is None else length // (p.unit if dim == 1 else 1))
+        for p in parts)
+    assert codes.dtype == torch.int16 and scales.dtype == torch.float32
+    s = scales.repeat_interleave(form.group, 1)[:, :codes.shape[1]]
+    z = zeros.float().repeat_interleave(form.group, 1)[:, :codes.shape[1]]
+    if form.offset:
+        assert zeros.dtype == torch.float32
+        return codes.float() * s + z
+    assert zeros.dtype == torch.uint8
+    return (codes.float() - z) * s
+
+
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8).reshape(*v.shape, 2)
 
