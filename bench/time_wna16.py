@@ -206,7 +206,12 @@ def main() -> None:
             if task % wn != wi:
                 continue
             x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
-            default = resolve(kern.wna16_blocks(m, n, k, sms, dtype), m, n, k, sms, kern.fill_split)
+            # the launch wna16_matmul picks for the variants in column order (act-order
+            # ones without the code pairs: their scales are per column)
+            pairs = kern._code_pairs("wna16p", 1, dtype, dev, a.offset,
+                                     kern.scale_mode((0, a.group), 128, 8))
+            default = resolve(kern.wna16_blocks(m, n, k, sms, dtype, pairs), m, n, k, sms,
+                              kern.fill_split)
             row = {"shape": name, "m": m, "n": n, "k": k, "default_launch": default}
 
             def entry(fns, nbytes, ref=None, base_us=None, m=m, n=n, k=k):

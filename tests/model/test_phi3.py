@@ -481,7 +481,7 @@ def test_phi3_mini_heads_and_window_through_the_triton_ops(kernels, backend, tmp
     model = build_model(open_checkpoint(str(folder)), comm, DEVICE, torch.float32,
                         kernels["triton_ops"], backend.TritonAttention(torch.float32), 512)
     assert (model.cfg.head_dim, model.cfg.window_of(1)) == (96, 8)
-    pool = new_pool(model, comm)
+    pool = new_pool(model, comm, device=DEVICE)
     got = [run(model, pool, [SeqChunk(tokens[:9], 0, [0], True)], all_logits=True),
            run(model, pool, [SeqChunk(tokens[9:14], 9, [0], True)], all_logits=True)]
     got += [run(model, pool, [SeqChunk([t], p, [0], True)])

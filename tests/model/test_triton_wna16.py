@@ -261,6 +261,26 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     assert cfg.split == 1 or tiles < 4 * 132
 
 
+def test_the_one_row_launch_takes_the_code_pairs_where_they_apply(kern):
+    """One row: the pairs GEMV over 64-column tiles (round 33 on an H100: 1.1-1.7x the
+    plain GEMV) where the code pairs apply (fp16 on CUDA, integer zero points, scales per K
+    step or packed row), else the plain GEMV over 128-column tiles; both split K to fill
+    the SMs. ``_code_pairs`` says where: never for bf16 / fp32, float offsets, per-column
+    scales or off CUDA (there the launch kind runs as the plain GEMV)."""
+    pairs = kern.wna16_blocks(1, 4096, 4096, 132, torch.float16, pairs=True)
+    plain = kern.wna16_blocks(1, 4096, 4096, 132, torch.float16)
+    assert pairs[:4] == ("wna16p", 1, 64, 128) and plain[:4] == ("wna16", 1, 128, 128)
+    assert pairs.split >= 1 and plain.split >= 1
+    assert kern.wna16_blocks(2, 4096, 4096, 132, torch.float16, pairs=True)[:2] == ("wna16", 16)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert kern._code_pairs("wna16p", 1, torch.float16, cuda, False, 0)
+    assert kern._code_pairs("wna16p", 1, torch.float16, cuda, False, 1)
+    for args in ((torch.bfloat16, cuda, False, 0), (torch.float32, cuda, False, 0),
+                 (torch.float16, cuda, True, 0), (torch.float16, cuda, False, 2),
+                 (torch.float16, cpu, False, 0)):
+        assert not kern._code_pairs("wna16p", 1, *args), args
+
+
 def test_float32_keeps_16_row_tiles_above_16_rows(kern):
     """float32 products run on the CUDA cores (``ieee``): 16 x 64 tiles at 33 rows, where a
     64 x 128 tile with per-column groups needs more shared memory than an H100 gives a block

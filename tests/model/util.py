@@ -40,18 +40,23 @@ def load(model_path: str | None, group: TPGroup | None = None, load_format: str 
                        lm_head=lm_head, expert_parallel=expert_parallel), comm
 
 
-def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16) -> KVPool:
-    """A pool in the model's attention back-end's KV cache dtype."""
+def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16,
+             device: torch.device = CPU) -> KVPool:
+    """A pool in the model's attention back-end's KV cache dtype, on ``device``."""
     cfg = model.cfg
     return KVPool(cfg.num_hidden_layers, num_blocks, block_size,
                   cfg.kv_heads_for(comm.world_size), cfg.head_dim,
-                  model.attn_backend.kv_cache_dtype, CPU)
+                  model.attn_backend.kv_cache_dtype, device)
 
 
 @torch.no_grad()
 def run(model, pool: KVPool, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
+    """One step of ``chunks`` on ``pool``'s device; the logits of the sampled rows (all
+    rows with ``all_logits``)."""
     attn = model.attn_backend
     plan = StepPlan.build(chunks, pool.block_size, attn)
+    if pool.buffer.device.type != "cpu":
+        plan = plan.to(pool.buffer.device)
     hidden = model(plan.input_ids, plan.positions, pool.layers, plan.metadata(attn))
     return model.compute_logits(hidden if all_logits else hidden[plan.logits_indices])
 

@@ -15,7 +15,9 @@ Two paths, chosen by M and the dtype (``wna16_blocks``, static: CUDA graphs capt
   (column ``pack * r + j`` at ``(r, j)``) and multiplies the contiguous activation columns
   ``k0 .. k0 + BLOCK_K`` (through ``perm`` when the served columns are sorted): one
   ``tl.dot`` of ``BLOCK_K`` columns a step, or at one activation row (``BLOCK_M`` 1) a GEMV
-  on the CUDA cores. Scales and zero points:
+  on the CUDA cores (in fp16 on CUDA with integer zero points, launch kind "wna16p": two
+  codes become an fp16 pair per 32-bit operation, by PTX; the default since round 33).
+  Scales and zero points:
   ``SCALES`` 0: one row a K step (groups in column order, ``BLOCK_K`` dividing the group:
   ``runs``), 1: one row a packed row (smaller groups in order), 2: one per column through
   ``g_idx`` (groups in any order: act-order columns that could not be sorted into even
@@ -66,12 +68,17 @@ def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) ->
     return max(1, min(triton.cdiv(4 * sms, tiles), steps))
 
 
-def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype) -> WoConfig:
-    """The launch (a ``WoConfig``: kind "wna16", its ``split`` resolved by ``fill_split``;
-    or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the CUDA-graph-timed
-    sweeps of ``bench/time_wna16.py`` on an H100 (round 31, llama3-8b shapes, 4-bit): one
-    row the GEMV over 128-column tiles (4.5-6x faster than over 64 columns, 1.3x the
-    16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
+def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
+                 pairs: bool = False) -> WoConfig:
+    """The launch (a ``WoConfig``: kind "wna16" or "wna16p", its ``split`` resolved by
+    ``fill_split``; or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the
+    CUDA-graph-timed sweeps of ``bench/time_wna16.py`` on an H100 (llama3-8b shapes): one
+    row, where the code pairs apply (``pairs``: ``_code_pairs``, the fp16 GEMV on CUDA with
+    integer zero points and scales per step or packed row), the pairs GEMV over 64-column
+    tiles (round 33, a layer's four products: 4-bit 86.6 us against 110.7 in groups of 128
+    and 83.2 against 141.4 in groups of 32, 8-bit 117.3 against 131.1 and 107.9 against
+    176.4; cuBLAS fp16 157), else the GEMV over 128-column tiles (round 31: 4.5-6x faster
+    than over 64 columns, 1.3x the 16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
     tiles (4 warps: 8 were 5-10 % slower, 128-row tiles 15-60 %); all over 128-column K
     steps, K split to fill the SMs. float32 activations keep 16 x 64 tiles above 16 rows:
     their products run on the CUDA cores (``ieee``), so larger tiles gain nothing, and a 64
@@ -81,7 +88,8 @@ def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype) -> WoConf
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m == 1:
-        cfg = WoConfig("wna16", 1, 128, 128, 0, 4, 3)
+        cfg = WoConfig("wna16p", 1, 64, 128, 0, 4, 3) if pairs else WoConfig(
+            "wna16", 1, 128, 128, 0, 4, 3)
     elif m <= 16 or dtype == torch.float32:
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     else:
@@ -303,8 +311,9 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, x.dtype, perm)
     m = x.shape[0]
     assert x.shape[1] == k, f"x {tuple(x.shape)} against {k} input columns"
-    if config is None:
-        cfg = wna16_blocks(m, n, k, _sm_count(x.device), x.dtype)
+    if config is None:  # the GEMV's K steps are 128 columns
+        pairs = _code_pairs("wna16p", 1, x.dtype, x.device, offset, scale_mode(runs, 128, pack))
+        cfg = wna16_blocks(m, n, k, _sm_count(x.device), x.dtype, pairs)
     elif config == "dequant":
         cfg = DEQUANT
     else:
