@@ -111,11 +111,13 @@ def main() -> int:
                     x, *weight, perm, runs = operands(m, n, k, bits, dtype, 0, "grouped", 16)
                     triton_wna16.wna16_matmul(x, *weight, bits, None, perm=perm, runs=runs,
                                               offset=offset)
-    # the transposed product ("wna16t", a benchmark launch): 16- and 64-row tiles in fp16 /
-    # bf16 over K-step and act-order scales, each a wgmma with the weight from registers
+    # the transposed product ("wna16t"; the default at 2-32 rows over 16 x 128 and 32 x 128
+    # tiles): 16-, 32- and 64-row tiles in fp16 / bf16 over K-step and act-order scales,
+    # each a wgmma with the weight from registers
     for dtype in (torch.float16, torch.bfloat16):
         for layout in ("grouped", "act-order"):
-            for config in ("wna16t,16,64,128,1,4,3", "wna16t,64,128,128,1,4,3"):
+            for config in ("wna16t,16,64,128,1,4,3", "wna16t,64,128,128,1,4,3",
+                           "wna16t,16,128,128,1,4,3", "wna16t,32,128,128,1,4,3"):
                 x, *weight, perm, runs = operands(33, n, 384, 4, dtype, 0, layout, 128)
                 triton_wna16.wna16_matmul(x, *weight, 4, None, config, perm=perm, runs=runs)
     # the fp16 GEMV with code pairs by PTX ("wna16p"): 4 and 8 bits, scales per K step,

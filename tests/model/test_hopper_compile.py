@@ -35,9 +35,9 @@ def test_every_wna16_launch_compiles_for_sm90():
     # dequantized; the GEMV's K split (three 128-column steps) reduced by triton_fp8's
     # kernel; then float offsets, 3 dtypes at M = 1, 33 (fused) and 170 (dequantized);
     # then GGUF's K-quant forms (groups of 16: 8 and 4 bits, offsets or a zero point), 3
-    # dtypes x 4 at the same M; then the transposed product, 2 dtypes x 2 layouts x 2
+    # dtypes x 4 at the same M; then the transposed product, 2 dtypes x 2 layouts x 4
     # tiles, each a wgmma; then the fp16 GEMV with code pairs, 2 widths x 3 layouts, split
     # in three
-    assert compiled == {"_wna16_kernel": 72 + 6 + 24 + 8 + 6,
+    assert compiled == {"_wna16_kernel": 72 + 6 + 24 + 16 + 6,
                         "_wna16_dequant_kernel": 24 + 3 + 12,
                         "_wo_reduce_kernel": 24 + 3 + 12 + 6}

@@ -253,11 +253,17 @@ def test_decode_launch_fills_an_h100(kern, m, n, k):
     """The static launch table (no kernel run) at decode, for the llama3-8b shapes and
     their tp-8 shards on 132 SMs: the programs (tiles times split) fill at least 90 % of
     the SMs (the smallest shard, 8 tiles of 512 x 4096, runs 128 at its cap of two K
-    steps a chunk), and tiles that fill four programs per SM are never split."""
+    steps a chunk), and tiles that fill four programs per SM are never split. Above one
+    row the transposed 16 x 128 tile where it fills them (rounds 33 and 35), else 16 x
+    64."""
     cfg = kern.wna16_blocks(m, n, k, 132, torch.float16)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    assert cfg.kind == "wna16" and cfg.block_m == (1 if m == 1 else 16) and cfg.split >= 1
-    assert tiles * cfg.split >= 0.9 * 132
+    if m == 1:
+        assert cfg[:3] == ("wna16", 1, 128)
+    else:
+        wide = triton.cdiv(n, 128) * kern.fill_split(triton.cdiv(n, 128), k, 128, 132, 16)
+        assert cfg[:3] == (("wna16t", 16, 128) if wide >= 0.9 * 132 else ("wna16", 16, 64))
+    assert cfg.split >= 1 and tiles * cfg.split >= 0.9 * 132
     assert cfg.split == 1 or tiles < 4 * 132
 
 
@@ -271,7 +277,7 @@ def test_the_one_row_launch_takes_the_code_pairs_where_they_apply(kern):
     plain = kern.wna16_blocks(1, 4096, 4096, 132, torch.float16)
     assert pairs[:4] == ("wna16p", 1, 64, 128) and plain[:4] == ("wna16", 1, 128, 128)
     assert pairs.split >= 1 and plain.split >= 1
-    assert kern.wna16_blocks(2, 4096, 4096, 132, torch.float16, pairs=True)[:2] == ("wna16", 16)
+    assert kern.wna16_blocks(2, 4096, 4096, 132, torch.float16, pairs=True)[:2] == ("wna16t", 16)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert kern._code_pairs("wna16p", 1, torch.float16, cuda, False, 0)
     assert kern._code_pairs("wna16p", 1, torch.float16, cuda, False, 1)
@@ -288,6 +294,12 @@ def test_float32_keeps_16_row_tiles_above_16_rows(kern):
     assert kern.wna16_blocks(33, 4096, 4096, 132, torch.float32)[:4] == ("wna16", 16, 64, 128)
     for dtype in (torch.float16, torch.bfloat16):
         assert kern.wna16_blocks(33, 4096, 4096, 132, dtype)[:4] == ("wna16", 64, 128, 128)
+        # 2-32 rows: the transposed 16 x 128 / 32 x 128 tiles (they fill the SMs here)
+        assert kern.wna16_blocks(16, 4096, 4096, 132, dtype)[:4] == ("wna16t", 16, 128, 128)
+        assert kern.wna16_blocks(17, 4096, 4096, 132, dtype)[:4] == ("wna16t", 32, 128, 128)
+        assert kern.wna16_blocks(32, 4096, 4096, 132, dtype)[:4] == ("wna16t", 32, 128, 128)
+    for m in (2, 16, 32):
+        assert kern.wna16_blocks(m, 4096, 4096, 132, torch.float32).kind == "wna16"
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

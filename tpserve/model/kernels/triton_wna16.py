@@ -70,7 +70,7 @@ def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) ->
 
 def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
                  pairs: bool = False) -> WoConfig:
-    """The launch (a ``WoConfig``: kind "wna16" or "wna16p", its ``split`` resolved by
+    """The launch (a ``WoConfig``: kind "wna16", "wna16p" or "wna16t", its ``split`` by
     ``fill_split``; or ``DEQUANT``) for a static ``(M, N, K)`` on ``sms`` SMs, from the
     CUDA-graph-timed sweeps of ``bench/time_wna16.py`` on an H100 (llama3-8b shapes): one
     row, where the code pairs apply (``pairs``: ``_code_pairs``, the fp16 GEMV on CUDA with
@@ -78,11 +78,17 @@ def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
     tiles (round 33, a layer's four products: 4-bit 86.6 us against 110.7 in groups of 128
     and 83.2 against 141.4 in groups of 32, 8-bit 117.3 against 131.1 and 107.9 against
     176.4; cuBLAS fp16 157), else the GEMV over 128-column tiles (round 31: 4.5-6x faster
-    than over 64 columns, 1.3x the 16-row dot); up to 16 rows 16 x 64 tiles; up to ``DEQUANT_MIN_M - 1`` rows 64 x 128
-    tiles (4 warps: 8 were 5-10 % slower, 128-row tiles 15-60 %); all over 128-column K
-    steps, K split to fill the SMs. float32 activations keep 16 x 64 tiles above 16 rows:
-    their products run on the CUDA cores (``ieee``), so larger tiles gain nothing, and a 64
-    x 128 tile with per-column groups needs 238,080 bytes of shared memory, over an H100's
+    than over 64 columns, 1.3x the 16-row dot). fp16 / bf16: up to 16 rows the transposed
+    product over 16 x 128 tiles, up to 32 rows over 32 x 128 (``W x^T``, the dequantized
+    tile as wgmma's register operand; rounds 33 and 35, 1.05-1.20x the 16 x 64 tile at
+    2-16 rows and 1.01-1.25x the 64 x 128 one at 32 for 4 and 8 bits, groups of 128 and 32,
+    act-order, float offsets and bf16, but 0.99x for 8-bit bf16 at 32; where they fill the
+    SMs, ``_fills``, else 16 x 64 and 64 x 128 tiles), then up to
+    ``DEQUANT_MIN_M - 1`` rows 64 x 128 tiles (4 warps: 8 were 5-10 % slower, 128-row
+    tiles 15-60 %; the transposed ones lost from 64 rows); all over 128-column K steps, K
+    split to fill the SMs. float32 activations keep 16 x 64 tiles above one row: their
+    products run on the CUDA cores (``ieee``), so larger tiles gain nothing, and a 64 x 128
+    tile with per-column groups needs 238,080 bytes of shared memory, over an H100's
     232,448 (round 31: the launch was refused). From ``DEQUANT_MIN_M`` the dequantized
     weight times cuBLAS."""
     if m >= DEQUANT_MIN_M:
@@ -94,8 +100,20 @@ def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
         cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     else:
         cfg = WoConfig("wna16", 64, 128, 128, 0, 4, 3)
+    if dtype != torch.float32 and 1 < m <= 32:
+        swapped = WoConfig("wna16t", 16 if m <= 16 else 32, 128, 128, 0, 4, 3)
+        if _fills(swapped, m, n, k, sms):  # else (a tp-8 shard) the narrower tile
+            cfg = swapped
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return cfg._replace(split=fill_split(tiles, k, cfg.block_k, sms, cfg.block_m))
+
+
+def _fills(cfg: WoConfig, m: int, n: int, k: int, sms: int) -> bool:
+    """Whether ``cfg``'s tiles, split as ``fill_split`` splits them, give at least 90 % of
+    ``sms`` programs (the 128-column transposed tiles leave a tp-8 shard of 512 x 4096 at
+    64 programs, where the 16 x 64 tile gives 128)."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return tiles * fill_split(tiles, k, cfg.block_k, sms, cfg.block_m) >= 0.9 * sms
 
 
 def scale_mode(runs: tuple[int, int] | None, block_k: int, pack: int) -> int:
