@@ -208,9 +208,8 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
             # the launch wna16_matmul picks for the variants in column order (act-order
             # ones without the code pairs: their scales are per column)
-            pairs = kern._code_pairs("wna16p", 1, dtype, dev, a.offset,
-                                     kern.scale_mode((0, a.group), 128, 8))
-            default = resolve(kern.wna16_blocks(m, n, k, sms, dtype, pairs), m, n, k, sms,
+            default = resolve(kern.default_launch(m, n, k, sms, dtype, dev, a.offset,
+                                                  (0, a.group), 8), m, n, k, sms,
                               kern.fill_split)
             row = {"shape": name, "m": m, "n": n, "k": k, "default_launch": default}
 

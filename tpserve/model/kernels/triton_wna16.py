@@ -56,6 +56,10 @@ from tpserve.model.kernels.triton_wna16_codes import (
 from tpserve.model.quant.wna16 import DEQUANT_MIN_M, pack_factor
 
 DEQUANT = WoConfig("dequant", 0, 0, 0, 1, 0)
+# the one-row launches (split 0: ``fill_split``): the plain GEMV, and the GEMV with code
+# pairs where they apply (``_code_pairs``)
+GEMV = WoConfig("wna16", 1, 128, 128, 0, 4, 3)
+PAIRS_GEMV = WoConfig("wna16p", 1, 64, 128, 0, 4, 3)
 
 
 def fill_split(tiles: int, k: int, block_k: int, sms: int, block_m: int = 16) -> int:
@@ -83,7 +87,7 @@ def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
     tile as wgmma's register operand; rounds 33 and 35, 1.05-1.20x the 16 x 64 tile at
     2-16 rows and 1.01-1.25x the 64 x 128 one at 32 for 4 and 8 bits, groups of 128 and 32,
     act-order, float offsets and bf16, but 0.99x for 8-bit bf16 at 32; where they fill the
-    SMs, ``_fills``, else 16 x 64 and 64 x 128 tiles), then up to
+    SMs, else 16 x 64 and 64 x 128 tiles), then up to
     ``DEQUANT_MIN_M - 1`` rows 64 x 128 tiles (4 warps: 8 were 5-10 % slower, 128-row
     tiles 15-60 %; the transposed ones lost from 64 rows); all over 128-column K steps, K
     split to fill the SMs. float32 activations keep 16 x 64 tiles above one row: their
@@ -94,26 +98,35 @@ def wna16_blocks(m: int, n: int, k: int, sms: int, dtype: torch.dtype,
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m == 1:
-        cfg = WoConfig("wna16p", 1, 64, 128, 0, 4, 3) if pairs else WoConfig(
-            "wna16", 1, 128, 128, 0, 4, 3)
-    elif m <= 16 or dtype == torch.float32:
-        cfg = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
+        return _split(PAIRS_GEMV if pairs else GEMV, m, n, k, sms)[0]
+    if m <= 16 or dtype == torch.float32:
+        plain = WoConfig("wna16", 16, 64, 128, 0, 4, 3)
     else:
-        cfg = WoConfig("wna16", 64, 128, 128, 0, 4, 3)
-    if dtype != torch.float32 and 1 < m <= 32:
-        swapped = WoConfig("wna16t", 16 if m <= 16 else 32, 128, 128, 0, 4, 3)
-        if _fills(swapped, m, n, k, sms):  # else (a tp-8 shard) the narrower tile
-            cfg = swapped
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return cfg._replace(split=fill_split(tiles, k, cfg.block_k, sms, cfg.block_m))
+        plain = WoConfig("wna16", 64, 128, 128, 0, 4, 3)
+    if dtype != torch.float32 and m <= 32:
+        swapped, programs = _split(WoConfig("wna16t", 16 if m <= 16 else 32, 128, 128, 0,
+                                            4, 3), m, n, k, sms)
+        # the 128-column tiles leave a tp-8 shard of 512 x 4096 at 64 programs, where the
+        # 16 x 64 tile gives 128: the narrower tile there
+        if programs >= 0.9 * sms:
+            return swapped
+    return _split(plain, m, n, k, sms)[0]
 
 
-def _fills(cfg: WoConfig, m: int, n: int, k: int, sms: int) -> bool:
-    """Whether ``cfg``'s tiles, split as ``fill_split`` splits them, give at least 90 % of
-    ``sms`` programs (the 128-column transposed tiles leave a tp-8 shard of 512 x 4096 at
-    64 programs, where the 16 x 64 tile gives 128)."""
+def _split(cfg: WoConfig, m: int, n: int, k: int, sms: int) -> tuple[WoConfig, int]:
+    """``cfg`` with its K split (``fill_split``) and the programs it launches."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return tiles * fill_split(tiles, k, cfg.block_k, sms, cfg.block_m) >= 0.9 * sms
+    split = fill_split(tiles, k, cfg.block_k, sms, cfg.block_m)
+    return cfg._replace(split=split), tiles * split
+
+
+def default_launch(m: int, n: int, k: int, sms: int, dtype: torch.dtype, device: torch.device,
+                   offset: bool, runs: tuple[int, int] | None, pack: int) -> WoConfig:
+    """``wna16_blocks`` for one call's operands: the one-row launch takes the code pairs
+    where ``_code_pairs`` says they apply (its scales read under the GEMV's K steps)."""
+    pairs = _code_pairs(PAIRS_GEMV.kind, 1, dtype, device, offset,
+                        scale_mode(runs, PAIRS_GEMV.block_k, pack))
+    return wna16_blocks(m, n, k, sms, dtype, pairs)
 
 
 def scale_mode(runs: tuple[int, int] | None, block_k: int, pack: int) -> int:
@@ -329,9 +342,9 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     pack, k, n = _check_operands(qweight, scales, zeros, g_idx, bits, x.dtype, perm)
     m = x.shape[0]
     assert x.shape[1] == k, f"x {tuple(x.shape)} against {k} input columns"
-    if config is None:  # the GEMV's K steps are 128 columns
-        pairs = _code_pairs("wna16p", 1, x.dtype, x.device, offset, scale_mode(runs, 128, pack))
-        cfg = wna16_blocks(m, n, k, _sm_count(x.device), x.dtype, pairs)
+    if config is None:
+        cfg = default_launch(m, n, k, _sm_count(x.device), x.dtype, x.device, offset, runs,
+                             pack)
     elif config == "dequant":
         cfg = DEQUANT
     else:
