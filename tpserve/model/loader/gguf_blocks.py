@@ -77,9 +77,12 @@ def _half(blocks: np.ndarray, at: int) -> np.ndarray:
         np.float32)
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """``[..., n]`` bytes -> ``[..., 2n]``: the low nibbles, then the high ones."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """``[..., n]`` bytes -> ``[..., 2n]`` 4-bit values, ``chunk`` bytes at a time: their
+    low nibbles, then their high ones (the ``_0`` / ``_1`` types: one chunk of 16; ``Q4_K``
+    / ``Q5_K``: chunks of 32, a sub-block each half; ``Q6_K``'s low bits: chunks of 64)."""
+    qs = qs.reshape(*qs.shape[:-1], -1, 1, chunk)
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*qs.shape[:-3], -1)
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
@@ -103,25 +106,18 @@ def _q3_scales(packed: np.ndarray) -> np.ndarray:
     """``Q3_K``: 12 bytes -> the sixteen 6-bit scales less 32 (float32): scale ``j``'s low
     four bits are nibble ``j // 8`` of byte ``j % 8``, its top two bits ``2 (j // 4) ..`` of
     byte ``8 + j % 4``."""
-    low = np.concatenate([packed[..., :8] & 0x0F, packed[..., :8] >> 4], axis=-1)
-    high = packed[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    high = (high & 0x03).reshape(*packed.shape[:-1], 16)
+    low, high = _nibbles(packed[..., :8], 8), _crumbs(packed[..., 8:12], 4)
     return (low | (high << 4)).astype(np.float32) - 32
 
 
-def _k_nibbles(qs: np.ndarray) -> np.ndarray:
-    """``Q4_K`` / ``Q5_K``: 128 bytes -> 256 codes' low four bits, as ``[..., 8, 32]`` (sub-
-    block, element)."""
-    qs = qs.reshape(*qs.shape[:-1], 4, 32)
-    return np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*qs.shape[:-2], 8, 32)
-
-
-def _crumbs(qs: np.ndarray) -> np.ndarray:
-    """``Q2_K`` / ``Q3_K``: 64 bytes -> 256 2-bit values: bits ``2t ..`` of byte ``32h + l``
-    are element ``128h + 32t + l``."""
-    qs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+def _crumbs(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """``[..., n]`` bytes -> ``[..., 4n]`` 2-bit values, ``chunk`` bytes at a time: bits
+    ``2t ..`` of the chunk's byte ``l`` are its element ``chunk * t + l`` (``Q2_K`` /
+    ``Q3_K``'s low bits and ``Q6_K``'s high bits: chunks of 32; ``Q3_K``'s scales' top bits:
+    one chunk of 4)."""
+    qs = qs.reshape(*qs.shape[:-1], -1, 1, chunk)
     return ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03).reshape(
-        *qs.shape[:-3], 256)
+        *qs.shape[:-3], -1)
 
 
 def _bit_planes(qh: np.ndarray) -> np.ndarray:
@@ -138,25 +134,20 @@ def codes(kind: str, blocks: np.ndarray) -> np.ndarray:
     if kind == "Q8_0":
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
     elif kind in ("Q4_0", "Q4_1"):
-        q = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4:])
+        q = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4:], 16)
     elif kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
-        q = _nibbles(blocks[..., at + 4:]) | _fifth_bits(blocks[..., at:at + 4])
+        q = _nibbles(blocks[..., at + 4:], 16) | _fifth_bits(blocks[..., at:at + 4])
     elif kind == "Q4_K":
-        q = _k_nibbles(blocks[..., 16:])
+        q = _nibbles(blocks[..., 16:], 32)
     elif kind == "Q5_K":
-        q = (_k_nibbles(blocks[..., 48:]).reshape(*blocks.shape[:-1], 256)
-             | (_bit_planes(blocks[..., 16:48]) << 4))
+        q = _nibbles(blocks[..., 48:], 32) | (_bit_planes(blocks[..., 16:48]) << 4)
     elif kind == "Q2_K":
-        q = _crumbs(blocks[..., 16:80])
+        q = _crumbs(blocks[..., 16:80], 32)
     elif kind == "Q3_K":  # the high bit set: no -4 (llama.cpp stores it inverted)
-        q = _crumbs(blocks[..., 32:96]) | (_bit_planes(blocks[..., :32]) << 2)
+        q = _crumbs(blocks[..., 32:96], 32) | (_bit_planes(blocks[..., :32]) << 2)
     elif kind == "Q6_K":
-        low = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 64)
-        low = np.stack([low & 0x0F, low >> 4], axis=-2)  # [.., half, shift, 64]
-        high = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
-        high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
-        q = low.reshape(*blocks.shape[:-1], 256) | (high.reshape(*blocks.shape[:-1], 256) << 4)
+        q = _nibbles(blocks[..., :128], 64) | (_crumbs(blocks[..., 128:192], 32) << 4)
     else:
         raise ValueError(f"GGML type {kind} is not served as stored")
     return q.astype(np.int16).reshape(rows, -1)
@@ -164,32 +155,30 @@ def codes(kind: str, blocks: np.ndarray) -> np.ndarray:
 
 def scales(kind: str, blocks: np.ndarray) -> np.ndarray:
     """float32 ``[rows, n * columns / group]``: each group's scale."""
-    rows = blocks.shape[0]
+    d = _half(blocks, BLOCK_TYPES[kind].halves[0])
     if kind == "Q6_K":
         sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
-        return (_half(blocks, 208)[..., None] * sc).reshape(rows, -1)
-    if kind == "Q2_K":
+    elif kind == "Q2_K":
         sc = (blocks[..., :16] & 0x0F).astype(np.float32)
-        return (_half(blocks, 80)[..., None] * sc).reshape(rows, -1)
-    if kind == "Q3_K":
-        return (_half(blocks, 108)[..., None] * _q3_scales(blocks[..., 96:108])).reshape(
-            rows, -1)
-    if kind in ("Q4_K", "Q5_K"):
-        sc, _ = _k_scales(blocks[..., 4:16])
-        return (_half(blocks, 0)[..., None] * sc).reshape(rows, -1)
-    return _half(blocks, 0)
+    elif kind == "Q3_K":
+        sc = _q3_scales(blocks[..., 96:108])
+    elif kind in ("Q4_K", "Q5_K"):
+        sc = _k_scales(blocks[..., 4:16])[0]
+    else:  # one scale a block: d itself
+        return d
+    return (d[..., None] * sc).reshape(blocks.shape[0], -1)
 
 
 def offsets(kind: str, blocks: np.ndarray) -> np.ndarray:
     """float32 ``[rows, n * columns / group]``: the float offset of each group of a type
     without a zero point (``Q4_1``, ``Q5_1``: ``m``; ``Q4_K``, ``Q5_K``: ``-dmin * m``)."""
-    rows = blocks.shape[0]
+    if BLOCK_TYPES[kind].zero is not None:
+        raise ValueError(f"GGML type {kind} has a zero point, not offsets")
+    m = _half(blocks, BLOCK_TYPES[kind].halves[1])  # m, or dmin
     if kind in ("Q4_K", "Q5_K"):
-        _, mins = _k_scales(blocks[..., 4:16])
-        return -(_half(blocks, 2)[..., None] * mins).reshape(rows, -1)
-    if kind == "Q2_K":
+        mins = _k_scales(blocks[..., 4:16])[1]
+    elif kind == "Q2_K":
         mins = (blocks[..., :16] >> 4).astype(np.float32)
-        return -(_half(blocks, 82)[..., None] * mins).reshape(rows, -1)
-    if kind in ("Q4_1", "Q5_1"):
-        return _half(blocks, 2)
-    raise ValueError(f"GGML type {kind} has a zero point, not offsets")
+    else:  # one offset a block: m itself
+        return m
+    return -(m[..., None] * mins).reshape(blocks.shape[0], -1)
