@@ -120,15 +120,17 @@ class ModelRunner:
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)
         stored = served_quantization(cfg.quantization, self.ckpt.quantization)
+        # a GGUF file served dequantized whose blocks --quantization gguf could hold
+        dequantized = (self.ckpt.quantization if quant is None and getattr(
+            self.ckpt.quantization, "dequantizable", False) else None)
         if quant is not None and group.rank == 0:
             products = (f"; {quant.describe_products()}"
                         if getattr(quant, "scaled_mm", False) else "")
             logger.info("linear layers: %s weights, %s%s", cfg.quantization,
                         f"as stored ({stored.describe()})" if stored else "quantized at load",
                         products)
-        elif quant is None and group.rank == 0 and getattr(self.ckpt.quantization,
-                                                           "dequantizable", False):
-            logger.info("linear layers: %s", self.ckpt.quantization.describe_dequantized(
+        elif dequantized is not None and group.rank == 0:
+            logger.info("linear layers: %s", dequantized.describe_dequantized(
                 self.dtype.itemsize, cfg.dtype))
         try:
             self.model = build_model(self.ckpt, self.comm, device, self.dtype, self.ops,
@@ -184,13 +186,18 @@ class ModelRunner:
                                        mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
+        stored_weights = None  # this rank's, the GGUF blocks held as stored: about
+        if dequantized is not None:  # (the linear weights' saving split over the ranks)
+            saved = (dequantized.dequantized_bytes(self.dtype.itemsize)
+                     - dequantized.stored_bytes)
+            stored_weights = max(weights - saved // tp, 0)
         self.fit = FitInputs(
             device.type, total, free0, cfg.gpu_memory_utilization, cfg.kv_cache_memory,
             weights, workspace, graphs, per_block, bs, self.max_model_len,
             self.kv_dtype.itemsize, b, tp, smaller_kv_dtypes(self.kv_dtype),
             tp_options(mcfg, tp, bs, self.kv_dtype, weights),
             seq_options(limits, mcfg.vocab_size, use_graphs, max_mixed, multiple),
-            self._stored_weights(quant, weights, tp))
+            stored_weights)
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
                                              str(device), group.rank))
@@ -222,16 +229,6 @@ class ModelRunner:
         self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
-
-    def _stored_weights(self, quant, weights: int, tp: int) -> int | None:
-        """A GGUF file served dequantized whose blocks ``--quantization gguf`` could hold
-        as stored: this rank's weights then, about (its linear weights' saving split
-        evenly over the ranks); else None."""
-        q = self.ckpt.quantization
-        if quant is not None or not getattr(q, "dequantizable", False):
-            return None
-        saved = (q.linear_weights * self.dtype.itemsize - q.stored_bytes) // tp
-        return max(weights - saved, 0)
 
     def load_lora_adapter(self, slot: int, path: str) -> None:
         """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``

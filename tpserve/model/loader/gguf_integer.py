@@ -92,15 +92,16 @@ def stored_integer(tensors) -> CheckpointQuantization | None:
     forms = module_forms(tensors)
     if forms is None:
         return None
-    counts = Counter(t.tensor_type.name for t in tensors if LINEAR.fullmatch(t.name))
-    # the linear weights' elements, and their bytes as stored (16-bit scales and offsets,
+    # the linear weights' types, elements, and bytes as stored (16-bit scales and offsets,
     # 8-bit zero points)
+    counts: Counter[str] = Counter()
     weights = stored = 0
     for t in tensors:
         m = LINEAR.fullmatch(t.name)
         if m is not None:
             form = forms[(int(m[1]), MODULES[m[2]])]
             n = int(np.prod([int(x) for x in t.shape]))
+            counts[t.tensor_type.name] += 1
             weights += n
             stored += n * form.bits // 8 + n // form.group * (2 + (2 if form.offset else 1))
     distinct = set(forms.values())

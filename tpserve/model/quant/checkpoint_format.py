@@ -89,14 +89,22 @@ class CheckpointQuantization:
         """A GGUF file served dequantized (``--quantization auto``): what its linear
         weights take so and as stored (``--quantization gguf``)."""
         gib = 2.0**30
-        return (f"the GGUF file's blocks ({', '.join(f'{n} x {k}' for k, n in self.block_types)})"
-                f" dequantized to {dtype} at load: {self.linear_weights * dtype_bytes / gib:.2f}"
+        return (f"the GGUF file's blocks ({self._block_counts()})"
+                f" dequantized to {dtype} at load: {self.dequantized_bytes(dtype_bytes) / gib:.2f}"
                 f" GiB over all ranks; --quantization gguf serves them as stored in "
                 f"{self.stored_bytes / gib:.2f} GiB")
 
+    def dequantized_bytes(self, dtype_bytes: int) -> int:
+        """What a GGUF file's linear weights take dequantized to a dtype of
+        ``dtype_bytes`` (every rank together)."""
+        return self.linear_weights * dtype_bytes
+
+    def _block_counts(self) -> str:
+        return ", ".join(f"{n} x {kind}" for kind, n in self.block_types)
+
     def describe(self) -> str:
         if self.method == "gguf":
-            types = ", ".join(f"{n} x {k}" for k, n in self.block_types) or self.quant_method
+            types = self._block_counts() or self.quant_method
             if not self.modules:
                 return (f"the GGUF file's blocks ({types}), {self.bits}-bit, groups of "
                         f"{self.group_size}" + (", offsets" if self.offset else ""))
