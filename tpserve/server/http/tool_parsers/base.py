@@ -56,6 +56,17 @@ def held_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def all_calls(text: str, at: int, bodies: Sequence[Any],
+              parse: Callable[[Any], ParsedCall | None]) -> ExtractedToolCalls:
+    """Each of ``bodies`` (the calls as the format writes them) ``parse``d, the text before
+    ``at`` (where the calls start) as content; the whole text as content when ``at`` is
+    negative (no calls), there are no bodies, or any body does not parse."""
+    calls = [parse(body) for body in bodies]
+    if at < 0 or not calls or any(c is None for c in calls):
+        return ExtractedToolCalls(text)
+    return ExtractedToolCalls(text[:at] or None, calls)  # type: ignore[arg-type]
+
+
 class ToolParser:
     """Parses one output format. ``extract`` reads a whole output; ``content_prefix_len``
     says how much of a partial output is certainly plain content (streaming sends that
@@ -80,14 +91,8 @@ class MarkerToolParser(ToolParser):
 
     def calls_in(self, text: str, bodies: Sequence[Any],
                  parse: Callable[[Any], ParsedCall | None]) -> ExtractedToolCalls:
-        """Each of ``bodies`` (the calls' texts, after the first marker) ``parse``d, the
-        text before the marker as content; the whole text as content when any body does
-        not parse or there is no marker."""
-        at = text.find(self.marker)
-        calls = [parse(body) for body in bodies]
-        if at < 0 or not calls or any(c is None for c in calls):
-            return ExtractedToolCalls(text)
-        return ExtractedToolCalls(text[:at] or None, calls)  # type: ignore[arg-type]
+        """``all_calls`` with the content before the first marker."""
+        return all_calls(text, text.find(self.marker), bodies, parse)
 
     def content_prefix_len(self, text: str) -> int:
         at = text.find(self.marker)

@@ -13,6 +13,7 @@ from typing import Any
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     ToolParser,
+    all_calls,
     as_call,
     held_suffix,
 )
@@ -41,12 +42,9 @@ class GraniteToolParser(ToolParser):
             decoded = json.loads(text[start:])
         except ValueError:
             return ExtractedToolCalls(text)
-        if not isinstance(decoded, list) or not decoded:
+        if not isinstance(decoded, list):
             return ExtractedToolCalls(text)
-        calls = [as_call(item, "arguments") for item in decoded]
-        if any(c is None for c in calls):
-            return ExtractedToolCalls(text)
-        return ExtractedToolCalls(text[:at] or None, calls)
+        return all_calls(text, at, decoded, lambda item: as_call(item, "arguments"))
 
     def content_prefix_len(self, text: str) -> int:
         """Before a marker, content; a list can also start the output: hold it while it is

@@ -25,7 +25,4 @@ class MistralToolParser(MarkerToolParser):
         except ValueError:
             return ExtractedToolCalls(text)
         items = decoded if isinstance(decoded, list) else [decoded]
-        calls = [as_call(item, "arguments") for item in items]
-        if not calls or any(c is None for c in calls):
-            return ExtractedToolCalls(text)
-        return ExtractedToolCalls(text[:at] or None, calls)
+        return self.calls_in(text, items, lambda item: as_call(item, "arguments"))
