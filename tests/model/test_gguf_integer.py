@@ -16,19 +16,16 @@ from tests.model.util import (
     CPU,
     full_logits,
     graphs_and_eager,
+    load_resolved,
     recompose_blocks,
     save_gguf_file,
 )
-from tpserve.model.attention.backend import select_attention
-from tpserve.model.kernels.backend import select_ops
-from tpserve.model.loader.build import build_model
 from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
 from tpserve.model.loader.gguf_integer import Form, GGUFBlocks, stored_integer
 from tpserve.model.quant.fp8 import Fp8LinearMethod
 from tpserve.model.quant.methods import linear_method, resolve_quantization
 from tpserve.model.quant.wna16 import dequantize
 from tpserve.model.quant.wna16_method import Wna16Method
-from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.state import TPGroup
 
@@ -153,16 +150,6 @@ def files(tmp_path_factory) -> dict[str, str]:
             for kind, (qtype, _) in TYPES.items()}
 
 
-def _load(path: str, quantization: str, group: TPGroup, backend: str = "torch"):
-    ckpt = open_checkpoint(path)
-    resolved = resolve_quantization(quantization, ckpt.quantization)
-    method = linear_method(resolved, backend, CPU, torch.float32, 32, ckpt.quantization)
-    comm = Communicator(group)
-    model = build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"),
-                        select_attention("torch", torch.float32), 512, quant_method=method)
-    return model, comm, method
-
-
 @pytest.mark.parametrize("kind", TYPES)
 def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
     """``--quantization gguf`` holds every decoder linear weight as its codes (int32-packed)
@@ -170,12 +157,13 @@ def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
     the default, which dequantizes the same blocks at load; ``auto``, ``none`` and ``fp8``
     keep serving such a file as before (dequantized; fp8 quantizes the floats)."""
     _, bits = TYPES[kind]
-    served, comm, method = _load(files[kind], "gguf", TPGroup(0, 1, CPU, None))
+    served, comm, method = load_resolved(files[kind], "gguf", TPGroup(0, 1, CPU, None))
     offset = kind == "Q4_1"
     assert method == Wna16Method("gguf", bits, 32, offset=offset)
-    dense, dense_comm, none = _load(files[kind], "auto", TPGroup(0, 1, CPU, None))
-    assert none is None and _load(files[kind], "none", TPGroup(0, 1, CPU, None))[2] is None
-    assert isinstance(_load(files[kind], "fp8", TPGroup(0, 1, CPU, None))[2], Fp8LinearMethod)
+    one = TPGroup(0, 1, CPU, None)
+    dense, dense_comm, none = load_resolved(files[kind], "auto", one)
+    assert none is None and load_resolved(files[kind], "none", one)[2] is None
+    assert isinstance(load_resolved(files[kind], "fp8", one)[2], Fp8LinearMethod)
     params = dict(dense.named_parameters())
     layers = 0
     for name, mod in served.named_modules():
@@ -194,7 +182,7 @@ def test_served_as_stored_equals_the_file_dequantized_at_load(files, kind):
 
 
 def _tp_logits(group: TPGroup, path: str, quantization: str) -> torch.Tensor:
-    model, comm, _ = _load(path, quantization, group)
+    model, comm, _ = load_resolved(path, quantization, group)
     return full_logits(model, comm, TOKENS)
 
 
@@ -203,7 +191,7 @@ def test_two_ranks_serve_the_blocks_as_one_does(files, kind):
     """At tp 2 each rank holds its rows of q/k/v and gate/up (whole heads, unpermuted) and
     its 32-column blocks of o and down: the logits equal tp 1's dequantized model within
     float32 summation order."""
-    want = full_logits(*_load(files[kind], "auto", TPGroup(0, 1, CPU, None))[:2], TOKENS)
+    want = full_logits(*load_resolved(files[kind], "auto", TPGroup(0, 1, CPU, None))[:2], TOKENS)
     for got in run_ranks(_tp_logits, 2, files[kind], "gguf"):
         assert (got - want).abs().max() <= 1e-5
 
@@ -216,9 +204,9 @@ def test_the_triton_kernels_serve_the_blocks_as_the_reference_does(files, kind):
     groups: a scale row per packed row of a K step, 13 rows through 16-row tiles."""
     pytest.importorskip("triton")
     one = TPGroup(0, 1, CPU, None)
-    model, comm, method = _load(files[kind], "gguf", one, "triton")
+    model, comm, method = load_resolved(files[kind], "gguf", one, "triton")
     assert method.backend == "triton"
-    want = full_logits(*_load(files[kind], "gguf", one)[:2], TOKENS)
+    want = full_logits(*load_resolved(files[kind], "gguf", one)[:2], TOKENS)
     assert (full_logits(model, comm, TOKENS) - want).abs().max() <= 1e-5
 
 
@@ -231,9 +219,9 @@ def test_the_embedded_q4_1_model_served_as_stored_gives_its_logits():
     with the same greedy token at every position."""
     path = str(embedded_model_path())
     one = TPGroup(0, 1, CPU, None)
-    served, comm, method = _load(path, "gguf", one)
+    served, comm, method = load_resolved(path, "gguf", one)
     assert method == Wna16Method("gguf", 4, 32, offset=True)
-    dense, dense_comm, _ = _load(path, "auto", one)
+    dense, dense_comm, _ = load_resolved(path, "auto", one)
     params = dict(dense.named_parameters())
     layers = 0
     for name, mod in served.named_modules():
@@ -275,6 +263,6 @@ def test_the_blocks_on_the_gpu_kernels(files, kind, dtype):
     tol = 1e-5 if dtype == "float32" else 1e-2
     for got, ref in zip(graphed, eager, strict=True):
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
-    dense, comm, _ = _load(files[kind], "auto", TPGroup(0, 1, CPU, None))
+    dense, comm, _ = load_resolved(files[kind], "auto", TPGroup(0, 1, CPU, None))
     want = full_logits(dense, comm, TOKENS)[-1]
     assert float((eager[0][0] - want).abs().max()) <= tol * float(want.abs().max())

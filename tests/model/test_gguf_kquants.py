@@ -17,21 +17,18 @@ from tests.model.util import (
     CPU,
     full_logits,
     graphs_and_eager,
+    load_resolved,
     random_blocks,
     recompose_blocks,
     save_gguf_file,
     tiny_hf_model,
 )
-from tpserve.model.attention.backend import select_attention
-from tpserve.model.kernels.backend import select_ops
-from tpserve.model.loader.build import build_model
 from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.loader.gguf_blocks import BLOCK_TYPES
 from tpserve.model.loader.gguf_integer import Form, GGUFBlocks
-from tpserve.model.quant.methods import ModuleMethods, linear_method, resolve_quantization
+from tpserve.model.quant.methods import ModuleMethods
 from tpserve.model.quant.wna16 import dequantize
 from tpserve.model.quant.wna16_method import Wna16Method
-from tpserve.parallel.comm import Communicator
 from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.state import TPGroup
 
@@ -122,17 +119,6 @@ def files(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _load(path: str, quantization: str, group: TPGroup, backend: str = "torch",
-          dtype: torch.dtype = torch.float32):
-    ckpt = open_checkpoint(path)
-    resolved = resolve_quantization(quantization, ckpt.quantization)
-    method = linear_method(resolved, backend, CPU, dtype, 32, ckpt.quantization)
-    comm = Communicator(group)
-    model = build_model(ckpt, comm, CPU, dtype, select_ops("torch"),
-                        select_attention("torch", dtype), 512, quant_method=method)
-    return model, comm, method
-
-
 def _served_weights(model) -> dict[str, tuple[Wna16Method, torch.Tensor]]:
     return {name: (mod.quant_method,
                    dequantize(mod.qweight, mod.scales, mod.zeros, mod.g_idx,
@@ -149,9 +135,9 @@ def test_a_mixed_file_is_served_as_stored_a_form_per_module(files):
     summation order (the reference multiplies a transposed dequantized weight, which BLAS
     may sum in another order at these sizes), with the same greedy token everywhere."""
     one = TPGroup(0, 1, CPU, None)
-    served, comm, methods = _load(files["Q4_K_M"], "gguf", one)
+    served, comm, methods = load_resolved(files["Q4_K_M"], "gguf", one)
     assert isinstance(methods, ModuleMethods)
-    dense, dense_comm, none = _load(files["Q4_K_M"], "auto", one)
+    dense, dense_comm, none = load_resolved(files["Q4_K_M"], "auto", one)
     assert none is None
     params = dict(dense.named_parameters())
     weights = _served_weights(served)
@@ -172,9 +158,9 @@ def test_a_file_of_one_k_quant_takes_one_method(files):
     """A file all ``Q4_K``: one method for every module (4 bits, groups of 32, the offsets
     ``-dmin * m``), each served weight bit for bit the default's."""
     one = TPGroup(0, 1, CPU, None)
-    served, comm, method = _load(files["Q4_K"], "gguf", one)
+    served, comm, method = load_resolved(files["Q4_K"], "gguf", one)
     assert method == Wna16Method("gguf", 4, 32, offset=True)
-    params = dict(_load(files["Q4_K"], "auto", one)[0].named_parameters())
+    params = dict(load_resolved(files["Q4_K"], "auto", one)[0].named_parameters())
     weights = _served_weights(served)
     assert len(weights) == 4 * SHAPE["num_hidden_layers"]
     for name, (_, w) in weights.items():
@@ -188,8 +174,8 @@ def test_sixteen_bit_weights_round_the_scales_once_more(files):
     modules whose scales are ``d`` itself (``Q8_0``, ``Q4_0``; ``Q5_0`` and ``Q5_1``, with an
     integer zero point as the offset ``-16 d``, exact) are served bit for bit."""
     one = TPGroup(0, 1, CPU, None)
-    served = _load(files["Q4_K_M"], "gguf", one, dtype=torch.float16)[0]
-    dense = dict(_load(files["Q4_K_M"], "auto", one, dtype=torch.float16)[0]
+    served = load_resolved(files["Q4_K_M"], "gguf", one, dtype=torch.float16)[0]
+    dense = dict(load_resolved(files["Q4_K_M"], "auto", one, dtype=torch.float16)[0]
                  .named_parameters())
     exact = {"model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
              "model.layers.2.mlp.down_proj"}
@@ -210,7 +196,7 @@ def test_sixteen_bit_weights_round_the_scales_once_more(files):
 
 
 def _tp_logits(group: TPGroup, path: str) -> torch.Tensor:
-    model, comm, _ = _load(path, "gguf", group)
+    model, comm, _ = load_resolved(path, "gguf", group)
     return full_logits(model, comm, TOKENS)
 
 
@@ -218,7 +204,7 @@ def test_two_ranks_serve_the_mixed_file_as_one_does(files):
     """At tp 2 each rank holds its rows of q/k/v and gate/up and its half of o's and down's
     columns (128 and 256: half a 256-column superblock, whole 16- and 32-column groups):
     the logits equal tp 1's dequantized model within float32 summation order."""
-    want = full_logits(*_load(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))[:2],
+    want = full_logits(*load_resolved(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))[:2],
                        TOKENS)
     for got in run_ranks(_tp_logits, 2, files["Q4_K_M"]):
         assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
@@ -232,9 +218,9 @@ def test_the_triton_kernels_serve_the_mixed_file_as_the_reference_does(files):
     point; 13 rows through 16-row tiles."""
     pytest.importorskip("triton")
     one = TPGroup(0, 1, CPU, None)
-    model, comm, methods = _load(files["Q4_K_M"], "gguf", one, "triton")
+    model, comm, methods = load_resolved(files["Q4_K_M"], "gguf", one, "triton")
     assert {m.backend for m in methods.methods.values()} == {"triton"}
-    want = full_logits(*_load(files["Q4_K_M"], "gguf", one)[:2], TOKENS)
+    want = full_logits(*load_resolved(files["Q4_K_M"], "gguf", one)[:2], TOKENS)
     got = full_logits(model, comm, TOKENS)
     assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
 
@@ -268,7 +254,7 @@ def test_the_mixed_file_on_the_gpu(files, dtype):
     tol = 1e-4 if dtype == "float32" else 1e-2
     for got, ref in zip(graphed, eager, strict=True):
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
-    dense, comm, _ = _load(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))
+    dense, comm, _ = load_resolved(files["Q4_K_M"], "auto", TPGroup(0, 1, CPU, None))
     want = full_logits(dense, comm, TOKENS)[-1]
     assert float((eager[0][0] - want).abs().max()) <= tol * float(want.abs().max())
 

@@ -40,6 +40,22 @@ def load(model_path: str | None, group: TPGroup | None = None, load_format: str 
                        lm_head=lm_head, expert_parallel=expert_parallel), comm
 
 
+def load_resolved(path: str, quantization: str, group: TPGroup, backend: str = "torch",
+                  dtype: torch.dtype = torch.float32):
+    """``(model, comm, method)``: ``path`` built as the runner builds it on the CPU, its
+    ``--quantization`` resolved against the checkpoint's own and the linear method picked
+    from both (``backend``: the kernels the method runs)."""
+    from tpserve.model.quant.methods import linear_method, resolve_quantization
+
+    ckpt = open_checkpoint(path)
+    resolved = resolve_quantization(quantization, ckpt.quantization)
+    method = linear_method(resolved, backend, CPU, dtype, 32, ckpt.quantization)
+    comm = Communicator(group)
+    model = build_model(ckpt, comm, CPU, dtype, select_ops("torch"),
+                        select_attention("torch", dtype), 512, quant_method=method)
+    return model, comm, method
+
+
 def new_pool(model, comm, num_blocks: int = 64, block_size: int = 16,
              device: torch.device = CPU) -> KVPool:
     """A pool in the model's attention back-end's KV cache dtype, on ``device``."""
