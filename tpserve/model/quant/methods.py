@@ -124,7 +124,7 @@ def linear_method(quantization: str, kernel_backend: str, device: torch.device,
     if quantization == "none":
         return None
     backend = "triton" if kernel_backend == "triton" else "torch"
-    if checkpoint is not None and checkpoint.modules:  # a GGUF file whose modules take different forms
+    if checkpoint is not None and checkpoint.modules:  # GGUF modules of different forms
         return ModuleMethods({(layer, name): Wna16Method(checkpoint.method, bits, group,
                                                          backend=backend, offset=offset)
                               for layer, name, bits, group, offset in checkpoint.modules})

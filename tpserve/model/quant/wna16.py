@@ -19,9 +19,9 @@ Served layout (this rank's shard, after ``process_weights``), ``bits`` 4 or 8, `
 and rounded once to the activation dtype; ``y = x W^T (+ bias)``. The ``offset`` form
 (GGUF's ``Q4_1``, ``Q5_1``, K-quants and modules mixing types, ``Wna16Method.offset``):
 ``zeros`` are any floats added after the scale, ``W = q * scales + zeros`` (in float32, the
-product and the sum each rounded, then the cast; with 16-bit scales the product is exact). Zero padding (the rows and columns
-``parallel/`` pads with) has scale 0 on padding rows (so ``W`` is 0) and code 0 on
-padding columns, where the input is zero.
+product and the sum each rounded, then the cast; with 16-bit scales the product is exact).
+Zero padding (the rows and columns ``parallel/`` pads with) has scale 0 on padding rows (so
+``W`` is 0) and code 0 on padding columns, where the input is zero.
 """
 
 from __future__ import annotations
