@@ -309,8 +309,6 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--structured-outputs-backend", "outlines"], "--guided-decoding-backend outlines: not "
                                                    "supported .*accepted: auto, xgrammar"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
-    (["--speculative-config", '{"method": "ngram"}'],
-     "--speculative-config {\"method\": \"ngram\"}: speculative decoding is not supported"),
     (["-O3"], "--compilation-config 3: tpserve does not use torch.compile; .*"
               "--cuda-graph-max-tokens"),
     (["--enable-sleep-mode"], "--enable-sleep-mode: there is no sleep mode"),

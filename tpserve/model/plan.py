@@ -54,7 +54,8 @@ class SeqChunk:
     follow this chunk's first ``len(prompt_targets)`` tokens, whose log-probabilities under
     those rows' logits the step computes (``StepPlan.prompt_rows``), with ``prompt_top``
     top alternatives each. ``lora_slot``: the LoRA adapter slot its tokens run under
-    (``parallel/lora.py``), -1 the base model."""
+    (``parallel/lora.py``), -1 the base model. ``sample_rows``: with ``sample``, logits
+    of that many last new tokens (a speculative draft's: its last token and the draft)."""
 
     token_ids: list[int]
     num_computed: int
@@ -64,6 +65,7 @@ class SeqChunk:
     prompt_targets: tuple[int, ...] = ()
     prompt_top: int = 0
     lora_slot: int = -1
+    sample_rows: int = 1
 
 
 @dataclass
@@ -115,7 +117,9 @@ class StepPlan:
             qsl.append(qsl[-1] + n)
             lens.append(c.num_computed + n)
             if c.sample:
-                sample_idx.append(qsl[-1] - 1)
+                if not 1 <= c.sample_rows <= n:
+                    raise ValueError(f"{c.sample_rows} sampled rows of {n} tokens")
+                sample_idx.extend(range(qsl[-1] - c.sample_rows, qsl[-1]))
             if c.pending_src >= 0:
                 pend_rows.append(qsl[-1] - 1)
                 pend_src.append(c.pending_src)

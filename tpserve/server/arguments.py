@@ -225,6 +225,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "ones of a later priority (they recompute later)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading back the previous step's tokens")
+    p.add_argument("--speculative-config", type=json_object, default=None,
+                   help='speculative decoding by prompt lookup, as vLLM\'s: {"method": '
+                        '"ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+                        '"prompt_lookup_min": M}; a decoding sequence whose last N..M '
+                        'tokens occurred before drafts the K that followed, verified in '
+                        'one step (same tokens and distribution; steps run synchronously)')
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine (rank 0's model, scheduler and step loop, and the "
                         "spawning of the other ranks) in its own process, so that HTTP does "

@@ -42,6 +42,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import ParallelConfig, torchrun_env
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SchedulerConfig
+from tpserve.server.engine.speculative import SpeculativeConfig
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.port import check_port_free
@@ -239,7 +240,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           max_num_queued_requests=a.max_num_queued_requests,
                           max_num_queued_tokens=a.max_num_queued_tokens,
                           async_scheduling=a.async_scheduling,
-                          engine_process=a.engine_process)
+                          engine_process=a.engine_process,
+                          speculative=None if a.speculative_config is None else
+                          SpeculativeConfig.from_json(a.speculative_config))
     server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                           max_request_body_bytes=a.max_request_body_bytes,
                           log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout,
@@ -309,6 +312,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                "(converting a causal LM's head into a classifier is not supported)"))
     if a.pooler_config is not None and runner_kind != "pooling":
         raise ValueError("--pooler-config needs --runner pooling")
+    if engine.speculative is not None and runner_kind == "pooling":
+        raise ValueError("--speculative-config: a pooling model generates no tokens")
     lora = resolve_lora(a, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,

@@ -22,8 +22,6 @@ CLASSIFY_VALUES = ("classify", "score")
 # vLLM flags for what tpserve does not do: flag -> (why, and what to do instead; the one
 # value that asks for nothing, taken as it is, or None)
 REFUSED = {
-    "--speculative-config": ("speculative decoding is not supported yet; serve without "
-                             "it", None),
     "--compilation-config": ("tpserve does not use torch.compile; its CUDA graphs are set "
                              "by --cuda-graph-max-tokens (or off: --enforce-eager)", None),
     "--max-seq-len-to-capture": ("CUDA graphs are captured by step size: "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpserve.server.engine.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -13,6 +15,8 @@ class EngineConfig:
     max_num_queued_tokens: int = 1 << 20
     async_scheduling: bool = True
     engine_process: bool = True
+    # --speculative-config (None: off); turns asynchronous scheduling off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:

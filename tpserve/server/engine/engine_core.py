@@ -98,6 +98,7 @@ from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.speculative import SampleRows, draft_for, kept_tokens, sample_rows
 from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
 from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
@@ -140,7 +141,13 @@ class EngineCore:
         self.block_manager = BlockManager(runner.kv_pool.num_blocks, scheduler.block_size,
                                           scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.block_manager)
-        self.async_scheduling = engine.async_scheduling
+        # speculative decoding (``speculative.py``): a draft needs the step before's
+        # tokens, so steps are finalized before the next is scheduled
+        self.speculative = engine.speculative
+        self.async_scheduling = engine.async_scheduling and engine.speculative is None
+        if engine.speculative is not None:
+            logger.info("speculative decoding: %s; steps run synchronously",
+                        engine.speculative.describe())
         self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
@@ -170,7 +177,10 @@ class EngineCore:
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
                          "device_wait_seconds_total": 0.0,
-                         "grammar_wait_seconds_total": 0.0}
+                         "grammar_wait_seconds_total": 0.0,
+                         "spec_decode_num_drafts_total": 0,
+                         "spec_decode_num_draft_tokens_total": 0,
+                         "spec_decode_num_accepted_tokens_total": 0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
@@ -281,7 +291,8 @@ class EngineCore:
             prev = None
         ranges = self.runner.ranges
         with ranges.range("schedule"):
-            out = self.scheduler.schedule(self.budget.budget)
+            out = self.scheduler.schedule(
+                self.budget.budget, self._draft if self.speculative is not None else None)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
             if self._inflight is not None:
@@ -293,13 +304,16 @@ class EngineCore:
             return False
         pending = prev.rows if prev is not None else {}
         chunks, sampling, scored, pooled = [], [], [], []
+        drafts: dict[int, tuple[int, ...]] = {}
         row = 0  # the next chunk's first row in the step
         for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
+            end = start + item.num_new_tokens - len(item.draft)
             sample = end == seq.num_tokens
-            tokens = seq.token_slice(start, end)
+            tokens = seq.token_slice(start, end) + list(item.draft)
+            if item.draft:
+                drafts[seq.seq_id] = item.draft
             first, row = row, row + len(tokens)
             if seq.params.pooling is not None:  # pooled, never sampled
                 pooled.append((seq, first, len(tokens), start, sample))
@@ -317,10 +331,10 @@ class EngineCore:
             lora = seq.params.lora_slot
             chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets,
                                    seq.params.prompt_logprobs or 0,
-                                   -1 if lora is None else lora))
+                                   -1 if lora is None else lora, 1 + len(item.draft)))
             if sample:
                 sampling.append(seq)
-        launched = self._launch(chunks, sampling, scored, pooled)
+        launched = self._launch(chunks, sampling, scored, pooled, drafts)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
             return True
@@ -331,7 +345,7 @@ class EngineCore:
         for seq, _, final, _ in launched.pooling:  # answered when the step is finalized
             if final and seq.status is SequenceStatus.RUNNING:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        launched.rows = {s.seq_id: row for row, s in enumerate(sampling)
+        launched.rows = {s.seq_id: row for row, s in zip(launched.first, sampling, strict=True)
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
         self._inflight = launched
@@ -344,15 +358,18 @@ class EngineCore:
 
     def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence],
                 scored: list[tuple[Sequence, int, int]],
-                pooled: list[tuple[Sequence, int, int, int, bool]]) -> InFlight | None:
+                pooled: list[tuple[Sequence, int, int, int, bool]],
+                drafts: dict[int, tuple[int, ...]]) -> InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
-        sampling, and the copy of the samples to the host. Returns None when any of it ran
-        out of device memory at tp 1; the seeded rows' generators are then back where they
-        were, so a seeded request still draws exactly once per token it keeps.
+        sampling (a row per draft position too: ``drafts``, seq_id -> draft), and the
+        copy of the samples to the host. Returns None when any of it ran out of device
+        memory at tp 1; the seeded rows' generators are then back where they were, so a
+        seeded request still draws exactly once per token it keeps.
 
         Nothing of the engine's own state changes in here except reading back the previous
         step (structured rows), which is valid whether or not this step survives."""
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
+        rows = sample_rows(sampling, generators, drafts)
         recoverable = self.runner.comm.world_size == 1  # see oom_recovery
         marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
         try:
@@ -377,9 +394,10 @@ class EngineCore:
                 # the matchers need the previous step's tokens: read them back now, while
                 # the device runs this step's forward
                 self._finish_inflight()
-                bitmask = self._grammar_bitmask(sampling, logits.device)
+                bitmask = self._grammar_bitmask(sampling, rows.first, logits.device)
             with ranges.range("sample"):
-                flight = self._sample(logits, sampling, generators, bitmask)
+                flight = self._sample(logits, sampling, rows, bitmask)
+            flight.first, flight.drafts = rows.first, drafts
             flight.scored, flight.prompt, flight.prompt_event = scored, prompt, prompt_event
             flight.pooling = [(seq, start, final, out) for (seq, _, _, start, final), out
                               in zip(pooled, out_rows, strict=True)]
@@ -392,29 +410,35 @@ class EngineCore:
                 gen.set_state(state)
             return None
 
+    def _draft(self, seq: Sequence) -> tuple[int, ...]:
+        """A decoding sequence's draft (``speculative.draft_for``)."""
+        seeded = self.requests[seq.request_id].generators[seq.index] is not None
+        return draft_for(seq, self.speculative, self.max_model_len, seeded)
+
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
             s.params.needs_output_history for s in self.scheduler.running)
 
-    def _grammar_bitmask(self, sampling: list[Sequence], device: torch.device):
+    def _grammar_bitmask(self, sampling: list[Sequence], first: list[int],
+                         device: torch.device):
         """The bitmask of the constrained rows that still run (their matchers are up to
-        date: the previous step has been read back)."""
+        date: the previous step has been read back); ``sampling[i]``'s row is
+        ``first[i]`` (a constrained sequence has no draft)."""
         rows = []
-        for row, seq in enumerate(sampling):
+        for row, seq in zip(first, sampling, strict=True):
             state = self.requests.get(seq.request_id)
             if state is not None and state.matchers and not seq.is_finished \
                     and not state.gated[seq.index]:
                 rows.append((row, state.matchers[seq.index]))
         return fill_bitmask(rows, self.grammars.vocab_size, device)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Sequence],
-                generators: list[torch.Generator | None], bitmask=None) -> InFlight:
-        """Samples on the device and starts copying the results to the host."""
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence], rows: SampleRows,
+                bitmask=None) -> InFlight:
+        """Samples every row on the device and starts copying the results to the host."""
         if not sampling:
             return InFlight([], PendingSample(torch.zeros(0, dtype=torch.int64)), None, {})
-        pending = self.sampler.sample(
-            logits, [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
-            [s.output_token_ids for s in sampling], generators, self.eos_token_ids, bitmask)
+        pending = self.sampler.sample(logits, rows.params, rows.prompts, rows.outputs,
+                                      rows.generators, self.eos_token_ids, bitmask)
         self.runner.store_sampled(pending.token_ids)
         if self.runner.fault is not None:
             self.runner.fault.fire(self.runner.steps, SAMPLE)
@@ -441,20 +465,25 @@ class EngineCore:
             return
         result = flight.sample.resolve()
         touched: dict[str, list[CompletionDelta]] = {}
-        for row, seq in enumerate(flight.sampling):
-            if seq.seq_id not in flight.rows or seq.is_finished:
+        for seq in flight.sampling:
+            row = flight.rows.get(seq.seq_id)
+            if row is None or seq.is_finished:
                 continue
-            seq.output_token_ids[-1] = result.token_ids[row]
-            self.counters["generation_tokens_total"] += 1
+            draft = flight.drafts.get(seq.seq_id, ())
+            kept = kept_tokens(draft, result.token_ids[row:row + len(draft) + 1])
+            if draft:
+                c = self.counters
+                c["spec_decode_num_drafts_total"] += 1
+                c["spec_decode_num_draft_tokens_total"] += len(draft)
+                c["spec_decode_num_accepted_tokens_total"] += len(kept) - 1
             first = seq.first_token_time is None
             if first:
                 seq.first_token_time = time.monotonic()
-            delta = self._advance(seq, row, result)
-            if delta is not None and first and seq.params.prompt_logprobs is not None:
+            delta = self._advance(seq, row, kept, result)
+            if first and seq.params.prompt_logprobs is not None:
                 delta = replace(delta, prompt_logprobs=self.requests[
                     seq.request_id].scored_prompt())
-            if delta is not None:
-                touched.setdefault(seq.request_id, []).append(delta)
+            touched.setdefault(seq.request_id, []).append(delta)
         for rid, deltas in touched.items():
             state = self.requests[rid]
             finished = state.all_finished
@@ -470,17 +499,30 @@ class EngineCore:
         recover_from_oom(self.scheduler, self.budget, self.runner.device, self.counters,
                          failed_tokens)
 
-    def _advance(self, seq: Sequence, row: int, result) -> CompletionDelta | None:
-        """Detokenizes the sequence's new token, applies the stop rules (``stop_rules``)
-        and finishes the sequence in the scheduler if one holds."""
+    def _advance(self, seq: Sequence, row: int, kept: list[int], result) -> CompletionDelta:
+        """Fills the sequence's placeholder with the first ``kept`` token (rows ``row``
+        on: the tokens the step keeps, more than one after a kept draft token), then
+        takes each in turn: detokenizes it, applies the stop rules (``stop_rules``), and
+        finishes the sequence in the scheduler at the first that ends it (the rest are
+        dropped)."""
         state = self.requests[seq.request_id]
-        text, status, reason = apply_stop_rules(seq, state, self.eos_token_ids,
-                                                self.max_model_len)
-        if status is not None:
-            seq.stop_reason = reason
-            self.scheduler.finish(seq, status)
-        return CompletionDelta(seq.index, text, (seq.output_token_ids[-1],),
-                               token_logprobs(seq, state, row, result),
+        text, logprobs, status, reason = [], [], None, None
+        for j, token in enumerate(kept):
+            if j == 0:
+                seq.output_token_ids[-1] = token
+            else:  # the token before it was a kept draft token
+                self.scheduler.accept_draft_token(seq, token)
+            self.counters["generation_tokens_total"] += 1
+            piece, status, reason = apply_stop_rules(seq, state, self.eos_token_ids,
+                                                     self.max_model_len)
+            text.append(piece)
+            logprobs.extend(token_logprobs(seq, state, row + j, result) or ())
+            if status is not None:
+                seq.stop_reason = reason
+                self.scheduler.finish(seq, status)
+                break
+        return CompletionDelta(seq.index, "".join(text), tuple(kept[:j + 1]),
+                               tuple(logprobs) or None,
                                seq.finish_reason if status else None, reason)
 
     def fail_all(self, error: BaseException) -> None:

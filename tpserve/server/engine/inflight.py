@@ -24,10 +24,14 @@ class InFlight:
     """A launched step whose results (sampled tokens, scored prompt rows, pooled sums) are
     not read back yet; at most one exists at a time (``EngineCore._inflight``)."""
 
-    sampling: list[Sequence]     # row i of the samples belongs to sampling[i]
+    sampling: list[Sequence]     # the sequences the step samples, in row order
     sample: PendingSample        # host copies, valid once ``event`` completed
     event: Any                   # torch.cuda.Event, or None on CPU
-    rows: dict[int, int]         # seq_id -> row, for sequences given a placeholder
+    rows: dict[int, int]         # seq_id -> first row, for sequences given a placeholder
+    # speculative decoding: sampling[i]'s first row, and the drafts (seq_id -> draft) whose
+    # rows follow their sequence's first
+    first: list[int] = field(default_factory=list)
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # prompt scoring: (sequence, first position, rows) per scored chunk, in plan order, and
     # the runner's result for those rows (still on the device)
     scored: list[tuple[Sequence, int, int]] = field(default_factory=list)

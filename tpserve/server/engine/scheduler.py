@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpserve.model.plan import StepLimits
@@ -80,10 +81,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """``seq`` computes tokens ``seq.num_computed_tokens .. + num_new_tokens`` this step."""
+    """``seq`` computes tokens ``seq.num_computed_tokens .. + num_new_tokens`` this step;
+    with a ``draft`` (speculative decoding), its last token and then the draft's tokens,
+    ``num_new_tokens == 1 + len(draft)``, every one of them sampled."""
 
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -211,8 +215,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- scheduling
 
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
-        """Build the next step under ``min(max_num_batched_tokens, token_budget)`` tokens."""
+    def schedule(self, token_budget: int | None = None,
+                 propose: Callable[[Sequence], tuple[int, ...]] | None = None
+                 ) -> SchedulerOutput:
+        """Build the next step under ``min(max_num_batched_tokens, token_budget)`` tokens;
+        with ``propose`` (speculative decoding), decodes then take the drafts it gives
+        them where the step has room (``_add_drafts``)."""
         budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             budget = max(0, min(budget, token_budget))
@@ -250,6 +258,8 @@ class Scheduler:
         # Admitting right after a preemption could just take back the victim's blocks.
         if not preempted:
             budget = self._admit(scheduled, preempted, budget)
+        if propose is not None:
+            self._add_drafts(scheduled, budget, propose)
 
         decodes = [s for s in scheduled if _is_decode(s.seq, s.num_new_tokens)]
         prefills = [s for s in scheduled if not _is_decode(s.seq, s.num_new_tokens)]
@@ -259,6 +269,26 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=len(decodes),
         )
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int,
+                    propose: Callable[[Sequence], tuple[int, ...]]) -> None:
+        """Extends the scheduled decodes, in rank order, by their drafts (``propose``)
+        while the token budget left, the step's sampled rows (at most ``max_num_seqs``:
+        one set aside for every scheduled sequence) and free blocks allow; a draft is cut
+        to what fits, and nothing is preempted for one."""
+        rows = self.config.max_num_seqs - len(scheduled)
+        for i, item in enumerate(scheduled):
+            if min(budget, rows) <= 0:
+                return
+            if not _is_decode(item.seq, item.num_new_tokens):
+                continue
+            draft = propose(item.seq)[:min(budget, rows)]
+            while draft and not self.block_manager.allocate(item.seq, 1 + len(draft)):
+                draft = draft[:-1]
+            if draft:
+                scheduled[i] = ScheduledSeq(item.seq, 1 + len(draft), draft)
+                budget -= len(draft)
+                rows -= len(draft)
 
     def _admit(self, scheduled: list[ScheduledSeq], preempted: list[Sequence],
                budget: int) -> int:
@@ -373,17 +403,28 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record that ``output``'s step ran: advance computed tokens, append the tokens
-        sampled for sequences whose tokens are now all computed, cache full blocks."""
+        sampled for sequences whose tokens are now all computed, cache full blocks. A
+        draft's tokens are not the sequence's yet: only its last token counts as computed
+        (``accept_draft_token`` counts the kept ones)."""
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished (e.g. aborted) while the step ran
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             assert seq.num_computed_tokens <= seq.num_tokens, (
                 f"seq {seq.seq_id} computed past its tokens")
             if seq.num_computed_tokens == seq.num_tokens and seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id])
             self.block_manager.cache_full_blocks(seq, seq.cache_key)
+
+    def accept_draft_token(self, seq: Sequence, token: int) -> None:
+        """Appends ``token``, sampled after a kept draft token: the newest token, which the
+        step computed as that draft token (its K/V are in the pool), counts as computed."""
+        assert seq.num_computed_tokens == seq.num_tokens - 1, (
+            f"seq {seq.seq_id}: a draft token kept before its predecessor was read back")
+        seq.num_computed_tokens += 1
+        seq.append_token(token)
+        self.block_manager.cache_full_blocks(seq, seq.cache_key)
 
     # ----------------------------------------------------------------- checking
 

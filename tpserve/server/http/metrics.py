@@ -66,6 +66,10 @@ ENGINE_COUNTERS = {
                                  "a step (near 0: the host is the bottleneck).",
     "prefix_cache_queries_total": "Prefix-cache queries: tokens of the sequences admitted.",
     "prefix_cache_hits_total": "Prefix-cache hits: tokens admitted sequences found cached.",
+    "spec_decode_num_drafts_total": "Speculative decoding: drafts verified (one per "
+                                    "sequence and step that had one).",
+    "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens verified.",
+    "spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens kept.",
 }
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

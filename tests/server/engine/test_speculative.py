@@ -1,0 +1,373 @@
+"""Speculative decoding by prompt lookup (``engine/speculative.py``, ``--speculative-config``
+method "ngram"): the draft lookup, the tokens kept, the scheduler's room for drafts, and
+the engine on the tiny Llama (CPU, float32), where every request keeps exactly the tokens,
+text, finish and log-probabilities it gets without speculation, in fewer steps, with the
+pool's integrity checked after every step and every block back at the end."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tests.server.engine.test_engine_core import (
+    CPU,
+    make_core,
+    run_to_end,
+    submit,
+    tokens_of,
+)
+from tpserve.model.plan import StepLimits
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
+from tpserve.model.sampling_params import SamplingParams, StructuredOutput
+from tpserve.parallel.state import TPGroup
+from tpserve.server.engine.block_manager import BlockManager
+from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.server.engine.sequence import Sequence
+from tpserve.server.engine.speculative import (
+    SpeculativeConfig,
+    draft_for,
+    kept_tokens,
+    lookup_draft,
+)
+
+LIMITS = StepLimits(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                    block_size=16)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    """Token-id prompts (the tiny model's 256 ids) repeating a random segment, so lookups
+    find drafts from the start; the random model's outputs fall into cycles, which drafts
+    then follow (some drafts are right, some wrong)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        seg = [rng.randrange(256) for _ in range(rng.randrange(4, 12))]
+        prompts.append([rng.randrange(256) for _ in range(3)] + seg * 3 + seg[:2])
+    return prompts
+
+
+# ------------------------------------------------------------------------- lookup
+
+
+def test_the_longest_suffix_that_occurred_before_drafts_what_followed_it():
+    tokens = [7, 1, 2, 3, 9, 9, 4, 2, 3, 8, 5, 1, 2, 3]
+    # the 3-gram (1, 2, 3) occurred at 1: what followed it
+    assert lookup_draft(tokens, 4, 3, 1) == (9, 9, 4, 2)
+    assert lookup_draft(tokens, 2, 3, 1) == (9, 9)
+    # only 2-grams: (2, 3)'s latest earlier occurrence is at 7, then 8 and 5 followed
+    assert lookup_draft(tokens, 4, 2, 1) == (8, 5, 1, 2)
+    # the draft ends where the tokens do
+    assert lookup_draft([4, 5, 6, 4, 5], 8, 2, 1) == (6, 4, 5)
+    # no earlier occurrence of any n-gram in range: no draft
+    assert lookup_draft([1, 2, 3, 4], 4, 3, 1) == ()
+    assert lookup_draft([1, 2, 3, 1], 4, 3, 2) == ()
+    assert lookup_draft([1, 2, 3, 1], 4, 3, 1) == (2, 3, 1)
+    assert lookup_draft([5], 4, 3, 1) == () and lookup_draft([5, 5], 0, 3, 1) == ()
+    assert lookup_draft([5, 5], 3, 3, 1) == (5,)
+
+
+def test_a_byte_match_across_two_tokens_is_not_an_occurrence():
+    """Token ids are searched as bytes: 256 then 0 holds the bytes of the id 1 one byte
+    into 256; that is no occurrence of 1, so only the real one counts."""
+    assert lookup_draft([256, 0, 5, 1], 4, 1, 1) == ()
+    assert lookup_draft([1, 6, 256, 0, 5, 1], 4, 1, 1) == (6, 256, 0, 5)
+
+
+def test_kept_tokens_run_to_the_first_that_differs_from_the_draft():
+    assert kept_tokens((), [4]) == [4]
+    assert kept_tokens((5, 6, 7), [9, 6, 7, 1]) == [9]
+    assert kept_tokens((5, 6, 7), [5, 6, 2, 1]) == [5, 6, 2]
+    assert kept_tokens((5, 6, 7), [5, 6, 7, 1]) == [5, 6, 7, 1]
+
+
+def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 5})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 1)
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (2, 2)
+    refused = [
+        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"},
+         r"unknown or unsupported keys \['model'\]"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+        ({"num_speculative_tokens": 3}, '"method" is required'),
+        ({"method": "ngram"}, '"num_speculative_tokens" is required'),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+          "prompt_lookup_min": 3}, "prompt_lookup_min 3 is above prompt_lookup_max 2"),
+    ]
+    for value, message in refused:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_json(value)
+
+
+def test_who_gets_a_draft_and_how_long():
+    seq = Sequence(0, "r", 0, [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=5))
+    assert draft_for(seq, SPEC, 100, seeded=False) == (3, 1, 2)
+    seq.output_token_ids = [3]  # 4 more tokens allowed: 3 drafted and the one after
+    assert draft_for(seq, SPEC, 100, seeded=False) == (1, 2, 3)
+    assert draft_for(seq, SPEC, 8, seeded=False) == (1,)  # the model's length: 6 + 1 + 1
+    assert draft_for(seq, SPEC, 7, seeded=False) == ()
+    seq.output_token_ids = [3, 1, 2, 3]  # one token left: none to draft
+    assert draft_for(seq, SPEC, 100, seeded=False) == ()
+    seeded = Sequence(1, "s", 0, [1, 2, 1], SamplingParams(temperature=1.0, seed=3))
+    assert draft_for(seeded, SPEC, 100, seeded=True) == ()
+    assert draft_for(seeded, SPEC, 100, seeded=False) == (2, 1)
+    greedy_seeded = Sequence(2, "g", 0, [1, 2, 1], SamplingParams(temperature=0, seed=3))
+    assert draft_for(greedy_seeded, SPEC, 100, seeded=True) == (2, 1)
+    structured = Sequence(3, "j", 0, [1, 2, 1], SamplingParams(
+        temperature=0, structured=StructuredOutput("json_object")))
+    assert draft_for(structured, SPEC, 100, seeded=False) == ()
+
+
+# ---------------------------------------------------------------------- scheduler
+
+
+def _decoding(sched: Scheduler, ids, count: int, prompt_len: int) -> list[Sequence]:
+    """``count`` sequences admitted and prefilled, each with one sampled token: decoding."""
+    seqs = [Sequence(next(ids), f"r{i}", 0, list(range(prompt_len)),
+                     SamplingParams(temperature=0, max_tokens=50)) for i in range(count)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    sched.update(out, {s.seq_id: 1 for s in seqs})
+    return seqs
+
+
+def test_drafts_take_the_room_a_step_has_left_and_never_preempt():
+    """Drafts extend decodes in rank order, cut by the sampled rows left (``max_num_seqs``
+    a step, one set aside per scheduled sequence), the token budget left and free blocks;
+    the step's update counts only the real token as computed, and a kept draft token then
+    counts through ``accept_draft_token``."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=64,
+                                      max_model_len=32, block_size=4), bm)
+    ids = itertools.count()
+    seqs = _decoding(sched, ids, 2, 6)  # 6 + 1 tokens each: 2 blocks each
+    out = sched.schedule(propose=lambda s: (7, 8, 9, 10))
+    # 5 rows - 2 sequences = 3 draft rows, the first-ranked sequence takes them all
+    assert [(i.seq, i.num_new_tokens, i.draft) for i in out.scheduled] == [
+        (seqs[1], 1, ()), (seqs[0], 4, (7, 8, 9))]
+    assert out.num_decodes == 1 and out.num_batched_tokens == 5
+    assert len(seqs[0].block_ids) == 3  # positions 6..9
+    sched.update(out, {seqs[0].seq_id: 11, seqs[1].seq_id: 12})
+    assert [s.num_computed_tokens for s in seqs] == [7, 7]
+    assert seqs[0].output_token_ids == [1, 11]
+    sched.accept_draft_token(seqs[0], 12)  # 11 (the draft's 7's slot) was kept
+    assert (seqs[0].num_computed_tokens, seqs[0].output_token_ids) == (8, [1, 11, 12])
+    with pytest.raises(AssertionError, match="before its predecessor was read back"):
+        seqs[0].num_computed_tokens -= 1
+        sched.accept_draft_token(seqs[0], 13)
+    seqs[0].num_computed_tokens += 1
+    sched.check_integrity()
+    # the budget: 2 decodes and 1 draft token in 3
+    out = sched.schedule(3, propose=lambda s: (7, 8, 9, 10))
+    assert [i.draft for i in out.scheduled] == [(), (7,)]
+    # the blocks: 3 of 4 tokens, a sequence of 7 + 1 tokens holds 2; a draft of 6 would
+    # need 2 more, so it is cut to the 4 the free block holds
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                      max_model_len=12, block_size=4), bm)
+    (seq,) = _decoding(sched, ids, 1, 7)
+    out = sched.schedule(propose=lambda s: (7, 8, 9, 10, 11, 12))
+    assert [i.draft for i in out.scheduled] == [(7, 8, 9, 10)] and not out.preempted
+    assert bm.num_free_blocks == 0
+    sched.check_integrity()
+
+
+# ------------------------------------------------------------------------- engine
+
+
+def _run(tiny_llama, tokenizer, prompts, params, speculative, **core):
+    engine = make_core(tiny_llama, tokenizer, speculative=speculative, **core)
+    outs = [submit(engine, f"r{i}", p, params[i] if isinstance(params, list) else params)
+            for i, p in enumerate(prompts)]
+    steps = run_to_end(engine)
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    return engine, outs, steps
+
+
+def _answers(outs, n: int = 1):
+    """Per request and sibling: tokens, text, finish and stop reasons, logprobs."""
+    got = []
+    for o in outs:
+        for i in range(n):
+            deltas = [d for x in o for d in x.deltas if d.index == i]
+            logprobs = [(lp.token_id, round(lp.logprob, 4),
+                         tuple((t, round(v, 4)) for t, _, v in lp.top))
+                        for d in deltas for lp in d.logprobs or ()]
+            got.append((tokens_of(o, i), "".join(d.text for d in deltas),
+                        deltas[-1].finish_reason, deltas[-1].stop_reason, logprobs))
+    return got
+
+
+@pytest.mark.parametrize("async_base", [True, False])
+def test_greedy_tokens_are_those_without_speculation_in_fewer_steps(
+        tiny_llama, smollm2_tokenizer, async_base):
+    """Greedy requests (a 16-sequence step: room for drafts): the same tokens as the engine
+    without speculation (asynchronous or not), in fewer steps; drafts were kept and
+    rejected."""
+    prompts = _prompts(6, 0)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, base, base_steps = _run(tiny_llama, smollm2_tokenizer, prompts, params, None,
+                               num_blocks=60, max_seqs=16, async_scheduling=async_base)
+    engine, spec, steps = _run(tiny_llama, smollm2_tokenizer, prompts, params, SPEC,
+                               num_blocks=60, max_seqs=16)
+    assert _answers(spec) == _answers(base)
+    assert all(o[-1].num_output_tokens == 40 for o in spec)
+    c = engine.counters
+    assert c["generation_tokens_total"] == 6 * 40
+    assert 0 < c["spec_decode_num_accepted_tokens_total"] < c[
+        "spec_decode_num_draft_tokens_total"]
+    assert c["spec_decode_num_drafts_total"] > 0
+    assert steps < base_steps
+
+
+SAMPLING = {
+    "logprobs": dict(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+    "penalties": dict(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.05,
+                      frequency_penalty=0.05, presence_penalty=0.05),
+    "top_k_1": dict(temperature=0.9, top_k=1, max_tokens=30, ignore_eos=True),
+    "min_tokens_eos": dict(temperature=0, max_tokens=30, min_tokens=12),
+    "bias_and_bad_words": dict(temperature=0, max_tokens=30, ignore_eos=True,
+                               logit_bias=((40, 3.0), (130, -5.0)),
+                               bad_words_token_ids=((254, 148),)),
+    "n_2": dict(temperature=0, max_tokens=30, ignore_eos=True, n=2),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_every_sampling_option_keeps_its_answer(tiny_llama, smollm2_tokenizer, name):
+    """Each row of a draft is sampled under the history extended by the draft before it:
+    log-probabilities (and their top alternatives), penalties over the output, min_tokens'
+    EOS mask, logit bias and bad words, a random row whose filter leaves one token, and
+    n = 2 siblings give exactly the answers they give without speculation, with drafts
+    kept."""
+    kw = dict(SAMPLING[name])
+    prompts = _prompts(4, 1)
+    eos = None
+    if name == "min_tokens_eos":  # an EOS the greedy output reaches (after min_tokens)
+        _, plain, _ = _run(tiny_llama, smollm2_tokenizer, prompts,
+                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           None, num_blocks=60, max_seqs=16)
+        eos = tokens_of(plain[0])[20]
+        kw["stop_token_ids"] = (eos,)
+    params = SamplingParams(**kw)
+    n = params.n
+    _, base, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, None, num_blocks=60,
+                      max_seqs=16)
+    engine, spec, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, SPEC,
+                           num_blocks=60, max_seqs=16)
+    assert _answers(spec, n) == _answers(base, n)
+    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    if eos is not None:
+        first = _answers(spec)[0]
+        assert first[2] == "stop" and first[3] == eos and len(first[0]) >= 12
+
+
+def test_stop_strings_and_length_end_where_they_do_without_speculation(
+        tiny_llama, smollm2_tokenizer):
+    """Stop strings, ``max_tokens`` and the model's length end a sequence at the same
+    token as without speculation (drafts never run past the last two)."""
+    prompts = _prompts(4, 2)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, base, _ = _run(tiny_llama, smollm2_tokenizer, prompts, plain, None, num_blocks=60,
+                      max_seqs=16)
+    texts = [a[1] for a in _answers(base)]
+    stops = [t[len(t) // 2:len(t) // 2 + 3] for t in texts]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=(s,))
+              for s in stops]
+    params[2] = plain  # of 256 tokens, 240 are the prompt's: the model's length ends it
+    params[3] = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    long_prompt = (prompts[2] * 20)[:240]
+    runs = []
+    for spec in (None, SPEC):
+        engine, outs, _ = _run(tiny_llama, smollm2_tokenizer, prompts[:2] + [long_prompt]
+                               + prompts[3:], params, spec, num_blocks=60, max_seqs=16)
+        runs.append(_answers(outs))
+    assert runs[1] == runs[0]
+    assert [a[2] for a in runs[1]] == ["stop", "stop", "length", "length"]
+    assert [a[3] for a in runs[1][:2]] == stops[:2]
+    assert runs[1][3][0] == tokens_of(base[3])[:13] and len(runs[1][2][0]) == 16
+    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+
+
+COUNTING = "one two three four five six seven eight nine ten, " * 2 + "one two three four"
+
+
+def test_a_stop_string_inside_a_kept_draft_drops_the_tokens_after_it(
+        smollm2_path, smollm2_tokenizer):
+    """SmolLM2 continues a count its prompt holds twice: after the prefill's " five" the
+    draft " six seven eight nine" is kept whole; the stop string " eight" is completed by
+    a kept draft token, so the text ends before it and the tokens kept after it are
+    dropped. Text, tokens, finish and stop reason equal the engine's without speculation,
+    in fewer steps."""
+    prompt = smollm2_tokenizer(COUNTING)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=12, stop=(" eight",))
+    runs = []
+    for spec in (None, SPEC):
+        runner = ModelRunner(RunnerConfig(model=str(smollm2_path), kv_cache_memory=32 << 20),
+                             LIMITS, TPGroup(0, 1, CPU, None))
+        engine = EngineCore(runner, smollm2_tokenizer, SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16),
+            EngineConfig(check_integrity=True, speculative=spec))
+        outs = submit(engine, "count", prompt, params)
+        steps = run_to_end(engine)
+        runs.append((_answers([outs]), steps, outs))
+    (base, base_steps, _), (spec, steps, outs) = runs
+    assert spec == base
+    tokens, text, finish, reason, _ = spec[0]
+    assert (text, finish, reason) == (" five six seven", "stop", " eight")
+    assert smollm2_tokenizer.decode(tokens) == " five six seven eight"
+    assert [len(d.token_ids) for x in outs for d in x.deltas] == [1, 3]
+    assert steps < base_steps
+    assert engine.counters["spec_decode_num_accepted_tokens_total"] >= 2
+
+
+def test_preemption_and_prefix_hits_keep_every_token(tiny_llama, smollm2_tokenizer):
+    """A pool too small for every sequence (preemption by recompute, drafts cut to the free
+    blocks) and a second wave whose prompts are the first wave's prompts and answers
+    (prefix-cache hits on blocks the drafts' steps computed): the tokens without
+    speculation. Only kept tokens' blocks are cached: a hit on a rejected draft's K/V
+    would change the second wave's tokens."""
+    prompts = _prompts(6, 3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    results = []
+    for spec in (None, SPEC):
+        engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=18, max_seqs=16,
+                           speculative=spec)
+        outs = [submit(engine, f"a{i}", p, params) for i, p in enumerate(prompts)]
+        run_to_end(engine)
+        second = [p + tokens_of(o) for p, o in zip(prompts, outs, strict=True)]
+        outs2 = [submit(engine, f"b{i}", p, params) for i, p in enumerate(second)]
+        run_to_end(engine)
+        assert engine.counters["num_preemptions_total"] > 0
+        assert engine.scheduler.counters["prefix_cache_hits_total"] > 0
+        results.append((_answers(outs), _answers(outs2)))
+    assert results[1] == results[0]
+    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_seeded_sampling_draws_as_without_speculation(tiny_llama, smollm2_tokenizer):
+    """A seeded random request gets no draft (its draws per kept token stay one), so its
+    tokens are those without speculation; an unseeded random one beside it is drafted."""
+    prompts = _prompts(2, 4)
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    _, base, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, None, num_blocks=60,
+                      max_seqs=16)
+    engine, spec, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, SPEC,
+                           num_blocks=60, max_seqs=16)
+    assert _answers(spec) == _answers(base)
+    assert engine.counters["spec_decode_num_drafts_total"] > 0
+    engine, alone, _ = _run(tiny_llama, smollm2_tokenizer, prompts[:1], params[:1], SPEC,
+                            num_blocks=60, max_seqs=16)
+    assert _answers(alone) == _answers(base)[:1]
+    assert engine.counters["spec_decode_num_drafts_total"] == 0
