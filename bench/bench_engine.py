@@ -140,6 +140,8 @@ def parse_args() -> argparse.Namespace:
                    help="the server's --overlap-attention (default: the server's default)")
     p.add_argument("--kv-cache-hadamard", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's flag of that name (default: the server's default)")
+    p.add_argument("--speculative-config", default=None,
+                   help="the server's flag of that name (a JSON object)")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="the server's flag of that name")
     for k, v in FULL.items():
@@ -187,6 +189,8 @@ def server_config(a: argparse.Namespace, device: torch.device) -> Config:
         argv += ["--overlap-attention" if a.overlap_attention else "--no-overlap-attention"]
     if a.calculate_kv_scales:
         argv.append("--calculate-kv-scales")
+    if a.speculative_config is not None:
+        argv += ["--speculative-config", a.speculative_config]
     if a.lora_adapters:
         config = open_checkpoint(a.model, a.load_format).config
         folders = write_random_adapters(config, a.lora_adapters, a.lora_rank,
@@ -451,6 +455,8 @@ def _run(a, R, cfg: Config, group, device, lim, notes, save, log, out, table_pat
     R["hf_baseline"] = None
     R["ratio_vs_hf"] = None
     R["serving_http"] = None
+    R["engine"]["counters"] = {k: v for k, v in core.counters.items()
+                               if k.startswith("spec_decode") or k == "steps_total"}
     _notes(a, runner, srv, notes, commit, dirty)
     save()
     print(json.dumps({k: R.get(k) for k in ("limits", "startup_s", "decode_batch1",

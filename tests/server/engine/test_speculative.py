@@ -72,6 +72,16 @@ def test_the_longest_suffix_that_occurred_before_drafts_what_followed_it():
     assert lookup_draft([5, 5], 3, 3, 1) == (5,)
 
 
+def test_a_repeating_stretch_drafts_k_tokens():
+    """The latest occurrence of a repeating stretch's suffix overlaps it: an earlier one,
+    or a shorter suffix's, that ``k`` tokens followed is taken first."""
+    assert lookup_draft([5] * 6, 3, 3, 1) == (5, 5, 5)
+    assert lookup_draft([9, 1, 2, 1, 2, 1, 2], 4, 2, 1) == (1, 2, 1, 2)
+    # no occurrence has 3 tokens after it: the latest's 2
+    assert lookup_draft([1, 2, 1, 2], 3, 2, 1) == (1, 2)
+    assert lookup_draft([7, 1, 2, 3, 4, 1, 2], 3, 2, 1) == (3, 4, 1)
+
+
 def test_a_byte_match_across_two_tokens_is_not_an_occurrence():
     """Token ids are searched as bytes: 256 then 0 holds the bytes of the id 1 one byte
     into 256; that is no occurrence of 1, so only the real one counts."""

@@ -94,26 +94,38 @@ class SpeculativeConfig:
 
 
 def lookup_draft(tokens: Tokens[int], k: int, longest: int, shortest: int) -> tuple[int, ...]:
-    """The at most ``k`` tokens that followed the latest earlier occurrence of the longest
-    suffix of ``tokens`` (``longest`` down to ``shortest`` tokens) that occurred before;
-    ``()`` when none did. An occurrence counts if at least one token follows it, so the
-    suffix itself never matches."""
+    """The ``k`` tokens that followed the latest earlier occurrence of the longest suffix
+    of ``tokens`` (``longest`` down to ``shortest`` tokens) that ``k`` tokens followed;
+    where none did, the tokens (fewer) after the latest occurrence of the longest suffix
+    that occurred before at all; ``()`` when none did. In a repeating stretch the latest
+    occurrence overlaps the suffix and gives only the tokens up to the end, where an
+    earlier one (or a shorter suffix's) gives ``k``. An occurrence counts if at least one
+    token follows it, so the suffix itself never matches."""
     count = len(tokens)
     if k < 1 or count < 2:
         return ()
     ids = array("i", tokens).tobytes()
-    for n in range(min(longest, count - 1), shortest - 1, -1):
-        pattern = ids[-n * _ITEM:]
-        end = (count - 1) * _ITEM  # an occurrence ends at most one token before the last
-        while True:
-            at = ids.rfind(pattern, 0, end)
-            if at < 0:
-                break
-            if at % _ITEM == 0:  # aligned on a token
-                follow = at // _ITEM + n
-                return tuple(tokens[follow:follow + k])
-            end = at + len(pattern) - 1  # occurrences starting before this byte
+    lengths = range(min(longest, count - 1), shortest - 1, -1)
+    for end in (count - k, count - 1):  # k tokens follow, then at least one
+        for n in lengths:
+            at = _latest(ids, ids[-n * _ITEM:], end)
+            if at >= 0:
+                return tuple(tokens[at + n:at + n + k])
     return ()
+
+
+def _latest(ids: bytes, pattern: bytes, end: int) -> int:
+    """The first token of the latest occurrence of ``pattern`` (whole tokens) within the
+    first ``end`` tokens of ``ids``, or -1."""
+    stop = end * _ITEM
+    while stop >= len(pattern):
+        at = ids.rfind(pattern, 0, stop)
+        if at < 0:
+            return -1
+        if at % _ITEM == 0:  # aligned on a token
+            return at // _ITEM
+        stop = at + len(pattern) - 1  # occurrences starting before this byte
+    return -1
 
 
 def kept_tokens(draft: Tokens[int], sampled: Tokens[int]) -> list[int]:
