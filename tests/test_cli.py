@@ -317,10 +317,30 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+     "--speculative-config: method 'eagle' is not supported"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                              '"model": "draft"}'],
+     r"--speculative-config: unknown or unsupported keys \['model'\]"),
+    (["--runner", "pooling", "--speculative-config",
+      '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "--speculative-config: a pooling model generates no tokens"),
 ])
 def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
     with pytest.raises(ValueError, match=message):
         _cfg(str(tiny_folder), "--device", "cpu", *argv)
+
+
+def test_the_speculative_config_is_vllms_json(tiny_folder):
+    """``--speculative-config`` (vLLM's JSON object, method "ngram") reaches the engine's
+    config, vLLM's defaults filled in; without it speculation is off."""
+    engine = _cfg(str(tiny_folder), "--device", "cpu", "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 3, '
+                  '"prompt_lookup_max": 4}').engine
+    spec = engine.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max,
+            spec.prompt_lookup_min) == ("ngram", 3, 4, 1)
+    assert _cfg(str(tiny_folder), "--device", "cpu").engine.speculative is None
 
 
 def test_a_resolved_runner_config_refuses_auto():

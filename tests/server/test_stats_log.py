@@ -32,6 +32,12 @@ def test_the_line_reports_the_interval_and_the_state_now():
     assert stats_line(IDLE, stalled, 10.0).startswith(
         "engine: prompt 0.0 tok/s, generation 0.0 tok/s | running 0, waiting 1 reqs")
     assert "prefix cache hits - |" in stats_line(IDLE, stalled, 10.0)
+    # under speculative decoding, the share of the interval's draft tokens kept
+    spec = {**now, "spec_decode_num_draft_tokens_total": 80,
+            "spec_decode_num_accepted_tokens_total": 60}
+    assert stats_line({**IDLE, "spec_decode_num_draft_tokens_total": 40,
+                       "spec_decode_num_accepted_tokens_total": 30}, spec, 4.0).endswith(
+        "preemptions 2 | draft acceptance 75.0 % of 40 tokens")
 
 
 def test_the_interval_must_be_positive():

@@ -1,5 +1,6 @@
 """The engine's periodic log line (vLLM's, off with ``--disable-log-stats``): throughput
-since the last line, the queues, the KV pool and the prefix cache, every
+since the last line, the queues, the KV pool, the prefix cache and, under speculative
+decoding, the share of draft tokens kept, every
 ``--log-stats-interval`` seconds while the engine has worked or holds requests."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Callable, Mapping
 logger = logging.getLogger("tpserve")
 
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
-             "prefix_cache_queries_total", "prefix_cache_hits_total")
+             "prefix_cache_queries_total", "prefix_cache_hits_total",
+             "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
 
 
 def stats_line(before: Mapping[str, float], now: Mapping[str, float], seconds: float
@@ -29,12 +31,16 @@ def stats_line(before: Mapping[str, float], now: Mapping[str, float], seconds: f
     hit_rate = f"{100 * delta['prefix_cache_hits_total'] / queries:.1f} %" if queries \
         else "-"
     used = int(now["kv_blocks_total"] - now["kv_blocks_free"])
+    drafted = delta["spec_decode_num_draft_tokens_total"]
+    spec = (f" | draft acceptance "
+            f"{100 * delta['spec_decode_num_accepted_tokens_total'] / drafted:.1f} % of "
+            f"{int(drafted)} tokens") if drafted else ""
     return (f"engine: prompt {delta['prompt_tokens_total'] / seconds:.1f} tok/s, "
             f"generation {delta['generation_tokens_total'] / seconds:.1f} tok/s | "
             f"running {running}, waiting {waiting} reqs | KV cache "
             f"{100 * now['kv_cache_usage_perc']:.1f} % used ({used} of "
             f"{int(now['kv_blocks_total'])} blocks) | prefix cache hits {hit_rate} | "
-            f"preemptions {int(delta['num_preemptions_total'])}")
+            f"preemptions {int(delta['num_preemptions_total'])}{spec}")
 
 
 class StatsLogger:

@@ -26,6 +26,16 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
+Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): every step is
+finalized before the next is scheduled (no placeholders), so a decode's draft is looked up
+in tokens all read back. A drafted chunk is the sequence's last token and its draft, every
+position sampled (``SeqChunk.sample_rows``); ``update`` counts only the last token as
+computed and appends one placeholder, which ``_advance`` fills with the first kept token,
+then appends the others through ``Scheduler.accept_draft_token`` (each counting the kept
+draft token before it as computed), applying the stop rules after each. The K/V written
+for rejected draft tokens lie past the computed tokens, in the sequence's own blocks, and
+are overwritten when those positions are computed.
+
 Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
 compile futures; this thread only polls them). Invariants:
 - a sequence enters the scheduler only with its grammar compiled: a free request, or one
