@@ -6,12 +6,17 @@ and kept draft tokens, and how many requests' greedy tokens equal the run withou
 speculation (in float32 they must all; in bf16 a verification chunk and a decode compute a
 position with different kernels, so random weights' near-ties may flip).
 
-Workloads (random token ids; the dummy model copies nothing, so what the drafts find is
-whatever its own outputs repeat):
+Workloads of a dummy shape (random token ids; the dummy model copies nothing, so what the
+drafts find is whatever its own outputs repeat):
 - ``random``: random prompts;
 - ``repeat``: a random 32-token segment repeated to the prompt length.
+Workloads of a real model (``--model PATH`` or ``embedded``: SmolLM2), chat prompts over
+paragraphs of the text shipped with the tests (``tests/data/pride_and_prejudice_ch1.txt``):
+- ``copy``: "Repeat the following passage word for word" (output quotes the input);
+- ``answer``: a question about the passage (output in the model's own words).
 
     python bench/spec_decode.py --model llama3-8b --dtype bfloat16 --out RESULT.json
+    python bench/spec_decode.py --model embedded --device cpu --dtype float32 --out R.json
     python bench/spec_decode.py --small --device cpu --out /tmp/s.json   # logic check
 """
 
@@ -32,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_sections import StubTokenizer  # noqa: E402
 from tpserve.cli import build_parser  # noqa: E402
+from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
@@ -44,7 +50,8 @@ from tpserve.server.engine.speculative import SpeculativeConfig  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3-8b", help="a dummy shape")
+    p.add_argument("--model", default="llama3-8b",
+                   help="a dummy shape, or a checkpoint (folder, .gguf; embedded: SmolLM2)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
@@ -59,6 +66,22 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
+ASK = {"copy": "Repeat the following passage word for word.\n\n{}",
+       "answer": "Read the passage, then say in two sentences what it tells about the "
+                 "characters.\n\n{}"}
+
+
+def text_prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+    """Chat prompts over the shipped text's paragraphs of 40-120 words, one per request."""
+    paragraphs = [p.strip().replace("\n", " ") for p in TEXT.read_text().split("\n\n")]
+    chosen = [p for p in paragraphs if 40 <= len(p.split()) <= 120][:count]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": ASK[workload].format(p)}],
+                                           add_generation_prompt=True, tokenize=False)
+             for p in chosen]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
 def prompts_for(workload: str, count: int, length: int, vocab: int, seed: int):
     rng = random.Random(seed)
     out = []
@@ -71,9 +94,10 @@ def prompts_for(workload: str, count: int, length: int, vocab: int, seed: int):
     return out
 
 
-def run(core: EngineCore, prompts, output_len: int, concurrency: int):
-    """Closed loop at ``concurrency``: (tokens per request, wall seconds, steps)."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def run(core: EngineCore, prompts, output_len: int, concurrency: int, eos: bool = False):
+    """Closed loop at ``concurrency``, greedy, ``output_len`` tokens (``eos``: or up to
+    EOS): (tokens per request, wall seconds, steps)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=not eos)
     tokens: dict[int, list[int]] = {}
     pending, live = list(enumerate(prompts)), set()
     steps, t0 = 0, time.perf_counter()
@@ -102,8 +126,11 @@ def main() -> int:
     if a.small:
         a.model, a.input_len, a.output_len, a.requests = "smollm2-135m", 64, 16, 4
     device = torch.device(a.device)
-    argv = ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype, "--device",
-            device.type, "--max-model-len", str(a.input_len + a.output_len + 64),
+    real = a.model == "embedded" or Path(a.model).exists()
+    if a.model == "embedded":
+        a.model = str(embedded_model_path())
+    argv = ["serve", a.model, "--load-format", "auto" if real else "dummy", "--dtype",
+            a.dtype, "--device",            device.type, "--max-model-len", str(a.input_len + a.output_len + 64),
             "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
     if device.type == "cpu":
         argv += ["--kv-cache-memory", "256MiB"]
@@ -112,9 +139,14 @@ def main() -> int:
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, device, None))
     spec = SpeculativeConfig(num_speculative_tokens=a.k, prompt_lookup_min=a.lookup[0],
                              prompt_lookup_max=a.lookup[1])
-    cores = {mode: EngineCore(runner, StubTokenizer(), cfg.scheduler,
-                              dataclasses.replace(cfg.engine, speculative=s))
-             for mode, s in (("plain", None), ("ngram", spec))}
+    tokenizer = open_checkpoint(a.model).tokenizer() if real else StubTokenizer()
+
+    def core(mode: str) -> EngineCore:
+        """A fresh engine on the shared runner: its own block manager, so no prefix-cache
+        hit can name blocks another engine has written since."""
+        return EngineCore(runner, tokenizer, cfg.scheduler, dataclasses.replace(
+            cfg.engine, speculative=spec if mode == "ngram" else None))
+
     vocab = runner.model_config.vocab_size
     commit = a.git_commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                             text=True).stdout.strip()
@@ -122,17 +154,17 @@ def main() -> int:
     R = {"commit": commit, "device": device_name, "model": a.model, "dtype": a.dtype,
          "speculative": dataclasses.asdict(spec), "input_len": a.input_len,
          "output_len": a.output_len, "requests": a.requests, "runs": []}
-    for core in cores.values():  # warm-up: every kernel and step shape once
-        run(core, prompts_for("repeat", 2, a.input_len, vocab, 99), 16, 2)
-    for workload in ("random", "repeat"):
-        prompts = prompts_for(workload, a.requests, a.input_len, vocab, 0)
+    for mode in ("plain", "ngram"):  # warm-up: every kernel and step shape once
+        run(core(mode), prompts_for("repeat", 2, a.input_len, vocab, 99), 16, 2)
+    for workload in ("copy", "answer") if real else ("random", "repeat"):
+        prompts = text_prompts(tokenizer, workload, a.requests) if real else \
+            prompts_for(workload, a.requests, a.input_len, vocab, 0)
         for conc in a.concurrency:
             plain_tokens = None
-            for mode, core in cores.items():
-                before = dict(core.counters)
-                tokens, wall, steps = run(core, prompts, a.output_len, conc)
-                c = {k: core.counters[k] - before[k] for k in core.counters
-                     if k.startswith("spec_decode")}
+            for mode in ("plain", "ngram"):
+                engine = core(mode)
+                tokens, wall, steps = run(engine, prompts, a.output_len, conc, real)
+                c = {k: v for k, v in engine.counters.items() if k.startswith("spec_decode")}
                 out = sum(map(len, tokens))
                 row = {"workload": workload, "concurrency": conc, "mode": mode,
                        "out_tok_s": round(out / wall, 1), "wall_s": round(wall, 3),

@@ -333,13 +333,14 @@ def test_invalid_combinations_name_the_flag(tiny_folder, argv, message):
 
 def test_the_speculative_config_is_vllms_json(tiny_folder):
     """``--speculative-config`` (vLLM's JSON object, method "ngram") reaches the engine's
-    config, vLLM's defaults filled in; without it speculation is off."""
+    config, vLLM's defaults filled in (the lower bound defaults to the upper); without it
+    speculation is off."""
     engine = _cfg(str(tiny_folder), "--device", "cpu", "--speculative-config",
                   '{"method": "ngram", "num_speculative_tokens": 3, '
                   '"prompt_lookup_max": 4}').engine
     spec = engine.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max,
-            spec.prompt_lookup_min) == ("ngram", 3, 4, 1)
+            spec.prompt_lookup_min) == ("ngram", 3, 4, 4)
     assert _cfg(str(tiny_folder), "--device", "cpu").engine.speculative is None
 
 

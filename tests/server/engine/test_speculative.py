@@ -97,11 +97,18 @@ def test_kept_tokens_run_to_the_first_that_differs_from_the_draft():
 
 
 def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
+    """Either lookup bound defaults to the other, both to 5, as in vLLM."""
     c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 5})
-    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 1)
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)
     c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_min": 2})
     assert (c.prompt_lookup_max, c.prompt_lookup_min) == (2, 2)
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (4, 4)
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min, c.num_speculative_tokens) == (4, 1, 3)
     refused = [
         ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"},
          r"unknown or unsupported keys \['model'\]"),

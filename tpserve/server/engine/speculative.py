@@ -70,8 +70,8 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
         """From vLLM's JSON object: ``method`` "ngram" and ``num_speculative_tokens`` are
-        required; ``prompt_lookup_max`` defaults to ``prompt_lookup_min`` or else 5, and
-        ``prompt_lookup_min`` to 1 (vLLM's)."""
+        required; either of ``prompt_lookup_min`` and ``prompt_lookup_max`` defaults to the
+        other, both to 5 (vLLM's defaults)."""
         flag = "--speculative-config"
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
@@ -83,10 +83,12 @@ class SpeculativeConfig:
                              f"{', '.join(METHODS)})")
         if "num_speculative_tokens" not in value:
             raise ValueError(f"{flag}: \"num_speculative_tokens\" is required")
-        low = value.get("prompt_lookup_min")
-        high = value.get("prompt_lookup_max", low if low is not None else 5)
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        low = high if low is None else low
+        high = low if high is None else high
         return cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
-                   prompt_lookup_max=high, prompt_lookup_min=1 if low is None else low)
+                   prompt_lookup_max=5 if high is None else high,
+                   prompt_lookup_min=5 if low is None else low)
 
     def describe(self) -> str:
         return (f"{self.method}: up to {self.num_speculative_tokens} draft tokens from "
