@@ -7,7 +7,8 @@
 #     tables, the integer checkpoints' CUDA-graph steps;
 #  2. bench/spec_decode.py: dummy qwen3-0.6b in float32 (every request's greedy tokens
 #     must equal the run without speculation), then dummy llama3-8b in bf16 (speed);
-#  3. round 30's engine runs (run_r30.sh SHA engine): a random 4-bit GPTQ llama3-8b
+#  3. the CUDA-graph tests (captured steps, a drafted chunk among them, against eager);
+#  4. round 30's engine runs (run_r30.sh SHA engine): a random 4-bit GPTQ llama3-8b
 #     (groups of 128) and the fp16 dummy, batch-1 decode and serving, same call.
 set -euo pipefail
 source bench/gpu_env.sh
@@ -26,4 +27,7 @@ step "speculative decoding, llama3-8b bf16 (speed)"
 timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
   --dtype bfloat16 --out "$OUT/spec-llama3-8b-bf16.json" 2>&1 | grep -v Warning \
   | tail -8 | cut -c1-300 || true
+step "captured graphs against eager steps (a drafted chunk among them)"
+timeout 110 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+  tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -4 || true
 OUT="$OUT" bash bench/run_r30.sh "$SHA" engine

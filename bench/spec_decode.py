@@ -130,7 +130,8 @@ def main() -> int:
     if a.model == "embedded":
         a.model = str(embedded_model_path())
     argv = ["serve", a.model, "--load-format", "auto" if real else "dummy", "--dtype",
-            a.dtype, "--device",            device.type, "--max-model-len", str(a.input_len + a.output_len + 64),
+            a.dtype, "--device", device.type,
+            "--max-model-len", str(a.input_len + a.output_len + 64),
             "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
     if device.type == "cpu":
         argv += ["--kv-cache-memory", "256MiB"]
@@ -175,8 +176,8 @@ def main() -> int:
                     row["requests_equal_to_plain"] = sum(
                         x == y for x, y in zip(tokens, plain_tokens, strict=True))
                     drafted = c["spec_decode_num_draft_tokens_total"]
-                    row["acceptance"] = round(
-                        c["spec_decode_num_accepted_tokens_total"] / drafted, 3) if drafted else None
+                    kept = c["spec_decode_num_accepted_tokens_total"]
+                    row["acceptance"] = round(kept / drafted, 3) if drafted else None
                 R["runs"].append(row)
                 print(json.dumps(row), flush=True)
     Path(a.out).write_text(json.dumps(R, indent=1))

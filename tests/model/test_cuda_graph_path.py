@@ -118,6 +118,34 @@ def test_padded_mixed_step_equals_plain_forward(tiny_llama, kv_dtype):
                                                        True)], 4, model.attn_backend))
 
 
+def test_a_drafted_chunk_samples_every_position_in_a_mixed_step(tiny_llama):
+    """Speculative decoding: a decode followed by its draft samples every position
+    (``SeqChunk.sample_rows``), beside a plain decode: the mixed bucket's rows are the plain
+    forward's logits of those positions, in order."""
+    model, comm = _load(tiny_llama, torch.float32)
+    pool = new_pool(model, comm, num_blocks=32, block_size=4)
+    pool.buffer.zero_()
+    seqs, tables = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100]], [[3, 17, 4], [9]]
+    run(model, pool, [SeqChunk(s, 0, t, True) for s, t in zip(seqs, tables, strict=True)])
+    graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=6,
+                        max_blocks_per_seq=16, max_model_len=64, device=torch.device("cpu"),
+                        max_mixed_tokens=32)
+    step = [SeqChunk([43], 3, tables[1], True),
+            SeqChunk([42, 13, 200, 31], 7, tables[0] + [31], True, sample_rows=4)]
+    plan = StepPlan.build(step, 4, model.attn_backend)
+    assert plan.logits_indices.tolist() == [0, 1, 2, 3, 4]
+    assert graphs.select(plan) == (MIXED, 16)
+    before = pool.buffer.clone()
+    got = graphs.run(plan)
+    pool.buffer.copy_(before)
+    want = run(model, pool, step)
+    assert got.shape == want.shape == (5, 256)
+    assert (got - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="5 sampled rows of 4 tokens"):
+        StepPlan.build([SeqChunk([1, 2, 3, 4], 7, tables[0] + [31], True, sample_rows=5)], 4,
+                       model.attn_backend)
+
+
 def _sequence_parallel_graph_paths(group, folder: str) -> dict[str, object]:
     """On each of 3 gloo ranks, ``--tp-comm allgather``: a decode of 2 sequences (bucket 3,
     one padding sequence) and a 19-token mixed step (bucket 33) through the static
@@ -161,8 +189,8 @@ def test_sequence_parallel_buckets_are_multiples_of_tp(tiny_llama):
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])
 def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap, model):
     """On a GPU: the same steps (a prefill, mixed steps with a pending token filled in on
-    the device, pure decodes) through captured graphs and through the eager forward; with
-    ``overlap`` the captured runner runs decode beside prefill attention on two streams.
+    the device, pure decodes, a drafted chunk sampling every position) through captured
+    graphs and through the eager forward; with ``overlap`` the captured runner runs decode beside prefill attention on two streams.
     Qwen3's shape adds the q/k head norms fused into the RoPE kernel; it runs in float32
     (28 layers of bf16 rounding at another GEMM shape move a few of its 607,744 logits by
     two bf16 steps, 0.037, round 23)."""
@@ -194,6 +222,9 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap, m
         ([SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([4], 8, [3], True),
           SeqChunk([-1], 101, [4, 5, 6, 7, 8, 9, 10], True, 2),
           SeqChunk([6], 30, [11, 12], True)], ("decode", 4)),
+        # speculative decoding: a draft after a's token, every position sampled
+        ([SeqChunk([5], 9, [3], True),
+          SeqChunk([8, 9, 10, 11], 42, [0, 1, 2], True, sample_rows=4)], ("mixed", 16)),
     ]
     outs = [[], []]
     for runner, out in zip(runners, outs, strict=True):
