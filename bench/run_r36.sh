@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (round 36, 2026-12-05): speculative decoding by prompt lookup measured,
 # and round 35's integer-weight defaults checked and measured in the engine.
-#   bash bench/run_r36.sh SHA   (results under $OUT; carry [".whl"])
+#   bash bench/run_r36.sh SHA [all|short]   (results under $OUT; carry [".whl"]; short:
+#   steps 1-3 only, about 5 minutes)
 #  1. the WNA16 tests of the default launches on the GPU: the transposed product chosen
 #     at 2-32 rows and equal to the reference, the code-pair GEMV at one row, the launch
 #     tables, the integer checkpoints' CUDA-graph steps;
@@ -30,4 +31,5 @@ timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
 step "captured graphs against eager steps (a drafted chunk among them)"
 timeout 110 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
   tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -4 || true
-OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
+[ "${2:-all}" = all ] && OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
+step "done"
