@@ -110,9 +110,14 @@ def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     assert (c.prompt_lookup_max, c.prompt_lookup_min, c.num_speculative_tokens) == (4, 1, 3)
     refused = [
-        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"},
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"},
          r"unknown or unsupported keys \['model'\]"),
-        ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"},
+         "method 'eagle' is not supported"),
+        ({"method": "eagle", "num_speculative_tokens": 3},
+         "method 'eagle' is not supported \\(it needs a draft model or trained heads"),
+        ({"method": "lookahead", "num_speculative_tokens": 3},
+         "method 'lookahead' is not supported \\(unknown method\\); supported: ngram"),
         ({"num_speculative_tokens": 3}, '"method" is required'),
         ({"method": "ngram"}, '"num_speculative_tokens" is required'),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),

@@ -37,7 +37,7 @@ from typing import Any
 METHODS = ("ngram",)
 # vLLM's spellings of the same knobs; every other key of --speculative-config is refused
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-# what vLLM's other methods need, refused by name (a second model, or heads trained for it)
+# vLLM's other methods, refused as needing a second model or heads trained for it
 OTHER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp",
                  "deepseek_mtp", "suffix")
 _ITEM = array("i").itemsize  # token ids as C ints: a byte search finds an n-gram
@@ -55,10 +55,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
-        if self.method not in METHODS:
-            raise ValueError(f"{flag}: method {self.method!r} is not supported (it needs a "
-                             f"draft model or trained heads); supported: "
-                             f"{', '.join(METHODS)}")
+        _check_method(self.method)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -73,14 +70,15 @@ class SpeculativeConfig:
         required; either of ``prompt_lookup_min`` and ``prompt_lookup_max`` defaults to the
         other, both to 5 (vLLM's defaults)."""
         flag = "--speculative-config"
-        unknown = sorted(set(value) - set(KEYS))
-        if unknown:
-            raise ValueError(f"{flag}: unknown or unsupported keys {unknown}; accepted: "
-                             f"{', '.join(KEYS)}")
         method = value.get("method")
         if method is None:
             raise ValueError(f"{flag}: \"method\" is required (supported: "
                              f"{', '.join(METHODS)})")
+        _check_method(method)  # before the keys: another method's keys are its own
+        unknown = sorted(set(value) - set(KEYS))
+        if unknown:
+            raise ValueError(f"{flag}: unknown or unsupported keys {unknown}; accepted: "
+                             f"{', '.join(KEYS)}")
         if "num_speculative_tokens" not in value:
             raise ValueError(f"{flag}: \"num_speculative_tokens\" is required")
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -93,6 +91,14 @@ class SpeculativeConfig:
     def describe(self) -> str:
         return (f"{self.method}: up to {self.num_speculative_tokens} draft tokens from "
                 f"{self.prompt_lookup_min}-{self.prompt_lookup_max}-grams")
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        why = ("it needs a draft model or trained heads, which tpserve does not run"
+               if method in OTHER_METHODS else "unknown method")
+        raise ValueError(f"--speculative-config: method {method!r} is not supported "
+                         f"({why}); supported: {', '.join(METHODS)}")
 
 
 def lookup_draft(tokens: Tokens[int], k: int, longest: int, shortest: int) -> tuple[int, ...]:
