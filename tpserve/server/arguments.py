@@ -230,7 +230,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         '"ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
                         '"prompt_lookup_min": M}; a decoding sequence whose last N..M '
                         'tokens occurred before drafts the K that followed, verified in '
-                        'one step (same tokens and distribution; steps run synchronously)')
+                        'one step (same tokens and distribution; steps run synchronously '
+                        'while drafting; "disable_by_batch_size": B drafts nothing above B '
+                        'running sequences)')
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine (rank 0's model, scheduler and step loop, and the "
                         "spawning of the other ranks) in its own process, so that HTTP does "

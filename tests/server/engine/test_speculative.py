@@ -109,6 +109,10 @@ def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
     c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     assert (c.prompt_lookup_max, c.prompt_lookup_min, c.num_speculative_tokens) == (4, 1, 3)
+    assert c.disable_by_batch_size is None
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
+                                     "disable_by_batch_size": 8})
+    assert c.disable_by_batch_size == 8 and "none above 8 running sequences" in c.describe()
     refused = [
         ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"},
          r"unknown or unsupported keys \['model'\]"),
@@ -121,6 +125,8 @@ def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
         ({"num_speculative_tokens": 3}, '"method" is required'),
         ({"method": "ngram"}, '"num_speculative_tokens" is required'),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+         "disable_by_batch_size must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
           "prompt_lookup_min": 3}, "prompt_lookup_min 3 is above prompt_lookup_max 2"),
     ]
@@ -393,3 +399,38 @@ def test_seeded_sampling_draws_as_without_speculation(tiny_llama, smollm2_tokeni
                             num_blocks=60, max_seqs=16)
     assert _answers(alone) == _answers(base)[:1]
     assert engine.counters["spec_decode_num_drafts_total"] == 0
+
+
+def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_tokenizer):
+    """vLLM's ``disable_by_batch_size``: while more sequences run than it, no sequence is
+    asked for a draft and steps overlap (a decode's input is the pending sample); as the
+    shorter requests finish, the rest draft. Every answer is the one without speculation."""
+    prompts = _prompts(6, 5)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True)
+              for i in range(6)]
+    _, base, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, None, num_blocks=60,
+                      max_seqs=16)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3,
+                             prompt_lookup_min=1, disable_by_batch_size=2)
+    engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=60, max_seqs=16,
+                       speculative=spec)
+    asked, pending = [], []
+    draft, plan = engine._draft, engine.runner.upload
+
+    def recording_draft(seq):
+        asked.append(engine.scheduler.num_running)
+        return draft(seq)
+
+    def recording_upload(p):
+        pending.append(p.pending_rows.shape[0])
+        return plan(p)
+
+    engine._draft, engine.runner.upload = recording_draft, recording_upload
+    outs = [submit(engine, f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    run_to_end(engine)
+    assert _answers(outs) == _answers(base)
+    assert asked and max(asked) <= 2
+    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    assert max(pending) > 0  # steps overlapped while six or more ran
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks

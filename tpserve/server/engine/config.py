@@ -15,7 +15,7 @@ class EngineConfig:
     max_num_queued_tokens: int = 1 << 20
     async_scheduling: bool = True
     engine_process: bool = True
-    # --speculative-config (None: off); turns asynchronous scheduling off
+    # --speculative-config (None: off); steps are synchronous while it drafts
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

@@ -26,13 +26,15 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
-Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): every step is
-finalized before the next is scheduled (no placeholders), so a decode's draft is looked up
-in tokens all read back. A drafted chunk is the sequence's last token and its draft, every
-position sampled (``SeqChunk.sample_rows``); ``update`` counts only the last token as
-computed and appends one placeholder, which ``_advance`` fills with the first kept token,
-then appends the others through ``Scheduler.accept_draft_token`` (each counting the kept
-draft token before it as computed), applying the stop rules after each. The K/V written
+Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while it drafts
+(``_drafting``), and after any drafted step, the step in flight is finalized before the
+next is scheduled (no placeholders), so a decode's draft is looked up in tokens all read
+back, and a drafted sequence's next input is its last kept token, never a pending row. A
+drafted chunk is the sequence's last token and its draft, every position sampled
+(``SeqChunk.sample_rows``); ``update`` counts only the last token as computed and appends
+one placeholder, which ``_advance`` fills with the first kept token, then appends the
+others through ``Scheduler.accept_draft_token`` (each counting the kept draft token before
+it as computed), applying the stop rules after each. The K/V written
 for rejected draft tokens lie past the computed tokens, in the sequence's own blocks, and
 are overwritten when those positions are computed.
 
@@ -152,11 +154,11 @@ class EngineCore:
                                           scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.block_manager)
         # speculative decoding (``speculative.py``): a draft needs the step before's
-        # tokens, so steps are finalized before the next is scheduled
+        # tokens, so while drafting, steps are finalized before the next is scheduled
         self.speculative = engine.speculative
-        self.async_scheduling = engine.async_scheduling and engine.speculative is None
+        self.async_scheduling = engine.async_scheduling
         if engine.speculative is not None:
-            logger.info("speculative decoding: %s; steps run synchronously",
+            logger.info("speculative decoding: %s; steps run synchronously while drafting",
                         engine.speculative.describe())
         self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
@@ -296,13 +298,15 @@ class EngineCore:
         self.budget.refresh()
         self._admit_ready()
         prev = self._inflight
-        if prev is not None and not self._can_overlap():
+        drafting = self._drafting()
+        # a drafted step's next tokens are known only once it is read back
+        if prev is not None and (drafting or prev.drafts or not self._can_overlap()):
             self._finish_inflight()
             prev = None
         ranges = self.runner.ranges
         with ranges.range("schedule"):
-            out = self.scheduler.schedule(
-                self.budget.budget, self._draft if self.speculative is not None else None)
+            out = self.scheduler.schedule(self.budget.budget,
+                                          self._draft if drafting else None)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
             if self._inflight is not None:
@@ -419,6 +423,13 @@ class EngineCore:
             for gen, state in marks:
                 gen.set_state(state)
             return None
+
+    def _drafting(self) -> bool:
+        """Whether this step may draft: speculation is on and at most its
+        ``disable_by_batch_size`` sequences run (above it, steps overlap again)."""
+        spec = self.speculative
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or self.scheduler.num_running <= spec.disable_by_batch_size)
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """A decoding sequence's draft (``speculative.draft_for``)."""

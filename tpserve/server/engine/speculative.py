@@ -21,8 +21,9 @@ What gets no draft (decodes as before): structured output (its grammar matcher w
 to advance through the draft and roll back), seeded random sampling (a seeded request
 draws once per token it keeps, whatever its batch; a draft's rejected rows would spend
 draws), pooling, and a sequence whose draft would pass ``max_tokens`` or the model's
-length. The engine runs synchronously while speculation is on (a draft needs the tokens of
-the step before), and a step samples at most ``max_num_seqs`` rows, so the memory plan,
+length. The engine runs synchronously while it drafts (a draft needs the tokens of the step
+before; above ``disable_by_batch_size`` running sequences it drafts nothing and steps
+overlap again), and a step samples at most ``max_num_seqs`` rows, so the memory plan,
 the receive buffers and the CUDA graphs sized at start-up hold every step.
 """
 
@@ -36,7 +37,8 @@ from typing import Any
 
 METHODS = ("ngram",)
 # vLLM's spellings of the same knobs; every other key of --speculative-config is refused
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "disable_by_batch_size")
 # vLLM's other methods, refused as needing a second model or heads trained for it
 OTHER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp",
                  "deepseek_mtp", "suffix")
@@ -46,12 +48,16 @@ _ITEM = array("i").itemsize  # token ids as C ints: a byte search finds an n-gra
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """``--speculative-config``: drafts of at most ``num_speculative_tokens`` tokens, from
-    n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens (the longest first)."""
+    n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens (the longest first);
+    none while more than ``disable_by_batch_size`` sequences run (None: no bound), where
+    steps overlap again (asynchronous scheduling), as drafts would find few spare rows and
+    the device is busy anyway."""
 
     method: str = "ngram"
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
@@ -60,6 +66,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{flag}: {name} must be an integer >= 1, got {value!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise ValueError(f"{flag}: disable_by_batch_size must be an integer >= 1, got "
+                             f"{limit!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{flag}: prompt_lookup_min {self.prompt_lookup_min} is above "
                              f"prompt_lookup_max {self.prompt_lookup_max}")
@@ -86,11 +97,14 @@ class SpeculativeConfig:
         high = low if high is None else high
         return cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
                    prompt_lookup_max=5 if high is None else high,
-                   prompt_lookup_min=5 if low is None else low)
+                   prompt_lookup_min=5 if low is None else low,
+                   disable_by_batch_size=value.get("disable_by_batch_size"))
 
     def describe(self) -> str:
+        limit = self.disable_by_batch_size
         return (f"{self.method}: up to {self.num_speculative_tokens} draft tokens from "
-                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}-grams")
+                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}-grams"
+                + ("" if limit is None else f", none above {limit} running sequences"))
 
 
 def _check_method(method: str) -> None:
