@@ -26,7 +26,8 @@ timeout 90 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
   2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
 step "speculative decoding, llama3-8b bf16 (speed)"
 timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
-  --dtype bfloat16 --out "$OUT/spec-llama3-8b-bf16.json" 2>&1 | grep -v Warning \
+  --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
+  2>&1 | grep -v Warning \
   | tail -8 | cut -c1-300 || true
 step "captured graphs against eager steps (a drafted chunk among them)"
 timeout 110 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
