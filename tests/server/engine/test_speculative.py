@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests.model.util import full_logits, load
 from tests.server.engine.test_engine_core import (
     CPU,
     make_core,
@@ -434,3 +435,51 @@ def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_toke
     assert max(pending) > 0  # steps overlapped while six or more ran
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def _top2(model, comm, ids: list[int]) -> dict[int, float]:
+    """The next token's distribution at temperature 1 under top_k 2 (float64)."""
+    logits = full_logits(model, comm, ids)[-1].double()
+    top = logits.topk(2)
+    return dict(zip(top.indices.tolist(), top.values.softmax(0).tolist(), strict=True))
+
+
+def test_sampled_tokens_keep_their_distribution(tiny_llama, smollm2_tokenizer):
+    """Random sampling (temperature 1, top_k 2, three tokens, unseeded: drafted): after the
+    prefill's token, a one-token draft from the prompt is verified, kept with its
+    probability, else replaced by the token sampled instead. Over 800 requests the
+    frequency of every three-token answer is the model's probability of it, within 4.5
+    standard errors: the draft neither adds weight to its token nor takes it away. The
+    prompt is chosen so that both first tokens draft, and one draft is a token the model
+    may sample next (kept sometimes, rejected sometimes)."""
+    model, comm = load(tiny_llama)
+    rng = random.Random(7)
+    while True:
+        prompt = [rng.randrange(256) for _ in range(120)]
+        first = _top2(model, comm, prompt)
+        drafts = {t: lookup_draft(prompt + [t], 1, 1, 1) for t in first}
+        second = {t: _top2(model, comm, prompt + [t]) for t in first}
+        if all(drafts.values()) and any(drafts[t][0] in second[t] for t in first):
+            break
+    want = {(a, b, c): first[a] * second[a][b] * pc
+            for a in first for b in second[a]
+            for c, pc in _top2(model, comm, prompt + [a, b]).items()}
+    one = SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_max=1,
+                            prompt_lookup_min=1)
+    engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=200, max_seqs=256,
+                       budget=4096, speculative=one)
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    counts: dict[tuple[int, ...], int] = {}
+    for wave in range(8):  # 100 at a time: every decode has a spare row for its draft
+        outs = [submit(engine, f"w{wave}-{i}", prompt, params) for i in range(100)]
+        run_to_end(engine)
+        for o in outs:
+            key = tuple(tokens_of(o))
+            counts[key] = counts.get(key, 0) + 1
+    c = engine.counters
+    assert 0 < c["spec_decode_num_accepted_tokens_total"] < c[
+        "spec_decode_num_draft_tokens_total"] <= 800
+    assert set(counts) <= set(want)
+    for answer, p in want.items():
+        freq = counts.get(answer, 0) / 800
+        assert abs(freq - p) <= 4.5 * (p * (1 - p) / 800) ** 0.5 + 1e-9, (answer, freq, p)
