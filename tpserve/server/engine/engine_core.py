@@ -34,9 +34,9 @@ drafted chunk is the sequence's last token and its draft, every position sampled
 (``SeqChunk.sample_rows``); ``update`` counts only the last token as computed and appends
 one placeholder, which ``_advance`` fills with the first kept token, then appends the
 others through ``Scheduler.accept_draft_token`` (each counting the kept draft token before
-it as computed), applying the stop rules after each. The K/V written
-for rejected draft tokens lie past the computed tokens, in the sequence's own blocks, and
-are overwritten when those positions are computed.
+it as computed), applying the stop rules after each. The K/V written for rejected draft
+tokens lie past the computed tokens, in the sequence's own blocks, and are overwritten when
+those positions are computed.
 
 Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
 compile futures; this thread only polls them). Invariants:
