@@ -2,7 +2,7 @@
 # One device call (round 36, 2026-12-05): speculative decoding by prompt lookup measured,
 # and round 35's integer-weight defaults checked and measured in the engine.
 #   bash bench/run_r36.sh SHA [all|short]   (results under $OUT; carry [".whl"]; short:
-#   steps 1-3 only, about 5 minutes)
+#   steps 1-3 only, about 5 minutes; spec: steps 2-3)
 #  1. the WNA16 tests of the default launches on the GPU: the transposed product chosen
 #     at 2-32 rows and equal to the reference, the code-pair GEMV at one row, the launch
 #     tables, the integer checkpoints' CUDA-graph steps;
@@ -15,11 +15,14 @@ set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
 OUT=${OUT:-/tmp/out}
+PART=${2:-all}
+if [ "$PART" != spec ]; then
 step "wna16 default-launch tests"
 timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
   tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
   -k "2_to_32 or one_row or gemv or launch or cuda_graphs or transposed" 2>&1 \
   | tail -8 || true
+fi
 step "speculative decoding, qwen3-0.6b float32 (equality)"
 timeout 90 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
   --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
@@ -32,5 +35,5 @@ timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
 step "captured graphs against eager steps (a drafted chunk among them)"
 timeout 110 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
   tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -4 || true
-[ "${2:-all}" = all ] && OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
+[ "$PART" = all ] && OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
 step "done"
