@@ -2,7 +2,7 @@
 sequence with a long context, then a decode step and drafted steps of 2-8 tokens, each
 timed (CUDA events, 20 repeats after 3 warm-ups) with the graph it selects (None: eager).
 
-    python bench/spec_step_probe.py --model qwen3-0.6b --dtype float32
+    python bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 [-- --enforce-eager]
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=600)
+    p.add_argument("flags", nargs="*", help="further serve flags (after --)")
     a = p.parse_args()
     dev = torch.device("cuda")
     parser, _ = build_parser()
     cfg = config_from_args(parser.parse_args(
         ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype, "--device", "cuda",
-         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]))
+         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
+         *a.flags]))
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, dev, None))
     bs = cfg.scheduler.block_size
     blocks = list(range(-(-(a.context + 16) // bs)))
