@@ -121,8 +121,9 @@ def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
          "method 'eagle' is not supported"),
         ({"method": "eagle", "num_speculative_tokens": 3},
          "method 'eagle' is not supported \\(it needs a draft model or trained heads"),
-        ({"method": "lookahead", "num_speculative_tokens": 3},
-         "method 'lookahead' is not supported \\(unknown method\\); supported: ngram"),
+        ({"method": "suffix", "num_speculative_tokens": 3},
+         "method 'suffix' is not supported \\(tpserve drafts by prompt lookup only\\); "
+         "supported: ngram"),
         ({"num_speculative_tokens": 3}, '"method" is required'),
         ({"method": "ngram"}, '"num_speculative_tokens" is required'),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),

@@ -41,7 +41,7 @@ KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_
         "disable_by_batch_size")
 # vLLM's other methods, refused as needing a second model or heads trained for it
 OTHER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp",
-                 "deepseek_mtp", "suffix")
+                 "deepseek_mtp")
 _ITEM = array("i").itemsize  # token ids as C ints: a byte search finds an n-gram
 
 
@@ -110,7 +110,7 @@ class SpeculativeConfig:
 def _check_method(method: str) -> None:
     if method not in METHODS:
         why = ("it needs a draft model or trained heads, which tpserve does not run"
-               if method in OTHER_METHODS else "unknown method")
+               if method in OTHER_METHODS else "tpserve drafts by prompt lookup only")
         raise ValueError(f"--speculative-config: method {method!r} is not supported "
                          f"({why}); supported: {', '.join(METHODS)}")
 
