@@ -359,7 +359,7 @@ class EngineCore:
         for seq, _, final, _ in launched.pooling:  # answered when the step is finalized
             if final and seq.status is SequenceStatus.RUNNING:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        launched.rows = {s.seq_id: row for row, s in zip(launched.first, sampling, strict=True)
+        launched.rows = {s.seq_id: launched.rows[s.seq_id] for s in sampling
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
         self._inflight = launched
@@ -411,7 +411,8 @@ class EngineCore:
                 bitmask = self._grammar_bitmask(sampling, rows.first, logits.device)
             with ranges.range("sample"):
                 flight = self._sample(logits, sampling, rows, bitmask)
-            flight.first, flight.drafts = rows.first, drafts
+            flight.rows = {s.seq_id: row for s, row in zip(sampling, rows.first, strict=True)}
+            flight.drafts = drafts
             flight.scored, flight.prompt, flight.prompt_event = scored, prompt, prompt_event
             flight.pooling = [(seq, start, final, out) for (seq, _, _, start, final), out
                               in zip(pooled, out_rows, strict=True)]

@@ -27,10 +27,10 @@ class InFlight:
     sampling: list[Sequence]     # the sequences the step samples, in row order
     sample: PendingSample        # host copies, valid once ``event`` completed
     event: Any                   # torch.cuda.Event, or None on CPU
-    rows: dict[int, int]         # seq_id -> first row, for sequences given a placeholder
-    # speculative decoding: sampling[i]'s first row, and the drafts (seq_id -> draft) whose
-    # rows follow their sequence's first
-    first: list[int] = field(default_factory=list)
+    # seq_id -> its first row: every sampled sequence's when launched, then only those
+    # given a placeholder (the ones ``_finalize`` reads)
+    rows: dict[int, int]
+    # speculative decoding: seq_id -> draft, whose rows follow their sequence's first
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # prompt scoring: (sequence, first position, rows) per scored chunk, in plan order, and
     # the runner's result for those rows (still on the device)
