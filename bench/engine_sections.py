@@ -48,12 +48,13 @@ class StubTokenizer:
 
 
 class Tracker:
-    """Per-request timestamps, filled by the engine's ``emit`` callback."""
+    """Per-request timestamps and tokens, filled by the engine's ``emit`` callback."""
 
     def __init__(self, rid: str):
         self.rid = rid
         self.t_add = time.perf_counter()
         self.token_times: list[float] = []
+        self.tokens: list[int] = []
         self.finished = False
         self.error: str | None = None
 
@@ -64,6 +65,7 @@ class Tracker:
             return
         for d in out.deltas:
             self.token_times.extend([now] * len(d.token_ids))
+            self.tokens.extend(d.token_ids)
         if out.finished:
             self.finished = True
 
@@ -130,16 +132,17 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     concurrency: int, time_limit: float | None, waste: list[float] | None,
                     tag: str, temperature: float = 0.0,
                     on_step: Callable[[int], None] | None = None,
-                    prompt_logprobs: int | None = None, lora_slots: int = 0
-                    ) -> tuple[list[Tracker], float, int]:
+                    prompt_logprobs: int | None = None, lora_slots: int = 0,
+                    ignore_eos: bool = True) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
     ``on_step(n)`` is called after the n-th step; ``prompt_logprobs`` scores every prompt
     (the completions API's ``echo`` with ``logprobs``); ``lora_slots`` > 0: prompt i runs
-    under LoRA adapter ``i % lora_slots``. Returns the trackers, the wall time and the
+    under LoRA adapter ``i % lora_slots``; ``ignore_eos`` False: a request may end at EOS
+    before ``output_len``. Returns the trackers (in finishing order), the wall time and the
     number of steps."""
-    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                            prompt_logprobs=prompt_logprobs)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len,
+                            ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
     pending = deque(enumerate(prompts))
     inflight: list[Tracker] = []
     done: list[Tracker] = []

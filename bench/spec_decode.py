@@ -28,22 +28,19 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_sections import StubTokenizer  # noqa: E402
+from bench.engine_sections import StubTokenizer, run_closed_loop  # noqa: E402
 from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
-from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
 from tpserve.server.config import config_from_args  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
-from tpserve.server.engine.request_state import RequestState  # noqa: E402
 from tpserve.server.engine.speculative import SpeculativeConfig  # noqa: E402
 
 
@@ -95,30 +92,12 @@ def prompts_for(workload: str, count: int, length: int, vocab: int, seed: int):
 
 
 def run(core: EngineCore, prompts, output_len: int, concurrency: int, eos: bool = False):
-    """Closed loop at ``concurrency``, greedy, ``output_len`` tokens (``eos``: or up to
-    EOS): (tokens per request, wall seconds, steps)."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=not eos)
-    tokens: dict[int, list[int]] = {}
-    pending, live = list(enumerate(prompts)), set()
-    steps, t0 = 0, time.perf_counter()
-    while pending or live:
-        while pending and len(live) < concurrency:
-            i, p = pending.pop(0)
-            tokens[i] = []
-
-            def emit(out, i=i):
-                if isinstance(out, BaseException):
-                    raise out
-                tokens[i].extend(t for d in out.deltas for t in d.token_ids)
-                if out.finished:
-                    live.discard(i)
-            live.add(i)
-            core.add(RequestState(f"r{i}-{steps}", p, params, emit))
-        core.step()
-        steps += 1
-    if core.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    return [tokens[i] for i in range(len(prompts))], time.perf_counter() - t0, steps
+    """``engine_sections.run_closed_loop`` at ``concurrency``, greedy, ``output_len`` tokens
+    (``eos``: or up to EOS): (tokens per request in prompt order, wall seconds, steps)."""
+    done, wall, steps = run_closed_loop(core, prompts, output_len, concurrency, None, None,
+                                        "spec", ignore_eos=not eos)
+    tokens = {int(tr.rid.rsplit("-", 1)[1]): tr.tokens for tr in done}
+    return [tokens[i] for i in range(len(prompts))], wall, steps
 
 
 def main() -> int:
