@@ -27,9 +27,10 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
 Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while it drafts
-(``_drafting``), and after any drafted step, the step in flight is finalized before the
-next is scheduled (no placeholders), so a decode's draft is looked up in tokens all read
-back, and a drafted sequence's next input is its last kept token, never a pending row. A
+(``_drafting``), each step is finalized as soon as it is launched, and a step in flight
+from before is finalized before the next is scheduled (no placeholders), so a decode's
+draft is looked up in tokens all read back, and a drafted sequence's next input is its
+last kept token, never a pending row. A
 drafted chunk is the sequence's last token and its draft, every position sampled
 (``SeqChunk.sample_rows``); ``update`` counts only the last token as computed and appends
 one placeholder, which ``_advance`` fills with the first kept token, then appends the
@@ -298,9 +299,8 @@ class EngineCore:
         self.budget.refresh()
         self._admit_ready()
         prev = self._inflight
-        drafting = self._drafting()
-        # a drafted step's next tokens are known only once it is read back
-        if prev is not None and (drafting or prev.drafts or not self._can_overlap()):
+        drafting = self._drafting()  # a draft needs every token read back
+        if prev is not None and (drafting or not self._can_overlap()):
             self._finish_inflight()
             prev = None
         ranges = self.runner.ranges
@@ -363,8 +363,8 @@ class EngineCore:
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
         self._inflight = launched
-        if not self.async_scheduling:
-            self._finish_inflight()
+        if not self.async_scheduling or drafting:  # a drafted step's next inputs are its
+            self._finish_inflight()  # last kept tokens, never a pending row
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
