@@ -1,6 +1,8 @@
 """Why a drafted step costs what it does on a GPU: one runner of a dummy shape, one
 sequence with a long context, then a decode step and drafted steps of 2-8 tokens, each
-timed (CUDA events, 20 repeats after 3 warm-ups) with the graph it selects (None: eager).
+timed (``measure.time_op``: the median of 20 CUDA-event timings after 3 warm-ups; round
+36's figures, at 66e5d1b, were the mean of 20 back-to-back steps) with the graph it selects
+(None: eager).
 
     python bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 [-- --enforce-eager]
 """
@@ -14,6 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import time_op  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
@@ -46,17 +50,8 @@ def main() -> int:
         chunk = SeqChunk(list(range(7, 7 + n)), a.context, blocks, True, sample_rows=n)
         plan = StepPlan.build([chunk], bs, runner.attn)
         kind = None if graphs is None else graphs.select(plan)
-        for _ in range(3):
-            runner.execute(plan)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(20):
-            runner.execute(plan)
-        end.record()
-        torch.cuda.synchronize()
-        print(f"{n} tokens: {start.elapsed_time(end) / 20:.3f} ms a step, graph {kind}",
-              flush=True)
+        seconds = time_op(lambda plan=plan: runner.execute(plan), dev, warmup=3, reps=20)
+        print(f"{n} tokens: {seconds * 1e3:.3f} ms a step, graph {kind}", flush=True)
     return 0
 
 
