@@ -1,8 +1,10 @@
 """Prefill attention tile shapes on the GPU: the chunked-prefill case of serving (a few
 query tiles over long cached contexts, latency-bound) and a pure 8 x 1024 prefill
-(compute-bound), for several query-tile heights, key-tile widths and warp counts.
+(compute-bound), for several query-tile heights, key-tile widths and warp counts; with
+``--dtype float32``, float32 operands (ieee products, as the kernel computes float32) over
+``FP32_LAUNCHES``, and one speculative step's 16 positions over 600 cached tokens.
 
-    python bench/tune_prefill.py --out results/prefill-tiles.json
+    python bench/tune_prefill.py --out results/prefill-tiles.json [--dtype float32]
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ CASES = {  # name: [(cached context, new tokens)] per sequence
     "chunk_448_at_576": [(576, 448)],
     "pure_8x1024": [(0, 1024)] * 8,
 }
+FP32_CASES = {"draft_16_at_600": [(600, 16)], "drafts_8x16_at_600": [(600, 16)] * 8}
+# (block_m, block_n, warps) for float32 (round 37: the shipped 64 x 64 x 4 launch spills
+# 2,984 bytes a thread on sm_90, compiled offline; 16 x 16 x 4 none)
+FP32_LAUNCHES = [(64, 64, 4), (64, 64, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8),
+                 (16, 16, 4), (16, 32, 4), (16, 64, 4), (16, 32, 8)]
 
 
 def main() -> None:
@@ -35,39 +42,45 @@ def main() -> None:
                         "cache (bf16 or fp16 operands, a few key tiles, warps and stages)")
     p.add_argument("--block-m", action="store_true",
                    help="with --fp8: also FP8_TILE_LAUNCHES (query tiles of 16, 32, 128 rows)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     a = p.parse_args()
     if a.fp8:
         return fp8_sweep(a.out, a.block_m)
     dev = torch.device("cuda")
+    dtype = getattr(torch, a.dtype)
+    fp32 = dtype == torch.float32
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
-    for name, seqs in CASES.items():
+    launches = FP32_LAUNCHES if fp32 else [
+        (bm, bn, warps) for bm in (16, 32, 64, 128)
+        for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8))]
+    for name, seqs in ({**CASES, **FP32_CASES} if fp32 else CASES).items():
         lens = [c + n for c, n in seqs]
         nblk = [-(-n // page) for n in lens]
-        kc = torch.randn(sum(nblk), page, hkv, d, dtype=torch.bfloat16, device=dev)
+        kc = torch.randn(sum(nblk), page, hkv, d, dtype=dtype, device=dev)
         vc = torch.randn_like(kc)
         table = scattered_block_table(nblk)
         qlens = [n for _, n in seqs]
         qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
-        q = torch.randn(sum(qlens), hq, d, dtype=torch.bfloat16, device=dev)
+        q = torch.randn(sum(qlens), hq, d, dtype=dtype, device=dev)
         out = torch.empty_like(q)
         flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in seqs)
-        for bm in (16, 32, 64, 128):
+        for bm, bn, warps in launches:
             tiles = torch.tensor(prefill_tiles(qlens, 0, bm), dtype=torch.int32, device=dev)
-            for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
-                args = (q, kc, vc, table.to(dev), torch.tensor(lens, dtype=torch.int32,
-                                                                  device=dev),
-                        qsl.to(dev), tiles, 0.088, out)
-                kw = dict(block_m=bm, block_n=bn, num_warps=warps)
-                try:
-                    us = time_graph(lambda args=args, kw=kw: prefill_attention(*args, **kw))
-                except Exception as e:  # noqa: BLE001 - a shape that does not compile
-                    rows.append({"case": name, "block_m": bm, "block_n": bn, "warps": warps,
-                                 "error": repr(e)[:200]})
-                    continue
+            args = (q, kc, vc, table.to(dev), torch.tensor(lens, dtype=torch.int32,
+                                                              device=dev),
+                    qsl.to(dev), tiles, 0.088, out)
+            kw = dict(block_m=bm, block_n=bn, num_warps=warps)
+            try:
+                us = time_graph(lambda args=args, kw=kw: prefill_attention(*args, **kw))
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile
                 rows.append({"case": name, "block_m": bm, "block_n": bn, "warps": warps,
-                             "us": round(us, 2), "tflops": round(flops / us / 1e6, 1)})
-                print(rows[-1], flush=True)
+                             "error": repr(e)[:200]})
+                continue
+            rows.append({"case": name, "dtype": a.dtype, "block_m": bm, "block_n": bn,
+                         "warps": warps, "us": round(us, 2),
+                         "tflops": round(flops / us / 1e6, 1)})
+            print(rows[-1], flush=True)
     write_rows(a.out, rows)
 
 

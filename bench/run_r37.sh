@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Device calls of round 37 (2026-12-06): what round 36 left unchecked, and float32 prefill
+# attention's launch.
+#   bash bench/run_r37.sh SHA checks   (about 6 minutes; results under $OUT; carry [".whl"])
+#  1. the WNA16 tests of the default launches on the GPU (the transposed product chosen at
+#     2-32 rows and equal to the reference, the code-pair GEMV at one row, the launch
+#     tables, the integer checkpoints' CUDA-graph steps);
+#  2. the CUDA-graph tests of captured steps (a drafted chunk among them) against eager
+#     ones, which round 36's 110 s did not finish;
+#  3. bench/tune_prefill.py --dtype float32: the prefill kernel's float32 launches over
+#     round 36's drafted step (16 positions over 600 cached tokens) and the bf16 cases.
+#   bash bench/run_r37.sh SHA engine   round 30's engine runs (run_r30.sh SHA engine): a
+#     random 4-bit GPTQ llama3-8b (groups of 128) and the fp16 dummy, batch-1 decode and
+#     serving, with the integer defaults of round 35.
+set -euo pipefail
+source bench/gpu_env.sh
+SHA=${1:?commit}
+PART=${2:?checks or engine}
+OUT=${OUT:-/tmp/out}
+export TPSERVE_GIT_COMMIT=$SHA
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+if [ "$PART" = checks ]; then
+  step "float32 prefill launches"
+  timeout 90 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
+    2>&1 | tail -45 | cut -c1-200 || true
+  step "wna16 default-launch tests"
+  timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
+    -k "2_to_32 or one_row or gemv or launch or cuda_graphs or transposed" 2>&1 \
+    | tail -8 || true
+  step "captured graphs against eager steps (a drafted chunk among them)"
+  timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=12 \
+    tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -20 || true
+elif [ "$PART" = engine ]; then
+  OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
+fi
+step "done"
