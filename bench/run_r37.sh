@@ -9,6 +9,7 @@
 #     ones, which round 36's 110 s did not finish;
 #  3. bench/tune_prefill.py --dtype float32: the prefill kernel's float32 launches over
 #     round 36's drafted step (16 positions over 600 cached tokens) and the bf16 cases.
+#   bash bench/run_r37.sh SHA prefill  step 3 alone, with 300 s
 #   bash bench/run_r37.sh SHA engine   round 30's engine runs (run_r30.sh SHA engine): a
 #     random 4-bit GPTQ llama3-8b (groups of 128) and the fp16 dummy, batch-1 decode and
 #     serving, with the integer defaults of round 35.
@@ -21,7 +22,7 @@ export TPSERVE_GIT_COMMIT=$SHA
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 if [ "$PART" = checks ]; then
   step "float32 prefill launches"
-  timeout 90 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
+  timeout 240 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
     2>&1 | tail -45 | cut -c1-200 || true
   step "wna16 default-launch tests"
   timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
@@ -31,6 +32,9 @@ if [ "$PART" = checks ]; then
   step "captured graphs against eager steps (a drafted chunk among them)"
   timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=12 \
     tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -20 || true
+elif [ "$PART" = prefill ]; then
+  timeout 300 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
+    2>&1 | cut -c1-220 || true
 elif [ "$PART" = engine ]; then
   OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
 fi

@@ -210,7 +210,7 @@ def prefill_attention(
     out: torch.Tensor, block_m: int = BLOCK_M, block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2, kv_scale: torch.Tensor | None = None, fp16_dot: bool | None = None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, precision: str | None = None,
 ) -> torch.Tensor:
     """Writes attention of the query tiles listed in ``tiles`` into ``out``.
 
@@ -241,7 +241,8 @@ def prefill_attention(
         block_n = FP8_BLOCK_N if fp8 else BLOCK_N
     if num_warps is None:
         num_warps = WIDE_HEAD_WARPS if head_dim > 128 else 4
-    dot_dtype, precision = dot_config(q.dtype, q.device)
+    dot_dtype, default_precision = dot_config(q.dtype, q.device)
+    precision = precision or default_precision
     fp16_dot = fp8 and q.dtype in (torch.bfloat16, torch.float16) and fp16_dot is not False
     if fp16_dot and dot_dtype != tl.float32:
         dot_dtype = tl.float16
