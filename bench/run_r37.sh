@@ -10,6 +10,9 @@
 #  3. bench/tune_prefill.py --dtype float32: the prefill kernel's float32 launches over
 #     round 36's drafted step (16 positions over 600 cached tokens) and the bf16 cases.
 #   bash bench/run_r37.sh SHA prefill  step 3 alone, with 300 s
+#   bash bench/run_r37.sh SHA fp32     (about 8 minutes) after float32's 16-row prefill tiles:
+#     the prefill kernel's tests and the CUDA-graph tests on the GPU, round 36's drafted
+#     float32 step (spec_step_probe.py) and speculative decoding in float32 (spec_decode.py)
 #   bash bench/run_r37.sh SHA engine   round 30's engine runs (run_r30.sh SHA engine): a
 #     random 4-bit GPTQ llama3-8b (groups of 128) and the fp16 dummy, batch-1 decode and
 #     serving, with the integer defaults of round 35.
@@ -35,6 +38,21 @@ if [ "$PART" = checks ]; then
 elif [ "$PART" = prefill ]; then
   timeout 300 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
     2>&1 | cut -c1-220 || true
+elif [ "$PART" = fp32 ]; then
+  step "the prefill kernel's tests on the GPU (16-row float32 tiles among them)"
+  timeout 90 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_kernels.py -k "prefill or graph_padding or 16_row" 2>&1 \
+    | tail -4 || true
+  step "captured graphs against eager steps (qwen3-0.6b's in float32, a drafted chunk)"
+  timeout 240 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=10 \
+    tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -16 || true
+  step "a drafted step, qwen3-0.6b float32 (round 36: 85.3 ms in the mixed graph)"
+  timeout 60 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 2>&1 \
+    | grep -v Warning | tail -10 | cut -c1-200 || true
+  step "speculative decoding, qwen3-0.6b float32 (round 36: 0.32x / 0.35x)"
+  timeout 120 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
+    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
 elif [ "$PART" = engine ]; then
   OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
 fi

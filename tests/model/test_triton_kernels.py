@@ -516,6 +516,43 @@ def test_paged_attention_with_graph_padding(attn, dtype, group):
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
 
 
+def test_float32_queries_on_a_gpu_take_16_row_prefill_tiles(attn, monkeypatch):
+    """float32 on CUDA tiles the prefill by 16 query rows (64-row tiles spill registers;
+    round 37: 12-34x slower). A back-end told its queries are float32 on CUDA builds every
+    table for 16 rows (plans, the graph buffers and their metadata) and the launch is
+    given that height: the padded mixed step, in 9 tiles where 64 rows take 4, equals the
+    reference. bf16 on CUDA, float32 elsewhere and a back-end told nothing keep 64 rows."""
+    cuda = torch.device("cuda")  # a device object: nothing here touches a GPU
+    for queries in ((torch.bfloat16, cuda), (torch.float32, torch.device("cpu")), None):
+        assert attn.TritonAttention(torch.float32, queries=queries).tile_m == 64
+    backend = attn.TritonAttention(torch.float32, queries=(torch.float32, cuda))
+    assert backend.tile_m == 16
+    assert backend.plan_extra([1, 1, 33, 70, 1], 2) == prefill_tiles([33, 70, 1], 2, 16)
+    assert len(prefill_tiles([33, 70, 1], 2, 16)) == 9
+    assert len(prefill_tiles([33, 70, 1], 2)) == 4
+    assert backend.max_plan_extra(128, 9) == max_prefill_tiles(128, 9, 16) == 8 + 9
+    qp, k_cache, v_cache, padded, want, n = _graph_padded_step(torch.float32, 4)
+    state = backend.graph_state(9, 128, DEVICE)
+    assert state.tiles.numel() == 17
+    state.fill(padded, torch.tensor(backend.plan_extra([1, 1, 33, 70, 1], 2),
+                                    dtype=torch.int32, device=DEVICE))
+    meta = state.mixed_metadata(padded, 128)
+    assert meta.tile_m == 16 and meta.prefill_tiles.numel() == 17
+    meta = attn.TritonMetadata.of(padded, prefill_tiles=meta.prefill_tiles, decode_slots=16,
+                                  decode_seq_lens=padded.decode_seq_lens, tile_m=meta.tile_m)
+    kernel, heights = attn.triton_prefill_attention, []
+    launch = kernel.prefill_attention
+
+    def recorded(*args, block_m, **kwargs):  # the real launch, its height kept
+        heights.append(block_m)
+        return launch(*args, block_m=block_m, **kwargs)
+
+    monkeypatch.setattr(kernel, "prefill_attention", recorded)
+    got = attn.paged_attention(qp, k_cache, v_cache, meta, qp.shape[-1] ** -0.5)
+    assert heights == [16]
+    _close(got[:n], want, torch.float32)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA streams: GPU only")
 @pytest.mark.parametrize("group", [1, 4])
 def test_paged_attention_on_two_streams_equals_one(attn, group):

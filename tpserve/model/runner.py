@@ -115,7 +115,7 @@ class ModelRunner:
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.ops = select_ops(cfg.kernel_backend)
         self.attn = select_attention(cfg.kernel_backend, self.kv_dtype, cfg.kv_cache_hadamard,
-                                     cfg.overlap_attention)
+                                     cfg.overlap_attention, (self.dtype, device))
         quant = linear_method(cfg.quantization, cfg.kernel_backend, device, self.dtype,
                               cfg.fp8_weight_only_max_tokens, self.ckpt.quantization,
                               fast_accum=cfg.fp8_fast_accum)

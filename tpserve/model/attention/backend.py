@@ -55,10 +55,12 @@ class AttentionBackend(ABC):
     name: str
 
     def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
-                 overlap: bool = False):
+                 overlap: bool = False,
+                 queries: tuple[torch.dtype, torch.device] | None = None):
         self.kv_cache_dtype = kv_cache_dtype
         self.k_hadamard = k_hadamard
         self.overlap = overlap  # decode and prefill attention at once, where it can
+        self.queries = queries  # (activation dtype, device), where a launch depends on them
 
     def check_model(self, head_dim: int, rotary_dim: int, head_norm: bool) -> None:
         """ValueError, naming the flag to change, when this back-end cannot serve heads of
@@ -112,11 +114,14 @@ class AttentionBackend(ABC):
 
 
 def select_attention(backend: str, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
-                     overlap: bool = False) -> AttentionBackend:
+                     overlap: bool = False,
+                     queries: tuple[torch.dtype, torch.device] | None = None
+                     ) -> AttentionBackend:
     """The back-end of a resolved name (``torch`` or ``triton``); ``overlap``
-    (``--overlap-attention``) is the Triton back-end's, which the torch one ignores."""
+    (``--overlap-attention``) and ``queries`` (the model's dtype and device: the prefill
+    tiles' height) are the Triton back-end's, which the torch one ignores."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention back-end {backend!r}; choose one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     module = importlib.import_module(ATTENTION_BACKENDS[backend])
-    return module.BACKEND(kv_cache_dtype, k_hadamard, overlap)
+    return module.BACKEND(kv_cache_dtype, k_hadamard, overlap, queries)

@@ -17,7 +17,8 @@ from tpserve.model.attention.backend import AttentionBackend, GraphAttentionStat
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kernels import triton_decode_attention, triton_prefill_attention, triton_rope
 
-# Query rows per tile of the prefill kernel; the tile table below is built for it.
+# Query rows per tile of the prefill kernel by default (``TritonAttention.tile_m`` is the
+# height a runner's tables are built for: ``query_tile_rows``).
 PREFILL_TILE_M = triton_prefill_attention.BLOCK_M
 _TILE_SHIFT = 16  # a tile entry is (sequence << 16) | query block
 
@@ -50,11 +51,14 @@ class TritonMetadata(AttentionMetadata):
     - ``prefill_tiles`` (int32): the prefill kernel's work list (``prefill_tiles()``),
       padded with -1 entries that do nothing. ``None`` means "build it from
       ``query_start_loc``" (one host sync; tests and tools only).
+    - ``tile_m``: the query rows of a tile, which the table was built for and the prefill
+      launch is given.
     """
 
     prefill_tiles: torch.Tensor | None = None
     decode_slots: int | None = None
     decode_seq_lens: torch.Tensor | None = None
+    tile_m: int = PREFILL_TILE_M
 
     @classmethod
     def of(cls, common: AttentionMetadata, **extra) -> TritonMetadata:
@@ -76,8 +80,8 @@ class TritonMetadata(AttentionMetadata):
         qsl = self.query_start_loc.tolist()
         lens = [b - a for a, b in zip(qsl[self.num_decodes:-1], qsl[self.num_decodes + 1:],
                                        strict=True)]
-        return torch.tensor(prefill_tiles(lens, self.num_decodes), dtype=torch.int32,
-                            device=self.query_start_loc.device)
+        return torch.tensor(prefill_tiles(lens, self.num_decodes, self.tile_m),
+                            dtype=torch.int32, device=self.query_start_loc.device)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,7 +126,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if prefill:
         triton_prefill_attention.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.tiles(), scale, out, kv_scale=kv_scale, window=window, softcap=softcap)
+            meta.tiles(), scale, out, block_m=meta.tile_m, kv_scale=kv_scale, window=window,
+            softcap=softcap)
     if fork:
         main.wait_stream(side_stream)
     return out
@@ -131,12 +136,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 class TritonGraphState(GraphAttentionState):
     """Static decode lengths and tile table for mixed-step graphs: the decode kernel runs
     over ``min(max_num_seqs, bucket)`` slots (length 0 past the real decodes), the prefill
-    kernel over ``max_prefill_tiles(bucket, max_num_seqs)`` tiles (-1 past the real ones)."""
+    kernel over ``max_prefill_tiles(bucket, max_num_seqs, tile_m)`` tiles (-1 past the
+    real ones)."""
 
-    def __init__(self, max_num_seqs: int, max_tokens: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_tokens: int, device: torch.device,
+                 tile_m: int = PREFILL_TILE_M):
         self.max_num_seqs = max_num_seqs
+        self.tile_m = tile_m
         self.decode_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        n_tiles = max_prefill_tiles(max_tokens, max_num_seqs) if max_tokens else 0
+        n_tiles = max_prefill_tiles(max_tokens, max_num_seqs, tile_m) if max_tokens else 0
         self.tiles = torch.full((n_tiles,), -1, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
@@ -153,9 +161,9 @@ class TritonGraphState(GraphAttentionState):
     def mixed_metadata(self, static: AttentionMetadata, bucket: int) -> TritonMetadata:
         s = self.max_num_seqs
         slots = min(s, bucket)
-        return TritonMetadata.of(static,
-                                 prefill_tiles=self.tiles[: max_prefill_tiles(bucket, s)],
-                                 decode_slots=slots, decode_seq_lens=self.decode_lens[:slots])
+        return TritonMetadata.of(
+            static, prefill_tiles=self.tiles[: max_prefill_tiles(bucket, s, self.tile_m)],
+            decode_slots=slots, decode_seq_lens=self.decode_lens[:slots], tile_m=self.tile_m)
 
 
 class TritonAttention(AttentionBackend):
@@ -164,14 +172,21 @@ class TritonAttention(AttentionBackend):
 
     With ``overlap`` (``--overlap-attention``), a CUDA step with both decodes and prefill
     runs decode attention on a second stream of this back-end's (one per device, made at
-    the first such step, which is an eager one: the runner's warm-up precedes capture)."""
+    the first such step, which is an eager one: the runner's warm-up precedes capture).
+
+    ``queries`` (the model's activation dtype and device; None: ``PREFILL_TILE_M``) fixes
+    ``tile_m``, the prefill tiles' query rows (``query_tile_rows``), which every tile
+    table of this back-end's plans and graphs is built for."""
 
     name = "triton"
 
     def __init__(self, kv_cache_dtype: torch.dtype, k_hadamard: bool = False,
-                 overlap: bool = False):
-        super().__init__(kv_cache_dtype, k_hadamard, overlap)
+                 overlap: bool = False,
+                 queries: tuple[torch.dtype, torch.device] | None = None):
+        super().__init__(kv_cache_dtype, k_hadamard, overlap, queries)
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.tile_m = (PREFILL_TILE_M if queries is None
+                       else triton_prefill_attention.query_tile_rows(*queries))
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The stream decode attention runs on beside prefill attention (None: off CUDA or
@@ -197,18 +212,19 @@ class TritonAttention(AttentionBackend):
                              f"{head_dim} head dims: {torch_instead}")
 
     def plan_extra(self, query_lens: list[int], num_decodes: int) -> list[int]:
-        return prefill_tiles(query_lens[num_decodes:], num_decodes)
+        return prefill_tiles(query_lens[num_decodes:], num_decodes, self.tile_m)
 
     def max_plan_extra(self, num_tokens: int, num_seqs: int) -> int:
-        return max_prefill_tiles(num_tokens, num_seqs)
+        return max_prefill_tiles(num_tokens, num_seqs, self.tile_m)
 
     def metadata(self, common: AttentionMetadata, extra: torch.Tensor | None = None
                  ) -> TritonMetadata:
-        return TritonMetadata.of(common, prefill_tiles=None if extra is None else extra.int())
+        return TritonMetadata.of(common, prefill_tiles=None if extra is None else extra.int(),
+                                 tile_m=self.tile_m)
 
     def graph_state(self, max_num_seqs: int, max_tokens: int, device: torch.device
                     ) -> TritonGraphState:
-        return TritonGraphState(max_num_seqs, max_tokens, device)
+        return TritonGraphState(max_num_seqs, max_tokens, device, self.tile_m)
 
     def rope_and_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                           meta: AttentionMetadata, kv_scale=None,

@@ -52,6 +52,21 @@ FP8_BLOCK_N = 128
 # 255 registers and 29 spill stores bf16, 51 over FP8); at 8 warps neither spills (232 and
 # 240 registers, with the softcap 228 and 250). Chosen by that count, not yet timed.
 WIDE_HEAD_WARPS = 8
+# float32 on a GPU (ieee products, bench/tune_prefill.py --dtype float32, round 37, H100):
+# 64 x 64 tiles spill thousands of bytes a thread and took 17.5 ms on 4 chunks of 113 tokens
+# over 1,700 (0.7 TFLOP/s); 16-row query tiles over 64 keys at 4 warps, the best or within
+# 5 % of the best of seven ieee launches in all five cases, took 1.42 ms there, 0.64 ms for
+# 448 tokens over 576, 6.6 ms for 8 x 1,024, and 75 us for a drafted step's 16 positions
+# over 600 (2.58 ms before): 12-34x.
+FP32_BLOCK_M = 16
+FP32_BLOCK_N = 64
+
+
+def query_tile_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """The query rows of a prefill tile for queries of ``dtype`` on ``device``: the tile
+    table (``attention.triton_backend.prefill_tiles``) must be built for the same height
+    the launch is given as ``block_m``. 16 for float32 on CUDA, else ``BLOCK_M``."""
+    return FP32_BLOCK_M if dtype == torch.float32 and device.type == "cuda" else BLOCK_M
 
 
 @triton.jit
@@ -217,9 +232,12 @@ def prefill_attention(
     ``tiles`` must have been built for ``block_m`` (``prefill_tiles(..., tile_m=block_m)``);
     its length fixes the launch grid and nothing here reads the device, so the launch is
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
-    depend on them beyond rounding; ``block_n`` defaults to ``BLOCK_N``, or ``FP8_BLOCK_N``
-    over an FP8 cache; ``num_warps`` to 4, or ``WIDE_HEAD_WARPS`` for heads wider than 128). ``kv_scale`` (float32 ``[2]``, K then V) is required
-    for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
+    depend on them beyond rounding; ``block_m`` is the tile table's height, which the caller
+    chooses, ``query_tile_rows`` where it serves; ``block_n`` defaults to ``BLOCK_N``,
+    ``FP8_BLOCK_N`` over an FP8 cache, ``FP32_BLOCK_N`` for float32 queries; ``num_warps``
+    to 4, or ``WIDE_HEAD_WARPS`` for heads wider than 128; ``precision`` to ``dot_config``'s,
+    ieee for float32). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
+    cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     ``window``: a sliding window, each query over its last ``window`` positions.
     ``softcap``: Gemma 2's logit cap c (None: off; else > 0), each logit ``s`` becoming
@@ -238,7 +256,8 @@ def prefill_attention(
     if tiles.numel() == 0:
         return out
     if block_n is None:
-        block_n = FP8_BLOCK_N if fp8 else BLOCK_N
+        block_n = (FP32_BLOCK_N if q.dtype == torch.float32
+                   else FP8_BLOCK_N if fp8 else BLOCK_N)
     if num_warps is None:
         num_warps = WIDE_HEAD_WARPS if head_dim > 128 else 4
     dot_dtype, default_precision = dot_config(q.dtype, q.device)
