@@ -518,7 +518,7 @@ def test_paged_attention_with_graph_padding(attn, dtype, group):
 
 def test_float32_queries_on_a_gpu_take_16_row_prefill_tiles(attn, monkeypatch):
     """float32 on CUDA tiles the prefill by 16 query rows (64-row tiles spill registers;
-    round 37: 12-34x slower). A back-end told its queries are float32 on CUDA builds every
+    round 37: 12-46x slower). A back-end told its queries are float32 on CUDA builds every
     table for 16 rows (plans, the graph buffers and their metadata) and the launch is
     given that height: the padded mixed step, in 9 tiles where 64 rows take 4, equals the
     reference. bf16 on CUDA, float32 elsewhere and a back-end told nothing keep 64 rows."""

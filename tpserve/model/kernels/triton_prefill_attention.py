@@ -57,7 +57,7 @@ WIDE_HEAD_WARPS = 8
 # over 1,700 (0.7 TFLOP/s); 16-row query tiles over 64 keys at 4 warps, the best or within
 # 5 % of the best of seven ieee launches in all five cases, took 1.42 ms there, 0.64 ms for
 # 448 tokens over 576, 6.6 ms for 8 x 1,024, and 75 us for a drafted step's 16 positions
-# over 600 (2.58 ms before): 12-34x.
+# over 600 (2.58 ms before): 12-46x.
 FP32_BLOCK_M = 16
 FP32_BLOCK_N = 64
 
