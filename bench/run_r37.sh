@@ -13,6 +13,8 @@
 #   bash bench/run_r37.sh SHA fp32     (about 8 minutes) after float32's 16-row prefill tiles:
 #     the prefill kernel's tests and the CUDA-graph tests on the GPU, round 36's drafted
 #     float32 step (spec_step_probe.py) and speculative decoding in float32 (spec_decode.py)
+#   bash bench/run_r37.sh SHA decode32 float32 decode launches (tune_decode.py --dtype
+#     float32) and spec_step_probe.py's float32 steps (about 3 minutes)
 #   bash bench/run_r37.sh SHA engine   round 30's engine runs (run_r30.sh SHA engine): a
 #     random 4-bit GPTQ llama3-8b (groups of 128) and the fp16 dummy, batch-1 decode and
 #     serving, with the integer defaults of round 35.
@@ -53,6 +55,12 @@ elif [ "$PART" = fp32 ]; then
   timeout 120 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
     --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
     2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+elif [ "$PART" = decode32 ]; then
+  timeout 150 python3 bench/tune_decode.py --dtype float32 --out "$OUT/decode-fp32.json" \
+    2>&1 | cut -c1-220 || true
+  step "a decode step and a drafted one, qwen3-0.6b float32"
+  timeout 60 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 2>&1 \
+    | grep -v Warning | tail -6 | cut -c1-200 || true
 elif [ "$PART" = engine ]; then
   OUT="$OUT" bash bench/run_r30.sh "$SHA" engine
 fi

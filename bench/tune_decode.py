@@ -1,7 +1,8 @@
 """Decode attention at batch 1 and 64 for several split counts (the split heuristic's
-inputs), timed on the GPU with CUDA graphs of 32 launches (one per layer).
+inputs), timed on the GPU with CUDA graphs of 32 launches (one per layer); with
+``--dtype float32``, float32 launches (``FP32_LAUNCHES``) instead.
 
-    python bench/tune_decode.py --out results/decode-splits.json
+    python bench/tune_decode.py --out results/decode-splits.json [--dtype float32]
 """
 
 from __future__ import annotations
@@ -73,10 +74,53 @@ def write_rows(path: str, rows: list[dict]) -> None:
     Path(path).write_text(json.dumps(meta, indent=1) + "\n")
 
 
+# (block_n, warps, stages) for a float32 cache (round 37: the shipped 64-key, 4-warp launch
+# spills 616 bytes a thread on sm_90, compiled offline; these four spill none, 32 x 4 x 3 88)
+FP32_LAUNCHES = [(64, 4, 3), (32, 4, 3), (16, 4, 3), (32, 8, 2), (16, 2, 3), (16, 1, 3)]
+
+
+def float32_sweep(path: str) -> None:
+    """``FP32_LAUNCHES`` over float32 q and cache at the default split count, each launch's
+    max |difference| from the first's output."""
+    from tpserve.model.kernels.triton_decode_attention import default_num_splits
+
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    rows = []
+    for batch, ctx in ((1, 600), (1, 2000), (8, 600), (64, 1152)):
+        per_seq = -(-ctx // page)
+        kc = torch.randn(batch * per_seq, page, hkv, d, device=dev)
+        vc = torch.randn_like(kc)
+        tables = torch.randperm(batch * per_seq, device=dev).int().view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, d, device=dev)
+        out = torch.empty_like(q)
+        splits = default_num_splits(kc.dtype, batch, hkv, 2048)
+        kv_bytes = 2 * batch * ctx * hkv * d * 4
+        reference = None
+        for bn, warps, stages in FP32_LAUNCHES:
+            kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
+            row = {"batch": batch, "context": ctx, "splits": splits, "block_n": bn,
+                   "warps": warps, "stages": stages}
+            us = time_graph(lambda kw=kw: decode_attention(q, kc, vc, tables, lens, 0.088,
+                                                           out, splits, **kw))
+            if reference is None:
+                reference = out.clone()
+            row.update(us=round(us, 2), kv_TBps=round(kv_bytes / us / 1e6, 3),
+                       max_abs_diff=(out - reference).abs().max().item())
+            rows.append(row)
+            print(row, flush=True)
+        write_rows(path, rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="float32: FP32_LAUNCHES over a float32 cache instead")
     a = p.parse_args()
+    if a.dtype == "float32":
+        return float32_sweep(a.out)
     dev = torch.device("cuda")
     hq, hkv, d, page, blocks_per_seq = 32, 8, 128, 16, 128
     rows = []
