@@ -102,8 +102,8 @@ def float32_sweep(path: str) -> None:
             kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
             row = {"batch": batch, "context": ctx, "splits": splits, "block_n": bn,
                    "warps": warps, "stages": stages}
-            us = time_graph(lambda kw=kw: decode_attention(q, kc, vc, tables, lens, 0.088,
-                                                           out, splits, **kw))
+            args = (q, kc, vc, tables, lens, 0.088, out, splits)
+            us = time_graph(lambda args=args, kw=kw: decode_attention(*args, **kw))
             if reference is None:
                 reference = out.clone()
             row.update(us=round(us, 2), kv_TBps=round(kv_bytes / us / 1e6, 3),
