@@ -56,7 +56,7 @@ elif [ "$PART" = fp32 ]; then
     --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
     2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
 elif [ "$PART" = decode32 ]; then
-  timeout 150 python3 bench/tune_decode.py --dtype float32 --out "$OUT/decode-fp32.json" \
+  timeout 110 python3 bench/tune_decode.py --dtype float32 --out "$OUT/decode-fp32.json" \
     2>&1 | cut -c1-220 || true
   step "a decode step and a drafted one, qwen3-0.6b float32"
   timeout 60 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 2>&1 \
