@@ -44,6 +44,17 @@ def time_graph(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_against(fn, out: torch.Tensor, reference: torch.Tensor | None, reps: int = 20
+                 ) -> tuple[float, float, torch.Tensor]:
+    """``(us, max_abs_diff, reference)``: ``fn``'s median microseconds (``time_graph``) and
+    the largest difference of what it wrote into ``out`` from ``reference`` (None: this
+    launch is the reference, its output kept)."""
+    us = time_graph(fn, reps)
+    if reference is None:
+        reference = out.clone()
+    return us, (out - reference).abs().max().item(), reference
+
+
 def launch_knobs(launch) -> dict:
     """A ``DecodeLaunch`` as ``decode_attention``'s tile keywords: every field but
     ``target_programs``, which only chooses the split count (``decode_num_splits``)."""
@@ -103,11 +114,10 @@ def float32_sweep(path: str) -> None:
             row = {"batch": batch, "context": ctx, "splits": splits, "block_n": bn,
                    "warps": warps, "stages": stages}
             args = (q, kc, vc, tables, lens, 0.088, out, splits)
-            us = time_graph(lambda args=args, kw=kw: decode_attention(*args, **kw))
-            if reference is None:
-                reference = out.clone()
+            us, diff, reference = time_against(
+                lambda args=args, kw=kw: decode_attention(*args, **kw), out, reference)
             row.update(us=round(us, 2), kv_TBps=round(kv_bytes / us / 1e6, 3),
-                       max_abs_diff=(out - reference).abs().max().item())
+                       max_abs_diff=diff)
             rows.append(row)
             print(row, flush=True)
         write_rows(path, rows)

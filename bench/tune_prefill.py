@@ -18,7 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_decode import scattered_block_table, time_graph, write_rows  # noqa: E402  (bench/tune_decode.py)
+from tune_decode import (  # noqa: E402  (bench/tune_decode.py)
+    scattered_block_table,
+    time_against,
+    time_graph,
+    write_rows,
+)
 
 from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
@@ -80,15 +85,13 @@ def main() -> None:
             row = {"case": name, "dtype": a.dtype, "block_m": bm, "block_n": bn,
                    "warps": warps, "precision": precision}
             try:
-                us = time_graph(lambda args=args, kw=kw: prefill_attention(*args, **kw),
-                                reps=3 if fp32 and i == 0 else 20)
+                us, diff, reference = time_against(
+                    lambda args=args, kw=kw: prefill_attention(*args, **kw), out, reference,
+                    reps=3 if fp32 and i == 0 else 20)
             except Exception as e:  # noqa: BLE001 - a shape that does not compile
                 rows.append({**row, "error": repr(e)[:200]})
                 continue
-            if reference is None:
-                reference = out.clone()
-            row.update(us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-                       max_abs_diff=(out - reference).abs().max().item())
+            row.update(us=round(us, 2), tflops=round(flops / us / 1e6, 1), max_abs_diff=diff)
             rows.append(row)
             print(row, flush=True)
         write_rows(a.out, rows)  # after every case: a timeout keeps what was measured
