@@ -55,7 +55,7 @@ WIDE_HEAD_WARPS = 8
 # float32 on a GPU (ieee products, bench/tune_prefill.py --dtype float32, round 37, H100):
 # 64 x 64 tiles spill thousands of bytes a thread and took 17.5 ms on 4 chunks of 113 tokens
 # over 1,700 (0.7 TFLOP/s); 16-row query tiles over 64 keys at 4 warps, the best or within
-# 5 % of the best of seven ieee launches in all five cases, took 1.42 ms there, 0.64 ms for
+# 3.4 % of the best of seven ieee launches in all five cases, took 1.42 ms there, 0.64 ms for
 # 448 tokens over 576, 6.6 ms for 8 x 1,024, and 75 us for a drafted step's 16 positions
 # over 600 (2.58 ms before): 12-46x.
 FP32_BLOCK_M = 16
