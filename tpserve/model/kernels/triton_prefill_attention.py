@@ -234,9 +234,9 @@ def prefill_attention(
     CUDA-graph capturable. The tile and launch keywords are tuning knobs (results do not
     depend on them beyond rounding; ``block_m`` is the tile table's height, which the caller
     chooses, ``query_tile_rows`` where it serves; ``block_n`` defaults to ``BLOCK_N``,
-    ``FP8_BLOCK_N`` over an FP8 cache, ``FP32_BLOCK_N`` for float32 queries; ``num_warps``
-    to 4, or ``WIDE_HEAD_WARPS`` for heads wider than 128; ``precision`` to ``dot_config``'s,
-    ieee for float32). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
+    ``FP8_BLOCK_N`` over an FP8 cache, ``FP32_BLOCK_N`` for float32 queries on CUDA;
+    ``num_warps`` to 4, or ``WIDE_HEAD_WARPS`` for heads wider than 128; ``precision`` to
+    ``dot_config``'s, ieee for float32). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
     cache, else ignored. ``fp16_dot`` (FP8 cache under a 16-bit q; default on
     there): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16 exactly).
     ``window``: a sliding window, each query over its last ``window`` positions.
@@ -256,7 +256,7 @@ def prefill_attention(
     if tiles.numel() == 0:
         return out
     if block_n is None:
-        block_n = (FP32_BLOCK_N if q.dtype == torch.float32
+        block_n = (FP32_BLOCK_N if query_tile_rows(q.dtype, q.device) == FP32_BLOCK_M
                    else FP8_BLOCK_N if fp8 else BLOCK_N)
     if num_warps is None:
         num_warps = WIDE_HEAD_WARPS if head_dim > 128 else 4
