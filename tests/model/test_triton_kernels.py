@@ -538,6 +538,8 @@ def test_float32_queries_on_a_gpu_take_16_row_prefill_tiles(attn, monkeypatch):
                                     dtype=torch.int32, device=DEVICE))
     meta = state.mixed_metadata(padded, 128)
     assert meta.tile_m == 16 and meta.prefill_tiles.numel() == 17
+    # the graph state's table, with the padded step's own 16 decode slots and their lengths
+    # (``fill`` copied none: ``padded`` counts its two decodes as slots only)
     meta = attn.TritonMetadata.of(padded, prefill_tiles=meta.prefill_tiles, decode_slots=16,
                                   decode_seq_lens=padded.decode_seq_lens, tile_m=meta.tile_m)
     kernel, heights = attn.triton_prefill_attention, []

@@ -60,7 +60,8 @@ class AttentionBackend(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.k_hadamard = k_hadamard
         self.overlap = overlap  # decode and prefill attention at once, where it can
-        self.queries = queries  # (activation dtype, device), where a launch depends on them
+        # queries (the model's activation dtype and device): for a back-end whose launch
+        # shapes depend on them (Triton's prefill tiles); ignored here
 
     def check_model(self, head_dim: int, rotary_dim: int, head_norm: bool) -> None:
         """ValueError, naming the flag to change, when this back-end cannot serve heads of

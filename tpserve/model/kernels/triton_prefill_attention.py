@@ -62,11 +62,16 @@ FP32_BLOCK_M = 16
 FP32_BLOCK_N = 64
 
 
+def _float32_on_cuda(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether queries of ``dtype`` on ``device`` take the float32 launch (round 37)."""
+    return dtype == torch.float32 and device.type == "cuda"
+
+
 def query_tile_rows(dtype: torch.dtype, device: torch.device) -> int:
     """The query rows of a prefill tile for queries of ``dtype`` on ``device``: the tile
     table (``attention.triton_backend.prefill_tiles``) must be built for the same height
     the launch is given as ``block_m``. 16 for float32 on CUDA, else ``BLOCK_M``."""
-    return FP32_BLOCK_M if dtype == torch.float32 and device.type == "cuda" else BLOCK_M
+    return FP32_BLOCK_M if _float32_on_cuda(dtype, device) else BLOCK_M
 
 
 @triton.jit
@@ -256,7 +261,7 @@ def prefill_attention(
     if tiles.numel() == 0:
         return out
     if block_n is None:
-        block_n = (FP32_BLOCK_N if query_tile_rows(q.dtype, q.device) == FP32_BLOCK_M
+        block_n = (FP32_BLOCK_N if _float32_on_cuda(q.dtype, q.device)
                    else FP8_BLOCK_N if fp8 else BLOCK_N)
     if num_warps is None:
         num_warps = WIDE_HEAD_WARPS if head_dim > 128 else 4

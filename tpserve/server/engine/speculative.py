@@ -62,15 +62,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         flag = "--speculative-config"
         _check_method(self.method)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
             value = getattr(self, name)
+            if value is None and name == "disable_by_batch_size":  # the one optional bound
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{flag}: {name} must be an integer >= 1, got {value!r}")
-        limit = self.disable_by_batch_size
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
-                                  or limit < 1):
-            raise ValueError(f"{flag}: disable_by_batch_size must be an integer >= 1, got "
-                             f"{limit!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{flag}: prompt_lookup_min {self.prompt_lookup_min} is above "
                              f"prompt_lookup_max {self.prompt_lookup_max}")
