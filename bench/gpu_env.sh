@@ -10,6 +10,14 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 # step NAME: a progress line with the seconds since this file was sourced
 t0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+# wna16_default_tests: the WNA16 tests of the default launches (the transposed product at
+# 2-32 rows, the one-row GEMV, the launch tables, the integer checkpoints' CUDA-graph steps)
+wna16_default_tests() {
+  timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
+    -k "2_to_32 or one_row or gemv or launch or cuda_graphs or transposed" 2>&1 \
+    | tail -8 || true
+}
 # sweep_summary JSON [TOP]: per size of a time_fp8_decode.py sweep, the default launches'
 # times and the TOP fastest launches (default: all), with their max |difference|
 sweep_summary() {

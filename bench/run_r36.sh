@@ -18,10 +18,7 @@ OUT=${OUT:-/tmp/out}
 PART=${2:-all}
 if [ "$PART" != spec ]; then
 step "wna16 default-launch tests"
-timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
-  tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
-  -k "2_to_32 or one_row or gemv or launch or cuda_graphs or transposed" 2>&1 \
-  | tail -8 || true
+wna16_default_tests
 fi
 step "speculative decoding, qwen3-0.6b float32 (equality)"
 timeout 90 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \

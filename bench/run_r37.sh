@@ -30,10 +30,7 @@ if [ "$PART" = checks ]; then
   timeout 240 python3 bench/tune_prefill.py --dtype float32 --out "$OUT/prefill-fp32.json" \
     2>&1 | tail -45 | cut -c1-200 || true
   step "wna16 default-launch tests"
-  timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/model/test_triton_wna16.py tests/model/test_int_checkpoint.py \
-    -k "2_to_32 or one_row or gemv or launch or cuda_graphs or transposed" 2>&1 \
-    | tail -8 || true
+  wna16_default_tests
   step "captured graphs against eager steps (a drafted chunk among them)"
   timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=12 \
     tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -20 || true
