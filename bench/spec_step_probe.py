@@ -5,6 +5,9 @@ timed (``measure.time_op``: the median of 20 CUDA-event timings after 3 warm-ups
 (None: eager).
 
     python bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 [-- --enforce-eager]
+
+``--profile N``: then N decode steps under torch.profiler, the GPU time by kernel (the
+table's top rows and ``engine_profiles.KERNEL_CATEGORIES``' sums).
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_profiles import kernel_category  # noqa: E402  (bench/engine_profiles.py)
 from measure import time_op  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
@@ -31,6 +36,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=600)
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS")
     p.add_argument("flags", nargs="*", help="further serve flags (after --)")
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -52,7 +58,34 @@ def main() -> int:
         kind = None if graphs is None else graphs.select(plan)
         seconds = time_op(lambda plan=plan: runner.execute(plan), dev, warmup=3, reps=20)
         print(f"{n} tokens: {seconds * 1e3:.3f} ms a step, graph {kind}", flush=True)
+    if a.profile:
+        chunk = SeqChunk([7], a.context, blocks, True, sample_rows=1)
+        profile_steps(runner, StepPlan.build([chunk], bs, runner.attn), a.profile, dev)
     return 0
+
+
+def profile_steps(runner: ModelRunner, plan: StepPlan, steps: int, dev: torch.device) -> None:
+    """``steps`` executions of ``plan`` under torch.profiler: the kernels' GPU time per step,
+    by name (top 15) and by category."""
+    runner.execute(plan)
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.execute(plan)
+        torch.cuda.synchronize(dev)
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.device_time_total / steps
+        if us > 0:
+            totals[e.key] = us
+    cats: dict[str, float] = {}
+    for name, us in totals.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + us
+    print(f"profile, us a step ({steps} steps): total {sum(totals.values()):.1f}", flush=True)
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {us:9.1f}  {name[:150]}", flush=True)
+    print("  by category:", {k: round(v, 1) for k, v in sorted(cats.items(),
+                                                            key=lambda kv: -kv[1])}, flush=True)
 
 
 if __name__ == "__main__":
