@@ -1,0 +1,108 @@
+"""Why the engine's decode attention is slower than ``tune_decode.py``'s (round 38: a
+float32 decode step of qwen3-0.6b spends 165 us a layer in ``_decode_split_kernel``, where
+the float32 sweep at batch 1 x 600 keys took 13 us): one eager decode step records the
+arguments the back-end gives ``decode_attention`` in its first layer, prints their shapes,
+strides and alignment, then times that launch (``measure.time_op``, the median of 50) as
+given and with one input at a time replaced by a fresh tensor of the same shape.
+
+    python bench/decode_args_probe.py --model qwen3-0.6b --dtype float32 [-- serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import time_op  # noqa: E402  (bench/measure.py)
+
+from tpserve.cli import build_parser  # noqa: E402
+from tpserve.model.kernels import triton_decode_attention  # noqa: E402
+from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
+from tpserve.model.runner import ModelRunner  # noqa: E402
+from tpserve.parallel.state import TPGroup  # noqa: E402
+from tpserve.server.config import config_from_args  # noqa: E402
+
+# the positional arguments of decode_attention, by name
+ARG_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "out",
+             "num_splits")
+
+
+def describe(name: str, value) -> str:
+    if not isinstance(value, torch.Tensor):
+        return f"{name} = {value!r}"
+    return (f"{name}: {tuple(value.shape)} {value.dtype} strides {value.stride()} "
+            f"contiguous {value.is_contiguous()} ptr % 128 = {value.data_ptr() % 128} "
+            f"storage offset {value.storage_offset()}")
+
+
+def first_call(runner: ModelRunner, plan: StepPlan) -> tuple[tuple, dict]:
+    """The arguments of the first ``decode_attention`` call of one execution of ``plan``
+    (the tensors themselves, not copies: their layout is what is timed)."""
+    calls: list[tuple[tuple, dict]] = []
+    original = triton_decode_attention.decode_attention
+
+    def record(*args, **kwargs):
+        if not calls:
+            calls.append((args, dict(kwargs)))
+        return original(*args, **kwargs)
+
+    triton_decode_attention.decode_attention = record
+    try:
+        runner.execute(plan)
+    finally:
+        triton_decode_attention.decode_attention = original
+    return calls[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("flags", nargs="*", help="further serve flags (after --)")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    parser, _ = build_parser()
+    cfg = config_from_args(parser.parse_args(
+        ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype, "--device", a.device,
+         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
+         "--enforce-eager", "--kernel-backend", "triton", *a.flags]))
+    runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, dev, None))
+    bs = cfg.scheduler.block_size
+    blocks = list(range(-(-(a.context + 16) // bs)))
+    runner.execute(StepPlan.build([SeqChunk(list(range(a.context)), 0, blocks, True)], bs,
+                                  runner.attn))
+    plan = StepPlan.build([SeqChunk([7], a.context, blocks, True, sample_rows=1)], bs,
+                          runner.attn)
+    args, kwargs = first_call(runner, plan)
+    for name, value in zip(ARG_NAMES, args, strict=True):
+        print(describe(name, value), flush=True)
+    for name, value in kwargs.items():
+        print(describe(name, value), flush=True)
+    q, k_cache, v_cache, tables, lens = args[:5]
+    used = int(tables[0, :-(-int(lens[0]) // bs)].max()) + 1
+    fresh_k = torch.randn(used, *k_cache.shape[1:], dtype=k_cache.dtype, device=dev)
+    variants = {
+        "as given": args,
+        "q fresh (randn)": (torch.randn_like(q), *args[1:]),
+        "q and out cloned": (q.clone(), *args[1:6], args[6].clone(), *args[7:]),
+        "caches: their first used blocks, cloned": (q, k_cache[:used].clone(),
+                                                    v_cache[:used].clone(), *args[3:]),
+        "caches fresh (randn, used blocks)": (q, fresh_k, torch.randn_like(fresh_k),
+                                              *args[3:]),
+    }
+    for name, call in variants.items():
+        seconds = time_op(lambda call=call: triton_decode_attention.decode_attention(
+            *call, **kwargs), dev, warmup=3, reps=50)
+        print(f"{seconds * 1e6:9.1f} us  {name}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
