@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import time_op  # noqa: E402  (bench/measure.py)
+from tune_decode import time_graph  # noqa: E402  (bench/tune_decode.py)
 
 from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.kernels import triton_decode_attention  # noqa: E402
@@ -33,6 +34,8 @@ ARG_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "ou
 
 
 def describe(name: str, value) -> str:
+    if isinstance(value, (tuple, list)):
+        return "\n".join(describe(f"{name}[{i}]", v) for i, v in enumerate(value))
     if not isinstance(value, torch.Tensor):
         return f"{name} = {value!r}"
     return (f"{name}: {tuple(value.shape)} {value.dtype} strides {value.stride()} "
@@ -88,6 +91,8 @@ def main() -> int:
     q, k_cache, v_cache, tables, lens = args[:5]
     used = int(tables[0, :-(-int(lens[0]) // bs)].max()) + 1
     fresh_k = torch.randn(used, *k_cache.shape[1:], dtype=k_cache.dtype, device=dev)
+    perm = torch.randperm(used, device=dev).int()[None, :]
+    plain = {k: v for k, v in kwargs.items() if k not in ("partials", "kv_scale")}
     variants = {
         "as given": args,
         "q fresh (randn)": (torch.randn_like(q), *args[1:]),
@@ -97,10 +102,21 @@ def main() -> int:
         "caches fresh (randn, used blocks)": (q, fresh_k, torch.randn_like(fresh_k),
                                               *args[3:]),
     }
-    for name, call in variants.items():
-        seconds = time_op(lambda call=call: triton_decode_attention.decode_attention(
-            *call, **kwargs), dev, warmup=3, reps=50)
-        print(f"{seconds * 1e6:9.1f} us  {name}", flush=True)
+    runs = [(name, call, kwargs) for name, call in variants.items()]
+    runs.append(("as given, no partials or kv_scale", args, plain))
+    runs.append(("fresh q, caches and a permuted table, no keywords",
+                 (torch.randn_like(q), fresh_k, torch.randn_like(fresh_k), perm, *args[4:]),
+                 plain))
+    q32 = torch.randn(q.shape[0], 32, q.shape[2], dtype=q.dtype, device=dev)
+    runs.append(("the same with 32 q heads (tune_decode.py's shape)",
+                 (q32, fresh_k, torch.randn_like(fresh_k), perm, args[4], args[5],
+                  torch.empty_like(q32), args[7]), plain))
+    for name, call, kw in runs:
+        def launch(call=call, kw=kw):
+            triton_decode_attention.decode_attention(*call, **kw)
+        # on a CPU (the interpreter: a check of this script) the host clock, one launch
+        us = time_graph(launch) if dev.type == "cuda" else time_op(launch, dev, 0, 1) * 1e6
+        print(f"{us:9.1f} us  {name}", flush=True)
     return 0
 
 

@@ -21,12 +21,12 @@ if [ "$PART" = profile ]; then
   done
   step "qwen3-0.6b float32 eager: 5 decode steps profiled"
   timeout 120 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 \
-    --profile 5 -- --enforce-eager 2>&1 | grep -v Warning | tail -20 | cut -c1-220 || true
+    --profile 5 -- --enforce-eager 2>&1 | grep -v Warning | tail -40 | cut -c1-220 || true
 elif [ "$PART" = args ]; then
   for dtype in float32 bfloat16; do
     step "qwen3-0.6b $dtype: the engine's decode launch, its inputs replaced one at a time"
     timeout 150 python3 bench/decode_args_probe.py --model qwen3-0.6b --dtype "$dtype" \
-      2>&1 | grep -v Warning | tail -20 | cut -c1-220 || true
+      2>&1 | grep -v Warning | tail -40 | cut -c1-220 || true
   done
 fi
 step "done"
