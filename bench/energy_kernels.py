@@ -189,7 +189,8 @@ def cases(s: Shapes, decode_sweep: bool = False) -> list[tuple[str, str, Callabl
     ``decode_sweep`` the fp8 decode launches of ``DECODE_SWEEP`` as well."""
     out: list[tuple[str, str, Callable | None]] = [("idle", "idle", None)]
     if decode_sweep:
-        base = {k: v for k, v in dec.FP8_LAUNCH._asdict().items() if k != "target_programs"}
+        base = {k: v for k, v in dec.FP8_LAUNCH._asdict().items()
+                if k not in dec.SPLIT_FIELDS}
         out += [(f"decode_fp8_{name}", "decode_sweep",
                  attention(s, FP8, False, {**base, **kw}, n)) for name, kw, n in DECODE_SWEEP]
     gemms = [(f"w8a8_m{s.m_dec}", "w8a8", s.m_dec), (f"scaled_mm_m{s.m_mix}", "mm", s.m_mix),

@@ -20,8 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
 from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+    SPLIT_FIELDS,
     decode_attention,
     decode_num_splits,
+    default_launch,
+    default_num_splits,
 )
 
 
@@ -56,11 +59,9 @@ def time_against(fn, out: torch.Tensor, reference: torch.Tensor | None, reps: in
 
 
 def launch_knobs(launch) -> dict:
-    """A ``DecodeLaunch`` as ``decode_attention``'s tile keywords: every field but
-    ``target_programs``, which only chooses the split count (``decode_num_splits``)."""
-    knobs = launch._asdict()
-    del knobs["target_programs"]
-    return knobs
+    """A ``DecodeLaunch`` as ``decode_attention``'s tile keywords: every field but those
+    that only choose the split count (``SPLIT_FIELDS``)."""
+    return {k: v for k, v in launch._asdict().items() if k not in SPLIT_FIELDS}
 
 
 def scattered_block_table(nblk: list[int], rows: int | None = None,
@@ -85,20 +86,27 @@ def write_rows(path: str, rows: list[dict]) -> None:
     Path(path).write_text(json.dumps(meta, indent=1) + "\n")
 
 
-# (block_n, warps, stages) for a float32 cache (round 37: the shipped 64-key, 4-warp launch
-# spills 616 bytes a thread on sm_90, compiled offline; these four spill none, 32 x 4 x 3 88)
-FP32_LAUNCHES = [(64, 4, 3), (32, 4, 3), (16, 4, 3), (32, 8, 2), (16, 2, 3), (16, 1, 3)]
+# (block_n, warps, stages, fma) for a float32 cache: round 37 timed the first six dot ones at
+# the bf16 launch's split count (the shipped 64-key, 4-warp launch spills 616 bytes a
+# thread on sm_90, compiled offline; 16x4x3, 32x8x2, 16x2x3 and 16x1x3 spill none); round
+# 38 adds the FMA form and the split count
+FP32_LAUNCHES = [(64, 4, 3, False), (32, 4, 3, False), (16, 4, 3, False), (16, 1, 3, False),
+                 (16, 4, 3, True), (16, 2, 3, True), (32, 4, 2, True), (8, 1, 3, True),
+                 (16, 8, 3, True)]
+# (batch, context, q heads, split counts); 8 KV heads of 128
+FP32_SHAPES = [(1, 600, 16, (2, 4, 8, 16, 32)), (1, 2000, 16, (4, 8, 16, 32)),
+               (8, 600, 16, (2, 4, 8, 16)), (64, 1152, 16, (1, 2, 4)),
+               (1, 600, 32, (2, 8, 16, 32)), (64, 1152, 32, (1, 2, 4))]
 
 
 def float32_sweep(path: str) -> None:
-    """``FP32_LAUNCHES`` over float32 q and cache at the default split count, each launch's
-    max |difference| from the first's output."""
-    from tpserve.model.kernels.triton_decode_attention import default_num_splits
-
+    """``FP32_LAUNCHES`` x split counts over float32 q and cache (``FP32_SHAPES``), each
+    launch's max |difference| from the default's output (the first row of a shape: the
+    default launch at its default split count, for a graph over 1,024 keys)."""
     dev = torch.device("cuda")
-    hq, hkv, d, page = 32, 8, 128, 16
+    hkv, d, page = 8, 128, 16
     rows = []
-    for batch, ctx in ((1, 600), (1, 2000), (8, 600), (64, 1152)):
+    for batch, ctx, hq, split_counts in FP32_SHAPES:
         per_seq = -(-ctx // page)
         kc = torch.randn(batch * per_seq, page, hkv, d, device=dev)
         vc = torch.randn_like(kc)
@@ -106,20 +114,27 @@ def float32_sweep(path: str) -> None:
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         q = torch.randn(batch, hq, d, device=dev)
         out = torch.empty_like(q)
-        splits = default_num_splits(kc.dtype, batch, hkv, 2048)
         kv_bytes = 2 * batch * ctx * hkv * d * 4
-        reference = None
-        for bn, warps, stages in FP32_LAUNCHES:
-            kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
-            row = {"batch": batch, "context": ctx, "splits": splits, "block_n": bn,
-                   "warps": warps, "stages": stages}
+        shipped = default_launch(kc.dtype, batch, hkv)
+        runs = [("default", default_num_splits(kc.dtype, batch, hkv, 1024),
+                 launch_knobs(shipped))]
+        runs += [(f"{bn}x{w}x{st}{' fma' if fma else ''}", n,
+                  dict(block_n=bn, num_warps=w, num_stages=st, fma=fma))
+                 for bn, w, st, fma in FP32_LAUNCHES for n in split_counts]
+        reference, shape_rows = None, []
+        for name, splits, kw in runs:
             args = (q, kc, vc, tables, lens, 0.088, out, splits)
             us, diff, reference = time_against(
-                lambda args=args, kw=kw: decode_attention(*args, **kw), out, reference)
-            row.update(us=round(us, 2), kv_TBps=round(kv_bytes / us / 1e6, 3),
-                       max_abs_diff=diff)
-            rows.append(row)
+                lambda args=args, kw=kw: decode_attention(*args, **kw), out, reference, 10)
+            row = {"batch": batch, "context": ctx, "q_heads": hq, "launch": name,
+                   "splits": splits, "us": round(us, 2), "kv_TBps": round(kv_bytes / us / 1e6, 3),
+                   "max_abs_diff": diff}
+            shape_rows.append(row)
             print(row, flush=True)
+        best = sorted(shape_rows[1:], key=lambda r: r["us"])[:3]
+        print(f"batch {batch} x {ctx}, {hq} q heads: default {shape_rows[0]['us']} us; best "
+              + ", ".join(f"{r['launch']} /{r['splits']} {r['us']}" for r in best), flush=True)
+        rows += shape_rows
         write_rows(path, rows)
 
 

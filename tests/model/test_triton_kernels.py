@@ -399,6 +399,41 @@ def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype,
         _close(out, _ref(q, kc, v_cache, meta, scale), dtype)
 
 
+@pytest.mark.parametrize("group,page,head_dim", ATTN_SHAPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_fma_form_equals_the_reference_in_float32(mods, group, page, head_dim, splits):
+    """``fma`` (float32: the products as broadcast multiplies summed on the CUDA cores over
+    ``next_pow2(GROUP)`` rows, not ``tl.dot`` over 16 padded ones): every group size of
+    ``ATTN_SHAPES`` (1 to 8 query heads a KV head, a head dim padded from 96), contexts
+    inside and past one tile, with and without splits, equal the torch reference; a
+    length-0 slot writes nothing; an fp16 q and cache too; an FP8 cache is refused."""
+    dec = mods["triton_decode_attention"]
+    gen = torch.Generator().manual_seed(14)
+    hkv = 2
+    lens = [1, 7, 16, 17, 100, 300]
+    meta, k_cache, v_cache = _make_batch([(n - 1, 1) for n in lens], page, hkv, head_dim,
+                                         torch.float32, gen)
+    q = _randn(len(lens), hkv * group, head_dim, dtype=torch.float32, gen=gen)
+    scale = head_dim ** -0.5
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[1] = 0  # a CUDA-graph padding slot
+    out = torch.full_like(q, 3.25)
+    dec.decode_attention(q, k_cache, v_cache, meta.block_tables, seq_lens, scale, out, splits,
+                         block_n=16, num_warps=4, num_stages=3, fma=True)
+    assert torch.equal(out[1], torch.full_like(out[1], 3.25))
+    ref = _ref(q, k_cache, v_cache, meta, scale)
+    _close(out[[0, *range(2, len(lens))]], ref[[0, *range(2, len(lens))]], torch.float32)
+    half = torch.empty_like(q, dtype=torch.float16)
+    dec.decode_attention(q.half(), k_cache.half(), v_cache.half(), meta.block_tables,
+                         meta.seq_lens, scale, half, splits, block_n=32, fma=True)
+    _close(half, _ref(q.half(), k_cache.half(), v_cache.half(), meta, scale), torch.float16)
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(AssertionError, match="FMA form"):
+        dec.decode_attention(q, k_cache.to(fp8), v_cache.to(fp8), meta.block_tables,
+                             seq_lens, scale, out, splits,
+                             kv_scale=torch.ones(2, device=DEVICE), fma=True)
+
+
 def test_decode_padding_sequence_writes_nothing(mods):
     """A zero-length (CUDA-graph padding) decode slot leaves its output row as it was: in a
     mixed step that row is a prefill token's, which the prefill kernel may be writing at
@@ -424,6 +459,8 @@ def test_decode_num_splits(mods):
     assert pick(256, 8, 32768) == 1  # grid already fills the GPU
     assert pick(4, 8, 1024) == 8  # limited by the grid (4 * 8 * 8 = 256 programs)
     assert pick(1, 8, 512) == 4  # limited by MIN_TOKENS_PER_SPLIT (128 keys each)
+    assert pick(1, 8, 512, 1024, 32) == 16  # ... or a launch's own minimum (32 keys each)
+    assert pick(1, 8, 512, 1024, 16) == 32 and pick(1, 8, 500, 1024, 16) == 16
     # a launch's own grid target (the FP8 cache's one-warp programs aim at ~1,024)
     assert pick(64, 8, 2048, 1024) == 2 and pick(128, 8, 2048, 1024) == 1
     assert pick(16, 8, 2048, 1024) == 8 and pick(16, 8, 2048) == 4
@@ -434,6 +471,11 @@ def test_decode_num_splits(mods):
     assert dec.default_launch(torch.bfloat16, 64, 8) is dec.BF16_LAUNCH
     assert dec.default_num_splits(fp8, 64, 8, 2048) == 2  # the one-warp launch's target
     assert dec.default_num_splits(torch.bfloat16, 64, 8, 2048) == 1
+    # a float32 cache: the FMA launch, split towards 1,024 programs down to 32 keys each
+    assert dec.default_launch(torch.float32, 1, 8) is dec.FP32_LAUNCH and dec.FP32_LAUNCH.fma
+    assert dec.default_num_splits(torch.float32, 1, 8, 1024) == 32
+    assert dec.default_num_splits(torch.float32, 1, 8, 600) == 16
+    assert dec.default_num_splits(torch.float32, 64, 8, 1024) == 2
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

@@ -16,7 +16,10 @@ capped true logit ``c tanh(qk scale / c)`` (``triton_softcap``: float32, ~2e-7 r
 Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
 all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
 (``BLOCK_G >= 16`` so the matmuls map onto tensor cores), so every K/V row is loaded once per
-KV head. The ``ceil(L / BLOCK_N)`` key tiles of a sequence of length ``L`` are dealt out in
+KV head. With ``FMA`` (for a float32 cache: ieee products run on the CUDA cores, where 16 padded
+rows are 16 / GROUP times the work) the tile has ``BLOCK_G = next_pow2(GROUP)`` rows and both
+products are float32 broadcast multiplies summed over the reduced axis (``tl.sum``), not
+``tl.dot``. The ``ceil(L / BLOCK_N)`` key tiles of a sequence of length ``L`` are dealt out in
 contiguous runs of ``ceil(tiles / NUM_SPLITS)`` tiles to the splits; a split past the end does
 nothing and reports an empty softmax (max ``-inf``, sum 0). Keys are gathered through the
 block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
@@ -60,6 +63,9 @@ from tpserve.model.kv_cache_dtype import is_fp8
 # Measured on an H200 (bf16, Hq/Hkv = 32/8, D=128, page 16): 64-key tiles, 4 warps, 3 stages
 # reach 3.7-4.3 TB/s of KV reads for batches that fill the GPU; small batches need splits.
 BLOCK_N = 64  # keys per inner-loop tile
+# the fewest keys a split is given by default (batch 1, 1152 keys: 16 splits 7.4 us, 8 splits
+# 8.3 us; bench/tune_decode.py)
+MIN_TOKENS_PER_SPLIT = 128
 
 
 class DecodeLaunch(NamedTuple):
@@ -77,6 +83,10 @@ class DecodeLaunch(NamedTuple):
     the rescaling of the accumulator and sum, moves only when a tile's scores exceed it by
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
     probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
+    ``fma``: the products as float32 broadcast multiplies and sums over
+    ``next_pow2(GROUP)`` rows (not over an FP8 cache; module docstring). ``min_split_tokens``: the fewest keys
+    of the longest sequence a split is given (``decode_num_splits``); it and
+    ``target_programs`` choose the split count only (``SPLIT_FIELDS``).
     ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
     an SM; ``None`` leaves the compiler's choice. ``bt_ahead`` loads a tile's block-table
     entries one tile ahead (a loop-carried tensor) instead of in the tile's own iteration:
@@ -97,6 +107,12 @@ class DecodeLaunch(NamedTuple):
     lazy_rescale: bool = False
     maxnreg: int | None = None
     bt_ahead: bool = False
+    fma: bool = False
+    min_split_tokens: int = MIN_TOKENS_PER_SPLIT
+
+
+# the DecodeLaunch fields that choose the split count (``default_num_splits``), not the kernel
+SPLIT_FIELDS = ("target_programs", "min_split_tokens")
 
 
 BF16_LAUNCH = DecodeLaunch(BLOCK_N, 4, 3, False)
@@ -132,9 +148,14 @@ FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt
 # warp's 7.99, batch 2: 8.10 / 8.25, batch 4: 9.37 / 8.99, batch 8: 13.05 / 12.27.
 FP8_SMALL_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
 FP8_SMALL_GRID = 32
+# A float32 cache (round 38, 2026-12-06): ieee products run on the CUDA cores, and the bf16
+# launch there spent 165 us a layer of qwen3-0.6b's decode step (2 splits of 300 keys, 16
+# programs; its 64-key tile spills 616 bytes a thread): the FMA form over 16-key tiles, split
+# down to 32 keys towards 1,024 programs (bench/tune_decode.py --dtype float32)
+FP32_LAUNCH = DecodeLaunch(16, 4, 3, False, target_programs=1024, fma=True,
+                           min_split_tokens=32)
 MAX_SPLITS = 32
 LAZY_TAU = 8.0  # lazy_rescale: scores may pass the running maximum by this (log2) before it moves
-MIN_TOKENS_PER_SPLIT = 128  # batch 1, 1152 keys: 16 splits 7.4 us, 8 splits 8.3 us (bench/tune_decode.py)
 TARGET_PROGRAMS = BF16_LAUNCH.target_programs  # the default of decode_num_splits
 
 
@@ -151,8 +172,8 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr, LATE_WIDEN: tl.constexpr, SWAP_QK: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SCALE_V: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, BT_AHEAD: tl.constexpr, FMA: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -226,7 +247,9 @@ def _decode_split_kernel(
             kv_mask = valid[:, None]
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ko
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if SWAP_QK:
+        if FMA:  # [G, N, D] float32 products summed over D on the CUDA cores
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        elif SWAP_QK:
             s = tl.trans(tl.dot(k.to(io_dtype).to(DOT_DTYPE), tl.trans(q),
                                 input_precision=DOT_PRECISION))
         else:
@@ -259,7 +282,10 @@ def _decode_split_kernel(
             v = (v.to(tl.float16) * v_scale).to(DOT_DTYPE)
         else:
             v = v.to(io_dtype).to(DOT_DTYPE)
-        pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if FMA:  # [G, N, D] summed over N
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        else:
+            pv = tl.dot(p.to(io_dtype).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         if LAZY:
             acc = acc + pv
         else:
@@ -314,27 +340,31 @@ def _decode_reduce_kernel(
 
 def default_launch(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int) -> DecodeLaunch:
     """The measured launch for ``num_seqs`` sequences over a cache of ``kv_dtype`` with
-    ``num_kv_heads`` heads: ``BF16_LAUNCH`` for a 16-bit cache; for an FP8 one
-    ``FP8_LAUNCH``, or ``FP8_SMALL_LAUNCH`` under ``FP8_SMALL_GRID`` (sequence, head) pairs."""
+    ``num_kv_heads`` heads: ``BF16_LAUNCH`` for a 16-bit cache, ``FP32_LAUNCH`` for a float32
+    one; for an FP8 one ``FP8_LAUNCH``, or ``FP8_SMALL_LAUNCH`` under ``FP8_SMALL_GRID``
+    (sequence, head) pairs."""
+    if kv_dtype == torch.float32:
+        return FP32_LAUNCH
     if not is_fp8(kv_dtype):
         return BF16_LAUNCH
     return FP8_LAUNCH if num_seqs * num_kv_heads >= FP8_SMALL_GRID else FP8_SMALL_LAUNCH
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                      target_programs: int = TARGET_PROGRAMS) -> int:
+                      target_programs: int = TARGET_PROGRAMS,
+                      min_tokens: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Split count (a power of two <= MAX_SPLITS) from host ints only.
 
     Splits are added while the grid is below ``target_programs`` (a launch's own:
     ``default_num_splits``) and each split still gets at
-    least MIN_TOKENS_PER_SPLIT keys of the longest sequence. Results never depend on it, so
+    least ``min_tokens`` keys of the longest sequence (the launch's ``min_split_tokens``). Results never depend on it, so
     a CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
     past a sequence's end exit at once (measured cost: <= ~10% on short contexts).
     """
     splits = 1
     while (splits * 2 <= MAX_SPLITS
            and num_seqs * num_kv_heads * splits < target_programs
-           and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT):
+           and max_seq_len >= 2 * splits * min_tokens):
         splits *= 2
     return splits
 
@@ -342,9 +372,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def default_num_splits(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
                        max_seq_len: int) -> int:
     """The split count ``decode_attention``'s default launch for this grid takes:
-    ``decode_num_splits`` towards ``default_launch(...).target_programs``."""
+    ``decode_num_splits`` towards ``default_launch(...).target_programs``, each split
+    given at least its ``min_split_tokens``."""
     launch = default_launch(kv_dtype, num_seqs, num_kv_heads)
-    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, launch.target_programs)
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, launch.target_programs,
+                             launch.min_split_tokens)
 
 
 def split_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: int,
@@ -366,7 +398,7 @@ def decode_attention(
     late_widen: bool | None = None, swap_qk: bool | None = None,
     heads_first: bool | None = None, scale_v: bool | None = None,
     lazy_rescale: bool | None = None, maxnreg: int | None = None,
-    bt_ahead: bool | None = None,
+    bt_ahead: bool | None = None, fma: bool | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
@@ -401,12 +433,14 @@ def decode_attention(
     given = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
              "fp16_dot": fp16_dot, "late_widen": late_widen, "swap_qk": swap_qk,
              "heads_first": heads_first, "scale_v": scale_v, "lazy_rescale": lazy_rescale,
-             "maxnreg": maxnreg, "bt_ahead": bt_ahead}
+             "maxnreg": maxnreg, "bt_ahead": bt_ahead, "fma": fma}
     launch = default_launch(k_cache.dtype, batch, num_kv_heads)._replace(
         **{k: v for k, v in given.items() if v is not None})
     (block_n, num_warps, num_stages, fp16_dot, late_widen, swap_qk, heads_first, scale_v, _,
-     lazy, maxnreg, bt_ahead) = launch
+     lazy, maxnreg, bt_ahead, fma, _) = launch
     group = num_q_heads // num_kv_heads
+    assert not (fma and fp8), "the FMA form reads a 16- or 32-bit cache"
+    block_g = max(2 if fma else 16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype, q.device)
     fp16_dot = fp16_dot and fp8 and q.dtype in (torch.bfloat16, torch.float16)
     if fp16_dot and dot_dtype != tl.float32:
@@ -426,13 +460,13 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, KV_FP8=fp8, FP16_DOT=fp16_dot,
         LATE_WIDEN=late_widen and fp8, SWAP_QK=swap_qk, HEADS_FIRST=heads_first,
         NUM_KV_HEADS=num_kv_heads, SCALE_V=scale_v and fp16_dot, LAZY=lazy, TAU=LAZY_TAU,
-        BT_AHEAD=bt_ahead, WINDOW=window or 0,
+        BT_AHEAD=bt_ahead, FMA=fma, WINDOW=window or 0,
         SOFTCAP=cap,
         enable_fp_fusion=FP_FUSION, num_warps=num_warps, num_stages=num_stages,
         maxnreg=maxnreg,  # None: no cap
