@@ -32,13 +32,13 @@ elif [ "$PART" = fp32 ]; then
   timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/model/test_triton_kernels.py -k "decode" 2>&1 | tail -4 || true
   step "qwen3-0.6b float32: decode and drafted steps, 5 decode steps profiled"
-  timeout 100 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 \
+  timeout 90 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 \
     --profile 5 2>&1 | grep -v Warning | tail -26 | cut -c1-200 || true
   step "float32 decode launches x split counts"
-  timeout 240 python3 bench/tune_decode.py --dtype float32 --out "$OUT/decode-fp32.json" \
+  timeout 200 python3 bench/tune_decode.py --dtype float32 --out "$OUT/decode-fp32.json" \
     2>&1 | grep "^batch" || true
   step "captured graphs against eager steps (qwen3-0.6b's in float32 among them)"
-  timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=5 \
+  timeout 110 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=5 \
     tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -10 || true
 elif [ "$PART" = args ]; then
   for dtype in float32 bfloat16; do
