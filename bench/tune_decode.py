@@ -86,10 +86,10 @@ def write_rows(path: str, rows: list[dict]) -> None:
     Path(path).write_text(json.dumps(meta, indent=1) + "\n")
 
 
-# (block_n, warps, stages, fma) for a float32 cache: round 37 timed the first six dot ones at
-# the bf16 launch's split count (the shipped 64-key, 4-warp launch spills 616 bytes a
-# thread on sm_90, compiled offline; 16x4x3, 32x8x2, 16x2x3 and 16x1x3 spill none); round
-# 38 adds the FMA form and the split count
+# (block_n, warps, stages, fma) for a float32 cache. Round 37 timed six dot launches at the
+# bf16 launch's split count (the 64-key, 4-warp one spills 616 bytes a thread on sm_90,
+# compiled offline; 16x4x3, 32x8x2, 16x2x3 and 16x1x3 spill none); round 38 adds the FMA
+# form and the split count
 FP32_LAUNCHES = [(64, 4, 3, False), (16, 1, 3, False), (16, 4, 3, True), (16, 2, 3, True),
                  (32, 4, 2, True), (8, 1, 3, True)]
 # (batch, context, q heads, split counts); 8 KV heads of 128

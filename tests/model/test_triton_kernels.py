@@ -403,10 +403,12 @@ def test_decode_lazy_rescale_equals_the_reference_when_scores_climb(mods, dtype,
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_fma_form_equals_the_reference_in_float32(mods, group, page, head_dim, splits):
     """``fma`` (float32: the products as broadcast multiplies summed on the CUDA cores over
-    ``next_pow2(GROUP)`` rows, not ``tl.dot`` over 16 padded ones): every group size of
+    ``next_pow2(GROUP)`` rows, not ``tl.dot`` over 16 padded ones), the float32 cache's
+    default launch (``FP32_LAUNCH``: 8-key tiles, one warp): every group size of
     ``ATTN_SHAPES`` (1 to 8 query heads a KV head, a head dim padded from 96), contexts
     inside and past one tile, with and without splits, equal the torch reference; a
-    length-0 slot writes nothing; an fp16 q and cache too; an FP8 cache is refused."""
+    length-0 slot writes nothing; an fp16 q and cache too (32-key tiles, 4 warps); an FP8
+    cache is refused."""
     dec = mods["triton_decode_attention"]
     gen = torch.Generator().manual_seed(14)
     hkv = 2
@@ -418,14 +420,15 @@ def test_decode_fma_form_equals_the_reference_in_float32(mods, group, page, head
     seq_lens = meta.seq_lens.clone()
     seq_lens[1] = 0  # a CUDA-graph padding slot
     out = torch.full_like(q, 3.25)
-    dec.decode_attention(q, k_cache, v_cache, meta.block_tables, seq_lens, scale, out, splits,
-                         block_n=16, num_warps=4, num_stages=3, fma=True)
+    assert dec.default_launch(torch.float32, len(lens), hkv) is dec.FP32_LAUNCH
+    dec.decode_attention(q, k_cache, v_cache, meta.block_tables, seq_lens, scale, out, splits)
     assert torch.equal(out[1], torch.full_like(out[1], 3.25))
     ref = _ref(q, k_cache, v_cache, meta, scale)
     _close(out[[0, *range(2, len(lens))]], ref[[0, *range(2, len(lens))]], torch.float32)
     half = torch.empty_like(q, dtype=torch.float16)
     dec.decode_attention(q.half(), k_cache.half(), v_cache.half(), meta.block_tables,
-                         meta.seq_lens, scale, half, splits, block_n=32, fma=True)
+                         meta.seq_lens, scale, half, splits, block_n=32, num_warps=4,
+                         fma=True)
     _close(half, _ref(q.half(), k_cache.half(), v_cache.half(), meta, scale), torch.float16)
     fp8 = torch.float8_e4m3fn
     with pytest.raises(AssertionError, match="FMA form"):

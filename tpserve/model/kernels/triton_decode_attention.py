@@ -148,11 +148,16 @@ FP8_LAUNCH = DecodeLaunch(16, 1, 4, True, scale_v=True, target_programs=1024, bt
 # warp's 7.99, batch 2: 8.10 / 8.25, batch 4: 9.37 / 8.99, batch 8: 13.05 / 12.27.
 FP8_SMALL_LAUNCH = DecodeLaunch(128, 4, 2, True, scale_v=True)
 FP8_SMALL_GRID = 32
-# A float32 cache (round 38, 2026-12-06): ieee products run on the CUDA cores, and the bf16
-# launch there spent 165 us a layer of qwen3-0.6b's decode step (2 splits of 300 keys, 16
-# programs; its 64-key tile spills 616 bytes a thread): the FMA form over 16-key tiles, split
-# down to 32 keys towards 1,024 programs (bench/tune_decode.py --dtype float32)
-FP32_LAUNCH = DecodeLaunch(16, 4, 3, False, target_programs=1024, fma=True,
+# A float32 cache (round 38, 2026-12-06, H100): ieee products run on the CUDA cores, and the
+# bf16 launch there spent 165 us a layer of qwen3-0.6b's decode step (2 splits of 300 keys,
+# 16 programs; its 64-key tile spills 616 bytes a thread; 236 us at 4 splits in the sweep).
+# The FMA form split down to 32 keys towards 1,024 programs: over 16-key tiles at 4 warps the
+# step's attention took 230 us instead of 4,631 (the step 2.08 ms instead of 6.63); 8-key
+# tiles in one-warp programs were then the fastest launch and split count at every shape of
+# bench/tune_decode.py --dtype float32 but one (within 0.8 %): batch 1 x 600 keys 7.9 us,
+# 8 x 600 16.7, 64 x 1,152 210.5 (16 q heads) and 231.5 (32), against 9.1 / 26.0 / 311.7 /
+# 507.6 for the 16-key, 4-warp tiles
+FP32_LAUNCH = DecodeLaunch(8, 1, 3, False, target_programs=1024, fma=True,
                            min_split_tokens=32)
 MAX_SPLITS = 32
 LAZY_TAU = 8.0  # lazy_rescale: scores may pass the running maximum by this (log2) before it moves
