@@ -16,13 +16,13 @@ capped true logit ``c tanh(qk scale / c)`` (``triton_softcap``: float32, ~2e-7 r
 Work split: program ``(b, h, s)`` owns sequence ``b``, KV head ``h`` and split ``s``. It holds
 all ``GROUP = Hq / Hkv`` query heads of that KV head as the rows of one ``[BLOCK_G, D]`` tile
 (``BLOCK_G >= 16`` so the matmuls map onto tensor cores), so every K/V row is loaded once per
-KV head. With ``FMA`` (for a float32 cache: ieee products run on the CUDA cores, where 16 padded
-rows are 16 / GROUP times the work) the tile has ``BLOCK_G = next_pow2(GROUP)`` rows and both
-products are float32 broadcast multiplies summed over the reduced axis (``tl.sum``), not
-``tl.dot``. The ``ceil(L / BLOCK_N)`` key tiles of a sequence of length ``L`` are dealt out in
-contiguous runs of ``ceil(tiles / NUM_SPLITS)`` tiles to the splits; a split past the end does
-nothing and reports an empty softmax (max ``-inf``, sum 0). Keys are gathered through the
-block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
+KV head. With ``FMA`` (for a float32 cache: ieee products run on the CUDA cores, where 16
+padded rows are 16 / GROUP times the work) the tile has ``BLOCK_G = next_pow2(GROUP)`` rows
+(at least 2) and both products are float32 broadcast multiplies summed over the reduced axis
+(``tl.sum``), not ``tl.dot``. The ``ceil(L / BLOCK_N)`` key tiles of a sequence of length
+``L`` are dealt out in contiguous runs of ``ceil(tiles / NUM_SPLITS)`` tiles to the splits; a
+split past the end does nothing and reports an empty softmax (max ``-inf``, sum 0). Keys are
+gathered through the block table per token, so ``BLOCK_N`` is independent of ``PAGE_SIZE``.
 
 With one split the kernel normalises and writes ``out`` directly. Otherwise it writes
 unnormalised partials ``part_out [B, Hq, NUM_SPLITS, D]`` and ``part_max``/``part_sum
@@ -84,9 +84,10 @@ class DecodeLaunch(NamedTuple):
     more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
     probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
     ``fma``: the products as float32 broadcast multiplies and sums over
-    ``next_pow2(GROUP)`` rows (not over an FP8 cache; module docstring). ``min_split_tokens``: the fewest keys
-    of the longest sequence a split is given (``decode_num_splits``); it and
-    ``target_programs`` choose the split count only (``SPLIT_FIELDS``).
+    ``next_pow2(GROUP)`` rows (not over an FP8 cache; module docstring).
+    ``min_split_tokens``: the fewest keys of the longest sequence a split is given
+    (``decode_num_splits``); it and ``target_programs`` choose the split count only
+    (``SPLIT_FIELDS``).
     ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
     an SM; ``None`` leaves the compiler's choice. ``bt_ahead`` loads a tile's block-table
     entries one tile ahead (a loop-carried tensor) instead of in the tile's own iteration:
@@ -361,9 +362,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     """Split count (a power of two <= MAX_SPLITS) from host ints only.
 
     Splits are added while the grid is below ``target_programs`` (a launch's own:
-    ``default_num_splits``) and each split still gets at
-    least ``min_tokens`` keys of the longest sequence (the launch's ``min_split_tokens``). Results never depend on it, so
-    a CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
+    ``default_num_splits``) and each split still gets at least ``min_tokens`` keys of the
+    longest sequence (the launch's ``min_split_tokens``). Results never depend on it, so a
+    CUDA graph may be captured with ``max_seq_len`` = the model's maximum length: splits
     past a sequence's end exit at once (measured cost: <= ~10% on short contexts).
     """
     splits = 1
@@ -412,11 +413,12 @@ def decode_attention(
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding);
     left ``None`` they take the measured launch of the cache dtype and grid
-    (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32 ``[2]``, K then V) is required for an FP8
-    cache, else ignored. ``fp16_dot`` (FP8 cache, 16-bit q only): the matmuls take fp16
-    operands (q pre-scaled, e4m3 widened to fp16 exactly) instead of q's dtype; ``scale_v``
-    (with it): the V scale goes into the widened V tile instead of the output;
-    ``lazy_rescale``, ``maxnreg``, ``bt_ahead``: see ``DecodeLaunch``. ``partials``: the
+    (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32
+    ``[2]``, K then V) is required for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache,
+    16-bit q only): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16
+    exactly) instead of q's dtype; ``scale_v`` (with it): the V scale goes into the widened
+    V tile instead of the output; ``lazy_rescale``, ``maxnreg``, ``bt_ahead``, ``fma``: see
+    ``DecodeLaunch``. ``partials``: the
     split scratch (``split_partials``) when the caller allocated it, e.g. before running
     this on another stream; None allocates it here. A sequence of length 0 leaves its rows
     of ``out`` as they were. ``window``: a sliding window, each query over its sequence's
