@@ -1,6 +1,6 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, its converted tokenizer and its Hugging Face
 reference; the tiny Llama's checkpoint folder; servers of one configuration that several
-modules use. And how pytest-xdist (the ``-n 3`` of pyproject's addopts) runs the suite."""
+modules use. And how pytest-xdist (the ``-n 2`` of pyproject's addopts) runs the suite."""
 
 from __future__ import annotations
 
