@@ -19,14 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import time_op  # noqa: E402  (bench/measure.py)
+from spec_step_probe import prefilled_runner  # noqa: E402  (bench/spec_step_probe.py)
 from tune_decode import time_graph  # noqa: E402  (bench/tune_decode.py)
 
-from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.kernels import triton_decode_attention  # noqa: E402
-from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
+from tpserve.model.plan import StepPlan  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
-from tpserve.parallel.state import TPGroup  # noqa: E402
-from tpserve.server.config import config_from_args  # noqa: E402
 
 # the positional arguments of decode_attention, by name
 ARG_NAMES = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "out",
@@ -71,46 +69,35 @@ def main() -> int:
     p.add_argument("flags", nargs="*", help="further serve flags (after --)")
     a = p.parse_args()
     dev = torch.device(a.device)
-    parser, _ = build_parser()
-    cfg = config_from_args(parser.parse_args(
-        ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype, "--device", a.device,
-         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
-         "--enforce-eager", "--kernel-backend", "triton", *a.flags]))
-    runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, dev, None))
-    bs = cfg.scheduler.block_size
-    blocks = list(range(-(-(a.context + 16) // bs)))
-    runner.execute(StepPlan.build([SeqChunk(list(range(a.context)), 0, blocks, True)], bs,
-                                  runner.attn))
-    plan = StepPlan.build([SeqChunk([7], a.context, blocks, True, sample_rows=1)], bs,
-                          runner.attn)
-    args, kwargs = first_call(runner, plan)
+    runner, step = prefilled_runner(a.model, a.dtype, a.device, a.context,
+                                    ["--enforce-eager", "--kernel-backend", "triton", *a.flags])
+    args, kwargs = first_call(runner, step(1))
     for name, value in zip(ARG_NAMES, args, strict=True):
         print(describe(name, value), flush=True)
     for name, value in kwargs.items():
         print(describe(name, value), flush=True)
     q, k_cache, v_cache, tables, lens = args[:5]
-    used = int(tables[0, :-(-int(lens[0]) // bs)].max()) + 1
+    page = k_cache.shape[1]
+    used = int(tables[0, :-(-int(lens[0]) // page)].max()) + 1
     fresh_k = torch.randn(used, *k_cache.shape[1:], dtype=k_cache.dtype, device=dev)
     perm = torch.randperm(used, device=dev).int()[None, :]
     plain = {k: v for k, v in kwargs.items() if k not in ("partials", "kv_scale")}
-    variants = {
-        "as given": args,
-        "q fresh (randn)": (torch.randn_like(q), *args[1:]),
-        "q and out cloned": (q.clone(), *args[1:6], args[6].clone(), *args[7:]),
-        "caches: their first used blocks, cloned": (q, k_cache[:used].clone(),
-                                                    v_cache[:used].clone(), *args[3:]),
-        "caches fresh (randn, used blocks)": (q, fresh_k, torch.randn_like(fresh_k),
-                                              *args[3:]),
-    }
-    runs = [(name, call, kwargs) for name, call in variants.items()]
-    runs.append(("as given, no partials or kv_scale", args, plain))
-    runs.append(("fresh q, caches and a permuted table, no keywords",
-                 (torch.randn_like(q), fresh_k, torch.randn_like(fresh_k), perm, *args[4:]),
-                 plain))
     q32 = torch.randn(q.shape[0], 32, q.shape[2], dtype=q.dtype, device=dev)
-    runs.append(("the same with 32 q heads (tune_decode.py's shape)",
-                 (q32, fresh_k, torch.randn_like(fresh_k), perm, args[4], args[5],
-                  torch.empty_like(q32), args[7]), plain))
+    runs = [  # (name, positional arguments, keywords)
+        ("as given", args, kwargs),
+        ("q fresh (randn)", (torch.randn_like(q), *args[1:]), kwargs),
+        ("q and out cloned", (q.clone(), *args[1:6], args[6].clone(), *args[7:]), kwargs),
+        ("caches: their first used blocks, cloned",
+         (q, k_cache[:used].clone(), v_cache[:used].clone(), *args[3:]), kwargs),
+        ("caches fresh (randn, used blocks)",
+         (q, fresh_k, torch.randn_like(fresh_k), *args[3:]), kwargs),
+        ("as given, no partials or kv_scale", args, plain),
+        ("fresh q, caches and a permuted table, no keywords",
+         (torch.randn_like(q), fresh_k, torch.randn_like(fresh_k), perm, *args[4:]), plain),
+        ("the same with 32 q heads (tune_decode.py's shape)",
+         (q32, fresh_k, torch.randn_like(fresh_k), perm, args[4], args[5],
+          torch.empty_like(q32), args[7]), plain),
+    ]
     for name, call, kw in runs:
         def launch(call=call, kw=kw):
             triton_decode_attention.decode_attention(*call, **kw)

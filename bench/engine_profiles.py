@@ -48,6 +48,15 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def by_category(times) -> dict[str, float]:
+    """``(kernel name, microseconds)`` pairs summed by ``kernel_category``."""
+    sums: dict[str, float] = {}
+    for name, us in times:
+        cat = kernel_category(name)
+        sums[cat] = sums.get(cat, 0.0) + us
+    return sums
+
+
 # idle stretches by length (us): kernel boundaries in a graph replay ... waits for the host
 GAP_BOUNDS_US = (2.0, 5.0, 20.0, 100.0)
 
@@ -121,10 +130,7 @@ def profile_serving(core: EngineCore, rng: random.Random, vocab: int, a,
     if "wall" not in mark:
         raise RuntimeError(f"the run ended before step {start + window}")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_cat: dict[str, float] = {}
-    for e in kernels:
-        cat = kernel_category(e.name)
-        by_cat[cat] = by_cat.get(cat, 0.0) + e.time_range.elapsed_us()
+    by_cat = by_category((e.name, e.time_range.elapsed_us()) for e in kernels)
     gpu_us = sum(by_cat.values())
     wall = mark["wall"]
     busy_us, gaps = busy_and_gaps(kernels)

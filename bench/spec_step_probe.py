@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_profiles import kernel_category  # noqa: E402  (bench/engine_profiles.py)
+from engine_profiles import by_category  # noqa: E402  (bench/engine_profiles.py)
 from measure import time_op  # noqa: E402  (bench/measure.py)
 
 from tpserve.cli import build_parser  # noqa: E402
@@ -29,6 +30,31 @@ from tpserve.model.plan import SeqChunk, StepPlan  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
 from tpserve.server.config import config_from_args  # noqa: E402
+
+
+def prefilled_runner(model: str, dtype: str, device: str, context: int, flags: list[str]
+                     ) -> tuple[ModelRunner, Callable[[int], StepPlan]]:
+    """A runner of a dummy ``model`` (tp 1, 1,024 tokens at most, 64 sequences, ``flags``
+    added to the serve flags) with one sequence of ``context`` tokens prefilled, and the
+    plan of that sequence's next step over ``n`` tokens: its last token and ``n - 1`` draft
+    tokens, every position sampled (``n`` 1: a decode step)."""
+    parser, _ = build_parser()
+    cfg = config_from_args(parser.parse_args(
+        ["serve", model, "--load-format", "dummy", "--dtype", dtype, "--device", device,
+         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
+         *flags]))
+    runner = ModelRunner(cfg.runner, cfg.scheduler.limits,
+                         TPGroup(0, 1, torch.device(device), None))
+    bs = cfg.scheduler.block_size
+    blocks = list(range(-(-(context + 16) // bs)))
+    runner.execute(StepPlan.build([SeqChunk(list(range(context)), 0, blocks, True)], bs,
+                                  runner.attn))
+
+    def step(n: int) -> StepPlan:
+        chunk = SeqChunk(list(range(7, 7 + n)), context, blocks, True, sample_rows=n)
+        return StepPlan.build([chunk], bs, runner.attn)
+
+    return runner, step
 
 
 def main() -> int:
@@ -40,27 +66,16 @@ def main() -> int:
     p.add_argument("flags", nargs="*", help="further serve flags (after --)")
     a = p.parse_args()
     dev = torch.device("cuda")
-    parser, _ = build_parser()
-    cfg = config_from_args(parser.parse_args(
-        ["serve", a.model, "--load-format", "dummy", "--dtype", a.dtype, "--device", "cuda",
-         "--max-model-len", "1024", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
-         *a.flags]))
-    runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, dev, None))
-    bs = cfg.scheduler.block_size
-    blocks = list(range(-(-(a.context + 16) // bs)))
-    runner.execute(StepPlan.build([SeqChunk(list(range(a.context)), 0, blocks, True)], bs,
-                                  runner.attn))
+    runner, step = prefilled_runner(a.model, a.dtype, "cuda", a.context, a.flags)
     graphs = runner.graphs
     print("mixed buckets", None if graphs is None else graphs.mixed_buckets, flush=True)
     for n in (1, 2, 3, 5, 8):
-        chunk = SeqChunk(list(range(7, 7 + n)), a.context, blocks, True, sample_rows=n)
-        plan = StepPlan.build([chunk], bs, runner.attn)
+        plan = step(n)
         kind = None if graphs is None else graphs.select(plan)
         seconds = time_op(lambda plan=plan: runner.execute(plan), dev, warmup=3, reps=20)
         print(f"{n} tokens: {seconds * 1e3:.3f} ms a step, graph {kind}", flush=True)
     if a.profile:
-        chunk = SeqChunk([7], a.context, blocks, True, sample_rows=1)
-        profile_steps(runner, StepPlan.build([chunk], bs, runner.attn), a.profile, dev)
+        profile_steps(runner, step(1), a.profile, dev)
     return 0
 
 
@@ -78,9 +93,7 @@ def profile_steps(runner: ModelRunner, plan: StepPlan, steps: int, dev: torch.de
         us = e.device_time_total / steps
         if us > 0:
             totals[e.key] = us
-    cats: dict[str, float] = {}
-    for name, us in totals.items():
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + us
+    cats = by_category(totals.items())
     print(f"profile, us a step ({steps} steps): total {sum(totals.values()):.1f}", flush=True)
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {us:9.1f}  {name[:150]}", flush=True)
