@@ -7,7 +7,8 @@ timed (``measure.time_op``: the median of 20 CUDA-event timings after 3 warm-ups
     python bench/spec_step_probe.py --model qwen3-0.6b --dtype float32 [-- --enforce-eager]
 
 ``--profile N``: then N decode steps under torch.profiler, the GPU time by kernel (the
-table's top rows and ``engine_profiles.KERNEL_CATEGORIES``' sums).
+table's top rows and ``engine_profiles.KERNEL_CATEGORIES``' sums); ``--profile-tokens 1 5``
+profiles the steps of those token counts instead (5: the last token and 4 drafts).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--profile", type=int, default=0, metavar="STEPS")
+    p.add_argument("--profile-tokens", type=int, nargs="+", default=[1], metavar="N")
     p.add_argument("flags", nargs="*", help="further serve flags (after --)")
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -74,8 +76,9 @@ def main() -> int:
         kind = None if graphs is None else graphs.select(plan)
         seconds = time_op(lambda plan=plan: runner.execute(plan), dev, warmup=3, reps=20)
         print(f"{n} tokens: {seconds * 1e3:.3f} ms a step, graph {kind}", flush=True)
-    if a.profile:
-        profile_steps(runner, step(1), a.profile, dev)
+    for n in a.profile_tokens if a.profile else ():
+        print(f"{n}-token step:", flush=True)
+        profile_steps(runner, step(n), a.profile, dev)
     return 0
 
 

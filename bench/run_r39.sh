@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device calls of round 39 (2026-12-06): float32 speculation after round 38's decode launch.
+#   bash bench/run_r39.sh SHA fp32  (about 5 minutes; carry [".whl"]; results under $OUT)
+#  1. qwen3-0.6b's decode and drafted steps (spec_step_probe.py) in float32 and bf16, the
+#     1- and 5-token steps profiled (the GPU time by kernel): round 38 made the float32
+#     decode step 3.2x faster (2.08 ms) but left its drafted steps at 7.4-7.7 ms;
+#  2. speculative decoding in float32 (spec_decode.py), round 37's run again: its 2.41x /
+#     2.31x were measured against the old, slower decode step.
+set -euo pipefail
+source bench/gpu_env.sh
+SHA=${1:?commit}
+PART=${2:?fp32}
+OUT=${OUT:-/tmp/out}
+export TPSERVE_GIT_COMMIT=$SHA
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+if [ "$PART" = fp32 ]; then
+  for dtype in float32 bfloat16; do
+    step "qwen3-0.6b $dtype: decode and drafted steps, the 1- and 5-token steps profiled"
+    timeout 120 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype "$dtype" \
+      --profile 5 --profile-tokens 1 5 2>&1 | grep -v Warning | tail -45 | cut -c1-220 || true
+  done
+  step "speculative decoding, qwen3-0.6b float32 (round 37: 2.41x / 2.31x)"
+  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
+    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+fi
+step "done"
