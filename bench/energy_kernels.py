@@ -45,6 +45,12 @@ from tune_decode import scattered_block_table  # noqa: E402
 from tpserve.model.attention import triton_backend as tb  # noqa: E402
 from tpserve.model.kernels import triton_decode_attention as dec  # noqa: E402
 from tpserve.model.kernels import triton_fp8_fused, triton_w8a8  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
+    FP8_LAUNCH,
+    SPLIT_FIELDS,
+    default_launch,
+    default_num_splits,
+)
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, FP8, quantize_per_row  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -142,14 +148,14 @@ def attention(s: Shapes, cache_dtype: torch.dtype, prefill: bool,
             info = {"tiles": len(tiles)}
         else:
             meta = tb.TritonMetadata(num_decodes=s.m_dec, max_query_len=1, **common)
-            info = {"splits": dec.default_num_splits(cache_dtype, s.m_dec, s.hkv, s.max_seq_len),
-                    "launch": dec.default_launch(cache_dtype, s.m_dec, s.hkv)._asdict()}
+            info = {"splits": default_num_splits(cache_dtype, s.m_dec, s.hkv, s.max_seq_len),
+                    "launch": default_launch(cache_dtype, s.m_dec, s.hkv)._asdict()}
         caches, copies = per_call((kc, vc), rotate_mib, calls)
         info.update(copies=copies, context_tokens=sum(lens))
         if launch is not None:
             n = splits or info["splits"]
             out = torch.empty_like(q)
-            info.update(splits=n, launch=dec.default_launch(cache_dtype, s.m_dec, s.hkv)
+            info.update(splits=n, launch=default_launch(cache_dtype, s.m_dec, s.hkv)
                         ._replace(**launch)._asdict())
             return [lambda c=c: dec.decode_attention(
                 q, c[0], c[1], meta.block_tables, meta.seq_lens, s.d ** -0.5, out, n,
@@ -189,8 +195,8 @@ def cases(s: Shapes, decode_sweep: bool = False) -> list[tuple[str, str, Callabl
     ``decode_sweep`` the fp8 decode launches of ``DECODE_SWEEP`` as well."""
     out: list[tuple[str, str, Callable | None]] = [("idle", "idle", None)]
     if decode_sweep:
-        base = {k: v for k, v in dec.FP8_LAUNCH._asdict().items()
-                if k not in dec.SPLIT_FIELDS}
+        base = {k: v for k, v in FP8_LAUNCH._asdict().items()
+                if k not in SPLIT_FIELDS}
         out += [(f"decode_fp8_{name}", "decode_sweep",
                  attention(s, FP8, False, {**base, **kw}, n)) for name, kw, n in DECODE_SWEEP]
     gemms = [(f"w8a8_m{s.m_dec}", "w8a8", s.m_dec), (f"scaled_mm_m{s.m_mix}", "mm", s.m_mix),

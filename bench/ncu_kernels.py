@@ -30,13 +30,13 @@ from time_decode_bt_ahead import BEFORE_BT_AHEAD  # noqa: E402
 from time_kv_layout import make_cache  # noqa: E402
 from tune_decode import launch_knobs, scattered_block_table  # noqa: E402
 
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
-    decode_attention,
     decode_num_splits,
     default_num_splits,
 )
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from tpserve.model.kernels.triton_w8a8 import w8a8_linear  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

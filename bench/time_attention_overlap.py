@@ -32,6 +32,7 @@ from tpserve.model.attention.triton_backend import (  # noqa: E402
 )
 from tpserve.model.kernels import triton_decode_attention as dec  # noqa: E402
 from tpserve.model.kernels import triton_prefill_attention as pre  # noqa: E402
+from tpserve.model.kernels.decode_launch import default_num_splits  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SLOTS, BUCKET = 64, 512  # the engine's mixed-step graph: decode (and sequence) slots, tokens
@@ -114,7 +115,7 @@ def forked(q, kc, vc, meta: TritonMetadata, scale: float, kv_scale, side: torch.
     decode split count divided by ``split_div`` (fewer one-warp programs, so prefill
     programs find room on the SMs), and which kernel is launched first."""
     out = torch.empty_like(q)
-    splits = max(1, dec.default_num_splits(kc.dtype, SLOTS, HKV, meta.max_seq_len)
+    splits = max(1, default_num_splits(kc.dtype, SLOTS, HKV, meta.max_seq_len)
                  // split_div)
     partials = dec.split_partials(SLOTS, HQ, splits, D, q.device) if splits > 1 else None
     main = torch.cuda.current_stream(q.device)

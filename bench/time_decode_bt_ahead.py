@@ -25,15 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from time_kv_layout import make_cache  # noqa: E402
 from tune_decode import launch_knobs, scattered_block_table, time_graph, write_rows  # noqa: E402
 
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
     BF16_LAUNCH,
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
     DecodeLaunch,
-    decode_attention,
     decode_num_splits,
     default_launch,
 )
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 # FP8_LAUNCH before bt_ahead (up to 1a96c1a): 32-key one-warp tiles, 3 stages

@@ -20,17 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tune_decode import launch_knobs, time_graph, write_rows  # noqa: E402
 
-from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
     BF16_LAUNCH,
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
     MAX_SPLITS,
     DecodeLaunch,
-    decode_attention,
     decode_num_splits,
     default_num_splits,
 )
+from tpserve.model.kernels.torch_ops import dequantize_kv, quantize_kv  # noqa: E402
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 
 SIZES = [(1, 1024), (1, 8192), (16, 2048), (64, 1024), (64, 4096), (128, 2048)]
 # --sweep: FP8-cache launches (block_n, num_warps, num_stages, fp16_dot[, late_widen]),

@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tune_decode import launch_knobs, scattered_block_table, time_graph, write_rows  # noqa: E402
 
 from tpserve.model.attention.triton_backend import prefill_tiles  # noqa: E402
-from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
     FP8_LAUNCH,
     FP8_SMALL_LAUNCH,
-    decode_attention,
     decode_num_splits,
     default_num_splits,
 )
+from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from tpserve.model.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

@@ -33,11 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tune_decode import write_rows  # noqa: E402
 
+from tpserve.model.kernels.decode_launch import default_num_splits  # noqa: E402
 from tpserve.model.kernels.torch_ops import quantize_kv  # noqa: E402
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
-    decode_attention,
-    default_num_splits,
-)
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from tpserve.model.kernels.triton_fp8_quant import FP8, quantize_per_token  # noqa: E402
 from tpserve.model.kernels.triton_w8a8 import w8a8_linear  # noqa: E402
 

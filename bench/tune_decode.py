@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import git_commit  # noqa: E402  (bench/measure.py)
 
-from tpserve.model.kernels.triton_decode_attention import (  # noqa: E402
+from tpserve.model.kernels.decode_launch import (  # noqa: E402
     SPLIT_FIELDS,
-    decode_attention,
     decode_num_splits,
     default_launch,
     default_num_splits,
 )
+from tpserve.model.kernels.triton_decode_attention import decode_attention  # noqa: E402
 
 
 def time_graph(fn, reps: int = 20) -> float:

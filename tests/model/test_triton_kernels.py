@@ -28,6 +28,7 @@ from tpserve.model.attention.triton_backend import (  # noqa: E402
     max_prefill_tiles,
     prefill_tiles,
 )
+from tpserve.model.kernels import decode_launch as launches  # noqa: E402
 from tpserve.model.kernels import torch_ops  # noqa: E402
 
 _KERNEL_MODULES = (  # dependency order, for re-import
@@ -420,7 +421,7 @@ def test_decode_fma_form_equals_the_reference_in_float32(mods, group, page, head
     seq_lens = meta.seq_lens.clone()
     seq_lens[1] = 0  # a CUDA-graph padding slot
     out = torch.full_like(q, 3.25)
-    assert dec.default_launch(torch.float32, len(lens), hkv) is dec.FP32_LAUNCH
+    assert launches.default_launch(torch.float32, len(lens), hkv) is launches.FP32_LAUNCH
     dec.decode_attention(q, k_cache, v_cache, meta.block_tables, seq_lens, scale, out, splits)
     assert torch.equal(out[1], torch.full_like(out[1], 3.25))
     ref = _ref(q, k_cache, v_cache, meta, scale)
@@ -455,8 +456,9 @@ def test_decode_padding_sequence_writes_nothing(mods):
                torch.float16)
 
 
-def test_decode_num_splits(mods):
-    pick = mods["triton_decode_attention"].decode_num_splits
+def test_decode_num_splits():
+    """The split rule and the launch tables (``decode_launch``, host Python)."""
+    pick = launches.decode_num_splits
     assert pick(1, 8, 100) == 1  # short context: never split
     assert pick(1, 8, 32768) == 32  # one long sequence: split up to the cap
     assert pick(256, 8, 32768) == 1  # grid already fills the GPU
@@ -467,18 +469,17 @@ def test_decode_num_splits(mods):
     # a launch's own grid target (the FP8 cache's one-warp programs aim at ~1,024)
     assert pick(64, 8, 2048, 1024) == 2 and pick(128, 8, 2048, 1024) == 1
     assert pick(16, 8, 2048, 1024) == 8 and pick(16, 8, 2048) == 4
-    dec = mods["triton_decode_attention"]
     fp8 = torch.float8_e4m3fn
-    assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8, 8) is dec.FP8_LAUNCH
-    assert dec.default_launch(fp8, dec.FP8_SMALL_GRID // 8 - 1, 8) is dec.FP8_SMALL_LAUNCH
-    assert dec.default_launch(torch.bfloat16, 64, 8) is dec.BF16_LAUNCH
-    assert dec.default_num_splits(fp8, 64, 8, 2048) == 2  # the one-warp launch's target
-    assert dec.default_num_splits(torch.bfloat16, 64, 8, 2048) == 1
+    assert launches.default_launch(fp8, launches.FP8_SMALL_GRID // 8, 8) is launches.FP8_LAUNCH
+    assert launches.default_launch(fp8, launches.FP8_SMALL_GRID // 8 - 1, 8) is launches.FP8_SMALL_LAUNCH
+    assert launches.default_launch(torch.bfloat16, 64, 8) is launches.BF16_LAUNCH
+    assert launches.default_num_splits(fp8, 64, 8, 2048) == 2  # the one-warp launch's target
+    assert launches.default_num_splits(torch.bfloat16, 64, 8, 2048) == 1
     # a float32 cache: the FMA launch, split towards 1,024 programs down to 32 keys each
-    assert dec.default_launch(torch.float32, 1, 8) is dec.FP32_LAUNCH and dec.FP32_LAUNCH.fma
-    assert dec.default_num_splits(torch.float32, 1, 8, 1024) == 32
-    assert dec.default_num_splits(torch.float32, 1, 8, 600) == 16
-    assert dec.default_num_splits(torch.float32, 64, 8, 1024) == 2
+    assert launches.default_launch(torch.float32, 1, 8) is launches.FP32_LAUNCH and launches.FP32_LAUNCH.fma
+    assert launches.default_num_splits(torch.float32, 1, 8, 1024) == 32
+    assert launches.default_num_splits(torch.float32, 1, 8, 600) == 16
+    assert launches.default_num_splits(torch.float32, 64, 8, 1024) == 2
 
 
 MIXED = [(4, 1), (39, 1), (0, 7), (20, 33), (36, 1), (100, 33), (0, 1)]  # (ctx, q_len)

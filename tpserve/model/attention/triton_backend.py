@@ -16,6 +16,7 @@ import torch
 from tpserve.model.attention.backend import AttentionBackend, GraphAttentionState
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.kernels import triton_decode_attention, triton_prefill_attention, triton_rope
+from tpserve.model.kernels.decode_launch import default_num_splits
 
 # Query rows per tile of the prefill kernel by default (``TritonAttention.tile_m`` is the
 # height a runner's tables are built for: ``query_tile_rows``).
@@ -112,8 +113,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     main = torch.cuda.current_stream(q.device) if fork else None
     if slots:
         dec = triton_decode_attention
-        splits = dec.default_num_splits(k_cache.dtype, slots, k_cache.shape[2],
-                                        meta.max_seq_len)
+        splits = default_num_splits(k_cache.dtype, slots, k_cache.shape[2], meta.max_seq_len)
         partials = (dec.split_partials(slots, q.shape[1], splits, q.shape[2], q.device)
                     if splits > 1 else None)
         if fork:
