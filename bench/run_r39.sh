@@ -6,6 +6,10 @@
 #     decode step 3.2x faster (2.08 ms) but left its drafted steps at 7.4-7.7 ms;
 #  2. speculative decoding in float32 (spec_decode.py), round 37's run again: its 2.41x /
 #     2.31x were measured against the old, slower decode step.
+#   bash bench/run_r39.sh SHA verify  (about 7 minutes) after a drafted chunk's positions
+#     became decodes (StepPlan.build): the captured-graph tests, the steps of part fp32
+#     (the 5-token one profiled), speculative decoding in float32 (qwen3-0.6b) and bf16
+#     (llama3-8b, round 36's run)
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
@@ -22,6 +26,23 @@ if [ "$PART" = fp32 ]; then
   step "speculative decoding, qwen3-0.6b float32 (round 37: 2.41x / 2.31x)"
   timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
     --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+elif [ "$PART" = verify ]; then
+  step "captured graphs against eager steps (drafted chunks as decodes, and beside a prompt)"
+  timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=5 \
+    tests/model/test_cuda_graph_path.py -k "captured or drafted" 2>&1 | tail -10 || true
+  for dtype in float32 bfloat16; do
+    step "qwen3-0.6b $dtype: decode and drafted steps, the 5-token step profiled"
+    timeout 90 python3 bench/spec_step_probe.py --model qwen3-0.6b --dtype "$dtype" \
+      --profile 5 --profile-tokens 5 2>&1 | grep -v Warning | tail -26 | cut -c1-200 || true
+  done
+  step "speculative decoding, qwen3-0.6b float32"
+  timeout 100 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
+    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  step "speculative decoding, llama3-8b bf16 (round 36: 0.95x / 0.92x, no draft kept)"
+  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
+    --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
     2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
 fi
 step "done"

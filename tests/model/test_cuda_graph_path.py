@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.model.util import load, new_pool, run
-from tpserve.model.cuda_graphs import MIXED, StepGraphs, buckets_for, mixed_buckets_for
+from tpserve.model.cuda_graphs import DECODE, MIXED, StepGraphs, buckets_for, mixed_buckets_for
 from tpserve.model.plan import SeqChunk, StepPlan
 from tpserve.parallel.launch import run_ranks
 
@@ -118,11 +118,16 @@ def test_padded_mixed_step_equals_plain_forward(tiny_llama, kv_dtype):
                                                        True)], 4, model.attn_backend))
 
 
-def test_a_drafted_chunk_samples_every_position_in_a_mixed_step(tiny_llama):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_drafted_chunk_is_served_as_decodes_of_its_positions(tiny_llama, kv_dtype):
     """Speculative decoding: a decode followed by its draft samples every position
-    (``SeqChunk.sample_rows``), beside a plain decode: the mixed bucket's rows are the plain
-    forward's logits of those positions, in order."""
-    model, comm = _load(tiny_llama, torch.float32)
+    (``SeqChunk.sample_rows``). The plan makes each of those positions a single-token
+    sequence over the same blocks, of length ``num_computed + j + 1``, so beside a plain
+    decode the step is a decode step (bucket 6), and beside a prefill chunk a mixed step
+    whose decode slots hold them. Through the static buffers both give, at every drafted
+    position, the logits a prefill of the whole sequence gives there (the prefill path, an
+    oracle the expansion does not touch)."""
+    model, comm = _load(tiny_llama, kv_dtype)
     pool = new_pool(model, comm, num_blocks=32, block_size=4)
     pool.buffer.zero_()
     seqs, tables = [[5, 9, 13, 200, 31, 77, 2], [7, 7, 100]], [[3, 17, 4], [9]]
@@ -130,17 +135,33 @@ def test_a_drafted_chunk_samples_every_position_in_a_mixed_step(tiny_llama):
     graphs = StepGraphs(model, pool, model.attn_backend, max_num_seqs=6,
                         max_blocks_per_seq=16, max_model_len=64, device=torch.device("cpu"),
                         max_mixed_tokens=32)
+    draft = [42, 13, 200, 31]
     step = [SeqChunk([43], 3, tables[1], True),
-            SeqChunk([42, 13, 200, 31], 7, tables[0] + [31], True, sample_rows=4)]
+            SeqChunk(draft, 7, tables[0] + [31], True, sample_rows=4)]
+    prefill = SeqChunk(list(range(20, 29)), 0, [10, 11, 12], True)
     plan = StepPlan.build(step, 4, model.attn_backend)
+    assert plan.num_decodes == 5 and plan.max_query_len == 1
+    assert plan.seq_lens.tolist() == [4, 8, 9, 10, 11]
+    assert plan.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+    assert plan.block_tables.tolist() == [tables[1] + [0] * 3] + [tables[0] + [31]] * 4
     assert plan.logits_indices.tolist() == [0, 1, 2, 3, 4]
-    assert graphs.select(plan) == (MIXED, 16)
+    assert graphs.select(plan) == (DECODE, 6)
+    mixed = StepPlan.build(step + [prefill], 4, model.attn_backend)
+    assert mixed.num_decodes == 5 and mixed.seq_lens.tolist() == [4, 8, 9, 10, 11, 9]
+    assert graphs.select(mixed) == (MIXED, 16)
     before = pool.buffer.clone()
-    got = graphs.run(plan)
-    pool.buffer.copy_(before)
-    want = run(model, pool, step)
-    assert got.shape == want.shape == (5, 256)
-    assert (got - want).abs().max().item() < 1e-5
+    got = {}
+    for name, p in (("decode", plan), ("mixed", mixed)):
+        got[name] = graphs.run(p)
+        pool.buffer.copy_(before)
+    # the oracle: each sequence prefilled whole (its last 1 and 4 positions sampled), then
+    # the new prompt
+    whole = [SeqChunk(seqs[1] + [43], 0, tables[1], True),
+             SeqChunk(seqs[0] + draft, 0, tables[0] + [31], True, sample_rows=4)]
+    want = run(model, pool, whole + [prefill])
+    assert got["decode"].shape == (5, 256) and got["mixed"].shape == (6, 256)
+    assert (got["decode"] - want[:5]).abs().max().item() < 1e-5
+    assert (got["mixed"] - want).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="5 sampled rows of 4 tokens"):
         StepPlan.build([SeqChunk([1, 2, 3, 4], 7, tables[0] + [31], True, sample_rows=5)], 4,
                        model.attn_backend)
@@ -189,7 +210,7 @@ def test_sequence_parallel_buckets_are_multiples_of_tp(tiny_llama):
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])
 def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap, model):
     """On a GPU: the same steps (a prefill, mixed steps with a pending token filled in on
-    the device, pure decodes, a drafted chunk sampling every position) through captured
+    the device, pure decodes, drafted chunks sampling every position) through captured
     graphs and through the eager forward; with ``overlap`` the captured runner runs decode beside prefill attention on two streams.
     Qwen3's shape adds the q/k head norms fused into the RoPE kernel; it runs in float32
     (28 layers of bf16 rounding at another GEMM shape move a few of its 607,744 logits by
@@ -222,9 +243,12 @@ def test_captured_graphs_equal_eager_steps_on_the_gpu(kv_cache_dtype, overlap, m
         ([SeqChunk([3], 41, [0, 1, 2], True), SeqChunk([4], 8, [3], True),
           SeqChunk([-1], 101, [4, 5, 6, 7, 8, 9, 10], True, 2),
           SeqChunk([6], 30, [11, 12], True)], ("decode", 4)),
-        # speculative decoding: a draft after a's token, every position sampled
+        # speculative decoding: a draft after a's token, every position sampled (each
+        # position a decode: StepPlan.build), then one beside a new prompt
         ([SeqChunk([5], 9, [3], True),
-          SeqChunk([8, 9, 10, 11], 42, [0, 1, 2], True, sample_rows=4)], ("mixed", 16)),
+          SeqChunk([8, 9, 10, 11], 42, [0, 1, 2], True, sample_rows=4)], ("decode", 8)),
+        ([SeqChunk([6], 10, [3], True), SeqChunk([12, 13], 46, [0, 1, 2], True, sample_rows=2),
+          SeqChunk(list(range(300, 310)), 0, [13], True)], ("mixed", 16)),
     ]
     outs = [[], []]
     for runner, out in zip(runners, outs, strict=True):

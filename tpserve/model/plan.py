@@ -93,17 +93,28 @@ class StepPlan:
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, attn: AttentionBackend
               ) -> StepPlan:
-        """Chunks must come decodes first (single-token chunks of running sequences);
-        ``attn`` adds what its kernels need beyond the common tensors."""
+        """Chunks must come decodes first (single-token chunks of running sequences), then
+        drafted ones (every new token sampled), then the rest; ``attn`` adds what its
+        kernels need beyond the common tensors.
+
+        The plan's sequences are what attention sees, one per chunk except that a chunk
+        of ``n > 1`` tokens that samples every one (a speculative draft's verification)
+        becomes ``n`` single-token sequences over the same blocks, the ``j``-th of length
+        ``num_computed + j + 1``: causal attention for each position, served by the decode
+        path as a plain decode step of that position would be (the decode kernel splits
+        the context over programs; the prefill kernel gives a short query one program a
+        head). The scheduler's bound on sampled rows (``max_num_seqs``) bounds them."""
         ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
         pend_rows, pend_src, prompt_rows, prompt_targets = [], [], [], []
         # each token's adapter slot, only where some chunk has one (most steps: none)
         lora: list[int] | None = [] if any(c.lora_slot >= 0 for c in chunks) else None
+        rows: list[list[int]] = []  # each attention sequence's blocks
         num_decodes = 0
         for c in chunks:
             n = len(c.token_ids)
-            if n == 1 and num_decodes == len(lens):
-                num_decodes += 1
+            verify = n > 1 and c.sample and c.sample_rows == n
+            if (n == 1 or verify) and num_decodes == len(lens):
+                num_decodes += n
             ids.extend(c.token_ids)
             if lora is not None:
                 lora.extend([c.lora_slot] * n)
@@ -114,8 +125,14 @@ class StepPlan:
             prompt_rows.extend(range(qsl[-1], qsl[-1] + len(c.prompt_targets)))
             prompt_targets.extend(c.prompt_targets)
             slots.extend(c.block_ids[i // block_size] * block_size + i % block_size for i in p)
-            qsl.append(qsl[-1] + n)
-            lens.append(c.num_computed + n)
+            if verify:  # one single-token sequence a position
+                qsl.extend(range(qsl[-1] + 1, qsl[-1] + n + 1))
+                lens.extend(range(c.num_computed + 1, c.num_computed + n + 1))
+                rows.extend([c.block_ids] * n)
+            else:
+                qsl.append(qsl[-1] + n)
+                lens.append(c.num_computed + n)
+                rows.append(c.block_ids)
             if c.sample:
                 if not 1 <= c.sample_rows <= n:
                     raise ValueError(f"{c.sample_rows} sampled rows of {n} tokens")
@@ -123,17 +140,18 @@ class StepPlan:
             if c.pending_src >= 0:
                 pend_rows.append(qsl[-1] - 1)
                 pend_src.append(c.pending_src)
-        width = max((len(c.block_ids) for c in chunks), default=1) or 1
-        table = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks],
-                             dtype=torch.int32).view(len(chunks), width)
-        extra = attn.plan_extra([len(c.token_ids) for c in chunks], num_decodes)
+        width = max((len(r) for r in rows), default=1) or 1
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows],
+                             dtype=torch.int32).view(len(rows), width)
+        query_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
+        extra = attn.plan_extra(query_lens, num_decodes)
         i64 = torch.int64
         return cls(
             torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
             torch.tensor(slots, dtype=i64), torch.tensor(qsl, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32), table,
             torch.tensor(sample_idx, dtype=i64), num_decodes,
-            max((len(c.token_ids) for c in chunks), default=0), max(lens, default=0),
+            max(query_lens, default=0), max(lens, default=0),
             torch.tensor(extra, dtype=i64), torch.tensor(pend_rows, dtype=i64),
             torch.tensor(pend_src, dtype=i64), torch.tensor(prompt_rows, dtype=i64),
             torch.tensor(prompt_targets, dtype=i64),

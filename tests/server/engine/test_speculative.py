@@ -211,6 +211,33 @@ def test_drafts_take_the_room_a_step_has_left_and_never_preempt():
     sched.check_integrity()
 
 
+def test_drafted_decodes_come_before_prefill_chunks():
+    """A drafted decode is listed after the plain decodes and before every prefill chunk,
+    even one ranked before it (a higher-priority prompt still being prefilled), so the
+    plan serves its positions as decodes (``StepPlan.build``)."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8,
+                                      max_model_len=32, block_size=4, policy="priority"), bm)
+    ids = itertools.count()
+    late = Sequence(next(ids), "late", 0, [0, 1, 2],
+                    SamplingParams(temperature=0, max_tokens=50, priority=1))
+    sched.add(late)
+    sched.update(sched.schedule(), {late.seq_id: 1})  # first in: prefilled, decoding
+    first = Sequence(next(ids), "p", 0, list(range(10)),
+                     SamplingParams(temperature=0, max_tokens=5, priority=0))
+    sched.add(first)
+    out = sched.schedule(propose=lambda s: ())  # late decodes, first takes 7 of its 10
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(late, 1), (first, 7)]
+    sched.update(out, {late.seq_id: 5})
+    # first (ranked first) finishes its prompt with 3 tokens; late's draft takes the
+    # budget's other 4
+    out = sched.schedule(propose=lambda s: (7, 8, 9, 10) if s is late else ())
+    assert [(i.seq, i.num_new_tokens, i.draft) for i in out.scheduled] == [
+        (late, 5, (7, 8, 9, 10)), (first, 3, ())]
+    assert out.num_decodes == 0
+    sched.check_integrity()
+
+
 # ------------------------------------------------------------------------- engine
 
 

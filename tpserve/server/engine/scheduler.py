@@ -93,8 +93,11 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     """One step: ``scheduled`` lists the first ``num_decodes`` entries as decodes (one new
-    token, prompt already computed), then prefill chunks. ``preempted`` sequences lost
-    their KV this step and wait to recompute."""
+    token, prompt already computed), then the drafted decodes (a ``draft``: the last token
+    and the draft, every position sampled), then prefill chunks; drafted decodes come
+    before the prefills so that the plan serves their positions as decodes
+    (``StepPlan.build``). ``preempted`` sequences lost their KV this step and wait to
+    recompute."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -262,9 +265,11 @@ class Scheduler:
             self._add_drafts(scheduled, budget, propose)
 
         decodes = [s for s in scheduled if _is_decode(s.seq, s.num_new_tokens)]
-        prefills = [s for s in scheduled if not _is_decode(s.seq, s.num_new_tokens)]
+        drafted = [s for s in scheduled if s.draft]
+        prefills = [s for s in scheduled
+                    if not s.draft and not _is_decode(s.seq, s.num_new_tokens)]
         return SchedulerOutput(
-            scheduled=decodes + prefills,
+            scheduled=decodes + drafted + prefills,
             preempted=preempted,
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=len(decodes),
