@@ -16,6 +16,7 @@ SHA=${1:?commit}
 PART=${2:?fp32}
 OUT=${OUT:-/tmp/out}
 export TPSERVE_GIT_COMMIT=$SHA
+mkdir -p "$OUT" && exec > >(tee "$OUT/r39-$PART.txt") 2>&1  # the output comes back whole
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 if [ "$PART" = fp32 ]; then
   for dtype in float32 bfloat16; do
