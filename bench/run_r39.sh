@@ -10,6 +10,8 @@
 #     became decodes (StepPlan.build): the captured-graph tests, the steps of part fp32
 #     (the 5-token one profiled), speculative decoding in float32 (qwen3-0.6b) and bf16
 #     (llama3-8b, round 36's run)
+#   bash bench/run_r39.sh SHA backoff  (about 5 minutes) with drafting paused where it keeps
+#     too little (draft_backoff.py): part verify's two speculative runs again
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
@@ -44,6 +46,15 @@ elif [ "$PART" = verify ]; then
   step "speculative decoding, llama3-8b bf16 (round 36: 0.95x / 0.92x, no draft kept)"
   timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
     --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+elif [ "$PART" = backoff ]; then
+  step "speculative decoding, llama3-8b bf16 (call 2: 0.95x / 0.89x, no draft kept)"
+  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
+    --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
+    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  step "speculative decoding, qwen3-0.6b float32 (call 2: 1.15-2.0x)"
+  timeout 100 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
+    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
     2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
 fi
 step "done"

@@ -46,7 +46,8 @@ class Readings:
 def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: int = 64,
               max_seqs: int = 8, async_scheduling: bool = True,
               max_mixed_tokens: int | None = None, readings: Readings | None = None,
-              compile_hook=None, policy: str = "fcfs", speculative=None) -> EngineCore:
+              compile_hook=None, policy: str = "fcfs", speculative=None,
+              draft_backoff=None) -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * 2 * 2 * 16 * 1 * 16 * 4 * 2)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=256, block_size=16, max_mixed_tokens=max_mixed_tokens,
@@ -55,9 +56,11 @@ def make_core(folder, tokenizer, num_blocks: int, prefix: bool = True, budget: i
     engine = EngineConfig(check_integrity=True, async_scheduling=async_scheduling,
                           speculative=speculative)
     if readings is None:
-        return EngineCore(runner, tokenizer, sched, engine, compile_hook=compile_hook)
+        return EngineCore(runner, tokenizer, sched, engine, compile_hook=compile_hook,
+                          draft_backoff=draft_backoff)
     return EngineCore(runner, tokenizer, sched, engine, read_memory=readings,
-                      memory_read_interval_s=0.0, compile_hook=compile_hook)
+                      memory_read_interval_s=0.0, compile_hook=compile_hook,
+                      draft_backoff=draft_backoff)
 
 
 def submit(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams):

@@ -26,6 +26,7 @@ from tpserve.model.sampling_params import SamplingParams, StructuredOutput
 from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.draft_backoff import DraftBackoff
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence
@@ -252,10 +253,11 @@ def _run(tiny_llama, tokenizer, prompts, params, speculative, **core):
 
 
 class _LogProb(float):
-    """A log-probability equal to another within ``1e-4``: a drafted position goes through
-    the prefill path, whose float32 sums may differ from a decode step's in the last bits
-    (rounding both to 4 decimals instead split -5.13585 one way and the other on one
-    machine). Token ids, texts and reasons still compare exactly."""
+    """A log-probability equal to another within ``1e-4``: a drafted position is computed
+    in a step of another shape (more rows in every product), whose float32 sums may differ
+    from a plain step's in the last bits (rounding both to 4 decimals instead split
+    -5.13585 one way and the other on one machine). Token ids, texts and reasons still
+    compare exactly."""
 
     def __eq__(self, other):
         return abs(self - other) <= 1e-4
@@ -477,6 +479,63 @@ def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_toke
     assert asked and max(asked) <= 2
     assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
     assert max(pending) > 0  # steps overlapped while six or more ran
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_backoff_pauses_drafting_where_it_keeps_too_little():
+    """``DraftBackoff``: a probe of ``window`` drafting steps keeping fewer than
+    ``min_kept`` tokens a sampled sequence-step pauses drafting, for ``first_pause``
+    steps, doubling with each failed probe in a row up to ``max_pause``; a probe that
+    keeps enough resets it; steps that could not draft for another reason count for
+    neither the probe nor the pause."""
+    b = DraftBackoff(window=2, min_kept=0.5, first_pause=3, max_pause=8)
+    pauses = []
+    for kept in ([1, 0], [0, 0], [0, 0], [0, 0], [1, 1], [0, 0]):  # of 2 sequences a step
+        assert b.probing
+        b.record(False, 2, 0)  # e.g. above disable_by_batch_size: nothing
+        for k in kept:
+            assert b.probing
+            b.record(True, 2, k)
+        pauses.append(b.paused_for)
+        for _ in range(b.paused_for):
+            assert not b.probing
+            b.record(False, 2, 0)
+    # 1 of 4 sequence-steps kept (0.25 < 0.5): 3; then 6, 8 (the cap), 8; 2 of 4 passes
+    # and resets the next failure's to 3
+    assert pauses == [3, 6, 8, 8, 0, 3]
+    assert b.probes_failed == 5
+    with pytest.raises(ValueError, match="bad draft backoff"):
+        DraftBackoff(first_pause=0)
+
+
+def test_paused_drafting_overlaps_steps_and_keeps_every_answer(tiny_llama,
+                                                              smollm2_tokenizer):
+    """An engine whose probes always fail (``min_kept`` above any step's gain) drafts in
+    its probes only; in the pauses its steps overlap again (a decode's input is the
+    pending sample) and count as paused; every answer is the one without speculation."""
+    prompts = _prompts(4, 5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, base, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, None, num_blocks=60,
+                      max_seqs=16)
+    engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=60, max_seqs=16,
+                       speculative=SPEC, draft_backoff=DraftBackoff(
+                           window=3, min_kept=100.0, first_pause=5, max_pause=5))
+    pending, plan = [], engine.runner.upload
+
+    def recording_upload(p):
+        pending.append(p.pending_rows.shape[0])
+        return plan(p)
+
+    engine.runner.upload = recording_upload
+    outs = [submit(engine, f"r{i}", p, params) for i, p in enumerate(prompts)]
+    run_to_end(engine)
+    assert _answers(outs) == _answers(base)
+    c = engine.counters
+    assert c["spec_decode_num_drafts_total"] > 0 and engine.backoff.probes_failed >= 3
+    # after the prefill step, probes of 3 steps and pauses of 5 alternate
+    assert c["spec_decode_paused_steps_total"] >= 5 * (engine.backoff.probes_failed - 1)
+    assert max(pending) > 0  # paused steps overlapped
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
 

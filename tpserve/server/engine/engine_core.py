@@ -94,6 +94,7 @@ from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.draft_backoff import DraftBackoff
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.inflight import (
@@ -131,13 +132,16 @@ class EngineCore:
     budget (``tpserve.model.memory.read_memory``: ``cudaMemGetInfo`` or /proc/meminfo);
     it is read at most every ``memory_read_interval_s`` seconds (0: every step).
     ``compile_hook`` wraps the grammar compiles on the compiler's worker thread
-    (``GrammarCompiler``; tests gate or fail them through it). ``close`` ends the worker."""
+    (``GrammarCompiler``; tests gate or fail them through it). ``close`` ends the worker.
+    ``draft_backoff`` (speculative decoding; None: the default ``DraftBackoff``) pauses
+    drafting where it keeps too little (``draft_backoff.py``)."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
                  engine: EngineConfig | None = None, *,
                  read_memory: MemoryReader = read_memory,
                  memory_read_interval_s: float = MEMORY_READ_INTERVAL_S,
-                 compile_hook: CompileHook | None = None):
+                 compile_hook: CompileHook | None = None,
+                 draft_backoff: DraftBackoff | None = None):
         engine = engine or EngineConfig()
         if scheduler.limits != runner.limits:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
@@ -157,9 +161,12 @@ class EngineCore:
         # tokens, so while drafting, steps are finalized before the next is scheduled
         self.speculative = engine.speculative
         self.async_scheduling = engine.async_scheduling
+        self.backoff = None
         if engine.speculative is not None:
-            logger.info("speculative decoding: %s; steps run synchronously while drafting",
-                        engine.speculative.describe())
+            self.backoff = draft_backoff or DraftBackoff()
+            logger.info("speculative decoding: %s; steps run synchronously while drafting, "
+                        "which pauses where fewer than %s draft tokens a sequence and step "
+                        "are kept", engine.speculative.describe(), self.backoff.min_kept)
         self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
@@ -192,7 +199,8 @@ class EngineCore:
                          "grammar_wait_seconds_total": 0.0,
                          "spec_decode_num_drafts_total": 0,
                          "spec_decode_num_draft_tokens_total": 0,
-                         "spec_decode_num_accepted_tokens_total": 0}
+                         "spec_decode_num_accepted_tokens_total": 0,
+                         "spec_decode_paused_steps_total": 0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
@@ -362,8 +370,14 @@ class EngineCore:
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
         self._inflight = launched
+        kept = self.counters["spec_decode_num_accepted_tokens_total"]
         if not self.async_scheduling or drafting:  # a drafted step's next inputs are its
             self._finish_inflight()  # last kept tokens, never a pending row
+        if self.backoff is not None:
+            if not self.backoff.probing:
+                self.counters["spec_decode_paused_steps_total"] += 1
+            self.backoff.record(drafting, len(sampling),
+                                self.counters["spec_decode_num_accepted_tokens_total"] - kept)
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
@@ -428,8 +442,9 @@ class EngineCore:
         """Whether this step may draft: speculation is on and at most its
         ``disable_by_batch_size`` sequences run (above it, steps overlap again)."""
         spec = self.speculative
-        return spec is not None and (spec.disable_by_batch_size is None
-                                     or self.scheduler.num_running <= spec.disable_by_batch_size)
+        return (spec is not None and self.backoff.probing
+                and (spec.disable_by_batch_size is None
+                     or self.scheduler.num_running <= spec.disable_by_batch_size))
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """A decoding sequence's draft (``speculative.draft_for``)."""

@@ -70,6 +70,9 @@ ENGINE_COUNTERS = {
                                     "sequence and step that had one).",
     "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens verified.",
     "spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens kept.",
+    "spec_decode_paused_steps_total": "Speculative decoding: steps run overlapped, without "
+                                      "drafts, because drafting had kept too few tokens "
+                                      "(tpserve's draft backoff).",
 }
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
