@@ -12,6 +12,8 @@
 #     (llama3-8b, round 36's run)
 #   bash bench/run_r39.sh SHA backoff  (about 5 minutes) with drafting paused where it keeps
 #     too little (draft_backoff.py): part verify's two speculative runs again
+#   bash bench/run_r39.sh SHA llama  (about 2 minutes) dummy llama3-8b's decode and drafted
+#     steps in bf16 (spec_step_probe.py; round 36: a drafted step 1.14x a decode step)
 set -euo pipefail
 source bench/gpu_env.sh
 SHA=${1:?commit}
@@ -56,5 +58,9 @@ elif [ "$PART" = backoff ]; then
   timeout 100 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
     --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
     2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+elif [ "$PART" = llama ]; then
+  step "llama3-8b bfloat16: decode and drafted steps, the 5-token step profiled"
+  timeout 200 python3 bench/spec_step_probe.py --model llama3-8b --dtype bfloat16 \
+    --profile 5 --profile-tokens 1 5 2>&1 | grep -v Warning | tail -45 | cut -c1-200 || true
 fi
 step "done"

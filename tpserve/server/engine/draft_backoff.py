@@ -38,7 +38,7 @@ class DraftBackoff:
     first_pause: int = FIRST_PAUSE
     max_pause: int = MAX_PAUSE
     paused_for: int = field(default=0, init=False)
-    pause: int = field(default=0, init=False)  # the next failed probe's; 0: first_pause
+    pause: int = field(default=0, init=False)  # the next failed probe's (set from first_pause)
     probes_failed: int = field(default=0, init=False)  # cumulative, for the stats
     _steps: int = field(default=0, init=False)
     _sequences: int = field(default=0, init=False)

@@ -439,8 +439,9 @@ class EngineCore:
             return None
 
     def _drafting(self) -> bool:
-        """Whether this step may draft: speculation is on and at most its
-        ``disable_by_batch_size`` sequences run (above it, steps overlap again)."""
+        """Whether this step may draft: speculation is on, its backoff is not pausing it
+        (``draft_backoff.py``) and at most its ``disable_by_batch_size`` sequences run
+        (otherwise steps overlap again)."""
         spec = self.speculative
         return (spec is not None and self.backoff.probing
                 and (spec.disable_by_batch_size is None
