@@ -242,7 +242,17 @@ def test_drafted_decodes_come_before_prefill_chunks():
 # ------------------------------------------------------------------------- engine
 
 
+def _never_paused() -> DraftBackoff:
+    """A backoff whose probes always pass: for tests of what drafts keep."""
+    return DraftBackoff(min_kept=0.0)
+
+
 def _run(tiny_llama, tokenizer, prompts, params, speculative, **core):
+    """Every request to the end; with ``speculative``, drafting is never paused (these
+    tests check what drafts keep, whatever a probe would judge) unless ``core`` gives a
+    ``draft_backoff``."""
+    if speculative is not None:
+        core.setdefault("draft_backoff", _never_paused())
     engine = make_core(tiny_llama, tokenizer, speculative=speculative, **core)
     outs = [submit(engine, f"r{i}", p, params[i] if isinstance(params, list) else params)
             for i, p in enumerate(prompts)]
@@ -417,7 +427,7 @@ def test_preemption_and_prefix_hits_keep_every_token(tiny_llama, smollm2_tokeniz
     results = []
     for spec in (None, SPEC):
         engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=18, max_seqs=16,
-                           speculative=spec)
+                           speculative=spec, draft_backoff=_never_paused())
         outs = [submit(engine, f"a{i}", p, params) for i, p in enumerate(prompts)]
         run_to_end(engine)
         second = [p + tokens_of(o) for p, o in zip(prompts, outs, strict=True)]
@@ -460,7 +470,7 @@ def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_toke
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3,
                              prompt_lookup_min=1, disable_by_batch_size=2)
     engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=60, max_seqs=16,
-                       speculative=spec)
+                       speculative=spec, draft_backoff=_never_paused())
     asked, pending = [], []
     draft, plan = engine._draft, engine.runner.upload
 
@@ -484,12 +494,13 @@ def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_toke
 
 
 def test_the_backoff_pauses_drafting_where_it_keeps_too_little():
-    """``DraftBackoff``: a probe of ``window`` drafting steps keeping fewer than
-    ``min_kept`` tokens a sampled sequence-step pauses drafting, for ``first_pause``
-    steps, doubling with each failed probe in a row up to ``max_pause``; a probe that
-    keeps enough resets it; steps that could not draft for another reason count for
-    neither the probe nor the pause."""
-    b = DraftBackoff(window=2, min_kept=0.5, first_pause=3, max_pause=8)
+    """``DraftBackoff``: a probe of ``window`` drafting steps (or fewer, once they sampled
+    ``window_sequences`` sequence-steps) keeping fewer than ``min_kept`` tokens a sampled
+    sequence-step pauses drafting, for ``first_pause`` steps, doubling with each failed
+    probe in a row up to ``max_pause``; a probe that keeps enough resets it; steps that
+    could not draft for another reason count for neither the probe nor the pause."""
+    b = DraftBackoff(window=2, window_sequences=4, min_kept=0.5, first_pause=3,
+                     max_pause=8)
     pauses = []
     for kept in ([1, 0], [0, 0], [0, 0], [0, 0], [1, 1], [0, 0]):  # of 2 sequences a step
         assert b.probing
@@ -505,6 +516,11 @@ def test_the_backoff_pauses_drafting_where_it_keeps_too_little():
     # and resets the next failure's to 3
     assert pauses == [3, 6, 8, 8, 0, 3]
     assert b.probes_failed == 5
+    # 5 sequences a step: one step reaches window_sequences and is judged alone
+    for _ in range(b.paused_for):
+        b.record(False, 5, 0)
+    b.record(True, 5, 2)  # 0.4 < 0.5
+    assert b.paused_for == 6 and b.probes_failed == 6
     with pytest.raises(ValueError, match="bad draft backoff"):
         DraftBackoff(first_pause=0)
 
@@ -570,7 +586,7 @@ def test_sampled_tokens_keep_their_distribution(tiny_llama, smollm2_tokenizer):
     one = SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_max=1,
                             prompt_lookup_min=1)
     engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=200, max_seqs=256,
-                       budget=4096, speculative=one)
+                       budget=4096, speculative=one, draft_backoff=_never_paused())
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
     counts: dict[tuple[int, ...], int] = {}
     for wave in range(4):  # 100 at a time: every decode has a spare row for its draft

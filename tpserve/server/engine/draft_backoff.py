@@ -7,10 +7,11 @@ the speed without speculation (``bench/README.md`` round 39). ``DraftBackoff`` w
 drafting keeps and pauses it where it keeps too little, so steps overlap again, then tries
 again.
 
-The rule: drafting runs in probes of ``window`` steps. A probe that kept fewer than
-``min_kept`` draft tokens per sampled sequence-step (the kept tokens a step gains over a
-plain decode step, against the overlap it loses: 5-11 % of a step there) pauses drafting
-for ``pause`` launched steps, then a new probe starts. The pause doubles with each probe in
+The rule: drafting runs in probes of ``window`` steps or ``window_sequences`` sampled
+sequence-steps, whichever comes first (a batch of 8 judges after 8 steps). A probe that
+kept fewer than ``min_kept`` draft tokens per sampled sequence-step (the kept tokens a step
+gains over a plain decode step, against the overlap it loses: 5-11 % of a step there)
+pauses drafting for ``pause`` launched steps, then a new probe starts. The pause doubles with each probe in
 a row that failed, up to ``max_pause``, and a probe that passed resets it; so a workload
 whose drafts pay drafts all the time, and one whose drafts never do drafts in about 3 % of
 its steps (``window / (window + max_pause)``). Answers do not depend on it: speculation
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 WINDOW = 32
+WINDOW_SEQUENCES = 64
 MIN_KEPT = 0.1
 FIRST_PAUSE = 64
 MAX_PAUSE = 1024
@@ -34,6 +36,7 @@ MAX_PAUSE = 1024
 @dataclass
 class DraftBackoff:
     window: int = WINDOW
+    window_sequences: int = WINDOW_SEQUENCES
     min_kept: float = MIN_KEPT
     first_pause: int = FIRST_PAUSE
     max_pause: int = MAX_PAUSE
@@ -45,7 +48,7 @@ class DraftBackoff:
     _kept: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if not (self.window >= 1 and self.min_kept >= 0
+        if not (self.window >= 1 and self.window_sequences >= 1 and self.min_kept >= 0
                 and 1 <= self.first_pause <= self.max_pause):
             raise ValueError(f"bad draft backoff {self}")
         self.pause = self.first_pause
@@ -68,7 +71,7 @@ class DraftBackoff:
         self._steps += 1
         self._sequences += sequences
         self._kept += kept
-        if self._steps < self.window:
+        if self._steps < self.window and self._sequences < self.window_sequences:
             return
         if self._kept < self.min_kept * self._sequences:
             self.paused_for = self.pause
