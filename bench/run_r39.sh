@@ -21,6 +21,13 @@ PART=${2:?fp32}
 OUT=${OUT:-/tmp/out}
 export TPSERVE_GIT_COMMIT=$SHA
 mkdir -p "$OUT" && exec > >(tee "$OUT/r39-$PART.txt") 2>&1  # the output comes back whole
+# spec MODEL DTYPE TAG OUTPUT_LEN SECONDS: spec_decode.py over 8 requests into
+# $OUT/spec-MODEL-TAG.json, its rows printed
+spec() {
+  timeout "$5" python3 bench/spec_decode.py --git-commit "$SHA" --model "$1" --dtype "$2" \
+    --requests 8 --output-len "$4" --out "$OUT/spec-$1-$3.json" 2>&1 | grep -v Warning \
+    | tail -8 | cut -c1-300 || true
+}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 if [ "$PART" = fp32 ]; then
   for dtype in float32 bfloat16; do
@@ -29,9 +36,7 @@ if [ "$PART" = fp32 ]; then
       --profile 5 --profile-tokens 1 5 2>&1 | grep -v Warning | tail -45 | cut -c1-220 || true
   done
   step "speculative decoding, qwen3-0.6b float32 (round 37: 2.41x / 2.31x)"
-  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
-    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
-    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  spec qwen3-0.6b float32 fp32 96 150
 elif [ "$PART" = verify ]; then
   step "captured graphs against eager steps (drafted chunks as decodes, and beside a prompt)"
   timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider --durations=5 \
@@ -42,22 +47,14 @@ elif [ "$PART" = verify ]; then
       --profile 5 --profile-tokens 5 2>&1 | grep -v Warning | tail -26 | cut -c1-200 || true
   done
   step "speculative decoding, qwen3-0.6b float32"
-  timeout 100 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
-    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
-    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  spec qwen3-0.6b float32 fp32 96 100
   step "speculative decoding, llama3-8b bf16 (round 36: 0.95x / 0.92x, no draft kept)"
-  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
-    --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
-    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  spec llama3-8b bfloat16 bf16 128 150
 elif [ "$PART" = backoff ]; then
   step "speculative decoding, llama3-8b bf16 (call 2: 0.95x / 0.89x, no draft kept)"
-  timeout 150 python3 bench/spec_decode.py --git-commit "$SHA" --model llama3-8b \
-    --dtype bfloat16 --requests 8 --output-len 128 --out "$OUT/spec-llama3-8b-bf16.json" \
-    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  spec llama3-8b bfloat16 bf16 128 150
   step "speculative decoding, qwen3-0.6b float32 (call 2: 1.15-2.0x)"
-  timeout 100 python3 bench/spec_decode.py --git-commit "$SHA" --model qwen3-0.6b \
-    --dtype float32 --requests 8 --output-len 96 --out "$OUT/spec-qwen3-0.6b-fp32.json" \
-    2>&1 | grep -v Warning | tail -8 | cut -c1-300 || true
+  spec qwen3-0.6b float32 fp32 96 100
 elif [ "$PART" = llama ]; then
   step "llama3-8b bfloat16: decode and drafted steps, the 5-token step profiled"
   timeout 200 python3 bench/spec_step_probe.py --model llama3-8b --dtype bfloat16 \
