@@ -36,7 +36,9 @@ token as computed and appends one placeholder, which ``_advance`` fills with the
 kept token, then appends the others through ``Scheduler.accept_draft_token`` (each
 counting the kept draft token before it as computed), applying the stop rules after each.
 The K/V written for rejected draft tokens lie past the computed tokens, in the sequence's
-own blocks, and are overwritten when those positions are computed.
+own blocks, and are overwritten when those positions are computed. The plan makes each
+position of a drafted chunk a decode (``StepPlan.build``). Drafting pauses where its probes
+keep too little (``draft_backoff.py``), and steps overlap again meanwhile.
 
 Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
 compile futures; this thread only polls them). Invariants:
