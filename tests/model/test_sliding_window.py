@@ -3,7 +3,8 @@
 equal the torch reference for windows shorter than, across and longer than the context,
 over chunked prefills and split decodes; tiny Mistral (every layer windowed) and Qwen2
 (``use_sliding_window`` from ``max_window_layers`` on) checkpoints equal transformers at
-tp 1 and 2, prefilled whole, in chunks and decoded a token at a time, in float32; and the
+tp 1 and 2, prefilled whole, in chunks, verified as a draft and decoded a token at a time,
+in float32; and the
 window no longer caps the context."""
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12, 33, 71, 140, 2, 60,
 
 @torch.no_grad()
 def _steps(group, folder: str) -> list[torch.Tensor]:
-    """Logits of every position: one whole prefill; and prefill 11 + chunk 9 + decodes."""
+    """Logits of every position: one whole prefill; and prefill 11 + chunk 9 + a drafted
+    chunk of 5 (every position sampled: each a decode of its own length,
+    ``StepPlan.build``) + decodes."""
     model, comm = load(folder, group)
     pool = new_pool(model, comm)
     blocks = list(range(4))
@@ -100,8 +103,9 @@ def _steps(group, folder: str) -> list[torch.Tensor]:
     pool = new_pool(model, comm)
     parts = [run(model, pool, [SeqChunk(TOKENS[:11], 0, blocks, True)], all_logits=True),
              run(model, pool, [SeqChunk(TOKENS[11:20], 11, blocks, True)], all_logits=True)]
+    parts.append(run(model, pool, [SeqChunk(TOKENS[20:25], 20, blocks, True, sample_rows=5)]))
     parts += [run(model, pool, [SeqChunk([t], p, blocks, True)])
-              for p, t in enumerate(TOKENS[20:], start=20)]
+              for p, t in enumerate(TOKENS[25:], start=25)]
     return [whole, torch.cat(parts)]
 
 
