@@ -1,13 +1,15 @@
 """Speculative decoding (``--speculative-config``, method "ngram") through a real ``tpserve
 serve`` of the embedded SmolLM2 at tp 2 (gloo ranks), driven by the real openai client:
 greedy answers equal the model's greedy tokens without speculation, streamed or not, a stop
-string inside a kept draft ends the text there, drafts are kept (/metrics), and every
-block is back in the pool afterwards."""
+string inside a kept draft ends the text there, drafts are kept (/metrics, by position
+too), and every block is back in the pool afterwards."""
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.model.util import greedy, load
@@ -50,9 +52,28 @@ def test_greedy_answers_are_the_models_without_speculation(server, smollm2_path,
                                          temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == want[0]
     drafted = server.metric("spec_decode_num_draft_tokens_total")
-    assert 0 < server.metric("spec_decode_num_accepted_tokens_total") <= drafted
-    assert server.metric("spec_decode_num_drafts_total") <= drafted
+    accepted = server.metric("spec_decode_num_accepted_tokens_total")
+    drafts = server.metric("spec_decode_num_drafts_total")
+    assert 0 < accepted <= drafted and drafts <= drafted
+    # vLLM's per-position counter: position j counts drafts whose first j + 1 tokens were
+    # kept, so it never grows with j; the positions sum to the kept tokens
+    per_pos = _per_position(server)
+    assert sorted(per_pos) == [0, 1, 2, 3]
+    counts = [per_pos[j] for j in range(4)]
+    assert drafts >= counts[0] > 0 and counts == sorted(counts, reverse=True)
+    assert sum(counts) == accepted
     server.wait_pool_free()
+
+
+def _per_position(server) -> dict[int, float]:
+    """``tpserve:spec_decode_num_accepted_tokens_per_pos_total`` by its position label."""
+    found = {}
+    for line in httpx.get(server.base + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'tpserve:spec_decode_num_accepted_tokens_per_pos_total\{.*'
+                     r'position="(\d+)".*\} (\S+)$', line)
+        if m:
+            found[int(m[1])] = float(m[2])
+    return found
 
 
 def test_a_stop_string_inside_a_kept_draft_ends_the_text_there(server):

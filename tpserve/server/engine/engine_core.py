@@ -164,8 +164,12 @@ class EngineCore:
         self.speculative = engine.speculative
         self.async_scheduling = engine.async_scheduling
         self.backoff = None
+        # kept draft tokens by their position in the draft (vLLM's
+        # spec_decode_num_accepted_tokens_per_pos): a kept token's predecessors were kept
+        self.accepted_per_pos: list[int] = []
         if engine.speculative is not None:
             self.backoff = draft_backoff or DraftBackoff()
+            self.accepted_per_pos = [0] * engine.speculative.num_speculative_tokens
             logger.info("speculative decoding: %s; steps run synchronously while drafting, "
                         "which pauses where fewer than %s draft tokens a sequence and step "
                         "are kept", engine.speculative.describe(), self.backoff.min_kept)
@@ -515,6 +519,8 @@ class EngineCore:
                 c["spec_decode_num_drafts_total"] += 1
                 c["spec_decode_num_draft_tokens_total"] += len(draft)
                 c["spec_decode_num_accepted_tokens_total"] += len(kept) - 1
+                for j in range(len(kept) - 1):
+                    self.accepted_per_pos[j] += 1
             first = seq.first_token_time is None
             if first:
                 seq.first_token_time = time.monotonic()
@@ -587,6 +593,8 @@ class EngineCore:
             "device_memory_free_bytes": self.budget.free,
             "step_token_budget": self.budget.budget,
             **self.counters,
+            **({"spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+               if self.speculative is not None else {}),
             **self.scheduler.counters,
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
             # other threads call this: ``running`` and ``waiting`` are copied in one C call

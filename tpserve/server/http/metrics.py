@@ -75,6 +75,10 @@ ENGINE_COUNTERS = {
                                       "(tpserve's draft backoff).",
 }
 
+# stats() key of the kept draft tokens by position (a list): one counter a position, the
+# "position" label as vLLM's
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -110,6 +114,14 @@ class EngineStatsCollector(Collector):
                 family.add_metric([self.model_name], float(values[key]))
             if values is None or family.samples:
                 yield family
+        per_pos = None if values is None else values.get(PER_POSITION)
+        if values is None or per_pos is not None:
+            family = CounterMetricFamily(
+                PREFIX + PER_POSITION, "Speculative decoding: draft tokens kept, by their "
+                "position in the draft (0: the first).", labels=(*LABELS, "position"))
+            for j, n in enumerate(per_pos or ()):
+                family.add_metric([self.model_name, str(j)], float(n))
+            yield family
         for key, (_, doc) in ENGINE_HISTOGRAMS.items():
             family = HistogramMetricFamily(PREFIX + key, doc, labels=LABELS)
             read = None if values is None else read_histogram(values, key)
