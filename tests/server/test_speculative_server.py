@@ -6,11 +6,11 @@ too), and every block is back in the pool afterwards."""
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.model.util import greedy, load
 from tests.server.engine.test_speculative import COUNTING
@@ -67,13 +67,10 @@ def test_greedy_answers_are_the_models_without_speculation(server, smollm2_path,
 
 def _per_position(server) -> dict[int, float]:
     """``tpserve:spec_decode_num_accepted_tokens_per_pos_total`` by its position label."""
-    found = {}
-    for line in httpx.get(server.base + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r'tpserve:spec_decode_num_accepted_tokens_per_pos_total\{.*'
-                     r'position="(\d+)".*\} (\S+)$', line)
-        if m:
-            found[int(m[1])] = float(m[2])
-    return found
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    return {int(sample.labels["position"]): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "tpserve:spec_decode_num_accepted_tokens_per_pos_total"}
 
 
 def test_a_stop_string_inside_a_kept_draft_ends_the_text_there(server):
