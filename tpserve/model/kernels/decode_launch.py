@@ -26,22 +26,22 @@ MIN_TOKENS_PER_SPLIT = 128
 class DecodeLaunch(NamedTuple):
     """Tile and launch of ``_decode_split_kernel`` (tuning only: results do not depend on
     them beyond rounding; ``fp16_dot`` and ``late_widen`` apply to an FP8 cache:
-    ``late_widen`` transposes the e4m3 K tile before widening it, so the compiler may
-    widen in the matmul operand's registers instead of staging a widened copy; ``swap_qk``
+    ``late_widen`` transposes the e4m3 K tile before widening it, so the compiler may widen
+    in the matmul operand's registers instead of staging a widened copy; ``swap_qk``
     computes the scores transposed, ``K q^T``, so the widened K tile is the matmul's first
     operand, which Hopper's tensor cores may read from registers; ``heads_first`` orders the
     grid KV head fastest, so the programs of one sequence run together and read whole token
     rows of the cache; ``scale_v`` (with ``fp16_dot``) multiplies the widened V tile by the
-    V scale, see ``triton_decode_attention``'s docstring). ``target_programs`` is the grid size
-    ``decode_num_splits`` adds splits towards for this launch. ``lazy_rescale`` (for
-    one-warp programs, where the test is warp-uniform): the running maximum, and with it
-    the rescaling of the accumulator and sum, moves only when a tile's scores exceed it by
-    more than ``LAZY_TAU`` (log2 units), so most tiles skip ``BLOCK_G x HEAD_DIM`` multiplies;
-    probabilities then stay below ``2**LAZY_TAU`` (exact in fp16 and float32 alike).
-    ``fma``: the products as float32 broadcast multiplies and sums over
-    ``next_pow2(GROUP)`` rows (not over an FP8 cache; ``triton_decode_attention``'s docstring).
-    ``min_split_tokens``: the fewest keys of the longest sequence a split is given
-    (``decode_num_splits``); it and ``target_programs`` choose the split count only
+    V scale, see ``triton_decode_attention``'s docstring). ``target_programs`` is the grid
+    size ``decode_num_splits`` adds splits towards for this launch. ``lazy_rescale`` (for
+    one-warp programs, where the test is warp-uniform): the running maximum, and with it the
+    rescaling of the accumulator and sum, moves only when a tile's scores exceed it by more
+    than ``triton_decode_attention.LAZY_TAU`` (log2 units), so most tiles skip
+    ``BLOCK_G x HEAD_DIM`` multiplies; probabilities then stay below ``2**LAZY_TAU`` (exact
+    in fp16 and float32 alike). ``fma``: the products as float32 broadcast multiplies and sums over
+    ``next_pow2(GROUP)`` rows (not over an FP8 cache; ``triton_decode_attention``'s
+    docstring). ``min_split_tokens``: the fewest keys of the longest sequence a split is
+    given (``decode_num_splits``); it and ``target_programs`` choose the split count only
     (``SPLIT_FIELDS``).
     ``maxnreg`` caps the registers a thread (ptxas spills past it) so more programs fit on
     an SM; ``None`` leaves the compiler's choice. ``bt_ahead`` loads a tile's block-table

@@ -269,14 +269,14 @@ def decode_attention(
     ``num_splits`` must be a power of two; no host synchronisation happens here. The tile
     and launch keywords are tuning knobs (results do not depend on them beyond rounding);
     left ``None`` they take the measured launch of the cache dtype and grid
-    (``default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32
+    (``decode_launch.default_launch``; its split count is ``default_num_splits``). ``kv_scale`` (float32
     ``[2]``, K then V) is required for an FP8 cache, else ignored. ``fp16_dot`` (FP8 cache,
     16-bit q only): the matmuls take fp16 operands (q pre-scaled, e4m3 widened to fp16
     exactly) instead of q's dtype; ``scale_v`` (with it): the V scale goes into the widened
     V tile instead of the output; ``lazy_rescale``, ``maxnreg``, ``bt_ahead``, ``fma``: see
-    ``DecodeLaunch``. ``partials``: the
-    split scratch (``split_partials``) when the caller allocated it, e.g. before running
-    this on another stream; None allocates it here. A sequence of length 0 leaves its rows
+    ``decode_launch.DecodeLaunch``. ``partials``: the split scratch (``split_partials``)
+    when the caller allocated it, e.g. before running this on another stream; None
+    allocates it here. A sequence of length 0 leaves its rows
     of ``out`` as they were. ``window``: a sliding window, each query over its sequence's
     last ``window`` keys (the splits share those keys' tiles out). ``softcap``: Gemma 2's
     logit cap c (None: off; else > 0), each logit ``s`` becoming ``c tanh(s / c)``.
