@@ -27,6 +27,7 @@ from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.draft_backoff import DraftBackoff
+from tpserve.server.engine.drafting import Drafting
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence
@@ -307,7 +308,7 @@ def test_greedy_tokens_are_those_without_speculation_in_fewer_steps(
                                num_blocks=60, max_seqs=16)
     assert _answers(spec) == _answers(base)
     assert all(o[-1].num_output_tokens == 40 for o in spec)
-    c = engine.counters
+    c = engine.stats()
     assert c["generation_tokens_total"] == 6 * 40
     assert 0 < c["spec_decode_num_accepted_tokens_total"] < c[
         "spec_decode_num_draft_tokens_total"]
@@ -351,7 +352,7 @@ def test_every_sampling_option_keeps_its_answer(tiny_llama, smollm2_tokenizer, n
     engine, spec, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, SPEC,
                            num_blocks=60, max_seqs=16)
     assert _answers(spec, n) == _answers(base, n)
-    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.drafting.counters["spec_decode_num_accepted_tokens_total"] > 0
     if eos is not None:
         first = _answers(spec)[0]
         assert first[2] == "stop" and first[3] == eos and len(first[0]) >= 12
@@ -381,7 +382,7 @@ def test_stop_strings_and_length_end_where_they_do_without_speculation(
     assert [a[2] for a in runs[1]] == ["stop", "stop", "length", "length"]
     assert [a[3] for a in runs[1][:2]] == stops[:2]
     assert runs[1][3][0] == tokens_of(base[3])[:13] and len(runs[1][2][0]) == 16
-    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.drafting.counters["spec_decode_num_accepted_tokens_total"] > 0
 
 
 COUNTING = "one two three four five six seven eight nine ten, " * 2 + "one two three four"
@@ -413,7 +414,7 @@ def test_a_stop_string_inside_a_kept_draft_drops_the_tokens_after_it(
     assert smollm2_tokenizer.decode(tokens) == " five six seven eight"
     assert [len(d.token_ids) for x in outs for d in x.deltas] == [1, 3]
     assert steps < base_steps
-    assert engine.counters["spec_decode_num_accepted_tokens_total"] >= 2
+    assert engine.drafting.counters["spec_decode_num_accepted_tokens_total"] >= 2
 
 
 def test_preemption_and_prefix_hits_keep_every_token(tiny_llama, smollm2_tokenizer):
@@ -437,7 +438,7 @@ def test_preemption_and_prefix_hits_keep_every_token(tiny_llama, smollm2_tokeniz
         assert engine.scheduler.counters["prefix_cache_hits_total"] > 0
         results.append((_answers(outs), _answers(outs2)))
     assert results[1] == results[0]
-    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.drafting.counters["spec_decode_num_accepted_tokens_total"] > 0
 
 
 def test_seeded_sampling_draws_as_without_speculation(tiny_llama, smollm2_tokenizer):
@@ -451,11 +452,11 @@ def test_seeded_sampling_draws_as_without_speculation(tiny_llama, smollm2_tokeni
     engine, spec, _ = _run(tiny_llama, smollm2_tokenizer, prompts, params, SPEC,
                            num_blocks=60, max_seqs=16)
     assert _answers(spec) == _answers(base)
-    assert engine.counters["spec_decode_num_drafts_total"] > 0
+    assert engine.drafting.counters["spec_decode_num_drafts_total"] > 0
     engine, alone, _ = _run(tiny_llama, smollm2_tokenizer, prompts[:1], params[:1], SPEC,
                             num_blocks=60, max_seqs=16)
     assert _answers(alone) == _answers(base)[:1]
-    assert engine.counters["spec_decode_num_drafts_total"] == 0
+    assert engine.drafting.counters["spec_decode_num_drafts_total"] == 0
 
 
 def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_tokenizer):
@@ -487,7 +488,7 @@ def test_above_disable_by_batch_size_nothing_is_drafted(tiny_llama, smollm2_toke
     run_to_end(engine)
     assert _answers(outs) == _answers(base)
     assert asked and max(asked) <= 2
-    assert engine.counters["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.drafting.counters["spec_decode_num_accepted_tokens_total"] > 0
     assert max(pending) > 0  # steps overlapped while six or more ran
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
@@ -525,6 +526,33 @@ def test_the_backoff_pauses_drafting_where_it_keeps_too_little():
         DraftBackoff(first_pause=0)
 
 
+def test_drafting_counts_what_drafts_keep_and_judges_each_step_by_its_own():
+    """``Drafting``: vLLM's counters and the per-position counts from each verified draft;
+    a step hands the backoff the tokens kept since the step before, so a probe is judged
+    by its own steps; paused steps are counted; ``disable_by_batch_size`` bounds drafting
+    apart from the backoff."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2,
+                             prompt_lookup_min=1, disable_by_batch_size=4)
+    d = Drafting(spec, DraftBackoff(window=1, window_sequences=8, min_kept=1,
+                                    first_pause=2, max_pause=2))
+    assert d.may_draft(4) and not d.may_draft(5)
+    d.record(3, 2)
+    d.record(2, 0)
+    d.end_step(True, 2)  # 2 kept of 2 sequences: passes
+    assert d.may_draft(1)
+    d.record(3, 3)
+    d.end_step(True, 4)  # 3 of 4: fails, although 5 were kept over both steps
+    assert not d.may_draft(1)
+    d.end_step(False, 4)
+    d.end_step(False, 4)
+    assert d.may_draft(1)
+    assert d.stats() == {"spec_decode_num_drafts_total": 3,
+                         "spec_decode_num_draft_tokens_total": 8,
+                         "spec_decode_num_accepted_tokens_total": 5,
+                         "spec_decode_paused_steps_total": 2,
+                         "spec_decode_num_accepted_tokens_per_pos": [2, 2, 1]}
+
+
 def test_paused_drafting_overlaps_steps_and_keeps_every_answer(tiny_llama,
                                                               smollm2_tokenizer):
     """An engine whose probes always fail (``min_kept`` above any step's gain) drafts in
@@ -547,10 +575,10 @@ def test_paused_drafting_overlaps_steps_and_keeps_every_answer(tiny_llama,
     outs = [submit(engine, f"r{i}", p, params) for i, p in enumerate(prompts)]
     run_to_end(engine)
     assert _answers(outs) == _answers(base)
-    c = engine.counters
-    assert c["spec_decode_num_drafts_total"] > 0 and engine.backoff.probes_failed >= 3
+    c = engine.stats()
+    assert c["spec_decode_num_drafts_total"] > 0 and engine.drafting.backoff.probes_failed >= 3
     # after the prefill step, probes of 3 steps and pauses of 5 alternate
-    assert c["spec_decode_paused_steps_total"] >= 5 * (engine.backoff.probes_failed - 1)
+    assert c["spec_decode_paused_steps_total"] >= 5 * (engine.drafting.backoff.probes_failed - 1)
     assert max(pending) > 0  # paused steps overlapped
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
@@ -595,7 +623,7 @@ def test_sampled_tokens_keep_their_distribution(tiny_llama, smollm2_tokenizer):
         for o in outs:
             key = tuple(tokens_of(o))
             counts[key] = counts.get(key, 0) + 1
-    c = engine.counters
+    c = engine.stats()
     assert 0 < c["spec_decode_num_accepted_tokens_total"] < c[
         "spec_decode_num_draft_tokens_total"] <= 400
     assert set(counts) <= set(want)

@@ -27,7 +27,7 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
 Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while it drafts
-(``_drafting``), each step is finalized as soon as it is launched, and a step in flight
+(``Drafting.may_draft``, ``drafting.py``), each step is finalized as soon as it is launched, and a step in flight
 from before is finalized before the next is scheduled (no placeholders), so a decode's
 draft is looked up in tokens all read back, and a drafted sequence's next input is its
 last kept token, never a pending row. A drafted chunk is the sequence's last token and its
@@ -38,7 +38,8 @@ counting the kept draft token before it as computed), applying the stop rules af
 The K/V written for rejected draft tokens lie past the computed tokens, in the sequence's
 own blocks, and are overwritten when those positions are computed. The plan makes each
 position of a drafted chunk a decode (``StepPlan.build``). Drafting pauses where its probes
-keep too little (``draft_backoff.py``), and steps overlap again meanwhile.
+keep too little (``draft_backoff.py``), and steps overlap again meanwhile; ``Drafting``
+counts what drafts kept.
 
 Grammars are compiled off the engine thread (``GrammarCompiler`` owns the worker and the
 compile futures; this thread only polls them). Invariants:
@@ -97,6 +98,7 @@ from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.draft_backoff import DraftBackoff
+from tpserve.server.engine.drafting import Drafting
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.inflight import (
@@ -159,20 +161,13 @@ class EngineCore:
         self.block_manager = BlockManager(runner.kv_pool.num_blocks, scheduler.block_size,
                                           scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.block_manager)
-        # speculative decoding (``speculative.py``): a draft needs the step before's
-        # tokens, so while drafting, steps are finalized before the next is scheduled
-        self.speculative = engine.speculative
+        # speculative decoding (``drafting.py``): a draft needs the step before's tokens,
+        # so while drafting, steps are finalized before the next is scheduled
         self.async_scheduling = engine.async_scheduling
-        self.backoff = None
-        # kept draft tokens by their position in the draft (vLLM's
-        # spec_decode_num_accepted_tokens_per_pos): a kept token's predecessors were kept
-        self.accepted_per_pos: list[int] = []
+        self.drafting = None
         if engine.speculative is not None:
-            self.backoff = draft_backoff or DraftBackoff()
-            self.accepted_per_pos = [0] * engine.speculative.num_speculative_tokens
-            logger.info("speculative decoding: %s; steps run synchronously while drafting, "
-                        "which pauses where fewer than %s draft tokens a sequence and step "
-                        "are kept", engine.speculative.describe(), self.backoff.min_kept)
+            self.drafting = Drafting(engine.speculative, draft_backoff)
+            logger.info(self.drafting.describe())
         self._inflight: InFlight | None = None
         self.sampler = Sampler(runner.cfg.seed, runner.device)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
@@ -202,11 +197,7 @@ class EngineCore:
                          "num_preemptions_total": 0, "steps_total": 0,
                          "oom_recoveries_total": 0, "step_host_seconds_total": 0.0,
                          "device_wait_seconds_total": 0.0,
-                         "grammar_wait_seconds_total": 0.0,
-                         "spec_decode_num_drafts_total": 0,
-                         "spec_decode_num_draft_tokens_total": 0,
-                         "spec_decode_num_accepted_tokens_total": 0,
-                         "spec_decode_paused_steps_total": 0}
+                         "grammar_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
 
@@ -312,7 +303,8 @@ class EngineCore:
         self.budget.refresh()
         self._admit_ready()
         prev = self._inflight
-        drafting = self._drafting()  # a draft needs every token read back
+        drafting = (self.drafting is not None  # a draft needs every token read back
+                    and self.drafting.may_draft(self.scheduler.num_running))
         if prev is not None and (drafting or not self._can_overlap()):
             self._finish_inflight()
             prev = None
@@ -376,14 +368,10 @@ class EngineCore:
                          if s.status is SequenceStatus.RUNNING
                          and s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER}
         self._inflight = launched
-        kept = self.counters["spec_decode_num_accepted_tokens_total"]
         if not self.async_scheduling or drafting:  # a drafted step's next inputs are its
             self._finish_inflight()  # last kept tokens, never a pending row
-        if self.backoff is not None:
-            if not self.backoff.probing:
-                self.counters["spec_decode_paused_steps_total"] += 1
-            self.backoff.record(drafting, len(sampling),
-                                self.counters["spec_decode_num_accepted_tokens_total"] - kept)
+        if self.drafting is not None:
+            self.drafting.end_step(drafting, len(sampling))
         if self.check_integrity:
             self.scheduler.check_integrity()
             self.block_manager.check_integrity()
@@ -444,19 +432,10 @@ class EngineCore:
                 gen.set_state(state)
             return None
 
-    def _drafting(self) -> bool:
-        """Whether this step may draft: speculation is on, its backoff is not pausing it
-        (``draft_backoff.py``) and at most its ``disable_by_batch_size`` sequences run
-        (otherwise steps overlap again)."""
-        spec = self.speculative
-        return (spec is not None and self.backoff.probing
-                and (spec.disable_by_batch_size is None
-                     or self.scheduler.num_running <= spec.disable_by_batch_size))
-
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """A decoding sequence's draft (``speculative.draft_for``)."""
         seeded = self.requests[seq.request_id].generators[seq.index] is not None
-        return draft_for(seq, self.speculative, self.max_model_len, seeded)
+        return draft_for(seq, self.drafting.config, self.max_model_len, seeded)
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
@@ -515,12 +494,7 @@ class EngineCore:
             draft = flight.drafts.get(seq.seq_id, ())
             kept = kept_tokens(draft, result.token_ids[row:row + len(draft) + 1])
             if draft:
-                c = self.counters
-                c["spec_decode_num_drafts_total"] += 1
-                c["spec_decode_num_draft_tokens_total"] += len(draft)
-                c["spec_decode_num_accepted_tokens_total"] += len(kept) - 1
-                for j in range(len(kept) - 1):
-                    self.accepted_per_pos[j] += 1
+                self.drafting.record(len(draft), len(kept) - 1)
             first = seq.first_token_time is None
             if first:
                 seq.first_token_time = time.monotonic()
@@ -593,8 +567,7 @@ class EngineCore:
             "device_memory_free_bytes": self.budget.free,
             "step_token_budget": self.budget.budget,
             **self.counters,
-            **({"spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
-               if self.speculative is not None else {}),
+            **({} if self.drafting is None else self.drafting.stats()),
             **self.scheduler.counters,
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
             # other threads call this: ``running`` and ``waiting`` are copied in one C call

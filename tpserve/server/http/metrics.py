@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tpserve.server.engine.drafting import PER_POSITION  # a list: one counter a position
 from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.memory_metrics import memory_families
@@ -75,9 +76,6 @@ ENGINE_COUNTERS = {
                                       "(tpserve's draft backoff).",
 }
 
-# stats() key of the kept draft tokens by position (a list): one counter a position, the
-# "position" label as vLLM's
-PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
