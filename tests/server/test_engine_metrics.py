@@ -1,5 +1,6 @@
 """vLLM's engine metrics on a real server (embedded SmolLM2), in both process layouts:
-prefix-cache queries and hits, request queue/prefill/decode times, tokens per step."""
+prefix-cache queries and hits, request queue/prefill/decode times, tokens per step; no
+speculative-decoding counters while speculation is off."""
 
 from __future__ import annotations
 
@@ -61,3 +62,6 @@ def test_prefix_cache_and_request_time_metrics(server):
     assert grew["iteration_tokens_total_sum"] >= len(tokens[0]) + len(tokens[1]) - expected_hits
     for name in ENGINE_HISTOGRAMS:
         assert grew[f"{name}_count"] == 2, name
+    # as vLLM's, the speculative-decoding counters exist only while speculation is on
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    assert "tpserve:spec_decode" not in text and "tpserve:steps_total" in text
