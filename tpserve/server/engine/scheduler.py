@@ -264,10 +264,10 @@ class Scheduler:
         if propose is not None:
             self._add_drafts(scheduled, budget, propose)
 
-        decodes = [s for s in scheduled if _is_decode(s.seq, s.num_new_tokens)]
-        drafted = [s for s in scheduled if s.draft]
-        prefills = [s for s in scheduled
-                    if not s.draft and not _is_decode(s.seq, s.num_new_tokens)]
+        decodes, drafted, prefills = groups = ([], [], [])  # in that order, each in rank
+        for item in scheduled:  # order
+            groups[0 if _is_decode(item.seq, item.num_new_tokens) else 1 if item.draft
+                   else 2].append(item)
         return SchedulerOutput(
             scheduled=decodes + drafted + prefills,
             preempted=preempted,
