@@ -105,7 +105,7 @@ class _Front(EngineFront):
     dead_reason = None
 
     def __init__(self, transport: PipeTransport):
-        self._init_front(transport, "m", 16, None, 10, 1, 16, 0, 0)
+        self._init_front(transport, "m", 16, None, 10, 1, 16, 0, 0, frozenset())
 
 
 def test_an_unanswered_query_times_out_and_is_forgotten():

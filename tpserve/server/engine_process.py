@@ -199,7 +199,8 @@ def _run(cfg: Config, commands: Connection, outputs: Connection) -> int:
     outbox.send(("ready", {
         "max_model_len": core.max_model_len, "vocab_size": r.model_config.vocab_size,
         "model": r.ckpt.description, "tp": r.comm.world_size, "device": str(r.device),
-        "kv_blocks": r.kv_pool.num_blocks, "stats": engine_stats(core)}))
+        "kv_blocks": r.kv_pool.num_blocks, "eos_token_ids": sorted(core.eos_token_ids),
+        "stats": engine_stats(core)}))
     steps.start()
     died = on_worker_failure.bind(steps.fail)  # its on_fatal sends "dead"
     if died:

@@ -139,7 +139,8 @@ class EngineProxy(EngineFront):
         self._init_front(self._pipe, cfg.served_model_name, info["max_model_len"], tokenizer,
                          info["vocab_size"], cfg.scheduler.max_num_seqs,
                          cfg.scheduler.max_num_batched_tokens,
-                         cfg.engine.max_num_queued_requests, cfg.engine.max_num_queued_tokens)
+                         cfg.engine.max_num_queued_requests, cfg.engine.max_num_queued_tokens,
+                         frozenset(info["eos_token_ids"]))
         logger.info("engine process %d ready: %s, tp %d on %s, %d KV blocks",
                     self._proc.pid, info["model"], info["tp"], info["device"],
                     info["kv_blocks"])

@@ -37,6 +37,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.sequence = tokenizer.encode(TEXT, add_special_tokens=False)
         self.vocab_size = len(tokenizer)
+        self.eos_token_ids = frozenset({tokenizer.eos_token_id})
         self.reset()
 
     def reset(self) -> None:

@@ -364,7 +364,7 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "priority": 1}, "priority"),
-    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "use_beam_search": True, "top_k": 5}, "top_k"),
     ({"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1, 49152]}, "allowed_token_ids"),

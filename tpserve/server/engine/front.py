@@ -71,12 +71,14 @@ class EngineFront:
     def _init_front(self, transport: EngineTransport, model_name: str, max_model_len: int,
                     tokenizer: Any,
                     vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    max_queued_requests: int, max_queued_tokens: int) -> None:
+                    max_queued_requests: int, max_queued_tokens: int,
+                    eos_token_ids: frozenset[int]) -> None:
         self.transport = transport
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.accepting = True
         # backpressure: requests (and their prompt tokens, times n) accepted but not yet
         # finished, beyond what one step can run; touched only on the event loop thread

@@ -336,7 +336,7 @@ class AsyncEngine(EngineFront):
         self._init_front(StepLoopTransport(self.steps), model_name, core.max_model_len,
                          core.tokenizer, core.runner.model_config.vocab_size,
                          core.scheduler.config.max_num_seqs, core.max_num_batched_tokens,
-                         max_queued_requests, max_queued_tokens)
+                         max_queued_requests, max_queued_tokens, core.eos_token_ids)
 
     @property
     def dead_reason(self) -> str | None:

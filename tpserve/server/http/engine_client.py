@@ -22,6 +22,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int  # the width of the model's logits (token ids the sampler knows)
+    eos_token_ids: frozenset[int]  # the ids that end a sequence unless ignore_eos
     tokenizer: Any
     accepting: bool
     dead_reason: str | None

@@ -19,17 +19,26 @@ from tpserve.server.http.metrics import RequestTracker
 T = TypeVar("T")
 
 
-async def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list[int],
-                         params: SamplingParams, tracker: RequestTracker,
-                         record: AccessRecord | None = None) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request, ending with the finished one (whose token
-    counts go into ``record`` for the access log).
+def engine_outputs(engine: EngineClient, request_id: str, prompt_ids: list[int],
+                   params: SamplingParams, tracker: RequestTracker,
+                   record: AccessRecord | None = None) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, ending with the finished one (``tracked``).
 
     Stopping early (``aclose()``, cancellation, an error output) closes the engine's
     generator; the engine aborts the request then, exactly once (``EngineClient``): the
     engine is the one owner of abort.
     """
-    outputs = engine.generate(request_id, prompt_ids, params)
+    return tracked(engine.generate(request_id, prompt_ids, params), request_id, tracker,
+                   record)
+
+
+async def tracked(outputs: AsyncIterator[RequestOutput], request_id: str,
+                  tracker: RequestTracker, record: AccessRecord | None = None
+                  ) -> AsyncIterator[RequestOutput]:
+    """``outputs`` (one request's: the engine's, or a beam search's) up to the finished
+    one, each observed by ``tracker``; the finished one's token counts go into ``record``
+    for the access log. An error output raises ``EngineError``; ``outputs`` is closed
+    however this ends."""
     try:
         async for out in outputs:
             if out.error:

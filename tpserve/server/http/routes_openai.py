@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
+from tpserve.server.http.beam_search import beam_search, check_beam_search
 from tpserve.server.http.echo import Echo, plan_echo
 from tpserve.server.http.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
-from tpserve.server.http.generation import engine_outputs, unless_disconnected
+from tpserve.server.http.generation import engine_outputs, tracked, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.metrics import RequestTracker
@@ -130,9 +131,11 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                  echo: Echo | None = None, chat_echo: str | None = None,
                  reasoning: ReasoningPlan | None = None, answer: Answer | None = None,
                  role: str = "assistant") -> Response:
-    """Runs the request (one engine request per prompt) and answers it, streamed or
-    whole: as its endpoint does, or as ``answer`` says."""
+    """Runs the request (one engine request per prompt, or a beam search of each:
+    ``http/beam_search.py``) and answers it, streamed or whole: as its endpoint does, or
+    as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique
+    check_beam_search(body, prompts[0][1], state.max_logprobs)  # the same for every prompt
     adapter = state.adapter(model)
     if adapter is not None:  # the adapter the request named
         prompts = [(ids, replace(p, lora_slot=adapter.slot, lora_id=adapter.lora_id))
@@ -155,13 +158,18 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     if echo is not None and echo.only:  # the prompt alone: its one sampled token is dropped
         record.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         record.completion_tokens, counted = 0, None
+    def run(rid: str, ids: list[int], p: SamplingParams, track: RequestTracker
+            ) -> AsyncIterator[RequestOutput]:
+        if body.use_beam_search:
+            return tracked(beam_search(state.engine, rid, ids, p, body.length_penalty), rid,
+                           track, counted)
+        return engine_outputs(state.engine, rid, ids, p, track, counted)
+
     if len(prompts) == 1:
-        outputs = engine_outputs(state.engine, request_id, prompts[0][0], params, tracker,
-                                 counted)
+        outputs = run(request_id, prompts[0][0], params, tracker)
     else:
         outputs = merged_outputs(request_id, [
-            engine_outputs(state.engine, f"{request_id}-{k}", ids, p,
-                           tracker if k == 0 else state.metrics.track(), counted)
+            run(f"{request_id}-{k}", ids, p, tracker if k == 0 else state.metrics.track())
             for k, (ids, p) in enumerate(prompts)], params.n)
     if body.return_tokens_as_token_ids:
         outputs = tokens_named_by_id(outputs)

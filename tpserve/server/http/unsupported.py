@@ -14,9 +14,11 @@ Decided per field of OpenAI's completions and chat completions APIs:
 
 vLLM's own request fields that need machinery this server does not have are refused the
 same way when set to anything but their no-op value: ``priority`` (only 0, unless the
-server runs ``--scheduling-policy priority``), ``use_beam_search``, ``length_penalty`` (beam search's), ``logits_processors``,
+server runs ``--scheduling-policy priority``), ``logits_processors``,
 ``kv_transfer_params``, ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
 ``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
+Beam search's fields (``use_beam_search``, ``length_penalty``) are checked by
+``http/beam_search.py``.
 """
 
 from __future__ import annotations
@@ -47,10 +49,6 @@ def _noop_value(field: str, value: Any) -> bool:
         return value is False
     if field == "priority":
         return value == 0
-    if field == "use_beam_search":
-        return value is False
-    if field == "length_penalty":
-        return value == 1.0
     if field in ("logits_processors", "kv_transfer_params", "vllm_xargs", "background",
                  "include", "top_logprobs"):
         return not value
@@ -85,8 +83,6 @@ CHAT_REFUSED = {
 VLLM_REFUSED = {
     "priority": "priority other than 0 needs --scheduling-policy priority: this server "
                 "serves requests first come, first served",
-    "use_beam_search": "beam search (use_beam_search) is not supported",
-    "length_penalty": "length_penalty (beam search) is not supported",
     "logits_processors": "logits_processors are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
