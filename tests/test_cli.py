@@ -301,8 +301,9 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--max-mixed-tokens", "0"], "--max-mixed-tokens must be >= 1"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
     (["--dtype", "int3"], "unknown --dtype 'int3'"),
-    (["--data-parallel-size", "2"], "--data-parallel-size 2: data parallelism is not "
-                                    "supported; run one tpserve per replica"),
+    (["--data-parallel-size", "2", "--no-engine-process"],
+     "--data-parallel-size 2 needs the engine process"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: not "
                                                 "supported .*; accepted: mp, uni"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: not supported"),

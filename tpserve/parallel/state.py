@@ -22,15 +22,21 @@ from tpserve.parallel.rendezvous import LOOPBACK, is_local
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel layout, validated at start-up."""
+    """Tensor-parallel layout, validated at start-up: ``data_parallel_size`` engine
+    replicas (``server/data_parallel.py``), each sharding the model over
+    ``tensor_parallel_size`` ranks."""
 
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 120.0
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective timeout must be positive")
 

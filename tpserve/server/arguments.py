@@ -78,6 +78,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a repository id as --tokenizer: its branch, tag or commit")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="number of ranks (GPUs) the model is sharded over")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each an engine process sharding the model over "
+                        "its own --tensor-parallel-size GPUs (replica r on GPUs r*tp.."
+                        "r*tp+tp-1); each request goes to the replica with the fewest "
+                        "requests in flight")
     p.add_argument("--tp-comm", default="allreduce", choices=["allreduce", "allgather"],
                    help="how tensor-parallel layers communicate: allreduce (every rank holds "
                         "every token; row-parallel layers all-reduce) or allgather (sequence "

@@ -46,6 +46,7 @@ from tpserve.server.engine.speculative import SpeculativeConfig
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.port import check_port_free
+from tpserve.server.replicas import check_data_parallel, plan_replicas
 from tpserve.server.tls import check_tls_files, check_tls_flags
 from tpserve.server.vllm_compat import apply_vllm_compat
 
@@ -234,7 +235,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     apply_vllm_compat(a)
     names = a.served_model_name or [None]
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
-                              collective_timeout_s=a.collective_timeout)
+                              collective_timeout_s=a.collective_timeout,
+                              data_parallel_size=a.data_parallel_size)
     engine = EngineConfig(served_model_name=names[0],
                           check_integrity=a.check_integrity,
                           max_num_queued_requests=a.max_num_queued_requests,
@@ -291,6 +293,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ValueError("--tokenizer-revision needs a repository id as --tokenizer")
     hf_overrides = canonical_overrides(a.hf_overrides)
     device = resolve_device(a.device)
+    check_data_parallel(parallel, engine.engine_process, env is not None)
+    plan_replicas(parallel, device)  # enough GPUs for every replica
     ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
                            tokenizer, a.disable_sliding_window)  # its config: no weights
     quantization = resolve_quantization(a.quantization, ckpt.quantization)

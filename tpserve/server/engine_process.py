@@ -59,12 +59,15 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from tpserve.parallel.launch import name_this_process
 from tpserve.server.config import Config
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.step_loop import HEARTBEAT_S, Item, Reply, StepLoop, engine_stats
 from tpserve.server.failure import LateBoundFailure
+from tpserve.server.replicas import ONLY, Replica
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 
 logger = logging.getLogger("tpserve")
@@ -156,10 +159,19 @@ def _read_commands(conn: Connection, steps: StepLoop, outbox: PipeOutbox) -> Non
             return
 
 
-def run_engine_process(cfg: Config, commands: Connection, outputs: Connection) -> None:
+def run_engine_process(cfg: Config, commands: Connection, outputs: Connection,
+                       replica: Replica = ONLY) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn target); exits with
-    status 0 after a requested shutdown, 1 after a failure."""
-    name_this_process("tpserve-engine")
+    status 0 after a requested shutdown, 1 after a failure. A data-parallel ``replica``
+    sees only its own GPUs (``replicas.py``), and on the CPU takes its share of the
+    cores."""
+    if replica.visible_devices is not None:  # before CUDA starts; its ranks inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = replica.visible_devices
+    if replica.count > 1 and cfg.runner.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (
+            replica.count * cfg.parallel.tensor_parallel_size)))
+    name_this_process("tpserve-engine" if replica.count == 1
+                      else f"tpserve-engine{replica.index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the HTTP process's to handle
     logging.basicConfig(level=cfg.server.log_level.upper(), format=LOG_FORMAT)
     code = 1

@@ -34,6 +34,7 @@ from tpserve.server.engine.errors import EngineDeadError
 from tpserve.server.engine.front import EngineFront, settle
 from tpserve.server.engine.step_loop import dead_error
 from tpserve.server.engine_process import run_engine_process
+from tpserve.server.replicas import ONLY, Replica
 
 logger = logging.getLogger("tpserve")
 
@@ -104,9 +105,10 @@ class PipeTransport:
 class EngineProxy(EngineFront):
     """Spawns the engine process and waits until it is ready (raises its start-up error,
     e.g. ``MemoryError`` when the model does not fit); ``start`` starts reading its
-    outputs."""
+    outputs. ``replica``: which data-parallel replica it is (``data_parallel.py``)."""
 
-    def __init__(self, cfg: Config, on_fatal: Callable[[str], None] | None = None):
+    def __init__(self, cfg: Config, on_fatal: Callable[[str], None] | None = None,
+                 replica: Replica = ONLY):
         r = cfg.runner
         # no weights are read here: the checkpoint is opened for its tokenizer (and so a
         # missing model fails before a process is spawned)
@@ -120,8 +122,9 @@ class EngineProxy(EngineFront):
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_send = ctx.Pipe(duplex=False)
         # not a daemon: it spawns the worker ranks itself
+        self.replica = replica
         self._proc = ctx.Process(target=run_engine_process, name="tpserve-engine",
-                                 args=(cfg, cmd_recv, out_send))
+                                 args=(cfg, cmd_recv, out_send, replica))
         self._proc.start()
         cmd_recv.close()  # the child's ends: its exit then shows as EOF here
         out_send.close()
@@ -141,8 +144,10 @@ class EngineProxy(EngineFront):
                          cfg.scheduler.max_num_batched_tokens,
                          cfg.engine.max_num_queued_requests, cfg.engine.max_num_queued_tokens,
                          frozenset(info["eos_token_ids"]))
-        logger.info("engine process %d ready: %s, tp %d on %s, %d KV blocks",
+        logger.info("%s process %d ready: %s, tp %d on %s%s, %d KV blocks", replica.name,
                     self._proc.pid, info["model"], info["tp"], info["device"],
+                    "" if replica.visible_devices is None
+                    else f" (CUDA_VISIBLE_DEVICES={replica.visible_devices})",
                     info["kv_blocks"])
 
     def _wait_ready(self) -> dict[str, Any]:
@@ -178,7 +183,8 @@ class EngineProxy(EngineFront):
                 self._reader.start()  # it reaps the child
             self._reader.join(timeout=timeout)
         if self._reader.is_alive():
-            logger.error("the engine process did not exit within %.0f s; killing it", timeout)
+            logger.error("the %s process did not exit within %.0f s; killing it",
+                         self.replica.name, timeout)
             self._proc.kill()
             self._reader.join(timeout=10.0)
 
@@ -191,7 +197,7 @@ class EngineProxy(EngineFront):
         """Called from any thread: the engine is dead, every request ends with an error."""
         if self.dead_reason is not None:
             return
-        logger.error("engine failed: %s", reason)
+        logger.error("%s failed: %s", self.replica.name, reason)
         self.dead_reason = reason
         self.accepting = False
         loop = self._pipe.loop
@@ -228,7 +234,7 @@ class EngineProxy(EngineFront):
         finally:
             self._proc.join(timeout=10.0)
             if not self._stopping.is_set():
-                self.fail(f"the engine process exited unexpectedly "
+                self.fail(f"the {self.replica.name} process exited unexpectedly "
                           f"(exit code {self._proc.exitcode})")
 
     def _handle(self, msg: tuple) -> None:

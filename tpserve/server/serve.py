@@ -7,7 +7,8 @@ and the process exits non-zero so that a supervisor restarts it.
 
 With ``--engine-process`` (not under torchrun) rank 0's engine runs in a child process
 instead (``engine_process``; it spawns ranks 1..N-1), and this process only serves HTTP
-through an ``EngineProxy``; failures and shutdown behave the same.
+through an ``EngineProxy``; failures and shutdown behave the same. With
+``--data-parallel-size N`` there are N such engine processes (``data_parallel``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from tpserve.model.runner import ModelRunner
 from tpserve.parallel.launch import WorkerProcesses
 from tpserve.parallel.state import TPGroup, torchrun_env
 from tpserve.server.config import Config
+from tpserve.server.data_parallel import DataParallelEngines
 from tpserve.server.engine.step_loop import AsyncEngine
 from tpserve.server.engine_proxy import EngineProxy
 from tpserve.server.exposure import exposure_warning
 from tpserve.server.failure import LateBoundFailure
 from tpserve.server.http.app import build_app
 from tpserve.server.port import check_port_free
+from tpserve.server.replicas import plan_replicas
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 from tpserve.server.stats_log import StatsLogger
 
@@ -108,11 +111,15 @@ def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
 
 def _serve_engine_process(cfg: Config, defaults: GenerationDefaults) -> int:
     status = _Exit()
-    engine = EngineProxy(cfg, status.fatal)  # raises the engine's start-up error
+    replicas = plan_replicas(cfg.parallel, cfg.runner.device)
+    # both raise the engine's start-up error
+    engine = (EngineProxy(cfg, status.fatal) if len(replicas) == 1
+              else DataParallelEngines(cfg, replicas, status.fatal))
     return _serve_http(cfg, engine, status, defaults)
 
 
-def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy, status: _Exit,
+def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy | DataParallelEngines,
+                status: _Exit,
                 defaults: GenerationDefaults) -> int:
     """Runs uvicorn over ``engine`` until a signal (drain first) or a fatal failure; then
     shuts the engine down. Returns the exit status."""

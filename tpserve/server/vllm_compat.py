@@ -52,8 +52,6 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked prefill is always on (the --no- form is refused)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="only 1: tpserve shards a model by tensor parallelism")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="only 1: run one tpserve per replica behind a load balancer")
     g.add_argument("--distributed-executor-backend", default=None,
                    help=f"{' or '.join(EXECUTOR_BACKENDS)}: tpserve's ranks are processes "
                         "(spawned, or torchrun's); ray is refused")
@@ -108,9 +106,6 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
     if a.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size {a.pipeline_parallel_size}: pipeline "
                          "parallelism is not supported; use --tensor-parallel-size")
-    if a.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size {a.data_parallel_size}: data parallelism is "
-                         "not supported; run one tpserve per replica behind a load balancer")
     _one_of("--distributed-executor-backend", a.distributed_executor_backend,
             EXECUTOR_BACKENDS, "ranks are spawned processes, or torchrun's")
     _one_of("--tokenizer-mode", a.tokenizer_mode, TOKENIZER_MODES,

@@ -654,38 +654,39 @@ def test_metrics(client, http, engine):
 
     after = metric_values(text)
     model = f'model_name="{engine.model_name}"'
+    eng = f'engine="0",{model}'  # the engine's own series, as vLLM's: one per replica
 
     def grew(key: str) -> float:
         return after[key] - before.get(key, 0.0)
 
-    assert after[f"tpserve:kv_cache_usage_perc{{{model}}}"] == 0.25
-    assert after[f"tpserve:step_token_budget{{{model}}}"] == 2048
-    assert after[f"tpserve:generation_tokens_total{{{model}}}"] == 6  # engine.reset() zeroed it
+    assert after[f"tpserve:kv_cache_usage_perc{{{eng}}}"] == 0.25
+    assert after[f"tpserve:step_token_budget{{{eng}}}"] == 2048
+    assert after[f"tpserve:generation_tokens_total{{{eng}}}"] == 6  # engine.reset() zeroed it
     assert grew(f"tpserve:e2e_request_latency_seconds_count{{{model}}}") == 2
     assert grew(f"tpserve:time_to_first_token_seconds_count{{{model}}}") == 2
     assert grew(f"tpserve:inter_token_latency_seconds_count{{{model}}}") == 4
     assert grew(f"tpserve:request_generation_tokens_sum{{{model}}}") == 6
     assert grew(f'tpserve:request_success_total{{finished_reason="length",{model}}}') == 2
     # vLLM's prefix-cache counters and the histograms the engine keeps itself
-    assert after[f"tpserve:prefix_cache_queries_total{{{model}}}"] == 40
-    assert after[f"tpserve:prefix_cache_hits_total{{{model}}}"] == 16
+    assert after[f"tpserve:prefix_cache_queries_total{{{eng}}}"] == 40
+    assert after[f"tpserve:prefix_cache_hits_total{{{eng}}}"] == 16
     assert "# TYPE tpserve:prefix_cache_queries_total counter" in text
     for name in ("iteration_tokens_total", "request_queue_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds"):
         assert f"# TYPE tpserve:{name} histogram" in text, name
     steps = "tpserve:iteration_tokens_total"
-    assert after[f"{steps}_count{{{model}}}"] == 3 and after[f"{steps}_sum{{{model}}}"] == 18
-    assert after[f'{steps}_bucket{{le="1.0",{model}}}'] == 1
-    assert after[f'{steps}_bucket{{le="8.0",{model}}}'] == 2
-    assert after[f'{steps}_bucket{{le="16.0",{model}}}'] == 3
-    assert after[f'{steps}_bucket{{le="+Inf",{model}}}'] == 3
+    assert after[f"{steps}_count{{{eng}}}"] == 3 and after[f"{steps}_sum{{{eng}}}"] == 18
+    assert after[f'{steps}_bucket{{engine="0",le="1.0",{model}}}'] == 1
+    assert after[f'{steps}_bucket{{engine="0",le="8.0",{model}}}'] == 2
+    assert after[f'{steps}_bucket{{engine="0",le="16.0",{model}}}'] == 3
+    assert after[f'{steps}_bucket{{engine="0",le="+Inf",{model}}}'] == 3
     queue = "tpserve:request_queue_time_seconds"
-    assert after[f'{queue}_bucket{{le="0.3",{model}}}'] == 0
-    assert after[f'{queue}_bucket{{le="0.5",{model}}}'] == 1
-    assert after[f"{queue}_count{{{model}}}"] == 1 and after[f"{queue}_sum{{{model}}}"] == 0.4
+    assert after[f'{queue}_bucket{{engine="0",le="0.3",{model}}}'] == 0
+    assert after[f'{queue}_bucket{{engine="0",le="0.5",{model}}}'] == 1
+    assert after[f"{queue}_count{{{eng}}}"] == 1 and after[f"{queue}_sum{{{eng}}}"] == 0.4
     for name, total in (("prefill", 1.2), ("decode", 3.0)):
-        assert after[f"tpserve:request_{name}_time_seconds_sum{{{model}}}"] == total
-        assert after[f"tpserve:request_{name}_time_seconds_count{{{model}}}"] == 1
+        assert after[f"tpserve:request_{name}_time_seconds_sum{{{eng}}}"] == total
+        assert after[f"tpserve:request_{name}_time_seconds_count{{{eng}}}"] == 1
 
 
 def test_metrics_survive_failing_stats():

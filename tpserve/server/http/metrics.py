@@ -32,11 +32,13 @@ from tpserve.server.engine.drafting import PER_POSITION  # a list: one counter a
 from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.memory_metrics import memory_families
+from tpserve.server.replica_stats import REPLICAS
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "tpserve:"
 LABELS = ("model_name",)
+ENGINE_LABELS = ("model_name", "engine")  # the engine's series: one per replica
 
 # stats() key -> help text; exported as gauges named PREFIX + key.
 ENGINE_GAUGES = {
@@ -99,33 +101,40 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.lora_names = lora_names
 
-    def _families(self, values: Mapping[str, float] | None) -> Iterator[Metric]:
+    def _families(self, values: Mapping[str, Any] | None) -> Iterator[Metric]:
+        # one series per engine replica, labelled as vLLM's ("engine": 0.. N-1; one
+        # replica without --data-parallel-size): the replicas' own stats, or the engine's
+        engines: list[Mapping[str, Any]] = (
+            [] if values is None else list(values.get(REPLICAS) or [values]))
         for key, doc in ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + key, doc, labels=LABELS)
-            if values is not None and key in values:
-                family.add_metric([self.model_name], float(values[key]))
+            family = GaugeMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
+            for e, v in enumerate(engines):
+                if key in v:
+                    family.add_metric([self.model_name, str(e)], float(v[key]))
             if values is None or family.samples:
                 yield family
         for key, doc in ENGINE_COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + key, doc, labels=LABELS)
-            if values is not None and key in values:
-                family.add_metric([self.model_name], float(values[key]))
+            family = CounterMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
+            for e, v in enumerate(engines):
+                if key in v:
+                    family.add_metric([self.model_name, str(e)], float(v[key]))
             if values is None or family.samples:
                 yield family
-        per_pos = None if values is None else values.get(PER_POSITION)
-        if values is None or per_pos is not None:
+        if values is None or any(PER_POSITION in v for v in engines):
             family = CounterMetricFamily(
                 PREFIX + PER_POSITION, "Speculative decoding: draft tokens kept, by their "
-                "position in the draft (0: the first).", labels=(*LABELS, "position"))
-            for j, n in enumerate(per_pos or ()):
-                family.add_metric([self.model_name, str(j)], float(n))
+                "position in the draft (0: the first).", labels=(*ENGINE_LABELS, "position"))
+            for e, v in enumerate(engines):
+                for j, n in enumerate(v.get(PER_POSITION) or ()):
+                    family.add_metric([self.model_name, str(e), str(j)], float(n))
             yield family
         for key, (_, doc) in ENGINE_HISTOGRAMS.items():
-            family = HistogramMetricFamily(PREFIX + key, doc, labels=LABELS)
-            read = None if values is None else read_histogram(values, key)
-            if read is not None:
-                buckets, total = read
-                family.add_metric([self.model_name], buckets, total)
+            family = HistogramMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
+            for e, v in enumerate(engines):
+                read = read_histogram(v, key)
+                if read is not None:
+                    buckets, total = read
+                    family.add_metric([self.model_name, str(e)], buckets, total)
             if values is None or family.samples:
                 yield family
         yield from memory_families(None if values is None else values.get("memory", {}),

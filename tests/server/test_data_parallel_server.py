@@ -1,0 +1,92 @@
+"""Data parallelism (``--data-parallel-size 2``, ``server/data_parallel.py``) through a real
+``tpserve serve`` of the embedded SmolLM2 on the CPU, driven by the real openai client: two
+engine processes answer as one engine (greedy text equal to the model's), a burst of
+requests is spread over both (vLLM's per-engine series in /metrics), /memory lists both
+replicas' ranks, LoRA-free queries reach both, every block goes back to both pools, and a
+replica that dies takes the server down with a non-zero exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.model.util import greedy, load
+from tests.server.serverproc import SMALL, ServerProcess
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return",
+           "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,",
+           "The three primary colors are", "To boil an egg, first"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(*SMALL, "--data-parallel-size", "2", "--served-model-name", "smol")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def _per_engine(server, name: str) -> dict[str, float]:
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    return {sample.labels["engine"]: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == f"tpserve:{name}"}
+
+
+def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_path,
+                                                             smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    model, comm = load(str(smollm2_path))
+    ids = [tok(p).input_ids for p in PROMPTS]
+    want = [tok.decode(greedy(model, comm, i, TOKENS)) for i in ids]
+    client = server.client()
+    before = _per_engine(server, "generation_tokens_total")
+    assert sorted(before) == ["0", "1"]
+
+    def complete(prompt: list[int]) -> str:
+        answer = client.completions.create(model="smol", prompt=prompt, max_tokens=TOKENS,
+                                           temperature=0)
+        assert answer.usage.completion_tokens == TOKENS
+        return answer.choices[0].text
+
+    with ThreadPoolExecutor(len(ids)) as pool:  # one burst: both replicas take some
+        assert list(pool.map(complete, ids)) == want
+    after = _per_engine(server, "generation_tokens_total")
+    grew = {e: after[e] - before[e] for e in after}
+    assert sum(grew.values()) == len(ids) * TOKENS
+    assert all(g >= TOKENS for g in grew.values()), grew
+    blocks = _per_engine(server, "kv_blocks_total")
+    assert blocks["0"] == blocks["1"] > 0
+    server.wait_pool_free()  # both pools: the merged usage is 0
+    assert all(v == 0 for v in _per_engine(server, "kv_cache_usage_perc").values())
+
+    memory = httpx.get(server.base + "/memory", timeout=30).json()
+    assert memory["data_parallel_size"] == 2
+    assert [(r["rank"], r["replica"]) for r in memory["ranks"]] == [(0, 0), (1, 1)]
+    fresh = httpx.get(server.base + "/memory", params={"fresh": "true"}, timeout=30).json()
+    assert [(r["rank"], r["replica"]) for r in fresh["ranks"]] == [(0, 0), (1, 1)]
+
+
+def test_a_replica_that_dies_takes_the_server_down():
+    s = ServerProcess(*SMALL, "--data-parallel-size", "2")
+    try:
+        engines = {p.name(): p for p in psutil.Process(s.proc.pid).children(recursive=True)
+                   if p.name().startswith("tpserve-engine")}
+        assert sorted(engines) == ["tpserve-engine0", "tpserve-engine1"]
+        os.kill(engines["tpserve-engine1"].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.proc.returncode == 1, s.output()
+        assert "engine 1 process exited unexpectedly" in s.output()
+        for p in engines.values():  # replica 0 was shut down with the server
+            assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    finally:
+        s.stop()

@@ -1,0 +1,133 @@
+"""Data parallelism (``--data-parallel-size N``, vLLM's ``-dp``): ``N`` engine replicas
+behind one HTTP server, each a whole engine process (``engine_process``) with its own
+``--tensor-parallel-size`` ranks, KV pool and scheduler.
+
+Devices (``replicas.py``): replica ``r`` sees only GPUs ``r x tp .. r x tp + tp - 1``, so
+each replica plans its memory from its own GPUs. On the CPU the replicas start one after
+the other, so that each plans from the memory the ones before it left; on GPUs they start
+together.
+
+Routing: a request goes to the replica with the fewest requests in flight (then the fewest
+prompt tokens, then the lowest index), read from the replicas' own backpressure counters
+on the event loop thread, so the requests of one burst spread over the replicas. Routing
+does not look at prefix caches: two requests sharing a prefix may land on different
+replicas.
+
+``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
+``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
+every replica (a LoRA load or unload must give every replica the same slot; the memory
+report is merged), except ``memory_snapshot``, which is replica 0's. Any replica's death is
+the server's (``on_fatal``): /health turns 503 and the process exits non-zero, as with one
+engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.config import Config
+from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine_proxy import EngineProxy
+from tpserve.server.replica_stats import merge_memory, merge_stats
+from tpserve.server.replicas import Replica
+
+logger = logging.getLogger("tpserve")
+
+
+class DataParallelEngines:
+    """The replicas as one ``EngineClient`` (module doc). Starts every replica's engine
+    process and waits until all are ready; if one fails to start, the others are shut
+    down and its error is raised."""
+
+    def __init__(self, cfg: Config, replicas: list[Replica],
+                 on_fatal: Callable[[str], None] | None = None):
+        def start(replica: Replica) -> EngineProxy:
+            return EngineProxy(cfg, on_fatal, replica)
+
+        together = all(r.visible_devices is not None for r in replicas)
+        engines: list[EngineProxy] = []
+        error: BaseException | None = None
+        with ThreadPoolExecutor(len(replicas) if together else 1) as pool:
+            for future in [pool.submit(start, r) for r in replicas]:
+                try:
+                    engines.append(future.result())
+                except BaseException as e:  # noqa: BLE001 - the first is raised below
+                    error = error or e
+        if error is not None:
+            for engine in engines:
+                engine.shutdown(timeout=10.0)
+            raise error
+        self.engines = engines
+        first = engines[0]
+        self.model_name, self.max_model_len = first.model_name, first.max_model_len
+        self.vocab_size, self.tokenizer = first.vocab_size, first.tokenizer
+        self.eos_token_ids = first.eos_token_ids
+        logger.info("%d engine replicas ready; requests go to the one with the fewest in "
+                    "flight", len(engines))
+
+    @property
+    def accepting(self) -> bool:
+        return all(e.accepting for e in self.engines)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return next((e.dead_reason for e in self.engines if e.dead_reason is not None), None)
+
+    def is_healthy(self) -> bool:
+        return all(e.is_healthy() for e in self.engines)
+
+    def pick(self) -> EngineProxy:
+        """The replica the next request goes to (module doc)."""
+        return min(self.engines, key=lambda e: (e.outstanding, e.outstanding_tokens))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        # picked when the caller first awaits, so a burst's requests see each other
+        outputs = self.pick().generate(request_id, prompt_token_ids, params)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        for e in self.engines:  # idempotent; unknown ids are ignored
+            e.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return merge_stats([e.stats() for e in self.engines])
+
+    async def query(self, name: str | tuple) -> Any:
+        """Every replica's answer, as one (module doc)."""
+        kind = name if isinstance(name, str) else name[0]
+        if kind == "memory_snapshot":
+            return await self.engines[0].query(name)
+        answers = await asyncio.gather(*(e.query(name) for e in self.engines))
+        if kind == "memory_report":
+            return merge_memory(answers)
+        if any(a != answers[0] for a in answers):
+            raise EngineError(f"the replicas answered {name!r} differently: {answers}; "
+                              "restart the server")
+        return answers[0]
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for e in self.engines:
+            e.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            list(pool.map(lambda e: e.shutdown(timeout), self.engines))
+
+    def drain(self, timeout: float) -> bool:
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            return all(list(pool.map(lambda e: e.drain(timeout), self.engines)))
+
+    def fail(self, reason: str) -> None:
+        for e in self.engines:
+            e.fail(reason)
