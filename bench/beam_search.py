@@ -129,7 +129,7 @@ def _hf(record: dict[str, Any], prompts: list[list[int]], args: argparse.Namespa
     """transformers' side (module doc): equal beams, and ``generate``'s time."""
     from transformers import AutoModelForCausalLM
 
-    from tests.server.test_beam_search_server import reference
+    from tests.server.beam_reference import reference
     from tpserve.model.loader.checkpoint import embedded_model_path
 
     gguf = embedded_model_path()
