@@ -1,7 +1,8 @@
 """Data parallelism (``--data-parallel-size 2``, ``server/data_parallel.py``) through a real
 ``tpserve serve`` of the embedded SmolLM2 on the CPU, driven by the real openai client: two
 engine processes answer as one engine (greedy text equal to the model's), a burst of
-requests is spread over both (vLLM's per-engine series in /metrics), /memory lists both
+requests is spread over both and requests sent one at a time take turns (vLLM's per-engine
+series in /metrics), /memory lists both
 replicas' ranks, LoRA-free queries reach both, every block goes back to both pools, and a
 replica that dies takes the server down with a non-zero exit."""
 
@@ -62,6 +63,10 @@ def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_pat
     grew = {e: after[e] - before[e] for e in after}
     assert sum(grew.values()) == len(ids) * TOKENS
     assert all(g >= TOKENS for g in grew.values()), grew
+    for prompt in ids[:2]:  # one at a time: idle replicas take turns
+        complete(prompt)
+    turns = _per_engine(server, "generation_tokens_total")
+    assert {e: turns[e] - after[e] for e in turns} == {"0": TOKENS, "1": TOKENS}
     blocks = _per_engine(server, "kv_blocks_total")
     assert blocks["0"] == blocks["1"] > 0
     server.wait_pool_free()  # both pools: the merged usage is 0

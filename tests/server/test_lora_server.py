@@ -52,11 +52,13 @@ def served(adapters, smollm2_tokenizer):
                            f'"base_model_name": "tiny-base"}}', "--max-lora-rank", "8",
                            wait=False)
     # two slots, adapter a in one: b (and others) loaded and unloaded while serving, b
-    # also by repository id from an offline Hugging Face cache
+    # also by repository id from an offline Hugging Face cache; two data-parallel replicas,
+    # so every load and unload must reach both (a request may go to either)
     cache = root / "hub-cache"
     cache_snapshot(cache, "tpserve-test/tiny-lora-b", folders["b"])
     runtime = ServerProcess(str(base), *FLAGS, "--enable-lora", "--lora-modules",
                             f"a={folders['a']}", "--max-loras", "2", "--max-lora-rank", "8",
+                            "--data-parallel-size", "2",
                             "--download-dir", str(cache),
                             env={RUNTIME_LORA_ENV: "True", "HF_HUB_OFFLINE": "1"}, wait=False)
     oracle = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(folders["a"]),
@@ -100,7 +102,8 @@ def _check(answer, want):
 
 def test_each_model_name_gets_its_adapters_tokens(served):
     server, want, _, _ = served
-    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120,
+                           max_retries=0)  # a failed request must not be retried elsewhere
     for name in MODELS:  # adapters really change the answers of this test
         assert name == "tiny" or want[name] != want["tiny"]
     jobs = [(m, i) for m in MODELS for i in range(len(PROMPTS))]
@@ -173,15 +176,16 @@ def _post(server, route: str, **body) -> httpx.Response:
 
 
 def test_adapters_load_and_unload_while_serving(served, tmp_path):
-    """vLLM's runtime routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): b loads into the free
-    slot at tp 2 and answers as PEFT's b; a third adapter finds no slot; unloading b frees
+    """vLLM's runtime routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), on two data-parallel
+    replicas at tp 2 each: b loads into the free slot of both and answers as PEFT's b; a third adapter finds no slot; unloading b frees
     it (its name then a 404), and an adapter loaded there next (a's folder as "c") answers
     as a, not from b's cached blocks of the same prompt; what cannot load is a 400 that
     leaves the slot free; b named by repository id loads from the Hugging Face cache (one
     the cache lacks: a 400 naming it). A server started without the variable refuses both
     routes."""
     static, want, folders, server = served
-    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120,
+                           max_retries=0)  # a failed request must not be retried elsewhere
     assert [m.id for m in client.models.list().data] == ["tiny", "a"]
     r = _post(server, "load_lora_adapter", lora_name="b", lora_path=str(folders["b"]))
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' added successfully.")
@@ -233,7 +237,8 @@ def test_metrics_name_the_adapters_with_running_requests(served):
     running (by name; the engine process sends its figures every 0.5 s, so they are read
     until they show it, at most once per streamed token); once it is done, none is."""
     server, want, _, _ = served
-    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120)
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120,
+                           max_retries=0)  # a failed request must not be retried elsewhere
     stream = client.completions.create(model="b", prompt=PROMPTS[0],
                                        max_tokens=250 - len(PROMPTS[0]), temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})

@@ -8,8 +8,9 @@ the other, so that each plans from the memory the ones before it left; on GPUs t
 together.
 
 Routing: a request goes to the replica with the fewest requests in flight (then the fewest
-prompt tokens, then the lowest index), read from the replicas' own backpressure counters
-on the event loop thread, so the requests of one burst spread over the replicas. Routing
+prompt tokens, then in turn), read from the replicas' own backpressure counters on the
+event loop thread, so the requests of one burst spread over the replicas, and so do
+requests sent one at a time. Routing
 does not look at prefix caches: two requests sharing a prefix may land on different
 replicas.
 
@@ -69,6 +70,7 @@ class DataParallelEngines:
         self.model_name, self.max_model_len = first.model_name, first.max_model_len
         self.vocab_size, self.tokenizer = first.vocab_size, first.tokenizer
         self.eos_token_ids = first.eos_token_ids
+        self._turn = 0  # where the next tie between equally busy replicas starts
         logger.info("%d engine replicas ready; requests go to the one with the fewest in "
                     "flight", len(engines))
 
@@ -84,8 +86,14 @@ class DataParallelEngines:
         return all(e.is_healthy() for e in self.engines)
 
     def pick(self) -> EngineProxy:
-        """The replica the next request goes to (module doc)."""
-        return min(self.engines, key=lambda e: (e.outstanding, e.outstanding_tokens))
+        """The replica the next request goes to (module doc); among equally busy ones, the
+        next in turn after the last pick (event loop thread only)."""
+        n, turn = len(self.engines), self._turn
+        index = min(range(n), key=lambda i: (self.engines[i].outstanding,
+                                             self.engines[i].outstanding_tokens,
+                                             (i - turn) % n))
+        self._turn = (index + 1) % n
+        return self.engines[index]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
