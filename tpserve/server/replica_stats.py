@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpserve.server.engine.drafting import PER_POSITION
-
-REPLICAS = "replicas"  # the merged stats' list of each replica's own (no "memory")
+from tpserve.server.http.metrics import REPLICAS  # each replica's own (no "memory")
 
 
 def merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -32,13 +32,14 @@ from tpserve.server.engine.drafting import PER_POSITION  # a list: one counter a
 from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.memory_metrics import memory_families
-from tpserve.server.replica_stats import REPLICAS
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "tpserve:"
 LABELS = ("model_name",)
 ENGINE_LABELS = ("model_name", "engine")  # the engine's series: one per replica
+# stats() key of a data-parallel server: each replica's own stats (server/replica_stats.py)
+REPLICAS = "replicas"
 
 # stats() key -> help text; exported as gauges named PREFIX + key.
 ENGINE_GAUGES = {
