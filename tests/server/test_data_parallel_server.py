@@ -3,8 +3,8 @@
 engine processes answer as one engine (greedy text equal to the model's), a burst of
 requests is spread over both and requests sent one at a time take turns (vLLM's per-engine
 series in /metrics), /memory lists both
-replicas' ranks, LoRA-free queries reach both, every block goes back to both pools, and a
-replica that dies takes the server down with a non-zero exit."""
+replicas' ranks, a beam search runs on one replica, every block goes back to both pools,
+and a replica that dies takes the server down with a non-zero exit."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.model.util import greedy, load
+from tests.server.beam_reference import reference
 from tests.server.serverproc import SMALL, ServerProcess
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return",
@@ -77,6 +78,28 @@ def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_pat
     assert [(r["rank"], r["replica"]) for r in memory["ranks"]] == [(0, 0), (1, 1)]
     fresh = httpx.get(server.base + "/memory", params={"fresh": "true"}, timeout=30).json()
     assert [(r["rank"], r["replica"]) for r in fresh["ranks"]] == [(0, 0), (1, 1)]
+
+
+def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, hf_smollm2):
+    """Every step of a beam search goes to one replica (``pinned``), whose prefix cache
+    holds the prompt's blocks from the second step on; the beams are the oracle's."""
+    model, tok = hf_smollm2
+    ids = tok(" ".join(PROMPTS) * 2).input_ids  # several full blocks of 16
+    want = reference(model, ids, 2, 6, {tok.eos_token_id})
+    names = ("generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+    before = {n: _per_engine(server, n) for n in names}
+    answer = server.client().completions.create(
+        model="smol", prompt=ids, max_tokens=6, n=2,
+        extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert [c.token_ids for c in answer.choices] == [list(t) for t, _, _ in want]
+    grew = {n: {e: _per_engine(server, n)[e] - before[n][e] for e in ("0", "1")}
+            for n in names}
+    (busy,) = [e for e in ("0", "1") if grew["generation_tokens_total"][e]]
+    idle = "1" if busy == "0" else "0"
+    assert grew["generation_tokens_total"][busy] == 1 + 2 * 5  # a token a beam and step
+    assert grew["prefix_cache_hits_total"][busy] >= 10 * (len(ids) // 16) * 16
+    assert all(grew[n][idle] == 0 for n in names), grew
+    server.wait_pool_free()
 
 
 def test_a_replica_that_dies_takes_the_server_down():

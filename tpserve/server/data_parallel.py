@@ -12,7 +12,7 @@ prompt tokens, then in turn), read from the replicas' own backpressure counters 
 event loop thread, so the requests of one burst spread over the replicas, and so do
 requests sent one at a time. Routing
 does not look at prefix caches: two requests sharing a prefix may land on different
-replicas.
+replicas; but the one-token requests of a beam search all go to one replica (``pinned``).
 
 ``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
@@ -106,6 +106,11 @@ class DataParallelEngines:
     def abort(self, request_id: str) -> None:
         for e in self.engines:  # idempotent; unknown ids are ignored
             e.abort(request_id)
+
+    def pinned(self) -> EngineProxy:
+        """``EngineClient.pinned``: the replica a beam search sends every step to (picked
+        as a request's), so that each step finds the beams' blocks in its prefix cache."""
+        return self.pick()
 
     def stats(self) -> dict[str, Any]:
         return merge_stats([e.stats() for e in self.engines])

@@ -61,6 +61,9 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy and self.dead_reason is None
 
+    def pinned(self) -> FakeEngine:
+        return self
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

@@ -94,6 +94,10 @@ class EngineFront:
     def abort(self, request_id: str) -> None:
         self.transport.abort(request_id)
 
+    def pinned(self) -> EngineFront:
+        """``EngineClient.pinned``: one engine is its own."""
+        return self
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")

@@ -156,7 +156,10 @@ async def beam_search(engine: EngineClient, request_id: str, prompt_ids: list[in
                       params: SamplingParams, length_penalty: float | None
                       ) -> AsyncIterator[RequestOutput]:
     """One prompt's beam search (module doc); yields its one finished output, a delta of
-    index ``i`` for the ``i``-th best beam."""
+    index ``i`` for the ``i``-th best beam. Every step goes to one engine
+    (``EngineClient.pinned``: one data-parallel replica), whose prefix cache holds the
+    beams' blocks."""
+    engine = engine.pinned()
     stops = frozenset(params.stop_token_ids)
     beams = BeamSet(params.n, len(prompt_ids),
                     stops | (frozenset() if params.ignore_eos else engine.eos_token_ids),

@@ -35,6 +35,12 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def pinned(self) -> EngineClient:
+        """The engine a job of several requests over one prompt (a beam search) sends all
+        of them to, so they share one prefix cache: this engine, or one data-parallel
+        replica (``server/data_parallel.py``)."""
+        ...
+
     def stats(self) -> dict[str, float]: ...
 
     async def query(self, name: str | tuple) -> Any:
