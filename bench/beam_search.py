@@ -8,7 +8,8 @@ at each ``--widths`` width (``ignore_eos``, so every beam runs the full length a
 times compare). With ``--hf``: the same prompts through ``tests/server/test_beam_search_server
 .reference`` (transformers' logits, the same rule; the beams must be equal) and through
 transformers' ``generate(num_beams=W, num_return_sequences=W)`` for its time (its early
-stopping differs; only its time is compared). Writes one JSON file.
+stopping differs; only its time is compared). Each tpserve request also records the
+engine's steps and their host and device-wait time from /metrics. Writes one JSON file.
 
     python bench/beam_search.py --dtype float32 --hf --git-commit SHA --out beam.json
 """
@@ -48,6 +49,37 @@ def _complete(http: httpx.Client, prompt: list[int], tokens: int, width: int | N
     seconds = time.perf_counter() - t0
     r.raise_for_status()
     return seconds, [c["token_ids"] for c in r.json()["choices"]]
+
+
+ENGINE_COUNTERS = ("steps_total", "step_host_seconds_total", "device_wait_seconds_total",
+                   "prompt_tokens_total", "generation_tokens_total", "prefix_cache_hits_total")
+
+
+def _counters(http: httpx.Client) -> dict[str, float]:
+    """The engine's cumulative counters (summed over replicas) from /metrics."""
+    out = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for line in http.get("/metrics").text.splitlines():
+        name = line.split("{")[0].split(" ")[0].removeprefix("tpserve:")
+        if not line.startswith("#") and name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _timed(http: httpx.Client, prompt: list[int], tokens: int, width: int | None
+           ) -> tuple[float, list[list[int]], dict[str, float]]:
+    """``_complete`` and what the engine spent on it: its steps, the host's ms a step
+    (scheduling, planning, launching, reading back: not waiting) and the ms a step spent
+    waiting for the device."""
+    before = _counters(http)
+    seconds, tokens_out = _complete(http, prompt, tokens, width)
+    after = _counters(http)
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    steps = max(d["steps_total"], 1.0)
+    return seconds, tokens_out, {
+        "steps": int(d["steps_total"]), "prompt_tokens": int(d["prompt_tokens_total"]),
+        "cache_hits": int(d["prefix_cache_hits_total"]),
+        "host_ms_per_step": round(1e3 * d["step_host_seconds_total"] / steps, 3),
+        "device_wait_ms_per_step": round(1e3 * d["device_wait_seconds_total"] / steps, 3)}
 
 
 def _serve(args: argparse.Namespace, log: Path) -> subprocess.Popen:
@@ -102,10 +134,12 @@ def main() -> int:
             _complete(http, prompts[0], 4, 2)  # warm-up
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"prompt": i, "prompt_tokens": len(prompt)}
-                row["greedy_s"], _ = _complete(http, prompt, args.tokens, None)
+                row["greedy_s"], _, row["greedy_engine"] = _timed(http, prompt, args.tokens,
+                                                                  None)
                 for width in args.widths:
-                    seconds, beams = _complete(http, prompt, args.tokens, width)
+                    seconds, beams, engine = _timed(http, prompt, args.tokens, width)
                     row[f"beam{width}_s"] = round(seconds, 4)
+                    row[f"beam{width}_engine"] = engine
                     row[f"beam{width}_tokens"] = beams
                 row["greedy_s"] = round(row["greedy_s"], 4)
                 record["rows"].append(row)

@@ -62,9 +62,9 @@ def test_each_step_is_named_and_balanced_with_async_scheduling(folder, smollm2_t
     steps = _steps(core, rec)
     assert len(tokens_of(outs)) == 3
     # step 1 prefills (40 tokens, one chunk) and samples; every later step also reads back
-    # the step before it; the 4th computes one token more (dropped) while step 3's last
-    # token is read back and ends the request
-    assert steps == [STEP] + [[*STEP, "finalize"]] * 3
+    # the step before it; step 3 samples the last token, so the 4th launches nothing (no
+    # decode of a token no one reads) and only reads it back, which ends the request
+    assert steps == [STEP] + [[*STEP, "finalize"]] * 2 + [["schedule", "finalize"]]
 
 
 def test_each_step_is_named_and_balanced_without_async_scheduling(folder, smollm2_tokenizer):

@@ -294,6 +294,26 @@ def test_sequence_without_sampled_token_is_not_rescheduled():
     assert a.finish_reason == "error" and not h.sched.has_unfinished
 
 
+def test_a_pending_last_token_is_not_decoded():
+    """Asynchronous scheduling appends a sampled token before it is read back. A sequence
+    whose pending token is its last (``max_tokens``, or the model's length) gets no decode
+    step for it: no token would ever read its K/V; the others decode as before."""
+    h = Harness(max_model_len=6)
+    (a,) = h.add([1, 2, 3], max_tokens=2)
+    (b,) = h.add([4, 5, 6, 7], max_tokens=9)  # 4 + 2 reaches the model's 6
+    (c,) = h.add([8, 9], max_tokens=9)
+    h.sched.update(h.schedule(), {a.seq_id: 100, b.seq_id: 101, c.seq_id: 102})  # prefill
+    out = h.schedule()
+    assert chunks(out) == [(a.seq_id, 1), (b.seq_id, 1), (c.seq_id, 1)]
+    h.sched.update(out, {a.seq_id: 200, b.seq_id: 201, c.seq_id: 202})
+    assert [s.num_output_tokens for s in (a, b, c)] == [2, 2, 2]
+    # a and b hold their last tokens, pending; c decodes
+    assert chunks(h.schedule()) == [(c.seq_id, 1)]
+    h.sched.finish(a, SequenceStatus.FINISHED_LENGTH)
+    h.sched.finish(b, SequenceStatus.FINISHED_LENGTH)
+    h.sched.check_integrity()
+
+
 def test_add_rejects_out_of_order_ids():
     h = Harness()
     h.add([1])

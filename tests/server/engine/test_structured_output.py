@@ -190,7 +190,8 @@ def test_free_requests_run_while_a_grammar_compiles(folder, smollm2_tokenizer, g
     assert core.stats()["num_requests_waiting"] == 2  # "free" in the scheduler, "json" not
     steps = 0
     while "free" in core.requests:
-        assert core.step()  # every step runs "free"
+        # every step runs "free", but the one that only reads back its last token
+        assert core.step() or "free" not in core.requests
         steps += 1
         assert steps < 200
     assert free_outs[-1].finished and len(tokens(free_outs)) == 20

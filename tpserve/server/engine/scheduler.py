@@ -229,7 +229,9 @@ class Scheduler:
             budget = max(0, min(budget, token_budget))
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
-        running = list(self._running.values())
+        # a decode whose sequence has sampled its last token (pending: asynchronous
+        # scheduling) would compute K/V no token ever reads: it finishes when read back
+        running = [s for s in self._running.values() if not self._sampled_its_last(s)]
         decoding = sum(1 for s in running if _is_decode(s, s.num_tokens - s.num_computed_tokens))
         cap = self.config.max_mixed_tokens
         if decoding and cap is not None:
@@ -274,6 +276,13 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=len(decodes),
         )
+
+    def _sampled_its_last(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a decode whose newest token (a pending one) is its last: it
+        reached ``max_tokens`` or the model's length, so it needs no further step."""
+        return (_is_decode(seq, seq.num_tokens - seq.num_computed_tokens)
+                and (seq.num_output_tokens >= seq.params.max_tokens
+                     or seq.num_tokens >= self.config.max_model_len))
 
     def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int,
                     propose: Callable[[Sequence], tuple[int, ...]]) -> None:
