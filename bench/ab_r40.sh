@@ -12,6 +12,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && exec > >(tee "$OUT/ab-r40.txt") 2>&1  # the output comes back whole
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 for v in base new; do
+  [ "${2:-all}" = beam ] && break  # part beam: the beam search alone
   # bench_engine.py puts the tree above it first on sys.path: ab/base's tpserve for base
   if [ $v = base ]; then S=ab/base/bench/bench_engine.py; C=00316ffc324375897395dfff3e89545291855e79
   else S=bench/bench_engine.py; C=$NEW; fi

@@ -36,6 +36,10 @@ sys.path.insert(0, str(ROOT))
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village by the sea,",
            "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"]
+# PROMPTS as the SmolLM2 tokenizer encodes them (checked with --hf)
+PROMPT_IDS = [[504, 3575, 282, 4649, 314], [1604, 3987, 46477, 24, 94, 727],
+              [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28],
+              [1, 4093, 198, 5820, 1296, 7626, 30, 2, 198, 1, 520, 9531, 198]]
 
 
 def _complete(http: httpx.Client, prompt: list[int], tokens: int, width: int | None
@@ -114,19 +118,23 @@ def main() -> int:
     p.add_argument("--git-commit", default=os.environ.get("TPSERVE_GIT_COMMIT", "?"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    from transformers import AutoTokenizer
+    tok = None
+    prompts = PROMPT_IDS  # without --hf, no tokenizer (nor the embedded model) is needed
+    if args.hf:
+        from transformers import AutoTokenizer
 
-    from tpserve.model.loader.checkpoint import embedded_model_path
+        from tpserve.model.loader.checkpoint import embedded_model_path
 
-    gguf = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    prompts = [tok(text).input_ids for text in PROMPTS]
+        gguf = embedded_model_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        prompts = [tok(text).input_ids for text in PROMPTS]
+        assert prompts == PROMPT_IDS
     out = Path(args.out)
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": args.git_commit,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "model": args.model or gguf.name, "dtype": args.dtype, "tokens": args.tokens,
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": args.dtype, "tokens": args.tokens,
         "widths": args.widths, "rows": []}
     server = _serve(args, out.with_suffix(".server.log"))
     try:
