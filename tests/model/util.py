@@ -134,6 +134,15 @@ def greedy(model, comm, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def greedy_answers(model_path, tokenizer, prompts: list[str], n: int
+                   ) -> tuple[list[list[int]], list[str]]:
+    """The prompts' token ids and the texts of their ``n`` greedy tokens, from the model
+    at ``model_path`` (float32, CPU, one rank): the oracle of the servers' greedy tests."""
+    model, comm = load(str(model_path))
+    ids = [tokenizer(p).input_ids for p in prompts]
+    return ids, [tokenizer.decode(greedy(model, comm, i, n)) for i in ids]
+
+
 def save_hf_folder(model, folder: Path, num_shards: int = 2) -> Path:
     """Saves a transformers model as ``num_shards`` safetensors files plus their index."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.model.util import greedy, load
+from tests.model.util import greedy_answers
 from tests.server.beam_reference import reference
 from tests.server.serverproc import SMALL, ServerProcess
 
@@ -44,10 +44,7 @@ def _per_engine(server, name: str) -> dict[str, float]:
 
 def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_path,
                                                              smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    model, comm = load(str(smollm2_path))
-    ids = [tok(p).input_ids for p in PROMPTS]
-    want = [tok.decode(greedy(model, comm, i, TOKENS)) for i in ids]
+    ids, want = greedy_answers(smollm2_path, smollm2_tokenizer, PROMPTS, TOKENS)
     client = server.client()
     before = _per_engine(server, "generation_tokens_total")
     assert sorted(before) == ["0", "1"]

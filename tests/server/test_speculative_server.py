@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.model.util import greedy, load
+from tests.model.util import greedy_answers
 from tests.server.engine.test_speculative import COUNTING
 from tests.server.serverproc import SMALL, ServerProcess
 
@@ -32,10 +32,7 @@ def server():
 
 def test_greedy_answers_are_the_models_without_speculation(server, smollm2_path,
                                                             smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    model, comm = load(str(smollm2_path))
-    ids = [tok(p).input_ids for p in PROMPTS]
-    want = [tok.decode(greedy(model, comm, i, TOKENS)) for i in ids]
+    ids, want = greedy_answers(smollm2_path, smollm2_tokenizer, PROMPTS, TOKENS)
     client = server.client()
 
     def complete(prompt: list[int]) -> str:
