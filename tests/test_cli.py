@@ -14,6 +14,7 @@ from tpserve.cli import build_parser
 from tpserve.model.pooling import PoolerConfig
 from tpserve.server.arguments import parse_bytes
 from tpserve.server.config import config_from_args
+from tpserve.server.replicas import Replica
 
 FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
@@ -143,6 +144,9 @@ def test_config_tree_from_flags():
         _cfg("--enable-expert-parallel")
     assert _cfg().runner.disable_custom_all_reduce is False
     assert _cfg("--disable-custom-all-reduce").runner.disable_custom_all_reduce is True
+    # the replicas are resolved once, with the rest of the tree
+    assert _cfg().replicas == (Replica(),)
+    assert _cfg("-dp", "2", "--device", "cpu").replicas == (Replica(0, 2), Replica(1, 2))
 
 
 def test_nvtx_and_memory_history_flow_into_the_runner_config():

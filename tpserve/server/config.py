@@ -46,7 +46,7 @@ from tpserve.server.engine.speculative import SpeculativeConfig
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.port import check_port_free
-from tpserve.server.replicas import check_data_parallel, plan_replicas
+from tpserve.server.replicas import ONLY, Replica, check_data_parallel, plan_replicas
 from tpserve.server.tls import check_tls_files, check_tls_flags
 from tpserve.server.vllm_compat import apply_vllm_compat
 
@@ -138,6 +138,8 @@ class Config:
     scheduler: SchedulerConfig
     engine: EngineConfig
     server: ServerConfig
+    # the engine processes and their GPUs (``replicas.py``): one without -dp
+    replicas: tuple[Replica, ...] = (ONLY,)
 
     def __post_init__(self) -> None:
         self.scheduler.limits  # noqa: B018 - the runner's bounds (block sizes it supports)
@@ -294,7 +296,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     hf_overrides = canonical_overrides(a.hf_overrides)
     device = resolve_device(a.device)
     check_data_parallel(parallel, engine.engine_process, env is not None)
-    plan_replicas(parallel, device)  # enough GPUs for every replica
+    replicas = plan_replicas(parallel, device)  # ValueError when there are too few GPUs
     ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
                            tokenizer, a.disable_sliding_window)  # its config: no weights
     quantization = resolve_quantization(a.quantization, ckpt.quantization)
@@ -352,7 +354,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         block_size=a.block_size, max_mixed_tokens=max_mixed,
         enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy)
     cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
-                 server=server)
+                 server=server, replicas=tuple(replicas))
     served = (cfg.served_model_name, *server.served_model_aliases)
     for m in lora.modules if lora is not None else ():
         if m.name in served:

@@ -47,7 +47,7 @@ class DataParallelEngines:
     process and waits until all are ready; if one fails to start, the others are shut
     down and its error is raised."""
 
-    def __init__(self, cfg: Config, replicas: list[Replica],
+    def __init__(self, cfg: Config, replicas: tuple[Replica, ...],
                  on_fatal: Callable[[str], None] | None = None):
         def start(replica: Replica) -> EngineProxy:
             return EngineProxy(cfg, on_fatal, replica)

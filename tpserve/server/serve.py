@@ -37,7 +37,6 @@ from tpserve.server.exposure import exposure_warning
 from tpserve.server.failure import LateBoundFailure
 from tpserve.server.http.app import build_app
 from tpserve.server.port import check_port_free
-from tpserve.server.replicas import plan_replicas
 from tpserve.server.startup import build_engine_core, join_group, leave_group
 from tpserve.server.stats_log import StatsLogger
 
@@ -111,10 +110,9 @@ def _serve_rank0(cfg: Config, group: TPGroup, workers: WorkerProcesses | None,
 
 def _serve_engine_process(cfg: Config, defaults: GenerationDefaults) -> int:
     status = _Exit()
-    replicas = plan_replicas(cfg.parallel, cfg.runner.device)
     # both raise the engine's start-up error
-    engine = (EngineProxy(cfg, status.fatal) if len(replicas) == 1
-              else DataParallelEngines(cfg, replicas, status.fatal))
+    engine = (EngineProxy(cfg, status.fatal) if len(cfg.replicas) == 1
+              else DataParallelEngines(cfg, cfg.replicas, status.fatal))
     return _serve_http(cfg, engine, status, defaults)
 
 
