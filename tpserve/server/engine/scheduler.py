@@ -281,8 +281,7 @@ class Scheduler:
         """Whether ``seq`` is a decode whose newest token (a pending one) is its last: it
         reached ``max_tokens`` or the model's length, so it needs no further step."""
         return (_is_decode(seq, seq.num_tokens - seq.num_computed_tokens)
-                and (seq.num_output_tokens >= seq.params.max_tokens
-                     or seq.num_tokens >= self.config.max_model_len))
+                and seq.at_length_limit(self.config.max_model_len))
 
     def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int,
                     propose: Callable[[Sequence], tuple[int, ...]]) -> None:

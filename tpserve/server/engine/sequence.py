@@ -118,6 +118,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def at_length_limit(self, max_model_len: int) -> bool:
+        """Whether its newest token is its last by length: ``max_tokens`` outputs, or the
+        model's length (the stop rules' length finish; the scheduler decodes no further)."""
+        return (self.num_output_tokens >= self.params.max_tokens
+                or self.num_tokens >= max_model_len)
+
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's finish reason: "stop", "length", "abort", "error", or None while live."""

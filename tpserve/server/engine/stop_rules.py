@@ -49,7 +49,7 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
         status = SequenceStatus.FINISHED_STOPPED
     elif grammar_ended:
         status = SequenceStatus.FINISHED_STOPPED
-    elif n_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+    elif seq.at_length_limit(max_model_len):
         status = SequenceStatus.FINISHED_LENGTH
     if status is not None and not detok.stopped:
         text += detok.flush()
