@@ -27,10 +27,10 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
 Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while it drafts
-(``Drafting.may_draft``, ``drafting.py``), each step is finalized as soon as it is launched, and a step in flight
-from before is finalized before the next is scheduled (no placeholders), so a decode's
-draft is looked up in tokens all read back, and a drafted sequence's next input is its
-last kept token, never a pending row. A drafted chunk is the sequence's last token and its
+(``Drafting.may_draft``, ``drafting.py``), each step is finalized as soon as it is
+launched, and a step in flight from before is finalized before the next is scheduled (no
+placeholders), so a decode's draft is looked up in tokens all read back, and a drafted
+sequence's next input is its last kept token, never a pending row. A drafted chunk is the sequence's last token and its
 draft, every position sampled (``SeqChunk.sample_rows``); ``update`` counts only the last
 token as computed and appends one placeholder, which ``_advance`` fills with the first
 kept token, then appends the others through ``Scheduler.accept_draft_token`` (each

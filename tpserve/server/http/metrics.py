@@ -79,7 +79,6 @@ ENGINE_COUNTERS = {
                                       "(tpserve's draft backoff).",
 }
 
-
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -107,20 +106,15 @@ class EngineStatsCollector(Collector):
         # replica without --data-parallel-size): the replicas' own stats, or the engine's
         engines: list[Mapping[str, Any]] = (
             [] if values is None else list(values.get(REPLICAS) or [values]))
-        for key, doc in ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
-            for e, v in enumerate(engines):
-                if key in v:
-                    family.add_metric([self.model_name, str(e)], float(v[key]))
-            if values is None or family.samples:
-                yield family
-        for key, doc in ENGINE_COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
-            for e, v in enumerate(engines):
-                if key in v:
-                    family.add_metric([self.model_name, str(e)], float(v[key]))
-            if values is None or family.samples:
-                yield family
+        for kind, docs in ((GaugeMetricFamily, ENGINE_GAUGES),
+                           (CounterMetricFamily, ENGINE_COUNTERS)):
+            for key, doc in docs.items():
+                family = kind(PREFIX + key, doc, labels=ENGINE_LABELS)
+                for e, v in enumerate(engines):
+                    if key in v:
+                        family.add_metric([self.model_name, str(e)], float(v[key]))
+                if values is None or family.samples:
+                    yield family
         if values is None or any(PER_POSITION in v for v in engines):
             family = CounterMetricFamily(
                 PREFIX + PER_POSITION, "Speculative decoding: draft tokens kept, by their "
