@@ -5,12 +5,5 @@
 #   tpserve $(git ls-tree --name-only a4885ce bench/ | grep "\.py$") | tar -x -C ab/base; then: bash bench/ab_r39_serving.sh SHA
 source bench/gpu_env.sh
 NEW=${1:?commit of this tree}
-for v in base new; do
-  if [ $v = base ]; then S=ab/base/bench/bench_engine.py; C=a4885ce3d883eaf80ac77afe44b980685445eb7e; else S=bench/bench_engine.py; C=$NEW; fi
-  step "$v ($C)"
-  timeout 200 python3 $S --serving-only --git-commit "$C" --out "$OUT/serving-$v.json" \
-    > "$OUT/serving-$v.log" 2>&1 || true
-  grep -E "batch-1|serving:" "$OUT/serving-$v.log" | cut -c1-300 || true
-  tail -2 "$OUT/serving-$v.log" | cut -c1-300
-done
+serving_ab a4885ce3d883eaf80ac77afe44b980685445eb7e "$NEW"
 step done

@@ -11,17 +11,8 @@ NEW=${1:?commit of this tree}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && exec > >(tee "$OUT/ab-r40.txt") 2>&1  # the output comes back whole
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
-for v in base new; do
-  [ "${2:-all}" = beam ] && break  # part beam: the beam search alone
-  # bench_engine.py puts the tree above it first on sys.path: ab/base's tpserve for base
-  if [ $v = base ]; then S=ab/base/bench/bench_engine.py; C=00316ffc324375897395dfff3e89545291855e79
-  else S=bench/bench_engine.py; C=$NEW; fi
-  step "$v ($C)"
-  timeout 200 python3 $S --serving-only --git-commit "$C" --out "$OUT/serving-$v.json" \
-    > "$OUT/serving-$v.log" 2>&1 || true
-  grep -E "batch-1|serving:" "$OUT/serving-$v.log" | cut -c1-300 || true
-  tail -2 "$OUT/serving-$v.log" | cut -c1-300
-done
+# part beam: the beam search alone
+[ "${2:-all}" = beam ] || serving_ab 00316ffc324375897395dfff3e89545291855e79 "$NEW"
 step "dummy llama3-8b bf16: greedy and beams, the engine's steps per request"
 timeout 200 python3 bench/beam_search.py --model llama3-8b --dtype bfloat16 \
   --serve-flags "--load-format dummy --max-model-len 2048" --widths 1 4 8 --git-commit "$NEW" \

@@ -121,3 +121,17 @@ ncu_reports() {
       > "${prefix}sass-decode-$i.csv" 2>&1
   done
 }
+# serving_ab BASE_SHA NEW_SHA: bench_engine.py --serving-only (dummy llama3-8b, bf16) at
+# BASE (the tree unpacked in ab/base: bench_engine.py puts the tree above it first on
+# sys.path) and at this tree (NEW), one after the other, into $OUT/serving-{base,new}.*
+serving_ab() {
+  local v s c
+  for v in base new; do
+    if [ $v = base ]; then s=ab/base/bench/bench_engine.py; c=$1; else s=bench/bench_engine.py; c=$2; fi
+    step "$v ($c)"
+    timeout 200 python3 $s --serving-only --git-commit "$c" --out "$OUT/serving-$v.json" \
+      > "$OUT/serving-$v.log" 2>&1 || true
+    grep -E "batch-1|serving:" "$OUT/serving-$v.log" | cut -c1-300 || true
+    tail -2 "$OUT/serving-$v.log" | cut -c1-300
+  done
+}
