@@ -88,6 +88,17 @@ def test_width_one_without_eos_is_greedy_and_a_stream_equals_the_whole(server, h
     server.wait_pool_free()
 
 
+def test_each_beam_step_is_one_engine_step(server):
+    """A beam step's one-token requests leave the HTTP process in one message
+    (``engine/front.TurnBatch``) and the engine admits them together: 4 beams over 8
+    steps take 8 engine steps, not one more for each beam that arrived late."""
+    before = server.metric("steps_total")
+    answer = _beams(server.client(), STORY, 4, 8, ignore_eos=True)
+    assert [len(c.token_ids) for c in answer.choices] == [8] * 4
+    assert server.metric("steps_total") - before == 8
+    server.wait_pool_free()
+
+
 @pytest.mark.parametrize(("extra", "field"), [
     ({"use_beam_search": True, "stop": ["."]}, "stop"),
     ({"use_beam_search": True, "temperature": 0.7}, "temperature"),

@@ -10,7 +10,8 @@ process owns the sockets, the tokenizer it needs for prompts, and every request'
 Messages, over two one-way ``multiprocessing`` pipes (pickled tuples):
 
 HTTP -> engine (commands, in the order the HTTP side issued them)
-  ("add", request_id, prompt_token_ids, SamplingParams)
+  ("add", [(request_id, prompt_token_ids, SamplingParams), ...])
+                               the requests of one event loop turn, admitted together
   ("abort", request_id)        idempotent; unknown ids are ignored
   ("abort_all",)               drain's deadline passed: every request ends with "abort"
   ("query", query_id, name)    an engine query (``engine/queries.py``), answered by one
@@ -145,8 +146,8 @@ def _read_commands(conn: Connection, steps: StepLoop, outbox: PipeOutbox) -> Non
             return
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt, params = msg
-            steps.submit(RequestState(rid, prompt, params, steps.emitter(rid)))
+            steps.submit([RequestState(rid, prompt, params, steps.emitter(rid))
+                          for rid, prompt, params in msg[1]])
         elif kind == "abort":
             steps.abort(msg[1])
         elif kind == "abort_all":

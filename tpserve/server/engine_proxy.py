@@ -31,7 +31,7 @@ from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineDeadError
-from tpserve.server.engine.front import EngineFront, settle
+from tpserve.server.engine.front import EngineFront, TurnBatch, settle
 from tpserve.server.engine.step_loop import dead_error
 from tpserve.server.engine_process import run_engine_process
 from tpserve.server.replicas import ONLY, Replica
@@ -43,10 +43,13 @@ POLL_S = 1.0  # how often the waits re-check the child
 
 class PipeTransport:
     """``EngineTransport`` to the engine process: commands go down the command pipe (one
-    lock for the HTTP thread and ``drain``'s); the request table (request id ->
-    ``asyncio.Queue``) and the event loop the outputs go to belong to the event loop
-    thread. ``is_alive`` looks at the reader thread and the child's sentinel, not
-    ``is_alive()``: only the reader thread reaps the child."""
+    lock for the HTTP thread and ``drain``'s), the requests of one event loop turn in one
+    "add" message (``TurnBatch``: every other command flushes it first); the request table
+    (request id -> ``asyncio.Queue``) and the event loop the outputs go to belong to the
+    event loop thread. ``is_alive`` looks at the reader thread and the child's sentinel,
+    not ``is_alive()``: only the reader thread reaps the child. An "add" that cannot be
+    sent is not an error here: the engine process is gone, and the reader thread's
+    ``fail`` ends every registered request."""
 
     def __init__(self, commands: mp.connection.Connection, proc: Any,
                  reader: threading.Thread) -> None:
@@ -57,9 +60,14 @@ class PipeTransport:
         self.answers: dict[int, asyncio.Future] = {}  # query id -> its asker's future
         self.loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
+        self._adds = TurnBatch(lambda adds: self._send(("add", adds)))
 
     def send(self, msg: tuple) -> bool:
         """False when the engine process is gone."""
+        self._adds.flush()
+        return self._send(msg)
+
+    def _send(self, msg: tuple) -> bool:
         with self._send_lock:
             try:
                 self.commands.send(msg)
@@ -69,11 +77,11 @@ class PipeTransport:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                outputs: asyncio.Queue) -> None:
+        if not self.is_alive():
+            raise EngineDeadError("engine is dead: the engine process is gone")
         self.loop = asyncio.get_running_loop()
         self.queues[request_id] = outputs
-        if not self.send(("add", request_id, list(prompt_token_ids), params)):
-            del self.queues[request_id]
-            raise EngineDeadError("engine is dead: the engine process is gone")
+        self._adds.add((request_id, list(prompt_token_ids), params))
 
     def release(self, request_id: str) -> None:
         self.queues.pop(request_id, None)

@@ -340,7 +340,7 @@ def test_step_loop_serves_and_aborts_while_a_grammar_compiles(folder, smollm2_to
     loop.start()
     try:
         def submit(rid: str, params: SamplingParams, seed: int) -> None:
-            loop.submit(RequestState(rid, prompt(seed), params, loop.emitter(rid)))
+            loop.submit([RequestState(rid, prompt(seed), params, loop.emitter(rid))])
 
         submit("json", SamplingParams(structured=JSON, temperature=0, max_tokens=100), 1)
         assert gate.entered.wait(timeout=60)

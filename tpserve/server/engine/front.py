@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
@@ -34,7 +35,10 @@ class EngineTransport(Protocol):
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                outputs: asyncio.Queue) -> None:
         """Starts the request; its outputs (or the error ending it) arrive in ``outputs``.
-        Raises ``EngineError`` (and has registered nothing) when it cannot start."""
+        Requests submitted in one turn of the event loop reach the engine together
+        (``TurnBatch``), so one engine step can start them all. Raises ``EngineError``
+        (and has registered nothing) when it knows it cannot start; a failure found when
+        the batch goes out ends the request through ``outputs``."""
 
     def release(self, request_id: str) -> None:
         """The consumer of ``request_id`` is gone (finished, failed or stopped early)."""
@@ -192,6 +196,35 @@ class EngineFront:
         while self.transport.has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
             time.sleep(0.05)
         return clean
+
+
+class TurnBatch:
+    """Requests submitted in one turn of the event loop, handed to ``deliver`` as one list
+    at the end of that turn. The engine then admits them together: without this, the
+    first of a beam search step's requests (``http/beam_search``) woke an idle engine and
+    often ran a step alone.
+
+    Invariant: a command sent after ``add`` reaches the engine after the requests added
+    before it, because every other command calls ``flush`` first (an abort must never
+    overtake its request). ``add`` is called on the event loop thread; ``flush`` on any
+    thread; ``deliver`` runs under the lock, so two flushes cannot reorder their lists."""
+
+    def __init__(self, deliver: Callable[[list], None]) -> None:
+        self._deliver = deliver
+        self._items: list = []
+        self._lock = threading.Lock()
+
+    def add(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+            if len(self._items) == 1:
+                asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            if items:
+                self._deliver(items)
 
 
 def settle(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:

@@ -42,7 +42,7 @@ from tpserve.server.engine.errors import (
     EngineError,
     EngineShuttingDownError,
 )
-from tpserve.server.engine.front import EngineFront, settle
+from tpserve.server.engine.front import EngineFront, TurnBatch, settle
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.queries import run_query
 from tpserve.server.engine.request_state import RequestState
@@ -126,8 +126,10 @@ class StepLoop:
 
         return emit
 
-    def submit(self, state: RequestState) -> None:
-        self._inbox.put(("add", state))
+    def submit(self, states: list[RequestState]) -> None:
+        """Admits ``states`` together: one inbox item, so the engine thread never starts a
+        step with only some of them."""
+        self._inbox.put(("add", states))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -171,9 +173,11 @@ class StepLoop:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add" and not arg.done:
-                arg.done = True
-                arg.emit(error)
+            if kind == "add":
+                for state in arg:
+                    if not state.done:
+                        state.done = True
+                        state.emit(error)
             elif kind == "query":
                 arg[1](None, error)
         if self._on_fatal is not None:
@@ -188,10 +192,11 @@ class StepLoop:
             return
         while True:
             if kind == "add":
-                if self.dead_reason is not None or arg.done:
-                    arg.emit(EngineDeadError("engine is dead"))
-                else:
-                    self._add(arg)
+                for state in arg:
+                    if self.dead_reason is not None or state.done:
+                        state.emit(EngineDeadError("engine is dead"))
+                    else:
+                        self._add(state)
             elif kind == "abort":
                 self.core.abort(arg)
             elif kind == "abort_all":
@@ -287,19 +292,22 @@ class StepLoopTransport:
 
     def __init__(self, steps: StepLoop) -> None:
         self.steps = steps
+        self._adds = TurnBatch(steps.submit)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                outputs: asyncio.Queue) -> None:
         emit = self.steps.emitter((asyncio.get_running_loop(), outputs))
-        self.steps.submit(RequestState(request_id, list(prompt_token_ids), params, emit))
+        self._adds.add(RequestState(request_id, list(prompt_token_ids), params, emit))
 
     def release(self, request_id: str) -> None:
         """Nothing to do: the loop drops a request's state when it finishes."""
 
     def abort(self, request_id: str) -> None:
+        self._adds.flush()
         self.steps.abort(request_id)
 
     def abort_all(self) -> None:
+        self._adds.flush()
         self.steps.abort_all()
 
     def has_requests(self) -> bool:
@@ -314,6 +322,7 @@ class StepLoopTransport:
             with contextlib.suppress(RuntimeError):  # the event loop is closed already
                 loop.call_soon_threadsafe(settle, answer, value, error)
 
+        self._adds.flush()
         self.steps.query(name, reply)
 
     def forget_query(self, query_id: int) -> None:
