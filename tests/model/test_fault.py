@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.model.fault import FAULT_ENV, SAMPLE, FaultHook, FaultHooks, MiB, parse_fault
+from tpserve.model.fault import (
+    FAULT_ENV,
+    SAMPLE,
+    START,
+    FaultHook,
+    FaultHooks,
+    MiB,
+    parse_fault,
+    replica_fault_spec,
+)
 
 
 def test_parse_fault():
@@ -23,7 +32,7 @@ def test_parse_fault():
 
 @pytest.mark.parametrize("spec", ["0:4", "x:4:oom", "0:4:explode", "0:4:leak", "0:4:leak0",
                                   "0:-1:raise", "0:1:2:raise", "0:4:oom-forward",
-                                  "0:4:oom,", "1:2:exit,0:x:oom"])
+                                  "0:4:oom,", "1:2:exit,0:x:oom", "0:1:start"])
 def test_malformed_fault_is_a_clear_error(spec):
     with pytest.raises(ValueError, match=f"{FAULT_ENV}=.*expected RANK:STEP:KIND"):
         parse_fault(spec, 0)
@@ -61,3 +70,22 @@ def test_several_faults_fire_each_at_its_step_and_site():
         hooks.fire(2)
     with pytest.raises(torch.OutOfMemoryError, match="at sample"):
         hooks.fire(3, SAMPLE)
+
+
+def test_a_start_fault_fires_only_when_the_runner_is_built():
+    hook = parse_fault("0:0:start", 0)
+    hook.fire(0)  # the forward of step 0 and rank 0's sampling: not its site
+    hook.fire(0, SAMPLE)
+    with pytest.raises(RuntimeError, match="injected failure at start-up"):
+        hook.fire(0, START)
+
+
+def test_a_replica_reads_its_own_ranks_of_the_spec():
+    """Ranks count over every replica (replica r's rank k is r x tp + k)."""
+    spec = "0:3:oom,2:0:start,3:5:exit"
+    assert replica_fault_spec(spec, 0, 2) == "0:3:oom"
+    assert replica_fault_spec(spec, 1, 2) == "0:0:start,1:5:exit"
+    assert replica_fault_spec(spec, 2, 2) == ""
+    assert replica_fault_spec("1:0:start", 1, 1) == "0:0:start"
+    with pytest.raises(ValueError, match="expected RANK:STEP:KIND"):
+        replica_fault_spec("x:0:start", 0, 1)

@@ -8,6 +8,7 @@ and a replica that dies takes the server down with a non-zero exit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -115,3 +116,28 @@ def test_a_replica_that_dies_takes_the_server_down():
             assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     finally:
         s.stop()
+
+
+def test_a_replica_that_fails_to_start_stops_the_started_one():
+    """Replica 1's runner fails while it is built (the test hook's ``start`` fault on
+    rank 1 = replica 1's rank 0); replica 0, started first on the CPU, is shut down and
+    the server exits non-zero naming the error."""
+    s = ServerProcess(*SMALL, "--data-parallel-size", "2", wait=False,
+                      env={"TPSERVE_TEST_FAULT": "1:0:start"})
+    seen: dict[str, psutil.Process] = {}
+    try:
+        root = psutil.Process(s.proc.pid)
+        deadline = time.monotonic() + 240
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for p in root.children(recursive=True):
+                    if p.name().startswith("tpserve-engine"):
+                        seen.setdefault(p.name(), p)
+            time.sleep(0.1)
+        assert s.proc.returncode == 1, s.output()
+    finally:
+        s.stop()
+    assert "injected failure at start-up" in s.output()
+    assert "tpserve-engine0" in seen  # it had started
+    for p in seen.values():
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE

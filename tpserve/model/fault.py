@@ -4,10 +4,15 @@
 KIND is ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``) or ``oom`` (a
 ``torch.OutOfMemoryError``) in the forward of step STEP; ``oom-sample``, the same error when
 rank 0 samples step STEP (after its samples were stored for the next step: the latest point
-of a step that allocates device memory); or ``leakN``: from step STEP on, keep N MiB more
-host memory every step (a planted leak for the soak's memory check). The variable is read
+of a step that allocates device memory); ``leakN``: from step STEP on, keep N MiB more
+host memory every step (a planted leak for the soak's memory check); or ``start`` (STEP 0):
+a RuntimeError while the rank's runner is built. The variable is read
 and parsed once, when the runner is built; with it unset the runner holds None and each
 site pays one attribute check per step.
+
+With data parallelism RANK counts every replica's ranks (replica ``r``'s rank ``k`` is
+``r x tp + k``, as ``/memory`` numbers them); each engine process rewrites the variable for
+its own ranks (``replica_fault_spec``) before it starts them.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 FAULT_ENV = "TPSERVE_TEST_FAULT"
-KINDS = ("raise", "exit", "oom", "oom-sample", "leakN")
-FORWARD, SAMPLE = "forward", "sample"  # the sites that call ``FaultHook.fire``
+KINDS = ("raise", "exit", "oom", "oom-sample", "leakN", "start")
+FORWARD, SAMPLE, START = "forward", "sample", "start"  # the sites that call ``FaultHook.fire``
 MiB = 2**20
 
 
@@ -34,12 +39,12 @@ class FaultHook:
 
     @property
     def site(self) -> str:
-        return SAMPLE if self.kind == "oom-sample" else FORWARD
+        return {"oom-sample": SAMPLE, "start": START}.get(self.kind, FORWARD)
 
     def fire(self, step: int, site: str = FORWARD) -> None:
         """Called at every step by the runner's forward (``FORWARD``) and by rank 0's
-        sampling (``SAMPLE``); acts at ``self.step`` at its own site (a leak: from then
-        on, in the forward)."""
+        sampling (``SAMPLE``), and once with step 0 when the runner is built (``START``);
+        acts at ``self.step`` at its own site (a leak: from then on, in the forward)."""
         if site != self.site:
             return
         if self.leak_bytes:
@@ -52,6 +57,8 @@ class FaultHook:
             os._exit(3)
         if self.kind in ("oom", "oom-sample"):
             raise torch.OutOfMemoryError(f"injected out-of-memory at {site} (test hook)")
+        if site == START:
+            raise RuntimeError("injected failure at start-up (test hook)")
         raise RuntimeError(f"injected failure at step {step} (test hook)")
 
 
@@ -73,7 +80,7 @@ def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:
     if not spec:
         return None
     bad = ValueError(f"{FAULT_ENV}={spec!r}: expected RANK:STEP:KIND (comma-separated for "
-                     f"several) with KIND one of {', '.join(KINDS)}")
+                     f"several) with KIND one of {', '.join(KINDS)} (start: STEP 0)")
     hooks = []
     for part in spec.split(","):
         fields = part.split(":")
@@ -85,7 +92,7 @@ def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:
             if not kind[4:].isdigit() or int(kind[4:]) < 1:
                 raise bad
             leak_bytes = int(kind[4:]) * MiB
-        elif kind not in KINDS:
+        elif kind not in KINDS or (kind == "start" and fields[1] != "0"):
             raise bad
         if int(fields[0]) == rank:
             hooks.append(FaultHook(int(fields[1]), kind, leak_bytes))
@@ -97,3 +104,16 @@ def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:
 def fault_from_env(rank: int) -> FaultHook | FaultHooks | None:
     """Reads ``TPSERVE_TEST_FAULT`` once (start-up only)."""
     return parse_fault(os.environ.get(FAULT_ENV, ""), rank)
+
+
+def replica_fault_spec(spec: str, replica: int, tp: int) -> str:
+    """``spec`` (ranks counted over every replica) as data-parallel replica ``replica``'s
+    ranks ``0..tp-1`` read it: its parts renumbered, the other replicas' dropped."""
+    parts = []
+    for part in filter(None, spec.split(",")):
+        rank, _, rest = part.partition(":")
+        if not rank.isdigit():
+            parse_fault(spec, 0)  # raises the malformed-spec error
+        if replica * tp <= int(rank) < (replica + 1) * tp:
+            parts.append(f"{int(rank) - replica * tp}:{rest}")
+    return ",".join(parts)

@@ -18,7 +18,7 @@ import torch
 
 from tpserve.model.attention.backend import select_attention
 from tpserve.model.cuda_graphs import StepGraphs, graph_reserve_bytes
-from tpserve.model.fault import fault_from_env
+from tpserve.model.fault import START, fault_from_env
 from tpserve.model.gpu_processes import other_gpu_processes
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPES
@@ -97,6 +97,8 @@ class ModelRunner:
         self.comm = Communicator(group, p2p, self.ranges)
         self.device = device = group.device
         self.fault = fault_from_env(group.rank)  # test hook, parsed once; None when off
+        if self.fault is not None:
+            self.fault.fire(0, START)
         self.steps = 0
         # rank 0: the prompt log-probabilities of the last step run (None when its plan
         # scored no prompt rows); every run replaces them (see model/prompt_logprobs.py)

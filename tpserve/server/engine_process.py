@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from tpserve.model.fault import FAULT_ENV, replica_fault_spec
 from tpserve.parallel.launch import name_this_process
 from tpserve.server.config import Config
 from tpserve.server.engine.engine_core import EngineCore
@@ -168,6 +169,9 @@ def run_engine_process(cfg: Config, commands: Connection, outputs: Connection,
     cores."""
     if replica.visible_devices is not None:  # before CUDA starts; its ranks inherit it
         os.environ["CUDA_VISIBLE_DEVICES"] = replica.visible_devices
+    if replica.count > 1 and os.environ.get(FAULT_ENV):  # the test hook, for its ranks
+        os.environ[FAULT_ENV] = replica_fault_spec(
+            os.environ[FAULT_ENV], replica.index, cfg.parallel.tensor_parallel_size)
     if replica.count > 1 and cfg.runner.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (
             replica.count * cfg.parallel.tensor_parallel_size)))
