@@ -30,7 +30,7 @@ COMPOSE = REPO / "compose.yaml"
 COMPOSE_VARIABLES = ("TPSERVE_GPUS", "MODEL", "MODEL_DIR", "PORT", "LOADTEST_NUM_PROMPTS",
                      "LOADTEST_RATE", "LOADTEST_MAX_CONCURRENCY", "LOADTEST_INPUT_LEN",
                      "LOADTEST_OUTPUT_LEN", "COMPOSE_PROFILES", "COMPOSE_FILE",
-                     "TPSERVE_API_KEY")
+                     "TPSERVE_API_KEY", "TPSERVE_DP", "TPSERVE_TP")
 
 
 def tool(name: str, install: str) -> str:
@@ -201,6 +201,27 @@ def test_compose_with_four_gpus_reserves_four_and_shards_four_ways(tmp_path):
     assert command[0] == "/models/llama-3-8b"
     assert volume(server["volumes"][0]) == (str(tmp_path), "/models", True)
     assert [str(p["published"]) for p in server["ports"]] == ["9000"]
+
+
+def test_compose_data_parallel_service_runs_replicas_on_every_gpu(tmp_path):
+    services = render("--profile", "dp", TPSERVE_DP="4", TPSERVE_TP="2",
+                      MODEL="/models/llama-3-8b", MODEL_DIR=str(tmp_path))["services"]
+    server = services["tpserve-dp"]
+    assert server["profiles"] == ["dp"]
+    assert gpu_reservation(server)["count"] == "all"
+    command = server["command"]
+    assert command[0] == "/models/llama-3-8b"
+    assert command[command.index("--data-parallel-size") + 1] == "4"
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    parser, _ = build_parser()  # the embedded model in its place: the flags resolve
+    cfg = config_from_serve_args(parser.parse_args(["serve", *command[1:]]))
+    assert (cfg.parallel.data_parallel_size, cfg.parallel.tensor_parallel_size) == (4, 2)
+    assert server["environment"] == services["tpserve"]["environment"]
+    assert volume(server["volumes"][0]) == (str(tmp_path), "/models", True)
+    default = render("--profile", "dp")["services"]["tpserve-dp"]["command"]
+    assert default[default.index("--data-parallel-size") + 1] == "2"
+    assert default[default.index("--tensor-parallel-size") + 1] == "1"
 
 
 def test_compose_passes_the_api_key_from_the_environment():
