@@ -206,3 +206,10 @@ def stopped_on_exit(servers: dict[str, ServerProcess]) -> Iterator[dict[str, Ser
     finally:
         for s in servers.values():
             s.stop()
+
+
+def snapshot_cli(base: str, path: str | os.PathLike, *extra: str) -> subprocess.CompletedProcess:
+    """``tpserve memory --snapshot PATH`` against the server at ``base``."""
+    return subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url", base,
+                           "--snapshot", str(path), *extra],
+                          capture_output=True, text=True, timeout=180)

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.model.util import greedy_answers
 from tests.server.beam_reference import reference
-from tests.server.serverproc import SMALL, ServerProcess
+from tests.server.serverproc import SMALL, ServerProcess, snapshot_cli
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return",
            "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,",
@@ -76,6 +76,15 @@ def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_pat
     assert [(r["rank"], r["replica"]) for r in memory["ranks"]] == [(0, 0), (1, 1)]
     fresh = httpx.get(server.base + "/memory", params={"fresh": "true"}, timeout=30).json()
     assert [(r["rank"], r["replica"]) for r in fresh["ranks"]] == [(0, 0), (1, 1)]
+    # the snapshot of the replica named: each engine answers (no --memory-history on the
+    # CPU: its refusal), and a replica that does not exist is refused here
+    snaps = [httpx.get(server.base + "/memory/snapshot", params={"replica": r}, timeout=30)
+             for r in (0, 1, 2)]
+    assert [r.status_code for r in snaps] == [400, 400, 400]
+    assert all("--memory-history" in r.json()["error"]["message"] for r in snaps[:2])
+    assert "replica 2: this server runs replicas 0..1" in snaps[2].json()["error"]["message"]
+    cli = snapshot_cli(server.base, "unused.pickle", "--replica", "2")
+    assert cli.returncode == 1 and "replica 2: this server runs replicas 0..1" in cli.stderr
 
 
 def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, hf_smollm2):

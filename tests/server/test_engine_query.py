@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.server.serverproc import SMALL, ServerProcess
+from tests.server.serverproc import SMALL, ServerProcess, snapshot_cli
 from tpserve.server.engine.errors import EngineTimeoutError
 from tpserve.server.engine.front import EngineFront
 from tpserve.server.engine_proxy import PipeTransport
@@ -44,12 +42,6 @@ def _check_refusal(r: httpx.Response) -> None:
     assert HOW in err["message"]
 
 
-def _snapshot_cli(base: str, path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url", base,
-                           "--snapshot", str(path), *extra],
-                          capture_output=True, text=True, timeout=180)
-
-
 def test_queries_cross_the_engine_process_pipe_at_tp2(tmp_path, small_server_tp2):
     """On the session's SMALL server at tp 2 (tests/conftest.py), shared with
     test_memory_server: rank gathers are compared with the count before the queries."""
@@ -58,7 +50,7 @@ def test_queries_cross_the_engine_process_pipe_at_tp2(tmp_path, small_server_tp2
     t0 = time.time()
     fresh, snap = _ask_together(s.base, {})
     bad = httpx.get(s.base + "/memory?fresh=maybe", timeout=10)
-    cli = _snapshot_cli(s.base, tmp_path / "snap.pickle")
+    cli = snapshot_cli(s.base, tmp_path / "snap.pickle")
     # the engine still serves after the queries
     r = s.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
                                       max_tokens=2, temperature=0)
@@ -86,10 +78,16 @@ def test_queries_in_process_and_the_snapshot_behind_the_api_key(tmp_path):
         t0 = time.time()
         fresh, snap = _ask_together(s.base, key)
         anonymous = httpx.get(s.base + "/memory/snapshot", timeout=10)
-        cli = _snapshot_cli(s.base, tmp_path / "snap.pickle", "--api-key", "k")
+        replicas = [httpx.get(s.base + "/memory/snapshot", params={"replica": r},
+                              headers=key, timeout=30) for r in (0, 1, -1)]
+        cli = snapshot_cli(s.base, tmp_path / "snap.pickle", "--api-key", "k")
     finally:
         assert s.stop() == 0
     _check_refusal(snap)
+    _check_refusal(replicas[0])
+    assert [r.status_code for r in replicas[1:]] == [400, 400]
+    assert "replica 1: this server runs one engine" in replicas[1].json()["error"]["message"]
+    assert replicas[2].json()["error"]["param"] == "replica"
     for f in fresh:
         assert f.status_code == 200
         rep = f.json()

@@ -17,7 +17,8 @@ replicas; but the one-token requests of a beam search all go to one replica (``p
 ``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
 every replica (a LoRA load or unload must give every replica the same slot; the memory
-report is merged), except ``memory_snapshot``, which is replica 0's. Any replica's death is
+report is merged), except ``memory_snapshot``, which goes to the replica it names (0 by
+default). Any replica's death is
 the server's (``on_fatal``): /health turns 503 and the process exits non-zero, as with one
 engine.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
-from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.errors import EngineError, InvalidRequestError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine_proxy import EngineProxy
 from tpserve.server.replica_stats import merge_memory, merge_stats
@@ -119,7 +120,11 @@ class DataParallelEngines:
         """Every replica's answer, as one (module doc)."""
         kind = name if isinstance(name, str) else name[0]
         if kind == "memory_snapshot":
-            return await self.engines[0].query(name)
+            replica = 0 if isinstance(name, str) else name[1]
+            if not 0 <= replica < len(self.engines):
+                raise InvalidRequestError(f"replica {replica}: this server runs replicas "
+                                          f"0..{len(self.engines) - 1}")
+            return await self.engines[replica].query("memory_snapshot")
         answers = await asyncio.gather(*(e.query(name) for e in self.engines))
         if kind == "memory_report":
             return merge_memory(answers)

@@ -34,6 +34,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the table and plot: save rank 0's allocator snapshot "
                         "(GET /memory/snapshot; the server needs --memory-history) to FILE, "
                         "the pickle https://pytorch.org/memory_viz opens")
+    p.add_argument("--replica", type=int, default=0,
+                   help="with --snapshot: the data-parallel replica whose rank 0 is read")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="HTTP timeout in seconds (a snapshot may take up to 60 s more)")
 
@@ -45,10 +47,13 @@ def fetch_report(base_url: str, api_key: str | None, timeout: float) -> dict[str
     return r.json()
 
 
-def fetch_snapshot(base_url: str, api_key: str | None, timeout: float) -> bytes:
-    """``/memory/snapshot``'s bytes; RuntimeError with the server's message on an error."""
+def fetch_snapshot(base_url: str, api_key: str | None, timeout: float,
+                   replica: int = 0) -> bytes:
+    """``/memory/snapshot``'s bytes (of data-parallel replica ``replica``); RuntimeError
+    with the server's message on an error."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(base_url.rstrip("/") + "/memory/snapshot", headers=headers,
+                  params={"replica": replica} if replica else None,
                   timeout=timeout + SNAPSHOT_EXTRA_S)
     if r.status_code != 200:
         try:
@@ -94,7 +99,7 @@ def format_table(report: dict[str, Any]) -> str:
 def memory_main(args: argparse.Namespace) -> int:
     if args.snapshot is not None:
         try:
-            data = fetch_snapshot(args.base_url, args.api_key, args.timeout)
+            data = fetch_snapshot(args.base_url, args.api_key, args.timeout, args.replica)
         except (httpx.HTTPError, RuntimeError) as e:
             print(f"tpserve memory: cannot read {args.base_url}/memory/snapshot: {e}",
                   file=sys.stderr)

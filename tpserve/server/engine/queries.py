@@ -13,8 +13,10 @@ after its timeout is dropped.
 Queries:
 - ``memory_report``: every rank's allocator figures gathered now (a collective at tp > 1),
   then the memory report (what ``GET /memory?fresh=true`` serves);
-- ``memory_snapshot``: rank 0's allocator segments and recorded events as the pickle
-  https://pytorch.org/memory_viz reads (needs ``--memory-history``);
+- ``memory_snapshot`` or ``("memory_snapshot", replica)``: rank 0's allocator segments
+  and recorded events as the pickle https://pytorch.org/memory_viz reads (needs
+  ``--memory-history``); a data-parallel server sends it to that replica's engine alone
+  (``data_parallel``), so an engine asked for a replica other than 0 is the only one;
 - ``("lora_load", path)``: every rank loads the LoRA adapter folder into a free slot
   (``lora_slots``); answers ``(slot, id)``;
 - ``("lora_unload", slot, id)``: frees that adapter's slot.
@@ -38,7 +40,10 @@ def fresh_memory_report(core: EngineCore) -> dict[str, Any]:
     return core.memory.report()
 
 
-def memory_snapshot(core: EngineCore) -> bytes:
+def memory_snapshot(core: EngineCore, replica: int = 0) -> bytes:
+    if replica != 0:
+        raise InvalidRequestError(f"replica {replica}: this server runs one engine "
+                                  "(replica 0; --data-parallel-size runs more)")
     if not core.runner.cfg.memory_history:
         raise InvalidRequestError(
             "the allocator's history is not recorded: start the server with "

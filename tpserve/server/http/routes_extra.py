@@ -93,13 +93,20 @@ def make_extra_router() -> APIRouter:
     @router.get("/memory/snapshot", tags=["server"], response_class=Response,
                 responses={200: {"content": {"application/octet-stream": {}}},
                            **{s: {"model": ErrorResponse} for s in (400, 401, 503, 504)}})
-    async def memory_snapshot(request: Request) -> Response:
+    async def memory_snapshot(request: Request, replica: int = 0) -> Response:
         """Rank 0's caching-allocator snapshot (segments and the events recorded since
-        start-up) as the pickle https://pytorch.org/memory_viz reads. Needs
-        ``--memory-history`` (else 400 saying so); taken between steps."""
-        data = await get_state(request).engine.query("memory_snapshot")
+        start-up) as the pickle https://pytorch.org/memory_viz reads; with
+        ``--data-parallel-size``, that of replica ``replica``'s rank 0 (400 when there is
+        no such replica). Needs ``--memory-history`` (else 400 saying so); taken between
+        steps."""
+        if replica < 0:
+            raise APIError(400, f"replica {replica}: replicas are numbered from 0",
+                           param="replica")
+        data = await get_state(request).engine.query(
+            "memory_snapshot" if replica == 0 else ("memory_snapshot", replica))
+        name = "memory-snapshot" if replica == 0 else f"memory-snapshot-replica{replica}"
         return Response(data, media_type="application/octet-stream", headers={
-            "Content-Disposition": 'attachment; filename="memory-snapshot.pickle"'})
+            "Content-Disposition": f'attachment; filename="{name}.pickle"'})
 
     @router.get("/version", tags=["server"], response_model=VersionResponse)
     async def version() -> VersionResponse:
