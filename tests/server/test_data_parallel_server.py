@@ -87,6 +87,30 @@ def test_two_replicas_answer_as_one_engine_and_share_a_burst(server, smollm2_pat
     assert cli.returncode == 1 and "replica 2: this server runs replicas 0..1" in cli.stderr
 
 
+def test_requests_sharing_a_prefix_go_to_the_replica_that_has_it(server, smollm2_tokenizer):
+    """Sequential requests sharing 64 prompt tokens (4 KV blocks; ``prefix_affinity``) all
+    go to the replica that took the first, and find the prefix in its cache; sent one at a
+    time without a shared prefix they would take turns (the first test)."""
+    shared = smollm2_tokenizer.encode(" ".join(PROMPTS) * 2)[:64]
+    prompts = [shared + smollm2_tokenizer.encode(f" Question {i}: what comes next?")
+               for i in range(4)]
+    names = ("generation_tokens_total", "prefix_cache_hits_total")
+    before = {n: _per_engine(server, n) for n in names}
+    client = server.client()
+    for prompt in prompts:
+        answer = client.completions.create(model="smol", prompt=prompt, max_tokens=TOKENS,
+                                           temperature=0)
+        assert answer.usage.completion_tokens == TOKENS
+    grew = {n: {e: _per_engine(server, n)[e] - before[n][e] for e in ("0", "1")}
+            for n in names}
+    (busy,) = [e for e in ("0", "1") if grew["generation_tokens_total"][e]]
+    idle = "1" if busy == "0" else "0"
+    assert grew["generation_tokens_total"][busy] == len(prompts) * TOKENS
+    assert grew["prefix_cache_hits_total"][busy] >= (len(prompts) - 1) * len(shared)
+    assert grew["prefix_cache_hits_total"][idle] == 0
+    server.wait_pool_free()
+
+
 def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, hf_smollm2):
     """Every step of a beam search goes to one replica (``pinned``), whose prefix cache
     holds the prompt's blocks from the second step on; the beams are the oracle's."""

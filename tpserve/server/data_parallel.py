@@ -7,12 +7,13 @@ each replica plans its memory from its own GPUs. On the CPU the replicas start o
 the other, so that each plans from the memory the ones before it left; on GPUs they start
 together.
 
-Routing: a request goes to the replica with the fewest requests in flight (then the fewest
-prompt tokens, then in turn), read from the replicas' own backpressure counters on the
-event loop thread, so the requests of one burst spread over the replicas, and so do
-requests sent one at a time. Routing
-does not look at prefix caches: two requests sharing a prefix may land on different
-replicas; but the one-token requests of a beam search all go to one replica (``pinned``).
+Routing: a request whose prompt shares at least 30 % with an earlier one (whole KV blocks)
+goes to the replica that took that one, unless it is much busier than the least busy
+(``prefix_affinity``); any other goes to the replica with the fewest requests in flight
+(then the fewest prompt tokens, then in turn), read from the replicas' own backpressure
+counters on the event loop thread, so the requests of one burst spread over the replicas,
+and so do requests sent one at a time. The one-token requests of a beam search all go to
+one replica (``pinned``).
 
 ``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
@@ -37,6 +38,7 @@ from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine_proxy import EngineProxy
+from tpserve.server.prefix_affinity import MIN_SHARE, PrefixAffinity, choose
 from tpserve.server.replica_stats import merge_memory, merge_stats
 from tpserve.server.replicas import Replica
 
@@ -72,8 +74,11 @@ class DataParallelEngines:
         self.vocab_size, self.tokenizer = first.vocab_size, first.tokenizer
         self.eos_token_ids = first.eos_token_ids
         self._turn = 0  # where the next tie between equally busy replicas starts
-        logger.info("%d engine replicas ready; requests go to the one with the fewest in "
-                    "flight", len(engines))
+        self._affinity = PrefixAffinity(cfg.scheduler.block_size)
+        self._slack = max(1, cfg.scheduler.max_num_seqs // 4)
+        logger.info("%d engine replicas ready; a request goes to the one that took a prompt "
+                    "sharing %d %% of its own, else to the one with the fewest in flight",
+                    len(engines), round(100 * MIN_SHARE))
 
     @property
     def accepting(self) -> bool:
@@ -86,20 +91,32 @@ class DataParallelEngines:
     def is_healthy(self) -> bool:
         return all(e.is_healthy() for e in self.engines)
 
-    def pick(self) -> EngineProxy:
-        """The replica the next request goes to (module doc); among equally busy ones, the
-        next in turn after the last pick (event loop thread only)."""
+    def pick(self, prompt: list[int] | None = None,
+             params: SamplingParams | None = None) -> EngineProxy:
+        """The replica the next request goes to (module doc): with its ``prompt``, the
+        owner of a long enough shared prefix unless too busy; else the least busy, among
+        equally busy ones the next in turn after the last such pick (event loop thread
+        only)."""
         n, turn = len(self.engines), self._turn
-        index = min(range(n), key=lambda i: (self.engines[i].outstanding,
+        least = min(range(n), key=lambda i: (self.engines[i].outstanding,
                                              self.engines[i].outstanding_tokens,
                                              (i - turn) % n))
-        self._turn = (index + 1) % n
+        if prompt is None or params is None:
+            index = least
+        else:
+            chain = self._affinity.chain(prompt, params)
+            index = choose([e.outstanding for e in self.engines], least,
+                           self._affinity.owner(chain, len(prompt)), self._slack)
+            self._affinity.record(chain, index)
+        if index == least:
+            self._turn = (index + 1) % n
         return self.engines[index]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         # picked when the caller first awaits, so a burst's requests see each other
-        outputs = self.pick().generate(request_id, prompt_token_ids, params)
+        outputs = self.pick(prompt_token_ids, params).generate(request_id, prompt_token_ids,
+                                                               params)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
