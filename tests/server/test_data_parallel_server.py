@@ -112,12 +112,17 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_has_it(server, smollm2
 
 
 def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, hf_smollm2):
-    """Every step of a beam search goes to one replica (``pinned``), whose prefix cache
-    holds the prompt's blocks from the second step on; the beams are the oracle's."""
+    """Every step of a beam search goes to one replica (``pinned``): the one that took a
+    request of the same prompt just before (prefix affinity), whose prefix cache holds the
+    prompt's blocks; the beams are the oracle's."""
     model, tok = hf_smollm2
-    ids = tok(" ".join(PROMPTS) * 2).input_ids  # several full blocks of 16
+    ids = tok(" ".join(PROMPTS) * 3).input_ids[::-1]  # several full blocks of 16, unseen
     want = reference(model, ids, 2, 6, {tok.eos_token_id})
     names = ("generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+    first = _per_engine(server, "generation_tokens_total")
+    server.client().completions.create(model="smol", prompt=ids, max_tokens=1)
+    (owner,) = [e for e, v in _per_engine(server, "generation_tokens_total").items()
+                if v > first[e]]
     before = {n: _per_engine(server, n) for n in names}
     answer = server.client().completions.create(
         model="smol", prompt=ids, max_tokens=6, n=2,
@@ -127,8 +132,9 @@ def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, h
             for n in names}
     (busy,) = [e for e in ("0", "1") if grew["generation_tokens_total"][e]]
     idle = "1" if busy == "0" else "0"
+    assert busy == owner
     assert grew["generation_tokens_total"][busy] == 1 + 2 * 5  # a token a beam and step
-    assert grew["prefix_cache_hits_total"][busy] >= 10 * (len(ids) // 16) * 16
+    assert grew["prefix_cache_hits_total"][busy] >= 11 * (len(ids) // 16) * 16
     assert all(grew[n][idle] == 0 for n in names), grew
     server.wait_pool_free()
 

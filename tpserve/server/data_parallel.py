@@ -125,10 +125,11 @@ class DataParallelEngines:
         for e in self.engines:  # idempotent; unknown ids are ignored
             e.abort(request_id)
 
-    def pinned(self) -> EngineProxy:
+    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineProxy:
         """``EngineClient.pinned``: the replica a beam search sends every step to (picked
-        as a request's), so that each step finds the beams' blocks in its prefix cache."""
-        return self.pick()
+        as a request of its prompt would be), so that each step finds the beams' blocks in
+        its prefix cache."""
+        return self.pick(prompt_token_ids, params)
 
     def stats(self) -> dict[str, Any]:
         return merge_stats([e.stats() for e in self.engines])

@@ -61,7 +61,7 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy and self.dead_reason is None
 
-    def pinned(self) -> FakeEngine:
+    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> FakeEngine:
         return self
 
     def abort(self, request_id: str) -> None:

@@ -98,7 +98,7 @@ class EngineFront:
     def abort(self, request_id: str) -> None:
         self.transport.abort(request_id)
 
-    def pinned(self) -> EngineFront:
+    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineFront:
         """``EngineClient.pinned``: one engine is its own."""
         return self
 

@@ -159,7 +159,7 @@ async def beam_search(engine: EngineClient, request_id: str, prompt_ids: list[in
     index ``i`` for the ``i``-th best beam. Every step goes to one engine
     (``EngineClient.pinned``: one data-parallel replica), whose prefix cache holds the
     beams' blocks."""
-    engine = engine.pinned()
+    engine = engine.pinned(prompt_ids, params)
     stops = frozenset(params.stop_token_ids)
     beams = BeamSet(params.n, len(prompt_ids),
                     stops | (frozenset() if params.ignore_eos else engine.eos_token_ids),

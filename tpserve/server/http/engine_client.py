@@ -35,10 +35,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def pinned(self) -> EngineClient:
+    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineClient:
         """The engine a job of several requests over one prompt (a beam search) sends all
-        of them to, so they share one prefix cache: this engine, or one data-parallel
-        replica (``server/data_parallel.py``)."""
+        of them to, so they share one prefix cache: this engine, or the data-parallel
+        replica a request of that prompt would go to (``server/data_parallel.py``)."""
         ...
 
     def stats(self) -> dict[str, float]: ...
