@@ -119,6 +119,9 @@ def parse_args() -> argparse.Namespace:
                    help="NCCL for every all-reduce (no peer-to-peer one/two-shot)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="a mixture of experts: experts whole on each rank")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="the serving run's requests ask for each token's log-probability "
+                        "and K top alternatives")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next")
     p.add_argument("--note", action="append", default=[], help="a note to record")

@@ -133,16 +133,19 @@ def run_closed_loop(core: EngineCore, prompts: list[list[int]], output_len: int,
                     tag: str, temperature: float = 0.0,
                     on_step: Callable[[int], None] | None = None,
                     prompt_logprobs: int | None = None, lora_slots: int = 0,
-                    ignore_eos: bool = True) -> tuple[list[Tracker], float, int]:
+                    ignore_eos: bool = True,
+                    logprobs: int | None = None) -> tuple[list[Tracker], float, int]:
     """Keeps at most ``concurrency`` requests in flight, adding one whenever one finishes,
     until every prompt ran or ``time_limit`` passed (then the ones in flight finish).
     ``on_step(n)`` is called after the n-th step; ``prompt_logprobs`` scores every prompt
     (the completions API's ``echo`` with ``logprobs``); ``lora_slots`` > 0: prompt i runs
     under LoRA adapter ``i % lora_slots``; ``ignore_eos`` False: a request may end at EOS
-    before ``output_len``. Returns the trackers (in finishing order), the wall time and the
-    number of steps."""
+    before ``output_len``; ``logprobs``: each token's log-probability and that many top
+    alternatives (with their texts). Returns the trackers (in finishing order), the wall
+    time and the number of steps."""
     params = SamplingParams(temperature=temperature, max_tokens=output_len,
-                            ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
+                            ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
+                            logprobs=logprobs)
     pending = deque(enumerate(prompts))
     inflight: list[Tracker] = []
     done: list[Tracker] = []
@@ -303,7 +306,8 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
         start_memory_history(device, 2_000_000)
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature,
-                                        lora_slots=a.lora_adapters)
+                                        lora_slots=a.lora_adapters,
+                                        logprobs=getattr(a, "logprobs", None))
     sync(device)
     snap = None
     if history:
@@ -318,6 +322,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     out_tokens = sum(len(t.token_times) for t in done)
     e2e = [t.token_times[-1] - t.t_add for t in done]
     srv = {"concurrency": a.concurrency, "temperature": a.temperature,
+           "logprobs": getattr(a, "logprobs", None),
            "num_prompts_requested": a.num_prompts,
            "num_prompts": len(done), "time_limit_s": a.serving_time_limit,
            "input_len": a.input_len, "output_len": a.output_len, "duration_s": round(wall, 3),

@@ -8,6 +8,7 @@ import pytest
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.detokenizer import IncrementalDetokenizer
+from tpserve.server.engine.token_texts import TokenTexts
 
 TEXTS = [
     "Hello world, this is a plain sentence.",
@@ -165,8 +166,15 @@ def test_stop_string_with_multibyte(tok):
         assert not any("\ufffd" in p for p in pieces)
 
 
-def test_token_text(tok):
-    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+def test_token_texts_are_each_tokens_own_text_decoded_once(tok):
+    """``TokenTexts``: a token's text on its own, special tokens by name, kept per id."""
+    texts = TokenTexts(tok)
     hello = encode(tok, " Hello")
-    assert len(hello) == 1 and detok.token_text(hello[0]) == " Hello"
-    assert detok.token_text(tok.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
+    assert len(hello) == 1 and texts(hello[0]) == " Hello"
+    assert texts(tok.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
+    ids = list(range(0, len(tok), 97))
+    assert [texts(i) for i in ids] == [tok.decode([i], skip_special_tokens=False)
+                                       for i in ids]
+    assert len(texts) == len(set(ids) | {hello[0], tok.convert_tokens_to_ids("<|im_end|>")})
+    assert [texts(i) for i in ids[::-1]] == [tok.decode([i], skip_special_tokens=False)
+                                             for i in ids[::-1]]

@@ -89,10 +89,6 @@ class IncrementalDetokenizer:
         self._text += self._decode_step(final=True)
         return self._confirm(final=True)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (special tokens by name), for logprobs."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 

@@ -121,6 +121,7 @@ from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
 from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
 from tpserve.server.engine.token_budget import MemoryReader, TokenBudget
+from tpserve.server.engine.token_texts import TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class EngineCore:
         lora = runner.cfg.lora
         self.lora_slots = LoraSlots(lora) if lora is not None else None
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # logprob entries' token texts, kept
         self.block_size = scheduler.block_size
         self.max_model_len = scheduler.max_model_len
         self.max_num_batched_tokens = scheduler.max_num_batched_tokens
@@ -479,7 +481,7 @@ class EngineCore:
     def _finalize(self, flight: InFlight) -> None:
         wait_for(flight.event, self.counters)
         if flight.scored:
-            collect_prompt(flight, self.requests, self.counters)
+            collect_prompt(flight, self.requests, self.counters, self.token_texts)
         if flight.pooling:
             collect_pooled(flight, self.requests, self.counters, self.histograms,
                            self.classifier)
@@ -535,7 +537,7 @@ class EngineCore:
             piece, status, reason = apply_stop_rules(seq, state, self.eos_token_ids,
                                                      self.max_model_len)
             text.append(piece)
-            logprobs.extend(token_logprobs(seq, state, row + j, result) or ())
+            logprobs.extend(token_logprobs(seq, row + j, result, self.token_texts) or ())
             if status is not None:
                 seq.stop_reason = reason
                 self.scheduler.finish(seq, status)

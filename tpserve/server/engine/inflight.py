@@ -17,6 +17,7 @@ from tpserve.model.sampler import PendingSample
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.sequence import Sequence
+from tpserve.server.engine.token_texts import TokenTexts
 
 
 @dataclass
@@ -63,7 +64,7 @@ def wait_for(event: Any, counters: dict[str, float]) -> None:
 
 
 def collect_prompt(flight: InFlight, requests: dict[str, RequestState],
-                   counters: dict[str, float]) -> None:
+                   counters: dict[str, float], texts: TokenTexts) -> None:
     """Hands each scored chunk's rows (read back now) to its request."""
     assert flight.prompt is not None
     wait_for(flight.prompt_event, counters)
@@ -74,14 +75,13 @@ def collect_prompt(flight: InFlight, requests: dict[str, RequestState],
     for seq, start, k in flight.scored:
         state = requests.get(seq.request_id)
         if state is not None and not seq.is_finished:
-            detok, want = state.detoks[0], seq.params.prompt_logprobs
+            want = seq.params.prompt_logprobs
             entries = []
             for r in range(row, row + k):
                 target = seq.prompt_token_ids[start + 1 + r - row]
                 pairs = zip(top_ids[r][:want], top_lps[r][:want], strict=True)
-                top = tuple((t, detok.token_text(t), lp) for t, lp in pairs)
-                entries.append(TokenLogprob(target, detok.token_text(target), lps[r], top,
-                                            ranks[r]))
+                top = tuple((t, texts(t), lp) for t, lp in pairs)
+                entries.append(TokenLogprob(target, texts(target), lps[r], top, ranks[r]))
             state.add_prompt_logprobs(start, entries)
         row += k
 

@@ -8,6 +8,7 @@ from typing import Any
 from tpserve.server.engine.outputs import TokenLogprob
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
+from tpserve.server.engine.token_texts import TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,12 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     return text, status, reason
 
 
-def token_logprobs(seq: Sequence, state: RequestState, row: int,
-                   result: Any) -> tuple[TokenLogprob, ...] | None:
+def token_logprobs(seq: Sequence, row: int, result: Any,
+                   texts: TokenTexts) -> tuple[TokenLogprob, ...] | None:
     """The newest token's log-probability and its top alternatives (row ``row`` of the
     step's sample ``result``), when the request asked for log-probabilities."""
     if seq.params.logprobs is None or result is None:
         return None
-    detok = state.detoks[seq.index]
     token = seq.output_token_ids[-1]
-    top = tuple((t, detok.token_text(t), lp) for t, lp in result.top_logprobs[row])
-    return (TokenLogprob(token, detok.token_text(token), result.logprobs[row], top),)
+    top = tuple((t, texts(t), lp) for t, lp in result.top_logprobs[row])
+    return (TokenLogprob(token, texts(token), result.logprobs[row], top),)
