@@ -61,8 +61,11 @@ def test_every_flag_in_one_server(server):
                                             logprobs=True, top_logprobs=3)
     assert answer.choices[0].message.role == "bot"
     assert all(len(t.top_logprobs) == 3 for t in answer.choices[0].logprobs.content)
-    first = next(iter(client.chat.completions.create(model=answer.model, messages=MESSAGES,
-                                                     max_tokens=2, stream=True)))
+    # closed here: an abandoned stream closed later by the garbage collector, inside
+    # httpcore's pool lock (a request of the same client), deadlocks on that lock
+    with client.chat.completions.create(model=answer.model, messages=MESSAGES,
+                                        max_tokens=2, stream=True) as stream:
+        first = next(iter(stream))
     assert first.choices[0].delta.role == "bot"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=answer.model, messages=MESSAGES, max_tokens=2,
