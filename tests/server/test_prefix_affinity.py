@@ -1,6 +1,7 @@
 """``prefix_affinity``: the block chain of a prompt, the owner of its longest remembered
-prefix (30 % of the prompt at least), the bounded memory, and the rule that gives the
-request to the owner unless it is too busy against the least busy replica."""
+prefix (30 % of the prompt and ``min_tokens`` at least), the bounded memory, and the rule
+that gives the request to the owner unless it is too busy against the least busy
+replica."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_chain_covers_whole_blocks_keyed_like_the_prefix_cache():
 
 
 def test_the_owner_of_the_longest_prefix_needs_30_percent_of_the_prompt():
-    a = PrefixAffinity(block_size=4)
+    a = PrefixAffinity(block_size=4, min_tokens=4)
     shared = list(range(12))
     a.record(a.chain(shared[:4], PLAIN), 0)
     a.record(a.chain(shared, PLAIN), 1)  # blocks 1-3 now replica 1's
@@ -37,10 +38,14 @@ def test_the_owner_of_the_longest_prefix_needs_30_percent_of_the_prompt():
     assert a.owner(a.chain(short_share, PLAIN), len(short_share)) is None
     assert a.owner(a.chain(short_share[:13], PLAIN), 13) == 0  # 4 of 13: 31 %
     assert a.owner(a.chain(long, SamplingParams(cache_salt="x")), len(long)) is None
+    floor = PrefixAffinity(block_size=4, min_tokens=12)  # a floor in tokens too
+    floor.record(floor.chain(shared, PLAIN), 1)
+    assert floor.owner(floor.chain(shared[:8] + [9] * 4, PLAIN), 12) is None  # 8 of 12
+    assert floor.owner(floor.chain(long, PLAIN), len(long)) == 1  # 12 of 20
 
 
 def test_memory_is_bounded_least_recently_used_first():
-    a = PrefixAffinity(block_size=2, capacity=4)
+    a = PrefixAffinity(block_size=2, min_tokens=2, capacity=4)
     first, second, third = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     a.record(a.chain(first, PLAIN), 0)
     a.record(a.chain(second, PLAIN), 1)

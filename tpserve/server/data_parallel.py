@@ -7,8 +7,9 @@ each replica plans its memory from its own GPUs. On the CPU the replicas start o
 the other, so that each plans from the memory the ones before it left; on GPUs they start
 together.
 
-Routing: a request whose prompt shares at least 30 % with an earlier one (whole KV blocks)
-goes to the replica that took that one, unless it is much busier than the least busy
+Routing: a request whose prompt shares at least 30 % and 64 tokens with an earlier one
+(whole KV blocks) goes to the replica that took that one, unless it is much busier than
+the least busy
 (``prefix_affinity``); any other goes to the replica with the fewest requests in flight
 (then the fewest prompt tokens, then in turn), read from the replicas' own backpressure
 counters on the event loop thread, so the requests of one burst spread over the replicas,
@@ -38,7 +39,7 @@ from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine_proxy import EngineProxy
-from tpserve.server.prefix_affinity import MIN_SHARE, PrefixAffinity, choose
+from tpserve.server.prefix_affinity import MIN_SHARE, MIN_TOKENS, PrefixAffinity, choose
 from tpserve.server.replica_stats import merge_memory, merge_stats
 from tpserve.server.replicas import Replica
 
@@ -75,10 +76,10 @@ class DataParallelEngines:
         self.eos_token_ids = first.eos_token_ids
         self._turn = 0  # where the next tie between equally busy replicas starts
         self._affinity = PrefixAffinity(cfg.scheduler.block_size)
-        self._slack = max(1, cfg.scheduler.max_num_seqs // 4)
+        self._slack = max(1, cfg.scheduler.max_num_seqs // 8)
         logger.info("%d engine replicas ready; a request goes to the one that took a prompt "
-                    "sharing %d %% of its own, else to the one with the fewest in flight",
-                    len(engines), round(100 * MIN_SHARE))
+                    "sharing %d %% and %d tokens of its own, else to the one with the fewest "
+                    "in flight", len(engines), round(100 * MIN_SHARE), MIN_TOKENS)
 
     @property
     def accepting(self) -> bool:

@@ -8,9 +8,10 @@ engine's prefix cache: by ``cache_salt`` and LoRA adapter). The rule (``choose``
 of the cache-aware routers in front of vLLM and SGLang, with tpserve's scale:
 
 - the owner of the longest remembered prefix takes the request when that prefix is at
-  least ``MIN_SHARE`` of the prompt;
+  least ``MIN_SHARE`` of the prompt and at least ``MIN_TOKENS`` tokens (a shorter one, such
+  as a chat template's header, saves too little prefill to unbalance the replicas for);
 - unless it has more than ``slack`` requests in flight beyond the least busy replica and
-  more than ``BUSY_RATIO`` times as many (``slack``: a quarter of ``--max-num-seqs``);
+  more than ``BUSY_RATIO`` times as many (``slack``: an eighth of ``--max-num-seqs``);
 - otherwise the least busy replica (``DataParallelEngines`` breaks ties in turn).
 
 Every routed prompt's blocks are then remembered as its replica's (overwriting), the
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from tpserve.model.sampling_params import SamplingParams
 
 MIN_SHARE = 0.3  # of the prompt's tokens, for the prefix's owner to take it
+MIN_TOKENS = 64  # and at least this many (4 blocks of the default 16 tokens)
 BUSY_RATIO = 1.5  # with ``slack``: when the owner is too busy to take it
 CAPACITY = 1 << 17  # remembered blocks (about 16 MiB)
 
@@ -45,8 +47,10 @@ def choose(loads: Sequence[int], least: int, owner: int | None, slack: int) -> i
 class PrefixAffinity:
     """Which replica each remembered prompt block went to (module doc)."""
 
-    def __init__(self, block_size: int, capacity: int = CAPACITY):
+    def __init__(self, block_size: int, min_tokens: int = MIN_TOKENS,
+                 capacity: int = CAPACITY):
         self.block_size = block_size
+        self.min_tokens = min_tokens
         self.capacity = capacity
         self._owners: OrderedDict[int, int] = OrderedDict()  # block chain hash -> replica
 
@@ -62,9 +66,10 @@ class PrefixAffinity:
 
     def owner(self, chain: list[int], prompt_len: int) -> int | None:
         """The replica that took the longest remembered prefix of ``chain``, when it covers
-        at least ``MIN_SHARE`` of the prompt's ``prompt_len`` tokens."""
+        at least ``MIN_SHARE`` of the prompt's ``prompt_len`` tokens and ``min_tokens``."""
+        floor = max(MIN_SHARE * prompt_len, self.min_tokens)
         for depth in range(len(chain), 0, -1):
-            if depth * self.block_size < MIN_SHARE * prompt_len:
+            if depth * self.block_size < floor:
                 return None
             replica = self._owners.get(chain[depth - 1])
             if replica is not None:
