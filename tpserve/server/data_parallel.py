@@ -9,20 +9,18 @@ together.
 
 Routing: a request whose prompt shares at least 30 % and 64 tokens with an earlier one
 (whole KV blocks) goes to the replica that took that one, unless it is much busier than
-the least busy
-(``prefix_affinity``); any other goes to the replica with the fewest requests in flight
-(then the fewest prompt tokens, then in turn), read from the replicas' own backpressure
-counters on the event loop thread, so the requests of one burst spread over the replicas,
-and so do requests sent one at a time. The one-token requests of a beam search all go to
-one replica (``pinned``).
+the least busy (``prefix_affinity``); any other goes to the replica with the fewest
+requests in flight (then the fewest prompt tokens, then in turn), read from the replicas'
+own backpressure counters on the event loop thread, so the requests of one burst spread
+over the replicas, and so do requests sent one at a time. The one-token requests of a beam
+search all go to one replica (``pinned``).
 
 ``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
 every replica (a LoRA load or unload must give every replica the same slot; the memory
 report is merged), except ``memory_snapshot``, which goes to the replica it names (0 by
-default). Any replica's death is
-the server's (``on_fatal``): /health turns 503 and the process exits non-zero, as with one
-engine.
+default). Any replica's death is the server's (``on_fatal``): /health turns 503 and the
+process exits non-zero, as with one engine.
 """
 
 from __future__ import annotations
@@ -92,23 +90,18 @@ class DataParallelEngines:
     def is_healthy(self) -> bool:
         return all(e.is_healthy() for e in self.engines)
 
-    def pick(self, prompt: list[int] | None = None,
-             params: SamplingParams | None = None) -> EngineProxy:
-        """The replica the next request goes to (module doc): with its ``prompt``, the
-        owner of a long enough shared prefix unless too busy; else the least busy, among
-        equally busy ones the next in turn after the last such pick (event loop thread
-        only)."""
+    def pick(self, prompt: list[int], params: SamplingParams) -> EngineProxy:
+        """The replica a request of ``prompt`` goes to (module doc): the owner of a long
+        enough shared prefix unless too busy; else the least busy, among equally busy ones
+        the next in turn after the last such pick (event loop thread only)."""
         n, turn = len(self.engines), self._turn
         least = min(range(n), key=lambda i: (self.engines[i].outstanding,
                                              self.engines[i].outstanding_tokens,
                                              (i - turn) % n))
-        if prompt is None or params is None:
-            index = least
-        else:
-            chain = self._affinity.chain(prompt, params)
-            index = choose([e.outstanding for e in self.engines], least,
-                           self._affinity.owner(chain, len(prompt)), self._slack)
-            self._affinity.record(chain, index)
+        chain = self._affinity.chain(prompt, params)
+        index = choose([e.outstanding for e in self.engines], least,
+                       self._affinity.owner(chain, len(prompt)), self._slack)
+        self._affinity.record(chain, index)
         if index == least:
             self._turn = (index + 1) % n
         return self.engines[index]
