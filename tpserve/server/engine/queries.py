@@ -16,7 +16,8 @@ Queries:
 - ``memory_snapshot`` or ``("memory_snapshot", replica)``: rank 0's allocator segments
   and recorded events as the pickle https://pytorch.org/memory_viz reads (needs
   ``--memory-history``); a data-parallel server sends it to that replica's engine alone
-  (``data_parallel``), so an engine asked for a replica other than 0 is the only one;
+  (``data_parallel``), so an engine that gets a replica other than 0 runs without data
+  parallelism and refuses it;
 - ``("lora_load", path)``: every rank loads the LoRA adapter folder into a free slot
   (``lora_slots``); answers ``(slot, id)``;
 - ``("lora_unload", slot, id)``: frees that adapter's slot.
