@@ -46,14 +46,14 @@ logger = logging.getLogger("tpserve")
 
 class DataParallelEngines:
     """The replicas as one ``EngineClient`` (module doc). Starts every replica's engine
-    process and waits until all are ready; if one fails to start, the others are shut
-    down and its error is raised."""
+    process (``cfg.replicas``) and waits until all are ready; if one fails to start, the
+    others are shut down and its error is raised."""
 
-    def __init__(self, cfg: Config, replicas: tuple[Replica, ...],
-                 on_fatal: Callable[[str], None] | None = None):
+    def __init__(self, cfg: Config, on_fatal: Callable[[str], None] | None = None):
         def start(replica: Replica) -> EngineProxy:
             return EngineProxy(cfg, on_fatal, replica)
 
+        replicas = cfg.replicas
         together = all(r.visible_devices is not None for r in replicas)
         engines: list[EngineProxy] = []
         error: BaseException | None = None

@@ -112,7 +112,7 @@ def _serve_engine_process(cfg: Config, defaults: GenerationDefaults) -> int:
     status = _Exit()
     # both raise the engine's start-up error
     engine = (EngineProxy(cfg, status.fatal) if len(cfg.replicas) == 1
-              else DataParallelEngines(cfg, cfg.replicas, status.fatal))
+              else DataParallelEngines(cfg, status.fatal))
     return _serve_http(cfg, engine, status, defaults)
 
 
