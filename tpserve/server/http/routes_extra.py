@@ -102,8 +102,7 @@ def make_extra_router() -> APIRouter:
         if replica < 0:
             raise APIError(400, f"replica {replica}: replicas are numbered from 0",
                            param="replica")
-        data = await get_state(request).engine.query(
-            "memory_snapshot" if replica == 0 else ("memory_snapshot", replica))
+        data = await get_state(request).engine.query(("memory_snapshot", replica))
         name = "memory-snapshot" if replica == 0 else f"memory-snapshot-replica{replica}"
         return Response(data, media_type="application/octet-stream", headers={
             "Content-Disposition": f'attachment; filename="{name}.pickle"'})
