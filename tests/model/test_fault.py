@@ -89,3 +89,5 @@ def test_a_replica_reads_its_own_ranks_of_the_spec():
     assert replica_fault_spec("1:0:start", 1, 1) == "0:0:start"
     with pytest.raises(ValueError, match="expected RANK:STEP:KIND"):
         replica_fault_spec("x:0:start", 0, 1)
+    with pytest.raises(ValueError, match="expected RANK:STEP:KIND"):  # another replica's
+        replica_fault_spec("0:1:oom,1:0:explode", 0, 1)

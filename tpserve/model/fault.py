@@ -108,12 +108,12 @@ def fault_from_env(rank: int) -> FaultHook | FaultHooks | None:
 
 def replica_fault_spec(spec: str, replica: int, tp: int) -> str:
     """``spec`` (ranks counted over every replica) as data-parallel replica ``replica``'s
-    ranks ``0..tp-1`` read it: its parts renumbered, the other replicas' dropped."""
+    ranks ``0..tp-1`` read it: its parts renumbered, the other replicas' dropped.
+    ValueError, as ``parse_fault``'s, when any part is malformed (another replica's too)."""
+    parse_fault(spec, 0)
     parts = []
     for part in filter(None, spec.split(",")):
         rank, _, rest = part.partition(":")
-        if not rank.isdigit():
-            parse_fault(spec, 0)  # raises the malformed-spec error
         if replica * tp <= int(rank) < (replica + 1) * tp:
             parts.append(f"{int(rank) - replica * tp}:{rest}")
     return ",".join(parts)
