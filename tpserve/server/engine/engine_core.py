@@ -30,11 +30,12 @@ Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while i
 (``Drafting.may_draft``, ``drafting.py``), each step is finalized as soon as it is
 launched, and a step in flight from before is finalized before the next is scheduled (no
 placeholders), so a decode's draft is looked up in tokens all read back, and a drafted
-sequence's next input is its last kept token, never a pending row. A drafted chunk is the sequence's last token and its
-draft, every position sampled (``SeqChunk.sample_rows``); ``update`` counts only the last
-token as computed and appends one placeholder, which ``_advance`` fills with the first
-kept token, then appends the others through ``Scheduler.accept_draft_token`` (each
-counting the kept draft token before it as computed), applying the stop rules after each.
+sequence's next input is its last kept token, never a pending row. A drafted chunk is the
+sequence's last token and its draft, every position sampled (``SeqChunk.sample_rows``);
+``update`` counts only the last token as computed and appends one placeholder, which
+``_advance`` fills with the first kept token, then appends the others through
+``Scheduler.accept_draft_token`` (each counting the kept draft token before it as
+computed), applying the stop rules after each.
 The K/V written for rejected draft tokens lie past the computed tokens, in the sequence's
 own blocks, and are overwritten when those positions are computed. The plan makes each
 position of a drafted chunk a decode (``StepPlan.build``). Drafting pauses where its probes
