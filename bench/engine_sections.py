@@ -307,7 +307,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     done, wall, steps = run_closed_loop(core, prompts, a.output_len, a.concurrency,
                                         a.serving_time_limit, waste, "srv", a.temperature,
                                         lora_slots=a.lora_adapters,
-                                        logprobs=getattr(a, "logprobs", None))
+                                        logprobs=a.logprobs)
     sync(device)
     snap = None
     if history:
@@ -322,7 +322,7 @@ def serving(core: EngineCore, rng: random.Random, vocab: int, a, device: torch.d
     out_tokens = sum(len(t.token_times) for t in done)
     e2e = [t.token_times[-1] - t.t_add for t in done]
     srv = {"concurrency": a.concurrency, "temperature": a.temperature,
-           "logprobs": getattr(a, "logprobs", None),
+           "logprobs": a.logprobs,
            "num_prompts_requested": a.num_prompts,
            "num_prompts": len(done), "time_limit_s": a.serving_time_limit,
            "input_len": a.input_len, "output_len": a.output_len, "duration_s": round(wall, 3),
