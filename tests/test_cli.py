@@ -28,7 +28,7 @@ FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs
          "--uvicorn-log-level", "--disable-fastapi-docs", "--response-role", "--max-logprobs",
          "--runner", "--pooler-config", "--task", "--convert", "--disable-sliding-window",
          "--config", "--enable-expert-parallel", "--enable-lora", "--lora-modules",
-         "--max-loras", "--max-lora-rank"]
+         "--max-loras", "--max-lora-rank", "--kv-offloading-size", "--kv-offloading-backend"]
 
 
 def tpserve(*argv: str) -> subprocess.CompletedProcess:
@@ -121,6 +121,18 @@ def test_a_port_in_use_stops_the_start_before_the_model_loads():
 def _cfg(*argv: str):
     parser, _ = build_parser()
     return config_from_args(parser.parse_args(["serve", *argv]))
+
+
+def test_kv_offloading_size_is_gib_summed_over_ranks_and_needs_prefix_caching():
+    assert _cfg().runner.kv_offloading_bytes == 0
+    cfg = _cfg("--kv-offloading-size", "1.5", "--kv-offloading-backend", "native")
+    assert cfg.runner.kv_offloading_bytes == 3 * 2**29
+    with pytest.raises(ValueError, match="--kv-offloading-size must be >= 0 GiB, got -1.0"):
+        _cfg("--kv-offloading-size", "-1")
+    with pytest.raises(ValueError, match="it needs prefix caching"):
+        _cfg("--kv-offloading-size", "1", "--no-enable-prefix-caching")
+    with pytest.raises(SystemExit):  # vLLM's lmcache back-end: argparse refuses it
+        _cfg("--kv-offloading-backend", "lmcache")
 
 
 def test_config_tree_from_flags():

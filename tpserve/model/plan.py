@@ -22,6 +22,9 @@ CMD_MEMORY = 4
 # rank 0 has every rank load a LoRA adapter into a slot (header: slot, path bytes; the path
 # as the payload); every rank answers with one all-gather of whether it could
 CMD_LORA = 5
+# rank 0 has every rank copy KV blocks between its pool and its host tier before the next
+# step (header: stores, loads; payload: store blocks, store slots, load slots, load blocks)
+CMD_KV_COPY = 6
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from tpserve.model.kv_calibration import (
     checkpoint_calibration_ids,
     describe_kv_scales,
 )
+from tpserve.model.kv_offload import HostKV, host_slots
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
@@ -53,6 +54,7 @@ from tpserve.model.memory_advice import (
     tp_options,
 )
 from tpserve.model.plan import (
+    CMD_KV_COPY,
     CMD_LORA,
     CMD_MEMORY,
     CMD_NOOP,
@@ -173,6 +175,15 @@ class ModelRunner:
             raise MemoryError(explain_start_oom("profiling the largest step", str(e),
                                                 str(device), group.rank, free0, total,
                                                 other_gpu_processes(device))) from None
+        kv_heads = mcfg.kv_heads_for(tp)
+        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, bs, kv_heads,
+                                       mcfg.head_dim, self.kv_dtype)
+        slots = host_slots(cfg.kv_offloading_bytes, tp, per_block)
+        if cfg.kv_offloading_bytes and slots < 1:
+            raise ValueError(f"--kv-offloading-size: {cfg.kv_offloading_bytes} bytes over "
+                             f"{tp} rank(s) hold no KV block of {per_block} bytes")
+        if slots:  # the copies' device staging buffers, allocated once (model/kv_offload)
+            static += HostKV.staging_bytes(per_block)
         workspace += static
         use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
@@ -183,9 +194,6 @@ class ModelRunner:
                   + graph_scratch_bytes(self.model, max_mixed) if use_graphs else 0)
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
-        kv_heads = mcfg.kv_heads_for(tp)
-        per_block = kv_bytes_per_block(mcfg.num_hidden_layers, bs, kv_heads,
-                                       mcfg.head_dim, self.kv_dtype)
         mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
         num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
         stored_weights = None  # this rank's, the GGUF blocks held as stored: about
@@ -205,6 +213,15 @@ class ModelRunner:
                                              str(device), group.rank))
         self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
                               mcfg.head_dim, self.kv_dtype, device)
+        self.host_kv: HostKV | None = None  # the prefix cache's host tier, if any
+        if slots:
+            self.host_kv = HostKV(self.kv_pool, slots, per_block)
+            if group.rank == 0:
+                logger.info("KV offloading: %d blocks (%d tokens) of %shost memory a rank, "
+                            "%.2f GiB; device staging %.0f MiB", slots, slots * bs,
+                            "pinned " if device.type == "cuda" else "",
+                            self.host_kv.nbytes / 2**30,
+                            HostKV.staging_bytes(per_block) / 2**20)
         if device.type == "cuda":
             warm_kernels(self)
         self.graphs: StepGraphs | None = None
@@ -337,6 +354,36 @@ class ModelRunner:
         rows (``SeqChunk.pending_src``)."""
         self.sampled_buf[: token_ids.shape[0]].copy_(token_ids)
 
+    def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Rank 0: every rank runs these copies between its pool and its host tier now,
+        stores ``(block, slot)`` then loads ``(slot, block)`` (``CMD_KV_COPY``, as many
+        messages as the receive buffer needs), ahead of the step they were planned with
+        (``BlockManager.take_copies``)."""
+        cap = self.payload_buf.shape[0] // 2
+        for pairs, is_store in ((stores, True), (loads, False)):
+            for i in range(0, len(pairs), cap):
+                part = pairs[i:i + cap]
+                ints = [x for x, _ in part] + [y for _, y in part]
+                if self.comm.world_size > 1:
+                    self.header_buf.zero_()
+                    self.header_buf[:3] = torch.tensor(
+                        [CMD_KV_COPY, len(part) if is_store else 0, 0 if is_store else len(part)])
+                    self.comm.broadcast(self.header_buf)
+                    self.payload_buf[:len(ints)].copy_(torch.tensor(ints, dtype=torch.int64))
+                    self.comm.broadcast(self.payload_buf[:len(ints)])
+                self._copy_kv(is_store, ints)
+
+    @torch.inference_mode()
+    def _copy_kv(self, is_store: bool, ints: list[int]) -> None:
+        """Stores (blocks, then slots) or loads (slots, then blocks), ``ints`` in halves."""
+        assert self.host_kv is not None, "KV copies listed without a host tier"
+        n = len(ints) // 2
+        with self.ranges.range("kv_copy"):
+            if is_store:
+                self.host_kv.store(ints[:n], ints[n:])
+            else:
+                self.host_kv.load(ints[:n], ints[n:])
+
     def send_command(self, cmd: int) -> None:
         """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
         if self.comm.world_size > 1:
@@ -365,6 +412,11 @@ class ModelRunner:
                     self.lora.load(slot, path, self._gather_ints)
                 except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
+                continue
+            if cmd == CMD_KV_COPY:  # one of the two counts is 0
+                n = 2 * (int(header[1]) + int(header[2]))
+                self.comm.broadcast(self.payload_buf[:n])
+                self._copy_kv(int(header[1]) > 0, self.payload_buf[:n].tolist())
                 continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")

@@ -45,6 +45,9 @@ class RunnerConfig:
     kernel_backend: str = "torch"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
+    # --kv-offloading-size: host memory for the prefix cache's second tier, in bytes,
+    # summed over the tensor-parallel ranks (model/kv_offload.py); 0: none
+    kv_offloading_bytes: int = 0
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
@@ -89,6 +92,8 @@ class RunnerConfig:
             raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.kv_offloading_bytes < 0:
+            raise ValueError("--kv-offloading-size must be >= 0 GiB")
         if self.tp_comm not in TP_COMM_MODES:
             raise ValueError(f"--tp-comm must be one of {', '.join(TP_COMM_MODES)}; got "
                              f"{self.tp_comm!r}")

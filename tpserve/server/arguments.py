@@ -161,6 +161,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
                         "planned from --gpu-memory-utilization")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="host memory, in GiB summed over the tensor-parallel ranks, for a "
+                        "second tier of the prefix cache: cached KV blocks evicted from the "
+                        "device are kept there and copied back on a later hit instead of "
+                        "computed again (pinned on GPUs); default 0: off")
+    p.add_argument("--kv-offloading-backend", default="native", choices=["native"],
+                   help="how KV blocks are offloaded: native (tpserve's own host tier; "
+                        "vLLM's lmcache back-end is not available)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--load-format", default="auto",

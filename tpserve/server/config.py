@@ -188,6 +188,16 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
+def resolve_kv_offloading(gib: float, prefix_caching: bool) -> int:
+    """``--kv-offloading-size`` in bytes (0: off); the host tier is the prefix cache's."""
+    if gib < 0 or gib != gib:
+        raise ValueError(f"--kv-offloading-size must be >= 0 GiB, got {gib}")
+    if gib and not prefix_caching:
+        raise ValueError("--kv-offloading-size keeps evicted prefix-cache blocks in host "
+                         "memory: it needs prefix caching (drop --no-enable-prefix-caching)")
+    return int(gib * 2**30)
+
+
 def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
     adapter, before any weight loads), and whether adapters may be loaded and unloaded
@@ -332,6 +342,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
+        kv_offloading_bytes=resolve_kv_offloading(a.kv_offloading_size,
+                                                  a.enable_prefix_caching),
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         expert_parallel=a.enable_expert_parallel,

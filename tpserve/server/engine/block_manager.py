@@ -29,6 +29,15 @@ A block is registered only once it is full and its K/V computed; from then on no
 writes to it, so sharing it is safe.
 
 All operations on the hot path (allocate, free, lookup per block) are O(1) per block.
+
+Host tier (``host_slots > 0``, ``--kv-offloading-size``; ``host_tier.py``): a cached block
+that allocation evicts is first listed to be copied to a host slot, under its entry; a
+lookup that misses the device cache at block ``i`` may hit the host tier there (the same
+key check), and ``allocate`` then takes a fresh device block for it, registers the entry
+on it (the same serial: the content is the same) and lists a copy back. The runners must
+run the listed copies (``take_copies``) before the step planned with them: every store,
+then every load, in order. A block whose load is listed has its entry pinned in the host
+tier until then, so no store of the same step evicts it or is listed for its block.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
 
+from tpserve.server.engine.host_tier import HostTier
 from tpserve.server.engine.prefix_hash import BlockHashFn, random_root, sha256_block_hash
 from tpserve.server.engine.sequence import Sequence
 
@@ -53,6 +63,17 @@ class CacheEntry(NamedTuple):
     parent_serial: int
     tokens: tuple[int, ...]
     extra_key: bytes
+
+
+def _key(e: CacheEntry) -> tuple[int, tuple[int, ...], bytes]:
+    """What a hit must match (besides the hash): the parent's serial, tokens, extra key."""
+    return e.parent_serial, e.tokens, e.extra_key
+
+
+class HostHit(NamedTuple):
+    """A prefix-cache hit in the host tier (``get_computed_blocks``): its slot."""
+
+    slot: int
 
 
 class BlockManager:
@@ -73,7 +94,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 hash_fn: BlockHashFn = sha256_block_hash, root: bytes | None = None):
+                 hash_fn: BlockHashFn = sha256_block_hash, root: bytes | None = None,
+                 host_slots: int = 0):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, "
                              f"got {num_blocks} and {block_size}")
@@ -91,6 +113,13 @@ class BlockManager:
         self._cache: dict[bytes, int] = {}
         self._next_serial = ROOT_SERIAL + 1
         self._seq_links: dict[int, list[tuple[bytes, int | None]]] = {}
+        self.host = HostTier(host_slots) if host_slots and enable_prefix_caching else None
+        # copies the runners owe before the next step: (device block, host slot) stores,
+        # then (host slot, device block) loads; see ``take_copies``
+        self._stores: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self.counters = {"kv_offload_stored_blocks_total": 0,
+                         "kv_offload_loaded_blocks_total": 0}
 
     # ----------------------------------------------------------------- accounting
 
@@ -123,8 +152,9 @@ class BlockManager:
     # ----------------------------------------------------------------- prefix cache
 
     def get_computed_blocks(self, token_ids: SequenceABC[int], extra_key: bytes = b""
-                            ) -> tuple[list[int], int]:
-        """The longest cached prefix of full blocks, and the number of tokens it covers.
+                            ) -> tuple[list[int | HostHit], int]:
+        """The longest cached prefix of full blocks, and the number of tokens it covers:
+        device block ids, or ``HostHit`` where only the host tier holds the block.
 
         Never covers all of ``token_ids``: at least one token is left to compute (its
         logits are needed), so at most ``(len(token_ids) - 1) // block_size`` blocks.
@@ -134,19 +164,23 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        blocks: list[int] = []
+        blocks: list[int | HostHit] = []
         parent, parent_serial = self._root, ROOT_SERIAL
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self._hash_fn(parent, tokens, extra_key)
             block_id = self._cache.get(h)
-            if block_id is None:
+            held = None if block_id is not None or self.host is None else self.host.find(h)
+            if held is not None:
+                hit, entry = HostHit(held[0]), held[1]
+            elif block_id is not None:
+                hit, entry = block_id, self._entry_of[block_id]
+            else:
                 break
-            entry = self._entry_of[block_id]
             if (entry.parent_serial != parent_serial or entry.tokens != tokens
                     or entry.extra_key != extra_key):
                 break  # a collision: another prefix's block under this hash
-            blocks.append(block_id)
+            blocks.append(hit)
             parent, parent_serial = h, entry.serial
         return blocks, len(blocks) * bs
 
@@ -184,6 +218,16 @@ class BlockManager:
                     parent_serial, tokens, extra_key)
                 links.append((h, entry.serial if same else None))
                 continue
+            held = self.host.find(h) if self.host is not None else None
+            if held is not None:  # computed again: the host tier's entry names this content
+                entry = held[1]
+                if _key(entry) == (parent_serial, tokens, extra_key):
+                    self._cache[h] = block_id
+                    self._entry_of[block_id] = entry
+                    links.append((h, entry.serial))
+                else:
+                    links.append((h, None))
+                continue
             serial = self._next_serial
             self._next_serial += 1
             self._cache[h] = block_id
@@ -197,14 +241,15 @@ class BlockManager:
         return num_new_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int,
-                 computed_blocks: list[int] | None = None) -> bool:
+                 computed_blocks: list[int | HostHit] | None = None) -> bool:
         """Grow ``seq.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         With ``computed_blocks`` (first admission with prefix-cache hits, from
         ``get_computed_blocks``), ``seq`` must hold no blocks; the hits are taken first
-        (refcount + 1, revived from the evictable queue) and count as computed, i.e. the
-        table covers ``len(computed_blocks) * block_size + num_new_tokens`` tokens; the
-        caller then sets ``seq.num_computed_tokens`` to that prefix.
+        (refcount + 1, revived from the evictable queue; a host hit gets a fresh block and
+        a listed load) and count as computed, i.e. the table covers
+        ``len(computed_blocks) * block_size + num_new_tokens`` tokens; the caller then sets
+        ``seq.num_computed_tokens`` to that prefix.
 
         All or nothing: returns False and changes nothing when too few blocks are free.
         """
@@ -218,15 +263,24 @@ class BlockManager:
         else:
             base = seq.num_computed_tokens
         needed = self.num_blocks_for(base + num_new_tokens) - len(seq.block_ids) - len(computed)
-        revived = sum(1 for b in computed if self._refcount[b] == 0)
-        if max(needed, 0) > self.num_free_blocks - revived:
+        hosted = [hit.slot for hit in computed if isinstance(hit, HostHit)]
+        revived = sum(1 for b in computed
+                      if not isinstance(b, HostHit) and self._refcount[b] == 0)
+        if max(needed, 0) + len(hosted) > self.num_free_blocks - revived:
             return False
+        for slot in hosted:  # before any block is taken: taking one may store to the tier
+            self.host.pin(slot)
         for b in computed:
+            if isinstance(b, HostHit):
+                continue
             assert self._entry_of[b] is not None, f"computed block {b} is not cached"
             if self._refcount[b] == 0:
                 del self._evictable[b]
             self._refcount[b] += 1
-        seq.block_ids.extend(computed)
+        for b in computed:
+            if isinstance(b, HostHit):
+                b = self._load(b.slot)
+            seq.block_ids.append(b)
         for _ in range(needed):
             seq.block_ids.append(self._take_block())
         return True
@@ -269,10 +323,37 @@ class BlockManager:
             b = self._free.pop()
         else:
             b, _ = self._evictable.popitem(last=False)
-            del self._cache[self._entry_of[b].hash]
+            entry = self._entry_of[b]
+            del self._cache[entry.hash]
             self._entry_of[b] = None
+            slot = self.host.store(entry) if self.host is not None else None
+            if slot is not None:
+                self._stores.append((b, slot))
+                self.counters["kv_offload_stored_blocks_total"] += 1
         self._refcount[b] = 1
         return b
+
+    def _load(self, slot: int) -> int:
+        """A fresh block (refcount 1) registered under host ``slot``'s entry, its load
+        listed. The slot is pinned, so its hash is in no device block."""
+        entry = self.host.entry(slot)
+        b = self._take_block()
+        assert entry.hash not in self._cache, "a host hit whose hash the device holds"
+        self._cache[entry.hash] = b
+        self._entry_of[b] = entry
+        self._loads.append((slot, b))
+        self.counters["kv_offload_loaded_blocks_total"] += 1
+        return b
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies listed since the last call, handed to the runners: ``(stores,
+        loads)``, stores ``(device block, host slot)`` and loads ``(host slot, device
+        block)``, each in the order they must run (all stores first). Unpins the tier."""
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = [], []
+        if self.host is not None:
+            self.host.unpin_all()
+        return stores, loads
 
     # ----------------------------------------------------------------- checking
 
@@ -312,6 +393,13 @@ class BlockManager:
             f"{num_hashed} blocks carry a hash but the cache holds {len(self._cache)}")
         if not self.enable_prefix_caching:
             assert not self._cache, "prefix cache populated while disabled"
+        if self.host is not None:
+            self.host.check_integrity()
+            for h, b in self._cache.items():  # one content, one serial, in either tier
+                held, e = self.host.find(h), self._entry_of[b]
+                if held is not None and _key(held[1]) == _key(e):
+                    assert held[1].serial == e.serial, (
+                        f"block {b} and host slot {held[0]} hold one content, two serials")
         if seqs is not None:
             counts = [0] * n
             for seq in seqs:

@@ -161,8 +161,10 @@ class EngineCore:
         self.block_size = scheduler.block_size
         self.max_model_len = scheduler.max_model_len
         self.max_num_batched_tokens = scheduler.max_num_batched_tokens
+        host_kv = runner.host_kv
         self.block_manager = BlockManager(runner.kv_pool.num_blocks, scheduler.block_size,
-                                          scheduler.enable_prefix_caching)
+                                          scheduler.enable_prefix_caching,
+                                          host_slots=host_kv.num_slots if host_kv else 0)
         self.scheduler = Scheduler(scheduler, self.block_manager)
         # speculative decoding (``drafting.py``): a draft needs the step before's tokens,
         # so while drafting, steps are finalized before the next is scheduled
@@ -396,6 +398,9 @@ class EngineCore:
         rows = sample_rows(sampling, generators, drafts)
         recoverable = self.runner.comm.world_size == 1  # see oom_recovery
         marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
+        stores, loads = self.block_manager.take_copies()
+        if stores or loads:  # the host tier's copies run before the step that needs them
+            self.runner.copy_kv(stores, loads)
         try:
             ranges = self.runner.ranges
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
@@ -572,6 +577,9 @@ class EngineCore:
             **self.counters,
             **({} if self.drafting is None else self.drafting.stats()),
             **self.scheduler.counters,
+            **({} if bm.host is None else {"kv_offload_blocks_total": bm.host.num_slots,
+                                           "kv_offload_blocks_used": bm.host.num_used,
+                                           **bm.counters}),
             **{k: v for h in self.histograms.values() for k, v in h.export().items()},
             # other threads call this: ``running`` and ``waiting`` are copied in one C call
             # each (atomic under the GIL), then read

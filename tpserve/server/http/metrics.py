@@ -54,6 +54,9 @@ ENGINE_GAUGES = {
     "device_memory_free_bytes": "Free device memory, in bytes.",
     "allocator_segments": "Segments the device allocator holds (one cudaMalloc each).",
     "step_token_budget": "Current per-step token budget of the scheduler.",
+    "kv_offload_blocks_total": "KV blocks the host tier of the prefix cache holds at most, a "
+                               "rank (--kv-offloading-size).",
+    "kv_offload_blocks_used": "KV blocks held in the host tier of the prefix cache.",
 }
 # stats() key (cumulative) -> help text; exported as counters named PREFIX + key.
 ENGINE_COUNTERS = {
@@ -70,6 +73,10 @@ ENGINE_COUNTERS = {
                                  "a step (near 0: the host is the bottleneck).",
     "prefix_cache_queries_total": "Prefix-cache queries: tokens of the sequences admitted.",
     "prefix_cache_hits_total": "Prefix-cache hits: tokens admitted sequences found cached.",
+    "kv_offload_stored_blocks_total": "Cached KV blocks copied to the host tier as the "
+                                      "device pool evicted them.",
+    "kv_offload_loaded_blocks_total": "KV blocks copied back from the host tier for prefix "
+                                      "hits (each saves computing block-size tokens).",
     "spec_decode_num_drafts_total": "Speculative decoding: drafts verified (one per "
                                     "sequence and step that had one).",
     "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens verified.",

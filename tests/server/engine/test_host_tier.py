@@ -1,0 +1,199 @@
+"""The prefix cache's host tier (``--kv-offloading-size``): evicted blocks stored to host
+slots, found again, loaded back; the copies a step owes, in the order they must run.
+
+``Memory`` plays the runners: it runs the listed copies on two lists of block contents and
+then "computes" a step's tokens into its blocks, so the tests check what every block of
+a sequence holds after hits from either tier, not just the bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.server.engine.block_manager import BlockManager, HostHit
+from tpserve.server.engine.host_tier import HostTier
+from tpserve.server.engine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(seq_id: int, tokens) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0,
+                    prompt_token_ids=list(tokens), params=SamplingParams())
+
+
+class Memory:
+    """The device pool's and the host tier's block contents, as the runners would hold
+    them: each block holds the tokens whose K/V it stores (None: never written)."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.device: list[list] = [[None] * BS for _ in range(bm.num_blocks)]
+        self.host: list[list] = [[None] * BS for _ in range(bm.host.num_slots)]
+
+    def run_copies(self) -> tuple[list, list]:
+        stores, loads = self.bm.take_copies()
+        for b, slot in stores:
+            self.host[slot] = list(self.device[b])
+        for slot, b in loads:
+            self.device[b] = list(self.host[slot])
+        return stores, loads
+
+    def admit_and_compute(self, seq: Sequence) -> tuple[int, list, list]:
+        """Admits ``seq`` with its prefix hits, runs the step's copies, computes the rest
+        of its tokens; returns (tokens hit, stores, loads)."""
+        computed, hit = self.bm.get_computed_blocks(seq.all_token_ids)
+        assert self.bm.allocate(seq, seq.num_tokens - hit, computed)
+        seq.num_computed_tokens = hit
+        copies = self.run_copies()
+        self.expect(seq, hit)  # the hits hold the prompt's tokens before the forward
+        for pos in range(hit, seq.num_tokens):
+            self.device[seq.block_ids[pos // BS]][pos % BS] = seq.all_token_ids[pos]
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.cache_full_blocks(seq)
+        self.bm.check_integrity()
+        return hit, *copies
+
+    def expect(self, seq: Sequence, upto: int) -> None:
+        for pos in range(upto):
+            got = self.device[seq.block_ids[pos // BS]][pos % BS]
+            assert got == seq.all_token_ids[pos], (
+                f"seq {seq.seq_id} position {pos}: block {seq.block_ids[pos // BS]} holds "
+                f"{got}, expected {seq.all_token_ids[pos]}")
+
+
+def test_an_evicted_block_is_stored_then_loaded_back_instead_of_computed():
+    bm = BlockManager(4, BS, True, host_slots=8)
+    mem = Memory(bm)
+    a = make_seq(0, range(100, 109))  # 2 full blocks + 1 token
+    assert mem.admit_and_compute(a) == (0, [], [])
+    bm.free(a)  # blocks 2, 1, 0 (tail first): 1 and 0 are cached, evictable
+    b = make_seq(1, range(200, 216))  # 4 blocks: takes the free one and evicts both
+    hit, stores, loads = mem.admit_and_compute(b)
+    # free blocks first (2, 3), then the evictable ones, least recently freed first: a's
+    # block 1 (its tail) then 0; each copied to a host slot before b writes over it
+    assert (hit, stores, loads) == (0, [(1, 0), (0, 1)], [])
+    assert bm.counters == {"kv_offload_stored_blocks_total": 2,
+                           "kv_offload_loaded_blocks_total": 0}
+    bm.free(b)
+    a2 = make_seq(2, list(range(100, 109)) + [7, 7])
+    computed, hit = bm.get_computed_blocks(a2.all_token_ids)
+    assert (computed, hit) == ([HostHit(1), HostHit(0)], 8)
+    # a2 needs 3 blocks: b's, all evictable, least recently freed first (its head, freed
+    # last... b was freed tail first, so 0, 1, 3 go): each stored before it is reused,
+    # then a's two blocks loaded into the first two
+    assert mem.admit_and_compute(a2) == (8, [(0, 2), (1, 3), (3, 4)], [(1, 0), (0, 1)])
+    assert a2.block_ids == [0, 1, 3]
+    assert bm.counters == {"kv_offload_stored_blocks_total": 5,
+                           "kv_offload_loaded_blocks_total": 2}
+    mem.expect(a2, a2.num_tokens)
+
+
+def test_a_prefix_hits_the_device_and_the_host_in_one_chain():
+    """The head of a prefix still on the device, its tail back from the host: one chain of
+    hits (the stored blocks keep the serials their successors name)."""
+    bm = BlockManager(6, BS, True, host_slots=4)
+    mem = Memory(bm)
+    a = make_seq(0, range(13))  # blocks 0-2 full, 3 partial
+    mem.admit_and_compute(a)
+    bm.free(a)  # 3 free (uncached), then 2, 1, 0 evictable in that order
+    c = make_seq(1, range(50, 70))  # 5 blocks: free 3, 4, 5, then evicts 2 and 1
+    assert mem.admit_and_compute(c) == (0, [(2, 0), (1, 1)], [])
+    bm.free(c)
+    a2 = make_seq(2, list(range(13)) + [99])
+    assert bm.get_computed_blocks(a2.all_token_ids) == ([0, HostHit(1), HostHit(0)], 12)
+    hit, _, loads = mem.admit_and_compute(a2)
+    assert (hit, [slot for slot, _ in loads]) == (12, [1, 0])
+    mem.expect(a2, a2.num_tokens)
+
+
+def test_a_block_computed_again_takes_the_host_entry_so_its_successors_still_hit():
+    """A sequence that computes its whole prompt without a lookup (as one scoring its
+    prompt does) registers, for a block the host tier holds, the host's entry: the next
+    block, still in the host tier, chains on from it."""
+    bm = BlockManager(3, BS, True, host_slots=8)
+    mem = Memory(bm)
+    a = make_seq(0, range(9))
+    mem.admit_and_compute(a)
+    bm.free(a)
+    c = make_seq(1, range(50, 62))  # 3 blocks: the free one, then both of a's evicted
+    assert mem.admit_and_compute(c)[1] == [(1, 0), (0, 1)]
+    bm.free(c)
+    d = make_seq(2, range(5))  # a's first block and one more token
+    assert bm.allocate(d, 5)
+    d.num_computed_tokens = 5
+    bm.cache_full_blocks(d)
+    bm.check_integrity()
+    bm.free(d)
+    # block 0 of the prefix on the device (d's), block 1 in the host tier (a's): both hit
+    computed, hit = bm.get_computed_blocks(list(range(9)) + [5])
+    assert hit == 8 and computed[1] == HostHit(0) and not isinstance(computed[0], HostHit)
+
+
+def test_a_pinned_slot_is_not_evicted_by_a_store_of_the_same_step():
+    tier = HostTier(2)
+
+    class E:
+        def __init__(self, h):
+            self.hash = h
+
+    assert tier.store(E(b"a")) == 0 and tier.store(E(b"b")) == 1
+    tier.pin(0)  # a is loaded by the step being planned; b is the LRU one now
+    assert tier.store(E(b"c")) == 1  # b evicted, not the pinned a
+    tier.pin(1)
+    assert tier.store(E(b"d")) is None  # every slot pinned: no copy is listed
+    assert tier.store(E(b"a")) is None  # held already: no copy, but a is used again
+    tier.unpin_all()
+    assert tier.store(E(b"d")) == 1  # c, the least recently used, goes
+    assert tier.find(b"c") is None and tier.find(b"a")[0] == 0
+    tier.check_integrity()
+
+
+def test_a_full_tier_drops_its_least_recently_used_block():
+    bm = BlockManager(2, BS, True, host_slots=2)
+    mem = Memory(bm)
+    prompts = [list(range(k * 100, k * 100 + 5)) for k in range(4)]  # one full block each
+    for k, p in enumerate(prompts):
+        s = make_seq(k, p)
+        mem.admit_and_compute(s)
+        bm.free(s)
+    # device: the last two prompts' blocks; host: the first two, stored as evicted; the
+    # third's eviction (taking room for the fourth) dropped the first from the host
+    assert bm.get_computed_blocks(prompts[0])[1] == 0
+    assert bm.get_computed_blocks(prompts[1])[1] == 4
+    assert bm.get_computed_blocks(prompts[3])[1] == 4
+
+
+def test_without_prefix_caching_there_is_no_host_tier():
+    assert BlockManager(4, BS, False, host_slots=8).host is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_every_hit_holds_its_prompt(seed):
+    """Prompts drawn from a few shared prefixes, admitted, computed and freed in random
+    order over a small pool and a smaller tier: every block a sequence starts with holds
+    exactly its tokens once the step's copies ran, and the books stay whole."""
+    rng = random.Random(seed)
+    bm = BlockManager(12, BS, True, host_slots=6)
+    mem = Memory(bm)
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(4, 17))] for _ in range(5)]
+    live: list[Sequence] = []
+    hits = loads = 0
+    for i in range(300):
+        if live and (len(live) > 2 or rng.random() < 0.5):
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 6))]
+        seq = make_seq(i, prompt)
+        computed, _ = bm.get_computed_blocks(seq.all_token_ids)
+        if not bm.can_allocate(bm.num_blocks_for(seq.num_tokens)):
+            continue
+        hit, _, step_loads = mem.admit_and_compute(seq)
+        hits += hit
+        loads += len(step_loads)
+        live.append(seq)
+        for s in live:
+            mem.expect(s, s.num_tokens)
+    assert hits > 0 and loads > 0  # the traffic exercised both tiers

@@ -1,0 +1,114 @@
+"""A rank's host tier of the KV cache (``--kv-offloading-size``): host memory holding
+whole KV blocks of this rank's pool, and the copies between it and the pool.
+
+Layout: ``host[slot]`` is one block of every layer, K and V, contiguous
+(``[num_layers * 2, block_size * kv_heads * head_dim]``), so a block crosses the bus as
+one copy. The pool keeps each layer's blocks apart (``KVPool``), so a batch of blocks is
+gathered into a device staging buffer first (one ``index_select``), turned block-major in
+a second one, then copied; loads run the same way back. Both staging buffers are
+allocated once, at start-up (``staging_bytes`` is part of the memory plan's workspace), and
+copies go in batches of at most ``staging_blocks`` blocks: the steady state allocates
+nothing.
+
+Invariant: copies run on the stream the forward runs on, in the order the block manager
+listed them (stores, then loads), before the step they were planned with; so a block is
+stored before the step writes over it, and loaded before the step reads it. On CUDA the
+host memory is pinned and the copies do not wait for the device; the host never reads
+the tier itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tpserve.model.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 * 2**20  # both staging buffers together, at most (at least 2 blocks)
+# copies move bits: every KV dtype is viewed as the integer type of its size (fp8 has no
+# index_select on every device)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def host_slots(total_bytes: int, tp: int, bytes_per_block: int) -> int:
+    """Slots a rank's tier gets from ``--kv-offloading-size`` (``total_bytes``, summed
+    over the ``tp`` ranks, as vLLM counts it); every rank gets the same number."""
+    return total_bytes // tp // bytes_per_block
+
+
+def staging_blocks(bytes_per_block: int) -> int:
+    return max(1, STAGING_BYTES // 2 // bytes_per_block)
+
+
+class HostKV:
+    """``num_slots`` blocks of host memory beside ``pool``, and the copies between them."""
+
+    def __init__(self, pool: KVPool, num_slots: int, bytes_per_block: int):
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+        buf = pool.buffer.view(_BITS[pool.buffer.element_size()])
+        layers, _, self.num_pool_blocks, *block = buf.shape
+        self.rows = layers * 2  # a block's (layer, K or V) rows
+        self.row = block[0] * block[1] * block[2]  # elements of one row
+        self.num_slots = num_slots
+        self.bytes_per_block = bytes_per_block
+        self.pool_rows = buf.view(self.rows, self.num_pool_blocks, self.row)
+        cuda = buf.device.type == "cuda"
+        try:
+            self.host = torch.empty((num_slots, self.rows, self.row), dtype=buf.dtype,
+                                    pin_memory=cuda)
+        except RuntimeError as e:
+            raise MemoryError(
+                f"--kv-offloading-size: could not allocate {num_slots} KV blocks "
+                f"({num_slots * bytes_per_block / 2**30:.1f} GiB) of "
+                f"{'pinned ' if cuda else ''}host memory on this rank: {e}") from None
+        self.staging_blocks = staging_blocks(bytes_per_block)
+        n = self.staging_blocks * self.rows * self.row
+        self._by_row = torch.empty(n, dtype=buf.dtype, device=buf.device)
+        self._by_block = torch.empty(n, dtype=buf.dtype, device=buf.device)
+        self._index = torch.empty(self.staging_blocks, dtype=torch.int64, device=buf.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_block
+
+    @staticmethod
+    def staging_bytes(bytes_per_block: int) -> int:
+        """Device bytes of the two staging buffers (and the index) for blocks this big."""
+        return 2 * staging_blocks(bytes_per_block) * bytes_per_block + 8 * staging_blocks(
+            bytes_per_block)
+
+    def store(self, blocks: list[int], slots: list[int]) -> None:
+        """Copies pool ``blocks[i]`` into host ``slots[i]``, in batches, in order."""
+        for i in range(0, len(blocks), self.staging_blocks):
+            self._store(blocks[i:i + self.staging_blocks], slots[i:i + self.staging_blocks])
+
+    def load(self, slots: list[int], blocks: list[int]) -> None:
+        """Copies host ``slots[i]`` into pool ``blocks[i]``, in batches, in order."""
+        for i in range(0, len(blocks), self.staging_blocks):
+            self._load(slots[i:i + self.staging_blocks], blocks[i:i + self.staging_blocks])
+
+    def _views(self, k: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+        index = self._index[:k]
+        index.copy_(torch.tensor(blocks, dtype=torch.int64), non_blocking=False)
+        by_row = self._by_row[:k * self.rows * self.row].view(self.rows, k, self.row)
+        by_block = self._by_block[:k * self.rows * self.row].view(k, self.rows, self.row)
+        return index, by_row, by_block
+
+    def _store(self, blocks: list[int], slots: list[int]) -> None:
+        index, by_row, by_block = self._views(len(blocks), blocks)
+        torch.index_select(self.pool_rows, 1, index, out=by_row)
+        by_block.copy_(by_row.transpose(0, 1))
+        for j, slot in enumerate(slots):
+            self.host[slot].copy_(by_block[j], non_blocking=True)
+
+    def _load(self, slots: list[int], blocks: list[int]) -> None:
+        index, by_row, by_block = self._views(len(blocks), blocks)
+        for j, slot in enumerate(slots):
+            by_block[j].copy_(self.host[slot], non_blocking=True)
+        by_row.copy_(by_block.transpose(0, 1))
+        self.pool_rows.index_copy_(1, index, by_row)
