@@ -13,24 +13,27 @@ nothing.
 Invariant: copies run on the stream the forward runs on, in the order the block manager
 listed them (stores, then loads), before the step they were planned with; so a block is
 stored before the step writes over it, and loaded before the step reads it. On CUDA the
-host memory is pinned and the copies do not wait for the device; the host never reads
-the tier itself.
+host memory is page-locked (``cudaHostRegister``, for exactly the size asked) and the
+copies do not wait for the device; the host never reads the tier itself.
 """
 
 from __future__ import annotations
 
-import logging
+import weakref
 
 import torch
 
 from tpserve.model.kv_pool import KVPool
 
-logger = logging.getLogger(__name__)
-
 STAGING_BYTES = 64 * 2**20  # both staging buffers together, at most (at least 2 blocks)
 # copies move bits: every KV dtype is viewed as the integer type of its size (fp8 has no
 # index_select on every device)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _unregister(host: torch.Tensor) -> None:
+    """Unpins the tier's memory before it is freed (the finalizer of its ``HostKV``)."""
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def host_slots(total_bytes: int, tp: int, bytes_per_block: int) -> int:
@@ -58,8 +61,13 @@ class HostKV:
         self.pool_rows = buf.view(self.rows, self.num_pool_blocks, self.row)
         cuda = buf.device.type == "cuda"
         try:
-            self.host = torch.empty((num_slots, self.rows, self.row), dtype=buf.dtype,
-                                    pin_memory=cuda)
+            self.host = torch.empty((num_slots, self.rows, self.row), dtype=buf.dtype)
+            if cuda:
+                # registered in place: torch's pinned allocator would round the size up to
+                # a power of two (40 GiB asked, 64 GiB locked)
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+                    self.host.data_ptr(), self.host.nbytes, 0))
+                weakref.finalize(self, _unregister, self.host)
         except RuntimeError as e:
             raise MemoryError(
                 f"--kv-offloading-size: could not allocate {num_slots} KV blocks "
