@@ -19,7 +19,7 @@ import pytest
 
 from tests.loadtest.fake_openai_server import CHAT_TEMPLATE_TOKENS, MODEL_ID, run_fake_server
 from tpserve.loadtest import add_arguments, main
-from tpserve.loadtest.args import config_from_args
+from tpserve.loadtest.args import ConfigError, config_from_args
 from tpserve.loadtest.arrivals import arrival_offsets
 from tpserve.loadtest.cli import build_document
 from tpserve.loadtest.plot import write_plot
@@ -206,6 +206,34 @@ def test_prefix_dataset_shares_the_prefix(tmp_path):
     words = [p.split() for p in prompts]
     assert len({tuple(w[:19]) for w in words}) == 1, "19 words + BOS = the 20-token prefix"
     assert len({tuple(w[19:]) for w in words}) == 6, "the rest differs"
+
+
+def test_prefix_repetition_shares_out_several_prefixes_in_a_shuffled_order(tmp_path):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--dataset-name", "prefix-repetition",
+                              "--prefix-repetition-prefix-len", "20",
+                              "--prefix-repetition-suffix-len", "10",
+                              "--prefix-repetition-num-prefixes", "3", prompts=8)
+        prompts = list(server.stats.prompts)
+    assert rc == 0 and result["completed"] == 8 and result["input_lens"] == [30] * 8
+    assert result["num_prefixes"] == 3 and result["prefix_len"] == 20
+    heads = [tuple(p.split()[:19]) for p in prompts]
+    counts = sorted(heads.count(h) for h in set(heads))
+    assert counts == [2, 3, 3]  # 8 prompts over 3 prefixes: 3, 3 and 2
+    assert len({tuple(p.split()[19:]) for p in prompts}) == 8, "the rest differs"
+    # shuffled, not round-robin: some prefix follows itself or skips the cycle's order
+    assert [heads.index(h) for h in heads] != [i % 3 for i in range(8)]
+
+
+def test_num_prefixes_needs_a_prefix_and_one_keeps_the_old_prompts():
+    with pytest.raises(ConfigError, match="--prefix-repetition-num-prefixes needs a prefix"):
+        config_from_args(parse("--prefix-repetition-num-prefixes", "2"))
+    with pytest.raises(ConfigError, match="must be at least 1"):
+        config_from_args(parse("--dataset-name", "prefix-repetition",
+                               "--prefix-repetition-num-prefixes", "0"))
+    one = config_from_args(parse("--dataset-name", "prefix-repetition",
+                                 "--prefix-repetition-num-prefixes", "1"))
+    assert one == config_from_args(parse("--dataset-name", "prefix-repetition"))
 
 
 def test_file_dataset_sends_the_file_prompts(tmp_path):

@@ -59,6 +59,7 @@ class LoadtestConfig:
     random_output_len: int
     random_range_ratio: float
     prefix_len: int
+    num_prefixes: int
     dataset_path: Path | None
     sharegpt_output_len: int | None
     ignore_eos: bool
@@ -102,6 +103,7 @@ class LoadtestConfig:
             "random_output_len": self.random_output_len,
             "random_range_ratio": self.random_range_ratio,
             "prefix_len": self.prefix_len,
+            "num_prefixes": self.num_prefixes,
             "sharegpt_output_len": self.sharegpt_output_len,
             "percentile_metrics": ",".join(self.percentile_metrics),
             "metric_percentiles": ",".join(f"{p:g}" for p in self.metric_percentiles),
@@ -177,6 +179,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"{DEFAULT_PREFIX_LEN} for prefix-repetition, 0 for random)")
     data.add_argument("--prefix-len", dest="prefix_len", type=int, default=argparse.SUPPRESS,
                       help=argparse.SUPPRESS)  # the old name of --random-prefix-len
+    data.add_argument("--prefix-repetition-num-prefixes", dest="num_prefixes", type=int,
+                      default=1,
+                      help="prefix-repetition: how many different prefixes the prompts "
+                           "share out, in a shuffled order (vLLM's flag; default: "
+                           "%(default)s); more prefix tokens than the server's KV cache "
+                           "holds measure what its prefix cache keeps")
+    # vLLM's names of the prefix-repetition lengths
+    data.add_argument("--prefix-repetition-prefix-len", dest="prefix_len", type=int,
+                      default=argparse.SUPPRESS, help="the same as --random-prefix-len")
+    data.add_argument("--prefix-repetition-suffix-len", dest="random_input_len", type=int,
+                      default=argparse.SUPPRESS, help="the same as --random-input-len")
+    data.add_argument("--prefix-repetition-output-len", dest="random_output_len", type=int,
+                      default=argparse.SUPPRESS, help="the same as --random-output-len")
     data.add_argument("--dataset-path", type=Path, default=None,
                       help="sharegpt: a ShareGPT JSON file (a list of {\"conversations\": "
                            "[{\"from\": \"human\", ...}, {\"from\": \"gpt\", ...}]}); "
@@ -257,6 +272,10 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     if dataset == "prefix-repetition":
         need(prefix_len >= 1,
              "--random-prefix-len must be at least 1 with --dataset-name prefix-repetition")
+    need(args.num_prefixes >= 1, "--prefix-repetition-num-prefixes must be at least 1")
+    need(args.num_prefixes == 1 or prefix_len >= 1,
+         "--prefix-repetition-num-prefixes needs a prefix: --dataset-name prefix-repetition "
+         "or --random-prefix-len")
     if dataset in ("sharegpt", "custom"):
         need(args.dataset_path is not None, f"--dataset-name {dataset} needs --dataset-path")
         need(args.dataset_path.is_file(), f"--dataset-path {args.dataset_path} is not a file")
@@ -293,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         random_output_len=output_len,
         random_range_ratio=args.random_range_ratio,
         prefix_len=prefix_len,
+        num_prefixes=args.num_prefixes,
         dataset_path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len,
         ignore_eos=args.ignore_eos,

@@ -166,22 +166,36 @@ async def prefix_dataset(
     output_len: int,
     range_ratio: float,
     seed: int,
+    num_prefixes: int = 1,
 ) -> list[PromptSpec]:
-    """Prompts that all start with the same prefix_len-token prefix, then differ.
+    """Prompts that start with one of ``num_prefixes`` prefixes of prefix_len tokens each,
+    then differ.
 
     Each prompt has prefix_len + (its drawn input length) tokens, as with vLLM's
-    ``--random-prefix-len``.
+    ``--random-prefix-len``. With several prefixes (vLLM's
+    ``--prefix-repetition-num-prefixes``) each takes an equal share of the prompts (the
+    first ones one more when they do not divide), in a shuffled order.
     """
     rng = np.random.default_rng(seed)
     overhead = await _overhead(counter)
-    prefix_source = _WordSource(np.random.default_rng(rng.integers(2**63)))
-    prefix, prefix_tokens = await fit_text(
-        counter, prefix_source.text, prefix_len, prefix_len - overhead
-    )
+    prefixes = []
+    for _ in range(num_prefixes):
+        source = _WordSource(np.random.default_rng(rng.integers(2**63)))
+        prefixes.append(await fit_text(counter, source.text, prefix_len, prefix_len - overhead))
     inputs = sample_lengths(rng, input_len, range_ratio, num_prompts)
     outputs = sample_lengths(rng, output_len, range_ratio, num_prompts)
     targets = [prefix_len + n for n in inputs]
-    return await _fit_many(counter, rng, targets, outputs, prefix, prefix_tokens)
+    if num_prefixes == 1:
+        return await _fit_many(counter, rng, targets, outputs, *prefixes[0])
+    owner = rng.permutation([i % num_prefixes for i in range(num_prompts)])
+    specs: list[PromptSpec | None] = [None] * num_prompts
+    for k, (prefix, prefix_tokens) in enumerate(prefixes):
+        mine = [i for i in range(num_prompts) if owner[i] == k]
+        fitted = await _fit_many(counter, rng, [targets[i] for i in mine],
+                                 [outputs[i] for i in mine], prefix, prefix_tokens)
+        for i, spec in zip(mine, fitted, strict=True):
+            specs[i] = spec
+    return specs
 
 
 def file_dataset(path: Path, num_prompts: int, default_output_len: int) -> list[PromptSpec]:

@@ -81,7 +81,8 @@ async def build_prompts(
                                       config.sharegpt_output_len, seed)
     if config.prefix_len > 0:
         return await prefix_dataset(counter, n, config.prefix_len, config.random_input_len,
-                                    config.random_output_len, config.random_range_ratio, seed)
+                                    config.random_output_len, config.random_range_ratio, seed,
+                                    config.num_prefixes)
     return await random_dataset(counter, n, config.random_input_len, config.random_output_len,
                                 config.random_range_ratio, seed)
 
