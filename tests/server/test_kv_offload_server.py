@@ -1,13 +1,16 @@
 """``--kv-offloading-size`` through a real server at tp 2 (gloo), driven by the openai client:
 prompts evicted from a pool that holds two of them come back from every rank's host tier
 (each rank copies its own KV heads), answer as they did when computed, and the copies
-show in /metrics and the start-up log. (The flags' checks: tests/test_cli.py and
+show in /metrics, /memory, ``tpserve memory`` and the start-up log. (The flags' checks: tests/test_cli.py and
 tests/server/engine/test_kv_offload_engine.py.)"""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
+import httpx
 import pytest
 
 from tests.server.serverproc import ServerProcess
@@ -34,7 +37,7 @@ def _ask(client, prompt: list[int]):
                                      logprobs=1, extra_body={"ignore_eos": True})
 
 
-def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder):
+def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder, tmp_path):
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(100)] for _ in range(6)]
     s = ServerProcess(tiny_folder, *FLAGS, log_level="info")
@@ -55,6 +58,15 @@ def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder)
         assert s.metric("kv_offload_loaded_blocks_total") == 36
         assert s.metric("kv_offload_blocks_total") == 65
         s.wait_pool_free()
+        report = httpx.get(s.base + "/memory", timeout=10).json()
+        assert report["host_tier"] == {"blocks": 65, "bytes": 65 * 4096, "tokens": 1040,
+                                       "pinned": False}
+        cli = subprocess.run([sys.executable, "-m", "tpserve.cli", "memory", "--base-url",
+                              s.base, "--png", str(tmp_path / "memory.png")],
+                             capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 0, cli.stderr
+        assert ("host tier of the prefix cache: 0.00 GiB a rank (65 blocks, 1040 tokens)"
+                in cli.stdout.splitlines())
     finally:
         assert s.stop() == 0, s.output()
     assert "KV offloading: 65 blocks (1040 tokens) of host memory a rank" in s.output()

@@ -88,6 +88,11 @@ def format_table(report: dict[str, Any]) -> str:
         row("  reserved vs plan %", [100 * r["plan_disagreement"] for r in ranks],
             "{:>+12.1f}")
     row("  read seconds ago", [r["age_s"] for r in ranks], "{:>12.1f}")
+    host = report.get("host_tier")
+    if host:
+        lines.append(f"host tier of the prefix cache: {host['bytes'] / GiB:.2f} GiB a rank "
+                     f"({host['blocks']} blocks, {host['tokens']} tokens"
+                     f"{', pinned' if host['pinned'] else ''})")
     h = report["history"]
     if h["time"]:
         span = h["time"][-1] - h["time"][0]

@@ -86,7 +86,8 @@ class MemoryMonitor:
     def report(self) -> dict[str, Any]:
         """Per rank: the start-up plan (``COMPONENTS`` in bytes, total, held, num_blocks),
         the latest allocator figures and their age, and the plan's disagreement with the
-        allocator (``(reserved - held) / held``; None off CUDA); plus rank 0's history."""
+        allocator (``(reserved - held) / held``; None off CUDA); plus rank 0's history and
+        the host tier of the prefix cache (None without one)."""
         with self._lock:
             live, read_at, hist = list(self._live), list(self._read_at), list(self._history)
             gathers = self._gathers
@@ -99,9 +100,16 @@ class MemoryMonitor:
                 "age_s": round(now - at, 3),
                 "plan_disagreement": (None if not plan0.device.startswith("cuda")
                                       else (reading.reserved - plan["held"]) / plan["held"])})
+        host = self.runner.host_kv
         return {
             "device": plan0.device, "tp": self.world_size, "block_size": plan0.block_size,
-            "kv_source": plan0.kv_source, "sample_interval_s": self.sample_s,
+            "kv_source": plan0.kv_source,
+            # the prefix cache's host tier (--kv-offloading-size), the same on every rank
+            "host_tier": None if host is None else {
+                "blocks": host.num_slots, "bytes": host.nbytes,
+                "tokens": host.num_slots * plan0.block_size,
+                "pinned": plan0.device.startswith("cuda")},
+            "sample_interval_s": self.sample_s,
             "rank_interval_s": self.gather_s, "rank_gathers": gathers, "ranks": ranks,
             "history": {"time": [h[0] for h in hist], "kv_usage": [h[1] for h in hist],
                         "fragmentation": [h[2] for h in hist],
