@@ -78,6 +78,12 @@ bookkeeping changes before the unit has succeeded: ``scheduler.update`` (compute
 placeholders, cached blocks) runs only after it, so a step that runs out of memory anywhere
 inside it is dropped whole and its sequences simply compute those tokens again; see
 ``oom_recovery`` for the rest (tp 1 only) and ``OomHold`` for the budget that follows.
+
+Host tier of the prefix cache (``--kv-offloading-size``): the copies a schedule listed
+(``BlockManager.take_copies``: stores of evicted blocks, then loads of host hits) run on
+every rank at the start of ``_launch``, before and outside the step's unit. They write only
+host slots and blocks the block manager has already given them to, so a step dropped
+after them leaves the cache valid: its sequences find the loaded blocks cached.
 """
 
 from __future__ import annotations
