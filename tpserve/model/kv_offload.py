@@ -78,6 +78,7 @@ class HostKV:
         self._by_row = torch.empty(n, dtype=buf.dtype, device=buf.device)
         self._by_block = torch.empty(n, dtype=buf.dtype, device=buf.device)
         self._index = torch.empty(self.staging_blocks, dtype=torch.int64, device=buf.device)
+        self._pin = cuda
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +103,10 @@ class HostKV:
     def _views(self, k: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                         torch.Tensor]:
         index = self._index[:k]
-        index.copy_(torch.tensor(blocks, dtype=torch.int64), non_blocking=False)
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        if self._pin:  # a blocking copy would wait for the step before to finish
+            ids = ids.pin_memory()
+        index.copy_(ids, non_blocking=True)
         by_row = self._by_row[:k * self.rows * self.row].view(self.rows, k, self.row)
         by_block = self._by_block[:k * self.rows * self.row].view(k, self.rows, self.row)
         return index, by_row, by_block
