@@ -136,7 +136,8 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
     delta = {k: after[k] - before.get(k, 0) for k in (
         "prefix_cache_queries_total", "prefix_cache_hits_total", "steps_total",
         "num_preemptions_total", "kv_offload_stored_blocks_total",
-        "kv_offload_loaded_blocks_total") if k in after}
+        "kv_offload_loaded_blocks_total", "step_host_seconds_total",
+        "device_wait_seconds_total") if k in after}
     return {"round": r, "wall_s": round(wall, 3), "requests": len(trackers),
             "errors": errors[:3], "ttft_ms": ms_stats(ttft),
             "prompt_tok_per_s": round(sum(len(d) + a.question_len for d in docs) / wall, 1),
