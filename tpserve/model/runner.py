@@ -365,11 +365,15 @@ class ModelRunner:
                 part = pairs[i:i + cap]
                 ints = [x for x, _ in part] + [y for _, y in part]
                 if self.comm.world_size > 1:
-                    self.header_buf.zero_()
-                    self.header_buf[:3] = torch.tensor(
-                        [CMD_KV_COPY, len(part) if is_store else 0, 0 if is_store else len(part)])
+                    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                    header[:3] = torch.tensor([CMD_KV_COPY, len(part) * is_store,
+                                               len(part) * (not is_store)])
+                    payload = torch.tensor(ints, dtype=torch.int64)
+                    if self._pin:  # as ``upload``: no wait for the step before
+                        header, payload = header.pin_memory(), payload.pin_memory()
+                    self.header_buf.copy_(header, non_blocking=True)
+                    self.payload_buf[:len(ints)].copy_(payload, non_blocking=True)
                     self.comm.broadcast(self.header_buf)
-                    self.payload_buf[:len(ints)].copy_(torch.tensor(ints, dtype=torch.int64))
                     self.comm.broadcast(self.payload_buf[:len(ints)])
                 self._copy_kv(is_store, ints)
 
