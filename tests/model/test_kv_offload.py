@@ -63,9 +63,9 @@ def test_slots_from_the_size_split_over_ranks():
     assert host_slots(2**20, 1, per_block) == 128
     assert host_slots(2**20, 2, per_block) == 64  # the size is the sum over the ranks
     assert host_slots(per_block - 1, 1, per_block) == 0
-    assert staging_blocks(per_block) == STAGING_BYTES // 2 // per_block
-    assert staging_blocks(STAGING_BYTES) == 1  # a block bigger than the staging budget
-    assert HostKV.staging_bytes(per_block) == 2 * staging_blocks(per_block) * per_block + \
-        8 * staging_blocks(per_block)
+    assert staging_blocks(per_block, 10**6) == STAGING_BYTES // 2 // per_block == 4096
+    assert staging_blocks(per_block, 100) == 100  # never more than the tier holds
+    assert staging_blocks(STAGING_BYTES, 100) == 1  # a block bigger than the staging budget
+    assert HostKV.staging_bytes(per_block, 100) == 2 * 100 * per_block + 8 * 100
     with pytest.raises(ValueError, match="at least one block"):
         HostKV(_pool(torch.float32), 0, per_block)

@@ -42,8 +42,10 @@ def host_slots(total_bytes: int, tp: int, bytes_per_block: int) -> int:
     return total_bytes // tp // bytes_per_block
 
 
-def staging_blocks(bytes_per_block: int) -> int:
-    return max(1, STAGING_BYTES // 2 // bytes_per_block)
+def staging_blocks(bytes_per_block: int, num_slots: int) -> int:
+    """Blocks one batch of copies moves: what half of ``STAGING_BYTES`` holds (at least
+    one), and never more than the tier's slots."""
+    return max(1, min(STAGING_BYTES // 2 // bytes_per_block, num_slots))
 
 
 class HostKV:
@@ -73,7 +75,7 @@ class HostKV:
                 f"--kv-offloading-size: could not allocate {num_slots} KV blocks "
                 f"({num_slots * bytes_per_block / 2**30:.1f} GiB) of "
                 f"{'pinned ' if cuda else ''}host memory on this rank: {e}") from None
-        self.staging_blocks = staging_blocks(bytes_per_block)
+        self.staging_blocks = staging_blocks(bytes_per_block, num_slots)
         n = self.staging_blocks * self.rows * self.row
         self._by_row = torch.empty(n, dtype=buf.dtype, device=buf.device)
         self._by_block = torch.empty(n, dtype=buf.dtype, device=buf.device)
@@ -85,10 +87,11 @@ class HostKV:
         return self.num_slots * self.bytes_per_block
 
     @staticmethod
-    def staging_bytes(bytes_per_block: int) -> int:
-        """Device bytes of the two staging buffers (and the index) for blocks this big."""
-        return 2 * staging_blocks(bytes_per_block) * bytes_per_block + 8 * staging_blocks(
-            bytes_per_block)
+    def staging_bytes(bytes_per_block: int, num_slots: int) -> int:
+        """Device bytes of the two staging buffers (and the index) of a tier of
+        ``num_slots`` blocks this big."""
+        k = staging_blocks(bytes_per_block, num_slots)
+        return 2 * k * bytes_per_block + 8 * k
 
     def store(self, blocks: list[int], slots: list[int]) -> None:
         """Copies pool ``blocks[i]`` into host ``slots[i]``, in batches, in order."""

@@ -183,7 +183,7 @@ class ModelRunner:
             raise ValueError(f"--kv-offloading-size: {cfg.kv_offloading_bytes} bytes over "
                              f"{tp} rank(s) hold no KV block of {per_block} bytes")
         if slots:  # the copies' device staging buffers, allocated once (model/kv_offload)
-            static += HostKV.staging_bytes(per_block)
+            static += HostKV.staging_bytes(per_block, slots)
         workspace += static
         use_graphs = cfg.uses_cuda_graphs
         max_mixed = min(cfg.cuda_graph_max_tokens, t)
@@ -218,10 +218,10 @@ class ModelRunner:
             self.host_kv = HostKV(self.kv_pool, slots, per_block)
             if group.rank == 0:
                 logger.info("KV offloading: %d blocks (%d tokens) of %shost memory a rank, "
-                            "%.2f GiB; device staging %.0f MiB", slots, slots * bs,
+                            "%.2f GiB; device staging %.1f MiB", slots, slots * bs,
                             "pinned " if device.type == "cuda" else "",
                             self.host_kv.nbytes / 2**30,
-                            HostKV.staging_bytes(per_block) / 2**20)
+                            HostKV.staging_bytes(per_block, slots) / 2**20)
         if device.type == "cuda":
             warm_kernels(self)
         self.graphs: StepGraphs | None = None
