@@ -81,9 +81,9 @@ def test_an_evicted_block_is_stored_then_loaded_back_instead_of_computed():
     a2 = make_seq(2, list(range(100, 109)) + [7, 7])
     computed, hit = bm.get_computed_blocks(a2.all_token_ids)
     assert (computed, hit) == ([HostHit(1), HostHit(0)], 8)
-    # a2 needs 3 blocks: b's, all evictable, least recently freed first (its head, freed
-    # last... b was freed tail first, so 0, 1, 3 go): each stored before it is reused,
-    # then a's two blocks loaded into the first two
+    # a2 needs 3 blocks, all b's (cached, evictable): b held [2, 3, 1, 0] and was freed
+    # tail first, so 0, 1 and 3 are the least recently freed. Each is stored before it
+    # is reused; a's two blocks are then loaded into the first two
     assert mem.admit_and_compute(a2) == (8, [(0, 2), (1, 3), (3, 4)], [(1, 0), (0, 1)])
     assert a2.block_ids == [0, 1, 3]
     assert bm.counters == {"kv_offload_stored_blocks_total": 5,
