@@ -38,6 +38,14 @@ def test_the_line_reports_the_interval_and_the_state_now():
     assert stats_line({**IDLE, "spec_decode_num_draft_tokens_total": 40,
                        "spec_decode_num_accepted_tokens_total": 30}, spec, 4.0).endswith(
         "preemptions 2 | draft acceptance 75.0 % of 40 tokens")
+    # with a host tier: how full it is now, and the interval's stores and loads
+    tier = {"kv_offload_blocks_total": 400, "kv_offload_blocks_used": 100,
+            "kv_offload_stored_blocks_total": 30, "kv_offload_loaded_blocks_total": 12}
+    assert stats_line({**IDLE, **tier}, {**now, **tier, "kv_offload_blocks_used": 130,
+                                          "kv_offload_stored_blocks_total": 60,
+                                          "kv_offload_loaded_blocks_total": 20},
+                      4.0).endswith("preemptions 2 | host tier 32.5 % used, 30 blocks stored, "
+                                    "8 loaded")
 
 
 def test_the_interval_must_be_positive():

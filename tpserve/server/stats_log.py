@@ -1,6 +1,7 @@
 """The engine's periodic log line (vLLM's, off with ``--disable-log-stats``): throughput
-since the last line, the queues, the KV pool, the prefix cache and, under speculative
-decoding, the share of draft tokens kept, every
+since the last line, the queues, the KV pool, the prefix cache, its host tier (with
+``--kv-offloading-size``) and, under speculative decoding, the share of draft tokens kept,
+every
 ``--log-stats-interval`` seconds while the engine has worked or holds requests."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ logger = logging.getLogger("tpserve")
 
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
              "prefix_cache_queries_total", "prefix_cache_hits_total",
-             "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+             "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+             "kv_offload_stored_blocks_total", "kv_offload_loaded_blocks_total")
 
 
 def stats_line(before: Mapping[str, float], now: Mapping[str, float], seconds: float
@@ -35,12 +37,18 @@ def stats_line(before: Mapping[str, float], now: Mapping[str, float], seconds: f
     spec = (f" | draft acceptance "
             f"{100 * delta['spec_decode_num_accepted_tokens_total'] / drafted:.1f} % of "
             f"{int(drafted)} tokens") if drafted else ""
+    tier = ""
+    if now.get("kv_offload_blocks_total"):  # the prefix cache's host tier
+        full = 100 * now["kv_offload_blocks_used"] / now["kv_offload_blocks_total"]
+        tier = (f" | host tier {full:.1f} % used, "
+                f"{int(delta['kv_offload_stored_blocks_total'])} blocks stored, "
+                f"{int(delta['kv_offload_loaded_blocks_total'])} loaded")
     return (f"engine: prompt {delta['prompt_tokens_total'] / seconds:.1f} tok/s, "
             f"generation {delta['generation_tokens_total'] / seconds:.1f} tok/s | "
             f"running {running}, waiting {waiting} reqs | KV cache "
             f"{100 * now['kv_cache_usage_perc']:.1f} % used ({used} of "
             f"{int(now['kv_blocks_total'])} blocks) | prefix cache hits {hit_rate} | "
-            f"preemptions {int(delta['num_preemptions_total'])}{spec}")
+            f"preemptions {int(delta['num_preemptions_total'])}{tier}{spec}")
 
 
 class StatsLogger:
