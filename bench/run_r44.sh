@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && exec > >(tee "$OUT/r44.txt") 2>&1
 nvidia-smi --query-gpu=name,power.limit,memory.total --format=csv,noheader
 step "engine"
-timeout 150 python3 bench/bench_offload.py --offload 0,40sync,40 --git-commit "$SHA" \
+timeout 240 python3 bench/bench_offload.py --offload 0,40sync,40 --git-commit "$SHA" \
   --out "$OUT/offload.json" > "$OUT/offload.log" 2>&1 || echo "exit $?"
 grep -E "copies|round 1|vs the|Error" "$OUT/offload.log" | cut -c1-420
 SERVE="--load-format dummy --dtype bfloat16 --max-model-len 4352 --max-num-seqs 16
@@ -25,8 +25,8 @@ LOAD="--dataset-name prefix-repetition --prefix-repetition-prefix-len 4096
   --random-output-len 32 --ignore-eos --max-concurrency 16 --seed 0 --no-progress --no-plot"
 http() {  # http NAME ROOT
   step "http $1"
-  PYTHONPATH=/tmp/site:$PWD/$2 timeout 120 python3 $2/bench/bench_http.py run \
-    --out "$OUT/http-$1" --deadline-s 110 --startup-timeout-s 80 --serve-flags "$SERVE" \
+  PYTHONPATH=/tmp/site:$PWD/$2 timeout 200 python3 $2/bench/bench_http.py run \
+    --out "$OUT/http-$1" --deadline-s 190 --startup-timeout-s 150 --serve-flags "$SERVE" \
     --loadtest-flags "$LOAD" > "$OUT/http-$1.log" 2>&1 || echo "exit $?"
   python3 - "$OUT/http-$1/http.json" <<'PY' || true
 import json, sys
