@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpserve.model.plan import StepLimits
-from tpserve.server.engine.block_manager import BlockManager, HostHit
+from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -114,12 +114,7 @@ def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 defer_host_loads: bool = False):
-        """``defer_host_loads``: a sequence admitted with blocks loaded from the host tier
-        (``block_manager.HostHit``) runs from the next step on, so that its loads run
-        beside this step's forward (``model/kv_offload.HostKV.load``; the engine sets it
-        where loads are asynchronous: CUDA)."""
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         if block_manager.block_size != config.block_size:
             raise ValueError(f"block manager block_size {block_manager.block_size} != "
                              f"scheduler block_size {config.block_size}")
@@ -129,7 +124,6 @@ class Scheduler:
                              f"max_model_len={config.max_model_len}; scheduling could stall")
         self.config = config
         self.block_manager = block_manager
-        self.defer_host_loads = defer_host_loads
         self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing rank
         self._waiting: deque[Sequence] = deque()  # in increasing rank
         self._by_priority = config.policy == "priority"
@@ -327,7 +321,7 @@ class Scheduler:
                     break
                 budget += room
                 continue
-            num_new, hit, loading = admitted
+            num_new, hit = admitted
             self.counters["prefix_cache_queries_total"] += seq.num_tokens
             self.counters["prefix_cache_hits_total"] += hit
             if seq.first_scheduled_time is None:
@@ -336,18 +330,15 @@ class Scheduler:
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._start_running(seq)
-            if loading and self.defer_host_loads:
-                continue  # computed from the next step on, its loads done by then
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
 
     def _allocate_admission(self, seq: Sequence, fork_tokens: int, budget: int
-                            ) -> tuple[int, int, bool] | None:
+                            ) -> tuple[int, int] | None:
         """Blocks for the waiting ``seq``'s first chunk: its parent's ``fork_tokens``
         prompt tokens shared, else its prefix-cache hits taken. ``(tokens scheduled,
-        tokens hit, whether some hits are loaded from the host tier)``, or None (and
-        ``seq`` untouched) when the pool cannot hold them."""
+        tokens hit)``, or None (and ``seq`` untouched) when the pool cannot hold them."""
         bm = self.block_manager
         if fork_tokens:
             parent = seq.fork_parent
@@ -358,7 +349,7 @@ class Scheduler:
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 return None
-            return num_new, fork_tokens, False
+            return num_new, fork_tokens
         computed, num_cached = ([], 0) if seq.computes_whole_prompt else \
             bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
         num_new = min(seq.num_tokens - num_cached, budget)
@@ -367,7 +358,7 @@ class Scheduler:
         seq.num_computed_tokens = num_cached
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = num_cached
-        return num_new, num_cached, any(isinstance(b, HostHit) for b in computed)
+        return num_new, num_cached
 
     def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq],
                    preempted: list[Sequence]) -> int | None:
