@@ -177,8 +177,7 @@ class BlockManager:
                 hit, entry = block_id, self._entry_of[block_id]
             else:
                 break
-            if (entry.parent_serial != parent_serial or entry.tokens != tokens
-                    or entry.extra_key != extra_key):
+            if _key(entry) != (parent_serial, tokens, extra_key):
                 break  # a collision: another prefix's block under this hash
             blocks.append(hit)
             parent, parent_serial = h, entry.serial
@@ -214,8 +213,7 @@ class BlockManager:
             cached = self._cache.get(h)
             if cached is not None:
                 entry = self._entry_of[cached]
-                same = (entry.parent_serial, entry.tokens, entry.extra_key) == (
-                    parent_serial, tokens, extra_key)
+                same = _key(entry) == (parent_serial, tokens, extra_key)
                 links.append((h, entry.serial if same else None))
                 continue
             held = self.host.find(h) if self.host is not None else None
