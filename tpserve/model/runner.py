@@ -330,17 +330,24 @@ class ModelRunner:
         """Rank 0, first half of ``execute``: the plan into the device buffers and to every
         rank; returns the device-side plan ``run`` takes."""
         header, payload = plan.pack()
+        self._send(header, payload)
+        if self.comm.world_size > 1 and plan.pending_rows.shape[0]:
+            self.comm.broadcast(self.sampled_buf)
+        return StepPlan.unpack(header, self.payload_buf[:payload.shape[0]])
+
+    def _send(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        """Rank 0: a command's ``header`` (``HEADER_LEN`` int64) and ``payload`` into the
+        device buffers, then to every rank. On CUDA they go up from pinned memory without
+        waiting for the step before (the caching host allocator keeps each block until its
+        copy is done)."""
         n = payload.shape[0]
-        if self._pin:  # the caching host allocator keeps each block until its copy is done
+        if self._pin:
             header, payload = header.pin_memory(), payload.pin_memory()
         self.header_buf.copy_(header, non_blocking=True)
         self.payload_buf[:n].copy_(payload, non_blocking=True)
         if self.comm.world_size > 1:
             self.comm.broadcast(self.header_buf)
             self.comm.broadcast(self.payload_buf[:n])
-            if plan.pending_rows.shape[0]:
-                self.comm.broadcast(self.sampled_buf)
-        return StepPlan.unpack(header, self.payload_buf[:n])
 
     def run(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
         """Rank 0, second half of ``execute``: the forward of an uploaded plan; a pooling
@@ -368,13 +375,7 @@ class ModelRunner:
                     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
                     header[:3] = torch.tensor([CMD_KV_COPY, len(part) * is_store,
                                                len(part) * (not is_store)])
-                    payload = torch.tensor(ints, dtype=torch.int64)
-                    if self._pin:  # as ``upload``: no wait for the step before
-                        header, payload = header.pin_memory(), payload.pin_memory()
-                    self.header_buf.copy_(header, non_blocking=True)
-                    self.payload_buf[:len(ints)].copy_(payload, non_blocking=True)
-                    self.comm.broadcast(self.header_buf)
-                    self.comm.broadcast(self.payload_buf[:len(ints)])
+                    self._send(header, torch.tensor(ints, dtype=torch.int64))
                 self._copy_kv(is_store, ints)
 
     @torch.inference_mode()
