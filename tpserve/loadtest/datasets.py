@@ -185,9 +185,9 @@ async def prefix_dataset(
     inputs = sample_lengths(rng, input_len, range_ratio, num_prompts)
     outputs = sample_lengths(rng, output_len, range_ratio, num_prompts)
     targets = [prefix_len + n for n in inputs]
-    if num_prefixes == 1:
-        return await _fit_many(counter, rng, targets, outputs, *prefixes[0])
-    owner = rng.permutation([i % num_prefixes for i in range(num_prompts)])
+    # one prefix draws no order, so its prompts are the ones it always gave
+    owner = (rng.permutation([i % num_prefixes for i in range(num_prompts)])
+             if num_prefixes > 1 else [0] * num_prompts)
     specs: list[PromptSpec | None] = [None] * num_prompts
     for k, (prefix, prefix_tokens) in enumerate(prefixes):
         mine = [i for i in range(num_prompts) if owner[i] == k]
