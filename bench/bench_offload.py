@@ -6,10 +6,13 @@ documents in the same order each round, ``--concurrency`` requests in flight. Th
 together are larger than the device pool (``--kv-cache-memory``), so without the tier a
 document's blocks are evicted before it comes back; with it they are loaded back.
 
-For each ``--offload`` size (GiB; 0: no tier) one engine is built and measured: per round
-the wall time, TTFT (mean, p50, p99), prefix-cache hits and the tier's copies. With a tier,
-first the copies themselves: ``--copy-blocks`` blocks of the live pool stored and loaded
-back (bit-for-bit check, GB/s each way).
+For each ``--offload`` size (GiB; 0: no tier; a ``sync`` suffix: loads on the forward's
+stream, the sequence computed in the step that loads it, instead of beside the step before)
+one engine is built and measured: per round the wall time, TTFT (mean, p50, p99),
+prefix-cache hits and the tier's copies. With a tier, first the copies themselves:
+``--copy-blocks`` blocks of the live pool stored and loaded back (bit-for-bit check, GB/s
+each way). Every run's last-round tokens are compared with the first run's (requests whose
+tokens are all the same, and whose first token is).
 
     python bench/bench_offload.py --out "$OUT/offload.json"   # on the GPU machine
 """
@@ -63,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build(a: argparse.Namespace, gib: float) -> EngineCore:
+def build(a: argparse.Namespace, gib: float, sync: bool) -> EngineCore:
     argv = ["serve", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
             "--device", a.device, "--kv-cache-memory", a.kv_cache_memory,
             "--max-model-len", str(a.doc_len + a.question_len + a.output_len + 16),
@@ -74,7 +77,8 @@ def build(a: argparse.Namespace, gib: float) -> EngineCore:
     cfg = config_from_args(parser.parse_args(argv))
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, device, None))
-    return EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
+    return EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine,
+                      defer_host_loads=False if sync else None)
 
 
 def sync(core: EngineCore) -> None:
@@ -140,6 +144,7 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
         "device_wait_seconds_total") if k in after}
     return {"round": r, "wall_s": round(wall, 3), "requests": len(trackers),
             "errors": errors[:3], "ttft_ms": ms_stats(ttft),
+            "tokens": {t.rid: t.tokens for t in trackers},
             "prompt_tok_per_s": round(sum(len(d) + a.question_len for d in docs) / wall, 1),
             **delta}
 
@@ -152,9 +157,13 @@ def main() -> int:
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
                "torch": torch.__version__, "args": vars(a), "runs": []}
-    for gib in (float(x) for x in a.offload.split(",")):
-        core = build(a, gib)
-        run: dict = {"offload_gib": gib, "kv_pool_blocks": core.block_manager.num_blocks,
+    reference: dict | None = None
+    for spec in a.offload.split(","):
+        gib, sync = float(spec.removesuffix("sync")), spec.endswith("sync")
+        core = build(a, gib, sync)
+        run: dict = {"offload_gib": gib, "sync_loads": sync,
+                     "defer_host_loads": core.scheduler.defer_host_loads,
+                     "kv_pool_blocks": core.block_manager.num_blocks,
                      "host_blocks": core.block_manager.host.num_slots
                      if core.block_manager.host else 0,
                      "memory_plan": core.runner.plan.describe()}
@@ -172,8 +181,17 @@ def main() -> int:
         run["rounds"] = []
         for r in range(a.rounds):
             res = run_round(core, a, docs, r, vocab)
+            tokens = res.pop("tokens")
             run["rounds"].append(res)
-            print(f"offload {gib} GiB round {r}: {res}", flush=True)
+            print(f"offload {spec} GiB round {r}: {res}", flush=True)
+        if reference is None:
+            reference = tokens
+        else:
+            run["last_round_vs_first_run"] = {
+                "requests": len(tokens),
+                "all_tokens_same": sum(tokens[k] == reference[k] for k in tokens),
+                "first_token_same": sum(tokens[k][:1] == reference[k][:1] for k in tokens)}
+            print("vs the first run:", run["last_round_vs_first_run"], flush=True)
         R["runs"].append(run)
         out.write_text(json.dumps(R, indent=1))
         core.close()
