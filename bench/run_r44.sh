@@ -3,7 +3,7 @@
 # against loads that the step waits for.
 #  1. tests/model/test_kv_offload.py on the GPU (the copy stream's waits, held up by a spin).
 #  2. bench_offload.py in the engine (as round 43: dummy llama3-8b bf16, 8 GiB pool, 48
-#     documents of 4,096 tokens asked twice, 16 in flight): no tier, 40 GiB with the step
+#     documents of 4,096 tokens asked twice, 16 in flight): 40 GiB with the step
 #     waiting for its loads ("40sync"), 40 GiB beside; tokens compared with the first run.
 #  3. Over HTTP, round 43's prefix-repetition load test with a 40 GiB tier: base (7463c34's
 #     tpserve, loads on the forward's stream, unpacked in ab/base) and this tree.
@@ -19,7 +19,7 @@ step "GPU tests"
 timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider --tb=short \
   tests/model/test_kv_offload.py 2>&1 | tail -15
 step "offload (engine)"
-timeout 240 python3 bench/bench_offload.py --offload 0,40sync,40 --git-commit "$SHA" \
+timeout 240 python3 bench/bench_offload.py --offload 40sync,40 --git-commit "$SHA" \
   --out "$OUT/offload.json" > "$OUT/offload.log" 2>&1 || echo "exit $?"
 grep -E "copies|round|vs the first|Error|error" "$OUT/offload.log" | cut -c1-700
 SERVE="--load-format dummy --dtype bfloat16 --max-model-len 4352 --max-num-seqs 16
