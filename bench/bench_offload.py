@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import random
 import sys
@@ -113,6 +114,22 @@ def copy_check(core: EngineCore, n: int) -> dict:
             "load_GBps": round(nbytes / (t2 - t1) / 1e9, 2)}
 
 
+def step_summary(steps: list[tuple[float, int, int]]) -> dict:
+    """``core.step()`` call times by the copies of that call or the one before (a step's
+    copies are issued in the call that schedules it; with asynchronous scheduling the
+    next call waits for that step): stores, loads, both or neither; and the ten slowest
+    calls, ``[ms, stores, loads, stores before, loads before]``."""
+    kinds = {"neither": [], "stores": [], "loads": [], "both": []}
+    rows = [(dt, st, ld, *prev[1:]) for prev, (dt, st, ld)
+            in zip([(0, 0, 0), *steps], steps, strict=False)]
+    for dt, st, ld, pst, pld in rows:
+        kinds[("neither", "stores", "loads", "both")[(st + pst > 0)
+                                                     + 2 * (ld + pld > 0)]].append(dt)
+    out = {k: {"calls": len(v), **ms_stats(v)} for k, v in kinds.items()}
+    out["slowest"] = [[round(r[0] * 1e3, 2), *r[1:]] for r in sorted(rows, reverse=True)[:10]]
+    return out
+
+
 def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r: int,
               vocab: int) -> dict:
     rng = random.Random(1000 + r)
@@ -122,6 +139,7 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
     before = dict(core.stats())
     trackers: list[Tracker] = []
     live: list[Tracker] = []
+    steps: list[tuple[float, int, int]] = []  # a step call's seconds, its stores and loads
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < a.concurrency:
@@ -130,7 +148,13 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
             core.add(RequestState(rid, prompt, params, t.emit))
             trackers.append(t)
             live.append(t)
+        c0 = core.stats()
+        s0 = time.perf_counter()
         core.step()
+        c1 = core.stats()
+        steps.append((time.perf_counter() - s0, *(
+            c1.get(k, 0) - c0.get(k, 0) for k in ("kv_offload_stored_blocks_total",
+                                                    "kv_offload_loaded_blocks_total"))))
         live = [t for t in live if not t.finished]
     sync(core)
     wall = time.perf_counter() - t0
@@ -144,6 +168,9 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
         "device_wait_seconds_total") if k in after}
     return {"round": r, "wall_s": round(wall, 3), "requests": len(trackers),
             "errors": errors[:3], "ttft_ms": ms_stats(ttft),
+            "itl_ms": ms_stats([b - a for t in trackers
+                                for a, b in itertools.pairwise(t.token_times)]),
+            "step_call_ms": step_summary(steps),
             "tokens": {t.rid: t.tokens for t in trackers},
             "prompt_tok_per_s": round(sum(len(d) + a.question_len for d in docs) / wall, 1),
             **delta}
