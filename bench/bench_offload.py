@@ -6,12 +6,11 @@ documents in the same order each round, ``--concurrency`` requests in flight. Th
 together are larger than the device pool (``--kv-cache-memory``), so without the tier a
 document's blocks are evicted before it comes back; with it they are loaded back.
 
-For each ``--offload`` size (GiB; 0: no tier; a ``sync`` suffix: loads on the forward's
-stream, the sequence computed in the step that loads it, instead of beside the step before)
-one engine is built and measured: per round the wall time, TTFT (mean, p50, p99),
-prefix-cache hits and the tier's copies. With a tier, first the copies themselves:
-``--copy-blocks`` blocks of the live pool stored and loaded back (bit-for-bit check, GB/s
-each way). Every run's last-round tokens are compared with the first run's (requests whose
+For each ``--offload`` size (GiB; 0: no tier) one engine is built and measured: per round
+the wall time, TTFT and inter-token latency (mean, p50, p99), the ``step()`` calls' times
+by the copies listed in them, prefix-cache hits and the tier's copies. With a tier, first
+the copies themselves: ``--copy-blocks`` blocks of the live pool stored and loaded back
+(bit-for-bit check, GB/s each way). Every run's last-round tokens are compared with the first run's (requests whose
 tokens are all the same, and whose first token is).
 
     python bench/bench_offload.py --out "$OUT/offload.json"   # on the GPU machine
@@ -67,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build(a: argparse.Namespace, gib: float, sync: bool) -> EngineCore:
+def build(a: argparse.Namespace, gib: float) -> EngineCore:
     argv = ["serve", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
             "--device", a.device, "--kv-cache-memory", a.kv_cache_memory,
             "--max-model-len", str(a.doc_len + a.question_len + a.output_len + 16),
@@ -78,8 +77,7 @@ def build(a: argparse.Namespace, gib: float, sync: bool) -> EngineCore:
     cfg = config_from_args(parser.parse_args(argv))
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, TPGroup(0, 1, device, None))
-    return EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine,
-                      defer_host_loads=False if sync else None)
+    return EngineCore(runner, StubTokenizer(), cfg.scheduler, cfg.engine)
 
 
 def sync(core: EngineCore) -> None:
@@ -186,11 +184,9 @@ def main() -> int:
                "torch": torch.__version__, "args": vars(a), "runs": []}
     reference: dict | None = None
     for spec in a.offload.split(","):
-        gib, sync = float(spec.removesuffix("sync")), spec.endswith("sync")
-        core = build(a, gib, sync)
-        run: dict = {"offload_gib": gib, "sync_loads": sync,
-                     "defer_host_loads": core.scheduler.defer_host_loads,
-                     "kv_pool_blocks": core.block_manager.num_blocks,
+        gib = float(spec)
+        core = build(a, gib)
+        run: dict = {"offload_gib": gib, "kv_pool_blocks": core.block_manager.num_blocks,
                      "host_blocks": core.block_manager.host.num_slots
                      if core.block_manager.host else 0,
                      "memory_plan": core.runner.plan.describe()}

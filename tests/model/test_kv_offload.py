@@ -58,47 +58,6 @@ def test_a_store_then_a_load_of_the_same_slot_in_order():
     assert torch.equal(_block(pool, 0), want)
 
 
-SPIN = 10**9  # GPU cycles the copy stream is held up before loads (about half a second)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a copy stream and events: GPU only")
-def test_loads_on_the_copy_stream_are_waited_for_where_they_are_read():
-    """CUDA: loads run on the copy stream, held up here by a spin ahead of them. The step
-    after a load without ``overlap`` reads the loaded block; with ``overlap`` the step
-    they go out with finishes while they still run, and the step after it reads them; a
-    store after a load waits for it."""
-    cuda = torch.device("cuda")
-    pool = KVPool(LAYERS, BLOCKS, BS, HEADS, DIM, torch.float32, cuda)
-    pool.buffer.copy_(_pool(torch.float32).buffer)
-    host = HostKV(pool, 6, kv_bytes_per_block(LAYERS, BS, HEADS, DIM, torch.float32))
-    want = {b: _block(pool, b) for b in (2, 7)}
-    host.store([2, 7], [0, 1])
-    pool.buffer.zero_()
-
-    def held_up_load(slots, blocks, overlap):
-        with torch.cuda.stream(host._copy_stream):
-            torch.cuda._sleep(SPIN)
-        host.load(slots, blocks, overlap)
-
-    held_up_load([0], [4], overlap=False)
-    host.before_step()  # the step that reads block 4
-    assert torch.equal(_block(pool, 4), want[2])
-
-    held_up_load([1], [5], overlap=True)
-    host.before_step()  # the step beside the loads: it does not wait for them
-    beside = torch.cuda.Event()
-    beside.record()
-    beside.synchronize()
-    assert not host._due.query()  # the loads are still held up
-    host.before_step()  # the step after it reads block 5
-    assert torch.equal(_block(pool, 5), want[7])
-
-    held_up_load([0], [6], overlap=True)
-    host.store([6], [2])  # block 6 as loaded (block 2's content), not zeros
-    torch.cuda.synchronize()
-    assert torch.equal(host.host[2].view(torch.uint8).flatten(), want[2].flatten().cpu())
-
-
 def test_slots_from_the_size_split_over_ranks():
     per_block = 8 * 2**10
     assert host_slots(2**20, 1, per_block) == 128

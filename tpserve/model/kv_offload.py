@@ -10,13 +10,9 @@ allocated once, at start-up (``staging_bytes`` is part of the memory plan's work
 copies go in batches of at most ``staging_blocks`` blocks: the steady state allocates
 nothing.
 
-Invariant: copies run in the order the block manager listed them (stores, then loads),
-after every step before them. Stores run on the stream the forward runs on, before the
-step they were planned with, so a block is stored before the step writes over it. Loads
-run on a copy stream of their own (CUDA), and the forward of the step that first reads a
-loaded block waits for them (``before_step``): the scheduler computes a sequence whose
-blocks are being loaded only from the step after the one its loads went out with, so the
-loads run beside that step's forward (``overlap``). On CUDA the
+Invariant: copies run on the stream the forward runs on, in the order the block manager
+listed them (stores, then loads), before the step they were planned with; so a block is
+stored before the step writes over it, and loaded before the step reads it. On CUDA the
 host memory is page-locked (``cudaHostRegister``, for exactly the size asked) and the
 copies do not wait for the device; the host never reads the tier itself.
 """
@@ -85,12 +81,6 @@ class HostKV:
         self._by_block = torch.empty(n, dtype=buf.dtype, device=buf.device)
         self._index = torch.empty(self.staging_blocks, dtype=torch.int64, device=buf.device)
         self._pin = cuda
-        # CUDA: loads run on a stream of their own (``load``); the events the compute
-        # stream must wait for, at the next step (``_due``) and at the one after
-        # (``_after_next``: loads the step in between does not read)
-        self._copy_stream = torch.cuda.Stream(buf.device) if cuda else None
-        self._due: torch.cuda.Event | None = None
-        self._after_next: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,53 +94,14 @@ class HostKV:
         return 2 * k * bytes_per_block + 8 * k
 
     def store(self, blocks: list[int], slots: list[int]) -> None:
-        """Copies pool ``blocks[i]`` into host ``slots[i]``, in batches, in order, on the
-        compute stream, after every load issued before (a block or slot may be one a
-        load still uses; so may the staging buffers)."""
-        self.wait_loads()
+        """Copies pool ``blocks[i]`` into host ``slots[i]``, in batches, in order."""
         for i in range(0, len(blocks), self.staging_blocks):
             self._store(blocks[i:i + self.staging_blocks], slots[i:i + self.staging_blocks])
 
-    def load(self, slots: list[int], blocks: list[int], overlap: bool = False) -> None:
-        """Copies host ``slots[i]`` into pool ``blocks[i]``, in batches, in order.
-
-        On CUDA they run on the copy stream, after everything issued on the compute
-        stream so far (the stores before them, the steps that wrote the blocks before),
-        and the compute stream waits for them at the start of a later step
-        (``before_step``): the next one, or with ``overlap`` (the next step reads none of
-        these blocks) the one after, so that they run beside the next step's forward."""
-        if self._copy_stream is None:
-            for i in range(0, len(blocks), self.staging_blocks):
-                self._load(slots[i:i + self.staging_blocks],
-                           blocks[i:i + self.staging_blocks])
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self._copy_stream.device))
-        with torch.cuda.stream(self._copy_stream):
-            for i in range(0, len(blocks), self.staging_blocks):
-                self._load(slots[i:i + self.staging_blocks],
-                           blocks[i:i + self.staging_blocks])
-            done = torch.cuda.Event()
-            done.record()
-        # a later event on the same stream implies every earlier one
-        if overlap:
-            self._after_next = done
-        else:
-            self._due, self._after_next = done, None
-
-    def before_step(self) -> None:
-        """At the start of every step on this rank: the compute stream waits for the
-        loads due now; those issued with ``overlap`` become due at the next step."""
-        if self._due is not None:
-            torch.cuda.current_stream(self._copy_stream.device).wait_event(self._due)
-        self._due, self._after_next = self._after_next, None
-
-    def wait_loads(self) -> None:
-        """The compute stream waits for every load issued so far (a step that was to run
-        beside some was dropped, or stores follow them)."""
-        for event in (self._due, self._after_next):
-            if event is not None:
-                torch.cuda.current_stream(self._copy_stream.device).wait_event(event)
-        self._due = self._after_next = None
+    def load(self, slots: list[int], blocks: list[int]) -> None:
+        """Copies host ``slots[i]`` into pool ``blocks[i]``, in batches, in order."""
+        for i in range(0, len(blocks), self.staging_blocks):
+            self._load(slots[i:i + self.staging_blocks], blocks[i:i + self.staging_blocks])
 
     def _views(self, k: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                         torch.Tensor]:

@@ -361,13 +361,11 @@ class ModelRunner:
         rows (``SeqChunk.pending_src``)."""
         self.sampled_buf[: token_ids.shape[0]].copy_(token_ids)
 
-    def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]],
-                overlap: bool = False) -> None:
+    def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         """Rank 0: every rank runs these copies between its pool and its host tier now,
         stores ``(block, slot)`` then loads ``(slot, block)`` (``CMD_KV_COPY``, as many
         messages as the receive buffer needs), ahead of the step they were planned with
-        (``BlockManager.take_copies``). ``overlap``: that step reads none of the loaded
-        blocks, so the loads may run beside it (``HostKV.load``)."""
+        (``BlockManager.take_copies``)."""
         cap = self.payload_buf.shape[0] // 2
         for pairs, is_store in ((stores, True), (loads, False)):
             for i in range(0, len(pairs), cap):
@@ -375,13 +373,13 @@ class ModelRunner:
                 ints = [x for x, _ in part] + [y for _, y in part]
                 if self.comm.world_size > 1:
                     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-                    header[:4] = torch.tensor([CMD_KV_COPY, len(part) * is_store,
-                                               len(part) * (not is_store), overlap])
+                    header[:3] = torch.tensor([CMD_KV_COPY, len(part) * is_store,
+                                               len(part) * (not is_store)])
                     self._send(header, torch.tensor(ints, dtype=torch.int64))
-                self._copy_kv(is_store, ints, overlap)
+                self._copy_kv(is_store, ints)
 
     @torch.inference_mode()
-    def _copy_kv(self, is_store: bool, ints: list[int], overlap: bool) -> None:
+    def _copy_kv(self, is_store: bool, ints: list[int]) -> None:
         """Stores (blocks, then slots) or loads (slots, then blocks), ``ints`` in halves."""
         assert self.host_kv is not None, "KV copies listed without a host tier"
         n = len(ints) // 2
@@ -389,7 +387,7 @@ class ModelRunner:
             if is_store:
                 self.host_kv.store(ints[:n], ints[n:])
             else:
-                self.host_kv.load(ints[:n], ints[n:], overlap)
+                self.host_kv.load(ints[:n], ints[n:])
 
     def send_command(self, cmd: int) -> None:
         """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
@@ -423,8 +421,7 @@ class ModelRunner:
             if cmd == CMD_KV_COPY:  # one of the two counts is 0
                 n = 2 * (int(header[1]) + int(header[2]))
                 self.comm.broadcast(self.payload_buf[:n])
-                self._copy_kv(int(header[1]) > 0, self.payload_buf[:n].tolist(),
-                              bool(header[3]))
+                self._copy_kv(int(header[1]) > 0, self.payload_buf[:n].tolist())
                 continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
@@ -449,8 +446,6 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, plan: StepPlan, pool: PoolRows | None) -> torch.Tensor:
         self.steps += 1
-        if self.host_kv is not None:  # the loads this step may read are done first
-            self.host_kv.before_step()
         if self.fault is not None:
             self.fault.fire(self.steps)
         if plan.pending_rows.shape[0]:

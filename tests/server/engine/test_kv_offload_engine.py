@@ -26,14 +26,13 @@ PER_BLOCK = kv_bytes_per_block(2, 16, 2, 16, torch.float32)  # the tiny Llama's,
 
 
 def make_core(folder, tokenizer, num_blocks: int, host_blocks: int,
-              max_seqs: int = 8, defer: bool | None = None) -> EngineCore:
+              max_seqs: int = 8) -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * PER_BLOCK,
                        kv_offloading_bytes=host_blocks * PER_BLOCK)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64,
                             max_model_len=256, block_size=16)
     runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
-    return EngineCore(runner, tokenizer, sched, EngineConfig(check_integrity=True),
-                      defer_host_loads=defer)
+    return EngineCore(runner, tokenizer, sched, EngineConfig(check_integrity=True))
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +97,12 @@ def test_without_the_tier_the_same_prompts_are_computed_again(tiny_llama, smollm
     assert "kv_offload_loaded_blocks_total" not in core.stats()
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
 def test_all_at_once_with_loads_stores_and_preemptions_in_the_same_steps(
-        tiny_llama, smollm2_tokenizer, prompts, expected, defer):
+        tiny_llama, smollm2_tokenizer, prompts, expected):
     """Every prompt again at once, over a pool that holds two of them and a tier that
     holds four: admissions load host blocks, evictions store others (overwriting the
     tier's oldest), a sequence is preempted; every answer is still the greedy one."""
-    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=24,
-                     defer=defer)
-    assert core.scheduler.defer_host_loads is defer
+    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=24)
     _one_at_a_time(core, prompts, "a")
     outs = [submit(core, f"b{i}", p, PARAMS) for i, p in enumerate(prompts)]
     run_to_end(core)
@@ -117,52 +113,6 @@ def test_all_at_once_with_loads_stores_and_preemptions_in_the_same_steps(
     assert stats["kv_offload_stored_blocks_total"] > 24  # the tier's slots were reused
     bm = core.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
-
-
-def test_a_loaded_sequence_is_computed_from_the_step_after_its_admission(
-        tiny_llama, smollm2_tokenizer, prompts, expected):
-    """With loads deferred (as on CUDA, where they run beside the step they went out
-    with): the step that admits a prompt found in the host tier loads its blocks and
-    computes nothing of it; the next step computes it. Alone, the admitting step has
-    nothing to compute, and its loads go out all the same."""
-    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=64,
-                     defer=True)
-    assert not make_core(tiny_llama, smollm2_tokenizer, 20, 64).scheduler.defer_host_loads
-    _one_at_a_time(core, prompts, "a")
-    steps = core.stats()["steps_total"]
-    outs = submit(core, "again", prompts[0], PARAMS)
-    core.step()
-    seq = core.requests["again"].seqs[0]
-    stats = core.stats()
-    assert (stats["steps_total"], stats["kv_offload_loaded_blocks_total"]) == (steps, 6)
-    assert seq.num_computed_tokens == 96 and not outs  # admitted, loaded, not computed
-    assert core.runner.host_kv is not None and not core.block_manager.take_copies()[1]
-    run_to_end(core)
-    assert tokens_of(outs) == expected[0] and outs[-1].num_cached_tokens == 96
-
-
-def test_a_prompt_sharing_blocks_that_are_being_loaded_waits_for_them_too(
-        tiny_llama, smollm2_tokenizer, prompts):
-    """Deferred loads: ``y`` shares the six blocks that ``x``'s admission loads; admitted
-    in the same step, it finds them in the device cache, and still waits a step (the
-    loads run beside this step). ``w``, found nowhere, is computed in this step."""
-    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=64,
-                     defer=True)
-    _one_at_a_time(core, prompts, "a")
-    rng = random.Random(11)
-    x, y = prompts[0], prompts[0][:96] + [rng.randrange(256) for _ in range(4)]
-    w = [rng.randrange(256) for _ in range(100)]
-    model, comm = load(tiny_llama)
-    want = [greedy(model, comm, p, 8) for p in (x, y, w)]
-    outs = [submit(core, name, p, PARAMS) for name, p in zip("xyw", (x, y, w), strict=True)]
-    core.step()
-    seqs = [core.requests[name].seqs[0] for name in "xyw"]
-    assert core.stats()["kv_offload_loaded_blocks_total"] == 6
-    assert seqs[1].block_ids[:6] == seqs[0].block_ids[:6]
-    assert [s.num_computed_tokens for s in seqs] == [96, 96, 64]  # w's first chunk
-    run_to_end(core)
-    assert [tokens_of(o) for o in outs] == want
-    assert [o[-1].num_cached_tokens for o in outs] == [96, 96, 0]
 
 
 def test_a_size_that_holds_no_block_is_refused(tiny_llama):

@@ -118,7 +118,6 @@ class BlockManager:
         # then (host slot, device block) loads; see ``take_copies``
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
-        self._loading: set[int] = set()  # the blocks of ``_loads``
         self.counters = {"kv_offload_stored_blocks_total": 0,
                          "kv_offload_loaded_blocks_total": 0}
 
@@ -341,14 +340,8 @@ class BlockManager:
         self._cache[entry.hash] = b
         self._entry_of[b] = entry
         self._loads.append((slot, b))
-        self._loading.add(b)
         self.counters["kv_offload_loaded_blocks_total"] += 1
         return b
-
-    def reads_loads(self, block_ids: Iterable[int]) -> bool:
-        """Whether any of ``block_ids`` is a load's target listed since the last
-        ``take_copies``: its content arrives with that round's copies."""
-        return bool(self._loading) and not self._loading.isdisjoint(block_ids)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies listed since the last call, handed to the runners: ``(stores,
@@ -356,7 +349,6 @@ class BlockManager:
         block)``, each in the order they must run (all stores first). Unpins the tier."""
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
-        self._loading.clear()
         if self.host is not None:
             self.host.unpin_all()
         return stores, loads

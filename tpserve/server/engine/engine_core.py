@@ -81,12 +81,9 @@ inside it is dropped whole and its sequences simply compute those tokens again; 
 
 Host tier of the prefix cache (``--kv-offloading-size``): the copies a schedule listed
 (``BlockManager.take_copies``: stores of evicted blocks, then loads of host hits) run on
-every rank at the start of ``_launch`` (or, when the step has nothing to compute, at once),
-before and outside the step's unit. They write only host slots and blocks the block
-manager has already given them to, so a step dropped after them leaves the cache valid:
-its sequences find the loaded blocks cached. On CUDA a sequence admitted with loads is
-computed from the next step on (``Scheduler.defer_host_loads``), and its loads run on a
-copy stream beside this step's forward (``model/kv_offload.HostKV.load``).
+every rank at the start of ``_launch``, before and outside the step's unit. They write only
+host slots and blocks the block manager has already given them to, so a step dropped
+after them leaves the cache valid: its sequences find the loaded blocks cached.
 """
 
 from __future__ import annotations
@@ -149,17 +146,14 @@ class EngineCore:
     ``compile_hook`` wraps the grammar compiles on the compiler's worker thread
     (``GrammarCompiler``; tests gate or fail them through it). ``close`` ends the worker.
     ``draft_backoff`` (speculative decoding; None: the default ``DraftBackoff``) pauses
-    drafting where it keeps too little (``draft_backoff.py``). ``defer_host_loads``
-    (``Scheduler``; None: wherever the host tier's loads are asynchronous, i.e. on CUDA)
-    computes a sequence loaded from the host tier from the step after its admission on."""
+    drafting where it keeps too little (``draft_backoff.py``)."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
                  engine: EngineConfig | None = None, *,
                  read_memory: MemoryReader = read_memory,
                  memory_read_interval_s: float = MEMORY_READ_INTERVAL_S,
                  compile_hook: CompileHook | None = None,
-                 draft_backoff: DraftBackoff | None = None,
-                 defer_host_loads: bool | None = None):
+                 draft_backoff: DraftBackoff | None = None):
         engine = engine or EngineConfig()
         if scheduler.limits != runner.limits:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
@@ -177,10 +171,7 @@ class EngineCore:
         self.block_manager = BlockManager(runner.kv_pool.num_blocks, scheduler.block_size,
                                           scheduler.enable_prefix_caching,
                                           host_slots=host_kv.num_slots if host_kv else 0)
-        # loads from the host tier run beside a step where they are asynchronous (CUDA)
-        if defer_host_loads is None:
-            defer_host_loads = host_kv is not None and runner.device.type == "cuda"
-        self.scheduler = Scheduler(scheduler, self.block_manager, defer_host_loads)
+        self.scheduler = Scheduler(scheduler, self.block_manager)
         # speculative decoding (``drafting.py``): a draft needs the step before's tokens,
         # so while drafting, steps are finalized before the next is scheduled
         self.async_scheduling = engine.async_scheduling
@@ -334,9 +325,6 @@ class EngineCore:
                                           self._draft if drafting else None)
         self.counters["num_preemptions_total"] += len(out.preempted)
         if out.is_empty:
-            stores, loads = self.block_manager.take_copies()
-            if stores or loads:  # admitted, loading only: the next step waits for them
-                self.runner.copy_kv(stores, loads)
             if self._inflight is not None:
                 self._finish_inflight()  # its outputs go out now, without waiting
             elif not self.scheduler.has_unfinished:
@@ -417,11 +405,8 @@ class EngineCore:
         recoverable = self.runner.comm.world_size == 1  # see oom_recovery
         marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
         stores, loads = self.block_manager.take_copies()
-        if stores or loads:  # the host tier's copies, before this step; loads beside it
-            # unless the step reads a loaded block (one preempted, freed, taken again)
-            targets = {b for _, b in loads}
-            self.runner.copy_kv(stores, loads, overlap=self.scheduler.defer_host_loads and
-                                not any(targets.intersection(c.block_ids) for c in chunks))
+        if stores or loads:  # the host tier's copies run before the step that needs them
+            self.runner.copy_kv(stores, loads)
         try:
             ranges = self.runner.ranges
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
@@ -457,8 +442,6 @@ class EngineCore:
         except torch.OutOfMemoryError:
             if not recoverable:
                 raise
-            if loads and self.runner.host_kv is not None:  # no step runs beside them
-                self.runner.host_kv.wait_loads()
             for gen, state in marks:
                 gen.set_state(state)
             return None

@@ -114,13 +114,7 @@ def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 defer_host_loads: bool = False):
-        """``defer_host_loads``: a sequence admitted with blocks that this step's copies
-        load from the host tier (its own ``block_manager.HostHit``, or blocks shared with
-        one admitted before it) runs from the next step on, so that the loads run beside
-        this step's forward (``model/kv_offload.HostKV.load``; the engine sets it where
-        loads are asynchronous: CUDA)."""
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         if block_manager.block_size != config.block_size:
             raise ValueError(f"block manager block_size {block_manager.block_size} != "
                              f"scheduler block_size {config.block_size}")
@@ -130,7 +124,6 @@ class Scheduler:
                              f"max_model_len={config.max_model_len}; scheduling could stall")
         self.config = config
         self.block_manager = block_manager
-        self.defer_host_loads = defer_host_loads
         self._running: dict[int, Sequence] = {}  # seq_id -> seq, in increasing rank
         self._waiting: deque[Sequence] = deque()  # in increasing rank
         self._by_priority = config.policy == "priority"
@@ -328,7 +321,7 @@ class Scheduler:
                     break
                 budget += room
                 continue
-            num_new, hit, loading = admitted
+            num_new, hit = admitted
             self.counters["prefix_cache_queries_total"] += seq.num_tokens
             self.counters["prefix_cache_hits_total"] += hit
             if seq.first_scheduled_time is None:
@@ -337,18 +330,15 @@ class Scheduler:
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._start_running(seq)
-            if loading and self.defer_host_loads:
-                continue  # computed from the next step on, its loads done by then
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
 
     def _allocate_admission(self, seq: Sequence, fork_tokens: int, budget: int
-                            ) -> tuple[int, int, bool] | None:
+                            ) -> tuple[int, int] | None:
         """Blocks for the waiting ``seq``'s first chunk: its parent's ``fork_tokens``
         prompt tokens shared, else its prefix-cache hits taken. ``(tokens scheduled,
-        tokens hit, whether this step's copies load some of its blocks)``, or None (and
-        ``seq`` untouched) when the pool cannot hold them."""
+        tokens hit)``, or None (and ``seq`` untouched) when the pool cannot hold them."""
         bm = self.block_manager
         if fork_tokens:
             parent = seq.fork_parent
@@ -359,7 +349,7 @@ class Scheduler:
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 return None
-            return num_new, fork_tokens, bm.reads_loads(seq.block_ids)
+            return num_new, fork_tokens
         computed, num_cached = ([], 0) if seq.computes_whole_prompt else \
             bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
         num_new = min(seq.num_tokens - num_cached, budget)
@@ -368,7 +358,7 @@ class Scheduler:
         seq.num_computed_tokens = num_cached
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = num_cached
-        return num_new, num_cached, bm.reads_loads(seq.block_ids)
+        return num_new, num_cached
 
     def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq],
                    preempted: list[Sequence]) -> int | None:
