@@ -153,6 +153,24 @@ def test_chat_messages_are_embedded_as_rendered(servers, checkpoint, smollm2_tok
     assert close(r.json()["data"][0]["embedding"], reference(checkpoint[1], ids, "LAST"))
 
 
+def test_sagemaker_invocations_embed_an_input_or_messages(servers, checkpoint,
+                                                         smollm2_tokenizer):
+    """On an embedding server ``/invocations`` answers ``input`` and ``messages`` as
+    /v1/embeddings does."""
+    base = servers["last"].base
+    for body in ({"input": TEXTS[0], "encoding_format": "float"},
+                 {"messages": MESSAGES, "encoding_format": "float"}):
+        got = httpx.post(f"{base}/invocations", json=body, timeout=60)
+        want = httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
+        assert got.status_code == want.status_code == 200, got.text
+        assert got.json()["data"] == want.json()["data"]
+        assert got.json()["usage"] == want.json()["usage"]
+    ids = ids_of(smollm2_tokenizer, TEXTS[0])
+    first = httpx.post(f"{base}/invocations", json={"input": TEXTS[0],
+                                                    "encoding_format": "float"}, timeout=60)
+    assert close(first.json()["data"][0]["embedding"], reference(checkpoint[1], ids, "LAST"))
+
+
 def test_tp2_mean_pooling_equals_transformers(servers, checkpoint, smollm2_tokenizer):
     assert ("64-dimensional embeddings, MEAN pooling, normalized (the checkpoint's "
             "sentence-transformers modules and --pooler-config)") in servers["mean"].output()

@@ -5,6 +5,7 @@ leaked-semaphore warning."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,6 +156,47 @@ def test_weights_loading_logs_lines_not_a_bar(server):
     assert "loaded SmolLM2-135M-Instruct.Q4_1.gguf: 272 tensors in " in out
 
 
+def test_sagemaker_invocations_answer_as_the_route_the_body_names(server):
+    """``POST /invocations`` (SageMaker, as vLLM serves it): a chat body is answered as
+    chat completions, a prompt as completions, an ``input`` by the Responses API, streams
+    too; a body naming no API, or not an object, is a 400; an invalid chat body gets the
+    chat route's own 400. ``/ping`` (GET and POST) is the health check."""
+    chat = {"model": MODEL, "messages": README_MESSAGES, "max_tokens": 8, "temperature": 0}
+    text = {"model": MODEL, "prompt": STORY, "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=server.base, timeout=60) as h:
+        for body, route, obj in ((chat, "/v1/chat/completions", "chat.completion"),
+                                 (text, "/v1/completions", "text_completion")):
+            got, want = h.post("/invocations", json=body), h.post(route, json=body)
+            assert got.status_code == want.status_code == 200, got.text
+            assert got.json()["object"] == obj
+            assert got.json()["choices"] == want.json()["choices"]
+        answer = h.post("/invocations", json={"model": MODEL, "input": STORY, "temperature": 0,
+                                              "max_output_tokens": 8})
+        assert answer.status_code == 200 and answer.json()["object"] == "response"
+        with h.stream("POST", "/invocations", json={**chat, "stream": True}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        streamed = "".join(json.loads(d)["choices"][0]["delta"].get("content") or ""
+                           for d in data[:-1] if json.loads(d)["choices"])
+        assert streamed == h.post("/v1/chat/completions", json=chat).json()[
+            "choices"][0]["message"]["content"]
+        for bad in ({"model": MODEL, "question": "?"}, [1, 2]):
+            r = h.post("/invocations", json=bad)
+            assert r.status_code == 400, r.text
+            assert set(r.json()) == {"error"}
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "could not tell which API" in h.post(
+            "/invocations", json={"question": "?"}).json()["error"]["message"]
+        wrong = {**chat, "max_tokens": "many"}
+        assert h.post("/invocations", json=wrong).json() == \
+            h.post("/v1/chat/completions", json=wrong).json()
+        assert h.get("/ping").status_code == h.post("/ping").status_code == 200
+    lines = wait_for_lines(server, "/invocations", 8)
+    assert len(lines) == 8 and sum(" 200 " in line for line in lines) == 4, lines
+
+
 @pytest.mark.parametrize("name", ["server", "server_vllm_defaults"])
 def test_sigterm_exits_0_without_a_leaked_semaphore(request, name):
     s = request.getfixturevalue(name)
@@ -162,3 +204,4 @@ def test_sigterm_exits_0_without_a_leaked_semaphore(request, name):
     out = s.output()
     assert "drained: all requests finished" in out
     assert "leaked semaphore" not in out and "resource_tracker" not in out, out[-2000:]
+

@@ -18,6 +18,7 @@ from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import install_exception_handlers
+from tpserve.server.http.invocations import InvocationsMiddleware, make_invocations_router
 from tpserve.server.http.lora import make_lora_router
 from tpserve.server.http.lora_names import LoraNames
 from tpserve.server.http.metrics import ServerMetrics
@@ -34,11 +35,12 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
 
 def needs_api_key(path: str) -> bool:
-    """The paths ``--api-key`` protects; /health, /metrics, /memory, /version and docs stay
-    open. /memory/snapshot is protected: it holds the server's source paths and stacks and
+    """The paths ``--api-key`` protects; /health, /ping, /metrics, /memory, /version and
+    docs stay open. /memory/snapshot is protected: it holds the server's source paths and stacks and
     costs the engine thread time."""
     return path == "/v1" or path.startswith(("/v1/", "/v2/")) or path in (
-        "/tokenize", "/detokenize", "/memory/snapshot", "/score", "/rerank")
+        "/tokenize", "/detokenize", "/memory/snapshot", "/score", "/rerank", "/invocations",
+        "/classify")
 
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
@@ -112,7 +114,10 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     app.include_router(make_extra_router())
     app.include_router(make_scores_router())
     app.include_router(make_lora_router())
-    # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit.
+    app.include_router(make_invocations_router())
+    # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit,
+    # which wraps /invocations' re-routing (its body read inside the limit).
+    app.add_middleware(InvocationsMiddleware, pooler=pooler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=needs_api_key)

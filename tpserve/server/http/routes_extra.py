@@ -1,5 +1,5 @@
-"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health``, ``/metrics``, ``/memory``,
-``/memory/snapshot``, ``/version``."""
+"""``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health`` (and SageMaker's ``/ping``),
+``/metrics``, ``/memory``, ``/memory/snapshot``, ``/version``."""
 
 from __future__ import annotations
 
@@ -52,8 +52,11 @@ def make_extra_router() -> APIRouter:
         return DetokenizeResponse(prompt=await state.prompts.decode(body.tokens))
 
     @router.get("/health", tags=["server"], responses={503: {"model": ErrorResponse}})
+    @router.get("/ping", tags=["sagemaker"], responses={503: {"model": ErrorResponse}})
+    @router.post("/ping", tags=["sagemaker"], responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        """200 while the engine is healthy and accepting requests, else 503."""
+        """200 while the engine is healthy and accepting requests, else 503 (``/ping``:
+        SageMaker's health check, GET or POST, as vLLM answers it)."""
         engine = get_state(request).engine
         if engine.dead_reason is not None:
             raise APIError(503, f"engine is dead: {engine.dead_reason}")
