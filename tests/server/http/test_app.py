@@ -527,10 +527,11 @@ def test_body_too_large_413(http):
             yield b"x" * 1024
         yield b'"}'
 
-    r = http.post("/v1/completions", content=chunked(),
-                  headers={"Content-Type": "application/json"})
-    assert "content-length" not in r.request.headers
-    assert_error(r, 413)
+    for path in ("/v1/completions", "/invocations"):  # /invocations reads it first
+        r = http.post(path, content=chunked(), headers={"Content-Type": "application/json"})
+        assert "content-length" not in r.request.headers
+        assert str(BODY_LIMIT) in assert_error(r, 413)["message"]
+    assert_error(http.post("/invocations", json=big), 413)
 
 
 @pytest.mark.parametrize("stream", [False, True])

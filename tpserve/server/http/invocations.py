@@ -21,11 +21,12 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.model.pooling import PoolerConfig
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.middleware import route_path
+from tpserve.server.http.middleware import route_path, send_error
 from tpserve.server.http.replies import ERROR_RESPONSES
 
 PATH = "/invocations"
@@ -67,7 +68,11 @@ class InvocationsMiddleware:
             return
         chunks = []
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except StarletteHTTPException as e:  # over the body limit, found while read
+                await send_error(send, e.status_code, e.detail)
+                return
             if message["type"] != "http.request":  # the client left before its body ended
                 return
             chunks.append(message.get("body", b""))
