@@ -19,7 +19,8 @@ CAP = int(os.environ.get("TPSERVE_FUZZ_MAX_TOKENS", "2"))
 MAX_MODEL_LEN = int(os.environ.get("TPSERVE_FUZZ_MAX_MODEL_LEN", "256"))
 GENERATING = {"/v1/completions": ("max_tokens",),
               "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-              "/v1/responses": ("max_output_tokens",)}
+              "/v1/responses": ("max_output_tokens",), "/v1/messages": ("max_tokens",),
+              "/invocations": ("max_tokens",)}
 
 
 @schemathesis.hook

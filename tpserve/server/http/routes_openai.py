@@ -21,6 +21,10 @@ from tpserve.server.http.embeddings import EmbeddingRequest, EmbeddingResponse, 
 from tpserve.server.http.generation import engine_outputs, tracked, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
+from tpserve.server.http.messages.answer import message_events, whole_message
+from tpserve.server.http.messages.request import PASSED_THROUGH as MESSAGES_PASSED_THROUGH
+from tpserve.server.http.messages.request import MessagesRequest
+from tpserve.server.http.messages.request import chat_request as messages_chat_request
 from tpserve.server.http.metrics import RequestTracker
 from tpserve.server.http.multi_prompt import merged_outputs
 from tpserve.server.http.openai_format import (
@@ -75,6 +79,14 @@ class Answer:
 CHAT = Answer(chat_events, lambda acc, ctx: chat_response(acc, ctx).model_dump())
 COMPLETIONS = Answer(completion_events,
                      lambda acc, ctx: completion_response(acc, ctx).model_dump())
+
+
+def _messages_answer(stop_sequences: list[str] | None) -> Answer:
+    """Anthropic's Messages answer; ``stop_sequences`` name a stop's ``stop_sequence``."""
+    return Answer(lambda first, outputs, ctx: message_events(first, outputs, ctx,
+                                                             stop_sequences),
+                  lambda acc, ctx: whole_message(chat_response(acc, ctx), ctx,
+                                                 stop_sequences))
 
 
 def _responses_answer(echo: dict[str, Any]) -> Answer:
@@ -260,6 +272,17 @@ def make_openai_router() -> APIRouter:
                                _responses_answer(echo_fields(body)))
         except APIError as exc:
             raise responses_error(exc) from None
+
+    @router.post("/messages", responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
+                 tags=["anthropic"])
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API, answered by the chat machinery (messages/)."""
+        state = get_state(request)
+        tracker = state.metrics.track()
+        model = state.resolve_model(body.model)
+        warn_unknown_fields(body, state.warned_fields, known=MESSAGES_PASSED_THROUGH)
+        return await _chat(request, state, messages_chat_request(body), tracker, model,
+                           "msg", _messages_answer(body.stop_sequences))
 
     return router
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tpserve.server.http.chat_conversion import function_tool, validated_chat
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
 from tpserve.server.http.unsupported import refuse_fields
@@ -165,10 +166,8 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise APIError.bad_request(f"tools of type {tool.get('type')!r} are not supported: "
                                        "only function tools (with a name)", f"tools.{i}")
-        function = {"name": tool["name"], "parameters": tool.get("parameters")}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool["name"], tool.get("description"),
+                                   tool.get("parameters")))
     return tools
 
 
@@ -210,14 +209,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "return_token_ids": True}
     extra = req.model_extra or {}
     body.update({name: extra[name] for name in PASSED_THROUGH if name in extra})
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise APIError.bad_request(f"{where}: {first['msg']}",
-                                   RESPONSES_NAME.get(where.split(".")[0], where)) from None
+    return validated_chat(body, RESPONSES_NAME)
 
 
 # chat field -> the Responses field it came from, for error messages

@@ -1,0 +1,116 @@
+"""A Messages answer from a chat answer: the whole message object, or the Messages
+stream's events (``message_start``, a start, deltas and a stop per content block,
+``message_delta`` with the stop reason and usage, ``message_stop``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.messages.request import stop_reason
+from tpserve.server.http.openai_format import ResponseContext
+from tpserve.server.http.protocol import ToolCall
+from tpserve.server.http.replies import ChatCompletionResponse, UsageInfo
+from tpserve.server.http.streaming import chat_chunks, close_outputs, stream_error
+
+
+def message_id(ctx: ResponseContext) -> str:
+    return ctx.id.replace("msg-", "msg_", 1)
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:  # a parser passes on what the model wrote
+        arguments = {}
+    return {"type": "tool_use", "id": call.id, "name": call.function.name,
+            "input": arguments if isinstance(arguments, dict) else {}}
+
+
+def usage_object(usage: UsageInfo | None) -> dict[str, Any]:
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens":
+            usage.completion_tokens, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def message_object(ctx: ResponseContext, content: list[dict[str, Any]],
+                   reason: tuple[str | None, str | None], usage: dict[str, Any]
+                   ) -> dict[str, Any]:
+    return {"id": message_id(ctx), "type": "message", "role": "assistant",
+            "model": ctx.model, "content": content, "stop_reason": reason[0],
+            "stop_sequence": reason[1], "usage": usage}
+
+
+def whole_message(chat: ChatCompletionResponse, ctx: ResponseContext,
+                  stop_sequences: list[str] | None) -> dict[str, Any]:
+    """The message object of a whole (non-streamed) chat answer: its text, then its tool
+    calls as ``tool_use`` blocks."""
+    choice = chat.choices[0]
+    content = [{"type": "text", "text": choice.message.content}] \
+        if choice.message.content else []
+    content += [tool_use_block(call) for call in choice.message.tool_calls]
+    reason = stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences,
+                         bool(choice.message.tool_calls))
+    return message_object(ctx, content, reason, usage_object(chat.usage))
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    payload = json.dumps({"type": kind, **fields}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+
+async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                         ctx: ResponseContext, stop_sequences: list[str] | None
+                         ) -> AsyncIterator[bytes]:
+    """The stream of one message: its text in one block that grows by ``text_delta``s,
+    each tool call a ``tool_use`` block with its input in one ``input_json_delta``; an
+    ``error`` event if the request fails mid-way."""
+    cached = first.num_cached_tokens
+    yield _event("message_start", message=message_object(
+        ctx, [], (None, None), {"input_tokens": first.num_prompt_tokens - cached,
+                                "output_tokens": 0, "cache_read_input_tokens": cached,
+                                "cache_creation_input_tokens": 0}))
+    index, text_open, called = 0, False, False
+    try:
+        usage, finish, matched = None, None, None
+        async for chunk in chat_chunks(first, outputs, ctx):
+            if chunk.usage is not None and not chunk.choices:
+                usage = chunk.usage
+            for c in chunk.choices:
+                if c.delta.content:
+                    if not text_open:
+                        yield _event("content_block_start", index=index,
+                                     content_block={"type": "text", "text": ""})
+                        text_open = True
+                    yield _event("content_block_delta", index=index,
+                                 delta={"type": "text_delta", "text": c.delta.content})
+                for raw in c.delta.tool_calls or ():
+                    if text_open:
+                        yield _event("content_block_stop", index=index)
+                        index, text_open = index + 1, False
+                    block = tool_use_block(ToolCall.model_validate(
+                        {k: v for k, v in raw.items() if k != "index"}))
+                    yield _event("content_block_start", index=index,
+                                 content_block={**block, "input": {}})
+                    yield _event("content_block_delta", index=index, delta={
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                    yield _event("content_block_stop", index=index)
+                    index, called = index + 1, True
+                if c.finish_reason is not None:
+                    finish, matched = c.finish_reason, c.stop_reason
+        if text_open:
+            yield _event("content_block_stop", index=index)
+        reason, sequence = stop_reason(finish, matched, stop_sequences, called)
+        yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                     usage={"output_tokens": usage_object(usage)["output_tokens"]})
+        yield _event("message_stop")
+    except Exception as exc:
+        err = stream_error(exc)
+        yield _event("error", error={"type": err.type, "message": err.message})
+    finally:
+        await close_outputs(outputs)
