@@ -62,6 +62,19 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(server, client):
     assert blocks.content[0].text == got.content[0].text
 
 
+def test_a_last_assistant_turn_is_continued(server, client):
+    """Anthropic's prefill: the answer continues the assistant's text (not a new turn),
+    as chat's ``continue_final_message`` does."""
+    turns = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    got = client.messages.create(model=MODEL, messages=turns, max_tokens=8,
+                                 extra_body=GREEDY)
+    want = chat(server, turns, max_tokens=8, add_generation_prompt=False,
+                continue_final_message=True)
+    assert got.content[0].text == want["choices"][0]["message"]["content"]
+    new_turn = chat(server, turns, max_tokens=8)
+    assert got.content[0].text != new_turn["choices"][0]["message"]["content"]
+
+
 def test_the_stream_builds_the_same_message(client):
     whole = client.messages.create(model=MODEL, messages=ASK, max_tokens=16, extra_body=GREEDY)
     kinds = []

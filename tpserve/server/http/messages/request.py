@@ -192,12 +192,17 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     if req.speed not in (None, "standard"):
         raise APIError.bad_request(f"speed {req.speed!r} is not supported (standard)", "speed")
     choice, parallel = _tool_choice(req.tool_choice)
+    messages = _messages(req)
+    # a last assistant turn of text is a prefill: the answer continues it
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     body: dict[str, Any] = {
-        "model": req.model, "messages": _messages(req), "temperature": req.temperature,
+        "model": req.model, "messages": messages, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "max_completion_tokens": req.max_tokens,
         "stop": req.stop_sequences, "stream": req.stream, "tools": _tools(req),
         "tool_choice": choice, "parallel_tool_calls": parallel,
         "response_format": _response_format(req.output_config),
+        "add_generation_prompt": False if prefill else None,
+        "continue_final_message": True if prefill else None,
         "stream_options": {"include_usage": True} if req.stream else None}
     extra = req.model_extra or {}
     body.update({name: extra[name] for name in PASSED_THROUGH if name in extra})
