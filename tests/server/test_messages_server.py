@@ -112,6 +112,14 @@ def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(server, clie
     history = [*ask, {"role": "assistant", "content": [b.model_dump() for b in got.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                              "content": "18 degrees, sunny"}]}]
+    with client.messages.stream(model=MODEL, messages=ask, max_tokens=120, extra_body=GREEDY,
+                                tools=[TOOL], tool_choice={"type": "tool",
+                                                           "name": "get_weather"}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None))
+            for b in streamed.content] == [(b.type, getattr(b, "name", None),
+                                            getattr(b, "input", None)) for b in got.content]
     answer = client.messages.create(model=MODEL, messages=history, max_tokens=12,
                                     extra_body=GREEDY, tools=[TOOL],
                                     tool_choice={"type": "none"})  # no parser: no auto
