@@ -7,6 +7,8 @@
 #     waiting for its loads ("40sync"), 40 GiB beside; tokens compared with the first run.
 #  3. Over HTTP, round 43's prefix-repetition load test with a 40 GiB tier: base (7463c34's
 #     tpserve, loads on the forward's stream, unpacked in ab/base) and this tree.
+# It ran at c4520a6. The copy stream and bench_offload's "sync" sizes were reverted in
+# 4b6b0a0, so it runs only at that commit (git worktree add ../r44 c4520a6).
 # Prepare here: python bench/bench_http.py prepare; rm -rf ab/base && mkdir -p ab/base &&
 #   git archive 7463c34 tpserve | tar -x -C ab/base; then
 #   bash bench/run_r44.sh SHA   (carry .whl, .benchdata and ab; about 6 minutes)
