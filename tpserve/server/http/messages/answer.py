@@ -29,13 +29,17 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
-def usage_object(usage: UsageInfo | None) -> dict[str, Any]:
-    if usage is None:
-        return {"input_tokens": 0, "output_tokens": 0}
+def usage_object(prompt_tokens: int, cached_tokens: int, output_tokens: int
+                 ) -> dict[str, Any]:
+    """Anthropic's usage: the prompt's tokens found in the prefix cache are read from the
+    cache, the others are input."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _chat_usage(usage: UsageInfo) -> dict[str, Any]:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens":
-            usage.completion_tokens, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+    return usage_object(usage.prompt_tokens, cached, usage.completion_tokens)
 
 
 def message_object(ctx: ResponseContext, content: list[dict[str, Any]],
@@ -56,7 +60,8 @@ def whole_message(chat: ChatCompletionResponse, ctx: ResponseContext,
     content += [tool_use_block(call) for call in choice.message.tool_calls]
     reason = stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences,
                          bool(choice.message.tool_calls))
-    return message_object(ctx, content, reason, usage_object(chat.usage))
+    assert chat.usage is not None, "a whole chat answer carries its usage"
+    return message_object(ctx, content, reason, _chat_usage(chat.usage))
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -70,11 +75,9 @@ async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
     """The stream of one message: its text in one block that grows by ``text_delta``s,
     each tool call a ``tool_use`` block with its input in one ``input_json_delta``; an
     ``error`` event if the request fails mid-way."""
-    cached = first.num_cached_tokens
     yield _event("message_start", message=message_object(
-        ctx, [], (None, None), {"input_tokens": first.num_prompt_tokens - cached,
-                                "output_tokens": 0, "cache_read_input_tokens": cached,
-                                "cache_creation_input_tokens": 0}))
+        ctx, [], (None, None),
+        usage_object(first.num_prompt_tokens, first.num_cached_tokens, 0)))
     index, text_open, called = 0, False, False
     try:
         usage, finish, matched = None, None, None
@@ -107,7 +110,7 @@ async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
             yield _event("content_block_stop", index=index)
         reason, sequence = stop_reason(finish, matched, stop_sequences, called)
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                     usage={"output_tokens": usage_object(usage)["output_tokens"]})
+                     usage={"output_tokens": usage.completion_tokens if usage else 0})
         yield _event("message_stop")
     except Exception as exc:
         err = stream_error(exc)
