@@ -212,20 +212,3 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
 # chat field -> the Messages field it came from, for error messages
 MESSAGES_NAME = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                  "response_format": "output_config.format"}
-
-STOP_REASONS: dict[str | None, str | None] = {
-    "stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: None}
-
-
-def stop_reason(finish_reason: str | None, matched: int | str | None,
-                stop_sequences: list[str] | None, called: bool
-                ) -> tuple[str | None, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a chat finish: a stop string
-    of the request that ended the answer is a ``stop_sequence``; an answer that ends in
-    tool calls (``called``; a named tool choice finishes as ``stop``) is ``tool_use``."""
-    if finish_reason == "stop" and isinstance(matched, str) and matched in (stop_sequences or ()):
-        return "stop_sequence", matched
-    if called and finish_reason in ("stop", "tool_calls"):
-        return "tool_use", None
-    return STOP_REASONS.get(finish_reason, "end_turn"), None
-
