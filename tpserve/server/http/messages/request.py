@@ -50,6 +50,7 @@ class MessagesRequest(RequestModel):
     # advisory: accepted and ignored
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # refused unless empty (``REFUSED``)
     mcp_servers: list[dict[str, Any]] | None = None
     container: str | None = None
 
