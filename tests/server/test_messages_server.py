@@ -137,6 +137,33 @@ def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(server, clie
     assert answer.content[0].text == want["choices"][0]["message"]["content"]
 
 
+def test_count_tokens_is_the_prompt_a_message_reads(server, client):
+    """``POST /v1/messages/count_tokens`` (``client.messages.count_tokens``): the usage's
+    input tokens (with those read from the prefix cache) of the same request."""
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    cases = [{"system": SYSTEM, "messages": ASK},
+             {"messages": [*ASK, {"role": "assistant", "content": "The capital of France is"}]},
+             {"messages": weather, "tools": [TOOL],
+              "tool_choice": {"type": "tool", "name": "get_weather"}},
+             {"messages": weather, "tools": [TOOL], "tool_choice": {"type": "none"}}]
+    for fields in cases:
+        counted = client.messages.count_tokens(model=MODEL, **fields).input_tokens
+        got = client.messages.create(model=MODEL, max_tokens=1, extra_body=GREEDY, **fields)
+        assert counted == got.usage.input_tokens + got.usage.cache_read_input_tokens
+    # the chat template's prompt, as /tokenize counts it
+    r = httpx.post(f"{server.base}/tokenize", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, *ASK]})
+    assert r.json()["count"] == client.messages.count_tokens(
+        model=MODEL, system=SYSTEM, messages=ASK).input_tokens
+    # tools are counted with the tool choice left to the model (auto), which this server
+    # could not answer (no tool-call parser): counting needs none
+    with pytest.raises(anthropic.BadRequestError, match="auto"):
+        client.messages.create(model=MODEL, max_tokens=1, messages=weather, tools=[TOOL])
+    assert client.messages.count_tokens(model=MODEL, messages=weather, tools=[TOOL]
+                                        ).input_tokens == client.messages.count_tokens(
+        model=MODEL, messages=weather, tools=[TOOL], tool_choice={"type": "none"}).input_tokens
+
+
 def test_an_output_format_is_followed(client):
     got = client.messages.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris as JSON."}],
@@ -169,6 +196,8 @@ def test_an_output_format_is_followed(client):
 def test_what_cannot_be_honoured_is_a_400(server, body, message):
     r = httpx.post(f"{server.base}/v1/messages", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {  # Anthropic's envelope
+        "type": "invalid_request_error", "message": r.json()["error"]["message"]}}
     assert message in r.json()["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match=message):
         anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0).post(

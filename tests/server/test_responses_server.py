@@ -122,6 +122,25 @@ def test_function_calls_and_their_outputs(client):
     assert r.output_text == chat.choices[0].message.content
 
 
+def test_input_tokens_counts_the_prompt_a_response_reads(client):
+    """``POST /v1/responses/input_tokens`` (``client.responses.input_tokens.count``): the
+    usage's input tokens of the same request, tools and instructions included."""
+    cases = [{"input": "What is the capital of France?"},
+             {"instructions": "Answer in French.",
+              "input": [{"role": "user", "content": [{"type": "input_text",
+                                                      "text": "Hello!"}]}]},
+             {"input": "Capital of France?", "tools": [TOOL], "tool_choice": "required"}]
+    for fields in cases:
+        counted = client.responses.input_tokens.count(model="SmolLM2-135M-Instruct", **fields)
+        assert counted.object == "response.input_tokens"
+        r = client.responses.create(model="SmolLM2-135M-Instruct", max_output_tokens=2,
+                                    **fields)
+        assert counted.input_tokens == r.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:  # errors name the Responses field
+        client.responses.input_tokens.count(model="SmolLM2-135M-Instruct", input=[])
+    assert info.value.body["param"] == "input"
+
+
 def test_a_json_schema_format_constrains_the_text(client):
     r = client.responses.create(
         model="SmolLM2-135M-Instruct", input="Where is the Eiffel Tower?", max_output_tokens=48,

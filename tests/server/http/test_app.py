@@ -487,6 +487,8 @@ def test_auth_401(base_url, http):
                              ("POST", "/v2/rerank"), ("POST", "/v1/embeddings")):
             assert_error(anon.request(method, path, json={}), 401)
         assert_error(anon.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}), 401)
+        assert_error(anon.get("/v1/models", headers={"x-api-key": "wrong"}), 401)
+        assert anon.get("/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
         assert anon.get("/metrics").status_code == 200
         assert anon.get("/openapi.json").status_code == 200
 

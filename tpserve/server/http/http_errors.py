@@ -1,4 +1,5 @@
-"""OpenAI's error envelope and the exception handlers that produce it."""
+"""The error envelopes (OpenAI's; Anthropic's under ``/v1/messages``) and the exception
+handlers that produce them."""
 
 from __future__ import annotations
 
@@ -38,6 +39,44 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ANTHROPIC_PATH = "/v1/messages"  # it and the paths below it answer errors as Anthropic does
+
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPE_BY_STATUS.get(
+        status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error envelope (the body of an error answer, and the ``error`` event)."""
+    return {"type": "error",
+            "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path the router matches (Starlette's rule): under a ``root_path`` (``--root-path``)
+    a request may name the prefix or not, and ``/api/v1/models`` is ``/v1/models``."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
 class APIError(Exception):
     """An error to send to the client in OpenAI's envelope."""
 
@@ -64,11 +103,15 @@ class APIError(Exception):
         message = str(exc) or type(exc).__name__
         return cls(exc.status, message, type=exc.type, headers=headers)
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The envelope of the endpoint at ``path``: Anthropic's under ``/v1/messages``,
+        OpenAI's elsewhere."""
+        if speaks_anthropic(path):
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -106,27 +149,28 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     return APIError.bad_request("; ".join(unique) or "invalid request", param=first_param)
 
 
-async def _on_api_error(_: Request, exc: Exception) -> Response:
+async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(route_path(request.scope))
 
 
-async def _on_validation(_: Request, exc: Exception) -> Response:
+async def _on_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc.errors()).response()
+    return validation_error(exc.errors()).response(route_path(request.scope))
 
 
-async def _on_engine_error(_: Request, exc: Exception) -> Response:
+async def _on_engine_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, EngineError)
     if exc.status >= 500 and exc.status != 503:
         logger.error("engine error: %s", exc, exc_info=exc)
-    return APIError.from_engine(exc).response()
+    return APIError.from_engine(exc).response(route_path(request.scope))
 
 
-async def _on_http_exception(_: Request, exc: Exception) -> Response:
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=exc.headers).response(
+        route_path(request.scope))
 
 
 async def _on_disconnect(_: Request, exc: Exception) -> Response:

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.model.pooling import PoolerConfig
-from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.middleware import route_path, send_error
+from tpserve.server.http.http_errors import APIError, route_path
+from tpserve.server.http.middleware import send_error
 from tpserve.server.http.replies import ERROR_RESPONSES
 
 PATH = "/invocations"
@@ -71,7 +71,7 @@ class InvocationsMiddleware:
             try:
                 message = await receive()
             except StarletteHTTPException as e:  # over the body limit, found while read
-                await send_error(send, e.status_code, e.detail)
+                await send_error(scope, send, e.status_code, e.detail)
                 return
             if message["type"] != "http.request":  # the client left before its body ended
                 return

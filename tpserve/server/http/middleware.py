@@ -10,14 +10,15 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tpserve.server.http.http_errors import error_body, error_type_for
+from tpserve.server.http.http_errors import APIError, route_path
 
 logger = logging.getLogger(__name__)
 
 
-async def send_error(send: Send, status: int, message: str, *, code: str | None = None,
-                     headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(message, error_type_for(status), None, code)).encode()
+async def send_error(scope: Scope, send: Send, status: int, message: str, *,
+                     code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    """An error answer in the envelope of the endpoint ``scope`` names."""
+    body = json.dumps(APIError(status, message, code=code).body(route_path(scope))).encode()
     raw_headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -32,18 +33,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def route_path(scope: Scope) -> str:
-    """The path the router matches (Starlette's rule): under a ``root_path`` (``--root-path``)
-    a request may name the prefix or not, and ``/api/v1/models`` is ``/v1/models``."""
-    path: str = scope["path"]
-    root = scope.get("root_path", "")
-    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
-        return path[len(root):]
-    return path
-
-
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the paths ``protected(path)`` selects."""
+    """Requires ``Authorization: Bearer <key>`` on the paths ``protected(path)`` selects,
+    or ``x-api-key: <key>`` (how the anthropic client sends its key)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str, protected: Callable[[str], bool]):
         self.app = app
@@ -53,16 +45,18 @@ class ApiKeyMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         header = _header(scope, b"authorization") or b""
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(token.strip(), self.expected)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return True
+        key = _header(scope, b"x-api-key")
+        return key is not None and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.protected(route_path(scope)):
             return await self.app(scope, receive, send)
         if self._authorized(scope):
             return await self.app(scope, receive, send)
-        await send_error(send, 401, "Invalid or missing API key (expected 'Authorization: Bearer <key>')",
+        await send_error(scope, send, 401, "Invalid or missing API key (expected "
+                         "'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -84,9 +78,9 @@ class BodyLimitMiddleware:
             try:
                 size = int(declared)
             except ValueError:
-                return await send_error(send, 400, "Invalid Content-Length header")
+                return await send_error(scope, send, 400, "Invalid Content-Length header")
             if size > self.max_bytes:
-                return await send_error(send, 413, self._too_large(size),
+                return await send_error(scope, send, 413, self._too_large(size),
                                         code="request_too_large")
         received = 0
 
@@ -125,4 +119,4 @@ class CatchAllMiddleware:
             logger.exception("unhandled error serving %s %s", scope.get("method"), scope["path"])
             if started:
                 raise
-            await send_error(send, 500, "Internal server error", code="internal_error")
+            await send_error(scope, send, 500, "Internal server error", code="internal_error")

@@ -203,6 +203,20 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+
+
+ERROR_STATUSES = (400, 401, 404, 413, 429, 500, 503)
 # the error answers every API route declares in its OpenAPI schema (OpenAI's envelope)
 ERROR_RESPONSES: dict[int | str, dict] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+    status: {"model": ErrorResponse} for status in ERROR_STATUSES}
+# and those of /v1/messages and the paths below it (Anthropic's envelope)
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": AnthropicErrorResponse} for status in ERROR_STATUSES}

@@ -1,4 +1,5 @@
-"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``,
+"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (and its
+``/input_tokens``), ``/v1/messages`` (and its ``/count_tokens``), ``/v1/embeddings``,
 ``/v1/models`` and ``/v1/models/{id}``."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.messages.answer import message_events, whole_message
 from tpserve.server.http.messages.request import PASSED_THROUGH as MESSAGES_PASSED_THROUGH
-from tpserve.server.http.messages.request import MessagesRequest
+from tpserve.server.http.messages.request import CountTokensRequest, MessagesRequest
 from tpserve.server.http.messages.request import chat_request as messages_chat_request
 from tpserve.server.http.metrics import RequestTracker
 from tpserve.server.http.multi_prompt import merged_outputs
@@ -37,6 +38,7 @@ from tpserve.server.http.openai_format import (
 from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tpserve.server.http.reasoning import ReasoningPlan
 from tpserve.server.http.replies import (
+    ANTHROPIC_ERROR_RESPONSES,
     ERROR_RESPONSES,
     ChatCompletionResponse,
     CompletionResponse,
@@ -60,7 +62,7 @@ from tpserve.server.http.responses.request import (
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import allowed_token_ids, logit_bias, structured_output
-from tpserve.server.http.tools import ToolPlan, plan_tools
+from tpserve.server.http.tools import ToolPlan, plan_tools, template_tools
 from tpserve.server.http.unsupported import refuse_unsupported, warn_unknown_fields
 
 STREAM_RESPONSE: dict[int | str, dict] = {
@@ -273,7 +275,7 @@ def make_openai_router() -> APIRouter:
         except APIError as exc:
             raise responses_error(exc) from None
 
-    @router.post("/messages", responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
+    @router.post("/messages", responses={**ANTHROPIC_ERROR_RESPONSES, **STREAM_RESPONSE},
                  tags=["anthropic"])
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API, answered by the chat machinery (messages/)."""
@@ -284,7 +286,46 @@ def make_openai_router() -> APIRouter:
         return await _chat(request, state, messages_chat_request(body), tracker, model,
                            "msg", _messages_answer(body.stop_sequences))
 
+    @router.post("/messages/count_tokens", responses=ANTHROPIC_ERROR_RESPONSES,
+                 tags=["anthropic"])
+    async def count_message_tokens(body: CountTokensRequest, request: Request
+                                   ) -> dict[str, int]:
+        """Anthropic's token count: the prompt /v1/messages would read for ``body``."""
+        state = get_state(request)
+        state.resolve_model(body.model)
+        warn_unknown_fields(body, state.warned_fields, known=MESSAGES_PASSED_THROUGH)
+        return {"input_tokens": await _count_prompt(state, messages_chat_request(body))}
+
+    @router.post("/responses/input_tokens", responses=ERROR_RESPONSES)
+    async def count_response_input_tokens(body: ResponsesRequest, request: Request
+                                          ) -> dict[str, Any]:
+        """OpenAI's input token count: the prompt /v1/responses would read for ``body``."""
+        state = get_state(request)
+        state.resolve_model(body.model)
+        warn_unknown_fields(body, state.warned_fields, known=PASSED_THROUGH)
+        try:
+            count = await _count_prompt(state, chat_request(body))
+        except APIError as exc:
+            raise responses_error(exc) from None
+        return {"object": "response.input_tokens", "input_tokens": count}
+
     return router
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt's token ids of a chat request, its tools (``tools``) shown to the chat
+    template, before any truncation."""
+    return await state.prompts.chat_ids(body.messages, body,
+                                        add_special_tokens=body.add_special_tokens,
+                                        tools=tools)
+
+
+async def _count_prompt(state: ServerState, body: ChatCompletionRequest) -> int:
+    """The length of the prompt ``_chat`` would build for ``body``: its tools are shown to
+    the template whatever the tool choice, and need no tool-call parser to be counted."""
+    state.check_generative()
+    return len(await _chat_prompt(state, body, template_tools(body)))
 
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest,
@@ -300,9 +341,8 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     if any(p is not None and p.needs_special_tokens for p in parsers):
         body = body.model_copy(update={"skip_special_tokens": False})  # keep their tags
     state.check_available()
-    prompt_ids = await state.prompts.chat_ids(
-        body.messages, body, add_special_tokens=body.add_special_tokens,
-        tools=tools.template_tools if tools is not None else None)
+    prompt_ids = await _chat_prompt(state, body,
+                                    tools.template_tools if tools is not None else None)
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len)
     reasoning = None

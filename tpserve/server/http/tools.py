@@ -111,6 +111,11 @@ class ToolPlan:
         return 0
 
 
+def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as the chat template is shown them (None without tools)."""
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+
 def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
                ) -> ToolPlan | None:
     """The request's tool plan (None without tools); 400s as vLLM answers them.
@@ -122,17 +127,17 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
             raise APIError.bad_request("When using `tool_choice`, `tools` must be set.",
                                        "tool_choice")
         return None
-    template_tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    shown = template_tools(body) or []
     if choice is None:
         choice = "auto"
     if choice == "none":
-        return ToolPlan("none", template_tools)
+        return ToolPlan("none", shown)
     if choice == "auto":
         if auto_parser is None:
             raise APIError.bad_request(
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set", "tool_choice")
-        return ToolPlan("auto", template_tools, parser=auto_parser)
+        return ToolPlan("auto", shown, parser=auto_parser)
     if choice == "required":
         mode: ToolMode = "required"
         schema = required_schema(body.tools, body.parallel_tool_calls is not False)
@@ -148,4 +153,4 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
         check_structured_output(spec)
     except GrammarError as exc:
         raise APIError.bad_request(f"invalid JSON schema in tools: {exc}", "tools") from exc
-    return ToolPlan(mode, template_tools, structured=spec)
+    return ToolPlan(mode, shown, structured=spec)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.http_errors import ANTHROPIC_PATH
 from tpserve.server.http.openai_format import ResponseContext
 from tpserve.server.http.protocol import ToolCall
 from tpserve.server.http.replies import ChatCompletionResponse, UsageInfo
@@ -128,7 +129,6 @@ async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
                      usage={"output_tokens": usage.completion_tokens if usage else 0})
         yield _event("message_stop")
     except Exception as exc:
-        err = stream_error(exc)
-        yield _event("error", error={"type": err.type, "message": err.message})
+        yield _event("error", **stream_error(exc).body(ANTHROPIC_PATH))
     finally:
         await close_outputs(outputs)

@@ -55,6 +55,13 @@ class MessagesRequest(RequestModel):
     container: str | None = None
 
 
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages request whose ``max_tokens`` may be
+    left out (the answer's length does not change its prompt)."""
+
+    max_tokens: int = 1
+
+
 def _text(content: Any, where: str) -> str:
     """The text of a string or a list of text blocks (``cache_control`` and citations
     ignored); any other block is a 400."""
