@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import jsonschema
 import pytest
 from transformers import AutoTokenizer
@@ -173,6 +174,43 @@ def test_the_responses_api_gives_the_reasoning_its_own_item(servers, folder):
     final = events[-1].response
     assert final.usage.output_tokens_details.reasoning_tokens == 5
     assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_the_messages_api_gives_the_reasoning_a_thinking_block(servers):
+    """``/v1/messages`` (``thinking`` enabled, which a server with a reasoning parser
+    accepts): a signed ``thinking`` block, then the text; streamed, the thinking deltas and
+    the signature close their block before the text's opens, and the final message is the
+    same."""
+    client = anthropic.Anthropic(base_url=servers["r1"].base, api_key="none", max_retries=0,
+                                 timeout=120)
+    fields = {"model": "thinker", "messages": QUESTION, "max_tokens": 24,
+              "thinking": {"type": "enabled", "budget_tokens": 16},
+              "extra_body": {"temperature": 0}}
+    m = client.messages.create(**fields)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
+        ("thinking", " capital of France"), ("text", " Paris.")]
+    assert len(m.content[0].signature) == 32 and m.stop_reason == "end_turn"
+    with client.messages.stream(**fields) as stream:
+        events = [(e.type, getattr(e, "index", None),
+                   getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", " capital of France"), ("text", " Paris.")]
+    assert final.usage.output_tokens == m.usage.output_tokens
+    blocks = [e for e in events if e[0].startswith("content_block")
+              and e[0] != "content_block_delta" or e[2] == "signature_delta"]
+    assert blocks == [("content_block_start", 0, None),
+                      ("content_block_delta", 0, "signature_delta"),
+                      ("content_block_stop", 0, None), ("content_block_start", 1, None),
+                      ("content_block_stop", 1, None)]
+    assert {(i, d) for k, i, d in events if k == "content_block_delta"} == {
+        (0, "thinking_delta"), (0, "signature_delta"), (1, "text_delta")}
+    # the thinking block sent back is accepted (it reaches the template as the turn's
+    # reasoning_content, which this model's template does not print)
+    again = client.messages.create(**{**fields, "messages": [
+        *QUESTION, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": "And of Spain?"}]})
+    assert again.type == "message"
 
 
 def test_every_served_name_is_listed_and_answers(servers):

@@ -283,8 +283,9 @@ def make_openai_router() -> APIRouter:
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=MESSAGES_PASSED_THROUGH)
-        return await _chat(request, state, messages_chat_request(body), tracker, model,
-                           "msg", _messages_answer(body.stop_sequences))
+        chat = messages_chat_request(body, state.reasoning_parser is not None)
+        return await _chat(request, state, chat, tracker, model, "msg",
+                           _messages_answer(body.stop_sequences))
 
     @router.post("/messages/count_tokens", responses=ANTHROPIC_ERROR_RESPONSES,
                  tags=["anthropic"])
@@ -294,7 +295,8 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=MESSAGES_PASSED_THROUGH)
-        return {"input_tokens": await _count_prompt(state, messages_chat_request(body))}
+        chat = messages_chat_request(body, state.reasoning_parser is not None)
+        return {"input_tokens": await _count_prompt(state, chat)}
 
     @router.post("/responses/input_tokens", responses=ERROR_RESPONSES)
     async def count_response_input_tokens(body: ResponsesRequest, request: Request

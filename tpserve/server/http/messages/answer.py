@@ -1,10 +1,13 @@
 """A Messages answer from a chat answer: the whole message object, or the Messages
 stream's events (``message_start``, a start, deltas and a stop per content block,
-``message_delta`` with the stop reason and usage, ``message_stop``)."""
+``message_delta`` with the stop reason and usage, ``message_stop``). The blocks come in
+the order the model wrote them: its reasoning (``--reasoning-parser``) as a ``thinking``
+block, its text, its tool calls."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,6 +48,13 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A ``thinking`` block. Its ``signature`` only lets clients that require one send the
+    block back: this server checks none, and the thinking reaches the template as the
+    turn's ``reasoning_content`` (``request.py``)."""
+    return {"type": "thinking", "thinking": thinking, "signature": uuid.uuid4().hex}
+
+
 def usage_object(prompt_tokens: int, cached_tokens: int, output_tokens: int
                  ) -> dict[str, Any]:
     """Anthropic's usage: the prompt's tokens found in the prefix cache are read from the
@@ -71,8 +81,9 @@ def whole_message(chat: ChatCompletionResponse, ctx: ResponseContext,
     """The message object of a whole (non-streamed) chat answer: its text, then its tool
     calls as ``tool_use`` blocks."""
     choice = chat.choices[0]
-    content = [{"type": "text", "text": choice.message.content}] \
-        if choice.message.content else []
+    content = [thinking_block(choice.message.reasoning)] if choice.message.reasoning else []
+    if choice.message.content:
+        content.append({"type": "text", "text": choice.message.content})
     content += [tool_use_block(call) for call in choice.message.tool_calls]
     reason = stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences,
                          bool(choice.message.tool_calls))
@@ -85,45 +96,82 @@ def _event(kind: str, **fields: Any) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
+class _Blocks:
+    """The content blocks of a stream: at most one open, numbered from 0 in order."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.kind: str | None = None  # the open block's type, None when none is open
+
+    def open(self, kind: str, start: dict[str, Any] | None = None) -> list[bytes]:
+        """The events that make a block of ``kind`` the open one (a text or thinking
+        block stays open across deltas; a ``tool_use`` block is always new)."""
+        if self.kind == kind and kind != "tool_use":
+            return []
+        events = self.close()
+        if start is None:
+            start = {"type": "text", "text": ""} if kind == "text" else \
+                {"type": "thinking", "thinking": "", "signature": ""}
+        self.kind = kind
+        return [*events, _event("content_block_start", index=self.index, content_block=start)]
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", index=self.index, delta=delta)
+
+    def close(self) -> list[bytes]:
+        """The events that close the open block (a thinking block's signature first)."""
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":
+            signature = thinking_block("")["signature"]
+            events.append(self.delta({"type": "signature_delta", "signature": signature}))
+        events.append(_event("content_block_stop", index=self.index))
+        self.kind = None
+        self.index += 1
+        return events
+
+
 async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                          ctx: ResponseContext, stop_sequences: list[str] | None
                          ) -> AsyncIterator[bytes]:
-    """The stream of one message: its text in one block that grows by ``text_delta``s,
-    each tool call a ``tool_use`` block with its input in one ``input_json_delta``; an
-    ``error`` event if the request fails mid-way."""
+    """The stream of one message: its reasoning in a ``thinking`` block that grows by
+    ``thinking_delta``s and closes with its ``signature_delta``, its text in a block that
+    grows by ``text_delta``s, each tool call a ``tool_use`` block with its input in one
+    ``input_json_delta``; an ``error`` event if the request fails mid-way."""
     yield _event("message_start", message=message_object(
         ctx, [], (None, None),
         usage_object(first.num_prompt_tokens, first.num_cached_tokens, 0)))
-    index, text_open, called = 0, False, False
+    blocks = _Blocks()
+    called = False
     try:
         usage, finish, matched = None, None, None
         async for chunk in chat_chunks(first, outputs, ctx):
             if chunk.usage is not None and not chunk.choices:
                 usage = chunk.usage
             for c in chunk.choices:
+                if c.delta.reasoning:
+                    for e in blocks.open("thinking"):
+                        yield e
+                    yield blocks.delta({"type": "thinking_delta", "thinking": c.delta.reasoning})
                 if c.delta.content:
-                    if not text_open:
-                        yield _event("content_block_start", index=index,
-                                     content_block={"type": "text", "text": ""})
-                        text_open = True
-                    yield _event("content_block_delta", index=index,
-                                 delta={"type": "text_delta", "text": c.delta.content})
+                    for e in blocks.open("text"):
+                        yield e
+                    yield blocks.delta({"type": "text_delta", "text": c.delta.content})
                 for raw in c.delta.tool_calls or ():
-                    if text_open:
-                        yield _event("content_block_stop", index=index)
-                        index, text_open = index + 1, False
                     block = tool_use_block(ToolCall.model_validate(
                         {k: v for k, v in raw.items() if k != "index"}))
-                    yield _event("content_block_start", index=index,
-                                 content_block={**block, "input": {}})
-                    yield _event("content_block_delta", index=index, delta={
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-                    yield _event("content_block_stop", index=index)
-                    index, called = index + 1, True
+                    for e in blocks.open("tool_use", {**block, "input": {}}):
+                        yield e
+                    yield blocks.delta({"type": "input_json_delta",
+                                        "partial_json": json.dumps(block["input"])})
+                    for e in blocks.close():
+                        yield e
+                    called = True
                 if c.finish_reason is not None:
                     finish, matched = c.finish_reason, c.stop_reason
-        if text_open:
-            yield _event("content_block_stop", index=index)
+        for e in blocks.close():
+            yield e
         reason, sequence = stop_reason(finish, matched, stop_sequences, called)
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage={"output_tokens": usage.completion_tokens if usage else 0})

@@ -91,8 +91,9 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """The chat messages of ``system`` and ``messages``. A user turn's ``tool_result``
     blocks become tool messages (before its text); an assistant turn's ``tool_use``
-    blocks its ``tool_calls``; thinking blocks are dropped (the templates of the models
-    served here do not take them back)."""
+    blocks its ``tool_calls``, its ``thinking`` blocks its ``reasoning_content`` (the
+    template decides whether to show it, as on chat); ``redacted_thinking`` blocks are
+    dropped (their content is opaque)."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system, "system")})
@@ -110,13 +111,16 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise APIError.bad_request(f"{where}.content must be a string or a list of "
                                        "content blocks", f"{where}.content")
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for k, block in enumerate(content):
             at = f"{where}.content.{k}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            elif kind == "thinking" and role == "assistant" \
+                    and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
                 continue
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_tool_call(block, at))
@@ -136,6 +140,8 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
             if calls:
                 turn["tool_calls"] = calls
+            if thoughts:
+                turn["reasoning_content"] = "".join(thoughts)
             out.append(turn)
     return out
 
@@ -188,12 +194,32 @@ def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
-    """The chat request that answers ``req`` (400s naming the Messages field)."""
+def _thinking(thinking: dict[str, Any] | None, reasons: bool) -> dict[str, Any] | None:
+    """The chat template's arguments for ``thinking``: ``disabled`` is Qwen3's
+    ``enable_thinking: false`` (templates without the switch ignore it); ``enabled`` and
+    ``adaptive`` need a server that splits reasoning off (``reasons``: a
+    ``--reasoning-parser``), whose model then thinks as it was trained to: ``budget_tokens``
+    is a target, as Anthropic documents it, and ``max_tokens`` bounds thinking and answer
+    together."""
+    kind = None if thinking is None else thinking.get("type")
+    if kind is None:
+        return None
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    if kind not in ("enabled", "adaptive"):
+        raise APIError.bad_request(f"thinking.type must be enabled, adaptive or disabled, "
+                                   f"got {kind!r}", "thinking.type")
+    if not reasons:
+        raise APIError.bad_request("extended thinking needs a server started with "
+                                   "--reasoning-parser (this one has none)", "thinking")
+    return {"enable_thinking": True}
+
+
+def chat_request(req: MessagesRequest, reasons: bool = False) -> ChatCompletionRequest:
+    """The chat request that answers ``req`` (400s naming the Messages field); ``reasons``:
+    the server splits reasoning off (``--reasoning-parser``), so the answer may think."""
     refuse_fields(req, REFUSED)
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise APIError.bad_request("extended thinking is not supported with this model",
-                                   "thinking")
+    template_kwargs = _thinking(req.thinking, reasons)
     if req.max_tokens < 1:
         raise APIError.bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
                                    "max_tokens")
@@ -214,6 +240,9 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         "stream_options": {"include_usage": True} if req.stream else None}
     extra = req.model_extra or {}
     body.update({name: extra[name] for name in PASSED_THROUGH if name in extra})
+    kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None and (kwargs is None or isinstance(kwargs, dict)):
+        body["chat_template_kwargs"] = {**template_kwargs, **(kwargs or {})}  # the request's win
     return validated_chat(body, MESSAGES_NAME)
 
 

@@ -1,0 +1,50 @@
+"""A Messages request's chat request (``messages/request.py``), where the chat request
+itself shows what the conversion did: thinking blocks and the ``thinking`` field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.server.http.http_errors import APIError
+from tpserve.server.http.messages.request import MessagesRequest, chat_request
+
+ASK = {"role": "user", "content": "Capital of France?"}
+
+
+def convert(reasons: bool = False, **fields):
+    return chat_request(MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 8, "messages": [ASK], **fields}), reasons)
+
+
+def test_thinking_blocks_are_the_turns_reasoning_content():
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "It is ", "signature": "x"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "thinking", "thinking": "Paris.", "signature": "y"},
+        {"type": "text", "text": "Paris."}]}
+    chat = convert(messages=[ASK, turn, {"role": "user", "content": "And Spain?"}])
+    answer = chat.messages[1]
+    assert (answer.role, answer.text(), answer.reasoning_content) == (
+        "assistant", "Paris.", "It is Paris.")
+    plain = convert(messages=[ASK, {"role": "assistant", "content": "Paris."},
+                              {"role": "user", "content": "And Spain?"}]).messages[1]
+    assert plain.reasoning_content is None
+
+
+def test_the_thinking_field_reaches_the_template_or_is_refused():
+    assert convert().chat_template_kwargs is None
+    assert convert(thinking={"type": "disabled"}).chat_template_kwargs == {
+        "enable_thinking": False}
+    assert convert(True, thinking={"type": "enabled", "budget_tokens": 1024}
+                   ).chat_template_kwargs == {"enable_thinking": True}
+    assert convert(True, thinking={"type": "adaptive"}).chat_template_kwargs == {
+        "enable_thinking": True}
+    # the request's own template arguments win
+    assert convert(thinking={"type": "disabled"},
+                   chat_template_kwargs={"enable_thinking": True, "x": 1}
+                   ).chat_template_kwargs == {"enable_thinking": True, "x": 1}
+    with pytest.raises(APIError, match="--reasoning-parser") as refused:
+        convert(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert (refused.value.status, refused.value.param) == (400, "thinking")
+    with pytest.raises(APIError, match="got 'on'"):
+        convert(True, thinking={"type": "on"})
