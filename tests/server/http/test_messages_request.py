@@ -48,3 +48,16 @@ def test_the_thinking_field_reaches_the_template_or_is_refused():
     assert (refused.value.status, refused.value.param) == (400, "thinking")
     with pytest.raises(APIError, match="got 'on'"):
         convert(True, thinking={"type": "on"})
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt():
+    """The per-request billing block would change every prompt's start (no prefix-cache
+    hits); the other system blocks stay, and a string system is kept whole."""
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1f2e;"}
+    rules = {"type": "text", "text": "You are a coding agent.", "cache_control": {
+        "type": "ephemeral"}}
+    chat = convert(system=[header, rules])
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", "You are a coding agent."), ("user", "Capital of France?")]
+    assert [m.role for m in convert(system=[header]).messages] == ["user"]
+    assert convert(system=header["text"]).messages[0].text() == header["text"]

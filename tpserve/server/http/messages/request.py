@@ -20,6 +20,11 @@ PASSED_THROUGH = ("min_p", "repetition_penalty", "presence_penalty", "frequency_
                   "seed", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
                   "cache_salt", "chat_template_kwargs")
 
+# Claude Code's first system block ("x-anthropic-billing-header: ...; cch=..."): a
+# per-request value for Anthropic's billing, not for the model; left in the prompt it would
+# make every prompt's start differ and defeat the prefix cache (vLLM drops it too)
+BILLING_HEADER = "x-anthropic-billing-header"
+
 REFUSED = {  # refused unless set to their no-op value (http/unsupported.py)
     "mcp_servers": "MCP servers are not supported: the server runs no tools",
     "container": "containers are not supported: the server runs no tools",
@@ -89,14 +94,19 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``system`` and ``messages``. A user turn's ``tool_result``
+    """The chat messages of ``system`` (without a billing header block:
+    ``BILLING_HEADER``) and ``messages``. A user turn's ``tool_result``
     blocks become tool messages (before its text); an assistant turn's ``tool_use``
     blocks its ``tool_calls``, its ``thinking`` blocks its ``reasoning_content`` (the
     template decides whether to show it, as on chat); ``redacted_thinking`` blocks are
     dropped (their content is opaque)."""
     out: list[dict[str, Any]] = []
-    if req.system:
-        out.append({"role": "system", "content": _text(req.system, "system")})
+    system = req.system
+    if isinstance(system, list):
+        system = [b for b in system if not (isinstance(b, dict) and b.get("type") == "text"
+                                            and str(b.get("text")).startswith(BILLING_HEADER))]
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
     if not req.messages:
         raise APIError.bad_request("messages must hold at least one message", "messages")
     for i, message in enumerate(req.messages):
