@@ -115,7 +115,11 @@ def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(server, clie
     with client.messages.stream(model=MODEL, messages=ask, max_tokens=120, extra_body=GREEDY,
                                 tools=[TOOL], tool_choice={"type": "tool",
                                                            "name": "get_weather"}) as stream:
+        pieces = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
         streamed = stream.get_final_message()
+    assert len(pieces) >= 8  # the input as the model wrote it
+    assert json.loads("".join(pieces)) == uses[0].input
     assert streamed.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "name", None), getattr(b, "input", None))
             for b in streamed.content] == [(b.type, getattr(b, "name", None),

@@ -94,6 +94,8 @@ def test_function_calls_and_their_outputs(client):
         tool_choice="required", max_output_tokens=64, stream=True))
     done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and done[0].arguments == call.arguments
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) >= 4 and "".join(pieces) == call.arguments  # as the model wrote them
     assert streamed[-1].response.output[0].arguments == call.arguments
     named = client.responses.create(model="SmolLM2-135M-Instruct", input="Capital of France?",
                                     tools=[TOOL], max_output_tokens=64,

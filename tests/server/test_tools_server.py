@@ -75,11 +75,14 @@ def streamed(client, **kwargs):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for tc in delta.tool_calls or ():
-            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "",
+                                               "pieces": 0})
+            assert tc.id is None or call["id"] is None  # once, in the call's first delta
             call["id"] = tc.id or call["id"]
             if tc.function is not None:
                 call["name"] += tc.function.name or ""
                 call["arguments"] += tc.function.arguments or ""
+                call["pieces"] += bool(tc.function.arguments)
         if chunk.choices[0].finish_reason is not None:
             finish.append(chunk.choices[0].finish_reason)
     assert list(calls) == list(range(len(calls)))
@@ -131,6 +134,27 @@ def test_streamed_matches_whole(client, tool_choice):
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert all(c["id"].startswith("call_") for c in calls)
+    # the arguments came as the model wrote them, a token's characters at a time
+    assert all(c["pieces"] >= 8 for c in calls), calls
+
+
+def test_a_call_cut_short_streams_what_was_written(client):
+    """``max_tokens`` cuts the forced call: whole, the output does not parse and comes back
+    as content; streamed, the call's start and the arguments written so far went out, or,
+    cut before its arguments began, the output as content as well."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=24,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    content, calls, finish = streamed(client, **kwargs)
+    assert content == "" and finish == ["length"]
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert calls[0]["arguments"].startswith("{")
+    assert whole.message.content.endswith(calls[0]["arguments"])
+    kwargs["max_tokens"] = 16  # '{"name": "get_weather", "p'
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert "parameters" not in whole.message.content
+    assert streamed(client, **kwargs) == (whole.message.content, [], ["length"])
 
 
 def test_round_trip(client):

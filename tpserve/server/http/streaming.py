@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
+from tpserve.server.http.call_scanner import CallArguments, CallStart
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.openai_format import (
     ChoiceState,
@@ -33,6 +34,7 @@ from tpserve.server.http.replies import (
     DeltaMessage,
     UsageInfo,
 )
+from tpserve.server.http.tools import ToolPlan, new_call_id
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +207,8 @@ async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
                         before)
     final = None
-    held = [_HeldChoice() for _ in range(ctx.n)] if ctx.tools is not None else None
+    held = [_HeldChoice(ctx.tools) for _ in range(ctx.n)] if ctx.tools is not None \
+        else None
     splits = [ReasoningSplit(ctx.reasoning) for _ in range(ctx.n)] \
         if ctx.reasoning is not None else None
     async for out in _all(first, outputs):
@@ -259,20 +262,25 @@ def _split_delta(split: ReasoningSplit, d: CompletionDelta, ctx: ResponseContext
 class _HeldChoice:
     """One choice of a stream whose output may hold tool calls (``ctx.tools``).
 
-    Text the tool plan says is plain content (``ToolPlan.content_prefix_len``) is sent as
-    it comes; the rest is held until the choice finishes, then parsed whole and sent as
-    one delta: the remaining content, if any, and every tool call at once (``index`` 0..,
-    each with its ``id``, ``type``, ``function.name`` and the complete
-    ``function.arguments``). Constrained output (``required``, a named function) is
-    always held, so its calls arrive in that one delta. Logprobs of held tokens go with
-    the next delta sent.
+    Constrained output (``required``, a named function) is always calls: each call's
+    first delta (``index``, ``id``, ``type``, ``function.name``, empty
+    ``function.arguments``) goes out as soon as its arguments begin, then their characters
+    as the model writes them (``{"index", "function": {"arguments"}}``), as OpenAI streams
+    them (``http/call_scanner.py``); a call it cannot stream so comes whole at the end.
+    Otherwise (``auto``), text the tool plan says is plain content
+    (``ToolPlan.content_prefix_len``) is sent as it comes; the rest is held until the
+    choice finishes, then parsed whole and sent as one delta: the remaining content, if
+    any, and every tool call at once (each with its ``id``, ``type``, ``function.name`` and
+    the complete ``function.arguments``). Logprobs of held tokens go with the next delta.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolPlan) -> None:
         self.text = ""
         self.sent = 0  # characters of ``text`` sent as content
         self.logprobs: list = []
         self.finish_reason: str | None = None
+        self.scanner = tools.scanner()
+        self.streamed: set[int] = set()  # the calls that went out as they were written
 
     def add(self, d: CompletionDelta, ctx: ResponseContext
             ) -> list[tuple[DeltaMessage, ChatLogprobs | None]]:
@@ -281,13 +289,26 @@ class _HeldChoice:
         if ctx.logprobs and d.logprobs:
             self.logprobs.extend(d.logprobs)
         out: list[tuple[DeltaMessage, ChatLogprobs | None]] = []
-        if d.finish_reason is None:
+        if self.scanner is not None:
+            written = self._written_calls(d.text)
+            if written:
+                out.append((DeltaMessage(tool_calls=written), self._logprobs()))
+            if d.finish_reason is None:
+                return out
+        elif d.finish_reason is None:
             upto = max(self.sent, ctx.tools.content_prefix_len(self.text))
             if upto > self.sent:
                 out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
                 self.sent = upto
             return out
         content, calls, self.finish_reason = ctx.tools.extract(self.text, d.finish_reason)
+        if self.streamed:  # the rest: calls that could not stream, held logprobs
+            rest = [{"index": i, **call.model_dump()} for i, call in enumerate(calls)
+                    if i not in self.streamed]
+            if rest or self.logprobs:
+                out.append((DeltaMessage(tool_calls=rest or None), self._logprobs()))
+            self.sent = len(self.text)
+            return out
         if calls:
             rest = (content or "")[self.sent:] or None
             out.append((DeltaMessage(content=rest, tool_calls=[
@@ -297,6 +318,19 @@ class _HeldChoice:
             out.append((DeltaMessage(content=self.text[self.sent:]), self._logprobs()))
         self.sent = len(self.text)
         return out
+
+    def _written_calls(self, text: str) -> list[dict[str, Any]]:
+        """The tool-call deltas of ``text``, the output's next characters."""
+        assert self.scanner is not None
+        deltas: list[dict[str, Any]] = []
+        for e in self.scanner.feed(text):
+            if isinstance(e, CallStart):
+                self.streamed.add(e.index)
+                deltas.append({"index": e.index, "id": new_call_id(), "type": "function",
+                               "function": {"name": e.name, "arguments": ""}})
+            elif isinstance(e, CallArguments):
+                deltas.append({"index": e.index, "function": {"arguments": e.text}})
+        return deltas
 
     def _logprobs(self) -> ChatLogprobs | None:
         if not self.logprobs:

@@ -12,7 +12,8 @@ choice's output text to ``message.tool_calls``.
 - a named function: constrained to one such object for that function; finish reason
   ``stop`` (what OpenAI and vLLM answer for a forced function).
 If the constrained output does not parse (``max_tokens`` cut it short) it is returned as
-plain content with the engine's finish reason.
+plain content with the engine's finish reason; streamed, the calls' starts and arguments
+written so far have gone out already (``call_scanner.py``), and nothing follows them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.engine.structured.spec import GrammarError, check_structured_output
+from tpserve.server.http.call_scanner import CallScanner, streamed_arguments
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from tpserve.server.http.tool_parsers import ParsedCall, ToolParser
@@ -90,7 +92,17 @@ class ToolPlan:
             finish_reason = "tool_calls"
         return None, tool_calls(calls), finish_reason
 
+    def scanner(self) -> CallScanner | None:
+        """What reads constrained output's calls as they are written (None for ``auto``
+        and ``none``): one call object (named), or an array of them (required)."""
+        if self.mode not in ("required", "named"):
+            return None
+        return CallScanner(2 if self.mode == "required" else 1, ("parameters",))
+
     def _constrained_calls(self, text: str) -> list[ParsedCall]:
+        """The calls of a whole constrained output. A call whose arguments would have
+        streamed (``call_scanner.py``) keeps them as written, so a stream's argument deltas
+        add up to them; any other is re-encoded."""
         try:
             decoded = json.loads(text)
         except ValueError:
@@ -98,8 +110,17 @@ class ToolPlan:
         items = decoded if self.mode == "required" else [decoded]
         if not isinstance(items, list):
             return []
-        calls = [as_call(item, "parameters") for item in items]
-        return [] if any(c is None for c in calls) else calls  # type: ignore[misc]
+        parsed = [as_call(item, "parameters") for item in items]
+        calls = [c for c in parsed if c is not None]
+        if len(calls) != len(parsed):
+            return []
+        scanner = self.scanner()
+        assert scanner is not None
+        written = streamed_arguments(scanner, text)
+        if [name for name, _ in written] != [c.name for c in calls]:
+            return calls
+        return [ParsedCall(c.name, args) if args is not None else c
+                for c, (_, args) in zip(calls, written, strict=True)]
 
     def content_prefix_len(self, text: str) -> int:
         """How much of a partial output streaming may send as content now: for ``auto``,

@@ -137,8 +137,10 @@ async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
                          ) -> AsyncIterator[bytes]:
     """The stream of one message: its reasoning in a ``thinking`` block that grows by
     ``thinking_delta``s and closes with its ``signature_delta``, its text in a block that
-    grows by ``text_delta``s, each tool call a ``tool_use`` block with its input in one
-    ``input_json_delta``; an ``error`` event if the request fails mid-way."""
+    grows by ``text_delta``s, each tool call a ``tool_use`` block whose input grows by
+    ``input_json_delta``s as the chat stream's arguments do (a forced tool's as the model
+    writes them, a parsed call's in one); an ``error`` event if the request fails
+    mid-way."""
     yield _event("message_start", message=message_object(
         ctx, [], (None, None),
         usage_object(first.num_prompt_tokens, first.num_cached_tokens, 0)))
@@ -159,15 +161,16 @@ async def message_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
                         yield e
                     yield blocks.delta({"type": "text_delta", "text": c.delta.content})
                 for raw in c.delta.tool_calls or ():
-                    block = tool_use_block(ToolCall.model_validate(
-                        {k: v for k, v in raw.items() if k != "index"}))
-                    for e in blocks.open("tool_use", {**block, "input": {}}):
-                        yield e
-                    yield blocks.delta({"type": "input_json_delta",
-                                        "partial_json": json.dumps(block["input"])})
-                    for e in blocks.close():
-                        yield e
-                    called = True
+                    function = raw.get("function") or {}
+                    if "id" in raw:  # a call begins (a whole one carries all its arguments)
+                        for e in blocks.open("tool_use", {
+                                "type": "tool_use", "id": raw["id"],
+                                "name": function.get("name"), "input": {}}):
+                            yield e
+                        called = True
+                    if function.get("arguments"):
+                        yield blocks.delta({"type": "input_json_delta",
+                                            "partial_json": function["arguments"]})
                 if c.finish_reason is not None:
                     finish, matched = c.finish_reason, c.stop_reason
         for e in blocks.close():

@@ -9,7 +9,7 @@ from typing import Any
 
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.openai_format import ResponseContext
-from tpserve.server.http.protocol import ToolCall
+from tpserve.server.http.protocol import FunctionCall, ToolCall
 from tpserve.server.http.responses.output import (
     function_call_item,
     message_item,
@@ -23,9 +23,9 @@ from tpserve.server.http.streaming import chat_chunks, close_outputs, stream_err
 
 
 class _Events:
-    """Numbers the events and keeps the output items: at most one reasoning or message
-    item is open at a time; its text grows by deltas until the next kind of output (or
-    the end) closes it."""
+    """Numbers the events and keeps the output items: at most one reasoning, message or
+    function-call item is open at a time; its text (a call's arguments) grows by deltas
+    until the next item (or the end) closes it."""
 
     def __init__(self) -> None:
         self.seq = itertools.count()
@@ -64,6 +64,8 @@ class _Events:
         """The open item's done events; it joins the output."""
         if self.open is None:
             return []
+        if self.open["type"] == "function_call":
+            return self._close_call()
         item, text, where = self.open, self.text, {"output_index": len(self.output)}
         done = (reasoning_item if item["type"] == "reasoning" else message_item)(
             item["id"], text, status)
@@ -80,26 +82,39 @@ class _Events:
         self.open = None
         return out
 
-    def function_call(self, call: ToolCall) -> list[bytes]:
+    def function_call(self, call_id: str, name: str) -> list[bytes]:
+        """A function-call item begins; its arguments come by ``arguments``."""
         out = self.close("completed")
-        item = function_call_item(new_id("fc"), call, "completed")
-        where = {"output_index": len(self.output)}
-        out += [self.event("response.output_item.added",
-                           item={**item, "arguments": "", "status": "in_progress"}, **where),
-                self.event("response.function_call_arguments.delta", item_id=item["id"],
-                           delta=item["arguments"], **where),
-                self.event("response.function_call_arguments.done", item_id=item["id"],
-                           name=item["name"], arguments=item["arguments"], **where),
-                self.event("response.output_item.done", item=item, **where)]
-        self.output.append(item)
+        self.open = function_call_item(new_id("fc"), ToolCall(
+            id=call_id, function=FunctionCall(name=name, arguments="")), "in_progress")
+        self.text = ""
+        out.append(self.event("response.output_item.added", item=self.open,
+                              output_index=len(self.output)))
         return out
+
+    def arguments(self, text: str) -> bytes:
+        """``text`` added to the open function call's arguments."""
+        assert self.open is not None and self.open["type"] == "function_call"
+        self.text += text
+        return self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                          delta=text, output_index=len(self.output))
+
+    def _close_call(self) -> list[bytes]:
+        assert self.open is not None
+        done = {**self.open, "arguments": self.text, "status": "completed"}
+        where = {"output_index": len(self.output)}
+        self.output.append(done)
+        self.open = None
+        return [self.event("response.function_call_arguments.done", item_id=done["id"],
+                           name=done["name"], arguments=done["arguments"], **where),
+                self.event("response.output_item.done", item=done, **where)]
 
 
 async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                           ctx: ResponseContext, echo: dict[str, Any]) -> AsyncIterator[bytes]:
     """``response.created`` and ``response.in_progress``; per output item its added,
-    delta and done events (reasoning text, output text, function-call arguments in one
-    delta); then ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
+    delta and done events (reasoning text, output text, function-call arguments as the
+    chat stream's: a forced call's as written, a parsed call's in one delta); then ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
     cut it) with the whole response, or an ``error`` event."""
     ev = _Events()
     start = response_object(ctx, echo, "in_progress", [], None)
@@ -120,9 +135,12 @@ async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOu
                     for e in ev.delta("message", c.delta.content):
                         yield e
                 for raw in c.delta.tool_calls or ():
-                    fields = {k: v for k, v in raw.items() if k != "index"}
-                    for e in ev.function_call(ToolCall.model_validate(fields)):
-                        yield e
+                    function = raw.get("function") or {}
+                    if "id" in raw:  # a call begins (a whole one carries all its arguments)
+                        for e in ev.function_call(raw["id"], function.get("name", "")):
+                            yield e
+                    if function.get("arguments"):
+                        yield ev.arguments(function["arguments"])
                 if c.finish_reason is not None:
                     finish_reason = c.finish_reason
         for e in ev.close("incomplete" if finish_reason == "length" else "completed"):

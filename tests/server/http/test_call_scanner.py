@@ -1,0 +1,105 @@
+"""``CallScanner``: calls read from JSON text fed piece by piece. Whatever the pieces, the
+events add up to the same calls: a streamable call's arguments exactly as written, others
+whole; and a tool plan's whole answer keeps the arguments the stream sent."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tpserve.server.http.call_scanner import (
+    CallArguments,
+    CallEnd,
+    CallScanner,
+    CallStart,
+    streamed_arguments,
+)
+from tpserve.server.http.tools import ToolPlan
+
+WEATHER_ARGS = '{"city": "Pa\\"ris {not a brace}", "days": [1, {"x": [2]}], "u": "°C"}'
+NAMED = '{"name": "get_weather", "parameters": ' + WEATHER_ARGS + '}'
+SPACED = '{ "name" :"f",\n  "parameters" :  { }\n}'
+MIXED = ('[{"name": "a", "parameters": {"k": "}]"}}, '
+         '{"parameters": {"x": 1}, "name": "b"}, '  # its name after its arguments
+         '{"name": "c", "parameters": "{\\"y\\": 2}"}, '  # arguments as a JSON text
+         '{"name": "d"}, '  # no arguments
+         '{"name": "e", "parameters": {}}]')
+
+
+def pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def calls_of(scanner: CallScanner, parts: list[str]) -> list[tuple]:
+    """The calls the events describe, checking the events' order on the way: a start
+    before its arguments, arguments only between start and end, one end per call."""
+    calls: dict[int, list] = {}
+    for part in parts:
+        for e in scanner.feed(part):
+            if isinstance(e, CallStart):
+                assert e.index not in calls
+                calls[e.index] = ["streamed", e.name, "", False]
+            elif isinstance(e, CallArguments):
+                assert calls[e.index][0] == "streamed" and not calls[e.index][3] and e.text
+                calls[e.index][2] += e.text
+            else:
+                assert isinstance(e, CallEnd)
+                if e.streamed:
+                    assert calls[e.index][1] == e.name and not calls[e.index][3]
+                    calls[e.index][3] = True
+                else:
+                    assert e.index not in calls
+                    calls[e.index] = ["whole", e.name, e.arguments, True]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_pieces_give_the_same_calls(seed):
+    rng = random.Random(seed)
+    assert calls_of(CallScanner(1, ("parameters",)), pieces(NAMED, rng)) == [
+        ("streamed", "get_weather", WEATHER_ARGS, True)]
+    assert calls_of(CallScanner(1, ("parameters",)), pieces(SPACED, rng)) == [
+        ("streamed", "f", "{ }", True)]
+    assert calls_of(CallScanner(2, ("parameters",)), pieces(MIXED, rng)) == [
+        ("streamed", "a", '{"k": "}]"}', True),
+        ("whole", "b", '{"x": 1}', True),
+        ("whole", "c", '"{\\"y\\": 2}"', True),
+        ("whole", "d", None, True),
+        ("streamed", "e", "{}", True)]
+
+
+def test_arguments_go_out_as_soon_as_written():
+    scanner = CallScanner(1, ("arguments",))
+    assert scanner.feed('{"name": "f", "argu') == []
+    assert scanner.feed('ments": {"a"') == [CallStart(0, "f"), CallArguments(0, '{"a"')]
+    assert scanner.feed(": 1") == [CallArguments(0, ": 1")]
+    assert scanner.feed("}") == [CallArguments(0, "}")]
+    assert scanner.feed("}") == [CallEnd(0, True, "f", None)]
+    cut = CallScanner(1, ("arguments",))  # cut short: what was written, and no end
+    assert cut.feed('{"name": "f", "arguments": {"a": [1, 2') == [
+        CallStart(0, "f"), CallArguments(0, '{"a": [1, 2')]
+
+
+def test_streamed_arguments_of_a_whole_text():
+    assert streamed_arguments(CallScanner(2, ("parameters",)), MIXED) == [
+        ("a", '{"k": "}]"}'), ("b", None), ("c", None), ("d", None), ("e", "{}")]
+
+
+def test_a_plans_whole_calls_keep_the_arguments_as_streamed():
+    named = ToolPlan("named", [])
+    _, calls, finish = named.extract(NAMED, "stop")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", WEATHER_ARGS)]
+    assert finish == "stop"
+    required = ToolPlan("required", [])
+    text = ('[{"name": "a", "parameters": {"k":1}}, '
+            '{"parameters": {"x":  1}, "name": "b"}]')
+    _, calls, finish = required.extract(text, "stop")
+    # a's arguments as written (and streamed); b's could not stream: re-encoded
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("a", '{"k":1}'), ("b", json.dumps({"x": 1}))]
+    assert finish == "tool_calls"
+    assert ToolPlan("auto", []).scanner() is None and ToolPlan("none", []).scanner() is None

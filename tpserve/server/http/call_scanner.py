@@ -1,0 +1,184 @@
+"""Tool calls read as they are written: the JSON text of calls ``{"name": ..., KEY:
+{...}}``, fed piece by piece, gives each call's name as soon as its arguments begin, then
+the arguments' own characters, unchanged, as they come. Streamed tool calls are built from
+it (``http/streaming.py``), and so are whole answers' calls, so that a call's streamed
+argument deltas add up to exactly the arguments of the same answer whole.
+
+Invariants: the scanner is fed every character once, in order; a call is *streamable*
+when its name is known before its arguments begin and the arguments are a JSON object;
+the arguments of a streamable call are the characters from its opening ``{`` to the
+matching ``}``, both included; any other call is reported whole when it closes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+_SPACE = " \t\r\n"
+
+
+class CallStart(NamedTuple):
+    """A streamable call's arguments began: its number among the calls and its name."""
+
+    index: int
+    name: str
+
+
+class CallArguments(NamedTuple):
+    """More characters of call ``index``'s arguments."""
+
+    index: int
+    text: str
+
+
+class CallEnd(NamedTuple):
+    """Call ``index`` closed. ``streamed``: its start and arguments were reported;
+    otherwise ``name`` and ``arguments`` (its raw JSON value, or None when it has
+    none) are the whole call, or ``name`` is None when it is no call at all."""
+
+    index: int
+    streamed: bool
+    name: str | None
+    arguments: str | None
+
+
+CallEvent = CallStart | CallArguments | CallEnd
+
+
+@dataclass
+class _Call:
+    index: int
+    name: str | None = None
+    key: str | None = None  # the key whose value comes next (after its ':')
+    last_string: str | None = None  # the last string closed at the call's depth
+    streaming: bool = False  # inside the arguments of a streamable call
+    streamed: bool = False
+    raw: list[str] = field(default_factory=list)  # the arguments' characters
+    raw_open: bool = False  # the arguments value began and has not ended
+
+
+class CallScanner:
+    """Reads calls at nesting ``depth`` (1: the text is one call object; 2: an array of
+    them) whose arguments are under the first of ``argument_keys`` present."""
+
+    def __init__(self, depth: int, argument_keys: tuple[str, ...]):
+        self.call_depth = depth
+        self.argument_keys = argument_keys
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.string: list[str] | None = None  # a string being read at the call's depth
+        self.call: _Call | None = None
+        self.calls = 0
+
+    def feed(self, text: str) -> list[CallEvent]:
+        events: list[CallEvent] = []
+        for ch in text:
+            self._char(ch, events)
+        call = self.call
+        if call is not None and call.streaming and call.raw:
+            events.append(CallArguments(call.index, "".join(call.raw)))
+            call.raw.clear()
+        return events
+
+    def _char(self, ch: str, events: list[CallEvent]) -> None:
+        call = self.call
+        if self.in_string:
+            self._string_char(ch, call)
+            return
+        if call is not None and call.key is not None and ch not in _SPACE \
+                and self.depth == self.call_depth:
+            self._value_begins(ch, call, events)
+        if ch == '"':
+            self.in_string = True
+            self.string = [] if call is not None and self.depth == self.call_depth else None
+        elif ch in "{[":
+            if ch == "{" and self.depth == self.call_depth - 1:
+                call = self.call = _Call(self.calls)
+                self.calls += 1
+                self.depth += 1
+                return
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if call is not None and call.raw_open and self.depth == self.call_depth:
+                self._keep(ch, call)  # the arguments' closing brace
+                self._arguments_end(call, events)
+                return
+            if call is not None and self.depth == self.call_depth - 1:
+                self._arguments_end(call, events)
+                self._close(call, events)
+                return
+        elif ch == ":" and call is not None and self.depth == self.call_depth:
+            call.key, call.last_string = call.last_string, None
+            return
+        elif ch == "," and call is not None and self.depth == self.call_depth:
+            self._arguments_end(call, events)
+            return
+        if call is not None and call.raw_open:
+            self._keep(ch, call)
+
+    def _string_char(self, ch: str, call: _Call | None) -> None:
+        if call is not None and call.raw_open:
+            self._keep(ch, call)
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            if self.string is not None and call is not None:
+                text, self.string = "".join(self.string), None
+                if call.key is None:
+                    call.last_string = text
+                else:  # a string value at the call's depth
+                    if call.key == "name" and call.name is None:
+                        call.name = text
+                    call.key = None
+            return
+        if self.string is not None:
+            self.string.append(ch)
+
+    def _value_begins(self, ch: str, call: _Call, events: list[CallEvent]) -> None:
+        if call.key in self.argument_keys and not call.raw_open and not call.raw:
+            call.raw_open = True
+            if ch == "{" and call.name is not None and not call.streamed:
+                call.streaming = call.streamed = True
+                events.append(CallStart(call.index, call.name))
+        if ch != '"':  # a string value clears the key when it closes
+            call.key = None
+
+    def _keep(self, ch: str, call: _Call) -> None:
+        call.raw.append(ch)
+
+    def _arguments_end(self, call: _Call, events: list[CallEvent]) -> None:
+        if not call.raw_open:
+            return
+        call.raw_open = False
+        if call.streaming:
+            if call.raw:
+                events.append(CallArguments(call.index, "".join(call.raw)))
+                call.raw.clear()
+            call.streaming = False
+
+    def _close(self, call: _Call, events: list[CallEvent]) -> None:
+        if call.streamed:
+            events.append(CallEnd(call.index, True, call.name, None))
+        else:
+            raw = "".join(call.raw).strip() if call.raw else None
+            events.append(CallEnd(call.index, False, call.name, raw))
+        self.call = None
+
+
+def streamed_arguments(scanner: CallScanner, text: str) -> list[tuple[str, str | None]]:
+    """Every call of the whole ``text``: its name, and its arguments as they would have
+    streamed (None for a call that would have been sent whole)."""
+    calls: dict[int, list] = {}
+    for e in scanner.feed(text):
+        if isinstance(e, CallStart):
+            calls[e.index] = [e.name, ""]
+        elif isinstance(e, CallArguments):
+            calls[e.index][1] += e.text
+        elif not e.streamed:
+            calls[e.index] = [e.name, None]
+    return [(name, args) for name, args in (calls[i] for i in sorted(calls))]
