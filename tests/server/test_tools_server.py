@@ -200,9 +200,32 @@ def test_tool_errors(client, body, message):
     assert info.value.body["param"] == "tool_choice"
 
 
+def test_hermes_calls_stream_as_written(servers):
+    """``auto`` with the hermes parser, the output held to a call by a regex (a small model
+    calls no tool on its own): the content before the call goes out as content, then the
+    call's id and name, then its arguments as written; whole and streamed agree."""
+    s = servers["auto"].wait_until_healthy()
+    regex = ('Let me check\\. <tool_call>\\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "[A-Z][a-z]{2,12}", "unit": "celsius"\\}\\}\\n</tool_call>')
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=120,
+                  extra_body={"guided_regex": regex})
+    c = s.client(timeout=600)
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    assert (whole.finish_reason, whole.message.content) == ("tool_calls", "Let me check. ")
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call.function.arguments.startswith('{"city": "')  # as written
+    content, calls, finish = streamed(c, **kwargs)
+    assert (content, finish) == ("Let me check. ", ["tool_calls"])
+    assert [(t["name"], t["arguments"]) for t in calls] == [
+        ("get_weather", call.function.arguments)]
+    assert calls[0]["pieces"] >= 4
+
+
 def test_auto_tool_choice_enabled(servers):
     """With ``--enable-auto-tool-choice --tool-call-parser hermes`` ``auto`` is accepted; a
-    small model may or may not call a tool, so either answer must be well formed."""
+    small model may or may not call a tool, so either answer must be well formed. (The
+    module's last use of that server: it stops it and checks its exit.)"""
     s = servers["auto"].wait_until_healthy()
     try:
         c = s.client(timeout=600)

@@ -14,8 +14,10 @@ from tpserve.server.http.call_scanner import (
     CallEnd,
     CallScanner,
     CallStart,
+    MarkedCalls,
     streamed_arguments,
 )
+from tpserve.server.http.tool_parsers.hermes import HermesToolParser
 from tpserve.server.http.tools import ToolPlan
 
 WEATHER_ARGS = '{"city": "Pa\\"ris {not a brace}", "days": [1, {"x": [2]}], "u": "°C"}'
@@ -102,4 +104,27 @@ def test_a_plans_whole_calls_keep_the_arguments_as_streamed():
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("a", '{"k":1}'), ("b", json.dumps({"x": 1}))]
     assert finish == "tool_calls"
-    assert ToolPlan("auto", []).scanner() is None and ToolPlan("none", []).scanner() is None
+    assert ToolPlan("none", []).call_stream() is None
+
+
+HERMES = ('Let me check. <tool_call>\n{"name": "a", "arguments": {"q": "</tool", "n": 1}}\n'
+          '</tool_call>\n<tool_call>{"arguments": {}, "name": "b"}</tool_call>'
+          '<tool_call>{"name": "c", "arguments": {"k": [1, 2]}')  # left open: read to the end
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_marked_calls_read_only_what_lies_between_the_markers(seed):
+    got = calls_of(MarkedCalls("<tool_call>", "</tool_call>", ("arguments",)),
+                   pieces(HERMES, random.Random(seed)))
+    assert got == [("streamed", "a", '{"q": "</tool", "n": 1}', True),
+                   ("whole", "b", "{}", True),
+                   ("streamed", "c", '{"k": [1, 2]}', False)]  # no end: the output ended
+
+
+def test_hermes_whole_calls_keep_the_arguments_as_streamed():
+    found = HermesToolParser().extract(HERMES.replace('"k": [1, 2]', '"k": [1,2]}'))
+    assert found.content == "Let me check. "
+    assert [(c.name, c.arguments) for c in found.calls] == [
+        ("a", '{"q": "</tool", "n": 1}'), ("b", "{}"), ("c", '{"k": [1,2]}')]
+    assert HermesToolParser().extract('<tool_call>{"arguments": {"x":  1}, "name": "b"}'
+                                      ).calls[0].arguments == '{"x": 1}'  # re-encoded

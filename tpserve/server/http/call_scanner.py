@@ -4,6 +4,9 @@ the arguments' own characters, unchanged, as they come. Streamed tool calls are 
 it (``http/streaming.py``), and so are whole answers' calls, so that a call's streamed
 argument deltas add up to exactly the arguments of the same answer whole.
 
+``MarkedCalls`` does the same for calls written between markers (Hermes'
+``<tool_call>...</tool_call>``), feeding the scanner only what lies between them.
+
 Invariants: the scanner is fed every character once, in order; a call is *streamable*
 when its name is known before its arguments begin and the arguments are a JSON object;
 the arguments of a streamable call are the characters from its opening ``{`` to the
@@ -170,7 +173,45 @@ class CallScanner:
         self.call = None
 
 
-def streamed_arguments(scanner: CallScanner, text: str) -> list[tuple[str, str | None]]:
+def held_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that could be the beginning of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class MarkedCalls:
+    """Calls written as JSON objects between ``start`` and ``end`` markers, one a region,
+    read as they are written: the text between the markers goes to a ``CallScanner``
+    (arguments under the first of ``argument_keys``), the markers and the text around them
+    nowhere. A region the output leaves open is read to the end."""
+
+    def __init__(self, start: str, end: str, argument_keys: tuple[str, ...]):
+        self.scanner = CallScanner(1, argument_keys)
+        self.markers = (start, end)
+        self.inside = False
+        self.pending = ""  # text that may be the beginning of the next marker
+
+    def feed(self, text: str) -> list[CallEvent]:
+        self.pending += text
+        events: list[CallEvent] = []
+        while True:
+            marker = self.markers[self.inside]
+            at = self.pending.find(marker)
+            if at < 0:
+                cut = len(self.pending) - held_suffix(self.pending, marker)
+                if self.inside:
+                    events += self.scanner.feed(self.pending[:cut])
+                self.pending = self.pending[cut:]
+                return events
+            if self.inside:
+                events += self.scanner.feed(self.pending[:at])
+            self.pending = self.pending[at + len(marker):]
+            self.inside = not self.inside
+
+
+def streamed_arguments(scanner: CallScanner | MarkedCalls, text: str) -> list[tuple[str, str | None]]:
     """Every call of the whole ``text``: its name, and its arguments as they would have
     streamed (None for a call that would have been sent whole)."""
     calls: dict[int, list] = {}

@@ -262,16 +262,17 @@ def _split_delta(split: ReasoningSplit, d: CompletionDelta, ctx: ResponseContext
 class _HeldChoice:
     """One choice of a stream whose output may hold tool calls (``ctx.tools``).
 
-    Constrained output (``required``, a named function) is always calls: each call's
+    Text the tool plan says is plain content (``ToolPlan.content_prefix_len``: none for
+    constrained output) is sent as it comes. Where the plan streams calls
+    (``ToolPlan.call_stream``: constrained output, and the ``hermes`` parser), each call's
     first delta (``index``, ``id``, ``type``, ``function.name``, empty
     ``function.arguments``) goes out as soon as its arguments begin, then their characters
     as the model writes them (``{"index", "function": {"arguments"}}``), as OpenAI streams
-    them (``http/call_scanner.py``); a call it cannot stream so comes whole at the end.
-    Otherwise (``auto``), text the tool plan says is plain content
-    (``ToolPlan.content_prefix_len``) is sent as it comes; the rest is held until the
-    choice finishes, then parsed whole and sent as one delta: the remaining content, if
-    any, and every tool call at once (each with its ``id``, ``type``, ``function.name`` and
-    the complete ``function.arguments``). Logprobs of held tokens go with the next delta.
+    them (``http/call_scanner.py``); when the choice finishes, the calls that could not
+    stream follow whole. Otherwise the rest is held until the choice finishes, then parsed
+    whole and sent as one delta: the remaining content, if any, and every tool call at once
+    (each with its ``id``, ``type``, ``function.name`` and the complete
+    ``function.arguments``). Logprobs of held tokens go with the next delta.
     """
 
     def __init__(self, tools: ToolPlan) -> None:
@@ -279,7 +280,7 @@ class _HeldChoice:
         self.sent = 0  # characters of ``text`` sent as content
         self.logprobs: list = []
         self.finish_reason: str | None = None
-        self.scanner = tools.scanner()
+        self.calls = tools.call_stream()
         self.streamed: set[int] = set()  # the calls that went out as they were written
 
     def add(self, d: CompletionDelta, ctx: ResponseContext
@@ -289,17 +290,16 @@ class _HeldChoice:
         if ctx.logprobs and d.logprobs:
             self.logprobs.extend(d.logprobs)
         out: list[tuple[DeltaMessage, ChatLogprobs | None]] = []
-        if self.scanner is not None:
-            written = self._written_calls(d.text)
-            if written:
-                out.append((DeltaMessage(tool_calls=written), self._logprobs()))
-            if d.finish_reason is None:
-                return out
-        elif d.finish_reason is None:
+        if d.finish_reason is None:
             upto = max(self.sent, ctx.tools.content_prefix_len(self.text))
             if upto > self.sent:
                 out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
                 self.sent = upto
+        if self.calls is not None:
+            written = self._written_calls(d.text)
+            if written:
+                out.append((DeltaMessage(tool_calls=written), self._logprobs()))
+        if d.finish_reason is None:
             return out
         content, calls, self.finish_reason = ctx.tools.extract(self.text, d.finish_reason)
         if self.streamed:  # the rest: calls that could not stream, held logprobs
@@ -321,9 +321,9 @@ class _HeldChoice:
 
     def _written_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool-call deltas of ``text``, the output's next characters."""
-        assert self.scanner is not None
+        assert self.calls is not None
         deltas: list[dict[str, Any]] = []
-        for e in self.scanner.feed(text):
+        for e in self.calls.feed(text):
             if isinstance(e, CallStart):
                 self.streamed.add(e.index)
                 deltas.append({"index": e.index, "id": new_call_id(), "type": "function",

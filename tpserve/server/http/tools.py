@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.engine.structured.spec import GrammarError, check_structured_output
-from tpserve.server.http.call_scanner import CallScanner, streamed_arguments
+from tpserve.server.http.call_scanner import CallScanner, MarkedCalls, streamed_arguments
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from tpserve.server.http.tool_parsers import ParsedCall, ToolParser
@@ -92,9 +92,13 @@ class ToolPlan:
             finish_reason = "tool_calls"
         return None, tool_calls(calls), finish_reason
 
-    def scanner(self) -> CallScanner | None:
-        """What reads constrained output's calls as they are written (None for ``auto``
-        and ``none``): one call object (named), or an array of them (required)."""
+    def call_stream(self) -> CallScanner | MarkedCalls | None:
+        """What reads the output's calls as they are written (``call_scanner.py``):
+        constrained output's one call object (named) or array of them (required), the
+        ``auto`` parser's format where it streams; None where calls come whole."""
+        if self.mode == "auto":
+            assert self.parser is not None
+            return self.parser.call_stream()
         if self.mode not in ("required", "named"):
             return None
         return CallScanner(2 if self.mode == "required" else 1, ("parameters",))
@@ -114,7 +118,7 @@ class ToolPlan:
         calls = [c for c in parsed if c is not None]
         if len(calls) != len(parsed):
             return []
-        scanner = self.scanner()
+        scanner = self.call_stream()
         assert scanner is not None
         written = streamed_arguments(scanner, text)
         if [name for name, _ in written] != [c.name for c in calls]:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpserve.server.http.call_scanner import MarkedCalls, held_suffix
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -48,14 +50,6 @@ def as_call(obj: Any, *argument_keys: str) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def held_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could be the beginning of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def all_calls(text: str, at: int, bodies: Sequence[Any],
               parse: Callable[[Any], ParsedCall | None]) -> ExtractedToolCalls:
     """Each of ``bodies`` (the calls as the format writes them) ``parse``d, the text before
@@ -82,6 +76,11 @@ class ToolParser:
 
     def content_prefix_len(self, text: str) -> int:
         raise NotImplementedError
+
+    def call_stream(self) -> MarkedCalls | None:
+        """What reads this format's calls as they are written, from its first marker on
+        (None: its calls are sent whole when the output ends)."""
+        return None
 
 
 class MarkerToolParser(ToolParser):
