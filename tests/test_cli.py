@@ -238,6 +238,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert cfg.runner.model == str(tiny_folder)
     assert (cfg.served_model_name, cfg.server.served_model_aliases) == ("a", ("b", "c"))
     assert cfg.server.log_stats_interval_s is None and cfg.server.cors is None
+    assert cfg.server.metrics_namespace == "tpserve"
+    assert _cfg(str(tiny_folder), "--metrics-namespace", "vllm"
+                ).server.metrics_namespace == "vllm"
     over = _cfg(str(tiny_folder), "--override-generation-config",
                 '{"temperature": 0.6, "max_new_tokens": 64}').server.generation_overrides
     assert over == (("temperature", 0.6), ("max_tokens", 64))

@@ -209,6 +209,8 @@ def test_metric_value_and_rss():
     assert metric_value(text, "kv_cache_usage_perc") == 0.25
     assert metric_value(text, "num_requests_running") == 3.0
     assert metric_value(text, "num_requests_waiting") is None
+    # a server started with --metrics-namespace vllm (or vLLM itself)
+    assert metric_value(text.replace("tpserve:", "vllm:"), "num_requests_running") == 3.0
     assert read_rss_mib(os.getpid()) > 1
 
 

@@ -105,6 +105,9 @@ class ServerProcess:
                  log_level: str = "warning", wait: bool = True):
         self.port = new_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        # the prefix of its /metrics series (--metrics-namespace)
+        self.metrics_prefix = (args[args.index("--metrics-namespace") + 1]
+                               if "--metrics-namespace" in args else "tpserve") + ":"
         self._final_output: str | None = None
         cmd = [sys.executable, "-m", "tpserve.cli", "serve", *args,
                "--port", str(self.port), "--log-level", log_level]
@@ -148,13 +151,14 @@ class ServerProcess:
             return ""
 
     def metric(self, name: str) -> float:
-        """Sum of every sample of ``tpserve:<name>`` in /metrics."""
+        """Sum of every sample of ``tpserve:<name>`` (the server's prefix) in /metrics."""
         text = _HTTP.get(self.base + "/metrics", timeout=10).text
         total, found = 0.0, False
+        full = self.metrics_prefix + name
         for line in text.splitlines():
-            if line.startswith(f"tpserve:{name}") and not line.startswith("#"):
+            if line.startswith(full) and not line.startswith("#"):
                 head, value = line.rsplit(" ", 1)
-                if head.split("{")[0] == f"tpserve:{name}":
+                if head.split("{")[0] == full:
                     total += float(value)
                     found = True
         if not found:

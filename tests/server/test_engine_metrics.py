@@ -1,4 +1,5 @@
-"""vLLM's engine metrics on a real server (embedded SmolLM2), in both process layouts:
+"""vLLM's engine metrics on a real server (embedded SmolLM2), in both process layouts (the
+second with ``--metrics-namespace vllm``: every series named as vLLM names it):
 prefix-cache queries and hits, request queue/prefill/decode times, tokens per step; no
 speculative-decoding counters while speculation is off."""
 
@@ -18,10 +19,12 @@ ENGINE_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds
                      "request_decode_time_seconds")
 
 
-@pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"])
+@pytest.fixture(scope="module", params=[("--no-engine-process",),
+                                        ("--engine-process", "--metrics-namespace", "vllm")],
+                ids=["in-process", "engine-process-vllm-names"])
 def server(request):
     s = ServerProcess(*SMALL, "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
-                      request.param)
+                      *request.param)
     yield s
     assert s.stop() == 0, s.output()
 
@@ -64,4 +67,10 @@ def test_prefix_cache_and_request_time_metrics(server):
         assert grew[f"{name}_count"] == 2, name
     # as vLLM's, the speculative-decoding counters exist only while speculation is on
     text = httpx.get(server.base + "/metrics", timeout=10).text
-    assert "tpserve:spec_decode" not in text and "tpserve:steps_total" in text
+    prefix = server.metrics_prefix
+    assert f"{prefix}spec_decode" not in text and f"{prefix}steps_total" in text
+    if prefix == "vllm:":  # every series as vLLM names it, as its dashboards read them
+        assert "tpserve:" not in text
+        for name in ("num_requests_waiting", "kv_cache_usage_perc", "memory_bytes",
+                     "time_to_first_token_seconds_count", "request_success_total"):
+            assert f"\nvllm:{name}{{" in text, name

@@ -333,6 +333,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic engine line (throughput, queues, KV cache use, prefix "
                         "cache hits, preemptions)")
+    p.add_argument("--metrics-namespace", default="tpserve", choices=["tpserve", "vllm"],
+                   help="the prefix of /metrics' series (vLLM's metric names either way): "
+                        "vllm names them vllm:num_requests_waiting, ... as vLLM does, so "
+                        "dashboards, autoscalers and gateways built for vLLM read this server "
+                        "unchanged")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="seconds between the engine's stats lines (logged only while it "
                         "works or holds requests)")

@@ -85,6 +85,7 @@ class ServerConfig:
     # --download-dir: the Hugging Face cache that LoRA adapters named by repository id in
     # /v1/load_lora_adapter are fetched into (None: the default cache)
     download_dir: str | None = None
+    metrics_namespace: str = "tpserve"  # /metrics' prefix: tpserve or vllm
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -282,7 +283,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           uvicorn_log_level=a.uvicorn_log_level,
                           disable_fastapi_docs=a.disable_fastapi_docs,
                           response_role=a.response_role, max_logprobs=a.max_logprobs,
-                          download_dir=a.download_dir)
+                          download_dir=a.download_dir,
+                          metrics_namespace=a.metrics_namespace)
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

@@ -12,22 +12,26 @@ import httpx
 from tpserve.loadtest.soak.outcomes import clip
 
 IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-METRIC_PREFIX = "tpserve:"
+METRIC_PREFIXES = ("tpserve:", "vllm:")  # tpserve's namespaces (--metrics-namespace)
 POLL_S = 0.25
 
 
 def metric_value(text: str, name: str) -> float | None:
-    """Sum of every sample of ``tpserve:<name>`` in a Prometheus text page; None if absent."""
-    full = METRIC_PREFIX + name
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(full):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == full:
-            total += float(value)
-            found = True
-    return total if found else None
+    """Sum of every sample of ``tpserve:<name>`` (or ``vllm:<name>``, the first found) in a
+    Prometheus text page; None if absent."""
+    for prefix in METRIC_PREFIXES:
+        full = prefix + name
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(full):
+                continue
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == full:
+                total += float(value)
+                found = True
+        if found:
+            return total
+    return None
 
 
 async def wait_until_idle(client: httpx.AsyncClient, base_url: str, timeout: float

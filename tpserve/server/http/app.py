@@ -56,7 +56,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               root_path: str | None = None, docs: bool = True,
               pooler: PoolerConfig | None = None,
               lora_modules: tuple[LoraModule, ...] = (),
-              download_dir: str | None = None) -> FastAPI:
+              download_dir: str | None = None,
+              metrics_namespace: str = "tpserve") -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -72,7 +73,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     pools, and the app answers /v1/embeddings instead of completions and chat;
     ``lora_modules``: the LoRA adapters served (slot i: ``lora_modules[i]``), each a model
     name a request may choose; ``download_dir``: the Hugging Face cache runtime LoRA loads
-    by repository id fetch into."""
+    by repository id fetch into; ``metrics_namespace``: /metrics' prefix (``tpserve`` or
+    ``vllm``)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -95,7 +97,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         engine=engine,
         served_model_names=tuple(served_model_names),
         prompts=PromptProcessor(engine.tokenizer, executor, chat_template),
-        metrics=ServerMetrics(engine.stats, engine.model_name, loras.names_by_id),
+        metrics=ServerMetrics(engine.stats, engine.model_name, loras.names_by_id,
+                              metrics_namespace),
         created=int(time.time()),
         default_sampling_params=dict(default_sampling_params or {}),
         auto_tool_parser=(TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser is not None

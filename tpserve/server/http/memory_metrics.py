@@ -20,26 +20,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tpserve.model.memory import COMPONENTS
 
-PREFIX = "tpserve:"
 
-
-def memory_families(report: Mapping[str, Any] | None, model_name: str) -> Iterator[Metric]:
-    """The families above; empty samples when ``report`` is None (describe)."""
+def memory_families(report: Mapping[str, Any] | None, model_name: str,
+                    prefix: str = "tpserve:") -> Iterator[Metric]:
+    """The families above (named with ``prefix``, ``--metrics-namespace``); empty samples
+    when ``report`` is None (describe)."""
     labels = ("model_name", "rank")
     by_component = GaugeMetricFamily(
-        PREFIX + "memory_bytes", "Device memory by component and rank: the start-up plan's "
+        prefix + "memory_bytes", "Device memory by component and rank: the start-up plan's "
         "lines and the caching allocator's live allocated/reserved bytes.",
         labels=("model_name", "component", "rank"))
-    frag = GaugeMetricFamily(PREFIX + "memory_fragmentation",
+    frag = GaugeMetricFamily(prefix + "memory_fragmentation",
                              "(reserved - allocated) / reserved of the caching allocator.",
                              labels=labels)
-    disagree = GaugeMetricFamily(PREFIX + "memory_plan_disagreement",
+    disagree = GaugeMetricFamily(prefix + "memory_plan_disagreement",
                                  "(allocator reserved - plan) / plan on each rank.",
                                  labels=labels)
-    retries = CounterMetricFamily(PREFIX + "allocator_alloc_retries",
+    retries = CounterMetricFamily(prefix + "allocator_alloc_retries",
                                   "cudaMalloc retries after freeing the allocator's cache.",
                                   labels=labels)
-    ooms = CounterMetricFamily(PREFIX + "allocator_ooms",
+    ooms = CounterMetricFamily(prefix + "allocator_ooms",
                                "Out-of-memory errors raised by the caching allocator.",
                                labels=labels)
     for r in (report or {}).get("ranks", []):

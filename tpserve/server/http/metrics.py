@@ -1,4 +1,5 @@
-"""Prometheus metrics (vLLM's names, ``tpserve:`` prefix) on a registry owned per app.
+"""Prometheus metrics (vLLM's names, ``tpserve:`` prefix, or ``vllm:`` with
+``--metrics-namespace vllm``) on a registry owned per app.
 
 Engine-side values (gauges, counters, and the histograms the engine keeps itself: queue,
 prefill and decode times, tokens per step) are read from ``engine.stats()`` at scrape
@@ -35,13 +36,13 @@ from tpserve.server.http.memory_metrics import memory_families
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "tpserve:"
+NAMESPACES = ("tpserve", "vllm")  # --metrics-namespace: the series' prefix before ":"
 LABELS = ("model_name",)
 ENGINE_LABELS = ("model_name", "engine")  # the engine's series: one per replica
 # stats() key of a data-parallel server: each replica's own stats (server/replica_stats.py)
 REPLICAS = "replicas"
 
-# stats() key -> help text; exported as gauges named PREFIX + key.
+# stats() key -> help text; exported as gauges named prefix + key.
 ENGINE_GAUGES = {
     "num_requests_running": "Number of requests currently running on the engine.",
     "num_requests_waiting": "Number of requests waiting to be scheduled.",
@@ -58,7 +59,7 @@ ENGINE_GAUGES = {
                                "rank (--kv-offloading-size).",
     "kv_offload_blocks_used": "KV blocks held in the host tier of the prefix cache.",
 }
-# stats() key (cumulative) -> help text; exported as counters named PREFIX + key.
+# stats() key (cumulative) -> help text; exported as counters named prefix + key.
 ENGINE_COUNTERS = {
     "num_preemptions_total": "Cumulative number of preemptions.",
     "prompt_tokens_total": "Number of prefill tokens processed.",
@@ -103,10 +104,12 @@ class EngineStatsCollector(Collector):
     requests, named by ``lora_names``: id -> name, as labels; the scrape time as value)."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
-                 lora_names: Callable[[], Mapping[int, str]] | None = None):
+                 lora_names: Callable[[], Mapping[int, str]] | None = None,
+                 prefix: str = "tpserve:"):
         self.stats = stats
         self.model_name = model_name
         self.lora_names = lora_names
+        self.prefix = prefix
 
     def _families(self, values: Mapping[str, Any] | None) -> Iterator[Metric]:
         # one series per engine replica, labelled as vLLM's ("engine": 0.. N-1; one
@@ -116,7 +119,7 @@ class EngineStatsCollector(Collector):
         for kind, docs in ((GaugeMetricFamily, ENGINE_GAUGES),
                            (CounterMetricFamily, ENGINE_COUNTERS)):
             for key, doc in docs.items():
-                family = kind(PREFIX + key, doc, labels=ENGINE_LABELS)
+                family = kind(self.prefix + key, doc, labels=ENGINE_LABELS)
                 for e, v in enumerate(engines):
                     if key in v:
                         family.add_metric([self.model_name, str(e)], float(v[key]))
@@ -124,14 +127,14 @@ class EngineStatsCollector(Collector):
                     yield family
         if values is None or any(PER_POSITION in v for v in engines):
             family = CounterMetricFamily(
-                PREFIX + PER_POSITION, "Speculative decoding: draft tokens kept, by their "
+                self.prefix + PER_POSITION, "Speculative decoding: draft tokens kept, by their "
                 "position in the draft (0: the first).", labels=(*ENGINE_LABELS, "position"))
             for e, v in enumerate(engines):
                 for j, n in enumerate(v.get(PER_POSITION) or ()):
                     family.add_metric([self.model_name, str(e), str(j)], float(n))
             yield family
         for key, (_, doc) in ENGINE_HISTOGRAMS.items():
-            family = HistogramMetricFamily(PREFIX + key, doc, labels=ENGINE_LABELS)
+            family = HistogramMetricFamily(self.prefix + key, doc, labels=ENGINE_LABELS)
             for e, v in enumerate(engines):
                 read = read_histogram(v, key)
                 if read is not None:
@@ -140,13 +143,13 @@ class EngineStatsCollector(Collector):
             if values is None or family.samples:
                 yield family
         yield from memory_families(None if values is None else values.get("memory", {}),
-                                   self.model_name)
+                                   self.model_name, self.prefix)
         lora = None if values is None else values.get("lora")
         if values is None or lora is not None:
             yield self._lora_family(lora)
 
     def _lora_family(self, lora: Mapping[str, Any] | None) -> Metric:
-        family = GaugeMetricFamily(PREFIX + "lora_requests_info",
+        family = GaugeMetricFamily(self.prefix + "lora_requests_info",
                                    "Running stats on LoRA requests.", labels=LORA_INFO_LABELS)
         if lora is not None:
             names = self.lora_names() if self.lora_names is not None else {}
@@ -170,31 +173,35 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """All metrics of one app, on its own ``CollectorRegistry``."""
+    """All metrics of one app, on its own ``CollectorRegistry``, their names prefixed by
+    ``namespace:`` (``tpserve``, or ``vllm`` for what was built to read vLLM's)."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str,
-                 lora_names: Callable[[], Mapping[int, str]] | None = None):
+                 lora_names: Callable[[], Mapping[int, str]] | None = None,
+                 namespace: str = "tpserve"):
+        assert namespace in NAMESPACES, namespace
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+        prefix = namespace + ":"
+        self.ttft = Histogram(prefix + "time_to_first_token_seconds",
                               "Time to first token in seconds.", LABELS,
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+        self.itl = Histogram(prefix + "inter_token_latency_seconds",
                              "Time between successive streamed outputs in seconds.", LABELS,
                              buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+        self.e2e = Histogram(prefix + "e2e_request_latency_seconds",
                              "End-to-end request latency in seconds.", LABELS,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens",
+        self.prompt_tokens = Histogram(prefix + "request_prompt_tokens",
                                        "Number of prompt tokens per request.", LABELS,
                                        buckets=TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+        self.generation_tokens = Histogram(prefix + "request_generation_tokens",
                                            "Number of generated tokens per request.", LABELS,
                                            buckets=TOKEN_BUCKETS, registry=r)
-        self.success = Counter(PREFIX + "request_success",
+        self.success = Counter(prefix + "request_success",
                                "Count of finished sequences by finish reason.",
                                (*LABELS, "finished_reason"), registry=r)
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
@@ -202,7 +209,7 @@ class ServerMetrics:
             histogram.labels(model_name)  # export zero-valued series from the start
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
-        r.register(EngineStatsCollector(stats, model_name, lora_names))
+        r.register(EngineStatsCollector(stats, model_name, lora_names, prefix))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
