@@ -17,6 +17,7 @@ from tpserve.server.http.call_scanner import (
     MarkedCalls,
     streamed_arguments,
 )
+from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.http.tool_parsers.hermes import HermesToolParser
 from tpserve.server.http.tools import ToolPlan
 
@@ -122,9 +123,62 @@ def test_marked_calls_read_only_what_lies_between_the_markers(seed):
 
 
 def test_hermes_whole_calls_keep_the_arguments_as_streamed():
-    found = HermesToolParser().extract(HERMES.replace('"k": [1, 2]', '"k": [1,2]}'))
-    assert found.content == "Let me check. "
-    assert [(c.name, c.arguments) for c in found.calls] == [
+    plan = ToolPlan("auto", [], parser=HermesToolParser())
+    content, calls, finish = plan.extract(HERMES.replace('"k": [1, 2]', '"k": [1,2]}'), "stop")
+    assert (content, finish) == ("Let me check. ", "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("a", '{"q": "</tool", "n": 1}'), ("b", "{}"), ("c", '{"k": [1,2]}')]
-    assert HermesToolParser().extract('<tool_call>{"arguments": {"x":  1}, "name": "b"}'
-                                      ).calls[0].arguments == '{"x": 1}'  # re-encoded
+    _, calls, _ = plan.extract('<tool_call>{"arguments": {"x":  1}, "name": "b"}', "stop")
+    assert calls[0].function.arguments == '{"x": 1}'  # could not stream: re-encoded
+
+
+# each JSON format's calls (the parser's own layout), and outputs it reads as content only
+CALLS = {
+    "hermes": 'Sure. <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "b", "arguments": {"y": "}]"}}\n</tool_call>',
+    "mistral": 'Ok[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, '
+               '{"name": "b", "arguments": {"y": [1,  {"z": null}]}}]',
+    "granite": '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}]',
+    "phi4_mini_json": 'Calling. functools[{"name": "a", "arguments": {"x": 1}}, '
+                      '{"name": "b", "arguments": {}}]',
+    "llama3_json": '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+                   '{"name": "b", "parameters": {"z": "a;b"}}',
+}
+MORE_CALLS = [("mistral", '[TOOL_CALLS] {"name": "a", "arguments": {"x": 1}}'),
+              ("granite", ' [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'),
+              ("llama3_json", '  {"name": "a", "parameters": {"x":1}}')]
+CONTENT = [("hermes", 'no call here {"name": "a", "arguments": {}}'),
+           ("granite", 'Use [{"name": "a", "arguments": {}}] here'),
+           ("phi4_mini_json", 'see functools.partial({"name": "a", "arguments": {}})'),
+           ("llama3_json", 'I would call {"name": "a", "parameters": {}}'),
+           ("llama3_json", '<|python_ta is not a tag {"name": "a", "parameters": {}}'),
+           ("llama3_json", 'As said: <|python_tag|>{"name": "a", "parameters": {}}')]
+
+
+@pytest.mark.parametrize(("parser", "text"), [*CALLS.items(), *MORE_CALLS])
+@pytest.mark.parametrize("seed", range(5))
+def test_a_formats_streamed_calls_are_its_whole_calls(parser, text, seed):
+    """Streamed in any pieces, every call of the output streams, with the arguments the
+    whole answer holds."""
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS[parser]())
+    _, whole, finish = plan.extract(text, "stop")
+    assert finish == "tool_calls" and whole
+    stream = plan.call_stream()
+    assert stream is not None
+    got = calls_of(stream, pieces(text, random.Random(seed)))
+    assert got == [("streamed", c.function.name, c.function.arguments, True) for c in whole]
+
+
+@pytest.mark.parametrize(("parser", "text"), CONTENT)
+def test_an_output_read_as_content_streams_no_call(parser, text):
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS[parser]())
+    assert plan.extract(text, "stop") == (text, [], "stop")
+    for seed in range(5):
+        stream = plan.call_stream()
+        assert stream is not None
+        assert calls_of(stream, pieces(text, random.Random(seed))) == []
+
+
+def test_formats_that_are_not_json_send_their_calls_whole():
+    for name in ("pythonic", "qwen3_coder"):
+        assert ToolPlan("auto", [], parser=TOOL_PARSERS[name]()).call_stream() is None

@@ -5,7 +5,9 @@ it (``http/streaming.py``), and so are whole answers' calls, so that a call's st
 argument deltas add up to exactly the arguments of the same answer whole.
 
 ``MarkedCalls`` does the same for calls written between markers (Hermes'
-``<tool_call>...</tool_call>``), feeding the scanner only what lies between them.
+``<tool_call>...</tool_call>``), feeding the scanner only what lies between them;
+``AfterMarker`` for calls written after a marker (Mistral's ``[TOOL_CALLS]``, ...) or
+from the output's start.
 
 Invariants: the scanner is fed every character once, in order; a call is *streamable*
 when its name is known before its arguments begin and the arguments are a JSON object;
@@ -211,7 +213,69 @@ class MarkedCalls:
             self.inside = not self.inside
 
 
-def streamed_arguments(scanner: CallScanner | MarkedCalls, text: str) -> list[tuple[str, str | None]]:
+class AfterMarker:
+    """Calls written as JSON after a marker (the first of ``markers`` found; with
+    ``anywhere`` false only at the output's start, after blanks), or, with ``bare``, from
+    the output's start when its first non-blank character is ``bare``: one object, objects
+    one after another, or an array of them (which, the first character after the marker
+    says). The text before goes nowhere."""
+
+    def __init__(self, markers: tuple[str, ...], argument_keys: tuple[str, ...], *,
+                 bare: str | None = None, anywhere: bool = True, keep: str = ""):
+        self.markers = markers
+        self.keep = keep  # the marker's end that is the calls' own start (``[``)
+        self.argument_keys = argument_keys
+        self.bare = bare
+        self.anywhere = anywhere
+        self.scanner: CallScanner | None = None
+        self.started = False  # the marker (or a bare start) was found
+        self.never = False  # the output began without one: no calls will follow
+        self.begun = False  # a non-blank character came before any call
+        self.pending = ""
+
+    def feed(self, text: str) -> list[CallEvent]:
+        if self.scanner is not None:
+            return self.scanner.feed(text)
+        if self.never:
+            return []
+        self.pending += text
+        if not self.started:
+            self.started = self._start()
+            if not self.started:
+                return []
+        body = self.pending.lstrip()
+        if not body:
+            return []
+        self.pending = ""
+        self.scanner = CallScanner(2 if body[0] == "[" else 1, self.argument_keys)
+        return self.scanner.feed(body)
+
+    def _start(self) -> bool:
+        """Whether the calls begin in ``pending`` (which then keeps what follows)."""
+        text = self.pending if self.anywhere else self.pending.lstrip()
+        found = [(at, len(m)) for m in self.markers for at in (text.find(m),)
+                 if at == 0 or (at > 0 and self.anywhere)]
+        if found:
+            at, n = min(found)
+            self.pending = self.keep + text[at + n:]
+            return True
+        if self.bare is not None and not self.begun:
+            head = self.pending.lstrip()
+            if head.startswith(self.bare):
+                return True
+            self.begun = bool(head)  # the output began otherwise: no bare calls
+        if self.anywhere:  # keep only what may begin a marker
+            keep = max(held_suffix(self.pending, m) for m in self.markers)
+            self.pending = self.pending[len(self.pending) - keep:]
+        elif text and not any(m.startswith(text[:len(m)]) for m in self.markers):
+            self.pending, self.never = "", True  # the output began otherwise
+        return False
+
+
+CallStream = CallScanner | MarkedCalls | AfterMarker  # what reads calls as written
+
+
+def streamed_arguments(scanner: CallStream, text: str) -> list[tuple[str, str | None]]:
     """Every call of the whole ``text``: its name, and its arguments as they would have
     streamed (None for a call that would have been sent whole)."""
     calls: dict[int, list] = {}

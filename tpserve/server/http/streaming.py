@@ -264,7 +264,7 @@ class _HeldChoice:
 
     Text the tool plan says is plain content (``ToolPlan.content_prefix_len``: none for
     constrained output) is sent as it comes. Where the plan streams calls
-    (``ToolPlan.call_stream``: constrained output, and the ``hermes`` parser), each call's
+    (``ToolPlan.call_stream``: constrained output, and the JSON formats' parsers), each call's
     first delta (``index``, ``id``, ``type``, ``function.name``, empty
     ``function.arguments``) goes out as soon as its arguments begin, then their characters
     as the model writes them (``{"index", "function": {"arguments"}}``), as OpenAI streams

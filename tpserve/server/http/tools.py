@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.engine.structured.spec import GrammarError, check_structured_output
-from tpserve.server.http.call_scanner import CallScanner, MarkedCalls, streamed_arguments
+from tpserve.server.http.call_scanner import CallScanner, CallStream, streamed_arguments
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from tpserve.server.http.tool_parsers import ParsedCall, ToolParser
@@ -83,16 +83,17 @@ class ToolPlan:
             assert self.parser is not None
             found = self.parser.extract(text, self.template_tools)
             if found.tools_called:
-                return found.content, tool_calls(found.calls), "tool_calls"
+                return (found.content, tool_calls(self._as_written(found.calls, text)),
+                        "tool_calls")
             return text, [], finish_reason
-        calls = self._constrained_calls(text)
+        calls = self._as_written(self._constrained_calls(text), text)
         if not calls:
             return text, [], finish_reason
         if self.mode == "required" and finish_reason == "stop":
             finish_reason = "tool_calls"
         return None, tool_calls(calls), finish_reason
 
-    def call_stream(self) -> CallScanner | MarkedCalls | None:
+    def call_stream(self) -> CallStream | None:
         """What reads the output's calls as they are written (``call_scanner.py``):
         constrained output's one call object (named) or array of them (required), the
         ``auto`` parser's format where it streams; None where calls come whole."""
@@ -104,9 +105,6 @@ class ToolPlan:
         return CallScanner(2 if self.mode == "required" else 1, ("parameters",))
 
     def _constrained_calls(self, text: str) -> list[ParsedCall]:
-        """The calls of a whole constrained output. A call whose arguments would have
-        streamed (``call_scanner.py``) keeps them as written, so a stream's argument deltas
-        add up to them; any other is re-encoded."""
         try:
             decoded = json.loads(text)
         except ValueError:
@@ -116,11 +114,16 @@ class ToolPlan:
             return []
         parsed = [as_call(item, "parameters") for item in items]
         calls = [c for c in parsed if c is not None]
-        if len(calls) != len(parsed):
-            return []
-        scanner = self.call_stream()
-        assert scanner is not None
-        written = streamed_arguments(scanner, text)
+        return calls if len(calls) == len(parsed) else []
+
+    def _as_written(self, calls: list[ParsedCall], text: str) -> list[ParsedCall]:
+        """``calls`` (parsed from the whole ``text``, their arguments re-encoded) with the
+        arguments as written wherever they would have streamed (``call_stream``), so that
+        a stream's argument deltas add up to the whole answer's."""
+        stream = self.call_stream()
+        if stream is None or not calls:
+            return calls
+        written = streamed_arguments(stream, text)
         if [name for name, _ in written] != [c.name for c in calls]:
             return calls
         return [ParsedCall(c.name, args) if args is not None else c

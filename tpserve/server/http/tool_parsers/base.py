@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpserve.server.http.call_scanner import MarkedCalls, held_suffix
+from tpserve.server.http.call_scanner import CallStream, held_suffix
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class ToolParser:
     def content_prefix_len(self, text: str) -> int:
         raise NotImplementedError
 
-    def call_stream(self) -> MarkedCalls | None:
+    def call_stream(self) -> CallStream | None:
         """What reads this format's calls as they are written, from its first marker on
         (None: its calls are sent whole when the output ends)."""
         return None

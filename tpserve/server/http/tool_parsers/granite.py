@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import AfterMarker
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     ToolParser,
@@ -33,6 +34,9 @@ class GraniteToolParser(ToolParser):
             return at, at + n
         body = text.lstrip()
         return (0, len(text) - len(body)) if body.startswith("[") else (-1, -1)
+
+    def call_stream(self) -> AfterMarker:
+        return AfterMarker(MARKERS, ("arguments",), bare="[")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at, start = self._start(text)

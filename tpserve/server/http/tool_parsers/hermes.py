@@ -1,7 +1,7 @@
 """Hermes / Qwen2 format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any
 number of times; text before the first call is content (as vLLM's ``hermes`` parser). An
 unclosed last call (the output ended) is still parsed. Calls stream as they are written
-(``call_stream``), and a whole answer's arguments are the same text as written."""
+(``call_stream``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tpserve.server.http.call_scanner import CallScanner, MarkedCalls, streamed_arguments
+from tpserve.server.http.call_scanner import MarkedCalls
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     MarkerToolParser,
@@ -33,14 +33,7 @@ class HermesToolParser(MarkerToolParser):
 
 
 def _parse(body: str) -> ParsedCall | None:
-    """One call's body; its arguments as written when they would have streamed."""
     try:
-        call = as_call(json.loads(body), "arguments")
+        return as_call(json.loads(body), "arguments")
     except ValueError:
         return None
-    if call is None:
-        return None
-    written = streamed_arguments(CallScanner(1, ("arguments",)), body)
-    if len(written) == 1 and written[0][0] == call.name and written[0][1] is not None:
-        return ParsedCall(call.name, written[0][1])
-    return call

@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import AfterMarker
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     ToolParser,
@@ -19,6 +20,10 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
+    def call_stream(self) -> AfterMarker:
+        return AfterMarker((PYTHON_TAG,), ("parameters", "arguments"), bare="{",
+                           anywhere=False)
+
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip()
         if body.startswith(PYTHON_TAG):

@@ -9,12 +9,16 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import AfterMarker
 from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
 
 
 class MistralToolParser(MarkerToolParser):
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
+
+    def call_stream(self) -> AfterMarker:
+        return AfterMarker(("[TOOL_CALLS]",), ("arguments",))
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at = text.find(self.marker)

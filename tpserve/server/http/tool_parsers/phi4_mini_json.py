@@ -9,11 +9,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import AfterMarker
 from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerToolParser, as_call
 
 
 class Phi4MiniJsonToolParser(MarkerToolParser):
     marker = "functools["
+
+    def call_stream(self) -> AfterMarker:
+        return AfterMarker((self.marker,), ("arguments", "parameters"), keep="[")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at = text.find(self.marker)
