@@ -290,11 +290,11 @@ class _HeldChoice:
         if ctx.logprobs and d.logprobs:
             self.logprobs.extend(d.logprobs)
         out: list[tuple[DeltaMessage, ChatLogprobs | None]] = []
-        if d.finish_reason is None:
-            upto = max(self.sent, ctx.tools.content_prefix_len(self.text))
-            if upto > self.sent:
-                out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
-                self.sent = upto
+        # the content first (a delta may hold content, then calls, then the finish)
+        upto = max(self.sent, ctx.tools.content_prefix_len(self.text))
+        if upto > self.sent:
+            out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
+            self.sent = upto
         if self.calls is not None:
             written = self._written_calls(d.text)
             if written:

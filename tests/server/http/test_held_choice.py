@@ -1,0 +1,63 @@
+"""A streamed choice whose output may hold tool calls (``streaming._HeldChoice``), fed
+deltas directly: content, calls and the finish in one delta come out in that order, and
+the deltas of any split add up to the whole answer."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from tpserve.server.engine.outputs import CompletionDelta
+from tpserve.server.http.streaming import _HeldChoice
+from tpserve.server.http.tool_parsers import TOOL_PARSERS
+from tpserve.server.http.tools import ToolPlan
+
+OUTPUT = ('Let me look. <tool_call>\n{"name": "a", "arguments": {"x": "1"}}\n</tool_call>\n'
+          '<tool_call>\n{"arguments": {"y": 2}, "name": "b"}\n</tool_call>')
+
+
+def run(plan: ToolPlan, parts: list[str]) -> list:
+    ctx = SimpleNamespace(tools=plan, logprobs=False)
+    held, deltas = _HeldChoice(plan), []
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        d = CompletionDelta(0, part, (), finish_reason="stop" if last else None)
+        deltas += [delta for delta, _ in held.add(d, ctx)]
+    return deltas, held.finish_reason
+
+
+def added_up(deltas) -> tuple[str, list[tuple[str, str]]]:
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc["index"], ["", ""])
+            call[0] += tc.get("function", {}).get("name") or ""
+            call[1] += tc.get("function", {}).get("arguments") or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_content_calls_and_finish_in_one_delta_come_in_order():
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"]())
+    deltas, finish = run(plan, [OUTPUT])
+    assert finish == "tool_calls"
+    assert deltas[0].content == "Let me look. " and not deltas[0].tool_calls
+    assert added_up(deltas) == ("Let me look. ", [("a", '{"x": "1"}'), ("b", '{"y": 2}')])
+    # a streamed (as written), b whole at the end (its name came after its arguments)
+    assert [tc.get("id") is not None for d in deltas[1:] for tc in d.tool_calls] == [
+        True, False, True]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_any_split_adds_up_to_the_whole_answer(seed):
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"]())
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(OUTPUT)), 15))
+    parts = [OUTPUT[a:b] for a, b in zip([0, *cuts], [*cuts, len(OUTPUT)], strict=True)]
+    deltas, finish = run(plan, parts)
+    content, calls, whole_finish = plan.extract(OUTPUT, "stop")
+    assert finish == whole_finish == "tool_calls"
+    assert added_up(deltas) == (content, [(c.function.name, c.function.arguments)
+                                          for c in calls])
