@@ -2,7 +2,9 @@
 
 Workload: ``--docs`` documents of ``--doc-len`` random tokens, each asked a question
 (``--question-len`` tokens, ``--output-len`` greedy tokens back) in ``--rounds`` rounds, the
-documents in the same order each round, ``--concurrency`` requests in flight. The documents
+documents in the same order each round, ``--concurrency`` requests in flight (with
+``--stagger`` their output lengths vary, so they finish and are replaced one by one while
+others decode, as on a server). The documents
 together are larger than the device pool (``--kv-cache-memory``), so without the tier a
 document's blocks are evicted before it comes back; with it they are loaded back.
 
@@ -57,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--stagger", action="store_true",
+                   help="each request's output length drawn (seeded) from output-len/2 .. "
+                        "3*output-len/2, so requests finish and are replaced one by one, "
+                        "while others decode (as a server's do), not in waves")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--copy-blocks", type=int, default=256)
@@ -131,8 +137,9 @@ def step_summary(steps: list[tuple[float, int, int]]) -> dict:
 def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r: int,
               vocab: int) -> dict:
     rng = random.Random(1000 + r)
-    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    queue = [(f"r{r}d{i}", d + [rng.randrange(vocab) for _ in range(a.question_len)])
+    queue = [(f"r{r}d{i}", d + [rng.randrange(vocab) for _ in range(a.question_len)],
+              SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(
+                  a.output_len // 2, 3 * a.output_len // 2) if a.stagger else a.output_len))
              for i, d in enumerate(docs)]
     before = dict(core.stats())
     trackers: list[Tracker] = []
@@ -141,7 +148,7 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < a.concurrency:
-            rid, prompt = queue.pop(0)
+            rid, prompt, params = queue.pop(0)
             t = Tracker(rid)
             core.add(RequestState(rid, prompt, params, t.emit))
             trackers.append(t)
@@ -171,6 +178,7 @@ def run_round(core: EngineCore, a: argparse.Namespace, docs: list[list[int]], r:
             "step_call_ms": step_summary(steps),
             "tokens": {t.rid: t.tokens for t in trackers},
             "prompt_tok_per_s": round(sum(len(d) + a.question_len for d in docs) / wall, 1),
+            "output_tokens": sum(len(t.tokens) for t in trackers),
             **delta}
 
 
