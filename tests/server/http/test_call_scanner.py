@@ -14,6 +14,7 @@ from tpserve.server.http.call_scanner import (
     CallEnd,
     CallScanner,
     CallStart,
+    CallStream,
     MarkedCalls,
     streamed_arguments,
 )
@@ -36,12 +37,12 @@ def pieces(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-def calls_of(scanner: CallScanner, parts: list[str]) -> list[tuple]:
+def calls_of(scanner: CallStream, parts: list[str]) -> list[tuple]:
     """The calls the events describe, checking the events' order on the way: a start
     before its arguments, arguments only between start and end, one end per call."""
     calls: dict[int, list] = {}
-    for part in parts:
-        for e in scanner.feed(part):
+    for events in [*(scanner.feed(part) for part in parts), scanner.finish()]:
+        for e in events:
             if isinstance(e, CallStart):
                 assert e.index not in calls
                 calls[e.index] = ["streamed", e.name, "", False]
@@ -143,16 +144,22 @@ CALLS = {
                       '{"name": "b", "arguments": {}}]',
     "llama3_json": '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
                    '{"name": "b", "parameters": {"z": "a;b"}}',
+    "qwen3_coder": 'Sure. <tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n'
+                   '<parameter=y>\nline one\nline "two"\n</parameter>\n</function>\n'
+                   '</tool_call>\n<tool_call>\n<function=b>\n</function>\n</tool_call>',
 }
 MORE_CALLS = [("mistral", '[TOOL_CALLS] {"name": "a", "arguments": {"x": 1}}'),
               ("granite", ' [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'),
-              ("llama3_json", '  {"name": "a", "parameters": {"x":1}}')]
+              ("llama3_json", '  {"name": "a", "parameters": {"x":1}}'),
+              # left open by the output's end, which the format reads as a call
+              ("qwen3_coder", '<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n')]
 CONTENT = [("hermes", 'no call here {"name": "a", "arguments": {}}'),
            ("granite", 'Use [{"name": "a", "arguments": {}}] here'),
            ("phi4_mini_json", 'see functools.partial({"name": "a", "arguments": {}})'),
            ("llama3_json", 'I would call {"name": "a", "parameters": {}}'),
            ("llama3_json", '<|python_ta is not a tag {"name": "a", "parameters": {}}'),
-           ("llama3_json", 'As said: <|python_tag|>{"name": "a", "parameters": {}}')]
+           ("llama3_json", 'As said: <|python_tag|>{"name": "a", "parameters": {}}'),
+           ("qwen3_coder", 'Write <function=a>\n<parameter=x>\n1\n</parameter>\n</function>')]
 
 
 @pytest.mark.parametrize(("parser", "text"), [*CALLS.items(), *MORE_CALLS])
@@ -179,6 +186,20 @@ def test_an_output_read_as_content_streams_no_call(parser, text):
         assert calls_of(stream, pieces(text, random.Random(seed))) == []
 
 
-def test_formats_that_are_not_json_send_their_calls_whole():
-    for name in ("pythonic", "qwen3_coder"):
-        assert ToolPlan("auto", [], parser=TOOL_PARSERS[name]()).call_stream() is None
+def test_pythonic_calls_are_sent_whole():
+    assert ToolPlan("auto", [], parser=TOOL_PARSERS["pythonic"]()).call_stream() is None
+
+
+def test_qwen3_coder_arguments_grow_a_parameter_at_a_time_typed_by_the_tool():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "n": {"type": "integer"}, "tags": {"type": "array"}, "s": {"type": "string"}}}}}]
+    plan = ToolPlan("auto", tools, parser=TOOL_PARSERS["qwen3_coder"]())
+    text = ('<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n'
+            '<parameter=tags>\n["a", "é"]\n</parameter>\n<parameter=s>\n7\n</parameter>\n'
+            '</function>\n</tool_call>')
+    stream = plan.call_stream()
+    events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
+    assert [e.text for e in events if isinstance(e, CallArguments)] == [
+        "{", '"n": 42', ', "tags": ["a", "é"]', ', "s": "7"', "}"]
+    _, calls, _ = plan.extract(text, "stop")
+    assert calls[0].function.arguments == '{"n": 42, "tags": ["a", "é"], "s": "7"}'

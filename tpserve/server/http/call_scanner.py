@@ -17,7 +17,7 @@ matching ``}``, both included; any other call is reported whole when it closes."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 _SPACE = " \t\r\n"
 
@@ -75,6 +75,9 @@ class CallScanner:
         self.string: list[str] | None = None  # a string being read at the call's depth
         self.call: _Call | None = None
         self.calls = 0
+
+    def finish(self) -> list[CallEvent]:
+        return []  # a JSON call left open is no call
 
     def feed(self, text: str) -> list[CallEvent]:
         events: list[CallEvent] = []
@@ -195,6 +198,9 @@ class MarkedCalls:
         self.inside = False
         self.pending = ""  # text that may be the beginning of the next marker
 
+    def finish(self) -> list[CallEvent]:
+        return []  # a JSON call left open is no call
+
     def feed(self, text: str) -> list[CallEvent]:
         self.pending += text
         events: list[CallEvent] = []
@@ -232,6 +238,9 @@ class AfterMarker:
         self.never = False  # the output began without one: no calls will follow
         self.begun = False  # a non-blank character came before any call
         self.pending = ""
+
+    def finish(self) -> list[CallEvent]:
+        return []  # a JSON call left open is no call
 
     def feed(self, text: str) -> list[CallEvent]:
         if self.scanner is not None:
@@ -272,14 +281,21 @@ class AfterMarker:
         return False
 
 
-CallStream = CallScanner | MarkedCalls | AfterMarker  # what reads calls as written
+class CallStream(Protocol):
+    """What reads a format's calls as they are written: ``feed`` the output's next
+    characters; ``finish`` when it ended (the events of a call the format lets the output
+    leave open)."""
+
+    def feed(self, text: str) -> list[CallEvent]: ...
+
+    def finish(self) -> list[CallEvent]: ...
 
 
 def streamed_arguments(scanner: CallStream, text: str) -> list[tuple[str, str | None]]:
     """Every call of the whole ``text``: its name, and its arguments as they would have
     streamed (None for a call that would have been sent whole)."""
     calls: dict[int, list] = {}
-    for e in scanner.feed(text):
+    for e in [*scanner.feed(text), *scanner.finish()]:
         if isinstance(e, CallStart):
             calls[e.index] = [e.name, ""]
         elif isinstance(e, CallArguments):

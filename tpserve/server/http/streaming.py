@@ -296,7 +296,7 @@ class _HeldChoice:
             out.append((DeltaMessage(content=self.text[self.sent:upto]), self._logprobs()))
             self.sent = upto
         if self.calls is not None:
-            written = self._written_calls(d.text)
+            written = self._written_calls(d.text, d.finish_reason is not None)
             if written:
                 out.append((DeltaMessage(tool_calls=written), self._logprobs()))
         if d.finish_reason is None:
@@ -319,11 +319,12 @@ class _HeldChoice:
         self.sent = len(self.text)
         return out
 
-    def _written_calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool-call deltas of ``text``, the output's next characters."""
+    def _written_calls(self, text: str, last: bool) -> list[dict[str, Any]]:
+        """The tool-call deltas of ``text``, the output's next characters (``last``: its
+        end)."""
         assert self.calls is not None
         deltas: list[dict[str, Any]] = []
-        for e in self.calls.feed(text):
+        for e in [*self.calls.feed(text), *(self.calls.finish() if last else ())]:
             if isinstance(e, CallStart):
                 self.streamed.add(e.index)
                 deltas.append({"index": e.index, "id": new_call_id(), "type": "function",

@@ -99,7 +99,7 @@ class ToolPlan:
         ``auto`` parser's format where it streams; None where calls come whole."""
         if self.mode == "auto":
             assert self.parser is not None
-            return self.parser.call_stream()
+            return self.parser.call_stream(self.template_tools)
         if self.mode not in ("required", "named"):
             return None
         return CallScanner(2 if self.mode == "required" else 1, ("parameters",))

@@ -77,9 +77,10 @@ class ToolParser:
     def content_prefix_len(self, text: str) -> int:
         raise NotImplementedError
 
-    def call_stream(self) -> CallStream | None:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> CallStream | None:
         """What reads this format's calls as they are written, from its first marker on
-        (None: its calls are sent whole when the output ends)."""
+        (None: its calls are sent whole when the output ends); ``tools`` as ``extract``
+        takes them."""
         return None
 
 

@@ -35,7 +35,7 @@ class GraniteToolParser(ToolParser):
         body = text.lstrip()
         return (0, len(text) - len(body)) if body.startswith("[") else (-1, -1)
 
-    def call_stream(self) -> AfterMarker:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
         return AfterMarker(MARKERS, ("arguments",), bare="[")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:

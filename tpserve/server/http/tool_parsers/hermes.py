@@ -28,7 +28,7 @@ class HermesToolParser(MarkerToolParser):
         return self.calls_in(text, [closed or unclosed for closed, unclosed
                                     in _CALL.findall(text)], _parse)
 
-    def call_stream(self) -> MarkedCalls:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> MarkedCalls:
         return MarkedCalls("<tool_call>", "</tool_call>", ("arguments",))
 
 

@@ -20,7 +20,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
-    def call_stream(self) -> AfterMarker:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
         return AfterMarker((PYTHON_TAG,), ("parameters", "arguments"), bare="{",
                            anywhere=False)
 

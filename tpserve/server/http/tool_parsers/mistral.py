@@ -17,7 +17,7 @@ class MistralToolParser(MarkerToolParser):
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
 
-    def call_stream(self) -> AfterMarker:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
         return AfterMarker(("[TOOL_CALLS]",), ("arguments",))
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:

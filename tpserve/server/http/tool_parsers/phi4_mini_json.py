@@ -16,7 +16,7 @@ from tpserve.server.http.tool_parsers.base import ExtractedToolCalls, MarkerTool
 class Phi4MiniJsonToolParser(MarkerToolParser):
     marker = "functools["
 
-    def call_stream(self) -> AfterMarker:
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
         return AfterMarker((self.marker,), ("arguments", "parameters"), keep="[")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:

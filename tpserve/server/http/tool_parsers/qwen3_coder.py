@@ -16,7 +16,8 @@ and ``number`` parsed; ``boolean`` from true / false; ``object`` and ``array`` a
 a Python literal, by ``ast.literal_eval``); ``null`` is null for any type but ``string``. An
 undeclared key, or a value its type cannot read, stays a string. Text before the first
 ``<tool_call>`` is content; an unclosed last call (the output ended) is still parsed; any
-other text inside a call makes the whole output content."""
+other text inside a call makes the whole output content. Streamed, a call's arguments grow
+a parameter at a time (``XmlCalls``)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import CallArguments, CallEnd, CallEvent, CallStart
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     MarkerToolParser,
     ParsedCall,
+    held_suffix,
 )
 
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -94,8 +97,93 @@ def _call(body: str, tools: Sequence[dict[str, Any]]) -> ParsedCall | None:
         return None
 
 
+_FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER_OPEN = re.compile(r"\s*<parameter=")
+_FUNCTION_CLOSE = re.compile(r"\s*(?:</function>\s*)?(?:</tool_call>|\Z)")
+
+
+class XmlCalls:
+    """Qwen3-Coder calls read as they are written (``call_scanner.CallStream``): a call
+    starts at its ``<function=NAME>``; each parameter, once its ``</parameter>`` came, is
+    its arguments' next JSON member (typed as ``extract`` types it); ``</function>`` (or
+    the output's end) closes them. So the arguments stream as ``json.dumps`` writes the
+    whole call's: ``{"a": 1, "b": "x"}``."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]]):
+        self.tools = tools
+        self.pending = ""
+        self.inside = False  # after <tool_call>
+        self.call: tuple[int, str, dict[str, Any]] | None = None  # index, name, properties
+        self.members = 0  # of the open call's arguments
+        self.calls = 0
+
+    def feed(self, text: str) -> list[CallEvent]:
+        self.pending += text
+        events: list[CallEvent] = []
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[CallEvent]:
+        """The output ended: an open call closes (``extract`` reads it so too)."""
+        events: list[CallEvent] = []
+        if self.call is not None:
+            self._close(events)
+        return events
+
+    def _step(self, events: list[CallEvent]) -> bool:
+        """Reads one element off ``pending``; False when it needs more text."""
+        if not self.inside:
+            at = self.pending.find("<tool_call>")
+            if at < 0:
+                self.pending = self.pending[len(self.pending)
+                                            - held_suffix(self.pending, "<tool_call>"):]
+                return False
+            self.pending, self.inside = self.pending[at + len("<tool_call>"):], True
+            return True
+        if self.call is None:
+            found = _FUNCTION_OPEN.match(self.pending)
+            if found is None:
+                return False
+            name = found[1].strip()
+            self.call = (self.calls, name, _properties(self.tools, name))
+            self.calls += 1
+            self.members = 0
+            self.pending = self.pending[found.end():]
+            events += [CallStart(self.call[0], name), CallArguments(self.call[0], "{")]
+            return True
+        if _PARAMETER_OPEN.match(self.pending):
+            found = _PARAMETER.match(self.pending)
+            if found is None:
+                return False
+            key = found[1].strip()
+            value = _convert(found[2], self.call[2].get(key))
+            member = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(
+                value, ensure_ascii=False)
+            events.append(CallArguments(self.call[0], (", " if self.members else "") + member))
+            self.members += 1
+            self.pending = self.pending[found.end():]
+            return True
+        closed = _FUNCTION_CLOSE.match(self.pending)
+        if closed is None or (closed.end() == len(self.pending)
+                              and "</tool_call>" not in self.pending[:closed.end()]):
+            return False  # more may come (the output's end is finish's)
+        self.pending = self.pending[closed.end():]
+        self._close(events)
+        return True
+
+    def _close(self, events: list[CallEvent]) -> None:
+        assert self.call is not None
+        events += [CallArguments(self.call[0], "}"),
+                   CallEnd(self.call[0], True, self.call[1], None)]
+        self.call, self.inside = None, False
+
+
 class Qwen3CoderToolParser(MarkerToolParser):
     marker = "<tool_call>"
+
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> XmlCalls:
+        return XmlCalls(tools)
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         return self.calls_in(text, _CALL.findall(text), lambda body: _call(body, tools))
