@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from tpserve.server.http.call_scanner import CallArguments, CallEnd, CallEvent, CallStart
 from tpserve.server.http.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedCall,
@@ -59,7 +60,75 @@ def _call(node: ast.expr) -> ParsedCall | None:
         return None
 
 
+class PythonicCalls:
+    """Pythonic calls read as they are written (``call_scanner.CallStream``), a call at a
+    time: an element of the list is complete at the first ``,`` or ``]`` after it where
+    its text parses as a call (a cut inside a string or a nested literal does not parse),
+    and then goes out whole: its start, its arguments, its end. The list must start the
+    output, as ``extract`` reads it; an element that is no call stops the reading."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.start: int | None = None  # where the current element begins
+        self.tried = 0  # where the search for its end goes on
+        self.calls = 0
+        self.never = False
+
+    def feed(self, text: str) -> list[CallEvent]:
+        self.text += text
+        events: list[CallEvent] = []
+        if self.never:
+            return events
+        if self.start is None and not self._begin():
+            return events
+        assert self.start is not None
+        while True:
+            cut = next((i for i in range(max(self.tried, self.start), len(self.text))
+                        if self.text[i] in ",]"), None)
+            if cut is None:
+                self.tried = len(self.text)
+                return events
+            self.tried = cut + 1
+            try:
+                node = ast.parse(self.text[self.start:cut].strip(), mode="eval").body
+            except (SyntaxError, ValueError, RecursionError):
+                continue  # cut inside the element
+            call = _call(node)
+            if call is None:
+                self.never = True
+                return events
+            events += [CallStart(self.calls, call.name), CallArguments(self.calls, call.arguments),
+                       CallEnd(self.calls, True, call.name, None)]
+            self.calls += 1
+            if self.text[cut] == "]":
+                self.never = True  # the list ended
+                return events
+            self.start = cut + 1
+
+    def finish(self) -> list[CallEvent]:
+        return []  # an element the output left unfinished is no call
+
+    def _begin(self) -> bool:
+        """Whether the list started (``start``: after its ``[``); sets ``never`` when the
+        output began otherwise."""
+        body = self.text.lstrip()
+        if body.startswith(START):
+            body = body[len(START):].lstrip()
+        elif not body or START.startswith(body[:len(START)]):
+            return False
+        if not body:
+            return False
+        if not body.startswith("["):
+            self.never = True
+            return False
+        self.start = len(self.text) - len(body) + 1
+        return True
+
+
 class PythonicToolParser(ToolParser):
+    def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> PythonicCalls:
+        return PythonicCalls()
+
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip()
         if body.startswith(START):
