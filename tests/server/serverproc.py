@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 
+from tpserve.loadtest.soak.server_state import metric_value
 from tpserve.parallel.state import find_free_port
 
 _PORTS: set[int] = set()  # handed to servers of this test process, maybe not bound yet
@@ -153,15 +154,8 @@ class ServerProcess:
     def metric(self, name: str) -> float:
         """Sum of every sample of ``tpserve:<name>`` (the server's prefix) in /metrics."""
         text = _HTTP.get(self.base + "/metrics", timeout=10).text
-        total, found = 0.0, False
-        full = self.metrics_prefix + name
-        for line in text.splitlines():
-            if line.startswith(full) and not line.startswith("#"):
-                head, value = line.rsplit(" ", 1)
-                if head.split("{")[0] == full:
-                    total += float(value)
-                    found = True
-        if not found:
+        total = metric_value(text, name, (self.metrics_prefix,))
+        if total is None:
             raise KeyError(name)
         return total
 

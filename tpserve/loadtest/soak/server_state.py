@@ -16,10 +16,11 @@ METRIC_PREFIXES = ("tpserve:", "vllm:")  # tpserve's namespaces (--metrics-names
 POLL_S = 0.25
 
 
-def metric_value(text: str, name: str) -> float | None:
-    """Sum of every sample of ``tpserve:<name>`` (or ``vllm:<name>``, the first found) in a
-    Prometheus text page; None if absent."""
-    for prefix in METRIC_PREFIXES:
+def metric_value(text: str, name: str,
+                 prefixes: tuple[str, ...] = METRIC_PREFIXES) -> float | None:
+    """Sum of every sample of ``tpserve:<name>`` (or ``vllm:<name>``: the first of
+    ``prefixes`` found) in a Prometheus text page; None if absent."""
+    for prefix in prefixes:
         full = prefix + name
         total, found = 0.0, False
         for line in text.splitlines():

@@ -83,10 +83,8 @@ class CallScanner:
         events: list[CallEvent] = []
         for ch in text:
             self._char(ch, events)
-        call = self.call
-        if call is not None and call.streaming and call.raw:
-            events.append(CallArguments(call.index, "".join(call.raw)))
-            call.raw.clear()
+        if self.call is not None and self.call.streaming:
+            self._flush(self.call, events)
         return events
 
     def _char(self, ch: str, events: list[CallEvent]) -> None:
@@ -110,7 +108,7 @@ class CallScanner:
         elif ch in "}]":
             self.depth -= 1
             if call is not None and call.raw_open and self.depth == self.call_depth:
-                self._keep(ch, call)  # the arguments' closing brace
+                call.raw.append(ch)  # the arguments' closing brace
                 self._arguments_end(call, events)
                 return
             if call is not None and self.depth == self.call_depth - 1:
@@ -124,11 +122,11 @@ class CallScanner:
             self._arguments_end(call, events)
             return
         if call is not None and call.raw_open:
-            self._keep(ch, call)
+            call.raw.append(ch)
 
     def _string_char(self, ch: str, call: _Call | None) -> None:
         if call is not None and call.raw_open:
-            self._keep(ch, call)
+            call.raw.append(ch)
         if self.escape:
             self.escape = False
         elif ch == "\\":
@@ -156,18 +154,19 @@ class CallScanner:
         if ch != '"':  # a string value clears the key when it closes
             call.key = None
 
-    def _keep(self, ch: str, call: _Call) -> None:
-        call.raw.append(ch)
-
     def _arguments_end(self, call: _Call, events: list[CallEvent]) -> None:
         if not call.raw_open:
             return
         call.raw_open = False
         if call.streaming:
-            if call.raw:
-                events.append(CallArguments(call.index, "".join(call.raw)))
-                call.raw.clear()
+            self._flush(call, events)
             call.streaming = False
+
+    def _flush(self, call: _Call, events: list[CallEvent]) -> None:
+        """A streaming call's arguments kept since the last flush, as one event."""
+        if call.raw:
+            events.append(CallArguments(call.index, "".join(call.raw)))
+            call.raw.clear()
 
     def _close(self, call: _Call, events: list[CallEvent]) -> None:
         if call.streamed:
@@ -302,4 +301,4 @@ def streamed_arguments(scanner: CallStream, text: str) -> list[tuple[str, str | 
             calls[e.index][1] += e.text
         elif not e.streamed:
             calls[e.index] = [e.name, None]
-    return [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+    return [(calls[i][0], calls[i][1]) for i in sorted(calls)]
