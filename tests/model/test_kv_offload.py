@@ -39,7 +39,7 @@ def test_blocks_stored_and_loaded_back_are_bit_for_bit_the_same(dtype, batch):
     before = {b: _block(pool, b) for b in range(BLOCKS)}
     host.store([7, 2, 9, 0, 5], [3, 0, 5, 1, 2])
     pool.buffer.view(torch.uint8).zero_()
-    host.load([0, 3, 5], [1, 4, 8])  # block 2's content into 1, 7's into 4, 9's into 8
+    host.load([0, 3, 5], [1, 4, 8], 0)  # block 2's content into 1, 7's into 4, 9's into 8
     for src, dst in ((2, 1), (7, 4), (9, 8)):
         assert torch.equal(_block(pool, dst), before[src]), (src, dst)
     untouched = [b for b in range(BLOCKS) if b not in (1, 4, 8)]
@@ -54,7 +54,7 @@ def test_a_store_then_a_load_of_the_same_slot_in_order():
     want = _block(pool, 6)
     host.store([3], [1])
     host.store([6], [1])  # the slot's LRU entry evicted and overwritten in the same step
-    host.load([1], [0])
+    host.load([1], [0], 0)
     assert torch.equal(_block(pool, 0), want)
 
 
@@ -66,6 +66,48 @@ def test_slots_from_the_size_split_over_ranks():
     assert staging_blocks(per_block, 10**6) == STAGING_BYTES // 2 // per_block == 4096
     assert staging_blocks(per_block, 100) == 100  # never more than the tier holds
     assert staging_blocks(STAGING_BYTES, 100) == 1  # a block bigger than the staging budget
-    assert HostKV.staging_bytes(per_block, 100) == 2 * 100 * per_block + 8 * 100
+    assert HostKV.staging_bytes(per_block, 100) == 2 * (2 * 100 * per_block + 8 * 100)
     with pytest.raises(ValueError, match="at least one block"):
         HostKV(_pool(torch.float32), 0, per_block)
+
+
+def test_off_cuda_loads_are_done_at_once_and_a_join_waits_for_nothing():
+    pool = _pool(torch.float32)
+    host = HostKV(pool, 4, kv_bytes_per_block(LAYERS, BS, HEADS, DIM, torch.float32))
+    assert host.done_batch() == -1  # nothing given yet
+    want = _block(pool, 3)
+    host.store([3], [2])
+    host.load([2], [5], 0)
+    assert host.done_batch() == 0
+    host.join(0)
+    assert torch.equal(_block(pool, 5), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream: GPU only")
+def test_on_cuda_loads_run_beside_the_forward_until_joined():
+    """Loads go out on the copy stream after what the forward stream was given; a join
+    orders the forward stream after them; a store into a slot a load still reads waits
+    for it; ``done_batch`` reaches the newest batch once the device is done."""
+    cuda = torch.device("cuda")
+    dtype = torch.bfloat16
+    pool = KVPool(LAYERS, BLOCKS, BS, HEADS, DIM, dtype, cuda)
+    pool.buffer.view(torch.uint8).copy_(torch.randint(
+        0, 256, pool.buffer.view(torch.uint8).shape, dtype=torch.uint8, device=cuda))
+    per_block = kv_bytes_per_block(LAYERS, BS, HEADS, DIM, dtype)
+    host = HostKV(pool, 6, per_block)
+    host.staging_blocks = 2  # several batches of copies per call
+    before = {b: _block(pool, b) for b in range(BLOCKS)}
+    host.store([1, 2, 3], [0, 1, 2])
+    torch.cuda._sleep(50_000_000)  # the forward stream is busy: the loads wait for it
+    pool.buffer[:, :, 7].zero_()  # given to the forward stream before the loads
+    host.load([0, 1, 2], [7, 8, 9], 0)
+    assert host.done_batch() == -1  # behind the sleep
+    host.store([5], [1])  # slot 1 is still being read: the store waits for that load
+    host.join(0)
+    for src, dst in ((1, 7), (2, 8), (3, 9)):
+        assert torch.equal(_block(pool, dst), before[src]), (src, dst)
+    host.load([1], [6], 1)
+    host.join(1)
+    assert torch.equal(_block(pool, 6), before[5])  # the store after the first load
+    torch.cuda.synchronize()
+    assert host.done_batch() == 1

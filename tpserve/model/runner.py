@@ -339,7 +339,7 @@ class ModelRunner:
         """Rank 0: a command's ``header`` (``HEADER_LEN`` int64) and ``payload`` into the
         device buffers, then to every rank. On CUDA they go up from pinned memory without
         waiting for the step before (the caching host allocator keeps each block until its
-        copy is done)."""
+        copy is done). An empty payload is not sent."""
         n = payload.shape[0]
         if self._pin:
             header, payload = header.pin_memory(), payload.pin_memory()
@@ -347,7 +347,8 @@ class ModelRunner:
         self.payload_buf[:n].copy_(payload, non_blocking=True)
         if self.comm.world_size > 1:
             self.comm.broadcast(self.header_buf)
-            self.comm.broadcast(self.payload_buf[:n])
+            if n:
+                self.comm.broadcast(self.payload_buf[:n])
 
     def run(self, plan: StepPlan, pool: PoolRows | None = None) -> torch.Tensor:
         """Rank 0, second half of ``execute``: the forward of an uploaded plan; a pooling
@@ -361,33 +362,43 @@ class ModelRunner:
         rows (``SeqChunk.pending_src``)."""
         self.sampled_buf[: token_ids.shape[0]].copy_(token_ids)
 
-    def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
-        """Rank 0: every rank runs these copies between its pool and its host tier now,
-        stores ``(block, slot)`` then loads ``(slot, block)`` (``CMD_KV_COPY``, as many
-        messages as the receive buffer needs), ahead of the step they were planned with
-        (``BlockManager.take_copies``)."""
+    def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]],
+                batch: int = -1, join: int = -1) -> None:
+        """Rank 0: every rank runs a step's copies between its pool and its host tier now,
+        ahead of the step (``BlockManager.take_copies``): the join of load batch ``join``
+        (-1: none), the stores ``(block, slot)``, then the loads ``(slot, block)`` as batch
+        ``batch``, and the join again where it names that batch (``CMD_KV_COPY``, as many
+        messages as the receive buffer needs; each one join, stores or loads)."""
         cap = self.payload_buf.shape[0] // 2
+        messages = [(0, 0, join, [])] if join >= 0 else []
         for pairs, is_store in ((stores, True), (loads, False)):
             for i in range(0, len(pairs), cap):
                 part = pairs[i:i + cap]
                 ints = [x for x, _ in part] + [y for _, y in part]
-                if self.comm.world_size > 1:
-                    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-                    header[:3] = torch.tensor([CMD_KV_COPY, len(part) * is_store,
-                                               len(part) * (not is_store)])
-                    self._send(header, torch.tensor(ints, dtype=torch.int64))
-                self._copy_kv(is_store, ints)
+                messages.append((len(part) * is_store, len(part) * (not is_store), -1, ints))
+        if loads and join >= batch:
+            messages.append((0, 0, join, []))
+        for n_stores, n_loads, joined, ints in messages:
+            if self.comm.world_size > 1:
+                header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                header[:5] = torch.tensor([CMD_KV_COPY, n_stores, n_loads, batch, joined])
+                self._send(header, torch.tensor(ints, dtype=torch.int64))
+            self._copy_kv(n_stores, n_loads, batch, joined, ints)
 
     @torch.inference_mode()
-    def _copy_kv(self, is_store: bool, ints: list[int]) -> None:
-        """Stores (blocks, then slots) or loads (slots, then blocks), ``ints`` in halves."""
+    def _copy_kv(self, n_stores: int, n_loads: int, batch: int, join: int,
+                 ints: list[int]) -> None:
+        """One message of ``copy_kv``: a join, stores (blocks, then slots) or loads (slots,
+        then blocks), ``ints`` in halves."""
         assert self.host_kv is not None, "KV copies listed without a host tier"
         n = len(ints) // 2
         with self.ranges.range("kv_copy"):
-            if is_store:
+            if join >= 0:
+                self.host_kv.join(join)
+            if n_stores:
                 self.host_kv.store(ints[:n], ints[n:])
-            else:
-                self.host_kv.load(ints[:n], ints[n:])
+            elif n_loads:
+                self.host_kv.load(ints[:n], ints[n:], batch)
 
     def send_command(self, cmd: int) -> None:
         """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
@@ -418,10 +429,12 @@ class ModelRunner:
                 except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
                 continue
-            if cmd == CMD_KV_COPY:  # one of the two counts is 0
-                n = 2 * (int(header[1]) + int(header[2]))
-                self.comm.broadcast(self.payload_buf[:n])
-                self._copy_kv(int(header[1]) > 0, self.payload_buf[:n].tolist())
+            if cmd == CMD_KV_COPY:  # a join, stores or loads
+                counts = [int(x) for x in header[1:5]]
+                n = 2 * (counts[0] + counts[1])
+                if n:
+                    self.comm.broadcast(self.payload_buf[:n])
+                self._copy_kv(*counts, self.payload_buf[:n].tolist())
                 continue
             if cmd != CMD_STEP:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")

@@ -1,9 +1,13 @@
 """The prefix cache's host tier (``--kv-offloading-size``): evicted blocks stored to host
-slots, found again, loaded back; the copies a step owes, in the order they must run.
+slots, found again, loaded back; the copies a step owes, in the order they must run; loads
+that land steps later, joined before any step touches their blocks.
 
 ``Memory`` plays the runners: it runs the listed copies on two lists of block contents and
 then "computes" a step's tokens into its blocks, so the tests check what every block of
-a sequence holds after hits from either tier, not just the bookkeeping."""
+a sequence holds after hits from either tier, not just the bookkeeping. A load lands in
+its block only when the test says (``land``, as a copy stream finishing) or when a step
+joins its batch, so a block a step touched before its load was joined ends up holding
+the wrong tokens."""
 
 from __future__ import annotations
 
@@ -32,27 +36,42 @@ class Memory:
         self.bm = bm
         self.device: list[list] = [[None] * BS for _ in range(bm.num_blocks)]
         self.host: list[list] = [[None] * BS for _ in range(bm.host.num_slots)]
+        self.pending: list[tuple[int, int, list]] = []  # loads on their way: batch, block
 
-    def run_copies(self) -> tuple[list, list]:
-        stores, loads = self.bm.take_copies()
-        for b, slot in stores:
+    def land(self, batch: int) -> None:
+        """Every load up to ``batch`` lands in its block (in the order they were given)."""
+        for _, block, content in [p for p in self.pending if p[0] <= batch]:
+            self.device[block] = content
+        self.pending = [p for p in self.pending if p[0] > batch]
+
+    def run_copies(self, scheduled=()) -> tuple[list, list]:
+        """The copies of a step computing ``scheduled``, as the runners run them: the
+        join, the stores, the loads (put on their way) and the join again."""
+        copies = self.bm.take_copies(scheduled)
+        self.land(copies.join)
+        for b, slot in copies.stores:
             self.host[slot] = list(self.device[b])
-        for slot, b in loads:
-            self.device[b] = list(self.host[slot])
-        return stores, loads
+        for slot, b in copies.loads:
+            self.pending.append((copies.batch, b, list(self.host[slot])))
+        self.land(copies.join)
+        return copies.stores, copies.loads
 
-    def admit_and_compute(self, seq: Sequence) -> tuple[int, list, list]:
-        """Admits ``seq`` with its prefix hits, runs the step's copies, computes the rest
-        of its tokens; returns (tokens hit, stores, loads)."""
-        computed, hit = self.bm.get_computed_blocks(seq.all_token_ids)
-        assert self.bm.allocate(seq, seq.num_tokens - hit, computed)
-        seq.num_computed_tokens = hit
-        copies = self.run_copies()
-        self.expect(seq, hit)  # the hits hold the prompt's tokens before the forward
-        for pos in range(hit, seq.num_tokens):
+    def compute(self, seq: Sequence) -> None:
+        """A step writes ``seq``'s tokens past its hits into its blocks."""
+        for pos in range(seq.num_computed_tokens, seq.num_tokens):
             self.device[seq.block_ids[pos // BS]][pos % BS] = seq.all_token_ids[pos]
         seq.num_computed_tokens = seq.num_tokens
         self.bm.cache_full_blocks(seq)
+
+    def admit_and_compute(self, seq: Sequence) -> tuple[int, list, list]:
+        """Admits ``seq`` with its prefix hits, runs the copies of a step computing it,
+        computes the rest of its tokens; returns (tokens hit, stores, loads)."""
+        computed, hit = self.bm.get_computed_blocks(seq.all_token_ids)
+        assert self.bm.allocate(seq, seq.num_tokens - hit, computed)
+        seq.num_computed_tokens = hit
+        copies = self.run_copies([seq])
+        self.expect(seq, hit)  # the hits hold the prompt's tokens before the forward
+        self.compute(seq)
         self.bm.check_integrity()
         return hit, *copies
 
@@ -197,3 +216,55 @@ def test_random_traffic_every_hit_holds_its_prompt(seed):
         for s in live:
             mem.expect(s, s.num_tokens)
     assert hits > 0 and loads > 0  # the traffic exercised both tiers
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_loads_landing_steps_later_are_joined_before_a_step_touches_their_blocks(seed):
+    """As the random traffic above, but each load lands when the test says (a copy
+    stream finishing) or when a step joins it: a sequence with hits waits, steps go on
+    without it, it is computed once rank 0 saw its load done (or at once, as a step with
+    nothing else takes it); sequences are freed while their loads are on their way and
+    their blocks reused. Every computed sequence's blocks hold its tokens."""
+    rng = random.Random(seed)
+    bm = BlockManager(10, BS, True, host_slots=8)
+    mem = Memory(bm)
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(4, 17))] for _ in range(5)]
+    admitted: list[Sequence] = []  # blocks taken, tokens not computed yet
+    live: list[Sequence] = []  # computed
+    held = reused_joins = 0
+    for i in range(400):
+        if mem.pending and rng.random() < 0.15:  # a copy stream gets this far; rank 0 sees
+            batch = rng.choice([b for b, _, _ in mem.pending])
+            mem.land(batch)
+            bm.host_loads.complete(batch)
+        if (live or admitted) and rng.random() < 0.35:  # finished, or aborted while waiting
+            pool = live + admitted
+            seq = pool[rng.randrange(len(pool))]
+            (live if seq in live else admitted).remove(seq)
+            bm.free(seq)
+        if rng.random() < 0.6:
+            prompt = rng.choice(stems) + [rng.randrange(1000)
+                                          for _ in range(rng.randrange(1, 6))]
+            seq = make_seq(i, prompt)
+            computed, hit = bm.get_computed_blocks(seq.all_token_ids)
+            if bm.allocate(seq, seq.num_tokens - hit, computed):
+                seq.num_computed_tokens = hit
+                admitted.append(seq)
+        step = [s for s in admitted if not bm.waits_for_load(s)]
+        held += len(admitted) - len(step)
+        if not step and admitted and rng.random() < 0.5:
+            step = list(admitted)  # nothing else to run: the step waits for the loads
+        joined_before = bm.host_loads.joined
+        must = bm.host_loads._must_join
+        mem.run_copies(step)
+        reused_joins += must > joined_before
+        for seq in step:
+            mem.expect(seq, seq.num_computed_tokens)
+            mem.compute(seq)
+            admitted.remove(seq)
+            live.append(seq)
+        for seq in live:
+            mem.expect(seq, seq.num_tokens)
+        bm.check_integrity(live + admitted)
+    # the traffic held sequences behind their loads and reused blocks still loading
+    assert held > 0 and reused_joins > 0

@@ -26,12 +26,13 @@ PER_BLOCK = kv_bytes_per_block(2, 16, 2, 16, torch.float32)  # the tiny Llama's,
 
 
 def make_core(folder, tokenizer, num_blocks: int, host_blocks: int,
-              max_seqs: int = 8) -> EngineCore:
+              max_seqs: int = 8, device: str = "cpu") -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * PER_BLOCK,
-                       kv_offloading_bytes=host_blocks * PER_BLOCK)
+                       kv_offloading_bytes=host_blocks * PER_BLOCK, device=device,
+                       kernel_backend="triton" if device == "cuda" else "torch")
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64,
                             max_model_len=256, block_size=16)
-    runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
+    runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, torch.device(device), None))
     return EngineCore(runner, tokenizer, sched, EngineConfig(check_integrity=True))
 
 
@@ -113,6 +114,53 @@ def test_all_at_once_with_loads_stores_and_preemptions_in_the_same_steps(
     assert stats["kv_offload_stored_blocks_total"] > 24  # the tier's slots were reused
     bm = core.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_prompt_waits_for_its_loads_while_another_decodes(tiny_llama, smollm2_tokenizer,
+                                                           prompts, expected):
+    """A prompt back from the tier, arriving while a long answer decodes, is held out of
+    the step that lists its loads (the decode runs alone), computed in a later step that
+    joins them, and still gives the greedy tokens."""
+    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=64)
+    _one_at_a_time(core, prompts, "a")
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    decoding = submit(core, "long", prompts[5], long)
+    for _ in range(3):
+        core.step()
+    again = submit(core, "again", prompts[0], PARAMS)
+    loaded = core.stats()["kv_offload_loaded_blocks_total"]
+    core.step()  # admits it and lists its loads, but runs only the decode
+    seq = core.scheduler.running[-1]
+    assert core.stats()["kv_offload_loaded_blocks_total"] == loaded + 6
+    assert seq.num_computed_tokens == 96 and seq.num_output_tokens == 0
+    run_to_end(core)
+    assert tokens_of(again) == expected[0] and again[-1].num_cached_tokens == 96
+    assert len(tokens_of(decoding)) == 40
+
+
+def word_tokenizer():
+    """A real tokenizer of the tiny Llama's 256 ids, one word each (the GPU machines do
+    not carry the embedded SmolLM2's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream: GPU only")
+def test_on_cuda_loads_beside_the_steps_give_the_greedy_tokens(tiny_llama, prompts, expected):
+    """The all-at-once traffic on the GPU (float32), where loads run on the copy stream
+    beside the steps and sequences wait for them: every answer is the CPU's greedy one."""
+    core = make_core(tiny_llama, word_tokenizer(), num_blocks=20, host_blocks=24,
+                     device="cuda")
+    _one_at_a_time(core, prompts, "a")
+    outs = [submit(core, f"b{i}", p, PARAMS) for i, p in enumerate(prompts)]
+    run_to_end(core)
+    assert [tokens_of(o) for o in outs] == expected
+    assert core.stats()["kv_offload_loaded_blocks_total"] > 0
+    assert core.block_manager.host_loads.next_batch > 0
 
 
 def test_a_size_that_holds_no_block_is_refused(tiny_llama):

@@ -19,9 +19,9 @@ class Harness:
     every schedule and every update."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=None, prefix_caching=False, policy="fcfs"):
+                 max_model_len=None, prefix_caching=False, policy="fcfs", host_slots=0):
         max_model_len = max_model_len or num_blocks * block_size
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, host_slots=host_slots)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
@@ -325,18 +325,39 @@ def test_add_rejects_out_of_order_ids():
 
 def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int = 24,
           max_num_seqs: int = 6, max_num_batched_tokens: int = 32, max_model_len: int = 64,
-          num_requests: int = 40, max_steps: int = 3000, policy: str = "fcfs") -> Harness:
+          num_requests: int = 40, max_steps: int = 3000, policy: str = "fcfs",
+          host_slots: int = 0) -> Harness:
     """Run random requests (shared prefixes, n in 1..3, random budgets and aborts; under
     the priority policy, priorities -1..2) to completion, checking integrity after every
     step. A fake KV pool checks that every
     token a step attends to sits in the slot its block table names, which catches a wrong
-    prefix hit, a bad fork, or two sequences writing one block."""
+    prefix hit, a bad fork, or two sequences writing one block. With ``host_slots``, a
+    fake host tier runs each step's copies as the runners do, and a load lands in its
+    block only at a random later step (rank 0 then sees it done) or when a step joins it."""
     rng = random.Random(seed)
     bs = block_size
     h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                prefix_caching=prefix_caching, policy=policy)
+                prefix_caching=prefix_caching, policy=policy, host_slots=host_slots)
     kv: list[int | None] = [None] * (num_blocks * bs)
+    host: list[list[int | None]] = [[None] * bs for _ in range(host_slots)]
+    landing: list[tuple[int, int, list[int | None]]] = []  # loads on their way
+
+    def land(batch: int) -> None:
+        nonlocal landing
+        for b, block, content in landing:
+            if b <= batch:
+                kv[block * bs:(block + 1) * bs] = content
+        landing = [x for x in landing if x[0] > batch]
+
+    def copy(out: SchedulerOutput) -> None:
+        copies = h.bm.take_copies(item.seq for item in out.scheduled)
+        land(copies.join)
+        for block, slot in copies.stores:
+            host[slot] = kv[block * bs:(block + 1) * bs]
+        for slot, block in copies.loads:
+            landing.append((copies.batch, block, list(host[slot])))
+        land(copies.join)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
     max_new = max_model_len // 4
@@ -359,7 +380,12 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
             added += 1
         if added == num_requests and not h.sched.has_unfinished:
             break
+        if landing and rng.random() < 0.3:  # a copy stream gets this far; rank 0 sees it
+            batch = rng.choice([b for b, _, _ in landing])
+            land(batch)
+            h.bm.host_loads.complete(batch)
         out = h.schedule(token_budget=rng.choice([None, None, 3, 10]))
+        copy(out)
         for item in out.scheduled:  # the "model" writes the new tokens' K/V
             seq, start = item.seq, item.seq.num_computed_tokens
             tokens = seq.all_token_ids
@@ -405,6 +431,63 @@ def test_random_driver_on_a_pool_of_one_sequence(prefix_caching):
     """Block size 1, one sequence at a time, a pool that holds exactly max_model_len."""
     drive(3, prefix_caching, block_size=1, num_blocks=24, max_num_seqs=1,
           max_num_batched_tokens=8, max_model_len=24, num_requests=15)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_driver_with_a_host_tier_whose_loads_land_later(seed):
+    """The driver over a small pool and a host tier: evicted prefixes come back from the
+    tier, sequences wait while their loads are on their way, and every token a step
+    attends to is still its own."""
+    h = drive(10 + seed, True, num_blocks=16, host_slots=12, num_requests=60)
+    assert h.bm.counters["kv_offload_loaded_blocks_total"] > 0
+    assert h.bm.host_loads.next_batch > 0
+
+
+def test_a_sequence_waits_for_its_loads_while_others_run():
+    """A prompt whose prefix is in the host tier is admitted (its blocks taken, its loads
+    listed) but left out of the steps while another sequence decodes; once rank 0 saw the
+    loads done it is scheduled, and that step joins them. Alone, it is scheduled at once,
+    and the step joins its own loads after giving them."""
+    h = Harness(num_blocks=8, block_size=4, prefix_caching=True, host_slots=8)
+    prompt = list(range(100, 113))  # 3 full blocks and a token
+    (first,) = h.add(prompt, max_tokens=1)
+    h.step()  # computed and finished: its 3 full blocks cached, evictable
+    assert h.bm.take_copies().stores == []
+    (filler,) = h.add(list(range(200, 229)), max_tokens=20)  # 8 blocks: evicts all three
+    h.step()
+    assert len(h.bm.take_copies().stores) == 3
+    h.step()  # filler decodes
+    h.sched.finish(filler, SequenceStatus.FINISHED_ABORTED)
+    (decoder,) = h.add([7, 8], max_tokens=20)
+    h.step()
+    (again,) = h.add(prompt + [5], max_tokens=2)
+    out = h.step()
+    assert [item.seq for item in out.scheduled] == [decoder]  # again waits, decoder runs
+    assert again.status is SequenceStatus.RUNNING and len(again.block_ids) == 4
+    copies = h.bm.take_copies([decoder])
+    assert (len(copies.loads), copies.batch, copies.join) == (3, 0, -1)
+    for _ in range(2):  # not yet seen done: still held
+        out = h.step()
+        assert [item.seq for item in out.scheduled] == [decoder]
+        copies = h.bm.take_copies([decoder])
+        assert (copies.loads, copies.join) == ([], -1)
+    h.bm.host_loads.complete(0)
+    out = h.step()
+    assert [(item.seq, item.num_new_tokens) for item in out.scheduled] == [(decoder, 1),
+                                                                           (again, 2)]
+    assert h.bm.take_copies([again, decoder]).join == 0  # the step joins the loads
+    assert again.num_cached_tokens == 12
+
+    h = Harness(num_blocks=8, block_size=4, prefix_caching=True, host_slots=8)
+    (first,) = h.add(prompt, max_tokens=1)
+    h.step()
+    (filler,) = h.add(list(range(200, 229)), max_tokens=1)
+    h.step()
+    (again,) = h.add(prompt + [5], max_tokens=2)
+    out = h.step()  # nothing else to run: scheduled in the step that loads its blocks
+    assert [(item.seq, item.num_new_tokens) for item in out.scheduled] == [(again, 2)]
+    copies = h.bm.take_copies([again])
+    assert (len(copies.loads), copies.batch, copies.join) == (3, 0, 0)
 
 
 def test_prefix_cache_counters_count_tokens_at_admission():

@@ -38,6 +38,9 @@ on it (the same serial: the content is the same) and lists a copy back. The runn
 run the listed copies (``take_copies``) before the step planned with them: every store,
 then every load, in order. A block whose load is listed has its entry pinned in the host
 tier until then, so no store of the same step evicts it or is listed for its block.
+Loads run beside the steps (``host_loads.py``): a sequence holding a block a load may
+still be writing waits (``waits_for_load``) until rank 0 sees the load done, and the
+first step that computes it, or takes such a block for other content, joins the load.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
 
+from tpserve.server.engine.host_loads import HostLoads
 from tpserve.server.engine.host_tier import HostTier
 from tpserve.server.engine.prefix_hash import BlockHashFn, random_root, sha256_block_hash
 from tpserve.server.engine.sequence import Sequence
@@ -74,6 +78,21 @@ class HostHit(NamedTuple):
     """A prefix-cache hit in the host tier (``get_computed_blocks``): its slot."""
 
     slot: int
+
+
+class KVCopies(NamedTuple):
+    """A step's copies between the pool and the host tier (``take_copies``): stores
+    ``(device block, host slot)``, then loads ``(host slot, device block)`` in batch
+    ``batch`` (-1: none), and the newest load batch the step joins (-1: none)."""
+
+    stores: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
+    batch: int = -1
+    join: int = -1
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.stores or self.loads) or self.join >= 0
 
 
 class BlockManager:
@@ -118,6 +137,7 @@ class BlockManager:
         # then (host slot, device block) loads; see ``take_copies``
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self.host_loads = HostLoads()  # the loads no step has joined yet
         self.counters = {"kv_offload_stored_blocks_total": 0,
                          "kv_offload_loaded_blocks_total": 0}
 
@@ -275,10 +295,13 @@ class BlockManager:
             if self._refcount[b] == 0:
                 del self._evictable[b]
             self._refcount[b] += 1
+        wait = -1  # the newest load batch a block of seq's waits for
         for b in computed:
             if isinstance(b, HostHit):
                 b = self._load(b.slot)
+            wait = max(wait, self.host_loads.batch_of(b))
             seq.block_ids.append(b)
+        self.host_loads.wait(seq.seq_id, wait)
         for _ in range(needed):
             seq.block_ids.append(self._take_block())
         return True
@@ -301,6 +324,9 @@ class BlockManager:
         for b in shared:
             self._refcount[b] += 1
         child.block_ids = list(shared)
+        # the parent may be waiting for these blocks' loads still (prefix hits)
+        self.host_loads.wait(child.seq_id, max(map(self.host_loads.batch_of, shared),
+                                               default=-1))
         child.num_computed_tokens = n
 
     def free(self, seq: Sequence) -> None:
@@ -315,12 +341,19 @@ class BlockManager:
                     self._free.append(b)
         seq.block_ids = []
         self._seq_links.pop(seq.seq_id, None)
+        self.host_loads.forget(seq.seq_id)
+
+    def waits_for_load(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds a block whose load rank 0 has not yet seen done (hold it
+        back while other sequences can run)."""
+        return self.host_loads.waits(seq.seq_id)
 
     def _take_block(self) -> int:
         if self._free:
             b = self._free.pop()
         else:
             b, _ = self._evictable.popitem(last=False)
+            self.host_loads.reused(b)
             entry = self._entry_of[b]
             del self._cache[entry.hash]
             self._entry_of[b] = None
@@ -340,18 +373,20 @@ class BlockManager:
         self._cache[entry.hash] = b
         self._entry_of[b] = entry
         self._loads.append((slot, b))
+        self.host_loads.loading(b)
         self.counters["kv_offload_loaded_blocks_total"] += 1
         return b
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copies listed since the last call, handed to the runners: ``(stores,
-        loads)``, stores ``(device block, host slot)`` and loads ``(host slot, device
-        block)``, each in the order they must run (all stores first). Unpins the tier."""
+    def take_copies(self, scheduled: Iterable[Sequence] = ()) -> KVCopies:
+        """The copies listed since the last call, handed to the runners with the step of
+        sequences ``scheduled``: stores, then loads, each in the order they must run, and
+        the load batch the step joins first (``host_loads.py``). Unpins the tier."""
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
         if self.host is not None:
             self.host.unpin_all()
-        return stores, loads
+        batch, join = self.host_loads.take((s.seq_id for s in scheduled), bool(loads))
+        return KVCopies(stores, loads, batch, join)
 
     # ----------------------------------------------------------------- checking
 
@@ -398,6 +433,9 @@ class BlockManager:
                 if held is not None and _key(held[1]) == _key(e):
                     assert held[1].serial == e.serial, (
                         f"block {b} and host slot {held[0]} hold one content, two serials")
+        seqs = None if seqs is None else list(seqs)
+        self.host_loads.check_integrity(self.is_cached,
+                                   None if seqs is None else {s.seq_id for s in seqs})
         if seqs is not None:
             counts = [0] * n
             for seq in seqs:

@@ -80,10 +80,13 @@ inside it is dropped whole and its sequences simply compute those tokens again; 
 ``oom_recovery`` for the rest (tp 1 only) and ``OomHold`` for the budget that follows.
 
 Host tier of the prefix cache (``--kv-offloading-size``): the copies a schedule listed
-(``BlockManager.take_copies``: stores of evicted blocks, then loads of host hits) run on
-every rank at the start of ``_launch``, before and outside the step's unit. They write only
-host slots and blocks the block manager has already given them to, so a step dropped
-after them leaves the cache valid: its sequences find the loaded blocks cached.
+(``BlockManager.take_copies``: the join of earlier loads the step needs, stores of evicted
+blocks, then loads of host hits) are handed to every rank just before ``_launch``, outside
+the step's unit. They write only host slots and blocks the block manager has already
+given them to, so a step dropped after them leaves the cache valid: its sequences find
+the loaded blocks cached. Loads run beside the steps: each step first reads, without
+waiting, how far rank 0's have got (``HostKV.done_batch``), and the scheduler holds the
+sequences still waiting for theirs (``host_loads.py``).
 """
 
 from __future__ import annotations
@@ -313,6 +316,8 @@ class EngineCore:
     def _step(self) -> bool:
         self.budget.refresh()
         self._admit_ready()
+        if self.runner.host_kv is not None:  # how far the host tier's loads have got
+            self.block_manager.host_loads.complete(self.runner.host_kv.done_batch())
         prev = self._inflight
         drafting = (self.drafting is not None  # a draft needs every token read back
                     and self.drafting.may_draft(self.scheduler.num_running))
@@ -364,6 +369,9 @@ class EngineCore:
                                    -1 if lora is None else lora, 1 + len(item.draft)))
             if sample:
                 sampling.append(seq)
+        copies = self.block_manager.take_copies(item.seq for item in out.scheduled)
+        if copies.needed:  # the host tier's copies run before the step that needs them
+            self.runner.copy_kv(*copies)
         launched = self._launch(chunks, sampling, scored, pooled, drafts)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
@@ -404,9 +412,6 @@ class EngineCore:
         rows = sample_rows(sampling, generators, drafts)
         recoverable = self.runner.comm.world_size == 1  # see oom_recovery
         marks = [(g, g.get_state()) for g in generators if g is not None and recoverable]
-        stores, loads = self.block_manager.take_copies()
-        if stores or loads:  # the host tier's copies run before the step that needs them
-            self.runner.copy_kv(stores, loads)
         try:
             ranges = self.runner.ranges
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank

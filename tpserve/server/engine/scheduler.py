@@ -9,7 +9,10 @@ inter-token latency steady and lets such steps replay CUDA graphs. A running seq
 last-ranked running sequence (possibly itself), which frees its blocks and returns to the
 waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
 admitted in rank order while the budget, ``max_num_seqs`` and the block pool allow; the
-first one that does not fit stops admission.
+first one that does not fit stops admission. A sequence whose blocks wait for the host
+tier's loads (``BlockManager.waits_for_load``) is *held*: running and holding its blocks,
+but left out of the steps while any other sequence can run; a step with nothing else
+takes it anyway, and that step waits for the loads on the device.
 
 A sequence's rank is ``(priority, seq_id)``: under ``--scheduling-policy fcfs`` (the
 default) every priority counts as 0, so the rank is the arrival order; under ``priority``
@@ -237,11 +240,15 @@ class Scheduler:
         if decoding and cap is not None:
             budget = min(budget, max(cap, decoding))
 
+        held: list[Sequence] = []  # waiting for the host tier's loads (block manager)
         for seq in running:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self.block_manager.waits_for_load(seq):
+                held.append(seq)
+                continue
             left = seq.num_tokens - seq.num_computed_tokens
             if _is_decode(seq, left):
                 decoding -= 1
@@ -250,19 +257,16 @@ class Scheduler:
                 num_new = min(left, budget - decoding)
             if num_new <= 0:
                 continue  # nothing to compute until a token is appended, or no room
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self._running[next(reversed(self._running))]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
+            budget -= self._grow(seq, num_new, scheduled, preempted)
 
         # Admitting right after a preemption could just take back the victim's blocks.
         if not preempted:
-            budget = self._admit(scheduled, preempted, budget)
+            budget = self._admit(scheduled, preempted, budget, held)
+        if not scheduled:  # nothing else to run: the step waits for the loads instead
+            for seq in held:
+                if budget > 0 and seq.status is SequenceStatus.RUNNING:
+                    left = seq.num_tokens - seq.num_computed_tokens
+                    budget -= self._grow(seq, min(left, budget), scheduled, preempted)
         if propose is not None:
             self._add_drafts(scheduled, budget, propose)
 
@@ -276,6 +280,20 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=len(decodes),
         )
+
+    def _grow(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq],
+              preempted: list[Sequence]) -> int:
+        """Blocks for the running ``seq``'s next ``num_new`` tokens, preempting the
+        last-ranked running sequences (possibly ``seq``) until they fit; schedules it and
+        returns ``num_new``, or 0 when it was preempted itself."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self._running[next(reversed(self._running))]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return 0
+        scheduled.append(ScheduledSeq(seq, num_new))
+        return num_new
 
     def _sampled_its_last(self, seq: Sequence) -> bool:
         """Whether ``seq`` is a decode whose newest token (a pending one) is its last: it
@@ -304,9 +322,11 @@ class Scheduler:
                 rows -= len(draft)
 
     def _admit(self, scheduled: list[ScheduledSeq], preempted: list[Sequence],
-               budget: int) -> int:
+               budget: int, held: list[Sequence]) -> int:
         """Admit waiting sequences in rank order into ``scheduled`` (under priority,
-        preempting running ones ranked after them); returns the budget left."""
+        preempting running ones ranked after them), or into ``held`` where their prefix
+        hits wait for the host tier's loads (running, but not in this step unless nothing
+        else is); returns the budget left."""
         while self._waiting and budget > 0:
             seq = self._waiting[0]
             admitted = None
@@ -330,6 +350,9 @@ class Scheduler:
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._start_running(seq)
+            if self.block_manager.waits_for_load(seq):
+                held.append(seq)
+                continue
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
