@@ -433,12 +433,13 @@ def test_random_driver_on_a_pool_of_one_sequence(prefix_caching):
           max_num_batched_tokens=8, max_model_len=24, num_requests=15)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_driver_with_a_host_tier_whose_loads_land_later(seed):
+@pytest.mark.parametrize("seed,policy", [(0, "fcfs"), (1, "fcfs"), (2, "fcfs"),
+                                         (3, "priority"), (4, "priority"), (5, "priority")])
+def test_random_driver_with_a_host_tier_whose_loads_land_later(seed, policy):
     """The driver over a small pool and a host tier: evicted prefixes come back from the
-    tier, sequences wait while their loads are on their way, and every token a step
-    attends to is still its own."""
-    h = drive(10 + seed, True, num_blocks=16, host_slots=12, num_requests=60)
+    tier, sequences wait while their loads are on their way (under priority, some are
+    preempted while waiting), and every token a step attends to is still its own."""
+    h = drive(10 + seed, True, num_blocks=16, host_slots=12, num_requests=60, policy=policy)
     assert h.bm.counters["kv_offload_loaded_blocks_total"] > 0
     assert h.bm.host_loads.next_batch > 0
 

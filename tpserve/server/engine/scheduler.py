@@ -263,7 +263,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit(scheduled, preempted, budget, held)
         if not scheduled:  # nothing else to run: the step waits for the loads instead
-            for seq in held:
+            for seq in dict.fromkeys(held):  # once each: a victim may be admitted again
                 if budget > 0 and seq.status is SequenceStatus.RUNNING:
                     left = seq.num_tokens - seq.num_computed_tokens
                     budget -= self._grow(seq, min(left, budget), scheduled, preempted)
