@@ -14,10 +14,10 @@ Invariants:
 - stores run on the stream the forward runs on, in the order the block manager listed
   them, before the step they were planned with, so a block is stored before a step
   writes over it; a store into a slot that a load still reads waits for that load;
-- on CUDA a step's loads (one *batch*, numbered by the block manager) run on a copy
-  stream of their own, after everything the forward stream was given before them (the
-  step's stores, and earlier steps that may still read a block being reloaded), and
-  beside the step's forward; ``join(batch)`` makes the forward stream wait for every
+- on CUDA loads (in *batches*, one per admission, numbered by the block manager) run on
+  a copy stream of their own, in order, after everything the forward stream was given
+  before them (the step's stores, and earlier steps that may still read a block being
+  reloaded), and beside the step's forward; ``join(batch)`` makes the forward stream wait for every
   load up to ``batch`` (the engine joins a batch before any step reads or reuses a block
   it writes: ``server/engine/host_loads.py``); ``done_batch`` reads, without waiting,
   how far they have got. Off CUDA loads run in place and are done at once;

@@ -363,22 +363,30 @@ class ModelRunner:
         self.sampled_buf[: token_ids.shape[0]].copy_(token_ids)
 
     def copy_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]],
-                batch: int = -1, join: int = -1) -> None:
+                batches: list[int], join: int = -1) -> None:
         """Rank 0: every rank runs a step's copies between its pool and its host tier now,
         ahead of the step (``BlockManager.take_copies``): the join of load batch ``join``
-        (-1: none), the stores ``(block, slot)``, then the loads ``(slot, block)`` as batch
-        ``batch``, and the join again where it names that batch (``CMD_KV_COPY``, as many
-        messages as the receive buffer needs; each one join, stores or loads)."""
+        (-1: none), the stores ``(block, slot)``, then the loads ``(slot, block)``, load
+        ``i`` in batch ``batches[i]``, and the join again where it names one of those
+        batches (``CMD_KV_COPY``, as many messages as the receive buffer needs; each one
+        join, stores, or loads of one batch)."""
         cap = self.payload_buf.shape[0] // 2
-        messages = [(0, 0, join, [])] if join >= 0 else []
-        for pairs, is_store in ((stores, True), (loads, False)):
-            for i in range(0, len(pairs), cap):
-                part = pairs[i:i + cap]
-                ints = [x for x, _ in part] + [y for _, y in part]
-                messages.append((len(part) * is_store, len(part) * (not is_store), -1, ints))
-        if loads and join >= batch:
-            messages.append((0, 0, join, []))
-        for n_stores, n_loads, joined, ints in messages:
+        messages = [(0, 0, -1, join, [])] if join >= 0 else []
+        for i in range(0, len(stores), cap):
+            part = stores[i:i + cap]
+            messages.append((len(part), 0, -1, -1, [b for b, _ in part] + [s for _, s in part]))
+        i = 0
+        while i < len(loads):  # a message per batch, or per cap
+            end = i + 1
+            while end < len(loads) and end - i < cap and batches[end] == batches[i]:
+                end += 1
+            part = loads[i:end]
+            messages.append((0, len(part), batches[i], -1,
+                             [s for s, _ in part] + [b for _, b in part]))
+            i = end
+        if loads and join >= batches[0]:
+            messages.append((0, 0, -1, join, []))
+        for n_stores, n_loads, batch, joined, ints in messages:
             if self.comm.world_size > 1:
                 header = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 header[:5] = torch.tensor([CMD_KV_COPY, n_stores, n_loads, batch, joined])

@@ -51,8 +51,8 @@ class Memory:
         self.land(copies.join)
         for b, slot in copies.stores:
             self.host[slot] = list(self.device[b])
-        for slot, b in copies.loads:
-            self.pending.append((copies.batch, b, list(self.host[slot])))
+        for (slot, b), batch in zip(copies.loads, copies.batches, strict=True):
+            self.pending.append((batch, b, list(self.host[slot])))
         self.land(copies.join)
         return copies.stores, copies.loads
 

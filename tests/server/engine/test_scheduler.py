@@ -355,8 +355,8 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
         land(copies.join)
         for block, slot in copies.stores:
             host[slot] = kv[block * bs:(block + 1) * bs]
-        for slot, block in copies.loads:
-            landing.append((copies.batch, block, list(host[slot])))
+        for (slot, block), batch in zip(copies.loads, copies.batches, strict=True):
+            landing.append((batch, block, list(host[slot])))
         land(copies.join)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
@@ -466,7 +466,7 @@ def test_a_sequence_waits_for_its_loads_while_others_run():
     assert [item.seq for item in out.scheduled] == [decoder]  # again waits, decoder runs
     assert again.status is SequenceStatus.RUNNING and len(again.block_ids) == 4
     copies = h.bm.take_copies([decoder])
-    assert (len(copies.loads), copies.batch, copies.join) == (3, 0, -1)
+    assert (len(copies.loads), copies.batches, copies.join) == (3, [0, 0, 0], -1)
     for _ in range(2):  # not yet seen done: still held
         out = h.step()
         assert [item.seq for item in out.scheduled] == [decoder]
@@ -488,7 +488,36 @@ def test_a_sequence_waits_for_its_loads_while_others_run():
     out = h.step()  # nothing else to run: scheduled in the step that loads its blocks
     assert [(item.seq, item.num_new_tokens) for item in out.scheduled] == [(again, 2)]
     copies = h.bm.take_copies([again])
-    assert (len(copies.loads), copies.batch, copies.join) == (3, 0, 0)
+    assert (len(copies.loads), copies.batches, copies.join) == (3, [0, 0, 0], 0)
+
+
+def test_each_admission_loads_in_a_batch_of_its_own():
+    """Two prompts back from the tier admitted in one step: their loads are two batches,
+    and the first is computed once its own batch is seen done, the second still waiting."""
+    h = Harness(num_blocks=12, block_size=4, prefix_caching=True, host_slots=16)
+    prompts = [list(range(100, 109)), list(range(300, 309))]  # 2 full blocks and a token
+    for p in prompts:
+        h.add(p, max_tokens=1)
+        h.step()
+    (filler,) = h.add(list(range(500, 547)), max_tokens=20)  # 12 blocks: evicts all four
+    h.step()
+    h.sched.finish(filler, SequenceStatus.FINISHED_ABORTED)
+    (decoder,) = h.add([7, 8], max_tokens=20)
+    h.step()
+    h.bm.take_copies()
+    a, b = (h.add(p + [5], max_tokens=2)[0] for p in prompts)
+    out = h.step()
+    assert [item.seq for item in out.scheduled] == [decoder]
+    copies = h.bm.take_copies([decoder])
+    assert (len(copies.loads), copies.batches) == (4, [0, 0, 1, 1])
+    h.bm.host_loads.complete(0)
+    out = h.step()
+    assert [item.seq for item in out.scheduled] == [decoder, a]  # b waits for batch 1
+    assert h.bm.take_copies([decoder, a]).join == 0
+    h.bm.host_loads.complete(1)
+    out = h.step()
+    assert b in [item.seq for item in out.scheduled]
+    assert h.bm.take_copies([item.seq for item in out.scheduled]).join == 1
 
 
 def test_prefix_cache_counters_count_tokens_at_admission():

@@ -82,12 +82,13 @@ class HostHit(NamedTuple):
 
 class KVCopies(NamedTuple):
     """A step's copies between the pool and the host tier (``take_copies``): stores
-    ``(device block, host slot)``, then loads ``(host slot, device block)`` in batch
-    ``batch`` (-1: none), and the newest load batch the step joins (-1: none)."""
+    ``(device block, host slot)``, then loads ``(host slot, device block)``, ``batches[i]``
+    the batch of ``loads[i]`` (ascending), and the newest load batch the step joins (-1:
+    none)."""
 
     stores: list[tuple[int, int]]
     loads: list[tuple[int, int]]
-    batch: int = -1
+    batches: list[int]
     join: int = -1
 
     @property
@@ -137,6 +138,7 @@ class BlockManager:
         # then (host slot, device block) loads; see ``take_copies``
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self._load_batches: list[int] = []  # each listed load's batch
         self.host_loads = HostLoads()  # the loads no step has joined yet
         self.counters = {"kv_offload_stored_blocks_total": 0,
                          "kv_offload_loaded_blocks_total": 0}
@@ -296,9 +298,10 @@ class BlockManager:
                 del self._evictable[b]
             self._refcount[b] += 1
         wait = -1  # the newest load batch a block of seq's waits for
+        batch = self.host_loads.new_batch() if hosted else -1
         for b in computed:
             if isinstance(b, HostHit):
-                b = self._load(b.slot)
+                b = self._load(b.slot, batch)
             wait = max(wait, self.host_loads.batch_of(b))
             seq.block_ids.append(b)
         self.host_loads.wait(seq.seq_id, wait)
@@ -364,29 +367,31 @@ class BlockManager:
         self._refcount[b] = 1
         return b
 
-    def _load(self, slot: int) -> int:
+    def _load(self, slot: int, batch: int) -> int:
         """A fresh block (refcount 1) registered under host ``slot``'s entry, its load
-        listed. The slot is pinned, so its hash is in no device block."""
+        listed in ``batch``. The slot is pinned, so its hash is in no device block."""
         entry = self.host.entry(slot)
         b = self._take_block()
         assert entry.hash not in self._cache, "a host hit whose hash the device holds"
         self._cache[entry.hash] = b
         self._entry_of[b] = entry
         self._loads.append((slot, b))
-        self.host_loads.loading(b)
+        self._load_batches.append(batch)
+        self.host_loads.loading(b, batch)
         self.counters["kv_offload_loaded_blocks_total"] += 1
         return b
 
     def take_copies(self, scheduled: Iterable[Sequence] = ()) -> KVCopies:
         """The copies listed since the last call, handed to the runners with the step of
-        sequences ``scheduled``: stores, then loads, each in the order they must run, and
-        the load batch the step joins first (``host_loads.py``). Unpins the tier."""
-        stores, loads = self._stores, self._loads
-        self._stores, self._loads = [], []
+        sequences ``scheduled``: stores, then loads (a batch per admission), each in the
+        order they must run, and the load batch the step joins first (``host_loads.py``).
+        Unpins the tier."""
+        copies = KVCopies(self._stores, self._loads, self._load_batches,
+                          self.host_loads.take(s.seq_id for s in scheduled))
+        self._stores, self._loads, self._load_batches = [], [], []
         if self.host is not None:
             self.host.unpin_all()
-        batch, join = self.host_loads.take((s.seq_id for s in scheduled), bool(loads))
-        return KVCopies(stores, loads, batch, join)
+        return copies
 
     # ----------------------------------------------------------------- checking
 

@@ -1,12 +1,13 @@
 """The host tier's loads in flight: which device blocks a load may still be writing, and
 which sequences wait for them (``BlockManager``'s books; the copies are ``model/kv_offload``).
 
-A step's loads run beside the forward, on every rank's copy stream, as one *batch*
-numbered from 0 in the order the steps list them. A sequence whose blocks a batch writes
-is held out of the steps (``Scheduler``) until rank 0 sees the batch done (``complete``),
-while the others run; the first step that computes it *joins* the batch: every rank's
-forward stream waits for that batch's copies (a device-side wait, free once they are
-done), because rank 0 seeing its own copies done says nothing of another rank's.
+The loads one sequence's admission lists are one *batch*, numbered from 0 in the order
+they are listed; they run beside the forward, on every rank's copy stream, in that order.
+A sequence whose blocks a batch writes is held out of the steps (``Scheduler``) until rank
+0 sees the batch done (``complete``), while the others run; the first step that computes
+it *joins* the batch: every rank's forward stream waits for that batch's copies (a
+device-side wait, free once they are done), because rank 0 seeing its own copies done
+says nothing of another rank's.
 
 Invariants:
 - ``_block`` holds exactly the device blocks whose load is not yet joined and that still
@@ -30,14 +31,19 @@ class HostLoads:
     def __init__(self) -> None:
         self._block: dict[int, int] = {}  # device block -> batch writing it (ascending)
         self._seq: dict[int, int] = {}  # seq_id -> the newest batch its blocks wait for
-        self.next_batch = 0  # the batch the loads listed now go out in
+        self.next_batch = 0  # the batch the next admission's loads go out in
         self.done = -1  # every batch <= done is complete on rank 0
         self.joined = -1  # every batch <= joined is ordered before every later step
         self._must_join = -1  # a batch the next step joins: one of its blocks was reused
 
-    def loading(self, block: int) -> None:
-        """``block`` gets a load listed in the batch being planned."""
-        self._block[block] = self.next_batch
+    def new_batch(self) -> int:
+        """The batch of the loads an admission is about to list."""
+        self.next_batch += 1
+        return self.next_batch - 1
+
+    def loading(self, block: int, batch: int) -> None:
+        """``block`` gets a load listed in ``batch``."""
+        self._block[block] = batch
 
     def batch_of(self, block: int) -> int:
         """The batch still writing ``block``, or -1."""
@@ -66,26 +72,22 @@ class HostLoads:
         """Rank 0 saw every batch up to ``batch`` done."""
         self.done = max(self.done, batch)
 
-    def take(self, scheduled: Iterable[int], has_loads: bool) -> tuple[int, int]:
-        """The step with sequences ``scheduled`` goes out: ``(batch, join)``, the batch
-        its listed loads go out in (-1: none) and the newest batch it must join before it
-        runs (-1: none; it may be its own batch, joined after its loads)."""
+    def take(self, scheduled: Iterable[int]) -> int:
+        """The step with sequences ``scheduled`` goes out: the newest batch it must join
+        before it runs (-1: none; it may be one of its own, joined after its loads)."""
         join = self._must_join
         for seq_id in scheduled:
             join = max(join, self._seq.pop(seq_id, -1))
         self._must_join = -1
-        batch = -1
-        if has_loads:
-            batch, self.next_batch = self.next_batch, self.next_batch + 1
         if join <= self.joined:
-            return batch, -1
+            return -1
         self.joined = join
         while self._block:  # ascending: drop the joined front
             block, b = next(iter(self._block.items()))
             if b > join:
                 break
             del self._block[block]
-        return batch, join
+        return join
 
     def check_integrity(self, is_cached, seq_ids: set[int] | None) -> None:
         """Raise AssertionError unless every tracked block is cached and its batch listed,
@@ -93,8 +95,8 @@ class HostLoads:
         those wait."""
         batches = list(self._block.values())
         assert batches == sorted(batches), f"loads out of batch order: {batches}"
-        assert all(self.joined < b <= self.next_batch for b in batches), (
-            f"a load's batch outside ({self.joined}, {self.next_batch}]: {batches}")
+        assert all(self.joined < b < self.next_batch for b in batches), (
+            f"a load's batch outside ({self.joined}, {self.next_batch}): {batches}")
         for block in self._block:
             assert is_cached(block), f"loading block {block} holds no cache entry"
         if seq_ids is not None:
