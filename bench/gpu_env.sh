@@ -135,3 +135,20 @@ serving_ab() {
     tail -2 "$OUT/serving-$v.log" | cut -c1-300
   done
 }
+# offload_summary JSON: a bench_offload.py result's rounds (wall, TTFT, ITL, the step()
+# calls by the copies in them, the copies and hits) and its tokens against the first run
+offload_summary() {
+python3 - "$1" <<'PY' || true
+import json, sys
+for run in json.load(open(sys.argv[1]))["runs"]:
+    for r in run["rounds"]:
+        print(run["offload_gib"], "GiB round", r["round"], "wall", r["wall_s"],
+              "out", r.get("output_tokens"), "ttft", r["ttft_ms"], "itl", r["itl_ms"])
+        print("   calls", {k: v for k, v in r["step_call_ms"].items() if k != "slowest"})
+        print("   slowest", r["step_call_ms"]["slowest"])
+        print("   stored", r.get("kv_offload_stored_blocks_total"),
+              "loaded", r.get("kv_offload_loaded_blocks_total"),
+              "hits", r.get("prefix_cache_hits_total"))
+    print("   vs first run:", run.get("last_round_vs_first_run"))
+PY
+}

@@ -12,18 +12,6 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total --format=csv,
 step "offload (engine, staggered)"
 timeout 420 python3 bench/bench_offload.py --offload 0,40 --stagger --git-commit "$SHA" \
   --out "$OUT/offload_stagger.json" > "$OUT/offload_stagger.log" 2>&1 || echo "exit $?"
-python3 - "$OUT/offload_stagger.json" <<'PY' || true
-import json, sys
-for run in json.load(open(sys.argv[1]))["runs"]:
-    for r in run["rounds"]:
-        print(run["offload_gib"], "GiB round", r["round"], "wall", r["wall_s"],
-              "out", r.get("output_tokens"), "ttft", r["ttft_ms"], "itl", r["itl_ms"])
-        print("   calls", {k: v for k, v in r["step_call_ms"].items() if k != "slowest"})
-        print("   slowest", r["step_call_ms"]["slowest"])
-        print("   stored", r.get("kv_offload_stored_blocks_total"),
-              "loaded", r.get("kv_offload_loaded_blocks_total"),
-              "hits", r.get("prefix_cache_hits_total"))
-    print("   vs first run:", run.get("last_round_vs_first_run"))
-PY
+offload_summary "$OUT/offload_stagger.json"
 grep -E "Error|error" "$OUT/offload_stagger.log" | head -5
 step done
