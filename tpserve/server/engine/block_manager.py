@@ -439,8 +439,8 @@ class BlockManager:
                     assert held[1].serial == e.serial, (
                         f"block {b} and host slot {held[0]} hold one content, two serials")
         seqs = None if seqs is None else list(seqs)
-        self.host_loads.check_integrity(self.is_cached,
-                                   None if seqs is None else {s.seq_id for s in seqs})
+        self.host_loads.check_integrity(
+            self.is_cached, None if seqs is None else {s.seq_id for s in seqs})
         if seqs is not None:
             counts = [0] * n
             for seq in seqs:
