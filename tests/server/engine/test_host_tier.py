@@ -2,12 +2,10 @@
 slots, found again, loaded back; the copies a step owes, in the order they must run; loads
 that land steps later, joined before any step touches their blocks.
 
-``Memory`` plays the runners: it runs the listed copies on two lists of block contents and
-then "computes" a step's tokens into its blocks, so the tests check what every block of
-a sequence holds after hits from either tier, not just the bookkeeping. A load lands in
-its block only when the test says (``land``, as a copy stream finishing) or when a step
-joins its batch, so a block a step touched before its load was joined ends up holding
-the wrong tokens."""
+``Memory`` plays the runners (``fake_kv.FakeKV``: the listed copies on block contents, loads
+landing when the test says or a step joins them) and "computes" a step's tokens into its
+blocks, so the tests check what every block of a sequence holds after hits from either
+tier, not just the bookkeeping."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import random
 
 import pytest
 
+from tests.server.engine.fake_kv import FakeKV
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.block_manager import BlockManager, HostHit
 from tpserve.server.engine.host_tier import HostTier
@@ -28,38 +27,14 @@ def make_seq(seq_id: int, tokens) -> Sequence:
                     prompt_token_ids=list(tokens), params=SamplingParams())
 
 
-class Memory:
-    """The device pool's and the host tier's block contents, as the runners would hold
-    them: each block holds the tokens whose K/V it stores (None: never written)."""
-
-    def __init__(self, bm: BlockManager):
-        self.bm = bm
-        self.device: list[list] = [[None] * BS for _ in range(bm.num_blocks)]
-        self.host: list[list] = [[None] * BS for _ in range(bm.host.num_slots)]
-        self.pending: list[tuple[int, int, list]] = []  # loads on their way: batch, block
-
-    def land(self, batch: int) -> None:
-        """Every load up to ``batch`` lands in its block (in the order they were given)."""
-        for _, block, content in [p for p in self.pending if p[0] <= batch]:
-            self.device[block] = content
-        self.pending = [p for p in self.pending if p[0] > batch]
-
-    def run_copies(self, scheduled=()) -> tuple[list, list]:
-        """The copies of a step computing ``scheduled``, as the runners run them: the
-        join, the stores, the loads (put on their way) and the join again."""
-        copies = self.bm.take_copies(scheduled)
-        self.land(copies.join)
-        for b, slot in copies.stores:
-            self.host[slot] = list(self.device[b])
-        for (slot, b), batch in zip(copies.loads, copies.batches, strict=True):
-            self.pending.append((batch, b, list(self.host[slot])))
-        self.land(copies.join)
-        return copies.stores, copies.loads
+class Memory(FakeKV):
+    """``FakeKV`` with a step that computes a sequence's tokens into its blocks."""
 
     def compute(self, seq: Sequence) -> None:
         """A step writes ``seq``'s tokens past its hits into its blocks."""
         for pos in range(seq.num_computed_tokens, seq.num_tokens):
-            self.device[seq.block_ids[pos // BS]][pos % BS] = seq.all_token_ids[pos]
+            block, offset = self.at(seq, pos)
+            block[offset] = seq.all_token_ids[pos]
         seq.num_computed_tokens = seq.num_tokens
         self.bm.cache_full_blocks(seq)
 
@@ -73,11 +48,12 @@ class Memory:
         self.expect(seq, hit)  # the hits hold the prompt's tokens before the forward
         self.compute(seq)
         self.bm.check_integrity()
-        return hit, *copies
+        return hit, copies.stores, copies.loads
 
     def expect(self, seq: Sequence, upto: int) -> None:
         for pos in range(upto):
-            got = self.device[seq.block_ids[pos // BS]][pos % BS]
+            block, offset = self.at(seq, pos)
+            got = block[offset]
             assert got == seq.all_token_ids[pos], (
                 f"seq {seq.seq_id} position {pos}: block {seq.block_ids[pos // BS]} holds "
                 f"{got}, expected {seq.all_token_ids[pos]}")

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from tests.server.engine.fake_kv import FakeKV
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.block_manager import BlockManager
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -331,33 +332,16 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
     the priority policy, priorities -1..2) to completion, checking integrity after every
     step. A fake KV pool checks that every
     token a step attends to sits in the slot its block table names, which catches a wrong
-    prefix hit, a bad fork, or two sequences writing one block. With ``host_slots``, a
-    fake host tier runs each step's copies as the runners do, and a load lands in its
-    block only at a random later step (rank 0 then sees it done) or when a step joins it."""
+    prefix hit, a bad fork, or two sequences writing one block. With ``host_slots``, it
+    runs each step's host-tier copies as the runners do (``FakeKV``), and a load lands in
+    its block only at a random later step (rank 0 then sees it done) or when a step joins
+    it."""
     rng = random.Random(seed)
     bs = block_size
     h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                 prefix_caching=prefix_caching, policy=policy, host_slots=host_slots)
-    kv: list[int | None] = [None] * (num_blocks * bs)
-    host: list[list[int | None]] = [[None] * bs for _ in range(host_slots)]
-    landing: list[tuple[int, int, list[int | None]]] = []  # loads on their way
-
-    def land(batch: int) -> None:
-        nonlocal landing
-        for b, block, content in landing:
-            if b <= batch:
-                kv[block * bs:(block + 1) * bs] = content
-        landing = [x for x in landing if x[0] > batch]
-
-    def copy(out: SchedulerOutput) -> None:
-        copies = h.bm.take_copies(item.seq for item in out.scheduled)
-        land(copies.join)
-        for block, slot in copies.stores:
-            host[slot] = kv[block * bs:(block + 1) * bs]
-        for (slot, block), batch in zip(copies.loads, copies.batches, strict=True):
-            landing.append((batch, block, list(host[slot])))
-        land(copies.join)
+    kv = FakeKV(h.bm)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
     max_new = max_model_len // 4
@@ -370,9 +354,6 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
               request_id=f"req{i}",
               priority=rng.randrange(-1, 3) if policy == "priority" else 0)
 
-    def slot(seq: Sequence, pos: int) -> int:
-        return seq.block_ids[pos // bs] * bs + pos % bs
-
     added = 0
     for _ in range(max_steps):
         while added < num_requests and rng.random() < 0.3:
@@ -380,21 +361,22 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
             added += 1
         if added == num_requests and not h.sched.has_unfinished:
             break
-        if landing and rng.random() < 0.3:  # a copy stream gets this far; rank 0 sees it
-            batch = rng.choice([b for b, _, _ in landing])
-            land(batch)
+        if kv.pending and rng.random() < 0.3:  # a copy stream gets this far; rank 0 sees it
+            batch = rng.choice([b for b, _, _ in kv.pending])
+            kv.land(batch)
             h.bm.host_loads.complete(batch)
         out = h.schedule(token_budget=rng.choice([None, None, 3, 10]))
-        copy(out)
+        kv.run_copies(item.seq for item in out.scheduled)
         for item in out.scheduled:  # the "model" writes the new tokens' K/V
             seq, start = item.seq, item.seq.num_computed_tokens
             tokens = seq.all_token_ids
             for pos in range(start, start + item.num_new_tokens):
-                kv[slot(seq, pos)] = tokens[pos]
+                block, offset = kv.at(seq, pos)
+                block[offset] = tokens[pos]
         for item in out.scheduled:  # ... and each sequence attends to exactly its tokens
             seq = item.seq
             end = seq.num_computed_tokens + item.num_new_tokens
-            seen = [kv[slot(seq, pos)] for pos in range(end)]
+            seen = [block[offset] for block, offset in (kv.at(seq, pos) for pos in range(end))]
             assert seen == seq.all_token_ids[:end], f"seq {seq.seq_id} reads wrong KV"
         h.run(out)
         if rng.random() < 0.02 and h.seqs:
