@@ -132,7 +132,11 @@ class HostKV:
         any load still reading one of ``slots``."""
         self._after_loads_of(slots)
         for i in range(0, len(blocks), self.staging_blocks):
-            self._store(blocks[i:i + self.staging_blocks], slots[i:i + self.staging_blocks])
+            index, by_row, by_block = self._out.views(blocks[i:i + self.staging_blocks])
+            torch.index_select(self.pool_rows, 1, index, out=by_row)
+            by_block.copy_(by_row.transpose(0, 1))
+            for j, slot in enumerate(slots[i:i + self.staging_blocks]):
+                self.host[slot].copy_(by_block[j], non_blocking=True)
 
     def load(self, slots: list[int], blocks: list[int], batch: int) -> None:
         """Copies host ``slots[i]`` into pool ``blocks[i]``, in batches, in order, as (part
@@ -172,17 +176,9 @@ class HostKV:
                 torch.cuda.current_stream(self._stream.device).wait_event(done)
                 return
 
-    def _store(self, blocks: list[int], slots: list[int]) -> None:
-        index, by_row, by_block = self._out.views(blocks)
-        torch.index_select(self.pool_rows, 1, index, out=by_row)
-        by_block.copy_(by_row.transpose(0, 1))
-        for j, slot in enumerate(slots):
-            self.host[slot].copy_(by_block[j], non_blocking=True)
-
     def _load(self, slots: list[int], blocks: list[int]) -> None:
         for i in range(0, len(blocks), self.staging_blocks):
-            part = blocks[i:i + self.staging_blocks]
-            index, by_row, by_block = self._in.views(part)
+            index, by_row, by_block = self._in.views(blocks[i:i + self.staging_blocks])
             for j, slot in enumerate(slots[i:i + self.staging_blocks]):
                 by_block[j].copy_(self.host[slot], non_blocking=True)
             by_row.copy_(by_block.transpose(0, 1))
