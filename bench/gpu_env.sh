@@ -152,3 +152,14 @@ for run in json.load(open(sys.argv[1]))["runs"]:
     print("   vs first run:", run.get("last_round_vs_first_run"))
 PY
 }
+# offload_stagger NAME SHA OFFLOAD [ROOT]: bench_offload.py --stagger (ROOT's copy, default
+# this tree; --offload OFFLOAD) into $OUT/NAME.json and .log, under $OFFLOAD_TIMEOUT s
+# (default 420), then its summary and any error lines
+offload_stagger() {
+  local name=$1 sha=$2 offload=$3 root=${4:-.}
+  timeout "${OFFLOAD_TIMEOUT:-420}" python3 "$root/bench/bench_offload.py" \
+    --model .benchdata/llama3-8b --offload "$offload" --stagger --git-commit "$sha" \
+    --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || echo "exit $?"
+  offload_summary "$OUT/$name.json"
+  grep -E "Error|error" "$OUT/$name.log" | head -5
+}

@@ -10,8 +10,5 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && exec > >(tee "$OUT/r45.txt") 2>&1
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total --format=csv,noheader
 step "offload (engine, staggered)"
-timeout 420 python3 bench/bench_offload.py --offload 0,40 --stagger --git-commit "$SHA" \
-  --out "$OUT/offload_stagger.json" > "$OUT/offload_stagger.log" 2>&1 || echo "exit $?"
-offload_summary "$OUT/offload_stagger.json"
-grep -E "Error|error" "$OUT/offload_stagger.log" | head -5
+offload_stagger offload_stagger "$SHA" 0,40
 step done

@@ -7,23 +7,17 @@
 #   bash bench/run_r46.sh SHA   (carry .whl, .benchdata and ab; about 5 minutes)
 source bench/gpu_env.sh
 SHA=${1:?commit of this tree}
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-/tmp/out} OFFLOAD_TIMEOUT=200
 mkdir -p "$OUT" && exec > >(tee "$OUT/r46.txt") 2>&1
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total --format=csv,noheader
 step "offload (engine, staggered)"
-timeout 200 python3 bench/bench_offload.py --offload 0,40 --stagger --git-commit "$SHA" \
-  --out "$OUT/offload_stagger.json" > "$OUT/offload_stagger.log" 2>&1 || echo "exit $?"
-offload_summary "$OUT/offload_stagger.json"
-grep -E "Error|error" "$OUT/offload_stagger.log" | head -5
+offload_stagger offload_stagger "$SHA" 0,40
 step "GPU tests: the copy stream, the engine over it"
 timeout 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider \
   tests/model/test_kv_offload.py tests/server/engine/test_kv_offload_engine.py -k "cuda" 2>&1 \
   | tail -15 || true
 if [ -d ab/base ]; then
   step "baseline: 2fed6f6, loads on the forward's stream"
-  timeout 200 python3 ab/base/bench/bench_offload.py --model .benchdata/llama3-8b --offload 40 \
-    --stagger --git-commit 2fed6f6 --out "$OUT/offload_stagger_base.json" \
-    > "$OUT/offload_stagger_base.log" 2>&1 || echo "exit $?"
-  offload_summary "$OUT/offload_stagger_base.json"
+  offload_stagger offload_stagger_base 2fed6f6 40 ab/base
 fi
 step done
