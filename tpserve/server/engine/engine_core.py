@@ -101,7 +101,7 @@ import torch
 
 from tpserve.model.fault import SAMPLE
 from tpserve.model.memory import read_memory
-from tpserve.model.plan import SeqChunk, StepPlan
+from tpserve.model.plan import StepPlan
 from tpserve.model.pooling import classifier_head, pool_rows
 from tpserve.model.runner import ModelRunner
 from tpserve.model.sampler import PendingSample, Sampler, small_pool_rows
@@ -126,6 +126,7 @@ from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 from tpserve.server.engine.speculative import SampleRows, draft_for, kept_tokens, sample_rows
+from tpserve.server.engine.step_inputs import PLACEHOLDER, StepInputs, step_inputs
 from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
 from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
@@ -136,7 +137,6 @@ from tpserve.server.engine.token_texts import TokenTexts
 logger = logging.getLogger(__name__)
 
 MEMORY_READ_INTERVAL_S = 0.5
-PLACEHOLDER = -1  # an output token sampled on the device but not read back yet
 # the longest a step with nothing to run waits for a grammar compile (then returns, so the
 # step loop reads its inbox and sends heartbeats)
 GRAMMAR_WAIT_S = 0.02
@@ -337,42 +337,12 @@ class EngineCore:
                 self.counters["grammar_wait_seconds_total"] += self.awaiting.wait(
                     GRAMMAR_WAIT_S)
             return False
-        pending = prev.rows if prev is not None else {}
-        chunks, sampling, scored, pooled = [], [], [], []
-        drafts: dict[int, tuple[int, ...]] = {}
-        row = 0  # the next chunk's first row in the step
-        for item in out.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens - len(item.draft)
-            sample = end == seq.num_tokens
-            tokens = seq.token_slice(start, end) + list(item.draft)
-            if item.draft:
-                drafts[seq.seq_id] = item.draft
-            first, row = row, row + len(tokens)
-            if seq.params.pooling is not None:  # pooled, never sampled
-                pooled.append((seq, first, len(tokens), start, sample))
-                chunks.append(SeqChunk(tokens, start, seq.block_ids, False))
-                continue
-            src = pending.get(seq.seq_id, -1) if sample else -1
-            if (src >= 0) != (tokens[-1] == PLACEHOLDER):
-                raise RuntimeError(f"seq {seq.seq_id}: placeholder bookkeeping is broken")
-            targets: tuple[int, ...] = ()
-            if seq.scores_prompt:  # positions whose next token is still in the prompt
-                k = max(0, min(end, seq.num_prompt_tokens - 1) - start)
-                targets = tuple(seq.prompt_token_ids[start + 1:start + 1 + k])
-                if k:
-                    scored.append((seq, start, k))
-            lora = seq.params.lora_slot
-            chunks.append(SeqChunk(tokens, start, seq.block_ids, sample, src, targets,
-                                   seq.params.prompt_logprobs or 0,
-                                   -1 if lora is None else lora, 1 + len(item.draft)))
-            if sample:
-                sampling.append(seq)
+        inputs = step_inputs(out.scheduled, prev.rows if prev is not None else {})
+        sampling = inputs.sampling
         copies = self.block_manager.take_copies(item.seq for item in out.scheduled)
         if copies.needed:  # the host tier's copies run before the step that needs them
             self.runner.copy_kv(*copies)
-        launched = self._launch(chunks, sampling, scored, pooled, drafts)
+        launched = self._launch(inputs)
         if launched is None:  # out of memory: the exception and its frames are gone
             self._recover_from_oom(out.num_batched_tokens)
             return True
@@ -396,18 +366,16 @@ class EngineCore:
             self.block_manager.check_integrity()
         return True
 
-    def _launch(self, chunks: list[SeqChunk], sampling: list[Sequence],
-                scored: list[tuple[Sequence, int, int]],
-                pooled: list[tuple[Sequence, int, int, int, bool]],
-                drafts: dict[int, tuple[int, ...]]) -> InFlight | None:
+    def _launch(self, inputs: StepInputs) -> InFlight | None:
         """Runs one step on the device as a unit: forward, logits, grammar bitmask,
-        sampling (a row per draft position too: ``drafts``, seq_id -> draft), and the
+        sampling (a row per draft position too: ``inputs.drafts``), and the
         copy of the samples to the host. Returns None when any of it ran out of device
         memory at tp 1; the seeded rows' generators are then back where they were, so a
         seeded request still draws exactly once per token it keeps.
 
         Nothing of the engine's own state changes in here except reading back the previous
         step (structured rows), which is valid whether or not this step survives."""
+        sampling, pooled, drafts = inputs.sampling, inputs.pooled, inputs.drafts
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
         rows = sample_rows(sampling, generators, drafts)
         recoverable = self.runner.comm.world_size == 1  # see oom_recovery
@@ -415,7 +383,7 @@ class EngineCore:
         try:
             ranges = self.runner.ranges
             with ranges.range("prepare"):  # the plan built, uploaded and sent to every rank
-                plan = self.runner.upload(StepPlan.build(chunks, self.block_size,
+                plan = self.runner.upload(StepPlan.build(inputs.chunks, self.block_size,
                                                          self.runner.attn))
             pool, out_rows = pool_rows([
                 (first, n, start, final, seq.params.pooling.pooling_type)
@@ -439,7 +407,8 @@ class EngineCore:
                 flight = self._sample(logits, sampling, rows, bitmask)
             flight.rows = {s.seq_id: row for s, row in zip(sampling, rows.first, strict=True)}
             flight.drafts = drafts
-            flight.scored, flight.prompt, flight.prompt_event = scored, prompt, prompt_event
+            flight.scored, flight.prompt, flight.prompt_event = (inputs.scored, prompt,
+                                                                 prompt_event)
             flight.pooling = [(seq, start, final, out) for (seq, _, _, start, final), out
                               in zip(pooled, out_rows, strict=True)]
             flight.pooled, flight.pooled_event = sums, sums_event
