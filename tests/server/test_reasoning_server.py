@@ -12,6 +12,7 @@ import json
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -219,3 +220,107 @@ def test_every_served_name_is_listed_and_answers(servers):
     r = client.chat.completions.create(model="r1", messages=QUESTION, max_tokens=24,
                                        temperature=0)
     assert (r.model, r.choices[0].message.content) == ("r1", " Paris.")
+
+
+# ------------------------------------------------------------ thinking_token_budget
+
+
+def _ids(folder, messages=QUESTION) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _continued(server, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """The model's greedy token ids and text after ``prompt`` (a completion: no budget,
+    nothing parsed)."""
+    client = server.client()
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                  max_tokens=max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    return r.choices[0].token_ids, r.choices[0].text
+
+
+def _forced(server, folder, name: str, budget: int) -> list[int]:
+    """What a budget puts before the end tag: the start tag the model writes (deepseek_r1's
+    outputs begin in the thinking, so a budget of 0 ends it before the tag), and the
+    first ``budget`` tokens of the model's own thinking."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    free, _ = _continued(server, _ids(folder), 24)
+    assert free[0] == start and free[4] == end  # <think> capital of France</think>
+    if name == "r1" and budget == 0:
+        return [end]
+    return [start, *free[1:1 + budget], end]
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 3])
+def test_a_thinking_budget_ends_the_thinking_where_it_is_spent(servers, folder, budget):
+    """``thinking_token_budget`` (vLLM's): the output thinks for ``budget`` tokens, then
+    the end tag is forced and the model answers from there: token for token what a
+    completion of the prompt and those forced tokens continues with. A budget of 3 is
+    exactly this model's own thinking, so nothing changes."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    for name in ("r1", "qwen3"):
+        forced = _forced(servers[name], folder, name, budget)
+        rest, text = _continued(servers[name], _ids(folder) + forced, 24 - len(forced))
+        r = chat(servers[name], extra_body={"thinking_token_budget": budget,
+                                            "return_token_ids": True})
+        c = r.choices[0]
+        assert c.token_ids == forced + rest, name
+        thought = tok.decode(forced[1:-1]) if len(forced) > 1 else ""
+        assert (c.message.reasoning, c.message.content) == (thought or None, text or None), name
+        if budget == 3:
+            assert (c.message.reasoning, c.message.content) == (" capital of France",
+                                                                " Paris.")
+
+
+def test_a_budgeted_stream_adds_up_to_the_whole_and_completions_obey_it(servers, folder):
+    whole = chat(servers["qwen3"], extra_body={"thinking_token_budget": 1}).choices[0].message
+    assert whole.reasoning == " capital"
+    client = servers["qwen3"].client()
+    model = client.models.list().data[0].id
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+            extra_body={"thinking_token_budget": 1}):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content or None) == (whole.reasoning, whole.content)
+    # a completion is never parsed, but its thinking is counted all the same
+    forced = _forced(servers["r1"], folder, "r1", 1)
+    rest, _ = _continued(servers["r1"], _ids(folder) + forced, 24 - len(forced))
+    r = servers["r1"].client().completions.create(
+        model="r1", prompt=_ids(folder), max_tokens=24, temperature=0,
+        extra_body={"thinking_token_budget": 1, "return_token_ids": True})
+    assert r.choices[0].token_ids == forced + rest
+
+
+def test_budget_tokens_caps_a_messages_thinking_block(servers, folder):
+    """``/v1/messages``' ``thinking.budget_tokens`` is the thinking's cap: the block holds
+    its first token, and the text is the model's answer after the forced end tag."""
+    forced = _forced(servers["r1"], folder, "r1", 1)
+    _, text = _continued(servers["r1"], _ids(folder) + forced, 24 - len(forced))
+    client = anthropic.Anthropic(base_url=servers["r1"].base, api_key="none", max_retries=0,
+                                 timeout=120)
+    m = client.messages.create(model="thinker", messages=QUESTION, max_tokens=24,
+                               thinking={"type": "enabled", "budget_tokens": 1},
+                               extra_body={"temperature": 0})
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
+        ("thinking", " capital"), ("text", text)]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"thinking_token_budget": -1}, "thinking_token_budget must be at least 0"),
+    ({"thinking_token_budget": 2, "use_beam_search": True, "n": 2},
+     "thinking_token_budget is not supported with beam search"),
+    ({"thinking_token_budget": 2, "allowed_token_ids": [1, 2]},
+     "needs the end of the thinking allowed")])
+def test_a_budget_that_cannot_be_honoured_is_a_400(servers, extra, message):
+    client = servers["r1"].client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="r1", messages=QUESTION, max_tokens=8,
+                                       extra_body=extra)
+    assert refused.value.body["param"] == "thinking_token_budget"
+    assert message in refused.value.body["message"]

@@ -27,6 +27,25 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """A reasoning model's thinking capped at ``tokens`` (vLLM's ``thinking_token_budget``):
+    once that many tokens follow the start of the thinking, ``end_id`` is the only token
+    that can be sampled. The thinking starts where ``--reasoning-parser`` says it does: at
+    the first output token when ``opens`` (the prompt opened it, or the model's outputs
+    always begin in it), or after an output that begins with ``start_id``. Pure data: the
+    engine counts (``server/engine/thinking.py``)."""
+
+    tokens: int
+    start_id: int
+    end_id: int
+    opens: bool
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ValueError(f"thinking_token_budget must be at least 0, got {self.tokens}")
+
+
+@dataclass(frozen=True)
 class PoolingParams:
     """An embedding request (``--runner pooling``): its prompt is pooled, nothing is
     sampled. ``pooling_type`` is the server's (``model.pooling.PoolerConfig``);
@@ -88,6 +107,8 @@ class SamplingParams:
     # model's thinking, ``--reasoning-parser``): the tokens up to it are free; None: from
     # the first token
     structured_after: int | None = None
+    # the thinking's length cap (a reasoning model's ``thinking_token_budget``); None: none
+    thinking: ThinkingBudget | None = None
     # scheduling, not sampling (carried here so it travels with the request): under
     # --scheduling-policy priority a lower value is served first (vLLM's ``priority``)
     priority: int = 0
@@ -161,6 +182,12 @@ class SamplingParams:
         if self.structured_after is not None and (self.structured is None
                                                   or self.structured_after < 0):
             raise bad("structured_after", "needs structured output and a token id")
+        if self.thinking is not None and (
+                (self.allowed_token_ids is not None
+                 and self.thinking.end_id not in self.allowed_token_ids)
+                or any(w[-1] == self.thinking.end_id for w in self.bad_words_token_ids)):
+            raise bad("thinking_token_budget", "needs the end of the thinking allowed (it is "
+                      "left out of allowed_token_ids or ends a bad word)")
         if self.structured is not None and self.min_tokens > 0:
             # the grammar may allow only EOS where min_tokens forbids it
             raise bad("min_tokens", "cannot be combined with structured output")

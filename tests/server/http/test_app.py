@@ -736,6 +736,20 @@ def test_chat_fields_refused(http, engine, field, value):
     assert not engine.started
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "x"})])
+def test_a_thinking_budget_needs_a_reasoning_parser(http, engine, path, body):
+    """Without --reasoning-parser nothing says where a thinking ends: refused, not
+    ignored."""
+    err = assert_error(http.post(path, json={"model": MODEL, **body,
+                                             "thinking_token_budget": 8}),
+                       400, "invalid_request_error")
+    assert err["param"] == "thinking_token_budget"
+    assert "--reasoning-parser" in err["message"]
+    assert not engine.started
+
+
 def test_noop_and_advisory_fields_accepted(client, engine):
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=2, store=False, modalities=["text"],

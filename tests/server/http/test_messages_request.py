@@ -50,6 +50,18 @@ def test_the_thinking_field_reaches_the_template_or_is_refused():
         convert(True, thinking={"type": "on"})
 
 
+def test_budget_tokens_is_the_thinking_token_budget():
+    assert convert(True, thinking={"type": "enabled", "budget_tokens": 1024}
+                   ).thinking_token_budget == 1024
+    assert convert(True, thinking={"type": "enabled"}).thinking_token_budget is None
+    assert convert(True, thinking={"type": "adaptive"}).thinking_token_budget is None
+    assert convert(thinking={"type": "disabled"}).thinking_token_budget is None
+    for bad in (-1, 2.5, "8", True):
+        with pytest.raises(APIError, match="budget_tokens must be a whole number") as refused:
+            convert(True, thinking={"type": "enabled", "budget_tokens": bad})
+        assert (refused.value.status, refused.value.param) == (400, "thinking.budget_tokens")
+
+
 def test_claude_codes_billing_header_is_not_in_the_prompt():
     """The per-request billing block would change every prompt's start (no prefix-cache
     hits); the other system blocks stay, and a string system is kept whole."""

@@ -26,6 +26,12 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
 
+A thinking budget (``SamplingParams.thinking``, ``thinking.py``) is counted like a
+grammar's tokens: ``RequestState.thinking`` has accepted exactly the sequence's output
+tokens read back. A step whose row might have to end its thinking reads the previous
+step back before it samples, as constrained rows do, and masks that row to the end tag
+when its count is spent; such a sequence gets no draft until its thinking is done.
+
 Speculative decoding (``speculative.py``; ``EngineConfig.speculative``): while it drafts
 (``Drafting.may_draft``, ``drafting.py``), each step is finalized as soon as it is
 launched, and a step in flight from before is finalized before the next is scheduled (no
@@ -131,6 +137,7 @@ from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
 from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
 from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
+from tpserve.server.engine.thinking import ForcedToken
 from tpserve.server.engine.token_budget import MemoryReader, TokenBudget
 from tpserve.server.engine.token_texts import TokenTexts
 
@@ -398,9 +405,10 @@ class EngineCore:
                 sums = sums.to("cpu", non_blocking=True)
                 sums_event = host_copy_event(logits)
             bitmask = None
-            if any(s.params.structured is not None for s in sampling):
-                # the matchers need the previous step's tokens: read them back now, while
-                # the device runs this step's forward
+            if any(s.params.structured is not None for s in sampling) \
+                    or self._may_end_thinking(sampling):
+                # the matchers (or the thinking counts) need the previous step's tokens:
+                # read them back now, while the device runs this step's forward
                 self._finish_inflight()
                 bitmask = self._grammar_bitmask(sampling, rows.first, logits.device)
             with ranges.range("sample"):
@@ -421,9 +429,24 @@ class EngineCore:
             return None
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
-        """A decoding sequence's draft (``speculative.draft_for``)."""
-        seeded = self.requests[seq.request_id].generators[seq.index] is not None
+        """A decoding sequence's draft (``speculative.draft_for``); none while its thinking
+        is counted against a budget (a draft could run past it)."""
+        state = self.requests[seq.request_id]
+        if state.thinking and not state.thinking[seq.index].done:
+            return ()
+        seeded = state.generators[seq.index] is not None
         return draft_for(seq, self.drafting.config, self.max_model_len, seeded)
+
+    def _may_end_thinking(self, sampling: list[Sequence]) -> bool:
+        """Whether a row of ``sampling`` might have to end its thinking now (its newest
+        token may still be in flight: ``thinking.py``)."""
+        for seq in sampling:
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.thinking and not seq.is_finished:
+                out = seq.output_token_ids
+                if state.thinking[seq.index].may_end(int(bool(out) and out[-1] == PLACEHOLDER)):
+                    return True
+        return False
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(
@@ -432,14 +455,19 @@ class EngineCore:
     def _grammar_bitmask(self, sampling: list[Sequence], first: list[int],
                          device: torch.device):
         """The bitmask of the constrained rows that still run (their matchers are up to
-        date: the previous step has been read back); ``sampling[i]``'s row is
-        ``first[i]`` (a constrained sequence has no draft)."""
+        date: the previous step has been read back), and of the rows whose thinking must
+        end now (the end tag only: a grammar waits for it, gated, or constrains the whole
+        output and wins); ``sampling[i]``'s row is ``first[i]`` (such a sequence has no
+        draft)."""
         rows = []
         for row, seq in zip(first, sampling, strict=True):
             state = self.requests.get(seq.request_id)
-            if state is not None and state.matchers and not seq.is_finished \
-                    and not state.gated[seq.index]:
+            if state is None or seq.is_finished:
+                continue
+            if state.matchers and not state.gated[seq.index]:
                 rows.append((row, state.matchers[seq.index]))
+            elif state.thinking and state.thinking[seq.index].must_end():
+                rows.append((row, ForcedToken(seq.params.thinking.end_id)))
         return fill_bitmask(rows, self.grammars.vocab_size, device)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence], rows: SampleRows,

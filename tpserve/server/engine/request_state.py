@@ -13,6 +13,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.detokenizer import IncrementalDetokenizer
 from tpserve.server.engine.outputs import RequestOutput, TokenLogprob
 from tpserve.server.engine.sequence import Sequence
+from tpserve.server.engine.thinking import ThinkingCount
 
 
 @dataclass(eq=False)
@@ -35,6 +36,9 @@ class RequestState:
     # per sibling: its grammar still waits for ``params.structured_after`` (the matcher
     # has accepted nothing and masks nothing until that token is sampled)
     gated: list[bool] = field(default_factory=list)
+    # per sibling: its thinking counted against ``params.thinking`` (``thinking.py``), else
+    # empty
+    thinking: list[ThinkingCount] = field(default_factory=list)
     done: bool = False
     # the scored prompt (``SamplingParams.prompt_logprobs``): entry i is prompt token i + 1
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -57,6 +61,8 @@ class RequestState:
                                                       self.params))
             seed = None if self.params.seed is None else self.params.seed + i
             self.generators.append(make_generator(seed))
+            if self.params.thinking is not None:
+                self.thinking.append(ThinkingCount(self.params.thinking))
 
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
         """Entries for prompt tokens ``start + 1 ..`` from one step of the first sibling.

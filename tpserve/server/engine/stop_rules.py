@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 
 def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozenset[int],
                      max_model_len: int) -> tuple[str, SequenceStatus | None, Any]:
-    """Detokenizes ``seq``'s newest output token, advances its grammar matcher, and returns
+    """Detokenizes ``seq``'s newest output token, advances its grammar matcher and its
+    thinking count, and returns
     ``(text, status, reason)``: the text the token completes, and the status it ends the
     sequence with (None: it goes on) and its stop reason (a stop string or token id).
 
@@ -33,6 +34,8 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     n_out = seq.num_output_tokens
     matcher = state.matchers[seq.index] if state.matchers else None
     grammar_ended = False
+    if state.thinking:
+        state.thinking[seq.index].accept(token)
     if matcher is not None and state.gated[seq.index]:
         state.gated[seq.index] = token != params.structured_after  # the grammar starts next
     elif matcher is not None:

@@ -138,6 +138,9 @@ class SamplingRequest(RequestModel):
     # vLLM's: only these ids sampled; words never completed (http/structured.py, the sampler)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: at most this many thinking tokens, then the end of the thinking is forced (a
+    # server with --reasoning-parser; http/reasoning/parser.py)
+    thinking_token_budget: int | None = None
     # vLLM fields this server cannot honour: refused with 400 unless set to their no-op
     # value (http/unsupported.py)
     priority: int | None = None

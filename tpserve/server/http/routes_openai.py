@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tpserve.model.sampling_params import SamplingParams
+from tpserve.model.sampling_params import SamplingParams, ThinkingBudget
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.access_log import access_record
 from tpserve.server.http.beam_search import beam_search, check_beam_search
@@ -116,6 +116,19 @@ async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dic
             "allowed_token_ids": allowed_token_ids(body, state.engine.vocab_size),
             "bad_words_token_ids": await bad_words_token_ids(body.bad_words, state.prompts),
             "structured": structured_output(body)}
+
+
+def _thinking(state: ServerState, body: SamplingRequest,
+              prompt_ids: list[int]) -> ThinkingBudget | None:
+    """The request's ``thinking_token_budget`` on ``prompt_ids``'s output (400 on a server
+    without ``--reasoning-parser``: nothing there says where the thinking ends)."""
+    if body.thinking_token_budget is None:
+        return None
+    if state.reasoning_parser is None:
+        raise APIError.bad_request("thinking_token_budget needs a reasoning model: this "
+                                   "server was started without --reasoning-parser",
+                                   "thinking_token_budget")
+    return state.reasoning_parser.budget(body.thinking_token_budget, prompt_ids)
 
 
 def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
@@ -247,9 +260,9 @@ def make_openai_router() -> APIRouter:
                                        state.engine.max_model_len)
                       for ids in await state.prompts.completion_prompts(
                           body.prompt, body.add_special_tokens)]
-        prompts = [(ids, build_sampling_params(body, len(ids), state.engine.max_model_len,
-                                               state.default_sampling_params, constraints,
-                                               state.max_logprobs))
+        prompts = [(ids, build_sampling_params(
+            body, len(ids), state.engine.max_model_len, state.default_sampling_params,
+            {**constraints, "thinking": _thinking(state, body, ids)}, state.max_logprobs))
                    for ids in prompt_ids]
         echo = await plan_echo(body, prompt_ids, state.prompts, prompts[0][1].n)
         return await _serve(request, state, body, "cmpl", prompts, model, tracker, echo=echo)
@@ -348,6 +361,7 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len)
     reasoning = None
+    constraints["thinking"] = _thinking(state, body, prompt_ids)
     if state.reasoning_parser is not None:
         reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
         if constraints["structured"] is not None and reasoning.grammar_after is not None:

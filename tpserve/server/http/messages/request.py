@@ -204,32 +204,40 @@ def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def _thinking(thinking: dict[str, Any] | None, reasons: bool) -> dict[str, Any] | None:
-    """The chat template's arguments for ``thinking``: ``disabled`` is Qwen3's
-    ``enable_thinking: false`` (templates without the switch ignore it); ``enabled`` and
-    ``adaptive`` need a server that splits reasoning off (``reasons``: a
-    ``--reasoning-parser``), whose model then thinks as it was trained to: ``budget_tokens``
-    is a target, as Anthropic documents it, and ``max_tokens`` bounds thinking and answer
-    together."""
+def _thinking(thinking: dict[str, Any] | None, reasons: bool
+              ) -> tuple[dict[str, Any] | None, int | None]:
+    """The chat template's arguments for ``thinking``, and the thinking's cap: ``disabled``
+    is Qwen3's ``enable_thinking: false`` (templates without the switch ignore it);
+    ``enabled`` and ``adaptive`` need a server that splits reasoning off (``reasons``: a
+    ``--reasoning-parser``), whose model then thinks as it was trained to. ``enabled``'s
+    ``budget_tokens`` is enforced as vLLM's ``thinking_token_budget`` (Anthropic calls it a
+    target; here the thinking ends when it is spent), and ``max_tokens`` bounds thinking
+    and answer together."""
     kind = None if thinking is None else thinking.get("type")
     if kind is None:
-        return None
+        return None, None
     if kind == "disabled":
-        return {"enable_thinking": False}
+        return {"enable_thinking": False}, None
     if kind not in ("enabled", "adaptive"):
         raise APIError.bad_request(f"thinking.type must be enabled, adaptive or disabled, "
                                    f"got {kind!r}", "thinking.type")
     if not reasons:
         raise APIError.bad_request("extended thinking needs a server started with "
                                    "--reasoning-parser (this one has none)", "thinking")
-    return {"enable_thinking": True}
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                               or budget < 0):
+        raise APIError.bad_request(f"thinking.budget_tokens must be a whole number of "
+                                   f"tokens, at least 0, got {budget!r}",
+                                   "thinking.budget_tokens")
+    return {"enable_thinking": True}, budget
 
 
 def chat_request(req: MessagesRequest, reasons: bool = False) -> ChatCompletionRequest:
     """The chat request that answers ``req`` (400s naming the Messages field); ``reasons``:
     the server splits reasoning off (``--reasoning-parser``), so the answer may think."""
     refuse_fields(req, REFUSED)
-    template_kwargs = _thinking(req.thinking, reasons)
+    template_kwargs, thinking_budget = _thinking(req.thinking, reasons)
     if req.max_tokens < 1:
         raise APIError.bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
                                    "max_tokens")
@@ -247,7 +255,8 @@ def chat_request(req: MessagesRequest, reasons: bool = False) -> ChatCompletionR
         "response_format": _response_format(req.output_config),
         "add_generation_prompt": False if prefill else None,
         "continue_final_message": True if prefill else None,
-        "stream_options": {"include_usage": True} if req.stream else None}
+        "stream_options": {"include_usage": True} if req.stream else None,
+        "thinking_token_budget": thinking_budget}
     extra = req.model_extra or {}
     body.update({name: extra[name] for name in PASSED_THROUGH if name in extra})
     kwargs = body.get("chat_template_kwargs")

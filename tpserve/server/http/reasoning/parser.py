@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tpserve.model.sampling_params import ThinkingBudget
+from tpserve.server.http.http_errors import APIError
+
 
 class ReasoningParser:
     """A model whose reasoning sits between ``start`` and ``end``, each one token of its
@@ -44,6 +47,16 @@ class ReasoningParser:
             if token == self.end_id:  # thinking closed by the template: an answer only
                 return ReasoningPlan(self, False, None, include)
         return ReasoningPlan(self, self.opens_by_default, self.end_id, include)
+
+    def budget(self, tokens: int | None, prompt_ids: Sequence[int]) -> ThinkingBudget | None:
+        """``thinking_token_budget``'s cap on ``prompt_ids``'s output (None: no cap; 400 for
+        a negative one): the thinking starts where ``plan`` says the output does."""
+        if tokens is None:
+            return None
+        if tokens < 0:
+            raise APIError.bad_request(f"thinking_token_budget must be at least 0, got "
+                                       f"{tokens}", "thinking_token_budget")
+        return ThinkingBudget(tokens, self.start_id, self.end_id, self.plan(prompt_ids).opens)
 
 
 class DeepSeekR1Parser(ReasoningParser):
