@@ -337,6 +337,13 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
+    (["--reasoning-config", '{"think_start_str": "<think>", "think_end_str": "</think>"}'],
+     "--reasoning-config needs --reasoning-parser"),
+    (["--reasoning-config", '{"reasoning_start_str": "<seed:think>"}'],
+     "--reasoning-config: reasoning_start_str '<seed:think>' is not supported"),
+    (["--reasoning-config", '{"think_start_str": "<think>", "budget": 3}'],
+     r"--reasoning-config: unknown or unsupported keys \['budget'\]"),
+    (["--reasoning-config", "[1]"], "--reasoning-config: not a JSON object"),
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
      "--speculative-config: method 'eagle' is not supported"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '

@@ -32,7 +32,11 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(folder):
     with stopped_on_exit({}) as started:
+        # vLLM's --reasoning-config naming the parser's own tags is taken as it is
         started["r1"] = ServerProcess(str(folder), "--reasoning-parser", "deepseek_r1",
+                                      "--reasoning-config",
+                                      '{"reasoning_start_str": "<think>", '
+                                      '"reasoning_end_str": "</think>"}',
                                       "--served-model-name", "thinker", "r1",
                                       "--no-engine-process", wait=False)
         started["qwen3"] = ServerProcess(str(folder), "--reasoning-parser", "qwen3",

@@ -9,6 +9,7 @@ flag and what to do instead, never ignored. tpserve's own spellings are in
 from __future__ import annotations
 
 import argparse
+import json
 
 TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
 EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
@@ -18,6 +19,10 @@ STRUCTURED_BACKENDS = ("auto", "xgrammar")  # the one grammar engine tpserve has
 TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling",
          "classify": "pooling", "score": "pooling"}
 CONVERTS = {"auto": None, "none": None, "embed": "pooling", "classify": "pooling"}
+# vLLM's --reasoning-config keys (both spellings it has had) -> the tag each must name: the
+# tags of every --reasoning-parser tpserve has
+REASONING_TAGS = {"think_start_str": "<think>", "reasoning_start_str": "<think>",
+                  "think_end_str": "</think>", "reasoning_end_str": "</think>"}
 CLASSIFY_VALUES = ("classify", "score")
 # vLLM flags for what tpserve does not do: flag -> (why, and what to do instead; the one
 # value that asks for nothing, taken as it is, or None)
@@ -88,6 +93,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(*names, nargs="?", const="", default=None, metavar="VALUE",
                        help=f"refused: {why}" + (f" ({flag} {accepted} is taken: it asks "
                                                  "for nothing)" if accepted else ""))
+    g.add_argument("--reasoning-config", default=None, metavar="JSON",
+                   help="vLLM's thinking tags for thinking_token_budget: taken when they "
+                        "are the --reasoning-parser's own (<think> and </think>), which "
+                        "tpserve uses without it; other tags are refused")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")
@@ -117,6 +126,8 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
                          "other")
     if a.disable_frontend_multiprocessing:
         a.engine_process = False
+    if a.reasoning_config is not None:
+        _reasoning_config(a.reasoning_config, a.reasoning_parser)
     for flag, value, table in (("--task", a.task, TASKS), ("--convert", a.convert, CONVERTS)):
         _one_of(flag, value, tuple(table),
                 "tpserve serves generation, embeddings or a sequence classifier")
@@ -129,6 +140,28 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value} asks for --runner {runner}, but --runner is "
                              f"{a.runner}")
         a.runner = runner
+
+
+def _reasoning_config(text: str, parser: str | None) -> None:
+    """Accepts vLLM's ``--reasoning-config`` when it names the tags tpserve's parsers use
+    anyway (``thinking_token_budget`` counts between them); ValueError otherwise."""
+    flag = "--reasoning-config"
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not a JSON object ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{flag}: not a JSON object")
+    unknown = sorted(set(cfg) - set(REASONING_TAGS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: "
+                         f"{', '.join(REASONING_TAGS)})")
+    for key, value in cfg.items():
+        if value != REASONING_TAGS[key]:
+            raise ValueError(f"{flag}: {key} {value!r} is not supported: tpserve's "
+                             f"reasoning parsers mark the thinking with <think> and </think>")
+    if parser is None:
+        raise ValueError(f"{flag} needs --reasoning-parser (the tags of its thinking)")
 
 
 def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str) -> None:
