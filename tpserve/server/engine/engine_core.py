@@ -441,6 +441,8 @@ class EngineCore:
         """Whether a row of ``sampling`` might have to end its thinking now (its newest
         token may still be in flight: ``thinking.py``)."""
         for seq in sampling:
+            if seq.params.thinking is None:
+                continue
             state = self.requests.get(seq.request_id)
             if state is not None and state.thinking and not seq.is_finished:
                 out = seq.output_token_ids
