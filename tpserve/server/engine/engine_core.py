@@ -137,7 +137,7 @@ from tpserve.server.engine.stop_rules import apply_stop_rules, token_logprobs
 from tpserve.server.engine.structured.awaiting import AwaitingGrammar
 from tpserve.server.engine.structured.bitmask import fill_bitmask
 from tpserve.server.engine.structured.compiler import CompileHook, GrammarCompiler
-from tpserve.server.engine.thinking import ForcedToken
+from tpserve.server.engine.thinking import ForcedToken, may_end_thinking
 from tpserve.server.engine.token_budget import MemoryReader, TokenBudget
 from tpserve.server.engine.token_texts import TokenTexts
 
@@ -406,7 +406,7 @@ class EngineCore:
                 sums_event = host_copy_event(logits)
             bitmask = None
             if any(s.params.structured is not None for s in sampling) \
-                    or self._may_end_thinking(sampling):
+                    or may_end_thinking(sampling, self.requests, PLACEHOLDER):
                 # the matchers (or the thinking counts) need the previous step's tokens:
                 # read them back now, while the device runs this step's forward
                 self._finish_inflight()
@@ -436,19 +436,6 @@ class EngineCore:
             return ()
         seeded = state.generators[seq.index] is not None
         return draft_for(seq, self.drafting.config, self.max_model_len, seeded)
-
-    def _may_end_thinking(self, sampling: list[Sequence]) -> bool:
-        """Whether a row of ``sampling`` might have to end its thinking now (its newest
-        token may still be in flight: ``thinking.py``)."""
-        for seq in sampling:
-            if seq.params.thinking is None:
-                continue
-            state = self.requests.get(seq.request_id)
-            if state is not None and state.thinking and not seq.is_finished:
-                out = seq.output_token_ids
-                if state.thinking[seq.index].may_end(int(bool(out) and out[-1] == PLACEHOLDER)):
-                    return True
-        return False
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not any(

@@ -17,6 +17,8 @@ end tag: then the engine reads that token back before the step samples, and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tpserve.model.sampling_params import ThinkingBudget
@@ -61,6 +63,21 @@ class ThinkingCount:
         if not pending:
             return self.must_end()
         return self.phase != DONE and self.count + pending >= self.budget.tokens
+
+
+def may_end_thinking(sampling: list[Any], requests: dict[str, Any], placeholder: int) -> bool:
+    """Whether a row of a step sampling ``sampling`` (``Sequence``s; ``requests``: their
+    ``RequestState``s by id) might have to end its thinking now, its newest token maybe
+    still ``placeholder`` (in flight)."""
+    for seq in sampling:
+        if seq.params.thinking is None:
+            continue
+        state = requests.get(seq.request_id)
+        if state is not None and state.thinking and not seq.is_finished:
+            out = seq.output_token_ids
+            if state.thinking[seq.index].may_end(int(bool(out) and out[-1] == placeholder)):
+                return True
+    return False
 
 
 class ForcedToken:
