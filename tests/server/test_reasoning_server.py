@@ -228,11 +228,15 @@ def test_every_served_name_is_listed_and_answers(servers):
 
 # ------------------------------------------------------------ thinking_token_budget
 
+BUDGETED = 12  # max_tokens of the budget tests: the free answer and some tokens after
 
-def _ids(folder, messages=QUESTION) -> list[int]:
+
+@pytest.fixture(scope="module")
+def asked(folder):
+    """The tokenizer, and the question's prompt ids as the chat template renders them."""
     tok = AutoTokenizer.from_pretrained(str(folder))
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    return tok, tok(text, add_special_tokens=False)["input_ids"]
 
 
 def _continued(server, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -245,13 +249,13 @@ def _continued(server, prompt: list[int], max_tokens: int) -> tuple[list[int], s
     return r.choices[0].token_ids, r.choices[0].text
 
 
-def _forced(server, folder, name: str, budget: int) -> list[int]:
+def _forced(server, asked, name: str, budget: int) -> list[int]:
     """What a budget puts before the end tag: the start tag the model writes (deepseek_r1's
     outputs begin in the thinking, so a budget of 0 ends it before the tag), and the
     first ``budget`` tokens of the model's own thinking."""
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok, prompt = asked
     start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
-    free, _ = _continued(server, _ids(folder), 24)
+    free, _ = _continued(server, prompt, BUDGETED)
     assert free[0] == start and free[4] == end  # <think> capital of France</think>
     if name == "r1" and budget == 0:
         return [end]
@@ -259,16 +263,16 @@ def _forced(server, folder, name: str, budget: int) -> list[int]:
 
 
 @pytest.mark.parametrize("budget", [0, 1, 2, 3])
-def test_a_thinking_budget_ends_the_thinking_where_it_is_spent(servers, folder, budget):
+def test_a_thinking_budget_ends_the_thinking_where_it_is_spent(servers, asked, budget):
     """``thinking_token_budget`` (vLLM's): the output thinks for ``budget`` tokens, then
     the end tag is forced and the model answers from there: token for token what a
     completion of the prompt and those forced tokens continues with. A budget of 3 is
     exactly this model's own thinking, so nothing changes."""
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok, prompt = asked
     for name in ("r1", "qwen3"):
-        forced = _forced(servers[name], folder, name, budget)
-        rest, text = _continued(servers[name], _ids(folder) + forced, 24 - len(forced))
-        r = chat(servers[name], extra_body={"thinking_token_budget": budget,
+        forced = _forced(servers[name], asked, name, budget)
+        rest, text = _continued(servers[name], prompt + forced, BUDGETED - len(forced))
+        r = chat(servers[name], max_tokens=BUDGETED, extra_body={"thinking_token_budget": budget,
                                             "return_token_ids": True})
         c = r.choices[0]
         assert c.token_ids == forced + rest, name
@@ -279,36 +283,38 @@ def test_a_thinking_budget_ends_the_thinking_where_it_is_spent(servers, folder, 
                                                                 " Paris.")
 
 
-def test_a_budgeted_stream_adds_up_to_the_whole_and_completions_obey_it(servers, folder):
-    whole = chat(servers["qwen3"], extra_body={"thinking_token_budget": 1}).choices[0].message
+def test_a_budgeted_stream_adds_up_to_the_whole_and_completions_obey_it(servers, asked):
+    whole = chat(servers["qwen3"], max_tokens=BUDGETED,
+                 extra_body={"thinking_token_budget": 1}).choices[0].message
     assert whole.reasoning == " capital"
     client = servers["qwen3"].client()
     model = client.models.list().data[0].id
     reasoning = content = ""
     for chunk in client.chat.completions.create(
-            model=model, messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+            model=model, messages=QUESTION, temperature=0, max_tokens=BUDGETED, stream=True,
             extra_body={"thinking_token_budget": 1}):
         for c in chunk.choices:
             reasoning += getattr(c.delta, "reasoning", None) or ""
             content += c.delta.content or ""
     assert (reasoning, content or None) == (whole.reasoning, whole.content)
     # a completion is never parsed, but its thinking is counted all the same
-    forced = _forced(servers["r1"], folder, "r1", 1)
-    rest, _ = _continued(servers["r1"], _ids(folder) + forced, 24 - len(forced))
+    prompt = asked[1]
+    forced = _forced(servers["r1"], asked, "r1", 1)
+    rest, _ = _continued(servers["r1"], prompt + forced, BUDGETED - len(forced))
     r = servers["r1"].client().completions.create(
-        model="r1", prompt=_ids(folder), max_tokens=24, temperature=0,
+        model="r1", prompt=prompt, max_tokens=BUDGETED, temperature=0,
         extra_body={"thinking_token_budget": 1, "return_token_ids": True})
     assert r.choices[0].token_ids == forced + rest
 
 
-def test_budget_tokens_caps_a_messages_thinking_block(servers, folder):
+def test_budget_tokens_caps_a_messages_thinking_block(servers, asked):
     """``/v1/messages``' ``thinking.budget_tokens`` is the thinking's cap: the block holds
     its first token, and the text is the model's answer after the forced end tag."""
-    forced = _forced(servers["r1"], folder, "r1", 1)
-    _, text = _continued(servers["r1"], _ids(folder) + forced, 24 - len(forced))
+    forced = _forced(servers["r1"], asked, "r1", 1)
+    _, text = _continued(servers["r1"], asked[1] + forced, BUDGETED - len(forced))
     client = anthropic.Anthropic(base_url=servers["r1"].base, api_key="none", max_retries=0,
                                  timeout=120)
-    m = client.messages.create(model="thinker", messages=QUESTION, max_tokens=24,
+    m = client.messages.create(model="thinker", messages=QUESTION, max_tokens=BUDGETED,
                                thinking={"type": "enabled", "budget_tokens": 1},
                                extra_body={"temperature": 0})
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
