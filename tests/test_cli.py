@@ -343,7 +343,6 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
      "--reasoning-config: reasoning_start_str '<seed:think>' is not supported"),
     (["--reasoning-config", '{"think_start_str": "<think>", "budget": 3}'],
      r"--reasoning-config: unknown or unsupported keys \['budget'\]"),
-    (["--reasoning-config", "[1]"], "--reasoning-config: not a JSON object"),
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
      "--speculative-config: method 'eagle' is not supported"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '

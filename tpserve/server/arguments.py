@@ -5,10 +5,8 @@ turns the parsed flags into the frozen config tree."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import ssl
-from typing import Any
 
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
 from tpserve.model.pooling import RUNNER_CHOICES
@@ -17,22 +15,12 @@ from tpserve.model.quant.methods import QUANTIZATION_CHOICES
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import UVICORN_LOG_LEVELS
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from tpserve.server.flag_types import json_object
 from tpserve.server.http.cors import parse_list
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.tls import SSL_CERT_REQS
 from tpserve.server.vllm_compat import add_vllm_compat_arguments
-
-
-def json_object(value: str) -> dict[str, Any]:
-    """A flag's JSON object."""
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("a JSON object is expected")
-    return parsed
 
 
 def parse_bytes(text: str) -> int:

@@ -9,7 +9,9 @@ flag and what to do instead, never ignored. tpserve's own spellings are in
 from __future__ import annotations
 
 import argparse
-import json
+from typing import Any
+
+from tpserve.server.flag_types import json_object
 
 TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
 EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
@@ -93,7 +95,7 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(*names, nargs="?", const="", default=None, metavar="VALUE",
                        help=f"refused: {why}" + (f" ({flag} {accepted} is taken: it asks "
                                                  "for nothing)" if accepted else ""))
-    g.add_argument("--reasoning-config", default=None, metavar="JSON",
+    g.add_argument("--reasoning-config", type=json_object, default=None, metavar="JSON",
                    help="vLLM's thinking tags for thinking_token_budget: taken when they "
                         "are the --reasoning-parser's own (<think> and </think>), which "
                         "tpserve uses without it; other tags are refused")
@@ -142,16 +144,10 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
         a.runner = runner
 
 
-def _reasoning_config(text: str, parser: str | None) -> None:
+def _reasoning_config(cfg: dict[str, Any], parser: str | None) -> None:
     """Accepts vLLM's ``--reasoning-config`` when it names the tags tpserve's parsers use
     anyway (``thinking_token_budget`` counts between them); ValueError otherwise."""
     flag = "--reasoning-config"
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag}: not a JSON object ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{flag}: not a JSON object")
     unknown = sorted(set(cfg) - set(REASONING_TAGS))
     if unknown:
         raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: "
