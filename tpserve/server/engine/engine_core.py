@@ -381,7 +381,8 @@ class EngineCore:
         seeded request still draws exactly once per token it keeps.
 
         Nothing of the engine's own state changes in here except reading back the previous
-        step (structured rows), which is valid whether or not this step survives."""
+        step (structured rows, rows that may end their thinking), which is valid whether or
+        not this step survives."""
         sampling, pooled, drafts = inputs.sampling, inputs.pooled, inputs.drafts
         generators = [self.requests[s.request_id].generators[s.index] for s in sampling]
         rows = sample_rows(sampling, generators, drafts)
