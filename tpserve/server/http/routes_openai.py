@@ -118,17 +118,17 @@ async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dic
             "structured": structured_output(body)}
 
 
-def _thinking(state: ServerState, body: SamplingRequest,
-              prompt_ids: list[int]) -> ThinkingBudget | None:
-    """The request's ``thinking_token_budget`` on ``prompt_ids``'s output (400 on a server
-    without ``--reasoning-parser``: nothing there says where the thinking ends)."""
+def _thinking(body: SamplingRequest, plan: ReasoningPlan | None) -> ThinkingBudget | None:
+    """The request's ``thinking_token_budget`` on the output ``plan`` splits (None: the
+    server has no ``--reasoning-parser``, and a budget is a 400: nothing says where the
+    thinking ends)."""
     if body.thinking_token_budget is None:
         return None
-    if state.reasoning_parser is None:
+    if plan is None:
         raise APIError.bad_request("thinking_token_budget needs a reasoning model: this "
                                    "server was started without --reasoning-parser",
                                    "thinking_token_budget")
-    return state.reasoning_parser.budget(body.thinking_token_budget, prompt_ids)
+    return plan.budget(body.thinking_token_budget)
 
 
 def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
@@ -260,9 +260,12 @@ def make_openai_router() -> APIRouter:
                                        state.engine.max_model_len)
                       for ids in await state.prompts.completion_prompts(
                           body.prompt, body.add_special_tokens)]
+        # a completion is never split: its prompt is planned only for a thinking budget
+        parser = state.reasoning_parser if body.thinking_token_budget is not None else None
         prompts = [(ids, build_sampling_params(
             body, len(ids), state.engine.max_model_len, state.default_sampling_params,
-            {**constraints, "thinking": _thinking(state, body, ids)}, state.max_logprobs))
+            {**constraints, "thinking": _thinking(
+                body, None if parser is None else parser.plan(ids))}, state.max_logprobs))
                    for ids in prompt_ids]
         echo = await plan_echo(body, prompt_ids, state.prompts, prompts[0][1].n)
         return await _serve(request, state, body, "cmpl", prompts, model, tracker, echo=echo)
@@ -361,9 +364,10 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len)
     reasoning = None
-    constraints["thinking"] = _thinking(state, body, prompt_ids)
     if state.reasoning_parser is not None:
         reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
+    constraints["thinking"] = _thinking(body, reasoning)
+    if reasoning is not None:
         if constraints["structured"] is not None and reasoning.grammar_after is not None:
             # the grammar (or the forced tool call) constrains the answer only
             constraints["structured_after"] = reasoning.grammar_after

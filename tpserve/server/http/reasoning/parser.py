@@ -48,16 +48,6 @@ class ReasoningParser:
                 return ReasoningPlan(self, False, None, include)
         return ReasoningPlan(self, self.opens_by_default, self.end_id, include)
 
-    def budget(self, tokens: int | None, prompt_ids: Sequence[int]) -> ThinkingBudget | None:
-        """``thinking_token_budget``'s cap on ``prompt_ids``'s output (None: no cap; 400 for
-        a negative one): the thinking starts where ``plan`` says the output does."""
-        if tokens is None:
-            return None
-        if tokens < 0:
-            raise APIError.bad_request(f"thinking_token_budget must be at least 0, got "
-                                       f"{tokens}", "thinking_token_budget")
-        return ThinkingBudget(tokens, self.start_id, self.end_id, self.plan(prompt_ids).opens)
-
 
 class DeepSeekR1Parser(ReasoningParser):
     """DeepSeek-R1 and its distills (Llama, Qwen2), QwQ: their templates open the
@@ -86,3 +76,11 @@ class ReasoningPlan:
     opens: bool
     grammar_after: int | None
     include: bool = True
+
+    def budget(self, tokens: int) -> ThinkingBudget:
+        """``thinking_token_budget``'s cap on this output: the thinking starts where the
+        plan says the output does (400 for a budget ``ThinkingBudget`` refuses)."""
+        try:
+            return ThinkingBudget(tokens, self.parser.start_id, self.parser.end_id, self.opens)
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), "thinking_token_budget") from None
