@@ -17,10 +17,11 @@ Invariants:
 - on CUDA loads (in *batches*, one per admission, numbered by the block manager) run on
   a copy stream of their own, in order, after everything the forward stream was given
   before them (the step's stores, and earlier steps that may still read a block being
-  reloaded), and beside the step's forward; ``join(batch)`` makes the forward stream wait for every
-  load up to ``batch`` (the engine joins a batch before any step reads or reuses a block
-  it writes: ``server/engine/host_loads.py``); ``done_batch`` reads, without waiting,
-  how far they have got. Off CUDA loads run in place and are done at once;
+  reloaded), and beside the step's forward; ``join(batch)`` makes the forward stream wait
+  for every load up to ``batch`` (the engine joins a batch before any step reads or
+  reuses a block it writes: ``server/engine/host_loads.py``); ``done_batch`` reads,
+  without waiting, how far they have got. Off CUDA loads run in place and are done at
+  once;
 - on CUDA the host memory is page-locked (``cudaHostRegister``, for exactly the size
   asked) and the copies do not wait for the device; the host never reads the tier itself.
 """

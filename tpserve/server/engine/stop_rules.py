@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozenset[int],
                      max_model_len: int) -> tuple[str, SequenceStatus | None, Any]:
     """Detokenizes ``seq``'s newest output token, advances its grammar matcher and its
-    thinking count, and returns
-    ``(text, status, reason)``: the text the token completes, and the status it ends the
-    sequence with (None: it goes on) and its stop reason (a stop string or token id).
+    thinking count, and returns ``(text, status, reason)``: the text the token completes,
+    and the status it ends the sequence with (None: it goes on) and its stop reason (a
+    stop string or token id).
 
     A gated grammar (``SamplingParams.structured_after``) accepts nothing up to and
     including its gate token. The first rule that holds wins: a token the grammar refuses (an error: the mask allowed

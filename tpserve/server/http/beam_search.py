@@ -43,10 +43,11 @@ NEUTRAL = {"temperature": (0.0, 1.0), "top_p": (1.0,), "top_k": (0, -1), "min_p"
 def check_beam_search(body: SamplingRequest, params: SamplingParams, max_logprobs: int
                       ) -> None:
     """400 for what beam search cannot honour: stop strings, output-count penalties,
-    bad words, structured output, prompt logprobs, a thinking budget, best_of; sampling knobs other than
-    their neutral values (log-probabilities are taken before them); a width ``n`` whose
-    ``2n`` candidates a beam would pass ``max_logprobs``. ``length_penalty`` without
-    ``use_beam_search`` is refused too (it would change nothing)."""
+    bad words, structured output, prompt logprobs, a thinking budget, best_of; sampling
+    knobs other than their neutral values (log-probabilities are taken before them); a
+    width ``n`` whose ``2n`` candidates a beam would pass ``max_logprobs``.
+    ``length_penalty`` without ``use_beam_search`` is refused too (it would change
+    nothing)."""
     if not body.use_beam_search:
         if body.length_penalty not in (None, 1.0):
             raise APIError.bad_request("length_penalty applies to beam search only "
