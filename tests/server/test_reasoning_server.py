@@ -50,11 +50,17 @@ def raw_output(server, folder, messages, max_tokens=24, **template) -> str:
     """The model's whole output text for ``messages`` (greedy), unparsed."""
     tok = AutoTokenizer.from_pretrained(str(folder))
     text = tok.apply_chat_template(messages, tokenize=False, **template)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return _continued(server, tok(text, add_special_tokens=False)["input_ids"], max_tokens)[1]
+
+
+def _continued(server, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """The model's greedy token ids and text after ``prompt`` (a completion: no budget,
+    nothing parsed)."""
     client = server.client()
-    r = client.completions.create(model=client.models.list().data[0].id, prompt=ids,
-                                  max_tokens=max_tokens, temperature=0)
-    return r.choices[0].text
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                  max_tokens=max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    return r.choices[0].token_ids, r.choices[0].text
 
 
 def chat(server, messages=QUESTION, max_tokens=24, **kwargs):
@@ -237,16 +243,6 @@ def asked(folder):
     tok = AutoTokenizer.from_pretrained(str(folder))
     text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     return tok, tok(text, add_special_tokens=False)["input_ids"]
-
-
-def _continued(server, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-    """The model's greedy token ids and text after ``prompt`` (a completion: no budget,
-    nothing parsed)."""
-    client = server.client()
-    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                  max_tokens=max_tokens, temperature=0,
-                                  extra_body={"return_token_ids": True})
-    return r.choices[0].token_ids, r.choices[0].text
 
 
 def _forced(server, asked, name: str, budget: int) -> list[int]:
