@@ -317,6 +317,36 @@ def test_logprobs_values_and_top(logits):
     assert out.top_logprobs[0][0][0] == out.token_ids[0]
 
 
+@pytest.mark.parametrize("others", [(5, None, 0), (None,), (20, 3)])
+def test_logprob_token_ids_list_those_tokens_in_their_order(logits, others):
+    """vLLM's ``logprob_token_ids``: a row's listed pairs are exactly those tokens' logprobs
+    in the order asked (wider or narrower than the other rows' top lists, with rows that
+    ask top ones or none beside it); the other rows and the sampled tokens do not change."""
+    chosen = (63, 0, 17, 5, 40, 2, 9)
+    params = [SamplingParams(temperature=0.0, logprobs=1, logprob_token_ids=chosen),
+              SamplingParams(temperature=0.0, logprobs=0, logprob_token_ids=(7,))]
+    params += [SamplingParams(temperature=0.0, logprobs=k) for k in others]
+    x = logits[:len(params)]
+    out = run(Sampler(), x, params)
+    alone = run(Sampler(), x, [SamplingParams(temperature=0.0, logprobs=p.logprobs)
+                               for p in params])
+    ref = torch.log_softmax(x.float(), -1)
+    assert out.token_ids == alone.token_ids == x.argmax(-1).tolist()
+    assert out.logprobs == alone.logprobs
+    for row, ids in ((0, chosen), (1, (7,))):
+        assert [t for t, _ in out.top_logprobs[row]] == list(ids)
+        assert [lp for _, lp in out.top_logprobs[row]] == pytest.approx(
+            ref[row, list(ids)].tolist(), abs=1e-6)
+    assert out.top_logprobs[2:] == alone.top_logprobs[2:]
+
+
+def test_logprob_token_ids_need_logprobs():
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=(1,))
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprobs=0, logprob_token_ids=())
+
+
 def test_logprobs_after_penalties_before_temperature():
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     p = SamplingParams(temperature=0.5, top_k=2, frequency_penalty=1.0, logprobs=4)

@@ -60,8 +60,9 @@ class SamplerOutput:
 
     ``logprobs`` holds the sampled token's logprob for every row, or is None when no row asked
     for logprobs. ``top_logprobs[i]`` lists ``params[i].logprobs`` ``(token_id, logprob)``
-    pairs in descending logprob order (an empty list for rows that did not ask); it is None
-    exactly when ``logprobs`` is.
+    pairs in descending logprob order (an empty list for rows that did not ask), or with
+    ``params[i].logprob_token_ids`` those tokens' pairs in that order; it is None exactly
+    when ``logprobs`` is.
     """
 
     token_ids: list[int]
@@ -295,11 +296,31 @@ class Sampler:
     def _with_logprobs(
         x: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
     ) -> PendingSample:
+        """The sampled tokens' logprobs and each row's listed ones: its top ``logprobs``,
+        or, with ``logprob_token_ids``, those tokens' in their order (gathered, all rows
+        padded to one width)."""
         logprobs = x.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k_max = min(max(p.logprobs or 0 for p in params), x.shape[-1])
+        k_top = min(max((p.logprobs or 0 for p in params if p.logprob_token_ids is None),
+                        default=0), x.shape[-1])
+        counts = [min(p.logprobs or 0, k_top) if p.logprob_token_ids is None
+                  else len(p.logprob_token_ids) for p in params]
+        k_max = max(counts)
         if k_max == 0:
-            return PendingSample(tokens, chosen, top_counts=[0] * len(params))
-        values, ids = logprobs.topk(k_max, dim=-1, sorted=True)
-        return PendingSample(tokens, chosen, values, ids,
-                             [min(p.logprobs or 0, k_max) for p in params])
+            return PendingSample(tokens, chosen, top_counts=counts)
+        if k_top:
+            values, ids = logprobs.topk(k_top, dim=-1, sorted=True)
+            values = torch.nn.functional.pad(values, (0, k_max - k_top))
+            ids = torch.nn.functional.pad(ids, (0, k_max - k_top))
+        else:
+            values = logprobs.new_zeros((len(params), k_max))
+            ids = tokens.new_zeros((len(params), k_max))
+        picked = [i for i, p in enumerate(params) if p.logprob_token_ids is not None]
+        if picked:
+            rows = to_device(picked, torch.long, x.device)
+            wanted = to_device([list(params[i].logprob_token_ids)
+                                + [0] * (k_max - counts[i]) for i in picked],
+                               torch.long, x.device)
+            values[rows] = logprobs[rows].gather(1, wanted)
+            ids[rows] = wanted
+        return PendingSample(tokens, chosen, values, ids, counts)

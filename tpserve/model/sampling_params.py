@@ -46,6 +46,30 @@ class ThinkingBudget:
 
 
 @dataclass(frozen=True)
+class RepetitionDetection:
+    """vLLM's ``repetition_detection``: the output ends (finish reason ``repetition``) once
+    its last ``n`` tokens, for some ``n`` from ``min_pattern_size`` (0: 1) to
+    ``max_pattern_size``, are the same ``n`` tokens ``min_count`` times in a row. Pure
+    data: the stop rules check it (``server/engine/repetition.py``)."""
+
+    max_pattern_size: int
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size or self.max_pattern_size < 1:
+            raise ValueError("repetition_detection needs 1 <= max_pattern_size and 0 <= "
+                             f"min_pattern_size <= max_pattern_size, got {self.max_pattern_size} "
+                             f"and {self.min_pattern_size}")
+        if self.min_count < 2:
+            raise ValueError(f"repetition_detection needs min_count >= 2, got {self.min_count}")
+
+    @property
+    def shortest(self) -> int:
+        return max(self.min_pattern_size, 1)
+
+
+@dataclass(frozen=True)
 class PoolingParams:
     """An embedding request (``--runner pooling``): its prompt is pooled, nothing is
     sampled. ``pooling_type`` is the server's (``model.pooling.PoolerConfig``);
@@ -92,6 +116,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: with logprobs, the log-probabilities of exactly these tokens (in this order)
+    # at each position instead of the top ``logprobs`` ones
+    logprob_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
@@ -109,6 +136,8 @@ class SamplingParams:
     structured_after: int | None = None
     # the thinking's length cap (a reasoning model's ``thinking_token_budget``); None: none
     thinking: ThinkingBudget | None = None
+    # ends the output when its tail repeats (vLLM's ``repetition_detection``); None: never
+    repetition: RepetitionDetection | None = None
     # scheduling, not sampling (carried here so it travels with the request): under
     # --scheduling-policy priority a lower value is served first (vLLM's ``priority``)
     priority: int = 0
@@ -159,6 +188,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
             raise bad("prompt_logprobs",
                       f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.logprob_token_ids is not None and (
+                self.logprobs is None or not self.logprob_token_ids
+                or min(self.logprob_token_ids) < 0):
+            raise bad("logprob_token_ids", "must be a non-empty list of token ids, and needs "
+                      "logprobs")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

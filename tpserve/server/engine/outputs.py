@@ -22,7 +22,8 @@ class CompletionDelta:
     """New output of sibling ``index`` (0..n-1) since its previous delta.
 
     ``finish_reason`` is None while the sibling runs, then one of ``stop``, ``length``,
-    ``abort`` or ``error``; ``stop_reason`` is the matched stop string or token id.
+    ``abort``, ``error`` or ``repetition``; ``stop_reason`` is the matched stop string or
+    token id, or ``repetition_detected``.
     ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``) comes with the sibling's first
     delta: one entry per prompt token after the first, in order.
     """

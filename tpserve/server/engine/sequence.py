@@ -22,6 +22,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
+    FINISHED_REPETITION = "finished_repetition"  # vLLM's repetition_detection
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ _FINISH_REASONS = MappingProxyType({
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_REPETITION: "repetition",
 })
 
 
@@ -126,7 +128,8 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's finish reason: "stop", "length", "abort", "error", or None while live."""
+        """OpenAI's finish reason: "stop", "length", "abort", "error", or None while live;
+        vLLM's "repetition" for an output ended by ``repetition_detection``."""
         return _FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:

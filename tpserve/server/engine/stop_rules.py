@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from tpserve.server.engine.outputs import TokenLogprob
+from tpserve.server.engine.repetition import REPETITION_DETECTED, repeats
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
 from tpserve.server.engine.token_texts import TokenTexts
@@ -18,12 +19,14 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     """Detokenizes ``seq``'s newest output token, advances its grammar matcher and its
     thinking count, and returns ``(text, status, reason)``: the text the token completes,
     and the status it ends the sequence with (None: it goes on) and its stop reason (a
-    stop string or token id).
+    stop string or token id, or ``REPETITION_DETECTED``).
 
     A gated grammar (``SamplingParams.structured_after``) accepts nothing up to and
-    including its gate token. The first rule that holds wins: a token the grammar refuses (an error: the mask allowed
-    it), a stop string, a stop token id (from ``min_tokens`` on), EOS (from ``min_tokens``
-    on, unless ``ignore_eos``), the grammar's end, ``max_tokens`` or the model's length.
+    including its gate token. The first rule that holds wins: a token the grammar refuses
+    (an error: the mask allowed it), a stop string, a stop token id (from ``min_tokens``
+    on), EOS (from ``min_tokens`` on, unless ``ignore_eos``), the grammar's end,
+    ``max_tokens`` or the model's length, a repeating tail (``repetition_detection``, from
+    ``min_tokens`` on).
     A sequence that ends other than by a stop string gets the detokenizer's held-back text
     too. Nothing here changes the scheduler: the caller finishes the sequence."""
     detok = state.detoks[seq.index]
@@ -55,6 +58,9 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
         status = SequenceStatus.FINISHED_STOPPED
     elif seq.at_length_limit(max_model_len):
         status = SequenceStatus.FINISHED_LENGTH
+    elif (params.repetition is not None and n_out >= params.min_tokens
+          and repeats(seq.output_token_ids, params.repetition)):
+        status, reason = SequenceStatus.FINISHED_REPETITION, REPETITION_DETECTED
     if status is not None and not detok.stopped:
         text += detok.flush()
     return text, status, reason
