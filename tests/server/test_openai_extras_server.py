@@ -365,3 +365,99 @@ def test_cache_salt(client):
     assert cached("one") == 0
     assert cached("two") == 0
     assert cached("one") > 0
+
+
+def _ids(server, **body) -> list[int]:
+    return httpx.post(server.base + "/tokenize", json=body, timeout=60).json()["tokens"]
+
+
+def test_truncation_side(server, client):
+    """vLLM's ``truncation_side``: "right" serves the prompt's first k tokens, "left" (the
+    default) its last k, each as if only they were sent; chat prompts too."""
+    ids = _ids(server, prompt=ECHO_PROMPT)
+    for side, kept in (("right", ids[:5]), ("left", ids[-5:])):
+        cut = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=4,
+                                        temperature=0, extra_body={
+                                            "truncate_prompt_tokens": 5, "truncation_side": side,
+                                            "return_token_ids": True})
+        alone = client.completions.create(model=MODEL, prompt=kept, max_tokens=4, temperature=0)
+        assert cut.choices[0].model_extra["prompt_token_ids"] == kept
+        assert cut.choices[0].text == alone.choices[0].text
+    msgs = [{"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == _ids(server, messages=msgs)[:3]
+
+
+def test_logprob_token_ids(server, client):
+    """vLLM's ``logprob_token_ids``: every position lists exactly those tokens' logprobs in
+    the order asked (a completion's first entry is the sampled token's, as always), the
+    values the top logprobs give them; the text and the sampled tokens' logprobs do not
+    change; chat and stream too."""
+    prompt, as_ids = "The capital of France is", {"return_tokens_as_token_ids": True}
+    top = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                    logprobs=5, extra_body=as_ids).choices[0]
+    first = top.logprobs.top_logprobs[0]
+    chosen = [int(k.split(":")[1]) for k in first][::-1] + [1234]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                    logprobs=1, extra_body={**as_ids,
+                                                            "logprob_token_ids": chosen})
+    c = got.choices[0]
+    assert c.text == top.text and c.logprobs.token_logprobs == top.logprobs.token_logprobs
+    for token, listed in zip(c.logprobs.tokens, c.logprobs.top_logprobs, strict=True):
+        assert list(listed) == list(dict.fromkeys([token] + [f"token_id:{t}" for t in chosen]))
+    assert {k: c.logprobs.top_logprobs[0][k] for k in first} == first
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+              extra_body={**as_ids, "logprob_token_ids": chosen})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == 4
+    assert all([t.token for t in pos.top_logprobs] == [f"token_id:{i}" for i in chosen]
+               for pos in whole)
+    streamed = [pos for ch in client.chat.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs
+                for pos in ch.choices[0].logprobs.content]
+    assert [p.model_dump() for p in streamed] == [p.model_dump() for p in whole]
+
+
+def test_repetition_detection(server, client):
+    """vLLM's ``repetition_detection``: a greedy output that loops ends at the first token
+    whose tail is the pattern's ``min_count``-th copy (finish reason "repetition", stop
+    reason "repetition_detected"): the output without it, cut there; streamed the same."""
+    prompt = "1 2 1 2 1 2 1 2 1 2"
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body=extra).choices[0]
+    tokens = free.model_extra["token_ids"]
+    rule = {"max_pattern_size": 4, "min_count": 3}
+    cut = next(k for k in range(1, len(tokens) + 1) if any(
+        k >= 3 * s and tokens[k - 3 * s:k - s] == tokens[k - 2 * s:k] for s in range(1, 5)))
+    assert cut < len(tokens)  # the model loops
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={**extra, "repetition_detection": rule}
+                                    ).choices[0]
+    assert got.model_extra["token_ids"] == tokens[:cut]
+    assert (got.finish_reason, got.model_extra["stop_reason"]) == ("repetition",
+                                                                   "repetition_detected")
+    chunks = [ch.choices[0] for ch in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        extra_body={**extra, "repetition_detection": rule}) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == got.text
+    assert chunks[-1].finish_reason == "repetition"
+
+
+def test_return_prompt_text(client):
+    """vLLM's ``return_prompt_text``: a chat answer carries the prompt as the chat template
+    wrote it (a stream: its first chunk only); without it, none."""
+    msgs = [{"role": "user", "content": "Hi!"}]
+    want = "[user] Hi!\n[assistant] "
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                       extra_body={"return_prompt_text": True})
+    assert r.model_extra["prompt_text"] == want
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert plain.model_extra["prompt_text"] is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                 stream=True,
+                                                 extra_body={"return_prompt_text": True}))
+    assert [ch.model_extra["prompt_text"] for ch in chunks] == [want] + [None] * (
+        len(chunks) - 1)

@@ -373,6 +373,27 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "logits_processors": ["p"]}, "logits_processors"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ({"prompt": "x", "kv_transfer_params": {"a": 1}}, "kv_transfer_params"),
+    ({"prompt": "x", "ec_transfer_params": {"a": 1}}, "ec_transfer_params"),
+    ({"prompt": "x", "watermarking": True}, "watermarking"),
+    ({"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"prompt": "x", "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ({"prompt": "x", "logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
+    ({"prompt": "x", "logprobs": 1, "logprob_token_ids": [49152]}, "logprob_token_ids"),
+    ({"prompt": "x", "logprobs": 1, "logprob_token_ids": [-1]}, "logprob_token_ids"),
+    ({"prompt": "x", "logprobs": 1, "logprob_token_ids": [1], "use_beam_search": True},
+     "logprob_token_ids"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": 2}}, "repetition_detection"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3,
+                                              "min_count": 2}}, "repetition_detection"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": -1, "min_count": 2}},
+     "repetition_detection"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": 0, "min_pattern_size": 1}},
+     "repetition_detection"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": 2, "min_count": 2,
+                                              "window": 8}}, "repetition_detection"),
+    ({"prompt": "x", "repetition_detection": {"max_pattern_size": 2, "min_count": 2},
+      "use_beam_search": True}, "repetition_detection"),
+    ({"prompt": "x", "truncation_side": "middle"}, "truncation_side"),
     ({"prompt": "x", "vllm_xargs": {"a": 1}}, "vllm_xargs"),
     ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
@@ -409,6 +430,9 @@ def test_completion_400(http, payload, param):
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": MESSAGES, "stream": "yes please"}, "stream"),
     ({"messages": MESSAGES, "seed": 2**70}, "seed"),
+    ({"messages": MESSAGES, "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ({"messages": MESSAGES, "logprobs": False, "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ({"messages": MESSAGES, "watermarking": True}, "watermarking"),
 ])
 def test_chat_400(http, payload, param):
     err = assert_error(http.post("/v1/chat/completions", json={"model": MODEL, **payload}), 400)
@@ -419,7 +443,8 @@ def test_vllm_fields_at_their_no_op_values_are_accepted(http):
     r = http.post("/v1/completions", json={
         "model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 0, "use_beam_search": False,
         "length_penalty": 1.0, "bad_words": [], "guided_decoding_backend": "xgrammar",
-        "spaces_between_special_tokens": True, "vllm_xargs": {}})
+        "spaces_between_special_tokens": True, "vllm_xargs": {}, "watermarking": False,
+        "ec_transfer_params": {}, "repetition_detection": {"max_pattern_size": 0}})
     assert r.status_code == 200, r.text
 
 

@@ -43,7 +43,8 @@ NEUTRAL = {"temperature": (0.0, 1.0), "top_p": (1.0,), "top_k": (0, -1), "min_p"
 def check_beam_search(body: SamplingRequest, params: SamplingParams, max_logprobs: int
                       ) -> None:
     """400 for what beam search cannot honour: stop strings, output-count penalties,
-    bad words, structured output, prompt logprobs, a thinking budget, best_of; sampling
+    bad words, structured output, prompt logprobs, a thinking budget, repetition detection,
+    chosen logprob tokens, best_of; sampling
     knobs other than their neutral values (log-probabilities are taken before them); a
     width ``n`` whose ``2n`` candidates a beam would pass ``max_logprobs``.
     ``length_penalty`` without ``use_beam_search`` is refused too (it would change
@@ -74,6 +75,10 @@ def check_beam_search(body: SamplingRequest, params: SamplingParams, max_logprob
         refuse("prompt_logprobs", "ask for them without use_beam_search")
     if params.thinking is not None:
         refuse("thinking_token_budget", "a budget is counted per sequence, not per beam")
+    if params.repetition is not None:
+        refuse("repetition_detection", "a beam ends by its stop tokens or its length")
+    if params.logprob_token_ids is not None:
+        refuse("logprob_token_ids", "a beam's logprobs are its top candidates")
     if params.n < 1 or 2 * params.n > max_logprobs:
         raise APIError.bad_request(
             f"beam search's width n is from 1 to {max_logprobs // 2} on this server "

@@ -40,6 +40,7 @@ class ClassificationRequest(RequestModel, ChatTemplateOptions):
     messages: list[ChatMessage] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first tokens
     add_special_tokens: bool | None = None
     priority: int | None = None
     add_generation_prompt: bool = False

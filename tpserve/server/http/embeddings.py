@@ -52,6 +52,7 @@ class EmbeddingRequest(RequestModel, ChatTemplateOptions):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first tokens
     add_special_tokens: bool | None = None
     normalize: bool | None = None
     priority: int | None = None
@@ -148,17 +149,21 @@ async def input_ids(body: EmbeddingRequest, state: ServerState) -> list[list[int
             if not ids:
                 raise APIError.bad_request("an input must not be empty", where)
             prompts.append(ids)
-    return fit_to_context(prompts, body.truncate_prompt_tokens, state, lambda i: (
-        "messages" if body.messages is not None else
-        ("input" if len(prompts) == 1 else f"input.{i}")))
+    def param(i: int) -> str:
+        if body.messages is not None:
+            return "messages"
+        return "input" if len(prompts) == 1 else f"input.{i}"
+
+    return fit_to_context(prompts, body.truncate_prompt_tokens, body.truncation_side, state,
+                          param)
 
 
-def fit_to_context(prompts: list[list[int]], truncate: int | None, state: ServerState,
-                   param: Callable[[int], str]) -> list[list[int]]:
-    """Each input truncated as ``truncate_prompt_tokens`` asks; 400 (naming ``param(i)``)
-    for one still over the model's context."""
+def fit_to_context(prompts: list[list[int]], truncate: int | None, side: str | None,
+                   state: ServerState, param: Callable[[int], str]) -> list[list[int]]:
+    """Each input truncated as ``truncate_prompt_tokens`` and ``truncation_side`` ask; 400
+    (naming ``param(i)``) for one still over the model's context."""
     limit = state.engine.max_model_len
-    prompts = [truncated_prompt(ids, truncate, limit) for ids in prompts]
+    prompts = [truncated_prompt(ids, truncate, limit, side) for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             raise APIError.bad_request(

@@ -61,6 +61,7 @@ class ResponseContext:
     prompt_ids: tuple[list[int], ...] | None = None
     per_prompt: int = 1
     role: str = "assistant"  # chat: the answer's role (--response-role)
+    prompt_text: str | None = None  # vLLM's chat ``return_prompt_text``: the rendered prompt
 
     def prompt_ids_of(self, choice: int) -> list[int] | None:
         return None if self.prompt_ids is None else self.prompt_ids[choice // self.per_prompt]
@@ -240,4 +241,5 @@ def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletio
         prompt = vllm_prompt_logprobs(acc.choices[0].prompt_logprobs, ctx.prompt_logprobs)
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
                                   choices=choices, usage=acc.usage(), prompt_logprobs=prompt,
-                                  prompt_token_ids=ctx.prompt_ids_of(0))
+                                  prompt_token_ids=ctx.prompt_ids_of(0),
+                                  prompt_text=ctx.prompt_text)

@@ -159,8 +159,15 @@ class PromptProcessor:
                        add_special_tokens: bool = False,
                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids of ``messages`` rendered as ``render_chat`` does."""
+        return (await self.chat_prompt(messages, options, add_special_tokens=add_special_tokens,
+                                       tools=tools))[1]
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage], options: ChatTemplateOptions,
+                          *, add_special_tokens: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """``messages`` rendered as ``render_chat`` does, and its token ids (400 for none)."""
         text = await self.render_chat(messages, options, tools)
         ids = await self.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError.bad_request("messages render to an empty prompt", "messages")
-        return ids
+        return text, ids

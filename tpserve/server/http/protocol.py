@@ -60,6 +60,17 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class RepetitionDetectionParams(BaseModel):
+    """vLLM's ``repetition_detection`` (``model.sampling_params.RepetitionDetection``);
+    ``max_pattern_size`` 0 switches it off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: StrictInt = 0
+    min_pattern_size: StrictInt = 0
+    min_count: StrictInt = 0
+
+
 class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``; ``strict`` is accepted: the output always follows
     the schema (no properties beyond the declared ones)."""
@@ -124,8 +135,10 @@ class SamplingRequest(RequestModel):
     # vLLM's: every prompt token after the first scored, with this many top alternatives
     # (not with stream, as vLLM); the answer's ``prompt_logprobs``
     prompt_logprobs: int | None = None
-    # vLLM's: only the prompt's last k tokens (-1: its last max_model_len)
+    # vLLM's: only the prompt's last k tokens (-1: its last max_model_len); its first k
+    # with truncation_side "right"
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: logprob tokens named "token_id:<id>" instead of their text
     return_tokens_as_token_ids: bool | None = False
     # vLLM's: the prompt's and each choice's token ids beside the text
@@ -141,6 +154,11 @@ class SamplingRequest(RequestModel):
     # vLLM's: at most this many thinking tokens, then the end of the thinking is forced (a
     # server with --reasoning-parser; http/reasoning/parser.py)
     thinking_token_budget: int | None = None
+    # vLLM's: with logprobs, these tokens' log-probabilities at each output position (in
+    # this order) instead of the top ones
+    logprob_token_ids: TokenIds | None = None
+    # vLLM's: the output ends (finish reason "repetition") once its tail repeats a pattern
+    repetition_detection: RepetitionDetectionParams | None = None
     # vLLM fields this server cannot honour: refused with 400 unless set to their no-op
     # value (http/unsupported.py)
     priority: int | None = None
@@ -148,6 +166,8 @@ class SamplingRequest(RequestModel):
     length_penalty: float | None = None
     logits_processors: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    watermarking: bool | None = None
     vllm_xargs: dict[str, Any] | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
@@ -177,6 +197,8 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None   # refused unless empty
     # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt
     add_special_tokens: bool = True
+    # vLLM's prompts as embeddings (--enable-prompt-embeds): refused with 400
+    prompt_embeds: Any = None
 
 
 class TextContentPart(BaseModel):
@@ -280,6 +302,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     echo: bool | None = False
     # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer
     include_reasoning: bool = True
+    # vLLM's: the answer carries the prompt the chat template wrote (``prompt_text``; a
+    # stream's first chunk)
+    return_prompt_text: bool | None = None
     # vLLM's: the tokenizer's special tokens on top of what the chat template writes
     add_special_tokens: bool = False
     # tool calling (http/tools.py)

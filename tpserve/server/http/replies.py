@@ -121,6 +121,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    prompt_text: str | None = None  # vLLM's return_prompt_text
 
 
 class DeltaMessage(BaseModel):
@@ -155,6 +156,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the first chunk's
+    prompt_text: str | None = None  # vLLM's return_prompt_text: the first chunk's
 
 
 class ModelCard(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tpserve.model.sampling_params import SamplingParams
+from tpserve.model.sampling_params import RepetitionDetection, SamplingParams
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -27,6 +27,36 @@ def _logprobs(req: SamplingRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def chosen_logprob_tokens(req: SamplingRequest, vocab_size: int) -> tuple[int, ...] | None:
+    """vLLM's ``logprob_token_ids``, each id once in the order first given; 400 for an
+    empty list, ids outside the vocabulary, or a request that asks no logprobs."""
+    if req.logprob_token_ids is None:
+        return None
+    ids = tuple(dict.fromkeys(req.logprob_token_ids))
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        raise APIError.bad_request(
+            f"logprob_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
+            "logprob_token_ids")
+    completion = isinstance(req, CompletionRequest)
+    if (req.logprobs is None) if completion else not req.logprobs:
+        raise APIError.bad_request("logprob_token_ids needs logprobs" + (
+            "" if completion else ": true"), "logprob_token_ids")
+    return ids
+
+
+def _repetition(req: SamplingRequest) -> RepetitionDetection | None:
+    """vLLM's ``repetition_detection`` (None: not asked, or switched off by zero sizes);
+    400 for sizes or a count it refuses."""
+    asked = req.repetition_detection
+    if asked is None or asked.max_pattern_size == asked.min_pattern_size == 0:
+        return None
+    try:
+        return RepetitionDetection(asked.max_pattern_size, asked.min_pattern_size,
+                                   asked.min_count)
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc), "repetition_detection") from exc
 
 
 def check_logprob_counts(req: SamplingRequest, limit: int) -> None:
@@ -61,9 +91,11 @@ async def bad_words_token_ids(words: list[str] | None, prompts: PromptProcessor
     return tuple(seqs)
 
 
-def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int,
+                     side: str | None = None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: its last
-    ``max_model_len``); None leaves it whole; 400 for other values."""
+    ``max_model_len``), or its first with ``side`` "right" (vLLM's ``truncation_side``);
+    None leaves it whole; 400 for other values."""
     if keep is None:
         return ids
     if keep == -1:
@@ -71,7 +103,7 @@ def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> li
     if keep < 1:
         raise APIError.bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
                                    "truncate_prompt_tokens")
-    return ids[-keep:]
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
@@ -127,6 +159,7 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
         "skip_special_tokens": req.skip_special_tokens,
         "cache_salt": req.cache_salt,
         "priority": req.priority,  # non-zero only under --scheduling-policy priority
+        "repetition": _repetition(req),
     }
     for name in DEFAULTABLE:
         if kwargs[name] is None and name in defaults:

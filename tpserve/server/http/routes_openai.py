@@ -48,6 +48,7 @@ from tpserve.server.http.replies import (
 from tpserve.server.http.request_params import (
     bad_words_token_ids,
     build_sampling_params,
+    chosen_logprob_tokens,
     truncated_prompt,
 )
 from tpserve.server.http.responses.events import response_events
@@ -108,12 +109,13 @@ async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: 
 
 async def _checked_constraints(state: ServerState, body: SamplingRequest) -> dict[str, Any]:
     """Refuses fields the server cannot honour, logs unknown ones, and returns the
-    request's validated ``logit_bias``, ``allowed_token_ids``, bad words (tokenized) and
-    structured-output constraint (400s on error)."""
+    request's validated ``logit_bias``, ``allowed_token_ids``, ``logprob_token_ids``, bad
+    words (tokenized) and structured-output constraint (400s on error)."""
     refuse_unsupported(body, state.priority_scheduling)
     warn_unknown_fields(body, state.warned_fields)
     return {"logit_bias": logit_bias(body, state.engine.vocab_size),
             "allowed_token_ids": allowed_token_ids(body, state.engine.vocab_size),
+            "logprob_token_ids": chosen_logprob_tokens(body, state.engine.vocab_size),
             "bad_words_token_ids": await bad_words_token_ids(body.bad_words, state.prompts),
             "structured": structured_output(body)}
 
@@ -157,7 +159,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                  tracker: RequestTracker, tools: ToolPlan | None = None,
                  echo: Echo | None = None, chat_echo: str | None = None,
                  reasoning: ReasoningPlan | None = None, answer: Answer | None = None,
-                 role: str = "assistant") -> Response:
+                 role: str = "assistant", prompt_text: str | None = None) -> Response:
     """Runs the request (one engine request per prompt, or a beam search of each:
     ``http/beam_search.py``) and answers it, streamed or whole: as its endpoint does, or
     as ``answer`` says."""
@@ -179,7 +181,7 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                           chat_echo=chat_echo,
                           prompt_ids=tuple(ids for ids, _ in prompts)
                           if body.return_token_ids else None, per_prompt=params.n,
-                          role=role)
+                          role=role, prompt_text=prompt_text)
     record = access_record(request)
     counted = record
     if echo is not None and echo.only:  # the prompt alone: its one sampled token is dropped
@@ -257,7 +259,7 @@ def make_openai_router() -> APIRouter:
         constraints = await _checked_constraints(state, body)
         state.check_available()
         prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
-                                       state.engine.max_model_len)
+                                       state.engine.max_model_len, body.truncation_side)
                       for ids in await state.prompts.completion_prompts(
                           body.prompt, body.add_special_tokens)]
         # a completion is never split: its prompt is planned only for a thinking budget
@@ -331,19 +333,19 @@ def make_openai_router() -> APIRouter:
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
-                       tools: list[dict[str, Any]] | None) -> list[int]:
-    """The prompt's token ids of a chat request, its tools (``tools``) shown to the chat
-    template, before any truncation."""
-    return await state.prompts.chat_ids(body.messages, body,
-                                        add_special_tokens=body.add_special_tokens,
-                                        tools=tools)
+                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The prompt of a chat request as the chat template wrote it, its tools (``tools``)
+    shown to the template, and its token ids before any truncation."""
+    return await state.prompts.chat_prompt(body.messages, body,
+                                           add_special_tokens=body.add_special_tokens,
+                                           tools=tools)
 
 
 async def _count_prompt(state: ServerState, body: ChatCompletionRequest) -> int:
     """The length of the prompt ``_chat`` would build for ``body``: its tools are shown to
     the template whatever the tool choice, and need no tool-call parser to be counted."""
     state.check_generative()
-    return len(await _chat_prompt(state, body, template_tools(body)))
+    return len((await _chat_prompt(state, body, template_tools(body)))[1])
 
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest,
@@ -359,10 +361,10 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     if any(p is not None and p.needs_special_tokens for p in parsers):
         body = body.model_copy(update={"skip_special_tokens": False})  # keep their tags
     state.check_available()
-    prompt_ids = await _chat_prompt(state, body,
-                                    tools.template_tools if tools is not None else None)
+    prompt_text, prompt_ids = await _chat_prompt(
+        state, body, tools.template_tools if tools is not None else None)
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
-                                  state.engine.max_model_len)
+                                  state.engine.max_model_len, body.truncation_side)
     reasoning = None
     if state.reasoning_parser is not None:
         reasoning = state.reasoning_parser.plan(prompt_ids, body.include_reasoning)
@@ -380,4 +382,4 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     role = state.response_role if body.add_generation_prompt else last.role
     return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
                         tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer,
-                        role=role)
+                        role=role, prompt_text=prompt_text if body.return_prompt_text else None)

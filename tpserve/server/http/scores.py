@@ -48,6 +48,7 @@ class ScoreRequest(RequestModel):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first tokens
     priority: int | None = None
 
 
@@ -74,6 +75,7 @@ class RerankRequest(RequestModel):
     documents: list[str]
     top_n: int = Field(default=0, description="the best n; 0: every document")
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first tokens
     priority: int | None = None
 
 
@@ -138,7 +140,7 @@ async def similarities(request: Request, state: ServerState, pairs: list[tuple[s
         if not ids:
             raise APIError.bad_request("a text must not be empty", field[text])
         prompts.append(ids)
-    prompts = fit_to_context(prompts, body.truncate_prompt_tokens, state,
+    prompts = fit_to_context(prompts, body.truncate_prompt_tokens, body.truncation_side, state,
                              lambda i: field[texts[i]])
     params = SamplingParams(pooling=PoolingParams(pooler.pooling_type, True),
                             priority=body.priority or 0)
@@ -166,7 +168,8 @@ async def cross_scores(request: Request, state: ServerState, pooler: PoolerConfi
         if not a or not b:
             raise APIError.bad_request("a text must not be empty", names[0] if not a else names[1])
         prompts.append(await state.prompts.encode_pair(a, b))
-    prompts = fit_to_context(prompts, body.truncate_prompt_tokens, state, lambda i: names[1])
+    prompts = fit_to_context(prompts, body.truncate_prompt_tokens, body.truncation_side, state,
+                             lambda i: names[1])
     outs = await embed_all(request, state, prompts,
                            classification_params(pooler, body.priority),
                            f"{prefix}-{uuid.uuid4().hex}", state.metrics.track())

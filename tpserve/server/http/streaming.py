@@ -187,22 +187,24 @@ async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     """The chat chunks of one request: a role chunk per choice, content deltas, a finish
     chunk per choice, then (``include_usage``) one with the usage. With
     ``return_token_ids`` the first chunk holds the prompt's ids and each content chunk its
-    tokens' (held tool-call output: the finish chunk holds them all). With
+    tokens' (held tool-call output: the finish chunk holds them all); with
+    ``return_prompt_text`` the first chunk holds the prompt as the template wrote it. With
     ``--reasoning-parser`` the reasoning goes out in ``reasoning`` deltas as it is decided
     (text that may yet be a tag is held), the answer as content, tool calls parsed from
     the answer alone. Raises what the engine raises; the caller closes ``outputs``."""
 
-    def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None
+    def chunk(choice: ChatChunkChoice, out: RequestOutput, prompt_ids=None, prompt_text=None
               ) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
                                    choices=[choice], usage=_so_far(out, ctx),
-                                   prompt_token_ids=prompt_ids)
+                                   prompt_token_ids=prompt_ids, prompt_text=prompt_text)
 
     before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
     held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
     for i in range(ctx.n):
         yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role=ctx.role, content="")),
-                    before, ctx.prompt_ids_of(0) if i == 0 else None)
+                    before, ctx.prompt_ids_of(0) if i == 0 else None,
+                    ctx.prompt_text if i == 0 else None)
         if ctx.chat_echo:
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
                         before)

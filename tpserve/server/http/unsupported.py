@@ -15,7 +15,8 @@ Decided per field of OpenAI's completions and chat completions APIs:
 vLLM's own request fields that need machinery this server does not have are refused the
 same way when set to anything but their no-op value: ``priority`` (only 0, unless the
 server runs ``--scheduling-policy priority``), ``logits_processors``,
-``kv_transfer_params``, ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
+``kv_transfer_params``, ``ec_transfer_params``, ``watermarking`` (only false),
+``prompt_embeds`` (completions), ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
 ``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
 Beam search's fields (``use_beam_search``, ``length_penalty``) are checked by
 ``http/beam_search.py``.
@@ -49,8 +50,9 @@ def _noop_value(field: str, value: Any) -> bool:
         return value is False
     if field == "priority":
         return value == 0
-    if field in ("logits_processors", "kv_transfer_params", "vllm_xargs", "background",
-                 "include", "top_logprobs"):
+    if field in ("logits_processors", "kv_transfer_params", "ec_transfer_params",
+                 "vllm_xargs", "background", "include", "top_logprobs", "watermarking",
+                 "prompt_embeds"):
         return not value
     if field == "truncation":
         return value == "disabled"
@@ -66,6 +68,7 @@ def _noop_value(field: str, value: Any) -> bool:
 COMPLETION_REFUSED = {
     "best_of": "best_of other than 1 is not supported",
     "suffix": "suffix (insertion) is not supported",
+    "prompt_embeds": "prompt_embeds is not supported: send the prompt as text or token ids",
 }
 CHAT_REFUSED = {
     "functions": "functions (deprecated) is not supported: use tools",
@@ -85,6 +88,8 @@ VLLM_REFUSED = {
                 "serves requests first come, first served",
     "logits_processors": "logits_processors are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
+    "ec_transfer_params": "ec_transfer_params (encoder-cache transfer) is not supported",
+    "watermarking": "watermarking is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
     "guided_decoding_backend": "only the xgrammar structured-output backend is available",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
