@@ -124,6 +124,45 @@ def test_json_object(client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"]}
+TAGGED = re.compile(r"The answer: (\{.*?\})\.", re.S)
+
+
+def test_structural_tag_formats(client):
+    """vLLM's ``structural_tag``: xgrammar's ``format`` (here one tag: the whole output is
+    ``<city>`` + a JSON object of the schema + ``</city>``), and the legacy ``structures``
+    and ``triggers``: free text, but every ``The`` (the trigger, the model's own first word)
+    opens ``The answer: `` + an object of the schema + ``.``; through ``response_format``
+    and ``structured_outputs.structural_tag``."""
+    ask = [{"role": "user", "content": "Which city is the capital of France?"}]
+    one_tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<city>", "content": {"type": "json_schema", "json_schema": CITY},
+        "end": "</city>"}}
+    for body in ({"response_format": one_tag},
+                 {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(one_tag)}}}):
+        r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                           max_tokens=60, **body).choices[0]
+        whole = re.fullmatch(r"<city>(.*)</city>", r.message.content, re.S)
+        assert whole and r.finish_reason == "stop", r.message.content
+        jsonschema.validate(json.loads(whole.group(1)), CITY)
+    plain = client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                           max_tokens=60).choices[0].message.content
+    assert plain.startswith("The ") and not plain.startswith("The answer: ")
+    legacy = {"type": "structural_tag", "triggers": ["The"],
+              "structures": [{"begin": "The answer: ", "schema": CITY, "end": "."}]}
+    for body in ({"response_format": legacy},
+                 {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(legacy)}}}):
+        r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                           max_tokens=200, **body).choices[0]
+        text = r.message.content
+        assert text.startswith("The answer: ") and r.finish_reason == "stop", text
+        tags = TAGGED.findall(text)
+        for tag in tags:
+            jsonschema.validate(json.loads(tag), CITY)
+        assert "The" not in TAGGED.sub("", text)  # every trigger opened a whole tag
+
+
 def test_free_requests_unchanged_in_a_constrained_batch(client):
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
@@ -155,7 +194,17 @@ def test_free_requests_unchanged_in_a_constrained_batch(client):
      "at most one"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice",
      "at most one"),
-    ({"structured_outputs": {"structural_tag": "a"}}, "structured_outputs", ""),
+    ({"structured_outputs": {"structural_tag": "a"}}, "structured_outputs.structural_tag",
+     "not JSON"),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": '
+                                               '{"type": "bogus"}}'}},
+     "structured_outputs.structural_tag", "bogus"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "needs format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<"],
+                          "structures": [{"begin": "<a>", "end": "</a>"}],
+                          "format": {"type": "tag"}}}, "response_format", "not both"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<"],
+                          "structures": [{"begin": "<a>"}]}}, "response_format", "end"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", ""),
     ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "structured"),
 ])

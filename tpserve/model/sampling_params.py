@@ -7,15 +7,17 @@ from dataclasses import dataclass
 
 from tpserve.model.pooling import POOLING_TYPES
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the whole output: ``kind`` is ``json`` (``value`` is a JSON schema as
     text), ``json_object`` (any JSON object; ``value`` is empty), ``regex`` (a pattern the
-    whole output matches) or ``grammar`` (an EBNF grammar in xgrammar's dialect). Pure data:
-    the engine compiles it (cached by ``(kind, value)``)."""
+    whole output matches), ``grammar`` (an EBNF grammar in xgrammar's dialect) or
+    ``structural_tag`` (xgrammar's structural tag as JSON text: ``{"type": "structural_tag",
+    "format": ...}``; free text with constrained tags, e.g. tool calls). Pure data: the
+    engine compiles it (cached by ``(kind, value)``)."""
 
     kind: str
     value: str = ""

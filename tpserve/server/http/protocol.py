@@ -83,11 +83,28 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
+class StructuralTagItem(BaseModel):
+    """One of a legacy structural tag's ``structures``: text from ``begin`` to ``end``
+    whose content follows ``schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    begin: str
+    tag_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
+    """``text``, ``json_object``, ``json_schema``, or vLLM's ``structural_tag``: xgrammar's
+    ``format`` or the legacy ``structures`` and ``triggers`` (``http/structured.py``)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsParams(BaseModel):
@@ -100,6 +117,7 @@ class StructuredOutputsParams(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None  # its JSON text, either form (http/structured.py)
 
 
 class SamplingRequest(RequestModel):

@@ -1,9 +1,10 @@
 """A request's structured-output constraint and ``logit_bias``, validated before the
 request enters the engine.
 
-A constraint comes from exactly one of: ``response_format`` (``json_object`` or
-``json_schema``; ``text`` is no constraint), vLLM's ``structured_outputs`` (``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``), or the older top-level
+A constraint comes from exactly one of: ``response_format`` (``json_object``,
+``json_schema`` or vLLM's ``structural_tag``; ``text`` is no constraint), vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``structural_tag``), or the older top-level
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``. Two or more is a
 400; so is a schema, regex or grammar the compiler refuses (the message is its own).
 """
@@ -18,11 +19,13 @@ from tpserve.server.engine.structured.spec import (
     GrammarError,
     check_structured_output,
     choice_grammar,
+    structural_tag,
 )
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import SamplingRequest
 
-_WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+_WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+         "structural_tag": "structural tag"}
 
 
 def _schema_text(value: str | dict[str, Any]) -> str:
@@ -42,11 +45,19 @@ def _candidates(req: SamplingRequest) -> list[tuple[str, str, Any]]:
                 "response_format.json_schema.schema")
         found.append(("response_format.json_schema.schema", "json",
                       fmt.json_schema.json_schema))
+    elif fmt is not None and fmt.type == "structural_tag":
+        if (fmt.format is None) == (fmt.structures is None):
+            raise APIError.bad_request("response_format of type structural_tag needs format, "
+                                       "or structures and triggers (not both)",
+                                       "response_format")
+        found.append(("response_format", "structural_tag", fmt.model_dump(
+            by_alias=True, exclude_none=True)))
     so = req.structured_outputs
     if so is not None:
         for name, kind, value in (("json", "json", so.json_value), ("regex", "regex", so.regex),
                                   ("choice", "choice", so.choice),
-                                  ("grammar", "grammar", so.grammar)):
+                                  ("grammar", "grammar", so.grammar),
+                                  ("structural_tag", "structural_tag", so.structural_tag)):
             if value is not None:
                 found.append((f"structured_outputs.{name}", kind, value))
         if so.json_object:
@@ -76,6 +87,8 @@ def structured_output(req: SamplingRequest) -> StructuredOutput | None:
             spec = StructuredOutput("grammar", choice_grammar(value))
         elif kind == "json":
             spec = StructuredOutput("json", _schema_text(value))
+        elif kind == "structural_tag":
+            spec = StructuredOutput(kind, structural_tag(value))
         else:
             spec = StructuredOutput(kind, value)
         check_structured_output(spec)

@@ -93,6 +93,8 @@ class GrammarCompiler:
                     '{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.value)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.value)
             return self._compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(clean_message(exc)) from exc

@@ -1,8 +1,9 @@
 """Checking a structured-output constraint without a tokenizer, and choice lists as grammars.
 
 The HTTP layer calls ``check_structured_output`` before a request enters the engine: it
-parses the schema, regex or grammar with the same library (xgrammar) the engine compiles
-it with, so a constraint the engine would refuse gets a 400 naming the field instead.
+parses the schema, regex, grammar or structural tag with the same library (xgrammar) the
+engine compiles it with, so a constraint the engine would refuse gets a 400 naming the
+field instead.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import xgrammar as xgr
 
@@ -48,5 +50,34 @@ def check_structured_output(spec: StructuredOutput) -> None:
             xgr.Grammar.from_regex(spec.value)
         elif spec.kind == "grammar":
             xgr.Grammar.from_ebnf(spec.value)
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(spec.value)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise GrammarError(clean_message(exc)) from exc
+
+
+def structural_tag(value: str | dict[str, Any]) -> str:
+    """vLLM's structural tag (a JSON object or its text) as xgrammar's current form: the
+    legacy ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` becomes the
+    same triggered tags (free text until a trigger, then one of the tags starting with it,
+    its content following its schema; free text again after its end); any other object
+    is taken as it is (``{"type": "structural_tag", "format": ...}``). ``GrammarError`` for
+    text that is no JSON object or a legacy tag without its fields."""
+    try:
+        tag = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise GrammarError(f"not JSON: {exc}") from exc
+    if not isinstance(tag, dict):
+        raise GrammarError("must be a JSON object")
+    if "structures" not in tag:
+        return json.dumps(tag)
+    try:
+        tags = [{"type": "tag", "begin": s["begin"],
+                 "content": {"type": "json_schema", "json_schema": s.get("schema") or {}},
+                 "end": s["end"]} for s in tag["structures"]]
+        triggers = list(tag["triggers"])
+    except (KeyError, TypeError) as exc:
+        raise GrammarError("structures need begin and end, and triggers a list of "
+                           f"strings ({exc!r} missing or wrong)") from exc
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}})
