@@ -461,3 +461,36 @@ def test_return_prompt_text(client):
                                                  extra_body={"return_prompt_text": True}))
     assert [ch.model_extra["prompt_text"] for ch in chunks] == [want] + [None] * (
         len(chunks) - 1)
+
+
+def test_reasoning_effort_goes_to_the_template(client):
+    """OpenAI's ``reasoning_effort`` as vLLM gives it to the chat template: as itself, and as
+    ``enable_thinking`` (false for "none") unless ``chat_template_kwargs`` set it; a
+    template that reads neither (the server's own here) is refused with 400, as is a value
+    OpenAI does not define."""
+    reads = ("effort={{ reasoning_effort }} thinking={{ enable_thinking }}|"
+             "{% for m in messages %}{{ m.content }}{% endfor %}")
+    switch = ("{% if enable_thinking is defined and not enable_thinking %}/no_think "
+              "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    msgs = [{"role": "user", "content": "Hi!"}]
+
+    def prompt(**extra) -> str:
+        return client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=1,
+            extra_body={"return_prompt_text": True, "chat_template": reads, **extra}
+        ).model_extra["prompt_text"]
+
+    assert prompt(reasoning_effort="low") == "effort=low thinking=True|Hi!"
+    assert prompt(reasoning_effort="none") == "effort=none thinking=False|Hi!"
+    assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) \
+        == "effort=none thinking=True|Hi!"
+    assert prompt(chat_template=switch, reasoning_effort="none") == "/no_think Hi!"
+    assert prompt(chat_template=switch, reasoning_effort="high") == "Hi!"
+    for extra, words in (({"reasoning_effort": "low"}, "reads neither"),
+                         ({"reasoning_effort": "extreme", "chat_template": reads},
+                          "must be one of")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                           extra_body=extra)
+        assert info.value.body["param"] == "reasoning_effort"
+        assert words in info.value.body["message"]

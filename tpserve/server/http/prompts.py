@@ -14,6 +14,7 @@ from typing import Any
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, ToolCall
+from tpserve.server.http.reasoning_effort import effort_kwargs, template_source
 
 # apply_chat_template's own arguments, which a request's chat_template_kwargs cannot set
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -104,7 +105,8 @@ class PromptProcessor:
         else the model's) applied to ``messages`` as a request's ``options`` say (and
         ``tools`` and ``documents``, as Hugging Face templates take them);
         ``chat_template_kwargs`` are more template variables (400 for one that names an
-        argument set here). Templates render in transformers' sandboxed environment."""
+        argument set here); ``reasoning_effort`` sets the variables ``reasoning_effort.py``
+        says. Templates render in transformers' sandboxed environment."""
         if options.add_generation_prompt and options.continue_final_message:
             raise APIError.bad_request("add_generation_prompt and continue_final_message "
                                        "cannot both be true", "continue_final_message")
@@ -146,6 +148,10 @@ class PromptProcessor:
             kwargs["continue_final_message"] = True
         if tools is not None:
             kwargs["tools"] = tools
+        if options.reasoning_effort is not None:
+            source = template_source(template if template is not None
+                                     else self.tokenizer.chat_template)
+            kwargs.update(effort_kwargs(options.reasoning_effort, source, template_kwargs))
         try:
             text = await self._run(self.tokenizer.apply_chat_template, conversation, **kwargs)
         except Exception as exc:  # jinja2 errors, template raise_exception(), bad roles

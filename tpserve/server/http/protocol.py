@@ -309,6 +309,8 @@ class ChatTemplateOptions(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     documents: list[dict[str, str]] | None = None
+    # OpenAI's, as vLLM gives it to the template (with enable_thinking): http/reasoning_effort.py
+    reasoning_effort: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
@@ -337,7 +339,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     # advisory in OpenAI's API (no effect on the output): accepted and ignored
     metadata: dict[str, str] | None = None

@@ -6,8 +6,9 @@ Decided per field of OpenAI's completions and chat completions APIs:
   (only empty), ``functions`` / ``function_call`` (deprecated: use ``tools``, which
   ``http/tools.py`` handles), ``audio``, ``modalities`` (only ``["text"]``),
   ``prediction`` (predicted outputs),
-  ``web_search_options``, ``store`` (only false), ``reasoning_effort`` and ``verbosity``
-  (not a reasoning model; OpenAI answers 400 for such models too);
+  ``web_search_options``, ``store`` (only false), ``verbosity`` (OpenAI answers 400 for
+  models without it too); ``reasoning_effort`` is the chat template's
+  (``http/reasoning_effort.py``: 400 where the template reads no such variable);
 - accepted and ignored, as OpenAI documents them as advisory (they never change the
   output): ``metadata`` (only stored with ``store``), ``service_tier``,
   ``prompt_cache_key`` (prefix caching needs no key), ``safety_identifier``, ``user``.
@@ -56,8 +57,8 @@ def _noop_value(field: str, value: Any) -> bool:
         return not value
     if field == "truncation":
         return value == "disabled"
-    if field == "reasoning":  # the Responses API's options: none set
-        return all(v is None for v in value.values())
+    if field == "reasoning":  # the Responses API's options: none but effort set
+        return all(v is None for k, v in value.items() if k != "effort")
     if field == "guided_decoding_backend":
         return value in ("", "auto", "xgrammar")
     if field == "spaces_between_special_tokens":
@@ -78,7 +79,6 @@ CHAT_REFUSED = {
     "prediction": "predicted outputs (prediction) are not supported",
     "web_search_options": "web search is not supported",
     "store": "store is not supported: completions are not stored",
-    "reasoning_effort": "reasoning_effort is not supported with this model",
     "verbosity": "verbosity is not supported with this model",
 }
 

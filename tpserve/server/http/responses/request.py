@@ -30,7 +30,8 @@ REFUSED = {  # refused unless set to their no-op value (http/unsupported.py)
     "truncation": "only truncation 'disabled' is supported",
     "max_tool_calls": "max_tool_calls is not supported: the server runs no tools",
     "top_logprobs": "top_logprobs is not supported on this endpoint",
-    "reasoning": "reasoning options (effort, summary) are not supported with this model",
+    "reasoning": "reasoning.summary is not supported: reasoning is returned as it is "
+                 "written",
 }
 
 
@@ -204,6 +205,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "stream": req.stream, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
         "stream_options": {"include_usage": True} if req.stream else None,
         # the answer's token ids, for the reasoning tokens of the usage
         "return_token_ids": True}
@@ -214,7 +216,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 # chat field -> the Responses field it came from, for error messages
 RESPONSES_NAME = {"max_completion_tokens": "max_output_tokens", "messages": "input",
-                  "response_format": "text.format"}
+                  "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def responses_error(exc: APIError) -> APIError:
@@ -240,5 +242,5 @@ def echo_fields(req: ResponsesRequest) -> dict[str, Any]:
             "text": req.text or {"format": {"type": "text"}},
             "metadata": req.metadata or {}, "user": req.user, "store": False,
             "background": False, "previous_response_id": None, "truncation": "disabled",
-            "reasoning": {"effort": None, "summary": None}}
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}}
 
