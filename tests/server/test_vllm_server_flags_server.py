@@ -1,7 +1,8 @@
 """vLLM's HTTP-server flags through a real ``tpserve serve`` (flags -> ServerConfig -> app
 and uvicorn): HTTPS with a self-signed certificate, ``--root-path``,
 ``--disable-fastapi-docs``, ``--response-role``, ``--max-logprobs`` and
-``--uvicorn-log-level``, driven by the real openai client. The details of each are in
+``--uvicorn-log-level``, and the frontend flags (``--enable-request-id-headers``, ...),
+driven by the real openai client. The details of each are in
 ``tests/server/http/test_vllm_server_flags.py``."""
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ def server(tmp_path_factory) -> Iterator[tuple[ServerProcess, str, httpx.Client]
                       "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
                       "--root-path", "/llm", "--disable-fastapi-docs",
                       "--response-role", "bot", "--max-logprobs", "3",
-                      "--uvicorn-log-level", "info", wait=False)
+                      "--uvicorn-log-level", "info",
+                      # vLLM's frontend flags
+                      "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                      "--chat-template-content-format", "string",
+                      "--enable-force-include-usage", "--return-tokens-as-token-ids",
+                      "--exclude-tools-when-tool-choice-none", "--enable-request-id-headers",
+                      "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+                      wait=False)
     base = f"https://127.0.0.1:{s.port}"
     http = httpx.Client(verify=trusting(cert), timeout=120)
     try:
@@ -73,3 +81,18 @@ def test_every_flag_in_one_server(server):
     assert err.value.body["param"] == "top_logprobs"
     assert err.value.body["message"] == ("Requested top_logprobs of 4, which is greater "
                                          "than max allowed: 3")
+
+
+def test_vllm_frontend_flags(server):
+    """The frontend flags reach the app: the request id comes back, a stream ends with its
+    usage unasked, logprob tokens are token ids, ``/load`` answers."""
+    _, base, http = server
+    r = http.post(f"{base}/v1/completions", headers={"X-Request-Id": "r-7"}, json={
+        "prompt": "Hi", "max_tokens": 2, "logprobs": 1, "temperature": 0})
+    assert r.headers["x-request-id"] == "r-7"
+    assert all(t.startswith("token_id:") for t in r.json()["choices"][0]["logprobs"]["tokens"])
+    with http.stream("POST", f"{base}/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 2, "stream": True}) as stream:
+        lines = [ln for ln in stream.iter_lines() if ln.startswith("data: {")]
+    assert '"completion_tokens":2' in lines[-1].replace(" ", "")
+    assert http.get(f"{base}/load").json() == {"server_load": 0}

@@ -17,6 +17,7 @@ from tpserve.server.config import UVICORN_LOG_LEVELS
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from tpserve.server.flag_types import json_object
 from tpserve.server.http.cors import parse_list
+from tpserve.server.http.frontend import CONTENT_FORMATS
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.tls import SSL_CERT_REQS
@@ -297,6 +298,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs a request may ask; more gets 400 naming the field. "
                         f"At most {SamplingParams.MAX_LOGPROBS}, the engine's own limit: the "
                         "flag can only lower it (vLLM's -1, no cap, is refused)")
+    # vLLM's frontend flags (http/frontend.py; ServerConfig.frontend)
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   metavar="JSON",
+                   help="template variables every chat request gets (e.g. "
+                        '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
+                        "override them")
+    p.add_argument("--chat-template-content-format", default="auto",
+                   choices=list(CONTENT_FORMATS),
+                   help="message content as the chat template reads it: a string (auto, "
+                        "string) or OpenAI's list of text parts (openai)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="a streamed answer ends with its usage even without "
+                        "stream_options.include_usage")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens are named token_id:<id> unless a request sets "
+                        "return_tokens_as_token_ids: false")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a request with tool_choice none does not show its tools to the "
+                        "chat template either")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own header, "
+                        "else a new id")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto': the model decides whether to call tools, "
                         "and --tool-call-parser finds the calls in its output")

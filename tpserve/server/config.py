@@ -44,6 +44,7 @@ from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.scheduler import SchedulerConfig
 from tpserve.server.engine.speculative import SpeculativeConfig
 from tpserve.server.http.cors import CorsConfig
+from tpserve.server.http.frontend import FrontendOptions
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.port import check_port_free
 from tpserve.server.replicas import ONLY, Replica, check_data_parallel, plan_replicas
@@ -86,6 +87,7 @@ class ServerConfig:
     # /v1/load_lora_adapter are fetched into (None: the default cache)
     download_dir: str | None = None
     metrics_namespace: str = "tpserve"  # /metrics' prefix: tpserve or vllm
+    frontend: FrontendOptions = FrontendOptions()  # vLLM's frontend flags (http/frontend.py)
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -284,7 +286,16 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           disable_fastapi_docs=a.disable_fastapi_docs,
                           response_role=a.response_role, max_logprobs=a.max_logprobs,
                           download_dir=a.download_dir,
-                          metrics_namespace=a.metrics_namespace)
+                          metrics_namespace=a.metrics_namespace,
+                          frontend=FrontendOptions(
+                              default_chat_template_kwargs=a.default_chat_template_kwargs
+                              or {},
+                              chat_template_content_format=a.chat_template_content_format,
+                              force_include_usage=a.enable_force_include_usage,
+                              return_tokens_as_token_ids=a.return_tokens_as_token_ids,
+                              exclude_tools_when_tool_choice_none=(
+                                  a.exclude_tools_when_tool_choice_none),
+                              request_id_headers=a.enable_request_id_headers))
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

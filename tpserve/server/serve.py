@@ -145,7 +145,8 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy | DataParallelEng
                     root_path=cfg.server.root_path,
                     docs=not cfg.server.disable_fastapi_docs,
                     pooler=cfg.runner.pooler,
-                    metrics_namespace=cfg.server.metrics_namespace)
+                    metrics_namespace=cfg.server.metrics_namespace,
+                    frontend=cfg.server.frontend)
     server = _Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, timeout_graceful_shutdown=5,
         access_log=False, **cfg.server.uvicorn_options()))

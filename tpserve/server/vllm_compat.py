@@ -44,6 +44,8 @@ REFUSED = {
     "--limit-mm-per-prompt": ("tpserve serves text-only models", None),
     "--kv-transfer-config": ("disaggregated prefill (KV transfer between instances) is not "
                              "supported", None),
+    "--tool-parser-plugin": ("tool-call parsers are built in (--tool-call-parser); plugin "
+                             "files are not loaded", None),
 }
 
 
@@ -99,6 +101,11 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's thinking tags for thinking_token_budget: taken when they "
                         "are the --reasoning-parser's own (<think> and </think>), which "
                         "tpserve uses without it; other tags are refused")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="changes nothing: every answer's usage has prompt_tokens_details "
+                        "(its cached_tokens)")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="changes nothing: GET /load always counts the requests in flight")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")

@@ -17,6 +17,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.access_log import AccessLogMiddleware
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
+from tpserve.server.http.frontend import FrontendOptions, LoadMiddleware, RequestIdMiddleware
 from tpserve.server.http.http_errors import install_exception_handlers
 from tpserve.server.http.invocations import InvocationsMiddleware, make_invocations_router
 from tpserve.server.http.lora import make_lora_router
@@ -57,7 +58,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               pooler: PoolerConfig | None = None,
               lora_modules: tuple[LoraModule, ...] = (),
               download_dir: str | None = None,
-              metrics_namespace: str = "tpserve") -> FastAPI:
+              metrics_namespace: str = "tpserve",
+              frontend: FrontendOptions | None = None) -> FastAPI:
     """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
@@ -74,7 +76,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     ``lora_modules``: the LoRA adapters served (slot i: ``lora_modules[i]``), each a model
     name a request may choose; ``download_dir``: the Hugging Face cache runtime LoRA loads
     by repository id fetch into; ``metrics_namespace``: /metrics' prefix (``tpserve`` or
-    ``vllm``)."""
+    ``vllm``); ``frontend``: vLLM's frontend flags (``http/frontend.py``)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-tokenizer")
@@ -93,10 +95,13 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     if root_path:  # as vLLM sets it (FastAPI's constructor argument is deprecated)
         app.root_path = root_path
     loras = LoraNames(tuple(lora_modules))
-    app.state.tpserve = ServerState(
+    frontend = frontend or FrontendOptions()
+    state = app.state.tpserve = ServerState(
         engine=engine,
         served_model_names=tuple(served_model_names),
-        prompts=PromptProcessor(engine.tokenizer, executor, chat_template),
+        prompts=PromptProcessor(engine.tokenizer, executor, chat_template,
+                                frontend.template_kwargs,
+                                frontend.content_parts),
         metrics=ServerMetrics(engine.stats, engine.model_name, loras.names_by_id,
                               metrics_namespace),
         created=int(time.time()),
@@ -111,6 +116,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         pooler=pooler,
         loras=loras,
         download_dir=download_dir,
+        frontend=frontend,
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())
@@ -120,6 +126,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     app.include_router(make_invocations_router())
     # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit,
     # which wraps /invocations' re-routing (its body read inside the limit).
+    # inside /invocations' re-routing: a request is counted under the route that serves it
+    app.add_middleware(LoadMiddleware, counter=state.load)
     app.add_middleware(InvocationsMiddleware, pooler=pooler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key is not None:
@@ -130,6 +138,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
                            allow_methods=list(cors.allowed_methods),
                            allow_headers=list(cors.allowed_headers),
                            allow_credentials=cors.allow_credentials)
+    if frontend.request_id_headers:  # every answer, errors and 401s included
+        app.add_middleware(RequestIdMiddleware)
     if log_requests:  # outermost: it sees the status CatchAll answers with
         app.add_middleware(AccessLogMiddleware)
     return app

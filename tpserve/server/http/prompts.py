@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, ToolCall
+from tpserve.server.http.protocol import (
+    ChatMessage,
+    ChatTemplateOptions,
+    TextContentPart,
+    ToolCall,
+)
 from tpserve.server.http.reasoning_effort import effort_kwargs, template_source
 
 # apply_chat_template's own arguments, which a request's chat_template_kwargs cannot set
@@ -42,12 +47,28 @@ def _template_call(call: ToolCall) -> dict[str, Any]:
             "function": {"name": call.function.name, "arguments": arguments}}
 
 
+def _content_parts(m: ChatMessage) -> list[dict[str, str]]:
+    """A message's content as OpenAI's list of text parts (none for no content)."""
+    if m.content is None:
+        return []
+    if isinstance(m.content, str):
+        return [{"type": "text", "text": m.content}]
+    return [{"type": "text", "text": p.text} for p in m.content
+            if isinstance(p, TextContentPart)]
+
+
 class PromptProcessor:
-    def __init__(self, tokenizer: Any, executor: Executor, chat_template: str | None = None):
+    def __init__(self, tokenizer: Any, executor: Executor, chat_template: str | None = None,
+                 default_template_kwargs: Mapping[str, Any] | None = None,
+                 content_parts: bool = False):
         self.tokenizer = tokenizer
         self.executor = executor
         self.vocab_size = len(tokenizer)
         self.chat_template = chat_template  # replaces the tokenizer's when set
+        # --default-chat-template-kwargs: under each request's chat_template_kwargs
+        self.default_template_kwargs = dict(default_template_kwargs or {})
+        # --chat-template-content-format openai: content as a list of text parts
+        self.content_parts = content_parts
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -104,13 +125,13 @@ class PromptProcessor:
         """The chat template (the request's ``chat_template``, else ``--chat-template``,
         else the model's) applied to ``messages`` as a request's ``options`` say (and
         ``tools`` and ``documents``, as Hugging Face templates take them);
-        ``chat_template_kwargs`` are more template variables (400 for one that names an
-        argument set here); ``reasoning_effort`` sets the variables ``reasoning_effort.py``
+        ``chat_template_kwargs`` are more template variables, over the server's defaults
+        (400 for one that names an argument set here); ``reasoning_effort`` sets the variables ``reasoning_effort.py``
         says. Templates render in transformers' sandboxed environment."""
         if options.add_generation_prompt and options.continue_final_message:
             raise APIError.bad_request("add_generation_prompt and continue_final_message "
                                        "cannot both be true", "continue_final_message")
-        template_kwargs = options.chat_template_kwargs or {}
+        template_kwargs = {**self.default_template_kwargs, **(options.chat_template_kwargs or {})}
         taken = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if taken:
             raise APIError.bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}",
@@ -123,7 +144,8 @@ class PromptProcessor:
                     "only", f"messages.{i}.content")
             # OpenAI's developer role is the system role of models without one of its own
             role = "system" if m.role == "developer" else m.role
-            item: dict[str, Any] = {"role": role, "content": m.text()}
+            item: dict[str, Any] = {"role": role, "content": _content_parts(m)
+                                    if self.content_parts else m.text()}
             if m.name is not None:
                 item["name"] = m.name
             if m.tool_call_id is not None:

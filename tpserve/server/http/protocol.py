@@ -158,7 +158,7 @@ class SamplingRequest(RequestModel):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: logprob tokens named "token_id:<id>" instead of their text
-    return_tokens_as_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool | None = False
     # vLLM's: prefix-cache hits only between requests with the same salt

@@ -1,5 +1,5 @@
 """``/tokenize``, ``/detokenize`` (vLLM's shapes), ``/health`` (and SageMaker's ``/ping``),
-``/metrics``, ``/memory``, ``/memory/snapshot``, ``/version``."""
+``/metrics``, ``/memory``, ``/memory/snapshot``, ``/version``, vLLM's ``/load``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def make_extra_router() -> APIRouter:
         if not healthy:
             raise APIError(503, "engine is unhealthy")
         return Response(status_code=200)
+
+    @router.get("/load", tags=["server"])
+    async def load(request: Request) -> dict[str, int]:
+        """vLLM's server load: the requests running the model now (``frontend.LoadCounter``;
+        always counted, as with vLLM's ``--enable-server-load-tracking``)."""
+        return {"server_load": get_state(request).load.in_flight}
 
     @router.get("/metrics", tags=["server"], response_class=Response,
                 responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

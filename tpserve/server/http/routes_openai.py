@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -173,7 +173,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
-                          include_usage=body.include_usage,
+                          include_usage=(body.include_usage
+                                         or state.frontend.force_include_usage),
                           continuous_usage=body.continuous_usage,
                           tools=tools if tools is not None and tools.parses_output else None,
                           reasoning=reasoning,
@@ -256,6 +257,7 @@ def make_openai_router() -> APIRouter:
         tracker = state.metrics.track()  # latencies count from here
         model = state.resolve_model(body.model)
         state.check_generative()
+        body = _with_server_defaults(state, body)
         constraints = await _checked_constraints(state, body)
         state.check_available()
         prompt_ids = [truncated_prompt(ids, body.truncate_prompt_tokens,
@@ -341,11 +343,33 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
                                            tools=tools)
 
 
+_Body = TypeVar("_Body", bound=SamplingRequest)
+
+
+def _shown_tools(state: ServerState, body: ChatCompletionRequest,
+                 tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template is shown: none for ``tool_choice: none`` under
+    ``--exclude-tools-when-tool-choice-none``."""
+    if state.frontend.exclude_tools_when_tool_choice_none and body.tool_choice == "none":
+        return None
+    return tools
+
+
+def _with_server_defaults(state: ServerState, body: _Body) -> _Body:
+    """``body`` with the server's defaults for fields it leaves unset
+    (``--return-tokens-as-token-ids``)."""
+    if body.return_tokens_as_token_ids is None and state.frontend.return_tokens_as_token_ids:
+        return body.model_copy(update={"return_tokens_as_token_ids": True})
+    return body
+
+
 async def _count_prompt(state: ServerState, body: ChatCompletionRequest) -> int:
     """The length of the prompt ``_chat`` would build for ``body``: its tools are shown to
-    the template whatever the tool choice, and need no tool-call parser to be counted."""
+    the template whatever the tool choice (unless ``_shown_tools`` hides them), and need
+    no tool-call parser to be counted."""
     state.check_generative()
-    return len((await _chat_prompt(state, body, template_tools(body)))[1])
+    shown = _shown_tools(state, body, template_tools(body))
+    return len((await _chat_prompt(state, body, shown))[1])
 
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest,
@@ -354,6 +378,7 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     """Answers a chat request (or the chat request of another endpoint, ``answer``):
     its constraints, tools and reasoning plan, its prompt and sampling parameters."""
     state.check_generative()
+    body = _with_server_defaults(state, body)
     constraints = await _checked_constraints(state, body)
     tools = plan_tools(body, state.auto_tool_parser)
     _with_tools(tools, constraints)
@@ -361,8 +386,8 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     if any(p is not None and p.needs_special_tokens for p in parsers):
         body = body.model_copy(update={"skip_special_tokens": False})  # keep their tags
     state.check_available()
-    prompt_text, prompt_ids = await _chat_prompt(
-        state, body, tools.template_tools if tools is not None else None)
+    prompt_text, prompt_ids = await _chat_prompt(state, body, _shown_tools(
+        state, body, tools.template_tools if tools is not None else None))
     prompt_ids = truncated_prompt(prompt_ids, body.truncate_prompt_tokens,
                                   state.engine.max_model_len, body.truncation_side)
     reasoning = None

@@ -10,6 +10,7 @@ from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.errors import EngineDeadError, EngineShuttingDownError
 from tpserve.server.http.engine_client import EngineClient
+from tpserve.server.http.frontend import FrontendOptions, LoadCounter
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import LoraNames, ServedAdapter
 from tpserve.server.http.metrics import ServerMetrics
@@ -42,6 +43,8 @@ class ServerState:
     loras: LoraNames = field(default_factory=LoraNames)
     # --download-dir: where /v1/load_lora_adapter fetches an adapter named by repository id
     download_dir: str | None = None
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's frontend flags
+    load: LoadCounter = field(default_factory=LoadCounter)  # GET /load
 
     def adapter(self, model: str) -> ServedAdapter | None:
         """The LoRA adapter served as ``model``; None for the base model."""
