@@ -1,6 +1,7 @@
 """Does a host-tier load wait on the host for the forward stream? (round 46's failed CUDA
 test). Queues a 50M-cycle sleep on the forward stream, then a load, three times: the
-first on a fresh ``HostKV`` (cold kernels, cold pinned-memory cache), then again. Prints,
+first on a fresh ``HostKV`` (its constructor launches every copy kernel once since
+``HostKV._warm_up``; before, this first load launched them cold), then again. Prints,
 per try, how long ``load`` took on the host and whether its batch was already done right
 after (it should not be: the sleep runs ~25 ms). JSON on the last line.
 

@@ -116,6 +116,8 @@ class HostKV:
         # loads not yet joined and maybe running: (batch, end event, host slots they read)
         self._pending: deque[tuple[int, torch.cuda.Event, frozenset[int]]] = deque()
         self._issued = -1  # the newest batch of loads given
+        if cuda:
+            self._warm_up()
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +168,18 @@ class HostKV:
         while self._pending and self._pending[0][1].query():
             self._pending.popleft()
         return self._pending[0][0] - 1 if self._pending else self._issued
+
+    def _warm_up(self) -> None:
+        """Launches every copy kernel once and waits for them (CUDA, at start-up). CUDA
+        loads a kernel at its first launch, and that waits for the device: the first load
+        of a serving engine would otherwise hold the host until the step in flight ended
+        (26 ms behind a busy stream on an H100, ``bench/README.md`` round 46). Copies pool
+        block 0 to slot 0 and back, which changes no byte of the pool, and touches no
+        batch bookkeeping."""
+        self.store([0], [0])
+        with torch.cuda.stream(self._stream):
+            self._load([0], [0])
+        torch.cuda.synchronize(self._stream.device)
 
     def _after_loads_of(self, slots: list[int]) -> None:
         """The forward stream waits for the newest pending load reading one of ``slots``."""
