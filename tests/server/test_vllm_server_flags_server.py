@@ -7,6 +7,7 @@ driven by the real openai client. The details of each are in
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -34,7 +35,7 @@ def server(tmp_path_factory) -> Iterator[tuple[ServerProcess, str, httpx.Client]
                       "--enable-force-include-usage", "--return-tokens-as-token-ids",
                       "--exclude-tools-when-tool-choice-none", "--enable-request-id-headers",
                       "--enable-prompt-tokens-details", "--enable-server-load-tracking",
-                      wait=False)
+                      "--stream-interval", "2", wait=False)
     base = f"https://127.0.0.1:{s.port}"
     http = httpx.Client(verify=trusting(cert), timeout=120)
     try:
@@ -85,7 +86,8 @@ def test_every_flag_in_one_server(server):
 
 def test_vllm_frontend_flags(server):
     """The frontend flags reach the app: the request id comes back, a stream ends with its
-    usage unasked, logprob tokens are token ids, ``/load`` answers."""
+    usage unasked, logprob tokens are token ids, ``/load`` answers, stream chunks carry two
+    tokens."""
     _, base, http = server
     r = http.post(f"{base}/v1/completions", headers={"X-Request-Id": "r-7"}, json={
         "prompt": "Hi", "max_tokens": 2, "logprobs": 1, "temperature": 0})
@@ -96,3 +98,10 @@ def test_vllm_frontend_flags(server):
         lines = [ln for ln in stream.iter_lines() if ln.startswith("data: {")]
     assert '"completion_tokens":2' in lines[-1].replace(" ", "")
     assert http.get(f"{base}/load").json() == {"server_load": 0}
+    with http.stream("POST", f"{base}/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 7, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}) as stream:
+        chunks = [json.loads(ln[6:]) for ln in stream.iter_lines() if ln.startswith("data: {")]
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks
+             if c["choices"] and c["choices"][0]["token_ids"]]
+    assert sizes == [1, 2, 2, 2]  # --stream-interval 2: the first token at once

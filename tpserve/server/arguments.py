@@ -317,6 +317,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="a request with tool_choice none does not show its tools to the "
                         "chat template either")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a stream's chunks carry at least N new tokens of some choice (the "
+                        "first and the last go at once); a request's stream_interval may "
+                        "ask more")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own header, "
                         "else a new id")

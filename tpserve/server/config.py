@@ -295,7 +295,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               return_tokens_as_token_ids=a.return_tokens_as_token_ids,
                               exclude_tools_when_tool_choice_none=(
                                   a.exclude_tools_when_tool_choice_none),
-                              request_id_headers=a.enable_request_id_headers))
+                              request_id_headers=a.enable_request_id_headers,
+                              stream_interval=a.stream_interval))
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

@@ -7,8 +7,9 @@ to the template as a string, or as OpenAI's list of text parts), ``--enable-forc
 usage`` (a streamed answer ends with its usage as if ``stream_options.include_usage`` were
 set), ``--return-tokens-as-token-ids`` (the default of the request field),
 ``--exclude-tools-when-tool-choice-none`` (``tool_choice: none`` hides the tools from the
-template too) and ``--enable-request-id-headers`` (every response carries
-``X-Request-Id``: the request's own, else a new one). ``GET /load`` (vLLM's
+template too), ``--enable-request-id-headers`` (every response carries
+``X-Request-Id``: the request's own, else a new one) and ``--stream-interval`` (the least
+a request's ``stream_interval`` is: ``stream_interval.py``). ``GET /load`` (vLLM's
 ``--enable-server-load-tracking``, always on here) counts the requests in flight."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FrontendOptions:
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     request_id_headers: bool = False
+    stream_interval: int = 1  # a stream's chunks: at least this many new tokens
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_chat_template_kwargs",
@@ -46,6 +48,8 @@ class FrontendOptions:
         if taken:
             raise ValueError(f"--default-chat-template-kwargs cannot set {', '.join(taken)}: "
                              "they are arguments of the template call itself")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"--chat-template-content-format must be one of "
                              f"{', '.join(CONTENT_FORMATS)}, got "

@@ -148,6 +148,9 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's: a stream's chunks carry at least this many new tokens (the first and last
+    # go at once; at least --stream-interval; http/stream_interval.py)
+    stream_interval: int | None = Field(default=None, ge=1)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's: every prompt token after the first scored, with this many top alternatives

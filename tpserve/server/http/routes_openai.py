@@ -61,6 +61,7 @@ from tpserve.server.http.responses.request import (
     responses_error,
 )
 from tpserve.server.http.state import ServerState, get_state
+from tpserve.server.http.stream_interval import batched
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
 from tpserve.server.http.structured import allowed_token_ids, logit_bias, structured_output
 from tpserve.server.http.tools import ToolPlan, plan_tools, template_tools
@@ -203,6 +204,9 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
             for k, (ids, p) in enumerate(prompts)], params.n)
     if body.return_tokens_as_token_ids:
         outputs = tokens_named_by_id(outputs)
+    interval = max(body.stream_interval or 1, state.frontend.stream_interval)
+    if body.stream and interval > 1:
+        outputs = batched(outputs, interval)
     handed_over = False
     try:
         # The first output is awaited before answering, so that errors raised on submission
