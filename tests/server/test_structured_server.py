@@ -205,6 +205,9 @@ def test_free_requests_unchanged_in_a_constrained_batch(client):
                           "format": {"type": "tag"}}}, "response_format", "not both"),
     ({"response_format": {"type": "structural_tag", "triggers": ["<"],
                           "structures": [{"begin": "<a>"}]}}, "response_format", "end"),
+    ({"structured_outputs": {"structural_tag": '{"triggers": "<a", "structures": '
+                                               '[{"begin": "<a>", "end": "</a>"}]}'}},
+     "structured_outputs.structural_tag", "list of strings"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", ""),
     ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "structured"),
 ])

@@ -177,8 +177,9 @@ class HostKV:
         block 0 to slot 0 and back, which changes no byte of the pool, and touches no
         batch bookkeeping."""
         self.store([0], [0])
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
-            self._load([0], [0])
+            self._load([0], [0])  # after the store: slot 0 holds block 0's bytes
         torch.cuda.synchronize(self._stream.device)
 
     def _after_loads_of(self, slots: list[int]) -> None:

@@ -154,6 +154,8 @@ class SamplingParams:
 
     MAX_N = 128
     MAX_LOGPROBS = 20
+    MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
+    MAX_PATTERN_SIZE = 1024  # repetition_detection's longest pattern (engine-thread work)
     MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
@@ -192,9 +194,14 @@ class SamplingParams:
                       f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.logprob_token_ids is not None and (
                 self.logprobs is None or not self.logprob_token_ids
+                or len(self.logprob_token_ids) > self.MAX_LOGPROB_TOKEN_IDS
                 or min(self.logprob_token_ids) < 0):
-            raise bad("logprob_token_ids", "must be a non-empty list of token ids, and needs "
-                      "logprobs")
+            raise bad("logprob_token_ids", f"must be 1 to {self.MAX_LOGPROB_TOKEN_IDS} token "
+                      "ids, and needs logprobs")
+        if self.repetition is not None and \
+                self.repetition.max_pattern_size > self.MAX_PATTERN_SIZE:
+            raise bad("repetition_detection", f"max_pattern_size must be at most "
+                      f"{self.MAX_PATTERN_SIZE}, got {self.repetition.max_pattern_size}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -18,6 +18,7 @@ from tests.server.http.fake_engine import FakeEngine
 from tests.server.http.uvicorn_app import running
 from tpserve.server.http.app import build_app
 from tpserve.server.http.frontend import FrontendOptions
+from tpserve.server.http.reasoning_effort import template_source
 
 MODEL = "smol"
 MESSAGES = [{"role": "user", "content": "Hi!"}]
@@ -72,6 +73,27 @@ def test_the_defaults_are_checked(engine):
     assert pickle.loads(pickle.dumps(frozen)) == frozen  # it travels to the engine process
 
 
+def test_reasoning_effort_over_the_servers_defaults(engine):
+    """A request's reasoning_effort sets enable_thinking over the server's default for it;
+    the request's own chat_template_kwargs win over both."""
+    reads = "thinking={{ enable_thinking }}"
+    with serve(engine, default_chat_template_kwargs={"enable_thinking": False}) as url:
+        c = client(url)
+        assert prompt_text(c, chat_template=reads) == "thinking=False"
+        assert prompt_text(c, chat_template=reads, reasoning_effort="high") == "thinking=True"
+        assert prompt_text(c, chat_template=reads, reasoning_effort="high",
+                           chat_template_kwargs={"enable_thinking": False}) == "thinking=False"
+
+
+def test_the_template_read_is_the_one_rendered():
+    named = {"default": "{{ messages }}", "tool_use": "{{ reasoning_effort }}"}
+    assert template_source(None, named, tools=True) == "{{ reasoning_effort }}"
+    assert template_source(None, named, tools=False) == "{{ messages }}"
+    assert template_source("tool_use", named, tools=False) == "{{ reasoning_effort }}"
+    assert template_source("{{ x }}", named, tools=False) == "{{ x }}"
+    assert template_source(None, "{{ y }}", tools=False) == "{{ y }}"
+
+
 def test_content_as_openai_parts(engine):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b"}]}]
@@ -94,6 +116,11 @@ def test_force_include_usage(engine):
         chunks = list(client(url).completions.create(model=MODEL, prompt="x", max_tokens=3,
                                                      stream=True))
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        chunks = list(client(url).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, stream=True,
+            stream_options={"continuous_usage_stats": True}))  # without include_usage
+        assert all(ch.usage is not None for ch in chunks)
+        assert [ch.usage.completion_tokens for ch in chunks][-2:] == [3, 3]
     with serve(engine) as url:
         chunks = list(client(url).chat.completions.create(model=MODEL, messages=MESSAGES,
                                                           max_tokens=3, stream=True))

@@ -76,7 +76,7 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(b"x-request-id")
+        given = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
         rid = given if given else uuid.uuid4().hex.encode()
 
         async def with_id(message: Message) -> None:

@@ -171,9 +171,10 @@ class PromptProcessor:
         if tools is not None:
             kwargs["tools"] = tools
         if options.reasoning_effort is not None:
-            source = template_source(template if template is not None
-                                     else self.tokenizer.chat_template)
-            kwargs.update(effort_kwargs(options.reasoning_effort, source, template_kwargs))
+            asked = options.chat_template_kwargs or {}
+            source = template_source(template, self.tokenizer.chat_template, bool(tools))
+            kwargs.update(effort_kwargs(options.reasoning_effort, source, asked))
+            kwargs.update(asked)  # the request's own variables win
         try:
             text = await self._run(self.tokenizer.apply_chat_template, conversation, **kwargs)
         except Exception as exc:  # jinja2 errors, template raise_exception(), bad roles

@@ -106,6 +106,14 @@ class ResponseFormat(BaseModel):
     structures: list[StructuralTagItem] | None = None
     triggers: list[str] | None = None
 
+    @model_validator(mode="after")
+    def _tag_fields_with_their_type(self) -> ResponseFormat:
+        if self.type != "structural_tag" and (self.format is not None or self.structures
+                                              is not None or self.triggers is not None):
+            raise ValueError("format, structures and triggers are fields of the "
+                             "structural_tag type")
+        return self
+
 
 class StructuredOutputsParams(BaseModel):
     """vLLM's ``structured_outputs``: at most one of the constraints."""
@@ -204,10 +212,6 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):

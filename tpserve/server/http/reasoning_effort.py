@@ -19,17 +19,24 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _READS = {name: re.compile(rf"\b{name}\b") for name in ("reasoning_effort", "enable_thinking")}
 
 
-def template_source(template: Any) -> str:
-    """A chat template's text: a string, or all of a tokenizer's named templates."""
-    if isinstance(template, dict):
-        return "\n".join(str(t) for t in template.values())
-    return template or ""
+def template_source(template: str | None, tokenizer_template: Any, tools: bool) -> str:
+    """The text of the template a render uses: ``template`` (a request's or the server's:
+    a template's text, or the name of one of the tokenizer's), else the tokenizer's (of
+    several: ``tool_use`` when the request has tools and the tokenizer that template, else
+    ``default``, as transformers picks)."""
+    named = tokenizer_template if isinstance(tokenizer_template, dict) else {}
+    if template is not None:
+        return named.get(template, template)
+    if named:
+        return named["tool_use"] if tools and "tool_use" in named else named.get("default", "")
+    return tokenizer_template or ""
 
 
-def effort_kwargs(effort: str, source: str, template_kwargs: dict[str, Any]
-                  ) -> dict[str, Any]:
-    """The template variables ``effort`` sets for a template with text ``source``; 400 for
-    a value outside ``EFFORTS`` or a template that reads neither variable."""
+def effort_kwargs(effort: str, source: str, asked: dict[str, Any]) -> dict[str, Any]:
+    """The template variables ``effort`` sets for a template with text ``source``
+    (``enable_thinking`` unless the request's own ``asked`` kwargs set it; they go over
+    these, these over the server's defaults); 400 for a value outside ``EFFORTS`` or a
+    template that reads neither variable."""
     if effort not in EFFORTS:
         raise APIError.bad_request(f"reasoning_effort must be one of {', '.join(EFFORTS)}, "
                                    f"got {effort!r}", "reasoning_effort")
@@ -38,6 +45,6 @@ def effort_kwargs(effort: str, source: str, template_kwargs: dict[str, Any]
             "reasoning_effort is not supported with this model: its chat template reads "
             "neither reasoning_effort nor enable_thinking", "reasoning_effort")
     out: dict[str, Any] = {"reasoning_effort": effort}
-    if "enable_thinking" not in template_kwargs:
+    if "enable_thinking" not in asked:
         out["enable_thinking"] = effort != "none"
     return out

@@ -31,13 +31,15 @@ def _logprobs(req: SamplingRequest) -> int | None:
 
 def chosen_logprob_tokens(req: SamplingRequest, vocab_size: int) -> tuple[int, ...] | None:
     """vLLM's ``logprob_token_ids``, each id once in the order first given; 400 for an
-    empty list, ids outside the vocabulary, or a request that asks no logprobs."""
+    empty list, more than vLLM's 128, ids outside the vocabulary, or a request that asks
+    no logprobs."""
     if req.logprob_token_ids is None:
         return None
     ids = tuple(dict.fromkeys(req.logprob_token_ids))
-    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+    cap = SamplingParams.MAX_LOGPROB_TOKEN_IDS
+    if not ids or len(ids) > cap or min(ids) < 0 or max(ids) >= vocab_size:
         raise APIError.bad_request(
-            f"logprob_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
+            f"logprob_token_ids must list 1 to {cap} token ids in [0, {vocab_size})",
             "logprob_token_ids")
     completion = isinstance(req, CompletionRequest)
     if (req.logprobs is None) if completion else not req.logprobs:
@@ -52,6 +54,11 @@ def _repetition(req: SamplingRequest) -> RepetitionDetection | None:
     asked = req.repetition_detection
     if asked is None or asked.max_pattern_size == asked.min_pattern_size == 0:
         return None
+    cap = SamplingParams.MAX_PATTERN_SIZE
+    if asked.max_pattern_size > cap:
+        raise APIError.bad_request(f"repetition_detection: max_pattern_size must be at most "
+                                   f"{cap}, got {asked.max_pattern_size}",
+                                   "repetition_detection")
     try:
         return RepetitionDetection(asked.max_pattern_size, asked.min_pattern_size,
                                    asked.min_count)

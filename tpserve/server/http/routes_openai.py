@@ -172,11 +172,13 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                    for ids, p in prompts]
     params = prompts[0][1]
     answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
+    usage = body.include_usage or state.frontend.force_include_usage  # a stream's last chunk
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
-                          include_usage=(body.include_usage
-                                         or state.frontend.force_include_usage),
-                          continuous_usage=body.continuous_usage,
+                          include_usage=usage,
+                          continuous_usage=usage and bool(
+                              body.stream_options
+                              and body.stream_options.continuous_usage_stats),
                           tools=tools if tools is not None and tools.parses_output else None,
                           reasoning=reasoning,
                           echo=echo, prompt_logprobs=body.prompt_logprobs,

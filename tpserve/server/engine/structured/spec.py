@@ -71,13 +71,16 @@ def structural_tag(value: str | dict[str, Any]) -> str:
         raise GrammarError("must be a JSON object")
     if "structures" not in tag:
         return json.dumps(tag)
+    triggers = tag.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        raise GrammarError("triggers must be a list of strings")
     try:
         tags = [{"type": "tag", "begin": s["begin"],
-                 "content": {"type": "json_schema", "json_schema": s.get("schema") or {}},
+                 "content": {"type": "json_schema", "json_schema":
+                             {} if s.get("schema") is None else s["schema"]},
                  "end": s["end"]} for s in tag["structures"]]
-        triggers = list(tag["triggers"])
     except (KeyError, TypeError) as exc:
-        raise GrammarError("structures need begin and end, and triggers a list of "
-                           f"strings ({exc!r} missing or wrong)") from exc
+        raise GrammarError(f"structures need begin and end ({exc!r} missing or "
+                           "wrong)") from exc
     return json.dumps({"type": "structural_tag", "format": {
         "type": "triggered_tags", "triggers": triggers, "tags": tags}})
