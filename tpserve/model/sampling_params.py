@@ -58,7 +58,12 @@ class RepetitionDetection:
     min_pattern_size: int = 0
     min_count: int = 0
 
+    MAX_PATTERN_SIZE = 1024  # the longest pattern checked (engine-thread work per token)
+
     def __post_init__(self) -> None:
+        if self.max_pattern_size > self.MAX_PATTERN_SIZE:
+            raise ValueError(f"repetition_detection: max_pattern_size must be at most "
+                             f"{self.MAX_PATTERN_SIZE}, got {self.max_pattern_size}")
         if not 0 <= self.min_pattern_size <= self.max_pattern_size or self.max_pattern_size < 1:
             raise ValueError("repetition_detection needs 1 <= max_pattern_size and 0 <= "
                              f"min_pattern_size <= max_pattern_size, got {self.max_pattern_size} "
@@ -155,7 +160,6 @@ class SamplingParams:
     MAX_N = 128
     MAX_LOGPROBS = 20
     MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
-    MAX_PATTERN_SIZE = 1024  # repetition_detection's longest pattern (engine-thread work)
     MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
@@ -198,10 +202,6 @@ class SamplingParams:
                 or min(self.logprob_token_ids) < 0):
             raise bad("logprob_token_ids", f"must be 1 to {self.MAX_LOGPROB_TOKEN_IDS} token "
                       "ids, and needs logprobs")
-        if self.repetition is not None and \
-                self.repetition.max_pattern_size > self.MAX_PATTERN_SIZE:
-            raise bad("repetition_detection", f"max_pattern_size must be at most "
-                      f"{self.MAX_PATTERN_SIZE}, got {self.repetition.max_pattern_size}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -51,7 +51,7 @@ def test_the_tail_check_equals_the_brute_force_one(rule):
 
 
 def test_the_rule_checks_its_sizes():
-    for bad in [(0, 0, 2), (2, 3, 2), (-1, 0, 2), (2, -1, 2), (2, 0, 1), (2, 0, 0)]:
+    for bad in [(0, 0, 2), (2, 3, 2), (-1, 0, 2), (2, -1, 2), (2, 0, 1), (2, 0, 0), (1025, 0, 2)]:
         with pytest.raises(ValueError, match="repetition_detection"):
             RepetitionDetection(*bad)
     assert RepetitionDetection(3, 0, 2).shortest == 1

@@ -54,11 +54,6 @@ def _repetition(req: SamplingRequest) -> RepetitionDetection | None:
     asked = req.repetition_detection
     if asked is None or asked.max_pattern_size == asked.min_pattern_size == 0:
         return None
-    cap = SamplingParams.MAX_PATTERN_SIZE
-    if asked.max_pattern_size > cap:
-        raise APIError.bad_request(f"repetition_detection: max_pattern_size must be at most "
-                                   f"{cap}, got {asked.max_pattern_size}",
-                                   "repetition_detection")
     try:
         return RepetitionDetection(asked.max_pattern_size, asked.min_pattern_size,
                                    asked.min_count)
