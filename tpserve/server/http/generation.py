@@ -53,9 +53,14 @@ async def tracked(outputs: AsyncIterator[RequestOutput], request_id: str,
                 return
         raise EngineError(f"engine stopped request {request_id} before it finished")
     finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await close_outputs(outputs)
+
+
+async def close_outputs(outputs: AsyncIterator[RequestOutput]) -> None:
+    """Closes ``outputs`` (an async generator's ``aclose``; other iterators need none)."""
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
+from tpserve.server.http.generation import close_outputs
 
 
 def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -50,6 +51,4 @@ async def batched(outputs: AsyncIterator[RequestOutput], interval: int
         if held is not None:
             yield held
     finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await close_outputs(outputs)

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
 from tpserve.server.http.call_scanner import CallArguments, CallStart
+from tpserve.server.http.generation import close_outputs
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.openai_format import (
     ChoiceState,
@@ -342,7 +343,3 @@ class _HeldChoice:
         return lps
 
 
-async def close_outputs(outputs: AsyncIterator[RequestOutput]) -> None:
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        await aclose()

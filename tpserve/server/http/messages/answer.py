@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.generation import close_outputs
 from tpserve.server.http.http_errors import ANTHROPIC_PATH
 from tpserve.server.http.openai_format import ResponseContext
 from tpserve.server.http.protocol import ToolCall
 from tpserve.server.http.replies import ChatCompletionResponse, UsageInfo
-from tpserve.server.http.streaming import chat_chunks, close_outputs, stream_error
+from tpserve.server.http.streaming import chat_chunks, stream_error
 
 STOP_REASONS: dict[str | None, str | None] = {
     "stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: None}

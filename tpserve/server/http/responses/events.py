@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.http.generation import close_outputs
 from tpserve.server.http.openai_format import ResponseContext
 from tpserve.server.http.protocol import FunctionCall, ToolCall
 from tpserve.server.http.responses.output import (
@@ -19,7 +20,7 @@ from tpserve.server.http.responses.output import (
     response_object,
     usage_object,
 )
-from tpserve.server.http.streaming import chat_chunks, close_outputs, stream_error
+from tpserve.server.http.streaming import chat_chunks, stream_error
 
 
 class _Events:
