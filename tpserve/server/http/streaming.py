@@ -341,5 +341,3 @@ class _HeldChoice:
             return None
         lps, self.logprobs = chat_logprobs(self.logprobs), []
         return lps
-
-
