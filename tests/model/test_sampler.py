@@ -2,8 +2,8 @@
 
 Every case goes through the engine's path: ``Sampler.sample`` then ``to_host().resolve()``.
 The processed logits (after penalties and min_tokens) are observed through full-vocabulary
-logprobs, which are their ``log_softmax`` (a shift of each row, exact in float32 for the
-small values used here)."""
+``processed_logprobs`` of greedy rows, which are their ``log_softmax`` (a shift of each
+row, exact in float32 for the small values used here)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,13 @@ def run(sampler, logits, params, gens=None, prompts=None, outputs=None,
 
 def processed(logits, params, prompts, outputs, eos=NO_EOS) -> torch.Tensor:
     """The log_softmax of the logits after penalties and min_tokens, read from the
-    full-vocabulary logprobs of a greedy ``sample`` (the input is checked untouched)."""
+    full-vocabulary processed logprobs of a greedy ``sample`` (the input is checked
+    untouched)."""
     before = logits.clone()
     vocab = logits.shape[-1]
     full = [dataclasses.replace(p, temperature=0.0, logprobs=vocab) for p in params]
-    out = run(Sampler(), logits, full, prompts=prompts, outputs=outputs, eos=eos)
+    out = run(Sampler(logprobs_mode="processed_logprobs"), logits, full, prompts=prompts,
+              outputs=outputs, eos=eos)
     assert torch.equal(logits, before)  # the input is not modified
     rows = torch.empty(logits.shape, dtype=torch.float32)
     for i, top in enumerate(out.top_logprobs):
@@ -347,14 +349,75 @@ def test_logprob_token_ids_need_logprobs():
         SamplingParams(logprobs=0, logprob_token_ids=())
 
 
-def test_logprobs_after_penalties_before_temperature():
-    x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    p = SamplingParams(temperature=0.5, top_k=2, frequency_penalty=1.0, logprobs=4)
-    out = run(Sampler(seed=0), x, [p], outputs=[[0]])
-    ref = torch.log_softmax(torch.tensor([1.0, 1.0, 0.0, -1.0]), -1)
-    got = dict(out.top_logprobs[0])
-    assert [got[i] for i in range(4)] == pytest.approx(ref.tolist(), abs=1e-6)
-    assert out.token_ids[0] in (0, 1)
+def full_values(out: SamplerOutput, row: int, vocab: int) -> list[float]:
+    """Row ``row``'s values of every token, read from its full-vocabulary top list."""
+    got = dict(out.top_logprobs[row])
+    assert len(got) == vocab
+    return [got[i] for i in range(vocab)]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_each_logprobs_mode_reports_its_values(greedy):
+    """vLLM's four ``--logprobs-mode`` values on one row with a penalty, a logit bias,
+    temperature and top-k: raw ones are the model's logits as they came; processed ones
+    those the token was picked from (a sampled row's after temperature and top-k, with -inf
+    where top-k dropped a token; a greedy row's after the penalty and the bias only); the
+    sampled token and its own value agree with the lists, and the input is untouched."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    before = x.clone()
+    p = SamplingParams(temperature=0.0 if greedy else 0.5, top_k=0 if greedy else 2,
+                       frequency_penalty=1.0, logit_bias=((3, 2.0),), logprobs=5)
+    after = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5])  # token 0 penalized, token 3 biased
+    # top-2 of three tied at 1.0 keeps the two lowest ids (ties ranked by id)
+    drawn = after if greedy else torch.tensor([2.0, 2.0, -math.inf, -math.inf, -math.inf])
+    want = {"raw_logits": x[0], "raw_logprobs": torch.log_softmax(x[0], -1),
+            "processed_logits": drawn, "processed_logprobs": torch.log_softmax(drawn, -1)}
+    for mode, ref in want.items():
+        for sampler, params in ((Sampler(seed=0, logprobs_mode=mode), p),
+                                (Sampler(seed=0), dataclasses.replace(p, logprobs_mode=mode))):
+            out = run(sampler, x, [params], outputs=[[0]])
+            assert torch.equal(x, before)
+            got = full_values(out, 0, 5)
+            assert got == pytest.approx(ref.tolist(), abs=1e-6), mode
+            token = out.token_ids[0]
+            assert out.logprobs[0] == pytest.approx(ref[token].item(), abs=1e-6)
+            assert math.isfinite(out.logprobs[0])
+            assert token in ((0,) if greedy else (0, 1))  # greedy: the tie's lowest id
+
+
+def test_rows_of_different_modes_in_one_step():
+    """Rows naming different modes (and rows asking none) in one step: each row reports
+    exactly what it reports alone, sampled and greedy rows mixed, bfloat16 logits."""
+    modes = ["raw_logits", "processed_logprobs", "processed_logits", None, "raw_logprobs",
+             "processed_logprobs"]  # even rows sampled, odd ones greedy
+    vocab = SamplingParams.MAX_LOGPROBS
+    x = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i,
+                             repetition_penalty=1.3, logprobs=vocab if m else None,
+                             logprobs_mode=m) for i, m in enumerate(modes)]
+    outputs = [[3, 4]] * 6
+    mixed = run(Sampler(), x, params, outputs=outputs,
+                gens=[Sampler().new_request_generator(i) for i in range(6)])
+    for i, p in enumerate(params):
+        alone = run(Sampler(), x[i:i + 1], [p], outputs=outputs[:1],
+                    gens=[Sampler().new_request_generator(i)])
+        assert mixed.token_ids[i] == alone.token_ids[0]
+        if p.logprobs is not None:
+            assert mixed.top_logprobs[i] == alone.top_logprobs[0]
+            assert mixed.logprobs[i] == alone.logprobs[0]
+    raw = x.float()
+    assert full_values(mixed, 0, vocab) == raw[0].tolist()
+    assert full_values(mixed, 4, vocab) == pytest.approx(
+        torch.log_softmax(raw[4], -1).tolist(), abs=1e-6)
+    assert mixed.top_logprobs[3] == []
+    assert -math.inf in full_values(mixed, 2, vocab)  # top-p dropped some
+
+
+def test_a_logprobs_mode_is_one_of_vllms():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        SamplingParams(logprobs=1, logprobs_mode="logits")
+    with pytest.raises(ValueError, match="logprobs mode"):
+        Sampler(logprobs_mode="processed")
 
 
 def test_mixed_batch_shapes_and_empty():
@@ -408,6 +471,7 @@ def test_warm_up_runs_every_path_and_changes_no_draw():
     assert list(small_pool_rows(128256, 64)) == [1, 2]  # Llama-3: two rows fit in 1 MiB
     warmed, fresh = Sampler(seed=3), Sampler(seed=3)
     warmed.warm_up(vocab, range(1, 4))
+    warmed.warm_up(vocab, range(1, 3), torch.bfloat16)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0)] * 4
     args = (logits, params, [[1]] * 4, [[]] * 4, [None] * 4, frozenset())

@@ -72,10 +72,22 @@ def test_logit_bias(server, client):
                                        temperature=0, logit_bias={str(first_id): -100})
     assert banned.choices[0].text != first
     forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
-                                       temperature=0, logit_bias={"1234": 100})
+                                       temperature=0, logit_bias={"1234": 100}, logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True})
     text = httpx.post(server.base + "/detokenize", json={"tokens": [1234] * 3},
                       timeout=60).json()["prompt"]
     assert forced.choices[0].text == text
+    # the default --logprobs-mode, raw_logprobs: the model's own distribution, bias unseen
+    raw = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                                            "logprob_token_ids": [1234]})
+    top = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    got = forced.choices[0].logprobs
+    assert got.token_logprobs[0] == raw.choices[0].logprobs.top_logprobs[0]["token_id:1234"]
+    assert got.token_logprobs[0] < -1.0  # not the biased ~0
+    assert {k: v for k, v in got.top_logprobs[0].items() if k != "token_id:1234"} == (
+        top.choices[0].logprobs.top_logprobs[0])
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
                                   logit_bias={"49152": 1})

@@ -8,6 +8,7 @@ driven by the real openai client. The details of each are in
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 
@@ -35,7 +36,8 @@ def server(tmp_path_factory) -> Iterator[tuple[ServerProcess, str, httpx.Client]
                       "--enable-force-include-usage", "--return-tokens-as-token-ids",
                       "--exclude-tools-when-tool-choice-none", "--enable-request-id-headers",
                       "--enable-prompt-tokens-details", "--enable-server-load-tracking",
-                      "--stream-interval", "2", wait=False)
+                      "--stream-interval", "2", "--logprobs-mode", "processed_logprobs",
+                      wait=False)
     base = f"https://127.0.0.1:{s.port}"
     http = httpx.Client(verify=trusting(cert), timeout=120)
     try:
@@ -105,3 +107,22 @@ def test_vllm_frontend_flags(server):
     sizes = [len(c["choices"][0]["token_ids"]) for c in chunks
              if c["choices"] and c["choices"][0]["token_ids"]]
     assert sizes == [1, 2, 2, 2]  # --stream-interval 2: the first token at once
+
+
+def test_processed_logprobs_mode(server):
+    """``--logprobs-mode processed_logprobs``: a sampled row's logprobs are those of the
+    distribution it was drawn from, after top-k: at each position exactly two tokens are
+    finite, their probabilities sum to 1, and the sampled token is one of them; the third
+    listed token reads as vLLM's floor for -inf."""
+    _, base, http = server
+    r = http.post(f"{base}/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 6, "logprobs": 3, "temperature": 1.0, "top_k": 2,
+        "seed": 1, "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    assert len(r["top_logprobs"]) == 6
+    for token, value, top in zip(r["tokens"], r["token_logprobs"], r["top_logprobs"],
+                                 strict=True):
+        kept = {t: v for t, v in top.items() if v > -9999.0}
+        assert len(top) == 3 and len(kept) == 2
+        assert sorted(top.values())[0] == -9999.0
+        assert sum(math.exp(v) for v in kept.values()) == pytest.approx(1.0, abs=1e-5)
+        assert kept[token] == value

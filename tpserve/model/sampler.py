@@ -14,10 +14,14 @@ logits as they are, which is the same token):
    then ``logit_bias`` is added, every token outside a row's ``allowed_token_ids`` is set
    to -inf, and the grammar bitmask of structured-output rows (built by the engine) sets
    every token the grammar forbids to -inf;
-3. logprobs: ``log_softmax`` of the logits after steps 1-2 and *before* temperature and the
-   top-k / top-p / min-p filters. They describe the model's (penalized, constrained)
-   distribution, not the request's sampling knobs, so a greedy request and a sampled one
-   report the same numbers for the same logits, and a sampled token's logprob is never -inf;
+3. logprobs, in the row's ``logprobs_mode`` or else the sampler's (vLLM's
+   ``--logprobs-mode``; ``sampling_params.LOGPROBS_MODES``): ``raw_logprobs`` (the default)
+   is the ``log_softmax`` of the model's logits as they came, before step 1 (the model's
+   own distribution, as prompt logprobs are); ``processed_logprobs`` that of the logits
+   the token was picked from: after steps 1-2, and for a sampled row after temperature and
+   the top-k / top-p / min-p filters of step 5 too (a token they drop reads -inf);
+   ``raw_logits`` and ``processed_logits`` are those logits themselves. The sampled
+   token's value is never -inf (it is allowed, and kept by the filters);
 4. greedy rows (``temperature == 0``): argmax, ties going to the lowest token id;
 5. other rows: divide by temperature, keep the top-k tokens, then the smallest prefix (by
    descending probability) whose mass reaches ``top_p`` (the top token is always kept),
@@ -50,7 +54,7 @@ import torch
 
 from tpserve.model.host_copy import to_device, to_host_async
 from tpserve.model.logits_processors import process_
-from tpserve.model.sampling_params import SamplingParams
+from tpserve.model.sampling_params import LOGPROBS_MODES, SamplingParams
 from tpserve.model.token_bitmask import TokenBitmask
 
 
@@ -162,11 +166,17 @@ class Sampler:
     ``sample`` leaves the results on the device; the caller reads them with
     ``to_host().resolve()``.
 
-    Holds the generator shared by unseeded requests, seeded once from ``seed``; the object
-    is otherwise stateless, so one instance serves every step of every request.
+    Holds the generator shared by unseeded requests, seeded once from ``seed``, and the
+    ``logprobs_mode`` of rows that name none; the object is otherwise stateless, so one
+    instance serves every step of every request.
     """
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs mode must be one of {LOGPROBS_MODES}, got "
+                             f"{logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -181,12 +191,15 @@ class Sampler:
         gen.manual_seed(seed % 2**64)
         return gen
 
-    def warm_up(self, vocab_size: int, rows: Iterable[int]) -> None:
+    def warm_up(self, vocab_size: int, rows: Iterable[int],
+                dtype: torch.dtype = torch.float32) -> None:
         """Samples random logits of each row count in ``rows`` through every path (greedy;
         temperature; top-k, top-p, min-p with penalties, min_tokens, logit_bias and
         logprobs; seeded rows; greedy and sampled rows mixed), reading the results back, so
         the caching allocator holds the blocks those steps need before serving starts.
-        The shared generator is restored afterwards: warm-up changes no request's draws."""
+        ``dtype`` is the logits' (raw logprobs of half-precision logits take a float32
+        copy of their own). The shared generator is restored afterwards: warm-up changes
+        no request's draws."""
         state = self.generator.get_state()
         noise = torch.Generator(device=self.device)
         noise.manual_seed(0)
@@ -196,13 +209,17 @@ class Sampler:
                                     frequency_penalty=0.1, presence_penalty=0.1,
                                     min_tokens=4, logit_bias=((1, 1.0),))
         greedy = SamplingParams(temperature=0.0)
+        beam = SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.1,
+                              logprobs_mode="processed_logprobs")  # beam search's steps
         try:
             for m in rows:
-                logits = torch.randn(m, vocab_size, generator=noise, device=self.device)
+                logits = torch.randn(m, vocab_size, generator=noise, device=self.device
+                                     ).to(dtype)
                 seeded = [self.new_request_generator(i) for i in range(m)]
                 for params, gens in ((greedy, [None] * m), (plain, [None] * m),
                                      (everything, [None] * m), (plain, seeded),
-                                     (everything, seeded[:1] + [None] * (m - 1))):
+                                     (everything, seeded[:1] + [None] * (m - 1)),
+                                     (beam, [None] * m)):
                     batches = [[params] * m] + ([[params] + [greedy] * (m - 1)]
                                                 if m > 1 else [])
                     for batch in batches:
@@ -236,22 +253,56 @@ class Sampler:
             return PendingSample(argmax_rows(logits))
         x = logits.to(torch.float32, copy=True)
         process_(x, params, prompt_token_ids, output_token_ids, eos_token_ids, bitmask)
+        # the rows that asked for logprobs, each with its mode
+        modes = {i: p.logprobs_mode or self.logprobs_mode
+                 for i, p in enumerate(params) if p.logprobs is not None}
+        processed = {i for i, m in modes.items() if m.startswith("processed")}
+        # the model's logits as they came (no copy when already float32: only x is changed)
+        raw = logits.float() if len(processed) < len(modes) else None
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < n:
             tokens = argmax_rows(x)
         if random_rows:
-            sampled = self._sample(
+            sampled, drawn = self._sample(
                 x, random_rows, [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
             if len(random_rows) == n:
                 tokens = sampled
             else:
                 tokens[to_device(random_rows, torch.long, x.device)] = sampled
+            if processed.intersection(random_rows):
+                # a sampled row's processed values are those it was drawn from (x is
+                # not read again: the tokens above are taken from it already)
+                if len(random_rows) == n:
+                    x = drawn
+                else:
+                    x[to_device(random_rows, torch.long, x.device)] = drawn
 
-        if all(p.logprobs is None for p in params):
+        if not modes:
             return PendingSample(tokens)
-        return self._with_logprobs(x, tokens, params)
+        return self._with_logprobs(self._values(x, raw, modes), tokens, params)
+
+    @staticmethod
+    def _values(x: torch.Tensor, raw: torch.Tensor | None, modes: dict[int, str]
+                ) -> torch.Tensor:
+        """The ``[M, V]`` values the logprobs are read from, row ``i`` in mode ``modes[i]``
+        (``raw``: the model's logits; ``x``: the processed ones, changed in place where
+        the rows' sources differ). Rows not in ``modes`` hold any of them."""
+        from_raw = [i for i, m in modes.items() if m.startswith("raw")]
+        if len(from_raw) == len(modes):
+            x = raw
+        elif from_raw:
+            rows = to_device(from_raw, torch.long, x.device)
+            x[rows] = raw[rows]
+        as_logits = [i for i, m in modes.items() if m.endswith("logits")]
+        if len(as_logits) == len(modes):
+            return x
+        values = x.log_softmax(dim=-1)
+        if as_logits:
+            rows = to_device(as_logits, torch.long, x.device)
+            values[rows] = x[rows]
+        return values
 
     def _sample(
         self,
@@ -259,8 +310,9 @@ class Sampler:
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-    ) -> torch.Tensor:
-        """Draws one token for each of ``rows`` of the processed logits ``x``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draws one token for each of ``rows`` of the processed logits ``x``; returns the
+        tokens and the logits they were drawn from (after temperature and the filters)."""
         device, vocab = x.device, x.shape[-1]
         temps = to_device([p.temperature for p in params], torch.float32, device)
         sub = x if len(rows) == x.shape[0] else x.index_select(
@@ -290,16 +342,16 @@ class Sampler:
                     noise[j].exponential_(generator=gen)
         # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
         noise.clamp_(min=torch.finfo(torch.float32).tiny)
-        return argmax_rows(probs / noise)
+        return argmax_rows(probs / noise), sub
 
     @staticmethod
     def _with_logprobs(
-        x: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+        logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
     ) -> PendingSample:
-        """The sampled tokens' logprobs and each row's listed ones: its top ``logprobs``,
-        or, with ``logprob_token_ids``, those tokens' in their order (gathered, all rows
-        padded to one width)."""
-        logprobs = x.log_softmax(dim=-1)
+        """The sampled tokens' values and each row's listed ones (``logprobs``: ``[M, V]``,
+        in each row's mode): its top ``logprobs``, or, with ``logprob_token_ids``, those
+        tokens' in their order (gathered, all rows padded to one width)."""
+        x = logprobs
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k_top = min(max((p.logprobs or 0 for p in params if p.logprob_token_ids is None),
                         default=0), x.shape[-1])

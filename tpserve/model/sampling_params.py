@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from tpserve.model.pooling import POOLING_TYPES
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "structural_tag")
+# what ``logprobs`` report (vLLM's ``--logprobs-mode``; ``sampler.py`` defines each): the
+# first is the default
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ class SamplingParams:
     # vLLM's: with logprobs, the log-probabilities of exactly these tokens (in this order)
     # at each position instead of the top ``logprobs`` ones
     logprob_token_ids: tuple[int, ...] | None = None
+    # which values those are (one of ``LOGPROBS_MODES``); None: the engine's
+    # (``--logprobs-mode``). Beam search asks for ``processed_logprobs``: its ranking
+    # must see the penalties and the logit bias
+    logprobs_mode: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
@@ -202,6 +209,9 @@ class SamplingParams:
                 or min(self.logprob_token_ids) < 0):
             raise bad("logprob_token_ids", f"must be 1 to {self.MAX_LOGPROB_TOKEN_IDS} token "
                       "ids, and needs logprobs")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise bad("logprobs_mode", f"must be one of {LOGPROBS_MODES}, got "
+                      f"{self.logprobs_mode!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

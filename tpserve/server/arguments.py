@@ -12,7 +12,7 @@ from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
 from tpserve.model.pooling import RUNNER_CHOICES
 from tpserve.model.quant.fp8 import DEFAULT_FAST_ACCUM, DEFAULT_WEIGHT_ONLY_MAX_TOKENS
 from tpserve.model.quant.methods import QUANTIZATION_CHOICES
-from tpserve.model.sampling_params import SamplingParams
+from tpserve.model.sampling_params import LOGPROBS_MODES, SamplingParams
 from tpserve.server.config import UVICORN_LOG_LEVELS
 from tpserve.server.engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from tpserve.server.flag_types import json_object
@@ -299,6 +299,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"At most {SamplingParams.MAX_LOGPROBS}, the engine's own limit: the "
                         "flag can only lower it (vLLM's -1, no cap, is refused)")
     # vLLM's frontend flags (http/frontend.py; ServerConfig.frontend)
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=LOGPROBS_MODES[0],
+                   help="what logprobs report (vLLM's): raw_logprobs, the model's own "
+                        "distribution before penalties, logit bias and temperature (the "
+                        "default); processed_logprobs, that of the logits the token was "
+                        "picked from (after them, and after top-k/top-p/min-p); raw_logits "
+                        "and processed_logits, those logits themselves. Prompt logprobs are "
+                        "always raw; beam search ranks by processed logprobs")
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                    metavar="JSON",
                    help="template variables every chat request gets (e.g. "

@@ -258,6 +258,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           max_num_queued_tokens=a.max_num_queued_tokens,
                           async_scheduling=a.async_scheduling,
                           engine_process=a.engine_process,
+                          logprobs_mode=a.logprobs_mode,
                           speculative=None if a.speculative_config is None else
                           SpeculativeConfig.from_json(a.speculative_config))
     server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpserve.model.sampling_params import LOGPROBS_MODES
 from tpserve.server.engine.speculative import SpeculativeConfig
 
 
@@ -17,7 +18,12 @@ class EngineConfig:
     engine_process: bool = True
     # --speculative-config (None: off); steps are synchronous while it drafts
     speculative: SpeculativeConfig | None = None
+    # --logprobs-mode: what logprobs report where a request names no mode (sampler.py)
+    logprobs_mode: str = LOGPROBS_MODES[0]
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {LOGPROBS_MODES}, got "
+                             f"{self.logprobs_mode!r}")
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
             raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")

@@ -190,14 +190,14 @@ class EngineCore:
             self.drafting = Drafting(engine.speculative, draft_backoff)
             logger.info(self.drafting.describe())
         self._inflight: InFlight | None = None
-        self.sampler = Sampler(runner.cfg.seed, runner.device)
+        self.sampler = Sampler(runner.cfg.seed, runner.device, engine.logprobs_mode)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
         self.classifier = classifier_head(getattr(runner, "model", None))  # else None
         if runner.device.type == "cuda" and not self.pooling:  # shapes no start-up step
             # sampled (sampler.py)
             self.sampler.warm_up(runner.model_config.vocab_size,
                                  small_pool_rows(runner.model_config.vocab_size,
-                                                 scheduler.max_num_seqs))
+                                                 scheduler.max_num_seqs), runner.dtype)
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None
             else set())

@@ -105,11 +105,14 @@ class Beam:
 
 def beam_step_params(params: SamplingParams, step: int) -> SamplingParams:
     """The one-token request of step ``step`` (0-based) of every live beam: greedy, with
-    the ``2n`` most likely tokens (or the request's own ``logprobs``, if more), and
-    ``min_tokens``' masking while the beams are shorter than ``min_tokens``."""
+    the ``2n`` most likely tokens (or the request's own ``logprobs``, if more) by their
+    processed log-probabilities (after the repetition penalty, the logit bias and the
+    allowed ids, whatever ``--logprobs-mode`` says), and ``min_tokens``' masking while the
+    beams are shorter than ``min_tokens``."""
     return replace(params, n=1, max_tokens=1, temperature=0.0, top_p=1.0, top_k=0,
                    min_p=0.0, seed=None, min_tokens=1 if step < params.min_tokens else 0,
-                   logprobs=max(2 * params.n, params.logprobs or 0), prompt_logprobs=None)
+                   logprobs=max(2 * params.n, params.logprobs or 0), prompt_logprobs=None,
+                   logprobs_mode="processed_logprobs")
 
 
 class BeamSet:
