@@ -14,6 +14,7 @@ from tpserve.cli import build_parser
 from tpserve.model.pooling import PoolerConfig
 from tpserve.server.arguments import parse_bytes
 from tpserve.server.config import config_from_args
+from tpserve.server.http.request_log import RequestLog
 from tpserve.server.replicas import Replica
 
 FLAGS = ["--tensor-parallel-size", "--dtype", "--max-model-len", "--max-num-seqs",
@@ -256,6 +257,13 @@ def test_vllm_command_lines_are_taken(tiny_folder):
                 "--kv-cache-memory-bytes", "3MiB", "--disable-frontend-multiprocessing",
                 "--cpu-offload-gb", "0", "--num-scheduler-steps", "1")
     assert same.server.log_requests and same.runner.kv_cache_memory == 3 * 2**20
+    assert same.server.frontend.request_log == RequestLog(inputs=True)
+    assert _cfg(str(tiny_folder)).server.frontend.request_log == RequestLog()
+    assert _cfg(str(tiny_folder), "--enable-log-outputs", "--max-log-len", "7"
+                ).server.frontend.request_log == RequestLog(outputs=True, max_len=7)
+    assert _cfg(str(tiny_folder), "--logprobs-mode", "processed_logits"
+                ).engine.logprobs_mode == "processed_logits"
+    assert _cfg(str(tiny_folder)).engine.logprobs_mode == "raw_logprobs"
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 

@@ -298,7 +298,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs a request may ask; more gets 400 naming the field. "
                         f"At most {SamplingParams.MAX_LOGPROBS}, the engine's own limit: the "
                         "flag can only lower it (vLLM's -1, no cap, is refused)")
-    # vLLM's frontend flags (http/frontend.py; ServerConfig.frontend)
     p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=LOGPROBS_MODES[0],
                    help="what logprobs report (vLLM's): raw_logprobs, the model's own "
                         "distribution before penalties, logit bias and temperature (the "
@@ -306,6 +305,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "picked from (after them, and after top-k/top-p/min-p); raw_logits "
                         "and processed_logits, those logits themselves. Prompt logprobs are "
                         "always raw; beam search ranks by processed logprobs")
+    # vLLM's frontend flags (http/frontend.py; ServerConfig.frontend)
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                    metavar="JSON",
                    help="template variables every chat request gets (e.g. "
@@ -331,6 +331,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own header, "
                         "else a new id")
+    p.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each choice's text, token ids and finish reason when it "
+                        "finishes (INFO, logger tpserve.requests)")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="the logged prompts and outputs of --enable-log-requests and "
+                        "--enable-log-outputs are cut to N characters and N token ids "
+                        "(default: whole)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto': the model decides whether to call tools, "
                         "and --tool-call-parser finds the calls in its output")

@@ -46,6 +46,7 @@ from tpserve.server.engine.speculative import SpeculativeConfig
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.frontend import FrontendOptions
 from tpserve.server.http.reasoning import REASONING_PARSERS
+from tpserve.server.http.request_log import RequestLog
 from tpserve.server.port import check_port_free
 from tpserve.server.replicas import ONLY, Replica, check_data_parallel, plan_replicas
 from tpserve.server.tls import check_tls_files, check_tls_flags
@@ -297,7 +298,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               exclude_tools_when_tool_choice_none=(
                                   a.exclude_tools_when_tool_choice_none),
                               request_id_headers=a.enable_request_id_headers,
-                              stream_interval=a.stream_interval))
+                              stream_interval=a.stream_interval,
+                              request_log=RequestLog(inputs=a.enable_log_requests,
+                                                     outputs=a.enable_log_outputs,
+                                                     max_len=a.max_log_len)))
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

@@ -72,8 +72,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{' or '.join(STRUCTURED_BACKENDS)}: structured output runs on "
                         "xgrammar; other backends are refused")
     g.add_argument("--enable-log-requests", action="store_true",
-                   help="requests are logged by default (one access-log line each); the "
-                        "flag conflicts with --disable-log-requests")
+                   help="log each request on submission: its prompt length and sampling "
+                        "parameters at INFO, its prompt text and token ids at DEBUG (logger "
+                        "tpserve.requests), beside the access log's line; conflicts with "
+                        "--disable-log-requests")
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="the same as --no-engine-process: HTTP and the engine in one "
                         "process")

@@ -211,7 +211,7 @@ async def embed_all(request: Request, state: ServerState, prompts: list[list[int
         last = None
         async for out in engine_outputs(state.engine, f"{request_id}-{k}", ids, params,
                                         tracker if k == 0 else state.metrics.track(),
-                                        record):
+                                        record, state.frontend.request_log):
             last = out
         if last is None or last.embedding is None:  # aborted: no partial embedding
             raise RequestAbortedError("the server aborted the request before its embedding "

@@ -9,7 +9,8 @@ set), ``--return-tokens-as-token-ids`` (the default of the request field),
 ``--exclude-tools-when-tool-choice-none`` (``tool_choice: none`` hides the tools from the
 template too), ``--enable-request-id-headers`` (every response carries
 ``X-Request-Id``: the request's own, else a new one) and ``--stream-interval`` (the least
-a request's ``stream_interval`` is: ``stream_interval.py``). ``GET /load`` (vLLM's
+a request's ``stream_interval`` is: ``stream_interval.py``), ``--enable-log-requests``,
+``--enable-log-outputs`` and ``--max-log-len`` (``request_log.py``). ``GET /load`` (vLLM's
 ``--enable-server-load-tracking``, always on here) counts the requests in flight."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.server.http.http_errors import route_path
 from tpserve.server.http.prompts import RESERVED_TEMPLATE_KWARGS
+from tpserve.server.http.request_log import RequestLog
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 
@@ -40,6 +42,8 @@ class FrontendOptions:
     exclude_tools_when_tool_choice_none: bool = False
     request_id_headers: bool = False
     stream_interval: int = 1  # a stream's chunks: at least this many new tokens
+    # --enable-log-requests / --enable-log-outputs / --max-log-len (request_log.py)
+    request_log: RequestLog = RequestLog()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_chat_template_kwargs",

@@ -45,6 +45,7 @@ from tpserve.server.http.replies import (
     ModelCard,
     ModelList,
 )
+from tpserve.server.http.request_log import log_request
 from tpserve.server.http.request_params import (
     bad_words_token_ids,
     build_sampling_params,
@@ -193,10 +194,12 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
         record.completion_tokens, counted = 0, None
     def run(rid: str, ids: list[int], p: SamplingParams, track: RequestTracker
             ) -> AsyncIterator[RequestOutput]:
+        log = state.frontend.request_log
         if body.use_beam_search:
-            return tracked(beam_search(state.engine, rid, ids, p, body.length_penalty), rid,
-                           track, counted)
-        return engine_outputs(state.engine, rid, ids, p, track, counted)
+            searched = beam_search(state.engine, rid, ids, p, body.length_penalty)
+            return tracked(searched, rid, track, counted,
+                           log_request(log, rid, ids, p, state.engine.tokenizer))
+        return engine_outputs(state.engine, rid, ids, p, track, counted, log)
 
     if len(prompts) == 1:
         outputs = run(request_id, prompts[0][0], params, tracker)
