@@ -264,6 +264,8 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert _cfg(str(tiny_folder), "--logprobs-mode", "processed_logits"
                 ).engine.logprobs_mode == "processed_logits"
     assert _cfg(str(tiny_folder)).engine.logprobs_mode == "raw_logprobs"
+    assert _cfg(str(tiny_folder), "--long-prefill-token-threshold", "64"
+                ).scheduler.max_chunk == 64
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 

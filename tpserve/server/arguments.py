@@ -220,6 +220,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mixed-tokens", type=int, default=None,
                    help="token budget of a step while sequences decode (default: "
                         "--cuda-graph-max-tokens when graphs are on, else no cap)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="one prompt's prefill chunk takes at most N tokens a step, so "
+                        "prompts arriving together share steps instead of queueing behind "
+                        "the longest (vLLM's; 0: only the step's budget caps it)")
     p.add_argument("--scheduling-policy", default=d.policy, choices=list(SCHEDULING_POLICIES),
                    help="fcfs: requests run in arrival order; priority: a request's "
                         "`priority` field orders them (lower first, arrival order within "

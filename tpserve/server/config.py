@@ -383,7 +383,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=resolve_max_model_len(a.max_model_len, model),
         block_size=a.block_size, max_mixed_tokens=max_mixed,
-        enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy)
+        enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy,
+        long_prefill_token_threshold=a.long_prefill_token_threshold)
     cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
                  server=server, replicas=tuple(replicas))
     served = (cfg.served_model_name, *server.served_model_aliases)

@@ -20,14 +20,15 @@ class Harness:
     every schedule and every update."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=None, prefix_caching=False, policy="fcfs", host_slots=0):
+                 max_model_len=None, prefix_caching=False, policy="fcfs", host_slots=0,
+                 long_prefill=0):
         max_model_len = max_model_len or num_blocks * block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching, host_slots=host_slots)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, block_size=block_size,
-                            policy=policy),
+                            policy=policy, long_prefill_token_threshold=long_prefill),
             self.bm)
         self.ids = itertools.count()
         self.steps = 0
@@ -55,6 +56,7 @@ class Harness:
                         for s in out.scheduled]
         assert decode_flags == [i < out.num_decodes for i in range(len(out.scheduled))]
         for item in out.scheduled:  # the step's block tables cover its tokens
+            assert item.num_new_tokens <= self.sched.config.max_chunk
             seq = item.seq
             assert len(seq.block_ids) * self.bm.block_size >= (
                 seq.num_computed_tokens + item.num_new_tokens)
@@ -108,6 +110,25 @@ def test_chunked_prefill_splits_prompt_under_budget():
     h.step()
     assert a.finish_reason == "length" and a.output_token_ids == [3, 4, 5]
     assert not h.sched.has_unfinished and h.bm.num_used_blocks == 0
+
+
+def test_long_prefill_token_threshold_caps_each_prompts_chunk():
+    """vLLM's --long-prefill-token-threshold: with room for both, two prompts of 10 and 6
+    tokens take at most 4 tokens each a step, instead of the first taking 10 at once; a
+    waiting one admitted behind them gets the budget left, also at most 4."""
+    h = Harness(max_num_batched_tokens=64, long_prefill=4)
+    (a,) = h.add(range(10), max_tokens=2)
+    (b,) = h.add(range(20, 26), max_tokens=2)
+    assert chunks(h.step()) == [(0, 4), (1, 4)]
+    (c,) = h.add(range(30, 39), max_tokens=2)
+    assert chunks(h.step(token_budget=9)) == [(0, 4), (1, 2), (2, 3)]
+    assert b.output_token_ids == [2] and a.output_token_ids == []
+    out = h.step()
+    assert chunks(out) == [(1, 1), (0, 2), (2, 4)] and out.num_decodes == 1
+    assert chunks(h.step()) == [(0, 1), (2, 2)]  # b finished; a decodes
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold must be >= 0"):
+        SchedulerConfig(max_model_len=8, long_prefill_token_threshold=-1)
+    assert SchedulerConfig(max_model_len=8, max_num_batched_tokens=32).max_chunk == 32
 
 
 def test_chunks_mix_with_decodes_and_decodes_come_first():
@@ -327,7 +348,7 @@ def test_add_rejects_out_of_order_ids():
 def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int = 24,
           max_num_seqs: int = 6, max_num_batched_tokens: int = 32, max_model_len: int = 64,
           num_requests: int = 40, max_steps: int = 3000, policy: str = "fcfs",
-          host_slots: int = 0) -> Harness:
+          host_slots: int = 0, long_prefill: int = 0) -> Harness:
     """Run random requests (shared prefixes, n in 1..3, random budgets and aborts; under
     the priority policy, priorities -1..2) to completion, checking integrity after every
     step. A fake KV pool checks that every
@@ -340,7 +361,8 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
     bs = block_size
     h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                prefix_caching=prefix_caching, policy=policy, host_slots=host_slots)
+                prefix_caching=prefix_caching, policy=policy, host_slots=host_slots,
+                long_prefill=long_prefill)
     kv = FakeKV(h.bm)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
@@ -406,6 +428,13 @@ def test_random_driver_runs_every_request_to_completion(seed, prefix_caching):
     assert any(s.index > 0 and s.num_computed_tokens for s in h.seqs), "no sibling ran"
     if prefix_caching:
         assert any(s.num_cached_tokens for s in h.seqs), "no prefix cache hit"
+
+
+def test_random_driver_with_a_long_prefill_threshold():
+    """Prefill chunks capped at 5 tokens (the harness checks every chunk) under random
+    budgets, preemption, siblings, prefix hits and aborts: every request completes."""
+    h = drive(4, True, long_prefill=5)
+    assert any(s.num_preemptions for s in h.seqs), "the pool was never tight"
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

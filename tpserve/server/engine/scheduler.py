@@ -5,7 +5,9 @@ its next chunk (one token when decoding, otherwise as much of its remaining pref
 token budget allows once a token is set aside for every decoding sequence after it, so a
 long prefill never starves decodes). While any sequence decodes, the step's budget is
 capped at ``max_mixed_tokens`` (when set): steps that carry decodes stay short, which keeps
-inter-token latency steady and lets such steps replay CUDA graphs. A running sequence that cannot get KV blocks preempts the
+inter-token latency steady and lets such steps replay CUDA graphs. One sequence's prefill
+chunk is at most ``long_prefill_token_threshold`` tokens (when set; vLLM's), so the rest of
+the budget goes to the prompts after it. A running sequence that cannot get KV blocks preempts the
 last-ranked running sequence (possibly itself), which frees its blocks and returns to the
 waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
 admitted in rank order while the budget, ``max_num_seqs`` and the block pool allow; the
@@ -62,6 +64,9 @@ class SchedulerConfig:
     max_mixed_tokens: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # fcfs | priority (see the module docstring)
+    # vLLM's --long-prefill-token-threshold: a prefill chunk of one sequence is at most this
+    # many tokens a step, so several long prompts share steps (0: no cap but the budget)
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -73,6 +78,14 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
         if self.max_mixed_tokens is not None and self.max_mixed_tokens <= 0:
             raise ValueError(f"--max-mixed-tokens must be >= 1, got {self.max_mixed_tokens!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold!r}")
+
+    @property
+    def max_chunk(self) -> int:
+        """The most tokens one sequence's prefill chunk may take in a step."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     @property
     def limits(self) -> StepLimits:
@@ -254,7 +267,7 @@ class Scheduler:
                 decoding -= 1
                 num_new = 1
             else:  # a prefill chunk leaves one token for each decode after it
-                num_new = min(left, budget - decoding)
+                num_new = min(left, budget - decoding, self.config.max_chunk)
             if num_new <= 0:
                 continue  # nothing to compute until a token is appended, or no room
             budget -= self._grow(seq, num_new, scheduled, preempted)
@@ -266,7 +279,8 @@ class Scheduler:
             for seq in dict.fromkeys(held):  # once each: a victim may be admitted again
                 if budget > 0 and seq.status is SequenceStatus.RUNNING:
                     left = seq.num_tokens - seq.num_computed_tokens
-                    budget -= self._grow(seq, min(left, budget), scheduled, preempted)
+                    budget -= self._grow(seq, min(left, budget, self.config.max_chunk),
+                                         scheduled, preempted)
         if propose is not None:
             self._add_drafts(scheduled, budget, propose)
 
@@ -367,7 +381,8 @@ class Scheduler:
             parent = seq.fork_parent
             assert parent is not None
             bm.fork(parent, seq, fork_tokens)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget,
+                          self.config.max_chunk)
             if not bm.allocate(seq, num_new):
                 bm.free(seq)
                 seq.num_computed_tokens = 0
@@ -375,7 +390,7 @@ class Scheduler:
             return num_new, fork_tokens
         computed, num_cached = ([], 0) if seq.computes_whole_prompt else \
             bm.get_computed_blocks(seq.all_token_ids, seq.cache_key)
-        num_new = min(seq.num_tokens - num_cached, budget)
+        num_new = min(seq.num_tokens - num_cached, budget, self.config.max_chunk)
         if not bm.allocate(seq, num_new, computed):
             return None
         seq.num_computed_tokens = num_cached
