@@ -3,6 +3,7 @@ xgrammar's own kernel, and exact effects on the sampled tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -68,10 +69,13 @@ def test_bitmask_restricts_greedy_and_random_rows():
 def test_logprobs_describe_the_masked_distribution():
     logits = torch.zeros(1, V)
     mask = TokenBitmask(_bits([{3, 4}]), torch.tensor([0]))
-    out = _sample(logits, [SamplingParams(temperature=0, logprobs=2)], mask)
+    out = _sample(logits, [SamplingParams(temperature=0, logprobs=2,
+                                          logprobs_mode="processed_logprobs")], mask)
     assert out.token_ids == [3]
     assert out.logprobs[0] == pytest.approx(math.log(0.5))
     assert {t for t, _ in out.top_logprobs[0]} == {3, 4}
+    raw = _sample(logits, [SamplingParams(temperature=0, logprobs=2)], mask)  # the default
+    assert raw.token_ids == [3] and raw.logprobs[0] == pytest.approx(-math.log(V))
 
 
 def test_logit_bias_adds_to_the_logits():
@@ -80,11 +84,16 @@ def test_logit_bias_adds_to_the_logits():
     out = _sample(logits, [SamplingParams(temperature=0, logit_bias=((9, 2.0),)),
                            SamplingParams(temperature=0, logit_bias=((5, -100.0),))])
     assert out.token_ids == [9, 0]
-    out = _sample(logits[:1], [SamplingParams(temperature=0, logprobs=0,
-                                          logit_bias=((9, 0.5), (5, -0.5)))])
+    biased = SamplingParams(temperature=0, logprobs=0, logit_bias=((9, 0.5), (5, -0.5)),
+                            logprobs_mode="processed_logprobs")
+    out = _sample(logits[:1], [biased])
     # logits: token 9 -> 0.5, token 5 -> 0.5, the rest 0: ties go to the lowest id
     assert out.token_ids == [5]
     assert out.logprobs[0] == pytest.approx(0.5 - math.log(2 * math.exp(0.5) + V - 2))
+    # raw logprobs (the default) are the model's: token 5 at 1.0, the bias unseen
+    raw = _sample(logits[:1], [dataclasses.replace(biased, logprobs_mode=None)])
+    assert raw.token_ids == [5]
+    assert raw.logprobs[0] == pytest.approx(1.0 - math.log(math.exp(1.0) + V - 1))
 
 
 @pytest.mark.parametrize("bias", [100.5, -101, math.nan, math.inf])
