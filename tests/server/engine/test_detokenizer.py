@@ -99,6 +99,15 @@ def test_skip_special_tokens(tok, skip):
     assert ("<|im_end|>" in expected) is not skip
 
 
+def test_special_tokens_kept_side_by_side_have_no_space_between(tok):
+    """What a request's ``spaces_between_special_tokens: false`` asks, and what it gets
+    either way (``http/unsupported.py``): the tokenizer puts nothing between them."""
+    ids = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>")]
+    ids = encode(tok, "Hi") + ids + encode(tok, "there")
+    pieces, _ = stream(tok, ids, skip_special_tokens=False)
+    assert "".join(pieces) == "Hi<|im_end|><|im_start|>there"
+
+
 def test_stop_string_spanning_tokens(tok):
     text = "Hello world. STOP here and more"
     ids = encode(tok, text)

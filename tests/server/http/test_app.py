@@ -403,7 +403,6 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "vllm_xargs": {"a": 1}}, "vllm_xargs"),
     ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -451,6 +450,10 @@ def test_vllm_fields_at_their_no_op_values_are_accepted(http):
         "length_penalty": 1.0, "bad_words": [], "guided_decoding_backend": "xgrammar",
         "spaces_between_special_tokens": True, "vllm_xargs": {}, "watermarking": False,
         "ec_transfer_params": {}, "repetition_detection": {"max_pattern_size": 0}})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={  # what the tokenizers do (test_detokenizer.py)
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "skip_special_tokens": False,
+        "spaces_between_special_tokens": False})
     assert r.status_code == 200, r.text
 
 

@@ -18,7 +18,9 @@ same way when set to anything but their no-op value: ``priority`` (only 0, unles
 server runs ``--scheduling-policy priority``), ``logits_processors``,
 ``kv_transfer_params``, ``ec_transfer_params``, ``watermarking`` (only false),
 ``prompt_embeds`` (completions), ``vllm_xargs``, ``guided_decoding_backend`` (only xgrammar),
-``guided_whitespace_pattern``, ``spaces_between_special_tokens`` (only true).
+``guided_whitespace_pattern``. ``spaces_between_special_tokens`` is accepted either way:
+transformers' tokenizers (5.x) never put a space between special tokens, which is what
+``false`` asks and what vLLM's fast-tokenizer path gives for ``true`` too.
 Beam search's fields (``use_beam_search``, ``length_penalty``) are checked by
 ``http/beam_search.py``.
 """
@@ -61,8 +63,6 @@ def _noop_value(field: str, value: Any) -> bool:
         return all(v is None for k, v in value.items() if k != "effort")
     if field == "guided_decoding_backend":
         return value in ("", "auto", "xgrammar")
-    if field == "spaces_between_special_tokens":
-        return value is True
     return False
 
 
@@ -93,7 +93,6 @@ VLLM_REFUSED = {
     "vllm_xargs": "vllm_xargs is not supported",
     "guided_decoding_backend": "only the xgrammar structured-output backend is available",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
-    "spaces_between_special_tokens": "spaces_between_special_tokens: false is not supported",
 }
 
 
