@@ -272,8 +272,8 @@ class Sampler:
             else:
                 tokens[to_device(random_rows, torch.long, x.device)] = sampled
             if processed.intersection(random_rows):
-                # a sampled row's processed values are those it was drawn from (x is
-                # not read again: the tokens above are taken from it already)
+                # a sampled row's processed values are those it was drawn from (the
+                # greedy rows' tokens were taken from x before this write)
                 if len(random_rows) == n:
                     x = drawn
                 else:
