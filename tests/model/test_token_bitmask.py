@@ -74,8 +74,35 @@ def test_logprobs_describe_the_masked_distribution():
     assert out.token_ids == [3]
     assert out.logprobs[0] == pytest.approx(math.log(0.5))
     assert {t for t, _ in out.top_logprobs[0]} == {3, 4}
-    raw = _sample(logits, [SamplingParams(temperature=0, logprobs=2)], mask)  # the default
-    assert raw.token_ids == [3] and raw.logprobs[0] == pytest.approx(-math.log(V))
+    # raw logprobs (the default) see the grammar too, as vLLM's (it masks before sampling)
+    raw = _sample(logits, [SamplingParams(temperature=0, logprobs=2)], mask)
+    assert raw.token_ids == [3] and raw.logprobs[0] == pytest.approx(math.log(0.5))
+    assert {t for t, _ in raw.top_logprobs[0]} == {3, 4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_raw_logprobs_see_the_grammar_not_a_forced_token(dtype):
+    """Row 0 is a grammar's ({3, 4}), row 2 a thinking budget's forced end tag (token 9,
+    listed after the grammars: ``grammar_rows``), row 1 free. Raw logprobs: row 0 the
+    grammar's distribution, row 2 the model's own (uniform) though it must take token 9;
+    processed ones: the masked rows all their mass on what their masks allow. Rows asking
+    processed beside raw ones change nothing of either."""
+    logits = torch.zeros(3, V, dtype=dtype)
+    bits = _bits([{3, 4}, {9}])
+    mask = TokenBitmask(bits, torch.tensor([0, 2]), grammar_rows=1)
+    raw = SamplingParams(temperature=0, logprobs=2)
+    processed = dataclasses.replace(raw, logprobs_mode="processed_logprobs")
+    for params in ([raw] * 3, [raw, processed, raw], [processed, raw, processed]):
+        out = _sample(logits, params, mask)
+        assert out.token_ids == [3, 0, 9]
+        want = {"raw_logprobs": [math.log(0.5), -math.log(V), -math.log(V)],
+                "processed_logprobs": [math.log(0.5), -math.log(V), 0.0]}
+        assert out.logprobs == pytest.approx(
+            [want[p.logprobs_mode or "raw_logprobs"][i] for i, p in enumerate(params)],
+            abs=1e-5)
+    assert mask.grammar_part().rows.tolist() == [0]
+    assert TokenBitmask(bits, torch.tensor([0, 2]), grammar_rows=0).grammar_part() is None
+    assert TokenBitmask(bits, torch.tensor([0, 2])).grammar_part().rows.tolist() == [0, 2]
 
 
 def test_logit_bias_adds_to_the_logits():

@@ -16,8 +16,9 @@ logits as they are, which is the same token):
    every token the grammar forbids to -inf;
 3. logprobs, in the row's ``logprobs_mode`` or else the sampler's (vLLM's
    ``--logprobs-mode``; ``sampling_params.LOGPROBS_MODES``): ``raw_logprobs`` (the default)
-   is the ``log_softmax`` of the model's logits as they came, before step 1 (the model's
-   own distribution, as prompt logprobs are); ``processed_logprobs`` that of the logits
+   is the ``log_softmax`` of the model's logits before step 1 but for the grammar mask of
+   a structured-output row (vLLM masks them before its sampler; a thinking budget's forced
+   end tag is not a grammar: ``TokenBitmask.grammar_rows``); ``processed_logprobs`` that of the logits
    the token was picked from: after steps 1-2, and for a sampled row after temperature and
    the top-k / top-p / min-p filters of step 5 too (a token they drop reads -inf);
    ``raw_logits`` and ``processed_logits`` are those logits themselves. The sampled
@@ -40,7 +41,8 @@ at most 1 MiB (``SMALL_POOL_BYTES``) from 2 MiB small-pool segments and larger o
 large pool. A ``[rows, vocab]`` float32 intermediate is small exactly when rows <= 1 MiB /
 (4 x vocab) (two rows for Llama-3's 128,256 ids), and the random path holds about five at
 once (the copy, the scaled logits, probabilities, noise, their ratio; more with filters)
-where greedy holds one or two. So the first steps that sample one or two rows at
+where greedy holds one or two. Raw logprobs reuse the copy once the tokens are drawn (or,
+beside processed rows, gather their own rows). So the first steps that sample one or two rows at
 temperature > 0 would create small-pool segments mid-serving unless warm-up ran those shapes.
 """
 
@@ -55,7 +57,7 @@ import torch
 from tpserve.model.host_copy import to_device, to_host_async
 from tpserve.model.logits_processors import process_
 from tpserve.model.sampling_params import LOGPROBS_MODES, SamplingParams
-from tpserve.model.token_bitmask import TokenBitmask
+from tpserve.model.token_bitmask import TokenBitmask, apply_token_bitmask_
 
 
 @dataclass
@@ -225,6 +227,9 @@ class Sampler:
                     for batch in batches:
                         self.sample(logits, batch, [[2, 3]] * m, [[5]] * m, gens,
                                     frozenset({0})).to_host().resolve()
+                if m > 1:  # rows of the sampler's mode beside beam search's processed ones
+                    self.sample(logits, [everything] + [beam] * (m - 1), [[2, 3]] * m,
+                                [[5]] * m, [None] * m, frozenset({0})).to_host().resolve()
         finally:
             self.generator.set_state(state)
 
@@ -257,8 +262,6 @@ class Sampler:
         modes = {i: p.logprobs_mode or self.logprobs_mode
                  for i, p in enumerate(params) if p.logprobs is not None}
         processed = {i for i, m in modes.items() if m.startswith("processed")}
-        # the model's logits as they came (no copy when already float32: only x is changed)
-        raw = logits.float() if len(processed) < len(modes) else None
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < n:
@@ -281,20 +284,26 @@ class Sampler:
 
         if not modes:
             return PendingSample(tokens)
-        return self._with_logprobs(self._values(x, raw, modes), tokens, params)
+        return self._with_logprobs(self._values(x, logits, modes, bitmask), tokens, params)
 
     @staticmethod
-    def _values(x: torch.Tensor, raw: torch.Tensor | None, modes: dict[int, str]
-                ) -> torch.Tensor:
-        """The ``[M, V]`` values the logprobs are read from, row ``i`` in mode ``modes[i]``
-        (``raw``: the model's logits; ``x``: the processed ones, changed in place where
-        the rows' sources differ). Rows not in ``modes`` hold any of them."""
+    def _values(x: torch.Tensor, logits: torch.Tensor, modes: dict[int, str],
+                bitmask: TokenBitmask | None) -> torch.Tensor:
+        """The ``[M, V]`` values the logprobs are read from, row ``i`` in mode ``modes[i]``:
+        ``x`` (the processed logits, no longer needed for the tokens) with the raw rows
+        written over by the model's ``logits`` under the grammar mask (all of ``x`` when
+        every row asking is raw, so no second copy is held). Rows not in ``modes`` hold
+        either."""
         from_raw = [i for i, m in modes.items() if m.startswith("raw")]
-        if len(from_raw) == len(modes):
-            x = raw
-        elif from_raw:
-            rows = to_device(from_raw, torch.long, x.device)
-            x[rows] = raw[rows]
+        if from_raw:
+            if len(from_raw) == len(modes):
+                x.copy_(logits)
+            else:
+                rows = to_device(from_raw, torch.long, x.device)
+                x[rows] = logits[rows].float()
+            grammar = None if bitmask is None else bitmask.grammar_part()
+            if grammar is not None:  # a processed row holds these -inf already
+                apply_token_bitmask_(x, grammar)
         as_logits = [i for i, m in modes.items() if m.endswith("logits")]
         if len(as_logits) == len(modes):
             return x

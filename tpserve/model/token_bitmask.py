@@ -22,6 +22,16 @@ class TokenBitmask:
 
     bits: torch.Tensor  # int32 [R, W]
     rows: torch.Tensor  # int64 [R]
+    # the first this many rows are grammars' (None: all); the others force one token (a
+    # thinking budget's end), which raw logprobs do not see, as in vLLM
+    grammar_rows: int | None = None
+
+    def grammar_part(self) -> TokenBitmask | None:
+        """The grammars' rows alone (None: there are none)."""
+        n = self.rows.shape[0] if self.grammar_rows is None else self.grammar_rows
+        if n == self.rows.shape[0]:
+            return self
+        return TokenBitmask(self.bits[:n], self.rows[:n]) if n else None
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -307,8 +307,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "distribution before penalties, logit bias and temperature (the "
                         "default); processed_logprobs, that of the logits the token was "
                         "picked from (after them, and after top-k/top-p/min-p); raw_logits "
-                        "and processed_logits, those logits themselves. Prompt logprobs are "
-                        "always raw; beam search ranks by processed logprobs")
+                        "and processed_logits, those logits themselves. Raw ones see a "
+                        "structured output's grammar, as vLLM's do. Prompt logprobs are "
+                        "always raw; beam search ranks by, and reports, processed logprobs")
     # vLLM's frontend flags (http/frontend.py; ServerConfig.frontend)
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                    metavar="JSON",

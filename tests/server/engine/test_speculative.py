@@ -211,6 +211,14 @@ def test_drafts_take_the_room_a_step_has_left_and_never_preempt():
     assert [i.draft for i in out.scheduled] == [(7, 8, 9, 10)] and not out.preempted
     assert bm.num_free_blocks == 0
     sched.check_integrity()
+    # --long-prefill-token-threshold 3 counts the draft in the chunk, as vLLM does: 1 + 2
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                      max_model_len=32, block_size=4,
+                                      long_prefill_token_threshold=3),
+                      BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True))
+    _decoding(sched, ids, 1, 3)
+    out = sched.schedule(propose=lambda s: (7, 8, 9, 10))
+    assert [(i.num_new_tokens, i.draft) for i in out.scheduled] == [(3, (7, 8))]
 
 
 def test_drafted_decodes_come_before_prefill_chunks():

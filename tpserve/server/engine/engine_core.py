@@ -448,17 +448,18 @@ class EngineCore:
         date: the previous step has been read back), and of the rows whose thinking must
         end now (the end tag only: a grammar waits for it, gated, or constrains the whole
         output and wins); ``sampling[i]``'s row is ``first[i]`` (such a sequence has no
-        draft)."""
-        rows = []
+        draft). The grammars' rows come first (``TokenBitmask.grammar_rows``)."""
+        grammars, forced = [], []
         for row, seq in zip(first, sampling, strict=True):
             state = self.requests.get(seq.request_id)
             if state is None or seq.is_finished:
                 continue
             if state.matchers and not state.gated[seq.index]:
-                rows.append((row, state.matchers[seq.index]))
+                grammars.append((row, state.matchers[seq.index]))
             elif state.thinking and state.thinking[seq.index].must_end():
-                rows.append((row, ForcedToken(seq.params.thinking.end_id)))
-        return fill_bitmask(rows, self.grammars.vocab_size, device)
+                forced.append((row, ForcedToken(seq.params.thinking.end_id)))
+        return fill_bitmask(grammars + forced, self.grammars.vocab_size, device,
+                            len(grammars))
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence], rows: SampleRows,
                 bitmask=None) -> InFlight:

@@ -327,7 +327,8 @@ class Scheduler:
                 return
             if not _is_decode(item.seq, item.num_new_tokens):
                 continue
-            draft = propose(item.seq)[:min(budget, rows)]
+            # vLLM counts a draft in its chunk: at most long_prefill_token_threshold
+            draft = propose(item.seq)[:min(budget, rows, self.config.max_chunk - 1)]
             while draft and not self.block_manager.allocate(item.seq, 1 + len(draft)):
                 draft = draft[:-1]
             if draft:

@@ -13,10 +13,12 @@ live beams finish by length, and the ``W`` finished beams of the highest
 ``length`` counts the prompt and the output without an ending token (vLLM's score). Ties
 go to the earlier beam, then to the more likely token, so answers are deterministic.
 
-The log-probabilities are the sampler's: after ``repetition_penalty``, ``logit_bias``,
-``allowed_token_ids`` and ``min_tokens``' masking (which the one-token requests carry, each
-over the beam's tokens as its prompt), before temperature and the top-k / top-p / min-p
-filters, as in vLLM. What beam search cannot honour is refused (``check_beam_search``).
+The log-probabilities, which rank the beams and are the ones an answer reports, are the
+sampler's processed ones whatever ``--logprobs-mode`` says: after ``repetition_penalty``,
+``logit_bias``, ``allowed_token_ids`` and ``min_tokens``' masking (which the one-token
+requests carry, each over the beam's tokens as its prompt); a beam step is greedy, so no
+temperature or filter applies. (vLLM's beam search takes none of those fields, and reads
+the engine's mode.) What beam search cannot honour is refused (``check_beam_search``).
 The answer comes whole, also when streamed: one chunk at the end, as vLLM's.
 
 Each step's requests are closed however the step ends (an error, a client gone), so the

@@ -55,7 +55,8 @@ def log_request(log: RequestLog, request_id: str, prompt_ids: list[int],
             logger.debug("request %s prompt: %r prompt_token_ids: %s", request_id,
                          log.cut(tokenizer.decode(log.cut(prompt_ids))),
                          list(log.cut(prompt_ids)))
-    return OutputLog(log, request_id) if log.outputs else None
+    # an embedding's output is a vector, and no text: nothing to log
+    return OutputLog(log, request_id) if log.outputs and params.pooling is None else None
 
 
 class OutputLog:

@@ -11,10 +11,12 @@ from tpserve.model.token_bitmask import TokenBitmask
 
 
 def fill_bitmask(rows: Sequence[tuple[int, xgr.GrammarMatcher]], vocab_size: int,
-                 device: torch.device) -> TokenBitmask | None:
+                 device: torch.device, grammar_rows: int | None = None
+                 ) -> TokenBitmask | None:
     """One bitmask for ``rows`` (logits row, that row's matcher in its current state), on
     ``device``: filled in (pinned, on CUDA) host memory and sent up without waiting, so
-    the copy queues behind the step already running on the device. None without rows."""
+    the copy queues behind the step already running on the device. None without rows.
+    ``grammar_rows``: the first that many are grammars' (``TokenBitmask.grammar_rows``)."""
     if not rows:
         return None
     width = (vocab_size + 31) // 32
@@ -25,5 +27,6 @@ def fill_bitmask(rows: Sequence[tuple[int, xgr.GrammarMatcher]], vocab_size: int
     index = torch.tensor([row for row, _ in rows], dtype=torch.int64,
                          pin_memory=device.type == "cuda")
     if device.type != "cuda":
-        return TokenBitmask(bits.to(device), index.to(device))
-    return TokenBitmask(bits.to(device, non_blocking=True), index.to(device, non_blocking=True))
+        return TokenBitmask(bits.to(device), index.to(device), grammar_rows)
+    return TokenBitmask(bits.to(device, non_blocking=True), index.to(device, non_blocking=True),
+                        grammar_rows)
