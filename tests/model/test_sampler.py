@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -502,3 +503,50 @@ def test_the_sampler_on_the_gpu_takes_the_cpu_tokens():
     assert gpu.token_ids == cpu.token_ids
     assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
     assert cpu.token_ids[0] in (3, 500, 999) and cpu.token_ids[2] == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's caching allocator: GPU only")
+@pytest.mark.parametrize("vocab,dtype,mode", [(128256, torch.bfloat16, "raw_logprobs"),
+                                              (32000, torch.float32, "processed_logprobs")])
+def test_after_the_warm_up_steps_reserve_no_new_memory(vocab, dtype, mode):
+    """The allocator warm-up covers every path of the rows it warms (``small_pool_rows``):
+    afterwards, random mixes of greedy, sampled, filtered, penalized, seeded rows and rows
+    of every logprobs mode (beam search's processed ones beside the server's) reserve no
+    new memory in either pool."""
+    sampler = Sampler(0, "cuda", mode)
+    rows = small_pool_rows(vocab, 256)
+    sampler.warm_up(vocab, rows, dtype)
+    torch.cuda.synchronize()
+
+    def reserved() -> tuple[int, int]:
+        stats = torch.cuda.memory_stats()
+        return (stats["reserved_bytes.small_pool.current"],
+                stats["reserved_bytes.large_pool.current"])
+
+    every = dict(top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                 frequency_penalty=0.1, presence_penalty=0.1, min_tokens=4,
+                 logit_bias=((1, 1.0),))
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.8, logprobs=5, **every),
+             SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.1,
+                            logprobs_mode="processed_logprobs"),
+             SamplingParams(temperature=0.0, logprobs=20),
+             SamplingParams(temperature=0.7, top_p=0.9, logprobs=2),
+             SamplingParams(temperature=0.7, logprobs=1, logprob_token_ids=(1, 2, 3)),
+             SamplingParams(temperature=0.7, top_k=5, logprobs=3, logprobs_mode="raw_logits"),
+             SamplingParams(temperature=0.0, logprobs=3, logprobs_mode="processed_logits"),
+             SamplingParams(temperature=0.8, logprobs=5, logprobs_mode="processed_logprobs",
+                            **every)]
+    noise = torch.Generator("cuda").manual_seed(1)
+    pick = random.Random(0)
+    before = reserved()
+    for m in rows:
+        logits = torch.randn(m, vocab, generator=noise, device="cuda").to(dtype)
+        for _ in range(100):
+            params = [pick.choice(kinds) for _ in range(m)]
+            seeded = pick.random() < 0.5
+            gens = [sampler.new_request_generator(i) if seeded and not p.greedy else None
+                    for i, p in enumerate(params)]
+            sampler.sample(logits, params, [[2, 3]] * m, [[5]] * m, gens,
+                           frozenset({0})).to_host().resolve()
+            assert reserved() == before, (m, params, seeded)
