@@ -266,6 +266,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert _cfg(str(tiny_folder)).engine.logprobs_mode == "raw_logprobs"
     assert _cfg(str(tiny_folder), "--long-prefill-token-threshold", "64"
                 ).scheduler.max_chunk == 64
+    assert _cfg(str(tiny_folder), "--responses-store-size", "5"
+                ).server.frontend.responses_store_size == 5
+    assert _cfg(str(tiny_folder)).server.frontend.responses_store_size == 0
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 

@@ -37,7 +37,7 @@ def server(tmp_path_factory) -> Iterator[tuple[ServerProcess, str, httpx.Client]
                       "--exclude-tools-when-tool-choice-none", "--enable-request-id-headers",
                       "--enable-prompt-tokens-details", "--enable-server-load-tracking",
                       "--stream-interval", "2", "--logprobs-mode", "processed_logprobs",
-                      wait=False)
+                      "--responses-store-size", "4", wait=False)
     base = f"https://127.0.0.1:{s.port}"
     http = httpx.Client(verify=trusting(cert), timeout=120)
     try:
@@ -126,3 +126,18 @@ def test_processed_logprobs_mode(server):
         assert sorted(top.values())[0] == -9999.0
         assert sum(math.exp(v) for v in kept.values()) == pytest.approx(1.0, abs=1e-5)
         assert kept[token] == value
+
+
+def test_responses_are_stored(server):
+    """``--responses-store-size``: a stored answer comes back by id, and a follow-up by
+    ``previous_response_id`` is answered from the whole conversation (its prompt is
+    longer by the first turn)."""
+    _, base, http = server
+    client = openai.OpenAI(base_url=f"{base}/llm/v1", api_key="none", max_retries=0,
+                           http_client=http)
+    first = client.responses.create(input="Name a colour.", max_output_tokens=4)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    alone = client.responses.create(input="And another?", max_output_tokens=4, store=False)
+    follow = client.responses.create(input="And another?", max_output_tokens=4,
+                                     previous_response_id=first.id)
+    assert follow.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens

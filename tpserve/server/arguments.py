@@ -336,6 +336,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own header, "
                         "else a new id")
+    p.add_argument("--responses-store-size", type=int, default=0, metavar="N",
+                   help="keep the last N Responses API answers in memory (unless a request "
+                        "says store: false), for previous_response_id and GET/DELETE "
+                        "/v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE; "
+                        "default 0: none kept)")
     p.add_argument("--enable-log-outputs", action="store_true",
                    help="log each choice's text, token ids and finish reason when it "
                         "finishes (INFO, logger tpserve.requests)")

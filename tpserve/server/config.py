@@ -301,7 +301,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               stream_interval=a.stream_interval,
                               request_log=RequestLog(inputs=a.enable_log_requests,
                                                      outputs=a.enable_log_outputs,
-                                                     max_len=a.max_log_len)))
+                                                     max_len=a.max_log_len),
+                              responses_store_size=a.responses_store_size))
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

@@ -26,6 +26,7 @@ from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware, CatchAllMiddleware
 from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.reasoning import REASONING_PARSERS
+from tpserve.server.http.responses.store import ResponseStore
 from tpserve.server.http.routes_extra import make_extra_router
 from tpserve.server.http.routes_openai import make_openai_router
 from tpserve.server.http.scores import make_scores_router
@@ -117,6 +118,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
         loras=loras,
         download_dir=download_dir,
         frontend=frontend,
+        responses=(ResponseStore(frontend.responses_store_size)
+                   if frontend.responses_store_size else None),
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())

@@ -44,6 +44,9 @@ class FrontendOptions:
     stream_interval: int = 1  # a stream's chunks: at least this many new tokens
     # --enable-log-requests / --enable-log-outputs / --max-log-len (request_log.py)
     request_log: RequestLog = RequestLog()
+    # --responses-store-size: the last this many Responses answers kept (0: none;
+    # responses/store.py)
+    responses_store_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_chat_template_kwargs",
@@ -52,6 +55,9 @@ class FrontendOptions:
         if taken:
             raise ValueError(f"--default-chat-template-kwargs cannot set {', '.join(taken)}: "
                              "they are arguments of the template call itself")
+        if self.responses_store_size < 0:
+            raise ValueError("--responses-store-size must be >= 0, got "
+                             f"{self.responses_store_size}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if self.chat_template_content_format not in CONTENT_FORMATS:

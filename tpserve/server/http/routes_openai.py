@@ -8,9 +8,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from tpserve.model.sampling_params import SamplingParams, ThinkingBudget
@@ -59,8 +59,10 @@ from tpserve.server.http.responses.request import (
     ResponsesRequest,
     chat_request,
     echo_fields,
+    input_items,
     responses_error,
 )
+from tpserve.server.http.responses.store import StoredResponse
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.stream_interval import batched
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
@@ -94,10 +96,27 @@ def _messages_answer(stop_sequences: list[str] | None) -> Answer:
                                                  stop_sequences))
 
 
-def _responses_answer(echo: dict[str, Any]) -> Answer:
-    """The Responses API's answer; ``echo``: what it repeats of its request."""
-    return Answer(lambda first, outputs, ctx: response_events(first, outputs, ctx, echo),
-                  lambda acc, ctx: whole_response(chat_response(acc, ctx), ctx, echo))
+def _stored(request: Request, response_id: str) -> StoredResponse:
+    """Stored response ``response_id``; 404 when it is not held (or none is)."""
+    store = get_state(request).responses
+    if store is None:
+        raise APIError(404, f"Response with id '{response_id}' not found: this server "
+                       "stores no responses (--responses-store-size)")
+    return store.get(response_id)
+
+
+def _responses_answer(echo: dict[str, Any],
+                      keep: Callable[[dict[str, Any]], None] | None = None) -> Answer:
+    """The Responses API's answer; ``echo``: what it repeats of its request; ``keep``
+    takes the whole response once it is made (the response store)."""
+    def whole(acc: OutputAccumulator, ctx: ResponseContext) -> dict[str, Any]:
+        response = whole_response(chat_response(acc, ctx), ctx, echo)
+        if keep is not None:
+            keep(response)
+        return response
+
+    return Answer(lambda first, outputs, ctx: response_events(first, outputs, ctx, echo,
+                                                              keep), whole)
 
 
 async def _collect(first: RequestOutput, rest: AsyncIterator[RequestOutput], n: int
@@ -293,16 +312,64 @@ def make_openai_router() -> APIRouter:
 
     @router.post("/responses", responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        """OpenAI's Responses API, answered by the chat machinery (nothing is stored)."""
+        """OpenAI's Responses API, answered by the chat machinery; kept, and continued by
+        ``previous_response_id``, where the server stores responses (responses/store.py)."""
         state = get_state(request)
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=PASSED_THROUGH)
+        store, previous = state.responses, []
+        if body.previous_response_id is not None:
+            if store is None:
+                raise APIError.bad_request("previous_response_id needs stored responses: "
+                                           "this server keeps none (--responses-store-size)",
+                                           "previous_response_id")
+            previous = store.get(body.previous_response_id,
+                                 "previous_response_id").conversation
+        keep = None
+        if store is not None and body.store is not False:
+            inputs = [*previous, *input_items(body)]
+            keep = lambda response: store.put(response, inputs)  # noqa: E731
         try:
-            return await _chat(request, state, chat_request(body), tracker, model, "resp",
-                               _responses_answer(echo_fields(body)))
+            return await _chat(request, state, chat_request(body, previous), tracker, model,
+                               "resp", _responses_answer(echo_fields(body, keep is not None),
+                                                         keep))
         except APIError as exc:
             raise responses_error(exc) from None
+
+    @router.get("/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        """A stored response (404: not stored, or this server keeps none)."""
+        return _stored(request, response_id).response
+
+    @router.delete("/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        store = get_state(request).responses
+        if store is None:
+            _stored(request, response_id)  # the 404
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.get("/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
+    async def response_input_items(response_id: str, request: Request,
+                                   order: Literal["asc", "desc"] = "desc",
+                                   limit: int = Query(20, ge=1, le=100),
+                                   after: str | None = None) -> dict[str, Any]:
+        """The items a stored response was answered from, OpenAI's page of them."""
+        items = list(_stored(request, response_id).inputs)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise APIError.bad_request(f"no input item {after!r} in response "
+                                           f"{response_id}", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None,
+                "has_more": len(items) > limit}
 
     @router.post("/messages", responses={**ANTHROPIC_ERROR_RESPONSES, **STREAM_RESPONSE},
                  tags=["anthropic"])

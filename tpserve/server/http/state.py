@@ -16,6 +16,7 @@ from tpserve.server.http.lora_names import LoraNames, ServedAdapter
 from tpserve.server.http.metrics import ServerMetrics
 from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.reasoning import ReasoningParser
+from tpserve.server.http.responses.store import ResponseStore
 from tpserve.server.http.tool_parsers import ToolParser
 
 
@@ -45,6 +46,8 @@ class ServerState:
     download_dir: str | None = None
     frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's frontend flags
     load: LoadCounter = field(default_factory=LoadCounter)  # GET /load
+    # --responses-store-size: the Responses API's stored responses (None: none kept)
+    responses: ResponseStore | None = None
 
     def adapter(self, model: str) -> ServedAdapter | None:
         """The LoRA adapter served as ``model``; None for the base model."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tpserve.server.engine.outputs import RequestOutput
@@ -112,11 +112,14 @@ class _Events:
 
 
 async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                          ctx: ResponseContext, echo: dict[str, Any]) -> AsyncIterator[bytes]:
+                          ctx: ResponseContext, echo: dict[str, Any],
+                          keep: Callable[[dict[str, Any]], None] | None = None
+                          ) -> AsyncIterator[bytes]:
     """``response.created`` and ``response.in_progress``; per output item its added,
     delta and done events (reasoning text, output text, function-call arguments as the
     chat stream's: a forced call's as written, a parsed call's in one delta); then ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
-    cut it) with the whole response, or an ``error`` event."""
+    cut it) with the whole response, or an ``error`` event. ``keep`` is handed the whole
+    response before its event goes out (the response store)."""
     ev = _Events()
     start = response_object(ctx, echo, "in_progress", [], None)
     yield ev.event("response.created", response=start)
@@ -149,6 +152,8 @@ async def response_events(first: RequestOutput, outputs: AsyncIterator[RequestOu
         final = response_object(ctx, echo, "completed", ev.output,
                                 usage_object(usage, reasoning_tokens(ctx, ids, reasoning)),
                                 finish_reason)
+        if keep is not None:
+            keep(final)
         yield ev.event(f"response.{final['status']}", response=final)
     except Exception as exc:
         err = stream_error(exc)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tpserve.server.http.chat_conversion import function_tool, validated_chat
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
+from tpserve.server.http.responses.output import new_id
 from tpserve.server.http.unsupported import refuse_fields
 
 # vLLM's sampling extensions a Responses request may carry; passed to the chat request
@@ -20,8 +21,6 @@ PASSED_THROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "include_reasoning")
 
 REFUSED = {  # refused unless set to their no-op value (http/unsupported.py)
-    "previous_response_id": "previous_response_id is not supported: responses are not "
-                            "stored; send the whole conversation as input",
     "conversation": "conversations are not supported: responses are not stored",
     "background": "background responses are not supported",
     "include": "include is not supported: there is no encrypted reasoning, and output "
@@ -53,7 +52,8 @@ class ResponsesRequest(RequestModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    # accepted; nothing is stored (retrieving a response by id is not offered)
+    # kept unless false, where the server keeps responses (--responses-store-size,
+    # responses/store.py); else accepted, and the answer says ``store: false``
     store: bool | None = None
     # advisory in OpenAI's API: accepted and ignored
     metadata: dict[str, str] | None = None
@@ -61,8 +61,9 @@ class ResponsesRequest(RequestModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # refused unless their no-op value (REFUSED)
+    # a stored response this one continues (responses/store.py)
     previous_response_id: str | None = None
+    # refused unless their no-op value (REFUSED)
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
@@ -117,16 +118,31 @@ def _text(content: str | list[_Part], where: str) -> str:
     return "".join(texts)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``instructions`` and ``input``. Consecutive function calls
-    become one assistant message's ``tool_calls``; reasoning items are dropped (the
-    templates of the models served here do not take them back)."""
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as a list of items (a string is one user message), each with its
+    ``type`` (``message`` where the client left it out, as the API allows) and an ``id``
+    (a new one where the client gave none)."""
+    items = ([{"type": "message", "role": "user", "content": req.input}]
+             if isinstance(req.input, str) else req.input)
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        out.append({"type": kind, "id": new_id("msg" if kind == "message" else "item"),
+                    **item})
+    return out
+
+
+def _messages(req: ResponsesRequest, previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions``, the ``previous`` response's conversation
+    (stored: already checked) and ``input``. Consecutive function calls become one
+    assistant message's ``tool_calls``; reasoning items are dropped (the templates of the
+    models served here do not take them back)."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
-    for i, raw in enumerate(req.input):
+    own = [{"type": "message", "role": "user", "content": req.input}] \
+        if isinstance(req.input, str) else req.input
+    for i, raw in enumerate([*previous, *own], start=-len(previous)):
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
         model = _ITEMS.get(kind) if isinstance(kind, str) else None
         if model is None:
@@ -196,11 +212,14 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                                "json_object, json_schema)", "text.format")
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that answers ``req`` (400s naming the Responses field)."""
+def chat_request(req: ResponsesRequest, previous: list[dict[str, Any]] | None = None
+                 ) -> ChatCompletionRequest:
+    """The chat request that answers ``req``, continuing the ``previous`` response's
+    conversation (400s naming the Responses field)."""
     refuse_fields(req, REFUSED)
     body: dict[str, Any] = {
-        "model": req.model, "messages": _messages(req), "temperature": req.temperature,
+        "model": req.model, "messages": _messages(req, previous or []),
+        "temperature": req.temperature,
         "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens,
         "stream": req.stream, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
@@ -233,14 +252,15 @@ def responses_error(exc: APIError) -> APIError:
     return exc
 
 
-def echo_fields(req: ResponsesRequest) -> dict[str, Any]:
-    """What a response object repeats of its request."""
+def echo_fields(req: ResponsesRequest, stored: bool = False) -> dict[str, Any]:
+    """What a response object repeats of its request; ``stored``: the server keeps it."""
     return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p,
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}},
-            "metadata": req.metadata or {}, "user": req.user, "store": False,
-            "background": False, "previous_response_id": None, "truncation": "disabled",
+            "metadata": req.metadata or {}, "user": req.user, "store": stored,
+            "background": False, "previous_response_id": req.previous_response_id,
+            "truncation": "disabled",
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}}
 
