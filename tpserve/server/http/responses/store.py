@@ -11,6 +11,8 @@ are not carried over, as OpenAI's API does not) and its output items. A request 
 Invariants: at most ``max_size`` responses are held, the least recently stored or read
 one dropped first; the store lives in the HTTP process and is touched only by its event
 loop, so it needs no lock. Nothing is written to disk: a restart forgets every response.
+The count bounds it, not the bytes: each response holds its whole conversation, though a
+follow-up shares its earlier items (the same objects) with the response it continues.
 """
 
 from __future__ import annotations
