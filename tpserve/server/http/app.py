@@ -27,6 +27,7 @@ from tpserve.server.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from tpserve.server.http.prompts import PromptProcessor
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.responses.store import ResponseStore
+from tpserve.server.http.responses.stored_routes import make_stored_responses_router
 from tpserve.server.http.routes_extra import make_extra_router
 from tpserve.server.http.routes_openai import make_openai_router
 from tpserve.server.http.scores import make_scores_router
@@ -123,6 +124,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     )
     install_exception_handlers(app)
     app.include_router(make_openai_router())
+    app.include_router(make_stored_responses_router())
     app.include_router(make_extra_router())
     app.include_router(make_scores_router())
     app.include_router(make_lora_router())

@@ -8,9 +8,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tpserve.model.sampling_params import SamplingParams, ThinkingBudget
@@ -62,7 +62,6 @@ from tpserve.server.http.responses.request import (
     input_items,
     responses_error,
 )
-from tpserve.server.http.responses.store import StoredResponse
 from tpserve.server.http.state import ServerState, get_state
 from tpserve.server.http.stream_interval import batched
 from tpserve.server.http.streaming import SSEResponse, chat_events, completion_events
@@ -94,15 +93,6 @@ def _messages_answer(stop_sequences: list[str] | None) -> Answer:
                                                              stop_sequences),
                   lambda acc, ctx: whole_message(chat_response(acc, ctx), ctx,
                                                  stop_sequences))
-
-
-def _stored(request: Request, response_id: str) -> StoredResponse:
-    """Stored response ``response_id``; 404 when it is not held (or none is)."""
-    store = get_state(request).responses
-    if store is None:
-        raise APIError(404, f"Response with id '{response_id}' not found: this server "
-                       "stores no responses (--responses-store-size)")
-    return store.get(response_id)
 
 
 def _responses_answer(echo: dict[str, Any],
@@ -336,40 +326,6 @@ def make_openai_router() -> APIRouter:
                                                          keep))
         except APIError as exc:
             raise responses_error(exc) from None
-
-    @router.get("/responses/{response_id}", responses=ERROR_RESPONSES)
-    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        """A stored response (404: not stored, or this server keeps none)."""
-        return _stored(request, response_id).response
-
-    @router.delete("/responses/{response_id}", responses=ERROR_RESPONSES)
-    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        store = get_state(request).responses
-        if store is None:
-            _stored(request, response_id)  # the 404
-        store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    @router.get("/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
-    async def response_input_items(response_id: str, request: Request,
-                                   order: Literal["asc", "desc"] = "desc",
-                                   limit: int = Query(20, ge=1, le=100),
-                                   after: str | None = None) -> dict[str, Any]:
-        """The items a stored response was answered from, OpenAI's page of them."""
-        items = list(_stored(request, response_id).inputs)
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item.get("id") for item in items]
-            if after not in ids:
-                raise APIError.bad_request(f"no input item {after!r} in response "
-                                           f"{response_id}", "after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page,
-                "first_id": page[0].get("id") if page else None,
-                "last_id": page[-1].get("id") if page else None,
-                "has_more": len(items) > limit}
 
     @router.post("/messages", responses={**ANTHROPIC_ERROR_RESPONSES, **STREAM_RESPONSE},
                  tags=["anthropic"])
