@@ -18,9 +18,10 @@ logits as they are, which is the same token):
    ``--logprobs-mode``; ``sampling_params.LOGPROBS_MODES``): ``raw_logprobs`` (the default)
    is the ``log_softmax`` of the model's logits before step 1 but for the grammar mask of
    a structured-output row (vLLM masks them before its sampler; a thinking budget's forced
-   end tag is not a grammar: ``TokenBitmask.grammar_rows``); ``processed_logprobs`` that of the logits
-   the token was picked from: after steps 1-2, and for a sampled row after temperature and
-   the top-k / top-p / min-p filters of step 5 too (a token they drop reads -inf);
+   end tag is not a grammar: ``TokenBitmask.grammar_rows``); ``processed_logprobs`` that
+   of the logits the token was picked from: after steps 1-2, and for a sampled row after
+   temperature and the top-k / top-p / min-p filters of step 5 too (a token they drop
+   reads -inf);
    ``raw_logits`` and ``processed_logits`` are those logits themselves. The sampled
    token's value is never -inf (it is allowed, and kept by the filters);
 4. greedy rows (``temperature == 0``): argmax, ties going to the lowest token id;
@@ -42,7 +43,8 @@ large pool. A ``[rows, vocab]`` float32 intermediate is small exactly when rows 
 (4 x vocab) (two rows for Llama-3's 128,256 ids), and the random path holds about five at
 once (the copy, the scaled logits, probabilities, noise, their ratio; more with filters)
 where greedy holds one or two. Raw logprobs reuse the copy once the tokens are drawn (or,
-beside processed rows, gather their own rows). So the first steps that sample one or two rows at
+beside processed rows, gather their own rows). So the first steps that sample one or two
+rows at
 temperature > 0 would create small-pool segments mid-serving unless warm-up ran those shapes.
 """
 
@@ -56,7 +58,7 @@ import torch
 
 from tpserve.model.host_copy import to_device, to_host_async
 from tpserve.model.logits_processors import process_
-from tpserve.model.sampling_params import LOGPROBS_MODES, SamplingParams
+from tpserve.model.sampling_params import LOGPROBS_MODES, SamplingParams, check_logprobs_mode
 from tpserve.model.token_bitmask import TokenBitmask, apply_token_bitmask_
 
 
@@ -175,9 +177,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
                  logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs mode must be one of {LOGPROBS_MODES}, got "
-                             f"{logprobs_mode!r}")
+        check_logprobs_mode(logprobs_mode, "logprobs mode")
         self.logprobs_mode = logprobs_mode
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
@@ -199,8 +199,8 @@ class Sampler:
         temperature; top-k, top-p, min-p with penalties, min_tokens, logit_bias and
         logprobs; seeded rows; greedy and sampled rows mixed), reading the results back, so
         the caching allocator holds the blocks those steps need before serving starts.
-        ``dtype`` is the logits' (raw logprobs of half-precision logits take a float32
-        copy of their own). The shared generator is restored afterwards: warm-up changes
+        ``dtype`` is the logits' (raw rows beside processed ones gather a float32 copy of
+        their own rows from them). The shared generator is restored afterwards: warm-up changes
         no request's draws."""
         state = self.generator.get_state()
         noise = torch.Generator(device=self.device)
@@ -360,10 +360,9 @@ class Sampler:
         """The sampled tokens' values and each row's listed ones (``logprobs``: ``[M, V]``,
         in each row's mode): its top ``logprobs``, or, with ``logprob_token_ids``, those
         tokens' in their order (gathered, all rows padded to one width)."""
-        x = logprobs
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k_top = min(max((p.logprobs or 0 for p in params if p.logprob_token_ids is None),
-                        default=0), x.shape[-1])
+                        default=0), logprobs.shape[-1])
         counts = [min(p.logprobs or 0, k_top) if p.logprob_token_ids is None
                   else len(p.logprob_token_ids) for p in params]
         k_max = max(counts)
@@ -378,10 +377,10 @@ class Sampler:
             ids = tokens.new_zeros((len(params), k_max))
         picked = [i for i, p in enumerate(params) if p.logprob_token_ids is not None]
         if picked:
-            rows = to_device(picked, torch.long, x.device)
+            rows = to_device(picked, torch.long, logprobs.device)
             wanted = to_device([list(params[i].logprob_token_ids)
                                 + [0] * (k_max - counts[i]) for i in picked],
-                               torch.long, x.device)
+                               torch.long, logprobs.device)
             values[rows] = logprobs[rows].gather(1, wanted)
             ids[rows] = wanted
         return PendingSample(tokens, chosen, values, ids, counts)

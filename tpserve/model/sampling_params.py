@@ -13,6 +13,12 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "structural_tag")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
+def check_logprobs_mode(mode: str, what: str) -> None:
+    """ValueError naming ``what`` unless ``mode`` is one of ``LOGPROBS_MODES``."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"{what} must be one of {LOGPROBS_MODES}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the whole output: ``kind`` is ``json`` (``value`` is a JSON schema as
@@ -209,9 +215,8 @@ class SamplingParams:
                 or min(self.logprob_token_ids) < 0):
             raise bad("logprob_token_ids", f"must be 1 to {self.MAX_LOGPROB_TOKEN_IDS} token "
                       "ids, and needs logprobs")
-        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
-            raise bad("logprobs_mode", f"must be one of {LOGPROBS_MODES}, got "
-                      f"{self.logprobs_mode!r}")
+        if self.logprobs_mode is not None:
+            check_logprobs_mode(self.logprobs_mode, "logprobs_mode")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

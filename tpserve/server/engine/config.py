@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.model.sampling_params import LOGPROBS_MODES
+from tpserve.model.sampling_params import LOGPROBS_MODES, check_logprobs_mode
 from tpserve.server.engine.speculative import SpeculativeConfig
 
 
@@ -22,8 +22,6 @@ class EngineConfig:
     logprobs_mode: str = LOGPROBS_MODES[0]
 
     def __post_init__(self) -> None:
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"--logprobs-mode must be one of {LOGPROBS_MODES}, got "
-                             f"{self.logprobs_mode!r}")
+        check_logprobs_mode(self.logprobs_mode, "--logprobs-mode")
         if self.max_num_queued_requests < 0 or self.max_num_queued_tokens < 0:
             raise ValueError("--max-num-queued-requests/--max-num-queued-tokens must be >= 0")
