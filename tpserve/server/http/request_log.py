@@ -3,9 +3,8 @@
 
 With ``inputs`` on, every engine request (each prompt of a request, each beam search) logs
 on submission, at INFO, its id, prompt length and sampling parameters (its LoRA adapter's
-slot among them), and at
-DEBUG its prompt text and token ids. With ``outputs`` on, each choice logs, when it
-finishes, its text, token ids and finish reason at INFO. ``max_len`` cuts every text to that
+slot among them), and at DEBUG its prompt text and token ids. With ``outputs`` on, each
+choice logs, when it finishes, its text, token ids and finish reason at INFO. ``max_len`` cuts every text to that
 many characters and every id list to that many ids (None: whole), as vLLM's
 ``--max-log-len`` does. Nothing is decoded unless its line is written.
 """
@@ -34,10 +33,6 @@ class RequestLog:
     def __post_init__(self) -> None:
         if self.max_len is not None and self.max_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_len}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.inputs or self.outputs
 
     def cut(self, items: Sequence[Any]) -> Sequence[Any]:
         """``items`` (text or ids) cut to ``max_len``."""
