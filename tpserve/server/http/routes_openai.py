@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -316,14 +317,13 @@ def make_openai_router() -> APIRouter:
                                            "previous_response_id")
             previous = store.get(body.previous_response_id,
                                  "previous_response_id").conversation
-        keep = None
+        own, keep = input_items(body), None
         if store is not None and body.store is not False:
-            inputs = [*previous, *input_items(body)]
-            keep = lambda response: store.put(response, inputs)  # noqa: E731
+            keep = partial(store.put, inputs=[*previous, *own])
         try:
-            return await _chat(request, state, chat_request(body, previous), tracker, model,
-                               "resp", _responses_answer(echo_fields(body, keep is not None),
-                                                         keep))
+            return await _chat(request, state, chat_request(body, previous, own), tracker,
+                               model, "resp",
+                               _responses_answer(echo_fields(body, keep is not None), keep))
         except APIError as exc:
             raise responses_error(exc) from None
 

@@ -132,16 +132,16 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _messages(req: ResponsesRequest, previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(instructions: str | None, previous: list[dict[str, Any]],
+              own: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages of ``instructions``, the ``previous`` response's conversation
-    (stored: already checked) and ``input``. Consecutive function calls become one
-    assistant message's ``tool_calls``; reasoning items are dropped (the templates of the
-    models served here do not take them back)."""
+    (stored: already checked) and the request's own items (``input_items``; a 400 names
+    ``input.i``). Consecutive function calls become one assistant message's
+    ``tool_calls``; reasoning items are dropped (the templates of the models served here do
+    not take them back)."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    own = [{"type": "message", "role": "user", "content": req.input}] \
-        if isinstance(req.input, str) else req.input
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     for i, raw in enumerate([*previous, *own], start=-len(previous)):
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
         model = _ITEMS.get(kind) if isinstance(kind, str) else None
@@ -212,13 +212,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                                "json_object, json_schema)", "text.format")
 
 
-def chat_request(req: ResponsesRequest, previous: list[dict[str, Any]] | None = None
-                 ) -> ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, previous: list[dict[str, Any]] | None = None,
+                 own: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
     """The chat request that answers ``req``, continuing the ``previous`` response's
-    conversation (400s naming the Responses field)."""
+    conversation; ``own``: ``input_items(req)`` where the caller has them already (400s
+    naming the Responses field)."""
     refuse_fields(req, REFUSED)
     body: dict[str, Any] = {
-        "model": req.model, "messages": _messages(req, previous or []),
+        "model": req.model,
+        "messages": _messages(req.instructions, previous or [],
+                              input_items(req) if own is None else own),
         "temperature": req.temperature,
         "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens,
         "stream": req.stream, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),

@@ -28,7 +28,11 @@ from tpserve.server.http.http_errors import APIError
 class StoredResponse:
     response: dict[str, Any]  # the response object, as its answer sent it
     inputs: tuple[dict[str, Any], ...]  # the items it was answered from
-    outputs: tuple[dict[str, Any], ...]  # its output items
+
+    @property
+    def outputs(self) -> tuple[dict[str, Any], ...]:
+        """Its output items (the response object's)."""
+        return tuple(self.response["output"])
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -50,8 +54,7 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
         """Keeps ``response`` (its output items with it), answered from ``inputs``."""
-        self._held[response["id"]] = StoredResponse(response, tuple(inputs),
-                                                    tuple(response["output"]))
+        self._held[response["id"]] = StoredResponse(response, tuple(inputs))
         self._held.move_to_end(response["id"])
         while len(self._held) > self.max_size:
             self._held.popitem(last=False)

@@ -10,17 +10,17 @@ from fastapi import APIRouter, Query, Request
 
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.replies import ERROR_RESPONSES
-from tpserve.server.http.responses.store import StoredResponse
+from tpserve.server.http.responses.store import ResponseStore
 from tpserve.server.http.state import get_state
 
 
-def _stored(request: Request, response_id: str) -> StoredResponse:
-    """Stored response ``response_id``; 404 when it is not held (or none is)."""
+def _store(request: Request, response_id: str) -> ResponseStore:
+    """The server's response store; 404 for ``response_id`` when it keeps none."""
     store = get_state(request).responses
     if store is None:
         raise APIError(404, f"Response with id '{response_id}' not found: this server "
                        "stores no responses (--responses-store-size)")
-    return store.get(response_id)
+    return store
 
 
 def make_stored_responses_router() -> APIRouter:
@@ -29,12 +29,11 @@ def make_stored_responses_router() -> APIRouter:
     @router.get("/responses/{response_id}", responses=ERROR_RESPONSES)
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         """A stored response."""
-        return _stored(request, response_id).response
+        return _store(request, response_id).get(response_id).response
 
     @router.delete("/responses/{response_id}", responses=ERROR_RESPONSES)
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        _stored(request, response_id)  # the 404s
-        get_state(request).responses.delete(response_id)
+        _store(request, response_id).delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.get("/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
@@ -44,7 +43,7 @@ def make_stored_responses_router() -> APIRouter:
                                    after: str | None = None) -> dict[str, Any]:
         """The items a stored response was answered from, a page of them (newest first
         by default, as OpenAI's API lists them)."""
-        items = list(_stored(request, response_id).inputs)
+        items = list(_store(request, response_id).get(response_id).inputs)
         if order == "desc":
             items.reverse()
         if after is not None:
