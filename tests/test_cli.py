@@ -269,6 +269,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert _cfg(str(tiny_folder), "--responses-store-size", "5"
                 ).server.frontend.responses_store_size == 5
     assert _cfg(str(tiny_folder)).server.frontend.responses_store_size == 0
+    sleepy = _cfg(str(tiny_folder), "--enable-sleep-mode")
+    assert sleepy.engine.enable_sleep_mode and sleepy.server.frontend.control_endpoints
+    assert not (same.engine.enable_sleep_mode or same.server.frontend.control_endpoints)
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 
@@ -344,7 +347,6 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
     (["-O3"], "--compilation-config 3: tpserve does not use torch.compile; .*"
               "--cuda-graph-max-tokens"),
-    (["--enable-sleep-mode"], "--enable-sleep-mode: there is no sleep mode"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: weights are not offloaded"),
     (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),

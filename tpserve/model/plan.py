@@ -25,6 +25,10 @@ CMD_LORA = 5
 # rank 0 has every rank copy KV blocks between its pool and its host tier before the next
 # step (header: stores, loads; payload: store blocks, store slots, load slots, load blocks)
 CMD_KV_COPY = 6
+# sleep mode (model/sleep.py): rank 0 has every rank give back its device memory (header:
+# level) or take it back (header: weights, KV pool); every rank answers with one all-reduce
+# of whether it could, then one all-gather of its figures
+CMD_SLEEP, CMD_WAKE = 7, 8
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,7 +59,9 @@ from tpserve.model.plan import (
     CMD_MEMORY,
     CMD_NOOP,
     CMD_SHUTDOWN,
+    CMD_SLEEP,
     CMD_STEP,
+    CMD_WAKE,
     HEADER_LEN,
     StepLimits,
     StepPlan,
@@ -69,6 +71,7 @@ from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, sco
 from tpserve.model.quant.methods import linear_method, served_quantization
 from tpserve.model.quant.wna16_method import graph_scratch_bytes
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
+from tpserve.model.sleep import RankSleep
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
@@ -225,13 +228,10 @@ class ModelRunner:
         if device.type == "cuda":
             warm_kernels(self)
         self.graphs: StepGraphs | None = None
+        self._graph_shape = (max_mixed, multiple)
         graphs_reserve, graphs = graphs, 0
         if use_graphs:
-            self.graphs = StepGraphs(self.model, self.kv_pool, self.attn, b,
-                                     self.max_blocks_per_seq, self.max_model_len, device,
-                                     max_mixed, token_multiple=multiple,
-                                     lora=self.lora.batch if self.lora else None)
-            graphs = self.graphs.capture()
+            graphs = self.capture_graphs()
         free_now, _ = read_memory(device)
         named = other_gpu_processes(device)
         others = named.used_bytes if named.processes else total - free0
@@ -248,6 +248,36 @@ class ModelRunner:
         self.rank_plans = [plan_from_ints(v) for v in self._gather_ints(self.plan.as_ints())]
         self.startup_s = time.monotonic() - t0
         self.segments_after_warmup = allocator_stats(device)["segments"]
+        self.sleep_state = RankSleep(self)  # awake; sleep mode: ``sleep`` / ``wake_up``
+
+    def capture_graphs(self) -> int:
+        """Captures the CUDA graphs of every step bucket (start-up, and a wake-up from
+        sleep: the weights' and the pool's addresses changed); returns their bytes."""
+        max_mixed, multiple = self._graph_shape
+        self.graphs = StepGraphs(self.model, self.kv_pool, self.attn,
+                                 self.limits.max_num_seqs, self.max_blocks_per_seq,
+                                 self.max_model_len, self.device, max_mixed,
+                                 token_multiple=multiple,
+                                 lora=self.lora.batch if self.lora else None)
+        return self.graphs.capture()
+
+    # ----------------------------------------------------------------- sleep mode
+    def sleep(self, level: int) -> list[dict[str, float]]:
+        """Rank 0, between steps, nothing running: every rank gives back its weights' (level
+        1: copied to host memory first), KV pool's and graphs' device memory
+        (``model/sleep.py``; ``CMD_SLEEP``). Returns each rank's figures. MemoryError (every
+        rank still awake) if any rank could not copy its weights to host memory."""
+        self.send_command(CMD_SLEEP, level)
+        return self.sleep_state.agreed_sleep(level)
+
+
+    def wake_up(self, weights: bool, kv: bool) -> list[dict[str, float]]:
+        """Rank 0, between steps: every rank takes back its weights and / or KV pool
+        (``CMD_WAKE``); once both are back the CUDA graphs are captured again. Returns each
+        rank's figures. MemoryError (every rank as asleep as before) if any rank ran out of
+        device memory."""
+        self.send_command(CMD_WAKE, int(weights), int(kv))
+        return self.sleep_state.agreed_wake(weights, kv)
 
     def load_lora_adapter(self, slot: int, path: str) -> None:
         """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``
@@ -256,10 +286,8 @@ class ModelRunner:
         data = path.encode()
         if len(data) > self.payload_buf.shape[0]:
             raise ValueError(f"a LoRA adapter path of {len(data)} bytes is too long")
+        self.send_command(CMD_LORA, slot, len(data))
         if self.comm.world_size > 1:
-            self.header_buf.zero_()
-            self.header_buf[:3] = torch.tensor([CMD_LORA, slot, len(data)])
-            self.comm.broadcast(self.header_buf)
             self.payload_buf[: len(data)].copy_(torch.tensor(list(data), dtype=torch.int64))
             self.comm.broadcast(self.payload_buf[: len(data)])
         self.lora.load(slot, path, self._gather_ints)
@@ -408,11 +436,12 @@ class ModelRunner:
             elif n_loads:
                 self.host_kv.load(ints[:n], ints[n:], batch)
 
-    def send_command(self, cmd: int) -> None:
-        """Rank 0: NOOP (heartbeat while idle) or SHUTDOWN to the workers."""
+    def send_command(self, cmd: int, *args: int) -> None:
+        """Rank 0: a command's header (the command, then ``args``) to the workers: NOOP
+        (heartbeat while idle), SHUTDOWN, and the commands of LoRA loads and sleep mode."""
         if self.comm.world_size > 1:
             self.header_buf.zero_()
-            self.header_buf[0] = cmd
+            self.header_buf[:1 + len(args)] = torch.tensor([cmd, *args])
             self.comm.broadcast(self.header_buf)
 
     def worker_loop(self) -> None:
@@ -436,6 +465,15 @@ class ModelRunner:
                     self.lora.load(slot, path, self._gather_ints)
                 except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
+                continue
+            if cmd in (CMD_SLEEP, CMD_WAKE):
+                try:
+                    if cmd == CMD_SLEEP:
+                        self.sleep_state.agreed_sleep(int(header[1]))
+                    else:
+                        self.sleep_state.agreed_wake(bool(header[1]), bool(header[2]))
+                except MemoryError as e:  # rank 0 reports it; every rank is as before
+                    logger.warning("rank %d: %s", self.comm.rank, e)
                 continue
             if cmd == CMD_KV_COPY:  # a join, stores or loads
                 counts = [int(x) for x in header[1:5]]

@@ -341,6 +341,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "says store: false), for previous_response_id and GET/DELETE "
                         "/v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE; "
                         "default 0: none kept)")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve vLLM's control endpoints: POST /sleep?level=1|2&mode=abort|"
+                        "wait|keep (give back the weights', KV pool's and CUDA graphs' device "
+                        "memory; level 1 keeps the weights in host memory, level 2 reads "
+                        "the checkpoint again at wake-up), POST /wake_up[?tags=weights|"
+                        "kv_cache], GET /is_sleeping, POST /pause?mode=...&clear_cache=, "
+                        "POST /resume, GET /is_paused, POST /reset_prefix_cache (vLLM serves "
+                        "them with VLLM_SERVER_DEV_MODE=1; behind --api-key)")
     p.add_argument("--enable-log-outputs", action="store_true",
                    help="log each choice's text, token ids and finish reason when it "
                         "finishes (INFO, logger tpserve.requests)")

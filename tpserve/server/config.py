@@ -260,6 +260,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           async_scheduling=a.async_scheduling,
                           engine_process=a.engine_process,
                           logprobs_mode=a.logprobs_mode,
+                          enable_sleep_mode=a.enable_sleep_mode,
                           speculative=None if a.speculative_config is None else
                           SpeculativeConfig.from_json(a.speculative_config))
     server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
@@ -302,7 +303,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               request_log=RequestLog(inputs=a.enable_log_requests,
                                                      outputs=a.enable_log_outputs,
                                                      max_len=a.max_log_len),
-                              responses_store_size=a.responses_store_size))
+                              responses_store_size=a.responses_store_size,
+                              control_endpoints=a.enable_sleep_mode))
     env = torchrun_env()
     serves_http = env is None or env[0] == 0  # spawned ranks, or torchrun's rank 0
     if serves_http:  # only the rank serving HTTP reads the TLS files

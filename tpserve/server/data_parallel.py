@@ -36,6 +36,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.queries import QUERY_TIMEOUT_S
 from tpserve.server.engine_proxy import EngineProxy
 from tpserve.server.prefix_affinity import MIN_SHARE, MIN_TOKENS, PrefixAffinity, choose
 from tpserve.server.replica_stats import merge_memory, merge_stats
@@ -128,7 +129,7 @@ class DataParallelEngines:
     def stats(self) -> dict[str, Any]:
         return merge_stats([e.stats() for e in self.engines])
 
-    async def query(self, name: str | tuple) -> Any:
+    async def query(self, name: str | tuple, timeout: float = QUERY_TIMEOUT_S) -> Any:
         """Every replica's answer, as one (module doc)."""
         kind = name if isinstance(name, str) else name[0]
         if kind == "memory_snapshot":
@@ -137,9 +138,11 @@ class DataParallelEngines:
                 raise InvalidRequestError(f"replica {replica}: this server runs replicas "
                                           f"0..{len(self.engines) - 1}")
             return await self.engines[replica].query("memory_snapshot")
-        answers = await asyncio.gather(*(e.query(name) for e in self.engines))
+        answers = await asyncio.gather(*(e.query(name, timeout) for e in self.engines))
         if kind == "memory_report":
             return merge_memory(answers)
+        if kind in ("sleep", "wake_up"):  # each replica's ranks' figures, in replica order
+            return {**answers[0], "ranks": [r for a in answers for r in a["ranks"]]}
         if any(a != answers[0] for a in answers):
             raise EngineError(f"the replicas answered {name!r} differently: {answers}; "
                               "restart the server")

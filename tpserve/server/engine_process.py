@@ -99,6 +99,13 @@ class PipeOutbox:
     def send_now(self, target: Any, item: Item) -> None:
         self.send(("out", [(target, item)], None))
 
+    def send_reply(self, query_id: int, value: Any, error: BaseException | None) -> None:
+        """A query's answer, after the stats as they are now: a query may change them (a
+        pause, a sleep), and the asker may read /metrics as soon as it has the answer."""
+        if self.core is not None and threading.current_thread().name == "engine":
+            self.send(("out", [], engine_stats(self.core)))
+        self.send(("reply", query_id, value, None if error is None else _picklable(error)))
+
     def send_step(self, batch: list[tuple[Any, Item]], idle: bool) -> None:
         now = time.monotonic()
         stats = None
@@ -129,7 +136,7 @@ def _replier(outbox: PipeOutbox, query_id: int) -> Reply:
     """The reply callback of one query: its answer down the output pipe."""
 
     def reply(value: Any, error: BaseException | None) -> None:
-        outbox.send(("reply", query_id, value, None if error is None else _picklable(error)))
+        outbox.send_reply(query_id, value, error)
 
     return reply
 

@@ -33,8 +33,6 @@ REFUSED = {
                              "by --cuda-graph-max-tokens (or off: --enforce-eager)", None),
     "--max-seq-len-to-capture": ("CUDA graphs are captured by step size: "
                                  "--cuda-graph-max-tokens", None),
-    "--enable-sleep-mode": ("there is no sleep mode: the weights and the KV pool stay on "
-                            "the device", None),
     "--cpu-offload-gb": ("weights are not offloaded to CPU memory; split them with "
                          "--tensor-parallel-size or hold them in fewer bits "
                          "(--quantization)", "0"),

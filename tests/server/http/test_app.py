@@ -118,6 +118,12 @@ def test_models_version_health(client, http, base_url, engine):
         engine.dead_reason = None
         engine.healthy = False
         assert_error(anon.get("/health"), 503)
+        engine.healthy = True
+    # vLLM's control endpoints are served only with --enable-sleep-mode
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                         ("POST", "/reset_prefix_cache")):
+        assert_error(http.request(method, path), 404)
 
 
 def test_completion(client, engine):

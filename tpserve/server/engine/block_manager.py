@@ -255,6 +255,25 @@ class BlockManager:
                                                   extra_key)
             links.append((h, serial))
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block, on the device and in the host tier (vLLM's
+        ``reset_prefix_cache``; sleep mode, whose pool loses its content). Only while no
+        block is in use and no copy is listed (``take_copies`` first). A block a host load
+        may still be writing is joined by the next step before it can be written again
+        (``HostLoads.reused``), as when an evicted one is reused."""
+        assert self.num_used_blocks == 0, "the prefix cache reset with blocks in use"
+        assert not (self._stores or self._loads), "the prefix cache reset with copies listed"
+        for b in range(self.num_blocks):
+            if self.host_loads.batch_of(b) >= 0:
+                self.host_loads.reused(b)
+        self._free = list(reversed(range(self.num_blocks)))
+        self._evictable.clear()
+        self._entry_of = [None] * self.num_blocks
+        self._cache.clear()
+        self._seq_links.clear()
+        if self.host is not None:
+            self.host = HostTier(self.host.num_slots)
+
     # ----------------------------------------------------------------- allocation
 
     def can_allocate(self, num_new_blocks: int) -> bool:

@@ -20,6 +20,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # --logprobs-mode: what logprobs report where a request names no mode (sampler.py)
     logprobs_mode: str = LOGPROBS_MODES[0]
+    # --enable-sleep-mode: /sleep, /wake_up, /pause, /resume (pause.py, control.py)
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         check_logprobs_mode(self.logprobs_mode, "--logprobs-mode")

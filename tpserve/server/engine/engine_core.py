@@ -128,6 +128,7 @@ from tpserve.server.engine.lora_slots import LoraSlots
 from tpserve.server.engine.memory_monitor import MemoryMonitor
 from tpserve.server.engine.oom_recovery import recover_from_oom
 from tpserve.server.engine.outputs import CompletionDelta, RequestOutput
+from tpserve.server.engine.pause import EnginePause
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.server.engine.sequence import Sequence, SequenceStatus
@@ -221,6 +222,8 @@ class EngineCore:
                          "grammar_wait_seconds_total": 0.0}
         self.histograms = engine_histograms()
         self.memory = MemoryMonitor(runner)  # sampled by the StepLoop between steps
+        self.pause = EnginePause()  # /pause and sleep mode (pause.py, control.py)
+        self.enable_sleep_mode = engine.enable_sleep_mode
 
     # ------------------------------------------------------------------ requests
     def add(self, state: RequestState) -> None:
@@ -232,6 +235,10 @@ class EngineCore:
             raise ValueError("this engine runs a pooling model: it answers embedding "
                              "requests only" if self.pooling else "this engine runs a "
                              "generative model: it cannot answer embedding requests")
+        if self.pause.holds:  # paused or asleep: enters at resume (pause.py)
+            self.requests[state.request_id] = state
+            self.pause.hold(state)
+            return
         if self.lora_slots is not None:
             self.lora_slots.check(state.params.lora_slot, state.params.lora_id)
         spec = state.params.structured
@@ -279,7 +286,7 @@ class EngineCore:
         if state is None:
             return
         state.done = True
-        if self.awaiting.drop(request_id):  # never reached the scheduler: no sequences
+        if self.awaiting.drop(request_id) or self.pause.drop(request_id):  # no sequences
             state.emit(RequestOutput(request_id, [
                 CompletionDelta(i, "", (), None, "abort") for i in range(state.params.n)],
                 finished=True, **state.usage()))
@@ -295,6 +302,11 @@ class EngineCore:
         # waiting for its grammar keeps the engine stepping (``step`` waits for the compile,
         # boundedly, when nothing else can run)
         return bool(self.requests)
+
+    @property
+    def wants_step(self) -> bool:
+        """Whether the step loop should step: requests to serve, and not paused."""
+        return bool(self.requests) and self.pause.may_step
 
     def close(self) -> None:
         """Stops the grammar compiler's worker (the engine is going away)."""
@@ -320,7 +332,27 @@ class EngineCore:
                       - waited_before)
             c["step_host_seconds_total"] += time.perf_counter() - start - waited
 
+    def resume(self) -> None:
+        """Running again (``pause.py``): the requests held meanwhile enter, in arrival
+        order; one that cannot start now (its LoRA adapter unloaded) ends with an error."""
+        for state in self.pause.release():
+            del self.requests[state.request_id]
+            try:
+                self.add(state)
+            except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine
+                logger.warning("request %s cannot start: %r", state.request_id, e)
+                self.abort(state.request_id)
+                state.done = True
+                state.emit(EngineError(f"could not start the request: {e!r}"))
+
+    def settle(self) -> None:
+        """Reads back the step in flight, if any (its outputs go out), so that nothing is
+        in flight: before a pause or sleep takes effect."""
+        self._finish_inflight()
+
     def _step(self) -> bool:
+        if not self.pause.may_step:
+            return False
         self.budget.refresh()
         self._admit_ready()
         if self.runner.host_kv is not None:  # how far the host tier's loads have got
@@ -555,6 +587,7 @@ class EngineCore:
         """Ends every request with ``error`` (the engine is going down)."""
         self._inflight = None
         self.awaiting.drop_all()
+        self.pause.held.clear()
         for state in list(self.requests.values()):
             state.done = True
             state.emit(error)
@@ -566,7 +599,10 @@ class EngineCore:
             "num_requests_running": self.scheduler.num_running,
             # sequences waiting for their grammar are waiting too (their queue time, from
             # the request's arrival to its first step, includes the compile)
-            "num_requests_waiting": self.scheduler.num_waiting + self.awaiting.num_sequences,
+            "num_requests_waiting": (self.scheduler.num_waiting + self.awaiting.num_sequences
+                                     + self.pause.num_held_sequences),
+            "engine_paused": float(not self.pause.may_step),
+            "engine_sleep_level": self.pause.level,
             "kv_cache_usage_perc": bm.usage,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,

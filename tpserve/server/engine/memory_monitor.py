@@ -114,4 +114,6 @@ class MemoryMonitor:
             "history": {"time": [h[0] for h in hist], "kv_usage": [h[1] for h in hist],
                         "fragmentation": [h[2] for h in hist],
                         "reserved": [h[3] for h in hist], "allocated": [h[4] for h in hist]},
+            # sleep mode (model/sleep.py): what is given back now, the same on every rank
+            "sleep": self.runner.sleep_state.report(),
         }

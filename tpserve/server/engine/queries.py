@@ -20,7 +20,9 @@ Queries:
   parallelism and refuses it;
 - ``("lora_load", path)``: every rank loads the LoRA adapter folder into a free slot
   (``lora_slots``); answers ``(slot, id)``;
-- ``("lora_unload", slot, id)``: frees that adapter's slot.
+- ``("lora_unload", slot, id)``: frees that adapter's slot;
+- the control queries of ``--enable-sleep-mode`` (``control.py``): pause, resume,
+  is_paused, sleep, wake_up, is_sleeping, reset_prefix_cache.
 
 A query with arguments is a tuple, its name first.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tpserve.server.engine.control import CONTROL_QUERIES
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import InvalidRequestError
 
@@ -62,6 +65,9 @@ def _lora_slots(core: EngineCore):
 
 def lora_load(core: EngineCore, path: str) -> tuple[int, int]:
     slots = _lora_slots(core)
+    if core.pause.state == "asleep":  # the layers' storages are empty
+        raise InvalidRequestError("the engine is asleep: POST /wake_up before loading a "
+                                  "LoRA adapter")
     live = (s.params.lora_slot for s in core.requests.values())
     slot, lora_id = slots.reserve(s for s in live if s is not None)
     try:
@@ -81,6 +87,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "memory_snapshot": memory_snapshot,
     "lora_load": lora_load,
     "lora_unload": lora_unload,
+    **CONTROL_QUERIES,
 }
 
 

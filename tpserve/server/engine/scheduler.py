@@ -453,6 +453,14 @@ class Scheduler:
             self._preempt(seq)
         return victims
 
+    def preempt_all(self) -> list[Sequence]:
+        """Preempts every running sequence (before the KV pool's content is lost: sleep
+        mode); returns them."""
+        victims = list(self._running.values())
+        for seq in reversed(victims):
+            self._preempt(seq)
+        return victims
+
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record that ``output``'s step ran: advance computed tokens, append the tokens
         sampled for sequences whose tokens are now all computed, cache full blocks. A

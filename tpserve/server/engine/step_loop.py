@@ -44,6 +44,7 @@ from tpserve.server.engine.errors import (
 )
 from tpserve.server.engine.front import EngineFront, TurnBatch, settle
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.pause import Deferred
 from tpserve.server.engine.queries import run_query
 from tpserve.server.engine.request_state import RequestState
 
@@ -96,6 +97,8 @@ class StepLoop:
         self._on_fatal = on_fatal
         self._inbox: queue.Queue = queue.Queue()
         self._pending: list[tuple[Any, Item]] = []
+        # queries answered after steps have run (``pause.Deferred``: a pause that waits)
+        self._deferred: list[tuple[str, Deferred, Reply]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -180,6 +183,9 @@ class StepLoop:
                         state.emit(error)
             elif kind == "query":
                 arg[1](None, error)
+        for _, _, reply in self._deferred:
+            reply(None, error)
+        self._deferred = []
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -216,19 +222,35 @@ class StepLoop:
         if self.dead_reason is not None:
             reply(None, EngineDeadError("engine is dead"))
             return
+        self._reply(name, reply, lambda: run_query(self.core, name))
+
+    def _reply(self, name: str, reply: Reply, answer: Callable[[], Any]) -> None:
+        """Replies with ``answer()``, or defers it (a ``Deferred``: ``_settle_deferred``
+        after each step)."""
         try:
-            value = run_query(self.core, name)
+            value = answer()
         except EngineError as e:
             reply(None, e)
             return
         except BaseException as e:
             reply(None, EngineError(f"engine query {name!r} failed: {e!r}"))
             raise
-        reply(value, None)
+        if isinstance(value, Deferred):
+            self._deferred.append((name, value, reply))
+            self._settle_deferred()
+        else:
+            self._flush()  # outputs the query emitted (a pause's aborts) go out before it
+            reply(value, None)
+
+    def _settle_deferred(self) -> None:
+        """Answers the deferred queries that are ready, in the order they came."""
+        while self._deferred and self._deferred[0][1].ready():
+            name, deferred, reply = self._deferred.pop(0)
+            self._reply(name, reply, deferred.finish)
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
-        self.outbox.send_step(batch, not self.core.has_unfinished)
+        self.outbox.send_step(batch, not self.core.wants_step)
 
     def _add(self, state: RequestState) -> None:
         """Admits one request; a failure there ends that request only."""
@@ -244,10 +266,10 @@ class StepLoop:
         last_sent = time.monotonic()
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.core.has_unfinished)
+                self._drain(block=not self.core.wants_step)
                 if self._stop.is_set():
                     break
-                if self.core.has_unfinished and self.core.step():
+                if self.core.wants_step and self.core.step():
                     last_sent = time.monotonic()
                 elif time.monotonic() - last_sent >= HEARTBEAT_S:
                     # idle, or only waiting (for grammars): the workers still hear from us
@@ -256,7 +278,11 @@ class StepLoop:
                 if self.core.memory.sample(self.core.block_manager.usage):
                     last_sent = time.monotonic()  # a gather reached every rank
                 self._flush()
+                if self._deferred:  # after the outputs of the requests it waited for
+                    self._settle_deferred()
             if self.dead_reason is None:
+                for _, _, reply in self._deferred:
+                    reply(None, EngineShuttingDownError("server shut down"))
                 self.core.fail_all(EngineShuttingDownError("server shut down"))
                 self._flush()
                 self.core.runner.send_command(CMD_SHUTDOWN)

@@ -15,6 +15,7 @@ from tpserve.model.lora.adapter import LoraModule
 from tpserve.model.pooling import PoolerConfig
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.http.access_log import AccessLogMiddleware
+from tpserve.server.http.control_routes import CONTROL_PATHS, make_control_router
 from tpserve.server.http.cors import CorsConfig
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.frontend import FrontendOptions, LoadMiddleware, RequestIdMiddleware
@@ -43,7 +44,7 @@ def needs_api_key(path: str) -> bool:
     costs the engine thread time."""
     return path == "/v1" or path.startswith(("/v1/", "/v2/")) or path in (
         "/tokenize", "/detokenize", "/memory/snapshot", "/score", "/rerank", "/invocations",
-        "/classify")
+        "/classify", *CONTROL_PATHS)
 
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
@@ -129,6 +130,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     app.include_router(make_scores_router())
     app.include_router(make_lora_router())
     app.include_router(make_invocations_router())
+    if frontend.control_endpoints:  # --enable-sleep-mode
+        app.include_router(make_control_router())
     # Added last = outermost: CatchAll wraps the API-key check, which wraps the body limit,
     # which wraps /invocations' re-routing (its body read inside the limit).
     # inside /invocations' re-routing: a request is counted under the route that serves it

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.outputs import RequestOutput
+from tpserve.server.engine.queries import QUERY_TIMEOUT_S
 
 
 class EngineClient(Protocol):
@@ -43,6 +44,7 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
-    async def query(self, name: str | tuple) -> Any:
+    async def query(self, name: str | tuple, timeout: float = QUERY_TIMEOUT_S) -> Any:
         """The engine's answer to a query (``server/engine/queries.py``), asked between
-        steps; raises ``EngineError`` (the query's refusal, a dead engine, a timeout)."""
+        steps; raises ``EngineError`` (the query's refusal, a dead engine, no answer in
+        ``timeout`` s)."""

@@ -47,6 +47,8 @@ class FrontendOptions:
     # --responses-store-size: the last this many Responses answers kept (0: none;
     # responses/store.py)
     responses_store_size: int = 0
+    # --enable-sleep-mode: /sleep, /wake_up, /pause, ... (control_routes.py)
+    control_endpoints: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_chat_template_kwargs",

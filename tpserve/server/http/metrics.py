@@ -58,7 +58,10 @@ ENGINE_GAUGES = {
     "kv_offload_blocks_total": "KV blocks the host tier of the prefix cache holds at most, a "
                                "rank (--kv-offloading-size).",
     "kv_offload_blocks_used": "KV blocks held in the host tier of the prefix cache.",
+    "engine_paused": "1 while the engine is paused or asleep (--enable-sleep-mode), else 0.",
 }
+# vLLM's engine_sleep_state labels, by sleep level (0: awake)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 # stats() key (cumulative) -> help text; exported as counters named prefix + key.
 ENGINE_COUNTERS = {
     "num_preemptions_total": "Cumulative number of preemptions.",
@@ -133,6 +136,15 @@ class EngineStatsCollector(Collector):
                 for j, n in enumerate(v.get(PER_POSITION) or ()):
                     family.add_metric([self.model_name, str(e), str(j)], float(n))
             yield family
+        family = GaugeMetricFamily(
+            self.prefix + "engine_sleep_state", "1 for the engine's sleep state (awake; "
+            "weights_offloaded: level 1; discard_all: level 2), 0 for the others.",
+            labels=(*ENGINE_LABELS, "sleep_state"))
+        for e, v in enumerate(engines):
+            level = int(v.get("engine_sleep_level", 0))
+            for i, state in enumerate(SLEEP_STATES):
+                family.add_metric([self.model_name, str(e), state], float(level == i))
+        yield family
         for key, (_, doc) in ENGINE_HISTOGRAMS.items():
             family = HistogramMetricFamily(self.prefix + key, doc, labels=ENGINE_LABELS)
             for e, v in enumerate(engines):

@@ -1,0 +1,245 @@
+"""Sleep mode and pausing in the engine, on CPU with the tiny random Llama (a safetensors
+folder, so level 2 reads it again): what a sleep empties, what a wake-up restores (the
+weights bit for bit, a zeroed pool), what each mode does to the requests in flight and
+to those that arrive meanwhile, and the refusals. Every request ends with its greedy
+tokens or an explicit end, and the pool is free at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.model.util import greedy, load
+from tests.server.engine.test_engine_core import run_to_end, submit, tokens_of
+from tpserve.model.runner import ModelRunner
+from tpserve.model.runner_config import RunnerConfig
+from tpserve.model.sampling_params import SamplingParams
+from tpserve.parallel.state import TPGroup
+from tpserve.server.engine.config import EngineConfig
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.errors import EngineError, InvalidRequestError
+from tpserve.server.engine.pause import Deferred
+from tpserve.server.engine.queries import run_query
+from tpserve.server.engine.scheduler import SchedulerConfig
+
+CPU = torch.device("cpu")
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama):
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def prompts_and_greedy(folder):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    model, comm = load(folder)
+    return prompts, [greedy(model, comm, p, PARAMS.max_tokens) for p in prompts]
+
+
+def make_core(folder, tokenizer, enabled: bool = True, **runner) -> EngineCore:
+    cfg = RunnerConfig(model=folder, kv_cache_memory=24 * 2 * 2 * 16 * 1 * 16 * 4 * 2,
+                       **runner)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                            block_size=16)
+    r = ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None))
+    return EngineCore(r, tokenizer, sched,
+                      EngineConfig(check_integrity=True, enable_sleep_mode=enabled))
+
+
+def weights(core: EngineCore) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in core.runner.model.parameters()]
+
+
+def emptied(core: EngineCore) -> bool:
+    params = list(core.runner.model.parameters())
+    return (all(p.untyped_storage().nbytes() == 0 for p in params)
+            and core.runner.kv_pool.buffer.untyped_storage().nbytes() == 0)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleep_empties_the_weights_and_pool_and_a_wake_up_restores_them(
+        folder, smollm2_tokenizer, prompts_and_greedy, level):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    before = weights(core)
+    nbytes = sum(w.numel() * w.element_size() for w in before)
+    first = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(first) == expected[0]
+    assert core.block_manager.num_cached_free_blocks > 0
+
+    answer = run_query(core, ("sleep", level, "abort"))
+    assert answer["is_sleeping"] and answer["level"] == level
+    (rank,) = answer["ranks"]
+    assert rank["weights_bytes"] == nbytes
+    assert rank["kv_cache_bytes"] == core.runner.kv_pool.nbytes
+    assert rank["host_copy_bytes"] == (nbytes if level == 1 else 0)
+    assert emptied(core)
+    assert run_query(core, "is_sleeping") and run_query(core, "is_paused")
+    assert core.block_manager.num_cached_free_blocks == 0  # the content is gone
+    report = core.memory.report()["sleep"]
+    assert report == {"state": "weights_offloaded" if level == 1 else "discard_all",
+                      "level": level, "weights_asleep": True, "kv_cache_asleep": True,
+                      "host_copy_bytes": nbytes if level == 1 else 0}
+
+    later = submit(core, "b", prompts[1], PARAMS)  # held until the wake-up
+    assert not core.wants_step and not core.step() and later == []
+    stats = core.stats()
+    assert stats["num_requests_waiting"] == 1 and stats["engine_sleep_level"] == level
+    assert stats["engine_paused"] == 1.0
+
+    woke = run_query(core, ("wake_up", None))
+    assert woke["is_sleeping"] is False and woke["ranks"][0]["weights_bytes"] == nbytes
+    assert not run_query(core, "is_sleeping") and not run_query(core, "is_paused")
+    assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    assert not core.runner.kv_pool.buffer.any()  # zeroed
+    assert core.memory.report()["sleep"]["state"] == "awake"
+    run_to_end(core)
+    assert tokens_of(later) == expected[1]
+    bm = core.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_tags_wake_the_weights_then_the_pool(folder, smollm2_tokenizer, prompts_and_greedy):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    run_query(core, ("sleep", 1, "abort"))
+    answer = run_query(core, ("wake_up", ("weights",)))
+    assert answer["is_sleeping"] is True
+    assert answer["ranks"][0]["weights_bytes"] > 0
+    assert answer["ranks"][0]["kv_cache_bytes"] == 0
+    assert core.runner.kv_pool.buffer.untyped_storage().nbytes() == 0
+    assert run_query(core, "is_sleeping")
+    out = submit(core, "a", prompts[2], PARAMS)
+    assert not core.step()
+    answer = run_query(core, ("wake_up", ("kv_cache",)))
+    assert answer["is_sleeping"] is False
+    assert answer["ranks"][0] == {**answer["ranks"][0], "weights_bytes": 0,
+                                  "kv_cache_bytes": core.runner.kv_pool.nbytes}
+    run_to_end(core)
+    assert tokens_of(out) == expected[2]
+
+
+def test_modes_abort_keep_and_wait(folder, smollm2_tokenizer, prompts_and_greedy):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    # abort: the requests in flight end now, finish reason abort
+    outs = [submit(core, f"a{i}", p, PARAMS) for i, p in enumerate(prompts[:3])]
+    for _ in range(4):
+        core.step()
+    run_query(core, ("sleep", 1, "abort"))
+    for o in outs:
+        assert o[-1].finished and o[-1].deltas[-1].finish_reason == "abort"
+        assert tokens_of(o) == expected[outs.index(o)][:len(tokens_of(o))]
+    assert not core.requests and core.block_manager.num_used_blocks == 0
+    run_query(core, ("wake_up", None))
+
+    # keep: preempted (the pool's content is lost), then computed again after wake-up
+    outs = [submit(core, f"k{i}", p, PARAMS) for i, p in enumerate(prompts[:3])]
+    for _ in range(4):
+        core.step()
+    preempted = core.counters["num_preemptions_total"]
+    run_query(core, ("sleep", 2, "keep"))
+    assert core.counters["num_preemptions_total"] > preempted
+    assert not any(o and o[-1].finished for o in outs) and emptied(core)
+    run_query(core, ("wake_up", None))
+    run_to_end(core)
+    for o, want in zip(outs, expected, strict=False):
+        assert tokens_of(o) == want and o[-1].deltas[-1].finish_reason == "length"
+
+    # wait: the sleep completes after the requests in flight end; one added meanwhile is
+    # held and served after the wake-up
+    outs = [submit(core, f"w{i}", p, PARAMS) for i, p in enumerate(prompts[:2])]
+    core.step()
+    deferred = run_query(core, ("sleep", 1, "wait"))
+    assert isinstance(deferred, Deferred) and not deferred.ready()
+    late = submit(core, "late", prompts[3], PARAMS)
+    steps = 0
+    while not deferred.ready():
+        core.step()
+        steps += 1
+        assert steps < 500
+    assert deferred.finish()["is_sleeping"] and emptied(core)
+    for o, want in zip(outs, expected, strict=False):
+        assert tokens_of(o) == want
+    assert late == []
+    run_query(core, ("wake_up", None))
+    run_to_end(core)
+    assert tokens_of(late) == expected[3]
+    bm = core.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
+        folder, smollm2_tokenizer, prompts_and_greedy):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    outs = [submit(core, f"p{i}", p, PARAMS) for i, p in enumerate(prompts[:2])]
+    for _ in range(3):
+        core.step()
+    assert run_query(core, ("pause", "keep", True)) == {"is_paused": True}
+    used = core.block_manager.num_used_blocks
+    assert used > 0 and run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    held = submit(core, "held", prompts[2], PARAMS)
+    assert not core.step() and core.block_manager.num_used_blocks == used
+    with pytest.raises(InvalidRequestError, match="held by running requests"):
+        run_query(core, "reset_prefix_cache")
+    assert run_query(core, ("pause", "abort", True)) == {"is_paused": True}  # idempotent
+    run_query(core, "resume")
+    run_to_end(core)
+    for o, want in zip([*outs, held], expected, strict=False):
+        assert tokens_of(o) == want
+    assert core.block_manager.num_cached_free_blocks > 0
+    assert run_query(core, "reset_prefix_cache") is True
+    assert core.block_manager.num_cached_free_blocks == 0
+    core.block_manager.check_integrity()
+
+    # wait, then called off by resume: the deferred answer is an error, nothing is lost
+    outs = [submit(core, "q", prompts[3], PARAMS)]
+    core.step()
+    deferred = run_query(core, ("pause", "wait", True))
+    run_query(core, "resume")
+    assert deferred.ready()
+    with pytest.raises(EngineError, match="called off"):
+        deferred.finish()
+    run_to_end(core)
+    assert tokens_of(outs[0]) == expected[3]
+
+
+def test_refusals_name_what_is_wrong(folder, smollm2_tokenizer):
+    core = make_core(folder, smollm2_tokenizer)
+    for query, match in ((("sleep", 3, "abort"), "level must be 1 or 2"),
+                         (("sleep", 1, "later"), "mode must be one of abort, wait, keep"),
+                         (("pause", "soon", True), "mode must be one of"),
+                         (("wake_up", ("weights", "gpu")), "unknown wake-up tag")):
+        with pytest.raises(InvalidRequestError, match=match):
+            run_query(core, query)
+    run_query(core, ("sleep", 1, "abort"))
+    assert run_query(core, ("sleep", 1, "abort"))["ranks"] == []  # already so
+    with pytest.raises(InvalidRequestError, match="already sleeps at level 1"):
+        run_query(core, ("sleep", 2, "abort"))
+    with pytest.raises(InvalidRequestError, match="asleep: POST /wake_up resumes it"):
+        run_query(core, "resume")
+    run_query(core, ("wake_up", None))
+    assert run_query(core, ("wake_up", None)) == {"is_sleeping": False, "ranks": []}
+
+    off = make_core(folder, smollm2_tokenizer, enabled=False)
+    for query in (("sleep", 1, "abort"), ("pause", "abort", True), "resume"):
+        with pytest.raises(InvalidRequestError, match="--enable-sleep-mode"):
+            run_query(off, query)
+
+
+def test_level_2_is_refused_where_the_checkpoint_is_not_what_is_served(
+        folder, smollm2_tokenizer):
+    core = make_core(folder, smollm2_tokenizer, quantization="fp8")
+    with pytest.raises(InvalidRequestError,
+                       match="level 2 is not possible here: --quantization fp8 transforms"):
+        run_query(core, ("sleep", 2, "abort"))
+    assert not run_query(core, "is_sleeping")
+    run_query(core, ("sleep", 1, "abort"))  # level 1 keeps what is served
+    run_query(core, ("wake_up", None))

@@ -1,0 +1,146 @@
+"""vLLM's sleep mode and pause endpoints through a real ``tpserve serve --enable-sleep-mode
+--tensor-parallel-size 2`` on the embedded SmolLM2 (both ranks empty and refill their
+shards; level 2 reads the GGUF file again), driven by httpx and the openai client: a
+request sent while asleep is answered after the wake-up with the text it gets awake, a
+stream kept across a sleep ends with its whole greedy text, a sleep of mode wait answers
+after the request in flight has ended, the state shows in /metrics
+and /memory, bad values are 400s naming the parameter, and the routes need the API key."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.serverproc import ServerProcess
+
+KEY = "sleep-key"
+PROMPT = "The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                      "--tensor-parallel-size", "2", "--enable-sleep-mode",
+                      "--api-key", KEY)
+    try:
+        yield s
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as c:
+        yield c
+
+
+def complete(server, max_tokens: int = 24) -> str:
+    client = server.client(api_key=KEY)
+    return client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                     max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+def wait_metric(server, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metric(name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.05)
+
+
+def test_a_request_sent_while_asleep_is_answered_after_the_wake_up(server, http):
+    awake = complete(server)
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    r = http.post("/sleep", params={"level": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["is_sleeping"] and body["level"] == 2 and len(body["ranks"]) == 2
+    for rank in body["ranks"]:
+        assert rank["weights_bytes"] > 0 and rank["kv_cache_bytes"] > 0
+        assert rank["host_copy_bytes"] == 0
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert server.metric("engine_paused") == 1.0
+    metrics = http.get("/metrics").text
+    assert any(line.startswith("tpserve:engine_sleep_state{") and
+               'sleep_state="discard_all"' in line and line.endswith(" 1.0")
+               for line in metrics.splitlines())
+    assert http.get("/memory").json()["sleep"]["state"] == "discard_all"
+
+    answers: list[str] = []
+    sender = threading.Thread(target=lambda: answers.append(complete(server)))
+    sender.start()
+    wait_metric(server, "num_requests_waiting", 1.0)
+    assert answers == []
+    r = http.post("/wake_up")
+    assert r.status_code == 200, r.text
+    assert r.json()["is_sleeping"] is False and len(r.json()["ranks"]) == 2
+    sender.join(timeout=120)
+    assert answers == [awake]
+    assert http.get("/memory").json()["sleep"]["state"] == "awake"
+    assert complete(server) == awake
+
+
+def test_a_stream_kept_across_a_sleep_ends_with_its_whole_text(server, http):
+    client = server.client(api_key=KEY)
+    model = client.models.list().data[0].id
+    whole = complete(server, max_tokens=96)
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=96,
+                                       temperature=0, stream=True)
+    pieces = [next(stream).choices[0].text]
+    r = http.post("/sleep", params={"level": 1, "mode": "keep"})
+    assert r.status_code == 200, r.text
+    assert all(rank["host_copy_bytes"] == rank["weights_bytes"] for rank in r.json()["ranks"])
+    assert http.post("/wake_up", params={"tags": "weights"}).json()["is_sleeping"] is True
+    assert http.post("/wake_up", params=[("tags", "kv_cache")]).json()["is_sleeping"] is False
+    pieces += [c.choices[0].text for c in stream]
+    assert "".join(pieces) == whole
+
+
+def test_a_sleep_of_mode_wait_answers_after_the_request_in_flight_ends(server, http):
+    whole = complete(server, max_tokens=48)
+    answers: list[str] = []
+    sender = threading.Thread(target=lambda: answers.append(complete(server, 48)))
+    sender.start()
+    wait_metric(server, "num_requests_running", 1.0)
+    r = http.post("/sleep", params={"level": 1, "mode": "wait"})
+    assert r.status_code == 200, r.text
+    sender.join(timeout=30)  # answered in full while the server sleeps
+    assert answers == [whole] and http.get("/is_sleeping").json()["is_sleeping"]
+    assert http.post("/wake_up").json()["is_sleeping"] is False
+
+
+def test_pause_resume_and_reset(server, http):
+    assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path, params, param, message", [
+    ("/sleep", {"level": 3}, "level", "level must be one of 1, 2, got '3'"),
+    ("/sleep", {"mode": "later"}, "mode", "mode must be one of abort, wait, keep"),
+    ("/wake_up", {"tags": "gpu"}, "tags", "tags must be among weights, kv_cache"),
+    ("/pause", {"clear_cache": "maybe"}, "clear_cache", "clear_cache must be true or false"),
+])
+def test_bad_values_are_400s_naming_the_parameter(http, path, params, param, message):
+    r = http.post(path, params=params)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_routes_need_the_api_key(server):
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                         ("POST", "/reset_prefix_cache")):
+        assert httpx.request(method, server.base + path).status_code == 401, path
+    assert httpx.get(server.base + "/is_sleeping",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 200

@@ -1,0 +1,211 @@
+"""The engine queries behind vLLM's control endpoints (``--enable-sleep-mode``; the routes
+are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model/sleep.py``):
+
+- ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
+- ``("sleep", level, mode)``, ``("wake_up", tags)``, ``"is_sleeping"``;
+- ``"reset_prefix_cache"``.
+
+A pause or sleep of mode ``wait`` answers once the requests it waits for have ended (a
+``pause.Deferred``); the others answer at once. Each runs on the engine thread between
+steps, like every query.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS, level2_refusal
+from tpserve.server.engine.engine_core import EngineCore
+from tpserve.server.engine.errors import EngineError, InvalidRequestError
+from tpserve.server.engine.pause import (
+    ASLEEP,
+    DRAINING,
+    PAUSE_MODES,
+    PAUSED,
+    RUNNING,
+    Deferred,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineMemoryError(EngineError):
+    """The device had too little free memory to wake up; the engine stays asleep."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+def _enabled(core: EngineCore) -> None:
+    if not core.enable_sleep_mode:
+        raise InvalidRequestError("pausing and sleep mode are off: start the server with "
+                                  "--enable-sleep-mode")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got "
+                                  f"{mode!r}")
+
+
+def _stop(core: EngineCore, mode: str, then) -> Any:
+    """Stops the steps by ``mode`` (``pause.py``), then ``then()`` (its answer is the
+    query's): now, or once the requests in flight have ended (``wait``)."""
+    core.settle()
+    if mode == "abort":
+        for rid in list(core.requests):
+            core.abort(rid)
+    if mode != "wait":
+        core.pause.state = PAUSED
+        return then()
+    core.pause.state = DRAINING
+    before = [s for s in core.requests.values() if s not in core.pause.held]
+
+    def drained() -> bool:
+        return core.pause.state != DRAINING or all(s.done for s in before)
+
+    def finish() -> Any:
+        if core.pause.state != DRAINING:  # a resume came first
+            raise EngineError("the pause was called off by /resume before it completed")
+        core.settle()
+        core.pause.state = PAUSED
+        return then()
+
+    return Deferred(drained, finish)
+
+
+def pause(core: EngineCore, mode: str = "abort", clear_cache: bool = True) -> Any:
+    _enabled(core)
+    _check_mode(mode)
+    if core.pause.state in (PAUSED, ASLEEP):
+        return {"is_paused": True}
+    if core.pause.state == DRAINING:
+        raise InvalidRequestError("a pause of mode wait is already under way")
+
+    def then() -> dict[str, Any]:
+        if clear_cache and mode != "keep":  # kept requests hold their blocks
+            _reset_cache(core)
+        logger.info("engine paused (mode %s)", mode)
+        return {"is_paused": True}
+
+    return _stop(core, mode, then)
+
+
+def resume(core: EngineCore) -> dict[str, Any]:
+    _enabled(core)
+    if core.pause.state == ASLEEP:
+        raise InvalidRequestError("the engine is asleep: POST /wake_up resumes it")
+    if core.pause.state != RUNNING:
+        core.resume()
+        logger.info("engine resumed")
+    return {"is_paused": False}
+
+
+def is_paused(core: EngineCore) -> bool:
+    return core.pause.state in (PAUSED, ASLEEP)
+
+
+def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
+    _enabled(core)
+    _check_mode(mode)
+    if level not in SLEEP_LEVELS:
+        raise InvalidRequestError(f"level must be 1 or 2, got {level}")
+    runner = core.runner
+    if core.pause.state == ASLEEP:
+        if core.pause.level == level:
+            return {"is_sleeping": True, "level": level, "ranks": []}
+        raise InvalidRequestError(f"the engine already sleeps at level "
+                                  f"{core.pause.level}: POST /wake_up first")
+    if core.pause.state == DRAINING:
+        raise InvalidRequestError("a pause of mode wait is under way: POST /resume first")
+    if core.pause.state == PAUSED and mode == "wait":
+        raise InvalidRequestError("the engine is paused, so its requests cannot end: sleep "
+                                  "with mode abort or keep, or POST /resume first")
+    why = (level2_refusal(runner) if level == 2 else None) or runner.sleep_state.refusal()
+    if why is not None:
+        raise InvalidRequestError(f"sleep level {level} is not possible here: {why}"
+                                  + ("; level 1 keeps a host copy" if level == 2 else ""))
+
+    def then() -> dict[str, Any]:
+        if mode == "keep":  # the pool's content is lost: they are computed again
+            core.counters["num_preemptions_total"] += len(core.scheduler.preempt_all())
+        _reset_cache(core)
+        try:
+            ranks = runner.sleep(level)
+        except MemoryError as e:
+            core.resume()
+            raise EngineMemoryError(str(e)) from None
+        core.pause.state, core.pause.level = ASLEEP, level
+        _log(f"asleep at level {level}", ranks)
+        return {"is_sleeping": True, "level": level, "ranks": ranks}
+
+    return _stop(core, mode, then)
+
+
+def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None) -> dict[str, Any]:
+    _enabled(core)
+    tags = tuple(tags) if tags else WAKE_TAGS
+    unknown = [t for t in tags if t not in WAKE_TAGS]
+    if unknown:
+        raise InvalidRequestError(f"unknown wake-up tag(s) {', '.join(map(repr, unknown))}; "
+                                  f"known: {', '.join(WAKE_TAGS)}")
+    if core.pause.state != ASLEEP:
+        return {"is_sleeping": False, "ranks": []}
+    try:
+        ranks = core.runner.wake_up("weights" in tags, "kv_cache" in tags)
+    except MemoryError as e:
+        raise EngineMemoryError(str(e)) from None
+    state = core.runner.sleep_state
+    asleep = [t for t, a in zip(WAKE_TAGS, (state.weights_asleep, state.kv_asleep),
+                                strict=True) if a]
+    _log("woke up " + (", ".join(tags) + "; still asleep: " + ", ".join(asleep)
+                       if asleep else "whole"), ranks)
+    if not asleep:
+        core.resume()
+    return {"is_sleeping": bool(asleep), "ranks": ranks}
+
+
+def is_sleeping(core: EngineCore) -> bool:
+    return core.pause.state == ASLEEP
+
+
+def reset_prefix_cache(core: EngineCore) -> bool:
+    core.settle()
+    _reset_cache(core)
+    return True
+
+
+def _reset_cache(core: EngineCore) -> None:
+    bm = core.block_manager
+    if bm.num_used_blocks:
+        raise InvalidRequestError(
+            f"{bm.num_used_blocks} KV blocks are held by running requests; the prefix "
+            "cache can be reset only when none are (POST /pause first)")
+    copies = bm.take_copies()
+    if copies.needed:  # stores listed at eviction: run them, the host tier's books agree
+        core.runner.copy_kv(*copies)
+    bm.reset_prefix_cache()
+
+
+def _log(what: str, ranks: list[dict[str, float]]) -> None:
+    gib = 2 ** 30
+    logger.info("engine %s in %.2f s: weights %.2f GiB, KV cache %.2f GiB, CUDA graphs "
+                "%.2f GiB over %d rank(s)%s", what, max(r["seconds"] for r in ranks),
+                sum(r["weights_bytes"] for r in ranks) / gib,
+                sum(r["kv_cache_bytes"] for r in ranks) / gib,
+                sum(r["cuda_graph_bytes"] for r in ranks) / gib, len(ranks),
+                "" if not any(r["host_copy_bytes"] for r in ranks) else
+                "; %.2f GiB of weights held in host memory"
+                % (sum(r["host_copy_bytes"] for r in ranks) / gib))
+
+
+CONTROL_QUERIES = {
+    "pause": pause,
+    "resume": resume,
+    "is_paused": is_paused,
+    "sleep": sleep,
+    "wake_up": wake_up,
+    "is_sleeping": is_sleeping,
+    "reset_prefix_cache": reset_prefix_cache,
+}
