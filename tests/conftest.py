@@ -27,6 +27,7 @@ SHARED_SERVER_UNITS = {
     "tests/server/test_tools_server.py": "small_server_8_seqs",
     "tests/server/test_engine_query.py": "small_server_tp2",
     "tests/server/test_memory_server.py": "small_server_tp2",
+    "tests/server/test_sleep_server.py": "small_server_tp2",
 }
 # The longest units (25 s to 5.5 min each under -n 2 on two cores), longest first: handed
 # out before all others, so that the run does not end with one worker busy on one of them
@@ -44,7 +45,7 @@ LONG_UNITS = (
     "small_server_8_seqs",  # test_batching and test_tools_server: 95 s
     "tests/server/test_resilience.py",  # 75 s
     "tests/test_cli.py",  # 75 s
-    "small_server_tp2",  # test_engine_query and test_memory_server: 75 s
+    "small_server_tp2",  # test_engine_query, test_memory_server, test_sleep_server: 105 s
     "tests/model/test_triton_kernels.py",  # 70 s
     "tests/server/test_server_e2e.py",  # 50 s
     "tests/server/test_fp8_checkpoint_server.py",  # 45 s
@@ -178,6 +179,7 @@ def small_server_8_seqs():
 
 @pytest.fixture(scope="session")
 def small_server_tp2():
-    """SMALL at --tensor-parallel-size 2 (engine process): test_engine_query's queries
-    across the engine process pipe and test_memory_server's per-rank report and metrics."""
-    yield from _shared_server("--tensor-parallel-size", "2")
+    """SMALL at --tensor-parallel-size 2 (engine process) with --enable-sleep-mode:
+    test_engine_query's queries across the engine process pipe, test_memory_server's
+    per-rank report and metrics, test_sleep_server's sleeps (each leaves it awake)."""
+    yield from _shared_server("--tensor-parallel-size", "2", "--enable-sleep-mode")

@@ -1,10 +1,11 @@
 """vLLM's sleep mode and pause endpoints through a real ``tpserve serve --enable-sleep-mode
---tensor-parallel-size 2`` on the embedded SmolLM2 (both ranks empty and refill their
-shards; level 2 reads the GGUF file again), driven by httpx and the openai client: a
-request sent while asleep is answered after the wake-up with the text it gets awake, a
-stream kept across a sleep ends with its whole greedy text, a sleep of mode wait answers
-after the request in flight has ended, the state shows in /metrics
-and /memory, bad values are 400s naming the parameter, and the routes need the API key."""
+--tensor-parallel-size 2`` (the session's shared one) on the embedded SmolLM2: both ranks
+empty and refill their shards (level 2 reads the GGUF file again), driven by httpx and the
+openai client. A request sent while asleep is answered after the wake-up with the text it
+gets awake; a stream kept across a sleep ends with its whole greedy text; a sleep of mode
+wait answers after the request in flight has ended; the state shows in /metrics and
+/memory; bad values are 400s naming the parameter. (Behind --api-key:
+tests/server/http/test_app.py.)"""
 
 from __future__ import annotations
 
@@ -17,32 +18,32 @@ import pytest
 
 from tests.server.serverproc import ServerProcess
 
-KEY = "sleep-key"
 PROMPT = "The three primary colours are"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512",
-                      "--tensor-parallel-size", "2", "--enable-sleep-mode",
-                      "--api-key", KEY)
-    try:
-        yield s
-    finally:
-        assert s.stop() == 0, s.output()
+def server(small_server_tp2) -> ServerProcess:
+    """The session's SMALL server at tp 2 with --enable-sleep-mode (tests/conftest.py),
+    shared with test_engine_query and test_memory_server: every test leaves it awake."""
+    return small_server_tp2.wait_until_healthy()
 
 
 @pytest.fixture(scope="module")
 def http(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=120) as c:
+    with httpx.Client(base_url=server.base, timeout=120) as c:
         yield c
 
 
-def complete(server, max_tokens: int = 24) -> str:
-    client = server.client(api_key=KEY)
+def complete(server, max_tokens: int = 48) -> str:
+    client = server.client()
     return client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
                                      max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+@pytest.fixture(scope="module")
+def awake(server) -> str:
+    """The greedy answer of the server awake, never slept."""
+    return complete(server)
 
 
 def wait_metric(server, name: str, value: float, timeout: float = 60) -> None:
@@ -52,8 +53,7 @@ def wait_metric(server, name: str, value: float, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_request_sent_while_asleep_is_answered_after_the_wake_up(server, http):
-    awake = complete(server)
+def test_a_request_sent_while_asleep_is_answered_after_the_wake_up(server, http, awake):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     r = http.post("/sleep", params={"level": 2})
     assert r.status_code == 200, r.text
@@ -85,11 +85,10 @@ def test_a_request_sent_while_asleep_is_answered_after_the_wake_up(server, http)
     assert complete(server) == awake
 
 
-def test_a_stream_kept_across_a_sleep_ends_with_its_whole_text(server, http):
-    client = server.client(api_key=KEY)
+def test_a_stream_kept_across_a_sleep_ends_with_its_whole_text(server, http, awake):
+    client = server.client()
     model = client.models.list().data[0].id
-    whole = complete(server, max_tokens=96)
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=96,
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=48,
                                        temperature=0, stream=True)
     pieces = [next(stream).choices[0].text]
     r = http.post("/sleep", params={"level": 1, "mode": "keep"})
@@ -98,19 +97,18 @@ def test_a_stream_kept_across_a_sleep_ends_with_its_whole_text(server, http):
     assert http.post("/wake_up", params={"tags": "weights"}).json()["is_sleeping"] is True
     assert http.post("/wake_up", params=[("tags", "kv_cache")]).json()["is_sleeping"] is False
     pieces += [c.choices[0].text for c in stream]
-    assert "".join(pieces) == whole
+    assert "".join(pieces) == awake
 
 
-def test_a_sleep_of_mode_wait_answers_after_the_request_in_flight_ends(server, http):
-    whole = complete(server, max_tokens=48)
+def test_a_sleep_of_mode_wait_answers_after_the_request_in_flight_ends(server, http, awake):
     answers: list[str] = []
-    sender = threading.Thread(target=lambda: answers.append(complete(server, 48)))
+    sender = threading.Thread(target=lambda: answers.append(complete(server)))
     sender.start()
     wait_metric(server, "num_requests_running", 1.0)
     r = http.post("/sleep", params={"level": 1, "mode": "wait"})
     assert r.status_code == 200, r.text
     sender.join(timeout=30)  # answered in full while the server sleeps
-    assert answers == [whole] and http.get("/is_sleeping").json()["is_sleeping"]
+    assert answers == [awake] and http.get("/is_sleeping").json()["is_sleeping"]
     assert http.post("/wake_up").json()["is_sleeping"] is False
 
 
@@ -135,12 +133,3 @@ def test_bad_values_are_400s_naming_the_parameter(http, path, params, param, mes
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
     assert error["type"] == "invalid_request_error"
-
-
-def test_the_routes_need_the_api_key(server):
-    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
-                         ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
-                         ("POST", "/reset_prefix_cache")):
-        assert httpx.request(method, server.base + path).status_code == 401, path
-    assert httpx.get(server.base + "/is_sleeping",
-                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 200

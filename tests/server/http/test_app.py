@@ -126,6 +126,23 @@ def test_models_version_health(client, http, base_url, engine):
         assert_error(http.request(method, path), 404)
 
 
+def test_control_endpoints_are_behind_the_api_key(engine):
+    """--enable-sleep-mode's routes (their engine side: test_sleep_engine.py, over a real
+    server: test_sleep_server.py) need the key; with it, a bad value is a 400."""
+    from tpserve.server.http.frontend import FrontendOptions
+
+    app = build_app(engine, served_model_names=(MODEL,), api_key=API_KEY,
+                    frontend=FrontendOptions(control_endpoints=True))
+    with running(app) as url, httpx.Client(base_url=url) as anon:
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"),
+                             ("GET", "/is_sleeping"), ("POST", "/pause"), ("POST", "/resume"),
+                             ("GET", "/is_paused"), ("POST", "/reset_prefix_cache")):
+            assert_error(anon.request(method, path), 401)
+        err = assert_error(anon.post("/sleep?level=0",
+                                     headers={"Authorization": f"Bearer {API_KEY}"}), 400)
+        assert err["param"] == "level"
+
+
 def test_completion(client, engine):
     r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
     assert r.id.startswith("cmpl-")
