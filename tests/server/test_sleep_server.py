@@ -3,7 +3,8 @@
 empty and refill their shards (level 2 reads the GGUF file again), driven by httpx and the
 openai client. A request sent while asleep is answered after the wake-up with the text it
 gets awake; a stream kept across a sleep ends with its whole greedy text; a sleep of mode
-wait answers after the request in flight has ended; the state shows in /metrics and
+wait answers after the request in flight has ended; vLLM's collective_rpc reads the
+weights again on both ranks; the state shows in /metrics and
 /memory; bad values are 400s naming the parameter. (Behind --api-key:
 tests/server/http/test_app.py.)"""
 
@@ -119,6 +120,22 @@ def test_pause_resume_and_reset(server, http):
     assert http.get("/is_paused").json() == {"is_paused": False}
     r = http.post("/reset_prefix_cache")
     assert r.status_code == 200 and r.content == b""
+
+
+def test_collective_rpc_reads_the_weights_again_on_both_ranks(server, http, awake, tmp_path):
+    r = http.post("/collective_rpc", json={"method": "reload_weights"})
+    assert r.status_code == 200, r.text
+    (result,) = r.json()["results"]
+    assert result["status"] == "reloaded" and result["path"] is None
+    assert complete(server) == awake
+    for body, param in (({"method": "sleep"}, "method"),
+                        ({"method": "reload_weights", "args": ["x"]}, "args")):
+        r = http.post("/collective_rpc", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http.post("/reload_weights", json={"path": str(tmp_path)})
+    assert r.status_code == 400 and "no config.json" in r.json()["error"]["message"]
+    r = http.post("/reload_weights", json={"folder": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "folder"
 
 
 @pytest.mark.parametrize("path, params, param, message", [

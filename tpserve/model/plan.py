@@ -29,6 +29,9 @@ CMD_KV_COPY = 6
 # level) or take it back (header: weights, KV pool); every rank answers with one all-reduce
 # of whether it could, then one all-gather of its figures
 CMD_SLEEP, CMD_WAKE = 7, 8
+# rank 0 has every rank read a checkpoint into its weights in place (header: the path's
+# byte count; the path as the payload; model/reload.py)
+CMD_RELOAD = 9
 
 
 @dataclass(frozen=True, kw_only=True)

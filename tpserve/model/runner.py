@@ -58,6 +58,7 @@ from tpserve.model.plan import (
     CMD_LORA,
     CMD_MEMORY,
     CMD_NOOP,
+    CMD_RELOAD,
     CMD_SHUTDOWN,
     CMD_SLEEP,
     CMD_STEP,
@@ -70,6 +71,7 @@ from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method, served_quantization
 from tpserve.model.quant.wna16_method import graph_scratch_bytes
+from tpserve.model.reload import agreed_reload
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sleep import RankSleep
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
@@ -283,14 +285,31 @@ class ModelRunner:
         """Rank 0, between steps: every rank loads the adapter folder ``path`` into ``slot``
         (``CMD_LORA``; the workers in ``worker_loop``). ValueError if any rank could not:
         the slot is then cleared on every rank."""
+        self._send_path(CMD_LORA, path, slot)
+        self.lora.load(slot, path, self._gather_ints)
+
+    def reload_weights(self, path: str) -> dict[str, float | str]:
+        """Rank 0, between steps, no KV block in use: every rank reads the checkpoint at
+        ``path`` (empty: the served one again) into its weights in place (``CMD_RELOAD``;
+        ``model/reload.py``). ValueError (every rank as before) if any rank could not."""
+        self._send_path(CMD_RELOAD, path)
+        return agreed_reload(self, path)
+
+    def _send_path(self, cmd: int, path: str, *args: int) -> None:
+        """Rank 0: a command naming a path: the header (``cmd``, ``args``, the path's byte
+        count), then the path's bytes as the payload (``_received_path`` on the workers)."""
         data = path.encode()
         if len(data) > self.payload_buf.shape[0]:
-            raise ValueError(f"a LoRA adapter path of {len(data)} bytes is too long")
-        self.send_command(CMD_LORA, slot, len(data))
-        if self.comm.world_size > 1:
+            raise ValueError(f"a path of {len(data)} bytes is too long")
+        self.send_command(cmd, *args, len(data))
+        if self.comm.world_size > 1 and data:
             self.payload_buf[: len(data)].copy_(torch.tensor(list(data), dtype=torch.int64))
             self.comm.broadcast(self.payload_buf[: len(data)])
-        self.lora.load(slot, path, self._gather_ints)
+
+    def _received_path(self, n: int) -> str:
+        if n:
+            self.comm.broadcast(self.payload_buf[:n])
+        return bytes(self.payload_buf[:n].tolist()).decode()
 
     def _calibrate_kv_scales(self) -> None:
         """Every layer's FP8 KV scales from one prefill of the calibration text (every rank,
@@ -458,13 +477,18 @@ class ModelRunner:
                 self._gather_ints(read_allocator(self.device).as_ints())
                 continue
             if cmd == CMD_LORA:
-                slot, n = int(header[1]), int(header[2])
-                self.comm.broadcast(self.payload_buf[:n])
-                path = bytes(self.payload_buf[:n].tolist()).decode()
+                path = self._received_path(int(header[2]))
                 try:
-                    self.lora.load(slot, path, self._gather_ints)
+                    self.lora.load(int(header[1]), path, self._gather_ints)
                 except ValueError as e:  # rank 0 reports it; the slot is clear everywhere
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
+                continue
+            if cmd == CMD_RELOAD:
+                path = self._received_path(int(header[1]))
+                try:
+                    agreed_reload(self, path)
+                except ValueError as e:  # rank 0 reports it; every rank is as before
+                    logger.warning("rank %d: reload: %s", self.comm.rank, e)
                 continue
             if cmd in (CMD_SLEEP, CMD_WAKE):
                 try:

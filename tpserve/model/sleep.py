@@ -108,7 +108,7 @@ class RankSleep:
             torch.cuda.empty_cache()
 
     # --------------------------------------------------------- every rank, in lockstep
-    def _all_ok(self, ok: bool) -> bool:
+    def all_ok(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank (one all-reduce)."""
         r = self.runner
         flag = torch.tensor([int(ok)], dtype=torch.int64, device=r.device)
@@ -130,7 +130,7 @@ class RankSleep:
                 host = self.host_copies()
             except RuntimeError as e:  # pinned or plain host memory ran out
                 error = e
-        if not self._all_ok(error is None):
+        if not self.all_ok(error is None):
             raise MemoryError(f"sleep level 1: a rank could not copy its weights to host "
                               f"memory ({error or 'another rank'}); still awake")
         return self._gathered(self.sleep(level, host))
@@ -141,7 +141,7 @@ class RankSleep:
         captured again. Returns every rank's figures."""
         r = self.runner
         figures, error = self.wake(weights, kv)
-        if not self._all_ok(error is None):
+        if not self.all_ok(error is None):
             self.undo(weights, kv)
             free, total = read_memory(r.device)
             raise MemoryError(

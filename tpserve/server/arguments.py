@@ -347,7 +347,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "memory; level 1 keeps the weights in host memory, level 2 reads "
                         "the checkpoint again at wake-up), POST /wake_up[?tags=weights|"
                         "kv_cache], GET /is_sleeping, POST /pause?mode=...&clear_cache=, "
-                        "POST /resume, GET /is_paused, POST /reset_prefix_cache (vLLM serves "
+                        "POST /resume, GET /is_paused, POST /reset_prefix_cache, POST "
+                        "/reload_weights {\"path\": ...} (a checkpoint of the same model read "
+                        "in place) and POST /collective_rpc for reload_weights (vLLM serves "
                         "them with VLLM_SERVER_DEV_MODE=1; behind --api-key)")
     p.add_argument("--enable-log-outputs", action="store_true",
                    help="log each choice's text, token ids and finish reason when it "

@@ -243,3 +243,76 @@ def test_level_2_is_refused_where_the_checkpoint_is_not_what_is_served(
     assert not run_query(core, "is_sleeping")
     run_query(core, ("sleep", 1, "abort"))  # level 1 keeps what is served
     run_query(core, ("wake_up", None))
+
+
+def _trained(folder, tmp_path, name: str, layers: int | None = None) -> str:
+    """A copy of ``folder`` as a trainer would write it: every tensor moved a little (or,
+    with ``layers``, a model of another depth)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / name
+    shutil.copytree(folder, out)
+    gen = torch.Generator().manual_seed(7)
+    for f in sorted(out.glob("*.safetensors")):
+        save_file({k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+                   for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    if layers is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["num_hidden_layers"] = layers
+        (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_reload_weights_serves_a_trainers_new_checkpoint(folder, smollm2_tokenizer,
+                                                         prompts_and_greedy, tmp_path):
+    prompts, expected = prompts_and_greedy
+    new = _trained(folder, tmp_path, "step-1")
+    model, comm = load(new)
+    expected_new = greedy(model, comm, prompts[0], PARAMS.max_tokens)
+    assert expected_new != expected[0]
+    core = make_core(folder, smollm2_tokenizer)
+    out = submit(core, "old", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0] and core.block_manager.num_cached_free_blocks
+    answer = run_query(core, ("reload_weights", new))
+    assert answer["status"] == "reloaded" and answer["path"] == new
+    assert core.block_manager.num_cached_free_blocks == 0  # computed with the old weights
+    out = submit(core, "new", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected_new
+    # the served checkpoint is now the new one: read again, and read at a level-2 wake-up
+    assert run_query(core, ("reload_weights", ""))["path"] is None
+    run_query(core, ("sleep", 2, "abort"))
+    run_query(core, ("wake_up", None))
+    out = submit(core, "again", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected_new
+
+
+def test_reload_weights_refusals_leave_the_weights_as_they_were(folder, smollm2_tokenizer,
+                                                                prompts_and_greedy, tmp_path):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    before = weights(core)
+    deeper = _trained(folder, tmp_path, "deeper", layers=1)
+    with pytest.raises(InvalidRequestError,
+                       match="not the served model's shape: num_hidden_layers 2 -> 1"):
+        run_query(core, ("reload_weights", deeper))
+    with pytest.raises(InvalidRequestError, match="no config.json"):
+        run_query(core, ("reload_weights", str(tmp_path)))
+    out = submit(core, "running", prompts[1], PARAMS)
+    core.step()
+    with pytest.raises(InvalidRequestError, match="requests hold .* KV blocks"):
+        run_query(core, ("reload_weights", ""))
+    run_to_end(core)
+    assert tokens_of(out) == expected[1]
+    run_query(core, ("sleep", 1, "abort"))
+    with pytest.raises(InvalidRequestError, match="wake_up\\?tags=weights first"):
+        run_query(core, ("reload_weights", ""))
+    run_query(core, ("wake_up", ("weights",)))
+    assert run_query(core, ("reload_weights", ""))["status"] == "reloaded"
+    run_query(core, ("wake_up", ("kv_cache",)))
+    assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))

@@ -122,7 +122,8 @@ def test_models_version_health(client, http, base_url, engine):
     # vLLM's control endpoints are served only with --enable-sleep-mode
     for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
                          ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
-                         ("POST", "/reset_prefix_cache")):
+                         ("POST", "/reset_prefix_cache"), ("POST", "/reload_weights"),
+                         ("POST", "/collective_rpc")):
         assert_error(http.request(method, path), 404)
 
 
@@ -136,7 +137,8 @@ def test_control_endpoints_are_behind_the_api_key(engine):
     with running(app) as url, httpx.Client(base_url=url) as anon:
         for method, path in (("POST", "/sleep"), ("POST", "/wake_up"),
                              ("GET", "/is_sleeping"), ("POST", "/pause"), ("POST", "/resume"),
-                             ("GET", "/is_paused"), ("POST", "/reset_prefix_cache")):
+                             ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
+                             ("POST", "/reload_weights"), ("POST", "/collective_rpc")):
             assert_error(anon.request(method, path), 401)
         err = assert_error(anon.post("/sleep?level=0",
                                      headers={"Authorization": f"Bearer {API_KEY}"}), 400)

@@ -3,7 +3,8 @@ are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model
 
 - ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
 - ``("sleep", level, mode)``, ``("wake_up", tags)``, ``"is_sleeping"``;
-- ``"reset_prefix_cache"``.
+- ``"reset_prefix_cache"``;
+- ``("reload_weights", path)``: a checkpoint of the same model read in place.
 
 A pause or sleep of mode ``wait`` answers once the requests it waits for have ended (a
 ``pause.Deferred``); the others answer at once. Each runs on the engine thread between
@@ -170,6 +171,34 @@ def is_sleeping(core: EngineCore) -> bool:
     return core.pause.state == ASLEEP
 
 
+def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
+    """The checkpoint at ``path`` (empty: the served one, read again) into the weights in
+    place (``model/reload.py``), then the prefix cache reset (its blocks were computed
+    with the old weights). Only while no request holds KV blocks: idle, paused (mode
+    abort or wait), or asleep with the weights awake (``/wake_up?tags=weights``)."""
+    _enabled(core)
+    core.settle()
+    used = core.block_manager.num_used_blocks
+    if used:
+        raise InvalidRequestError(
+            f"requests hold {used} KV blocks computed with the current weights: POST "
+            "/pause?mode=abort (or wait), or /sleep, first")
+    why = level2_refusal(core.runner)
+    if why is not None:
+        raise InvalidRequestError(f"the weights cannot be read again in place: {why}")
+    if core.runner.sleep_state.weights_asleep:
+        raise InvalidRequestError("the weights are asleep: POST /wake_up?tags=weights first")
+    try:
+        answer = core.runner.reload_weights(path)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if not core.runner.sleep_state.kv_asleep:  # asleep, the cache was reset at the sleep
+        _reset_cache(core)
+    logger.info("weights read again from %s in %.2f s", answer["description"],
+                answer["seconds"])
+    return {"status": "reloaded", **answer}
+
+
 def reset_prefix_cache(core: EngineCore) -> bool:
     core.settle()
     _reset_cache(core)
@@ -208,4 +237,5 @@ CONTROL_QUERIES = {
     "wake_up": wake_up,
     "is_sleeping": is_sleeping,
     "reset_prefix_cache": reset_prefix_cache,
+    "reload_weights": reload_weights,
 }

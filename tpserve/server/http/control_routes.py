@@ -9,7 +9,11 @@
 - ``GET /is_sleeping``;
 - ``POST /pause?mode=abort|wait|keep&clear_cache=true|false``, ``POST /resume``,
   ``GET /is_paused``;
-- ``POST /reset_prefix_cache``.
+- ``POST /reset_prefix_cache``;
+- ``POST /reload_weights`` (``{"path": ...}``: a checkpoint of the same model; none: the
+  served one read again) and vLLM's ``POST /collective_rpc`` for its ``reload_weights``
+  method: the weights replaced in place, for a trainer's new checkpoint (tpserve's; it
+  reads any local path the server can, hence behind the key).
 
 The engine's side is ``server/engine/control.py``; what a mode does to the requests in
 flight, and to those that arrive meanwhile (they wait), ``server/engine/pause.py``. A bad
@@ -17,6 +21,8 @@ value is a 400 in OpenAI's envelope naming the parameter.
 """
 
 from __future__ import annotations
+
+import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +37,7 @@ from tpserve.server.http.state import get_state
 # wake-up captures the CUDA graphs again, and level 2 reads the checkpoint
 CONTROL_TIMEOUT_S = 3600.0
 CONTROL_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_paused",
-                 "/reset_prefix_cache")
+                 "/reset_prefix_cache", "/reload_weights", "/collective_rpc")
 
 
 def _choice(request: Request, name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -49,6 +55,32 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     if value.lower() not in ("true", "false", "1", "0"):
         raise APIError.bad_request(f"{name} must be true or false, got {value!r}", name)
     return value.lower() in ("true", "1")
+
+
+async def _json(request: Request) -> dict:
+    """The body as a JSON object ({} when empty); a 400 for anything else."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise APIError.bad_request(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError.bad_request("the body must be a JSON object")
+    return body
+
+
+async def _path(request: Request) -> str:
+    body = await _json(request)
+    unknown = sorted(set(body) - {"path"})
+    if unknown:
+        raise APIError.bad_request(f"unknown field(s) {', '.join(unknown)}; the body is "
+                                   '{"path": FOLDER_OR_FILE} or empty', unknown[0])
+    path = body.get("path", "")
+    if not isinstance(path, str):
+        raise APIError.bad_request("path must be a string", "path")
+    return path
 
 
 async def _ask(request: Request, query: str | tuple):
@@ -93,6 +125,24 @@ def make_control_router() -> APIRouter:
     @router.get("/is_paused")
     async def is_paused(request: Request) -> JSONResponse:
         return JSONResponse({"is_paused": await _ask(request, "is_paused")})
+
+    @router.post("/reload_weights")
+    async def reload_weights(request: Request) -> JSONResponse:
+        return JSONResponse(await _ask(request, ("reload_weights", await _path(request))))
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> JSONResponse:
+        body = await _json(request)
+        if body.get("method") != "reload_weights":
+            raise APIError.bad_request(f"method {body.get('method')!r} is not served; "
+                                       "collective_rpc runs reload_weights only", "method")
+        for key in ("args", "kwargs"):
+            if body.get(key):
+                raise APIError.bad_request(f"reload_weights takes no {key} here (it reads "
+                                           "the served checkpoint again; POST "
+                                           "/reload_weights names another)", key)
+        answer = await _ask(request, ("reload_weights", ""))
+        return JSONResponse({"results": [answer]})
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
