@@ -102,14 +102,18 @@ def test_a_stream_kept_across_a_sleep_ends_with_its_whole_text(server, http, awa
 
 
 def test_a_sleep_of_mode_wait_answers_after_the_request_in_flight_ends(server, http, awake):
-    answers: list[str] = []
-    sender = threading.Thread(target=lambda: answers.append(complete(server)))
-    sender.start()
-    wait_metric(server, "num_requests_running", 1.0)
+    client = server.client()
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                       max_tokens=48, temperature=0, stream=True)
+    pieces = [next(stream).choices[0].text]  # in flight when the sleep is asked
+    rest: list[str] = []
+    reader = threading.Thread(target=lambda: rest.extend(c.choices[0].text for c in stream))
+    reader.start()
     r = http.post("/sleep", params={"level": 1, "mode": "wait"})
     assert r.status_code == 200, r.text
-    sender.join(timeout=30)  # answered in full while the server sleeps
-    assert answers == [awake] and http.get("/is_sleeping").json()["is_sleeping"]
+    reader.join(timeout=30)  # ended in full, not cut (abort) nor held until a wake (keep)
+    assert not reader.is_alive() and "".join(pieces + rest) == awake
+    assert http.get("/is_sleeping").json()["is_sleeping"]
     assert http.post("/wake_up").json()["is_sleeping"] is False
 
 

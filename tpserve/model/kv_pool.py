@@ -20,7 +20,8 @@ class KVPool:
 
     Block ``b`` of every layer holds the same ``block_size`` token positions of one
     sequence; which sequence is the block manager's business. Slot ``s`` is block
-    ``s // block_size``, offset ``s % block_size``. Nothing here is ever reallocated.
+    ``s // block_size``, offset ``s % block_size``. Never reallocated while serving; sleep
+    mode (``sleep.py``) empties its storage and refills it in place, zeroed.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

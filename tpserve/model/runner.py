@@ -73,7 +73,7 @@ from tpserve.model.quant.methods import linear_method, served_quantization
 from tpserve.model.quant.wna16_method import graph_scratch_bytes
 from tpserve.model.reload import agreed_reload
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
-from tpserve.model.sleep import RankSleep
+from tpserve.model.sleep import RankSleep, SleepError
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
@@ -267,17 +267,15 @@ class ModelRunner:
     def sleep(self, level: int) -> list[dict[str, float]]:
         """Rank 0, between steps, nothing running: every rank gives back its weights' (level
         1: copied to host memory first), KV pool's and graphs' device memory
-        (``model/sleep.py``; ``CMD_SLEEP``). Returns each rank's figures. MemoryError (every
+        (``model/sleep.py``; ``CMD_SLEEP``). Returns each rank's figures. SleepError (every
         rank still awake) if any rank could not copy its weights to host memory."""
         self.send_command(CMD_SLEEP, level)
         return self.sleep_state.agreed_sleep(level)
 
-
     def wake_up(self, weights: bool, kv: bool) -> list[dict[str, float]]:
         """Rank 0, between steps: every rank takes back its weights and / or KV pool
         (``CMD_WAKE``); once both are back the CUDA graphs are captured again. Returns each
-        rank's figures. MemoryError (every rank as asleep as before) if any rank ran out of
-        device memory."""
+        rank's figures. SleepError (every rank as asleep as before) if any rank could not."""
         self.send_command(CMD_WAKE, int(weights), int(kv))
         return self.sleep_state.agreed_wake(weights, kv)
 
@@ -496,7 +494,7 @@ class ModelRunner:
                         self.sleep_state.agreed_sleep(int(header[1]))
                     else:
                         self.sleep_state.agreed_wake(bool(header[1]), bool(header[2]))
-                except MemoryError as e:  # rank 0 reports it; every rank is as before
+                except SleepError as e:  # rank 0 reports it; every rank is as before
                     logger.warning("rank %d: %s", self.comm.rank, e)
                 continue
             if cmd == CMD_KV_COPY:  # a join, stores or loads

@@ -18,8 +18,10 @@ Invariants:
   (``UntypedStorage.resize_``), so every view of it (a fused layer's parts, the pool's
   per-layer K and V, tied embeddings, the host tier's view of the pool) sees the new
   memory without being rebuilt. Addresses change, hence the graphs' new capture;
-- a storage is whole (awake) or empty (asleep), never partly restored: a wake-up that runs
-  out of memory on any rank empties again what it took on every rank and stays asleep;
+- a storage is whole (awake) or empty (asleep) once a sleep or wake-up has answered: a
+  wake-up that fails on any rank (out of memory, a level-2 checkpoint that cannot be
+  read, too little room left for the graphs) empties again what it took on every rank and
+  stays asleep;
 - only parameters are emptied; buffers (RoPE tables, KV scales) stay, as vLLM keeps them;
 - every rank runs the same sleep and wake-up in lockstep (rank 0 broadcasts the command;
   ``ModelRunner.sleep`` / ``wake_up``), so the graphs' capture issues the same collectives
@@ -44,6 +46,17 @@ logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
+# vLLM's engine_sleep_state labels, by level (0: awake)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
+class SleepError(Exception):
+    """A sleep or wake-up that did not happen on every rank; every rank is as it was.
+    ``out_of_memory``: it failed for want of (device or host) memory."""
+
+    def __init__(self, message: str, out_of_memory: bool):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 def level2_refusal(runner: ModelRunner) -> str | None:
@@ -66,6 +79,43 @@ def _storages(tensors) -> list[torch.UntypedStorage]:
         s = t.untyped_storage()
         seen.setdefault(s._cdata, s)
     return list(seen.values())
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostCopy:
+    """Level 1's copy of a rank's weight storages: one host buffer, page-locked in place on
+    CUDA (``cudaHostRegister``: torch's pinned allocator would round each storage up to a
+    power of two and keep the memory after it is dropped). ``close`` gives it back."""
+
+    def __init__(self, storages: list[torch.UntypedStorage], cuda: bool):
+        sizes = [s.nbytes() for s in storages]
+        self.nbytes = sum(sizes)
+        self.buffer: torch.Tensor | None = torch.empty(self.nbytes, dtype=torch.uint8)
+        self._registered = False
+        if cuda and self.nbytes:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+                self.buffer.data_ptr(), self.nbytes, 0))
+            self._registered = True
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        self.parts = [self.buffer[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
+        for part, s in zip(self.parts, storages, strict=True):
+            part.copy_(_bytes_of(s), non_blocking=True)
+
+    def restore(self, storages: list[torch.UntypedStorage]) -> None:
+        for part, s in zip(self.parts, storages, strict=True):
+            _bytes_of(s).copy_(part, non_blocking=True)
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self.buffer, self.parts = None, []
 
 
 @dataclass
@@ -94,7 +144,7 @@ class RankSleep:
         self.weights_asleep = False
         self.kv_asleep = False
         self._sizes: list[int] = []  # each weight storage's bytes, in ``_weights()`` order
-        self._host: list[torch.UntypedStorage] | None = None  # level 1's copies
+        self._host: HostCopy | None = None  # level 1's copy
 
     def _weights(self) -> list[torch.UntypedStorage]:
         return _storages(self.runner.model.parameters())
@@ -106,6 +156,14 @@ class RankSleep:
     def _release_cache(self) -> None:
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def refusal(self) -> str | None:
+        """Why this rank's weights cannot be emptied and taken back in place, or None."""
+        fixed = sum(not s.resizable() for s in self._weights())
+        if fixed or not self.runner.kv_pool.buffer.untyped_storage().resizable():
+            return (f"{fixed} weight storage(s) or the KV pool are not resizable (not "
+                    "allocated by torch)")
+        return None
 
     # --------------------------------------------------------- every rank, in lockstep
     def all_ok(self, ok: bool) -> bool:
@@ -123,63 +181,63 @@ class RankSleep:
 
     def agreed_sleep(self, level: int) -> list[dict[str, float]]:
         """``sleep`` on every rank once each has made its host copy (level 1); returns
-        every rank's figures. MemoryError (every rank still awake) if any rank could not."""
+        every rank's figures. SleepError (every rank still awake) if any rank could not."""
         host, error = None, None
         if level == 1:
             try:
-                host = self.host_copies()
-            except RuntimeError as e:  # pinned or plain host memory ran out
+                host = HostCopy(self._weights(), self.runner.device.type == "cuda")
+                self._sync()
+            except Exception as e:  # noqa: BLE001 - host memory, registration: agreed below
                 error = e
         if not self.all_ok(error is None):
-            raise MemoryError(f"sleep level 1: a rank could not copy its weights to host "
-                              f"memory ({error or 'another rank'}); still awake")
+            if host is not None:
+                host.close()
+            raise SleepError(f"sleep level 1: a rank could not copy its weights to host "
+                             f"memory ({error or 'another rank'}); still awake", True)
         return self._gathered(self.sleep(level, host))
 
     def agreed_wake(self, weights: bool, kv: bool) -> list[dict[str, float]]:
-        """``wake`` on every rank, kept only if every rank could (else ``undo`` everywhere
-        and MemoryError: as asleep as before); once nothing is asleep, the CUDA graphs are
-        captured again. Returns every rank's figures."""
+        """``wake`` on every rank, kept only if every rank could, and, where nothing is
+        left asleep, had its graphs' reserve free (else ``undo`` everywhere and
+        SleepError: as asleep as before); then the CUDA graphs are captured again
+        (a capture that still runs out of memory leaves the steps eager, logged).
+        Returns every rank's figures."""
         r = self.runner
         figures, error = self.wake(weights, kv)
+        graphs = (r.cfg.uses_cuda_graphs and not (self.weights_asleep and not weights)
+                  and not (self.kv_asleep and not kv))
+        oom = isinstance(error, torch.OutOfMemoryError)
+        if error is None and graphs:
+            free, _ = read_memory(r.device)
+            if free < r.plan.graphs_reserve:
+                oom = True
+                error = MemoryError(f"{free / 2**30:.2f} GiB free after the weights and "
+                                    f"the pool, the CUDA graphs need about "
+                                    f"{r.plan.graphs_reserve / 2**30:.2f} GiB")
         if not self.all_ok(error is None):
             self.undo(weights, kv)
             free, total = read_memory(r.device)
-            raise MemoryError(
-                f"wake-up: a rank ran out of device memory ({error or 'another rank'}); "
-                f"still asleep. Rank {r.comm.rank} has {free / 2**30:.2f} of "
-                f"{total / 2**30:.2f} GiB free; the weights need "
-                f"{r.plan.weights / 2**30:.2f} GiB and the KV pool "
-                f"{r.plan.kv_pool / 2**30:.2f} GiB a rank")
+            raise SleepError(
+                f"wake-up failed on a rank ({error or 'another rank'}); still asleep. Rank "
+                f"{r.comm.rank} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free; the "
+                f"weights need {r.plan.weights / 2**30:.2f} GiB and the KV pool "
+                f"{r.plan.kv_pool / 2**30:.2f} GiB a rank", oom)
         self.commit(weights, kv)
         if self.level == 0 and r.cfg.uses_cuda_graphs:
             t0 = time.monotonic()
-            figures.graphs = r.capture_graphs()
+            try:
+                figures.graphs = r.capture_graphs()
+            except torch.OutOfMemoryError as e:
+                r.graphs = None
+                self._release_cache()
+                logger.warning("rank %d: the CUDA graphs could not be captured again after "
+                               "the wake-up (%s); steps run eagerly", r.comm.rank, e)
             figures.seconds += time.monotonic() - t0
         return self._gathered(figures)
 
     # ------------------------------------------------------------------------- sleep
-    def host_copies(self) -> list[torch.UntypedStorage]:
-        """Level 1, before anything is emptied: every weight storage copied to host memory
-        (pinned on CUDA). Raises (having emptied nothing) if host memory runs out."""
-        pin = self.runner.device.type == "cuda"
-        copies = []
-        for s in self._weights():
-            host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            copies.append(host.untyped_storage())
-            copies[-1].copy_(s)
-        self._sync()
-        return copies
-
-    def refusal(self) -> str | None:
-        """Why this rank's weights cannot be emptied and taken back in place, or None."""
-        fixed = sum(not s.resizable() for s in self._weights())
-        if fixed or not self.runner.kv_pool.buffer.untyped_storage().resizable():
-            return (f"{fixed} weight storage(s) or the KV pool are not resizable (not "
-                    "allocated by torch)")
-        return None
-
-    def sleep(self, level: int, host: list[torch.UntypedStorage] | None) -> SleepFigures:
-        """Empties the graphs, the weights (``host``: level 1's copies, made first) and the
+    def sleep(self, level: int, host: HostCopy | None) -> SleepFigures:
+        """Empties the graphs, the weights (``host``: level 1's copy, made first) and the
         KV pool; returns what was given back."""
         t0 = time.monotonic()
         r = self.runner
@@ -194,7 +252,7 @@ class RankSleep:
             s.resize_(0)
         figures.weights = sum(self._sizes)
         self._host = host
-        figures.host_copy = sum(h.nbytes() for h in host) if host is not None else 0
+        figures.host_copy = host.nbytes if host is not None else 0
         figures.kv_cache = r.kv_pool.nbytes
         r.kv_pool.buffer.untyped_storage().resize_(0)
         self._release_cache()
@@ -205,9 +263,9 @@ class RankSleep:
     # ------------------------------------------------------------------------- wake
     def wake(self, weights: bool, kv: bool) -> tuple[SleepFigures, BaseException | None]:
         """Takes back the weights and / or the KV pool (those still asleep); returns what
-        was taken and the out-of-memory error that stopped it (None if none). On an error
-        nothing of this call is kept: the caller agrees with the other ranks and calls
-        ``undo`` everywhere if any failed."""
+        was taken and the error that stopped it (None if none: out of memory, or a
+        level-2 checkpoint that cannot be read). On an error the caller agrees with the
+        other ranks and calls ``undo`` everywhere if any failed."""
         t0 = time.monotonic()
         figures = SleepFigures()
         try:
@@ -218,7 +276,8 @@ class RankSleep:
                 pool.buffer.untyped_storage().resize_(pool.nbytes)
                 pool.buffer.zero_()
                 figures.kv_cache = pool.nbytes
-        except torch.OutOfMemoryError as e:
+            self._sync()
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then undone
             return figures, e
         figures.seconds = time.monotonic() - t0
         return figures, None
@@ -228,15 +287,14 @@ class RankSleep:
         for s, size in zip(storages, self._sizes, strict=True):
             s.resize_(size)
         if self._host is not None:
-            for s, h in zip(storages, self._host, strict=True):
-                s.copy_(h, non_blocking=True)
-            self._sync()
+            self._host.restore(storages)
         else:  # level 2: the checkpoint again, into the same tensors
             self.runner.ckpt.load_into(self.runner.model, False)
         return sum(self._sizes)
 
     def undo(self, weights: bool, kv: bool) -> None:
         """Empties again what a failed ``wake(weights, kv)`` took on this rank."""
+        self._sync()
         if weights and self.weights_asleep:
             for s in self._weights():
                 s.resize_(0)
@@ -246,10 +304,12 @@ class RankSleep:
 
     def commit(self, weights: bool, kv: bool) -> None:
         """Every rank took back what ``wake(weights, kv)`` asked: marks it awake (level 1's
-        copies are dropped with the weights' return)."""
+        copy is given back with the weights' return)."""
         if weights and self.weights_asleep:
             self.weights_asleep = False
-            self._host = None
+            if self._host is not None:
+                self._host.close()
+                self._host = None
         if kv and self.kv_asleep:
             self.kv_asleep = False
         if not (self.weights_asleep or self.kv_asleep):
@@ -259,11 +319,9 @@ class RankSleep:
         """The sleep state as the memory report shows it."""
         return {"state": self.state, "level": self.level,
                 "weights_asleep": self.weights_asleep, "kv_cache_asleep": self.kv_asleep,
-                "host_copy_bytes": sum(h.nbytes() for h in self._host or ())}
+                "host_copy_bytes": self._host.nbytes if self._host is not None else 0}
 
     @property
     def state(self) -> str:
-        """vLLM's ``engine_sleep_state`` label: awake, weights_offloaded (level 1) or
-        discard_all (level 2)."""
-        return ("awake" if self.level == 0 else
-                "weights_offloaded" if self.level == 1 else "discard_all")
+        """vLLM's ``engine_sleep_state`` label (``SLEEP_STATES``)."""
+        return SLEEP_STATES[self.level]

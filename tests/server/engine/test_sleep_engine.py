@@ -187,7 +187,7 @@ def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
     assert used > 0 and run_query(core, "is_paused") and not run_query(core, "is_sleeping")
     held = submit(core, "held", prompts[2], PARAMS)
     assert not core.step() and core.block_manager.num_used_blocks == used
-    with pytest.raises(InvalidRequestError, match="held by running requests"):
+    with pytest.raises(InvalidRequestError, match="3 KV blocks are held by requests"):
         run_query(core, "reset_prefix_cache")
     assert run_query(core, ("pause", "abort", True)) == {"is_paused": True}  # idempotent
     run_query(core, "resume")
@@ -198,6 +198,14 @@ def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
     assert run_query(core, "reset_prefix_cache") is True
     assert core.block_manager.num_cached_free_blocks == 0
     core.block_manager.check_integrity()
+    # vLLM's reset_running_requests: the running request is preempted, then recomputed
+    out = submit(core, "reset", prompts[1], PARAMS)
+    core.step()
+    preempted = core.counters["num_preemptions_total"]
+    assert run_query(core, ("reset_prefix_cache", True, False)) is True
+    assert core.counters["num_preemptions_total"] == preempted + 1
+    run_to_end(core)
+    assert tokens_of(out) == expected[1]
 
     # wait, then called off by resume: the deferred answer is an error, nothing is lost
     outs = [submit(core, "q", prompts[3], PARAMS)]
@@ -316,3 +324,99 @@ def test_reload_weights_refusals_leave_the_weights_as_they_were(folder, smollm2_
     assert run_query(core, ("reload_weights", ""))["status"] == "reloaded"
     run_query(core, ("wake_up", ("kv_cache",)))
     assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+
+
+def test_a_second_pause_of_mode_wait_after_a_resume_is_its_own(folder, smollm2_tokenizer,
+                                                                 prompts_and_greedy):
+    """pause(wait), resume, a new request, pause(wait) again: the first pause's answer is
+    that it was called off (at once), the second completes after the new request has
+    ended in full; is_paused holds while it waits, and a pause meanwhile joins it."""
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    a = submit(core, "a", prompts[0], PARAMS)
+    core.step()
+    first = run_query(core, ("pause", "wait", True))
+    assert run_query(core, "is_paused")
+    run_query(core, "resume")
+    b = submit(core, "b", prompts[1], PARAMS)
+    core.step()
+    second = run_query(core, ("pause", "wait", True))
+    joiner = run_query(core, ("pause", "abort", True))
+    assert first.ready()
+    with pytest.raises(EngineError, match="called off"):
+        first.finish()
+    steps = 0
+    while not second.ready():
+        assert not joiner.ready()
+        core.step()
+        steps += 1
+        assert steps < 500
+    assert second.finish() == {"is_paused": True} and joiner.finish() == {"is_paused": True}
+    assert tokens_of(a) == expected[0] and tokens_of(b) == expected[1]
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_a_sleep_of_mode_abort_while_paused_keeps_the_held_requests(
+        folder, smollm2_tokenizer, prompts_and_greedy):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    running = submit(core, "running", prompts[0], PARAMS)
+    core.step()
+    run_query(core, ("pause", "keep", True))
+    held = submit(core, "held", prompts[1], PARAMS)
+    run_query(core, ("sleep", 1, "abort"))
+    assert running[-1].finished and running[-1].deltas[-1].finish_reason == "abort"
+    assert held == [] and "held" in core.requests
+    run_query(core, ("wake_up", None))
+    run_to_end(core)
+    assert tokens_of(held) == expected[1]
+
+
+def test_a_failed_sleep_leaves_the_engine_as_it_was(folder, smollm2_tokenizer,
+                                                   prompts_and_greedy, monkeypatch):
+    """Level 1's host copy fails (injected: as ``cudaHostRegister`` or a full host would):
+    a paused engine stays paused, a running one runs on; nothing was emptied."""
+    import tpserve.model.sleep as sleep_module
+    from tpserve.server.engine.control import EngineMemoryError
+
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+
+    def no_host_memory(*args, **kwargs):
+        raise RuntimeError("out of host memory (injected)")
+
+    monkeypatch.setattr(sleep_module, "HostCopy", no_host_memory)
+    out = submit(core, "a", prompts[0], PARAMS)
+    core.step()
+    with pytest.raises(EngineMemoryError, match="could not copy its weights to host memory"):
+        run_query(core, ("sleep", 1, "keep"))
+    assert not run_query(core, "is_paused") and not emptied(core)
+    run_query(core, ("pause", "keep", True))
+    held = submit(core, "held", prompts[1], PARAMS)
+    with pytest.raises(EngineMemoryError):
+        run_query(core, ("sleep", 1, "keep"))
+    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    assert held == []
+    run_query(core, "resume")
+    run_to_end(core)
+    assert tokens_of(out) == expected[0] and tokens_of(held) == expected[1]
+
+
+def test_a_level_2_wake_up_whose_checkpoint_is_gone_stays_asleep(
+        folder, smollm2_tokenizer, prompts_and_greedy, tmp_path):
+    import shutil
+
+    prompts, expected = prompts_and_greedy
+    served = tmp_path / "served"
+    shutil.copytree(folder, served)
+    core = make_core(str(served), smollm2_tokenizer)
+    run_query(core, ("sleep", 2, "abort"))
+    served.rename(tmp_path / "moved")
+    with pytest.raises(EngineError, match="wake-up failed on a rank .*still asleep"):
+        run_query(core, ("wake_up", None))
+    assert run_query(core, "is_sleeping") and emptied(core)
+    (tmp_path / "moved").rename(served)
+    run_query(core, ("wake_up", None))
+    out = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0]

@@ -255,12 +255,14 @@ class BlockManager:
                                                   extra_key)
             links.append((h, serial))
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block, on the device and in the host tier (vLLM's
-        ``reset_prefix_cache``; sleep mode, whose pool loses its content). Only while no
-        block is in use and no copy is listed (``take_copies`` first). A block a host load
-        may still be writing is joined by the next step before it can be written again
-        (``HostLoads.reused``), as when an evicted one is reused."""
+    def reset_prefix_cache(self, host: bool = True) -> None:
+        """Forgets every cached device block (vLLM's ``reset_prefix_cache``; sleep mode,
+        whose pool loses its content), and with ``host`` the host tier's too (new weights);
+        without, the tier's blocks stay findable (a hit's chain is verified from the root,
+        so one whose predecessors are gone is a miss). Only while no block is in use and no
+        copy is listed (``take_copies`` first). A block a host load may still be writing is
+        joined by the next step before it can be written again (``HostLoads.reused``), as
+        when an evicted one is reused."""
         assert self.num_used_blocks == 0, "the prefix cache reset with blocks in use"
         assert not (self._stores or self._loads), "the prefix cache reset with copies listed"
         for b in range(self.num_blocks):
@@ -271,7 +273,7 @@ class BlockManager:
         self._entry_of = [None] * self.num_blocks
         self._cache.clear()
         self._seq_links.clear()
-        if self.host is not None:
+        if host and self.host is not None:
             self.host = HostTier(self.host.num_slots)
 
     # ----------------------------------------------------------------- allocation

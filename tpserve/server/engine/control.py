@@ -3,7 +3,7 @@ are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model
 
 - ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
 - ``("sleep", level, mode)``, ``("wake_up", tags)``, ``"is_sleeping"``;
-- ``"reset_prefix_cache"``;
+- ``("reset_prefix_cache", running, external)``;
 - ``("reload_weights", path)``: a checkpoint of the same model read in place.
 
 A pause or sleep of mode ``wait`` answers once the requests it waits for have ended (a
@@ -14,9 +14,10 @@ steps, like every query.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS, level2_refusal
+from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS, SleepError, level2_refusal
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
 from tpserve.server.engine.pause import (
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineMemoryError(EngineError):
-    """The device had too little free memory to wake up; the engine stays asleep."""
+    """The device (or host) had too little free memory to wake up (or to sleep at level 1);
+    the engine stays as it was."""
 
     status = 503
     type = "service_unavailable"
@@ -50,30 +52,45 @@ def _check_mode(mode: str) -> None:
                                   f"{mode!r}")
 
 
-def _stop(core: EngineCore, mode: str, then) -> Any:
-    """Stops the steps by ``mode`` (``pause.py``), then ``then()`` (its answer is the
-    query's): now, or once the requests in flight have ended (``wait``)."""
-    core.settle()
-    if mode == "abort":
-        for rid in list(core.requests):
-            core.abort(rid)
-    if mode != "wait":
-        core.pause.state = PAUSED
-        return then()
-    core.pause.state = DRAINING
-    before = [s for s in core.requests.values() if s not in core.pause.held]
+def _engine_error(e: SleepError) -> EngineError:
+    return EngineMemoryError(str(e)) if e.out_of_memory else EngineError(str(e))
 
-    def drained() -> bool:
-        return core.pause.state != DRAINING or all(s.done for s in before)
+
+def _stop(core: EngineCore, mode: str, then: Callable[[], Any]) -> Any:
+    """Stops the steps by ``mode`` (``pause.py``), then ``then()`` (its answer is the
+    query's): now, or once the requests in flight have ended (``wait``). If ``then``
+    fails, the engine goes back to the state it was in (running: the held requests enter)."""
+    pause = core.pause
+    before_state = pause.state
+    core.settle()
+    if mode == "abort":  # the requests in flight; those held since a pause stay held
+        for rid, state in list(core.requests.items()):
+            if state not in pause.held:
+                core.abort(rid)
+
+    def run_then() -> Any:
+        pause.state = PAUSED
+        try:
+            return then()
+        except BaseException:
+            if before_state == RUNNING:
+                core.resume()
+            else:
+                pause.state = before_state
+            raise
+
+    if mode != "wait":
+        return run_then()
+    epoch = pause.begin_draining()
+    waited = [s for s in core.requests.values() if s not in pause.held]
 
     def finish() -> Any:
-        if core.pause.state != DRAINING:  # a resume came first
+        if pause.epoch != epoch or pause.state != DRAINING:
             raise EngineError("the pause was called off by /resume before it completed")
         core.settle()
-        core.pause.state = PAUSED
-        return then()
+        return run_then()
 
-    return Deferred(drained, finish)
+    return Deferred(lambda: pause.epoch != epoch or all(s.done for s in waited), finish)
 
 
 def pause(core: EngineCore, mode: str = "abort", clear_cache: bool = True) -> Any:
@@ -81,12 +98,20 @@ def pause(core: EngineCore, mode: str = "abort", clear_cache: bool = True) -> An
     _check_mode(mode)
     if core.pause.state in (PAUSED, ASLEEP):
         return {"is_paused": True}
-    if core.pause.state == DRAINING:
-        raise InvalidRequestError("a pause of mode wait is already under way")
+    if core.pause.state == DRAINING:  # joins the pause under way (vLLM's returns at once)
+        epoch = core.pause.epoch
+
+        def joined() -> dict[str, Any]:
+            if core.pause.epoch != epoch or core.pause.state not in (PAUSED, ASLEEP):
+                raise EngineError("the pause was called off by /resume before it completed")
+            return {"is_paused": True}
+
+        return Deferred(lambda: core.pause.epoch != epoch or core.pause.state != DRAINING,
+                        joined)
 
     def then() -> dict[str, Any]:
         if clear_cache and mode != "keep":  # kept requests hold their blocks
-            _reset_cache(core)
+            _reset_cache(core, host=False)
         logger.info("engine paused (mode %s)", mode)
         return {"is_paused": True}
 
@@ -104,7 +129,8 @@ def resume(core: EngineCore) -> dict[str, Any]:
 
 
 def is_paused(core: EngineCore) -> bool:
-    return core.pause.state in (PAUSED, ASLEEP)
+    """Paused, asleep, or pausing (mode wait: new requests already wait), as vLLM says."""
+    return core.pause.state != RUNNING
 
 
 def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
@@ -119,7 +145,8 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
         raise InvalidRequestError(f"the engine already sleeps at level "
                                   f"{core.pause.level}: POST /wake_up first")
     if core.pause.state == DRAINING:
-        raise InvalidRequestError("a pause of mode wait is under way: POST /resume first")
+        raise InvalidRequestError("a pause or sleep of mode wait is under way: POST /resume "
+                                  "first")
     if core.pause.state == PAUSED and mode == "wait":
         raise InvalidRequestError("the engine is paused, so its requests cannot end: sleep "
                                   "with mode abort or keep, or POST /resume first")
@@ -131,12 +158,11 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
     def then() -> dict[str, Any]:
         if mode == "keep":  # the pool's content is lost: they are computed again
             core.counters["num_preemptions_total"] += len(core.scheduler.preempt_all())
-        _reset_cache(core)
+        _reset_cache(core, host=False)  # the host tier's blocks stay valid
         try:
             ranks = runner.sleep(level)
-        except MemoryError as e:
-            core.resume()
-            raise EngineMemoryError(str(e)) from None
+        except SleepError as e:
+            raise _engine_error(e) from None
         core.pause.state, core.pause.level = ASLEEP, level
         _log(f"asleep at level {level}", ranks)
         return {"is_sleeping": True, "level": level, "ranks": ranks}
@@ -155,8 +181,8 @@ def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None) -> dict[str, 
         return {"is_sleeping": False, "ranks": []}
     try:
         ranks = core.runner.wake_up("weights" in tags, "kv_cache" in tags)
-    except MemoryError as e:
-        raise EngineMemoryError(str(e)) from None
+    except SleepError as e:
+        raise _engine_error(e) from None
     state = core.runner.sleep_state
     asleep = [t for t, a in zip(WAKE_TAGS, (state.weights_asleep, state.kv_asleep),
                                 strict=True) if a]
@@ -192,29 +218,40 @@ def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
         answer = core.runner.reload_weights(path)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
-    if not core.runner.sleep_state.kv_asleep:  # asleep, the cache was reset at the sleep
-        _reset_cache(core)
+    if core.runner.sleep_state.kv_asleep:  # the device's was reset at the sleep
+        core.block_manager.reset_prefix_cache(host=True)
+    else:
+        _reset_cache(core, host=True)
     logger.info("weights read again from %s in %.2f s", answer["description"],
                 answer["seconds"])
     return {"status": "reloaded", **answer}
 
 
-def reset_prefix_cache(core: EngineCore) -> bool:
+def reset_prefix_cache(core: EngineCore, running: bool = False,
+                       external: bool = False) -> bool:
+    """vLLM's: forgets the cached blocks; ``running`` (``reset_running_requests``) first
+    preempts the running requests (recomputed at their next step), else a running request's
+    blocks refuse it; ``external`` (``reset_external``) forgets the host tier's too."""
     core.settle()
-    _reset_cache(core)
+    if running:
+        core.counters["num_preemptions_total"] += len(core.scheduler.preempt_all())
+    _reset_cache(core, host=external)
     return True
 
 
-def _reset_cache(core: EngineCore) -> None:
+def _reset_cache(core: EngineCore, host: bool) -> None:
+    """The device prefix cache forgotten (``host``: the host tier's too); refused while a
+    request holds blocks."""
     bm = core.block_manager
     if bm.num_used_blocks:
         raise InvalidRequestError(
-            f"{bm.num_used_blocks} KV blocks are held by running requests; the prefix "
-            "cache can be reset only when none are (POST /pause first)")
+            f"{bm.num_used_blocks} KV blocks are held by requests; the prefix cache can be "
+            "reset only when none are (pause with mode abort or wait, or pass "
+            "reset_running_requests=true)")
     copies = bm.take_copies()
-    if copies.needed:  # stores listed at eviction: run them, the host tier's books agree
+    if copies.needed and not host:  # stores listed at eviction: the kept tier gets them
         core.runner.copy_kv(*copies)
-    bm.reset_prefix_cache()
+    bm.reset_prefix_cache(host=host)
 
 
 def _log(what: str, ranks: list[dict[str, float]]) -> None:

@@ -93,12 +93,16 @@ class MemoryMonitor:
             gathers = self._gathers
         now = time.monotonic()
         plan0 = self.runner.plan
+        sleep = self.runner.sleep_state
+        # asleep, the plan's components are not held: no disagreement to report
+        compared = plan0.device.startswith("cuda") and not (sleep.weights_asleep
+                                                             or sleep.kv_asleep)
         ranks = []
         for rank, (plan, reading, at) in enumerate(zip(self.runner.rank_plans, live, read_at, strict=False)):
             ranks.append({
                 "rank": rank, "plan": dict(plan), "allocator": reading.as_dict(),
                 "age_s": round(now - at, 3),
-                "plan_disagreement": (None if not plan0.device.startswith("cuda")
+                "plan_disagreement": (None if not compared
                                       else (reading.reserved - plan["held"]) / plan["held"])})
         host = self.runner.host_kv
         return {
@@ -115,5 +119,5 @@ class MemoryMonitor:
                         "fragmentation": [h[2] for h in hist],
                         "reserved": [h[3] for h in hist], "allocated": [h[4] for h in hist]},
             # sleep mode (model/sleep.py): what is given back now, the same on every rank
-            "sleep": self.runner.sleep_state.report(),
+            "sleep": sleep.report(),
         }

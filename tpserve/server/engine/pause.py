@@ -49,6 +49,15 @@ class EnginePause:
     state: str = RUNNING
     level: int = 0  # the sleep level while asleep
     held: list[RequestState] = field(default_factory=list)
+    # counts the drains begun and the resumes: a deferred answer waiting for a drain is
+    # called off when it changes (a resume came, or another drain began after one)
+    epoch: int = 0
+
+    def begin_draining(self) -> int:
+        """A pause or sleep of mode ``wait`` starts; returns its epoch."""
+        self.state = DRAINING
+        self.epoch += 1
+        return self.epoch
 
     @property
     def may_step(self) -> bool:
@@ -73,12 +82,9 @@ class EnginePause:
         """Running again: the held requests, in arrival order, to enter the scheduler."""
         held, self.held = self.held, []
         self.state, self.level = RUNNING, 0
+        self.epoch += 1
         return held
 
     @property
     def num_held_sequences(self) -> int:
         return sum(s.params.n for s in self.held)
-
-    def check_mode(self, mode: str) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")

@@ -99,6 +99,7 @@ class StepLoop:
         self._pending: list[tuple[Any, Item]] = []
         # queries answered after steps have run (``pause.Deferred``: a pause that waits)
         self._deferred: list[tuple[str, Deferred, Reply]] = []
+        self._deferred_lock = threading.Lock()  # ``fail`` empties it from another thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -183,9 +184,10 @@ class StepLoop:
                         state.emit(error)
             elif kind == "query":
                 arg[1](None, error)
-        for _, _, reply in self._deferred:
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, []
+        for _, _, reply in deferred:
             reply(None, error)
-        self._deferred = []
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -236,16 +238,23 @@ class StepLoop:
             reply(None, EngineError(f"engine query {name!r} failed: {e!r}"))
             raise
         if isinstance(value, Deferred):
-            self._deferred.append((name, value, reply))
+            with self._deferred_lock:
+                self._deferred.append((name, value, reply))
             self._settle_deferred()
         else:
             self._flush()  # outputs the query emitted (a pause's aborts) go out before it
             reply(value, None)
 
     def _settle_deferred(self) -> None:
-        """Answers the deferred queries that are ready, in the order they came."""
-        while self._deferred and self._deferred[0][1].ready():
-            name, deferred, reply = self._deferred.pop(0)
+        """Answers the deferred queries that are ready, in the order they came (one
+        called off answers at once, whatever came before it)."""
+        while True:
+            with self._deferred_lock:
+                ready = next((d for d in self._deferred if d[1].ready()), None)
+                if ready is None:
+                    return
+                self._deferred.remove(ready)
+            name, deferred, reply = ready
             self._reply(name, reply, deferred.finish)
 
     def _flush(self) -> None:
@@ -281,7 +290,9 @@ class StepLoop:
                 if self._deferred:  # after the outputs of the requests it waited for
                     self._settle_deferred()
             if self.dead_reason is None:
-                for _, _, reply in self._deferred:
+                with self._deferred_lock:
+                    deferred, self._deferred = self._deferred, []
+                for _, _, reply in deferred:
                     reply(None, EngineShuttingDownError("server shut down"))
                 self.core.fail_all(EngineShuttingDownError("server shut down"))
                 self._flush()

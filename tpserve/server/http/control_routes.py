@@ -9,7 +9,8 @@
 - ``GET /is_sleeping``;
 - ``POST /pause?mode=abort|wait|keep&clear_cache=true|false``, ``POST /resume``,
   ``GET /is_paused``;
-- ``POST /reset_prefix_cache``;
+- ``POST /reset_prefix_cache?reset_running_requests=false&reset_external=false``
+  (running requests preempted first; the host tier's blocks too);
 - ``POST /reload_weights`` (``{"path": ...}``: a checkpoint of the same model; none: the
   served one read again) and vLLM's ``POST /collective_rpc`` for its ``reload_weights``
   method: the weights replaced in place, for a trainer's new checkpoint (tpserve's; it
@@ -146,7 +147,9 @@ def make_control_router() -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
-        await _ask(request, "reset_prefix_cache")
+        running = _flag(request, "reset_running_requests", False)
+        await _ask(request, ("reset_prefix_cache", running,
+                             _flag(request, "reset_external", False)))
         return Response(status_code=200)
 
     return router

@@ -29,6 +29,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tpserve.model.sleep import SLEEP_STATES  # vLLM's engine_sleep_state labels by level
 from tpserve.server.engine.drafting import PER_POSITION  # a list: one counter a position
 from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
@@ -60,8 +61,6 @@ ENGINE_GAUGES = {
     "kv_offload_blocks_used": "KV blocks held in the host tier of the prefix cache.",
     "engine_paused": "1 while the engine is paused or asleep (--enable-sleep-mode), else 0.",
 }
-# vLLM's engine_sleep_state labels, by sleep level (0: awake)
-SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 # stats() key (cumulative) -> help text; exported as counters named prefix + key.
 ENGINE_COUNTERS = {
     "num_preemptions_total": "Cumulative number of preemptions.",
