@@ -2,7 +2,8 @@
 KV pool's and the CUDA graphs' memory back to the device (``cudaMemGetInfo`` sees it), a
 wake-up takes it back, captures the graphs again and the same step gives the same logits
 from a replayed graph; a wake-up that finds too little free memory leaves every storage
-empty and can be retried. (The CPU tests: ``tests/server/engine/test_sleep_engine.py``.)"""
+empty and can be retried, as does one with room for the weights and the pool but not the
+graphs. (The CPU tests: ``tests/server/engine/test_sleep_engine.py``.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tpserve.model.plan import SeqChunk, StepLimits, StepPlan
+from tpserve.model.sleep import SleepError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="device memory given back: GPU only")
@@ -63,11 +65,31 @@ def test_a_wake_up_without_room_stays_asleep_and_can_be_retried():
     runner.sleep(1)
     blocker = torch.empty(torch.cuda.mem_get_info()[0] - 64 * 2**20, dtype=torch.uint8,
                           device="cuda")
-    with pytest.raises(MemoryError, match="wake-up: a rank ran out of device memory"):
+    with pytest.raises(SleepError, match="wake-up failed on a rank .*out of memory"):
         runner.wake_up(True, True)
     state = runner.sleep_state
     assert state.weights_asleep and state.kv_asleep and state.level == 1
     assert all(p.untyped_storage().nbytes() == 0 for p in runner.model.parameters())
+    del blocker
+    torch.cuda.empty_cache()
+    runner.wake_up(True, True)
+    assert torch.equal(_logits(runner), before)
+
+
+def test_a_wake_up_without_room_for_the_graphs_stays_asleep():
+    """Room for the weights and the pool but not for the graphs' reserve: refused before
+    any capture (a capture out of memory could leave ranks out of step), still asleep."""
+    runner = _runner()
+    before = _logits(runner)
+    runner.sleep(2)
+    plan = runner.plan
+    room = plan.weights + plan.kv_pool + plan.graphs_reserve // 4
+    blocker = torch.empty(torch.cuda.mem_get_info()[0] - room, dtype=torch.uint8,
+                          device="cuda")
+    with pytest.raises(SleepError, match="the CUDA graphs need about") as e:
+        runner.wake_up(True, True)
+    assert e.value.out_of_memory and runner.sleep_state.level == 2
+    assert runner.kv_pool.buffer.untyped_storage().nbytes() == 0
     del blocker
     torch.cuda.empty_cache()
     runner.wake_up(True, True)
