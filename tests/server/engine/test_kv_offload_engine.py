@@ -26,14 +26,15 @@ PER_BLOCK = kv_bytes_per_block(2, 16, 2, 16, torch.float32)  # the tiny Llama's,
 
 
 def make_core(folder, tokenizer, num_blocks: int, host_blocks: int,
-              max_seqs: int = 8, device: str = "cpu") -> EngineCore:
+              max_seqs: int = 8, device: str = "cpu", sleep_mode: bool = False) -> EngineCore:
     cfg = RunnerConfig(model=folder, kv_cache_memory=num_blocks * PER_BLOCK,
                        kv_offloading_bytes=host_blocks * PER_BLOCK, device=device,
                        kernel_backend="triton" if device == "cuda" else "torch")
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64,
                             max_model_len=256, block_size=16)
     runner = ModelRunner(cfg, sched.limits, TPGroup(0, 1, torch.device(device), None))
-    return EngineCore(runner, tokenizer, sched, EngineConfig(check_integrity=True))
+    return EngineCore(runner, tokenizer, sched,
+                      EngineConfig(check_integrity=True, enable_sleep_mode=sleep_mode))
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,23 @@ def test_a_size_that_holds_no_block_is_refused(tiny_llama):
     with pytest.raises(ValueError, match=f"--kv-offloading-size: {PER_BLOCK - 1} bytes over 1 "
                                          f"rank\\(s\\) hold no KV block of {PER_BLOCK} bytes"):
         ModelRunner(cfg, limits, TPGroup(0, 1, CPU, None))
+
+
+def test_the_host_tier_outlives_a_sleep_until_reset_external(tiny_llama, smollm2_tokenizer,
+                                                            prompts, expected):
+    """A sleep forgets the device's cached blocks (the pool's content is gone) but keeps the
+    host tier's: a prompt it holds is loaded back after the wake-up; vLLM's reset_external
+    forgets those too."""
+    from tpserve.server.engine.queries import run_query
+
+    core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=64,
+                     sleep_mode=True)
+    _one_at_a_time(core, prompts, "a")
+    run_query(core, ("sleep", 1, "abort"))
+    run_query(core, ("wake_up", None))
+    again = _one_at_a_time(core, prompts[:1], "b")
+    assert tokens_of(again[0]) == expected[0] and again[0][-1].num_cached_tokens == 96
+    assert run_query(core, ("reset_prefix_cache", False, True)) is True
+    third = _one_at_a_time(core, prompts[1:2], "c")
+    assert tokens_of(third[0]) == expected[1] and third[0][-1].num_cached_tokens == 0
+    core.block_manager.check_integrity()

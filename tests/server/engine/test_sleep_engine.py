@@ -420,3 +420,46 @@ def test_a_level_2_wake_up_whose_checkpoint_is_gone_stays_asleep(
     out = submit(core, "a", prompts[0], PARAMS)
     run_to_end(core)
     assert tokens_of(out) == expected[0]
+
+
+def test_the_step_loop_answers_a_wait_after_the_outputs_and_drains_a_paused_engine_at_once(
+        folder, smollm2_tokenizer, prompts_and_greedy):
+    """Through the engine thread (``AsyncEngine``): a sleep of mode wait is answered after
+    the request it waited for has its whole answer; a shutdown drain of a paused engine
+    aborts the held request at once instead of waiting out its timeout (an hour here:
+    pytest's timeout would end a drain that waited)."""
+    import asyncio
+
+    from tpserve.server.engine.step_loop import AsyncEngine
+
+    prompts, expected = prompts_and_greedy
+    engine = AsyncEngine(make_core(folder, smollm2_tokenizer), "tiny")
+    engine.start()
+
+    async def scenario() -> tuple[list, list, dict]:
+        order: list[str] = []
+
+        async def generate(rid: str, prompt: list[int]) -> list:
+            outs = [o async for o in engine.generate(rid, prompt, PARAMS)]
+            order.append(rid)
+            return outs
+
+        first = asyncio.create_task(generate("first", prompts[0]))
+        while not engine.stats()["num_requests_running"]:
+            await asyncio.sleep(0.01)
+        slept = await engine.query(("sleep", 1, "wait"))
+        order.append("slept")
+        held = asyncio.create_task(generate("held", prompts[1]))
+        while not engine.stats()["num_requests_waiting"]:
+            await asyncio.sleep(0.01)
+        clean = await asyncio.to_thread(engine.drain, 3600)
+        assert not clean
+        return await first, await held, {"order": order, "slept": slept}
+
+    try:
+        first, held, seen = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert seen["order"][:2] == ["first", "slept"] and seen["slept"]["is_sleeping"]
+    assert tokens_of(first) == expected[0]
+    assert held[-1].finished and held[-1].deltas[-1].finish_reason == "abort"

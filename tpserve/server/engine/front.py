@@ -185,11 +185,13 @@ class EngineFront:
 
     def drain(self, timeout: float) -> bool:
         """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
-        then aborts the rest (their clients get finish_reason ``abort``). Returns True when
-        everything finished on its own."""
+        then aborts the rest (their clients get finish_reason ``abort``); a paused or
+        sleeping engine (``--enable-sleep-mode``) finishes nothing, so they are aborted at
+        once. Returns True when everything finished on its own."""
         self.accepting = False
         deadline = time.monotonic() + timeout
-        while self.transport.has_requests() and time.monotonic() < deadline and self.is_healthy():
+        while (self.transport.has_requests() and time.monotonic() < deadline
+               and self.is_healthy() and not self.stats().get("engine_paused")):
             time.sleep(0.05)
         clean = not self.transport.has_requests()
         self.transport.abort_all()
