@@ -1,4 +1,4 @@
-"""``tpserve soak`` against a real ``tpserve serve``: two hundred mixed requests, a fifth
+"""``tpserve soak`` against a real ``tpserve serve``: 160 mixed requests, a fifth
 of them aborted by the client, then an idle server with a free KV pool and bounded RSS over
 its whole process tree; and a leak planted in the engine process is caught and named."""
 
@@ -12,7 +12,7 @@ from tests.server.serverproc import SMALL, ServerProcess
 from tpserve.loadtest import soak
 from tpserve.model.fault import FAULT_ENV
 
-NUM_REQUESTS = 200
+NUM_REQUESTS = 160
 
 
 @pytest.mark.slow
