@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from tpserve.model.runner import ModelRunner
 
 
+def reload_refusal(runner: ModelRunner) -> str | None:
+    """Why this model's weights cannot be replaced in place, or None."""
+    if runner.kv_calibration_tokens:
+        return ("its FP8 KV cache scales were calibrated on the served weights at start-up "
+                "(--calculate-kv-scales)")
+    return level2_refusal(runner)
+
+
 def _open(runner: ModelRunner, path: str) -> Checkpoint:
     """The checkpoint at ``path`` (the one served now when empty: the start-up's, or the
     last one read), checked to be the served model's. ValueError or OSError naming what
@@ -47,7 +55,7 @@ def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str]:
     """Every rank, in lockstep: the weights of ``path`` (or the served checkpoint) read
     into the model. ValueError (every rank serving what it served before) if any rank
     could not open or check it, or could not load it."""
-    why = level2_refusal(runner)
+    why = reload_refusal(runner)
     if why is not None:  # the same on every rank: no collective needed to agree
         raise ValueError(f"the weights cannot be read again in place: {why}")
     if runner.sleep_state.weights_asleep:

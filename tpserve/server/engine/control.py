@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tpserve.model.reload import reload_refusal
 from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS, SleepError, level2_refusal
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
@@ -209,7 +210,7 @@ def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
         raise InvalidRequestError(
             f"requests hold {used} KV blocks computed with the current weights: POST "
             "/pause?mode=abort (or wait), or /sleep, first")
-    why = level2_refusal(core.runner)
+    why = reload_refusal(core.runner)
     if why is not None:
         raise InvalidRequestError(f"the weights cannot be read again in place: {why}")
     if core.runner.sleep_state.weights_asleep:
