@@ -324,6 +324,10 @@ def test_reload_weights_refusals_leave_the_weights_as_they_were(folder, smollm2_
     assert run_query(core, ("reload_weights", ""))["status"] == "reloaded"
     run_query(core, ("wake_up", ("kv_cache",)))
     assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    calibrated = make_core(folder, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3",
+                           calculate_kv_scales=True, load_format="dummy")  # seeded ids
+    with pytest.raises(InvalidRequestError, match="KV cache scales were calibrated"):
+        run_query(calibrated, ("reload_weights", ""))
 
 
 def test_a_second_pause_of_mode_wait_after_a_resume_is_its_own(folder, smollm2_tokenizer,
