@@ -4,8 +4,8 @@ empty and refill their shards (level 2 reads the GGUF file again), driven by htt
 openai client. A request sent while asleep is answered after the wake-up with the text it
 gets awake; a stream kept across a sleep ends with its whole greedy text; a sleep of mode
 wait answers after the request in flight has ended; vLLM's collective_rpc reads the
-weights again on both ranks; the state shows in /metrics and
-/memory; bad values are 400s naming the parameter. (Behind --api-key:
+weights again on both ranks; the state shows in /metrics, /memory and `tpserve memory`'s
+table; bad values are 400s naming the parameter. (Behind --api-key:
 tests/server/http/test_app.py.)"""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.server.serverproc import ServerProcess
+from tpserve.loadtest.memory.report import format_table
 
 PROMPT = "The three primary colours are"
 
@@ -70,7 +71,11 @@ def test_a_request_sent_while_asleep_is_answered_after_the_wake_up(server, http,
     assert any(line.startswith("tpserve:engine_sleep_state{") and
                'sleep_state="discard_all"' in line and line.endswith(" 1.0")
                for line in metrics.splitlines())
-    assert http.get("/memory").json()["sleep"]["state"] == "discard_all"
+    report = http.get("/memory").json()
+    assert report["sleep"]["state"] == "discard_all"
+    assert all(r["plan_disagreement"] is None for r in report["ranks"])
+    assert ("asleep at level 2 (discard_all): weights and KV cache given back"
+            in format_table(report).splitlines())
 
     answers: list[str] = []
     sender = threading.Thread(target=lambda: answers.append(complete(server)))

@@ -93,6 +93,15 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"host tier of the prefix cache: {host['bytes'] / GiB:.2f} GiB a rank "
                      f"({host['blocks']} blocks, {host['tokens']} tokens"
                      f"{', pinned' if host['pinned'] else ''})")
+    sleep = report.get("sleep")  # sleep mode (--enable-sleep-mode); absent: older servers
+    if sleep and sleep["state"] != "awake":
+        asleep = [name for name, key in (("weights", "weights_asleep"),
+                                         ("KV cache", "kv_cache_asleep")) if sleep[key]]
+        lines.append(f"asleep at level {sleep['level']} ({sleep['state']}): "
+                     f"{' and '.join(asleep) or 'nothing'} given back"
+                     + (f"; weights held in host memory: "
+                        f"{sleep['host_copy_bytes'] / GiB:.2f} GiB a rank"
+                        if sleep["host_copy_bytes"] else ""))
     h = report["history"]
     if h["time"]:
         span = h["time"][-1] - h["time"][0]
