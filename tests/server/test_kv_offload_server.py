@@ -1,7 +1,9 @@
 """``--kv-offloading-size`` through a real server at tp 2 (gloo), driven by the openai client:
 prompts evicted from a pool that holds two of them come back from every rank's host tier
 (each rank copies its own KV heads), answer as they did when computed, and the copies
-show in /metrics, /memory, ``tpserve memory`` and the start-up log. (The flags' checks: tests/test_cli.py and
+show in /metrics, /memory, ``tpserve memory`` and the start-up log; then a trainer's
+checkpoint read in place on both ranks (``/reload_weights``) answers with its own greedy
+tokens, the host tier forgotten. (The flags' checks: tests/test_cli.py and
 tests/server/engine/test_kv_offload_engine.py.)"""
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import sys
 import httpx
 import pytest
 
+from tests.model.util import greedy, load
+from tests.server.engine.test_sleep_engine import _trained
 from tests.server.serverproc import ServerProcess
 
 # the tiny Llama at tp 2: one KV head a rank, 16 x 16 float32 x 2 layers x K, V = 4 KiB a
 # block; 80 KiB: 20 blocks a rank (a 100-token prompt and its answer take 7); the tier:
 # 0.0005 GiB over two ranks, 65 blocks a rank
 FLAGS = ("--tensor-parallel-size", "2", "--kv-cache-memory", "80KiB",
-         "--kv-offloading-size", "0.0005", "--served-model-name", "tiny", "--check-integrity")
+         "--kv-offloading-size", "0.0005", "--served-model-name", "tiny", "--check-integrity",
+         "--enable-sleep-mode")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,8 @@ def _ask(client, prompt: list[int]):
                                      logprobs=1, extra_body={"ignore_eos": True})
 
 
-def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder, tmp_path):
+def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder, tmp_path,
+                                                                   smollm2_tokenizer):
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(100)] for _ in range(6)]
     s = ServerProcess(tiny_folder, *FLAGS, log_level="info")
@@ -67,6 +73,17 @@ def test_evicted_prompts_come_back_from_the_host_tier_of_every_rank(tiny_folder,
         assert cli.returncode == 0, cli.stderr
         assert ("host tier of the prefix cache: 0.00 GiB a rank (65 blocks, 1040 tokens)"
                 in cli.stdout.splitlines())
+        # a trainer's checkpoint read in place by both ranks (--enable-sleep-mode): each
+        # answers from its new shards, and no block cached with the old weights is reused
+        new = _trained(tiny_folder, tmp_path, "step-1")
+        r = httpx.post(s.base + "/reload_weights", json={"path": new}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "reloaded", r.text
+        model, comm = load(new)
+        for p in prompts[:2]:
+            again = _ask(client, p)
+            assert again.usage.prompt_tokens_details.cached_tokens == 0
+            want = smollm2_tokenizer.decode(greedy(model, comm, p, 8), skip_special_tokens=True)
+            assert again.choices[0].text == want
     finally:
         assert s.stop() == 0, s.output()
     assert "KV offloading: 65 blocks (1040 tokens) of host memory a rank" in s.output()

@@ -6,9 +6,11 @@ Every rank opens the checkpoint (without a path, the one served now is read agai
 start-up's or the last one read, e.g. after the trainer overwrote its folder), checks that it is the same model (``ModelConfig``
 equal: architecture, shapes, vocabulary), agrees with the others (one all-reduce), then
 reads its shards into the same tensors (``Checkpoint.load_into``), so the CUDA graphs stay
-valid. Only a model whose served tensors are the checkpoint's can (``sleep.level2_refusal``
-names the others). A load that fails on any rank after the check (a tensor missing, a
-read error) is undone on every rank by reading the previous checkpoint again.
+valid. Only a model whose served tensors are the checkpoint's can (``reload_refusal`` names
+the others). A load that fails on any rank after the check (a tensor missing, a truncated
+file) is undone on every rank by reading the previous checkpoint again; if that fails too,
+the engine fails (``ReloadLostError``). With the weights asleep, the new checkpoint is what
+they wake up from (vLLM's loop: sleep at level 2, train, load the new weights, wake).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tpserve.model.loader.checkpoint import Checkpoint, open_checkpoint
-from tpserve.model.sleep import level2_refusal
+from tpserve.model.sleep import SleepError, level2_refusal
 
 if TYPE_CHECKING:
     from tpserve.model.runner import ModelRunner
@@ -40,7 +42,9 @@ def _open(runner: ModelRunner, path: str) -> Checkpoint:
     cfg = runner.cfg
     if not path:
         return runner.ckpt
-    ckpt = open_checkpoint(path, cfg.load_format, cfg.seed, cfg.hf_overrides, cfg.tokenizer,
+    # a dummy-served model given a path reads that checkpoint's weights
+    load_format = "auto" if cfg.load_format == "dummy" else cfg.load_format
+    ckpt = open_checkpoint(path, load_format, cfg.seed, cfg.hf_overrides, cfg.tokenizer,
                            cfg.disable_sliding_window)
     if ckpt.config != runner.model_config:
         old, new = vars(runner.model_config), vars(ckpt.config)
@@ -51,31 +55,52 @@ def _open(runner: ModelRunner, path: str) -> Checkpoint:
     return ckpt
 
 
-def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str]:
+class ReloadLostError(RuntimeError):
+    """A failed load could not be undone: the weights are neither the old nor the new
+    checkpoint's on some rank. The engine cannot serve on (it fails, as a failed step)."""
+
+
+def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | None]:
     """Every rank, in lockstep: the weights of ``path`` (or the served checkpoint) read
-    into the model. ValueError (every rank serving what it served before) if any rank
-    could not open or check it, or could not load it."""
+    into the model; with the weights asleep (``sleep.py``), they wake up from it. ValueError
+    (every rank serving what it served before, or as asleep as before) if any rank could
+    not open, check or load it; ReloadLostError if a failed load could not be undone."""
     why = reload_refusal(runner)
     if why is not None:  # the same on every rank: no collective needed to agree
         raise ValueError(f"the weights cannot be read again in place: {why}")
-    if runner.sleep_state.weights_asleep:
-        raise ValueError("the weights are asleep: POST /wake_up?tags=weights first")
+    state = runner.sleep_state
     ckpt, error = None, None
     try:
         ckpt = _open(runner, path)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: agreed below
         error = e
-    if not runner.sleep_state.all_ok(error is None):
+    if not state.all_ok(error is None):
         raise ValueError(f"reload: {error or 'another rank could not open the checkpoint'}")
     t0 = time.monotonic()
+    if state.weights_asleep:  # a wake-up of the weights from the new checkpoint
+        try:
+            state.agreed_wake(True, False, ckpt)
+        except SleepError as e:
+            raise ValueError(f"reload: {e}") from None
+        runner.ckpt = ckpt
+        return {"path": path or None, "description": ckpt.description,
+                "seconds": round(time.monotonic() - t0, 3)}
     try:
         ckpt.load_into(runner.model, False)
-    except (OSError, ValueError, RuntimeError) as e:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    except Exception as e:  # noqa: BLE001 - a truncated file, a missing tensor: agreed
         error = e
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    if not runner.sleep_state.all_ok(error is None):
-        runner.ckpt.load_into(runner.model, False)  # the previous weights, every rank
+    if not state.all_ok(error is None):
+        try:  # the previous weights, on every rank
+            runner.ckpt.load_into(runner.model, False)
+            restored = None
+        except Exception as e:  # noqa: BLE001 - agreed below
+            restored = e
+        if not state.all_ok(restored is None):
+            raise ReloadLostError(f"reload: {error or 'another rank could not load it'}, "
+                                  f"and the previous weights could not be read again "
+                                  f"({restored or 'on another rank'})")
         raise ValueError(f"reload: {error or 'another rank could not load it'}; the "
                          "previous weights were read again")
     runner.ckpt = ckpt  # a level-2 sleep now reads this one

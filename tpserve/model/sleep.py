@@ -40,6 +40,7 @@ import torch
 from tpserve.model.memory import read_memory
 
 if TYPE_CHECKING:
+    from tpserve.model.loader.checkpoint import Checkpoint
     from tpserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,12 @@ class HostCopy:
         for n in sizes:
             offsets.append(offsets[-1] + n)
         self.parts = [self.buffer[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
-        for part, s in zip(self.parts, storages, strict=True):
-            part.copy_(_bytes_of(s), non_blocking=True)
+        try:
+            for part, s in zip(self.parts, storages, strict=True):
+                part.copy_(_bytes_of(s), non_blocking=True)
+        except BaseException:
+            self.close()
+            raise
 
     def restore(self, storages: list[torch.UntypedStorage]) -> None:
         for part, s in zip(self.parts, storages, strict=True):
@@ -196,18 +201,21 @@ class RankSleep:
                              f"memory ({error or 'another rank'}); still awake", True)
         return self._gathered(self.sleep(level, host))
 
-    def agreed_wake(self, weights: bool, kv: bool) -> list[dict[str, float]]:
+    def agreed_wake(self, weights: bool, kv: bool,
+                    ckpt: Checkpoint | None = None) -> list[dict[str, float]]:
         """``wake`` on every rank, kept only if every rank could, and, where nothing is
         left asleep, had its graphs' reserve free (else ``undo`` everywhere and
         SleepError: as asleep as before); then the CUDA graphs are captured again
         (a capture that still runs out of memory leaves the steps eager, logged).
-        Returns every rank's figures."""
+        ``ckpt``: the weights read from this checkpoint instead (``reload.py``). Returns
+        every rank's figures."""
         r = self.runner
-        figures, error = self.wake(weights, kv)
+        figures, error = self.wake(weights, kv, ckpt)
         graphs = (r.cfg.uses_cuda_graphs and not (self.weights_asleep and not weights)
                   and not (self.kv_asleep and not kv))
         oom = isinstance(error, torch.OutOfMemoryError)
         if error is None and graphs:
+            self._release_cache()  # what a level-2 load left cached counts as free
             free, _ = read_memory(r.device)
             if free < r.plan.graphs_reserve:
                 oom = True
@@ -261,7 +269,8 @@ class RankSleep:
         return figures
 
     # ------------------------------------------------------------------------- wake
-    def wake(self, weights: bool, kv: bool) -> tuple[SleepFigures, BaseException | None]:
+    def wake(self, weights: bool, kv: bool, ckpt: Checkpoint | None = None
+             ) -> tuple[SleepFigures, BaseException | None]:
         """Takes back the weights and / or the KV pool (those still asleep); returns what
         was taken and the error that stopped it (None if none: out of memory, or a
         level-2 checkpoint that cannot be read). On an error the caller agrees with the
@@ -270,7 +279,7 @@ class RankSleep:
         figures = SleepFigures()
         try:
             if weights and self.weights_asleep:
-                figures.weights = self._restore_weights()
+                figures.weights = self._restore_weights(ckpt)
             if kv and self.kv_asleep:
                 pool = self.runner.kv_pool
                 pool.buffer.untyped_storage().resize_(pool.nbytes)
@@ -282,11 +291,13 @@ class RankSleep:
         figures.seconds = time.monotonic() - t0
         return figures, None
 
-    def _restore_weights(self) -> int:
+    def _restore_weights(self, ckpt: Checkpoint | None) -> int:
         storages = self._weights()
         for s, size in zip(storages, self._sizes, strict=True):
             s.resize_(size)
-        if self._host is not None:
+        if ckpt is not None:  # another checkpoint of the model (reload.py)
+            ckpt.load_into(self.runner.model, False)
+        elif self._host is not None:
             self._host.restore(storages)
         else:  # level 2: the checkpoint again, into the same tensors
             self.runner.ckpt.load_into(self.runner.model, False)

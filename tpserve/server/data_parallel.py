@@ -154,6 +154,8 @@ class DataParallelEngines:
             return merge_memory(answers)
         if kind in ("sleep", "wake_up"):  # each replica's ranks' figures, in replica order
             return {**answers[0], "ranks": [r for a in answers for r in a["ranks"]]}
+        if kind == "reload_weights":  # the slowest replica's time
+            return {**answers[0], "seconds": max(a["seconds"] for a in answers)}
         if any(a != answers[0] for a in answers):
             raise EngineError(f"the replicas answered {name!r} differently: {answers}; "
                               "restart the server")

@@ -175,9 +175,9 @@ def test_a_size_that_holds_no_block_is_refused(tiny_llama):
 
 def test_the_host_tier_outlives_a_sleep_until_reset_external(tiny_llama, smollm2_tokenizer,
                                                             prompts, expected):
-    """A sleep forgets the device's cached blocks (the pool's content is gone) but keeps the
-    host tier's: a prompt it holds is loaded back after the wake-up; vLLM's reset_external
-    forgets those too."""
+    """A level-1 sleep forgets the device's cached blocks (the pool's content is gone) but
+    keeps the host tier's: a prompt it holds is loaded back after the wake-up; vLLM's
+    reset_external forgets those too, and so does a level-2 sleep."""
     from tpserve.server.engine.queries import run_query
 
     core = make_core(tiny_llama, smollm2_tokenizer, num_blocks=20, host_blocks=64,
@@ -191,3 +191,9 @@ def test_the_host_tier_outlives_a_sleep_until_reset_external(tiny_llama, smollm2
     third = _one_at_a_time(core, prompts[1:2], "c")
     assert tokens_of(third[0]) == expected[1] and third[0][-1].num_cached_tokens == 0
     core.block_manager.check_integrity()
+    # a level-2 sleep forgets them: its wake-up reads a checkpoint a trainer may rewrite
+    _one_at_a_time(core, prompts, "d")
+    run_query(core, ("sleep", 2, "abort"))
+    run_query(core, ("wake_up", None))
+    fourth = _one_at_a_time(core, prompts[:1], "e")
+    assert tokens_of(fourth[0]) == expected[0] and fourth[0][-1].num_cached_tokens == 0

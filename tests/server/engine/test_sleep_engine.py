@@ -317,12 +317,6 @@ def test_reload_weights_refusals_leave_the_weights_as_they_were(folder, smollm2_
         run_query(core, ("reload_weights", ""))
     run_to_end(core)
     assert tokens_of(out) == expected[1]
-    run_query(core, ("sleep", 1, "abort"))
-    with pytest.raises(InvalidRequestError, match="wake_up\\?tags=weights first"):
-        run_query(core, ("reload_weights", ""))
-    run_query(core, ("wake_up", ("weights",)))
-    assert run_query(core, ("reload_weights", ""))["status"] == "reloaded"
-    run_query(core, ("wake_up", ("kv_cache",)))
     assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
     calibrated = make_core(folder, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3",
                            calculate_kv_scales=True, load_format="dummy")  # seeded ids
@@ -467,3 +461,78 @@ def test_the_step_loop_answers_a_wait_after_the_outputs_and_drains_a_paused_engi
     assert seen["order"][:2] == ["first", "slept"] and seen["slept"]["is_sleeping"]
     assert tokens_of(first) == expected[0]
     assert held[-1].finished and held[-1].deltas[-1].finish_reason == "abort"
+
+
+def test_a_failed_reload_reads_the_previous_weights_again(folder, smollm2_tokenizer,
+                                                          prompts_and_greedy, tmp_path):
+    """A checkpoint that fails mid-load (a tensor missing at the end; a truncated shard
+    the trainer is still writing) is a 400: the previous weights are read again, the
+    engine serves on, and the prefix cache is reset either way."""
+    from safetensors.torch import load_file, save_file
+
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    before = weights(core)
+    lacking = _trained(folder, tmp_path, "lacking")
+    shards = sorted(p for p in (tmp_path / "lacking").glob("*.safetensors"))
+    last = load_file(shards[-1])
+    last.pop(sorted(last)[-1])
+    save_file(last, shards[-1], metadata={"format": "pt"})
+    out = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    with pytest.raises(InvalidRequestError, match="checkpoint lacks 1 tensors.*previous "
+                                                  "weights were read again"):
+        run_query(core, ("reload_weights", lacking))
+    assert core.block_manager.num_cached_free_blocks == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    truncated = _trained(folder, tmp_path, "truncated")
+    shard = sorted((tmp_path / "truncated").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(InvalidRequestError, match="reload: "):
+        run_query(core, ("reload_weights", truncated))
+    assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    out = submit(core, "b", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0]
+
+
+def test_weights_asleep_wake_up_from_a_new_checkpoint(folder, smollm2_tokenizer,
+                                                      prompts_and_greedy, tmp_path):
+    """vLLM's loop: sleep at level 2, the trainer writes a checkpoint, the weights wake up
+    from it (the pool still asleep: the engine too), then the pool; and a level-2 sleep
+    forgets the host tier's blocks too (its wake-up reads a checkpoint that may differ)."""
+    prompts, expected = prompts_and_greedy
+    new = _trained(folder, tmp_path, "step-2")
+    model, comm = load(new)
+    expected_new = greedy(model, comm, prompts[0], PARAMS.max_tokens)
+    core = make_core(folder, smollm2_tokenizer)
+    run_query(core, ("sleep", 2, "abort"))
+    answer = run_query(core, ("reload_weights", new))
+    assert answer["status"] == "reloaded" and answer["is_sleeping"] is True
+    assert not core.runner.sleep_state.weights_asleep and core.runner.sleep_state.kv_asleep
+    assert run_query(core, "is_sleeping")
+    run_query(core, ("wake_up", ("kv_cache",)))
+    assert not run_query(core, "is_sleeping")
+    out = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected_new
+    # asleep at level 1 too: the host copy is dropped, the new weights read, all awake
+    run_query(core, ("sleep", 1, "abort"))
+    run_query(core, ("wake_up", ("kv_cache",)))
+    answer = run_query(core, ("reload_weights", folder))
+    assert answer["is_sleeping"] is False and core.runner.sleep_state.report()[
+        "host_copy_bytes"] == 0
+    out = submit(core, "b", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0]
+
+
+def test_a_dummy_served_model_reloads_a_real_checkpoint(folder, smollm2_tokenizer,
+                                                       prompts_and_greedy):
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer, load_format="dummy")
+    answer = run_query(core, ("reload_weights", folder))
+    assert not answer["description"].startswith("dummy")
+    out = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0]

@@ -159,7 +159,9 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
     def then() -> dict[str, Any]:
         if mode == "keep":  # the pool's content is lost: they are computed again
             core.counters["num_preemptions_total"] += len(core.scheduler.preempt_all())
-        _reset_cache(core, host=False)  # the host tier's blocks stay valid
+        # the host tier's blocks stay valid while the weights are kept (level 1); level 2
+        # reads the checkpoint again at wake-up, which a trainer may have overwritten
+        _reset_cache(core, host=level == 2)
         try:
             ranks = runner.sleep(level)
         except SleepError as e:
@@ -199,10 +201,11 @@ def is_sleeping(core: EngineCore) -> bool:
 
 
 def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
-    """The checkpoint at ``path`` (empty: the served one, read again) into the weights in
-    place (``model/reload.py``), then the prefix cache reset (its blocks were computed
-    with the old weights). Only while no request holds KV blocks: idle, paused (mode
-    abort or wait), or asleep with the weights awake (``/wake_up?tags=weights``)."""
+    """The checkpoint at ``path`` (empty: the one served, read again) into the weights in
+    place (``model/reload.py``), then the prefix cache reset, the host tier's too (its
+    blocks were computed with the old weights; after a failed attempt as well). Only while
+    no request holds KV blocks: idle, paused (mode abort or wait), or asleep: the weights
+    then wake up from it (and the engine resumes if nothing else sleeps)."""
     _enabled(core)
     core.settle()
     used = core.block_manager.num_used_blocks
@@ -213,19 +216,20 @@ def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
     why = reload_refusal(core.runner)
     if why is not None:
         raise InvalidRequestError(f"the weights cannot be read again in place: {why}")
-    if core.runner.sleep_state.weights_asleep:
-        raise InvalidRequestError("the weights are asleep: POST /wake_up?tags=weights first")
+    state = core.runner.sleep_state
     try:
         answer = core.runner.reload_weights(path)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
-    if core.runner.sleep_state.kv_asleep:  # the device's was reset at the sleep
-        core.block_manager.reset_prefix_cache(host=True)
-    else:
-        _reset_cache(core, host=True)
-    logger.info("weights read again from %s in %.2f s", answer["description"],
-                answer["seconds"])
-    return {"status": "reloaded", **answer}
+    finally:  # ReloadLostError goes on up: the engine fails
+        if state.kv_asleep:  # the device's was reset at the sleep
+            core.block_manager.reset_prefix_cache(host=True)
+        else:
+            _reset_cache(core, host=True)
+    logger.info("weights read from %s in %.2f s", answer["description"], answer["seconds"])
+    if core.pause.state == ASLEEP and not (state.weights_asleep or state.kv_asleep):
+        core.resume()
+    return {"status": "reloaded", "is_sleeping": core.pause.state == ASLEEP, **answer}
 
 
 def reset_prefix_cache(core: EngineCore, running: bool = False,
