@@ -6,7 +6,7 @@ plan at ``--gpu-memory-utilization``).
 Per level: a greedy request's tokens awake; the sleep (device free memory before and
 after, the allocator's reserved bytes); the wake-up (its time, of which the graphs'
 capture); the same request's tokens after it, which must be equal. Then a wake-up in two
-parts (tags), and one refused for want of memory: a co-tenant tensor takes the free memory
+parts (tags), a reload of the weights in place, and a wake-up refused for want of memory: a co-tenant tensor takes the free memory
 while the engine sleeps, the wake-up is a 503 and the engine stays asleep, the tensor goes,
 the wake-up succeeds. Prints one JSON document; exits 1 if any check fails.
 
@@ -104,6 +104,10 @@ def main() -> None:
     parts["same_tokens"] = greedy(core, "parts") == awake
     ok &= parts["same_tokens"] and not parts["kv_cache"]["is_sleeping"]
     out["wake_in_parts"] = parts
+    # the served checkpoint read again in place (dummy: regenerated), under the graphs
+    answer, seconds = timed(core, ("reload_weights", ""))
+    out["reload"] = {"s": seconds, "same_tokens": greedy(core, "reload") == awake}
+    ok &= out["reload"]["same_tokens"]
     # a co-tenant takes the free memory while the engine sleeps
     run_query(core, ("sleep", 1, "abort"))
     blocker = torch.empty(torch.cuda.mem_get_info()[0] - GIB, dtype=torch.uint8, device=dev)

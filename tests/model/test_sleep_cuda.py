@@ -94,3 +94,18 @@ def test_a_wake_up_without_room_for_the_graphs_stays_asleep():
     torch.cuda.empty_cache()
     runner.wake_up(True, True)
     assert torch.equal(_logits(runner), before)
+
+
+def test_a_reload_reads_the_weights_under_the_captured_graphs():
+    """``reload_weights`` writes the same storages: the graphs captured at start-up replay
+    with the weights read again (spoiled ones first, so a graph still reading them would
+    show)."""
+    runner = _runner()
+    before = _logits(runner)
+    graphs = runner.graphs
+    for p in runner.model.parameters():
+        p.data.mul_(0.5)
+    assert not torch.equal(_logits(runner), before)
+    answer = runner.reload_weights("")
+    assert answer["path"] is None and runner.graphs is graphs
+    assert torch.equal(_logits(runner), before)
