@@ -138,14 +138,15 @@ class DataParallelEngines:
                 raise InvalidRequestError(f"replica {replica}: this server runs replicas "
                                           f"0..{len(self.engines) - 1}")
             return await self.engines[replica].query("memory_snapshot")
-        if kind == "sleep":  # all or none: the replicas that slept wake if one did not
+        if kind == "sleep":  # all or none: the replicas this sleep put to sleep (not those
+            # asleep already: no ranks in their answer) wake if one did not sleep
             tried = await asyncio.gather(*(e.query(name, timeout) for e in self.engines),
                                          return_exceptions=True)
             failed = [a for a in tried if isinstance(a, BaseException)]
             if failed:
                 await asyncio.gather(*(e.query(("wake_up", None), timeout) for e, a in
                                        zip(self.engines, tried, strict=True)
-                                       if not isinstance(a, BaseException)),
+                                       if not isinstance(a, BaseException) and a["ranks"]),
                                      return_exceptions=True)
                 raise failed[0]
         answers = tried if kind == "sleep" else await asyncio.gather(
