@@ -33,17 +33,13 @@ from collections import deque
 
 import torch
 
+from tpserve.model.host_copy import lock_in_place, unlock
 from tpserve.model.kv_pool import KVPool
 
 STAGING_BYTES = 64 * 2**20  # one direction's two staging buffers, at most (at least 2 blocks)
 # copies move bits: every KV dtype is viewed as the integer type of its size (fp8 has no
 # index_select on every device)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-def _unregister(host: torch.Tensor) -> None:
-    """Unpins the tier's memory before it is freed (the finalizer of its ``HostKV``)."""
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def host_slots(total_bytes: int, tp: int, bytes_per_block: int) -> int:
@@ -99,11 +95,8 @@ class HostKV:
         try:
             self.host = torch.empty((num_slots, self.rows, self.row), dtype=buf.dtype)
             if cuda:
-                # registered in place: torch's pinned allocator would round the size up to
-                # a power of two (40 GiB asked, 64 GiB locked)
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-                    self.host.data_ptr(), self.host.nbytes, 0))
-                weakref.finalize(self, _unregister, self.host)
+                lock_in_place(self.host)
+                weakref.finalize(self, unlock, self.host)  # before the memory is freed
         except RuntimeError as e:
             raise MemoryError(
                 f"--kv-offloading-size: could not allocate {num_slots} KV blocks "

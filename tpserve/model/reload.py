@@ -74,7 +74,7 @@ def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | Non
         ckpt = _open(runner, path)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: agreed below
         error = e
-    if not state.all_ok(error is None):
+    if not runner.comm.all_true(error is None):
         raise ValueError(f"reload: {error or 'another rank could not open the checkpoint'}")
     t0 = time.monotonic()
     if state.weights_asleep:  # a wake-up of the weights from the new checkpoint
@@ -91,13 +91,13 @@ def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | Non
             torch.cuda.synchronize(runner.device)
     except Exception as e:  # noqa: BLE001 - a truncated file, a missing tensor: agreed
         error = e
-    if not state.all_ok(error is None):
+    if not runner.comm.all_true(error is None):
         try:  # the previous weights, on every rank
             runner.ckpt.load_into(runner.model, False)
             restored = None
         except Exception as e:  # noqa: BLE001 - agreed below
             restored = e
-        if not state.all_ok(restored is None):
+        if not runner.comm.all_true(restored is None):
             raise ReloadLostError(f"reload: {error or 'another rank could not load it'}, "
                                   f"and the previous weights could not be read again "
                                   f"({restored or 'on another rank'})")

@@ -2,7 +2,7 @@
 the weights, the KV pool and the CUDA graphs given back while the engine sleeps, and taken
 again at wake-up.
 
-- Level 1: every weight storage is copied to host memory (pinned on CUDA), then emptied;
+- Level 1: every weight storage is copied to host memory (page-locked on CUDA), then emptied;
   wake-up copies it back.
 - Level 2: the weights are emptied with no copy kept; wake-up reads the checkpoint into
   the same storages again (``Checkpoint.load_into``). Only a model whose loaded tensors are
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tpserve.model.host_copy import lock_in_place, unlock
 from tpserve.model.memory import read_memory
 
 if TYPE_CHECKING:
@@ -89,8 +90,7 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 class HostCopy:
     """Level 1's copy of a rank's weight storages: one host buffer, page-locked in place on
-    CUDA (``cudaHostRegister``: torch's pinned allocator would round each storage up to a
-    power of two and keep the memory after it is dropped). ``close`` gives it back."""
+    CUDA (``host_copy.lock_in_place``). ``close`` gives it back."""
 
     def __init__(self, storages: list[torch.UntypedStorage], cuda: bool):
         sizes = [s.nbytes() for s in storages]
@@ -98,8 +98,7 @@ class HostCopy:
         self.buffer: torch.Tensor | None = torch.empty(self.nbytes, dtype=torch.uint8)
         self._registered = False
         if cuda and self.nbytes:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-                self.buffer.data_ptr(), self.nbytes, 0))
+            lock_in_place(self.buffer)
             self._registered = True
         offsets = [0]
         for n in sizes:
@@ -118,7 +117,7 @@ class HostCopy:
 
     def close(self) -> None:
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            unlock(self.buffer)
             self._registered = False
         self.buffer, self.parts = None, []
 
@@ -171,12 +170,6 @@ class RankSleep:
         return None
 
     # --------------------------------------------------------- every rank, in lockstep
-    def all_ok(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (one all-reduce)."""
-        r = self.runner
-        flag = torch.tensor([int(ok)], dtype=torch.int64, device=r.device)
-        return bool(int(r.comm.all_reduce_min(flag).item()))
-
     def _gathered(self, figures: SleepFigures) -> list[dict[str, float]]:
         """Every rank's figures, in rank order (one all-gather; seconds to the ms)."""
         d = figures.as_dict()
@@ -194,7 +187,7 @@ class RankSleep:
                 self._sync()
             except Exception as e:  # noqa: BLE001 - host memory, registration: agreed below
                 error = e
-        if not self.all_ok(error is None):
+        if not self.runner.comm.all_true(error is None):
             if host is not None:
                 host.close()
             raise SleepError(f"sleep level 1: a rank could not copy its weights to host "
@@ -222,7 +215,7 @@ class RankSleep:
                 error = MemoryError(f"{free / 2**30:.2f} GiB free after the weights and "
                                     f"the pool, the CUDA graphs need about "
                                     f"{r.plan.graphs_reserve / 2**30:.2f} GiB")
-        if not self.all_ok(error is None):
+        if not self.runner.comm.all_true(error is None):
             self.undo(weights, kv)
             free, total = read_memory(r.device)
             raise SleepError(

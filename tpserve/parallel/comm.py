@@ -91,6 +91,12 @@ class Communicator:
                 dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group.group)
         return x
 
+    def all_true(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a minimum all-reduce of one flag): how the
+        ranks agree that a step every rank took (a sleep, a wake-up, a reload) is kept."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64, device=self.group.device)
+        return bool(int(self.all_reduce_min(flag).item()))
+
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum over ranks, in place (used to agree on KV cache scales)."""
         if self.world_size > 1:

@@ -138,19 +138,10 @@ class DataParallelEngines:
                 raise InvalidRequestError(f"replica {replica}: this server runs replicas "
                                           f"0..{len(self.engines) - 1}")
             return await self.engines[replica].query("memory_snapshot")
-        if kind == "sleep":  # all or none: the replicas this sleep put to sleep (not those
-            # asleep already: no ranks in their answer) wake if one did not sleep
-            tried = await asyncio.gather(*(e.query(name, timeout) for e in self.engines),
-                                         return_exceptions=True)
-            failed = [a for a in tried if isinstance(a, BaseException)]
-            if failed:
-                await asyncio.gather(*(e.query(("wake_up", None), timeout) for e, a in
-                                       zip(self.engines, tried, strict=True)
-                                       if not isinstance(a, BaseException) and a["ranks"]),
-                                     return_exceptions=True)
-                raise failed[0]
-        answers = tried if kind == "sleep" else await asyncio.gather(
-            *(e.query(name, timeout) for e in self.engines))
+        if kind == "sleep":
+            answers = await self._sleep_all_or_none(name, timeout)
+        else:
+            answers = await asyncio.gather(*(e.query(name, timeout) for e in self.engines))
         if kind == "memory_report":
             return merge_memory(answers)
         if kind in ("sleep", "wake_up"):  # each replica's ranks' figures, in replica order
@@ -161,6 +152,21 @@ class DataParallelEngines:
             raise EngineError(f"the replicas answered {name!r} differently: {answers}; "
                               "restart the server")
         return answers[0]
+
+    async def _sleep_all_or_none(self, query: tuple, timeout: float) -> list[Any]:
+        """Every replica's answer to a sleep; if one did not sleep, the replicas this sleep
+        put to sleep (not those asleep already: no ranks in their answer) wake again and its
+        error is raised."""
+        tried = await asyncio.gather(*(e.query(query, timeout) for e in self.engines),
+                                     return_exceptions=True)
+        failed = [a for a in tried if isinstance(a, BaseException)]
+        if failed:
+            await asyncio.gather(*(e.query(("wake_up", None), timeout)
+                                   for e, a in zip(self.engines, tried, strict=True)
+                                   if not isinstance(a, BaseException) and a["ranks"]),
+                                 return_exceptions=True)
+            raise failed[0]
+        return tried
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

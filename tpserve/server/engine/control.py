@@ -141,10 +141,10 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
         raise InvalidRequestError(f"level must be 1 or 2, got {level}")
     runner = core.runner
     if core.pause.state == ASLEEP:
-        if core.pause.level == level:
+        if runner.sleep_state.level == level:
             return {"is_sleeping": True, "level": level, "ranks": []}
         raise InvalidRequestError(f"the engine already sleeps at level "
-                                  f"{core.pause.level}: POST /wake_up first")
+                                  f"{runner.sleep_state.level}: POST /wake_up first")
     if core.pause.state == DRAINING:
         raise InvalidRequestError("a pause or sleep of mode wait is under way: POST /resume "
                                   "first")
@@ -166,7 +166,7 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
             ranks = runner.sleep(level)
         except SleepError as e:
             raise _engine_error(e) from None
-        core.pause.state, core.pause.level = ASLEEP, level
+        core.pause.state = ASLEEP
         _log(f"asleep at level {level}", ranks)
         return {"is_sleeping": True, "level": level, "ranks": ranks}
 
@@ -222,10 +222,7 @@ def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     finally:  # ReloadLostError goes on up: the engine fails
-        if state.kv_asleep:  # the device's was reset at the sleep
-            core.block_manager.reset_prefix_cache(host=True)
-        else:
-            _reset_cache(core, host=True)
+        _reset_cache(core, host=True)
     logger.info("weights read from %s in %.2f s", answer["description"], answer["seconds"])
     if core.pause.state == ASLEEP and not (state.weights_asleep or state.kv_asleep):
         core.resume()

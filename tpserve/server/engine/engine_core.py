@@ -602,7 +602,7 @@ class EngineCore:
             "num_requests_waiting": (self.scheduler.num_waiting + self.awaiting.num_sequences
                                      + self.pause.num_held_sequences),
             "engine_paused": float(not self.pause.may_step),
-            "engine_sleep_level": self.pause.level,
+            "engine_sleep_level": self.runner.sleep_state.level,
             "kv_cache_usage_perc": bm.usage,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,

@@ -46,8 +46,7 @@ class Deferred:
 class EnginePause:
     """The engine's pause state and the requests held while it is not running."""
 
-    state: str = RUNNING
-    level: int = 0  # the sleep level while asleep
+    state: str = RUNNING  # asleep: the ranks' ``sleep.RankSleep`` holds the level
     held: list[RequestState] = field(default_factory=list)
     # counts the drains begun and the resumes: a deferred answer waiting for a drain is
     # called off when it changes (a resume came, or another drain began after one)
@@ -81,7 +80,7 @@ class EnginePause:
     def release(self) -> list[RequestState]:
         """Running again: the held requests, in arrival order, to enter the scheduler."""
         held, self.held = self.held, []
-        self.state, self.level = RUNNING, 0
+        self.state = RUNNING
         self.epoch += 1
         return held
 

@@ -446,18 +446,18 @@ class Scheduler:
         """Preempts the last-ranked ``fraction`` of the running sequences (at least one,
         never the first-ranked), e.g. after a step ran out of device memory. Returns
         them."""
-        running = list(self._running.values())
-        count = min(max(1, int(len(running) * fraction)), len(running) - 1)
-        victims = running[len(running) - count:] if count > 0 else []
-        for seq in reversed(victims):  # last-ranked first, each into waiting at its rank
-            self._preempt(seq)
-        return victims
+        n = len(self._running)
+        return self._preempt_last(min(max(1, int(n * fraction)), n - 1))
 
     def preempt_all(self) -> list[Sequence]:
         """Preempts every running sequence (before the KV pool's content is lost: sleep
         mode); returns them."""
-        victims = list(self._running.values())
-        for seq in reversed(victims):
+        return self._preempt_last(len(self._running))
+
+    def _preempt_last(self, count: int) -> list[Sequence]:
+        running = list(self._running.values())
+        victims = running[len(running) - count:] if count > 0 else []
+        for seq in reversed(victims):  # last-ranked first, each into waiting at its rank
             self._preempt(seq)
         return victims
 

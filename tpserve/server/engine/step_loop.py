@@ -184,10 +184,7 @@ class StepLoop:
                         state.emit(error)
             elif kind == "query":
                 arg[1](None, error)
-        with self._deferred_lock:
-            deferred, self._deferred = self._deferred, []
-        for _, _, reply in deferred:
-            reply(None, error)
+        self._fail_deferred(error)
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -257,6 +254,14 @@ class StepLoop:
             name, deferred, reply = ready
             self._reply(name, reply, deferred.finish)
 
+    def _fail_deferred(self, error: BaseException) -> None:
+        """Answers every deferred query with ``error`` (the engine stops or died); any
+        thread."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, []
+        for _, _, reply in deferred:
+            reply(None, error)
+
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         self.outbox.send_step(batch, not self.core.wants_step)
@@ -290,10 +295,7 @@ class StepLoop:
                 if self._deferred:  # after the outputs of the requests it waited for
                     self._settle_deferred()
             if self.dead_reason is None:
-                with self._deferred_lock:
-                    deferred, self._deferred = self._deferred, []
-                for _, _, reply in deferred:
-                    reply(None, EngineShuttingDownError("server shut down"))
+                self._fail_deferred(EngineShuttingDownError("server shut down"))
                 self.core.fail_all(EngineShuttingDownError("server shut down"))
                 self._flush()
                 self.core.runner.send_command(CMD_SHUTDOWN)
