@@ -268,6 +268,8 @@ def test_vllm_command_lines_are_taken(tiny_folder):
                 ).scheduler.max_chunk == 64
     assert _cfg(str(tiny_folder), "--responses-store-size", "5"
                 ).server.frontend.responses_store_size == 5
+    assert _cfg(str(tiny_folder), "--cpu-offload-gb", "0.5").runner.cpu_offload_bytes == 2**29
+    assert same.runner.cpu_offload_bytes == 0
     assert _cfg(str(tiny_folder)).server.frontend.responses_store_size == 0
     sleepy = _cfg(str(tiny_folder), "--enable-sleep-mode")
     assert sleepy.engine.enable_sleep_mode and sleepy.server.frontend.control_endpoints
@@ -347,7 +349,8 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
     (["-O3"], "--compilation-config 3: tpserve does not use torch.compile; .*"
               "--cuda-graph-max-tokens"),
-    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: weights are not offloaded"),
+    (["--cpu-offload-gb", "-1"], "--cpu-offload-gb must be >= 0 GiB, got -1.0"),
+    (["--cpu-offload-gb", "nan"], "--cpu-offload-gb must be >= 0 GiB, got nan"),
     (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.server.serverproc import SMALL, ServerProcess, new_port, stopped_on_exit, wait_healthy
+from tpserve.loadtest.memory.report import format_table
 from tpserve.model.fault import FAULT_ENV
 
 SMOL = "SmolLM2-135M-Instruct"
@@ -195,15 +196,31 @@ def test_only_the_http_port_listens_beyond_loopback(tp3, num_procs, request):
 # ------------------------------------------------------ tp 2 and 4: zero-padded heads = tp 1
 @pytest.mark.parametrize("tp,tp_comm", [(2, "allreduce"), (4, "allgather")])
 def test_padded_heads_serve_the_same_greedy_text_as_tp1(tp1_answers, tp, tp_comm):
-    """tp 4 also runs sequence parallel (--tp-comm allgather), so the flag is tested from
-    the command line to every rank without another server start-up."""
+    """tp 4 also runs sequence parallel (--tp-comm allgather), and tp 2 streams its last
+    layers' weights from host memory (--cpu-offload-gb: a rank's layer is 7.3 MiB, 5 of them
+    leave the device for the 0.02 GiB asked), so the flags are tested from the command line
+    to every rank without another server start-up."""
     # one server at a time (not a module fixture): tp 4 is four processes on two cores
+    offload = ("--cpu-offload-gb", "0.02") if tp == 2 else ()
     server = ServerProcess(*SMALL, "--tensor-parallel-size", str(tp), "--tp-comm", tp_comm,
-                           "--no-engine-process")
+                           "--no-engine-process", *offload, log_level="info")
     try:
         assert _smol_answers(server.base) == tp1_answers
         assert (f"tp {tp}: padding 9 q heads -> 12, 3 KV heads -> 4 (+33% attention FLOPs "
                 "and KV cache per rank)") in server.output()
+        report = httpx.get(server.base + "/memory", timeout=10).json()
+        streamed = report["weights_offloaded"]
+        if not offload:
+            assert streamed is None
+            return
+        slot = streamed["slot_bytes"]
+        assert streamed == {"layers": [25, 29], "host_bytes": 5 * slot, "slots": 2,
+                            "slot_bytes": slot, "pinned": False}
+        assert (f"weights offloaded: the last 5 decoder layers (25-29), "
+                f"{5 * slot / 2**30:.2f} GiB of host memory, streamed through 2 device "
+                f"slots of {slot / 2**20:.1f} MiB each forward") in server.output()
+        assert ("weights offloaded to host memory: 0.04 GiB a rank, decoder layers 25-29 "
+                "streamed through 2 device slots of 0.007 GiB") in format_table(report)
     finally:
         assert server.stop() == 0, server.output()
 

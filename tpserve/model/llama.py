@@ -221,15 +221,19 @@ def _moe_block(cfg: ModelConfig, comm: Communicator, ops: Ops, dtype: torch.dtyp
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, sequence_parallel: bool, quant=None,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, layers_device: torch.device | None = None):
+        """``layers_device``: where the decoder layers are built (default: the current
+        device); ``--cpu-offload-gb`` builds them in host memory
+        (``weight_offload.place_layers`` moves them)."""
         super().__init__()
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype,
                                                    reduce=reduce)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i,
-                              expert_parallel)
-            for i in range(cfg.num_hidden_layers))
+        with torch.device(layers_device or torch.get_default_device()):
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(cfg, comm, ops, attn, dtype, sequence_parallel, quant, i,
+                                  expert_parallel)
+                for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype,
                             cfg.norm_unit_offset)
 
@@ -245,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, ops: Ops, attn: AttentionBackend,
                  dtype: torch.dtype, max_positions: int, tp_comm: str = "allreduce",
-                 quant_method=None, lm_head: bool = True, expert_parallel: bool = False):
+                 quant_method=None, lm_head: bool = True, expert_parallel: bool = False,
+                 layers_device: torch.device | None = None):
         super().__init__()
         if tp_comm not in TP_COMM_MODES:
             raise ValueError(f"unknown tp_comm {tp_comm!r}; choose one of {TP_COMM_MODES}")
@@ -262,7 +267,10 @@ class LlamaForCausalLM(nn.Module):
         if expert_parallel and not cfg.num_experts:
             raise ValueError(f"--enable-expert-parallel: {cfg.architecture} has no experts")
         self.model = LlamaModel(cfg, comm, ops, attn, dtype, self.sequence_parallel,
-                                quant_method, expert_parallel)
+                                quant_method, expert_parallel, layers_device)
+        # --cpu-offload-gb: the last layers' weights streamed from host memory
+        # (``weight_offload.LayerWeightStream``, set by ``build_model``); None: all resident
+        self.weight_stream = None
         # a pooling runner's model has no LM head (``lm_head=False``): none is allocated,
         # loaded or required of the checkpoint, and ``compute_logits`` refuses
         self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype)
@@ -318,11 +326,20 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+        stream = self.weight_stream
+        if stream is not None:
+            stream.start()
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             rope = self.local_rope_cache if layer.local_rope else self.rope_cache
             if layer.nope:
                 rope = self.identity_rope_row.expand(self.rope_cache.shape[0], -1)
+            if stream is not None:
+                stream.before(i)
             x, residual = layer(x, residual, positions, rope, kv, meta)
+            if stream is not None:
+                stream.after(i)
+        if stream is not None:
+            stream.finish()
         x, _ = self.model.norm(x, residual)
         if self.sequence_parallel:
             x = self.comm.all_gather(x, dim=0)[:num_tokens]

@@ -75,6 +75,7 @@ from tpserve.model.reload import agreed_reload
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sleep import RankSleep, SleepError
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
+from tpserve.model.weight_offload import resident_weight_bytes
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
@@ -146,7 +147,8 @@ class ModelRunner:
                                      self.attn, self.max_model_len, show_progress,
                                      tp_comm=cfg.tp_comm, quant_method=quant,
                                      expert_parallel=cfg.expert_parallel,
-                                     lm_head=not cfg.pooling)
+                                     lm_head=not cfg.pooling,
+                                     cpu_offload_bytes=cfg.cpu_offload_bytes)
         except torch.OutOfMemoryError as e:
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
                                                 group.rank, free0, total,
@@ -160,7 +162,9 @@ class ModelRunner:
         self.kv_calibration_tokens = 0
         if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
             self._calibrate_kv_scales()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = resident_weight_bytes(self.model)
+        if self.model.weight_stream is not None and group.rank == 0:
+            logger.info(self.model.weight_stream.describe())
         if mcfg.num_experts and group.rank == 0:
             logger.info(experts_line(self.model, mcfg, weights))
         bs = limits.block_size

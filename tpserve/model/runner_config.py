@@ -48,6 +48,9 @@ class RunnerConfig:
     # --kv-offloading-size: host memory for the prefix cache's second tier, in bytes,
     # summed over the tensor-parallel ranks (model/kv_offload.py); 0: none
     kv_offloading_bytes: int = 0
+    # --cpu-offload-gb: at least this many bytes of each rank's weights held in host memory
+    # instead of device memory, the last decoder layers streamed (model/weight_offload.py)
+    cpu_offload_bytes: int = 0
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 512
     disable_custom_all_reduce: bool = False
@@ -116,6 +119,12 @@ class RunnerConfig:
                              f"got {self.runner!r}")
         if (self.pooler is not None) != self.pooling:
             raise ValueError("a pooler config goes with --runner pooling, and only with it")
+        if self.cpu_offload_bytes < 0:
+            raise ValueError("--cpu-offload-gb must be >= 0")
+        if self.cpu_offload_bytes and self.lora is not None:
+            raise ValueError("--cpu-offload-gb with --enable-lora: the adapters rebuild the "
+                             "layers' weights, which offloading streams from host memory; "
+                             "serve the adapters without offloading")
         if self.lora is not None and self.pooling:
             raise ValueError("--enable-lora serves adapters for generation; --runner pooling "
                              "(embeddings, classifiers) takes none")

@@ -68,6 +68,9 @@ def level2_refusal(runner: ModelRunner) -> str | None:
                 "loading")
     if runner.lora is not None:
         return "LoRA adapters are held beside the weights"
+    if runner.model.weight_stream is not None:
+        return ("--cpu-offload-gb streams the last layers' weights from host memory, which "
+                "a load into the served tensors would not reach")
     if runner.model_config.classifier_from_token:
         return "the classifier head is built from the LM head's rows at load"
     return None

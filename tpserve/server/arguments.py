@@ -155,6 +155,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "second tier of the prefix cache: cached KV blocks evicted from the "
                         "device are kept there and copied back on a later hit instead of "
                         "computed again (pinned on GPUs); default 0: off")
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
+                   help="per rank, at least this many GiB of weights held in host memory "
+                        "instead of device memory: the last decoder layers' weights are "
+                        "pinned in host memory and streamed to the device each forward "
+                        "(slower steps; serves a model larger than the device, or leaves "
+                        "the room to the KV cache); default 0: off")
     p.add_argument("--kv-offloading-backend", default="native", choices=["native"],
                    help="how KV blocks are offloaded: native (tpserve's own host tier; "
                         "vLLM's lmcache back-end is not available)")

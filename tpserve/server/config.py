@@ -202,6 +202,13 @@ def resolve_kv_offloading(gib: float, prefix_caching: bool) -> int:
     return int(gib * 2**30)
 
 
+def resolve_cpu_offload(gib: float) -> int:
+    """``--cpu-offload-gb`` in bytes (0: off)."""
+    if not gib >= 0:
+        raise ValueError(f"--cpu-offload-gb must be >= 0 GiB, got {gib}")
+    return int(gib * 2**30)
+
+
 def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     """``--enable-lora``'s adapters, each folder read and checked now (exit 2 naming the
     adapter, before any weight loads), and whether adapters may be loaded and unloaded
@@ -366,6 +373,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
         kv_offloading_bytes=resolve_kv_offloading(a.kv_offloading_size,
                                                   a.enable_prefix_caching),
+        cpu_offload_bytes=resolve_cpu_offload(a.cpu_offload_gb),
         enforce_eager=a.enforce_eager, cuda_graph_max_tokens=a.cuda_graph_max_tokens,
         disable_custom_all_reduce=a.disable_custom_all_reduce, tp_comm=a.tp_comm,
         expert_parallel=a.enable_expert_parallel,

@@ -33,9 +33,6 @@ REFUSED = {
                              "by --cuda-graph-max-tokens (or off: --enforce-eager)", None),
     "--max-seq-len-to-capture": ("CUDA graphs are captured by step size: "
                                  "--cuda-graph-max-tokens", None),
-    "--cpu-offload-gb": ("weights are not offloaded to CPU memory; split them with "
-                         "--tensor-parallel-size or hold them in fewer bits "
-                         "(--quantization)", "0"),
     "--num-scheduler-steps": ("multi-step scheduling is not supported (vLLM's V1 engine "
                               "dropped it too); --async-scheduling overlaps the host's "
                               "work with the device instead", "1"),

@@ -93,6 +93,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"host tier of the prefix cache: {host['bytes'] / GiB:.2f} GiB a rank "
                      f"({host['blocks']} blocks, {host['tokens']} tokens"
                      f"{', pinned' if host['pinned'] else ''})")
+    streamed = report.get("weights_offloaded")  # --cpu-offload-gb; absent: older servers
+    if streamed:
+        first, last = streamed["layers"]
+        lines.append(f"weights offloaded to host memory: {streamed['host_bytes'] / GiB:.2f} "
+                     f"GiB a rank, decoder layers {first}-{last} streamed through "
+                     f"{streamed['slots']} device slots of {streamed['slot_bytes'] / GiB:.3f} "
+                     f"GiB{', pinned' if streamed['pinned'] else ''}")
     sleep = report.get("sleep")  # sleep mode (--enable-sleep-mode); absent: older servers
     if sleep and sleep["state"] != "awake":
         asleep = [name for name, key in (("weights", "weights_asleep"),

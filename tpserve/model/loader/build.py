@@ -11,6 +11,7 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.kernels.backend import Ops
 from tpserve.model.loader.checkpoint import Checkpoint
 from tpserve.model.registry import model_class
+from tpserve.model.weight_offload import place_layers
 from tpserve.parallel.comm import Communicator
 
 logger = logging.getLogger(__name__)
@@ -39,36 +40,59 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                 dtype: torch.dtype, ops: Ops, attn: AttentionBackend, max_positions: int,
                 show_progress: bool = False, tp_comm: str = "allreduce",
                 quant_method=None, lm_head: bool = True,
-                expert_parallel: bool = False) -> nn.Module:
+                expert_parallel: bool = False, cpu_offload_bytes: int = 0) -> nn.Module:
     """The model with this rank's shards loaded. With a ``quant_method`` each linear layer
     then processes (quantizes) its loaded shard, layer by layer in module order on every
     rank, and the loaded copy is freed: ``parameters()`` then counts what is served.
     ``lm_head`` False: the model of a pooling runner, without an LM head;
-    ``expert_parallel``: a mixture of experts' experts split whole over the ranks."""
+    ``expert_parallel``: a mixture of experts' experts split whole over the ranks;
+    ``cpu_offload_bytes`` > 0: the decoder layers are built and loaded in host memory, then
+    placed on ``device`` one at a time, the last ones streamed from host memory so that the
+    device holds at least that many fewer bytes (``model.weight_stream``)."""
     cfg = ckpt.config
     cfg.check_tensor_parallel(comm.world_size)
     padding = cfg.describe_padding(comm.world_size)
     if padding and comm.rank == 0:
         logger.warning(padding)  # a cost the user chose by --tensor-parallel-size
+    host = torch.device("cpu")
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, comm, ops, attn, dtype, max_positions,
                                                   tp_comm=tp_comm, quant_method=quant_method,
                                                   lm_head=lm_head,
-                                                  expert_parallel=expert_parallel)
+                                                  expert_parallel=expert_parallel,
+                                                  layers_device=host if cpu_offload_bytes
+                                                  else None)
     if cfg.classifier_from_token:  # the label tokens' ids, for the head built at load
         model.classifier_token_ids = label_token_ids(ckpt.tokenizer(),
                                                      cfg.classifier_from_token)
     ckpt.load_into(model, show_progress)
-    if quant_method is not None:
-        for name, module in model.named_modules():
-            finish = getattr(module, "process_weights_after_loading", None)
+
+    def process(prefix: str, module: nn.Module) -> None:
+        if quant_method is None:
+            return
+        for name, sub in module.named_modules(prefix=prefix):
+            finish = getattr(sub, "process_weights_after_loading", None)
             if finish is not None:
                 try:
                     finish()
                 except ValueError as e:
                     raise ValueError(f"{ckpt.description}: {name}: {e}") from None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the loaded copies: the memory plan reads free memory
+
+    if cpu_offload_bytes:
+        layers = model.model.layers
+        for name, module in model.named_children():  # all but the decoder layers
+            if module is not model.model:
+                process(name, module)
+        for name, module in model.model.named_children():
+            if module is not layers:
+                process(f"model.{name}", module)
+        model.weight_stream = place_layers(
+            layers, device, cpu_offload_bytes,
+            lambda i, layer: process(f"model.layers.{i}", layer))
+    else:
+        process("", model)
+    if device.type == "cuda" and (quant_method is not None or cpu_offload_bytes):
+        torch.cuda.empty_cache()  # the loaded copies: the memory plan reads free memory
     return model.eval()
 
 

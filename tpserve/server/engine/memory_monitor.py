@@ -105,6 +105,7 @@ class MemoryMonitor:
                 "plan_disagreement": (None if not compared
                                       else (reading.reserved - plan["held"]) / plan["held"])})
         host = self.runner.host_kv
+        stream = self.runner.model.weight_stream
         return {
             "device": plan0.device, "tp": self.world_size, "block_size": plan0.block_size,
             "kv_source": plan0.kv_source,
@@ -113,6 +114,9 @@ class MemoryMonitor:
                 "blocks": host.num_slots, "bytes": host.nbytes,
                 "tokens": host.num_slots * plan0.block_size,
                 "pinned": plan0.device.startswith("cuda")},
+            # --cpu-offload-gb: the decoder layers streamed from host memory (every rank
+            # streams the same layers, each its own shards)
+            "weights_offloaded": None if stream is None else stream.report(),
             "sample_interval_s": self.sample_s,
             "rank_interval_s": self.gather_s, "rank_gathers": gathers, "ranks": ranks,
             "history": {"time": [h[0] for h in hist], "kv_usage": [h[1] for h in hist],

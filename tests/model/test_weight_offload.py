@@ -1,0 +1,173 @@
+"""``--cpu-offload-gb`` (``model/weight_offload.py``): the last decoder layers' weights held
+in host memory and streamed through two device slots give exactly the logits of the model
+with every weight resident, at tp 1 and tp 2 (gloo), unquantized and FP8-quantized at load
+(each streamed layer processed on the device before it leaves); the device holds at least
+the bytes asked fewer; the slots really are shared (a layer's weights are in its slot only
+while it runs); and what cannot be offloaded is refused naming the limit. On a GPU, the
+streamed copies ride a side stream and are captured in the CUDA graphs: a runner's graphs
+and its eager steps give the resident runner's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.model.util import CPU, full_logits, load, whole_and_stepped
+from tpserve.model.attention.backend import select_attention
+from tpserve.model.kernels.backend import select_ops
+from tpserve.model.loader.build import build_model
+from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
+from tpserve.model.weight_offload import (
+    SLOTS,
+    LayerLayout,
+    offloaded_count,
+    place_layers,
+    resident_weight_bytes,
+)
+from tpserve.parallel.comm import Communicator
+from tpserve.parallel.launch import run_ranks
+from tpserve.parallel.state import TPGroup
+
+MiB = 2**20
+TOKENS = [5, 17, 300, 42, 9, 1200, 77, 31, 8, 64, 2048, 3, 19, 711, 40, 23, 99, 5]
+
+
+def _offloaded(path: str, offload_bytes: int, group: TPGroup | None = None,
+               quantization: str = "none"):
+    group = group or TPGroup(0, 1, CPU, None)
+    ckpt = open_checkpoint(path)
+    method = None
+    if quantization != "none":
+        from tpserve.model.quant.methods import linear_method
+
+        method = linear_method(quantization, "torch", CPU, torch.float32, 32, None)
+    comm = Communicator(group)
+    model = build_model(ckpt, comm, CPU, torch.float32, select_ops("torch"),
+                        select_attention("torch", torch.float32), 512, quant_method=method,
+                        cpu_offload_bytes=offload_bytes)
+    return model, comm
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return load(str(embedded_model_path()))
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    return _offloaded(str(embedded_model_path()), 40 * MiB)
+
+
+def test_streamed_layers_give_the_resident_logits(resident, streamed):
+    (ref, comm), (model, comm2) = resident, streamed
+    stream = model.weight_stream
+    # SmolLM2's layers: 13.5 MiB each in float32; 5 out, 2 slots in: 40.5 MiB fewer
+    layer = LayerLayout.of(ref.model.layers[-1]).weight_bytes
+    assert (stream.first, stream.count) == (25, 5)
+    saved = resident_weight_bytes(ref) - resident_weight_bytes(model)
+    assert saved == 5 * layer - SLOTS * stream.layout.nbytes >= 40 * MiB
+    assert stream.host_bytes == 5 * stream.layout.nbytes
+    for a, b in zip(whole_and_stepped(ref, comm, TOKENS, 7, 5),
+                    whole_and_stepped(model, comm2, TOKENS, 7, 5), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_streamed_layer_is_in_its_slot_only_while_it_runs(resident, streamed):
+    (ref, _), (model, comm) = resident, streamed
+    stream, layers = model.weight_stream, model.model.layers
+    first = stream.first
+    # layers first and first + 2 share slot 0; first + 1 has slot 1
+    ptr = lambda i: layers[i].mlp.down_proj.weight.untyped_storage().data_ptr()  # noqa: E731
+    assert ptr(first) == ptr(first + 2) == stream.slots[0].data_ptr()
+    assert ptr(first + 1) == stream.slots[1].data_ptr()
+    assert all(ptr(i) != ptr(j) for i in range(first) for j in range(i))
+    full_logits(model, comm, TOKENS)
+    # after a forward slot 0 holds the last layer that ran on it (first + 4), not first
+    names = dict(ref.model.layers[first + 4].named_parameters())
+    for name, p in layers[first].named_parameters():
+        assert torch.equal(p, names[name])
+    assert not torch.equal(layers[first].mlp.down_proj.weight,
+                           ref.model.layers[first].mlp.down_proj.weight)
+    # the host copy holds each streamed layer's own weights
+    stream.before(first)
+    for name, p in layers[first].named_parameters():
+        assert torch.equal(p, dict(ref.model.layers[first].named_parameters())[name])
+
+
+def _tp2_logits(group, path, offload_bytes, quantization):
+    model, comm = _offloaded(path, offload_bytes, group, quantization)
+    stream = model.weight_stream
+    return ([full_logits(model, comm, TOKENS)],
+            None if stream is None else (stream.first, stream.count))
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_tp2_streams_each_ranks_shards(quantization):
+    path = str(embedded_model_path())
+    ref = run_ranks(_tp2_logits, 2, path, 0, quantization, timeout_s=300)
+    got = run_ranks(_tp2_logits, 2, path, 20 * MiB, quantization, timeout_s=300)
+    # a rank's layer: 7.3 MiB in float32 (heads zero-padded to 12 and 4), 1.8 in fp8
+    counts = {"none": 5, "fp8": 13}[quantization]
+    for (a, none), (b, placed) in zip(ref, got, strict=True):
+        assert none is None and placed == (30 - counts, counts)
+        assert torch.equal(a[0], b[0])
+
+
+def test_more_than_the_layers_hold_is_refused():
+    with pytest.raises(ValueError, match=r"--cpu-offload-gb 0.5: the 30 decoder layers hold "
+                                         r"0\.40 GiB a rank, and two of them stay on the "
+                                         r"device as staging slots, so at most 0\.37 GiB"):
+        _offloaded(str(embedded_model_path()), 2**29)
+
+
+def test_layers_laid_out_unlike_the_last_are_refused():
+    layers = nn.ModuleList([nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False),
+                            nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False),
+                            nn.Linear(64, 64, bias=False)])
+    one = 64 * 64 * 4
+    assert offloaded_count(LayerLayout.of(layers[-1]), one, 5) == 3
+    place_layers(layers, CPU, one, lambda i, layer: None)  # layers 2-4: alike
+    with pytest.raises(ValueError, match="decoder layer 1's weights are laid out unlike the "
+                                         "last layer's"):
+        place_layers(nn.ModuleList(layers), CPU, 2 * one, lambda i, layer: None)
+
+
+def test_lora_with_offloading_is_refused():
+    from tpserve.model.lora.adapter import LoraConfig
+    from tpserve.model.runner_config import RunnerConfig
+
+    with pytest.raises(ValueError, match="--cpu-offload-gb with --enable-lora"):
+        RunnerConfig(cpu_offload_bytes=MiB,
+                     lora=LoraConfig(modules=(), max_loras=1, max_lora_rank=8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream: GPU only")
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_cuda_graphs_capture_the_streamed_copies(quantization):
+    from dataclasses import replace
+
+    from tests.model.util import graphs_and_eager
+    from tpserve.model.plan import SeqChunk, StepLimits
+    from tpserve.model.runner_config import RunnerConfig
+
+    rc = RunnerConfig(model=str(embedded_model_path()), dtype="bfloat16", device="cuda",
+                      kernel_backend="triton", kv_cache_memory=256 * MiB,
+                      cuda_graph_max_tokens=64, quantization=quantization)
+    limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                        block_size=16)
+    steps = [[SeqChunk(TOKENS, 0, [0, 1], True), SeqChunk(TOKENS[:9], 0, [2], True)],
+             [SeqChunk([7], len(TOKENS), [0, 1], True), SeqChunk([8], 9, [2], True)],
+             [SeqChunk([9], len(TOKENS) + 1, [0, 1], True), SeqChunk([3], 10, [2], True)]]
+    held = []
+
+    def check(runner):
+        held.append((runner.model.weight_stream, runner.plan.weights))
+
+    resident, _ = graphs_and_eager(rc, limits, steps, check)
+    graphs, eager = graphs_and_eager(replace(rc, cpu_offload_bytes=64 * MiB), limits, steps,
+                                     check)
+    for a, b, c in zip(resident, graphs, eager, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    (none, full), _, (stream, less), _ = held
+    assert none is None and stream.host.is_pinned() and full - less >= 64 * MiB
