@@ -171,3 +171,42 @@ def test_cuda_graphs_capture_the_streamed_copies(quantization):
         assert torch.equal(a, b) and torch.equal(a, c)
     (none, full), _, (stream, less), _ = held
     assert none is None and stream.host.is_pinned() and full - less >= 64 * MiB
+
+
+def test_sleep_keeps_streaming_and_what_would_load_around_it_is_refused(smollm2_tokenizer):
+    """Level 1 copies the slots out and back (the host copy stays where it is): the same
+    greedy tokens after the wake-up. Level 2 and a reload would load into the slots, so
+    they are refused naming the flag."""
+    from tests.server.engine.test_engine_core import run_to_end, submit, tokens_of
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.model.sampling_params import SamplingParams
+    from tpserve.server.engine.config import EngineConfig
+    from tpserve.server.engine.engine_core import EngineCore
+    from tpserve.server.engine.errors import InvalidRequestError
+    from tpserve.server.engine.queries import run_query
+    from tpserve.server.engine.scheduler import SchedulerConfig
+
+    cfg = RunnerConfig(model=str(embedded_model_path()), kv_cache_memory=16 * MiB,
+                       cpu_offload_bytes=40 * MiB)
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                            block_size=16)
+    core = EngineCore(ModelRunner(cfg, sched.limits, TPGroup(0, 1, CPU, None)),
+                      smollm2_tokenizer, sched, EngineConfig(enable_sleep_mode=True))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def answer(rid: str) -> list[int]:
+        outs = submit(core, rid, TOKENS, params)
+        run_to_end(core)
+        return tokens_of(outs)
+
+    before = answer("a")
+    host = core.runner.model.weight_stream.host.clone()
+    for what in (("sleep", 2, "abort"), ("reload_weights", "")):
+        with pytest.raises(InvalidRequestError, match="--cpu-offload-gb streams the last "
+                                                      "layers' weights from host memory"):
+            run_query(core, what)
+    run_query(core, ("sleep", 1, "abort"))
+    run_query(core, ("wake_up", None))
+    assert answer("b") == before
+    assert torch.equal(core.runner.model.weight_stream.host, host)
