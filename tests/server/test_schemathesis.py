@@ -18,7 +18,7 @@ pytest.importorskip("schemathesis")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
-MAX_EXAMPLES = 14
+MAX_EXAMPLES = 11
 
 
 @pytest.mark.slow

@@ -59,12 +59,12 @@ def person(client, seed: int, stream: bool = False) -> tuple[str, str]:
     return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
 
-SEEDS = 12  # whole and streamed: 24 requests, one batch under --max-num-seqs 32
+SEEDS = 8  # whole and streamed: 16 requests, one batch under --max-num-seqs 32
 
 
 @pytest.fixture(scope="module")
 def many_seeds(client) -> dict[bool, list[tuple[str, str]]]:
-    """``person`` for seeds 0-11, whole (False) and streamed (True): the 24 requests are
+    """``person`` for seeds 0-7, whole (False) and streamed (True): the 16 requests are
     sent together, so the engine runs them in one batch (--max-num-seqs 32) instead of two
     batches one after the other with a tail of long answers each."""
     with ThreadPoolExecutor(2 * SEEDS) as pool:
