@@ -153,8 +153,8 @@ def test_cuda_graphs_capture_the_streamed_copies(quantization):
     from tpserve.model.plan import SeqChunk, StepLimits
     from tpserve.model.runner_config import RunnerConfig
 
-    rc = RunnerConfig(model=str(embedded_model_path()), dtype="bfloat16", device="cuda",
-                      kernel_backend="triton", kv_cache_memory=256 * MiB,
+    rc = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
+                      device="cuda", kernel_backend="triton", kv_cache_memory=256 * MiB,
                       cuda_graph_max_tokens=64, quantization=quantization)
     limits = StepLimits(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
                         block_size=16)
