@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 SLOTS = 2  # double buffering: one slot is read while the other is written
 ALIGN = 256  # bytes: each storage's place in a slot starts on this boundary
+
+
+def _unlock(host: torch.Tensor, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy still reads it
+    unlock(host)
 
 
 def _storages(module: nn.Module) -> list[torch.UntypedStorage]:
@@ -105,10 +111,12 @@ class LayerWeightStream:
         self.cuda = device.type == "cuda"
         n = layout.nbytes
         self.host = torch.empty(self.count * n, dtype=torch.uint8)
-        self._locked = False
+        self._unlock = None
         if self.cuda:
             lock_in_place(self.host)
-            self._locked = True
+            # unlocked before the memory is freed, whenever this goes (a later lock of
+            # memory mapped at the same place would fail otherwise)
+            self._unlock = weakref.finalize(self, _unlock, self.host, device)
         self.host_parts = [self.host[i * n:(i + 1) * n] for i in range(self.count)]
         self.slots = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
         if self.cuda:
@@ -191,10 +199,8 @@ class LayerWeightStream:
         self.ready[i].record(self.stream)
 
     def close(self) -> None:
-        if self._locked:
-            torch.cuda.synchronize(self.device)
-            unlock(self.host)
-            self._locked = False
+        if self._unlock is not None:
+            self._unlock()
 
     def report(self) -> dict:
         """What ``/memory`` says of the streamed layers."""
