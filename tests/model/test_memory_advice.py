@@ -3,6 +3,8 @@ refusal a CPU runner gives through the reference path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -72,6 +74,17 @@ def test_a_gguf_file_served_dequantized_is_told_what_as_stored_would_give():
     assert want not in suggest_fits(replace(gguf, stored_weights=34 * GiB))  # still short
     assert want.flag not in {s.flag for s in suggest_fits(replace(gguf,
                                                                   kv_cache_memory=GiB))}
+
+
+def test_streaming_weights_from_host_memory_is_suggested_where_the_layers_can_give_it():
+    # short by 12.21 - 7 = 5.21 GiB: 5.3 GiB streamed leaves 12.3 GiB = 6297 blocks
+    want = Suggestion("--cpu-offload-gb", "5.3",
+                      "5.3 GiB of weights streamed from host memory (each step slower by "
+                      "their copy): 6297 blocks = 100752 tokens")
+    assert suggest_fits(replace(GPU, offloadable=30 * GiB)) == [*suggest_fits(GPU), want]
+    assert want not in suggest_fits(replace(GPU, offloadable=5 * GiB))  # the layers can't
+    assert want not in suggest_fits(replace(GPU, offloadable=30 * GiB,
+                                            kv_cache_memory=7 * GiB))
 
 
 def test_nothing_fits_says_so():

@@ -21,6 +21,7 @@ from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
 from tpserve.model.weight_offload import (
     SLOTS,
     LayerLayout,
+    offloadable_bytes,
     offloaded_count,
     place_layers,
     resident_weight_bytes,
@@ -66,6 +67,7 @@ def test_streamed_layers_give_the_resident_logits(resident, streamed):
     layer = LayerLayout.of(ref.model.layers[-1]).weight_bytes
     assert (stream.first, stream.count) == (25, 5)
     saved = resident_weight_bytes(ref) - resident_weight_bytes(model)
+    assert offloadable_bytes(ref.model.layers) == 30 * layer - SLOTS * stream.layout.nbytes
     assert saved == 5 * layer - SLOTS * stream.layout.nbytes >= 40 * MiB
     assert stream.host_bytes == 5 * stream.layout.nbytes
     for a, b in zip(whole_and_stepped(ref, comm, TOKENS, 7, 5),
@@ -129,6 +131,8 @@ def test_layers_laid_out_unlike_the_last_are_refused():
                             nn.Linear(64, 64, bias=False)])
     one = 64 * 64 * 4
     assert offloaded_count(LayerLayout.of(layers[-1]), one, 5) == 3
+    assert offloadable_bytes(layers) == one  # three alike at the end, two slots
+    assert offloadable_bytes(layers[:3]) == 0
     place_layers(layers, CPU, one, lambda i, layer: None)  # layers 2-4: alike
     with pytest.raises(ValueError, match="decoder layer 1's weights are laid out unlike the "
                                          "last layer's"):

@@ -34,7 +34,8 @@ class FitInputs:
     ``--max-num-seqs``; ``smaller_kv_dtypes``: ``(name, itemsize)`` of KV cache dtypes
     smaller than the current one; ``stored_weights``: this rank's weights if a GGUF file
     served dequantized held its blocks as stored (``--quantization gguf``; None: not such a
-    file)."""
+    file); ``offloadable``: the most bytes of weights ``--cpu-offload-gb`` could take off
+    this rank's device (0: none, or offloading is on already)."""
 
     device_type: str
     total: int
@@ -54,6 +55,7 @@ class FitInputs:
     tp_options: tuple[tuple[int, int, int], ...] = ()
     seq_options: tuple[tuple[int, int], ...] = ()
     stored_weights: int | None = None
+    offloadable: int = 0
 
     def budget(self, weights: int | None = None, workspace: int | None = None,
                cuda_graphs: int | None = None, utilization: float | None = None,
@@ -211,6 +213,16 @@ def suggest_fits(f: FitInputs) -> list[Suggestion]:
                                   f"{_gib(weights)} of weights per GPU: {b} blocks = "
                                   f"{b * f.block_size} tokens per rank (needs {tp} GPUs)"))
             break
+    if f.offloadable and f.kv_cache_memory is None and f.device_type == "cuda":
+        short = f.kv_needed - max(f.budget(), 0)
+        gib = math.ceil(10 * short / GiB) / 10  # to 0.1 GiB, up
+        if 0 < gib * GiB <= f.offloadable:
+            b = max(f.budget(weights=f.weights - int(gib * GiB)), 0) // f.bytes_per_block
+            if b >= need:
+                out.append(Suggestion("--cpu-offload-gb", f"{gib:g}",
+                                      f"{gib:g} GiB of weights streamed from host memory "
+                                      f"(each step slower by their copy): {b} blocks = "
+                                      f"{b * f.block_size} tokens"))
     return out
 
 
@@ -308,6 +320,7 @@ def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_
         lines.append(f"  other processes hold {_gib(total - free_at_start)} (not named: "
                      f"{others.source})")
     lines.append("  to make it fit: free the device (stop the processes above), or split "
-                 "the weights over more GPUs (--tensor-parallel-size), or lower "
-                 "--max-num-batched-tokens (the profiled step)")
+                 "the weights over more GPUs (--tensor-parallel-size), or hold part of them "
+                 "in host memory (--cpu-offload-gb), or lower --max-num-batched-tokens (the "
+                 "profiled step)")
     return "\n".join(lines)

@@ -75,7 +75,7 @@ from tpserve.model.reload import agreed_reload
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sleep import RankSleep, SleepError
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
-from tpserve.model.weight_offload import resident_weight_bytes
+from tpserve.model.weight_offload import offloadable_bytes, resident_weight_bytes
 from tpserve.parallel.comm import Communicator
 from tpserve.parallel.nvtx import Ranges
 from tpserve.parallel.p2p_all_reduce import P2PAllReduce
@@ -216,7 +216,8 @@ class ModelRunner:
             self.kv_dtype.itemsize, b, tp, smaller_kv_dtypes(self.kv_dtype),
             tp_options(mcfg, tp, bs, self.kv_dtype, weights),
             seq_options(limits, mcfg.vocab_size, use_graphs, max_mixed, multiple),
-            stored_weights)
+            stored_weights, 0 if self.model.weight_stream is not None or self.lora is not None
+            else offloadable_bytes(self.model.model.layers))
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
                                              str(device), group.rank))

@@ -228,6 +228,18 @@ def resident_weight_bytes(model: nn.Module) -> int:
                                      for p in model.parameters() if id(p) not in streamed)
 
 
+def offloadable_bytes(layers: nn.ModuleList) -> int:
+    """The most bytes ``--cpu-offload-gb`` could take off the device: the last layers laid
+    out alike, less the two slots (0 when fewer than three are alike)."""
+    layout = LayerLayout.of(layers[-1])
+    alike = 0
+    for layer in reversed(layers):
+        if LayerLayout.of(layer) != layout:
+            break
+        alike += 1
+    return max(alike * layout.weight_bytes - SLOTS * layout.nbytes, 0) if alike > SLOTS else 0
+
+
 def place_layers(layers: nn.ModuleList, device: torch.device, offload_bytes: int,
                  process: Callable[[int, nn.Module], None]) -> LayerWeightStream:
     """Moves the (loaded, host-built) decoder ``layers`` to ``device`` one at a time and
