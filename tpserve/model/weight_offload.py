@@ -9,8 +9,9 @@ by about the offloaded bytes over the host link's bandwidth (the copies are repe
 forward, decode and prefill alike); the start-up log says how much is streamed.
 
 Invariants:
-- the offloaded layers are the last ``count`` of the model; they share one layout
-  (the same storages, sizes and views), so every one of them fits either slot; layer
+- the offloaded layers are the last ``count`` of the model; they share one layout (as
+  many parameter storages, of the same sizes, in the same order), so every one of them
+  fits either slot, each storage at its offset (``LayerLayout``); layer
   ``first + i`` runs on slot ``i % 2``, its parameters being views of that slot (their
   identity kept: ``Tensor.set_``), so the layers need no change and a CUDA graph captures
   the copies like any other work (the host buffer never moves);
@@ -26,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -36,8 +36,6 @@ import torch
 from torch import nn
 
 from tpserve.model.host_copy import lock_in_place, unlock
-
-logger = logging.getLogger(__name__)
 
 SLOTS = 2  # double buffering: one slot is read while the other is written
 ALIGN = 256  # bytes: each storage's place in a slot starts on this boundary
@@ -149,6 +147,10 @@ class LayerWeightStream:
             part[at:at + size].copy_(src)
         slot = self.slots[i % SLOTS].untyped_storage()
         where = {s._cdata: at for s, at in zip(storages, layout.offsets, strict=True)}
+        shared = [n for n, b in layer.named_buffers() if b.untyped_storage()._cdata in where]
+        if shared:  # a buffer would keep reading the device copy the layer gives up
+            raise ValueError(f"--cpu-offload-gb: decoder layer {index}'s buffers {shared} "
+                             "share its weights' memory; this model cannot be offloaded")
         with torch.no_grad():
             for p in layer.parameters():
                 at = where[p.untyped_storage()._cdata]
