@@ -349,8 +349,9 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
     (["-O3"], "--compilation-config 3: tpserve does not use torch.compile; .*"
               "--cuda-graph-max-tokens"),
-    (["--cpu-offload-gb", "-1"], "--cpu-offload-gb must be >= 0 GiB, got -1.0"),
-    (["--cpu-offload-gb", "nan"], "--cpu-offload-gb must be >= 0 GiB, got nan"),
+    (["--cpu-offload-gb", "-1"], "--cpu-offload-gb must be a number of GiB >= 0, got -1.0"),
+    (["--cpu-offload-gb", "nan"], "--cpu-offload-gb must be a number of GiB >= 0, got nan"),
+    (["--cpu-offload-gb", "inf"], "--cpu-offload-gb must be a number of GiB >= 0, got inf"),
     (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),

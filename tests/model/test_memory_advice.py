@@ -85,6 +85,11 @@ def test_streaming_weights_from_host_memory_is_suggested_where_the_layers_can_gi
     assert want not in suggest_fits(replace(GPU, offloadable=5 * GiB))  # the layers can't
     assert want not in suggest_fits(replace(GPU, offloadable=30 * GiB,
                                             kv_cache_memory=7 * GiB))
+    # weights of 50 GiB leave -7 GiB: 19.3 GiB streamed leave 12.3 GiB again
+    heavy = replace(GPU, weights=50 * GiB, offloadable=40 * GiB)
+    assert heavy.budget() == -7 * GiB and suggest_fits(heavy)[-1] == Suggestion(
+        "--cpu-offload-gb", "19.3", "19.3 GiB of weights streamed from host memory (each "
+        "step slower by their copy): 6297 blocks = 100752 tokens")
 
 
 def test_nothing_fits_says_so():

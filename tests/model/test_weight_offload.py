@@ -31,6 +31,12 @@ from tpserve.parallel.launch import run_ranks
 from tpserve.parallel.state import TPGroup
 
 MiB = 2**20
+
+
+def _storage_bytes(model: nn.Module) -> int:
+    """The bytes of the distinct storages ``model``'s parameters view."""
+    return sum({p.untyped_storage()._cdata: p.untyped_storage().nbytes()
+                for p in model.parameters()}.values())
 TOKENS = [5, 17, 300, 42, 9, 1200, 77, 31, 8, 64, 2048, 3, 19, 711, 40, 23, 99, 5]
 
 
@@ -67,6 +73,7 @@ def test_streamed_layers_give_the_resident_logits(resident, streamed):
     layer = LayerLayout.of(ref.model.layers[-1]).weight_bytes
     assert (stream.first, stream.count) == (25, 5)
     saved = resident_weight_bytes(ref) - resident_weight_bytes(model)
+    assert resident_weight_bytes(model) == _storage_bytes(model)  # the originals are gone
     assert offloadable_bytes(ref.model.layers) == 30 * layer - SLOTS * stream.layout.nbytes
     assert saved == 5 * layer - SLOTS * stream.layout.nbytes >= 40 * MiB
     assert stream.host_bytes == 5 * stream.layout.nbytes
@@ -126,17 +133,23 @@ def test_more_than_the_layers_hold_is_refused():
 
 
 def test_layers_laid_out_unlike_the_last_are_refused():
-    layers = nn.ModuleList([nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False),
-                            nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False),
-                            nn.Linear(64, 64, bias=False)])
+    def layers(*widths: int):
+        return nn.ModuleList([nn.Linear(64, n, bias=False)
+                              for n in widths or (64, 32, 64, 64, 64)])
+
     one = 64 * 64 * 4
-    assert offloaded_count(LayerLayout.of(layers[-1]), one, 5) == 3
-    assert offloadable_bytes(layers) == one  # three alike at the end, two slots
-    assert offloadable_bytes(layers[:3]) == 0
-    place_layers(layers, CPU, one, lambda i, layer: None)  # layers 2-4: alike
+    assert offloaded_count(LayerLayout.of(layers()[-1]), one) == 3
+    assert offloadable_bytes(layers()) == one  # three alike at the end, two slots
+    assert offloadable_bytes(layers()[:3]) == 0
+    stream = place_layers(layers(), CPU, one, lambda i, layer: None)  # layers 2-4: alike
+    assert (stream.first, stream.count) == (2, 3)
     with pytest.raises(ValueError, match="decoder layer 1's weights are laid out unlike the "
                                          "last layer's"):
-        place_layers(nn.ModuleList(layers), CPU, 2 * one, lambda i, layer: None)
+        place_layers(layers(), CPU, 2 * one, lambda i, layer: None)
+    # the ranks agree on the largest count any of them needs
+    agreed = place_layers(layers(64, 32, 64, 64, 64, 64), CPU, one, lambda i, layer: None,
+                          lambda count: count + 1)
+    assert (agreed.first, agreed.count) == (2, 4)
 
 
 def test_lora_with_offloading_is_refused():
@@ -168,15 +181,17 @@ def test_cuda_graphs_capture_the_streamed_copies(quantization):
     held = []
 
     def check(runner):
-        held.append((runner.model.weight_stream, runner.plan.weights))
+        held.append((runner.model.weight_stream, runner.plan.weights,
+                     _storage_bytes(runner.model)))
 
     resident, _ = graphs_and_eager(rc, limits, steps, check)
     graphs, eager = graphs_and_eager(replace(rc, cpu_offload_bytes=64 * MiB), limits, steps,
                                      check)
     for a, b, c in zip(resident, graphs, eager, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
-    (none, full), _, (stream, less), _ = held
+    (none, full, full_storages), _, (stream, less, storages), _ = held
     assert none is None and stream.host.is_pinned() and full - less >= 64 * MiB
+    assert (full_storages, storages) == (full, less)
 
 
 def test_sleep_keeps_streaming_and_what_would_load_around_it_is_refused(smollm2_tokenizer):

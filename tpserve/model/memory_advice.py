@@ -214,7 +214,7 @@ def suggest_fits(f: FitInputs) -> list[Suggestion]:
                                   f"{b * f.block_size} tokens per rank (needs {tp} GPUs)"))
             break
     if f.offloadable and f.kv_cache_memory is None and f.device_type == "cuda":
-        short = f.kv_needed - max(f.budget(), 0)
+        short = f.kv_needed - f.budget()  # a negative budget: the weights crowd it out
         gib = math.ceil(10 * short / GiB) / 10  # to 0.1 GiB, up
         if 0 < gib * GiB <= f.offloadable:
             b = max(f.budget(weights=f.weights - int(gib * GiB)), 0) // f.bytes_per_block

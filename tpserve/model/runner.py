@@ -163,8 +163,12 @@ class ModelRunner:
         if cfg.calculate_kv_scales and not self.model.kv_scales_from_checkpoint:
             self._calibrate_kv_scales()
         weights = resident_weight_bytes(self.model)
-        if self.model.weight_stream is not None and group.rank == 0:
-            logger.info(self.model.weight_stream.describe())
+        stream = self.model.weight_stream
+        if stream is not None:
+            if group.rank == 0:
+                logger.info(stream.describe())
+            if device.type != "cuda":  # the host copy is in the same memory: no saving
+                weights += stream.host_bytes
         if mcfg.num_experts and group.rank == 0:
             logger.info(experts_line(self.model, mcfg, weights))
         bs = limits.block_size

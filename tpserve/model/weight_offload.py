@@ -78,20 +78,23 @@ class LayerLayout:
         return sum(self.sizes)
 
 
-def offloaded_count(layout: LayerLayout, offload_bytes: int, num_layers: int) -> int:
+def offloaded_count(layout: LayerLayout, offload_bytes: int) -> int:
     """How many of the last layers to stream so that the device holds at least
     ``offload_bytes`` fewer bytes of weights: ``count`` layers leave the device, two slots
-    come in. ValueError when the model's layers cannot give that much."""
-    per_layer = layout.weight_bytes
+    come in (at least three, or the slots would save nothing)."""
     # count * weight_bytes - SLOTS * nbytes >= offload_bytes (the slots are ALIGN-padded)
-    count = max(math.ceil((offload_bytes + SLOTS * layout.nbytes) / per_layer), SLOTS + 1)
-    if count > num_layers:
-        most = max(num_layers * per_layer - SLOTS * layout.nbytes, 0)
-        raise ValueError(
-            f"--cpu-offload-gb {offload_bytes / 2**30:g}: the {num_layers} decoder layers "
-            f"hold {num_layers * per_layer / 2**30:.2f} GiB a rank, and two of them stay on "
-            f"the device as staging slots, so at most {most / 2**30:.2f} GiB can be offloaded")
-    return count
+    return max(math.ceil((offload_bytes + SLOTS * layout.nbytes) / layout.weight_bytes),
+               SLOTS + 1)
+
+
+def too_many(layout: LayerLayout, offload_bytes: int, num_layers: int) -> ValueError:
+    """The refusal of an ``offload_bytes`` the model's ``num_layers`` cannot give."""
+    per_layer = layout.weight_bytes
+    most = max(num_layers * per_layer - SLOTS * layout.nbytes, 0)
+    return ValueError(
+        f"--cpu-offload-gb {offload_bytes / 2**30:g}: the {num_layers} decoder layers hold "
+        f"{num_layers * per_layer / 2**30:.2f} GiB a rank, and two of them stay on the "
+        f"device as staging slots, so at most {most / 2**30:.2f} GiB can be offloaded")
 
 
 class LayerWeightStream:
@@ -137,8 +140,9 @@ class LayerWeightStream:
         layout = LayerLayout.of(layer)
         if layout != self.layout:
             raise ValueError(f"--cpu-offload-gb: decoder layer {index}'s weights are laid "
-                             "out unlike the last layer's; offload fewer bytes so that only "
-                             "layers alike are streamed")
+                             "out unlike the last layer's (the model's layers differ, e.g. "
+                             "dense and mixture-of-experts layers): only the last layers "
+                             "alike can be streamed; offload fewer bytes")
         i = index - self.first
         storages = _storages(layer)
         part = self.host_parts[i]
@@ -243,26 +247,35 @@ def offloadable_bytes(layers: nn.ModuleList) -> int:
 
 
 def place_layers(layers: nn.ModuleList, device: torch.device, offload_bytes: int,
-                 process: Callable[[int, nn.Module], None]) -> LayerWeightStream:
+                 process: Callable[[int, nn.Module], None],
+                 agree: Callable[[int], int] = lambda count: count) -> LayerWeightStream:
     """Moves the (loaded, host-built) decoder ``layers`` to ``device`` one at a time and
     ``process``es each there (the quantization method's work after loading); the last ones
     stay in host memory, streamed (``LayerWeightStream``), so the device holds at least
     ``offload_bytes`` fewer bytes of weights. Only one streamed layer is on the device at a
-    time. The last layer is placed first: its layout decides how many are streamed."""
+    time. The last layer is placed first: its layout decides how many are streamed, and
+    the ranks ``agree`` on that count (the largest any of them needs: every rank streams the
+    same layers, and all of them refuse together). The resident layers leave host memory
+    before the page-locked buffer is taken, so host memory peaks at about twice the
+    streamed bytes."""
     n = len(layers)
     last = layers[n - 1].to(device)
     process(n - 1, last)
     layout = LayerLayout.of(last)
-    count = offloaded_count(layout, offload_bytes, n)
-    stream = LayerWeightStream(layers, n - count, layout, device)
+    count = agree(offloaded_count(layout, offload_bytes))
+    if count > n:
+        raise too_many(layout, offload_bytes, n)
+    first = n - count
+    for i in range(first):
+        layers[i].to(device)
+        process(i, layers[i])
+    stream = LayerWeightStream(layers, first, layout, device)
     try:
-        for i in range(n):
-            layer = layers[i]
+        for i in range(first, n):
             if i != n - 1:
-                layer.to(device)
-                process(i, layer)
-            if i >= stream.first:
-                stream.take(i, layer)
+                layers[i].to(device)
+                process(i, layers[i])
+            stream.take(i, layers[i])
     except BaseException:
         stream.close()
         raise

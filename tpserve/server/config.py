@@ -17,6 +17,7 @@ later.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import ssl
 from dataclasses import dataclass, replace
@@ -204,8 +205,8 @@ def resolve_kv_offloading(gib: float, prefix_caching: bool) -> int:
 
 def resolve_cpu_offload(gib: float) -> int:
     """``--cpu-offload-gb`` in bytes (0: off)."""
-    if not gib >= 0:
-        raise ValueError(f"--cpu-offload-gb must be >= 0 GiB, got {gib}")
+    if not (gib >= 0 and math.isfinite(gib)):
+        raise ValueError(f"--cpu-offload-gb must be a number of GiB >= 0, got {gib}")
     return int(gib * 2**30)
 
 

@@ -86,9 +86,14 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
         for name, module in model.model.named_children():
             if module is not layers:
                 process(f"model.{name}", module)
+
+        def agree(count: int) -> int:  # the largest count any rank needs
+            t = torch.tensor([-count], dtype=torch.int64, device=device)
+            return -int(comm.all_reduce_min(t).item())
+
         model.weight_stream = place_layers(
             layers, device, cpu_offload_bytes,
-            lambda i, layer: process(f"model.layers.{i}", layer))
+            lambda i, layer: process(f"model.layers.{i}", layer), agree)
     else:
         process("", model)
     if device.type == "cuda" and (quant_method is not None or cpu_offload_bytes):
