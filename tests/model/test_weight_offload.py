@@ -15,6 +15,7 @@ from torch import nn
 
 from tests.model.util import CPU, full_logits, load, whole_and_stepped
 from tpserve.model.attention.backend import select_attention
+from tpserve.model.host_copy import distinct_storages
 from tpserve.model.kernels.backend import select_ops
 from tpserve.model.loader.build import build_model
 from tpserve.model.loader.checkpoint import embedded_model_path, open_checkpoint
@@ -35,8 +36,7 @@ MiB = 2**20
 
 def _storage_bytes(model: nn.Module) -> int:
     """The bytes of the distinct storages ``model``'s parameters view."""
-    return sum({p.untyped_storage()._cdata: p.untyped_storage().nbytes()
-                for p in model.parameters()}.values())
+    return sum(s.nbytes() for s in distinct_storages(model.parameters()))
 TOKENS = [5, 17, 300, 42, 9, 1200, 77, 31, 8, 64, 2048, 3, 19, 711, 40, 23, 99, 5]
 
 

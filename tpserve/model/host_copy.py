@@ -8,7 +8,7 @@ of.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -42,3 +42,18 @@ def lock_in_place(t: torch.Tensor) -> None:
 def unlock(t: torch.Tensor) -> None:
     """Undoes ``lock_in_place``."""
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The distinct storages of ``tensors``, in first-seen order (a storage shared by tied
+    or fused tensors counted once)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen.setdefault(s._cdata, s)
+    return list(seen.values())
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpserve.model.host_copy import lock_in_place, unlock
+from tpserve.model.host_copy import distinct_storages, lock_in_place, storage_bytes, unlock
 from tpserve.model.memory import read_memory
 
 if TYPE_CHECKING:
@@ -76,21 +76,6 @@ def level2_refusal(runner: ModelRunner) -> str | None:
     return None
 
 
-def _storages(tensors) -> list[torch.UntypedStorage]:
-    """The distinct storages of ``tensors``, in first-seen order (a storage shared by tied
-    or fused tensors counted once)."""
-    seen: dict[int, torch.UntypedStorage] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen.setdefault(s._cdata, s)
-    return list(seen.values())
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over the whole of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 class HostCopy:
     """Level 1's copy of a rank's weight storages: one host buffer, page-locked in place on
     CUDA (``host_copy.lock_in_place``). ``close`` gives it back."""
@@ -109,14 +94,14 @@ class HostCopy:
         self.parts = [self.buffer[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
         try:
             for part, s in zip(self.parts, storages, strict=True):
-                part.copy_(_bytes_of(s), non_blocking=True)
+                part.copy_(storage_bytes(s), non_blocking=True)
         except BaseException:
             self.close()
             raise
 
     def restore(self, storages: list[torch.UntypedStorage]) -> None:
         for part, s in zip(self.parts, storages, strict=True):
-            _bytes_of(s).copy_(part, non_blocking=True)
+            storage_bytes(s).copy_(part, non_blocking=True)
 
     def close(self) -> None:
         if self._registered:
@@ -154,7 +139,7 @@ class RankSleep:
         self._host: HostCopy | None = None  # level 1's copy
 
     def _weights(self) -> list[torch.UntypedStorage]:
-        return _storages(self.runner.model.parameters())
+        return distinct_storages(self.runner.model.parameters())
 
     def _sync(self) -> None:
         if self.runner.device.type == "cuda":

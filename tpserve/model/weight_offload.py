@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpserve.model.host_copy import lock_in_place, unlock
+from tpserve.model.host_copy import distinct_storages, lock_in_place, storage_bytes, unlock
 
 SLOTS = 2  # double buffering: one slot is read while the other is written
 ALIGN = 256  # bytes: each storage's place in a slot starts on this boundary
@@ -44,15 +44,6 @@ ALIGN = 256  # bytes: each storage's place in a slot starts on this boundary
 def _unlock(host: torch.Tensor, device: torch.device) -> None:
     torch.cuda.synchronize(device)  # no copy still reads it
     unlock(host)
-
-
-def _storages(module: nn.Module) -> list[torch.UntypedStorage]:
-    """The distinct storages of ``module``'s parameters, in first-seen order."""
-    seen: dict[int, torch.UntypedStorage] = {}
-    for p in module.parameters():
-        s = p.untyped_storage()
-        seen.setdefault(s._cdata, s)
-    return list(seen.values())
 
 
 @dataclass(frozen=True)
@@ -66,7 +57,7 @@ class LayerLayout:
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerLayout:
-        sizes = tuple(s.nbytes() for s in _storages(layer))
+        sizes = tuple(s.nbytes() for s in distinct_storages(layer.parameters()))
         offsets, at = [], 0
         for n in sizes:
             offsets.append(at)
@@ -144,11 +135,10 @@ class LayerWeightStream:
                              "dense and mixture-of-experts layers): only the last layers "
                              "alike can be streamed; offload fewer bytes")
         i = index - self.first
-        storages = _storages(layer)
+        storages = distinct_storages(layer.parameters())
         part = self.host_parts[i]
         for s, at, size in zip(storages, layout.offsets, layout.sizes, strict=True):
-            src = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-            part[at:at + size].copy_(src)
+            part[at:at + size].copy_(storage_bytes(s))
         slot = self.slots[i % SLOTS].untyped_storage()
         where = {s._cdata: at for s, at in zip(storages, layout.offsets, strict=True)}
         shared = [n for n, b in layer.named_buffers() if b.untyped_storage()._cdata in where]
@@ -157,10 +147,7 @@ class LayerWeightStream:
                              "share its weights' memory; this model cannot be offloaded")
         with torch.no_grad():
             for p in layer.parameters():
-                at = where[p.untyped_storage()._cdata]
-                if at % p.element_size():
-                    raise ValueError(f"--cpu-offload-gb: a {p.dtype} weight of layer {index} "
-                                     "is not aligned to its element size")
+                at = where[p.untyped_storage()._cdata]  # ALIGN-aligned: a whole element
                 p.set_(slot, at // p.element_size() + p.storage_offset(), p.shape, p.stride())
 
     def start(self) -> None:
