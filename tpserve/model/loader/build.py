@@ -67,10 +67,10 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                                                      cfg.classifier_from_token)
     ckpt.load_into(model, show_progress)
 
-    def process(prefix: str, module: nn.Module) -> None:
+    def process(modules) -> None:  # (name, module) pairs, in module order
         if quant_method is None:
             return
-        for name, sub in module.named_modules(prefix=prefix):
+        for name, sub in modules:
             finish = getattr(sub, "process_weights_after_loading", None)
             if finish is not None:
                 try:
@@ -79,23 +79,19 @@ def build_model(ckpt: Checkpoint, comm: Communicator, device: torch.device,
                     raise ValueError(f"{ckpt.description}: {name}: {e}") from None
 
     if cpu_offload_bytes:
-        layers = model.model.layers
-        for name, module in model.named_children():  # all but the decoder layers
-            if module is not model.model:
-                process(name, module)
-        for name, module in model.model.named_children():
-            if module is not layers:
-                process(f"model.{name}", module)
+        # all but the decoder layers now; each layer once it is on the device
+        process((name, m) for name, m in model.named_modules()
+                if name != "model.layers" and not name.startswith("model.layers."))
 
         def agree(count: int) -> int:  # the largest count any rank needs
             t = torch.tensor([-count], dtype=torch.int64, device=device)
             return -int(comm.all_reduce_min(t).item())
 
         model.weight_stream = place_layers(
-            layers, device, cpu_offload_bytes,
-            lambda i, layer: process(f"model.layers.{i}", layer), agree)
+            model.model.layers, device, cpu_offload_bytes,
+            lambda i, layer: process(layer.named_modules(prefix=f"model.layers.{i}")), agree)
     else:
-        process("", model)
+        process(model.named_modules())
     if device.type == "cuda" and (quant_method is not None or cpu_offload_bytes):
         torch.cuda.empty_cache()  # the loaded copies: the memory plan reads free memory
     return model.eval()
