@@ -82,27 +82,33 @@ def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | Non
             state.agreed_wake(True, False, ckpt)
         except SleepError as e:
             raise ValueError(f"reload: {e}") from None
-        runner.ckpt = ckpt
-        return {"path": path or None, "description": ckpt.description,
-                "seconds": round(time.monotonic() - t0, 3)}
+    else:
+        _agreed_load(runner, ckpt)
+    runner.ckpt = ckpt  # a level-2 sleep now reads this one
+    return {"path": path or None, "description": ckpt.description,
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _agreed_load(runner: ModelRunner, ckpt: Checkpoint) -> None:
+    """``ckpt`` read into the awake weights on every rank, or, if any rank failed, the
+    previous checkpoint read again on every rank (ValueError), or ReloadLostError."""
+    error = None
     try:
         ckpt.load_into(runner.model, False)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     except Exception as e:  # noqa: BLE001 - a truncated file, a missing tensor: agreed
         error = e
-    if not runner.comm.all_true(error is None):
-        try:  # the previous weights, on every rank
-            runner.ckpt.load_into(runner.model, False)
-            restored = None
-        except Exception as e:  # noqa: BLE001 - agreed below
-            restored = e
-        if not runner.comm.all_true(restored is None):
-            raise ReloadLostError(f"reload: {error or 'another rank could not load it'}, "
-                                  f"and the previous weights could not be read again "
-                                  f"({restored or 'on another rank'})")
-        raise ValueError(f"reload: {error or 'another rank could not load it'}; the "
-                         "previous weights were read again")
-    runner.ckpt = ckpt  # a level-2 sleep now reads this one
-    return {"path": path or None, "description": ckpt.description,
-            "seconds": round(time.monotonic() - t0, 3)}
+    if runner.comm.all_true(error is None):
+        return
+    try:  # the previous weights, on every rank
+        runner.ckpt.load_into(runner.model, False)
+        restored = None
+    except Exception as e:  # noqa: BLE001 - agreed below
+        restored = e
+    if not runner.comm.all_true(restored is None):
+        raise ReloadLostError(f"reload: {error or 'another rank could not load it'}, "
+                              f"and the previous weights could not be read again "
+                              f"({restored or 'on another rank'})")
+    raise ValueError(f"reload: {error or 'another rank could not load it'}; the "
+                     "previous weights were read again")
