@@ -8,7 +8,9 @@ import torch
 
 from tpserve.model.fault import (
     FAULT_ENV,
+    RELOAD,
     SAMPLE,
+    SLEEP,
     START,
     FaultHook,
     FaultHooks,
@@ -78,6 +80,21 @@ def test_a_start_fault_fires_only_when_the_runner_is_built():
     hook.fire(0, SAMPLE)
     with pytest.raises(RuntimeError, match="injected failure at start-up"):
         hook.fire(0, START)
+
+
+def test_sleep_and_reload_faults_fire_at_their_nth_event():
+    """STEP counts the rank's sleeps (or reloads) from 0; a step or a start is not one."""
+    hooks = parse_fault("0:1:sleep,0:0:reload", 0)
+    hooks.fire(1)
+    hooks.fire(0, START)
+    hooks.fire_event(SLEEP)  # sleep 0
+    with pytest.raises(RuntimeError, match="injected failure at reload 0 "):
+        hooks.fire_event(RELOAD)
+    hooks.fire_event(RELOAD)  # reload 1
+    with pytest.raises(RuntimeError, match="injected failure at sleep 1 "):
+        hooks.fire_event(SLEEP)
+    hooks.fire_event(SLEEP)
+    assert parse_fault("0:2:reload", 0) == FaultHook(2, "reload")
 
 
 def test_a_replica_reads_its_own_ranks_of_the_spec():

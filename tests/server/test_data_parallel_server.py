@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.model.util import greedy_answers
 from tests.server.beam_reference import reference
 from tests.server.serverproc import SMALL, ServerProcess, snapshot_cli
+from tpserve.model.fault import FAULT_ENV
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return",
            "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,",
@@ -31,7 +32,10 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(*SMALL, "--data-parallel-size", "2", "--served-model-name", "smol")
+    """Replica 1 fails its first level-1 sleep and its first weight reload (the test
+    hook); nothing else is planted."""
+    s = ServerProcess(*SMALL, "--data-parallel-size", "2", "--served-model-name", "smol",
+                      "--enable-sleep-mode", env={FAULT_ENV: "1:0:sleep,1:0:reload"})
     yield s
     assert s.stop() == 0, s.output()
 
@@ -137,6 +141,34 @@ def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, h
     assert grew["prefix_cache_hits_total"][busy] >= 11 * (len(ids) // 16) * 16
     assert all(grew[n][idle] == 0 for n in names), grew
     server.wait_pool_free()
+
+
+def test_a_sleep_or_reload_that_fails_on_one_replica_is_taken_back_on_the_other(
+        server, smollm2_path, smollm2_tokenizer):
+    """Replica 1's first sleep fails: replica 0, which slept, wakes to the state the sleep
+    found (paused), so the replicas still answer as one; replica 1's first reload fails:
+    replica 0 reads its previous weights again. Each failure is the client's error, and
+    both succeed when tried again."""
+    ids, want = greedy_answers(smollm2_path, smollm2_tokenizer, PROMPTS[:2], TOKENS)
+    with httpx.Client(base_url=server.base, timeout=120) as http:
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        r = http.post("/sleep", params={"level": 1})
+        assert r.status_code == 503 and "injected failure at sleep 0" in r.text, r.text
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert "replica(s) [0] took it back" in server.output()
+        r = http.post("/sleep", params={"level": 1})
+        assert r.status_code == 200 and len(r.json()["ranks"]) == 2, r.text
+        assert http.post("/wake_up").json()["is_sleeping"] is False
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        r = http.post("/reload_weights")
+        assert r.status_code == 400 and "injected failure at reload 0" in r.text, r.text
+        assert server.output().count("replica(s) [0] took it back") == 2
+        r = http.post("/reload_weights")
+        assert r.status_code == 200 and r.json()["status"] == "reloaded", r.text
+    client = server.client()
+    assert [client.completions.create(model="smol", prompt=p, max_tokens=TOKENS,
+                                      temperature=0).choices[0].text for p in ids] == want
 
 
 def test_a_replica_that_dies_takes_the_server_down():

@@ -6,7 +6,9 @@ KIND is ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``) or ``oom`` (a
 rank 0 samples step STEP (after its samples were stored for the next step: the latest point
 of a step that allocates device memory); ``leakN``: from step STEP on, keep N MiB more
 host memory every step (a planted leak for the soak's memory check); or ``start`` (STEP 0):
-a RuntimeError while the rank's runner is built. The variable is read
+a RuntimeError while the rank's runner is built; ``sleep`` or ``reload``: a RuntimeError in
+the rank's STEP-th level-1 sleep (its host copy) or weight reload (its load), counted from
+0 (the control queries a data-parallel replica can fail alone). The variable is read
 and parsed once, when the runner is built; with it unset the runner holds None and each
 site pays one attribute check per step.
 
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 FAULT_ENV = "TPSERVE_TEST_FAULT"
-KINDS = ("raise", "exit", "oom", "oom-sample", "leakN", "start")
-FORWARD, SAMPLE, START = "forward", "sample", "start"  # the sites that call ``FaultHook.fire``
+KINDS = ("raise", "exit", "oom", "oom-sample", "leakN", "start", "sleep", "reload")
+# the sites that call ``FaultHook.fire`` (sleep and reload: ``fire_event``)
+FORWARD, SAMPLE, START, SLEEP, RELOAD = "forward", "sample", "start", "sleep", "reload"
+EVENTS = (SLEEP, RELOAD)
 MiB = 2**20
 
 
@@ -36,10 +40,19 @@ class FaultHook:
     kind: str
     leak_bytes: int = 0
     kept: list[bytearray] = field(default_factory=list, compare=False, repr=False)
+    events: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def site(self) -> str:
-        return {"oom-sample": SAMPLE, "start": START}.get(self.kind, FORWARD)
+        return {"oom-sample": SAMPLE, "start": START, "sleep": SLEEP,
+                "reload": RELOAD}.get(self.kind, FORWARD)
+
+    def fire_event(self, site: str) -> None:
+        """Called at each sleep (``SLEEP``) or reload (``RELOAD``) of the rank: ``fire``
+        with the number of earlier calls at ``site`` as the step."""
+        count = self.events.get(site, 0)
+        self.events[site] = count + 1
+        self.fire(count, site)
 
     def fire(self, step: int, site: str = FORWARD) -> None:
         """Called at every step by the runner's forward (``FORWARD``) and by rank 0's
@@ -59,6 +72,8 @@ class FaultHook:
             raise torch.OutOfMemoryError(f"injected out-of-memory at {site} (test hook)")
         if site == START:
             raise RuntimeError("injected failure at start-up (test hook)")
+        if site in EVENTS:
+            raise RuntimeError(f"injected failure at {site} {step} (test hook)")
         raise RuntimeError(f"injected failure at step {step} (test hook)")
 
 
@@ -71,6 +86,10 @@ class FaultHooks:
     def fire(self, step: int, site: str = FORWARD) -> None:
         for hook in self.hooks:
             hook.fire(step, site)
+
+    def fire_event(self, site: str) -> None:
+        for hook in self.hooks:
+            hook.fire_event(site)
 
 
 def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tpserve.model.fault import RELOAD
 from tpserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from tpserve.model.sleep import SleepError, level2_refusal
 
@@ -60,18 +61,23 @@ class ReloadLostError(RuntimeError):
     checkpoint's on some rank. The engine cannot serve on (it fails, as a failed step)."""
 
 
-def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | None]:
-    """Every rank, in lockstep: the weights of ``path`` (or the served checkpoint) read
-    into the model; with the weights asleep (``sleep.py``), they wake up from it. ValueError
-    (every rank serving what it served before, or as asleep as before) if any rank could
-    not open, check or load it; ReloadLostError if a failed load could not be undone."""
+def agreed_reload(runner: ModelRunner, path: str,
+                  undo: bool = False) -> dict[str, float | str | None]:
+    """Every rank, in lockstep: the weights of ``path`` (or the served checkpoint; with
+    ``undo``, the one served before the last reload) read into the model; with the weights
+    asleep (``sleep.py``), they wake up from it. ValueError (every rank serving what it
+    served before, or as asleep as before) if any rank could not open, check or load it;
+    ReloadLostError if a failed load could not be undone. ``undo`` is how data parallelism
+    takes back a reload that another replica could not make (``server/data_parallel.py``)."""
     why = reload_refusal(runner)
     if why is not None:  # the same on every rank: no collective needed to agree
         raise ValueError(f"the weights cannot be read again in place: {why}")
     state = runner.sleep_state
     ckpt, error = None, None
     try:
-        ckpt = _open(runner, path)
+        if undo and runner.ckpt_before is None:
+            raise ValueError("no reload to undo")
+        ckpt = runner.ckpt_before if undo else _open(runner, path)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: agreed below
         error = e
     if not runner.comm.all_true(error is None):
@@ -84,7 +90,9 @@ def agreed_reload(runner: ModelRunner, path: str) -> dict[str, float | str | Non
             raise ValueError(f"reload: {e}") from None
     else:
         _agreed_load(runner, ckpt)
-    runner.ckpt = ckpt  # a level-2 sleep now reads this one
+    # a level-2 sleep now reads this one; an undo forgets the one it leaves
+    runner.ckpt_before = None if undo else runner.ckpt
+    runner.ckpt = ckpt
     return {"path": path or None, "description": ckpt.description,
             "seconds": round(time.monotonic() - t0, 3)}
 
@@ -94,6 +102,8 @@ def _agreed_load(runner: ModelRunner, ckpt: Checkpoint) -> None:
     previous checkpoint read again on every rank (ValueError), or ReloadLostError."""
     error = None
     try:
+        if runner.fault is not None:
+            runner.fault.fire_event(RELOAD)
         ckpt.load_into(runner.model, False)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

@@ -31,7 +31,7 @@ from tpserve.model.kv_offload import HostKV, host_slots
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
-from tpserve.model.loader.checkpoint import open_checkpoint
+from tpserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from tpserve.model.lora.runner_side import RunnerLora
 from tpserve.model.memory import (
     AllocatorReading,
@@ -118,6 +118,7 @@ class ModelRunner:
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
                                     cfg.tokenizer, cfg.disable_sliding_window)
+        self.ckpt_before: Checkpoint | None = None  # served before the last reload
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length
         self.max_model_len = resolve_max_model_len(limits.max_model_len, mcfg)
@@ -295,12 +296,13 @@ class ModelRunner:
         self._send_path(CMD_LORA, path, slot)
         self.lora.load(slot, path, self._gather_ints)
 
-    def reload_weights(self, path: str) -> dict[str, float | str]:
+    def reload_weights(self, path: str, undo: bool = False) -> dict[str, float | str]:
         """Rank 0, between steps, no KV block in use: every rank reads the checkpoint at
-        ``path`` (empty: the served one again) into its weights in place (``CMD_RELOAD``;
-        ``model/reload.py``). ValueError (every rank as before) if any rank could not."""
-        self._send_path(CMD_RELOAD, path)
-        return agreed_reload(self, path)
+        ``path`` (empty: the served one again; ``undo``: the one served before the last
+        reload) into its weights in place (``CMD_RELOAD``; ``model/reload.py``).
+        ValueError (every rank as before) if any rank could not."""
+        self._send_path(CMD_RELOAD, path, int(undo))
+        return agreed_reload(self, path, undo)
 
     def _send_path(self, cmd: int, path: str, *args: int) -> None:
         """Rank 0: a command naming a path: the header (``cmd``, ``args``, the path's byte
@@ -491,9 +493,9 @@ class ModelRunner:
                     logger.warning("rank %d: LoRA adapter %s: %s", self.comm.rank, path, e)
                 continue
             if cmd == CMD_RELOAD:
-                path = self._received_path(int(header[1]))
+                path = self._received_path(int(header[2]))
                 try:
-                    agreed_reload(self, path)
+                    agreed_reload(self, path, bool(header[1]))
                 except ValueError as e:  # rank 0 reports it; every rank is as before
                     logger.warning("rank %d: reload: %s", self.comm.rank, e)
                 continue

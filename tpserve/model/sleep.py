@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tpserve.model.fault import SLEEP
 from tpserve.model.host_copy import distinct_storages, lock_in_place, storage_bytes, unlock
 from tpserve.model.memory import read_memory
 
@@ -171,6 +172,8 @@ class RankSleep:
         host, error = None, None
         if level == 1:
             try:
+                if self.runner.fault is not None:
+                    self.runner.fault.fire_event(SLEEP)
                 host = HostCopy(self._weights(), self.runner.device.type == "cuda")
                 self._sync()
             except Exception as e:  # noqa: BLE001 - host memory, registration: agreed below

@@ -19,7 +19,8 @@ search all go to one replica (``pinned``).
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
 every replica (a LoRA load or unload must give every replica the same slot; the memory
 report is merged), except ``memory_snapshot``, which goes to the replica it names (0 by
-default). Any replica's death is the server's (``on_fatal``): /health turns 503 and the
+default). A sleep or a weight reload that fails on one replica is taken back on the others
+(``_all_or_none``), so the replicas never serve unlike weights or differ in state. Any replica's death is the server's (``on_fatal``): /health turns 503 and the
 process exits non-zero, as with one engine.
 """
 
@@ -138,8 +139,8 @@ class DataParallelEngines:
                 raise InvalidRequestError(f"replica {replica}: this server runs replicas "
                                           f"0..{len(self.engines) - 1}")
             return await self.engines[replica].query("memory_snapshot")
-        if kind == "sleep":
-            answers = await self._sleep_all_or_none(name, timeout)
+        if kind in ("sleep", "reload_weights"):
+            answers = await self._all_or_none(name, timeout)
         else:
             answers = await asyncio.gather(*(e.query(name, timeout) for e in self.engines))
         if kind == "memory_report":
@@ -153,20 +154,34 @@ class DataParallelEngines:
                               "restart the server")
         return answers[0]
 
-    async def _sleep_all_or_none(self, query: tuple, timeout: float) -> list[Any]:
-        """Every replica's answer to a sleep; if one did not sleep, the replicas this sleep
-        put to sleep (not those asleep already: no ranks in their answer) wake again and its
-        error is raised."""
+    async def _all_or_none(self, query: tuple, timeout: float) -> list[Any]:
+        """Every replica's answer to a sleep or a weight reload; if one failed, the
+        replicas where it took effect take it back and the first error is raised, so the
+        replicas never serve unlike weights or differ in state:
+        - a sleep: those it put to sleep (not those asleep already: no ranks in their
+          answer) wake to the state it found them in, paused or running;
+        - a reload: those that read the new checkpoint read the one before it again.
+        If a replica cannot take it back, an EngineError says that the replicas differ."""
         tried = await asyncio.gather(*(e.query(query, timeout) for e in self.engines),
                                      return_exceptions=True)
         failed = [a for a in tried if isinstance(a, BaseException)]
-        if failed:
-            await asyncio.gather(*(e.query(("wake_up", None), timeout)
-                                   for e, a in zip(self.engines, tried, strict=True)
-                                   if not isinstance(a, BaseException) and a["ranks"]),
-                                 return_exceptions=True)
-            raise failed[0]
-        return tried
+        if not failed:
+            return tried
+        undo = ("wake_up", None, True) if query[0] == "sleep" else ("reload_weights", "", True)
+        took = [i for i, a in enumerate(tried)
+                if not isinstance(a, BaseException) and (query[0] != "sleep" or a["ranks"])]
+        undone = await asyncio.gather(*(self.engines[i].query(undo, timeout) for i in took),
+                                      return_exceptions=True)
+        stuck = {i: u for i, u in zip(took, undone, strict=True) if isinstance(u, BaseException)}
+        logger.warning("%s failed on %d replica(s) (%s); replica(s) %s took it back",
+                       query[0], len(failed), failed[0], [i for i in took if i not in stuck])
+        if stuck:
+            raise EngineError(f"{query[0]} failed on {len(failed)} replica(s) ({failed[0]}), "
+                              f"and replica(s) {sorted(stuck)} could not take it back "
+                              f"({next(iter(stuck.values()))}): the replicas now differ; "
+                              + ("POST /wake_up" if query[0] == "sleep" else
+                                 "POST /reload_weights again"))
+        raise failed[0]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -496,6 +496,40 @@ def test_a_failed_reload_reads_the_previous_weights_again(folder, smollm2_tokeni
     assert tokens_of(out) == expected[0]
 
 
+def test_undo_takes_back_a_reload_and_a_sleep(folder, smollm2_tokenizer, prompts_and_greedy,
+                                             tmp_path):
+    """What data parallelism sends a replica where a reload or a sleep took effect while
+    another replica's failed (``server/data_parallel.py``): the weights before the reload,
+    bit for bit, and the state the sleep found (paused: its held request stays held)."""
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    before = weights(core)
+    with pytest.raises(InvalidRequestError, match="no reload to undo"):
+        run_query(core, ("reload_weights", "", True))
+    run_query(core, ("reload_weights", _trained(folder, tmp_path, "step-1")))
+    assert not all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    assert run_query(core, ("reload_weights", "", True))["status"] == "reloaded"
+    assert all(torch.equal(a, b) for a, b in zip(weights(core), before, strict=True))
+    with pytest.raises(InvalidRequestError, match="no reload to undo"):  # undone already
+        run_query(core, ("reload_weights", "", True))
+    run_query(core, ("pause", "keep", True))
+    held = submit(core, "held", prompts[1], PARAMS)
+    run_query(core, ("sleep", 1, "abort"))
+    run_query(core, ("wake_up", None, True))
+    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    core.step()
+    assert held == [] and "held" in core.requests
+    run_query(core, "resume")
+    run_to_end(core)
+    assert tokens_of(held) == expected[1]
+    run_query(core, ("sleep", 1, "abort"))  # found running: the undo resumes
+    run_query(core, ("wake_up", None, True))
+    assert not run_query(core, "is_paused")
+    out = submit(core, "a", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == expected[0]
+
+
 def test_weights_asleep_wake_up_from_a_new_checkpoint(folder, smollm2_tokenizer,
                                                       prompts_and_greedy, tmp_path):
     """vLLM's loop: sleep at level 2, the trainer writes a checkpoint, the weights wake up

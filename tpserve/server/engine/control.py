@@ -2,9 +2,12 @@
 are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model/sleep.py``):
 
 - ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
-- ``("sleep", level, mode)``, ``("wake_up", tags)``, ``"is_sleeping"``;
+- ``("sleep", level, mode)``, ``("wake_up", tags[, undo])``, ``"is_sleeping"``;
 - ``("reset_prefix_cache", running, external)``;
-- ``("reload_weights", path)``: a checkpoint of the same model read in place.
+- ``("reload_weights", path[, undo])``: a checkpoint of the same model read in place.
+
+``undo`` takes back a sleep or a reload that another data-parallel replica could not make
+(``server/data_parallel.py``).
 
 A pause or sleep of mode ``wait`` answers once the requests it waits for have ended (a
 ``pause.Deferred``); the others answer at once. Each runs on the engine thread between
@@ -151,6 +154,7 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
     if core.pause.state == PAUSED and mode == "wait":
         raise InvalidRequestError("the engine is paused, so its requests cannot end: sleep "
                                   "with mode abort or keep, or POST /resume first")
+    was_paused = core.pause.state == PAUSED
     why = (level2_refusal(runner) if level == 2 else None) or runner.sleep_state.refusal()
     if why is not None:
         raise InvalidRequestError(f"sleep level {level} is not possible here: {why}"
@@ -167,13 +171,18 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
         except SleepError as e:
             raise _engine_error(e) from None
         core.pause.state = ASLEEP
+        core.pause.paused_before_sleep = was_paused
         _log(f"asleep at level {level}", ranks)
         return {"is_sleeping": True, "level": level, "ranks": ranks}
 
     return _stop(core, mode, then)
 
 
-def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None) -> dict[str, Any]:
+def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None,
+            undo: bool = False) -> dict[str, Any]:
+    """Takes back what ``tags`` name (default both); once nothing sleeps the engine
+    resumes, or, with ``undo`` (data parallelism taking back a sleep that another replica
+    could not make), goes back to the state the sleep found: paused, or running."""
     _enabled(core)
     tags = tuple(tags) if tags else WAKE_TAGS
     unknown = [t for t in tags if t not in WAKE_TAGS]
@@ -191,7 +200,9 @@ def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None) -> dict[str, 
                                 strict=True) if a]
     _log("woke up " + (", ".join(tags) + "; still asleep: " + ", ".join(asleep)
                        if asleep else "whole"), ranks)
-    if not asleep:
+    if not asleep and undo and core.pause.paused_before_sleep:
+        core.pause.state = PAUSED  # its held requests stay held
+    elif not asleep:
         core.resume()
     return {"is_sleeping": bool(asleep), "ranks": ranks}
 
@@ -200,12 +211,13 @@ def is_sleeping(core: EngineCore) -> bool:
     return core.pause.state == ASLEEP
 
 
-def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
-    """The checkpoint at ``path`` (empty: the one served, read again) into the weights in
-    place (``model/reload.py``), then the prefix cache reset, the host tier's too (its
-    blocks were computed with the old weights; after a failed attempt as well). Only while
-    no request holds KV blocks: idle, paused (mode abort or wait), or asleep: the weights
-    then wake up from it (and the engine resumes if nothing else sleeps)."""
+def reload_weights(core: EngineCore, path: str = "", undo: bool = False) -> dict[str, Any]:
+    """The checkpoint at ``path`` (empty: the one served, read again; ``undo``: the one
+    served before the last reload) into the weights in place (``model/reload.py``), then
+    the prefix cache reset, the host tier's too (its blocks were computed with the old
+    weights; after a failed attempt as well). Only while no request holds KV blocks: idle,
+    paused (mode abort or wait), or asleep: the weights then wake up from it (and the
+    engine resumes if nothing else sleeps)."""
     _enabled(core)
     core.settle()
     used = core.block_manager.num_used_blocks
@@ -218,7 +230,7 @@ def reload_weights(core: EngineCore, path: str = "") -> dict[str, Any]:
         raise InvalidRequestError(f"the weights cannot be read again in place: {why}")
     state = core.runner.sleep_state
     try:
-        answer = core.runner.reload_weights(path)
+        answer = core.runner.reload_weights(path, undo)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     finally:  # ReloadLostError goes on up: the engine fails

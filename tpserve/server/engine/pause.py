@@ -47,6 +47,7 @@ class EnginePause:
     """The engine's pause state and the requests held while it is not running."""
 
     state: str = RUNNING  # asleep: the ranks' ``sleep.RankSleep`` holds the level
+    paused_before_sleep: bool = False  # asleep: whether the sleep found the engine paused
     held: list[RequestState] = field(default_factory=list)
     # counts the drains begun and the resumes: a deferred answer waiting for a drain is
     # called off when it changes (a resume came, or another drain began after one)
