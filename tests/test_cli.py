@@ -277,6 +277,30 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
 
 
+def test_more_vllm_spellings_map_onto_tpserves_own(tiny_folder):
+    """vLLM flags that change nothing here are taken, and those with a tpserve equivalent
+    set it: --rope-scaling / --rope-theta (--hf-overrides), one --cuda-graph-sizes
+    (--cuda-graph-max-tokens), --disable-uvicorn-access-log (--disable-log-requests),
+    --structured-outputs-config's backend."""
+    plain = _cfg(str(tiny_folder))
+    same = _cfg(str(tiny_folder), "--disable-cascade-attn", "--disable-chunked-mm-input",
+                "--show-hidden-metrics-for-version", "0.10", "--max-parallel-loading-workers",
+                "2", "--trust-request-chat-template", "--api-server-count", "1",
+                "--prefix-caching-hash-algo", "sha256", "--preemption-mode", "recompute",
+                "--num-lookahead-slots", "0", "--model-impl", "vllm",
+                "--data-parallel-start-rank", "0", "--data-parallel-size-local", "1",
+                "--structured-outputs-config", '{"backend": "xgrammar"}')
+    assert same == plain
+    mapped = _cfg(str(tiny_folder), "--rope-scaling", '{"rope_type": "linear", "factor": 2.0}',
+                  "--rope-theta", "5000", "--hf-overrides", '{"max_position_embeddings": 512}',
+                  "--cuda-graph-sizes", "64", "--disable-uvicorn-access-log")
+    assert json.loads(mapped.runner.hf_overrides) == {
+        "max_position_embeddings": 512, "rope_theta": 5000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert mapped.runner.cuda_graph_max_tokens == 64 and plain.runner.cuda_graph_max_tokens == 512
+    assert not mapped.server.log_requests and plain.server.log_requests
+
+
 def test_runner_flags(tiny_folder):
     """--runner pooling, or vLLM's --task embed / --convert embed, builds a pooling runner
     with its pooler resolved; the default generates."""
@@ -357,6 +381,31 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
     (["--tool-parser-plugin", "p.py"], "plugin files are not loaded"),
+    (["--num-gpu-blocks-override", "100"], "--num-gpu-blocks-override 100: the KV pool is "
+                                          "sized in bytes: --kv-cache-memory"),
+    (["--logits-processors", "my.Proc"], "logits-processor classes are not loaded"),
+    (["--enable-prompt-embeds"], "--enable-prompt-embeds: prompts are text or token ids"),
+    (["--otlp-traces-endpoint", "http://x:4317"], "OpenTelemetry tracing is not supported"),
+    (["--worker-extension-cls", "a.B"], "POST /reload_weights"),
+    (["--headless"], "--headless: multi-node data parallelism is not supported"),
+    (["--data-parallel-size-local", "1", "-dp", "2"],
+     "--data-parallel-size-local 1: multi-node data parallelism is not supported"),
+    (["--api-server-count", "4"], "--api-server-count 4: one HTTP server process"),
+    (["--prefix-caching-hash-algo", "xxhash"], "block hashes are chained sha256"),
+    (["--preemption-mode", "swap"], "never swapped to CPU memory"),
+    (["--model-impl", "transformers"], "--model-impl transformers: not supported"),
+    (["--cuda-graph-sizes", "1", "2", "4"], "--cuda-graph-sizes 1 2 4: tpserve captures its "
+                                           "own step sizes; give the largest alone"),
+    (["--rope-theta", "1e4", "--hf-overrides", '{"rope_theta": 1}'],
+     "--rope-theta and --hf-overrides both set rope_theta"),
+    (["--rope-scaling", '{"rope_type": "linear", "factor": 2.0}', "--hf-overrides", "[1]"],
+     "--hf-overrides must be a JSON object"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'],
+     "--guided-decoding-backend guidance: not supported"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": true}'],
+     "--structured-outputs-config: disable_any_whitespace True is not supported"),
+    (["--structured-outputs-config", '{"reasoning_parser": "x"}'],
+     r"--structured-outputs-config: unknown or unsupported keys \['reasoning_parser'\]"),
     (["--default-chat-template-kwargs", '{"tools": []}'],
      "--default-chat-template-kwargs cannot set tools"),
     (["--reasoning-config", '{"think_start_str": "<think>", "think_end_str": "</think>"}'],

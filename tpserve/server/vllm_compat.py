@@ -9,13 +9,16 @@ flag and what to do instead, never ignored. tpserve's own spellings are in
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
+from tpserve.model.loader.hf_overrides import canonical_overrides
 from tpserve.server.flag_types import json_object
 
 TOKENIZER_MODES = ("auto", "hf")  # transformers' tokenizers; "slow"/"mistral": refused
 EXECUTOR_BACKENDS = ("mp", "uni")  # ranks are processes (one at tp 1); "ray": refused
 STRUCTURED_BACKENDS = ("auto", "xgrammar")  # the one grammar engine tpserve has
+MODEL_IMPLS = ("auto", "vllm")  # tpserve's own implementation; "transformers": refused
 # vLLM's --task (older) and --convert, as --runner: generation, embeddings, or a sequence
 # classifier's probabilities (its own checkpoint only: a causal LM is not converted)
 TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling",
@@ -41,7 +44,42 @@ REFUSED = {
                              "supported", None),
     "--tool-parser-plugin": ("tool-call parsers are built in (--tool-call-parser); plugin "
                              "files are not loaded", None),
+    "--num-gpu-blocks-override": ("the KV pool is sized in bytes: --kv-cache-memory (or "
+                                  "--gpu-memory-utilization)", None),
+    "--logits-processors": ("logits-processor classes are not loaded; min_p, penalties, "
+                            "logit_bias and allowed_token_ids are request fields", None),
+    "--enable-prompt-embeds": ("prompts are text or token ids (prompt_embeds is refused)",
+                               None),
+    "--otlp-traces-endpoint": ("OpenTelemetry tracing is not supported; /metrics and the "
+                               "access log report each request", None),
+    "--collect-detailed-traces": ("OpenTelemetry tracing is not supported", None),
+    "--worker-extension-cls": ("no worker extension code is loaded; a trainer's new "
+                               "weights go through POST /reload_weights", None),
+    "--headless": ("multi-node data parallelism is not supported: run one tpserve per node "
+                   "behind a load balancer", None),
+    "--data-parallel-address": ("multi-node data parallelism is not supported", None),
+    "--data-parallel-start-rank": ("multi-node data parallelism is not supported", "0"),
+    "--api-server-count": ("one HTTP server process serves every request (the engine runs "
+                           "in its own)", "1"),
+    "--prefix-caching-hash-algo": ("tpserve's prefix-cache block hashes are chained sha256",
+                                   "sha256"),
+    "--preemption-mode": ("a preempted sequence is recomputed, never swapped to CPU memory",
+                          "recompute"),
+    "--num-lookahead-slots": ("speculative decoding reserves its own slots "
+                              "(--speculative-config)", "0"),
 }
+# vLLM flags that change nothing here: flag -> why (each is taken with or without a value)
+NO_OPS = {
+    "--disable-cascade-attn": "tpserve has no cascade attention",
+    "--disable-chunked-mm-input": "tpserve serves text-only models",
+    "--show-hidden-metrics-for-version": "tpserve hides no metrics",
+    "--max-parallel-loading-workers": "each rank reads only its own shards, one tensor at a "
+                                      "time",
+    "--trust-request-chat-template": "a request's chat_template is rendered in "
+                                     "transformers' sandboxed Jinja either way",
+}
+STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
+                       "disable_additional_properties": False}  # the only values taken
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +144,28 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
                         "to CPU memory (as in vLLM's V1 engine)")
+    for flag, why in NO_OPS.items():
+        g.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE",
+                       help=f"changes nothing: {why}")
+    g.add_argument("--model-impl", default=None,
+                   help=f"{' or '.join(MODEL_IMPLS)}: tpserve runs its own implementation of "
+                        "each architecture (transformers' is refused)")
+    g.add_argument("--data-parallel-size-local", type=int, default=None, metavar="N",
+                   help="only --data-parallel-size: every replica runs on this host")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="the same as --disable-log-requests: no access-log line per request")
+    g.add_argument("--rope-scaling", type=json_object, default=None, metavar="JSON",
+                   help="vLLM's older spelling of --hf-overrides '{\"rope_scaling\": JSON}'")
+    g.add_argument("--rope-theta", type=float, default=None,
+                   help="vLLM's older spelling of --hf-overrides '{\"rope_theta\": X}'")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="one value: the same as --cuda-graph-max-tokens N (tpserve captures "
+                        "its own step sizes up to it); a list of sizes is refused")
+    g.add_argument("--structured-outputs-config", type=json_object, default=None,
+                   metavar="JSON",
+                   help="vLLM's structured-output settings: backend auto or xgrammar (as "
+                        "--structured-outputs-backend); the other keys only at their "
+                        "defaults")
 
 
 def apply_vllm_compat(a: argparse.Namespace) -> None:
@@ -125,13 +185,33 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
             EXECUTOR_BACKENDS, "ranks are spawned processes, or torchrun's")
     _one_of("--tokenizer-mode", a.tokenizer_mode, TOKENIZER_MODES,
             "tpserve uses transformers' tokenizer of the model (or --tokenizer)")
-    _one_of("--guided-decoding-backend", a.guided_decoding_backend, STRUCTURED_BACKENDS,
-            "structured output runs on xgrammar")
     if a.enable_log_requests and a.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests contradict each "
                          "other")
     if a.disable_frontend_multiprocessing:
         a.engine_process = False
+    _one_of("--model-impl", a.model_impl, MODEL_IMPLS,
+            "tpserve runs its own implementation of each architecture")
+    local = a.data_parallel_size_local
+    if local is not None and local != a.data_parallel_size:
+        raise ValueError(f"--data-parallel-size-local {local}: multi-node data parallelism "
+                         f"is not supported; every one of the --data-parallel-size "
+                         f"{a.data_parallel_size} replicas runs on this host")
+    if a.disable_uvicorn_access_log:
+        a.disable_log_requests = True
+    if a.structured_outputs_config is not None:
+        a.guided_decoding_backend = _structured_outputs_config(a.structured_outputs_config,
+                                                               a.guided_decoding_backend)
+    _one_of("--guided-decoding-backend", a.guided_decoding_backend, STRUCTURED_BACKENDS,
+            "structured output runs on xgrammar")
+    if a.rope_scaling is not None or a.rope_theta is not None:
+        a.hf_overrides = _rope_overrides(a.hf_overrides, a.rope_scaling, a.rope_theta)
+    if a.cuda_graph_sizes is not None:
+        if len(a.cuda_graph_sizes) != 1:
+            raise ValueError(f"--cuda-graph-sizes {' '.join(map(str, a.cuda_graph_sizes))}: "
+                             "tpserve captures its own step sizes; give the largest alone "
+                             "(or --cuda-graph-max-tokens)")
+        a.cuda_graph_max_tokens = a.cuda_graph_sizes[0]
     if a.reasoning_config is not None:
         _reasoning_config(a.reasoning_config, a.reasoning_parser)
     for flag, value, table in (("--task", a.task, TASKS), ("--convert", a.convert, CONVERTS)):
@@ -162,6 +242,35 @@ def _reasoning_config(cfg: dict[str, Any], parser: str | None) -> None:
                              f"reasoning parsers mark the thinking with <think> and </think>")
     if parser is None:
         raise ValueError(f"{flag} needs --reasoning-parser (the tags of its thinking)")
+
+
+def _structured_outputs_config(cfg: dict[str, Any], backend: str) -> str:
+    """The backend vLLM's ``--structured-outputs-config`` names (default: ``backend``, the
+    flag's); ValueError for a key tpserve does not take or a value other than the default."""
+    flag = "--structured-outputs-config"
+    unknown = sorted(set(cfg) - set(STRUCTURED_DEFAULTS) - {"backend"})
+    if unknown:
+        raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: backend, "
+                         f"{', '.join(STRUCTURED_DEFAULTS)})")
+    for key, default in STRUCTURED_DEFAULTS.items():
+        if cfg.get(key, default) != default:
+            raise ValueError(f"{flag}: {key} {cfg[key]!r} is not supported (only "
+                             f"{json.dumps(default)})")
+    return cfg.get("backend", backend)
+
+
+def _rope_overrides(overrides: str | None, scaling: dict[str, Any] | None,
+                    theta: float | None) -> str:
+    """``--hf-overrides`` with vLLM's older ``--rope-scaling`` / ``--rope-theta`` laid in;
+    ValueError where --hf-overrides sets the same key."""
+    merged = json.loads(canonical_overrides(overrides) or "{}")
+    for key, value in (("rope_scaling", scaling), ("rope_theta", theta)):
+        if value is None:
+            continue
+        if key in merged:
+            raise ValueError(f"--{key.replace('_', '-')} and --hf-overrides both set {key}")
+        merged[key] = value
+    return json.dumps(merged)
 
 
 def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str) -> None:
