@@ -301,6 +301,23 @@ def test_more_vllm_spellings_map_onto_tpserves_own(tiny_folder):
     assert not mapped.server.log_requests and plain.server.log_requests
 
 
+def test_partial_prefill_flags_take_vllms_defaults(tiny_folder):
+    """--max-num-partial-prefills above 1 makes a prefill of more than 4 % of the context
+    long, and lets one long prompt prefill at a time, unless told otherwise (vLLM's)."""
+    def caps(*argv: str) -> tuple[int, int, int]:
+        s = _cfg(str(tiny_folder), *argv).scheduler
+        return (s.max_num_partial_prefills, s.max_long_partial_prefills,
+                s.long_prefill_token_threshold)
+
+    assert caps() == (0, 0, 0)
+    assert caps("--max-num-partial-prefills", "4") == (4, 1, 256 // 25)
+    assert caps("--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2",
+                "--long-prefill-token-threshold", "64") == (4, 2, 64)
+    assert caps("--max-num-partial-prefills", "1") == (1, 0, 0)
+    assert caps("--max-long-partial-prefills", "1", "--long-prefill-token-threshold",
+                "8") == (0, 1, 8)
+
+
 def test_runner_flags(tiny_folder):
     """--runner pooling, or vLLM's --task embed / --convert embed, builds a pooling runner
     with its pooler resolved; the default generates."""
@@ -381,6 +398,11 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
     (["--tool-parser-plugin", "p.py"], "plugin files are not loaded"),
+    (["--max-long-partial-prefills", "1"], "--max-long-partial-prefills needs "
+                                          "--long-prefill-token-threshold"),
+    (["--max-num-partial-prefills", "-1"], "--max-num-partial-prefills must be >= 0"),
+    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"],
+     "--max-long-partial-prefills 3 exceeds --max-num-partial-prefills 2"),
     (["--num-gpu-blocks-override", "100"], "--num-gpu-blocks-override 100: the KV pool is "
                                           "sized in bytes: --kv-cache-memory"),
     (["--logits-processors", "my.Proc"], "logits-processor classes are not loaded"),

@@ -226,6 +226,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-mixed-tokens", type=int, default=None,
                    help="token budget of a step while sequences decode (default: "
                         "--cuda-graph-max-tokens when graphs are on, else no cap)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=0, metavar="N",
+                   help="at most N sequences get a prefill chunk in one step (vLLM's; 0: no "
+                        "cap); above 1, a prefill with more than --long-prefill-token-"
+                        "threshold tokens left (default then: 4 %% of the context) is long")
+    p.add_argument("--max-long-partial-prefills", type=int, default=None, metavar="M",
+                   help="at most M of those are long (default 1 with --max-num-partial-"
+                        "prefills above 1, else no cap): a long prompt that finds them taken "
+                        "is passed over, so shorter prompts behind it start at once instead "
+                        "of queueing behind long ones")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
                    help="one prompt's prefill chunk takes at most N tokens a step, so "
                         "prompts arriving together share steps instead of queueing behind "

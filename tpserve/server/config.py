@@ -193,6 +193,19 @@ def default_max_mixed_tokens(runner: RunnerConfig, max_num_batched_tokens: int) 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
+def partial_prefills(num: int, long: int | None, threshold: int,
+                     max_model_len: int) -> dict[str, int]:
+    """The scheduler's concurrent-prefill fields from vLLM's flags, with vLLM's defaults:
+    with ``--max-num-partial-prefills`` above 1, a long prefill is one of more than 4 % of
+    the context when no ``--long-prefill-token-threshold`` is given, and one long prompt
+    at a time prefills unless ``--max-long-partial-prefills`` says otherwise."""
+    if num > 1:
+        threshold = threshold or max(1, max_model_len // 25)
+        long = 1 if long is None else long
+    return {"long_prefill_token_threshold": threshold, "max_num_partial_prefills": num,
+            "max_long_partial_prefills": long or 0}
+
+
 def resolve_kv_offloading(gib: float, prefix_caching: bool) -> int:
     """``--kv-offloading-size`` in bytes (0: off); the host tier is the prefix cache's."""
     if gib < 0 or gib != gib:
@@ -396,7 +409,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
         max_model_len=resolve_max_model_len(a.max_model_len, model),
         block_size=a.block_size, max_mixed_tokens=max_mixed,
         enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy,
-        long_prefill_token_threshold=a.long_prefill_token_threshold)
+        **partial_prefills(a.max_num_partial_prefills, a.max_long_partial_prefills,
+                           a.long_prefill_token_threshold,
+                           resolve_max_model_len(a.max_model_len, model)))
     cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
                  server=server, replicas=tuple(replicas))
     served = (cfg.served_model_name, *server.served_model_aliases)

@@ -21,14 +21,16 @@ class Harness:
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                  max_model_len=None, prefix_caching=False, policy="fcfs", host_slots=0,
-                 long_prefill=0):
+                 long_prefill=0, partial=(0, 0)):
         max_model_len = max_model_len or num_blocks * block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching, host_slots=host_slots)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, block_size=block_size,
-                            policy=policy, long_prefill_token_threshold=long_prefill),
+                            policy=policy, long_prefill_token_threshold=long_prefill,
+                            max_num_partial_prefills=partial[0],
+                            max_long_partial_prefills=partial[1]),
             self.bm)
         self.ids = itertools.count()
         self.steps = 0
@@ -55,6 +57,14 @@ class Harness:
                         and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
                         for s in out.scheduled]
         assert decode_flags == [i < out.num_decodes for i in range(len(out.scheduled))]
+        cfg = self.sched.config  # the prefill seats: the tokens each prefill had left
+        prefills = [s.seq.num_tokens - s.seq.num_computed_tokens
+                    for s in out.scheduled[out.num_decodes:]]
+        if cfg.max_num_partial_prefills:
+            assert len(prefills) <= cfg.max_num_partial_prefills, chunks(out)
+        if cfg.max_long_partial_prefills:
+            longs = sum(left > cfg.long_prefill_token_threshold for left in prefills)
+            assert longs <= cfg.max_long_partial_prefills, chunks(out)
         for item in out.scheduled:  # the step's block tables cover its tokens
             assert item.num_new_tokens <= self.sched.config.max_chunk
             seq = item.seq
@@ -128,6 +138,14 @@ def test_long_prefill_token_threshold_caps_each_prompts_chunk():
     assert chunks(h.step()) == [(0, 1), (2, 2)]  # b finished; a decodes
     with pytest.raises(ValueError, match="--long-prefill-token-threshold must be >= 0"):
         SchedulerConfig(max_model_len=8, long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="--max-num-partial-prefills must be >= 0"):
+        SchedulerConfig(max_model_len=8, max_num_partial_prefills=-1)
+    with pytest.raises(ValueError, match="--max-long-partial-prefills needs --long-prefill"):
+        SchedulerConfig(max_model_len=8, max_long_partial_prefills=1)
+    with pytest.raises(ValueError, match="--max-long-partial-prefills 3 exceeds "
+                                         "--max-num-partial-prefills 2"):
+        SchedulerConfig(max_model_len=8, long_prefill_token_threshold=2,
+                        max_num_partial_prefills=2, max_long_partial_prefills=3)
     assert SchedulerConfig(max_model_len=8, max_num_batched_tokens=32).max_chunk == 32
 
 
@@ -348,7 +366,7 @@ def test_add_rejects_out_of_order_ids():
 def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int = 24,
           max_num_seqs: int = 6, max_num_batched_tokens: int = 32, max_model_len: int = 64,
           num_requests: int = 40, max_steps: int = 3000, policy: str = "fcfs",
-          host_slots: int = 0, long_prefill: int = 0) -> Harness:
+          host_slots: int = 0, long_prefill: int = 0, partial=(0, 0)) -> Harness:
     """Run random requests (shared prefixes, n in 1..3, random budgets and aborts; under
     the priority policy, priorities -1..2) to completion, checking integrity after every
     step. A fake KV pool checks that every
@@ -362,7 +380,7 @@ def drive(seed: int, prefix_caching: bool, block_size: int = 4, num_blocks: int 
     h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                 prefix_caching=prefix_caching, policy=policy, host_slots=host_slots,
-                long_prefill=long_prefill)
+                long_prefill=long_prefill, partial=partial)
     kv = FakeKV(h.bm)
     bases = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     aborted: set[str] = set()
@@ -435,6 +453,43 @@ def test_random_driver_with_a_long_prefill_threshold():
     budgets, preemption, siblings, prefix hits and aborts: every request completes."""
     h = drive(4, True, long_prefill=5)
     assert any(s.num_preemptions for s in h.seqs), "the pool was never tight"
+
+
+@pytest.mark.parametrize("seed,policy", [(7, "fcfs"), (6, "priority")])
+def test_random_driver_with_partial_prefill_caps(seed, policy):
+    """At most 2 prefill chunks a step, 1 of them long (more than 5 tokens left; the
+    harness checks every step), long prompts passed over by shorter ones, under random
+    budgets, preemption, siblings, prefix hits and aborts: every request completes."""
+    h = drive(seed, True, long_prefill=5, partial=(2, 1), policy=policy)
+    assert any(s.num_preemptions for s in h.seqs), "the pool was never tight"
+    started = sorted((s for s in h.seqs if s.first_scheduled_time is not None),
+                     key=lambda s: s.first_scheduled_time)
+    if policy == "fcfs":  # some started before an older prompt: it was passed over
+        assert [s.seq_id for s in started] != sorted(s.seq_id for s in started)
+    held = drive(seed + 20, True, num_blocks=16, host_slots=12, num_requests=60,
+                 policy=policy, long_prefill=5, partial=(2, 1))  # held ones take seats too
+    assert held.bm.counters["kv_offload_loaded_blocks_total"] > 0
+
+
+def test_a_short_prompt_passes_a_long_one_that_finds_the_long_seat_taken():
+    """vLLM's --max-num-partial-prefills 2 --max-long-partial-prefills 1 with a threshold of
+    4: a is long (20 tokens) and prefills; b, long too, is passed over, and c (3 tokens)
+    behind it starts at once; b is admitted in the step where a has 4 tokens left (no
+    longer long)."""
+    h = Harness(max_num_batched_tokens=64, long_prefill=4, partial=(2, 1))
+    (a,) = h.add(range(20), max_tokens=8)
+    (b,) = h.add(range(100, 112), max_tokens=2)
+    (c,) = h.add(range(200, 203), max_tokens=8)
+    assert chunks(h.step()) == [(0, 4), (2, 3)]
+    assert h.sched.waiting == [b]
+    for _ in range(3):  # a has 16, 12 and 8 tokens left: still long
+        assert chunks(h.step()) == [(2, 1), (0, 4)]
+    assert chunks(h.step()) == [(2, 1), (0, 4), (1, 4)] and not h.sched.waiting
+    h2 = Harness(max_num_batched_tokens=64, partial=(1, 0))  # one prefill a step
+    h2.add(range(5), max_tokens=2)
+    h2.add(range(10, 15), max_tokens=2)
+    assert chunks(h2.step()) == [(0, 5)]
+    assert chunks(h2.step()) == [(0, 1), (1, 5)]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

@@ -7,7 +7,12 @@ long prefill never starves decodes). While any sequence decodes, the step's budg
 capped at ``max_mixed_tokens`` (when set): steps that carry decodes stay short, which keeps
 inter-token latency steady and lets such steps replay CUDA graphs. One sequence's prefill
 chunk is at most ``long_prefill_token_threshold`` tokens (when set; vLLM's), so the rest of
-the budget goes to the prompts after it. A running sequence that cannot get KV blocks preempts the
+the budget goes to the prompts after it. ``max_num_partial_prefills`` (when set; vLLM's)
+caps how many sequences get a prefill chunk in one step, and ``max_long_partial_prefills``
+how many of them are long (more than ``long_prefill_token_threshold`` tokens left to
+compute): a waiting long prompt that finds the long seats taken is passed over, so the
+shorter prompts behind it start now instead of queueing behind long ones (``PrefillSeats``).
+A running sequence that cannot get KV blocks preempts the
 last-ranked running sequence (possibly itself), which frees its blocks and returns to the
 waiting queue to recompute later. Then, if nothing was preempted, waiting sequences are
 admitted in rank order while the budget, ``max_num_seqs`` and the block pool allow; the
@@ -24,7 +29,8 @@ and a waiting sequence that does not fit preempts running sequences ranked after
 
 Queue invariants (checked by ``check_integrity``):
 - ``running`` holds RUNNING sequences in increasing rank; ``waiting`` holds WAITING ones
-  in increasing rank; under fcfs every running rank is below every waiting rank.
+  in increasing rank; under fcfs every running rank is below every waiting rank, except
+  the ranks of long prompts passed over (``max_long_partial_prefills``).
   (Admission takes the front of ``waiting``; a preempted sequence is the last-ranked
   running one; new arrivals have the largest ids.) So the first-ranked running sequence
   always gets its blocks, and the scheduler makes progress as long as one sequence of
@@ -67,6 +73,10 @@ class SchedulerConfig:
     # vLLM's --long-prefill-token-threshold: a prefill chunk of one sequence is at most this
     # many tokens a step, so several long prompts share steps (0: no cap but the budget)
     long_prefill_token_threshold: int = 0
+    # vLLM's --max-num-partial-prefills / --max-long-partial-prefills: the sequences that
+    # get a prefill chunk in one step, and the long ones among them (0: no cap)
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -78,9 +88,18 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
         if self.max_mixed_tokens is not None and self.max_mixed_tokens <= 0:
             raise ValueError(f"--max-mixed-tokens must be >= 1, got {self.max_mixed_tokens!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("--long-prefill-token-threshold must be >= 0, got "
-                             f"{self.long_prefill_token_threshold!r}")
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills",
+                     "max_long_partial_prefills"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value!r}")
+        long, num = self.max_long_partial_prefills, self.max_num_partial_prefills
+        if long and not self.long_prefill_token_threshold:
+            raise ValueError("--max-long-partial-prefills needs --long-prefill-token-"
+                             "threshold (the prompt tokens left above which a prefill is long)")
+        if long and num and long > num:
+            raise ValueError(f"--max-long-partial-prefills {long} exceeds "
+                             f"--max-num-partial-prefills {num}")
 
     @property
     def max_chunk(self) -> int:
@@ -129,6 +148,33 @@ def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
     return num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
+@dataclass
+class PrefillSeats:
+    """The prefill chunks one step may still take: ``free`` in all, ``long_free`` of long
+    ones (None: no cap)."""
+
+    free: int | None
+    long_free: int | None
+
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> PrefillSeats:
+        return cls(config.max_num_partial_prefills or None,
+                   config.max_long_partial_prefills or None)
+
+    @property
+    def full(self) -> bool:
+        return self.free == 0
+
+    def allows(self, long: bool) -> bool:
+        return self.free != 0 and not (long and self.long_free == 0)
+
+    def take(self, long: bool) -> None:
+        if self.free is not None:
+            self.free -= 1
+        if long and self.long_free is not None:
+            self.long_free -= 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         if block_manager.block_size != config.block_size:
@@ -171,7 +217,8 @@ class Scheduler:
         """Adds ``seq`` to ``running`` at its rank."""
         last = self._running[next(reversed(self._running))] if self._running else None
         self._running[seq.seq_id] = seq
-        if last is not None and self.rank(seq) < self.rank(last):  # only under priority
+        # under priority, or for a long prompt admitted after shorter ones passed it
+        if last is not None and self.rank(seq) < self.rank(last):
             self._running = dict(sorted(self._running.items(),
                                         key=lambda item: self.rank(item[1])))
 
@@ -254,6 +301,7 @@ class Scheduler:
             budget = min(budget, max(cap, decoding))
 
         held: list[Sequence] = []  # waiting for the host tier's loads (block manager)
+        seats = PrefillSeats.of(self.config)
         for seq in running:
             if budget <= 0:
                 break
@@ -263,24 +311,35 @@ class Scheduler:
                 held.append(seq)
                 continue
             left = seq.num_tokens - seq.num_computed_tokens
-            if _is_decode(seq, left):
+            decode, long = _is_decode(seq, left), self._is_long(seq)
+            if decode:
                 decoding -= 1
                 num_new = 1
+            elif not seats.allows(long):
+                continue  # its next chunk waits for a step with a prefill seat
             else:  # a prefill chunk leaves one token for each decode after it
                 num_new = min(left, budget - decoding, self.config.max_chunk)
             if num_new <= 0:
                 continue  # nothing to compute until a token is appended, or no room
-            budget -= self._grow(seq, num_new, scheduled, preempted)
+            grown = self._grow(seq, num_new, scheduled, preempted)
+            if grown and not decode:
+                seats.take(long)
+            budget -= grown
 
         # Admitting right after a preemption could just take back the victim's blocks.
         if not preempted:
-            budget = self._admit(scheduled, preempted, budget, held)
+            budget = self._admit(scheduled, preempted, budget, held, seats)
         if not scheduled:  # nothing else to run: the step waits for the loads instead
             for seq in dict.fromkeys(held):  # once each: a victim may be admitted again
-                if budget > 0 and seq.status is SequenceStatus.RUNNING:
+                long = self._is_long(seq)
+                if (budget > 0 and seq.status is SequenceStatus.RUNNING
+                        and seats.allows(long)):
                     left = seq.num_tokens - seq.num_computed_tokens
-                    budget -= self._grow(seq, min(left, budget, self.config.max_chunk),
-                                         scheduled, preempted)
+                    grown = self._grow(seq, min(left, budget, self.config.max_chunk),
+                                       scheduled, preempted)
+                    if grown:
+                        seats.take(long)
+                    budget -= grown
         if propose is not None:
             self._add_drafts(scheduled, budget, propose)
 
@@ -294,6 +353,12 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             num_decodes=len(decodes),
         )
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prefill is long: more than ``long_prefill_token_threshold``
+        tokens left to compute (when the threshold is set)."""
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < seq.num_tokens - seq.num_computed_tokens
 
     def _grow(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq],
               preempted: list[Sequence]) -> int:
@@ -337,13 +402,19 @@ class Scheduler:
                 rows -= len(draft)
 
     def _admit(self, scheduled: list[ScheduledSeq], preempted: list[Sequence],
-               budget: int, held: list[Sequence]) -> int:
+               budget: int, held: list[Sequence], seats: PrefillSeats) -> int:
         """Admit waiting sequences in rank order into ``scheduled`` (under priority,
         preempting running ones ranked after them), or into ``held`` where their prefix
         hits wait for the host tier's loads (running, but not in this step unless nothing
-        else is); returns the budget left."""
-        while self._waiting and budget > 0:
-            seq = self._waiting[0]
+        else is), while ``seats`` has a prefill seat; a long prompt without a long seat is
+        passed over. Returns the budget left."""
+        i = 0
+        while i < len(self._waiting) and budget > 0 and not seats.full:
+            seq = self._waiting[i]
+            long = self._is_long(seq)
+            if not seats.allows(long):
+                i += 1  # a shorter prompt behind it may start
+                continue
             admitted = None
             if len(self._running) < self.config.max_num_seqs:
                 fork_tokens = self._fork_tokens(seq)
@@ -362,13 +433,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.fork_parent = None
-            self._waiting.popleft()
+            del self._waiting[i]
             seq.status = SequenceStatus.RUNNING
             self._start_running(seq)
             if self.block_manager.waits_for_load(seq):
                 held.append(seq)
                 continue
             scheduled.append(ScheduledSeq(seq, num_new))
+            seats.take(long)
             budget -= num_new
         return budget
 
@@ -496,7 +568,7 @@ class Scheduler:
             assert queue == sorted(queue), f"queues out of rank order: {ranks}"
         ids = [s.seq_id for s in running] + [s.seq_id for s in waiting]
         assert len(set(ids)) == len(ids), f"a sequence queued twice: {ids}"
-        if not self._by_priority:
+        if not self._by_priority and not self.config.max_long_partial_prefills:
             assert ids == sorted(ids), (f"queues out of seq_id order: running "
                                         f"{ids[:len(running)]}, waiting {ids[len(running):]}")
         assert len(running) <= self.config.max_num_seqs, "more running than max_num_seqs"
