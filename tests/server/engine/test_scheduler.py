@@ -492,6 +492,37 @@ def test_a_short_prompt_passes_a_long_one_that_finds_the_long_seat_taken():
     assert chunks(h2.step()) == [(0, 1), (1, 5)]
 
 
+def test_a_prompt_is_long_by_the_tokens_it_would_compute():
+    """A prompt whose prefix is cached (20 of its 21 tokens) or shared with its fork
+    parent computes few tokens: it is not passed over as long while a long prompt holds
+    the long seat, and does not take that seat itself."""
+    h = Harness(max_num_batched_tokens=64, long_prefill=4, partial=(4, 1),
+                prefix_caching=True)
+    h.add(range(20), max_tokens=1)
+    while h.sched.has_unfinished:
+        h.step()
+    h.add(range(1000, 1040), max_tokens=2)
+    (cached,) = h.add([*range(20), 7], max_tokens=2)
+    assert chunks(h.step()) == [(1, 4), (2, 1)] and cached.num_cached_tokens == 20
+    s = Harness(max_num_batched_tokens=64, long_prefill=4, partial=(4, 1))
+    s.add(range(21), max_tokens=3, n=4)  # the siblings share the parent's 20 tokens
+    for _ in range(5):  # the parent's 4-token chunks
+        assert chunks(s.step()) == [(0, 4)]
+    assert chunks(s.step()) == [(0, 1), (1, 1), (2, 1), (3, 1)] and not s.sched.waiting
+
+
+def test_a_prefill_preempted_to_make_room_gives_its_seat_back():
+    """Under priority, two prompts of a better priority preempt the running prefill; its
+    seat comes back, so both start in that step (--max-num-partial-prefills 2)."""
+    h = Harness(num_blocks=8, max_model_len=32, policy="priority", partial=(2, 0))
+    h.add(range(32), max_tokens=2, priority=2)
+    assert chunks(h.step(token_budget=16)) == [(0, 16)]
+    h.add(range(100, 104), max_tokens=2, priority=1)
+    h.add(range(200, 204), max_tokens=2, priority=1)
+    out = h.step()
+    assert chunks(out) == [(1, 4), (2, 4)] and [s.seq_id for s in out.preempted] == [0]
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_random_driver_on_a_pool_of_one_sequence(prefix_caching):
     """Block size 1, one sequence at a time, a pool that holds exactly max_model_len."""

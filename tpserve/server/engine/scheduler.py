@@ -151,10 +151,11 @@ def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
 @dataclass
 class PrefillSeats:
     """The prefill chunks one step may still take: ``free`` in all, ``long_free`` of long
-    ones (None: no cap)."""
+    ones (None: no cap); ``held`` maps each seat's sequence to whether its seat is long."""
 
     free: int | None
     long_free: int | None
+    held: dict[int, bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: SchedulerConfig) -> PrefillSeats:
@@ -165,14 +166,29 @@ class PrefillSeats:
     def full(self) -> bool:
         return self.free == 0
 
+    @property
+    def long_full(self) -> bool:
+        return self.long_free == 0
+
     def allows(self, long: bool) -> bool:
         return self.free != 0 and not (long and self.long_free == 0)
 
-    def take(self, long: bool) -> None:
+    def take(self, seq: Sequence, long: bool) -> None:
+        self.held[seq.seq_id] = long
         if self.free is not None:
             self.free -= 1
         if long and self.long_free is not None:
             self.long_free -= 1
+
+    def give_back(self, seq: Sequence) -> None:
+        """``seq``'s seat, if it holds one (it was taken out of the step)."""
+        if seq.seq_id not in self.held:
+            return
+        long = self.held.pop(seq.seq_id)
+        if self.free is not None:
+            self.free += 1
+        if long and self.long_free is not None:
+            self.long_free += 1
 
 
 class Scheduler:
@@ -323,7 +339,7 @@ class Scheduler:
                 continue  # nothing to compute until a token is appended, or no room
             grown = self._grow(seq, num_new, scheduled, preempted)
             if grown and not decode:
-                seats.take(long)
+                seats.take(seq, long)
             budget -= grown
 
         # Admitting right after a preemption could just take back the victim's blocks.
@@ -338,7 +354,7 @@ class Scheduler:
                     grown = self._grow(seq, min(left, budget, self.config.max_chunk),
                                        scheduled, preempted)
                     if grown:
-                        seats.take(long)
+                        seats.take(seq, long)
                     budget -= grown
         if propose is not None:
             self._add_drafts(scheduled, budget, propose)
@@ -355,10 +371,26 @@ class Scheduler:
         )
 
     def _is_long(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s prefill is long: more than ``long_prefill_token_threshold``
-        tokens left to compute (when the threshold is set)."""
+        """Whether the running ``seq``'s prefill is long: more than
+        ``long_prefill_token_threshold`` tokens left to compute (when the threshold is
+        set)."""
         threshold = self.config.long_prefill_token_threshold
         return 0 < threshold < seq.num_tokens - seq.num_computed_tokens
+
+    def _long_at_admission(self, seq: Sequence, fork_tokens: int) -> bool:
+        """``_is_long`` of the waiting ``seq`` as admitting it now would leave it: less the
+        prompt blocks it would share with its fork parent or find in the prefix cache."""
+        threshold = self.config.long_prefill_token_threshold
+        if not 0 < threshold < seq.num_tokens:
+            return False
+        if fork_tokens:
+            shared = fork_tokens // self.config.block_size * self.config.block_size
+        elif seq.computes_whole_prompt:
+            shared = 0
+        else:
+            shared = self.block_manager.get_computed_blocks(seq.all_token_ids,
+                                                            seq.cache_key)[1]
+        return seq.num_tokens - shared > threshold
 
     def _grow(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq],
               preempted: list[Sequence]) -> int:
@@ -406,23 +438,25 @@ class Scheduler:
         """Admit waiting sequences in rank order into ``scheduled`` (under priority,
         preempting running ones ranked after them), or into ``held`` where their prefix
         hits wait for the host tier's loads (running, but not in this step unless nothing
-        else is), while ``seats`` has a prefill seat; a long prompt without a long seat is
-        passed over. Returns the budget left."""
+        else is), while ``seats`` has a prefill seat. While the long seats are taken, a
+        prompt that would be long is passed over (at most ``max_num_seqs`` of them are
+        looked at, each step). Returns the budget left."""
         i = 0
         while i < len(self._waiting) and budget > 0 and not seats.full:
             seq = self._waiting[i]
-            long = self._is_long(seq)
-            if not seats.allows(long):
-                i += 1  # a shorter prompt behind it may start
-                continue
             admitted = None
             if len(self._running) < self.config.max_num_seqs:
                 fork_tokens = self._fork_tokens(seq)
                 if fork_tokens is None:
                     break  # a sibling waiting for its parent's prompt blocks
+                if seats.long_full and self._long_at_admission(seq, fork_tokens):
+                    i += 1  # a shorter prompt behind it may start
+                    if i >= self.config.max_num_seqs:
+                        break
+                    continue
                 admitted = self._allocate_admission(seq, fork_tokens, budget)
             if admitted is None:  # no seat, or no blocks
-                room = self._make_room(seq, scheduled, preempted)
+                room = self._make_room(seq, scheduled, preempted, seats)
                 if room is None:
                     break
                 budget += room
@@ -440,7 +474,7 @@ class Scheduler:
                 held.append(seq)
                 continue
             scheduled.append(ScheduledSeq(seq, num_new))
-            seats.take(long)
+            seats.take(seq, self._is_long(seq))
             budget -= num_new
         return budget
 
@@ -472,10 +506,10 @@ class Scheduler:
         return num_new, num_cached
 
     def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq],
-                   preempted: list[Sequence]) -> int | None:
+                   preempted: list[Sequence], seats: PrefillSeats) -> int | None:
         """Under priority: preempts the last-ranked running sequence if it ranks after
-        ``seq`` (taking it out of ``scheduled``), and returns the tokens its removal gives
-        back to the budget; None when there is none to preempt."""
+        ``seq`` (taking it out of ``scheduled``, and its prefill seat back), and returns the
+        tokens its removal gives back to the budget; None when there is none to preempt."""
         if not self._by_priority or not self._running:
             return None
         victim = self._running[next(reversed(self._running))]
@@ -485,6 +519,7 @@ class Scheduler:
         for k, item in enumerate(scheduled):
             if item.seq is victim:
                 freed = scheduled.pop(k).num_new_tokens
+                seats.give_back(victim)
                 break
         self._preempt(victim)
         preempted.append(victim)
