@@ -95,6 +95,11 @@ def test_sleep_and_reload_faults_fire_at_their_nth_event():
         hooks.fire_event(SLEEP)
     hooks.fire_event(SLEEP)
     assert parse_fault("0:2:reload", 0) == FaultHook(2, "reload")
+    both = parse_fault("0:0:reload,0:1:reload", 0)  # the first's raise hides nothing
+    for n in range(2):
+        with pytest.raises(RuntimeError, match=f"injected failure at reload {n} "):
+            both.fire_event(RELOAD)
+    both.fire_event(RELOAD)
 
 
 def test_a_replica_reads_its_own_ranks_of_the_spec():

@@ -32,10 +32,10 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    """Replica 1 fails its first level-1 sleep and its first weight reload (the test
+    """Replica 1 fails its first level-1 sleep and its first two weight reloads (the test
     hook); nothing else is planted."""
     s = ServerProcess(*SMALL, "--data-parallel-size", "2", "--served-model-name", "smol",
-                      "--enable-sleep-mode", env={FAULT_ENV: "1:0:sleep,1:0:reload"})
+                      "--enable-sleep-mode", env={FAULT_ENV: "1:0:sleep,1:0:reload,1:1:reload"})
     yield s
     assert s.stop() == 0, s.output()
 
@@ -146,9 +146,11 @@ def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, h
 def test_a_sleep_or_reload_that_fails_on_one_replica_is_taken_back_on_the_other(
         server, smollm2_path, smollm2_tokenizer):
     """Replica 1's first sleep fails: replica 0, which slept, wakes to the state the sleep
-    found (paused), so the replicas still answer as one; replica 1's first reload fails:
-    replica 0 reads its previous weights again. Each failure is the client's error, and
-    both succeed when tried again."""
+    found (paused), so the replicas still answer as one. Asleep, replica 1's first reload
+    fails: replica 0, whose weights woke from it, puts them back to sleep. A reload is
+    refused while the replicas run; paused, replica 1's second reload fails: replica 0
+    reads its previous weights again. Each failure is the client's error, and each
+    succeeds when tried again."""
     ids, want = greedy_answers(smollm2_path, smollm2_tokenizer, PROMPTS[:2], TOKENS)
     with httpx.Client(base_url=server.base, timeout=120) as http:
         assert http.post("/pause", params={"mode": "keep"}).status_code == 200
@@ -159,13 +161,22 @@ def test_a_sleep_or_reload_that_fails_on_one_replica_is_taken_back_on_the_other(
         assert "replica(s) [0] took it back" in server.output()
         r = http.post("/sleep", params={"level": 1})
         assert r.status_code == 200 and len(r.json()["ranks"]) == 2, r.text
-        assert http.post("/wake_up").json()["is_sleeping"] is False
-        assert http.get("/is_paused").json() == {"is_paused": False}
         r = http.post("/reload_weights")
         assert r.status_code == 400 and "injected failure at reload 0" in r.text, r.text
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert server.output().count("replica(s) [0] took it back") == 2
+        assert http.post("/wake_up").json()["is_sleeping"] is False
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        r = http.post("/reload_weights")  # running: a replica could serve it alone
+        assert r.status_code == 400 and "needs every replica paused or asleep" in r.text
+        assert http.post("/pause").status_code == 200
+        r = http.post("/reload_weights")
+        assert r.status_code == 400 and "injected failure at reload 1" in r.text, r.text
+        assert server.output().count("replica(s) [0] took it back") == 3
         r = http.post("/reload_weights")
         assert r.status_code == 200 and r.json()["status"] == "reloaded", r.text
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.post("/resume").status_code == 200
     client = server.client()
     assert [client.completions.create(model="smol", prompt=p, max_tokens=TOKENS,
                                       temperature=0).choices[0].text for p in ids] == want

@@ -82,14 +82,18 @@ class FaultHooks:
     """Several planted faults of one rank, each acting at its own step and site."""
 
     hooks: tuple[FaultHook, ...]
+    events: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def fire(self, step: int, site: str = FORWARD) -> None:
         for hook in self.hooks:
             hook.fire(step, site)
 
     def fire_event(self, site: str) -> None:
-        for hook in self.hooks:
-            hook.fire_event(site)
+        """``FaultHook.fire_event``, the events counted once for every hook (a hook that
+        raises does not hide the event from the others)."""
+        count = self.events.get(site, 0)
+        self.events[site] = count + 1
+        self.fire(count, site)
 
 
 def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:

@@ -68,7 +68,9 @@ def agreed_reload(runner: ModelRunner, path: str,
     asleep (``sleep.py``), they wake up from it. ValueError (every rank serving what it
     served before, or as asleep as before) if any rank could not open, check or load it;
     ReloadLostError if a failed load could not be undone. ``undo`` is how data parallelism
-    takes back a reload that another replica could not make (``server/data_parallel.py``)."""
+    takes back a reload that another replica could not make (``server/data_parallel.py``):
+    weights the reload woke from their sleep go back to sleep (``runner.reload_woke``: the
+    level they slept at), to wake from the checkpoint before; awake ones read it now."""
     why = reload_refusal(runner)
     if why is not None:  # the same on every rank: no collective needed to agree
         raise ValueError(f"the weights cannot be read again in place: {why}")
@@ -83,7 +85,10 @@ def agreed_reload(runner: ModelRunner, path: str,
     if not runner.comm.all_true(error is None):
         raise ValueError(f"reload: {error or 'another rank could not open the checkpoint'}")
     t0 = time.monotonic()
-    if state.weights_asleep:  # a wake-up of the weights from the new checkpoint
+    woke = state.level if state.weights_asleep else 0
+    if undo and runner.reload_woke:  # the weights go back to sleep, to wake from ``ckpt``
+        state.sleep_weights(runner.reload_woke)
+    elif state.weights_asleep:  # a wake-up of the weights from the new checkpoint
         try:
             state.agreed_wake(True, False, ckpt)
         except SleepError as e:
@@ -92,6 +97,7 @@ def agreed_reload(runner: ModelRunner, path: str,
         _agreed_load(runner, ckpt)
     # a level-2 sleep now reads this one; an undo forgets the one it leaves
     runner.ckpt_before = None if undo else runner.ckpt
+    runner.reload_woke = 0 if undo else woke
     runner.ckpt = ckpt
     return {"path": path or None, "description": ckpt.description,
             "seconds": round(time.monotonic() - t0, 3)}

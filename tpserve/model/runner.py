@@ -119,6 +119,7 @@ class ModelRunner:
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
                                     cfg.tokenizer, cfg.disable_sliding_window)
         self.ckpt_before: Checkpoint | None = None  # served before the last reload
+        self.reload_woke = 0  # the sleep level of the weights the last reload woke, else 0
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length
         self.max_model_len = resolve_max_model_len(limits.max_model_len, mcfg)

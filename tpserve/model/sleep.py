@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpserve.model.fault import SLEEP
+from tpserve.model.fault import RELOAD, SLEEP
 from tpserve.model.host_copy import distinct_storages, lock_in_place, storage_bytes, unlock
 from tpserve.model.memory import read_memory
 
@@ -280,12 +280,28 @@ class RankSleep:
         for s, size in zip(storages, self._sizes, strict=True):
             s.resize_(size)
         if ckpt is not None:  # another checkpoint of the model (reload.py)
+            if self.runner.fault is not None:
+                self.runner.fault.fire_event(RELOAD)
             ckpt.load_into(self.runner.model, False)
         elif self._host is not None:
             self._host.restore(storages)
         else:  # level 2: the checkpoint again, into the same tensors
             self.runner.ckpt.load_into(self.runner.model, False)
         return sum(self._sizes)
+
+    def sleep_weights(self, level: int) -> None:
+        """This rank's weights emptied again (and the CUDA graphs given back), asleep at
+        ``level`` (``level`` 1 keeps no host copy: they wake from the runner's checkpoint):
+        a reload that woke them is taken back (``reload.py``). Every rank does the same."""
+        r = self.runner
+        self._sync()
+        r.graphs = None
+        storages = self._weights()
+        self._sizes = [s.nbytes() for s in storages]
+        for s in storages:
+            s.resize_(0)
+        self._release_cache()
+        self.weights_asleep, self.level = True, level
 
     def undo(self, weights: bool, kv: bool) -> None:
         """Empties again what a failed ``wake(weights, kv)`` took on this rank."""

@@ -20,8 +20,9 @@ search all go to one replica (``pinned``).
 every replica (a LoRA load or unload must give every replica the same slot; the memory
 report is merged), except ``memory_snapshot``, which goes to the replica it names (0 by
 default). A sleep or a weight reload that fails on one replica is taken back on the others
-(``_all_or_none``), so the replicas never serve unlike weights or differ in state. Any replica's death is the server's (``on_fatal``): /health turns 503 and the
-process exits non-zero, as with one engine.
+(``_all_or_none``), so the replicas never serve unlike weights or differ in state; a reload
+needs every replica paused or asleep (``_reload``). Any replica's death is the server's
+(``on_fatal``): /health turns 503 and the process exits non-zero, as with one engine.
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ class DataParallelEngines:
                 raise InvalidRequestError(f"replica {replica}: this server runs replicas "
                                           f"0..{len(self.engines) - 1}")
             return await self.engines[replica].query("memory_snapshot")
-        if kind in ("sleep", "reload_weights"):
+        if kind == "reload_weights":
+            return await self._reload(name, timeout)
+        if kind == "sleep":
             answers = await self._all_or_none(name, timeout)
         else:
             answers = await asyncio.gather(*(e.query(name, timeout) for e in self.engines))
@@ -147,12 +150,27 @@ class DataParallelEngines:
             return merge_memory(answers)
         if kind in ("sleep", "wake_up"):  # each replica's ranks' figures, in replica order
             return {**answers[0], "ranks": [r for a in answers for r in a["ranks"]]}
-        if kind == "reload_weights":  # the slowest replica's time
-            return {**answers[0], "seconds": max(a["seconds"] for a in answers)}
         if any(a != answers[0] for a in answers):
             raise EngineError(f"the replicas answered {name!r} differently: {answers}; "
                               "restart the server")
         return answers[0]
+
+    async def _reload(self, query: tuple, timeout: float) -> dict[str, Any]:
+        """A weight reload on every replica or on none (``_all_or_none``). Only while every
+        replica is paused or asleep, and a replica the reload would resume stays paused
+        until all have the new weights: no replica serves them before every one has them
+        (or serves them after one failed). The answer has the slowest replica's time."""
+        if not all(await asyncio.gather(*(e.query("is_paused", timeout)
+                                          for e in self.engines))):
+            raise InvalidRequestError(
+                "with --data-parallel-size a weight reload needs every replica paused or "
+                "asleep (POST /pause or /sleep first), so that none serves the new weights "
+                "before every one has them")
+        answers = await self._all_or_none(("reload_weights", query[1], False, True), timeout)
+        await asyncio.gather(*(e.query("resume", timeout)
+                               for e, a in zip(self.engines, answers, strict=True)
+                               if a.pop("resumes")))
+        return {**answers[0], "seconds": max(a["seconds"] for a in answers)}
 
     async def _all_or_none(self, query: tuple, timeout: float) -> list[Any]:
         """Every replica's answer to a sleep or a weight reload; if one failed, the

@@ -530,6 +530,37 @@ def test_undo_takes_back_a_reload_and_a_sleep(folder, smollm2_tokenizer, prompts
     assert tokens_of(out) == expected[0]
 
 
+def test_the_undo_of_a_reload_that_woke_the_weights_puts_them_back_to_sleep(
+        folder, smollm2_tokenizer, prompts_and_greedy, tmp_path):
+    """A reload while asleep wakes the weights from the new checkpoint; its undo (data
+    parallelism's, when another replica failed) empties them again, the engine asleep, and
+    the wake-up reads the checkpoint before. With ``hold``, a reload that leaves nothing
+    asleep pauses the engine instead of resuming it (``resumes`` in the answer), and its
+    undo puts the weights back to sleep too."""
+    prompts, expected = prompts_and_greedy
+    new = _trained(folder, tmp_path, "step-1")
+    core = make_core(folder, smollm2_tokenizer)
+    run_query(core, ("sleep", 2, "abort"))
+    answer = run_query(core, ("reload_weights", new, False, True))
+    assert answer["is_sleeping"] and answer["resumes"] is False
+    assert not core.runner.sleep_state.weights_asleep
+    assert run_query(core, ("reload_weights", "", True))["is_sleeping"]
+    assert emptied(core) and run_query(core, "is_sleeping")
+    run_query(core, ("wake_up", ("kv_cache",)))
+    answer = run_query(core, ("reload_weights", new, False, True))
+    assert answer["resumes"] and not answer["is_sleeping"]
+    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    held = submit(core, "held", prompts[1], PARAMS)
+    core.step()
+    assert held == []
+    run_query(core, ("reload_weights", "", True))
+    assert run_query(core, "is_sleeping") and core.runner.sleep_state.weights_asleep
+    assert core.runner.kv_pool.buffer.untyped_storage().nbytes() > 0  # the KV pool awake
+    run_query(core, ("wake_up", None))
+    run_to_end(core)
+    assert tokens_of(held) == expected[1]  # the weights before the reload
+
+
 def test_weights_asleep_wake_up_from_a_new_checkpoint(folder, smollm2_tokenizer,
                                                       prompts_and_greedy, tmp_path):
     """vLLM's loop: sleep at level 2, the trainer writes a checkpoint, the weights wake up

@@ -4,10 +4,11 @@ are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model
 - ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
 - ``("sleep", level, mode)``, ``("wake_up", tags[, undo])``, ``"is_sleeping"``;
 - ``("reset_prefix_cache", running, external)``;
-- ``("reload_weights", path[, undo])``: a checkpoint of the same model read in place.
+- ``("reload_weights", path[, undo, hold])``: a checkpoint of the same model read in place.
 
-``undo`` takes back a sleep or a reload that another data-parallel replica could not make
-(``server/data_parallel.py``).
+``undo`` takes back a sleep or a reload that another data-parallel replica could not make,
+and ``hold`` keeps a replica a reload would resume paused until every replica has the new
+weights (``server/data_parallel.py``).
 
 A pause or sleep of mode ``wait`` answers once the requests it waits for have ended (a
 ``pause.Deferred``); the others answer at once. Each runs on the engine thread between
@@ -211,13 +212,16 @@ def is_sleeping(core: EngineCore) -> bool:
     return core.pause.state == ASLEEP
 
 
-def reload_weights(core: EngineCore, path: str = "", undo: bool = False) -> dict[str, Any]:
+def reload_weights(core: EngineCore, path: str = "", undo: bool = False,
+                   hold: bool = False) -> dict[str, Any]:
     """The checkpoint at ``path`` (empty: the one served, read again; ``undo``: the one
     served before the last reload) into the weights in place (``model/reload.py``), then
     the prefix cache reset, the host tier's too (its blocks were computed with the old
     weights; after a failed attempt as well). Only while no request holds KV blocks: idle,
     paused (mode abort or wait), or asleep: the weights then wake up from it (and the
-    engine resumes if nothing else sleeps)."""
+    engine resumes if nothing else sleeps; with ``hold`` it stays paused instead and the
+    answer's ``resumes`` says so: data parallelism resumes it once every replica has the
+    new weights). An undo may put the weights back to sleep: the engine is asleep again."""
     _enabled(core)
     core.settle()
     used = core.block_manager.num_used_blocks
@@ -236,9 +240,16 @@ def reload_weights(core: EngineCore, path: str = "", undo: bool = False) -> dict
     finally:  # ReloadLostError goes on up: the engine fails
         _reset_cache(core, host=True)
     logger.info("weights read from %s in %.2f s", answer["description"], answer["seconds"])
-    if core.pause.state == ASLEEP and not (state.weights_asleep or state.kv_asleep):
+    asleep = state.weights_asleep or state.kv_asleep
+    resumes = core.pause.state == ASLEEP and not asleep
+    if asleep:
+        core.pause.state = ASLEEP
+    elif resumes and hold:
+        core.pause.state = PAUSED  # its held requests stay held
+    elif resumes:
         core.resume()
-    return {"status": "reloaded", "is_sleeping": core.pause.state == ASLEEP, **answer}
+    return {"status": "reloaded", "is_sleeping": asleep, **answer,
+            **({"resumes": resumes} if hold else {})}
 
 
 def reset_prefix_cache(core: EngineCore, running: bool = False,
