@@ -18,9 +18,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _runner():
+    """A fresh runner, once the runners of earlier tests are gone: their cycles collected
+    (a streamed-weights runner unlocks its host memory then) and their cached blocks given
+    back, so that this test's device-memory readings are its own."""
+    import gc
+
     from tpserve.model.runner import ModelRunner
     from tpserve.model.runner_config import RunnerConfig
     from tpserve.parallel.state import TPGroup
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
     cfg = RunnerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16",
                        device="cuda", kernel_backend="triton", kv_cache_memory=512 * 2**20,
