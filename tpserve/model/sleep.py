@@ -238,11 +238,7 @@ class RankSleep:
         if r.graphs is not None:
             figures.graphs = r.graphs.captured_bytes
             r.graphs = None
-        storages = self._weights()
-        self._sizes = [s.nbytes() for s in storages]
-        for s in storages:
-            s.resize_(0)
-        figures.weights = sum(self._sizes)
+        figures.weights = self._empty_weights()
         self._host = host
         figures.host_copy = host.nbytes if host is not None else 0
         figures.kv_cache = r.kv_pool.nbytes
@@ -293,15 +289,20 @@ class RankSleep:
         """This rank's weights emptied again (and the CUDA graphs given back), asleep at
         ``level`` (``level`` 1 keeps no host copy: they wake from the runner's checkpoint):
         a reload that woke them is taken back (``reload.py``). Every rank does the same."""
-        r = self.runner
         self._sync()
-        r.graphs = None
+        self.runner.graphs = None
+        self._empty_weights()
+        self._release_cache()
+        self.weights_asleep, self.level = True, level
+
+    def _empty_weights(self) -> int:
+        """Gives back the weight storages' memory, their sizes kept for the wake-up;
+        returns their bytes."""
         storages = self._weights()
         self._sizes = [s.nbytes() for s in storages]
         for s in storages:
             s.resize_(0)
-        self._release_cache()
-        self.weights_asleep, self.level = True, level
+        return sum(self._sizes)
 
     def undo(self, weights: bool, kv: bool) -> None:
         """Empties again what a failed ``wake(weights, kv)`` took on this rank."""
