@@ -32,8 +32,25 @@ EVENTS = (SLEEP, RELOAD)
 MiB = 2**20
 
 
+class _Events:
+    """``fire_event`` of a hook or of several: the sleeps and reloads are counted per site
+    in ``events`` (a field of each), once for all the hooks."""
+
+    events: dict[str, int]
+
+    def fire(self, step: int, site: str = FORWARD) -> None:
+        raise NotImplementedError
+
+    def fire_event(self, site: str) -> None:
+        """Called at each sleep (``SLEEP``) or reload (``RELOAD``) of the rank: ``fire``
+        with the number of earlier calls at ``site`` as the step."""
+        count = self.events.get(site, 0)
+        self.events[site] = count + 1
+        self.fire(count, site)
+
+
 @dataclass(frozen=True)
-class FaultHook:
+class FaultHook(_Events):
     """One rank's planted fault. ``kept`` holds what a leak keeps (it never shrinks)."""
 
     step: int
@@ -46,13 +63,6 @@ class FaultHook:
     def site(self) -> str:
         return {"oom-sample": SAMPLE, "start": START, "sleep": SLEEP,
                 "reload": RELOAD}.get(self.kind, FORWARD)
-
-    def fire_event(self, site: str) -> None:
-        """Called at each sleep (``SLEEP``) or reload (``RELOAD``) of the rank: ``fire``
-        with the number of earlier calls at ``site`` as the step."""
-        count = self.events.get(site, 0)
-        self.events[site] = count + 1
-        self.fire(count, site)
 
     def fire(self, step: int, site: str = FORWARD) -> None:
         """Called at every step by the runner's forward (``FORWARD``) and by rank 0's
@@ -78,7 +88,7 @@ class FaultHook:
 
 
 @dataclass(frozen=True)
-class FaultHooks:
+class FaultHooks(_Events):
     """Several planted faults of one rank, each acting at its own step and site."""
 
     hooks: tuple[FaultHook, ...]
@@ -87,13 +97,6 @@ class FaultHooks:
     def fire(self, step: int, site: str = FORWARD) -> None:
         for hook in self.hooks:
             hook.fire(step, site)
-
-    def fire_event(self, site: str) -> None:
-        """``FaultHook.fire_event``, the events counted once for every hook (a hook that
-        raises does not hide the event from the others)."""
-        count = self.events.get(site, 0)
-        self.events[site] = count + 1
-        self.fire(count, site)
 
 
 def parse_fault(spec: str, rank: int) -> FaultHook | FaultHooks | None:
