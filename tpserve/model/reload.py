@@ -16,7 +16,7 @@ they wake up from (vLLM's loop: sleep at level 2, train, load the new weights, w
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -61,6 +61,14 @@ class ReloadLostError(RuntimeError):
     checkpoint's on some rank. The engine cannot serve on (it fails, as a failed step)."""
 
 
+class ReloadUndo(NamedTuple):
+    """What takes the last reload back (``runner.reload_undo``): the checkpoint served
+    before it, and the sleep level of the weights it woke (0: they were awake)."""
+
+    ckpt: Checkpoint
+    woke: int
+
+
 def agreed_reload(runner: ModelRunner, path: str,
                   undo: bool = False) -> dict[str, float | str | None]:
     """Every rank, in lockstep: the weights of ``path`` (or the served checkpoint; with
@@ -69,7 +77,7 @@ def agreed_reload(runner: ModelRunner, path: str,
     served before, or as asleep as before) if any rank could not open, check or load it;
     ReloadLostError if a failed load could not be undone. ``undo`` is how data parallelism
     takes back a reload that another replica could not make (``server/data_parallel.py``):
-    weights the reload woke from their sleep go back to sleep (``runner.reload_woke``: the
+    weights the reload woke from their sleep go back to sleep (``ReloadUndo.woke``: the
     level they slept at), to wake from the checkpoint before; awake ones read it now."""
     why = reload_refusal(runner)
     if why is not None:  # the same on every rank: no collective needed to agree
@@ -77,17 +85,17 @@ def agreed_reload(runner: ModelRunner, path: str,
     state = runner.sleep_state
     ckpt, error = None, None
     try:
-        if undo and runner.ckpt_before is None:
+        if undo and runner.reload_undo is None:
             raise ValueError("no reload to undo")
-        ckpt = runner.ckpt_before if undo else _open(runner, path)
+        ckpt = runner.reload_undo.ckpt if undo else _open(runner, path)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: agreed below
         error = e
     if not runner.comm.all_true(error is None):
         raise ValueError(f"reload: {error or 'another rank could not open the checkpoint'}")
     t0 = time.monotonic()
     woke = state.level if state.weights_asleep else 0
-    if undo and runner.reload_woke:  # the weights go back to sleep, to wake from ``ckpt``
-        state.sleep_weights(runner.reload_woke)
+    if undo and runner.reload_undo.woke:  # back to sleep, to wake from ``ckpt``
+        state.sleep_weights(runner.reload_undo.woke)
     elif state.weights_asleep:  # a wake-up of the weights from the new checkpoint
         try:
             state.agreed_wake(True, False, ckpt)
@@ -96,8 +104,7 @@ def agreed_reload(runner: ModelRunner, path: str,
     else:
         _agreed_load(runner, ckpt)
     # a level-2 sleep now reads this one; an undo forgets the one it leaves
-    runner.ckpt_before = None if undo else runner.ckpt
-    runner.reload_woke = 0 if undo else woke
+    runner.reload_undo = None if undo else ReloadUndo(runner.ckpt, woke)
     runner.ckpt = ckpt
     return {"path": path or None, "description": ckpt.description,
             "seconds": round(time.monotonic() - t0, 3)}

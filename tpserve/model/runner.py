@@ -31,7 +31,7 @@ from tpserve.model.kv_offload import HostKV, host_slots
 from tpserve.model.kv_pool import KVPool, kv_bytes_per_block
 from tpserve.model.layers.moe import experts_line
 from tpserve.model.loader.build import DTYPES, build_model
-from tpserve.model.loader.checkpoint import Checkpoint, open_checkpoint
+from tpserve.model.loader.checkpoint import open_checkpoint
 from tpserve.model.lora.runner_side import RunnerLora
 from tpserve.model.memory import (
     AllocatorReading,
@@ -71,7 +71,7 @@ from tpserve.model.pooling import PoolRows, sum_rows
 from tpserve.model.prompt_logprobs import PromptLogprobs, score_prompt_rows, score_slice_rows
 from tpserve.model.quant.methods import linear_method, served_quantization
 from tpserve.model.quant.wna16_method import graph_scratch_bytes
-from tpserve.model.reload import agreed_reload
+from tpserve.model.reload import ReloadUndo, agreed_reload
 from tpserve.model.runner_config import RunnerConfig, resolve_max_model_len
 from tpserve.model.sleep import RankSleep, SleepError
 from tpserve.model.startup_profile import profile_workspace, warm_kernels
@@ -118,8 +118,7 @@ class ModelRunner:
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
                                     cfg.tokenizer, cfg.disable_sliding_window)
-        self.ckpt_before: Checkpoint | None = None  # served before the last reload
-        self.reload_woke = 0  # the sleep level of the weights the last reload woke, else 0
+        self.reload_undo: ReloadUndo | None = None  # what takes the last reload back
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length
         self.max_model_len = resolve_max_model_len(limits.max_model_len, mcfg)
