@@ -404,14 +404,13 @@ def config_from_args(a: argparse.Namespace) -> Config:
     max_mixed = a.max_mixed_tokens
     if max_mixed is None:
         max_mixed = default_max_mixed_tokens(runner, a.max_num_batched_tokens)
+    max_model_len = resolve_max_model_len(a.max_model_len, model)
     scheduler = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=resolve_max_model_len(a.max_model_len, model),
-        block_size=a.block_size, max_mixed_tokens=max_mixed,
+        max_model_len=max_model_len, block_size=a.block_size, max_mixed_tokens=max_mixed,
         enable_prefix_caching=a.enable_prefix_caching, policy=a.scheduling_policy,
         **partial_prefills(a.max_num_partial_prefills, a.max_long_partial_prefills,
-                           a.long_prefill_token_threshold,
-                           resolve_max_model_len(a.max_model_len, model)))
+                           a.long_prefill_token_threshold, max_model_len))
     cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
                  server=server, replicas=tuple(replicas))
     served = (cfg.served_model_name, *server.served_model_aliases)
