@@ -232,10 +232,7 @@ def _reasoning_config(cfg: dict[str, Any], parser: str | None) -> None:
     """Accepts vLLM's ``--reasoning-config`` when it names the tags tpserve's parsers use
     anyway (``thinking_token_budget`` counts between them); ValueError otherwise."""
     flag = "--reasoning-config"
-    unknown = sorted(set(cfg) - set(REASONING_TAGS))
-    if unknown:
-        raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: "
-                         f"{', '.join(REASONING_TAGS)})")
+    _known_keys(flag, cfg, tuple(REASONING_TAGS))
     for key, value in cfg.items():
         if value != REASONING_TAGS[key]:
             raise ValueError(f"{flag}: {key} {value!r} is not supported: tpserve's "
@@ -248,10 +245,7 @@ def _structured_outputs_config(cfg: dict[str, Any], backend: str) -> str:
     """The backend vLLM's ``--structured-outputs-config`` names (default: ``backend``, the
     flag's); ValueError for a key tpserve does not take or a value other than the default."""
     flag = "--structured-outputs-config"
-    unknown = sorted(set(cfg) - set(STRUCTURED_DEFAULTS) - {"backend"})
-    if unknown:
-        raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: backend, "
-                         f"{', '.join(STRUCTURED_DEFAULTS)})")
+    _known_keys(flag, cfg, ("backend", *STRUCTURED_DEFAULTS))
     for key, default in STRUCTURED_DEFAULTS.items():
         if cfg.get(key, default) != default:
             raise ValueError(f"{flag}: {key} {cfg[key]!r} is not supported (only "
@@ -271,6 +265,14 @@ def _rope_overrides(overrides: str | None, scaling: dict[str, Any] | None,
             raise ValueError(f"--{key.replace('_', '-')} and --hf-overrides both set {key}")
         merged[key] = value
     return json.dumps(merged)
+
+
+def _known_keys(flag: str, cfg: dict[str, Any], accepted: tuple[str, ...]) -> None:
+    """ValueError naming the keys of the JSON object ``cfg`` outside ``accepted``."""
+    unknown = sorted(set(cfg) - set(accepted))
+    if unknown:
+        raise ValueError(f"{flag}: unknown or unsupported keys {unknown} (accepted: "
+                         f"{', '.join(accepted)})")
 
 
 def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str) -> None:
