@@ -46,6 +46,11 @@ from tpserve.server.replicas import Replica
 
 logger = logging.getLogger("tpserve")
 
+# a query _all_or_none takes back where another replica failed: the query that undoes it
+# on a replica, and what the client can do where that fails too
+UNDO = {"sleep": (("wake_up", None, True), "POST /wake_up"),
+        "reload_weights": (("reload_weights", "", True), "POST /reload_weights again")}
+
 
 class DataParallelEngines:
     """The replicas as one ``EngineClient`` (module doc). Starts every replica's engine
@@ -185,8 +190,8 @@ class DataParallelEngines:
         failed = [a for a in tried if isinstance(a, BaseException)]
         if not failed:
             return tried
-        undo = ("wake_up", None, True) if query[0] == "sleep" else ("reload_weights", "", True)
-        took = [i for i, a in enumerate(tried)
+        undo, retry = UNDO[query[0]]
+        took = [i for i, a in enumerate(tried)  # a sleep of one asleep already: no ranks
                 if not isinstance(a, BaseException) and (query[0] != "sleep" or a["ranks"])]
         undone = await asyncio.gather(*(self.engines[i].query(undo, timeout) for i in took),
                                       return_exceptions=True)
@@ -197,8 +202,7 @@ class DataParallelEngines:
             raise EngineError(f"{query[0]} failed on {len(failed)} replica(s) ({failed[0]}), "
                               f"and replica(s) {sorted(stuck)} could not take it back "
                               f"({next(iter(stuck.values()))}): the replicas now differ; "
-                              + ("POST /wake_up" if query[0] == "sleep" else
-                                 "POST /reload_weights again"))
+                              f"{retry}")
         raise failed[0]
 
     # ------------------------------------------------------------------ lifecycle
