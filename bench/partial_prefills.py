@@ -1,6 +1,7 @@
 """Short prompts arriving behind long ones: their time to first token with and without
 vLLM's ``--max-num-partial-prefills`` / ``--max-long-partial-prefills`` (the scheduler's
-prefill seats), on the embedded SmolLM2 (real weights) in one ``EngineCore``.
+prefill seats), in one ``EngineCore``: on the embedded SmolLM2 (real weights, CPU) by
+default, or on ``--model`` with ``--load-format`` (e.g. dummy llama3-8b on a GPU).
 
 Each configuration runs the same scene: two long prompts (``--long`` tokens each, slices of
 a public-domain text) are added and one step runs, then ``--shorts`` short prompts
@@ -17,6 +18,9 @@ was read back, and the whole run's steps and seconds. The configurations:
 
     python bench/partial_prefills.py --out bench/results/cpu-2026-12-07-partial-prefills.json \
         --git-commit "$(git rev-parse HEAD)"
+    python bench/partial_prefills.py --model .benchdata/llama3-8b --load-format dummy \
+        --device cuda --long 16384 --short 64 --budget 2048 --threshold 1024 \
+        --max-model-len 32768 --kv-cache-memory 8GiB --warmup --out ... --git-commit ...
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tpserve.cli import build_parser  # noqa: E402
 from tpserve.model.loader.checkpoint import open_checkpoint  # noqa: E402
 from tpserve.model.runner import ModelRunner  # noqa: E402
-from tpserve.model.runner_config import RunnerConfig  # noqa: E402
 from tpserve.model.sampling_params import SamplingParams  # noqa: E402
 from tpserve.parallel.state import TPGroup  # noqa: E402
+from tpserve.server.config import config_from_args  # noqa: E402
 from tpserve.server.engine.config import EngineConfig  # noqa: E402
 from tpserve.server.engine.engine_core import EngineCore  # noqa: E402
 from tpserve.server.engine.request_state import RequestState  # noqa: E402
@@ -113,10 +118,23 @@ def main() -> None:
                    help="--long-prefill-token-threshold of the threshold and seats runs")
     p.add_argument("--seats", type=int, default=4, help="--max-num-partial-prefills")
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration")
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--warmup", action="store_true",
+                   help="one unrecorded run of every configuration first (kernel compiles)")
     a = p.parse_args()
 
     torch.manual_seed(0)
-    ckpt = open_checkpoint(None)
+    argv = ["serve", "--device", a.device, "--max-num-seqs", "16", "--max-num-batched-tokens",
+            str(a.budget), "--max-model-len", str(a.max_model_len), "--block-size", "16",
+            "--no-enable-prefix-caching", "--kv-cache-memory", a.kv_cache_memory]
+    if a.model is not None:
+        argv += ["--model", a.model, "--load-format", a.load_format]
+    cfg = config_from_args(build_parser()[0].parse_args(argv))
+    ckpt = open_checkpoint(cfg.runner.model, cfg.runner.load_format)
     tokenizer = ckpt.tokenizer()
     ids = tokenizer("\n\n".join(t.read_text() for t in TEXTS))["input_ids"]
     longs, shorts = scene(ids, a.long, a.short, a.shorts)
@@ -126,19 +144,24 @@ def main() -> None:
         "seats": {"long_prefill_token_threshold": a.threshold, "max_num_partial_prefills": a.seats,
                   "max_long_partial_prefills": 1},
     }
-    base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=a.budget,
-                           max_model_len=2048, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(RunnerConfig(model=str(ckpt.path), kv_cache_memory=256 << 20),
-                         base.limits, TPGroup(0, 1, torch.device("cpu"), None))
+    base = cfg.scheduler
+    device = torch.device(cfg.runner.device)
+    runner = ModelRunner(cfg.runner, base.limits, TPGroup(0, 1, device, None))
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "git_commit": a.git_commit,
-        "device": f"cpu ({platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, "
+             f"{torch.get_num_threads()} threads)",
+        "dtype": cfg.runner.dtype, "kernels": runner.ops.name,
         "model": ckpt.description, "scene": {
             "long_prompts": [len(x) for x in longs], "short_prompts": [len(x) for x in shorts],
             "max_tokens": a.max_tokens, "max_num_batched_tokens": a.budget},
         "configs": {name: {"flags": cfg, "runs": []} for name, cfg in configs.items()},
     }
+    if a.warmup:
+        for fields in configs.values():
+            run(runner, tokenizer, SchedulerConfig(**{**vars(base), **fields}), longs, shorts,
+                a.max_tokens)
     for _ in range(a.repeats):
         for name, fields in configs.items():
             sched = SchedulerConfig(**{**vars(base), **fields})
