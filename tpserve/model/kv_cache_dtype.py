@@ -14,10 +14,11 @@ code: ``torch_ops.quantize_kv`` / ``dequantize_kv``):
   bare cast of an out-of-range float is NaN).
 - read: ``x ~= q * s``. Every e4m3 value is exact in bf16/fp16/fp32, so the Triton kernels
   read ``q`` exactly and fold ``s`` into the score scale (K) and the output (V).
-- the scales are chosen once, at start-up, and never change: the checkpoint's
+- the scales are chosen at start-up and change only with a weight reload
+  (``model/reload.py``), which reads the new checkpoint's: the checkpoint's
   ``k_scale``/``v_scale`` (or one ``kv_scale`` for both) per layer where it has them; else,
-  with ``--calculate-kv-scales``, calibrated from one prefill of a fixed text
-  (``model/kv_calibration.py``); else 1.0 (vLLM's default). Every
+  with ``--calculate-kv-scales`` (no reload then), calibrated from one prefill of a fixed
+  text (``model/kv_calibration.py``); else 1.0 (vLLM's default). Every
   rank ends with the same scales (the same checkpoint scalars, or the calibration's maxima
   all-reduced); the scales are static device tensors, so CUDA graphs bake in their address
   and nothing reads them on the host.

@@ -405,6 +405,12 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
+        # the KV scales are the checkpoint's, 1.0 where it has none: a reload of a
+        # checkpoint without scales does not keep the last one's
+        for name, buf in buffers.items():
+            if name.endswith(".self_attn.kv_scale"):
+                buf.fill_(1.0)
+        self.kv_scales_from_checkpoint = False
         loaded: set[str] = set()
         multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
         experts = ExpertLoading(self, params, self.cfg.num_experts)

@@ -3,14 +3,17 @@ vLLM's ``collective_rpc("reload_weights")``): a reinforcement-learning loop's tr
 writes a new checkpoint of the same model and the server serves it without a restart.
 
 Every rank opens the checkpoint (without a path, the one served now is read again: the
-start-up's or the last one read, e.g. after the trainer overwrote its folder), checks that it is the same model (``ModelConfig``
-equal: architecture, shapes, vocabulary), agrees with the others (one all-reduce), then
-reads its shards into the same tensors (``Checkpoint.load_into``), so the CUDA graphs stay
-valid. Only a model whose served tensors are the checkpoint's can (``reload_refusal`` names
-the others). A load that fails on any rank after the check (a tensor missing, a truncated
-file) is undone on every rank by reading the previous checkpoint again; if that fails too,
-the engine fails (``ReloadLostError``). With the weights asleep, the new checkpoint is what
-they wake up from (vLLM's loop: sleep at level 2, train, load the new weights, wake).
+start-up's or the last one read, e.g. after the trainer overwrote its folder), checks that
+it is the same model (``ModelConfig`` equal: architecture, shapes, vocabulary), agrees with
+the others (one all-reduce), then reads its shards into the same tensors
+(``Checkpoint.load_into``), so the CUDA graphs stay valid. Only a model whose served tensors
+are the checkpoint's can (``reload_refusal`` names the others). The FP8 KV cache's scales
+become the new checkpoint's, 1.0 where it has none (``kv_cache_dtype``); a checkpoint with
+scales is refused where the cache holds rotated K and the served checkpoint had none. A
+load that fails on any rank after the check (a tensor missing, a truncated file) is undone
+on every rank by reading the previous checkpoint again; if that fails too, the engine fails
+(``ReloadLostError``). With the weights asleep, the new checkpoint is what they wake up
+from (vLLM's loop: sleep at level 2, train, load the new weights, wake).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tpserve.model.fault import RELOAD
+from tpserve.model.kv_cache_dtype import is_fp8
 from tpserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from tpserve.model.sleep import SleepError, level2_refusal
 
@@ -53,6 +57,12 @@ def _open(runner: ModelRunner, path: str) -> Checkpoint:
         raise ValueError(f"{path} is not the served model's shape: {'; '.join(diff[:4])}")
     if (ckpt.quantization is None) != (runner.ckpt.quantization is None):
         raise ValueError(f"{path}: quantized unlike the served checkpoint")
+    if ckpt.kv_scales and not runner.ckpt.kv_scales and cfg.kv_cache_hadamard \
+            and is_fp8(runner.kv_dtype):
+        raise ValueError(f"{path} has FP8 KV cache scales, chosen for unrotated K, and this "
+                         "server rotates K (--kv-cache-hadamard, on by default when the "
+                         "checkpoint served at start-up has no scales); start it with "
+                         "--no-kv-cache-hadamard to serve checkpoints with KV scales")
     return ckpt
 
 

@@ -601,3 +601,64 @@ def test_a_dummy_served_model_reloads_a_real_checkpoint(folder, smollm2_tokenize
     out = submit(core, "a", prompts[0], PARAMS)
     run_to_end(core)
     assert tokens_of(out) == expected[0]
+
+
+def _with_kv_scales(folder, tmp_path, name: str) -> str:
+    """A copy of ``folder`` with FP8 KV cache scales of its own (vLLM's names)."""
+    import shutil
+
+    from tests.model.test_fp8_kv_cache import _with_scale_tensors
+
+    out = tmp_path / name
+    shutil.copytree(folder, out)
+    return _with_scale_tensors(str(out), {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
+        "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)})
+
+
+def _fp8_tokens(folder, tokenizer, prompt, **runner) -> list[int]:
+    core = make_core(folder, tokenizer, kv_cache_dtype="fp8_e4m3", **runner)
+    out = submit(core, "fresh", prompt, PARAMS)
+    run_to_end(core)
+    return tokens_of(out)
+
+
+def test_a_reload_reads_the_kv_scales_of_the_new_checkpoint(folder, smollm2_tokenizer,
+                                                            prompts_and_greedy, tmp_path):
+    """The FP8 cache's scales are the served checkpoint's after every reload and undo, 1.0
+    where it has none (they stayed the last scaled checkpoint's before); the tokens are
+    those of an engine started on that checkpoint."""
+    prompts, _ = prompts_and_greedy
+    scaled = _with_kv_scales(folder, tmp_path, "scaled")
+    ones, theirs = [[1.0, 1.0], [1.0, 1.0]], [[0.5, 0.25], [2.0, 2.0]]
+    core = make_core(scaled, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3")
+    assert core.runner.model.kv_scales().tolist() == theirs
+    assert run_query(core, ("reload_weights", folder))["path"] == folder
+    assert core.runner.model.kv_scales().tolist() == ones
+    assert not core.runner.model.kv_scales_from_checkpoint
+    out = submit(core, "plain", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == _fp8_tokens(folder, smollm2_tokenizer, prompts[0])
+    run_query(core, ("reload_weights", "", True))  # the undo: the scaled one again
+    assert core.runner.model.kv_scales().tolist() == theirs
+    out = submit(core, "scaled", prompts[0], PARAMS)
+    run_to_end(core)
+    assert tokens_of(out) == _fp8_tokens(scaled, smollm2_tokenizer, prompts[0])
+
+
+def test_a_checkpoint_with_kv_scales_is_refused_where_the_cache_holds_rotated_k(
+        folder, smollm2_tokenizer, tmp_path):
+    scaled = _with_kv_scales(folder, tmp_path, "scaled")
+    rotated = make_core(folder, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3",
+                        kv_cache_hadamard=True)
+    with pytest.raises(InvalidRequestError, match="has FP8 KV cache scales, chosen for "
+                       "unrotated K, and this server rotates K.*--no-kv-cache-hadamard"):
+        run_query(rotated, ("reload_weights", scaled))
+    assert rotated.runner.model.kv_scales().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    plain = make_core(folder, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3")
+    run_query(plain, ("reload_weights", scaled))
+    assert plain.runner.model.kv_scales().tolist() == [[0.5, 0.25], [2.0, 2.0]]
+    # a 16-bit or float32 cache ignores the scales: the rotation refuses nothing there
+    run_query(make_core(folder, smollm2_tokenizer, kv_cache_hadamard=True),
+              ("reload_weights", scaled))
