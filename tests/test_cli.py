@@ -124,6 +124,11 @@ def _cfg(*argv: str):
     return config_from_args(parser.parse_args(["serve", *argv]))
 
 
+def test_num_gpu_blocks_override_is_the_runners():
+    assert _cfg().runner.num_gpu_blocks_override is None
+    assert _cfg("--num-gpu-blocks-override", "100").runner.num_gpu_blocks_override == 100
+
+
 def test_kv_offloading_size_is_gib_summed_over_ranks_and_needs_prefix_caching():
     assert _cfg().runner.kv_offloading_bytes == 0
     cfg = _cfg("--kv-offloading-size", "1.5", "--kv-offloading-backend", "native")
@@ -403,8 +408,9 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--max-num-partial-prefills", "-1"], "--max-num-partial-prefills must be >= 0"),
     (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"],
      "--max-long-partial-prefills 3 exceeds --max-num-partial-prefills 2"),
-    (["--num-gpu-blocks-override", "100"], "--num-gpu-blocks-override 100: the KV pool is "
-                                          "sized in bytes: --kv-cache-memory"),
+    (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override must be >= 1, got 0"),
+    (["--num-gpu-blocks-override", "100", "--kv-cache-memory", "1GiB"],
+     "--num-gpu-blocks-override and --kv-cache-memory both size the KV pool: give one"),
     (["--logits-processors", "my.Proc"], "logits-processor classes are not loaded"),
     (["--enable-prompt-embeds"], "--enable-prompt-embeds: prompts are text or token ids"),
     (["--otlp-traces-endpoint", "http://x:4317"], "OpenTelemetry tracing is not supported"),

@@ -164,3 +164,28 @@ def test_oom_explanation():
 
 def test_no_gpu_processes_off_cuda():
     assert other_gpu_processes(torch.device("cpu")) == GpuProcesses((), "not a CUDA device")
+
+
+def test_num_gpu_blocks_override_sets_the_pool_in_blocks(tiny_llama, caplog):
+    """vLLM's --num-gpu-blocks-override: exactly that many blocks, the plan saying why; too
+    few for one sequence is refused naming the numbers; more than the plan leaves is
+    allocated with a warning (as in vLLM)."""
+    cpu = TPGroup(0, 1, torch.device("cpu"), None)
+    runner = ModelRunner(RunnerConfig(model=tiny_llama, num_gpu_blocks_override=20), LIMITS,
+                         cpu)
+    assert runner.kv_pool.num_blocks == runner.plan.num_blocks == 20
+    assert any("--num-gpu-blocks-override 20" in line for line in runner.plan.describe())
+    # one sequence of --max-model-len 256 needs 16 blocks of 16 tokens
+    with pytest.raises(ValueError, match=r"^--num-gpu-blocks-override 15: 15 blocks of 16 "
+                       r"tokens hold 240 tokens, but one sequence of --max-model-len 256 "
+                       r"needs 16 blocks; give at least 16 or a smaller --max-model-len$"):
+        ModelRunner(RunnerConfig(model=tiny_llama, num_gpu_blocks_override=15), LIMITS, cpu)
+    assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
+    # a utilization so small that the plan leaves nothing: the 16 blocks come all the same
+    with caplog.at_level("WARNING", logger="tpserve.model.runner"):
+        runner = ModelRunner(RunnerConfig(model=tiny_llama, num_gpu_blocks_override=16,
+                                          gpu_memory_utilization=1e-9), LIMITS, cpu)
+    assert runner.kv_pool.num_blocks == 16
+    assert [r.getMessage() for r in caplog.records if "exceeds" in r.getMessage()] == [
+        "--num-gpu-blocks-override 16 exceeds the 0 blocks the memory plan leaves for the KV "
+        "pool (0.00 x available RAM - weights - workspace): it may not fit"]

@@ -241,6 +241,24 @@ def kv_budget(device: torch.device, total: int, free_at_start: int, utilization:
     return budget, f"{utilization:.2f} x available RAM - weights - workspace"
 
 
+def check_blocks_override(blocks: int, planned: int, how: str, need: int, block_size: int,
+                          max_model_len: int) -> str | None:
+    """``--num-gpu-blocks-override``: ValueError where ``blocks`` cannot hold one sequence
+    of ``max_model_len`` (``need`` blocks); a warning to log where they exceed the
+    ``planned`` blocks (the plan's budget, decided by ``how``), else None. As in vLLM, the
+    pool is allocated either way, and a device may then run out of memory."""
+    if blocks < need:
+        raise ValueError(
+            f"--num-gpu-blocks-override {blocks}: {blocks} blocks of {block_size} tokens "
+            f"hold {blocks * block_size} tokens, but one sequence of --max-model-len "
+            f"{max_model_len} needs {need} blocks; give at least {need} or a smaller "
+            "--max-model-len")
+    if blocks > planned:
+        return (f"--num-gpu-blocks-override {blocks} exceeds the {max(planned, 0)} blocks "
+                f"the memory plan leaves for the KV pool ({how}): it may not fit")
+    return None
+
+
 def estimate_activation_bytes(num_tokens: int, hidden: int, mlp_columns: int,
                               qkv_per_rank: int, vocab: int, num_logit_rows: int,
                               itemsize: int) -> int:

@@ -38,6 +38,7 @@ from tpserve.model.memory import (
     MemoryPlan,
     allocator_snapshot,
     allocator_stats,
+    check_blocks_override,
     kv_budget,
     plan_from_ints,
     read_allocator,
@@ -206,17 +207,27 @@ class ModelRunner:
         # reserve for the graphs' pool: their logits outputs plus a margin; measured below
         graphs = (graph_reserve_bytes(b, max_mixed, mcfg.vocab_size, multiple)
                   + graph_scratch_bytes(self.model, max_mixed) if use_graphs else 0)
+        override = cfg.num_gpu_blocks_override
         budget, how = kv_budget(device, total, free0, cfg.gpu_memory_utilization, weights,
                                 workspace, graphs, cfg.kv_cache_memory)
-        mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64, device=device)
-        num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
+        if override is not None:  # the same on every rank: nothing to agree
+            warning = check_blocks_override(override, budget // per_block, how,
+                                            self.max_blocks_per_seq, bs, self.max_model_len)
+            if warning and group.rank == 0:
+                logger.warning(warning)
+            num_blocks, how = override, f"--num-gpu-blocks-override {override}"
+        else:
+            mine = torch.tensor([max(budget, 0) // per_block], dtype=torch.int64,
+                                device=device)
+            num_blocks = int(self.comm.all_reduce_min(mine).item())  # every rank measured
         stored_weights = None  # this rank's, the GGUF blocks held as stored: about
         if dequantized is not None:  # (the linear weights' saving split over the ranks)
             saved = (dequantized.dequantized_bytes(self.dtype.itemsize)
                      - dequantized.stored_bytes)
             stored_weights = max(weights - saved // tp, 0)
         self.fit = FitInputs(
-            device.type, total, free0, cfg.gpu_memory_utilization, cfg.kv_cache_memory,
+            device.type, total, free0, cfg.gpu_memory_utilization,
+            cfg.kv_cache_memory if override is None else override * per_block,
             weights, workspace, graphs, per_block, bs, self.max_model_len,
             self.kv_dtype.itemsize, b, tp, smaller_kv_dtypes(self.kv_dtype),
             tp_options(mcfg, tp, bs, self.kv_dtype, weights),

@@ -45,6 +45,7 @@ class RunnerConfig:
     kernel_backend: str = "torch"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None  # the KV pool in blocks a rank (vLLM's)
     # --kv-offloading-size: host memory for the prefix cache's second tier, in bytes,
     # summed over the tensor-parallel ranks (model/kv_offload.py); 0: none
     kv_offloading_bytes: int = 0
@@ -95,6 +96,13 @@ class RunnerConfig:
             raise ValueError("--cuda-graph-max-tokens must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.num_gpu_blocks_override is not None:
+            if self.num_gpu_blocks_override < 1:
+                raise ValueError("--num-gpu-blocks-override must be >= 1, got "
+                                 f"{self.num_gpu_blocks_override}")
+            if self.kv_cache_memory is not None:
+                raise ValueError("--num-gpu-blocks-override and --kv-cache-memory both size "
+                                 "the KV pool: give one")
         if self.kv_offloading_bytes < 0:
             raise ValueError("--kv-offloading-size must be >= 0 GiB")
         if self.tp_comm not in TP_COMM_MODES:

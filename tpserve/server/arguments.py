@@ -150,6 +150,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
                         "planned from --gpu-memory-utilization")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV pool size in blocks of --block-size tokens, on every rank "
+                        "(vLLM's; e.g. to test preemption with a small pool); overrides the "
+                        "plan; default: planned from --gpu-memory-utilization")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
                    help="host memory, in GiB summed over the tensor-parallel ranks, for a "
                         "second tier of the prefix cache: cached KV blocks evicted from the "

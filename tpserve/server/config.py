@@ -385,6 +385,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         seed=a.seed, device=device,
         kernel_backend=resolve_kernel_backend(a.kernel_backend, device),
         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory=a.kv_cache_memory,
+        num_gpu_blocks_override=a.num_gpu_blocks_override,
         kv_offloading_bytes=resolve_kv_offloading(a.kv_offloading_size,
                                                   a.enable_prefix_caching),
         cpu_offload_bytes=resolve_cpu_offload(a.cpu_offload_gb),

@@ -44,8 +44,6 @@ REFUSED = {
                              "supported", None),
     "--tool-parser-plugin": ("tool-call parsers are built in (--tool-call-parser); plugin "
                              "files are not loaded", None),
-    "--num-gpu-blocks-override": ("the KV pool is sized in bytes: --kv-cache-memory (or "
-                                  "--gpu-memory-utilization)", None),
     "--logits-processors": ("logits-processor classes are not loaded; min_p, penalties, "
                             "logit_bias and allowed_token_ids are request fields", None),
     "--enable-prompt-embeds": ("prompts are text or token ids (prompt_embeds is refused)",
