@@ -88,6 +88,42 @@ def test_stop_strings_and_stop_reason(client):
     assert r.choices[0].model_extra["stop_reason"] == "."
 
 
+def test_min_tokens_hold_back_stop_strings(client):
+    """vLLM's rule: a stop string counts only where it ends past the first ``min_tokens``
+    tokens' text; streamed the same."""
+    # greedy: " Paris" "." "\n\n" "The" " answer" " is" ":" ...; "." is token 2
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0, stop=[".", ":"],
+              extra_body={"min_tokens": 5})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == " Paris.\n\nThe answer is"
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", ":")
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_a_stop_token_or_eos_adds_no_text_unless_include_stop_str_in_output(server, client):
+    """As vLLM: the token that stop-terminates the output (a stop token id, or EOS read
+    with ``skip_special_tokens`` false) stays out of the text, its id in the output."""
+    dot = httpx.post(server.base + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": ".", "add_special_tokens": False},
+                     timeout=60).json()["tokens"][0]
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=8, temperature=0)
+    for include, text in ((False, " Paris"), (True, " Paris.")):
+        c = client.completions.create(**kw, extra_body={
+            "stop_token_ids": [dot], "include_stop_str_in_output": include,
+            "return_token_ids": True}).choices[0]
+        assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (text, "stop", dot)
+        assert c.model_extra["token_ids"][-1] == dot
+    messages = [{"role": "user", "content": "Say hi"}]
+    for include in (False, True):
+        c = client.chat.completions.create(
+            model="smol", messages=messages, max_tokens=60, temperature=0,
+            extra_body={"skip_special_tokens": False,
+                        "include_stop_str_in_output": include}).choices[0]
+        assert c.finish_reason == "stop"  # the model's EOS
+        assert c.message.content.endswith("<|im_end|>") == include, c.message.content
+
+
 def test_n_and_seed_reproducibility(client):
     kw = dict(model="smol", prompt="Once upon a time", max_tokens=16, temperature=1.0,
               top_p=0.95)

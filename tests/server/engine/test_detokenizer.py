@@ -145,6 +145,23 @@ def test_include_stop_str_in_output(tok):
     assert detok.stop_reason == "STOP"
 
 
+@pytest.mark.parametrize("min_tokens, stop, expected", [
+    (0, ".", "a"),
+    (2, ".", "a. b"),  # the text of tokens 1-2 ("a.") cannot end the output
+    (3, ".", "a. b"),  # "a. b" is tokens 1-3; the "." after it ends past them
+    (4, ".", "a. b. c"),
+    (3, "a.", "a. b. c. d."),  # ends inside the first 3 tokens' text: never a stop
+    (3, " b.", "a."),  # ends past them, though it starts inside: a stop (as vLLM)
+])
+def test_min_tokens_hold_back_stop_strings(tok, min_tokens, stop, expected):
+    """vLLM's rule: a stop string counts only where it ends past the text of the first
+    ``min_tokens`` output tokens."""
+    ids = encode(tok, "a. b. c. d.")  # a | . | ' b' | . | ' c' | . | ' d' | .
+    pieces, detok = stream(tok, ids, stop=(stop,), min_tokens=min_tokens)
+    assert "".join(pieces) == detok.output_text == expected
+    assert detok.stopped == (expected != "a. b. c. d.")
+
+
 def test_earliest_stop_wins(tok):
     text = "one two three four five"
     ids = encode(tok, text)

@@ -388,6 +388,8 @@ def test_stream_error_through_openai_client(client, engine):
     ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),  # > context
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "priority": 1}, "priority"),
     ({"prompt": "x", "use_beam_search": True, "top_k": 5}, "top_k"),
     ({"prompt": "x", "length_penalty": 0.5}, "length_penalty"),

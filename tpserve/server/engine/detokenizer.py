@@ -12,7 +12,8 @@ Stop strings: the decoded characters form one stream. The stop fires at the firs
 position where any stop string is complete (if several complete there, the longest wins), so
 the result does not depend on how the text was split into tokens. Text that could still be
 the beginning of a stop string is held back, so nothing is ever emitted and then retracted,
-and nothing after a stop string is ever emitted.
+and nothing after a stop string is ever emitted. With ``min_tokens`` (as vLLM) a stop string
+counts only where it ends past the text of the first ``min_tokens`` output tokens.
 
 Invariant: the concatenation of every returned piece equals ``output_text`` and equals
 ``tokenizer.decode(output_ids, skip_special_tokens=...)`` cut before the matched stop string
@@ -41,6 +42,9 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = tuple(params.stop)
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._count = 0  # output tokens added
+        self._min_end = 0  # a stop string must end past _text[:_min_end] (min_tokens)
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt cut inside a character would merge with the output's first bytes.
         if context and self._decode(context).endswith(_INCOMPLETE):
@@ -78,6 +82,9 @@ class IncrementalDetokenizer:
             return ""
         self._ids.append(token_id)
         self._text += self._decode_step(final=False)
+        self._count += 1
+        if self._count <= self._min_tokens:
+            self._min_end = len(self._text)
         return self._confirm(final=False)
 
     def flush(self) -> str:
@@ -127,7 +134,8 @@ class IncrementalDetokenizer:
         """The stop string completed earliest in the unscanned text, as ``(start, stop)``."""
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            start = self._text.find(stop, max(self._emitted, self._scanned - len(stop) + 1))
+            start = self._text.find(stop, max(self._emitted, self._scanned - len(stop) + 1,
+                                              self._min_end - len(stop) + 1))
             if start >= 0:
                 key = (start + len(stop), start, stop)
                 if best is None or key[:2] < best[:2]:

@@ -27,14 +27,19 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     on), EOS (from ``min_tokens`` on, unless ``ignore_eos``), the grammar's end,
     ``max_tokens`` or the model's length, a repeating tail (``repetition_detection``, from
     ``min_tokens`` on).
-    A sequence that ends other than by a stop string gets the detokenizer's held-back text
-    too. Nothing here changes the scheduler: the caller finishes the sequence."""
+    A stop token id or EOS that ends the sequence adds no text unless
+    ``include_stop_str_in_output`` (as vLLM: the token id stays in the output). A sequence
+    that ends other than by a stop string gets the detokenizer's held-back text too.
+    Nothing here changes the scheduler: the caller finishes the sequence."""
     detok = state.detoks[seq.index]
     token = seq.output_token_ids[-1]
     params = seq.params
-    text = detok.add_token(token)
-    status, reason = None, None
     n_out = seq.num_output_tokens
+    stop_token = n_out >= params.min_tokens and (
+        token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids))
+    text = "" if stop_token and not params.include_stop_str_in_output \
+        else detok.add_token(token)
+    status, reason = None, None
     matcher = state.matchers[seq.index] if state.matchers else None
     grammar_ended = False
     if state.thinking:

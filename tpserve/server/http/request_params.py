@@ -105,6 +105,9 @@ def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int,
     if keep < 1:
         raise APIError.bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
                                    "truncate_prompt_tokens")
+    if keep > max_model_len:  # as vLLM
+        raise APIError.bad_request(f"truncate_prompt_tokens {keep} exceeds the model's context "
+                                   f"({max_model_len} tokens)", "truncate_prompt_tokens")
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
@@ -125,6 +128,9 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     if req.prompt_logprobs is not None and req.stream:
         raise APIError.bad_request("prompt_logprobs is not available with stream",
                                    "prompt_logprobs")
+    if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI
+        raise APIError.bad_request("stream_options can only be given with stream true",
+                                   "stream_options")
     check_logprob_counts(req, max_logprobs)
     asked = [v for v in (req.prompt_logprobs, req.logprobs if echo else None) if v is not None]
     if echo and max_tokens == 0:
