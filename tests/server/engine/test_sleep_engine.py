@@ -19,7 +19,7 @@ from tpserve.model.sampling_params import SamplingParams
 from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.engine_core import EngineCore
-from tpserve.server.engine.errors import EngineError, InvalidRequestError
+from tpserve.server.engine.errors import ConflictError, EngineError, InvalidRequestError
 from tpserve.server.engine.pause import Deferred
 from tpserve.server.engine.queries import run_query
 from tpserve.server.engine.scheduler import SchedulerConfig
@@ -213,7 +213,7 @@ def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
     deferred = run_query(core, ("pause", "wait", True))
     run_query(core, "resume")
     assert deferred.ready()
-    with pytest.raises(EngineError, match="called off"):
+    with pytest.raises(ConflictError, match="called off"):  # HTTP 409
         deferred.finish()
     run_to_end(core)
     assert tokens_of(outs[0]) == expected[3]
@@ -341,7 +341,7 @@ def test_a_second_pause_of_mode_wait_after_a_resume_is_its_own(folder, smollm2_t
     second = run_query(core, ("pause", "wait", True))
     joiner = run_query(core, ("pause", "abort", True))
     assert first.ready()
-    with pytest.raises(EngineError, match="called off"):
+    with pytest.raises(ConflictError, match="called off"):  # HTTP 409
         first.finish()
     steps = 0
     while not second.ready():

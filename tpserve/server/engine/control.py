@@ -24,7 +24,7 @@ from typing import Any
 from tpserve.model.reload import reload_refusal
 from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS, SleepError, level2_refusal
 from tpserve.server.engine.engine_core import EngineCore
-from tpserve.server.engine.errors import EngineError, InvalidRequestError
+from tpserve.server.engine.errors import ConflictError, EngineError, InvalidRequestError
 from tpserve.server.engine.pause import (
     ASLEEP,
     DRAINING,
@@ -91,7 +91,7 @@ def _stop(core: EngineCore, mode: str, then: Callable[[], Any]) -> Any:
 
     def finish() -> Any:
         if pause.epoch != epoch or pause.state != DRAINING:
-            raise EngineError("the pause was called off by /resume before it completed")
+            raise ConflictError("the pause was called off by /resume before it completed")
         core.settle()
         return run_then()
 
@@ -108,7 +108,7 @@ def pause(core: EngineCore, mode: str = "abort", clear_cache: bool = True) -> An
 
         def joined() -> dict[str, Any]:
             if core.pause.epoch != epoch or core.pause.state not in (PAUSED, ASLEEP):
-                raise EngineError("the pause was called off by /resume before it completed")
+                raise ConflictError("the pause was called off by /resume before it completed")
             return {"is_paused": True}
 
         return Deferred(lambda: core.pause.epoch != epoch or core.pause.state != DRAINING,

@@ -49,6 +49,14 @@ class InvalidRequestError(EngineError):
     type = "invalid_request_error"
 
 
+class ConflictError(EngineError):
+    """The query lost to a later one that undid it (a pause of mode wait called off by
+    /resume before it completed): nothing failed, the engine is as the later one left it."""
+
+    status = 409
+    type = "conflict"
+
+
 class EngineTimeoutError(EngineError):
     """The engine did not answer a query in time (it may be stuck in a long step)."""
 
