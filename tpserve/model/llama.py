@@ -381,6 +381,12 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's FP8 KV cache scales, ``[num_layers, 2]`` (K, V), a copy."""
         return torch.stack([layer.self_attn.kv_scale for layer in self.model.layers])
 
+    def set_kv_scales(self, scales: torch.Tensor) -> None:
+        """``kv_scales()``'s ``[num_layers, 2]`` copied back into the layers' buffers (their
+        addresses kept: the CUDA graphs read them)."""
+        for layer, row in zip(self.model.layers, scales, strict=True):
+            layer.self_attn.kv_scale.copy_(row)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             raise RuntimeError("this model was built without an LM head (--runner pooling)")

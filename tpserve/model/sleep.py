@@ -281,8 +281,13 @@ class RankSleep:
             ckpt.load_into(self.runner.model, False)
         elif self._host is not None:
             self._host.restore(storages)
-        else:  # level 2: the checkpoint again, into the same tensors
-            self.runner.ckpt.load_into(self.runner.model, False)
+        else:  # level 2: the checkpoint again, into the same tensors; the KV scales stay
+            # (a load sets the checkpoint's, which would undo --calculate-kv-scales')
+            model = self.runner.model
+            scales, from_ckpt = model.kv_scales(), model.kv_scales_from_checkpoint
+            self.runner.ckpt.load_into(model, False)
+            model.set_kv_scales(scales)
+            model.kv_scales_from_checkpoint = from_ckpt
         return sum(self._sizes)
 
     def sleep_weights(self, level: int) -> None:

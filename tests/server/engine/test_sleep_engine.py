@@ -662,3 +662,16 @@ def test_a_checkpoint_with_kv_scales_is_refused_where_the_cache_holds_rotated_k(
     # a 16-bit or float32 cache ignores the scales: the rotation refuses nothing there
     run_query(make_core(folder, smollm2_tokenizer, kv_cache_hadamard=True),
               ("reload_weights", scaled))
+
+
+def test_a_level_2_wake_up_keeps_the_calibrated_kv_scales(folder, smollm2_tokenizer):
+    """The wake-up reads the checkpoint again, which sets its KV scales (1.0 here); the
+    scales --calculate-kv-scales chose at start-up stay."""
+    core = make_core(folder, smollm2_tokenizer, kv_cache_dtype="fp8_e4m3",
+                     calculate_kv_scales=True, load_format="dummy")  # seeded ids
+    calibrated = core.runner.model.kv_scales()
+    assert not torch.equal(calibrated, torch.ones_like(calibrated))
+    run_query(core, ("sleep", 2, "abort"))
+    run_query(core, ("wake_up", None))
+    assert torch.equal(core.runner.model.kv_scales(), calibrated)
+    assert not core.runner.model.kv_scales_from_checkpoint

@@ -128,7 +128,8 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
     if req.prompt_logprobs is not None and req.stream:
         raise APIError.bad_request("prompt_logprobs is not available with stream",
                                    "prompt_logprobs")
-    if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI
+    if req.stream_options is not None and req.stream_options.model_fields_set \
+            and not req.stream:  # as vLLM (an empty object passes there too)
         raise APIError.bad_request("stream_options can only be given with stream true",
                                    "stream_options")
     check_logprob_counts(req, max_logprobs)
