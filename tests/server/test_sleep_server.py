@@ -129,6 +129,14 @@ def test_pause_resume_and_reset(server, http):
     assert http.get("/is_paused").json() == {"is_paused": False}
     r = http.post("/reset_prefix_cache")
     assert r.status_code == 200 and r.content == b""
+    # vLLM's level 0: a pause that counts as a sleep, ended by the "scheduling" tag
+    assert http.post("/sleep", params={"level": 0, "mode": "keep"}).json() == {
+        "is_sleeping": True, "level": 0, "ranks": []}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.post("/wake_up", params={"tags": "scheduling"}).json() == {
+        "is_sleeping": False, "ranks": []}
+    assert http.get("/is_paused").json() == {"is_paused": False}
 
 
 def test_collective_rpc_reads_the_weights_again_on_both_ranks(server, http, awake, tmp_path):
@@ -148,7 +156,7 @@ def test_collective_rpc_reads_the_weights_again_on_both_ranks(server, http, awak
 
 
 @pytest.mark.parametrize("path, params, param, message", [
-    ("/sleep", {"level": 3}, "level", "level must be one of 1, 2, got '3'"),
+    ("/sleep", {"level": 3}, "level", "level must be one of 0, 1, 2, got '3'"),
     ("/sleep", {"mode": "later"}, "mode", "mode must be one of abort, wait, keep"),
     ("/wake_up", {"tags": "gpu"}, "tags", "tags must be among weights, kv_cache"),
     ("/pause", {"clear_cache": "maybe"}, "clear_cache", "clear_cache must be true or false"),

@@ -20,7 +20,7 @@ from tpserve.parallel.state import TPGroup
 from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.engine_core import EngineCore
 from tpserve.server.engine.errors import ConflictError, EngineError, InvalidRequestError
-from tpserve.server.engine.pause import Deferred
+from tpserve.server.engine.pause import PAUSED, Deferred
 from tpserve.server.engine.queries import run_query
 from tpserve.server.engine.scheduler import SchedulerConfig
 
@@ -175,6 +175,48 @@ def test_modes_abort_keep_and_wait(folder, smollm2_tokenizer, prompts_and_greedy
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
 
 
+def test_level_0_stops_the_steps_only_and_any_wake_up_resumes(folder, smollm2_tokenizer,
+                                                               prompts_and_greedy):
+    """vLLM's level 0: a pause of the mode given, the caches and memory kept; the engine
+    counts as sleeping while paused (a plain /pause too), and a wake-up with tag
+    ``scheduling`` (or none) resumes, while a level 1 sleep waits for its memory."""
+    prompts, expected = prompts_and_greedy
+    core = make_core(folder, smollm2_tokenizer)
+    warm = submit(core, "warm", prompts[0], PARAMS)
+    run_to_end(core)
+    cached = core.block_manager.num_cached_free_blocks
+    assert tokens_of(warm) == expected[0] and cached
+    kept = submit(core, "kept", prompts[1], PARAMS)
+    core.step()
+    assert run_query(core, ("sleep", 0, "keep")) == {"is_sleeping": True, "level": 0,
+                                                     "ranks": []}
+    assert core.pause.state == PAUSED and run_query(core, "is_sleeping")
+    assert core.block_manager.num_cached_free_blocks >= cached  # the caches stay
+    assert not emptied(core) and not core.step()
+    with pytest.raises(InvalidRequestError, match="unknown wake-up tag"):
+        run_query(core, ("wake_up", ("weights", "steps")))
+    assert run_query(core, ("wake_up", ("scheduling",))) == {"is_sleeping": False,
+                                                              "ranks": []}
+    assert not run_query(core, "is_sleeping")
+    run_to_end(core)
+    assert tokens_of(kept) == expected[1]
+
+    run_query(core, ("pause", "abort", True))  # a plain pause: sleeping, as vLLM says
+    assert run_query(core, "is_sleeping") and run_query(core, "is_paused")
+    run_query(core, ("wake_up", None))  # resumes it, as vLLM's wake-up does
+    assert core.pause.state == "running"
+
+    run_query(core, ("sleep", 1, "abort"))
+    assert run_query(core, ("wake_up", ("scheduling",))) == {"is_sleeping": True,
+                                                              "ranks": []}
+    assert emptied(core) and run_query(core, "is_sleeping")
+    assert not run_query(core, ("wake_up", ("scheduling", "weights", "kv_cache")))[
+        "is_sleeping"]
+    late = submit(core, "late", prompts[2], PARAMS)
+    run_to_end(core)
+    assert tokens_of(late) == expected[2]
+
+
 def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
         folder, smollm2_tokenizer, prompts_and_greedy):
     prompts, expected = prompts_and_greedy
@@ -184,7 +226,7 @@ def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
         core.step()
     assert run_query(core, ("pause", "keep", True)) == {"is_paused": True}
     used = core.block_manager.num_used_blocks
-    assert used > 0 and run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    assert used > 0 and core.pause.state == PAUSED
     held = submit(core, "held", prompts[2], PARAMS)
     assert not core.step() and core.block_manager.num_used_blocks == used
     with pytest.raises(InvalidRequestError, match="3 KV blocks are held by requests"):
@@ -221,7 +263,7 @@ def test_pause_keeps_the_running_requests_blocks_and_resume_continues(
 
 def test_refusals_name_what_is_wrong(folder, smollm2_tokenizer):
     core = make_core(folder, smollm2_tokenizer)
-    for query, match in ((("sleep", 3, "abort"), "level must be 1 or 2"),
+    for query, match in ((("sleep", 3, "abort"), "level must be 0, 1 or 2"),
                          (("sleep", 1, "later"), "mode must be one of abort, wait, keep"),
                          (("pause", "soon", True), "mode must be one of"),
                          (("wake_up", ("weights", "gpu")), "unknown wake-up tag")):
@@ -393,7 +435,7 @@ def test_a_failed_sleep_leaves_the_engine_as_it_was(folder, smollm2_tokenizer,
     held = submit(core, "held", prompts[1], PARAMS)
     with pytest.raises(EngineMemoryError):
         run_query(core, ("sleep", 1, "keep"))
-    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    assert core.pause.state == PAUSED
     assert held == []
     run_query(core, "resume")
     run_to_end(core)
@@ -516,7 +558,7 @@ def test_undo_takes_back_a_reload_and_a_sleep(folder, smollm2_tokenizer, prompts
     held = submit(core, "held", prompts[1], PARAMS)
     run_query(core, ("sleep", 1, "abort"))
     run_query(core, ("wake_up", None, True))
-    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    assert core.pause.state == PAUSED
     core.step()
     assert held == [] and "held" in core.requests
     run_query(core, "resume")
@@ -549,7 +591,7 @@ def test_the_undo_of_a_reload_that_woke_the_weights_puts_them_back_to_sleep(
     run_query(core, ("wake_up", ("kv_cache",)))
     answer = run_query(core, ("reload_weights", new, False, True))
     assert answer["resumes"] and not answer["is_sleeping"]
-    assert run_query(core, "is_paused") and not run_query(core, "is_sleeping")
+    assert core.pause.state == PAUSED
     held = submit(core, "held", prompts[1], PARAMS)
     core.step()
     assert held == []

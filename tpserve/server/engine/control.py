@@ -2,7 +2,10 @@
 are ``http/control_routes.py``, the states ``pause.py``, the ranks' side ``model/sleep.py``):
 
 - ``("pause", mode, clear_cache)``, ``"resume"``, ``"is_paused"``;
-- ``("sleep", level, mode)``, ``("wake_up", tags[, undo])``, ``"is_sleeping"``;
+- ``("sleep", level, mode)``, ``("wake_up", tags[, undo])``, ``"is_sleeping"``: as vLLM,
+  level 0 only stops the steps (a pause keeping the caches; tag ``scheduling`` names it at
+  wake-up), a wake-up that leaves nothing asleep resumes a pause too, and the engine counts
+  as sleeping while paused;
 - ``("reset_prefix_cache", running, external)``;
 - ``("reload_weights", path[, undo, hold])``: a checkpoint of the same model read in place.
 
@@ -35,6 +38,10 @@ from tpserve.server.engine.pause import (
 )
 
 logger = logging.getLogger(__name__)
+
+SCHEDULING = "scheduling"  # vLLM's wake-up tag of level 0: the steps, no memory
+ENGINE_SLEEP_LEVELS = (0, *SLEEP_LEVELS)
+ENGINE_WAKE_TAGS = (*WAKE_TAGS, SCHEDULING)
 
 
 class EngineMemoryError(EngineError):
@@ -141,8 +148,10 @@ def is_paused(core: EngineCore) -> bool:
 def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
     _enabled(core)
     _check_mode(mode)
-    if level not in SLEEP_LEVELS:
-        raise InvalidRequestError(f"level must be 1 or 2, got {level}")
+    if level not in ENGINE_SLEEP_LEVELS:
+        raise InvalidRequestError(f"level must be 0, 1 or 2, got {level}")
+    if level == 0:
+        return _sleep_scheduling(core, mode)
     runner = core.runner
     if core.pause.state == ASLEEP:
         if runner.sleep_state.level == level:
@@ -179,19 +188,39 @@ def sleep(core: EngineCore, level: int = 1, mode: str = "abort") -> Any:
     return _stop(core, mode, then)
 
 
+def _sleep_scheduling(core: EngineCore, mode: str) -> Any:
+    """vLLM's level 0: the steps stop as a pause of ``mode`` stops them, the caches kept;
+    nothing changes in memory. A wake-up or ``/resume`` resumes."""
+    def answer() -> dict[str, Any]:
+        asleep = core.pause.state == ASLEEP
+        return {"is_sleeping": True, "level": core.runner.sleep_state.level if asleep else 0,
+                "ranks": []}
+
+    paused = pause(core, mode, clear_cache=False)
+    if isinstance(paused, Deferred):
+        return Deferred(paused.ready, lambda: (paused.finish(), answer())[1])
+    return answer()
+
+
 def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None,
             undo: bool = False) -> dict[str, Any]:
-    """Takes back what ``tags`` name (default both); once nothing sleeps the engine
-    resumes, or, with ``undo`` (data parallelism taking back a sleep that another replica
-    could not make), goes back to the state the sleep found: paused, or running."""
+    """Takes back what ``tags`` name (default all; ``scheduling`` names no memory); once
+    nothing sleeps the engine resumes, a pause or a level-0 sleep too (as vLLM), or, with
+    ``undo`` (data parallelism taking back a sleep that another replica could not make),
+    goes back to the state the sleep found: paused, or running."""
     _enabled(core)
-    tags = tuple(tags) if tags else WAKE_TAGS
-    unknown = [t for t in tags if t not in WAKE_TAGS]
+    unknown = [t for t in tags or () if t not in ENGINE_WAKE_TAGS]
     if unknown:
         raise InvalidRequestError(f"unknown wake-up tag(s) {', '.join(map(repr, unknown))}; "
-                                  f"known: {', '.join(WAKE_TAGS)}")
+                                  f"known: {', '.join(ENGINE_WAKE_TAGS)}")
+    tags = tuple(t for t in tags if t != SCHEDULING) if tags else WAKE_TAGS
     if core.pause.state != ASLEEP:
+        if core.pause.state != RUNNING and not undo:
+            core.resume()
+            logger.info("engine resumed by a wake-up")
         return {"is_sleeping": False, "ranks": []}
+    if not tags:  # only "scheduling": the memory still sleeps, so the steps wait too
+        return {"is_sleeping": True, "ranks": []}
     try:
         ranks = core.runner.wake_up("weights" in tags, "kv_cache" in tags)
     except SleepError as e:
@@ -209,7 +238,8 @@ def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None,
 
 
 def is_sleeping(core: EngineCore) -> bool:
-    return core.pause.state == ASLEEP
+    """Asleep, or paused (or pausing) at all, as vLLM says (its level 0 is a pause)."""
+    return core.pause.state != RUNNING
 
 
 def reload_weights(core: EngineCore, path: str = "", undo: bool = False,

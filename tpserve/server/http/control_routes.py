@@ -28,7 +28,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tpserve.model.sleep import SLEEP_LEVELS, WAKE_TAGS
+from tpserve.server.engine.control import ENGINE_SLEEP_LEVELS, ENGINE_WAKE_TAGS
 from tpserve.server.engine.pause import PAUSE_MODES
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.replies import ERROR_RESPONSES
@@ -93,7 +93,7 @@ def make_control_router() -> APIRouter:
 
     @router.post("/sleep")
     async def sleep(request: Request) -> JSONResponse:
-        level = int(_choice(request, "level", "1", tuple(map(str, SLEEP_LEVELS))))
+        level = int(_choice(request, "level", "1", tuple(map(str, ENGINE_SLEEP_LEVELS))))
         mode = _choice(request, "mode", "abort", PAUSE_MODES)
         return JSONResponse(await _ask(request, ("sleep", level, mode)))
 
@@ -101,8 +101,8 @@ def make_control_router() -> APIRouter:
     async def wake_up(request: Request) -> JSONResponse:
         tags = request.query_params.getlist("tags")
         for tag in tags:
-            if tag not in WAKE_TAGS:
-                raise APIError.bad_request(f"tags must be among {', '.join(WAKE_TAGS)}, got "
+            if tag not in ENGINE_WAKE_TAGS:
+                raise APIError.bad_request(f"tags must be among {', '.join(ENGINE_WAKE_TAGS)}, got "
                                            f"{tag!r}", "tags")
         return JSONResponse(await _ask(request, ("wake_up", tuple(tags) or None)))
 
