@@ -162,6 +162,7 @@ def test_a_json_schema_format_constrains_the_text(client):
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),  # as chat's verbosity
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),

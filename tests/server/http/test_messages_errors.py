@@ -71,6 +71,10 @@ def test_request_errors_have_anthropics_envelope(http, base_url, path):
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}),
         400, "invalid_request_error")
+    # a turn with no content block (but a final assistant one: a prefill of nothing)
+    assert "messages.0.content holds no content block" in anthropic_error(http.post(
+        path, json={"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "user", "content": []}]}), 400, "invalid_request_error")
     assert "claude-x" in anthropic_error(http.post(path, json={
         "model": "claude-x", "max_tokens": 4, "messages": ASK}), 404, "not_found_error")
     assert "invalid JSON" in anthropic_error(http.post(

@@ -73,3 +73,11 @@ def test_claude_codes_billing_header_is_not_in_the_prompt():
         ("system", "You are a coding agent."), ("user", "Capital of France?")]
     assert [m.role for m in convert(system=[header]).messages] == ["user"]
     assert convert(system=header["text"]).messages[0].text() == header["text"]
+
+
+def test_only_a_final_assistant_turn_may_hold_no_content_block():
+    with pytest.raises(APIError, match="messages.1.content holds no content block"):
+        convert(messages=[ASK, {"role": "assistant", "content": []},
+                          {"role": "user", "content": "And Spain?"}])
+    chat = convert(messages=[ASK, {"role": "assistant", "content": []}])
+    assert chat.continue_final_message and chat.messages[-1].text() == ""

@@ -96,6 +96,30 @@ def test_input_items_and_deletion(engine):
             c.responses.create(model=MODEL, input="x", previous_response_id=first.id)
         assert err.value.body["param"] == "previous_response_id"
         assert c.responses.retrieve(second.id).id == second.id  # its own conversation kept
+        # OpenAI's input message items: content parts and a status, whatever the input
+        item = page.data[0]  # first's input, given as a string
+        assert item.status == "completed"
+        assert [(p.type, p.text) for p in item.content] == [("input_text", "One")]
+
+
+def test_input_tokens_count_the_previous_conversation(engine):
+    """``/v1/responses/input_tokens`` reads what the same ``/v1/responses`` request
+    reads, the conversation ``previous_response_id`` continues included; an id the store
+    does not hold is a 404 there too."""
+    with serve(engine) as url:
+        c = client(url)
+        first = c.responses.create(model=MODEL, input="Hi!", max_output_tokens=3)
+        assert first.id.startswith("resp_")  # OpenAI's (and vLLM's) id form
+        fields = {"input": "And then?", "previous_response_id": first.id}
+        counted = c.responses.input_tokens.count(model=MODEL, **fields)
+        follow = c.responses.create(model=MODEL, max_output_tokens=2, **fields)
+        assert counted.input_tokens == follow.usage.input_tokens
+        assert counted.input_tokens > c.responses.input_tokens.count(
+            model=MODEL, input="And then?").input_tokens
+        with pytest.raises(openai.NotFoundError) as err:
+            c.responses.input_tokens.count(model=MODEL, input="x",
+                                           previous_response_id="resp_none")
+        assert err.value.body["param"] == "previous_response_id"
 
 
 def test_store_false_and_a_server_that_keeps_none(engine):

@@ -183,6 +183,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
                    for ids, p in prompts]
     params = prompts[0][1]
     answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
+    if prefix == "resp":  # OpenAI's response ids are resp_... (as vLLM's)
+        answer_id = answer_id.replace("resp-", "resp_", 1)
     usage = body.include_usage or state.frontend.force_include_usage  # a stream's last chunk
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,
@@ -309,14 +311,7 @@ def make_openai_router() -> APIRouter:
         tracker = state.metrics.track()
         model = state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=PASSED_THROUGH)
-        store, previous = state.responses, []
-        if body.previous_response_id is not None:
-            if store is None:
-                raise APIError.bad_request("previous_response_id needs stored responses: "
-                                           "this server keeps none (--responses-store-size)",
-                                           "previous_response_id")
-            previous = store.get(body.previous_response_id,
-                                 "previous_response_id").conversation
+        store, previous = state.responses, _previous_conversation(state, body)
         own, keep = input_items(body), None
         if store is not None and body.store is not False:
             keep = partial(store.put, inputs=[*previous, *own])
@@ -357,13 +352,26 @@ def make_openai_router() -> APIRouter:
         state = get_state(request)
         state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=PASSED_THROUGH)
+        previous = _previous_conversation(state, body)
         try:
-            count = await _count_prompt(state, chat_request(body))
+            count = await _count_prompt(state, chat_request(body, previous))
         except APIError as exc:
             raise responses_error(exc) from None
         return {"object": "response.input_tokens", "input_tokens": count}
 
     return router
+
+
+def _previous_conversation(state: ServerState, body: ResponsesRequest) -> list[Any]:
+    """The stored conversation ``previous_response_id`` continues ([] without one): a 400
+    where the server keeps no responses, a 404 for an id it does not hold."""
+    if body.previous_response_id is None:
+        return []
+    if state.responses is None:
+        raise APIError.bad_request("previous_response_id needs stored responses: this "
+                                   "server keeps none (--responses-store-size)",
+                                   "previous_response_id")
+    return state.responses.get(body.previous_response_id, "previous_response_id").conversation
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,

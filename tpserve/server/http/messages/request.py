@@ -121,6 +121,10 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise APIError.bad_request(f"{where}.content must be a string or a list of "
                                        "content blocks", f"{where}.content")
+        if not content and not (role == "assistant" and i == len(req.messages) - 1):
+            raise APIError.bad_request(  # as Anthropic: only a final assistant turn may be
+                f"{where}.content holds no content block: every message but a final "
+                "assistant one needs content", f"{where}.content")
         texts, calls, thoughts = [], [], []
         for k, block in enumerate(content):
             at = f"{where}.content.{k}"

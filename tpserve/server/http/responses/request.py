@@ -121,7 +121,8 @@ def _text(content: str | list[_Part], where: str) -> str:
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     """``input`` as a list of items (a string is one user message), each with its
     ``type`` (``message`` where the client left it out, as the API allows) and an ``id``
-    (a new one where the client gave none)."""
+    (a new one where the client gave none); a message's string ``content`` becomes one
+    text part and its ``status`` completed, as OpenAI lists input items."""
     items = ([{"type": "message", "role": "user", "content": req.input}]
              if isinstance(req.input, str) else req.input)
     out = []
@@ -129,6 +130,11 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         out.append({"type": kind, "id": new_id("msg" if kind == "message" else "item"),
                     **item})
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = ({"type": "output_text", "text": item["content"], "annotations": []}
+                    if item.get("role") == "assistant"
+                    else {"type": "input_text", "text": item["content"]})
+            out[-1] = {"status": "completed", **out[-1], "content": [part]}
     return out
 
 
@@ -198,6 +204,12 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``; any other key of ``text``
+    (``verbosity``: as chat completions' ``verbosity``) is a 400 naming it."""
+    other = sorted(set(text or {}) - {"format"})
+    if other:
+        raise APIError.bad_request(f"text.{other[0]} is not supported with this model",
+                                   f"text.{other[0]}")
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
@@ -261,7 +273,7 @@ def echo_fields(req: ResponsesRequest, stored: bool = False) -> dict[str, Any]:
             "temperature": req.temperature, "top_p": req.top_p,
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": req.text or {"format": {"type": "text"}},
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "metadata": req.metadata or {}, "user": req.user, "store": stored,
             "background": False, "previous_response_id": req.previous_response_id,
             "truncation": "disabled",
