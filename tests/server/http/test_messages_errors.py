@@ -71,6 +71,11 @@ def test_request_errors_have_anthropics_envelope(http, base_url, path):
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}),
         400, "invalid_request_error")
+    if path == "/v1/messages":  # the chat machinery's refusal names the Messages field
+        message = anthropic_error(http.post(path, json={
+            "model": MODEL, "max_tokens": 10**6, "messages": ASK}), 400,
+            "invalid_request_error")
+        assert "max_tokens" in message and "max_completion_tokens" not in message, message
     # a turn with no content block (but a final assistant one: a prefill of nothing)
     assert "messages.0.content holds no content block" in anthropic_error(http.post(
         path, json={"model": MODEL, "max_tokens": 4, "messages": [

@@ -33,3 +33,18 @@ def validated_chat(body: dict[str, Any], names: Mapping[str, str]) -> ChatComple
         head = where.split(".")[0]
         raise APIError.bad_request(f"{where}: {first['msg']}",
                                    names.get(head, where)) from None
+
+
+def renamed_error(exc: APIError, names: Mapping[str, str]) -> APIError:
+    """``exc`` (raised by the chat machinery) naming the endpoint's own field (``names``:
+    chat field -> the field it came from), in its ``param`` and its message."""
+    if exc.param is None:
+        return exc
+    head, _, rest = exc.param.partition(".")
+    name = names.get(head)
+    if name is None:
+        return exc
+    exc.message = exc.message.replace(head, name)
+    exc.param = name + ("." + rest if rest else "")
+    exc.args = (exc.message,)
+    return exc

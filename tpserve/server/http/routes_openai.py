@@ -25,7 +25,7 @@ from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.messages.answer import message_events, whole_message
 from tpserve.server.http.messages.request import PASSED_THROUGH as MESSAGES_PASSED_THROUGH
-from tpserve.server.http.messages.request import CountTokensRequest, MessagesRequest
+from tpserve.server.http.messages.request import CountTokensRequest, MessagesRequest, messages_error
 from tpserve.server.http.messages.request import chat_request as messages_chat_request
 from tpserve.server.http.metrics import RequestTracker
 from tpserve.server.http.multi_prompt import merged_outputs
@@ -331,8 +331,11 @@ def make_openai_router() -> APIRouter:
         model = state.resolve_model(body.model)
         warn_unknown_fields(body, state.warned_fields, known=MESSAGES_PASSED_THROUGH)
         chat = messages_chat_request(body, state.reasoning_parser is not None)
-        return await _chat(request, state, chat, tracker, model, "msg",
-                           _messages_answer(body.stop_sequences))
+        try:
+            return await _chat(request, state, chat, tracker, model, "msg",
+                               _messages_answer(body.stop_sequences))
+        except APIError as exc:
+            raise messages_error(exc) from None
 
     @router.post("/messages/count_tokens", responses=ANTHROPIC_ERROR_RESPONSES,
                  tags=["anthropic"])

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict
 
-from tpserve.server.http.chat_conversion import function_tool, validated_chat
+from tpserve.server.http.chat_conversion import function_tool, renamed_error, validated_chat
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
 from tpserve.server.http.unsupported import refuse_fields
@@ -272,3 +272,8 @@ def chat_request(req: MessagesRequest, reasons: bool = False) -> ChatCompletionR
 # chat field -> the Messages field it came from, for error messages
 MESSAGES_NAME = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                  "response_format": "output_config.format"}
+
+
+def messages_error(exc: APIError) -> APIError:
+    """``exc`` (raised by the chat machinery) naming the Messages field."""
+    return renamed_error(exc, MESSAGES_NAME)

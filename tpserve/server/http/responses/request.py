@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tpserve.server.http.chat_conversion import function_tool, validated_chat
+from tpserve.server.http.chat_conversion import function_tool, renamed_error, validated_chat
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, RequestModel
 from tpserve.server.http.responses.output import new_id
@@ -255,16 +255,7 @@ RESPONSES_NAME = {"max_completion_tokens": "max_output_tokens", "messages": "inp
 
 def responses_error(exc: APIError) -> APIError:
     """``exc`` (raised by the chat machinery) naming the Responses field."""
-    if exc.param is None:
-        return exc
-    head, _, rest = exc.param.partition(".")
-    name = RESPONSES_NAME.get(head)
-    if name is None:
-        return exc
-    exc.message = exc.message.replace(head, name)
-    exc.param = name + ("." + rest if rest else "")
-    exc.args = (exc.message,)
-    return exc
+    return renamed_error(exc, RESPONSES_NAME)
 
 
 def echo_fields(req: ResponsesRequest, stored: bool = False) -> dict[str, Any]:
