@@ -683,6 +683,13 @@ def test_tokenize_detokenize_round_trip(http, engine):
     r2 = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False})
     assert r2.json()["count"] < r["count"]
 
+    # a chat's tools reach the template, as on chat completions (vLLM's)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    shows = "{{ messages[0].content }}{% if tools %} TOOLS {{ tools[0].function.name }}{% endif %}"
+    r = http.post("/tokenize", json={"messages": MESSAGES[:1], "chat_template": shows,
+                                     "tools": [tool]}).json()
+    assert r["tokens"] == engine.tokenizer.encode(
+        f"{MESSAGES[0]['content']} TOOLS get_weather", add_special_tokens=False)
     assert_error(http.post("/tokenize", json={"text": "x"}), 400)
     assert_error(http.post("/detokenize", json={"tokens": [10**8]}), 400)
     assert_error(http.post("/detokenize", json={"tokens": "abc"}), 400)
@@ -751,6 +758,45 @@ def test_metrics(client, http, engine):
     for name, total in (("prefill", 1.2), ("decode", 3.0)):
         assert after[f"tpserve:request_{name}_time_seconds_sum{{{eng}}}"] == total
         assert after[f"tpserve:request_{name}_time_seconds_count{{{eng}}}"] == 1
+
+
+def _bounds(values: dict[str, float], name: str) -> list[float]:
+    """The finite ``le`` bounds of histogram ``tpserve:<name>``, in order."""
+    les = {key.split('le="', 1)[1].split('"', 1)[0] for key in values
+           if key.startswith(f"tpserve:{name}_bucket{{")}
+    return sorted(float(le) for le in les - {"+Inf"})
+
+
+def test_each_sequence_counts_as_a_request_in_vllms_buckets(client, http, engine):
+    """As vLLM, whose engine runs each of ``n`` sequences as a request: every per-request
+    series counts each sequence once; the bounds are vLLM's (inter-token latency with
+    three finer ones below its first), token counts 1-2-5 up to the context (256)."""
+    before = metric_values(http.get("/metrics").text)
+    client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=2)
+    after = metric_values(http.get("/metrics").text)
+    model = f'model_name="{engine.model_name}"'
+    prompt = len(engine.tokenizer.encode("x"))
+
+    def grew(name: str) -> float:
+        key = f"tpserve:{name}{{{model}}}"
+        return after[key] - before.get(key, 0.0)
+
+    assert [grew(f"{name}_count") for name in (
+        "e2e_request_latency_seconds", "time_to_first_token_seconds",
+        "request_prompt_tokens", "request_generation_tokens")] == [2, 2, 2, 2]
+    assert grew("inter_token_latency_seconds_count") == 4  # 2 a sequence
+    assert grew("request_prompt_tokens_sum") == 2 * prompt
+    assert grew("request_generation_tokens_sum") == 6
+    key = f'tpserve:request_success_total{{finished_reason="length",{model}}}'
+    assert after[key] - before.get(key, 0.0) == 2
+    request_latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                       50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+    assert _bounds(after, "e2e_request_latency_seconds") == request_latency
+    assert _bounds(after, "inter_token_latency_seconds") == [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+        1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    for name in ("request_prompt_tokens", "request_generation_tokens"):
+        assert _bounds(after, name) == [1, 2, 5, 10, 20, 50, 100, 200]
 
 
 def test_metrics_survive_failing_stats():

@@ -106,7 +106,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
                                 frontend.template_kwargs,
                                 frontend.content_parts),
         metrics=ServerMetrics(engine.stats, engine.model_name, loras.names_by_id,
-                              metrics_namespace),
+                              metrics_namespace, engine.max_model_len),
         created=int(time.time()),
         default_sampling_params=dict(default_sampling_params or {}),
         auto_tool_parser=(TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser is not None

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from tpserve.model.sleep import SLEEP_STATES  # vLLM's engine_sleep_state labels by level
 from tpserve.server.engine.drafting import PER_POSITION  # a list: one counter a position
-from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, read_histogram
+from tpserve.server.engine.histogram import ENGINE_HISTOGRAMS, REQUEST_TIME_BUCKETS, read_histogram
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.http.memory_metrics import memory_families
 
@@ -89,12 +89,25 @@ ENGINE_COUNTERS = {
                                       "(tpserve's draft backoff).",
 }
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
-                 100000, 200000, 500000, 1000000)
+# vLLM's bounds (vllm/v1/metrics/loggers.py), so queries written for vLLM (``le="0.5"``)
+# read the same buckets: time to first token; end-to-end, as its request_latency_buckets
+# (REQUEST_TIME_BUCKETS); between tokens, with three finer bounds below vLLM's first (a GPU
+# decodes a token in a few milliseconds); token counts 1-2-5 up to the context
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
@@ -191,7 +204,7 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str,
                  lora_names: Callable[[], Mapping[int, str]] | None = None,
-                 namespace: str = "tpserve"):
+                 namespace: str = "tpserve", max_model_len: int = 1_000_000):
         assert namespace in NAMESPACES, namespace
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -199,19 +212,20 @@ class ServerMetrics:
         prefix = namespace + ":"
         self.ttft = Histogram(prefix + "time_to_first_token_seconds",
                               "Time to first token in seconds.", LABELS,
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(prefix + "inter_token_latency_seconds",
                              "Time between successive streamed outputs in seconds.", LABELS,
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(prefix + "e2e_request_latency_seconds",
-                             "End-to-end request latency in seconds.", LABELS,
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             "End-to-end latency of each sequence in seconds.", LABELS,
+                             buckets=REQUEST_TIME_BUCKETS, registry=r)
         self.prompt_tokens = Histogram(prefix + "request_prompt_tokens",
-                                       "Number of prompt tokens per request.", LABELS,
-                                       buckets=TOKEN_BUCKETS, registry=r)
+                                       "Number of prompt tokens per sequence.", LABELS,
+                                       buckets=token_buckets(max_model_len), registry=r)
         self.generation_tokens = Histogram(prefix + "request_generation_tokens",
-                                           "Number of generated tokens per request.", LABELS,
-                                           buckets=TOKEN_BUCKETS, registry=r)
+                                           "Number of generated tokens per sequence.",
+                                           LABELS, buckets=token_buckets(max_model_len),
+                                           registry=r)
         self.success = Counter(prefix + "request_success",
                                "Count of finished sequences by finish reason.",
                                (*LABELS, "finished_reason"), registry=r)
@@ -230,13 +244,18 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Observes one request's latencies and token counts as its outputs arrive."""
+    """Observes one request's latencies and token counts as its outputs arrive, each of
+    its ``n`` sequences as one request (as vLLM, whose engine runs each as a request of
+    its own): its first token, the time between its outputs, and at its finish its
+    end-to-end time, prompt and generated tokens and its finish reason, so every
+    per-request series counts the same sequences."""
 
     def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic):
         self.m = metrics
         self.clock = clock
         self.start = clock()
-        self.last_token_time: float | None = None
+        self.last_token_time: dict[int, float] = {}  # sequence index -> its last output
+        self.generated: dict[int, int] = {}  # sequence index -> tokens so far
         self.done = False
 
     def on_output(self, out: RequestOutput) -> None:
@@ -244,17 +263,19 @@ class RequestTracker:
             return
         now = self.clock()
         model = self.m.model_name
-        if any(d.token_ids for d in out.deltas):
-            if self.last_token_time is None:
-                self.m.ttft.labels(model).observe(now - self.start)
-            else:
-                self.m.itl.labels(model).observe(now - self.last_token_time)
-            self.last_token_time = now
         for d in out.deltas:
+            if d.token_ids:
+                last = self.last_token_time.get(d.index)
+                if last is None:
+                    self.m.ttft.labels(model).observe(now - self.start)
+                else:
+                    self.m.itl.labels(model).observe(now - last)
+                self.last_token_time[d.index] = now
+                self.generated[d.index] = self.generated.get(d.index, 0) + len(d.token_ids)
             if d.finish_reason is not None:
                 self.m.success.labels(model, d.finish_reason).inc()
+                self.m.e2e.labels(model).observe(now - self.start)
+                self.m.prompt_tokens.labels(model).observe(out.num_prompt_tokens)
+                self.m.generation_tokens.labels(model).observe(self.generated.get(d.index, 0))
         if out.finished:
             self.done = True
-            self.m.e2e.labels(model).observe(now - self.start)
-            self.m.prompt_tokens.labels(model).observe(out.num_prompt_tokens)
-            self.m.generation_tokens.labels(model).observe(out.num_output_tokens)

@@ -364,6 +364,7 @@ class TokenizeCompletionRequest(RequestModel):
 class TokenizeChatRequest(RequestModel, ChatTemplateOptions):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None  # shown to the chat template, as on chat (vLLM's)
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

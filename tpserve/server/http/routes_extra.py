@@ -22,6 +22,7 @@ from tpserve.server.http.replies import (
     VersionResponse,
 )
 from tpserve.server.http.state import get_state
+from tpserve.server.http.tools import template_tools
 
 TOKENIZER_ERRORS: dict[int | str, dict] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
@@ -39,7 +40,8 @@ def make_extra_router() -> APIRouter:
             ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
         else:
             ids = await state.prompts.chat_ids(body.messages, body,
-                                               add_special_tokens=body.add_special_tokens)
+                                               add_special_tokens=body.add_special_tokens,
+                                               tools=template_tools(body))
         strs = await state.prompts.token_strs(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len,
                                 tokens=ids, token_strs=strs)
