@@ -154,6 +154,11 @@ class SamplingParams:
     # model's thinking, ``--reasoning-parser``): the tokens up to it are free; None: from
     # the first token
     structured_after: int | None = None
+    # with ``structured_after``: the grammar waits for it only when the output's first
+    # token is this one (a thinking model whose outputs think only when they begin with
+    # its start tag); any other first token is the grammar's own, so the first token may
+    # be this one or any the grammar allows. None: it waits from the first token
+    structured_after_if_first: int | None = None
     # the thinking's length cap (a reasoning model's ``thinking_token_budget``); None: none
     thinking: ThinkingBudget | None = None
     # ends the output when its tail repeats (vLLM's ``repetition_detection``); None: never
@@ -240,6 +245,9 @@ class SamplingParams:
         if self.structured_after is not None and (self.structured is None
                                                   or self.structured_after < 0):
             raise bad("structured_after", "needs structured output and a token id")
+        if self.structured_after_if_first is not None and (
+                self.structured_after is None or self.structured_after_if_first < 0):
+            raise bad("structured_after_if_first", "needs structured_after and a token id")
         if self.thinking is not None and (
                 (self.allowed_token_ids is not None
                  and self.thinking.end_id not in self.allowed_token_ids)

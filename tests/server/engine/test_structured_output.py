@@ -398,6 +398,36 @@ def test_a_gated_grammar_starts_after_its_token(folder, smollm2_tokenizer):
     jsonschema.validate(json.loads(text(together["json"])), SCHEMA)
 
 
+def test_the_first_token_decides_whether_the_grammar_waits(folder, smollm2_tokenizer):
+    """``structured_after_if_first`` (a qwen3-style model: its output reasons only when it
+    begins with the start tag): a first token other than that one is the grammar's, and
+    the grammar applies from it, exactly as without a gate; that one first makes the
+    grammar wait for ``structured_after``. Both together, with asynchronous steps."""
+    greedy = dict(temperature=0, max_tokens=100)
+    free = run(make_core(folder, smollm2_tokenizer, num_blocks=40, async_scheduling=False),
+               {"free": (prompt(8), SamplingParams(ignore_eos=True, **greedy))})["free"]
+    free_tokens = tokens(free)
+    start, gate = free_tokens[0], free_tokens[5]  # the free greedy choice begins with start
+    cut = free_tokens.index(gate) + 1
+    away = ((start, -100.0),)  # the start tag never chosen: the grammar from the first token
+    requests = {
+        "json": (prompt(8), SamplingParams(structured=JSON, logit_bias=away, **greedy)),
+        "answers": (prompt(8), SamplingParams(structured=JSON, logit_bias=away,
+                                              structured_after=gate,
+                                              structured_after_if_first=start, **greedy)),
+        "reasons": (prompt(8), SamplingParams(structured=JSON, structured_after=gate,
+                                              structured_after_if_first=start, **greedy))}
+    outs = run(make_core(folder, smollm2_tokenizer, num_blocks=40), requests)
+    assert tokens(outs["answers"]) == tokens(outs["json"])
+    jsonschema.validate(json.loads(text(outs["answers"])), SCHEMA)
+    reasons = tokens(outs["reasons"])  # start is the greedy choice among what the mask allows
+    assert reasons[:cut] == free_tokens[:cut]
+    jsonschema.validate(json.loads(smollm2_tokenizer.decode(reasons[cut:-1])), SCHEMA)
+    assert finish(outs["reasons"]) == "stop"
+
+
 def test_structured_after_needs_a_grammar():
     with pytest.raises(ValueError, match="structured_after"):
         SamplingParams(structured_after=5)
+    with pytest.raises(ValueError, match="structured_after_if_first"):
+        SamplingParams(structured=JSON, structured_after_if_first=5)

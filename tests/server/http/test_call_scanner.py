@@ -118,9 +118,29 @@ HERMES = ('Let me check. <tool_call>\n{"name": "a", "arguments": {"q": "</tool",
 def test_marked_calls_read_only_what_lies_between_the_markers(seed):
     got = calls_of(MarkedCalls("<tool_call>", "</tool_call>", ("arguments",)),
                    pieces(HERMES, random.Random(seed)))
+    # c's object never closes (whole, the output does not parse): held, never reported
     assert got == [("streamed", "a", '{"q": "</tool", "n": 1}', True),
-                   ("whole", "b", "{}", True),
-                   ("streamed", "c", '{"k": [1, 2]}', False)]  # no end: the output ended
+                   ("whole", "b", "{}", True)]
+
+
+@pytest.mark.parametrize("stream", [
+    lambda: MarkedCalls("<tool_call>", "</tool_call>", ("arguments",)),
+    lambda: TOOL_PARSERS["mistral"]().call_stream()], ids=["marked", "after-marker"])
+def test_free_output_calls_are_reported_when_they_close_and_parse(stream):
+    """A model's own JSON (``tool_choice: auto``) may not parse: a streamable call is held
+    until it closes, then reported whole (its arguments in one piece, as written) if its
+    arguments parse, else not at all; a call the output leaves open, never."""
+    opening = "<tool_call>" if isinstance(stream(), MarkedCalls) else "[TOOL_CALLS]"
+    good = stream()
+    assert good.feed(opening + '{"name": "f", "arguments": {"a"') == []
+    assert good.feed(': [1, "}"]}') == []
+    assert good.feed("}") == [CallStart(0, "f"), CallArguments(0, '{"a": [1, "}"]}'),
+                              CallEnd(0, True, "f", None)]
+    bad = stream()
+    assert bad.feed(opening + '{"name": "f", "arguments": {"city": Paris}') == []
+    assert bad.feed("}") + bad.finish() == []
+    cut = stream()
+    assert cut.feed(opening + '{"name": "f", "arguments": {"a": 1}') + cut.finish() == []
 
 
 def test_hermes_whole_calls_keep_the_arguments_as_streamed():
@@ -157,6 +177,11 @@ MORE_CALLS = [("mistral", '[TOOL_CALLS] {"name": "a", "arguments": {"x": 1}}'),
               # left open by the output's end, which the format reads as a call
               ("qwen3_coder", '<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n')]
 CONTENT = [("hermes", 'no call here {"name": "a", "arguments": {}}'),
+           ("hermes", 'Try <tool_call>{"name": "a", "arguments": {"x": y}}</tool_call>'),
+           ("hermes", 'Cut <tool_call>{"name": "a", "arguments": {"x": [1'),
+           ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 01}}]'),
+           ("granite", '<|tool_call|>[{"name": "a", "arguments": {"x": tru}}]'),
+           ("llama3_json", '{"name": "a", "parameters": {"x": "\\q"}}'),
            ("granite", 'Use [{"name": "a", "arguments": {}}] here'),
            ("phi4_mini_json", 'see functools.partial({"name": "a", "arguments": {}})'),
            ("llama3_json", 'I would call {"name": "a", "parameters": {}}'),

@@ -61,3 +61,36 @@ def test_any_split_adds_up_to_the_whole_answer(seed):
     assert finish == whole_finish == "tool_calls"
     assert added_up(deltas) == (content, [(c.function.name, c.function.arguments)
                                           for c in calls])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_parallel_tool_calls_false_streams_the_first_call_only(seed):
+    """``parallel_tool_calls: false`` (vLLM's ``maybe_filter_parallel_tool_calls``): the
+    first call only, whole and streamed, whatever the split."""
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"](), parallel=False)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(OUTPUT)), 15))
+    parts = [OUTPUT[a:b] for a, b in zip([0, *cuts], [*cuts, len(OUTPUT)], strict=True)]
+    content, calls, whole_finish = plan.extract(OUTPUT, "stop")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("a", '{"x": "1"}')]
+    deltas, finish = run(plan, parts)
+    assert finish == whole_finish == "tool_calls"
+    assert added_up(deltas) == (content, [("a", '{"x": "1"}')])
+    assert {tc["index"] for d in deltas for tc in d.tool_calls or ()} == {0}
+
+
+BAD = 'Let me look. <tool_call>\n{"name": "a", "arguments": {"x": one}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_call_whose_arguments_do_not_parse_streams_as_content(seed):
+    """Whole, a hermes call whose arguments are not JSON makes the output all content; the
+    stream holds the call until it closes, finds it does not parse, and sends nothing of
+    it: its deltas add up to the same content."""
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"]())
+    assert plan.extract(BAD, "stop") == (BAD, [], "stop")
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(BAD)), 12))
+    parts = [BAD[a:b] for a, b in zip([0, *cuts], [*cuts, len(BAD)], strict=True)]
+    deltas, finish = run(plan, parts)
+    assert (added_up(deltas), finish) == ((BAD, []), "stop")

@@ -47,6 +47,10 @@ def test_the_prompts_last_tag_says_where_the_output_starts(parsers, tokenizer):
         untagged = parser.plan(hello, include=False)
         assert (untagged.opens, untagged.grammar_after, untagged.include) == \
             (name == "deepseek_r1", end, False)
+        # a grammar waits for the end tag only where the output reasons: qwen3's output
+        # from no tag reasons only when it begins with the start tag
+        assert [p.grammar_after_if_first for p in (opened, closed, untagged)] == [
+            None, None, start if name == "qwen3" else None]
 
 
 CASES = [  # text, (deepseek_r1's split, qwen3's) with no tag in the prompt

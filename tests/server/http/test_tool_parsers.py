@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatTool
 from tpserve.server.http.tool_parsers import TOOL_PARSERS, ExtractedToolCalls, ParsedCall
-from tpserve.server.http.tools import ToolPlan, call_schema, required_schema
+from tpserve.server.http.tools import ToolPlan, call_schema, required_schema, with_definitions
 
 ARGS = '{"city": "Paris", "unit": "celsius"}'
 
@@ -246,6 +247,37 @@ def test_constrained_schemas():
         "type": "array", "minItems": 1, "items": {"anyOf": [call_schema(t) for t in TOOLS]}}
     assert required_schema(TOOLS[:1], parallel=False) == {
         "type": "array", "minItems": 1, "maxItems": 1, "items": call_schema(TOOLS[0])}
+
+
+def _defs_tool(name: str, place: dict) -> ChatTool:
+    return ChatTool.model_validate({"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}},
+        "$defs": {"Place": place}}}})
+
+
+PLACE = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_root_definitions_go_to_the_root_of_the_call_schema():
+    """pydantic's ``$defs`` (``#/$defs/NAME`` pointers from the root of the parameters):
+    every tool's at the root of the schema of its calls, where the pointers resolve;
+    the tools' own parameters untouched."""
+    a, b = _defs_tool("a", PLACE), _defs_tool("b", PLACE)
+    schema = required_schema([a, b, TOOLS[1]], parallel=True)
+    assert schema["$defs"] == {"Place": PLACE}
+    assert [item["properties"]["parameters"] for item in schema["items"]["anyOf"]] == [
+        {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}}] * 2 + [
+        {"type": "object", "properties": {}}]
+    assert "$defs" in a.function.parameters
+    assert with_definitions(call_schema(a), [a])["$defs"] == {"Place": PLACE}
+
+
+def test_two_tools_that_define_one_name_differently_are_refused():
+    other = {"type": "object", "properties": {"zip": {"type": "string"}}}
+    with pytest.raises(APIError) as info:
+        required_schema([_defs_tool("a", PLACE), _defs_tool("b", other)], parallel=True)
+    assert (info.value.status, info.value.param) == (400, "tools")
+    assert "'Place'" in info.value.message
 
 
 def test_constrained_extraction():

@@ -21,7 +21,9 @@ device still computes, and then detokenizes step N-1 while step N runs. Invarian
 - structured output: a sequence's grammar matcher has accepted exactly its output tokens
   read back so far (placeholders excluded; preemption by recompute keeps the output
   tokens, so the matcher stays valid); with ``structured_after`` exactly those after the
-  first gate token, and while ``gated`` it has accepted nothing and masks nothing. A step that samples constrained rows reads back
+  first gate token, and while ``gated`` it has accepted nothing and masks nothing (an
+  undecided gate, ``grammar_gate.py``, masks to the grammar's tokens and the one that
+  gates it). A step that samples constrained rows reads back
   the previous step's tokens after its forward is launched and before it samples (the
   device computes meanwhile), advances the matchers, and sends one bitmask for those rows;
   free rows are sampled unmasked and the step is still finalized asynchronously.
@@ -116,6 +118,7 @@ from tpserve.server.engine.config import EngineConfig
 from tpserve.server.engine.draft_backoff import DraftBackoff
 from tpserve.server.engine.drafting import Drafting
 from tpserve.server.engine.errors import EngineError
+from tpserve.server.engine.grammar_gate import WithToken, first_gate
 from tpserve.server.engine.histogram import engine_histograms
 from tpserve.server.engine.inflight import (
     InFlight,
@@ -257,7 +260,7 @@ class EngineCore:
         state.start(self._next_seq_id, self.tokenizer, self.sampler.new_request_generator)
         self._next_seq_id += state.params.n
         state.matchers = matchers
-        state.gated = [state.params.structured_after is not None] * len(matchers)
+        state.gated = [first_gate(state.params)] * len(matchers)
         self.requests[state.request_id] = state
         for seq in state.seqs:
             self.scheduler.add(seq)
@@ -486,7 +489,11 @@ class EngineCore:
             state = self.requests.get(seq.request_id)
             if state is None or seq.is_finished:
                 continue
-            if state.matchers and not state.gated[seq.index]:
+            gate = state.gated[seq.index] if state.matchers else True
+            if gate is None:  # the first token: the grammar's, or the gated start
+                grammars.append((row, WithToken(state.matchers[seq.index],
+                                                seq.params.structured_after_if_first)))
+            elif not gate:
                 grammars.append((row, state.matchers[seq.index]))
             elif state.thinking and state.thinking[seq.index].must_end():
                 forced.append((row, ForcedToken(seq.params.thinking.end_id)))

@@ -33,9 +33,11 @@ class RequestState:
     generators: list[torch.Generator | None] = field(default_factory=list)
     # one grammar matcher per sibling (structured output), else empty; see EngineCore
     matchers: list[Any] = field(default_factory=list)
-    # per sibling: its grammar still waits for ``params.structured_after`` (the matcher
-    # has accepted nothing and masks nothing until that token is sampled)
-    gated: list[bool] = field(default_factory=list)
+    # per sibling: its grammar still waits for ``params.structured_after`` (True: the
+    # matcher has accepted nothing and masks nothing until that token is sampled), applies
+    # (False), or its first token decides (None, ``params.structured_after_if_first``:
+    # that token waits, any other is the grammar's; the mask allows both)
+    gated: list[bool | None] = field(default_factory=list)
     # per sibling: its thinking counted against ``params.thinking`` (``thinking.py``), else
     # empty
     thinking: list[ThinkingCount] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tpserve.server.engine.grammar_gate import after_token
 from tpserve.server.engine.outputs import TokenLogprob
 from tpserve.server.engine.repetition import REPETITION_DETECTED, repeats
 from tpserve.server.engine.request_state import RequestState
@@ -21,8 +22,8 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     and the status it ends the sequence with (None: it goes on) and its stop reason (a
     stop string or token id, or ``REPETITION_DETECTED``).
 
-    A gated grammar (``SamplingParams.structured_after``) accepts nothing up to and
-    including its gate token. The first rule that holds wins: a token the grammar refuses
+    A gated grammar (``SamplingParams.structured_after``, ``grammar_gate.py``) accepts
+    nothing up to and including its gate token. The first rule that holds wins: a token the grammar refuses
     (an error: the mask allowed it), a stop string, a stop token id (from ``min_tokens``
     on), EOS (from ``min_tokens`` on, unless ``ignore_eos``), the grammar's end,
     ``max_tokens`` or the model's length, a repeating tail (``repetition_detection``, from
@@ -44,13 +45,12 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
     grammar_ended = False
     if state.thinking:
         state.thinking[seq.index].accept(token)
-    if matcher is not None and state.gated[seq.index]:
-        state.gated[seq.index] = token != params.structured_after  # the grammar starts next
-    elif matcher is not None:
-        if not matcher.accept_token(token):  # the mask allowed it: a bookkeeping bug
+    if matcher is not None:
+        state.gated[seq.index], takes = after_token(state.gated[seq.index], token, params)
+        if takes and not matcher.accept_token(token):  # the mask allowed it: a bug
             logger.error("request %s: grammar refused sampled token %d", seq.request_id, token)
             status = SequenceStatus.FINISHED_ERROR
-        grammar_ended = matcher.is_terminated()
+        grammar_ended = takes and matcher.is_terminated()
     if status is not None:
         pass
     elif detok.stopped:

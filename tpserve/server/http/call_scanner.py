@@ -7,7 +7,10 @@ argument deltas add up to exactly the arguments of the same answer whole.
 ``MarkedCalls`` does the same for calls written between markers (Hermes'
 ``<tool_call>...</tool_call>``), feeding the scanner only what lies between them;
 ``AfterMarker`` for calls written after a marker (Mistral's ``[TOOL_CALLS]``, ...) or
-from the output's start.
+from the output's start. Both read free output (``tool_choice: auto``), whose JSON may not
+parse, so each holds a streamable call back until it closes and reports it only if its
+arguments parse (``ParsedCalls``): a stream never sends arguments that are not JSON, nor a
+call that the output leaves open.
 
 Invariants: the scanner is fed every character once, in order; a call is *streamable*
 when its name is known before its arguments begin and the arguments are a JSON object;
@@ -16,6 +19,7 @@ matching ``}``, both included; any other call is reported whole when it closes."
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -177,6 +181,43 @@ class CallScanner:
         self.call = None
 
 
+class ParsedCalls:
+    """Holds back each streamable call's events (its start, its arguments) until the call
+    closes, then passes them on, the arguments in one piece as written, if those parse as
+    a JSON object; otherwise nothing of the call is passed on.
+    Invariant: a streamable call's start and arguments are passed on together with its
+    end, or never (a call left open is held forever); every other event is passed on as
+    it comes."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[str, list[str]]] = {}  # by index: name, arguments
+
+    def passed(self, events: list[CallEvent]) -> list[CallEvent]:
+        out: list[CallEvent] = []
+        for e in events:
+            if isinstance(e, CallStart):
+                self.held[e.index] = (e.name, [])
+            elif isinstance(e, CallArguments):
+                self.held[e.index][1].append(e.text)
+            elif e.streamed:
+                name, pieces = self.held.pop(e.index)
+                out += _checked(e.index, name, "".join(pieces))
+            else:
+                out.append(e)
+        return out
+
+
+def _checked(index: int, name: str, arguments: str) -> list[CallEvent]:
+    """A held call's events: all of them if ``arguments`` (a streamable call's: from its
+    ``{`` to the matching ``}``) parse, which makes them a JSON object, else none."""
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return []
+    return [CallStart(index, name), CallArguments(index, arguments),
+            CallEnd(index, True, name, None)]
+
+
 def held_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that could be the beginning of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -189,10 +230,12 @@ class MarkedCalls:
     """Calls written as JSON objects between ``start`` and ``end`` markers, one a region,
     read as they are written: the text between the markers goes to a ``CallScanner``
     (arguments under the first of ``argument_keys``), the markers and the text around them
-    nowhere. A region the output leaves open is read to the end."""
+    nowhere. A region the output leaves open is read to the end. Streamable calls are
+    reported when they close (``ParsedCalls``)."""
 
     def __init__(self, start: str, end: str, argument_keys: tuple[str, ...]):
         self.scanner = CallScanner(1, argument_keys)
+        self.parsed = ParsedCalls()
         self.markers = (start, end)
         self.inside = False
         self.pending = ""  # text that may be the beginning of the next marker
@@ -211,7 +254,7 @@ class MarkedCalls:
                 if self.inside:
                     events += self.scanner.feed(self.pending[:cut])
                 self.pending = self.pending[cut:]
-                return events
+                return self.parsed.passed(events)
             if self.inside:
                 events += self.scanner.feed(self.pending[:at])
             self.pending = self.pending[at + len(marker):]
@@ -223,7 +266,8 @@ class AfterMarker:
     ``anywhere`` false only at the output's start, after blanks), or, with ``bare``, from
     the output's start when its first non-blank character is ``bare``: one object, objects
     one after another, or an array of them (which, the first character after the marker
-    says). The text before goes nowhere."""
+    says). The text before goes nowhere. Streamable calls are reported when they close
+    (``ParsedCalls``)."""
 
     def __init__(self, markers: tuple[str, ...], argument_keys: tuple[str, ...], *,
                  bare: str | None = None, anywhere: bool = True, keep: str = ""):
@@ -237,13 +281,14 @@ class AfterMarker:
         self.never = False  # the output began without one: no calls will follow
         self.begun = False  # a non-blank character came before any call
         self.pending = ""
+        self.parsed = ParsedCalls()
 
     def finish(self) -> list[CallEvent]:
         return []  # a JSON call left open is no call
 
     def feed(self, text: str) -> list[CallEvent]:
         if self.scanner is not None:
-            return self.scanner.feed(text)
+            return self.parsed.passed(self.scanner.feed(text))
         if self.never:
             return []
         self.pending += text
@@ -256,7 +301,7 @@ class AfterMarker:
             return []
         self.pending = ""
         self.scanner = CallScanner(2 if body[0] == "[" else 1, self.argument_keys)
-        return self.scanner.feed(body)
+        return self.parsed.passed(self.scanner.feed(body))
 
     def _start(self) -> bool:
         """Whether the calls begin in ``pending`` (which then keeps what follows)."""

@@ -441,6 +441,7 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
         if constraints["structured"] is not None and reasoning.grammar_after is not None:
             # the grammar (or the forced tool call) constrains the answer only
             constraints["structured_after"] = reasoning.grammar_after
+            constraints["structured_after_if_first"] = reasoning.grammar_after_if_first
     params = build_sampling_params(body, len(prompt_ids), state.engine.max_model_len,
                                    state.default_sampling_params, constraints,
                                    state.max_logprobs)

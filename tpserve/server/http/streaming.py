@@ -275,10 +275,12 @@ class _HeldChoice:
     stream follow whole. Otherwise the rest is held until the choice finishes, then parsed
     whole and sent as one delta: the remaining content, if any, and every tool call at once
     (each with its ``id``, ``type``, ``function.name`` and the complete
-    ``function.arguments``). Logprobs of held tokens go with the next delta.
+    ``function.arguments``). Logprobs of held tokens go with the next delta. A call the
+    plan does not keep (``ToolPlan.keeps``: ``parallel_tool_calls`` false) sends nothing.
     """
 
     def __init__(self, tools: ToolPlan) -> None:
+        self.plan = tools
         self.text = ""
         self.sent = 0  # characters of ``text`` sent as content
         self.logprobs: list = []
@@ -328,6 +330,8 @@ class _HeldChoice:
         assert self.calls is not None
         deltas: list[dict[str, Any]] = []
         for e in [*self.calls.feed(text), *(self.calls.finish() if last else ())]:
+            if not self.plan.keeps(e.index):
+                continue
             if isinstance(e, CallStart):
                 self.streamed.add(e.index)
                 deltas.append({"index": e.index, "id": new_call_id(), "type": "function",

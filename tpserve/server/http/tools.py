@@ -4,13 +4,19 @@ choice's output text to ``message.tool_calls``.
 ``tool_choice`` (default ``auto`` when ``tools`` are given, as in OpenAI and vLLM):
 - ``none``: the tools reach the chat template; the output is plain content.
 - ``auto``: needs ``--enable-auto-tool-choice --tool-call-parser NAME`` (400 otherwise, as
-  vLLM); the output is free and the parser (``http/tool_parsers/``) finds calls in it.
+  vLLM); the output is free and the parser (``http/tool_parsers/``) finds calls in it;
+  with ``parallel_tool_calls`` false only the first call is returned, whole and streamed
+  (vLLM's ``maybe_filter_parallel_tool_calls``).
 - ``required``: the output is constrained (the structured-output grammar) to a JSON array
   of one or more calls ``{"name": NAME, "parameters": ARGS}``, each with ``ARGS`` following
   that tool's schema (exactly one call when ``parallel_tool_calls`` is false); finish
   reason ``tool_calls``.
 - a named function: constrained to one such object for that function; finish reason
   ``stop`` (what OpenAI and vLLM answer for a forced function).
+A tool's parameters may use root definitions (``$defs`` or ``definitions``, referred to as
+``#/$defs/NAME``, as pydantic writes them): the call schema carries every tool's at its own
+root, where those pointers resolve (as vLLM hoists them); two tools that define one name
+differently are refused with 400 (vLLM refuses them too).
 If the constrained output does not parse (``max_tokens`` cut it short) it is returned as
 plain content with the engine's finish reason; streamed, the calls' starts and arguments
 written so far have gone out already (``call_scanner.py``), and nothing follows them.
@@ -33,6 +39,8 @@ from tpserve.server.http.tool_parsers.base import as_call
 
 ToolMode = Literal["none", "auto", "required", "named"]
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+# where a JSON schema keeps the subschemas its root pointers (``#/$defs/NAME``) name
+DEFINITIONS = ("$defs", "definitions")
 
 
 def new_call_id() -> str:
@@ -40,11 +48,33 @@ def new_call_id() -> str:
 
 
 def call_schema(tool: ChatTool) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool``."""
+    """The JSON schema of one call of ``tool``, its parameters' root definitions left out
+    (``with_definitions`` puts them at the root of the schema that holds the call)."""
+    parameters = tool.function.parameters or NO_ARGUMENTS
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": tool.function.parameters or NO_ARGUMENTS},
+                           "parameters": {k: v for k, v in parameters.items() if not (
+                               k in DEFINITIONS and isinstance(v, dict))}},
             "required": ["name", "parameters"]}
+
+
+def with_definitions(schema: dict[str, Any], tools: list[ChatTool]) -> dict[str, Any]:
+    """``schema`` (calls of ``tools``, ``call_schema``) with every tool's root definitions
+    at its root, where the tools' root pointers (``#/$defs/NAME``) resolve. A name two
+    tools define differently is a 400: a pointer could resolve to one tool's only."""
+    merged: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        for key in DEFINITIONS:
+            defs = (tool.function.parameters or {}).get(key)
+            if not isinstance(defs, dict):
+                continue
+            into = merged.setdefault(key, {})
+            for name, sub in defs.items():
+                if into.setdefault(name, sub) != sub:
+                    raise APIError.bad_request(
+                        f"Tool definition '{name}' ({key}) has multiple schemas, which is "
+                        f"not supported: give each its own name", "tools")
+    return {**schema, **merged}
 
 
 def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
@@ -54,7 +84,7 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
-    return schema
+    return with_definitions(schema, tools)
 
 
 def tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
@@ -65,25 +95,34 @@ def tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
 @dataclass(frozen=True)
 class ToolPlan:
     """What a request's tools change: the template's ``tools``, the constraint (required,
-    named) or the parser (auto) of the output."""
+    named) or the parser (auto) of the output. ``parallel`` false (the request's
+    ``parallel_tool_calls``): only call 0 is returned, whole and streamed (``keeps``);
+    ``required``'s grammar allows just one then, and ``named`` writes one anyway."""
 
     mode: ToolMode
     template_tools: list[dict[str, Any]]
     structured: StructuredOutput | None = None
     parser: ToolParser | None = None
+    parallel: bool = True
 
     @property
     def parses_output(self) -> bool:
         return self.mode != "none"
 
+    def keeps(self, index: int) -> bool:
+        """Whether call ``index`` of an output is returned (all but 0 dropped unless
+        ``parallel``)."""
+        return self.parallel or index == 0
+
     def extract(self, text: str, finish_reason: str | None
                 ) -> tuple[str | None, list[ToolCall], str | None]:
-        """(content, tool calls, finish reason) of one choice's whole output."""
+        """(content, tool calls, finish reason) of one choice's whole output; the calls
+        are those ``keeps`` keeps."""
         if self.mode == "auto":
             assert self.parser is not None
             found = self.parser.extract(text, self.template_tools)
             if found.tools_called:
-                return (found.content, tool_calls(self._as_written(found.calls, text)),
+                return (found.content, self._kept(self._as_written(found.calls, text)),
                         "tool_calls")
             return text, [], finish_reason
         calls = self._as_written(self._constrained_calls(text), text)
@@ -91,7 +130,10 @@ class ToolPlan:
             return text, [], finish_reason
         if self.mode == "required" and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return None, tool_calls(calls), finish_reason
+        return None, self._kept(calls), finish_reason
+
+    def _kept(self, calls: list[ParsedCall]) -> list[ToolCall]:
+        return tool_calls([c for i, c in enumerate(calls) if self.keeps(i)])
 
     def call_stream(self) -> CallStream | None:
         """What reads the output's calls as they are written (``call_scanner.py``):
@@ -156,6 +198,7 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
                                        "tool_choice")
         return None
     shown = template_tools(body) or []
+    parallel = body.parallel_tool_calls is not False
     if choice is None:
         choice = "auto"
     if choice == "none":
@@ -165,20 +208,20 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
             raise APIError.bad_request(
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set", "tool_choice")
-        return ToolPlan("auto", shown, parser=auto_parser)
+        return ToolPlan("auto", shown, parser=auto_parser, parallel=parallel)
     if choice == "required":
         mode: ToolMode = "required"
-        schema = required_schema(body.tools, body.parallel_tool_calls is not False)
+        schema = required_schema(body.tools, parallel)
     else:
         name = choice.function.name
         tool = next((t for t in body.tools if t.function.name == name), None)
         if tool is None:
             raise APIError.bad_request(f"Tool '{name}' has not been passed in `tools`.",
                                        "tool_choice")
-        mode, schema = "named", call_schema(tool)
+        mode, schema = "named", with_definitions(call_schema(tool), [tool])
     spec = StructuredOutput("json", json.dumps(schema))
     try:
         check_structured_output(spec)
     except GrammarError as exc:
         raise APIError.bad_request(f"invalid JSON schema in tools: {exc}", "tools") from exc
-    return ToolPlan(mode, shown, structured=spec)
+    return ToolPlan(mode, shown, structured=spec, parallel=parallel)

@@ -70,12 +70,22 @@ class Qwen3Parser(ReasoningParser):
 class ReasoningPlan:
     """One request's split. ``grammar_after``: the token a structured-output grammar (or
     a tool call's) waits for before it applies (None: it applies from the first token,
-    the prompt having closed the reasoning)."""
+    the prompt having closed the reasoning). ``grammar_after_if_first``: where the output
+    starts in its answer (``opens`` false) it reasons only when it begins with the start
+    tag, so the grammar waits only then, and otherwise constrains the first token."""
 
     parser: ReasoningParser
     opens: bool
     grammar_after: int | None
     include: bool = True
+
+    @property
+    def grammar_after_if_first(self) -> int | None:
+        """The first token that makes the grammar wait for ``grammar_after`` (None: it
+        waits whatever the output begins with, or never)."""
+        if self.opens or self.grammar_after is None:
+            return None
+        return self.parser.start_id
 
     def budget(self, tokens: int) -> ThinkingBudget:
         """``thinking_token_budget``'s cap on this output: the thinking starts where the
