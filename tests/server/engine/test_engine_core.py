@@ -396,3 +396,20 @@ def test_cache_salt_keeps_prefix_caches_apart(folder, smollm2_tokenizer):
         cached[rid] = outs[-1].num_cached_tokens
     assert cached == {"a": 0, "b": 0, "c": 0, "d": 48, "e": 48}
     assert core.block_manager.num_used_blocks == 0
+
+
+def test_each_sequence_is_timed_as_a_request(folder, smollm2_tokenizer):
+    """The queue, prefill and decode histograms observe each of a request's ``n``
+    sequences once (as vLLM, whose engine runs each as a request), its decode up to its
+    own finish."""
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    submit(core, "one", list(range(5, 25)), SamplingParams(temperature=0, max_tokens=4,
+                                                           ignore_eos=True))
+    outs = submit(core, "three", list(range(30, 50)),
+                  SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12, ignore_eos=True))
+    run_to_end(core)
+    counts = {name: core.histograms[f"request_{name}_time_seconds"].count
+              for name in ("queue", "prefill", "decode")}
+    assert counts == {"queue": 4, "prefill": 4, "decode": 4}
+    finished = [d.index for o in outs for d in o.deltas if d.finish_reason is not None]
+    assert sorted(finished) == [0, 1, 2]

@@ -92,19 +92,19 @@ class RequestState:
 
     def observe_times(self, histograms: dict[str, Any]) -> None:
         """Observes a finished request's queue (arrival -> first scheduled), prefill (-> first
-        token) and decode (-> now) times, over its siblings' earliest times, into the
-        engine's ``request_*_time_seconds`` histograms (none if it never produced a token)."""
-        scheduled = [s.first_scheduled_time for s in self.seqs
-                     if s.first_scheduled_time is not None]
-        first = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
-        if not scheduled or not first:
-            return
-        histograms["request_queue_time_seconds"].observe(
-            max(0.0, min(scheduled) - self.arrival))
-        histograms["request_prefill_time_seconds"].observe(
-            max(0.0, min(first) - min(scheduled)))
-        histograms["request_decode_time_seconds"].observe(
-            max(0.0, time.monotonic() - min(first)))
+        token) and decode (-> its finish) times into the engine's
+        ``request_*_time_seconds`` histograms, once for each of its sequences that produced
+        a token (as vLLM, whose engine runs each of ``n`` sequences as a request)."""
+        now = time.monotonic()
+        for s in self.seqs:
+            if s.first_scheduled_time is None or s.first_token_time is None:
+                continue
+            histograms["request_queue_time_seconds"].observe(
+                max(0.0, s.first_scheduled_time - self.arrival))
+            histograms["request_prefill_time_seconds"].observe(
+                max(0.0, s.first_token_time - s.first_scheduled_time))
+            histograms["request_decode_time_seconds"].observe(
+                max(0.0, (s.finish_time or now) - s.first_token_time))
 
     def usage(self) -> dict[str, int]:
         return {"num_prompt_tokens": len(self.prompt_token_ids),

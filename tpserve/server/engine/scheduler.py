@@ -239,6 +239,7 @@ class Scheduler:
             self._waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+        seq.finish_time = time.monotonic()
         seq.fork_parent = None
         siblings = self._requests.get(seq.request_id)
         if siblings is not None:

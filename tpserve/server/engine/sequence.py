@@ -72,6 +72,7 @@ class Sequence:
     # token was read back; None until then (request queue/prefill/decode time metrics)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    finish_time: float | None = None  # time.monotonic() when it finished
     # the prompt's log-probabilities are all collected (``scores_prompt``); set by the engine
     prompt_scored: bool = False
 
