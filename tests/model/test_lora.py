@@ -245,6 +245,20 @@ def test_refusals(checkpoints, tmp_path):
     for why, path in refusals.items():
         with pytest.raises(ValueError, match=why):
             read_adapter(path, MAX_RANK)
+    # malformed folders (a client may name any): each a ValueError, so a server's
+    # /v1/load_lora_adapter answers 400 and serves on (they were a TypeError,
+    # AttributeError or SafetensorError, which failed the engine)
+    malformed = {"r must be an integer, got None": variant("null-rank", r=None),
+                 "lora_alpha must be a number": variant("alpha", lora_alpha="8")}
+    listed = variant("listed")
+    (listed / "adapter_config.json").write_text("[]")
+    malformed["adapter_config.json is not a JSON object"] = listed
+    garbage = variant("garbage")
+    (garbage / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    malformed["adapter_model.safetensors cannot be read"] = garbage
+    for why, path in malformed.items():
+        with pytest.raises(ValueError, match=why):
+            read_adapter(path, MAX_RANK)
     pickled = tmp_path / "pickled"
     shutil.copytree(folders["a"], pickled)
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")

@@ -11,6 +11,7 @@ stop the start naming them."""
 from __future__ import annotations
 
 import copy
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -205,6 +206,11 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     assert _post(server, "unload_lora_adapter", lora_name="b").status_code == 404
     r = _post(server, "load_lora_adapter", lora_name="d", lora_path=str(tmp_path))
     assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    garbage = tmp_path / "garbage"  # weights safetensors cannot read: a 400, served on
+    shutil.copytree(folders["a"], garbage)
+    (garbage / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    r = _post(server, "load_lora_adapter", lora_name="d", lora_path=str(garbage))
+    assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
     r = _post(server, "load_lora_adapter", lora_name="c", lora_path=str(folders["a"]))
     assert r.status_code == 200, r.text
     _check(_complete(client, "c", PROMPTS[1]), want["a"][1])

@@ -12,14 +12,17 @@ a rank above ``--max-lora-rank``, and pickled ``adapter_model.bin`` files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tpserve.model.checkpoint_names import LANGUAGE_MODEL_PREFIXES
 
@@ -115,7 +118,9 @@ def read_adapter_config(folder: str | Path, max_rank: int) -> AdapterConfig:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"{folder}: no {CONFIG_FILE} (a PEFT LoRA adapter folder has one)")
-    raw = json.loads(path.read_text())
+    raw = json.loads(path.read_text())  # a JSONDecodeError is a ValueError
+    if not isinstance(raw, dict):
+        raise ValueError(f"{folder}: {CONFIG_FILE} is not a JSON object")
     kind = raw.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"{folder}: peft_type {kind!r}; only LORA adapters are served")
@@ -133,12 +138,16 @@ def read_adapter_config(folder: str | Path, max_rank: int) -> AdapterConfig:
     if raw.get("bias", "none") != "none":
         raise ValueError(f"{folder}: bias {raw['bias']!r} (trained biases) is not supported; "
                          "only bias 'none'")
-    rank = int(raw.get("r", 8))
+    rank, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise ValueError(f"{folder}: r must be an integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
     if rank > max_rank:
         raise ValueError(f"{folder}: rank {rank} exceeds --max-lora-rank {max_rank}")
     if rank < 1:
         raise ValueError(f"{folder}: rank {rank} must be at least 1")
-    return AdapterConfig(rank, float(raw.get("lora_alpha", 8)), bool(raw.get("use_rslora")))
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")))
 
 
 def _module_path(peft_module: str) -> str:
@@ -169,7 +178,7 @@ def read_adapter_layout(folder: str | Path, max_rank: int
             "with safe_serialization=True)" if pickled else ""))
     halves: dict[tuple[str, object], dict[str, str]] = {}
     shapes: dict[str, list[int]] = {}
-    with safe_open(str(path), framework="pt") as f:
+    with _weights(folder) as f:
         names = sorted(f.keys(), key=lambda n: _TENSOR.match(n) is None)  # LoRA's first
         for name in names:
             m = _TENSOR.match(name)
@@ -204,5 +213,16 @@ def read_adapter(folder: str | Path, max_rank: int
     checkpoint's shapes (``A [r, in]``, ``B [out, r]``), after ``read_adapter_layout``'s
     checks."""
     cfg, layout = read_adapter_layout(folder, max_rank)
-    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
+    with _weights(folder) as f:
         return cfg, {key: (f.get_tensor(a), f.get_tensor(b)) for key, (a, b) in layout.items()}
+
+
+@contextlib.contextmanager
+def _weights(folder: str | Path) -> Iterator[Any]:
+    """The folder's ``WEIGHTS_FILE`` opened; a file safetensors cannot read (truncated,
+    not safetensors at all) is a ValueError naming it, as every other refusal here."""
+    try:
+        with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{folder}: {WEIGHTS_FILE} cannot be read: {e}") from None
