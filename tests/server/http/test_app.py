@@ -427,6 +427,8 @@ def test_stream_error_through_openai_client(client, engine):
      "repetition_detection"),
     ({"prompt": "x", "response_format": {"type": "json_object", "triggers": ["<"]}},
      "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {  # ignored
+        "name": "u", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
     ({"prompt": "x", "vllm_xargs": {"a": 1}}, "vllm_xargs"),
     ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),

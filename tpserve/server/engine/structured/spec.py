@@ -16,6 +16,7 @@ from typing import Any
 import xgrammar as xgr
 
 from tpserve.model.sampling_params import StructuredOutput
+from tpserve.server.engine.structured.schema_support import unenforced_keyword
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes with
 # "Check failed: (...) is false: "; neither helps a client.
@@ -42,10 +43,16 @@ def choice_grammar(choices: Sequence[str]) -> str:
 
 
 def check_structured_output(spec: StructuredOutput) -> None:
-    """Raises ``GrammarError`` with the parser's message if ``spec`` cannot be compiled."""
+    """Raises ``GrammarError`` with the parser's message if ``spec`` cannot be compiled, or
+    naming a schema keyword the grammar would ignore (``schema_support``)."""
     try:
         if spec.kind == "json":
             xgr.Grammar.from_json_schema(spec.value)
+            ignored = unenforced_keyword(json.loads(spec.value))
+            if ignored is not None:
+                raise GrammarError(f"the schema's {ignored} is not enforced by the grammar "
+                                   "engine (xgrammar), so the output could break it: leave "
+                                   "it out")
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.value)
         elif spec.kind == "grammar":
