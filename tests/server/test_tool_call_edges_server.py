@@ -61,11 +61,13 @@ def _client(server):
     return c, c.models.list().data[0].id
 
 
-def _streamed_calls(client, **kwargs) -> tuple[dict[int, dict], list[str]]:
-    calls: dict[int, dict] = {}
-    finish = []
+def _streamed(client, **kwargs) -> tuple[str, dict[int, dict], list[str]]:
+    """A streamed chat answer's content, its calls by index (names and arguments as the
+    pieces add up) and its finish reasons."""
+    content, calls, finish = "", {}, []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
+            content += choice.delta.content or ""
             for tc in choice.delta.tool_calls or ():
                 call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                 if tc.function is not None:
@@ -73,7 +75,7 @@ def _streamed_calls(client, **kwargs) -> tuple[dict[int, dict], list[str]]:
                     call["arguments"] += tc.function.arguments or ""
             if choice.finish_reason is not None:
                 finish.append(choice.finish_reason)
-    return calls, finish
+    return content, calls, finish
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -86,7 +88,7 @@ def test_parallel_tool_calls_false_keeps_the_first_auto_call(servers, stream):
     kwargs = dict(model=model, messages=ASK, tools=TOOLS, parallel_tool_calls=False,
                   temperature=0, max_tokens=100, extra_body={"guided_regex": TWO_CALLS})
     if stream:
-        calls, finish = _streamed_calls(c, **kwargs)
+        _, calls, finish = _streamed(c, **kwargs)
         assert finish == ["tool_calls"]
         assert [(i, call["name"], call["arguments"]) for i, call in calls.items()] == [
             (0, "get_weather", '{"city": "Paris"}')]
@@ -193,17 +195,7 @@ def test_a_hermes_call_with_invalid_json_streams_as_the_whole_answer(servers):
     whole = c.chat.completions.create(**kwargs).choices[0]
     assert whole.message.tool_calls == []
     assert whole.finish_reason == "stop"
-    content, calls, finish = "", {}, []
-    for chunk in c.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for tc in choice.delta.tool_calls or ():
-                call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                if tc.function is not None:
-                    call["name"] += tc.function.name or ""
-                    call["arguments"] += tc.function.arguments or ""
-            if choice.finish_reason is not None:
-                finish.append(choice.finish_reason)
+    content, calls, finish = _streamed(c, **kwargs)
     for call in calls.values():
         json.loads(call["arguments"])  # what a client does with a streamed call
     assert (content, calls, finish) == (whole.message.content, {}, [whole.finish_reason])
