@@ -281,13 +281,14 @@ class RankSleep:
             ckpt.load_into(self.runner.model, False)
         elif self._host is not None:
             self._host.restore(storages)
-        else:  # level 2: the checkpoint again, into the same tensors; the KV scales stay
-            # (a load sets the checkpoint's, which would undo --calculate-kv-scales')
+        else:  # level 2: the checkpoint again, into the same tensors; a load sets its KV
+            # scales, so scales --calculate-kv-scales chose are put back (no reload runs
+            # with them: the checkpoint read is the start-up's)
             model = self.runner.model
-            scales, from_ckpt = model.kv_scales(), model.kv_scales_from_checkpoint
+            calibrated = model.kv_scales() if self.runner.kv_calibration_tokens else None
             self.runner.ckpt.load_into(model, False)
-            model.set_kv_scales(scales)
-            model.kv_scales_from_checkpoint = from_ckpt
+            if calibrated is not None:
+                model.set_kv_scales(calibrated)
         return sum(self._sizes)
 
     def sleep_weights(self, level: int) -> None:

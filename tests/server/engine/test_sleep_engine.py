@@ -687,6 +687,14 @@ def test_a_reload_reads_the_kv_scales_of_the_new_checkpoint(folder, smollm2_toke
     out = submit(core, "scaled", prompts[0], PARAMS)
     run_to_end(core)
     assert tokens_of(out) == _fp8_tokens(scaled, smollm2_tokenizer, prompts[0])
+    # asleep: the reload wakes the weights from the plain checkpoint; its undo puts them
+    # back to sleep, and they wake from the scaled one again, with its scales
+    run_query(core, ("sleep", 2, "abort"))
+    run_query(core, ("reload_weights", folder))
+    assert core.runner.model.kv_scales().tolist() == ones
+    run_query(core, ("reload_weights", "", True))
+    run_query(core, ("wake_up", None))
+    assert core.runner.model.kv_scales().tolist() == theirs
 
 
 def test_a_checkpoint_with_kv_scales_is_refused_where_the_cache_holds_rotated_k(
