@@ -238,8 +238,8 @@ def wake_up(core: EngineCore, tags: tuple[str, ...] | None = None,
 
 
 def is_sleeping(core: EngineCore) -> bool:
-    """Asleep, or paused (or pausing) at all, as vLLM says (its level 0 is a pause)."""
-    return core.pause.state != RUNNING
+    """``is_paused``: vLLM's engine sleeps while paused at all (its level 0 is a pause)."""
+    return is_paused(core)
 
 
 def reload_weights(core: EngineCore, path: str = "", undo: bool = False,

@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 _IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
-# keyword -> schemas under it: a name -> schema map, one schema (or a list), a list
+# keywords whose values hold schemas: a name -> schema map; one schema or a list of them
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")
-_ONE = ("items", "additionalProperties", "contains", "propertyNames", "additionalItems",
-        "unevaluatedItems", "unevaluatedProperties")
-_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "additionalItems",
+            "unevaluatedItems", "unevaluatedProperties", "anyOf", "oneOf", "allOf",
+            "prefixItems")
 
 
 def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
@@ -41,21 +41,16 @@ def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
     if "multipleOf" in schema and schema.get("type") != "integer":
         return f"multipleOf on a number at {path}"
     for key, value in schema.items():
-        found = None
         if key in _NAMED and isinstance(value, dict):
-            found = _first(unenforced_keyword(v, f"{path}/{key}/{k}") for k, v in value.items())
-        elif key in _ONE and isinstance(value, list):
-            found = _first(unenforced_keyword(v, f"{path}/{key}/{i}")
-                           for i, v in enumerate(value))
-        elif key in _ONE:
-            found = unenforced_keyword(value, f"{path}/{key}")
-        elif key in _MANY and isinstance(value, list):
-            found = _first(unenforced_keyword(v, f"{path}/{key}/{i}")
-                           for i, v in enumerate(value))
-        if found is not None:
-            return found
+            subs = [(f"{path}/{key}/{k}", v) for k, v in value.items()]
+        elif key in _SCHEMAS and isinstance(value, list):
+            subs = [(f"{path}/{key}/{i}", v) for i, v in enumerate(value)]
+        elif key in _SCHEMAS:
+            subs = [(f"{path}/{key}", value)]
+        else:
+            continue
+        for where, sub in subs:
+            found = unenforced_keyword(sub, where)
+            if found is not None:
+                return found
     return None
-
-
-def _first(found: Any) -> str | None:
-    return next((f for f in found if f is not None), None)
