@@ -182,9 +182,10 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
         prompts = [(ids, replace(p, lora_slot=adapter.slot, lora_id=adapter.lora_id))
                    for ids, p in prompts]
     params = prompts[0][1]
-    answer_id = f"{prefix}-{body.request_id}" if body.request_id else request_id
-    if prefix == "resp":  # OpenAI's response ids are resp_... (as vLLM's)
-        answer_id = answer_id.replace("resp-", "resp_", 1)
+    # OpenAI's response ids and Anthropic's message ids are resp_... and msg_... (vLLM's
+    # too); completions' are cmpl-... and chatcmpl-...
+    sep = "_" if prefix in ("resp", "msg") else "-"
+    answer_id = f"{prefix}{sep}{body.request_id or request_id.partition('-')[2]}"
     usage = body.include_usage or state.frontend.force_include_usage  # a stream's last chunk
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,

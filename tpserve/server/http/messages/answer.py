@@ -36,10 +36,6 @@ def stop_reason(finish_reason: str | None, matched: int | str | None,
     return STOP_REASONS.get(finish_reason, "end_turn"), None
 
 
-def message_id(ctx: ResponseContext) -> str:
-    return ctx.id.replace("msg-", "msg_", 1)
-
-
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments or "{}")
@@ -72,7 +68,7 @@ def _chat_usage(usage: UsageInfo) -> dict[str, Any]:
 def message_object(ctx: ResponseContext, content: list[dict[str, Any]],
                    reason: tuple[str | None, str | None], usage: dict[str, Any]
                    ) -> dict[str, Any]:
-    return {"id": message_id(ctx), "type": "message", "role": "assistant",
+    return {"id": ctx.id, "type": "message", "role": "assistant",
             "model": ctx.model, "content": content, "stop_reason": reason[0],
             "stop_sequence": reason[1], "usage": usage}
 
