@@ -156,3 +156,22 @@ def test_the_store_keeps_the_last_ones_used():
         ResponseStore(0)
     with pytest.raises(ValueError, match="--responses-store-size must be >= 0"):
         FrontendOptions(responses_store_size=-1)
+
+
+def test_a_response_echoes_the_temperature_and_top_p_it_used(engine):
+    """As OpenAI's and vLLM's response objects: the request's values, else the server's
+    defaults (``--generation-config``), else 1.0; never null."""
+    with running(build_app(engine, served_model_names=(MODEL,), api_key=None,
+                           chat_template=SHOWS,
+                           default_sampling_params={"temperature": 0.6, "top_p": 0.9})) as url:
+        c = client(url)
+        r = c.responses.create(model=MODEL, input="Hi!", max_output_tokens=3)
+        assert (r.temperature, r.top_p) == (0.6, 0.9)
+        events = list(c.responses.create(model=MODEL, input="Hi!", max_output_tokens=3,
+                                         temperature=0.2, stream=True))
+        assert [(e.response.temperature, e.response.top_p) for e in (events[0], events[-1])
+                ] == [(0.2, 0.9), (0.2, 0.9)]
+    with serve(engine) as url:
+        r = client(url).responses.create(model=MODEL, input="Hi!", max_output_tokens=3,
+                                         top_p=0.5)
+        assert (r.temperature, r.top_p) == (1.0, 0.5)

@@ -319,7 +319,9 @@ def make_openai_router() -> APIRouter:
         try:
             return await _chat(request, state, chat_request(body, previous, own), tracker,
                                model, "resp",
-                               _responses_answer(echo_fields(body, keep is not None), keep))
+                               _responses_answer(echo_fields(body, keep is not None,
+                                                              state.default_sampling_params),
+                                                  keep))
         except APIError as exc:
             raise responses_error(exc) from None
 

@@ -4,6 +4,7 @@ tools to chat tools; fields this server cannot honour are refused with 400."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -258,10 +259,16 @@ def responses_error(exc: APIError) -> APIError:
     return renamed_error(exc, RESPONSES_NAME)
 
 
-def echo_fields(req: ResponsesRequest, stored: bool = False) -> dict[str, Any]:
-    """What a response object repeats of its request; ``stored``: the server keeps it."""
+def echo_fields(req: ResponsesRequest, stored: bool = False,
+                defaults: Mapping[str, float | int] | None = None) -> dict[str, Any]:
+    """What a response object repeats of its request; ``stored``: the server keeps it;
+    ``temperature`` and ``top_p`` are the values used (the request's, else the server's
+    ``defaults``, else OpenAI's 1.0), as OpenAI's and vLLM's response objects give them."""
+    used = defaults or {}
     return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p,
+            "temperature": float(req.temperature if req.temperature is not None
+                                 else used.get("temperature", 1.0)),
+            "top_p": float(req.top_p if req.top_p is not None else used.get("top_p", 1.0)),
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
