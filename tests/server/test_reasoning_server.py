@@ -126,6 +126,37 @@ def test_a_named_tool_call_comes_after_the_reasoning(servers):
     jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), SCHEMA)
 
 
+CAPITAL = {"type": "function", "function": {"name": "capital", "parameters": SCHEMA}}
+FORCED = [{"type": "function", "function": {"name": "capital"}}, "required"]
+
+
+@pytest.mark.parametrize("tool_choice", FORCED, ids=["named", "required"])
+def test_qwen3_forced_call_when_the_output_does_not_think(servers, folder, tool_choice):
+    """``--reasoning-parser qwen3``: an output that does not begin with ``<think>`` is all
+    answer, so a forced call's grammar applies from its first token (not after a
+    ``</think>`` such an output never writes). This model's own first token would be
+    ``<think>`` (the test below), so ``logit_bias`` takes it away here."""
+    think = AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("<think>")
+    r = chat(servers["qwen3"], [{"role": "user", "content": "Give me a JSON object "
+                                 "describing a cat."}], max_tokens=64, tools=[CAPITAL],
+             tool_choice=tool_choice, logit_bias={str(think): -100})
+    m = r.choices[0].message
+    assert m.reasoning is None and m.content is None
+    assert [t.function.name for t in m.tool_calls] == ["capital"], (m.content, r.choices[0])
+    jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), SCHEMA)
+
+
+@pytest.mark.parametrize("tool_choice", FORCED, ids=["named", "required"])
+def test_qwen3_forced_call_after_thinking(servers, tool_choice):
+    """The same forced call where the output begins with ``<think>``: the thinking is free
+    and comes back as the reasoning, the call follows ``</think>``."""
+    r = chat(servers["qwen3"], max_tokens=64, tools=[CAPITAL], tool_choice=tool_choice)
+    m = r.choices[0].message
+    assert m.reasoning == " capital of France" and m.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+        ("capital", {"city": "Paris"})]
+
+
 def test_a_prompt_that_closed_the_reasoning_is_answered_with_content(servers, folder):
     """The final assistant message ends with </think> and is continued: the output is all
     answer, and a grammar applies from its first token."""

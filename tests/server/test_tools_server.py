@@ -223,6 +223,72 @@ def test_hermes_calls_stream_as_written(servers):
     assert calls[0]["pieces"] == 1
 
 
+# two hermes calls, one after the other (a small model calls no tool on its own)
+TWO_CALLS = ('<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "Paris", '
+             '"unit": "celsius"\\}\\}\\n</tool_call>\\n<tool_call>\\n\\{"name": "get_time", '
+             '"arguments": \\{"timezone": "CET"\\}\\}\\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(servers, stream):
+    """``parallel_tool_calls: false`` under ``auto`` keeps the first call only, whole and
+    streamed (vLLM's ``maybe_filter_parallel_tool_calls``), where the output holds two."""
+    c = servers["auto"].wait_until_healthy().client(timeout=600)
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False,
+                  temperature=0, max_tokens=160, extra_body={"guided_regex": TWO_CALLS})
+    first = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    if stream:
+        _, calls, finish = streamed(c, **kwargs)
+        assert finish == ["tool_calls"]
+        assert [(call["name"], call["arguments"]) for call in calls] == [first]
+    else:
+        choice = c.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert [(t.function.name, t.function.arguments)
+                for t in choice.message.tool_calls] == [first]
+
+
+# one hermes call whose arguments are not JSON (an unquoted string): no call at all
+BAD_CALL = ('Let me check\\. <tool_call>\\n\\{"name": "get_weather", "arguments": '
+            '\\{"city": Paris\\}\\}\\n</tool_call>')
+
+
+def test_a_hermes_call_with_invalid_json_streams_as_the_whole_answer(servers):
+    """A call whose arguments are not JSON is no call: the whole answer is content with
+    finish reason "stop", as vLLM's hermes parser reads it, and the stream's pieces add up
+    to the same answer (no call with broken arguments, no content dropped)."""
+    c = servers["auto"].wait_until_healthy().client(timeout=600)
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+                  extra_body={"guided_regex": BAD_CALL})
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls == []
+    assert whole.finish_reason == "stop"
+    assert streamed(c, **kwargs) == (whole.message.content, [], [whole.finish_reason])
+
+
+DEFS_PARAMS = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}},
+               "required": ["where"],
+               "$defs": {"Place": {"type": "object",
+                                   "properties": {"city": {"type": "string",
+                                                           "maxLength": 10}},
+                                   "required": ["city"]}}}
+DEFS_TOOL = [{"type": "function", "function": {"name": "locate", "parameters": DEFS_PARAMS}}]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "locate"}}],
+    ids=["required", "named"])
+def test_a_forced_call_of_a_tool_whose_schema_uses_defs(client, tool_choice):
+    """A pydantic-generated parameters schema (``$defs`` and ``#/$defs/...`` refs, as the
+    openai SDK's ``pydantic_function_tool`` sends) is called under ``required`` or a named
+    function: the ``$defs`` go to the root of the call schema, as vLLM's."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=DEFS_TOOL,
+                                       tool_choice=tool_choice, temperature=0, max_tokens=100)
+    calls = r.choices[0].message.tool_calls
+    assert [t.function.name for t in calls] == ["locate"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), DEFS_PARAMS)
+
+
 def test_auto_tool_choice_enabled(servers):
     """With ``--enable-auto-tool-choice --tool-call-parser hermes`` ``auto`` is accepted; a
     small model may or may not call a tool, so either answer must be well formed. (The
