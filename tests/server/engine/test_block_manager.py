@@ -382,3 +382,29 @@ def test_check_integrity_detects_corruption():
     bm._cache[b"123"] = 0
     with pytest.raises(AssertionError, match="cache maps hash"):
         bm.check_integrity()
+
+
+def test_no_salt_spells_another_salt_with_an_adapter():
+    """``cache_salt`` and the LoRA adapter are one key: a base-model request whose salt is
+    ``"tenant|lora:0"`` shares no block with adapter 0's requests salted ``"tenant"``
+    (the two parts were once joined as text, the same bytes), and every pair differs."""
+    def salted(seq_id: int, **params) -> Sequence:
+        return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0,
+                        prompt_token_ids=list(range(9)),
+                        params=SamplingParams(max_tokens=1, **params))
+
+    bm = BlockManager(16, 4, True)
+    adapter = salted(0, cache_salt="tenant", lora_id=0, lora_slot=0)
+    assert bm.allocate(adapter, 9)
+    adapter.num_computed_tokens = 9
+    bm.cache_full_blocks(adapter, adapter.cache_key)
+    bm.free(adapter)
+    base = salted(1, cache_salt="tenant|lora:0")
+    assert bm.get_computed_blocks(base.all_token_ids, base.cache_key)[1] == 0
+    again = salted(2, cache_salt="tenant", lora_id=0, lora_slot=0)
+    assert bm.get_computed_blocks(again.all_token_ids, again.cache_key)[1] == 8
+    keys = [salted(3 + i, **p).cache_key for i, p in enumerate((
+        {}, {"cache_salt": "0"}, {"lora_id": 0, "lora_slot": 0},
+        {"cache_salt": "0", "lora_id": 0, "lora_slot": 0}, {"cache_salt": "tenant|lora:0"},
+        {"cache_salt": "tenant", "lora_id": 0, "lora_slot": 0}))]
+    assert keys[0] == b"" and len(set(keys)) == len(keys)

@@ -9,6 +9,7 @@ through the scheduler and decides when a sequence stops.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -80,10 +81,11 @@ class Sequence:
     def cache_key(self) -> bytes:
         """The prefix cache's ``extra_key`` of this sequence's blocks: its request's
         ``cache_salt`` (vLLM's; hits only between requests with the same salt) and its LoRA
-        adapter (an adapter's K and V are not the base model's), else none."""
+        adapter (an adapter's K and V are not the base model's), else none. The two are
+        written as one JSON array, so no salt can spell another salt's key with an adapter
+        (a salt ending in ``|lora:0`` once did)."""
         salt, lora = self.params.cache_salt, self.params.lora_id
-        key = b"" if salt is None else b"salt:" + salt.encode()
-        return key if lora is None else key + b"|lora:" + str(lora).encode()
+        return b"" if salt is None and lora is None else json.dumps([salt, lora]).encode()
 
     @property
     def scores_prompt(self) -> bool:
