@@ -634,7 +634,7 @@ def test_prefix_cache_counters_count_tokens_at_admission():
     assert h.sched.counters == {"prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16}
 
 
-def test_first_scheduled_time_survives_preemption_and_readmission_queries_again():
+def test_first_scheduled_time_survives_preemption_and_readmission_does_not_query():
     h = Harness(block_size=4, prefix_caching=False)
     (c,) = h.add(range(6), max_tokens=4)
     (d,) = h.add(range(10, 16), max_tokens=4)
@@ -645,8 +645,32 @@ def test_first_scheduled_time_survives_preemption_and_readmission_queries_again(
     assert h.sched.preempt_newest(0.5) == [d]
     h.step()
     assert d.status is SequenceStatus.RUNNING and d.first_scheduled_time == first
-    # 6 + 6 prompt tokens, then d again with its one output token
-    assert h.sched.counters == {"prefix_cache_queries_total": 19, "prefix_cache_hits_total": 0}
+    # caching off: no lookup ran, none counts (vLLM's)
+    assert h.sched.counters == {"prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
+
+
+def test_only_lookups_that_ran_count_and_a_readmission_is_not_one():
+    """As vLLM's ``record_prefix_cache_stats``: a preempted sequence's re-admission (which
+    hits its own blocks) and a request that computes its whole prompt (prompt logprobs)
+    add no query and no hit."""
+    h = Harness(block_size=4, prefix_caching=True)
+    (c,) = h.add(range(6), max_tokens=4)
+    (d,) = h.add(range(10, 19), max_tokens=4)
+    h.step()
+    h.step()
+    assert h.sched.counters == {"prefix_cache_queries_total": 15, "prefix_cache_hits_total": 0}
+    assert h.sched.preempt_newest(0.5) == [d]
+    h.step()
+    assert d.status is SequenceStatus.RUNNING
+    assert h.sched.counters == {"prefix_cache_queries_total": 15, "prefix_cache_hits_total": 0}
+    # its 9 prompt and 2 output tokens, its own two full blocks hit
+    assert h.sched.preempted_lookups == {"queries": 11, "hits": 8}
+    scored = Sequence(seq_id=100, request_id="pl", index=0, prompt_token_ids=list(range(6)),
+                      params=SamplingParams(max_tokens=1, prompt_logprobs=1))
+    h.sched.add(scored)
+    h.step()
+    assert scored.first_scheduled_time is not None  # admitted
+    assert h.sched.counters == {"prefix_cache_queries_total": 15, "prefix_cache_hits_total": 0}
 
 
 @pytest.mark.parametrize("seed,prefix_caching", [(4, False), (5, True)])

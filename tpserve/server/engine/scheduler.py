@@ -169,6 +169,9 @@ class Scheduler:
         # every admitted sequence's tokens are queried; hits are the tokens it got from
         # cached blocks (or, for a sibling, from its parent's prompt blocks)
         self.counters = {"prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
+        # a preempted sequence's re-admissions: its lookups, hits on its own blocks
+        # mostly; kept apart and not exported, as vLLM's preempted_queries / _hits
+        self.preempted_lookups = {"queries": 0, "hits": 0}
 
     # ----------------------------------------------------------------- queues
 
@@ -421,8 +424,7 @@ class Scheduler:
                 budget += room
                 continue
             num_new, hit = admitted
-            self.counters["prefix_cache_queries_total"] += seq.num_tokens
-            self.counters["prefix_cache_hits_total"] += hit
+            self._count_lookup(seq, hit)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.fork_parent = None
@@ -436,6 +438,19 @@ class Scheduler:
             seats.take(seq, self._is_long(seq))
             budget -= num_new
         return budget
+
+    def _count_lookup(self, seq: Sequence, hit: int) -> None:
+        """Counts ``seq``'s admission as vLLM's ``record_prefix_cache_stats`` does: only a
+        lookup that ran (caching on, the prompt not computed whole), a re-admission after
+        preemption apart (``preempted_lookups``) and not in the exported counters."""
+        if not self.block_manager.enable_prefix_caching or seq.computes_whole_prompt:
+            return
+        if seq.num_preemptions:
+            self.preempted_lookups["queries"] += seq.num_tokens
+            self.preempted_lookups["hits"] += hit
+        else:
+            self.counters["prefix_cache_queries_total"] += seq.num_tokens
+            self.counters["prefix_cache_hits_total"] += hit
 
     def _allocate_admission(self, seq: Sequence, fork_tokens: int, budget: int
                             ) -> tuple[int, int] | None:
