@@ -2,11 +2,15 @@
 #   docker build -t tpserve .
 #   docker run --gpus all --ipc=host -p 8000:8000 tpserve                 # embedded SmolLM2
 #   docker run --gpus all --ipc=host -p 8000:8000 -v /path/to/model:/models:ro \
-#       tpserve /models --tensor-parallel-size 1 --host 0.0.0.0 --port 8000
+#       tpserve /models --tensor-parallel-size 1
+#   docker run --gpus all --ipc=host -p 8000:8000 -e HF_TOKEN \
+#       -v tpserve-hf-cache:/home/tpserve/.cache/huggingface tpserve org/name  # a repo id
+# The entrypoint is `tpserve serve --host 0.0.0.0 --port 8000`: the arguments after the
+# image name (the model, more flags) follow it.
 # compose.yaml wires one or several GPUs, a CPU variant and the load test.
-# The server listens on 0.0.0.0: set an API key (-e TPSERVE_API_KEY=...; clients send
-# "Authorization: Bearer ..."), or anyone who reaches the published port can use the
-# model; without one the server logs a warning at start-up.
+# The server listens on 0.0.0.0: set an API key (-e TPSERVE_API_KEY=... or vLLM's
+# VLLM_API_KEY; clients send "Authorization: Bearer ..."), or anyone who reaches the
+# published port can use the model; without one the server logs a warning at start-up.
 
 # Python 3.11, as the tests and constraints.txt. No CUDA in the base: the CUDA build of
 # torch brings its CUDA runtime libraries as wheels (nvidia-*); the host needs an NVIDIA
@@ -28,10 +32,14 @@ ENV NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1
 
-# The unprivileged user the server runs as; /results receives load-test output.
+# The unprivileged user the server runs as; /results receives load-test output; the
+# Hugging Face cache (models named by repository id) is the user's, so that a volume
+# mounted there starts out writable by it.
 RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin tpserve \
-    && mkdir -p /results \
-    && chown tpserve:tpserve /results
+    && mkdir -p /results /home/tpserve/.cache/huggingface \
+    && chown tpserve:tpserve /results \
+    && chown -R tpserve:tpserve /home/tpserve/.cache
+ENV HF_HOME=/home/tpserve/.cache/huggingface
 
 WORKDIR /opt/tpserve
 
@@ -65,5 +73,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)"]
 
-ENTRYPOINT ["tpserve", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "8000"]
+# Listening on every interface is part of the entrypoint, so that `docker run IMAGE MODEL
+# ...` (which replaces CMD) still serves on the published port.
+ENTRYPOINT ["tpserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD []

@@ -207,6 +207,23 @@ def test_served_model_name_is_the_folder_name(tiny_folder):
     assert _cfg(str(tiny_folder) + "/").served_model_name == tiny_folder.name
 
 
+def test_a_model_path_is_also_served_under_the_path_as_given(tiny_folder):
+    """vLLM serves ``vllm serve /models/x`` under "/models/x" (its served name defaults to
+    the model argument): requests may use that name too (unlisted: the folder name is the
+    one listed and answered with), unless --served-model-name names the model."""
+    given = str(tiny_folder) + "/"
+    cfg = _cfg(given)
+    assert (cfg.served_model_name, cfg.server.served_model_aliases,
+            cfg.server.unlisted_model_names) == (tiny_folder.name, (), (given,))
+    assert _cfg("--model", str(tiny_folder)).server.unlisted_model_names == (str(tiny_folder),)
+    named = _cfg(given, "--served-model-name", "a", "b")
+    assert (named.served_model_name, named.server.served_model_aliases,
+            named.server.unlisted_model_names) == ("a", ("b",), ())
+    assert _cfg().server.unlisted_model_names == ()  # the embedded model
+    shape = _cfg("llama3-8b", "--load-format", "dummy")  # a name, not a path
+    assert (shape.served_model_name, shape.server.unlisted_model_names) == ("llama3-8b", ())
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from tests.model.test_tiny_models import _hf_model
@@ -401,6 +418,10 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
     (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
     (["--max-seq-len-to-capture", "8192"], "--max-seq-len-to-capture 8192: CUDA graphs"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "text-only models"),
+    (["--limit-mm-per-prompt", '{"image": 0, "video": {"count": 1}}'], "text-only models"),
+    (["--kv-offloading-size", "inf"], "--kv-offloading-size must be >= 0 GiB, got inf"),
+    (["--kv-offloading-size", "nan"], "--kv-offloading-size must be >= 0 GiB, got nan"),
+    (["--api-key", ""], "--api-key: a key must not be empty"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
     (["--tool-parser-plugin", "p.py"], "plugin files are not loaded"),
     (["--max-long-partial-prefills", "1"], "--max-long-partial-prefills needs "
@@ -642,7 +663,9 @@ hf-overrides: {{max_position_embeddings: 128}}
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("max-num-seqs: [1, 2]\nno-such-flag: 3", "'no-such-flag' is not a `tpserve serve` flag"),
+    ("max-num-seqs: 4\nno-such-flag: 3", "'no-such-flag' is not a `tpserve serve` flag"),
+    ("max-num-seqs: [1, 2]", "max-num-seqs takes one value, got a list [1, 2]"),
+    ("host: [a, b]", "host takes one value, got a list ['a', 'b']"),
     ("- a\n- b", "a mapping of flag names to values is expected"),
     ("enforce-eager: 3", "enforce-eager is a switch: true or false, got 3"),
     ("config: other.yaml", "a config file cannot name another"),
@@ -654,3 +677,133 @@ def test_a_bad_config_file_exits_2_naming_it(tmp_path, text, message):
     out = tpserve("serve", "--config", str(path))
     assert out.returncode == 2
     assert f"--config {path}: " in out.stderr and message in out.stderr, out.stderr
+
+
+# ------------------------------------------------- vLLM's ways of writing a command line
+
+
+def test_vllms_human_readable_integers(tiny_folder):
+    """--max-model-len, --max-num-batched-tokens and --kv-cache-memory-bytes read numbers
+    as vLLM's human_readable_int does: k/m/g/t x 1000 (decimals allowed), K/M/G/T x 1024;
+    --max-model-len -1 or auto is the model's own; tpserve's --kv-cache-memory keeps its
+    units (1g = 1 GiB)."""
+    folder = str(tiny_folder)
+    cfg = _cfg(folder, "--max-model-len", "0.2k", "--max-num-batched-tokens", "2K")
+    assert (cfg.scheduler.max_model_len, cfg.scheduler.max_num_batched_tokens) == (200, 2048)
+    assert _cfg(folder, "--max-num-batched-tokens", "1.5k").scheduler.max_num_batched_tokens \
+        == 1500
+    for auto in ("-1", "auto", "AUTO"):
+        assert _cfg(folder, "--max-model-len", auto).scheduler.max_model_len == 256, auto
+    for value, size in (("1g", 10**9), ("1G", 2**30), ("2t", 2 * 10**12), ("3MiB", 3 * 2**20),
+                        ("1000", 1000)):
+        assert _cfg(folder, "--kv-cache-memory-bytes", value).runner.kv_cache_memory == size
+    assert _cfg(folder, "--kv-cache-memory", "1g").runner.kv_cache_memory == 2**30
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-model-len", "1.5K"], "argument --max-model-len: '1.5K': a binary suffix (K) "
+                                  "takes an integer; did you mean 1.5k?"),
+    (["--max-num-batched-tokens", "2KiB"], "argument --max-num-batched-tokens: invalid"),
+    (["--kv-cache-memory", "inf"], "argument --kv-cache-memory: not a finite number of "
+                                   "bytes: 'inf'"),
+    (["--kv-cache-memory-bytes", "nan"], "argument --kv-cache-memory-bytes: not a finite "
+                                         "number of bytes: 'nan'"),
+    (["--max-request-body-bytes", "inf"], "argument --max-request-body-bytes: not a finite "
+                                          "number of bytes: 'inf'"),
+])
+def test_a_bad_number_exits_2_naming_the_flag(argv, message, capsys):
+    from tpserve.cli import parse_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(["serve", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_flag_names_may_have_underscores(tiny_folder):
+    """vLLM's FlexibleArgumentParser takes --max_model_len as --max-model-len (before an
+    '=' only: values keep their underscores)."""
+    from tpserve.cli import dashed_flags, parse_cli
+
+    args = parse_cli(["serve", str(tiny_folder), "--max_model_len", "64", "--max_num_seqs=3",
+                      "--served_model_name", "my_model", "--enable_prefix_caching",
+                      "--chat_template={{ messages_x }}"])
+    cfg = config_from_args(args)
+    assert (cfg.scheduler.max_model_len, cfg.scheduler.max_num_seqs) == (64, 3)
+    assert cfg.served_model_name == "my_model" and cfg.server.chat_template == "{{ messages_x }}"
+    assert dashed_flags(["serve", "a_b", "-tp", "2", "--x_y=a_b", "--", "--c_d"]) == [
+        "serve", "a_b", "-tp", "2", "--x-y=a_b", "--", "--c_d"]
+
+
+def test_vllms_switches_have_their_no_forms():
+    """tpserve's switches that are vLLM's BooleanOptionalAction flags take --no-X too."""
+    parser, _ = build_parser()
+    for flag in ("--enforce-eager", "--enable-lora", "--trust-remote-code",
+                 "--enable-auto-tool-choice", "--disable-log-requests",
+                 "--disable-fastapi-docs", "--enable-log-requests"):
+        dest = flag[2:].replace("-", "_")
+        assert getattr(parser.parse_args(["serve", flag]), dest) is True, flag
+        assert getattr(parser.parse_args(["serve", flag, "--no-" + flag[2:]]), dest) is False
+        assert getattr(parser.parse_args(["serve"]), dest) is False, flag
+    assert _cfg("--no-enforce-eager", "--no-trust-remote-code") == _cfg()
+
+
+def test_several_api_keys_and_vllms_variable(monkeypatch, tmp_path):
+    """vLLM's --api-key takes several keys (any is accepted), from the command line or a
+    YAML list; without the flag, $TPSERVE_API_KEY, else vLLM's $VLLM_API_KEY."""
+    from tpserve.cli import parse_cli
+
+    monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _cfg().server.api_key is None
+    assert _cfg("--api-key", "k1", "k2").server.api_key == ("k1", "k2")
+    path = tmp_path / "serve.yaml"
+    path.write_text("api-key: [k1, k2]\n")
+    assert config_from_args(parse_cli(["serve", "--config", str(path)])).server.api_key == (
+        "k1", "k2")
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert _cfg().server.api_key == ("v",)
+    assert _cfg("--api-key", "k").server.api_key == ("k",)
+    monkeypatch.setenv("TPSERVE_API_KEY", "t")
+    assert _cfg().server.api_key == ("t",)
+    help_text = " ".join(build_parser()[1]["serve"].format_help().split())
+    assert "$TPSERVE_API_KEY, else $VLLM_API_KEY" in help_text
+
+
+def test_the_api_key_middleware_accepts_any_of_the_keys():
+    import asyncio
+
+    from tpserve.server.http.middleware import ApiKeyMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    def status(middleware, headers) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/models", "method": "GET", "headers": headers}
+        asyncio.run(middleware(scope, None, send))
+        return sent[0]["status"]
+
+    several = ApiKeyMiddleware(app, api_key=("k1", "k2"), protected=lambda path: True)
+    one = ApiKeyMiddleware(app, api_key="k1", protected=lambda path: True)
+    for key, want in ((b"k1", 200), (b"k2", 200), (b"k3", 401), (b"k1k2", 401)):
+        assert status(several, [(b"authorization", b"Bearer " + key)]) == want, key
+        assert status(several, [(b"x-api-key", key)]) == want, key
+    assert status(one, [(b"authorization", b"Bearer k2")]) == 401
+    assert status(one, [(b"authorization", b"Bearer k1")]) == 200
+
+
+def test_vllm_values_that_ask_for_what_tpserve_does(tiny_folder):
+    """--limit-mm-per-prompt of zero items (text only) and --dtype float (vLLM's choice,
+    float32) are taken."""
+    folder = str(tiny_folder)
+    plain = _cfg(folder)
+    for limits in ('{"image": 0}', '{"image": 0, "video": 0}', '{"image": {"count": 0}}'):
+        assert _cfg(folder, "--limit-mm-per-prompt", limits) == plain
+    assert _cfg(folder, "--dtype", "float").runner.dtype == "float32"
+    assert _cfg(folder, "--dtype", "half").runner.dtype == "float16"

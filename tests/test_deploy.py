@@ -30,7 +30,7 @@ COMPOSE = REPO / "compose.yaml"
 COMPOSE_VARIABLES = ("TPSERVE_GPUS", "MODEL", "MODEL_DIR", "PORT", "LOADTEST_NUM_PROMPTS",
                      "LOADTEST_RATE", "LOADTEST_MAX_CONCURRENCY", "LOADTEST_INPUT_LEN",
                      "LOADTEST_OUTPUT_LEN", "COMPOSE_PROFILES", "COMPOSE_FILE",
-                     "TPSERVE_API_KEY", "TPSERVE_DP", "TPSERVE_TP")
+                     "TPSERVE_API_KEY", "TPSERVE_DP", "TPSERVE_TP", "HF_TOKEN", "HF_HUB_OFFLINE")
 
 
 def tool(name: str, install: str) -> str:
@@ -102,11 +102,27 @@ def test_dockerfile_layout():
     assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.M), "runs as a non-root user"
     assert re.search(r"^EXPOSE 8000$", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
-    assert 'ENTRYPOINT ["tpserve", "serve"]' in text
-    assert 'CMD ["--host", "0.0.0.0", "--port", "8000"]' in text
+    assert 'ENTRYPOINT ["tpserve", "serve", "--host", "0.0.0.0", "--port", "8000"]' in text
+    assert re.search(r"^CMD \[\]$", text, re.M)
     for var in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
                 "NVSHMEM_DISABLE_NVLS=1"):
         assert var in text, f"the image keeps NVLink multicast off ({var})"
+
+
+def test_docker_run_with_a_model_still_listens_on_every_interface():
+    """`docker run IMAGE /models/x --max-model-len 4096` replaces CMD: the entrypoint
+    alone keeps the server on 0.0.0.0:8000, where the port is published and the health
+    check looks."""
+    import json
+
+    from tpserve.cli import parse_cli
+
+    text = DOCKERFILE.read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    assert entry[:2] == ["tpserve", "serve"]
+    args = parse_cli(entry[1:] + ["/models/x", "--max-model-len", "4096"])
+    assert (args.model, args.host, args.port) == ("/models/x", "0.0.0.0", 8000)
+    assert parse_cli(entry[1:] + ["--port", "9000"]).port == 9000  # a later flag wins
 
 
 def test_dockerfile_installs_cuda_torch_as_the_tests_run_it_and_the_pinned_versions():
@@ -182,7 +198,8 @@ def test_compose_reserves_one_gpu_by_default():
     assert server["environment"] == {"NCCL_NVLS_ENABLE": "0",
                                      "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                                      "NVSHMEM_DISABLE_NVLS": "1",
-                                     "TPSERVE_API_KEY": ""}  # unset: no key (and a warning)
+                                     "TPSERVE_API_KEY": "",  # unset: no key (and a warning)
+                                     "HF_TOKEN": "", "HF_HUB_OFFLINE": ""}  # empty: unset
     assert volume(server["volumes"][0]) == (str(REPO / "models"), "/models", True)
     assert [str(p["published"]) for p in server["ports"]] == ["8000"]
     assert seconds(server["healthcheck"]["start_period"]) >= 600
@@ -232,6 +249,25 @@ def test_compose_passes_the_api_key_from_the_environment():
     for name in ("loadtest", "loadtest-cpu"):  # the load tests send it as their bearer token
         assert services[name]["environment"]["OPENAI_API_KEY"] == "s3cret"
     assert "TPSERVE_API_KEY" in DOCKERFILE.read_text()
+
+
+@pytest.mark.parametrize("service,flags", [("tpserve", ()), ("tpserve-dp", ("--profile", "dp"))])
+def test_compose_passes_the_hugging_face_token_and_keeps_its_cache(service, flags):
+    """A repository id as MODEL (vllm serve org/name): HF_TOKEN (gated models) and
+    HF_HUB_OFFLINE reach the server, and the Hugging Face cache of the image's user is a
+    named volume, so the weights survive the container's re-creation."""
+    server = render(*flags, MODEL="meta-llama/Llama-3.1-8B-Instruct", HF_TOKEN="hf_x",
+                    HF_HUB_OFFLINE="1")["services"][service]
+    assert server["command"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert (server["environment"]["HF_TOKEN"], server["environment"]["HF_HUB_OFFLINE"]) == (
+        "hf_x", "1")
+    cache = "/home/tpserve/.cache/huggingface"
+    assert volume(server["volumes"][1]) == ("hf-cache", cache, False)
+    text = DOCKERFILE.read_text()
+    assert f"ENV HF_HOME={cache}" in text and "chown -R tpserve:tpserve /home/tpserve/.cache" \
+        in text, "the image's user owns the cache, so a new volume there is writable"
+    assert yaml_module().safe_load(COMPOSE.read_text())["volumes"]["hf-cache"] == {
+        "name": "tpserve-hf-cache"}
 
 
 def test_compose_cpu_variant_and_load_test_services():

@@ -115,9 +115,26 @@ def main(argv: list[str] | None = None) -> int:
     _exit_without_finalization(code)
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """``--max_model_len 64`` and ``--max_model_len=64`` as ``--max-model-len``: the
+    underscores of a long flag's name (before any ``=``) become dashes, as vLLM's
+    FlexibleArgumentParser takes them; values, and everything after ``--``, unchanged."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_cli(argv: list[str]) -> argparse.Namespace:
     """The parsed command line (``serve --config FILE``: its flags under the command
-    line's); a mistyped flag exits 2 naming the closest one."""
+    line's); a mistyped flag exits 2 naming the closest one. Flag names may be spelled
+    with underscores (``dashed_flags``)."""
+    argv = dashed_flags(argv)
     parser, subs = build_parser()
     args, extras = parser.parse_known_args(argv)
     if args.command == "serve" and args.config is not None and not extras:

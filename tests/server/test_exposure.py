@@ -42,7 +42,7 @@ def test_an_empty_api_key_variable_means_no_key(monkeypatch):
     assert config_from_args(parser.parse_args(["serve"])).server.api_key is None
     monkeypatch.setenv("TPSERVE_API_KEY", "k")
     parser, _ = build_parser()
-    assert config_from_args(parser.parse_args(["serve"])).server.api_key == "k"
+    assert config_from_args(parser.parse_args(["serve"])).server.api_key == ("k",)
 
 
 def test_serving_on_all_interfaces_without_a_key_logs_a_warning():

@@ -5,7 +5,9 @@ turns the parsed flags into the frozen config tree."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import ssl
 
 from tpserve.model.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
@@ -21,18 +23,70 @@ from tpserve.server.http.frontend import CONTENT_FORMATS
 from tpserve.server.http.reasoning import REASONING_PARSERS
 from tpserve.server.http.tool_parsers import TOOL_PARSERS
 from tpserve.server.tls import SSL_CERT_REQS
-from tpserve.server.vllm_compat import add_vllm_compat_arguments
+from tpserve.server.vllm_compat import VLLM_SWITCH, add_vllm_compat_arguments
 
 
 def parse_bytes(text: str) -> int:
-    """``4GiB``, ``512MiB``, ``1e9`` or a plain integer number of bytes."""
+    """``4GiB``, ``512MiB``, ``1e9`` or a plain integer number of bytes; inf and nan are
+    refused (argparse names the flag)."""
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
              "k": 2**10, "m": 2**20, "g": 2**30}
     t = text.strip().lower()
-    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+    number, mult = t, 1
+    for suffix, m in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
+            number, mult = t[: -len(suffix)], m
+            break
+    value = float(number)  # ValueError: argparse's "invalid value" naming the flag
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number of bytes: {text!r}")
+    return int(value * mult)
+
+
+# vLLM's human-readable integers (its arg_utils.human_readable_int): a lowercase suffix is
+# decimal and may follow a decimal number (0.2k = 200), an uppercase one binary and
+# follows an integer only (2K = 2048)
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def human_readable_int(text: str) -> int:
+    """``25.6k`` (25,600), ``2K`` (2,048), ``1g`` (10**9), ``1G`` (2**30) or an integer,
+    as vLLM reads ``--max-num-batched-tokens`` and ``--kv-cache-memory-bytes``."""
+    t = text.strip()
+    match = _HUMAN_INT.fullmatch(t)
+    if match is None:
+        return int(t)  # ValueError: argparse's "invalid value" naming the flag
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a binary suffix ({suffix}) takes an integer; did you mean "
+            f"{number}{suffix.lower()}?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+def max_model_len_value(text: str) -> int | None:
+    """``--max-model-len``: a human-readable integer, or -1 / auto for the model's own
+    context (None), as vLLM's ``human_readable_int_or_auto``."""
+    if text.strip() == "-1" or text.strip().lower() == "auto":
+        return None
+    return human_readable_int(text)
+
+
+def vllm_bytes(text: str) -> int:
+    """``--kv-cache-memory-bytes``: vLLM's human-readable integer (``8G`` = 8 GiB, ``8g``
+    = 8e9 bytes) where it is one, else ``parse_bytes``' forms (``8GiB``, ``8GB``)."""
+    if _HUMAN_INT.fullmatch(text.strip()) or text.strip().isdigit():
+        return human_readable_int(text)
+    return parse_bytes(text)
+
+
+def api_key_default() -> str | None:
+    """``--api-key``'s default: $TPSERVE_API_KEY, else vLLM's $VLLM_API_KEY (empty: none)."""
+    return os.environ.get("TPSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 MEMORY_HISTORY_ENTRIES = 100_000  # --memory-history without N
@@ -77,12 +131,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "every token; row-parallel layers all-reduce) or allgather (sequence "
                         "parallel: tokens sharded between layers, all-gather before and "
                         "reduce-scatter after each tensor-parallel block)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
+    p.add_argument("--enable-expert-parallel", **VLLM_SWITCH,
                    help="a mixture of experts: each rank holds 1/tp of the experts whole "
                         "(tp must divide their number) instead of 1/tp of every expert's "
                         "columns; the same one all-reduce per layer (vLLM's flag)")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+                   help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 (half), "
+                        "float32 (float)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="dtype of the KV cache (auto: the model's --dtype). fp8 (= fp8_e4m3): "
                         "e4m3 with a float32 scale per layer for K and for V, from the "
@@ -136,20 +191,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Triton kernels on CUDA: in a step with both decodes and prefill, run "
                         "decode attention on a second CUDA stream beside prefill attention "
                         "(one memory-bound and one compute-bound kernel share the GPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (prompt + output); default: the model's")
+    p.add_argument("--max-model-len", type=max_model_len_value, default=None,
+                   help="context length (prompt + output), as vLLM reads it: an integer, "
+                        "with k/m (x1000, x10^6: 0.5k = 500) or K/M (x1024, x2^20: 2K = "
+                        "2048); -1 or auto: the model's; default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget of one step (chunked prefill splits longer prompts)")
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int,
+                   default=d.max_num_batched_tokens,
+                   help="token budget of one step (chunked prefill splits longer prompts); "
+                        "k or K suffixes as --max-model-len")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV cache block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory (on CPU: of available RAM) to use")
-    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes,
-                   default=None,
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV pool size in bytes (e.g. 2GiB); overrides the plan; default: "
                         "planned from --gpu-memory-utilization")
+    p.add_argument("--kv-cache-memory-bytes", type=vllm_bytes, dest="kv_cache_memory",
+                   default=None, metavar="BYTES",
+                   help="vLLM's spelling of --kv-cache-memory, its value read as vLLM reads "
+                        "it: k/m/g/t are powers of 1000 (8g = 8*10^9 bytes), K/M/G/T of "
+                        "1024 (8G = 8 GiB); --kv-cache-memory's forms (8GiB) are taken too")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="KV pool size in blocks of --block-size tokens, on every rank "
                         "(vLLM's; e.g. to test preemption with a small pool); overrides the "
@@ -177,7 +240,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="YAML",
                    help="flags from a YAML file of flag: value pairs (vLLM's --config); flags "
                         "given on the command line win over the file's")
-    p.add_argument("--disable-sliding-window", action="store_true",
+    p.add_argument("--disable-sliding-window", **VLLM_SWITCH,
                    help="attend to the whole context in every layer of a model with a "
                         "sliding window (Mistral-7B-v0.1, Phi-3-mini-4k, ...), its context "
                         "then capped at the window (vLLM's flag)")
@@ -186,7 +249,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "model's final hidden states pooled (no LM head is loaded; "
                         "Qwen3-Embedding, e5-mistral and other decoder embedding models); "
                         "auto = generate")
-    p.add_argument("--enable-lora", action="store_true",
+    p.add_argument("--enable-lora", **VLLM_SWITCH,
                    help="serve LoRA adapters (--lora-modules) beside the base model, a request "
                         "choosing one by its model name (vLLM's flag)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -212,16 +275,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id(s) in the API, the first the one answers report; default: "
                         "the model's repository id, folder or file name")
-    p.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1; default: "
-                        "$TPSERVE_API_KEY, else no key")
+    p.add_argument("--api-key", nargs="+", default=api_key_default(), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1, KEY any of those given "
+                        "(vLLM's list); default: $TPSERVE_API_KEY, else $VLLM_API_KEY, else "
+                        "no key")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000,
                    help="TCP port to listen on; checked before the model loads")
-    p.add_argument("--enforce-eager", action="store_true",
+    p.add_argument("--enforce-eager", **VLLM_SWITCH,
                    help="never capture CUDA graphs")
-    p.add_argument("--disable-custom-all-reduce", action="store_true",
+    p.add_argument("--disable-custom-all-reduce", **VLLM_SWITCH,
                    help="all-reduce through NCCL only (by default small all-reduces between "
                         "GPUs of one host go over peer-to-peer memory)")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512,
@@ -289,7 +353,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --allowed-origins: the methods allowed (default: all)")
     p.add_argument("--allowed-headers", type=parse_list, default=("*",), metavar="LIST",
                    help="with --allowed-origins: the request headers allowed (default: all)")
-    p.add_argument("--allow-credentials", action="store_true",
+    p.add_argument("--allow-credentials", **VLLM_SWITCH,
                    help="with --allowed-origins: allow credentials (cookies, auth headers)")
     # vLLM's HTTP-server flags (ServerConfig checks them)
     p.add_argument("--ssl-keyfile", default=None, metavar="FILE",
@@ -311,7 +375,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "/openapi.json and /docs name it")
     p.add_argument("--uvicorn-log-level", default="info", choices=list(UVICORN_LOG_LEVELS),
                    help="threshold of uvicorn's own loggers (--log-level sets tpserve's)")
-    p.add_argument("--disable-fastapi-docs", action="store_true",
+    p.add_argument("--disable-fastapi-docs", **VLLM_SWITCH,
                    help="no /openapi.json, /docs (Swagger UI) or /redoc")
     p.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="the role chat answers carry (message and first stream delta) when "
@@ -339,20 +403,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    choices=list(CONTENT_FORMATS),
                    help="message content as the chat template reads it: a string (auto, "
                         "string) or OpenAI's list of text parts (openai)")
-    p.add_argument("--enable-force-include-usage", action="store_true",
+    p.add_argument("--enable-force-include-usage", **VLLM_SWITCH,
                    help="a streamed answer ends with its usage even without "
                         "stream_options.include_usage")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+    p.add_argument("--return-tokens-as-token-ids", **VLLM_SWITCH,
                    help="logprob tokens are named token_id:<id> unless a request sets "
                         "return_tokens_as_token_ids: false")
-    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+    p.add_argument("--exclude-tools-when-tool-choice-none", **VLLM_SWITCH,
                    help="a request with tool_choice none does not show its tools to the "
                         "chat template either")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="a stream's chunks carry at least N new tokens of some choice (the "
                         "first and the last go at once); a request's stream_interval may "
                         "ask more")
-    p.add_argument("--enable-request-id-headers", action="store_true",
+    p.add_argument("--enable-request-id-headers", **VLLM_SWITCH,
                    help="every response carries X-Request-Id: the request's own header, "
                         "else a new id")
     p.add_argument("--responses-store-size", type=int, default=0, metavar="N",
@@ -360,7 +424,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "says store: false), for previous_response_id and GET/DELETE "
                         "/v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE; "
                         "default 0: none kept)")
-    p.add_argument("--enable-sleep-mode", action="store_true",
+    p.add_argument("--enable-sleep-mode", **VLLM_SWITCH,
                    help="serve vLLM's control endpoints: POST /sleep?level=1|2&mode=abort|"
                         "wait|keep (give back the weights', KV pool's and CUDA graphs' device "
                         "memory; level 1 keeps the weights in host memory, level 2 reads "
@@ -370,14 +434,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "/reload_weights {\"path\": ...} (a checkpoint of the same model read "
                         "in place) and POST /collective_rpc for reload_weights (vLLM serves "
                         "them with VLLM_SERVER_DEV_MODE=1; behind --api-key)")
-    p.add_argument("--enable-log-outputs", action="store_true",
+    p.add_argument("--enable-log-outputs", **VLLM_SWITCH,
                    help="log each choice's text, token ids and finish reason when it "
                         "finishes (INFO, logger tpserve.requests)")
     p.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="the logged prompts and outputs of --enable-log-requests and "
                         "--enable-log-outputs are cut to N characters and N token ids "
                         "(default: whole)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", **VLLM_SWITCH,
                    help="allow tool_choice 'auto': the model decides whether to call tools, "
                         "and --tool-call-parser finds the calls in its output")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -395,7 +459,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(reasoning only when the output begins with <think>)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="logging threshold")
-    p.add_argument("--disable-log-requests", action="store_true",
+    p.add_argument("--disable-log-requests", **VLLM_SWITCH,
                    help="no access-log line per request (method, path, status, tokens, "
                         "latency)")
     p.add_argument("--disable-log-stats", action="store_true",

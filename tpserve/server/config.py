@@ -58,7 +58,9 @@ from tpserve.server.vllm_compat import apply_vllm_compat
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # --api-key: a request must carry one of these keys (None: none needed); a str given
+    # is taken as one key
+    api_key: tuple[str, ...] | None = None
     max_request_body_bytes: int = 16 * 2**20
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
@@ -68,6 +70,8 @@ class ServerConfig:
     log_requests: bool = True  # one access-log line per request
     log_stats_interval_s: float | None = 10.0  # the engine's stats line (None: off)
     served_model_aliases: tuple[str, ...] = ()  # more names (--served-model-name A B ...)
+    # names a request may use that /v1/models does not list: a model path as given
+    unlisted_model_names: tuple[str, ...] = ()
     cors: CorsConfig | None = None  # --allowed-origins (None: no CORS headers)
     chat_template: str | None = None  # a Jinja template replacing the model's
     enable_auto_tool_choice: bool = False  # tool_choice auto, parsed by tool_call_parser
@@ -92,6 +96,11 @@ class ServerConfig:
     frontend: FrontendOptions = FrontendOptions()  # vLLM's frontend flags (http/frontend.py)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:  # one key (a str) or several
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if not (keys and all(keys)):
+                raise ValueError("--api-key: a key must not be empty")
+            object.__setattr__(self, "api_key", keys)
         self._check_http()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -155,7 +164,19 @@ class Config:
             return self.engine.served_model_name
         if self.runner.model is None:
             return "SmolLM2-135M-Instruct"
-        return os.path.basename(os.path.normpath(self.runner.model)) or self.runner.model
+        return default_served_name(self.runner.model)
+
+
+def default_served_name(model: str) -> str:
+    """A model path's served name: its folder or file name (``/models/Llama-3/``:
+    ``Llama-3``)."""
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def path_alias(model: str) -> tuple[str, ...]:
+    """More names for a model given by path: the path as given (vLLM's served name),
+    unless that is the default name itself."""
+    return () if model == default_served_name(model) else (model,)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -208,7 +229,7 @@ def partial_prefills(num: int, long: int | None, threshold: int,
 
 def resolve_kv_offloading(gib: float, prefix_caching: bool) -> int:
     """``--kv-offloading-size`` in bytes (0: off); the host tier is the prefix cache's."""
-    if gib < 0 or gib != gib:
+    if not (gib >= 0 and math.isfinite(gib)):
         raise ValueError(f"--kv-offloading-size must be >= 0 GiB, got {gib}")
     if gib and not prefix_caching:
         raise ValueError("--kv-offloading-size keeps evicted prefix-cache blocks in host "
@@ -340,6 +361,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
             check_port_free(a.host, a.port)
         model_path = fetch_model(model_path, a.revision, a.download_dir,
                                  weights=a.load_format != "dummy")
+    elif model_path is not None and names[0] is None:
+        # vLLM serves a model under the argument as given (/models/x): requests may name
+        # it so; its folder or file name stays the one listed and answered with
+        server = replace(server, unlisted_model_names=path_alias(model_path))
     tokenizer = a.tokenizer
     if tokenizer is not None and is_repo_id(tokenizer):
         tokenizer = fetch_model(tokenizer, a.tokenizer_revision, a.download_dir,
@@ -414,7 +439,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                            a.long_prefill_token_threshold, max_model_len))
     cfg = Config(runner=runner, parallel=parallel, scheduler=scheduler, engine=engine,
                  server=server, replicas=tuple(replicas))
-    served = (cfg.served_model_name, *server.served_model_aliases)
+    served = (cfg.served_model_name, *server.served_model_aliases,
+              *server.unlisted_model_names)
     for m in lora.modules if lora is not None else ():
         if m.name in served:
             raise ValueError(f"--lora-modules: {m.name!r} is the served model's name")

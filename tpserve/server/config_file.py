@@ -4,7 +4,8 @@
 
 Values map onto the command line the parser's own way: ``true`` gives a switch (``false``
 leaves it out, or gives ``--no-...`` where the flag has that form), a list gives a flag
-that takes several values its values, a mapping its JSON (``hf-overrides``,
+that takes several values its values and one that reads JSON its JSON (a list to any
+other flag is refused, naming it), a mapping its JSON (``hf-overrides``,
 ``pooler-config``, ...), anything else its text. ``model`` is the model unless the command
 line names one. A key that is no ``serve`` flag is refused, naming it.
 """
@@ -64,7 +65,18 @@ def _flag(name: str, value: Any, action: argparse.Action, path: str) -> list[str
     if isinstance(value, list):
         if action.nargs in ("+", "*") or isinstance(action.nargs, int):
             return [name, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
-        return [name, json.dumps(value)]
+        if _takes_json(action):  # a JSON list (--allowed-origins), or refused by the flag
+            return [name, json.dumps(value)]
+        raise ValueError(f"--config {path}: {name[2:]} takes one value, got a list "
+                         f"{value!r}")
     if value is None:
         return []
     return [name, str(value)]
+
+
+def _takes_json(action: argparse.Action) -> bool:
+    """Whether a one-value flag reads JSON (an object, or a list as --allowed-origins)."""
+    from tpserve.server.flag_types import json_object
+    from tpserve.server.http.cors import parse_list
+
+    return action.type in (json_object, parse_list) or action.metavar in ("JSON", "LIST")

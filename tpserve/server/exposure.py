@@ -16,10 +16,11 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
+def exposure_warning(host: str, port: int,
+                     api_key: str | tuple[str, ...] | None) -> str | None:
     """The warning to log, or None when the server is loopback-only or needs a key."""
     if api_key or is_loopback_host(host):
         return None
     return (f"serving on {host}:{port}, reachable beyond this machine, without an API key: "
-            "anyone who can reach the port can use the model; set --api-key or "
-            "TPSERVE_API_KEY (or bind --host 127.0.0.1)")
+            "anyone who can reach the port can use the model; set --api-key, "
+            "TPSERVE_API_KEY or VLLM_API_KEY (or bind --host 127.0.0.1)")

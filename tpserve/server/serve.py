@@ -128,6 +128,7 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy | DataParallelEng
     else:
         logger.info(defaults.describe())
     app = build_app(engine, served_model_names=(name, *cfg.server.served_model_aliases),
+                    unlisted_model_names=cfg.server.unlisted_model_names,
                     api_key=cfg.server.api_key,
                     max_request_body_bytes=cfg.server.max_request_body_bytes,
                     default_sampling_params=defaults.params,

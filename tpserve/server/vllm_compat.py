@@ -39,7 +39,9 @@ REFUSED = {
     "--num-scheduler-steps": ("multi-step scheduling is not supported (vLLM's V1 engine "
                               "dropped it too); --async-scheduling overlaps the host's "
                               "work with the device instead", "1"),
-    "--limit-mm-per-prompt": ("tpserve serves text-only models", None),
+    "--limit-mm-per-prompt": ("tpserve serves text-only models (a JSON object of zero "
+                              "counts, e.g. '{\"image\": 0}', is taken: it asks for text "
+                              "only)", None),
     "--kv-transfer-config": ("disaggregated prefill (KV transfer between instances) is not "
                              "supported", None),
     "--tool-parser-plugin": ("tool-call parsers are built in (--tool-call-parser); plugin "
@@ -78,13 +80,16 @@ NO_OPS = {
 }
 STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
                        "disable_additional_properties": False}  # the only values taken
+# a switch of vLLM's, off by default: --X turns it on and --no-X off, as vLLM's
+# BooleanOptionalAction flags (``add_argument(flag, **VLLM_SWITCH, help=...)``)
+VLLM_SWITCH: dict[str, Any] = {"action": argparse.BooleanOptionalAction, "default": False}
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "vLLM compatibility", "flags of `vllm serve` command lines, taken where their value is "
         "what tpserve does anyway (other values are refused with exit 2)")
-    g.add_argument("--trust-remote-code", action="store_true",
+    g.add_argument("--trust-remote-code", **VLLM_SWITCH,
                    help="changes nothing: tpserve never runs code from a checkpoint (its "
                         "architectures are built in)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -102,12 +107,12 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    default="auto",
                    help=f"{' or '.join(STRUCTURED_BACKENDS)}: structured output runs on "
                         "xgrammar; other backends are refused")
-    g.add_argument("--enable-log-requests", action="store_true",
+    g.add_argument("--enable-log-requests", **VLLM_SWITCH,
                    help="log each request on submission: its prompt length and sampling "
                         "parameters at INFO, its prompt text and token ids at DEBUG (logger "
                         "tpserve.requests), beside the access log's line; conflicts with "
                         "--disable-log-requests")
-    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+    g.add_argument("--disable-frontend-multiprocessing", **VLLM_SWITCH,
                    help="the same as --no-engine-process: HTTP and the engine in one "
                         "process")
     g.add_argument("--task", default=None,
@@ -122,7 +127,7 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dtype", default="auto",
                    help="auto or the model's --dtype: the adapters are held in the model's "
                         "dtype (other values are refused)")
-    g.add_argument("--fully-sharded-loras", action="store_true",
+    g.add_argument("--fully-sharded-loras", **VLLM_SWITCH,
                    help="refused: tpserve shards each adapter like the weight it modifies "
                         "(column-parallel layers keep A whole)")
     for flag, (why, accepted) in REFUSED.items():
@@ -134,10 +139,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's thinking tags for thinking_token_budget: taken when they "
                         "are the --reasoning-parser's own (<think> and </think>), which "
                         "tpserve uses without it; other tags are refused")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+    g.add_argument("--enable-prompt-tokens-details", **VLLM_SWITCH,
                    help="changes nothing: every answer's usage has prompt_tokens_details "
                         "(its cached_tokens)")
-    g.add_argument("--enable-server-load-tracking", action="store_true",
+    g.add_argument("--enable-server-load-tracking", **VLLM_SWITCH,
                    help="changes nothing: GET /load always counts the requests in flight")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="changes nothing: preempted sequences are recomputed, never swapped "
@@ -150,7 +155,7 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                         "each architecture (transformers' is refused)")
     g.add_argument("--data-parallel-size-local", type=int, default=None, metavar="N",
                    help="only --data-parallel-size: every replica runs on this host")
-    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+    g.add_argument("--disable-uvicorn-access-log", **VLLM_SWITCH,
                    help="the same as --disable-log-requests: no access-log line per request")
     g.add_argument("--rope-scaling", type=json_object, default=None, metavar="JSON",
                    help="vLLM's older spelling of --hf-overrides '{\"rope_scaling\": JSON}'")
@@ -171,6 +176,8 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
     ValueError naming the flag for a value tpserve cannot honour."""
     for flag, (why, accepted) in REFUSED.items():
         value = getattr(a, flag.removeprefix("--").replace("-", "_"))
+        if flag == "--limit-mm-per-prompt" and value is not None and _no_media(value):
+            continue
         if value is not None and value != accepted:
             raise ValueError(f"{flag}{' ' + value if value else ''}: {why}")
     if not a.enable_chunked_prefill:
@@ -224,6 +231,20 @@ def apply_vllm_compat(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value} asks for --runner {runner}, but --runner is "
                              f"{a.runner}")
         a.runner = runner
+
+
+def _no_media(value: str) -> bool:
+    """Whether vLLM's ``--limit-mm-per-prompt`` JSON allows no item of any modality
+    (``{"image": 0}``, or ``{"image": {"count": 0}}`` in vLLM's newer form): text only,
+    what tpserve serves anyway."""
+    try:
+        limits = json.loads(value)
+    except ValueError:
+        return False
+    if not isinstance(limits, dict):
+        return False
+    counts = [v.get("count") if isinstance(v, dict) else v for v in limits.values()]
+    return all(type(c) is int and c == 0 for c in counts)
 
 
 def _reasoning_config(cfg: dict[str, Any], parser: str | None) -> None:

@@ -20,6 +20,7 @@ from tpserve.server.http.metrics import ServerMetrics
 
 API_KEY = "test-key"
 MODEL = "smol"
+PATH = "/models/smol/"  # the model argument as given: a name, unlisted
 BODY_LIMIT = 64 * 1024
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
 
@@ -40,7 +41,7 @@ def engine(tokenizer) -> FakeEngine:
 @pytest.fixture(scope="module")
 def base_url(engine) -> Iterator[str]:
     app = build_app(engine, served_model_names=(MODEL, "smol-alias"), api_key=API_KEY,
-                    max_request_body_bytes=BODY_LIMIT)
+                    max_request_body_bytes=BODY_LIMIT, unlisted_model_names=(PATH,))
     with running(app) as url:
         yield url
 
@@ -100,7 +101,7 @@ def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 def test_models_version_health(client, http, base_url, engine):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL, "smol-alias"]
+    assert [m.id for m in models.data] == [MODEL, "smol-alias"]  # PATH is not listed
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list"
     assert raw["data"][0]["max_model_len"] == 256
@@ -169,6 +170,8 @@ def test_completion(client, engine):
 def test_completion_prompt_forms(client, engine, prompt):
     r = client.completions.create(model="smol-alias", prompt=prompt, max_tokens=2)
     assert r.model == "smol-alias"
+    # the model path as given (vLLM's served name) is taken, though not listed
+    assert client.completions.create(model=PATH, prompt=prompt, max_tokens=2).model == PATH
     expected = [1, 2, 3] if prompt != ["Hello there"] else engine.tokenizer.encode("Hello there")
     assert engine.prompts[r.id] == expected
 
@@ -939,6 +942,7 @@ def test_retrieve_model(client, http):
     m = client.models.retrieve("smol-alias")
     assert (m.id, m.object, m.owned_by) == ("smol-alias", "model", "tpserve")
     assert m.model_extra["max_model_len"] == 256
+    assert client.models.retrieve(PATH).id == PATH
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     err = assert_error(http.get("/v1/models/gpt-4"), 404)

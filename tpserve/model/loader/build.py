@@ -16,9 +16,9 @@ from tpserve.parallel.comm import Communicator
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the resolved, canonical names
 
 

@@ -48,7 +48,8 @@ def needs_api_key(path: str) -> bool:
 
 
 def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
-              api_key: str | None,
+              unlisted_model_names: tuple[str, ...] = (),
+              api_key: str | tuple[str, ...] | None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_sampling_params: Mapping[str, float | int] | None = None,
               log_requests: bool = False, chat_template: str | None = None,
@@ -63,7 +64,8 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
               download_dir: str | None = None,
               metrics_namespace: str = "tpserve",
               frontend: FrontendOptions | None = None) -> FastAPI:
-    """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model.
+    """The HTTP app for ``engine``; ``served_model_names[0]`` answers requests naming no model;
+    ``unlisted_model_names`` name the base model too, unlisted by ``/v1/models``.
     ``default_sampling_params`` fill the sampling fields a request omits; ``log_requests``
     writes one access-log line per request; ``chat_template`` (Jinja) replaces the
     tokenizer's; ``auto_tool_parser`` (a ``TOOL_PARSERS`` name) enables ``tool_choice``
@@ -102,6 +104,7 @@ def build_app(engine: EngineClient, *, served_model_names: tuple[str, ...],
     state = app.state.tpserve = ServerState(
         engine=engine,
         served_model_names=tuple(served_model_names),
+        unlisted_model_names=tuple(unlisted_model_names),
         prompts=PromptProcessor(engine.tokenizer, executor, chat_template,
                                 frontend.template_kwargs,
                                 frontend.content_parts),

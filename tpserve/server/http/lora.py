@@ -51,7 +51,7 @@ def make_lora_router() -> APIRouter:
         except FileNotFoundError as e:
             raise APIError.bad_request(str(e), "lora_path") from None
         async with state.loras.lock:
-            if name in state.served_model_names or state.loras.get(name) is not None:
+            if state.serves_base(name) or state.loras.get(name) is not None:
                 raise APIError.bad_request(
                     f"The lora adapter '{name}' has already been loaded.", "lora_name")
             slot, lora_id = await state.engine.query(("lora_load", path))

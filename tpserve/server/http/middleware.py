@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,20 +35,32 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` on the paths ``protected(path)`` selects,
-    or ``x-api-key: <key>`` (how the anthropic client sends its key)."""
+    or ``x-api-key: <key>`` (how the anthropic client sends its key); ``api_key`` is one
+    key or several (vLLM's ``--api-key k1 k2``), any of which is accepted."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str, protected: Callable[[str], bool]):
+    def __init__(self, app: ASGIApp, *, api_key: str | Sequence[str],
+                 protected: Callable[[str], bool]):
         self.app = app
-        self.expected = api_key.encode()
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
+        if not keys:
+            raise ValueError("ApiKeyMiddleware needs at least one key")
+        self.expected = tuple(k.encode() for k in keys)
         self.protected = protected
+
+    def _matches(self, token: bytes) -> bool:
+        # every key compared, in constant time each: the time taken tells no key apart
+        found = False
+        for key in self.expected:
+            found |= hmac.compare_digest(token, key)
+        return found
 
     def _authorized(self, scope: Scope) -> bool:
         header = _header(scope, b"authorization") or b""
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+        if scheme.lower() == b"bearer" and self._matches(token.strip()):
             return True
         key = _header(scope, b"x-api-key")
-        return key is not None and hmac.compare_digest(key.strip(), self.expected)
+        return key is not None and self._matches(key.strip())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.protected(route_path(scope)):

@@ -261,7 +261,7 @@ def make_openai_router() -> APIRouter:
         adapter = state.adapter(model_id)
         if adapter is not None:
             return _adapter_card(state, adapter)
-        if model_id not in state.served_model_names:
+        if not state.serves_base(model_id):
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                            code="model_not_found")
         return ModelCard(id=model_id, created=state.created, root=state.engine.model_name,

@@ -27,6 +27,8 @@ class ServerState:
     prompts: PromptProcessor
     metrics: ServerMetrics
     created: int
+    # names a request may use that /v1/models does not list (a model path as given)
+    unlisted_model_names: tuple[str, ...] = ()
     # the model's sampling defaults for fields a request omits (--generation-config)
     default_sampling_params: dict[str, float | int] = field(default_factory=dict)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields logged
@@ -53,12 +55,16 @@ class ServerState:
         """The LoRA adapter served as ``model``; None for the base model."""
         return self.loras.get(model)
 
+    def serves_base(self, name: str) -> bool:
+        """Whether ``name`` names the base model (listed or not)."""
+        return name in self.served_model_names or name in self.unlisted_model_names
+
     def resolve_model(self, requested: str | None) -> str:
         """The served name to answer with (the base model's or an adapter's); 404 for a
         model this server does not serve."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested in self.served_model_names or self.adapter(requested) is not None:
+        if self.serves_base(requested) or self.adapter(requested) is not None:
             return requested
         raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                        code="model_not_found")
