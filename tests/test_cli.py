@@ -467,7 +467,7 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
      "--speculative-config: method 'eagle' is not supported"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
                               '"model": "draft"}'],
-     r"--speculative-config: unknown or unsupported keys \['model'\]"),
+     "--speculative-config: model 'draft' is a draft model, which tpserve does not run"),
     (["--runner", "pooling", "--speculative-config",
       '{"method": "ngram", "num_speculative_tokens": 2}'],
      "--speculative-config: a pooling model generates no tokens"),
@@ -734,6 +734,30 @@ def test_flag_names_may_have_underscores(tiny_folder):
     assert cfg.served_model_name == "my_model" and cfg.server.chat_template == "{{ messages_x }}"
     assert dashed_flags(["serve", "a_b", "-tp", "2", "--x_y=a_b", "--", "--c_d"]) == [
         "serve", "a_b", "-tp", "2", "--x-y=a_b", "--", "--c_d"]
+
+
+def test_a_json_flag_given_key_by_key(tiny_folder):
+    """vLLM's ``--speculative-config.method ngram`` form: the keys (nested ``a.b``, JSON
+    values or text, the key's underscores kept) make one object, laid over the flag's own
+    JSON where it is given too; ``--flag_name.key`` too."""
+    from tpserve.cli import dotted_json_flags, parse_cli
+
+    args = parse_cli(["serve", str(tiny_folder), "--speculative_config.method", "ngram",
+                      "--speculative-config.num_speculative_tokens=4",
+                      "--hf-overrides", '{"a": {"b": 1}, "c": 2}', "--hf-overrides.a.d", "x"])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert json.loads(args.hf_overrides) == {"a": {"b": 1, "d": "x"}, "c": 2}
+    cfg = config_from_args(args)
+    assert cfg.engine.speculative.num_speculative_tokens == 4
+    flags = {"--x"}
+    assert dotted_json_flags(["serve", "--x", "{}", "--y.z", "1"], flags) == [
+        "serve", "--x", "{}", "--y.z", "1"]  # no key by key: unchanged
+    assert dotted_json_flags(["serve", "--x.a", "true", "--x.b.c=[1]", "m"], flags) == [
+        "serve", "m", "--x", '{"a": true, "b": {"c": [1]}}']
+    assert dotted_json_flags(["serve", "--x", "oops", "--x.a", "1"], flags) == [
+        "serve", "--x", "oops"]  # the flag's own JSON check refuses it, naming the flag
+    with pytest.raises(SystemExit):
+        parse_cli(["serve", "--speculative-config", "[1]", "--speculative-config.method", "x"])
 
 
 def test_vllms_switches_have_their_no_forms():

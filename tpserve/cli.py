@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import json
 import logging
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tpserve import __version__
+from tpserve.server.flag_types import json_object
 
 # help text that states its default itself ("default: the model's", "%(default)s")
 _STATES_DEFAULT = re.compile(r"default:|%\(default\)")
@@ -117,25 +119,103 @@ def main(argv: list[str] | None = None) -> int:
 
 def dashed_flags(argv: list[str]) -> list[str]:
     """``--max_model_len 64`` and ``--max_model_len=64`` as ``--max-model-len``: the
-    underscores of a long flag's name (before any ``=``) become dashes, as vLLM's
-    FlexibleArgumentParser takes them; values, and everything after ``--``, unchanged."""
+    underscores of a long flag's name (before any ``=`` or ``.``) become dashes, as vLLM's
+    FlexibleArgumentParser takes them; values, a JSON flag's keys
+    (``--speculative_config.num_speculative_tokens``) and everything after ``--``
+    unchanged."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
         if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
+            end = min((j for j in (arg.find("="), arg.find(".")) if j >= 0), default=len(arg))
+            arg = arg[:end].replace("_", "-") + arg[end:]
         out.append(arg)
     return out
+
+
+def dotted_json_flags(argv: list[str], json_flags: set[str]) -> list[str]:
+    """vLLM's key-by-key form of a JSON flag: ``--speculative-config.method ngram
+    --speculative-config.num_speculative_tokens 4`` (or ``KEY=VALUE``; ``a.b`` a nested
+    key) as one ``--speculative-config '{"method": "ngram", ...}'``, laid over the flag's
+    own JSON object where it is given too. A value is read as JSON where it is JSON
+    (``4``, ``true``), else as text. ``json_flags``: the flags that take a JSON object;
+    ``argv`` unchanged where none is given key by key."""
+    if not any(a.partition("=")[0].partition(".")[0] in json_flags and "." in
+               a.partition("=")[0] for a in argv if a.startswith("--")):
+        return argv
+    dotted: dict[str, dict[str, Any]] = {}
+    whole: dict[str, str] = {}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out += argv[i:]
+            break
+        name, eq, value = arg.partition("=")
+        flag, dot, keys = name.partition(".")
+        if not (arg.startswith("--") and flag in json_flags and (eq or i + 1 < len(argv))):
+            out.append(arg)  # a flag without its value: argparse says so
+            i += 1
+            continue
+        if not eq:
+            i += 1
+            value = argv[i]
+        if dot:
+            _set_nested(dotted.setdefault(flag, {}), keys.split("."), _json_or_text(value))
+        else:
+            whole[flag] = value
+        i += 1
+    for flag, value in whole.items():
+        if flag not in dotted:
+            out += [flag, value]
+    for flag, keys in dotted.items():
+        try:
+            base = json.loads(whole[flag]) if flag in whole else {}
+        except ValueError:
+            base = None
+        if not isinstance(base, dict):  # the flag's own check names the bad value
+            out += [flag, whole[flag]]
+            continue
+        _merge(base, keys)
+        out += [flag, json.dumps(base)]
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _set_nested(obj: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        if not isinstance(obj.get(key), dict):
+            obj[key] = {}
+        obj = obj[key]
+    obj[keys[-1]] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def parse_cli(argv: list[str]) -> argparse.Namespace:
     """The parsed command line (``serve --config FILE``: its flags under the command
     line's); a mistyped flag exits 2 naming the closest one. Flag names may be spelled
-    with underscores (``dashed_flags``)."""
-    argv = dashed_flags(argv)
+    with underscores (``dashed_flags``), a JSON flag given key by key
+    (``dotted_json_flags``)."""
     parser, subs = build_parser()
+    argv = dotted_json_flags(dashed_flags(argv), {
+        opt for action in subs["serve"]._actions
+        if action.type is json_object or action.metavar == "JSON"
+        for opt in action.option_strings})
     args, extras = parser.parse_known_args(argv)
     if args.command == "serve" and args.config is not None and not extras:
         args, extras = _with_config_file(args, argv, subs["serve"])

@@ -116,9 +116,18 @@ def test_the_config_reads_vllms_json_and_refuses_what_it_cannot_do():
     c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3,
                                      "disable_by_batch_size": 8})
     assert c.disable_by_batch_size == 8 and "none above 8 running sequences" in c.describe()
+    # vLLM's other spellings of the method: a "model" of ngram or [ngram], "[ngram]"
+    want = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3,
+                             prompt_lookup_min=3)
+    for spelled in ({"model": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]"},
+                    {"method": "ngram", "model": "ngram"}):
+        assert SpeculativeConfig.from_json(
+            {**spelled, "num_speculative_tokens": 4, "prompt_lookup_max": 3}) == want
     refused = [
         ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"},
-         r"unknown or unsupported keys \['model'\]"),
+         "model 'x' is a draft model, which tpserve does not run"),
+        ({"model": "org/draft", "num_speculative_tokens": 3},
+         "\"method\" is required .*model 'org/draft' would be a draft model"),
         ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"},
          "method 'eagle' is not supported"),
         ({"method": "eagle", "num_speculative_tokens": 3},

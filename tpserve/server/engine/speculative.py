@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram",)
+NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM: a "model" that names the ngram method
 # vLLM's spellings of the same knobs; every other key of --speculative-config is refused
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size")
@@ -77,14 +78,23 @@ class SpeculativeConfig:
     def from_json(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
         """From vLLM's JSON object: ``method`` "ngram" and ``num_speculative_tokens`` are
         required; either of ``prompt_lookup_min`` and ``prompt_lookup_max`` defaults to the
-        other, both to 5 (vLLM's defaults)."""
+        other, both to 5 (vLLM's defaults). As vLLM's ``SpeculativeConfig``, a ``model`` of
+        "ngram" or "[ngram]" stands for the method where none is given, and "[ngram]" is
+        "ngram"; any other ``model`` is a draft model, refused."""
         flag = "--speculative-config"
-        method = value.get("method")
+        model = value.get("model")
+        method = value.get("method", model if model in NGRAM_MODELS else None)
         if method is None:
             raise ValueError(f"{flag}: \"method\" is required (supported: "
-                             f"{', '.join(METHODS)})")
+                             f"{', '.join(METHODS)})" + ("" if model is None else
+                             f"; model {model!r} would be a draft model, which tpserve "
+                             "does not run"))
+        method = "ngram" if method == "[ngram]" else method
         _check_method(method)  # before the keys: another method's keys are its own
-        unknown = sorted(set(value) - set(KEYS))
+        if model is not None and model not in NGRAM_MODELS:
+            raise ValueError(f"{flag}: model {model!r} is a draft model, which tpserve does "
+                             "not run (method ngram drafts from the prompt; leave model out)")
+        unknown = sorted(set(value) - set(KEYS) - {"model"})
         if unknown:
             raise ValueError(f"{flag}: unknown or unsupported keys {unknown}; accepted: "
                              f"{', '.join(KEYS)}")
