@@ -7,8 +7,10 @@ block is back in the pool afterwards."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import httpx
 import openai
 import pytest
 import torch
@@ -18,6 +20,9 @@ from tests.server.serverproc import SMALL, ServerProcess
 
 ANSWER = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
 STORY = "Once upon a time, in a small village by the sea,"
+TWO = [19556, 30]  # "Hello", "."
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +111,114 @@ def test_each_beam_step_is_one_engine_step(server):
     ({"use_beam_search": True, "presence_penalty": 0.5}, "presence_penalty"),
     ({"use_beam_search": True, "n": 11}, "n"),
     ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"use_beam_search": True, "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"use_beam_search": True, "structured_outputs": {"regex": "[ab]"}},
+     "structured_outputs.regex"),
+    ({"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"use_beam_search": True, "echo": True, "logprobs": 1}, "echo"),
     ({"length_penalty": 0.5}, "length_penalty"),
 ])
 def test_what_beam_search_cannot_honour_is_refused(server, extra, field):
+    """The field named is one the request sent (echo with logprobs scores the prompt, but
+    the request sent no prompt_logprobs)."""
     with pytest.raises(openai.BadRequestError) as err:
         server.client().completions.create(model="smol", prompt=STORY, max_tokens=4,
                                            extra_body=extra)
     assert err.value.status_code == 400
     assert err.value.body["param"] == field, err.value.body
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema.schema"),
+])
+def test_a_chat_refusal_names_the_constraint_the_request_sent(server, extra, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+            extra_body={"use_beam_search": True, **extra})
+    assert err.value.body["param"] == field, err.value.body
+
+
+def test_an_ending_stop_token_adds_its_text_only_with_include_stop_str_in_output(server):
+    """As the engine's stop rules: a stop_token_ids entry or EOS that ends a beam stays in
+    its token ids and logprobs, and adds its text only with include_stop_str_in_output,
+    also where skip_special_tokens false would show EOS."""
+    client = server.client()
+    for include in (False, True):
+        extra = {"stop_token_ids": [30], "include_stop_str_in_output": include,
+                 "return_token_ids": True}
+        plain, beam = (client.completions.create(
+            model="smol", prompt=ANSWER, max_tokens=14, n=1, logprobs=1, temperature=0,
+            extra_body={**extra, **more}).choices[0]
+            for more in ({}, {"use_beam_search": True}))
+        assert beam.text == plain.text == "I'm so glad you're here" + "." * include
+        assert beam.token_ids == plain.token_ids and beam.token_ids[-1] == 30
+        assert (beam.finish_reason, beam.stop_reason) == ("stop", 30)
+        assert beam.logprobs.tokens == plain.logprobs.tokens
+        assert beam.logprobs.tokens[-1] == "." and beam.logprobs.text_offset == \
+            plain.logprobs.text_offset
+    eos = "<|im_end|>"
+    for include in (False, True):
+        extra = {"use_beam_search": True, "skip_special_tokens": False,
+                 "include_stop_str_in_output": include, "return_token_ids": True}
+        completion = client.completions.create(model="smol", prompt=ANSWER, max_tokens=14,
+                                               n=3, extra_body=extra).choices[0]
+        assert (completion.text, completion.finish_reason, completion.token_ids) == (
+            "Hello." + eos * include, "stop", [19556, 30, 2])
+        chat = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content":
+                                     "What is 2+2? Answer with one number only."}],
+            max_tokens=10, n=3, extra_body=extra).choices
+        assert [(c.message.content, c.finish_reason, c.token_ids[-1]) for c in chat] == [
+            (text + eos * include, "stop", 2)
+            for text in ("2 + 2 = 4", "The answer is 4.", "The answer is 4")]
+    server.wait_pool_free()
+
+
+def _streamed(server, path: str, body: dict) -> dict[int, tuple[str, str | None, bool]]:
+    """Each streamed choice's (text, finish reason, whether a role chunk came)."""
+    got: dict[int, tuple[str, str | None, bool]] = {}
+    with httpx.stream("POST", server.base + path, timeout=600,
+                      json={"model": "smol", "stream": True, **body}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                text, reason, role = got.get(c["index"], ("", None, False))
+                delta = c.get("delta", {})
+                got[c["index"]] = (text + (c.get("text") or delta.get("content") or ""),
+                                   reason or c["finish_reason"],
+                                   role or delta.get("role") == "assistant")
+    return got
+
+
+def test_a_search_that_finds_fewer_beams_than_n_answers_the_beams_found(server):
+    """Two allowed tokens, one step: two beams a prompt whatever n says; the answer holds
+    those two (as vLLM's), whole and streamed; a multi-prompt completion keeps choice k*n+i
+    for beam i of prompt k."""
+    client = server.client()
+    extra = {"use_beam_search": True, "allowed_token_ids": TWO}
+    whole = client.completions.create(model="smol", prompt=[ANSWER, STORY], max_tokens=1,
+                                      n=3, extra_body=extra)
+    want = [(0, "Hello", "length"), (1, ".", "length"), (3, ".", "length"),
+            (4, "Hello", "length")]
+    assert [(c.index, c.text, c.finish_reason) for c in whole.choices] == want
+    assert whole.usage.completion_tokens == 4
+    assert _streamed(server, "/v1/completions", {
+        "prompt": [ANSWER, STORY], "max_tokens": 1, "n": 3, **extra}) == {
+        i: (text, reason, False) for i, text, reason in want}
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(model="smol", messages=messages, max_tokens=1,
+                                          n=4, extra_body=extra)
+    assert [(c.index, c.finish_reason) for c in chat.choices] == [(0, "length"),
+                                                                  (1, "length")]
+    assert sorted(c.message.content for c in chat.choices) == [".", "Hello"]
+    assert _streamed(server, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1, "n": 4, **extra}) == {
+        c.index: (c.message.content, "length", True) for c in chat.choices}
+    server.wait_pool_free()

@@ -11,7 +11,10 @@ beams; the ``W`` best of the others become the live beams. After ``max_tokens`` 
 live beams finish by length, and the ``W`` finished beams of the highest
 ``sum_logprob / length ** length_penalty`` are the answer's choices, best first, where
 ``length`` counts the prompt and the output without an ending token (vLLM's score). Ties
-go to the earlier beam, then to the more likely token, so answers are deterministic.
+go to the earlier beam, then to the more likely token, so answers are deterministic. A
+search that finds fewer than ``W`` beams (``allowed_token_ids`` with fewer tokens) answers
+those alone, as vLLM's. A beam's text is the engine's: its ending stop token or EOS adds
+none unless ``include_stop_str_in_output`` (its id and logprob stay).
 
 The log-probabilities, which rank the beams and are the ones an answer reports, are the
 sampler's processed ones whatever ``--logprobs-mode`` says: after ``repetition_penalty``,
@@ -38,6 +41,7 @@ from tpserve.server.engine.outputs import CompletionDelta, RequestOutput, TokenL
 from tpserve.server.http.engine_client import EngineClient
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import SamplingRequest
+from tpserve.server.http.structured import constraint_fields
 
 NEUTRAL = {"temperature": (0.0, 1.0), "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,)}
 
@@ -71,10 +75,15 @@ def check_beam_search(body: SamplingRequest, params: SamplingParams, max_logprob
                "a beam's tokens are the prompt of its next step; repetition_penalty works")
     if params.bad_words_token_ids:
         refuse("bad_words", "use logit_bias or allowed_token_ids")
-    if params.structured is not None:
-        refuse("response_format", "structured output needs one grammar state a beam")
-    if params.prompt_logprobs is not None:
+    if params.structured is not None:  # the body's constraint, else its tool_choice's
+        found = constraint_fields(body)
+        refuse(found[0][0] if found else "tool_choice",
+               "structured output needs one grammar state a beam")
+    if body.prompt_logprobs is not None:
         refuse("prompt_logprobs", "ask for them without use_beam_search")
+    if params.prompt_logprobs is not None:  # a completion's echo with logprobs
+        refuse("echo", "with logprobs it scores the prompt; ask for them without "
+               "use_beam_search, or without logprobs")
     if params.thinking is not None:
         refuse("thinking_token_budget", "a budget is counted per sequence, not per beam")
     if params.repetition is not None:
@@ -223,9 +232,14 @@ def _logprob(entry: tuple[int, str, float], top: tuple[tuple[int, str, float], .
 
 def _delta(index: int, beam: Beam, engine: EngineClient, prompt_ids: list[int],
            params: SamplingParams) -> CompletionDelta:
-    """A finished beam as one choice, its text detokenized as the engine would."""
+    """A finished beam as one choice, its text detokenized as the engine would
+    (``engine/stop_rules.py``): the stop token id or EOS that ended it adds no text unless
+    ``include_stop_str_in_output``, and stays in its token ids and logprobs."""
     detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, params)
-    text = "".join(detok.add_token(t) for t in beam.tokens) + detok.flush()
+    shown = beam.tokens
+    if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+        shown = shown[:-1]
+    text = "".join(detok.add_token(t) for t in shown) + detok.flush()
     return CompletionDelta(index, text, beam.tokens,
                            beam.logprobs if params.logprobs is not None else None,
                            beam.finish_reason, beam.stop_reason)

@@ -168,17 +168,26 @@ class ChoiceState:
 
 
 class OutputAccumulator:
-    """Collects a whole request's outputs for a non-streaming response."""
+    """Collects a whole request's outputs for a non-streaming response. ``answered`` are
+    the choices some output named: every one of an engine request's (each sibling ends
+    with a delta of its own), those a beam search found (it may find fewer beams than
+    ``n``: vLLM answers the beams found)."""
 
     def __init__(self, n: int):
         self.choices = [ChoiceState() for _ in range(n)]
+        self.named: set[int] = set()
         self.final: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         for delta in out.deltas:
             self.choices[delta.index].add(delta)
+            self.named.add(delta.index)
         if out.finished:
             self.final = out
+
+    def answered(self) -> list[tuple[int, ChoiceState]]:
+        """The named choices with their indices, in index order."""
+        return [(i, c) for i, c in enumerate(self.choices) if i in self.named]
 
     def usage(self, ctx: ResponseContext | None = None) -> UsageInfo | None:
         return usage_info(self.final, ctx) if self.final is not None else None
@@ -208,7 +217,7 @@ def _completion_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> Completi
 
 
 def completion_response(acc: OutputAccumulator, ctx: ResponseContext) -> CompletionResponse:
-    choices = [_completion_choice(i, c, ctx) for i, c in enumerate(acc.choices)]
+    choices = [_completion_choice(i, c, ctx) for i, c in acc.answered()]
     return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model,
                               choices=choices, usage=acc.usage(ctx))
 
@@ -235,7 +244,7 @@ def _chat_choice(i: int, c: ChoiceState, ctx: ResponseContext) -> ChatChoice:
 
 
 def chat_response(acc: OutputAccumulator, ctx: ResponseContext) -> ChatCompletionResponse:
-    choices = [_chat_choice(i, c, ctx) for i, c in enumerate(acc.choices)]
+    choices = [_chat_choice(i, c, ctx) for i, c in acc.answered()]
     prompt = None
     if ctx.prompt_logprobs is not None:  # one prompt: the first choice's scored prompt
         prompt = vllm_prompt_logprobs(acc.choices[0].prompt_logprobs, ctx.prompt_logprobs)

@@ -202,10 +202,10 @@ async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput
 
     before = replace(first, deltas=[], num_output_tokens=0)  # the role chunks' usage
     held_ids: list[list[int]] = [[] for _ in range(ctx.n)]
-    for i in range(ctx.n):
+    for j, i in enumerate(_choices(first, ctx)):
         yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role=ctx.role, content="")),
-                    before, ctx.prompt_ids_of(0) if i == 0 else None,
-                    ctx.prompt_text if i == 0 else None)
+                    before, ctx.prompt_ids_of(0) if j == 0 else None,
+                    ctx.prompt_text if j == 0 else None)
         if ctx.chat_echo:
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=ctx.chat_echo)),
                         before)
@@ -242,6 +242,15 @@ async def chat_chunks(first: RequestOutput, outputs: AsyncIterator[RequestOutput
     if ctx.include_usage and final is not None:
         yield ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
                                   choices=[], usage=usage_info(final))
+
+
+def _choices(first: RequestOutput, ctx: ResponseContext) -> list[int]:
+    """The indices of the stream's choices: all ``ctx.n``, unless the first output is the
+    whole answer (a beam search's), which names every choice there is (a search may find
+    fewer beams than ``n``; vLLM answers the beams found)."""
+    if first.finished and first.deltas:
+        return sorted({d.index for d in first.deltas})
+    return list(range(ctx.n))
 
 
 def _split_delta(split: ReasoningSplit, d: CompletionDelta, ctx: ResponseContext

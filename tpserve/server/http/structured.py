@@ -32,7 +32,7 @@ def _schema_text(value: str | dict[str, Any]) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _candidates(req: SamplingRequest) -> list[tuple[str, str, Any]]:
+def constraint_fields(req: SamplingRequest) -> list[tuple[str, str, Any]]:
     """Every constraint the request sets: (field name, kind, value)."""
     found: list[tuple[str, str, Any]] = []
     fmt = req.response_format
@@ -73,7 +73,7 @@ def _candidates(req: SamplingRequest) -> list[tuple[str, str, Any]]:
 def structured_output(req: SamplingRequest) -> StructuredOutput | None:
     """The request's constraint, checked with the grammar compiler; APIError 400 if it
     sets more than one or the compiler refuses it."""
-    found = _candidates(req)
+    found = constraint_fields(req)
     if not found:
         return None
     if len(found) > 1:
