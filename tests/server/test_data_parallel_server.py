@@ -3,8 +3,9 @@
 engine processes answer as one engine (greedy text equal to the model's), a burst of
 requests is spread over both and requests sent one at a time take turns (vLLM's per-engine
 series in /metrics), /memory lists both
-replicas' ranks, a beam search runs on one replica, every block goes back to both pools,
-and a replica that dies takes the server down with a non-zero exit."""
+replicas' ranks, a beam search runs on one replica, unseeded samples differ across
+replicas, vLLM's X-data-parallel-rank header pins a replica, every block goes back to both
+pools, and a replica that dies takes the server down with a non-zero exit."""
 
 from __future__ import annotations
 
@@ -140,6 +141,62 @@ def test_a_beam_search_runs_on_one_replica_and_finds_its_blocks_cached(server, h
     assert grew["generation_tokens_total"][busy] == 1 + 2 * 5  # a token a beam and step
     assert grew["prefix_cache_hits_total"][busy] >= 11 * (len(ids) // 16) * 16
     assert all(grew[n][idle] == 0 for n in names), grew
+    server.wait_pool_free()
+
+
+def test_unseeded_samples_differ_across_replicas_and_seeded_ones_do_not(server):
+    """Each replica's generator of unseeded requests is seeded with --seed + its index:
+    four unseeded requests of one prompt sent one at a time (they take turns) are four
+    texts, where replicas seeded alike repeated each other's draws; a request with its
+    own seed draws the same on either replica (X-data-parallel-rank)."""
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 24,
+            "temperature": 1.0, "ignore_eos": True}
+    with httpx.Client(base_url=server.base, timeout=120) as http:
+        texts = []
+        for _ in range(4):
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert len(set(texts)) == 4, texts
+        seeded = [http.post("/v1/completions", json={**body, "seed": 7},
+                            headers={"X-data-parallel-rank": rank}) for rank in "01"]
+        assert [r.status_code for r in seeded] == [200, 200]
+        assert seeded[0].json()["choices"][0]["text"] == seeded[1].json()["choices"][0]["text"]
+    server.wait_pool_free()
+
+
+def test_the_data_parallel_rank_header_pins_the_replica(server):
+    """vLLM's X-data-parallel-rank header sends a request (completions, chat, a beam
+    search) to that replica, an external router's choice; out of range it is a 400, and a
+    value that is no integer is ignored, as vLLM's _get_data_parallel_rank reads it."""
+    before = _per_engine(server, "generation_tokens_total")
+    pin = {"X-data-parallel-rank": "1"}
+    with httpx.Client(base_url=server.base, timeout=120) as http:
+        for _ in range(3):
+            r = http.post("/v1/completions", headers=pin,
+                          json={"model": "smol", "prompt": "Hello there", "max_tokens": 3,
+                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", headers=pin, json={
+            "model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/completions", headers=pin, json={
+            "model": "smol", "prompt": "The sea", "max_tokens": 2, "n": 2,
+            "use_beam_search": True, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        after = _per_engine(server, "generation_tokens_total")
+        assert after["0"] == before["0"], (before, after)
+        assert after["1"] - before["1"] == 4 * 3 + 1 + 2 * 1, (before, after)
+        for rank in ("2", "-1"):
+            r = http.post("/v1/completions", headers={"X-data-parallel-rank": rank},
+                          json={"model": "smol", "prompt": "Hello", "max_tokens": 3})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == \
+                f"data_parallel_rank {rank} is out of range [0, 2)."
+        r = http.post("/v1/completions", headers={"X-data-parallel-rank": "one"},
+                      json={"model": "smol", "prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200, r.text
     server.wait_pool_free()
 
 

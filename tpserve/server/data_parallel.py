@@ -7,19 +7,25 @@ each replica plans its memory from its own GPUs. On the CPU the replicas start o
 the other, so that each plans from the memory the ones before it left; on GPUs they start
 together.
 
-Routing: a request whose prompt shares at least 30 % and 64 tokens with an earlier one
-(whole KV blocks) goes to the replica that took that one, unless it is much busier than
-the least busy (``prefix_affinity``); any other goes to the replica with the fewest
-requests in flight (then the fewest prompt tokens, then in turn), read from the replicas'
-own backpressure counters on the event loop thread, so the requests of one burst spread
-over the replicas, and so do requests sent one at a time. The one-token requests of a beam
-search all go to one replica (``pinned``).
+Routing (``route``), among the replicas whose backpressure has room for the request
+(``EngineFront.fits``; where none has, the least busy answers 429): a request whose prompt
+shares at least 30 % and 64 tokens with an earlier one (whole KV blocks) goes to the
+replica that took that one, unless it is much busier than the least busy
+(``prefix_affinity``); any other goes to the replica with the fewest sequences in flight
+(``n`` a request, as vLLM's child requests; then the fewest prompt tokens, then in turn),
+read from the replicas' own backpressure counters on the event loop thread, so the
+requests of one burst spread over the replicas, and so do requests sent one at a time. The
+prefix is remembered and the turn moves on only once the replica admitted the request (a
+400 or 429 claims neither). The one-token requests of a beam search all go to one replica
+(``pinned``). vLLM's ``X-data-parallel-rank`` header (an external router's choice) sends a
+request to that replica without routing (``at_rank``; out of range: 400).
 
 ``DataParallelEngines`` is an ``EngineClient`` (and has ``start``, ``shutdown``, ``drain``,
 ``fail`` for ``serve``): ``stats`` merges the replicas' (``replica_stats``); a query goes to
-every replica (a LoRA load or unload must give every replica the same slot; the memory
-report is merged), except ``memory_snapshot``, which goes to the replica it names (0 by
-default). A sleep or a weight reload that fails on one replica is taken back on the others
+every replica (an unload or the control queries must answer alike; the memory report is
+merged), except ``memory_snapshot``, which goes to the replica it names (0 by default). A
+runtime LoRA load takes one slot with one id on every replica or on none (``_lora_load``;
+``lora_slots`` makes the replicas mean the same slot). A sleep or a weight reload that fails on one replica is taken back on the others
 (``_all_or_none``), so the replicas never serve unlike weights or differ in state; a reload
 needs every replica paused or asleep (``_reload``). Any replica's death is the server's
 (``on_fatal``): /health turns 503 and the process exits non-zero, as with one engine.
@@ -37,6 +43,7 @@ from typing import Any
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.config import Config
 from tpserve.server.engine.errors import EngineError, InvalidRequestError
+from tpserve.server.engine.front import check_rank
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.queries import QUERY_TIMEOUT_S
 from tpserve.server.engine_proxy import EngineProxy
@@ -75,17 +82,21 @@ class DataParallelEngines:
             for engine in engines:
                 engine.shutdown(timeout=10.0)
             raise error
+        self._adopt(engines, cfg.scheduler.block_size, cfg.scheduler.max_num_seqs)
+        logger.info("%d engine replicas ready; a request goes to the one that took a prompt "
+                    "sharing %d %% and %d tokens of its own, else to the one with the fewest "
+                    "in flight", len(engines), round(100 * MIN_SHARE), MIN_TOKENS)
+
+    def _adopt(self, engines: list[EngineProxy], block_size: int, max_num_seqs: int) -> None:
+        """The started replicas, and the routing's state (tests pass fakes here)."""
         self.engines = engines
         first = engines[0]
         self.model_name, self.max_model_len = first.model_name, first.max_model_len
         self.vocab_size, self.tokenizer = first.vocab_size, first.tokenizer
         self.eos_token_ids = first.eos_token_ids
         self._turn = 0  # where the next tie between equally busy replicas starts
-        self._affinity = PrefixAffinity(cfg.scheduler.block_size)
-        self._slack = max(1, cfg.scheduler.max_num_seqs // 8)
-        logger.info("%d engine replicas ready; a request goes to the one that took a prompt "
-                    "sharing %d %% and %d tokens of its own, else to the one with the fewest "
-                    "in flight", len(engines), round(100 * MIN_SHARE), MIN_TOKENS)
+        self._affinity = PrefixAffinity(block_size)
+        self._slack = max(1, max_num_seqs // 8)
 
     @property
     def accepting(self) -> bool:
@@ -98,27 +109,37 @@ class DataParallelEngines:
     def is_healthy(self) -> bool:
         return all(e.is_healthy() for e in self.engines)
 
-    def pick(self, prompt: list[int], params: SamplingParams) -> EngineProxy:
-        """The replica a request of ``prompt`` goes to (module doc): the owner of a long
-        enough shared prefix unless too busy; else the least busy, among equally busy ones
-        the next in turn after the last such pick (event loop thread only)."""
-        n, turn = len(self.engines), self._turn
-        least = min(range(n), key=lambda i: (self.engines[i].outstanding,
-                                             self.engines[i].outstanding_tokens,
-                                             (i - turn) % n))
+    def route(self, prompt: list[int], params: SamplingParams
+              ) -> tuple[EngineProxy, Callable[[], None]]:
+        """The replica a request of ``prompt`` goes to (module doc), and what to call once
+        it admitted the request (``EngineFront.generate``'s ``admitted``): remember its
+        prefix there and move the turn on, so that a request refused (400, 429) claims no
+        prefix and no turn (event loop thread only).
+
+        Only replicas with room for it (``EngineFront.fits``) are candidates, the owner
+        of its prefix included; where none has room, the least busy one refuses it (429).
+        The load is the sequences in flight (``n`` each, as vLLM's child requests)."""
+        engines, n, turn = self.engines, len(self.engines), self._turn
+        open_ = [i for i, e in enumerate(engines) if e.fits(len(prompt), params)]
+        loads = [e.outstanding_seqs for e in engines]
+        least = min(open_ or range(n), key=lambda i: (loads[i], engines[i].outstanding_tokens,
+                                                      (i - turn) % n))
         chain = self._affinity.chain(prompt, params)
-        index = choose([e.outstanding for e in self.engines], least,
-                       self._affinity.owner(chain, len(prompt)), self._slack)
-        self._affinity.record(chain, index)
-        if index == least:
-            self._turn = (index + 1) % n
-        return self.engines[index]
+        owner = self._affinity.owner(chain, len(prompt))
+        index = choose(loads, least, owner if owner in open_ else None, self._slack)
+
+        def admitted() -> None:
+            self._affinity.record(chain, index)
+            if index == least:
+                self._turn = (index + 1) % n
+
+        return engines[index], admitted
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        # picked when the caller first awaits, so a burst's requests see each other
-        outputs = self.pick(prompt_token_ids, params).generate(request_id, prompt_token_ids,
-                                                               params)
+        # routed when the caller first awaits, so a burst's requests see each other
+        engine, admitted = self.route(prompt_token_ids, params)
+        outputs = engine.generate(request_id, prompt_token_ids, params, admitted)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
@@ -127,11 +148,17 @@ class DataParallelEngines:
         for e in self.engines:  # idempotent; unknown ids are ignored
             e.abort(request_id)
 
-    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineProxy:
-        """``EngineClient.pinned``: the replica a beam search sends every step to (picked
-        as a request of its prompt would be), so that each step finds the beams' blocks in
-        its prefix cache."""
-        return self.pick(prompt_token_ids, params)
+    def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> Pinned:
+        """``EngineClient.pinned``: the replica a beam search sends every step to (routed
+        as a request of its prompt would be; its first admitted request records the
+        prefix), so that each step finds the beams' blocks in its prefix cache."""
+        return Pinned(*self.route(prompt_token_ids, params))
+
+    def at_rank(self, rank: int) -> EngineProxy:
+        """``EngineClient.at_rank``: replica ``rank`` (vLLM's ``X-data-parallel-rank``
+        header: an external router's choice), without routing."""
+        check_rank(self, rank, len(self.engines))
+        return self.engines[rank]
 
     def stats(self) -> dict[str, Any]:
         return merge_stats([e.stats() for e in self.engines])
@@ -147,6 +174,8 @@ class DataParallelEngines:
             return await self.engines[replica].query("memory_snapshot")
         if kind == "reload_weights":
             return await self._reload(name, timeout)
+        if kind == "lora_load":
+            return await self._lora_load(name, timeout)
         if kind == "sleep":
             answers = await self._all_or_none(name, timeout)
         else:
@@ -176,6 +205,32 @@ class DataParallelEngines:
                                for e, a in zip(self.engines, answers, strict=True)
                                if a.pop("resumes")))
         return {**answers[0], "seconds": max(a["seconds"] for a in answers)}
+
+    async def _lora_load(self, query: tuple, timeout: float) -> tuple[int, int]:
+        """A runtime LoRA load on every replica into one slot with one id, or on none: if
+        one refused it, or they took unlike slots (``lora_slots``: one's slot still
+        serves requests of an unloaded adapter), those that loaded it unload it again and
+        the load is refused, so that no replica keeps a slot the others do not know of."""
+        tried = await asyncio.gather(*(e.query(query, timeout) for e in self.engines),
+                                     return_exceptions=True)
+        failed = [a for a in tried if isinstance(a, BaseException)]
+        if not failed and all(a == tried[0] for a in tried):
+            return tried[0]
+        took = [(e, a) for e, a in zip(self.engines, tried, strict=True)
+                if not isinstance(a, BaseException)]
+        undone = await asyncio.gather(*(e.query(("lora_unload", *a), timeout) for e, a in took),
+                                      return_exceptions=True)
+        stuck = [u for u in undone if isinstance(u, BaseException)]
+        if stuck:
+            raise EngineError(f"a LoRA load failed on some replicas and could not be taken "
+                              f"back on others ({stuck[0]}): their slots now differ; "
+                              "restart the server")
+        if failed:
+            raise failed[0]
+        raise InvalidRequestError(
+            f"the replicas would load the adapter into unlike LoRA slots "
+            f"({[a[0] for a in tried]}): a slot still serves requests of an unloaded "
+            "adapter on some replica; retry (the next load is meant for another slot)")
 
     async def _all_or_none(self, query: tuple, timeout: float) -> list[Any]:
         """Every replica's answer to a sleep or a weight reload; if one failed, the
@@ -221,3 +276,24 @@ class DataParallelEngines:
     def fail(self, reason: str) -> None:
         for e in self.engines:
             e.fail(reason)
+
+
+class Pinned:
+    """A beam search's replica (``DataParallelEngines.pinned``): the ``EngineProxy``, whose
+    first admitted request calls ``admitted`` (the routing's record of the prompt)."""
+
+    def __init__(self, engine: EngineProxy, admitted: Callable[[], None]):
+        self.engine = engine
+        self._admitted: Callable[[], None] | None = admitted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request_id, prompt_token_ids, params, self._admit)
+
+    def _admit(self) -> None:
+        admitted, self._admitted = self._admitted, None
+        if admitted is not None:
+            admitted()

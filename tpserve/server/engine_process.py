@@ -188,7 +188,7 @@ def run_engine_process(cfg: Config, commands: Connection, outputs: Connection,
     logging.basicConfig(level=cfg.server.log_level.upper(), format=LOG_FORMAT)
     code = 1
     try:
-        code = _run(cfg, commands, outputs)
+        code = _run(cfg, commands, outputs, replica.index)
     finally:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
@@ -199,13 +199,13 @@ def run_engine_process(cfg: Config, commands: Connection, outputs: Connection,
         os._exit(code)
 
 
-def _run(cfg: Config, commands: Connection, outputs: Connection) -> int:
+def _run(cfg: Config, commands: Connection, outputs: Connection, replica: int) -> int:
     outbox = PipeOutbox(outputs)
     on_worker_failure = LateBoundFailure()  # bound to the StepLoop once it exists
     group = workers = None
     try:
         group, workers = join_group(cfg, on_worker_failure)
-        core = build_engine_core(cfg, group)
+        core = build_engine_core(cfg, group, replica)
         if early := on_worker_failure.early():
             raise RuntimeError(early[0])
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process

@@ -52,16 +52,18 @@ def leave_group(group: TPGroup | None, workers: WorkerProcesses | None) -> None:
         destroy_tp_group(group)
 
 
-def build_engine_core(cfg: Config, group: TPGroup) -> EngineCore:
+def build_engine_core(cfg: Config, group: TPGroup, replica: int = 0) -> EngineCore:
     """Rank 0: the runner (weights, memory plan, KV pool, graphs; logged), the tokenizer
-    and the engine core."""
+    and the engine core; ``replica``: its data-parallel index (the unseeded requests'
+    generator is seeded with ``--seed`` + it, so the replicas draw unlike numbers; the
+    weights, dummy ones included, still come from ``--seed``)."""
     runner = ModelRunner(cfg.runner, cfg.scheduler.limits, group, show_progress=True)
     for line in runner.plan.describe():
         logger.info(line)
     logger.info("kernels: %s; tensor parallel size %d; start-up took %.1f s",
                 runner.ops.name, group.world_size, runner.startup_s)
     tokenizer = runner.ckpt.tokenizer()
-    core = EngineCore(runner, tokenizer, cfg.scheduler, cfg.engine)
+    core = EngineCore(runner, tokenizer, cfg.scheduler, cfg.engine, replica=replica)
     try:
         core.grammars.prepare()  # the tokenizer's vocabulary for structured output, once
     except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer larger than the logits

@@ -160,14 +160,15 @@ class EngineCore:
     ``compile_hook`` wraps the grammar compiles on the compiler's worker thread
     (``GrammarCompiler``; tests gate or fail them through it). ``close`` ends the worker.
     ``draft_backoff`` (speculative decoding; None: the default ``DraftBackoff``) pauses
-    drafting where it keeps too little (``draft_backoff.py``)."""
+    drafting where it keeps too little (``draft_backoff.py``). ``replica``: the
+    data-parallel replica's index, added to ``--seed`` for unseeded requests' draws."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, scheduler: SchedulerConfig,
                  engine: EngineConfig | None = None, *,
                  read_memory: MemoryReader = read_memory,
                  memory_read_interval_s: float = MEMORY_READ_INTERVAL_S,
                  compile_hook: CompileHook | None = None,
-                 draft_backoff: DraftBackoff | None = None):
+                 draft_backoff: DraftBackoff | None = None, replica: int = 0):
         engine = engine or EngineConfig()
         if scheduler.limits != runner.limits:
             raise ValueError(f"the runner was sized for {runner.limits}, the scheduler asks "
@@ -194,7 +195,10 @@ class EngineCore:
             self.drafting = Drafting(engine.speculative, draft_backoff)
             logger.info(self.drafting.describe())
         self._inflight: InFlight | None = None
-        self.sampler = Sampler(runner.cfg.seed, runner.device, engine.logprobs_mode)
+        # the generator of unseeded requests: each data-parallel replica's its own
+        # (``--seed`` + its index), so that replicas do not draw the same numbers
+        self.sampler = Sampler(runner.cfg.seed + replica, runner.device,
+                               engine.logprobs_mode)
         self.pooling = runner.cfg.pooling  # embeddings only; nothing is ever sampled
         self.classifier = classifier_head(getattr(runner, "model", None))  # else None
         if runner.device.type == "cuda" and not self.pooling:  # shapes no start-up step

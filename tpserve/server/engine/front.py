@@ -90,6 +90,9 @@ class EngineFront:
         self.max_outstanding_tokens = max_queued_tokens + max_num_batched_tokens
         self.outstanding = 0
         self.outstanding_tokens = 0
+        # their sequences (n each, as vLLM's child requests): the load data-parallel
+        # routing compares (``data_parallel``)
+        self.outstanding_seqs = 0
         self._query_ids = itertools.count()
 
     def is_healthy(self) -> bool:
@@ -101,6 +104,18 @@ class EngineFront:
     def pinned(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineFront:
         """``EngineClient.pinned``: one engine is its own."""
         return self
+
+    def at_rank(self, rank: int) -> EngineFront:
+        """``EngineClient.at_rank``: one engine is data-parallel rank 0."""
+        return check_rank(self, rank, 1)
+
+    def fits(self, prompt_len: int, params: SamplingParams) -> bool:
+        """Whether backpressure lets a request of ``prompt_len`` tokens (``params.n``
+        sequences) in now: fewer requests than the most, and room for its prompt tokens
+        times n."""
+        return (self.outstanding < self.max_outstanding
+                and self.outstanding_tokens + prompt_len * params.n
+                <= self.max_outstanding_tokens)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if self.dead_reason is not None:
@@ -143,24 +158,30 @@ class EngineFront:
             self.transport.forget_query(query_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, admitted: Callable[[], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """``EngineClient.generate``; ``admitted`` (data parallelism's) is called once the
+        request passed validation and backpressure, before it is submitted."""
         self._validate(prompt_token_ids, params)
         # each of the n sibling sequences holds the whole prompt (their K/V is shared only
         # while the prefix cache keeps it), so the request counts n times its prompt
         tokens = len(prompt_token_ids) * params.n
-        if (self.outstanding >= self.max_outstanding
-                or self.outstanding_tokens + tokens > self.max_outstanding_tokens):
+        if not self.fits(len(prompt_token_ids), params):
             raise EngineOverloadedError(
                 f"server is at capacity ({self.outstanding} requests, "
                 f"{self.outstanding_tokens} prompt tokens queued or running; this request "
                 f"adds {tokens} = n x prompt tokens); retry later", retry_after=1)
+        if admitted is not None:
+            admitted()
         self.outstanding += 1
+        self.outstanding_seqs += params.n
         self.outstanding_tokens += tokens
         try:
             async for out in self._generate(request_id, prompt_token_ids, params):
                 yield out
         finally:
             self.outstanding -= 1
+            self.outstanding_seqs -= params.n
             self.outstanding_tokens -= tokens
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
@@ -227,6 +248,14 @@ class TurnBatch:
             items, self._items = self._items, []
             if items:
                 self._deliver(items)
+
+
+def check_rank(engine: Any, rank: int, size: int) -> Any:
+    """``engine``, unless ``rank`` is outside the ``size`` data-parallel ranks: then
+    InvalidRequestError (400), as vLLM answers an ``X-data-parallel-rank`` out of range."""
+    if not 0 <= rank < size:
+        raise InvalidRequestError(f"data_parallel_rank {rank} is out of range [0, {size}).")
+    return engine
 
 
 def settle(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:

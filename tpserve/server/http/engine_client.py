@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
@@ -42,9 +42,28 @@ class EngineClient(Protocol):
         replica a request of that prompt would go to (``server/data_parallel.py``)."""
         ...
 
+    def at_rank(self, rank: int) -> EngineClient:
+        """The engine of data-parallel rank ``rank`` (vLLM's ``X-data-parallel-rank``
+        header, ``data_parallel_rank``): that replica, which then takes the request
+        without routing (one engine is rank 0); InvalidRequestError (400) for a rank
+        outside ``[0, --data-parallel-size)``."""
+        ...
+
     def stats(self) -> dict[str, float]: ...
 
     async def query(self, name: str | tuple, timeout: float = QUERY_TIMEOUT_S) -> Any:
         """The engine's answer to a query (``server/engine/queries.py``), asked between
         steps; raises ``EngineError`` (the query's refusal, a dead engine, no answer in
         ``timeout`` s)."""
+
+
+def data_parallel_rank(headers: Mapping[str, str]) -> int | None:
+    """The request's ``X-data-parallel-rank`` header as vLLM reads it
+    (``_get_data_parallel_rank``): its integer, None where it is absent or no integer."""
+    value = headers.get("X-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None

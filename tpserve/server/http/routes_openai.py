@@ -20,6 +20,7 @@ from tpserve.server.http.access_log import access_record
 from tpserve.server.http.beam_search import beam_search, check_beam_search
 from tpserve.server.http.echo import Echo, plan_echo
 from tpserve.server.http.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
+from tpserve.server.http.engine_client import data_parallel_rank
 from tpserve.server.http.generation import engine_outputs, tracked, unless_disconnected
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
@@ -177,6 +178,8 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     as ``answer`` says."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique
     check_beam_search(body, prompts[0][1], state.max_logprobs)  # the same for every prompt
+    rank = data_parallel_rank(request.headers)  # vLLM's X-data-parallel-rank: that replica
+    engine = state.engine if rank is None else state.engine.at_rank(rank)
     adapter = state.adapter(model)
     if adapter is not None:  # the adapter the request named
         prompts = [(ids, replace(p, lora_slot=adapter.slot, lora_id=adapter.lora_id))
@@ -209,10 +212,10 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
             ) -> AsyncIterator[RequestOutput]:
         log = state.frontend.request_log
         if body.use_beam_search:
-            searched = beam_search(state.engine, rid, ids, p, body.length_penalty)
+            searched = beam_search(engine, rid, ids, p, body.length_penalty)
             return tracked(searched, rid, track, counted,
                            log_request(log, rid, ids, p, state.engine.tokenizer))
-        return engine_outputs(state.engine, rid, ids, p, track, counted, log)
+        return engine_outputs(engine, rid, ids, p, track, counted, log)
 
     if len(prompts) == 1:
         outputs = run(request_id, prompts[0][0], params, tracker)
