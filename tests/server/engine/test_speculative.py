@@ -648,3 +648,20 @@ def test_sampled_tokens_keep_their_distribution(tiny_llama, smollm2_tokenizer):
     for answer, p in want.items():
         freq = counts.get(answer, 0) / 400
         assert abs(freq - p) <= 4.5 * (p * (1 - p) / 400) ** 0.5 + 1e-9, (answer, freq, p)
+
+
+def test_one_seat_drafts_nothing_and_the_start_up_says_so(tiny_llama, smollm2_tokenizer,
+                                                          caplog):
+    """A step samples at most --max-num-seqs rows and drafts take the rows its sequences
+    leave: with one, nothing is drafted (vLLM would draft), and the start-up log warns."""
+    with caplog.at_level("WARNING", logger="tpserve.server.engine.engine_core"):
+        engine = make_core(tiny_llama, smollm2_tokenizer, num_blocks=60, max_seqs=1,
+                           speculative=SPEC, draft_backoff=_never_paused())
+    assert [r.message for r in caplog.records if "--max-num-seqs 1" in r.message] == [
+        "--speculative-config with --max-num-seqs 1: a step samples at most --max-num-seqs "
+        "rows and drafts take the rows its sequences leave, so nothing is ever drafted; "
+        "raise --max-num-seqs"]
+    submit(engine, "a", _prompts(1, 4)[0], SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True))
+    run_to_end(engine)
+    assert engine.drafting.counters["spec_decode_num_drafts_total"] == 0

@@ -194,6 +194,11 @@ class EngineCore:
         if engine.speculative is not None:
             self.drafting = Drafting(engine.speculative, draft_backoff)
             logger.info(self.drafting.describe())
+            if scheduler.max_num_seqs == 1:
+                logger.warning("--speculative-config with --max-num-seqs 1: a step samples "
+                               "at most --max-num-seqs rows and drafts take the rows its "
+                               "sequences leave, so nothing is ever drafted; raise "
+                               "--max-num-seqs")
         self._inflight: InFlight | None = None
         # the generator of unseeded requests: each data-parallel replica's its own
         # (``--seed`` + its index), so that replicas do not draw the same numbers
