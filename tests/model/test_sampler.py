@@ -143,6 +143,28 @@ def test_temperature_sharpens():
     assert 10 <= cold <= 70  # p(1) = 0.4^10 / (0.6^10 + 0.4^10) ~ 0.017: expected 34
 
 
+def test_a_tiny_temperature_is_vllms_least_and_samples_real_tokens():
+    """vLLM's rule: a temperature in (0, 0.01) is 0.01 (divided by 1e-38 the logits
+    overflowed float32 to inf, and the NaN softmax sampled token 0 every time)."""
+    assert [SamplingParams(temperature=t).temperature for t in (1e-40, 1e-38, 0.005)] == [
+        0.01] * 3
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.5
+                                                                     ).temperature == 0.5
+    x = torch.tensor([[0.0, 1.0, 3.0, 2.0]]).repeat(200, 1)
+    out = run(Sampler(seed=0), x, [SamplingParams(temperature=1e-38)] * 200)
+    assert set(out.token_ids) == {2}  # the likeliest: 0.01 leaves the rest ~e^-100 behind
+
+
+def test_vllms_seed_minus_one_and_repetition_penalty_bounds():
+    """``seed: -1`` is no seed (vLLM's, llama.cpp's); ``repetition_penalty`` is any finite
+    value above 0, as vLLM's (it was capped at 2)."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)
+
+
 def test_seeded_row_independent_of_batch(logits):
     sampler = Sampler(seed=0)
     seeded = SamplingParams(temperature=1.0, seed=42)

@@ -101,6 +101,25 @@ def test_min_tokens_hold_back_stop_strings(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+@pytest.mark.parametrize("stop, include", [([" capital of", " is the"], False),
+                                           ("s.\n\nThe cap", False), ("ris.", True)])
+def test_streamed_text_offsets_are_the_whole_answers(client, stop, include):
+    """A stream's completions ``text_offset``s are the tokens' own, as the whole answer's,
+    also while text that may begin a stop string is held back (they once counted the
+    text emitted so far: [0, 5, 5, 5, 5, 5, 19] for [0, 6, 7, 8, 9, 12, 19])."""
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
+              logprobs=1, extra_body={"include_stop_str_in_output": include})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, offsets = [], []
+    for c in client.completions.create(**kw, stream=True):
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                offsets += choice.logprobs.text_offset
+    assert (tokens, offsets) == (whole.tokens, whole.text_offset)
+    assert len(set(offsets)) == len(offsets)
+
+
 def test_a_stop_token_or_eos_adds_no_text_unless_include_stop_str_in_output(server, client):
     """As vLLM: the token that stop-terminates the output (a stop token id, or EOS read
     with ``skip_special_tokens`` false) stays out of the text, its id in the output."""

@@ -179,6 +179,9 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
     MAX_LOGIT_BIAS = 100.0
+    # vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (logits divided
+    # by 1e-38 overflow float32 to inf, and the softmax's NaNs sampled token 0 each time)
+    MIN_TEMPERATURE = 1e-2
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -189,6 +192,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
+        if 0.0 < self.temperature < self.MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", self.MIN_TEMPERATURE)
+        if self.seed == -1:  # vLLM's (and llama.cpp's) "no seed"
+            object.__setattr__(self, "seed", None)
         if not 1 <= self.n <= self.MAX_N:
             raise bad("n", f"must be between 1 and {self.MAX_N}, got {self.n}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -203,8 +210,8 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if not self.repetition_penalty > 0.0:  # vLLM's bound (finite, checked above)
+            raise bad("repetition_penalty", f"must be above 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

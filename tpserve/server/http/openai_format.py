@@ -144,7 +144,10 @@ class ChoiceState:
 
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    text_len: int = 0  # characters emitted so far (completions text_offset)
+    # the next token's completions text_offset: its tokens' text so far (the echo's
+    # before them), as the whole answer counts it; not the text emitted, which a stop
+    # string's hold-back delays
+    text_offset: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the scored prompt (echo)
@@ -155,7 +158,7 @@ class ChoiceState:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.text_parts.append(delta.text)
-        self.text_len += len(delta.text)
+        self.text_offset += sum(len(lp.text) for lp in delta.logprobs or ())
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:

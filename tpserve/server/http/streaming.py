@@ -143,13 +143,13 @@ async def completion_events(first: RequestOutput, outputs: AsyncIterator[Request
                     lps = echo.logprobs(d.index, d.prompt_logprobs or ()) if ctx.logprobs \
                         else None
                     yield chunk(CompletionChoice(index=d.index, text=text, logprobs=lps), out)
-                    state.text_len += len(text)
+                    state.text_offset += len(text)
                 if echo is not None and echo.only:
                     d = replace(d, text="", logprobs=None, token_ids=())
                 if _has_content(d, ctx):
                     lps = None
                     if ctx.logprobs:
-                        lps = completion_logprobs(d.logprobs or (), state.text_len)
+                        lps = completion_logprobs(d.logprobs or (), state.text_offset)
                     yield chunk(CompletionChoice(index=d.index, text=d.text, logprobs=lps,
                                                  token_ids=_ids(d, ctx)), out)
                 state.add(d)
