@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 
 import httpx
 import openai
@@ -222,3 +224,40 @@ def test_a_search_that_finds_fewer_beams_than_n_answers_the_beams_found(server):
         "messages": messages, "max_tokens": 1, "n": 4, **extra}) == {
         c.index: (c.message.content, "length", True) for c in chat.choices}
     server.wait_pool_free()
+
+
+def test_a_beam_search_in_flight_finishes_when_the_server_drains():
+    """SIGTERM: a search in flight goes on to its answer as a plain request does (its
+    steps are let in while the server drains), and a search sent after is refused."""
+    s = ServerProcess(*SMALL, "--served-model-name", "smol")
+    results: dict[str, tuple[int, dict]] = {}
+
+    def go(name: str, body: dict) -> None:
+        r = httpx.post(s.base + "/v1/completions", timeout=300, json={
+            "model": "smol", "prompt": STORY, "ignore_eos": True, **body})
+        results[name] = (r.status_code, r.json())
+
+    try:
+        before = s.metric("steps_total")
+        threads = [threading.Thread(target=go, args=a) for a in (
+            ("beam", {"max_tokens": 30, "n": 3, "use_beam_search": True,
+                      "return_token_ids": True}),
+            ("plain", {"max_tokens": 60, "n": 3}))]
+        for t in threads:
+            t.start()
+        for _ in range(1200):  # a few steps in: both run
+            if s.metric("steps_total") >= before + 3:
+                break
+            threading.Event().wait(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        go("late", {"max_tokens": 4, "n": 2, "use_beam_search": True})
+        for t in threads:
+            t.join(timeout=300)
+        assert s.proc.wait(timeout=60) == 0
+    finally:
+        s.stop()
+    assert results["late"][0] == 503
+    assert results["plain"][0] == 200
+    assert results["beam"][0] == 200, results["beam"]
+    assert [(len(c["token_ids"]), c["finish_reason"])
+            for c in results["beam"][1]["choices"]] == [(30, "length")] * 3

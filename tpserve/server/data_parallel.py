@@ -290,8 +290,9 @@ class Pinned:
         return getattr(self.engine, name)
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(request_id, prompt_token_ids, params, self._admit)
+                 params: SamplingParams, in_job: bool = False) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request_id, prompt_token_ids, params, self._admit,
+                                    in_job=in_job)
 
     def _admit(self) -> None:
         admitted, self._admitted = self._admitted, None

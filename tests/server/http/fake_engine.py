@@ -9,6 +9,7 @@ to do (``started``, ``params``, ``prompts``) and every abort (``aborted``, ``clo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -104,8 +105,12 @@ class FakeEngine:
                                             for j in range(k)))
         return TokenLogprob(token_id, self.tokenizer.decode([token_id]), -0.5, top)
 
+    def job(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, in_job: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
         self.started.append(request_id)
         self.params[request_id] = params
         self.prompts[request_id] = list(prompt_token_ids)

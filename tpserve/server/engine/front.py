@@ -9,10 +9,11 @@ The front's counters are touched only on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
@@ -84,6 +85,10 @@ class EngineFront:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.accepting = True
+        # jobs of several requests in flight (beam searches: ``job``), which drain waits
+        # for, and whether their requests still pass while draining
+        self.jobs = 0
+        self.admit_jobs = True
         # backpressure: requests (and their prompt tokens, times n) accepted but not yet
         # finished, beyond what one step can run; touched only on the event loop thread
         self.max_outstanding = max_num_seqs + max_queued_requests
@@ -117,10 +122,25 @@ class EngineFront:
                 and self.outstanding_tokens + prompt_len * params.n
                 <= self.max_outstanding_tokens)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    @contextlib.contextmanager
+    def job(self) -> Iterator[None]:
+        """``EngineClient.job``: a job of several requests over time (a beam search's
+        steps) that a drain lets finish, as it lets a request finish: refused (503) once
+        draining; while it runs, drain waits for it, and its requests
+        (``generate(..., in_job=True)``) pass until drain's timeout."""
+        if not self.accepting:
+            raise EngineShuttingDownError("server is shutting down")
+        self.jobs += 1
+        try:
+            yield
+        finally:
+            self.jobs -= 1
+
+    def _validate(self, prompt: list[int], params: SamplingParams, in_job: bool = False
+                  ) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_reason.splitlines()[0]}")
-        if not self.accepting:
+        if not self.accepting and not (in_job and self.admit_jobs):
             raise EngineShuttingDownError("server is shutting down")
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -158,11 +178,11 @@ class EngineFront:
             self.transport.forget_query(query_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, admitted: Callable[[], None] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, admitted: Callable[[], None] | None = None,
+                       in_job: bool = False) -> AsyncIterator[RequestOutput]:
         """``EngineClient.generate``; ``admitted`` (data parallelism's) is called once the
         request passed validation and backpressure, before it is submitted."""
-        self._validate(prompt_token_ids, params)
+        self._validate(prompt_token_ids, params, in_job)
         # each of the n sibling sequences holds the whole prompt (their K/V is shared only
         # while the prefix cache keeps it), so the request counts n times its prompt
         tokens = len(prompt_token_ids) * params.n
@@ -208,13 +228,16 @@ class EngineFront:
         """Stops accepting, waits up to ``timeout`` s for in-flight requests to finish,
         then aborts the rest (their clients get finish_reason ``abort``); a paused or
         sleeping engine (``--enable-sleep-mode``) finishes nothing, so they are aborted at
-        once. Returns True when everything finished on its own."""
+        once. A job in flight (``job``: a beam search) is waited for too, its next
+        requests let in until the timeout. Returns True when everything finished on its
+        own."""
         self.accepting = False
         deadline = time.monotonic() + timeout
-        while (self.transport.has_requests() and time.monotonic() < deadline
+        while ((self.transport.has_requests() or self.jobs) and time.monotonic() < deadline
                and self.is_healthy() and not self.stats().get("engine_paused")):
             time.sleep(0.05)
-        clean = not self.transport.has_requests()
+        clean = not self.transport.has_requests() and not self.jobs
+        self.admit_jobs = False
         self.transport.abort_all()
         while self.transport.has_requests() and self.is_healthy() and time.monotonic() < deadline + 5:
             time.sleep(0.05)

@@ -25,7 +25,9 @@ the engine's mode.) What beam search cannot honour is refused (``check_beam_sear
 The answer comes whole, also when streamed: one chunk at the end, as vLLM's.
 
 Each step's requests are closed however the step ends (an error, a client gone), so the
-engine aborts them and their blocks go back to the pool.
+engine aborts them and their blocks go back to the pool. A search runs as one job of its
+engine (``EngineClient.job``): a drain (SIGTERM) waits for it as for a request, its steps
+let in until the shutdown timeout.
 """
 
 from __future__ import annotations
@@ -187,13 +189,15 @@ async def beam_search(engine: EngineClient, request_id: str, prompt_ids: list[in
                     stops | (frozenset() if params.ignore_eos else engine.eos_token_ids),
                     stops, 1.0 if length_penalty is None else length_penalty,
                     params.logprobs)
-    for step in range(params.max_tokens):
-        sub = beam_step_params(params, step)
-        beams.advance(list(await asyncio.gather(*(
-            _top_tokens(engine, f"{request_id}-s{step}-b{b}", prompt_ids + list(beam.tokens),
-                        sub) for b, beam in enumerate(beams.live)))))
-        if not beams.live:
-            break
+    with engine.job():  # a drain lets the search finish (EngineClient.job)
+        for step in range(params.max_tokens):
+            sub = beam_step_params(params, step)
+            beams.advance(list(await asyncio.gather(*(
+                _top_tokens(engine, f"{request_id}-s{step}-b{b}",
+                            prompt_ids + list(beam.tokens), sub)
+                for b, beam in enumerate(beams.live)))))
+            if not beams.live:
+                break
     best = beams.best()
     yield RequestOutput(
         request_id, [_delta(i, beam, engine, prompt_ids, params) for i, beam in enumerate(best)],
@@ -204,7 +208,7 @@ async def beam_search(engine: EngineClient, request_id: str, prompt_ids: list[in
 async def _top_tokens(engine: EngineClient, request_id: str, ids: list[int],
                       params: SamplingParams) -> tuple[tuple[int, str, float], ...]:
     """One beam's step: the next tokens' ``(id, text, logprob)``, most likely first."""
-    outputs = engine.generate(request_id, ids, params)
+    outputs = engine.generate(request_id, ids, params, in_job=True)
     top = None
     try:
         async for out in outputs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from tpserve.model.sampling_params import SamplingParams
@@ -31,8 +32,18 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        in_job: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """``in_job``: a request of a ``job`` in flight, let in while draining."""
+        ...
+
+    def job(self) -> AbstractContextManager[None]:
+        """A job of several requests over time (a beam search's steps, on its ``pinned``
+        engine) that a drain lets finish as it lets a request finish: refused with
+        ``EngineShuttingDownError`` once draining; while it runs, drain waits for it and
+        its requests (``in_job``) pass until drain's timeout."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
