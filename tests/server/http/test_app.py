@@ -951,8 +951,9 @@ def test_retrieve_model(client, http):
 
 def test_logit_bias_and_constraints_reach_the_engine(client, engine):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=1,
-                                  logit_bias={"5": 1.5, "7": -100})
-    assert engine.params[r.id].logit_bias == ((5, 1.5), (7, -100.0))
+                                  logit_bias={"5": 1.5, "7": -100, " 7": -50})
+    # one bias a token, the last key naming it winning (as vLLM's; they were summed)
+    assert engine.params[r.id].logit_bias == ((5, 1.5), (7, -50.0))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=1,

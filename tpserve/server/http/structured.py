@@ -99,11 +99,12 @@ def structured_output(req: SamplingRequest) -> StructuredOutput | None:
 
 
 def logit_bias(req: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as (token id, bias) pairs; 400 for keys that are not token ids of the
-    vocabulary or biases outside [-100, 100]."""
+    """``logit_bias`` as (token id, bias) pairs, one a token (keys naming one token alike,
+    ``"7"`` and ``" 7"``: the last wins, as in vLLM, instead of their sum); 400 for keys
+    that are not token ids of the vocabulary or biases outside [-100, 100]."""
     if not req.logit_bias:
         return ()
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, bias in req.logit_bias.items():
         try:
             token = int(key)
@@ -117,8 +118,8 @@ def logit_bias(req: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float]
             raise APIError.bad_request(
                 f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
                 "logit_bias")
-        pairs.append((token, float(bias)))
-    return tuple(pairs)
+        pairs[token] = float(bias)
+    return tuple(pairs.items())
 
 
 def allowed_token_ids(req: SamplingRequest, vocab_size: int) -> tuple[int, ...] | None:
