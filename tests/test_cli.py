@@ -297,6 +297,10 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     assert sleepy.engine.enable_sleep_mode and sleepy.server.frontend.control_endpoints
     assert not (same.engine.enable_sleep_mode or same.server.frontend.control_endpoints)
     assert not same.engine.engine_process and _cfg(str(tiny_folder)).engine.engine_process
+    # vLLM's: a request's own chat_template is rendered only with this flag
+    assert _cfg(str(tiny_folder), "--trust-request-chat-template"
+                ).server.frontend.trust_request_chat_template
+    assert not same.server.frontend.trust_request_chat_template
 
 
 def test_more_vllm_spellings_map_onto_tpserves_own(tiny_folder):
@@ -307,7 +311,7 @@ def test_more_vllm_spellings_map_onto_tpserves_own(tiny_folder):
     plain = _cfg(str(tiny_folder))
     same = _cfg(str(tiny_folder), "--disable-cascade-attn", "--disable-chunked-mm-input",
                 "--show-hidden-metrics-for-version", "0.10", "--max-parallel-loading-workers",
-                "2", "--trust-request-chat-template", "--api-server-count", "1",
+                "2", "--api-server-count", "1",
                 "--prefix-caching-hash-algo", "sha256", "--preemption-mode", "recompute",
                 "--num-lookahead-slots", "0", "--model-impl", "vllm",
                 "--data-parallel-start-rank", "0", "--data-parallel-size-local", "1",

@@ -20,7 +20,7 @@ TEMPLATE = ("{% if note %}(note: {{ note }})\n{% endif %}"
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(TEMPLATE)
-    s = ServerProcess(*SMALL, "--chat-template", str(path))
+    s = ServerProcess(*SMALL, "--chat-template", str(path), "--trust-request-chat-template")
     yield s
     assert s.stop() == 0, s.output()
 

@@ -60,7 +60,7 @@ def test_bad_input_gets_400_in_the_envelope(server):
         (url, {"prompt": [49152 + 5], "max_tokens": 1}),  # outside the vocabulary
         (url, {"prompt": ""}),
         (chat, {"messages": []}),
-        (chat, {"messages": [{"role": "wizard", "content": "hi"}]}),
+        (chat, {"messages": [{"role": "function", "name": "f", "content": "hi"}]}),
         (chat, {"messages": "hello"}),
     ]
     for u, body in cases:

@@ -401,8 +401,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "override them")
     p.add_argument("--chat-template-content-format", default="auto",
                    choices=list(CONTENT_FORMATS),
-                   help="message content as the chat template reads it: a string (auto, "
-                        "string) or OpenAI's list of text parts (openai)")
+                   help="message content as the chat template reads it: a string (string), "
+                        "OpenAI's list of text parts (openai), or auto: the list for a "
+                        "template that loops over a message's content, else a string")
+    p.add_argument("--trust-request-chat-template", **VLLM_SWITCH,
+                   help="render a request's own chat_template (without it such a request "
+                        "is refused with 400: a template is code the server runs)")
     p.add_argument("--enable-force-include-usage", **VLLM_SWITCH,
                    help="a streamed answer ends with its usage even without "
                         "stream_options.include_usage")

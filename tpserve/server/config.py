@@ -336,6 +336,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               default_chat_template_kwargs=a.default_chat_template_kwargs
                               or {},
                               chat_template_content_format=a.chat_template_content_format,
+                              trust_request_chat_template=a.trust_request_chat_template,
                               force_include_usage=a.enable_force_include_usage,
                               return_tokens_as_token_ids=a.return_tokens_as_token_ids,
                               exclude_tools_when_tool_choice_none=(

@@ -75,8 +75,6 @@ NO_OPS = {
     "--show-hidden-metrics-for-version": "tpserve hides no metrics",
     "--max-parallel-loading-workers": "each rank reads only its own shards, one tensor at a "
                                       "time",
-    "--trust-request-chat-template": "a request's chat_template is rendered in "
-                                     "transformers' sandboxed Jinja either way",
 }
 STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
                        "disable_additional_properties": False}  # the only values taken

@@ -16,6 +16,7 @@ from tests.server.http.fake_engine import FakeEngine
 from tests.server.http.uvicorn_app import running
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.http.app import build_app
+from tpserve.server.http.frontend import FrontendOptions
 from tpserve.server.http.metrics import ServerMetrics
 
 API_KEY = "test-key"
@@ -41,7 +42,10 @@ def engine(tokenizer) -> FakeEngine:
 @pytest.fixture(scope="module")
 def base_url(engine) -> Iterator[str]:
     app = build_app(engine, served_model_names=(MODEL, "smol-alias"), api_key=API_KEY,
-                    max_request_body_bytes=BODY_LIMIT, unlisted_model_names=(PATH,))
+                    max_request_body_bytes=BODY_LIMIT, unlisted_model_names=(PATH,),
+                    # the tests' own chat_template (refused by default:
+                    # test_chat_conversation.py)
+                    frontend=FrontendOptions(trust_request_chat_template=True))
     with running(app) as url:
         yield url
 
@@ -131,8 +135,6 @@ def test_models_version_health(client, http, base_url, engine):
 def test_control_endpoints_are_behind_the_api_key(engine):
     """--enable-sleep-mode's routes (their engine side: test_sleep_engine.py, over a real
     server: test_sleep_server.py) need the key; with it, a bad value is a 400."""
-    from tpserve.server.http.frontend import FrontendOptions
-
     app = build_app(engine, served_model_names=(MODEL,), api_key=API_KEY,
                     frontend=FrontendOptions(control_endpoints=True))
     with running(app) as url, httpx.Client(base_url=url) as anon:
@@ -458,7 +460,8 @@ def test_completion_400(http, payload, param):
 @pytest.mark.parametrize("payload, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "function", "name": "f", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": 5, "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content"),

@@ -3,8 +3,10 @@
 
 ``--default-chat-template-kwargs`` (template variables every chat request gets, under its
 own ``chat_template_kwargs``), ``--chat-template-content-format`` (message content given
-to the template as a string, or as OpenAI's list of text parts), ``--enable-force-include-
-usage`` (a streamed answer ends with its usage as if ``stream_options.include_usage`` were
+to the template as a string, or as OpenAI's list of text parts; ``auto``: the parts for a
+template that loops over a message's content, ``prompts.content_format``),
+``--trust-request-chat-template`` (a request's own ``chat_template`` is rendered; without
+it, refused with 400), ``--enable-force-include-usage`` (a streamed answer ends with its usage as if ``stream_options.include_usage`` were
 set), ``--return-tokens-as-token-ids`` (the default of the request field),
 ``--exclude-tools-when-tool-choice-none`` (``tool_choice: none`` hides the tools from the
 template too), ``--enable-request-id-headers`` (every response carries
@@ -36,7 +38,11 @@ class FrontendOptions:
     # a mapping when given; kept as (name, value) pairs (the config is pickled to the
     # engine process and the ranks, which a mapping proxy cannot be)
     default_chat_template_kwargs: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
-    chat_template_content_format: str = "auto"  # auto: string (tpserve's templates' form)
+    # auto: openai for a template that loops over a message's content, else string
+    chat_template_content_format: str = "auto"
+    # a request's chat_template rendered (else refused: templates are code the tokenizer
+    # thread runs, unbounded)
+    trust_request_chat_template: bool = False
     force_include_usage: bool = False
     return_tokens_as_token_ids: bool = False
     exclude_tools_when_tool_choice_none: bool = False
@@ -71,11 +77,6 @@ class FrontendOptions:
     def template_kwargs(self) -> dict[str, Any]:
         """``--default-chat-template-kwargs`` as a new mapping."""
         return dict(self.default_chat_template_kwargs)
-
-    @property
-    def content_parts(self) -> bool:
-        """Whether message content reaches the template as a list of text parts."""
-        return self.chat_template_content_format == "openai"
 
 
 class RequestIdMiddleware:

@@ -12,13 +12,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from tpserve.server.http.content_format import detected_content_format
 from tpserve.server.http.http_errors import APIError
-from tpserve.server.http.protocol import (
-    ChatMessage,
-    ChatTemplateOptions,
-    TextContentPart,
-    ToolCall,
-)
+from tpserve.server.http.protocol import ChatMessage, ChatTemplateOptions, ToolCall
 from tpserve.server.http.reasoning_effort import effort_kwargs, template_source
 
 # apply_chat_template's own arguments, which a request's chat_template_kwargs cannot set
@@ -29,6 +25,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 
+# vLLM's words, without --trust-request-chat-template
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
+                      "is not set. Refused request with untrusted chat template.")
+
 
 def _as_ids(value: Any) -> list[int]:
     if hasattr(value, "keys") and "input_ids" in value:  # BatchEncoding
@@ -37,38 +37,42 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def _template_call(call: ToolCall) -> dict[str, Any]:
-    """A history tool call as templates read it: ``arguments`` decoded to an object when
-    it is JSON (Hugging Face templates write ``arguments | tojson``, as vLLM passes it)."""
+    """A history tool call as templates read it: ``arguments`` decoded from JSON (Hugging
+    Face templates write ``arguments | tojson`` or iterate ``arguments | items``), and ``{}``
+    for arguments that are not JSON (empty, malformed), as vLLM's _postprocess_messages."""
     try:
         arguments: Any = json.loads(call.function.arguments)
     except ValueError:
-        arguments = call.function.arguments
+        arguments = {}
     return {"id": call.id, "type": call.type,
             "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _content_parts(m: ChatMessage) -> list[dict[str, str]]:
-    """A message's content as OpenAI's list of text parts (none for no content)."""
+    """A message's content as OpenAI's list of text parts (none for no content; refusal,
+    ``input_text`` and ``output_text`` parts are text parts, as vLLM gives them)."""
     if m.content is None:
         return []
     if isinstance(m.content, str):
         return [{"type": "text", "text": m.content}]
-    return [{"type": "text", "text": p.text} for p in m.content
-            if isinstance(p, TextContentPart)]
+    return [{"type": "text", "text": p.text} for p in m.text_parts()]
 
 
 class PromptProcessor:
     def __init__(self, tokenizer: Any, executor: Executor, chat_template: str | None = None,
                  default_template_kwargs: Mapping[str, Any] | None = None,
-                 content_parts: bool = False):
+                 content_format: str = "auto", trust_request_template: bool = False):
         self.tokenizer = tokenizer
         self.executor = executor
         self.vocab_size = len(tokenizer)
         self.chat_template = chat_template  # replaces the tokenizer's when set
         # --default-chat-template-kwargs: under each request's chat_template_kwargs
         self.default_template_kwargs = dict(default_template_kwargs or {})
-        # --chat-template-content-format openai: content as a list of text parts
-        self.content_parts = content_parts
+        # --chat-template-content-format: content as a string, or as a list of text parts
+        # (openai); auto: as the template reads it (detected_content_format)
+        self.content_format = content_format
+        # --trust-request-chat-template: a request's chat_template rendered, else refused
+        self.trust_request_template = trust_request_template
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -122,44 +126,34 @@ class PromptProcessor:
 
     async def render_chat(self, messages: Sequence[ChatMessage], options: ChatTemplateOptions,
                           tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template (the request's ``chat_template``, else ``--chat-template``,
-        else the model's) applied to ``messages`` as a request's ``options`` say (and
-        ``tools`` and ``documents``, as Hugging Face templates take them);
-        ``chat_template_kwargs`` are more template variables, over the server's defaults
-        (400 for one that names an argument set here); ``reasoning_effort`` sets the variables ``reasoning_effort.py``
-        says. Templates render in transformers' sandboxed environment."""
+        """The chat template (the request's ``chat_template``, refused with 400 unless
+        ``--trust-request-chat-template``; else ``--chat-template``, else the model's)
+        applied to ``messages`` as a request's ``options`` say (and ``tools`` and
+        ``documents``, as Hugging Face templates take them); ``chat_template_kwargs`` are
+        more template variables, over the server's defaults (400 for one that names an
+        argument set here); ``reasoning_effort`` sets the variables ``reasoning_effort.py``
+        says. Each message reaches the template as vLLM gives it (``_conversation``).
+        Templates render in transformers' sandboxed environment."""
         if options.add_generation_prompt and options.continue_final_message:
             raise APIError.bad_request("add_generation_prompt and continue_final_message "
                                        "cannot both be true", "continue_final_message")
+        if options.chat_template is not None and not self.trust_request_template:
+            raise APIError.bad_request(UNTRUSTED_TEMPLATE, "chat_template")
         template_kwargs = {**self.default_template_kwargs, **(options.chat_template_kwargs or {})}
         taken = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if taken:
             raise APIError.bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}",
                                        "chat_template_kwargs")
-        conversation = []
-        for i, m in enumerate(messages):
-            if m.media_type is not None:
-                raise APIError.bad_request(
-                    f"{m.media_type} content parts are not supported: this model takes text "
-                    "only", f"messages.{i}.content")
-            # OpenAI's developer role is the system role of models without one of its own
-            role = "system" if m.role == "developer" else m.role
-            item: dict[str, Any] = {"role": role, "content": _content_parts(m)
-                                    if self.content_parts else m.text()}
-            if m.name is not None:
-                item["name"] = m.name
-            if m.tool_call_id is not None:
-                item["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
-            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-            if reasoning is not None:  # as vLLM passes it (e.g. Qwen3's template reads it)
-                item["reasoning_content"] = reasoning
-            conversation.append(item)
         template = options.chat_template if options.chat_template is not None \
             else self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.bad_request("this model has no chat template", "messages")
+        source = template_source(template, getattr(self.tokenizer, "chat_template", None),
+                                 bool(tools))
+        content_format = self.content_format
+        if content_format == "auto":
+            content_format = detected_content_format(source)
+        conversation = self._conversation(messages, content_format == "openai")
         kwargs: dict[str, Any] = {**template_kwargs, "tokenize": False,
                                   "add_generation_prompt": options.add_generation_prompt}
         if template is not None:
@@ -172,7 +166,6 @@ class PromptProcessor:
             kwargs["tools"] = tools
         if options.reasoning_effort is not None:
             asked = options.chat_template_kwargs or {}
-            source = template_source(template, self.tokenizer.chat_template, bool(tools))
             kwargs.update(effort_kwargs(options.reasoning_effort, source, asked))
             kwargs.update(asked)  # the request's own variables win
         try:
@@ -183,6 +176,35 @@ class PromptProcessor:
         if not isinstance(text, str):
             raise APIError(500, "chat template did not render to text")
         return text
+
+    @staticmethod
+    def _conversation(messages: Sequence[ChatMessage], parts: bool) -> list[dict[str, Any]]:
+        """``messages`` as the template reads them (vLLM's parse_chat_messages): content as
+        a string, or with ``parts`` as OpenAI's list of text parts (a tool result's always
+        a string: most templates print it); the developer role as system; an assistant's
+        reasoning as ``reasoning`` and ``reasoning_content``; history tool calls'
+        arguments decoded (``_template_call``)."""
+        conversation = []
+        for i, m in enumerate(messages):
+            if m.media_type is not None:
+                raise APIError.bad_request(
+                    f"{m.media_type} content parts are not supported: this model takes text "
+                    "only", f"messages.{i}.content")
+            # OpenAI's developer role is the system role of models without one of its own
+            role = "system" if m.role == "developer" else m.role
+            item: dict[str, Any] = {"role": role, "content": _content_parts(m)
+                                    if parts and m.role != "tool" else m.text()}
+            if m.name is not None:
+                item["name"] = m.name
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                item["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+            if reasoning is not None and m.role == "assistant":  # e.g. Qwen3's template
+                item["reasoning"] = item["reasoning_content"] = reasoning
+            conversation.append(item)
+        return conversation
 
     async def chat_ids(self, messages: Sequence[ChatMessage], options: ChatTemplateOptions, *,
                        add_special_tokens: bool = False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -227,8 +227,23 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(BaseModel):
-    type: Literal["text"]
+    """A text part; vLLM takes the Responses API's ``input_text`` and ``output_text`` parts
+    as text too."""
+
+    type: Literal["text", "input_text", "output_text"]
     text: str
+
+
+class RefusalContentPart(BaseModel):
+    """OpenAI's ``refusal`` part (of an assistant message): text to the template, as vLLM
+    renders it (it takes one in any message)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
 
 
 class MediaContentPart(BaseModel):
@@ -276,8 +291,11 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart | MediaContentPart] | None = None
+    # OpenAI's roles, or any other (Llama 3.1's ipython, GLM's observation...), handed to
+    # the template as it is (vLLM's CustomChatCompletionMessageParam); not OpenAI's
+    # deprecated function role
+    role: str
+    content: str | list[TextContentPart | RefusalContentPart | MediaContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # role tool: the call this message answers
     tool_calls: list[ToolCall] | None = None  # role assistant: calls it made
@@ -285,13 +303,27 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _not_function(cls, role: str) -> str:
+        if role == "function":
+            raise ValueError("the function role (OpenAI's deprecated function calling) is not "
+                             "supported: answer a tool call with a tool message")
+        return role
+
     def text(self) -> str:
+        """The content as one string: its text (and refusal) parts joined by newlines."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content
-                         if isinstance(part, TextContentPart))
+        return "\n".join(part.text for part in self.text_parts())
+
+    def text_parts(self) -> list[TextContentPart | RefusalContentPart]:
+        """The content's text and refusal parts (a string: none)."""
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, TextContentPart | RefusalContentPart)]
 
     @property
     def media_type(self) -> str | None:

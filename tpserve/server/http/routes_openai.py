@@ -452,9 +452,10 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
                                    state.default_sampling_params, constraints,
                                    state.max_logprobs)
     last = body.messages[-1]
-    echo = last.text() if body.echo and last.role == "assistant" else None
-    # as vLLM: without a generation prompt the answer continues the last message's turn
+    # as vLLM: without a generation prompt the answer continues the last message's turn,
+    # and echo repeats the last message where its role is the answer's
     role = state.response_role if body.add_generation_prompt else last.role
+    echo = last.text() if body.echo and last.role == role else None
     return await _serve(request, state, body, prefix, [(prompt_ids, params)], model,
                         tracker, tools, chat_echo=echo, reasoning=reasoning, answer=answer,
                         role=role, prompt_text=prompt_text if body.return_prompt_text else None)
