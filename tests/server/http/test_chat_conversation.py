@@ -13,8 +13,8 @@ from starlette.testclient import TestClient
 
 from tests.server.http.fake_engine import FakeEngine
 from tpserve.server.http.app import build_app
-from tpserve.server.http.frontend import FrontendOptions
 from tpserve.server.http.content_format import detected_content_format
+from tpserve.server.http.frontend import FrontendOptions
 from tpserve.server.http.prompts import UNTRUSTED_TEMPLATE
 
 MODEL = "smol"
