@@ -14,7 +14,9 @@ from tests.model.util import full_logits, load, new_pool, save_hf_folder, tiny_h
 from tpserve.model.config import ModelConfig
 from tpserve.model.plan import SeqChunk
 from tpserve.model.pooling import (
+    classification_scores,
     classifier_head,
+    cross_encoder_score,
     finish_classification,
     resolve_pooler_config,
     resolve_runner,
@@ -84,8 +86,11 @@ def test_classifier_head_equals_transformers(tmp_path, kind):
     for tp in (1, 2):
         for got in run_ranks(_last_logits, tp, folder):
             assert (got - want).abs().max().item() < 1e-4, (kind, tp)
-    probs = finish_classification(torch.zeros(64), 1, "LAST", torch.zeros(len(cfg.labels), 64))
     n = len(cfg.labels)
+    logits = finish_classification(torch.zeros(64), 1, "LAST", torch.zeros(n, 64))
+    assert logits == [0.0] * n
+    probs = classification_scores(logits, resolve_pooler_config(
+        None, None, 64, None, cfg.labels).activation)
     assert probs == pytest.approx([0.5] if n == 1 else [1 / n] * n)
 
 
@@ -105,12 +110,65 @@ def test_a_classifier_has_no_lm_head_to_generate_with(tmp_path):
 
 
 def test_sigmoid_for_one_label_softmax_for_several():
+    """The engine answers the head's logits; /classify's activation is vLLM's
+    (get_classification_act_fn): sigmoid for one label, softmax over several."""
     head = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     v = torch.tensor([3.0, 1.0])
-    assert finish_classification(v, 1, "LAST", head) == pytest.approx(
+    assert finish_classification(v, 1, "LAST", head) == [3.0, 2.0]
+    assert finish_classification(v * 4, 4, "MEAN", head[:1]) == [3.0]
+    two = resolve_pooler_config(None, None, 2, None, ("a", "b"))
+    one = resolve_pooler_config(None, None, 2, None, ("a",))
+    assert (two.activation, one.activation) == ("softmax", "sigmoid")
+    assert classification_scores([3.0, 2.0], two.activation) == pytest.approx(
         torch.softmax(torch.tensor([3.0, 2.0]), -1).tolist())
-    assert finish_classification(v * 4, 4, "MEAN", head[:1]) == pytest.approx(
+    assert classification_scores([3.0], one.activation) == pytest.approx(
         [torch.sigmoid(torch.tensor(3.0)).item()])
+
+
+@pytest.mark.parametrize("problem_type", [None, "single_label_classification", "regression",
+                                          "multi_label_classification"])
+def test_problem_type_chooses_the_classify_activation(problem_type):
+    """config.json's problem_type (transformers' Trainer writes it) as vLLM reads it
+    (get_classification_act_fn): regression answers the logits, multi-label each label's
+    sigmoid, else softmax (sigmoid for one label); /score's cross-encoder sigmoid whatever
+    it is (get_cross_encoder_act_fn)."""
+    hf = _hf_classifier("llama")
+    hf.config.problem_type = problem_type
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    assert cfg.problem_type == problem_type
+    for labels in (cfg.labels, cfg.labels[:1]):
+        pooler = resolve_pooler_config(None, None, 64, None, labels, cfg.problem_type)
+        assert pooler.problem_type == problem_type
+        x = torch.tensor([2.0, -1.0, 0.5][:len(labels)])
+        if problem_type == "regression":
+            want = x
+        elif problem_type == "multi_label_classification" or len(labels) == 1:
+            want = torch.sigmoid(x)
+        else:
+            want = torch.softmax(x, -1)
+        got = classification_scores(x.tolist(), pooler.activation)
+        assert got == pytest.approx(want.tolist(), abs=1e-7), labels
+    assert cross_encoder_score(2.0) == pytest.approx(torch.sigmoid(torch.tensor(2.0)).item())
+    if problem_type in ("regression", "multi_label_classification"):
+        assert problem_type in pooler.describe()
+    with pytest.raises(ValueError, match="problem_type must be one of"):
+        ModelConfig.from_hf({**hf.config.to_dict(), "problem_type": "ranking"})
+
+
+def test_problem_type_reaches_the_servers_pooler(tmp_path):
+    """``tpserve serve`` of a checkpoint whose config.json sets problem_type: the pooler
+    /classify reads has it."""
+    from tests.model.util import save_hf_folder
+    from tpserve.cli import build_parser
+    from tpserve.server.config import config_from_args
+
+    hf = _hf_classifier("llama")
+    hf.config.problem_type = "multi_label_classification"
+    folder = str(save_hf_folder(hf, tmp_path / "multi-label"))
+    parser, _ = build_parser()
+    cfg = config_from_args(parser.parse_args(["serve", folder]))
+    assert cfg.runner.pooler.problem_type == "multi_label_classification"
+    assert cfg.runner.pooler.activation == "sigmoid"
 
 
 # ------------------------------------------------- a causal LM as a classifier by tokens
@@ -136,7 +194,8 @@ def _token_scores(group, folder: str, overrides: str) -> list[float]:
     model, _ = load(folder, group, lm_head=False, hf_overrides=overrides)
     with torch.no_grad():
         hidden = model(*_inputs(model))
-    return finish_classification(hidden[-1].float(), 1, "LAST", classifier_head(model))
+    logits = finish_classification(hidden[-1].float(), 1, "LAST", classifier_head(model))
+    return classification_scores(logits, "sigmoid")
 
 
 @pytest.mark.parametrize("kind,overrides", [

@@ -229,3 +229,9 @@ def test_a_gguf_embedding_file_loads_headless(tmp_path):
     for world in (1, 2):
         for got in run_ranks(_headless_hidden, world, str(path), ids):
             assert torch.allclose(got, want, atol=1e-5), world
+
+
+def test_the_routes_a_pooling_server_answers():
+    """The start-up log names them: a classifier is not an embedding server."""
+    assert PoolerConfig(size=64).routes == "/v1/embeddings, /score and /rerank"
+    assert PoolerConfig(labels=("a", "b")).routes == "/classify, /score and /rerank"

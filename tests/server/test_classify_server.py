@@ -75,7 +75,13 @@ def test_classify_answers_transformers_probabilities(served, smollm2_tokenizer):
         assert item["index"] == k and item["num_classes"] == 3
         assert item["probs"] == pytest.approx(want, abs=1e-5)
         assert item["label"] == ("bad", "good", "neutral")[max(range(3), key=want.__getitem__)]
-    assert "a classifier of 3 label(s) (bad, good, neutral; softmax)" in server.output()
+    assert ("serving /classify, /score and /rerank (--runner pooling): a classifier of 3 "
+            "label(s) (bad, good, neutral; softmax)") in server.output()
+    r = _post(server, "/classify", {"input": inputs[1], "use_activation": False})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        logits = hf(torch.tensor([inputs[1]])).logits[0].tolist()
+    assert r.json()["data"][0]["probs"] == pytest.approx(logits, abs=1e-4)
 
 
 def test_reranker_scores_pairs_as_one_input(served, smollm2_tokenizer):
@@ -93,6 +99,22 @@ def test_reranker_scores_pairs_as_one_input(served, smollm2_tokenizer):
     assert [x["index"] for x in results] == order
     assert [x["relevance_score"] for x in results] == pytest.approx([want[i] for i in order],
                                                                      abs=1e-5)
+    r = _post(server, "/score", {"queries": QUERY, "documents": TEXTS[:2],
+                                 "use_activation": False})  # the logits
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        logits = [hf(torch.tensor([ids])).logits[0, 0].item() for ids in pair_ids[:2]]
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(logits, abs=1e-4)
+    # a document cut to its first 3 tokens before the pair is tokenized
+    doc = smollm2_tokenizer.decode(smollm2_tokenizer(TEXTS[2], add_special_tokens=False)
+                                   ["input_ids"][:3])
+    r = _post(server, "/rerank", {"query": QUERY, "documents": TEXTS[2],
+                                  "max_tokens_per_doc": 3})
+    assert r.status_code == 200, r.text
+    cut = smollm2_tokenizer(text=QUERY, text_pair=doc)["input_ids"]
+    assert r.json()["results"][0]["relevance_score"] == pytest.approx(_probs(hf, cut)[0],
+                                                                      abs=1e-5)
+    assert r.json()["usage"] == {"prompt_tokens": len(cut), "total_tokens": len(cut)}
     r = _post(server, "/classify", {"input": TEXTS[0]})
     ids = smollm2_tokenizer(TEXTS[0])["input_ids"]
     assert r.json()["data"][0]["probs"] == pytest.approx(_probs(hf, ids), abs=1e-5)
@@ -108,7 +130,12 @@ def test_what_a_classifier_cannot_answer_is_a_400(served):
             (classifier, "/score", {"text_1": "a", "text_2": "b"}, "model"),
             (reranker, "/classify", {}, "input"),
             (reranker, "/classify", {"input": "x", "chat_template": "y"}, "chat_template"),
-            (reranker, "/score", {"text_1": "", "text_2": "b"}, "text_1")):
+            (reranker, "/score", {"text_1": "", "text_2": "b"}, "text_1"),
+            (reranker, "/score", {"text_1": "a", "text_2": "b", "cache_salt": ""}, "cache_salt"),
+            (reranker, "/rerank", {"query": "a", "documents": "b", "max_tokens_per_query": -1},
+             "max_tokens_per_query"),
+            (classifier, "/classify", {"input": "x", "use_activation": False,
+                                       "activation": True}, "activation")):
         r = _post(server, path, body)
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["param"] == param, (path, r.json())

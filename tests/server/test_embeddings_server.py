@@ -134,8 +134,9 @@ def test_dimensions_normalize_and_truncation(servers, checkpoint, smollm2_tokeni
     cut = client.embeddings.create(model="emb", input=TEXTS[2], dimensions=16)
     assert len(cut.data[0].embedding) == 16
     assert close(cut.data[0].embedding, reference(model, ids, "LAST", dimensions=16))
-    raw = client.embeddings.create(model="emb", input=TEXTS[2], extra_body={"normalize": False})
-    assert close(raw.data[0].embedding, reference(model, ids, "LAST", normalize=False))
+    for off in ({"normalize": False}, {"use_activation": False}):  # vLLM's newer name
+        raw = client.embeddings.create(model="emb", input=TEXTS[2], extra_body=off)
+        assert close(raw.data[0].embedding, reference(model, ids, "LAST", normalize=False))
     short = client.embeddings.create(model="emb", input=TEXTS[2],
                                      extra_body={"truncate_prompt_tokens": 7})
     assert short.usage.prompt_tokens == 7
@@ -172,7 +173,8 @@ def test_sagemaker_invocations_embed_an_input_or_messages(servers, checkpoint,
 
 
 def test_tp2_mean_pooling_equals_transformers(servers, checkpoint, smollm2_tokenizer):
-    assert ("64-dimensional embeddings, MEAN pooling, normalized (the checkpoint's "
+    assert ("serving /v1/embeddings, /score and /rerank (--runner pooling): "
+            "64-dimensional embeddings, MEAN pooling, normalized (the checkpoint's "
             "sentence-transformers modules and --pooler-config)") in servers["mean"].output()
     out = servers["mean"].client().embeddings.create(model=servers["mean"].client()
                                                      .models.list().data[0].id, input=TEXTS)
@@ -209,6 +211,64 @@ def test_score_is_the_cosine_of_the_embeddings(servers, checkpoint, smollm2_toke
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
 
 
+def test_cache_salt_keeps_prefix_cache_hits_apart(servers):
+    """vLLM's cache_salt on embeddings: a prompt's blocks are hit again under its own salt
+    only (LAST pooling takes prefix-cache hits)."""
+    server = servers["last"]
+    body = {"input": list(range(2000, 2048)), "encoding_format": "float"}
+
+    def hits_of(salt: str) -> float:
+        before = server.metric("prefix_cache_hits_total")
+        r = httpx.post(f"{server.base}/v1/embeddings", json={**body, "cache_salt": salt},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return server.metric("prefix_cache_hits_total") - before
+
+    assert hits_of("tenant-a") == 0
+    assert hits_of("tenant-b") == 0  # tenant-a's blocks are not tenant-b's
+    assert hits_of("tenant-a") > 0
+
+
+def test_score_forms_and_token_limits(servers, checkpoint, smollm2_tokenizer):
+    """vLLM's other spellings of /score's sides give the same scores; rerank takes one
+    document as a string and its usage has prompt_tokens; max_tokens_per_query /
+    max_tokens_per_doc cut each text to its first N tokens before it is embedded."""
+    model, base = checkpoint[1], servers["last"].base
+
+    def vec(text):
+        return reference(model, ids_of(smollm2_tokenizer, text), "LAST")
+
+    want = httpx.post(f"{base}/score", json={"text_1": TEXTS[0], "text_2": TEXTS},
+                      timeout=60).json()["data"]
+    for body in ({"queries": TEXTS[0], "documents": TEXTS}, {"queries": TEXTS[0], "items": TEXTS},
+                 {"data_1": TEXTS[0], "data_2": TEXTS}):
+        r = httpx.post(f"{base}/v1/score", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(
+            [d["score"] for d in want], abs=1e-6), body
+    bad = httpx.post(f"{base}/score", json={"queries": TEXTS[0], "text_2": TEXTS}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2", bad.text
+
+    def first(text, n):
+        return smollm2_tokenizer.decode(smollm2_tokenizer(text, add_special_tokens=False)
+                                        ["input_ids"][:n])
+
+    query = "a quick brown fox"
+    r = httpx.post(f"{base}/rerank", timeout=60, json={
+        "query": query, "documents": TEXTS[2], "max_tokens_per_query": 2,
+        "max_tokens_per_doc": 5})
+    assert r.status_code == 200, r.text
+    (result,) = r.json()["results"]
+    assert result["document"] == {"text": TEXTS[2]}
+    q, d = first(query, 2), first(TEXTS[2], 5)
+    assert result["relevance_score"] == pytest.approx(float(vec(q) @ vec(d)), abs=1e-5)
+    used = len(ids_of(smollm2_tokenizer, q)) + len(ids_of(smollm2_tokenizer, d))
+    assert r.json()["usage"] == {"prompt_tokens": used, "total_tokens": used}
+    r = httpx.post(f"{base}/score", timeout=60, json={"text_1": query, "text_2": TEXTS[2],
+                                                      "max_tokens_per_doc": 128})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens_per_doc"
+
+
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
 def test_rerank_orders_documents_by_cosine(servers, checkpoint, smollm2_tokenizer, path):
     model = checkpoint[1]
@@ -227,8 +287,8 @@ def test_rerank_orders_documents_by_cosine(servers, checkpoint, smollm2_tokenize
     for x, (score, i) in zip(results, want, strict=False):
         assert abs(x["relevance_score"] - score) < 1e-5
         assert x["document"] == {"text": TEXTS[i]}
-    assert r.json()["usage"]["total_tokens"] == sum(
-        len(ids_of(smollm2_tokenizer, t)) for t in [query, *TEXTS])
+    used = sum(len(ids_of(smollm2_tokenizer, t)) for t in [query, *TEXTS])
+    assert r.json()["usage"] == {"prompt_tokens": used, "total_tokens": used}
     none = httpx.post(servers["last"].base + path, json={"query": query, "documents": []},
                       timeout=60)
     assert none.status_code == 400 and none.json()["error"]["param"] == "documents"
@@ -251,6 +311,9 @@ def test_rerank_orders_documents_by_cosine(servers, checkpoint, smollm2_tokenize
     ({"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message", "cannot both be true"),
     ({"input": "x", "priority": 3}, "priority", "--scheduling-policy priority"),
+    ({"input": "x", "cache_salt": ""}, "cache_salt", "must not be empty"),
+    ({"input": "x", "normalize": True, "use_activation": False}, "use_activation",
+     "normalize and use_activation disagree"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
 ])
 def test_bad_requests_get_400(servers, body, param, words):

@@ -18,6 +18,7 @@ from tpserve.model.families import (
     SEQUENCE_CLASSIFIERS,
     architecture_family,
     classifier_labels,
+    classifier_problem_type,
     completed_config,
     gemma_fields,
     granite_fields,
@@ -69,6 +70,10 @@ class ModelConfig:
     # a sequence classifier's labels (``id2label``, in id order; the ``score`` head has one
     # row per label); () for every other model
     labels: tuple[str, ...] = ()
+    # a sequence classifier's ``problem_type`` (config.json's, as transformers' Trainer
+    # writes it: regression, single_label_classification or multi_label_classification;
+    # None: not given): how /classify scores its logits (``PoolerConfig.activation``)
+    problem_type: str | None = None
     # a classifier whose head is built from the LM head's rows of these tokens (vLLM's
     # ``classifier_from_token``) by ``classifier_method``: ``from_2_way_softmax`` (two
     # tokens, false then true: one label, the true row less the false one, so its sigmoid
@@ -289,6 +294,7 @@ class ModelConfig:
             matryoshka_dimensions=_matryoshka(d),
             hidden_act=HIDDEN_ACTS[act],
             labels=classifier_labels(d) if arch in SEQUENCE_CLASSIFIERS else (),
+            problem_type=classifier_problem_type(d) if arch in SEQUENCE_CLASSIFIERS else None,
         )
         if d.get("classifier_from_token") is not None or d.get("is_original_qwen3_reranker"):
             fields.update(token_classifier(d, arch))

@@ -202,3 +202,18 @@ def classifier_labels(d: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(int(d.get("num_labels", 2))))
 
 
+
+
+# transformers' ``problem_type`` of a sequence classifier (config.json, as its Trainer
+# writes it): how /classify turns the logits into scores (``PoolerConfig.activation``)
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def classifier_problem_type(d: dict[str, Any]) -> str | None:
+    """A classifier's ``problem_type`` (None when not given); another value is refused,
+    as transformers refuses it."""
+    kind = d.get("problem_type")
+    if kind is not None and kind not in PROBLEM_TYPES:
+        raise ValueError(f"config.json: problem_type must be one of {', '.join(PROBLEM_TYPES)}, "
+                         f"got {kind!r}")
+    return kind

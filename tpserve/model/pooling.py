@@ -7,7 +7,9 @@ sentence-transformers files (``modules.json`` naming a ``Pooling`` module's fold
 ``Normalize`` module), over those ``--pooler-config``. What the engine then does per step
 is ``pool_rows`` (which rows of the step's hidden states each pooled chunk contributes),
 the runner sums them per chunk, and ``finish_embedding`` turns a prompt's pooled vector
-into its answer (``dimensions`` cut, normalization).
+into its answer (``dimensions`` cut, normalization); a classifier's answer is its head's
+logits, which the HTTP routes turn into scores (``classification_scores``: vLLM's
+activation for /classify, ``cross_encoder_score`` for /score and /rerank).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class PoolerConfig:
     # a sequence classifier's labels (``ModelConfig.labels``): the server classifies
     # (/classify; /score and /rerank as a cross-encoder) instead of embedding
     labels: tuple[str, ...] = ()
+    # a classifier's ``problem_type`` (``ModelConfig.problem_type``; None: not given)
+    problem_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -63,9 +67,29 @@ class PoolerConfig:
     def classifies(self) -> bool:
         return bool(self.labels)
 
+    @property
+    def routes(self) -> str:
+        """The pooling routes this server answers (start-up log)."""
+        if self.classifies:
+            return "/classify, /score and /rerank"
+        return "/v1/embeddings, /score and /rerank"
+
+    @property
+    def activation(self) -> str:
+        """How /classify turns a classifier's logits into scores (vLLM's rule):
+        ``identity`` (regression), ``sigmoid`` (one label, or each label of a multi-label
+        classifier) or ``softmax``."""
+        if self.problem_type == "regression":
+            return "identity"
+        if self.problem_type == "multi_label_classification" or len(self.labels) == 1:
+            return "sigmoid"
+        return "softmax"
+
     def describe(self) -> str:
         if self.classifies:
-            how = "sigmoid" if len(self.labels) == 1 else "softmax"
+            how = self.activation
+            if self.problem_type in ("regression", "multi_label_classification"):
+                how += f", {self.problem_type}"
             return (f"a classifier of {len(self.labels)} label(s) ({', '.join(self.labels)}; "
                     f"{how}) over {self.pooling_type} pooling ({self.source})")
         return (f"{self.size}-dimensional embeddings, {self.pooling_type} pooling, "
@@ -170,15 +194,18 @@ def parse_pooler_config(text: str | None) -> dict[str, Any]:
 
 def resolve_pooler_config(flag: str | None, declared: tuple[dict[str, Any], str] | None,
                           size: int, matryoshka: tuple[int, ...] | None,
-                          labels: tuple[str, ...] = ()) -> PoolerConfig:
+                          labels: tuple[str, ...] = (),
+                          problem_type: str | None = None) -> PoolerConfig:
     """The pooling of a ``--runner pooling`` server: defaults, then what the checkpoint
     declares (``declared``: its values and where they come from, ``Checkpoint.pooling``),
-    then ``--pooler-config`` (``flag``), each over the last; ``size``, ``matryoshka`` and
-    ``labels`` are the model's (``ModelConfig``). A classifier's defaults are vLLM's:
-    the last token's hidden state, unnormalized (the head takes it as transformers does)."""
+    then ``--pooler-config`` (``flag``), each over the last; ``size``, ``matryoshka``,
+    ``labels`` and ``problem_type`` are the model's (``ModelConfig``). A classifier's
+    defaults are vLLM's: the last token's hidden state, unnormalized (the head takes it as
+    transformers does)."""
     values: dict[str, Any] = {"size": size, "matryoshka": matryoshka, "labels": labels}
     if labels:
         values["normalize"] = False
+        values["problem_type"] = problem_type
     sources = []
     if declared is not None:
         values.update(declared[0])
@@ -276,10 +303,25 @@ def classifier_head(model: Any) -> torch.Tensor | None:
 
 def finish_classification(pooled: torch.Tensor, num_tokens: int, pooling_type: str,
                           head: torch.Tensor) -> list[float]:
-    """A prompt's label probabilities from its pooled float32 vector: the head's logits
-    (float32), then vLLM's activation: sigmoid for one label (a reranker's or reward
-    model's score), softmax over several."""
+    """A prompt's logits from its pooled float32 vector: the head's (float32), one per
+    label; the route applies the activation (``classification_scores``,
+    ``cross_encoder_score``), which a request may switch off (``use_activation``)."""
     v = pooled_vector(pooled, num_tokens, pooling_type)
-    logits = head @ v.to(head.device, torch.float32)
-    probs = torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
-    return probs.tolist()
+    return (head @ v.to(head.device, torch.float32)).tolist()
+
+
+def classification_scores(logits: list[float], activation: str) -> list[float]:
+    """/classify's scores of a classifier's float32 ``logits``, by ``activation``
+    (``PoolerConfig.activation``; vLLM's ``get_classification_act_fn``): ``identity``
+    (a regressor's raw scores), ``sigmoid`` (each label's own) or ``softmax``."""
+    if activation == "identity":
+        return list(logits)
+    t = torch.tensor(logits, dtype=torch.float32)
+    return (torch.sigmoid(t) if activation == "sigmoid" else torch.softmax(t, -1)).tolist()
+
+
+def cross_encoder_score(logit: float) -> float:
+    """/score's and /rerank's score of a one-label classifier's logit (vLLM's
+    ``get_cross_encoder_act_fn`` for a checkpoint naming no activation: the sigmoid,
+    whatever its ``problem_type``)."""
+    return torch.sigmoid(torch.tensor(logit, dtype=torch.float32)).item()

@@ -425,7 +425,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         disable_sliding_window=a.disable_sliding_window, lora=lora,
         pooler=resolve_pooler_config(a.pooler_config, ckpt.pooling(),
                                      ckpt.config.hidden_size,
-                                     ckpt.config.matryoshka_dimensions, ckpt.config.labels)
+                                     ckpt.config.matryoshka_dimensions, ckpt.config.labels,
+                                     ckpt.config.problem_type)
         if runner_kind == "pooling" else None)
     model = ckpt.config
     max_mixed = a.max_mixed_tokens

@@ -123,7 +123,7 @@ def _serve_http(cfg: Config, engine: AsyncEngine | EngineProxy | DataParallelEng
     shuts the engine down. Returns the exit status."""
     name = cfg.served_model_name
     if cfg.runner.pooler is not None:  # sampling defaults mean nothing to embeddings
-        logger.info("serving /v1/embeddings only (--runner pooling): %s",
+        logger.info("serving %s (--runner pooling): %s", cfg.runner.pooler.routes,
                     cfg.runner.pooler.describe())
     else:
         logger.info(defaults.describe())

@@ -41,7 +41,8 @@ class EmbeddingRequest(RequestModel, ChatTemplateOptions):
     """OpenAI's embeddings request plus vLLM's: ``input`` or chat ``messages`` (rendered
     by the chat template, without a generation prompt unless asked), ``truncate_prompt_tokens``,
     ``add_special_tokens`` (default: true for ``input``, false for ``messages``, as vLLM),
-    ``normalize`` (default: the server's pooler), ``priority``."""
+    ``normalize`` (default: the server's pooler; vLLM's newer ``use_activation``, and its
+    older ``activation``, say the same), ``priority``, ``cache_salt``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -55,7 +56,10 @@ class EmbeddingRequest(RequestModel, ChatTemplateOptions):
     truncation_side: Literal["left", "right"] | None = None  # "right": keep the first tokens
     add_special_tokens: bool | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None  # vLLM's name for normalize
+    activation: bool | None = None  # vLLM's older name for use_activation
     priority: int | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only within one salt
     # vLLM's base64 encodings: only float32 in this machine's (little-endian) byte order
     embed_dtype: str | None = None
     endianness: str | None = None
@@ -84,6 +88,30 @@ def pooler_of(state: ServerState, api: str) -> PoolerConfig:
             f"this server runs a generative model, which does not answer the {api} API; "
             "serve an embedding model with --runner pooling", "model")
     return state.pooler
+
+
+def requested_activation(body: RequestModel, names: tuple[str, ...]) -> bool | None:
+    """Whether the request asks for the pooler's activation (an embedding's normalization,
+    a classifier's sigmoid or softmax) by any of the fields ``names`` (vLLM's
+    ``use_activation`` and the older names it still reads), None when none is given; 400
+    when two of them disagree."""
+    given = [(n, getattr(body, n)) for n in names if getattr(body, n, None) is not None]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise APIError.bad_request(f"{given[0][0]} and {name} disagree; give one of them",
+                                       name)
+    return given[0][1] if given else None
+
+
+def pooling_request(pooling: PoolingParams, body: RequestModel) -> SamplingParams:
+    """A pooling engine request's parameters: ``pooling``, and the request's ``priority``
+    and ``cache_salt`` (400 for an empty salt, as the generation routes answer)."""
+    try:
+        return SamplingParams(pooling=pooling, priority=getattr(body, "priority", None) or 0,
+                              cache_salt=getattr(body, "cache_salt", None))
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError.bad_request(message, message.split(" ", 1)[0]) from exc
 
 
 def check_inputs(body: EmbeddingRequest) -> None:
@@ -120,7 +148,8 @@ def check_fields(body: EmbeddingRequest, state: ServerState) -> PoolingParams:
     why = pooler.check_dimensions(body.dimensions)
     if why is not None:
         raise APIError.bad_request(why, "dimensions")
-    normalize = pooler.normalize if body.normalize is None else body.normalize
+    asked = requested_activation(body, ("normalize", "use_activation", "activation"))
+    normalize = pooler.normalize if asked is None else asked
     return PoolingParams(pooler.pooling_type, normalize, body.dimensions)
 
 
@@ -184,10 +213,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request,
     tracker = state.metrics.track()
     model = state.resolve_model(body.model)
     warn_unknown_fields(body, state.warned_fields)
-    pooling = check_fields(body, state)
+    params = pooling_request(check_fields(body, state), body)
     state.check_available()
     prompts = await input_ids(body, state)
-    params = SamplingParams(pooling=pooling, priority=body.priority or 0)
     request_id = f"embd-{uuid.uuid4().hex}"
     outs = await embed_all(request, state, prompts, params, request_id, tracker)
     used = sum(o.num_prompt_tokens for o in outs)
