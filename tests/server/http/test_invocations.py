@@ -20,6 +20,9 @@ CLASSIFIER = PoolerConfig(labels=("no", "yes"))
     ({"input": "x"}, "/v1/responses", "/v1/embeddings", "/classify"),
     ({"query": "q", "documents": []}, "/rerank", "/rerank", "/rerank"),
     ({"text_1": "a", "text_2": "b"}, "/score", "/score", "/score"),
+    ({"data_1": "a", "data_2": "b"}, "/score", "/score", "/score"),  # vLLM's other forms
+    ({"queries": "a", "documents": ["b"]}, "/score", "/score", "/score"),
+    ({"queries": "a", "items": ["b"]}, "/score", "/score", "/score"),
     # the first rule that matches wins: a rerank body with a prompt is a rerank
     ({"query": "q", "documents": [], "prompt": "x"}, "/rerank", "/rerank", "/rerank"),
     ({"messages": [], "prompt": "x"}, "/v1/chat/completions", "/v1/embeddings", "/classify"),

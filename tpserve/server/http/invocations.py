@@ -3,7 +3,8 @@ JSON body as the route its fields name (its health check, ``/ping``, is ``/healt
 handler in ``routes_extra.py``).
 
 Which route (``invocation_path``; the first rule that matches):
-- ``query`` and ``documents``: ``/rerank``; ``text_1``: ``/score``;
+- ``query`` and ``documents``: ``/rerank``; ``text_1``, ``data_1`` or ``queries`` (the
+  score request's forms): ``/score``;
 - ``messages``: chat completions, or on a pooling server ``/v1/embeddings`` (an embedder)
   or ``/classify`` (a sequence classifier);
 - ``prompt``: completions;
@@ -31,7 +32,8 @@ from tpserve.server.http.replies import ERROR_RESPONSES
 
 PATH = "/invocations"
 KINDS = ("`messages` (chat completions), `prompt` (completions), `input` (embeddings, "
-         "classification or responses), `query` and `documents` (rerank) or `text_1` (score)")
+         "classification or responses), `query` and `documents` (rerank) or `text_1`, "
+         "`data_1` or `queries` (score)")
 
 
 def invocation_path(body: Any, pooler: PoolerConfig | None) -> str | None:
@@ -41,7 +43,7 @@ def invocation_path(body: Any, pooler: PoolerConfig | None) -> str | None:
     pooled = None if pooler is None else "/classify" if pooler.classifies else "/v1/embeddings"
     if "query" in body and "documents" in body:
         return "/rerank"
-    if "text_1" in body:
+    if any(key in body for key in ("text_1", "data_1", "queries")):
         return "/score"
     if "messages" in body:
         return pooled or "/v1/chat/completions"
