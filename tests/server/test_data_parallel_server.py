@@ -170,6 +170,8 @@ def test_the_data_parallel_rank_header_pins_the_replica(server):
     search) to that replica, an external router's choice; out of range it is a 400, and a
     value that is no integer is ignored, as vLLM's _get_data_parallel_rank reads it."""
     before = _per_engine(server, "generation_tokens_total")
+    # the requests' own series carry the engine label too, as vLLM's
+    done = _per_engine(server, "e2e_request_latency_seconds_count")
     pin = {"X-data-parallel-rank": "1"}
     with httpx.Client(base_url=server.base, timeout=120) as http:
         for _ in range(3):
@@ -188,6 +190,8 @@ def test_the_data_parallel_rank_header_pins_the_replica(server):
         after = _per_engine(server, "generation_tokens_total")
         assert after["0"] == before["0"], (before, after)
         assert after["1"] - before["1"] == 4 * 3 + 1 + 2 * 1, (before, after)
+        ended = _per_engine(server, "e2e_request_latency_seconds_count")
+        assert (ended["0"] - done["0"], ended["1"] - done["1"]) == (0, 3 + 1 + 2)
         for rank in ("2", "-1"):
             r = http.post("/v1/completions", headers={"X-data-parallel-rank": rank},
                           json={"model": "smol", "prompt": "Hello", "max_tokens": 3})

@@ -90,6 +90,8 @@ class DataParallelEngines:
     def _adopt(self, engines: list[EngineProxy], block_size: int, max_num_seqs: int) -> None:
         """The started replicas, and the routing's state (tests pass fakes here)."""
         self.engines = engines
+        for index, engine in enumerate(engines):
+            engine.engine_index = index
         first = engines[0]
         self.model_name, self.max_model_len = first.model_name, first.max_model_len
         self.vocab_size, self.tokenizer = first.vocab_size, first.tokenizer

@@ -741,11 +741,13 @@ def test_metrics(client, http, engine):
     assert after[f"tpserve:kv_cache_usage_perc{{{eng}}}"] == 0.25
     assert after[f"tpserve:step_token_budget{{{eng}}}"] == 2048
     assert after[f"tpserve:generation_tokens_total{{{eng}}}"] == 6  # engine.reset() zeroed it
-    assert grew(f"tpserve:e2e_request_latency_seconds_count{{{model}}}") == 2
-    assert grew(f"tpserve:time_to_first_token_seconds_count{{{model}}}") == 2
-    assert grew(f"tpserve:inter_token_latency_seconds_count{{{model}}}") == 4
-    assert grew(f"tpserve:request_generation_tokens_sum{{{model}}}") == 6
-    assert grew(f'tpserve:request_success_total{{finished_reason="length",{model}}}') == 2
+    # the requests' series carry the engine label too, as vLLM's
+    assert grew(f"tpserve:e2e_request_latency_seconds_count{{{eng}}}") == 2
+    assert grew(f"tpserve:time_to_first_token_seconds_count{{{eng}}}") == 2
+    assert grew(f"tpserve:inter_token_latency_seconds_count{{{eng}}}") == 4
+    assert grew(f"tpserve:request_generation_tokens_sum{{{eng}}}") == 6
+    assert grew(f'tpserve:request_success_total{{engine="0",finished_reason="length",{model}}}'
+                ) == 2
     # vLLM's prefix-cache counters and the histograms the engine keeps itself
     assert after[f"tpserve:prefix_cache_queries_total{{{eng}}}"] == 40
     assert after[f"tpserve:prefix_cache_hits_total{{{eng}}}"] == 16
@@ -783,10 +785,11 @@ def test_each_sequence_counts_as_a_request_in_vllms_buckets(client, http, engine
     client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=2)
     after = metric_values(http.get("/metrics").text)
     model = f'model_name="{engine.model_name}"'
+    eng = f'engine="0",{model}'
     prompt = len(engine.tokenizer.encode("x"))
 
     def grew(name: str) -> float:
-        key = f"tpserve:{name}{{{model}}}"
+        key = f"tpserve:{name}{{{eng}}}"
         return after[key] - before.get(key, 0.0)
 
     assert [grew(f"{name}_count") for name in (
@@ -795,7 +798,7 @@ def test_each_sequence_counts_as_a_request_in_vllms_buckets(client, http, engine
     assert grew("inter_token_latency_seconds_count") == 4  # 2 a sequence
     assert grew("request_prompt_tokens_sum") == 2 * prompt
     assert grew("request_generation_tokens_sum") == 6
-    key = f'tpserve:request_success_total{{finished_reason="length",{model}}}'
+    key = f'tpserve:request_success_total{{engine="0",finished_reason="length",{model}}}'
     assert after[key] - before.get(key, 0.0) == 2
     request_latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]

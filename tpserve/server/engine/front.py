@@ -98,6 +98,9 @@ class EngineFront:
         # their sequences (n each, as vLLM's child requests): the load data-parallel
         # routing compares (``data_parallel``)
         self.outstanding_seqs = 0
+        # its data-parallel rank (``data_parallel``), stamped on its outputs for the HTTP
+        # metrics' ``engine`` label
+        self.engine_index = 0
         self._query_ids = itertools.count()
 
     def is_healthy(self) -> bool:
@@ -216,6 +219,7 @@ class EngineFront:
                     finished = True
                     raise item
                 finished = item.finished
+                item.engine_index = self.engine_index
                 yield item
                 if finished:
                     return

@@ -50,3 +50,6 @@ class RequestOutput:
     error: str | None = None
     # an embedding request's answer (``SamplingParams.pooling``), with its finished output
     embedding: list[float] | None = None
+    # the data-parallel replica that ran it (``EngineFront.engine_index``): the HTTP
+    # metrics' ``engine`` label
+    engine_index: int = 0

@@ -202,7 +202,8 @@ async def beam_search(engine: EngineClient, request_id: str, prompt_ids: list[in
     yield RequestOutput(
         request_id, [_delta(i, beam, engine, prompt_ids, params) for i, beam in enumerate(best)],
         num_prompt_tokens=len(prompt_ids),
-        num_output_tokens=sum(len(beam.tokens) for beam in best), finished=True)
+        num_output_tokens=sum(len(beam.tokens) for beam in best), finished=True,
+        engine_index=getattr(engine, "engine_index", 0))  # the replica of every step
 
 
 async def _top_tokens(engine: EngineClient, request_id: str, ids: list[int],

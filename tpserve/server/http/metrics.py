@@ -38,8 +38,7 @@ from tpserve.server.http.memory_metrics import memory_families
 logger = logging.getLogger(__name__)
 
 NAMESPACES = ("tpserve", "vllm")  # --metrics-namespace: the series' prefix before ":"
-LABELS = ("model_name",)
-ENGINE_LABELS = ("model_name", "engine")  # the engine's series: one per replica
+ENGINE_LABELS = ("model_name", "engine")  # every series: one per replica, as vLLM's
 # stats() key of a data-parallel server: each replica's own stats (server/replica_stats.py)
 REPLICAS = "replicas"
 
@@ -204,36 +203,40 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str,
                  lora_names: Callable[[], Mapping[int, str]] | None = None,
-                 namespace: str = "tpserve", max_model_len: int = 1_000_000):
+                 namespace: str = "tpserve", max_model_len: int = 1_000_000,
+                 engines: int = 1):
+        """``engines``: the data-parallel replicas, each series' ``engine`` label (a
+        request's: the replica that ran it, ``RequestOutput.engine_index``)."""
         assert namespace in NAMESPACES, namespace
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
         prefix = namespace + ":"
         self.ttft = Histogram(prefix + "time_to_first_token_seconds",
-                              "Time to first token in seconds.", LABELS,
+                              "Time to first token in seconds.", ENGINE_LABELS,
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(prefix + "inter_token_latency_seconds",
-                             "Time between successive streamed outputs in seconds.", LABELS,
+                             "Time between successive streamed outputs in seconds.", ENGINE_LABELS,
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(prefix + "e2e_request_latency_seconds",
-                             "End-to-end latency of each sequence in seconds.", LABELS,
+                             "End-to-end latency of each sequence in seconds.", ENGINE_LABELS,
                              buckets=REQUEST_TIME_BUCKETS, registry=r)
         self.prompt_tokens = Histogram(prefix + "request_prompt_tokens",
-                                       "Number of prompt tokens per sequence.", LABELS,
+                                       "Number of prompt tokens per sequence.", ENGINE_LABELS,
                                        buckets=token_buckets(max_model_len), registry=r)
         self.generation_tokens = Histogram(prefix + "request_generation_tokens",
                                            "Number of generated tokens per sequence.",
-                                           LABELS, buckets=token_buckets(max_model_len),
+                                           ENGINE_LABELS, buckets=token_buckets(max_model_len),
                                            registry=r)
         self.success = Counter(prefix + "request_success",
                                "Count of finished sequences by finish reason.",
-                               (*LABELS, "finished_reason"), registry=r)
-        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
-                          self.generation_tokens):
-            histogram.labels(model_name)  # export zero-valued series from the start
-        for reason in ("stop", "length", "abort"):
-            self.success.labels(model_name, reason)
+                               (*ENGINE_LABELS, "finished_reason"), registry=r)
+        for engine in map(str, range(engines)):  # zero-valued series from the start
+            for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
+                              self.generation_tokens):
+                histogram.labels(model_name, engine)
+            for reason in ("stop", "length", "abort"):
+                self.success.labels(model_name, engine, reason)
         r.register(EngineStatsCollector(stats, model_name, lora_names, prefix))
 
     def track(self) -> RequestTracker:
@@ -262,20 +265,21 @@ class RequestTracker:
         if self.done:
             return
         now = self.clock()
-        model = self.m.model_name
+        labels = (self.m.model_name, str(out.engine_index))
         for d in out.deltas:
             if d.token_ids:
                 last = self.last_token_time.get(d.index)
                 if last is None:
-                    self.m.ttft.labels(model).observe(now - self.start)
+                    self.m.ttft.labels(*labels).observe(now - self.start)
                 else:
-                    self.m.itl.labels(model).observe(now - last)
+                    self.m.itl.labels(*labels).observe(now - last)
                 self.last_token_time[d.index] = now
                 self.generated[d.index] = self.generated.get(d.index, 0) + len(d.token_ids)
             if d.finish_reason is not None:
-                self.m.success.labels(model, d.finish_reason).inc()
-                self.m.e2e.labels(model).observe(now - self.start)
-                self.m.prompt_tokens.labels(model).observe(out.num_prompt_tokens)
-                self.m.generation_tokens.labels(model).observe(self.generated.get(d.index, 0))
+                self.m.success.labels(*labels, d.finish_reason).inc()
+                self.m.e2e.labels(*labels).observe(now - self.start)
+                self.m.prompt_tokens.labels(*labels).observe(out.num_prompt_tokens)
+                self.m.generation_tokens.labels(*labels).observe(
+                    self.generated.get(d.index, 0))
         if out.finished:
             self.done = True
