@@ -108,12 +108,17 @@ class FakeEngine:
     def job(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, in_job: bool = False
-                       ) -> AsyncIterator[RequestOutput]:
+    def record(self, request_id: str, prompt_token_ids: list[int],
+               params: SamplingParams) -> None:
+        """A request started: its id, parameters and prompt, for the tests to read."""
         self.started.append(request_id)
         self.params[request_id] = params
         self.prompts[request_id] = list(prompt_token_ids)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, in_job: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
+        self.record(request_id, prompt_token_ids, params)
         if self.fail == "overload":
             raise EngineOverloadedError("too many requests waiting", retry_after=self.retry_after)
         if self.fail == "dead":

@@ -41,9 +41,7 @@ class PoolingFakeEngine(FakeEngine):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, in_job: bool = False
                        ) -> AsyncIterator[RequestOutput]:
-        self.started.append(request_id)
-        self.params[request_id] = params
-        self.prompts[request_id] = list(prompt_token_ids)
+        self.record(request_id, prompt_token_ids, params)
         v = hidden(prompt_token_ids)
         if self.labels:
             v = v[:self.labels]
