@@ -222,6 +222,20 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
               lora_path="tpserve-test/tiny-lora-b")
     assert r.status_code == 200, r.text
     _check(_complete(client, "hub-b", PROMPTS[0]), want["b"][0])
+    # vLLM's load_inplace: hub-b's name moves to a's weights; loaded beside the old ones,
+    # so it needs a free slot (both hold adapters: a 400 naming it)
+    r = _post(server, "load_lora_adapter", lora_name="hub-b", lora_path=str(folders["a"]))
+    assert r.status_code == 400 and "set 'load_inplace' to True" in r.text, r.text
+    swap = dict(lora_name="hub-b", lora_path=str(folders["a"]), load_inplace=True)
+    r = _post(server, "load_lora_adapter", **swap)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace", r.text
+    assert _post(server, "unload_lora_adapter", lora_name="a").status_code == 200
+    r = _post(server, "load_lora_adapter", **swap)
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'hub-b' added successfully.")
+    assert [m.id for m in client.models.list().data] == ["tiny", "hub-b"]
+    _check(_complete(client, "hub-b", PROMPTS[0]), want["a"][0])
+    r = _post(server, "load_lora_adapter", **swap)  # the slot it left is free again
+    assert r.status_code == 200, r.text
     r = _post(server, "load_lora_adapter", lora_name="e", lora_path="tpserve-test/none")
     assert r.status_code == 400 and "'tpserve-test/none'" in r.json()["error"]["message"]
     server.wait_pool_free()

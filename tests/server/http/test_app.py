@@ -590,7 +590,7 @@ def test_a_generative_server_refuses_embeddings(client, http, engine):
 def test_body_too_large_413(http):
     big = {"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}
     err = assert_error(http.post("/v1/completions", json=big), 413)
-    assert str(BODY_LIMIT) in err["message"]
+    assert str(BODY_LIMIT) in err["message"] and err["code"] == "request_too_large"
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: counted while streamed
         yield b'{"model": "smol", "prompt": "'
@@ -601,7 +601,8 @@ def test_body_too_large_413(http):
     for path in ("/v1/completions", "/invocations"):  # /invocations reads it first
         r = http.post(path, content=chunked(), headers={"Content-Type": "application/json"})
         assert "content-length" not in r.request.headers
-        assert str(BODY_LIMIT) in assert_error(r, 413)["message"]
+        err = assert_error(r, 413)
+        assert str(BODY_LIMIT) in err["message"] and err["code"] == "request_too_large"
     assert_error(http.post("/invocations", json=big), 413)
 
 
@@ -947,6 +948,18 @@ def test_media_parts_400(http, engine, part):
 def test_retrieve_model(client, http):
     m = client.models.retrieve("smol-alias")
     assert (m.id, m.object, m.owned_by) == ("smol-alias", "model", "tpserve")
+    # the card /v1/models lists, vLLM's permission entry included (its id aside)
+    listed = http.get("/v1/models").json()["data"][1]
+    got = http.get("/v1/models/smol-alias").json()
+    for card in (listed, got):
+        (permission,) = card.pop("permission")
+        assert permission.pop("id").startswith("modelperm-")
+        assert permission == {"object": "model_permission", "created": permission["created"],
+                              "allow_create_engine": False, "allow_sampling": True,
+                              "allow_logprobs": True, "allow_search_indices": False,
+                              "allow_view": True, "allow_fine_tuning": False,
+                              "organization": "*", "group": None, "is_blocking": False}
+    assert got == listed
     assert m.model_extra["max_model_len"] == 256
     assert client.models.retrieve(PATH).id == PATH
     with pytest.raises(openai.NotFoundError):

@@ -169,7 +169,9 @@ async def _on_engine_error(request: Request, exc: Exception) -> Response:
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response(
+    # a body over the limit found while read (chunked): the code its Content-Length gets
+    code = "request_too_large" if exc.status_code == 413 else None
+    return APIError(exc.status_code, message, headers=exc.headers, code=code).response(
         route_path(request.scope))
 
 

@@ -73,7 +73,8 @@ class InvocationsMiddleware:
             try:
                 message = await receive()
             except StarletteHTTPException as e:  # over the body limit, found while read
-                await send_error(scope, send, e.status_code, e.detail)
+                await send_error(scope, send, e.status_code, e.detail,
+                                 code="request_too_large" if e.status_code == 413 else None)
                 return
             if message["type"] != "http.request":  # the client left before its body ended
                 return

@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from tpserve.model.loader.hub import local_folder
+from tpserve.server.engine.errors import InvalidRequestError
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
 from tpserve.server.http.replies import ERROR_RESPONSES
@@ -29,6 +30,10 @@ from tpserve.server.http.state import get_state
 class LoadLoraAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    # vLLM's: replace the adapter served under lora_name by lora_path's (RL trainers push
+    # new weights so); the new weights load into a free slot beside the old ones, the name
+    # then moves to them and the old slot is unloaded (its requests finish on the old)
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -51,11 +56,23 @@ def make_lora_router() -> APIRouter:
         except FileNotFoundError as e:
             raise APIError.bad_request(str(e), "lora_path") from None
         async with state.loras.lock:
-            if state.serves_base(name) or state.loras.get(name) is not None:
+            old = state.loras.get(name)
+            if state.serves_base(name) or (old is not None and not body.load_inplace):
                 raise APIError.bad_request(
-                    f"The lora adapter '{name}' has already been loaded.", "lora_name")
-            slot, lora_id = await state.engine.query(("lora_load", path))
-            state.loras.adapters[name] = ServedAdapter(name, path, None, slot, lora_id)
+                    f"The lora adapter '{name}' has already been loaded. If you want to load "
+                    "the adapter in place, set 'load_inplace' to True.", "lora_name")
+            try:
+                slot, lora_id = await state.engine.query(("lora_load", path))
+            except InvalidRequestError as e:
+                if old is None:
+                    raise
+                raise APIError.bad_request(
+                    f"load_inplace of '{name}' loads the new weights beside the old ones, "
+                    f"which their requests finish on: {e}", "load_inplace") from None
+            state.loras.adapters[name] = ServedAdapter(
+                name, path, None if old is None else old.parent, slot, lora_id)
+            if old is not None:
+                await state.engine.query(("lora_unload", old.slot, old.lora_id))
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)

@@ -3,6 +3,8 @@ model cards and the error envelope (the requests: ``protocol.py``)."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -159,6 +161,23 @@ class ChatCompletionChunk(BaseModel):
     prompt_text: str | None = None  # vLLM's return_prompt_text: the first chunk's
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (and OpenAI's former) permission entry of a model card, its defaults."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -170,6 +189,7 @@ class ModelCard(BaseModel):
     # tpserve's extension (vLLM has none): the defaults that replace OpenAI's for sampling
     # fields a request omits (the model's generation config); {} = OpenAI's defaults
     default_sampling_params: dict[str, float | int] = Field(default_factory=dict)
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -158,6 +158,13 @@ def _with_tools(plan: ToolPlan | None, constraints: dict[str, Any]) -> None:
     constraints["structured"] = plan.structured
 
 
+def _base_card(state: ServerState, name: str) -> ModelCard:
+    """The base model's entry in /v1/models under ``name``, listed or retrieved alike."""
+    return ModelCard(id=name, created=state.created, root=state.engine.model_name,
+                     max_model_len=state.engine.max_model_len,
+                     default_sampling_params=state.default_sampling_params)
+
+
 def _adapter_card(state: ServerState, adapter: ServedAdapter) -> ModelCard:
     """A LoRA adapter's entry in /v1/models, as vLLM lists one: its folder as ``root``, the
     base model as ``parent``."""
@@ -251,11 +258,7 @@ def make_openai_router() -> APIRouter:
     @router.get("/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models(request: Request) -> ModelList:
         state = get_state(request)
-        return ModelList(data=[
-            ModelCard(id=name, created=state.created, root=state.engine.model_name,
-                      max_model_len=state.engine.max_model_len,
-                      default_sampling_params=state.default_sampling_params)
-            for name in state.served_model_names] + [
+        return ModelList(data=[_base_card(state, name) for name in state.served_model_names] + [
             _adapter_card(state, m) for m in state.loras.adapters.values()])
 
     @router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
@@ -267,8 +270,7 @@ def make_openai_router() -> APIRouter:
         if not state.serves_base(model_id):
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                            code="model_not_found")
-        return ModelCard(id=model_id, created=state.created, root=state.engine.model_name,
-                         max_model_len=state.engine.max_model_len)
+        return _base_card(state, model_id)
 
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
