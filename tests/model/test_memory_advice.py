@@ -14,9 +14,12 @@ from tpserve.model.memory import AllocatorReading, GiB, MemoryPlan
 from tpserve.model.memory_advice import (
     FitInputs,
     Suggestion,
+    allocation_failed,
     asked_bytes,
     explain_no_fit,
     explain_oom,
+    explain_pool_oom,
+    pool_flag,
     suggest_fits,
 )
 from tpserve.model.runner import ModelRunner
@@ -189,3 +192,117 @@ def test_num_gpu_blocks_override_sets_the_pool_in_blocks(tiny_llama, caplog):
     assert [r.getMessage() for r in caplog.records if "exceeds" in r.getMessage()] == [
         "--num-gpu-blocks-override 16 exceeds the 0 blocks the memory plan leaves for the KV "
         "pool (0.00 x available RAM - weights - workspace): it may not fit"]
+
+
+# a CPU host of 24 GiB, 20 GiB available at start, SmolLM2-sized numbers
+CPU = FitInputs(device_type="cpu", total=24 * GiB, free_at_start=20 * GiB, utilization=0.01,
+                kv_cache_memory=None, weights=513 * MiB, workspace=154 * MiB, cuda_graphs=0,
+                bytes_per_block=737280, block_size=16, max_model_len=8192, kv_itemsize=4,
+                max_num_seqs=256, tp=1)
+
+
+def test_cpu_refusal_names_the_available_ram_the_utilization_applied_to():
+    """On CPU --gpu-memory-utilization is a fraction of the RAM available at start
+    (kv_budget), not of the total; --kv-cache-memory, the flag CPU users size the pool
+    with, is suggested whenever a size that holds one sequence fits in the room left."""
+    text = explain_no_fit(CPU, GpuProcesses((), "not a CUDA device"), "cpu", 0)
+    assert ("  asked for: KV pool 360.00 MiB at least, --gpu-memory-utilization 0.01 of "
+            "20.00 GiB available RAM at start") in text.splitlines()
+    # 8192 tokens = 512 blocks of 720 KiB = 360 MiB
+    assert Suggestion("--kv-cache-memory", "360MiB", "512 blocks = 8192 tokens") \
+        in suggest_fits(CPU)
+    gpu = explain_no_fit(replace(GPU, max_model_len=10**7), GpuProcesses((), "x"), "cuda:0", 0)
+    assert "--gpu-memory-utilization 0.90 of 80.00 GiB" in gpu
+
+
+def test_the_cpu_allocators_failure_is_an_allocation_failure():
+    msg = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+           "allocate memory: you tried to allocate 14745600000 bytes. Error code 12")
+    assert asked_bytes(msg) == 14745600000
+    assert allocation_failed(RuntimeError(msg))
+    assert allocation_failed(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not allocation_failed(RuntimeError("shape mismatch"))
+    assert not allocation_failed(ValueError("can't allocate memory"))
+
+
+def test_pool_flag_names_what_sized_the_pool():
+    assert pool_flag("--num-gpu-blocks-override 20000", 0.9) == \
+        "--num-gpu-blocks-override 20000"
+    assert pool_flag("--kv-cache-memory", 0.9) == "--kv-cache-memory"
+    assert "--kv-cache-memory" in pool_flag("CPU default cap (4 GiB; set --kv-cache-memory)",
+                                            0.9)
+    assert pool_flag("0.90 x total - others - weights - workspace - graphs", 0.9) == \
+        "--gpu-memory-utilization 0.90"
+
+
+def test_a_pool_that_cannot_be_allocated_says_what_would_fit():
+    f = replace(GPU, max_model_len=8192)  # 512 blocks of 2 MiB a sequence
+    lines = explain_pool_oom(
+        f, "--gpu-memory-utilization 0.90", 3584, "CUDA out of memory. Tried to allocate "
+        "7.00 GiB. GPU 0 has ...\nmore", 5 * GiB, "cuda:0", 0,
+        GpuProcesses((), "x")).splitlines()
+    # 0.9 x 5 GiB = 2304 blocks of 2 MiB = 4608 MiB; 7 GiB - 4.5 GiB = 2.5 GiB less:
+    # 0.9 - 2.5 / 80 = 0.86875 -> 0.86
+    assert lines == [
+        "the model does not fit on cuda:0 (rank 0): the KV pool of 3584 blocks of 16 tokens "
+        "= 7.00 GiB (--gpu-memory-utilization 0.90) could not be allocated, 5.00 GiB free",
+        "  the allocator: CUDA out of memory. Tried to allocate 7.00 GiB. GPU 0 has ...",
+        "  free at start: 60.00 GiB of 80.00 GiB; this server holds: weights 36.00 GiB | "
+        "activation workspace 8.00 GiB | CUDA graphs (set aside) 1.00 GiB",
+        "  a smaller pool fits in what is free: --kv-cache-memory 4608MiB (2304 blocks = "
+        "36864 tokens); or --num-gpu-blocks-override 2304; or --gpu-memory-utilization 0.86",
+    ]
+    # free memory that would hold it: a process limit refused it
+    text = explain_pool_oom(CPU, "--kv-cache-memory", 1000, "can't allocate memory",
+                            10 * GiB, "cpu", 0, GpuProcesses((), "x"))
+    assert "a limit on this process refused it" in text
+    # nothing that holds one sequence is free
+    text = explain_pool_oom(CPU, "--kv-cache-memory", 1000, "can't allocate memory",
+                            100 * MiB, "cpu", 0, GpuProcesses((), "x"))
+    assert "what is free holds no sequence of --max-model-len 8192 (512 blocks" in text
+
+
+def _cpu_alloc_error(*args, **kwargs):
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                       "can't allocate memory: you tried to allocate 14745600000 bytes.")
+
+
+@pytest.mark.parametrize("flags, flag", [
+    ({"num_gpu_blocks_override": 20000}, "(--num-gpu-blocks-override 20000)"),
+    ({"kv_cache_memory": 12 * GiB}, "(--kv-cache-memory)"),
+    ({"gpu_memory_utilization": 0.01}, "(--gpu-memory-utilization 0.01)"),
+    ({}, "(the CPU default cap of 4 GiB, which --kv-cache-memory overrides)"),
+])
+def test_a_kv_pool_that_cannot_be_allocated_is_a_memory_error(tiny_llama, monkeypatch,
+                                                              flags, flag):
+    """The allocator's error (CPU: a RuntimeError; CUDA: OutOfMemoryError) becomes the
+    refusal's MemoryError (the CLI: exit 2, no traceback), naming the flag that sized it."""
+    monkeypatch.setattr("tpserve.model.runner.KVPool", _cpu_alloc_error)
+    with pytest.raises(MemoryError) as e:
+        ModelRunner(RunnerConfig(model=tiny_llama, **flags), LIMITS,
+                    TPGroup(0, 1, torch.device("cpu"), None))
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("the model does not fit on cpu (rank 0): the KV pool of ")
+    assert flag in first
+
+
+@pytest.mark.parametrize("target, stage", [
+    ("tpserve.model.runner.build_model", "loading the weights"),
+    ("tpserve.model.runner.profile_workspace", "profiling the largest step")])
+def test_weights_or_workspace_the_host_cannot_allocate_are_a_memory_error(
+        tiny_llama, monkeypatch, target, stage):
+    monkeypatch.setattr(target, _cpu_alloc_error)
+    with pytest.raises(MemoryError, match=rf"^the model does not fit on cpu \(rank 0\): "
+                       rf"{stage} ran out of memory \(asked for 13.73 GiB\)"):
+        ModelRunner(RunnerConfig(model=tiny_llama), LIMITS,
+                    TPGroup(0, 1, torch.device("cpu"), None))
+
+
+def test_other_runtime_errors_are_not_taken_for_memory(tiny_llama, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr("tpserve.model.runner.KVPool", broken)
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        ModelRunner(RunnerConfig(model=tiny_llama), LIMITS,
+                    TPGroup(0, 1, torch.device("cpu"), None))

@@ -4,6 +4,8 @@ no traceback), and an out-of-memory step logged with the same kind of explanatio
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
 
@@ -68,6 +70,32 @@ def test_memory_report_and_metrics_per_rank_at_tp2(tmp_path, small_server_tp2):
     assert _samples(metrics, "memory_fragmentation") == {("0",): 0.0, ("1",): 0.0}
     assert _samples(metrics, "allocator_alloc_retries_total") == {("0",): 0.0, ("1",): 0.0}
     assert _samples(metrics, "allocator_ooms_total") == {("0",): 0.0, ("1",): 0.0}
+    # vLLM's cache_config_info: the pool's blocks (per rank, as vLLM's num_gpu_blocks)
+    info = [ln for ln in metrics.splitlines() if ln.startswith("tpserve:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0"), info
+    assert f'num_gpu_blocks="{p0["num_blocks"]}"' in info[0] and 'block_size="16"' in info[0]
+
+
+def test_a_kv_pool_the_host_cannot_allocate_is_refused_naming_the_flag():
+    """--kv-cache-memory past what the process may allocate (here an address-space limit,
+    so whatever the host's RAM): the allocator's error is the refusal (exit 2, one message
+    naming the flag and the bytes, no traceback), not a crash."""
+    def limit() -> None:  # the server itself needs about 3 GB of address space
+        resource.setrlimit(resource.RLIMIT_AS, (8 * 10**9, 8 * 10**9))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpserve.cli", "serve", "--load-format", "dummy",
+         "--kv-cache-memory", "12GiB", "--max-model-len", "1024", "--port", "0",
+         "--log-level", "warning"],
+        capture_output=True, text=True, timeout=300, preexec_fn=limit,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr[proc.stderr.index("tpserve: error: "):].splitlines()
+    assert lines[0].startswith("tpserve: error: the model does not fit on cpu (rank 0): the "
+                               "KV pool of 17476 blocks of 16 tokens = 12.00 GiB "
+                               "(--kv-cache-memory) could not be allocated"), lines[0]
+    assert "you tried to allocate" in lines[1]
 
 
 def test_a_model_that_does_not_fit_is_refused_with_the_explanation():

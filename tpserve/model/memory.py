@@ -150,8 +150,20 @@ class MemoryPlan:
         return self.num_blocks * self.block_size
 
     @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks one sequence of ``max_model_len`` tokens takes (whole blocks)."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
     def max_concurrent_full_sequences(self) -> int:
-        return self.kv_tokens // self.max_model_len
+        """Sequences of ``max_model_len`` tokens the pool holds at once, in whole blocks."""
+        return self.num_blocks // self.blocks_per_sequence
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's "Maximum concurrency" (``get_max_concurrency_for_kv_cache_config``):
+        ``num_blocks / ceil(max_model_len / block_size)``."""
+        return self.num_blocks / self.blocks_per_sequence
 
     @property
     def held(self) -> int:
@@ -213,6 +225,10 @@ class MemoryPlan:
             f"({self.bytes_per_block // self.block_size} bytes per token{scales}); "
             f"{self.max_concurrent_full_sequences} concurrent sequences at max length "
             f"{self.max_model_len}")
+        # vLLM's two lines, worded as vLLM logs them
+        lines.append(f"  KV cache size: {self.kv_tokens:,} tokens")
+        lines.append(f"  Maximum concurrency for {self.max_model_len:,} tokens per request: "
+                     f"{self.max_concurrency:.2f}x")
         return lines
 
     def as_ints(self) -> list[int]:

@@ -167,7 +167,9 @@ def suggest_fits(f: FitInputs) -> list[Suggestion]:
             of = "device memory" if f.device_type == "cuda" else "available RAM"
             out.append(Suggestion("--gpu-memory-utilization", f"{u:.2f}",
                                   f"{b} blocks = {b * f.block_size} tokens of {of}"))
-    if f.kv_cache_memory is not None or cpu_capped:
+    # a size that holds one sequence, where free memory has room for it (on CPU also when
+    # the utilization was the limit: the flag is how CPU users size the pool, as in vLLM)
+    if f.kv_cache_memory is not None or f.device_type != "cuda":
         mib = math.ceil(f.kv_needed / MiB)
         if f.device_type == "cuda":
             room = f.free_at_start - f.weights - f.workspace - f.cuda_graphs
@@ -239,7 +241,8 @@ def explain_no_fit(f: FitInputs, others: GpuProcesses, device: str, rank: int) -
         f"  asked for: KV pool {_gib(f.kv_needed)} at least, "
         + (f"--kv-cache-memory {_gib(f.kv_cache_memory)}" if f.kv_cache_memory
            is not None else f"--gpu-memory-utilization {f.utilization:.2f} of "
-           f"{_gib(f.total)}"),
+           + (f"{_gib(f.total)}" if f.device_type == "cuda"
+              else f"{_gib(f.free_at_start)} available RAM at start")),
         f"  free at start: {_gib(f.free_at_start)} of {_gib(f.total)}",
         f"  this server holds: weights {_gib(f.weights)} | activation workspace "
         f"{_gib(f.workspace)} | CUDA graphs (set aside) {_gib(f.cuda_graphs)}",
@@ -264,10 +267,81 @@ _ASKED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
+_ASKED_CPU = re.compile(r"tried to allocate ([0-9]+) bytes")
+
+
 def asked_bytes(message: str) -> int | None:
-    """The request size in a caching-allocator OOM message ("Tried to allocate 2.00 GiB")."""
+    """The request size in a caching-allocator OOM message ("Tried to allocate 2.00 GiB")
+    or the CPU allocator's ("you tried to allocate 4294967296 bytes")."""
     m = _ASKED.search(message)
-    return None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)])
+    if m is not None:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    m = _ASKED_CPU.search(message)
+    return None if m is None else int(m.group(1))
+
+
+def allocation_failed(e: BaseException) -> bool:
+    """Whether ``e`` is an allocator's out-of-memory: CUDA's ``torch.OutOfMemoryError``,
+    or the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def pool_flag(how: str, utilization: float) -> str:
+    """The flag that sized the KV pool, from the plan's ``how`` (``kv_budget``, or the
+    override's): ``--num-gpu-blocks-override N``, ``--kv-cache-memory`` (also the CPU
+    default cap it replaces) or ``--gpu-memory-utilization U``."""
+    if how.startswith("--num-gpu-blocks-override"):
+        return how
+    if how == "--kv-cache-memory":
+        return how
+    if how.startswith("CPU default cap"):
+        return "the CPU default cap of 4 GiB, which --kv-cache-memory overrides"
+    return f"--gpu-memory-utilization {utilization:.2f}"
+
+
+def explain_pool_oom(f: FitInputs, flag: str, num_blocks: int, message: str, free: int,
+                     device: str, rank: int, others: GpuProcesses) -> str:
+    """The KV pool of ``num_blocks`` blocks, sized by ``flag``, could not be allocated
+    (``message``: the allocator's error; ``free``: free memory read after it failed): the
+    bytes asked, the free memory, and the sizes that would fit in it."""
+    asked = num_blocks * f.bytes_per_block
+    first = message.strip().splitlines()[0] if message.strip() else "out of memory"
+    graphs = (f" | CUDA graphs (set aside) {_gib(f.cuda_graphs)}"
+              if f.device_type == "cuda" else "")
+    lines = [
+        f"the model does not fit on {device} (rank {rank}): the KV pool of {num_blocks} "
+        f"blocks of {f.block_size} tokens = {_gib(asked)} ({flag}) could not be allocated, "
+        f"{_gib(free)} free",
+        f"  the allocator: {first}",
+        f"  free at start: {_gib(f.free_at_start)} of {_gib(f.total)}; this server holds: "
+        f"weights {_gib(f.weights)} | activation workspace {_gib(f.workspace)}{graphs}",
+    ]
+    if others.processes:
+        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
+                     + "; ".join(p.describe() for p in others.processes))
+    # what is free now, less a tenth for the steps' own allocations
+    blocks = int(0.9 * free) // f.bytes_per_block
+    if blocks >= num_blocks:  # free memory holds it: a limit refused it, not the device
+        lines.append("  free memory would hold it: a limit on this process refused it (ulimit "
+                     "-v, a cgroup, the kernel's overcommit policy); raise the limit or ask "
+                     "for a smaller pool")
+    elif blocks >= f.blocks_needed:
+        mib = blocks * f.bytes_per_block // MiB
+        fixes = [f"--kv-cache-memory {mib}MiB ({blocks} blocks = {blocks * f.block_size} "
+                 "tokens)", f"--num-gpu-blocks-override {blocks}"]
+        if f.device_type == "cuda" and flag.startswith("--gpu-memory-utilization") \
+                and f.total:
+            u = math.floor(100 * (f.utilization - (asked - blocks * f.bytes_per_block)
+                                  / f.total)) / 100
+            if u > 0:
+                fixes.append(f"--gpu-memory-utilization {u:.2f}")
+        lines.append("  a smaller pool fits in what is free: " + "; or ".join(fixes))
+    else:
+        lines.append(f"  what is free holds no sequence of --max-model-len {f.max_model_len} "
+                     f"({f.blocks_needed} blocks, {_gib(f.kv_needed)}): free memory (stop "
+                     "other processes), or lower --max-model-len, or use more GPUs")
+    return "\n".join(lines)
 
 
 def explain_oom(message: str, plan: MemoryPlan, now: AllocatorReading, free: int,
@@ -319,8 +393,13 @@ def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_
     else:
         lines.append(f"  other processes hold {_gib(total - free_at_start)} (not named: "
                      f"{others.source})")
-    lines.append("  to make it fit: free the device (stop the processes above), or split "
-                 "the weights over more GPUs (--tensor-parallel-size), or hold part of them "
-                 "in host memory (--cpu-offload-gb), or lower --max-num-batched-tokens (the "
-                 "profiled step)")
+    if device.startswith("cuda"):
+        lines.append("  to make it fit: free the device (stop the processes above), or split "
+                     "the weights over more GPUs (--tensor-parallel-size), or hold part of "
+                     "them in host memory (--cpu-offload-gb), or lower "
+                     "--max-num-batched-tokens (the profiled step)")
+    else:  # host RAM: no other device to split over or offload to
+        lines.append("  to make it fit: free host memory (stop other processes), or serve a "
+                     "smaller model or quantized weights, or lower --max-num-batched-tokens "
+                     "(the profiled step)")
     return "\n".join(lines)

@@ -47,9 +47,12 @@ from tpserve.model.memory import (
 )
 from tpserve.model.memory_advice import (
     FitInputs,
+    allocation_failed,
     explain_no_fit,
     explain_oom,
+    explain_pool_oom,
     explain_start_oom,
+    pool_flag,
     seq_options,
     smaller_kv_dtypes,
     tp_options,
@@ -151,7 +154,9 @@ class ModelRunner:
                                      expert_parallel=cfg.expert_parallel,
                                      lm_head=not cfg.pooling,
                                      cpu_offload_bytes=cfg.cpu_offload_bytes)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU allocator's
+            if not allocation_failed(e):
+                raise
             raise MemoryError(explain_start_oom("loading the weights", str(e), str(device),
                                                 group.rank, free0, total,
                                                 other_gpu_processes(device))) from None
@@ -186,7 +191,9 @@ class ModelRunner:
         static = (HEADER_LEN + self.max_payload + b) * 8
         try:
             workspace, measured = profile_workspace(self)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU allocator's
+            if not allocation_failed(e):
+                raise
             raise MemoryError(explain_start_oom("profiling the largest step", str(e),
                                                 str(device), group.rank, free0, total,
                                                 other_gpu_processes(device))) from None
@@ -237,8 +244,18 @@ class ModelRunner:
         if num_blocks < self.max_blocks_per_seq:
             raise MemoryError(explain_no_fit(self.fit, other_gpu_processes(device),
                                              str(device), group.rank))
-        self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
-                              mcfg.head_dim, self.kv_dtype, device)
+        try:  # a pool the flags sized past what the device (or host) can allocate
+            self.kv_pool = KVPool(mcfg.num_hidden_layers, num_blocks, bs, kv_heads,
+                                  mcfg.head_dim, self.kv_dtype, device)
+        except RuntimeError as e:
+            if not allocation_failed(e):
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # free as read after the failed attempt
+            raise MemoryError(explain_pool_oom(
+                self.fit, pool_flag(how, cfg.gpu_memory_utilization), num_blocks, str(e),
+                read_memory(device)[0], str(device), group.rank,
+                other_gpu_processes(device))) from None
         self.host_kv: HostKV | None = None  # the prefix cache's host tier, if any
         if slots:
             self.host_kv = HostKV(self.kv_pool, slots, per_block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,7 +18,7 @@ from tests.server.http.uvicorn_app import running
 from tpserve.model.sampling_params import StructuredOutput
 from tpserve.server.http.app import build_app
 from tpserve.server.http.frontend import FrontendOptions
-from tpserve.server.http.metrics import ServerMetrics
+from tpserve.server.http.metrics import REPLICAS, ServerMetrics
 
 API_KEY = "test-key"
 MODEL = "smol"
@@ -818,6 +819,25 @@ def test_metrics_survive_failing_stats():
     text = ServerMetrics(broken, "m").render().decode()
     assert "tpserve:e2e_request_latency_seconds_bucket" in text
     assert "tpserve:kv_cache_usage_perc" not in text
+
+
+def test_cache_config_info_is_vllms_one_series_per_engine():
+    """vLLM's PrometheusStatLogger.log_metrics_info("cache_config", ...): a gauge at 1
+    whose labels are each engine's cache config and ``engine``, under either namespace."""
+    config = {"block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
+              "gpu_memory_utilization": "0.9", "num_gpu_blocks": "129"}
+    one = {"kv_blocks_total": 129, "cache_config": config}
+    for namespace in ("tpserve", "vllm"):
+        text = ServerMetrics(lambda: one, "m", namespace=namespace).render().decode()
+        assert (f'{namespace}:cache_config_info{{block_size="16",cache_dtype="float32",'
+                'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+                'num_gpu_blocks="129"} 1.0') in text.splitlines()  # labels sorted
+        assert f"# TYPE {namespace}:cache_config_info gauge" in text
+    two = {REPLICAS: [one, {**one, "cache_config": {**config, "num_gpu_blocks": "130"}}]}
+    lines = [ln for ln in ServerMetrics(lambda: two, "m", engines=2).render().decode()
+             .splitlines() if ln.startswith("tpserve:cache_config_info{")]
+    assert [re.findall(r'(?:engine|num_gpu_blocks)="(\d+)"', ln) for ln in lines] == [
+        ["0", "129"], ["1", "130"]]
 
 
 def test_openapi(http):

@@ -187,6 +187,15 @@ class EngineCore:
                                           scheduler.enable_prefix_caching,
                                           host_slots=host_kv.num_slots if host_kv else 0)
         self.scheduler = Scheduler(scheduler, self.block_manager)
+        cfg = runner.cfg  # vLLM's CacheConfig.metrics_info: /metrics' cache_config_info labels
+        self.cache_config = {k: str(v) for k, v in (
+            ("block_size", self.block_size), ("cache_dtype", cfg.kv_cache_dtype),
+            ("calculate_kv_scales", cfg.calculate_kv_scales),
+            ("enable_prefix_caching", scheduler.enable_prefix_caching),
+            ("gpu_memory_utilization", cfg.gpu_memory_utilization),
+            ("kv_cache_memory_bytes", cfg.kv_cache_memory),
+            ("num_gpu_blocks", runner.kv_pool.num_blocks),
+            ("num_gpu_blocks_override", cfg.num_gpu_blocks_override))}
         # speculative decoding (``drafting.py``): a draft needs the step before's tokens,
         # so while drafting, steps are finalized before the next is scheduled
         self.async_scheduling = engine.async_scheduling
@@ -636,5 +645,6 @@ class EngineCore:
             # each (atomic under the GIL), then read
             **({} if self.lora_slots is None else {"lora": self.lora_slots.stats(
                 self.scheduler.running, self.scheduler.waiting)}),
+            "cache_config": self.cache_config,
         }
 

@@ -167,9 +167,23 @@ class EngineStatsCollector(Collector):
                 yield family
         yield from memory_families(None if values is None else values.get("memory", {}),
                                    self.model_name, self.prefix)
+        yield self._cache_config_family(engines)
         lora = None if values is None else values.get("lora")
         if values is None or lora is not None:
             yield self._lora_family(lora)
+
+    def _cache_config_family(self, engines: list[Mapping[str, Any]]) -> Metric:
+        """vLLM's ``cache_config_info``: a gauge at 1 per engine whose labels are the
+        engine's cache config (``stats()["cache_config"]``, strings) and ``engine``."""
+        configs = [(e, v["cache_config"]) for e, v in enumerate(engines)
+                   if v.get("cache_config")]
+        keys = tuple(configs[0][1]) if configs else ()
+        family = GaugeMetricFamily(self.prefix + "cache_config_info",
+                                   "Information of the engine's cache config.",
+                                   labels=(*keys, "engine"))
+        for e, config in configs:
+            family.add_metric([*(str(config.get(k, "")) for k in keys), str(e)], 1.0)
+        return family
 
     def _lora_family(self, lora: Mapping[str, Any] | None) -> Metric:
         family = GaugeMetricFamily(self.prefix + "lora_requests_info",
