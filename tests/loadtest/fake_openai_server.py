@@ -10,6 +10,12 @@ lock, so that tests can compare the load test's report with the server's own cou
 ``/v1/embeddings`` answers one input with a base64 float32 vector of EMBEDDING_DIM values
 (after ``token_delay`` seconds); on every k-th request (``fail_every``) it fails by
 ``fail_mode``: "http" a 500, or one of EMBEDDING_FAULTS, a 200 answer that is wrong.
+
+The load test sends one initial test request before its run (vLLM's "initial test run").
+With ``initial_test`` (the default) the server's first generation or embeddings request
+is taken as that one: answered at once and correctly (no delay, no injected failure),
+kept in ``stats.initial_test_body`` and left out of every other count, so that the
+counts are those of the measured requests.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class FakeServerOptions:
     tokenize: bool = True
     tokenize_messages: bool = True
     api_key: str | None = None
+    initial_test: bool = True
+    include_usage: bool = True  # end each stream with its usage chunk
+    chat_field: str = "content"  # the delta field of a chat chunk's word ("reasoning", ...)
+    no_choices: bool = False  # stream only the usage chunk and [DONE], no token
 
 
 @dataclass
@@ -63,6 +73,7 @@ class FakeServerStats:
     max_in_flight: int = 0
     prompts: list[str] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
+    initial_test_body: dict | None = None
 
 
 def count_tokens(text: str) -> int:
@@ -71,6 +82,14 @@ def count_tokens(text: str) -> int:
 
 def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
     app = FastAPI()
+
+    def is_initial_test(body: dict) -> bool:
+        """Whether body is the load test's initial test request (see the docstring)."""
+        with stats.lock:
+            if options.initial_test and stats.initial_test_body is None:
+                stats.initial_test_body = body
+                return True
+        return False
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if options.api_key and request.headers.get("authorization") != f"Bearer {options.api_key}":
@@ -105,6 +124,10 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
         else:
             prompt = body["prompt"]
             prompt_tokens = count_tokens(prompt)
+        if is_initial_test(body):
+            return StreamingResponse(events(chat, prompt_tokens, body.get("max_tokens", 16),
+                                            None, counted=False),
+                                     media_type="text/event-stream")
         with stats.lock:
             stats.requests += 1
             number = stats.requests
@@ -141,10 +164,13 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
                 with stats.lock:
                     stats.in_flight -= 1
 
-    async def events(chat: bool, prompt_tokens: int, n: int, fail_after: int | None):
+    async def events(chat: bool, prompt_tokens: int, n: int, fail_after: int | None,
+                     counted: bool = True):
         rid = f"cmpl-{time.monotonic_ns()}"
         kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:
+        if options.no_choices and counted:
+            n = 0
+        elif chat:
             yield _sse({"id": rid, "object": kind, "model": MODEL_ID,
                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         for i in range(n):
@@ -153,21 +179,25 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
                                       "type": "InternalServerError", "code": 500}})
                 yield DONE
                 return
-            if options.token_delay:
+            if options.token_delay and counted:
                 await asyncio.sleep(options.token_delay)
             word = f" w{i}"
-            choice = ({"index": 0, "delta": {"content": word}, "finish_reason": None} if chat
+            choice = ({"index": 0, "delta": {options.chat_field: word}, "finish_reason": None}
+                      if chat
                       else {"index": 0, "text": word, "finish_reason": None})
-            with stats.lock:
-                stats.generated_tokens += 1
+            if counted:
+                with stats.lock:
+                    stats.generated_tokens += 1
             yield _sse({"id": rid, "object": kind, "model": MODEL_ID, "choices": [choice]})
-        with stats.lock:
-            stats.succeeded += 1
-            stats.prompt_tokens += prompt_tokens
-            stats.completed_tokens += n
-        yield _sse({"id": rid, "object": kind, "model": MODEL_ID, "choices": [],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                              "total_tokens": prompt_tokens + n}})
+        if counted:
+            with stats.lock:
+                stats.succeeded += 1
+                stats.prompt_tokens += prompt_tokens
+                stats.completed_tokens += n
+        if options.include_usage:
+            yield _sse({"id": rid, "object": kind, "model": MODEL_ID, "choices": [],
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                  "total_tokens": prompt_tokens + n}})
         yield DONE
 
     @app.post("/v1/embeddings")
@@ -175,6 +205,8 @@ def build_app(options: FakeServerOptions, stats: FakeServerStats) -> FastAPI:
         if (denied := unauthorized(request)) is not None:
             return denied
         body = await request.json()
+        if is_initial_test(body):
+            return embedding_answer(count_tokens(body["input"]), None)
         with stats.lock:
             stats.requests += 1
             number = stats.requests

@@ -140,19 +140,39 @@ def test_failed_requests_are_counted_with_their_error(tmp_path, mode, message):
     assert result["total_output_tokens"] == 6 * 6
 
 
-def test_connection_errors_are_failures_not_crashes(tmp_path):
+@pytest.mark.parametrize("model", [(), ("--model", "m")])
+def test_an_unreachable_server_stops_the_test_before_the_run(tmp_path, capsys, model):
+    """A server that is down is one setup error (exit 2), with or without --model: no
+    request is sent, no table printed, nothing written."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = tmp_path / "r.json"
-    rc = run("--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--num-prompts", "3",
+    rc = run("--base-url", f"http://127.0.0.1:{port}", *model, "--num-prompts", "3",
              "--random-input-len", "8", "--result-file", str(path), "--no-plot")
-    result = json.loads(path.read_text())
-    assert rc == 1, "no request succeeded"
-    assert result["failed"] == 3 and result["completed"] == 0
-    assert result["errors"][0]["count"] == 3
-    assert result["errors"][0]["message"].startswith("ConnectError")
-    assert result["tokenizer"].startswith("approximate")
+    out = capsys.readouterr()
+    assert rc == 2 and not path.exists()
+    assert "Load Test Result" not in out.out
+    assert out.err.count("tpserve loadtest: error:") == 1 and "ConnectError" in out.err
+
+
+def test_a_failing_initial_test_request_stops_the_test(tmp_path, capsys):
+    """vLLM's "initial test run": the first prompt is sent once (max_tokens 1) before the
+    run; when it fails, the test stops with its error and exit 2."""
+    with run_fake_server(initial_test=False, fail_every=1) as server:
+        rc, result, _ = small(server, tmp_path)
+        assert server.stats.requests == 1 and server.stats.bodies[0]["max_tokens"] == 1
+    assert rc == 2 and result is None
+    assert "initial test request failed: HTTP 500: injected failure" in capsys.readouterr().err
+
+
+def test_the_initial_test_request_sends_the_first_prompt_once(tmp_path):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--ignore-eos", prompts=3)
+        probe = server.stats.initial_test_body
+        assert probe is not None and probe["max_tokens"] == 1
+        assert probe["prompt"] in server.stats.prompts and server.stats.requests == 3
+    assert rc == 0 and result["completed"] == 3
 
 
 def test_a_request_over_the_timeout_fails(tmp_path):
@@ -534,3 +554,97 @@ def test_progress_off_a_terminal_is_lines_not_a_bar():
     silent.update()
     silent.close()
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "content"])
+def test_chat_times_every_chunk_with_choices_thinking_included(tmp_path, field):
+    """Chunks whose delta carries thinking (vLLM's ``reasoning``, or ``reasoning_content``)
+    are timed as any token: TTFT at the first, an ITL per later one; the opening chunk
+    that only announces the role is not."""
+    with run_fake_server(chat_field=field) as server:
+        rc, result, _ = small(server, tmp_path, "--endpoint", "chat", "--ignore-eos",
+                              prompts=3)
+    assert rc == 0 and result["completed"] == 3
+    assert [len(x) for x in result["itls"]] == [5, 5, 5]
+    assert result["output_lens"] == [6, 6, 6]
+    assert all(0 < t <= e for t, e in zip(result["ttfts"], result["e2els"], strict=True))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_without_usage_input_tokens_are_the_fitted_length(tmp_path, endpoint):
+    """A stream with no usage chunk: the input tokens are the length /tokenize fitted the
+    prompt to, the output tokens the timed chunks."""
+    with run_fake_server(include_usage=False) as server:
+        rc, result, _ = small(server, tmp_path, "--endpoint", endpoint, "--ignore-eos",
+                              prompts=3)
+    assert rc == 0 and result["requests_without_usage"] == 3
+    assert result["input_lens"] == [24] * 3 and result["total_input_tokens"] == 72
+    assert result["output_lens"] == [6] * 3
+
+
+def test_without_usage_file_prompts_count_as_the_counter_says(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a b c"}\n{"prompt": "d e f g h"}\n')
+    with run_fake_server(include_usage=False) as server:
+        rc, result, _ = small(server, tmp_path, "--dataset-name", "custom", "--dataset-path",
+                              str(data), "--max-concurrency", "1", prompts=2)
+    assert rc == 0
+    # the fake's /tokenize: one token a word plus BOS
+    assert sorted(result["input_lens"]) == [4, 6] and result["total_input_tokens"] == 10
+
+
+def test_a_stream_without_any_choice_is_a_failed_request(tmp_path):
+    with run_fake_server(no_choices=True) as server:
+        rc, result, _ = small(server, tmp_path, prompts=2)
+    assert rc == 1 and result["completed"] == 0 and result["failed"] == 2
+    assert result["errors"] == [
+        {"message": "Never received a valid chunk to calculate TTFT", "count": 2}]
+
+
+@pytest.mark.parametrize(("flags", "endpoint", "key"), [
+    (("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"), "chat", "messages"),
+    (("--backend", "openai"), "completions", "prompt"),
+    (("--endpoint", "/v1/completions"), "completions", "prompt"),
+    (("--backend", "vllm", "--endpoint", "/v1/completions"), "completions", "prompt"),
+])
+def test_vllm_spellings_of_the_request_kind(tmp_path, flags, endpoint, key):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, *flags, "--disable-tqdm", prompts=1)
+        assert key in server.stats.bodies[0]
+    assert rc == 0 and result["endpoint"] == endpoint
+
+
+def test_vllm_flag_spellings_parse_to_the_same_config(tmp_path):
+    vllm = config_from_args(parse("--backend", "openai-embeddings", "--endpoint",
+                                  "/v1/embeddings", "--input-len", "32", "--disable-tqdm"))
+    ours = config_from_args(parse("--endpoint", "embeddings", "--random-input-len", "32"))
+    assert vllm == ours and vllm.progress is False
+    lengths = config_from_args(parse("--input-len", "7", "--output-len", "9"))
+    assert (lengths.random_input_len, lengths.random_output_len) == (7, 9)
+    with pytest.raises(ConfigError, match="--backend openai-chat"):
+        config_from_args(parse("--backend", "openai-chat", "--endpoint", "completions"))
+    with pytest.raises(SystemExit):
+        parse("--endpoint", "/v1/rerank")
+
+
+def test_goodput_counts_the_requests_within_every_objective(tmp_path, capsys):
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--goodput", "e2el:0", prompts=2)
+        assert rc == 0 and result["request_goodput"] == 0.0
+        assert result["goodput"] == {"e2el": 0.0}
+        rc, result, _ = small(server, tmp_path, "--goodput", "ttft:1e9", "tpot:1e9",
+                              "e2el:1e9", prompts=2, name="all.json")
+    assert rc == 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert "Request goodput (req/s):" in capsys.readouterr().out
+
+
+def test_without_goodput_the_key_is_null_and_no_row(basic_run, capsys):
+    _, result, _, _ = basic_run
+    assert result["request_goodput"] is None and result["goodput"] is None
+
+
+@pytest.mark.parametrize("value", ["ttft", "itl:5", "ttft:x", "e2el:-1"])
+def test_bad_goodput_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="--goodput"):
+        config_from_args(parse("--goodput", value))

@@ -71,7 +71,9 @@ def test_embeddings_load_test_counts_what_the_server_counts(server, tmp_path):
     assert doc["model"] == "emb" and doc["tokenizer"] == "server /tokenize"
     assert doc["input_lens"] == doc["target_input_lens"]
     assert all(18 <= n <= 30 for n in doc["input_lens"]) and len(set(doc["input_lens"])) > 1
-    assert server.metric("prompt_tokens_total") - before == doc["total_input_tokens"]
+    # and the initial test request, which sends one of the measured prompts
+    initial_test_tokens = server.metric("prompt_tokens_total") - before - doc["total_input_tokens"]
+    assert initial_test_tokens in doc["input_lens"]
     assert result.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
     rows = {line[:40].strip(): line[40:] for line in out.stdout.splitlines()}
     assert rows["Successful requests:"] == "10" and rows["Failed requests:"] == "0"
@@ -98,8 +100,9 @@ def test_embeddings_sweep_with_warmups(server, tmp_path, capsys):
     for r in doc["results"]:
         assert_embeddings_result(r, 4)
         assert r["input_lens"] == [16] * 4 and "p99_e2el_ms" in r
-    warmup_tokens = server.metric("prompt_tokens_total") - before - 2 * 4 * 16
-    assert warmup_tokens == 2 * 2 * 16
+    # besides the measured requests: 2 warm-ups per rate and one initial test request
+    unmeasured_tokens = server.metric("prompt_tokens_total") - before - 2 * 4 * 16
+    assert unmeasured_tokens == 2 * 2 * 16 + 16
     out = capsys.readouterr().out
     assert "E2EL p50" in out and "in tok/s" in out and "TTFT" not in out
     assert path.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENDPOINTS = ("completions", "chat", "embeddings")
+# vLLM's spellings of the request kind: --endpoint as a path, and --backend.
+ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                  "/v1/embeddings": "embeddings"}
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat",
+            "openai-embeddings": "embeddings"}
+# --goodput's SLO names (vLLM's): milliseconds of TTFT, TPOT, end-to-end latency
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 # vLLM's --dataset-name values this load test knows, and the older names kept as aliases.
 DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
 DATASET_ALIASES = {"shared-prefix": "prefix-repetition", "prefix": "prefix-repetition",
@@ -71,6 +78,7 @@ class LoadtestConfig:
     timeout: float
     percentile_metrics: tuple[str, ...]
     metric_percentiles: tuple[float, ...]
+    goodput: dict[str, float] | None
     label: str | None
     plot: bool
     progress: bool
@@ -107,6 +115,7 @@ class LoadtestConfig:
             "sharegpt_output_len": self.sharegpt_output_len,
             "percentile_metrics": ",".join(self.percentile_metrics),
             "metric_percentiles": ",".join(f"{p:g}" for p in self.metric_percentiles),
+            "goodput": None if self.goodput is None else dict(self.goodput),
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
             "seed": self.seed,
@@ -126,11 +135,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="server root, without /v1 (default: %(default)s)")
     server.add_argument("--model", default=None,
                         help="model name to send (default: the first id of GET /v1/models)")
-    server.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
+    server.add_argument("--endpoint", type=_endpoint, default=None,
+                        metavar="{" + ",".join(ENDPOINTS) + "}",
                         help="/v1/completions, /v1/chat/completions, or /v1/embeddings (a "
                              "--runner pooling server; vLLM's --backend openai-embeddings): "
                              "one non-streaming request per prompt, measured end to end, "
-                             "without the flags of generation (default: %(default)s)")
+                             "without the flags of generation; the path itself is accepted "
+                             "too, as vLLM's --endpoint (default: completions)")
+    server.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                        help="vLLM's name of the request kind: openai (or vllm) = "
+                             "--endpoint completions, openai-chat = chat, "
+                             "openai-embeddings = embeddings")
     server.add_argument("--api-key", default=None,
                         help="bearer token (default: the OPENAI_API_KEY environment variable)")
     server.add_argument("--timeout", type=float, default=600.0,
@@ -168,9 +183,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=argparse.SUPPRESS)  # the old name of --dataset-name
     data.add_argument("--random-input-len", type=int, default=1024,
                       help="prompt tokens (after the prefix, if any) (default: %(default)s)")
+    data.add_argument("--input-len", dest="random_input_len", type=int,
+                      default=argparse.SUPPRESS,
+                      help="vLLM's general name: the same as --random-input-len")
     data.add_argument("--random-output-len", type=int, default=None,
                       help="max_tokens of each request; also the default for file "
                            f"prompts without output_len (default: {DEFAULT_OUTPUT_LEN})")
+    data.add_argument("--output-len", dest="random_output_len", type=int,
+                      default=argparse.SUPPRESS,
+                      help="vLLM's general name: the same as --random-output-len")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="input and output lengths are drawn uniformly from "
                            "[len*(1-r), len*(1+r)] (default: %(default)s)")
@@ -225,12 +246,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--metric-percentiles", type=_percentile_list, default="99",
                      help="comma-separated percentiles reported for those metrics, e.g. "
                           "25,50,99 (default: %(default)s)")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:VALUE",
+                     help="service level objectives, as vLLM's: ttft, tpot, e2el in "
+                          "milliseconds, e.g. --goodput ttft:500 tpot:50; a request that "
+                          "meets all of them is good, and request_goodput (good requests "
+                          "per second) is reported")
     out.add_argument("--label", default=None,
                      help="free text stored in the JSON and shown in the plot title")
     out.add_argument("--no-plot", dest="plot", action="store_false",
                      help="write only the JSON result, no PNG")
-    out.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="hide the progress bar")
+    out.add_argument("--no-progress", "--disable-tqdm", dest="progress",
+                     action="store_false",
+                     help="hide the progress bar (--disable-tqdm: vLLM's name)")
 
 
 def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
@@ -249,7 +276,8 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     need(args.max_concurrency is None or args.max_concurrency >= 1,
          "--max-concurrency must be at least 1")
     need(args.random_input_len >= 1, "--random-input-len must be at least 1")
-    embeddings = args.endpoint == "embeddings"
+    endpoint = _resolve_endpoint(args.endpoint, args.backend)
+    embeddings = endpoint == "embeddings"
     if embeddings:
         _refuse_generation_flags(args)
     output_len = DEFAULT_OUTPUT_LEN if args.random_output_len is None else args.random_output_len
@@ -301,7 +329,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     return LoadtestConfig(
         base_url=base_url,
         model=args.model,
-        endpoint=args.endpoint,
+        endpoint=endpoint,
         num_prompts=args.num_prompts,
         request_rates=rates,
         sweep=sweep,
@@ -324,10 +352,53 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         timeout=args.timeout,
         percentile_metrics=metrics,
         metric_percentiles=_as_percentiles(args.metric_percentiles),
+        goodput=_goodput(args.goodput, embeddings),
         label=args.label,
         plot=args.plot,
         progress=args.progress,
     )
+
+
+def _endpoint(text: str) -> str:
+    """--endpoint: a name of ENDPOINTS or its path (vLLM's spelling)."""
+    name = ENDPOINT_PATHS.get(text.rstrip("/") if text.startswith("/") else text, text)
+    if name not in ENDPOINTS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(ENDPOINTS)} or {', '.join(ENDPOINT_PATHS)}, "
+            f"got {text!r}")
+    return name
+
+
+def _resolve_endpoint(endpoint: str | None, backend: str | None) -> str:
+    """The request kind of --endpoint and --backend; ConfigError when they disagree."""
+    implied = BACKENDS[backend] if backend is not None else None
+    if endpoint is not None and implied is not None and endpoint != implied:
+        raise ConfigError(f"--backend {backend} sends {implied} requests, but --endpoint "
+                          f"says {endpoint}")
+    return endpoint or implied or "completions"
+
+
+def _goodput(items: list[str] | None, embeddings: bool) -> dict[str, float] | None:
+    """--goodput KEY:VALUE ... as {metric: milliseconds}; ConfigError when malformed."""
+    if items is None:
+        return None
+    slos: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_METRICS:
+            raise ConfigError(f"--goodput {item!r}: expected KEY:VALUE with KEY one of "
+                              f"{', '.join(GOODPUT_METRICS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ConfigError(f"--goodput {item!r}: {value!r} is not a number") from None
+        if not (ms >= 0 and math.isfinite(ms)):
+            raise ConfigError(f"--goodput {item!r}: the value must be a number of "
+                              "milliseconds, 0 or more")
+        slos[key] = ms
+    if embeddings and set(slos) - {"e2el"}:
+        raise ConfigError("--goodput can only set e2el with --endpoint embeddings")
+    return slos
 
 
 def _refuse_generation_flags(args: argparse.Namespace) -> None:

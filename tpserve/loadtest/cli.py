@@ -70,8 +70,9 @@ def build_document(config: LoadtestConfig, session: Session) -> dict:
 
 def _summary(config: LoadtestConfig, record: RunRecord) -> dict:
     if config.embeddings:
-        return summarize_embeddings(record, config.metric_percentiles)
-    return summarize(record, config.percentile_metrics, config.metric_percentiles)
+        return summarize_embeddings(record, config.metric_percentiles, config.goodput)
+    return summarize(record, config.percentile_metrics, config.metric_percentiles,
+                     config.goodput)
 
 
 def _report(config: LoadtestConfig, session: Session) -> int:

@@ -1,8 +1,15 @@
 """One streaming request to an OpenAI-compatible server, measured: a RequestResult.
 
-Times come from time.perf_counter(). TTFT is the time to the first chunk that carries
-text; ITL the gaps between text chunks; token counts come from the final ``usage``
-chunk (``stream_options.include_usage``). Every failure (HTTP status, error event in
+Times come from time.perf_counter(). As in vLLM's ``bench serve``, every chunk with a
+non-empty ``choices`` is timed, whatever its text (empty for special tokens; thinking
+under ``delta.reasoning`` or ``reasoning_content``): TTFT is the time to the first one,
+ITL the gaps between them. One exception: a chat chunk that only announces the role
+(``{"role": "assistant", "content": ""}``, no finish_reason) carries no token and is not
+timed, since a server may send it before the prefill. A 200 stream with no timed chunk
+is a failed request (vLLM's "Never received a valid chunk"). Token counts come from the
+final ``usage`` chunk (``stream_options.include_usage``); without it, the input tokens
+are the prompt's known length (``PromptSpec.target_input_len``) and the output tokens the
+number of timed chunks. Every failure (HTTP status, error event in
 the stream, timeout, connection error, malformed stream) becomes a failed result with
 a message; cancellation (Ctrl-C) is not a failure and propagates. ``failure_of`` holds
 that convention for every kind of request (the embeddings one too).
@@ -129,8 +136,6 @@ class RequestSender:
         error = await failure_of(self._stream(spec, result, sent, run_start), self._timeout)
         result.success, result.error = error is None, error or ""
         result.latency = time.perf_counter() - sent
-        if result.success and not result.chunk_times:
-            result.ttft = result.latency
         return result
 
     async def _stream(
@@ -158,7 +163,7 @@ class RequestSender:
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
                     result.usage_reported = True
-                if _chunk_text(chunk, self._chat):
+                if _timed(chunk, self._chat):
                     now = time.perf_counter()
                     if not result.chunk_times:
                         result.ttft = now - sent
@@ -168,19 +173,29 @@ class RequestSender:
                     result.chunk_times.append(now - run_start)
             if not done:
                 raise StreamError("stream ended without data: [DONE]")
+        if not result.chunk_times:
+            raise StreamError(NO_VALID_CHUNK)
         if not result.usage_reported:
             result.output_tokens = len(result.chunk_times)
+            result.prompt_tokens = spec.target_input_len or 0
 
 
-def _chunk_text(chunk: dict, chat: bool) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if chat:
-        delta = choice.get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+NO_VALID_CHUNK = "Never received a valid chunk to calculate TTFT"
+
+
+def _timed(chunk: dict, chat: bool) -> bool:
+    """Whether chunk is timed: it has choices, unless it is a chat chunk that only
+    announces the role (see the module docstring)."""
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices or not isinstance(choices, list):
+        return False
+    if not chat:
+        return True
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    delta = choice.get("delta") or {}
+    announcement = (not choice.get("finish_reason") and "role" in delta
+                    and not any(v for k, v in delta.items() if k != "role"))
+    return not announcement
 
 
 def _message_of(obj: object) -> str:

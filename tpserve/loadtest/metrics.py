@@ -6,6 +6,10 @@ are counted and their messages tallied in ``errors``. Statistics of an empty set
 the chosen metrics and percentiles (vLLM's ``--percentile-metrics`` and
 ``--metric-percentiles``). Per-request lists (seconds) are kept so that plots can be redrawn from the JSON.
 
+``request_goodput`` (vLLM's key) is the successful requests per second that met every
+``--goodput`` objective (TTFT, TPOT, E2E latency, in ms; a request with fewer than two
+output tokens has a TPOT of 0 there, as in vLLM); None when no objective was given.
+
 An embeddings run (``summarize_embeddings``) has the keys of vLLM's pooling result: no
 output tokens, TTFT, TPOT or ITL, only input tokens and the end-to-end latency.
 """
@@ -32,6 +36,7 @@ def summarize(
     record: RunRecord,
     percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
     percentiles: tuple[float, ...] = (99.0,),
+    goodput: dict[str, float] | None = None,
 ) -> dict:
     """The measured metrics of one run (parameters are added by the caller)."""
     ok = [r for r in record.results if r.success]
@@ -49,6 +54,7 @@ def summarize(
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": _per_second(len(ok), duration),
+        "request_goodput": _goodput(ok, goodput, duration),
         "output_throughput": _per_second(total_out, duration),
         "total_token_throughput": _per_second(total_in + total_out, duration),
     }
@@ -68,7 +74,8 @@ def summarize(
     return out
 
 
-def summarize_embeddings(record: RunRecord, percentiles: tuple[float, ...] = (99.0,)) -> dict:
+def summarize_embeddings(record: RunRecord, percentiles: tuple[float, ...] = (99.0,),
+                         goodput: dict[str, float] | None = None) -> dict:
     """The measured metrics of one embeddings run: counts, input tokens (total, mean, per
     second as vLLM's ``total_token_throughput``), request throughput and the end-to-end
     latency with its ``p{N}_e2el_ms``; per-request input lengths and latencies."""
@@ -80,6 +87,7 @@ def summarize_embeddings(record: RunRecord, percentiles: tuple[float, ...] = (99
         "total_input_tokens": total_in,
         "mean_input_tokens": total_in / len(ok) if ok else 0.0,
         "request_throughput": _per_second(len(ok), duration),
+        "request_goodput": _goodput(ok, goodput, duration),
         "total_token_throughput": _per_second(total_in, duration),
         **_latency_stats("e2el", [r.latency for r in ok], percentiles),
         "errors": _errors(record),
@@ -87,6 +95,18 @@ def summarize_embeddings(record: RunRecord, percentiles: tuple[float, ...] = (99
         "target_input_lens": [r.target_input_len for r in ok],
         "e2els": [r.latency for r in ok],
     }
+
+
+def _goodput(ok: list, slos: dict[str, float] | None, duration: float) -> float | None:
+    """Requests per second of ok that met every objective of slos (ms); None without."""
+    if slos is None:
+        return None
+
+    def good(r) -> bool:
+        measured = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
+        return all(measured[name] * 1000.0 <= limit for name, limit in slos.items())
+
+    return _per_second(sum(1 for r in ok if good(r)), duration)
 
 
 def _counts(record: RunRecord) -> dict:
@@ -122,7 +142,7 @@ def _errors(record: RunRecord) -> list[dict]:
 def output_timeline(record: RunRecord) -> dict:
     """Output tokens per second over the run, in TIMELINE_BINS equal bins.
 
-    A request's usage count is spread evenly over its text chunks, so chunks that
+    A request's usage count is spread evenly over its timed chunks, so chunks that
     carry several tokens are still counted right in total.
     """
     width = max(record.duration, 1e-9) / TIMELINE_BINS

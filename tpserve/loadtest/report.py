@@ -42,6 +42,10 @@ def format_summary(result: dict, percentile_metrics: tuple[str, ...] = ("ttft", 
         ]
     lines.append(_row("Benchmark duration (s):", f"{result['duration']:.2f}"))
     lines += _embeddings_rows(result) if is_embeddings(result) else _generation_rows(result)
+    if result.get("request_goodput") is not None:
+        at = next(i for i, line in enumerate(lines) if line.startswith("Request throughput"))
+        lines.insert(at + 1, _row("Request goodput (req/s):",
+                                  f"{result['request_goodput']:.2f}"))
     for key, short, title in SECTIONS:
         if key not in percentile_metrics or f"mean_{key}_ms" not in result:
             continue
@@ -60,7 +64,8 @@ def format_summary(result: dict, percentile_metrics: tuple[str, ...] = ("ttft", 
             lines.append(f"  ... and {len(errors) - MAX_ERRORS_SHOWN} other messages")
     if result.get("requests_without_usage"):
         lines.append(f"Warning: {result['requests_without_usage']} responses had no usage; "
-                     "their output tokens were counted as text chunks")
+                     "their output tokens were counted as chunks, their input tokens "
+                     "as the prompts' known lengths")
     return "\n".join(lines)
 
 

@@ -8,8 +8,10 @@ of the same dataset and are not measured.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -74,7 +76,8 @@ async def build_prompts(
     """n prompts of the configured dataset."""
     if config.dataset == "custom":
         assert config.dataset_path is not None
-        return file_dataset(config.dataset_path, n, config.random_output_len)
+        specs = file_dataset(config.dataset_path, n, config.random_output_len)
+        return await _with_counted_lengths(counter, specs)
     if config.dataset == "sharegpt":
         assert config.dataset_path is not None
         return await sharegpt_dataset(counter, config.dataset_path, n,
@@ -85,6 +88,33 @@ async def build_prompts(
                                     config.num_prefixes)
     return await random_dataset(counter, n, config.random_input_len, config.random_output_len,
                                 config.random_range_ratio, seed)
+
+
+async def _with_counted_lengths(counter: TokenCounter, specs: list[PromptSpec]
+                                ) -> list[PromptSpec]:
+    """specs with target_input_len set to the counter's count of each prompt (once per
+    distinct prompt): the input tokens of a request whose stream has no usage. A prompt
+    the server will not tokenize (too long, say) keeps None: its request tells."""
+    lengths: dict[str, int | None] = {}
+    for spec in specs:
+        if spec.prompt not in lengths:
+            try:
+                lengths[spec.prompt] = await counter.count(spec.prompt)
+            except (httpx.HTTPStatusError, ValueError, KeyError, TypeError):
+                lengths[spec.prompt] = None
+    return [dataclasses.replace(s, target_input_len=lengths[s.prompt]) for s in specs]
+
+
+async def initial_test(sender: Sender, spec: PromptSpec) -> None:
+    """Send one request (spec's prompt, max_tokens 1) before the run, as vLLM's
+    ``bench serve`` does; SetupError when it fails, so that a server that is down or
+    refuses the requests stops the test at once instead of measuring only failures."""
+    _log("initial test request")
+    probe = dataclasses.replace(spec, output_len=1)
+    result = await sender.send(probe, time.perf_counter())
+    if not result.success:
+        raise SetupError(f"initial test request failed: {result.error}; is the server "
+                         "up and are --base-url, --endpoint and --model right?")
 
 
 def make_sender(config: LoadtestConfig, client: httpx.AsyncClient, model: str) -> Sender:
@@ -103,8 +133,13 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
         try:
             model = config.model or await unless_stopped(
                 resolve_model(client, config.base_url), stop)
-            counter = await unless_stopped(
-                choose_counter(client, config.base_url, model, config.endpoint == "chat"), stop)
+            try:
+                counter = await unless_stopped(
+                    choose_counter(client, config.base_url, model, config.endpoint == "chat"),
+                    stop)
+            except httpx.TransportError as e:
+                raise SetupError(f"cannot reach {config.base_url} ({type(e).__name__}: "
+                                 f"{e}); is the server up?") from None
             tokenizer = counter.name
             _log(f"model {model!r}; prompt lengths by {tokenizer}")
             sender = make_sender(config, client, model)
@@ -131,6 +166,8 @@ async def _run_rate(
     prompts = await unless_stopped(build_prompts(config, counter, total, config.seed + index),
                                    stop)
     measured, warmups = prompts[: config.num_prompts], prompts[config.num_prompts:]
+    if index == 0:
+        await unless_stopped(initial_test(sender, measured[0]), stop)
     if warmups:
         _log(f"{len(warmups)} warm-up requests")
         warm = await run_once(sender, warmups, math.inf, 1.0, config.max_concurrency,

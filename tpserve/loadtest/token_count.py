@@ -65,6 +65,8 @@ async def choose_counter(
     """The server's tokenizer when /tokenize answers sensibly, else word counting.
 
     For chat, a server that cannot tokenize messages still counts the message text.
+    A server that cannot be reached (httpx.TransportError: refused connection, timeout)
+    is not a server without /tokenize: the error propagates.
     """
     candidates = [ServerTokenCounter(client, base_url, model, chat=True)] if chat else []
     candidates.append(ServerTokenCounter(client, base_url, model))
@@ -72,6 +74,8 @@ async def choose_counter(
         try:
             if await counter.count("hello world") >= 1:
                 return counter
+        except httpx.TransportError:
+            raise
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             continue
     return WordCounter()
