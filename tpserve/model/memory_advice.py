@@ -248,8 +248,7 @@ def explain_no_fit(f: FitInputs, others: GpuProcesses, device: str, rank: int) -
         f"{_gib(f.workspace)} | CUDA graphs (set aside) {_gib(f.cuda_graphs)}",
     ]
     if others.processes:
-        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
-                     + "; ".join(p.describe() for p in others.processes))
+        lines.append(_others_line(others, device))
     elif f.device_type == "cuda":
         lines.append(f"  other processes hold {_gib(f.total - f.free_at_start)} "
                      f"(not named: {others.source})")
@@ -318,8 +317,7 @@ def explain_pool_oom(f: FitInputs, flag: str, num_blocks: int, message: str, fre
         f"weights {_gib(f.weights)} | activation workspace {_gib(f.workspace)}{graphs}",
     ]
     if others.processes:
-        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
-                     + "; ".join(p.describe() for p in others.processes))
+        lines.append(_others_line(others, device))
     # what is free now, less a tenth for the steps' own allocations
     blocks = int(0.9 * free) // f.bytes_per_block
     if blocks >= num_blocks:  # free memory holds it: a limit refused it, not the device
@@ -388,8 +386,7 @@ def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_
              f"(asked for {'?' if asked is None else _gib(asked)})",
              f"  free at start: {_gib(free_at_start)} of {_gib(total)}"]
     if others.processes:
-        lines.append(f"  other processes on {device} hold {_gib(others.used_bytes)}: "
-                     + "; ".join(p.describe() for p in others.processes))
+        lines.append(_others_line(others, device))
     else:
         lines.append(f"  other processes hold {_gib(total - free_at_start)} (not named: "
                      f"{others.source})")
@@ -403,3 +400,9 @@ def explain_start_oom(stage: str, message: str, device: str, rank: int, free_at_
                      "smaller model or quantized weights, or lower --max-num-batched-tokens "
                      "(the profiled step)")
     return "\n".join(lines)
+
+
+def _others_line(others: GpuProcesses, device: str) -> str:
+    """The line naming the other processes on ``device`` and what they hold."""
+    return (f"  other processes on {device} hold {_gib(others.used_bytes)}: "
+            + "; ".join(p.describe() for p in others.processes))
