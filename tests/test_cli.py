@@ -740,6 +740,25 @@ def test_flag_names_may_have_underscores(tiny_folder):
         "serve", "a_b", "-tp", "2", "--x-y=a_b", "--", "--c_d"]
 
 
+def test_api_key_before_the_model_is_refused_not_served_as_a_key(tiny_folder, capsys):
+    """``--api-key`` takes several keys (vLLM's), so ``--api-key KEY MODEL`` made the
+    model a key and served the embedded model: exit 2 saying so, where the last key names
+    a model (a path that exists, or an org/name id); keys alone, or a model given, pass."""
+    from tpserve.cli import parse_cli
+
+    for model in (str(tiny_folder), "org/name"):
+        with pytest.raises(SystemExit) as info:
+            parse_cli(["serve", "--api-key", "secret", model])
+        assert info.value.code == 2
+        assert (f"--api-key took {model!r} as a key and no model was given: put the model "
+                "before --api-key") in capsys.readouterr().err
+    assert parse_cli(["serve", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    args = parse_cli(["serve", "--model", str(tiny_folder), "--api-key", "k", "org/name"])
+    assert args.api_key == ["k", "org/name"]
+    assert parse_cli(["serve", str(tiny_folder), "--api-key", "secret"]).model == str(
+        tiny_folder)
+
+
 def test_a_json_flag_given_key_by_key(tiny_folder):
     """vLLM's ``--speculative-config.method ngram`` form: the keys (nested ``a.b``, JSON
     values or text, the key's underscores kept) make one object, laid over the flag's own
@@ -760,6 +779,10 @@ def test_a_json_flag_given_key_by_key(tiny_folder):
         "serve", "m", "--x", '{"a": true, "b": {"c": [1]}}']
     assert dotted_json_flags(["serve", "--x", "oops", "--x.a", "1"], flags) == [
         "serve", "--x", "oops"]  # the flag's own JSON check refuses it, naming the flag
+    # a bare "--" and what follows it stay last (the merged flags go before it)
+    assert dotted_json_flags(["serve", "--x.a", "2", "--", "m"], flags) == [
+        "serve", "--x", '{"a": 2}', "--", "m"]
+    assert parse_cli(["serve", "--hf-overrides.y", "2", "--", "m"]).model == "m"
     with pytest.raises(SystemExit):
         parse_cli(["serve", "--speculative-config", "[1]", "--speculative-config.method", "x"])
 

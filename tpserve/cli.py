@@ -147,11 +147,12 @@ def dotted_json_flags(argv: list[str], json_flags: set[str]) -> list[str]:
     dotted: dict[str, dict[str, Any]] = {}
     whole: dict[str, str] = {}
     out: list[str] = []
+    tail: list[str] = []  # from a bare "--" on, after the merged flags
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
-            out += argv[i:]
+            tail = argv[i:]
             break
         name, eq, value = arg.partition("=")
         flag, dot, keys = name.partition(".")
@@ -180,7 +181,7 @@ def dotted_json_flags(argv: list[str], json_flags: set[str]) -> list[str]:
             continue
         _merge(base, keys)
         out += [flag, json.dumps(base)]
-    return out
+    return out + tail
 
 
 def _json_or_text(value: str) -> Any:
@@ -222,7 +223,28 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     if extras:
         sub = subs.get(args.command, parser)
         sub.error(unrecognized_message(sub, extras))  # exits 2
+    if args.command == "serve":
+        _check_keys_took_no_model(args, subs["serve"])
     return args
+
+
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _check_keys_took_no_model(args: argparse.Namespace, serve: argparse.ArgumentParser
+                              ) -> None:
+    """``serve --api-key KEY MODEL``: ``--api-key`` takes several keys (vLLM's), so the
+    model became a key and the embedded model would be served; exits 2 saying so where no
+    model was given and the last key names a model (a path that exists, or an
+    ``org/name`` repository id)."""
+    keys = args.api_key
+    if args.model is not None or args.model_flag is not None or not isinstance(keys, list) \
+            or len(keys) < 2:
+        return
+    last = keys[-1]
+    if os.path.exists(last) or _REPO_ID.fullmatch(last):
+        serve.error(f"--api-key took {last!r} as a key and no model was given: put the model "
+                    "before --api-key (it takes several keys, as vLLM's), or use --model")
 
 
 def _with_config_file(args: argparse.Namespace, argv: list[str],
