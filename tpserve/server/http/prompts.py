@@ -58,6 +58,20 @@ def _content_parts(m: ChatMessage) -> list[dict[str, str]]:
     return [{"type": "text", "text": p.text} for p in m.text_parts()]
 
 
+def _first_tokens(tokenizer: Any, text: str, limit: int) -> str:
+    """``text`` cut to its first ``limit`` tokens (no special tokens counted), at the
+    character where the last kept token ends (vLLM's ``truncate_text_to_tokens``; a
+    tokenizer without offsets: those tokens decoded)."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):  # no offsets (a slow tokenizer)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
+    if len(enc["input_ids"]) <= limit:
+        return text
+    return text[:enc["offset_mapping"][limit - 1][1]]
+
+
 class PromptProcessor:
     def __init__(self, tokenizer: Any, executor: Executor, chat_template: str | None = None,
                  default_template_kwargs: Mapping[str, Any] | None = None,
@@ -77,6 +91,14 @@ class PromptProcessor:
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def first_tokens(self, texts: list[str], limit: int) -> list[str]:
+        """Each text cut to its first ``limit`` tokens (``_first_tokens``; 0: as they are),
+        on the tokenizer's thread (score and rerank's ``max_tokens_per_query/doc``)."""
+        if not limit:
+            return texts
+        return await self._run(lambda: [_first_tokens(self.tokenizer, t, limit)
+                                        for t in texts])
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:

@@ -21,10 +21,9 @@ counts those inputs' tokens.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from fastapi import APIRouter, Request
@@ -189,30 +188,6 @@ def token_limits(body: PoolingScoreOptions, state: ServerState) -> tuple[int, in
     return limits[0], limits[1]
 
 
-def first_tokens(tokenizer: Any, text: str, limit: int) -> str:
-    """``text`` cut to its first ``limit`` tokens (no special tokens counted), at the
-    character where the last kept token ends (vLLM's ``truncate_text_to_tokens``; a
-    tokenizer without offsets: those tokens decoded)."""
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except (NotImplementedError, TypeError, ValueError):  # no offsets (a slow tokenizer)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
-    if len(enc["input_ids"]) <= limit:
-        return text
-    return text[:enc["offset_mapping"][limit - 1][1]]
-
-
-async def cut_texts(state: ServerState, texts: list[str], limit: int) -> list[str]:
-    """Each text cut to its first ``limit`` tokens (``first_tokens``); 0: as they are."""
-    if not limit:
-        return texts
-    loop = asyncio.get_running_loop()
-    tokenizer = state.prompts.tokenizer
-    return list(await loop.run_in_executor(
-        state.prompts.executor, lambda: [first_tokens(tokenizer, t, limit) for t in texts]))
-
-
 async def cut_pairs(state: ServerState, pairs: list[tuple[str, str]],
                     limits: tuple[int, int]) -> list[tuple[str, str]]:
     """Each pair's first text cut to ``limits[0]`` tokens and its second to ``limits[1]``
@@ -222,7 +197,7 @@ async def cut_pairs(state: ServerState, pairs: list[tuple[str, str]],
     sides = []
     for k, limit in enumerate(limits):
         distinct = list(dict.fromkeys(p[k] for p in pairs))
-        sides.append(dict(zip(distinct, await cut_texts(state, distinct, limit),
+        sides.append(dict(zip(distinct, await state.prompts.first_tokens(distinct, limit),
                               strict=True)))
     return [(sides[0][a], sides[1][b]) for a, b in pairs]
 
