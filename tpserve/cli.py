@@ -13,7 +13,7 @@ import sys
 from typing import Any, NoReturn
 
 from tpserve import __version__
-from tpserve.server.flag_types import json_object
+from tpserve.server.flag_types import reads_json_object
 
 # help text that states its default itself ("default: the model's", "%(default)s")
 _STATES_DEFAULT = re.compile(r"default:|%\(default\)")
@@ -214,8 +214,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     (``dotted_json_flags``)."""
     parser, subs = build_parser()
     argv = dotted_json_flags(dashed_flags(argv), {
-        opt for action in subs["serve"]._actions
-        if action.type is json_object or action.metavar == "JSON"
+        opt for action in subs["serve"]._actions if reads_json_object(action)
         for opt in action.option_strings})
     args, extras = parser.parse_known_args(argv)
     if args.command == "serve" and args.config is not None and not extras:

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tpserve.server.flag_types import reads_json_object
+
 
 def config_file_args(path: str, parser: argparse.ArgumentParser,
                      model_given: bool) -> list[str]:
@@ -76,7 +78,6 @@ def _flag(name: str, value: Any, action: argparse.Action, path: str) -> list[str
 
 def _takes_json(action: argparse.Action) -> bool:
     """Whether a one-value flag reads JSON (an object, or a list as --allowed-origins)."""
-    from tpserve.server.flag_types import json_object
     from tpserve.server.http.cors import parse_list
 
-    return action.type in (json_object, parse_list) or action.metavar in ("JSON", "LIST")
+    return reads_json_object(action) or action.type is parse_list or action.metavar == "LIST"

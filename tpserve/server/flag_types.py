@@ -16,3 +16,9 @@ def json_object(value: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("a JSON object is expected")
     return parsed
+
+
+def reads_json_object(action: argparse.Action) -> bool:
+    """Whether a flag takes a JSON object: typed ``json_object``, or read as JSON later
+    (metavar ``JSON``: ``--hf-overrides``, ``--pooler-config``)."""
+    return action.type is json_object or action.metavar == "JSON"
