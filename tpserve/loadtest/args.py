@@ -9,14 +9,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpserve.loadtest.goodput import parse_goodput
+
 ENDPOINTS = ("completions", "chat", "embeddings")
 # vLLM's spellings of the request kind: --endpoint as a path, and --backend.
 ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                   "/v1/embeddings": "embeddings"}
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat",
             "openai-embeddings": "embeddings"}
-# --goodput's SLO names (vLLM's): milliseconds of TTFT, TPOT, end-to-end latency
-GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 # vLLM's --dataset-name values this load test knows, and the older names kept as aliases.
 DATASETS = ("random", "sharegpt", "prefix-repetition", "custom")
 DATASET_ALIASES = {"shared-prefix": "prefix-repetition", "prefix": "prefix-repetition",
@@ -369,6 +369,14 @@ def _endpoint(text: str) -> str:
     return name
 
 
+def _goodput(items: list[str] | None, embeddings: bool) -> dict[str, float] | None:
+    """--goodput (``goodput.parse_goodput``); ConfigError when malformed."""
+    try:
+        return parse_goodput(items, embeddings)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _resolve_endpoint(endpoint: str | None, backend: str | None) -> str:
     """The request kind of --endpoint and --backend; ConfigError when they disagree."""
     implied = BACKENDS[backend] if backend is not None else None
@@ -376,29 +384,6 @@ def _resolve_endpoint(endpoint: str | None, backend: str | None) -> str:
         raise ConfigError(f"--backend {backend} sends {implied} requests, but --endpoint "
                           f"says {endpoint}")
     return endpoint or implied or "completions"
-
-
-def _goodput(items: list[str] | None, embeddings: bool) -> dict[str, float] | None:
-    """--goodput KEY:VALUE ... as {metric: milliseconds}; ConfigError when malformed."""
-    if items is None:
-        return None
-    slos: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in GOODPUT_METRICS:
-            raise ConfigError(f"--goodput {item!r}: expected KEY:VALUE with KEY one of "
-                              f"{', '.join(GOODPUT_METRICS)}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ConfigError(f"--goodput {item!r}: {value!r} is not a number") from None
-        if not (ms >= 0 and math.isfinite(ms)):
-            raise ConfigError(f"--goodput {item!r}: the value must be a number of "
-                              "milliseconds, 0 or more")
-        slos[key] = ms
-    if embeddings and set(slos) - {"e2el"}:
-        raise ConfigError("--goodput can only set e2el with --endpoint embeddings")
-    return slos
 
 
 def _refuse_generation_flags(args: argparse.Namespace) -> None:

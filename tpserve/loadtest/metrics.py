@@ -21,6 +21,7 @@ from collections import Counter
 
 import numpy as np
 
+from tpserve.loadtest.goodput import meets
 from tpserve.loadtest.runner import RunRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -101,12 +102,7 @@ def _goodput(ok: list, slos: dict[str, float] | None, duration: float) -> float 
     """Requests per second of ok that met every objective of slos (ms); None without."""
     if slos is None:
         return None
-
-    def good(r) -> bool:
-        measured = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
-        return all(measured[name] * 1000.0 <= limit for name, limit in slos.items())
-
-    return _per_second(sum(1 for r in ok if good(r)), duration)
+    return _per_second(sum(1 for r in ok if meets(r, slos)), duration)
 
 
 def _counts(record: RunRecord) -> dict:
