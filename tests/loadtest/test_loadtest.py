@@ -32,7 +32,8 @@ REQUIRED_KEYS = (
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
     "request_throughput", "output_throughput", "total_token_throughput", "errors",
     "interrupted", "model", "endpoint", "dataset", "num_prompts", "request_rate",
-    "burstiness", "max_concurrency", "seed",
+    "burstiness", "max_concurrency", "seed", "endpoint_type", "backend", "model_id",
+    "tokenizer_id",
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", "median", "std")),
     # the default --percentile-metrics ttft,tpot,itl and --metric-percentiles 99
@@ -113,6 +114,10 @@ def test_result_json_has_the_vllm_keys_and_sane_values(basic_run):
     missing = [k for k in REQUIRED_KEYS if k not in result]
     assert not missing, f"missing keys: {missing}"
     assert result["request_rate"] == "inf" and result["max_concurrency"] == 4
+    # vLLM's opening keys: its backend name of the request kind, the model and the
+    # tokenizer that counted the prompts (the served model's, through /tokenize)
+    assert result["endpoint_type"] == result["backend"] == "openai"
+    assert result["model_id"] == result["tokenizer_id"] == MODEL_ID
     assert result["duration"] > 0
     assert result["output_throughput"] == pytest.approx(240 / result["duration"])
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"]
@@ -308,7 +313,7 @@ def test_without_tokenize_lengths_are_approximated(tmp_path):
     with run_fake_server(tokenize=False) as server:
         rc, result, _ = small(server, tmp_path, prompts=3)
     assert rc == 0 and result["completed"] == 3
-    assert result["tokenizer"].startswith("approximate")
+    assert result["tokenizer"].startswith("approximate") and result["tokenizer_id"] is None
     assert all(abs(n - 24) <= 1 for n in result["input_lens"])
 
 
@@ -601,17 +606,34 @@ def test_a_stream_without_any_choice_is_a_failed_request(tmp_path):
         {"message": "Never received a valid chunk to calculate TTFT", "count": 2}]
 
 
-@pytest.mark.parametrize(("flags", "endpoint", "key"), [
-    (("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"), "chat", "messages"),
-    (("--backend", "openai"), "completions", "prompt"),
-    (("--endpoint", "/v1/completions"), "completions", "prompt"),
-    (("--backend", "vllm", "--endpoint", "/v1/completions"), "completions", "prompt"),
+@pytest.mark.parametrize(("flags", "endpoint", "key", "backend"), [
+    (("--backend", "openai-chat", "--endpoint", "/v1/chat/completions"), "chat", "messages",
+     "openai-chat"),
+    (("--backend", "openai"), "completions", "prompt", "openai"),
+    (("--endpoint", "/v1/completions"), "completions", "prompt", "openai"),
+    (("--endpoint", "chat"), "chat", "messages", "openai-chat"),
+    (("--backend", "vllm", "--endpoint", "/v1/completions"), "completions", "prompt", "vllm"),
 ])
-def test_vllm_spellings_of_the_request_kind(tmp_path, flags, endpoint, key):
+def test_vllm_spellings_of_the_request_kind(tmp_path, flags, endpoint, key, backend):
     with run_fake_server() as server:
         rc, result, _ = small(server, tmp_path, *flags, "--disable-tqdm", prompts=1)
         assert key in server.stats.bodies[0]
     assert rc == 0 and result["endpoint"] == endpoint
+    assert result["backend"] == result["endpoint_type"] == backend  # as vLLM's result
+
+
+def test_metadata_pairs_are_keys_of_the_result(tmp_path):
+    """vLLM's --metadata KEY=VALUE: split at the first '=', stripped; the run's own keys
+    win over a pair of the same name."""
+    with run_fake_server() as server:
+        rc, result, _ = small(server, tmp_path, "--metadata", "gpu=H200", " tp = 2 ",
+                              "flags=--a=b", "seed=9", prompts=1)
+    assert rc == 0
+    assert (result["gpu"], result["tp"], result["flags"]) == ("H200", "2", "--a=b")
+    assert result["seed"] == 0
+    for bad in ("gpu", "=H200"):
+        with pytest.raises(ConfigError, match="--metadata items are KEY=VALUE"):
+            config_from_args(parse("--metadata", bad))
 
 
 def test_vllm_flag_spellings_parse_to_the_same_config(tmp_path):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpserve.loadtest.goodput import parse_goodput
+from tpserve.loadtest.result_header import BACKEND_OF_ENDPOINT, parse_metadata
 
 ENDPOINTS = ("completions", "chat", "embeddings")
 # vLLM's spellings of the request kind: --endpoint as a path, and --backend.
@@ -56,6 +57,7 @@ class LoadtestConfig:
     base_url: str
     model: str | None
     endpoint: str
+    backend: str
     num_prompts: int
     request_rates: tuple[float, ...]
     sweep: bool
@@ -80,6 +82,7 @@ class LoadtestConfig:
     metric_percentiles: tuple[float, ...]
     goodput: dict[str, float] | None
     label: str | None
+    metadata: tuple[tuple[str, str], ...]
     plot: bool
     progress: bool
 
@@ -253,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "per second) is reported")
     out.add_argument("--label", default=None,
                      help="free text stored in the JSON and shown in the plot title")
+    out.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
+                     help="pairs stored as keys of the JSON result, as vLLM's, e.g. "
+                          "--metadata gpu=H200 tp=2")
     out.add_argument("--no-plot", dest="plot", action="store_false",
                      help="write only the JSON result, no PNG")
     out.add_argument("--no-progress", "--disable-tqdm", dest="progress",
@@ -330,6 +336,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         base_url=base_url,
         model=args.model,
         endpoint=endpoint,
+        backend=args.backend or BACKEND_OF_ENDPOINT[endpoint],
         num_prompts=args.num_prompts,
         request_rates=rates,
         sweep=sweep,
@@ -352,8 +359,9 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         timeout=args.timeout,
         percentile_metrics=metrics,
         metric_percentiles=_as_percentiles(args.metric_percentiles),
-        goodput=_goodput(args.goodput, embeddings),
+        goodput=_parsed(parse_goodput, args.goodput, embeddings),
         label=args.label,
+        metadata=_parsed(parse_metadata, args.metadata),
         plot=args.plot,
         progress=args.progress,
     )
@@ -369,10 +377,11 @@ def _endpoint(text: str) -> str:
     return name
 
 
-def _goodput(items: list[str] | None, embeddings: bool) -> dict[str, float] | None:
-    """--goodput (``goodput.parse_goodput``); ConfigError when malformed."""
+def _parsed(parse, *args):
+    """A flag's value through its parser (--goodput's, --metadata's); its ValueError a
+    ConfigError."""
     try:
-        return parse_goodput(items, embeddings)
+        return parse(*args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

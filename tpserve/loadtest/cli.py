@@ -21,6 +21,7 @@ from tpserve.loadtest.interrupt import sigint_sets
 from tpserve.loadtest.metrics import summarize, summarize_embeddings
 from tpserve.loadtest.plot import write_plot
 from tpserve.loadtest.report import format_summary, format_sweep, write_json
+from tpserve.loadtest.result_header import result_header
 from tpserve.loadtest.runner import RunRecord
 from tpserve.loadtest.session import Session, SetupError, run_session
 
@@ -54,7 +55,9 @@ async def _run(config: LoadtestConfig) -> Session:
 def build_document(config: LoadtestConfig, session: Session) -> dict:
     """The JSON result: one flat result for a single rate, else {"results": [...]}."""
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    common = {"date": date, "model": session.model, "tokenizer": session.tokenizer,
+    header = result_header(config.backend, session.model, session.tokenizer_id,
+                           config.metadata)
+    common = {"date": date, **header, "model": session.model, "tokenizer": session.tokenizer,
               **config.parameters()}
     results = [{**common, **_summary(config, record)} for record in session.records]
     if not config.sweep:

@@ -43,6 +43,7 @@ class Session:
 
     model: str | None
     tokenizer: str | None
+    tokenizer_id: str | None  # vLLM's: the served model's, when its /tokenize counted
     records: tuple[RunRecord, ...]
     interrupted: bool
 
@@ -127,7 +128,7 @@ def make_sender(config: LoadtestConfig, client: httpx.AsyncClient, model: str) -
 
 async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
     """Run every rate of config until done or until stop is set."""
-    model = tokenizer = None
+    model = tokenizer = tokenizer_id = None
     records: list[RunRecord] = []
     async with make_client(config) as client:
         try:
@@ -140,7 +141,7 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
             except httpx.TransportError as e:
                 raise SetupError(f"cannot reach {config.base_url} ({type(e).__name__}: "
                                  f"{e}); is the server up?") from None
-            tokenizer = counter.name
+            tokenizer, tokenizer_id = counter.name, counter.tokenizer_id
             _log(f"model {model!r}; prompt lengths by {tokenizer}")
             sender = make_sender(config, client, model)
             for index, rate in enumerate(config.request_rates):
@@ -149,8 +150,8 @@ async def run_session(config: LoadtestConfig, stop: asyncio.Event) -> Session:
                     break
         except Interrupted:
             pass
-    return Session(model=model, tokenizer=tokenizer, records=tuple(records),
-                   interrupted=stop.is_set())
+    return Session(model=model, tokenizer=tokenizer, tokenizer_id=tokenizer_id,
+                   records=tuple(records), interrupted=stop.is_set())
 
 
 async def _run_rate(

@@ -11,6 +11,8 @@ class TokenCounter(Protocol):
     """Counts the prompt tokens the server will see for a text (BOS included, if any)."""
 
     name: str
+    # the model whose tokenizer counts (vLLM's tokenizer_id); None: no tokenizer's
+    tokenizer_id: str | None
 
     async def count(self, text: str) -> int: ...
 
@@ -23,6 +25,7 @@ class WordCounter:
     """
 
     name = "approximate (1 token per word)"
+    tokenizer_id = None
 
     async def count(self, text: str) -> int:
         return len(text.split())
@@ -43,6 +46,7 @@ class ServerTokenCounter:
         self._model = model
         self._chat = chat
         self.name = "server /tokenize (chat template included)" if chat else "server /tokenize"
+        self.tokenizer_id = model
 
     async def count(self, text: str) -> int:
         body: dict = {"model": self._model}
