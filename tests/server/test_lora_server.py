@@ -181,8 +181,9 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     replicas at tp 2 each: b loads into the free slot of both and answers as PEFT's b; a third adapter finds no slot; unloading b frees
     it (its name then a 404), and an adapter loaded there next (a's folder as "c") answers
     as a, not from b's cached blocks of the same prompt; what cannot load is a 400 that
-    leaves the slot free; b named by repository id loads from the Hugging Face cache (one
-    the cache lacks: a 400 naming it). A server started without the variable refuses both
+    leaves the slot free, and a path that holds no adapter (no folder, no adapter_config.json,
+    a repository id the cache lacks) vLLM's 404 "No adapter found"; b named by repository id
+    loads from the Hugging Face cache. A server started without the variable refuses both
     routes."""
     static, want, folders, server = served
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", timeout=120,
@@ -205,7 +206,8 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
         _complete(client, "b", PROMPTS[0])
     assert _post(server, "unload_lora_adapter", lora_name="b").status_code == 404
     r = _post(server, "load_lora_adapter", lora_name="d", lora_path=str(tmp_path))
-    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert "No adapter found" in r.text and "no adapter_config.json" in r.text, r.text
     garbage = tmp_path / "garbage"  # weights safetensors cannot read: a 400, served on
     shutil.copytree(folders["a"], garbage)
     (garbage / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
@@ -237,7 +239,9 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     r = _post(server, "load_lora_adapter", **swap)  # the slot it left is free again
     assert r.status_code == 200, r.text
     r = _post(server, "load_lora_adapter", lora_name="e", lora_path="tpserve-test/none")
-    assert r.status_code == 400 and "'tpserve-test/none'" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "'tpserve-test/none'" in r.json()["error"]["message"]
+    r = _post(server, "load_lora_adapter", lora_name="e", lora_path=str(tmp_path / "no"))
+    assert r.status_code == 404 and "No adapter found for" in r.text, r.text
     server.wait_pool_free()
     r = _post(static, "load_lora_adapter", lora_name="x", lora_path=str(folders["a"]))
     assert r.status_code == 400 and "runtime LoRA updates are off" in r.text

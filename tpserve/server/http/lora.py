@@ -2,7 +2,8 @@
 ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
 ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``), answered as vLLM answers them
 (plain-text success, 400 for a name already served or an adapter that cannot be loaded,
-404 for unloading a name not served). A ``lora_path`` that is a Hugging Face repository id
+404 for a path that holds no adapter (vLLM's "No adapter found") and for unloading a name
+not served). A ``lora_path`` that is a Hugging Face repository id
 (not a local path) is fetched into the cache (``--download-dir``) first, off the event
 loop, as vLLM resolves one. They need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
 at start-up (the engine refuses them otherwise, 400).
@@ -14,12 +15,14 @@ The engine owns the slots (``server/engine/lora_slots``); this side maps names t
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from tpserve.model.loader.hub import local_folder
+from tpserve.model.lora.adapter import CONFIG_FILE
 from tpserve.server.engine.errors import InvalidRequestError
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.lora_names import ServedAdapter
@@ -54,7 +57,9 @@ def make_lora_router() -> APIRouter:
         try:  # a repository id, as vLLM takes one: its snapshot in the cache
             path = await asyncio.to_thread(local_folder, body.lora_path, state.download_dir)
         except FileNotFoundError as e:
-            raise APIError.bad_request(str(e), "lora_path") from None
+            raise _no_adapter(name, body.lora_path, str(e)) from None
+        if not await asyncio.to_thread(Path(path, CONFIG_FILE).is_file):
+            raise _no_adapter(name, path, f"no {CONFIG_FILE} in {path}")
         async with state.loras.lock:
             old = state.loras.get(name)
             if state.serves_base(name) or (old is not None and not body.load_inplace):
@@ -89,3 +94,9 @@ def make_lora_router() -> APIRouter:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     return router
+
+
+def _no_adapter(name: str, path: str, why: str) -> APIError:
+    """vLLM's answer to a path without an adapter: 404, NotFoundError."""
+    return APIError(404, f"Loading lora {name} failed: No adapter found for {path} ({why})",
+                    param="lora_path")
