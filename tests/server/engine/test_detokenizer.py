@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer against the SmolLM2 byte-level BPE tokenizer (from its GGUF)."""
+"""IncrementalDetokenizer against the SmolLM2 byte-level BPE tokenizer (from its GGUF), and
+against a Llama-2-style SentencePiece one where its prompt context matters."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import importlib.util
 
 import pytest
 
+from tests.server.engine.test_token_texts import sentencepiece_tokenizer
 from tpserve.model.sampling_params import SamplingParams
 from tpserve.server.engine.detokenizer import IncrementalDetokenizer
-from tpserve.server.engine.token_texts import TokenTexts
 
 TEXTS = [
     "Hello world, this is a plain sentence.",
@@ -192,15 +193,24 @@ def test_stop_string_with_multibyte(tok):
         assert not any("\ufffd" in p for p in pieces)
 
 
-def test_token_texts_are_each_tokens_own_text_decoded_once(tok):
-    """``TokenTexts``: a token's text on its own, special tokens by name, kept per id."""
-    texts = TokenTexts(tok)
-    hello = encode(tok, " Hello")
-    assert len(hello) == 1 and texts(hello[0]) == " Hello"
-    assert texts(tok.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
-    ids = list(range(0, len(tok), 97))
-    assert [texts(i) for i in ids] == [tok.decode([i], skip_special_tokens=False)
-                                       for i in ids]
-    assert len(texts) == len(set(ids) | {hello[0], tok.convert_tokens_to_ids("<|im_end|>")})
-    assert [texts(i) for i in ids[::-1]] == [tok.decode([i], skip_special_tokens=False)
-                                             for i in ids[::-1]]
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    return sentencepiece_tokenizer(tmp_path_factory.mktemp("spm"))
+
+
+@pytest.mark.parametrize("prompt_text", ["Crabs: 🦀🦀", "Sum: ∑≠"])
+def test_first_token_keeps_its_space_after_a_prompt_ending_in_byte_fallback(spm, prompt_text):
+    """A SentencePiece decoder drops a text's first space: the first output token keeps
+    its space only decoded after prompt tokens. After two byte-fallback characters, the
+    prompt's last 5 tokens start inside the first one and decode to U+FFFDs; the context
+    is the shortest suffix of 4 to 23 tokens whose decode holds none (as vLLM primes its
+    detokenizer), one that starts on a character's first byte, and " in" stays " in"."""
+    prompt = spm.encode(prompt_text)
+    last = prompt_text[-2:].encode()
+    assert spm.convert_ids_to_tokens(prompt)[-len(last):] == [f"<0x{b:02X}>" for b in last]
+    assert "\ufffd" in spm.decode(prompt[-5:])
+    out = spm.encode(" in the", add_special_tokens=False)
+    assert spm.convert_ids_to_tokens(out)[0] == "▁in" and spm.decode(out[:1]) == "in"
+    pieces, detok = stream(spm, out, prompt=prompt)
+    assert pieces[0] == " in"
+    assert "".join(pieces) == detok.output_text == " in the"

@@ -100,3 +100,35 @@ def test_entries_already_held_are_not_added_again():
     state.add_prompt_logprobs(4, entries(4, 5, -3))
     assert [e.token_id for e in state.scored_prompt()] == [2, 3, 4, 5, 6]
     assert not state.seqs[0].scores_prompt
+
+
+def test_prompt_token_texts_spell_a_prompt_of_split_characters(tiny_llama, smollm2_tokenizer):
+    """Each scored token's text is read at its prompt position (``TokenTexts``, as vLLM
+    corrects prompt logprobs after the prompt tokens before them). A prompt of single-byte
+    tokens (SmolLM2's byte tokens lie within the tiny Llama's 256 ids) holding multi-byte
+    characters, scored in chunks: a byte that only starts a character reads "", the one that
+    completes it the whole character, so the texts spell the prompt past its first token;
+    an alternative byte outside ASCII reads "" or the character it completes there."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = smollm2_tokenizer
+    text = "Party 🎉 time: 中文, é!"
+    char_of = bytes_to_unicode()
+    byte_of = {tok.convert_tokens_to_ids(c): b for b, c in char_of.items()}
+    prompt = [tok.convert_tokens_to_ids(char_of[b]) for b in text.encode()]
+    assert max(prompt) < 256 and tok.decode(prompt) == text
+    core = make_core(tiny_llama, tok, num_blocks=40, budget=7)
+    outs = submit(core, "x", prompt, SamplingParams(temperature=0, max_tokens=1,
+                                                    prompt_logprobs=5))
+    run_to_end(core)
+    scored = outs[0].deltas[0].prompt_logprobs
+    assert [e.token_id for e in scored] == prompt[1:]
+    assert [e.text for e in scored][5:9] == ["", "", "", "🎉"]
+    assert "".join(e.text for e in scored) == text[1:]
+    alternatives = [(t, alt) for e in scored for t, alt, _ in e.top]
+    # some alternative bytes complete a character there (🎕 for 🎉's last byte, 丒 ...)
+    assert any(alt and t in byte_of and byte_of[t] >= 0x80 for t, alt in alternatives)
+    for t, alt in alternatives:
+        assert not alt.endswith("\ufffd")
+        if t in byte_of and byte_of[t] >= 0x80:
+            assert alt == "" or (len(alt) == 1 and alt.encode()[-1] == byte_of[t]), (t, alt)

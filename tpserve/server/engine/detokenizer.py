@@ -2,11 +2,17 @@
 
 Decoding: the token list is a few trailing prompt tokens (context, so that the first output
 token's leading space comes out as it would in the middle of a text) followed by the output
-tokens. Each step decodes only a small window ``ids[prefix:]`` and takes the text beyond
-``decode(ids[prefix:read])``; the offsets move forward once the window's new text is
-complete. Text ending in U+FFFD (an incomplete multi-byte character) is held back until a
-later token completes it; only at :meth:`IncrementalDetokenizer.flush` does an incomplete
-tail come out, as the U+FFFD a full decode would show too.
+tokens. The context is the shortest suffix of 4 to 23 prompt tokens whose decode holds no
+U+FFFD (as vLLM primes its detokenizer): it starts on a character's first byte, so a prompt
+ending in byte-fallback characters (its last few tokens start inside one) has a context too.
+Without such a suffix (a prompt of fewer than 4 tokens, or U+FFFD in each), it is the last
+5 tokens, or none if their decode ends in U+FFFD (a prompt cut inside a character, whose
+bytes the output's first ones would complete). Each step decodes only a small window
+``ids[prefix:]`` and takes the text beyond ``decode(ids[prefix:read])``; the offsets move
+forward once the window's new text is complete. Text ending in U+FFFD (an incomplete
+multi-byte character) is held back until a later token completes it; only at
+:meth:`IncrementalDetokenizer.flush` does an incomplete tail come out, as the U+FFFD a full
+decode would show too.
 
 Stop strings: the decoded characters form one stream. The stop fires at the first character
 position where any stop string is complete (if several complete there, the longest wins), so
@@ -29,7 +35,8 @@ from typing import Any
 from tpserve.model.sampling_params import SamplingParams
 
 _INCOMPLETE = "\ufffd"
-_CONTEXT_TOKENS = 5
+_CONTEXT_TOKENS = range(4, 24)  # the prompt suffixes tried as context, shortest first
+_FALLBACK_CONTEXT = 5  # the context without a whole-character suffix
 
 
 class IncrementalDetokenizer:
@@ -45,10 +52,7 @@ class IncrementalDetokenizer:
         self._min_tokens = params.min_tokens
         self._count = 0  # output tokens added
         self._min_end = 0  # a stop string must end past _text[:_min_end] (min_tokens)
-        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        # A prompt cut inside a character would merge with the output's first bytes.
-        if context and self._decode(context).endswith(_INCOMPLETE):
-            context = []
+        context = self._context(prompt_token_ids)
         self._ids: list[int] = context
         self._prefix = 0  # window start: decode(ids[prefix:read]) is text already taken
         self._read = len(context)  # ids before this have all their text in _text
@@ -95,6 +99,18 @@ class IncrementalDetokenizer:
         self._flushed = True
         self._text += self._decode_step(final=True)
         return self._confirm(final=True)
+
+    def _context(self, prompt: list[int]) -> list[int]:
+        """The prompt tokens the output is decoded after (see the module doc)."""
+        for n in _CONTEXT_TOKENS:
+            if n > len(prompt):
+                break
+            suffix = list(prompt[-n:])
+            if _INCOMPLETE not in self._decode(suffix):
+                return suffix
+        tail = list(prompt[-_FALLBACK_CONTEXT:])
+        # a prompt cut inside a character would merge with the output's first bytes
+        return [] if tail and self._decode(tail).endswith(_INCOMPLETE) else tail
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)

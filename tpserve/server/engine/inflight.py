@@ -65,7 +65,8 @@ def wait_for(event: Any, counters: dict[str, float]) -> None:
 
 def collect_prompt(flight: InFlight, requests: dict[str, RequestState],
                    counters: dict[str, float], texts: TokenTexts) -> None:
-    """Hands each scored chunk's rows (read back now) to its request."""
+    """Hands each scored chunk's rows (read back now) to its request. Each text is read at
+    its prompt position, after the prompt's tokens before it (``TokenTexts``)."""
     assert flight.prompt is not None
     wait_for(flight.prompt_event, counters)
     host = flight.prompt
@@ -77,11 +78,13 @@ def collect_prompt(flight: InFlight, requests: dict[str, RequestState],
         if state is not None and not seq.is_finished:
             want = seq.params.prompt_logprobs
             entries = []
+            prompt = seq.prompt_token_ids
             for r in range(row, row + k):
-                target = seq.prompt_token_ids[start + 1 + r - row]
+                at = start + 1 + r - row
                 pairs = zip(top_ids[r][:want], top_lps[r][:want], strict=True)
-                top = tuple((t, texts(t), lp) for t, lp in pairs)
-                entries.append(TokenLogprob(target, texts(target), lps[r], top, ranks[r]))
+                top = tuple((t, texts(t, prompt, at), lp) for t, lp in pairs)
+                entries.append(TokenLogprob(prompt[at], texts(prompt[at], prompt, at),
+                                            lps[r], top, ranks[r]))
             state.add_prompt_logprobs(start, entries)
         row += k
 

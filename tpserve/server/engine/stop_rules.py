@@ -74,9 +74,13 @@ def apply_stop_rules(seq: Sequence, state: RequestState, eos_token_ids: frozense
 def token_logprobs(seq: Sequence, row: int, result: Any,
                    texts: TokenTexts) -> tuple[TokenLogprob, ...] | None:
     """The newest token's log-probability and its top alternatives (row ``row`` of the
-    step's sample ``result``), when the request asked for log-probabilities."""
+    step's sample ``result``), when the request asked for log-probabilities. Each text is
+    read at the token's position after the sequence's earlier output tokens (``TokenTexts``:
+    a token holding part of a character gets its share of it)."""
     if seq.params.logprobs is None or result is None:
         return None
-    token = seq.output_token_ids[-1]
-    top = tuple((t, texts(t), lp) for t, lp in result.top_logprobs[row])
-    return (TokenLogprob(token, texts(token), result.logprobs[row], top),)
+    out = seq.output_token_ids
+    end = len(out) - 1
+    token = out[end]
+    top = tuple((t, texts(t, out, end), lp) for t, lp in result.top_logprobs[row])
+    return (TokenLogprob(token, texts(token, out, end), result.logprobs[row], top),)
