@@ -267,6 +267,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     over = _cfg(str(tiny_folder), "--override-generation-config",
                 '{"temperature": 0.6, "max_new_tokens": 64}').server.generation_overrides
     assert over == (("temperature", 0.6), ("max_tokens", 64))
+    # a folder's generation_config.json: its eos ids end generations on every rank
+    assert _cfg(str(tiny_folder), "--generation-config", str(tiny_folder)
+                ).runner.generation_config == str(tiny_folder)
     cors = _cfg(str(tiny_folder), "--allowed-origins", '["*"]', "--allowed-methods",
                 "GET,POST", "--allow-credentials").server.cors
     assert (cors.allowed_origins, cors.allowed_methods, cors.allowed_headers,

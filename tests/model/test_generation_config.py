@@ -1,4 +1,5 @@
-"""``--generation-config``: a model folder's generation_config.json -> sampling defaults."""
+"""``--generation-config``: a model folder's generation_config.json -> sampling defaults,
+and its ``eos_token_id`` -> the model's end-of-generation ids."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 
 from tests.model.util import save_hf_folder
 from tpserve.model.generation_config import (
+    EMBEDDED_GENERATION_DEFAULTS,
     GenerationDefaults,
+    generation_config_folder,
     parse_generation_config,
     resolve_generation_defaults,
 )
-from tpserve.model.loader.checkpoint import EMBEDDED_GENERATION_DEFAULTS, open_checkpoint
+from tpserve.model.loader.checkpoint import open_checkpoint
 
 # as Llama-3-8B-Instruct ships it, plus the other fields tpserve reads
 LLAMA3_FILE = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128009],
@@ -95,3 +98,88 @@ def test_a_file_that_is_not_json_is_refused(tmp_path):
     (tmp_path / "generation_config.json").write_text("{temperature: 0.6")
     with pytest.raises(ValueError, match="not a readable JSON file"):
         resolve_generation_defaults(str(tmp_path), None, "auto")
+
+
+def test_the_files_eos_ids_join_the_configs(model_folder, tmp_path):
+    """vLLM adds generation_config.json's ``eos_token_id`` (an id or a list) to every
+    request's stop tokens, reading the model's file under ``auto`` and ``vllm`` alike and a
+    ``--generation-config`` folder's file instead: the checkpoint's eos ids are config.json's
+    (Llama's 2) then the file's new ones, whatever else it holds."""
+    llama3 = (2, 128001, 128009)
+    assert open_checkpoint(str(model_folder)).config.eos_token_ids == llama3
+    assert open_checkpoint(str(model_folder), generation_config="vllm"
+                           ).config.eos_token_ids == llama3
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": 107}))
+    assert open_checkpoint(str(model_folder), generation_config=str(other)
+                           ).config.eos_token_ids == (2, 107)
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
+    with pytest.raises(ValueError, match=r"other/generation_config.json: eos_token_id must be "
+                                         r"a token id or a list of token ids, got \[2, None\]"):
+        open_checkpoint(str(model_folder), generation_config=str(other))
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert open_checkpoint(str(model_folder), generation_config=str(other)
+                           ).config.eos_token_ids == (2,)
+
+
+def test_which_folders_file_each_setting_reads(model_folder, tmp_path):
+    """The one rule for the sampling defaults and the eos ids: a folder argument names its
+    own file; ``auto`` and ``vllm`` the model folder's, a GGUF file's folder's; the
+    embedded model and dummy shapes have none."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    for setting in ("auto", "vllm"):
+        assert generation_config_folder(setting, str(model_folder)) == model_folder
+        assert generation_config_folder(setting, str(gguf)) == tmp_path
+        assert generation_config_folder(setting, None) is None
+        assert generation_config_folder(setting, "llama3-8b") is None
+    assert generation_config_folder(str(tmp_path), str(model_folder)) == tmp_path
+    assert open_checkpoint(None).config.eos_token_ids == (2,)  # no file: the GGUF's own
+
+
+def test_an_eos_id_only_the_file_names_ends_generation(tmp_path, smollm2_tokenizer):
+    """EngineCore on a tiny Llama whose LM head is all zeros (every logit ties, so greedy
+    decoding picks token 0), with config.json's eos 2 and generation_config.json's [2, 0]:
+    token 0 ends the sequence (finish reason stop) as vLLM's stop token does
+    (gemma-2-it's <end_of_turn>, 107, is named only there), ignored under ``ignore_eos``
+    and held off by ``min_tokens`` like the model's own EOS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tpserve.model.runner import ModelRunner
+    from tpserve.model.runner_config import RunnerConfig
+    from tpserve.model.sampling_params import SamplingParams
+    from tpserve.parallel.state import TPGroup
+    from tpserve.server.engine.config import EngineConfig
+    from tpserve.server.engine.engine_core import EngineCore
+    from tpserve.server.engine.request_state import RequestState
+    from tpserve.server.engine.scheduler import SchedulerConfig
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        eos_token_id=2, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]))
+    with torch.no_grad():
+        hf.lm_head.weight.zero_()
+    folder = save_hf_folder(hf, tmp_path / "tiny", 1)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                            block_size=16)
+    runner = ModelRunner(RunnerConfig(model=str(folder), kv_cache_memory=1 << 20),
+                         sched.limits, TPGroup(0, 1, torch.device("cpu"), None))
+    core = EngineCore(runner, smollm2_tokenizer, sched, EngineConfig())
+    assert core.eos_token_ids == {2, 0}
+
+    def run(**params) -> tuple[list[int], str]:
+        outs = []
+        core.add(RequestState("r", [5, 9, 3], SamplingParams(temperature=0, max_tokens=6,
+                                                             **params), outs.append))
+        while core.has_unfinished:
+            core.step()
+        tokens = [t for o in outs for d in o.deltas for t in d.token_ids]
+        return tokens, outs[-1].deltas[-1].finish_reason
+
+    assert run(ignore_eos=True) == ([0] * 6, "length")
+    assert run() == ([0], "stop")
+    assert run(min_tokens=3) == ([1, 1, 1, 0], "stop")

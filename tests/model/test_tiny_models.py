@@ -6,10 +6,20 @@ in Qwen3-0.6B, and each q and k head is RMS-normed before RoPE."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.model.util import full_logits, hf_checkpoints, load, save_gguf_file
+from tests.model.util import (
+    full_logits,
+    hf_checkpoints,
+    load,
+    save_gguf_file,
+    save_hf_folder,
+    tiny_hf_model,
+)
 from tpserve.parallel.launch import run_ranks
 
 TOKENS = [3, 17, 200, 45, 9, 88, 131, 7, 250, 64, 1, 99, 12]
@@ -96,3 +106,55 @@ def test_qwen3_gguf_equals_transformers(checkpoints, tmp_path, tp):
     assert len(results) == tp
     for logits in results:
         assert (logits - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("part", ["model.layers.0.self_attn.k_proj.weight",
+                                  "model.layers.1.self_attn.v_proj.weight",
+                                  "model.layers.0.mlp.gate_proj.weight",
+                                  "model.layers.1.mlp.up_proj.weight"])
+def test_a_folder_lacking_one_part_of_a_fused_weight_is_refused(checkpoints, tmp_path, part):
+    """A checkpoint whose shards lack one part of a fused parameter (k or v of qkv_proj,
+    gate or up of gate_up_proj), its index still naming it: refused naming that tensor, as
+    a missing unfused one is, never served with the part's rows left as uninitialised
+    memory (vLLM's default loader refuses parameters a checkpoint leaves unloaded, but
+    counts a fused one loaded at its first part)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(shutil.copytree(checkpoints("llama")[0], tmp_path / "llama"))
+    for shard in folder.glob("*.safetensors"):
+        state = load_file(str(shard))
+        if state.pop(part, None) is not None:
+            save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"llama: checkpoint lacks 1 tensors, e.g. "
+                                         rf"\['{part}'\]"):
+        load(str(folder))
+
+
+def test_a_gguf_file_lacking_attn_k_is_refused(tmp_path):
+    """A GGUF file without one layer's ``attn_k``: refused naming it by its Hugging Face
+    name, like a folder's missing part."""
+    hf = _hf_model("llama")
+    lacking = "model.layers.1.self_attn.k_proj.weight"
+    state = {k: v for k, v in hf.state_dict().items() if k != lacking}
+    path = save_gguf_file(hf, tmp_path / "m.gguf", "llama", state=state)
+    with pytest.raises(ValueError, match=rf"m.gguf: checkpoint lacks 1 tensors, e.g. "
+                                         rf"\['{lacking}'\]"):
+        load(str(path))
+
+
+def test_llama_gguf_with_attention_biases_equals_transformers(tmp_path):
+    """A Llama with ``attention_bias: true``, which llama.cpp's converter writes with
+    ``attn_output.bias`` (bo) beside bq/bk/bv: the GGUF file gives transformers' logits,
+    as its safetensors folder does (vLLM's Llama reads both biases from the config)."""
+    import transformers as tf
+
+    torch.manual_seed(5)
+    hf = tiny_hf_model(tf.LlamaConfig(**TINY, attention_bias=True), "LlamaForCausalLM",
+                       biases=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([TOKENS])).logits[0]
+    for path in (save_hf_folder(hf, tmp_path / "folder"),
+                 save_gguf_file(hf, tmp_path / "m.gguf", "llama")):
+        model, comm = load(str(path))
+        assert model.cfg.o_bias and model.cfg.qkv_bias
+        assert (full_logits(model, comm, TOKENS) - want).abs().max().item() < 1e-4

@@ -532,6 +532,34 @@ def save_gguf_file(model, path: Path, arch: str, write_metadata=None,
     return path
 
 
+def save_tokenizer_gguf(path: Path, arch: str, metadata: dict) -> Path:
+    """A GGUF file of llama.cpp's ``arch`` holding a tokenizer (``metadata``: its
+    ``tokenizer.*`` keys, by Python type: bools, ints as uint32, strings, lists as arrays)
+    beside a one-layer shape and a zero embedding: what a tokenizer's conversion reads."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", 1), ("embedding_length", 8),
+                       ("attention.head_count", 2), ("feed_forward_length", 16)]:
+        w.add_uint32(f"{arch}.{key}", value)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    w.add_tensor("token_embd.weight",
+                 np.zeros((len(metadata["tokenizer.ggml.tokens"]), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_checkpoints(tmp_path_factory, make_model, tokens_of):
     """A module fixture's body: kind -> (folder, transformers' logits over
     ``tokens_of(kind)``), each tiny checkpoint (``make_model(kind)``) written once."""

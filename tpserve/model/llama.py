@@ -41,6 +41,7 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.checkpoint_names import (
     FUSED,
+    STACKED,
     is_zero,
     load_kv_scale,
     model_name,
@@ -399,15 +400,19 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> set[str]:
-        """Loads checkpoint tensors by Hugging Face name; returns the parameter names loaded.
+        """Loads checkpoint tensors by Hugging Face name; returns the names loaded: the
+        parameters, and each part of a fused one (``checkpoint_names.STACKED``: q/k/v,
+        gate/up) by its name before fusing. A fused parameter counts as loaded only once
+        every part has (its rows are uninitialised memory until then), so a caller can
+        name the parts a checkpoint lacks.
 
         Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
         without a head) are skipped; other names are mapped by ``checkpoint_names``: a base
         model's names are the ``model.`` ones, a multimodal checkpoint's language model is
         renamed and the rest of it skipped. A fused tensor (``checkpoint_names.FUSED``;
-        Phi-3) is loaded part by part (``load_stacked``); a mixture of experts' expert
-        tensors by ``layers.moe.ExpertLoading`` (Mixtral's ``block_sparse_moe`` read as
-        ``mlp``).
+        Phi-3) is loaded part by part (``load_stacked``), every part at once; a mixture of
+        experts' expert tensors by ``layers.moe.ExpertLoading`` (Mixtral's
+        ``block_sparse_moe`` read as ``mlp``).
         """
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
@@ -418,6 +423,7 @@ class LlamaForCausalLM(nn.Module):
                 buf.fill_(1.0)
         self.kv_scales_from_checkpoint = False
         loaded: set[str] = set()
+        parts: dict[str, set[str]] = {}  # a fused parameter -> its parts loaded, by name
         multimodal = self.cfg.architecture in LANGUAGE_MODEL_OF
         experts = ExpertLoading(self, params, self.cfg.num_experts)
         for name, source in weights:
@@ -441,6 +447,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and (self.cfg.tie_word_embeddings
                                              or self.lm_head is None):
                 continue
+            part = name
             name, shard_id = stacked_name(name)
             param = params.get(name)
             if param is None and name.endswith(".bias") and is_zero(source):
@@ -459,7 +466,14 @@ class LlamaForCausalLM(nn.Module):
                         loader(param, source, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
-            loaded.add(name)
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                parts.setdefault(name, set()).add(part)
+        for name, got in parts.items():
+            loaded |= got
+            if len(got) == sum(frag in name for frag, _ in STACKED.values()):
+                loaded.add(name)
         loaded |= experts.complete()
         return loaded
 

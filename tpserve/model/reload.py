@@ -50,7 +50,7 @@ def _open(runner: ModelRunner, path: str) -> Checkpoint:
     # a dummy-served model given a path reads that checkpoint's weights
     load_format = "auto" if cfg.load_format == "dummy" else cfg.load_format
     ckpt = open_checkpoint(path, load_format, cfg.seed, cfg.hf_overrides, cfg.tokenizer,
-                           cfg.disable_sliding_window)
+                           cfg.disable_sliding_window, cfg.generation_config)
     if ckpt.config != runner.model_config:
         old, new = vars(runner.model_config), vars(ckpt.config)
         diff = [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if old[k] != new[k]]

@@ -121,7 +121,8 @@ class ModelRunner:
         t0 = time.monotonic()
         free0, total = read_memory(device)
         self.ckpt = open_checkpoint(cfg.model, cfg.load_format, cfg.seed, cfg.hf_overrides,
-                                    cfg.tokenizer, cfg.disable_sliding_window)
+                                    cfg.tokenizer, cfg.disable_sliding_window,
+                                    cfg.generation_config)
         self.reload_undo: ReloadUndo | None = None  # what takes the last reload back
         mcfg = self.model_config = self.ckpt.config
         # validates only: the config tree holds the resolved length

@@ -34,6 +34,9 @@ class RunnerConfig:
     hf_overrides: str | None = None
     # --tokenizer: a local tokenizer folder (a repository id is fetched by the config)
     tokenizer: str | None = None
+    # --generation-config (auto | vllm | FOLDER): whose generation_config.json eos ids end
+    # a generation beside the model's (model/generation_config.py)
+    generation_config: str = "auto"
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"
     # fp8 cache, checkpoint without KV scales: calibrate them at start-up (kv_calibration)

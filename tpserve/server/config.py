@@ -376,8 +376,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     device = resolve_device(a.device)
     check_data_parallel(parallel, engine.engine_process, env is not None)
     replicas = plan_replicas(parallel, device)  # ValueError when there are too few GPUs
-    ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides,
-                           tokenizer, a.disable_sliding_window)  # its config: no weights
+    ckpt = open_checkpoint(model_path, a.load_format, a.seed, hf_overrides, tokenizer,
+                           a.disable_sliding_window, a.generation_config)  # no weights read
     quantization = resolve_quantization(a.quantization, ckpt.quantization)
     # integer weights served as stored: their scales' dtype (fp16) decides auto on a GPU
     dtype = resolve_dtype(a.dtype, torch.device(device), quantization in STORED_ONLY)
@@ -402,7 +402,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     lora = resolve_lora(a, dtype)
     runner = RunnerConfig(
         model=model_path, load_format=a.load_format, hf_overrides=hf_overrides,
-        tokenizer=tokenizer, dtype=dtype,
+        tokenizer=tokenizer, generation_config=a.generation_config, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=a.calculate_kv_scales,
         kv_cache_hadamard=resolve_kv_cache_hadamard(a.kv_cache_hadamard, kv_cache_dtype,

@@ -121,7 +121,7 @@ class EngineProxy(EngineFront):
         # no weights are read here: the checkpoint is opened for its tokenizer (and so a
         # missing model fails before a process is spawned)
         ckpt = open_checkpoint(r.model, r.load_format, r.seed, r.hf_overrides, r.tokenizer,
-                               r.disable_sliding_window)
+                               r.disable_sliding_window, r.generation_config)
         self.dead_reason: str | None = None
         self._on_fatal = on_fatal
         self._stats: dict[str, float] = {}

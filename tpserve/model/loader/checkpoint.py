@@ -3,6 +3,7 @@ random weights of a named shape. ``open_checkpoint`` picks one and validates it 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -12,8 +13,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tpserve.model.checkpoint_names import FUSED
+from tpserve.model.checkpoint_names import FUSED, STACKED
 from tpserve.model.config import ModelConfig
+from tpserve.model.generation_config import generation_eos_token_ids
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
 from tpserve.model.loader import dummy, gguf_file
 from tpserve.model.loader.gguf_integer import stored_integer
@@ -30,14 +32,6 @@ from tpserve.parallel.shard import TensorSource
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The embedded model's sampling defaults (it has no generation_config.json; applied by
-# ``--generation-config auto`` like a folder's file). Greedy, by measurement: the chat
-# question "What is the capital of France?" (no system prompt, seeds 0-9, max_tokens 60,
-# this CPU, 2026-12-01) answered with "Paris" at temperature 0 for 10 of 10 seeds, but at
-# 0.05 for 7, at 0.2 with top_p 0.9 for 6 and at 0.2 with top_k 20 for 6: the first token
-# is a near tie between "The" and "L'" (-> "L'Étoile, la Marseillaise, ..."), so no
-# temperature or top-k/top-p filter above 0 keeps the answer.
-EMBEDDED_GENERATION_DEFAULTS: dict[str, float | int] = {"temperature": 0.0}
 
 
 class Checkpoint(Protocol):
@@ -97,13 +91,25 @@ def _load_all(model: nn.Module, weights: Iterator[tuple[str, TensorSource]], tot
     progress = LoadProgress(total, description, enabled=show_progress)
     loaded = model.load_weights(progress.wrap(weights))
     names = {n for n, _ in model.named_parameters()}
-    missing = sorted(names - loaded)
+    missing = sorted(lacked for name in names - loaded for lacked in _lacked(name, loaded))
     if missing == ["lm_head.weight"]:
         raise ValueError(f"{description}: the checkpoint has no LM head (lm_head.weight); "
                          "an embedding model's checkpoint is served with --runner pooling")
     if missing:
         raise ValueError(f"{description}: checkpoint lacks {len(missing)} tensors, e.g. "
                          f"{missing[:3]}")
+
+
+def _lacked(name: str, loaded: set[str]) -> list[str]:
+    """What the checkpoint lacks for a parameter ``load_weights`` did not load: the names
+    of a fused parameter's (``STACKED``) missing parts when some part was loaded (e.g.
+    ``...k_proj.weight``; also where an index names a tensor no shard holds), else the
+    parameter's own name."""
+    parts = [name.replace(fused, frag) for frag, (fused, _) in STACKED.items()
+             if fused in name]
+    if not any(p in loaded for p in parts):
+        return [name]
+    return [p for p in parts if p not in loaded]
 
 
 def index_shard_paths(folder: Path, index: Any) -> list[Path]:
@@ -268,13 +274,16 @@ def _folder_pooling(folder: Path | None) -> tuple[dict[str, Any], str] | None:
 
 def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
                     hf_overrides: str | None = None, tokenizer: str | None = None,
-                    disable_sliding_window: bool = False) -> Checkpoint:
+                    disable_sliding_window: bool = False,
+                    generation_config: str = "auto") -> Checkpoint:
     """``model`` is a folder, a ``.gguf`` file, a dummy shape name, or None (embedded).
     ``hf_overrides`` (canonical JSON, ``loader/hf_overrides``) is laid over its
     ``config.json`` (a GGUF file has none: refused); ``tokenizer`` (a local folder, e.g.
     the snapshot of a ``--tokenizer`` repository) replaces its tokenizer;
     ``disable_sliding_window``: its config without a window, capped at it
-    (``ModelConfig.without_sliding_window``)."""
+    (``ModelConfig.without_sliding_window``). The ``eos_token_id`` of the
+    ``generation_config.json`` that ``generation_config`` (``--generation-config``) names
+    joins the config's ``eos_token_ids``, after its own (``generation_eos_token_ids``)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown --load-format {load_format!r}; choose one of {LOAD_FORMATS}")
     if load_format == "dummy":
@@ -315,4 +324,9 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
     model_class(ckpt.config.architecture)  # unknown architectures fail here, early
     if disable_sliding_window:
         ckpt.config = ckpt.config.without_sliding_window()
+    # a chat model's end of turn may be named only there (gemma-2-it: [1, 107])
+    extra = generation_eos_token_ids(generation_config, model)
+    if extra:
+        eos = tuple(dict.fromkeys(ckpt.config.eos_token_ids + extra))
+        ckpt.config = dataclasses.replace(ckpt.config, eos_token_ids=eos)
     return ckpt

@@ -156,6 +156,8 @@ def read_config(r, path: Path) -> ModelConfig:
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
+        # llama.cpp writes bo for a Llama with attention_bias (Qwen2 has none to write)
+        o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(r, arch, path, head_dim, context),
         rotary_dim=None if rotary_dim is None else int(rotary_dim),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 COMPLETE = "tpserve-complete"  # written last: a folder without it is never read
+# transformers' refusal of a GGUF architecture it has no model config for
+_UNSUPPORTED_ARCHITECTURE = re.compile(r"GGUF model with architecture \S+ is not supported yet\.")
 
 
 def default_cache_root() -> Path:
@@ -47,6 +50,24 @@ def entry_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
+def _convert(path: Path) -> Any:
+    """transformers' tokenizer of the GGUF file ``path``. AutoTokenizer first builds a
+    model config from the file and refuses an architecture its GGUF config mapping lacks
+    (Gemma 1, Granite), although the tokenizer's own conversion reads only the
+    vocabulary's metadata; for that refusal alone, the tokenizer is built without a config
+    (where both build one: the same vocabulary, token ids, bos/eos/unk/pad and chat
+    prompt; a Gemma file's <mask> is then a special token without the ``mask_token``
+    name GemmaTokenizer gives it)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:
+        if not _UNSUPPORTED_ARCHITECTURE.fullmatch(str(e)):
+            raise
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def gguf_tokenizer(path: Path, cache_root: Path | None = None) -> Any:
     """The tokenizer of the GGUF file ``path``: from its cache entry when there is one,
     else converted by transformers (and the entry written, when the cache is writable)."""
@@ -56,7 +77,7 @@ def gguf_tokenizer(path: Path, cache_root: Path | None = None) -> Any:
     entry = root / "gguf-tokenizers" / entry_key(path)
     if (entry / COMPLETE).is_file():
         return AutoTokenizer.from_pretrained(str(entry))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = _convert(path)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
