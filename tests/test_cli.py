@@ -310,8 +310,13 @@ def test_more_vllm_spellings_map_onto_tpserves_own(tiny_folder):
     """vLLM flags that change nothing here are taken, and those with a tpserve equivalent
     set it: --rope-scaling / --rope-theta (--hf-overrides), one --cuda-graph-sizes
     (--cuda-graph-max-tokens), --disable-uvicorn-access-log (--disable-log-requests),
-    --structured-outputs-config's backend."""
+    --structured-outputs-config's backend; its disable_any_whitespace either way (vLLM's
+    true asks xgrammar for compact JSON, which tpserve's grammar always is; false only
+    permits whitespace)."""
     plain = _cfg(str(tiny_folder))
+    for value in ("true", "false"):
+        assert _cfg(str(tiny_folder), "--structured-outputs-config",
+                    f'{{"backend": "xgrammar", "disable_any_whitespace": {value}}}') == plain
     same = _cfg(str(tiny_folder), "--disable-cascade-attn", "--disable-chunked-mm-input",
                 "--show-hidden-metrics-for-version", "0.10", "--max-parallel-loading-workers",
                 "2", "--api-server-count", "1",
@@ -458,8 +463,12 @@ def test_a_sequence_classifier_runs_pooling(tmp_path):
      "--hf-overrides must be a JSON object"),
     (["--structured-outputs-config", '{"backend": "guidance"}'],
      "--guided-decoding-backend guidance: not supported"),
-    (["--structured-outputs-config", '{"disable_any_whitespace": true}'],
-     "--structured-outputs-config: disable_any_whitespace True is not supported"),
+    (["--structured-outputs-config", '{"disable_additional_properties": true}'],
+     "--structured-outputs-config: disable_additional_properties True is not supported "
+     r"\(only false\)"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": "yes"}'],
+     "--structured-outputs-config: disable_any_whitespace 'yes' is not supported "
+     r"\(only true or false\)"),
     (["--structured-outputs-config", '{"reasoning_parser": "x"}'],
      r"--structured-outputs-config: unknown or unsupported keys \['reasoning_parser'\]"),
     (["--default-chat-template-kwargs", '{"tools": []}'],

@@ -76,8 +76,12 @@ NO_OPS = {
     "--max-parallel-loading-workers": "each rank reads only its own shards, one tensor at a "
                                       "time",
 }
-STRUCTURED_DEFAULTS = {"disable_fallback": False, "disable_any_whitespace": False,
-                       "disable_additional_properties": False}  # the only values taken
+# --structured-outputs-config's keys besides backend -> the values taken. JSON output is
+# always compact (xgrammar's any_whitespace=False, what vLLM's disable_any_whitespace true
+# asks of it); false only permits whitespace, so it holds too
+STRUCTURED_TAKEN: dict[str, tuple[bool, ...]] = {
+    "disable_fallback": (False,), "disable_any_whitespace": (True, False),
+    "disable_additional_properties": (False,)}
 # a switch of vLLM's, off by default: --X turns it on and --no-X off, as vLLM's
 # BooleanOptionalAction flags (``add_argument(flag, **VLLM_SWITCH, help=...)``)
 VLLM_SWITCH: dict[str, Any] = {"action": argparse.BooleanOptionalAction, "default": False}
@@ -165,8 +169,9 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", type=json_object, default=None,
                    metavar="JSON",
                    help="vLLM's structured-output settings: backend auto or xgrammar (as "
-                        "--structured-outputs-backend); the other keys only at their "
-                        "defaults")
+                        "--structured-outputs-backend), disable_any_whitespace true or "
+                        "false (JSON output is always compact); the other keys only at "
+                        "their defaults")
 
 
 def apply_vllm_compat(a: argparse.Namespace) -> None:
@@ -260,13 +265,14 @@ def _reasoning_config(cfg: dict[str, Any], parser: str | None) -> None:
 
 def _structured_outputs_config(cfg: dict[str, Any], backend: str) -> str:
     """The backend vLLM's ``--structured-outputs-config`` names (default: ``backend``, the
-    flag's); ValueError for a key tpserve does not take or a value other than the default."""
+    flag's); ValueError for a key tpserve does not take or a value outside
+    ``STRUCTURED_TAKEN``'s."""
     flag = "--structured-outputs-config"
-    _known_keys(flag, cfg, ("backend", *STRUCTURED_DEFAULTS))
-    for key, default in STRUCTURED_DEFAULTS.items():
-        if cfg.get(key, default) != default:
+    _known_keys(flag, cfg, ("backend", *STRUCTURED_TAKEN))
+    for key, taken in STRUCTURED_TAKEN.items():
+        if key in cfg and cfg[key] not in taken:
             raise ValueError(f"{flag}: {key} {cfg[key]!r} is not supported (only "
-                             f"{json.dumps(default)})")
+                             f"{' or '.join(json.dumps(v) for v in taken)})")
     return cfg.get("backend", backend)
 
 

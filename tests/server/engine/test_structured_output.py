@@ -16,6 +16,7 @@ import time
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 
 from tests.server.engine.test_engine_core import make_core, run_to_end
 from tpserve.model.sampling_params import SamplingParams, StructuredOutput
@@ -24,6 +25,7 @@ from tpserve.server.engine.errors import EngineError
 from tpserve.server.engine.outputs import RequestOutput
 from tpserve.server.engine.request_state import RequestState
 from tpserve.server.engine.step_loop import StepLoop
+from tpserve.server.engine.structured.lark import converted, lark_to_ebnf, looks_like_lark
 from tpserve.server.engine.structured.spec import GrammarError, choice_grammar
 
 SCHEMA = {"type": "object",
@@ -431,3 +433,112 @@ def test_structured_after_needs_a_grammar():
         SamplingParams(structured_after=5)
     with pytest.raises(ValueError, match="structured_after_if_first"):
         SamplingParams(structured=JSON, structured_after_if_first=5)
+
+
+def grammar_accepts(ebnf: str, text: str) -> bool:
+    """Whether the EBNF grammar ``ebnf`` accepts ``text`` whole."""
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(ebnf)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def test_choice_grammar_writes_characters_as_they_are():
+    """A choice's characters go into the grammar as they are (quotes, backslashes and
+    control characters escaped), so one beyond U+FFFF is one character, not two lone
+    surrogates no output can hold; its language is exactly the choices. vLLM's choice
+    grammar writes the characters as they are too. A lone surrogate is refused."""
+    choices = ["👍", 'a"b\\c\n', "é"]
+    grammar = choice_grammar(choices)
+    assert grammar == 'root ::= "👍" | "a\\"b\\\\c\\n" | "é"'
+    assert all(grammar_accepts(grammar, c) for c in choices)
+    assert not any(grammar_accepts(grammar, c) for c in ("👎", "a\"b\\c", ""))
+    with pytest.raises(GrammarError, match="choice 1 holds a lone surrogate"):
+        choice_grammar(["ok", "a\ud83d"])
+
+
+def test_a_choice_beyond_the_bmp_is_output_whole(folder, smollm2_tokenizer):
+    """A random model under the choice grammar of emoji outputs one of the choices, its
+    bytes whole (vLLM: the answer is one of the choices)."""
+    choices = ["👍", "no 👎"]
+    spec = StructuredOutput("grammar", choice_grammar(choices))
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    params = {f"r{i}": (prompt(30 + i), SamplingParams(temperature=1.0, seed=i, max_tokens=30,
+                                                      structured=spec)) for i in range(4)}
+    outs = run(core, params)
+    for rid in params:
+        assert text(outs[rid]) in choices, text(outs[rid])
+        assert finish(outs[rid]) == "stop"
+
+
+@pytest.mark.parametrize("lark, accepted, refused", [
+    # xgrammar's Lark reader (vLLM's current backend compiles Lark with it)
+    ('start: "yes" | "no"', ["yes", "no"], ["maybe", ""]),
+    ('start: /[0-9]+/ "!"\n%ignore " "', ["12!"], ["a!", "!"]),
+    # the conversion: single quotes, no start rule (the first is the entry), priorities,
+    # modifiers, aliases, continuation lines, comments, [optional], ~ repeats, ranges
+    ("rule: 'hello'", ["hello"], ["hell", "Hello"]),
+    ("""// numbers
+?start: num
+    | "-" num -> negative   # a minus
+num.2: DIGIT ~ 1..3 [ "." DIGIT+ ]
+DIGIT: '0'..'9'
+""", ["1", "-12.5", "123"], ["1234", "1.", "--1", "a"]),
+    ("start: root '!'\nroot: 'a' | 'b' root", ["a!", "bba!"], ["a", "!"]),
+    ("start: 'q\\'' \"\\x41\\u00e9\\U0001F600\" '\\d'", ["q'Aé😀\\d"], ["q'Aé😀d"]),
+    ("start: ('['..']' | '\\t'..'-')+", ["[\\]", "\t- ,"], ["a", "^", "."]),
+])
+def test_lark_grammars_are_read_as_vllm_reads_them(lark, accepted, refused):
+    """A grammar without ``::=`` is Lark (vLLM's test): xgrammar's Lark reader's grammar
+    (what vLLM's xgrammar backend compiles now), else the own conversion of the forms
+    vLLM's earlier releases converted to EBNF; either way EBNF whose language is the
+    Lark grammar's."""
+    assert looks_like_lark(lark) and not looks_like_lark('root ::= "a"')
+    ebnf = lark_to_ebnf(lark)
+    assert all(grammar_accepts(ebnf, s) for s in accepted), ebnf
+    assert not any(grammar_accepts(ebnf, s) for s in refused), ebnf
+
+
+def test_the_lark_conversion_writes_ebnf():
+    """The own conversion, rule by rule: ``:`` to ``::=``, the entry rule to ``root``
+    (a rule named root renamed), ``[x]`` to ``(x)?``, ``~`` to braces, ranges to classes,
+    single quotes to JSON strings, aliases, modifiers and priorities dropped."""
+    lark = ("?start: a | 'b'\n  | [a] ~ 2 -> two\nroot.2: '\"'..'z' \"x\" ~ 1..3\n"
+            "!a: root+ | ")
+    assert converted(lark) == ('root ::= a | "b" | (a)?{2}\n'
+                               'root_ ::= ["-z] "x"{1,3}\n'
+                               'a ::= root_+ | ""\n')
+
+
+@pytest.mark.parametrize("lark, message", [
+    ("start: 'a' /b+/", r"line 1: regular expressions \(/b\+/\) cannot be converted"),
+    ("start: 'a'\n%import common.WORD", "line 2: %import cannot be converted"),
+    ("start: 'a' b", "line 1: the rule b is not defined"),
+    ("start: ('a'\n", r"line 1: expected \), found the end of the rule"),
+    ("start: 'a'\n'b'", r"line 2: expected a rule \(name: ...\)"),
+    ("| 'a'", "line 1: '|' continues no rule"),
+    ("start: 'a'i", r"line 1: string flags \(i\) cannot be converted"),
+    ("start: x{'a'}", r"templates \(name\{...\}\) cannot be converted"),
+    ("start: 'ab'..'z'", "line 1: a range needs two single characters"),
+    ("start: 'a'\nstart: 'b'", "line 2: the rule start is defined twice"),
+])
+def test_lark_neither_reader_takes_is_a_grammar_error(lark, message):
+    """A Lark grammar neither xgrammar's reader nor the conversion takes is a
+    GrammarError (a 400 naming the field) with the conversion's reason and line, then
+    the reader's (vLLM answers 400 "Invalid grammar specification")."""
+    with pytest.raises(GrammarError, match=message) as caught:
+        lark_to_ebnf(lark)
+    assert "(xgrammar's Lark reader: Lark error at line" in str(caught.value)
+
+
+def test_a_lark_grammar_constrains_the_engine(folder, smollm2_tokenizer):
+    """The EBNF of a Lark grammar (converted: single quotes, no start rule) constrains a
+    random model to the grammar's language."""
+    spec = StructuredOutput("grammar", lark_to_ebnf("answer: 'yes' | 'no' | 'n' DIGIT\n"
+                                                    "DIGIT: '0'..'9'"))
+    core = make_core(folder, smollm2_tokenizer, num_blocks=40)
+    params = {f"r{i}": (prompt(40 + i), SamplingParams(temperature=1.0, seed=i, max_tokens=20,
+                                                      structured=spec)) for i in range(4)}
+    outs = run(core, params)
+    for rid in params:
+        assert re.fullmatch(r"yes|no|n[0-9]", text(outs[rid])), text(outs[rid])
+        assert finish(outs[rid]) == "stop"

@@ -116,7 +116,8 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsParams(BaseModel):
-    """vLLM's ``structured_outputs``: at most one of the constraints."""
+    """vLLM's ``structured_outputs``: at most one of the constraints, and vLLM's options
+    for them (each checked by ``http/structured.py``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -126,6 +127,11 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None  # its JSON text, either form (http/structured.py)
+    # either way: JSON output is always compact, what true asks; false only permits spaces
+    disable_any_whitespace: bool | None = None
+    # either way, except true with an object schema unevaluatedProperties opens (a 400)
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None  # refused when set
 
 
 class SamplingRequest(RequestModel):

@@ -7,6 +7,13 @@ A constraint comes from exactly one of: ``response_format`` (``json_object``,
 ``structural_tag``), or the older top-level
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``. Two or more is a
 400; so is a schema, regex or grammar the compiler refuses (the message is its own).
+
+A grammar without ``::=`` is Lark, read as vLLM reads it and passed on as xgrammar's
+EBNF (``structured/lark.py``). Of ``structured_outputs``' options, ``disable_any_whitespace``
+is taken either way (JSON output is always compact: xgrammar's ``any_whitespace=False``,
+what true asks; false only permits whitespace), ``disable_additional_properties`` too
+(``unevaluated_properties_let_in`` names the one schema shape whose output true would
+not hold: a 400), and ``whitespace_pattern`` is a 400, as ``guided_whitespace_pattern``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import json
 from typing import Any
 
 from tpserve.model.sampling_params import SamplingParams, StructuredOutput
+from tpserve.server.engine.structured.lark import lark_to_ebnf, looks_like_lark
+from tpserve.server.engine.structured.schema_support import unevaluated_properties_let_in
 from tpserve.server.engine.structured.spec import (
     GrammarError,
     check_structured_output,
@@ -72,7 +81,13 @@ def constraint_fields(req: SamplingRequest) -> list[tuple[str, str, Any]]:
 
 def structured_output(req: SamplingRequest) -> StructuredOutput | None:
     """The request's constraint, checked with the grammar compiler; APIError 400 if it
-    sets more than one or the compiler refuses it."""
+    sets more than one, the compiler refuses it or an option cannot be honoured."""
+    so = req.structured_outputs
+    if so is not None and so.whitespace_pattern is not None:
+        raise APIError.bad_request(
+            "structured_outputs.whitespace_pattern is not supported (JSON output has no "
+            "whitespace beyond one space after each comma and colon)",
+            "structured_outputs.whitespace_pattern")
     found = constraint_fields(req)
     if not found:
         return None
@@ -89,13 +104,31 @@ def structured_output(req: SamplingRequest) -> StructuredOutput | None:
             spec = StructuredOutput("json", _schema_text(value))
         elif kind == "structural_tag":
             spec = StructuredOutput(kind, structural_tag(value))
+        elif kind == "grammar" and looks_like_lark(value):
+            spec = StructuredOutput(kind, lark_to_ebnf(value))
         else:
             spec = StructuredOutput(kind, value)
         check_structured_output(spec)
     except GrammarError as exc:
-        raise APIError.bad_request(f"invalid {_WHAT.get(kind, kind)} in {field}: {exc}",
-                                   field) from exc
+        lark = " (read as Lark: it has no ::=)" if kind == "grammar" and looks_like_lark(
+            value) else ""
+        raise APIError.bad_request(f"invalid {_WHAT.get(kind, kind)} in {field}{lark}: "
+                                   f"{exc}", field) from exc
+    if so is not None and so.disable_additional_properties and kind == "json":
+        _check_no_additional_properties(spec.value)
     return spec
+
+
+def _check_no_additional_properties(schema: str) -> None:
+    """400 for ``structured_outputs.disable_additional_properties: true`` with a schema
+    whose grammar may still put in properties it does not declare."""
+    where = unevaluated_properties_let_in(json.loads(schema))
+    if where is not None:
+        raise APIError.bad_request(
+            "structured_outputs.disable_additional_properties true cannot be honoured: the "
+            f"schema's object at {where} lets undeclared properties in through "
+            "unevaluatedProperties (set additionalProperties false there instead)",
+            "structured_outputs.disable_additional_properties")
 
 
 def logit_bias(req: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:

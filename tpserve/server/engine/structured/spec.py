@@ -35,11 +35,21 @@ def clean_message(exc: BaseException) -> str:
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are
-    xgrammar's string-literal escapes)."""
+    """An EBNF grammar whose language is exactly ``choices``. Each is written as a JSON
+    string (JSON's escapes are xgrammar's string-literal escapes) with its characters as
+    they are: quotes, backslashes and control characters escaped, the rest in UTF-8.
+    ``ensure_ascii`` would write a character beyond U+FFFF as two ``\\u`` surrogate escapes,
+    which xgrammar reads as two lone surrogates, so such a choice could never be output.
+    ``GrammarError`` for no choices or a choice holding a lone surrogate (no UTF-8 text)."""
     if not choices:
         raise GrammarError("must list at least one choice")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    for i, choice in enumerate(choices):
+        try:
+            choice.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise GrammarError(f"choice {i} holds a lone surrogate ({exc.object[exc.start]!r}"
+                               "), which no output text can hold") from None
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def check_structured_output(spec: StructuredOutput) -> None:
