@@ -196,6 +196,9 @@ def test_chat(client, engine):
     assert choice.message.role == "assistant"
     assert choice.message.content == engine.expected_text(0, 4)
     assert choice.finish_reason == "length"
+    # no tool calls: no tool_calls key (OpenAI's and vLLM's shape; [] made the SDK's
+    # message.tool_calls an empty list, not None)
+    assert choice.message.tool_calls is None and "tool_calls" not in choice.message.to_dict()
     rendered = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False,
                                                     add_generation_prompt=True)
     expected = engine.tokenizer.encode(rendered, add_special_tokens=False)
@@ -1053,7 +1056,8 @@ def test_add_special_tokens(bos_tokenizer, endpoint, flag, bos):
 
 def test_request_id_names_the_answer(http):
     """vLLM's request_id: the answer's id (and every stream chunk's) is the endpoint's
-    prefix and it; two requests may send the same one."""
+    prefix and it (the X-Request-Id header's first, as vLLM's); two requests may send the
+    same one."""
     for _ in range(2):
         r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
                                                     "request_id": "abc-1"})
@@ -1066,6 +1070,14 @@ def test_request_id_names_the_answer(http):
                            "request_id": "s"}) as response:
         chunks = [c for c in sse_events(response) if c != "[DONE]"]
     assert chunks and {c["id"] for c in chunks} == {"chatcmpl-s"}
+    # vLLM's X-Request-Id names the answer too, before the body's request_id
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "request_id": "q"},
+                  headers={"X-Request-Id": "trace-42"})
+    assert r.json()["id"] == "cmpl-trace-42"
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "trace-43"},
+                     json={"messages": MESSAGES, "max_tokens": 3, "stream": True}) as response:
+        chunks = [c for c in sse_events(response) if c != "[DONE]"]
+    assert chunks and {c["id"] for c in chunks} == {"chatcmpl-trace-43"}
 
 
 def test_an_embedding_the_engine_ended_without_is_a_503(tokenizer):

@@ -94,3 +94,17 @@ def test_a_call_whose_arguments_do_not_parse_streams_as_content(seed):
     parts = [BAD[a:b] for a, b in zip([0, *cuts], [*cuts, len(BAD)], strict=True)]
     deltas, finish = run(plan, parts)
     assert (added_up(deltas), finish) == ((BAD, []), "stop")
+
+
+def test_a_stream_that_sent_a_call_finishes_with_tool_calls():
+    """A call went out whole (its id, name and arguments) before a later call of the output
+    turned out not to parse: the choice still ends "tool_calls", as vLLM's stream ends one
+    that streamed tools (the whole answer reads no calls there: the output is content)."""
+    bad = ('<tool_call>\n{"name": "a", "arguments": {"x": "1"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "b", "arguments": {"y": Rome}}\n</tool_call>')
+    plan = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"]())
+    cut = bad.index("<tool_call>", 5)
+    deltas, finish = run(plan, [bad[:cut], bad[cut:]])
+    assert added_up(deltas)[1][0] == ("a", '{"x": "1"}')
+    assert finish == "tool_calls"
+    assert plan.extract(bad, "stop") == (bad, [], "stop")

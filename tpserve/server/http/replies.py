@@ -95,13 +95,22 @@ class ChatResponseMessage(BaseModel):
     """With ``--reasoning-parser``, ``reasoning`` holds the model's thinking and
     ``reasoning_content`` the same (vLLM's older name). ``role`` is ``--response-role``
     (vLLM's; "assistant" by default) for requests with ``add_generation_prompt``, else
-    the last message's role (the turn the answer continues), as in vLLM."""
+    the last message's role (the turn the answer continues), as in vLLM. An answer
+    without tool calls has no ``tool_calls`` key (OpenAI's shape, and vLLM's: ``[]``
+    made the openai SDK's ``message.tool_calls`` an empty list instead of None)."""
 
     role: str = "assistant"
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

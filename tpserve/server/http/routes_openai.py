@@ -194,8 +194,13 @@ async def _serve(request: Request, state: ServerState, body: SamplingRequest, pr
     params = prompts[0][1]
     # OpenAI's response ids and Anthropic's message ids are resp_... and msg_... (vLLM's
     # too); completions' are cmpl-... and chatcmpl-...
+    # named as vLLM names completions: the X-Request-Id header, else the body's
+    # request_id, else the engine's (a uuid; the engine's own id stays unique either way).
+    # Not a stored response's: a header a gateway repeats would name two of them alike
     sep = "_" if prefix in ("resp", "msg") else "-"
-    answer_id = f"{prefix}{sep}{body.request_id or request_id.partition('-')[2]}"
+    header = request.headers.get("x-request-id") if sep == "-" else None
+    given = header or body.request_id
+    answer_id = f"{prefix}{sep}{given or request_id.partition('-')[2]}"
     usage = body.include_usage or state.frontend.force_include_usage  # a stream's last chunk
     ctx = ResponseContext(id=answer_id, created=int(time.time()), model=model,
                           n=params.n * len(prompts), logprobs=params.logprobs is not None,

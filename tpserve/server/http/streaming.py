@@ -316,6 +316,10 @@ class _HeldChoice:
         if d.finish_reason is None:
             return out
         content, calls, self.finish_reason = ctx.tools.extract(self.text, d.finish_reason)
+        if self.streamed and self.plan.mode == "auto":
+            # a call went out: the choice ends as one that called tools, as vLLM's stream
+            # ends it, even where a later call of the output does not parse
+            self.finish_reason = "tool_calls"
         if self.streamed:  # the rest: calls that could not stream, held logprobs
             rest = [{"index": i, **call.model_dump()} for i, call in enumerate(calls)
                     if i not in self.streamed]
