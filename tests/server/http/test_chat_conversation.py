@@ -204,3 +204,22 @@ def test_echo_repeats_the_last_message_where_its_role_is_the_answers(app, engine
     assert answer([HI, {"role": "assistant", "content": "Hel"}],
                   add_generation_prompt=False) == ("assistant", "Hel" + generated)
     assert answer([HI]) == ("assistant", generated)  # a new turn: nothing to repeat
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(app):
+    """vLLM shows the template every tool's ``name``, ``description`` and ``parameters``
+    (None where the request leaves them out) and ``strict`` only when set: a Hermes-style
+    template that reads ``parameters`` renders a tool without arguments (OpenAI's spec makes
+    them optional), and a JSON-dumping one writes the nulls."""
+    hermes = ("{% for t in tools %}{{ t.function.name }}({{ t.function.parameters }})"
+              "{% endfor %}|{{ tools | tojson }}")
+    tools = [{"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "f", "description": "d",
+                                               "parameters": {"type": "object"},
+                                               "strict": True}}]
+    assert prompt_of(app(), [HI],
+                     chat_template=hermes, tools=tools, tool_choice="none") == (
+        "now(None)f({'type': 'object'})|"
+        '[{"type": "function", "function": {"name": "now", "description": null, '
+        '"parameters": null}}, {"type": "function", "function": {"name": "f", '
+        '"description": "d", "parameters": {"type": "object"}, "strict": true}}]')

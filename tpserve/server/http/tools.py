@@ -182,8 +182,18 @@ class ToolPlan:
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The request's tools as the chat template is shown them (None without tools)."""
-    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    """The request's tools as the chat template is shown them (None without tools), as
+    vLLM dumps them: ``name``, ``description`` and ``parameters`` always (None where the
+    request leaves them out: a Hermes-style template reads ``tool.parameters`` of a tool
+    without arguments, and JSON-dumping templates write the nulls), ``strict`` only when
+    set."""
+    if not body.tools:
+        return None
+    shown = [t.model_dump() for t in body.tools]
+    for tool in shown:
+        if tool["function"].get("strict") is None:
+            tool["function"].pop("strict", None)
+    return shown
 
 
 def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
