@@ -230,3 +230,20 @@ def test_a_lora_load_is_on_every_replica_in_one_slot_or_on_none():
         with pytest.raises(EngineError, match="could not be taken back on others"):
             await dp.query(("lora_load", "/a"))
     asyncio.run(run())
+
+
+def test_a_request_no_idle_replica_admits_is_a_400_not_a_429():
+    """n x prompt tokens over what a replica admits at once (512 here: queued tokens plus
+    one step's budget): a 400 saying a retry cannot succeed, on an idle server too, where
+    a 429 would send clients (the openai SDK retries 429s) retrying forever. vLLM has no
+    such cap by default; its optional one refuses likewise."""
+    async def run():
+        dp = _dp()
+        for prompt, n in ((_prompt(513), 1), (_prompt(300), 2)):
+            refused = await _start(dp, "x", prompt, n=n)
+            assert isinstance(refused, InvalidRequestError), refused
+            assert f"({n} x {len(prompt)} = {n * len(prompt)}) exceed what this server " \
+                   "admits at once (512" in str(refused)
+        await _start(dp, "a", _prompt(256), n=2)  # 512: admitted
+        assert _where(dp, "a") == 0
+    asyncio.run(run())

@@ -337,7 +337,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-queued-requests", type=int, default=1024,
                    help="requests waiting beyond --max-num-seqs before new ones get 429")
     p.add_argument("--max-num-queued-tokens", type=int, default=1 << 20,
-                   help="prompt tokens (times n) waiting beyond one step's budget before 429")
+                   help="prompt tokens (times n) waiting beyond one step's budget before "
+                        "429 (one request over it and the budget alone: 400)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")
     p.add_argument("--collective-timeout", type=float, default=120.0,

@@ -132,6 +132,29 @@ def test_stop_string_held_back_then_released(tok):
     assert detok.output_text == "Hello world. STOP"
 
 
+def test_many_long_stop_strings_hold_back_vllms_fixed_length(tok):
+    """Past EXACT_HOLD_CHARS characters of stop strings in all (a hostile request: the
+    exact search costs time quadratic in their lengths, per token, on the engine thread),
+    the stream holds back vLLM's fixed length, the longest stop string's less one; the
+    text, the matches and the stream's pieces adding up to it stay as they were."""
+    text = "Hello world, this is a plain sentence. And more words to close it."
+    ids = encode(tok, text)
+    long_stops = tuple(f"{i:04d}" + "z" * 996 for i in range(5))  # 5,000 characters
+    pieces, detok = stream(tok, ids, stop=long_stops)
+    assert not detok.stopped and "".join(pieces) == detok.output_text == text
+    assert "".join(pieces[:-1]) == "" and pieces[-1] == text  # held: shorter than 999
+    few = long_stops[:4]  # 4,000 characters: the exact hold-back, nothing held here
+    pieces, _ = stream(tok, ids, stop=few)
+    assert pieces[-1] == "" and "".join(pieces) == text
+    # a match among many long stop strings still cuts where it starts
+    hit = ("plain", *long_stops)
+    pieces, detok = stream(tok, ids, stop=hit)
+    assert detok.stop_reason == "plain" and "".join(pieces) == text[:text.index("plain")]
+    held = IncrementalDetokenizer(tok, [], SamplingParams(stop=("x" * 3000 + "!", "y" * 2000)))
+    got = "".join(held.add_token(t) for t in encode(tok, "a" * 3500))
+    assert got == "a" * 500  # 3,500 characters less the 3,000 held back
+
+
 def test_stop_at_very_start(tok):
     ids = encode(tok, "Hello world")
     pieces, detok = stream(tok, ids, stop=("Hello",))

@@ -44,3 +44,27 @@ def test_a_default_max_tokens_is_cut_to_the_room_left():
     assert build_sampling_params(completion(), 4000, 4096, DEFAULTS).max_tokens == 96
     with pytest.raises(APIError, match="maximum context length is 4096"):
         build_sampling_params(completion(max_tokens=128), 4000, 4096, DEFAULTS)
+
+
+def test_bad_words_are_each_form_once_in_order(smollm2_tokenizer):
+    """vLLM's bad_words: each word as sent and with one leading space, without special
+    tokens; a sequence two words give is kept once, where it first came (a dict, not a
+    list scanned per word: 20,000 words took 17 s of the event loop)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tpserve.server.http.prompts import PromptProcessor
+    from tpserve.server.http.request_params import bad_words_token_ids
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(smollm2_tokenizer.encode(text, add_special_tokens=False))
+
+    with ThreadPoolExecutor(1) as executor:
+        prompts = PromptProcessor(smollm2_tokenizer, executor)
+        got = asyncio.run(bad_words_token_ids(["cat", " cat", "dog"] * 3, prompts))
+        assert got == (encode("cat"), encode(" cat"), encode("dog"), encode(" dog"))
+        words = [f"w{i}" for i in range(2_000)]
+        assert set(asyncio.run(bad_words_token_ids(words, prompts))) == {
+            encode(form) for w in words for form in (w, " " + w)}
+        with pytest.raises(APIError, match="empty words"):
+            asyncio.run(bad_words_token_ids(["x", " "], prompts))

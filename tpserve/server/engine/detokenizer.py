@@ -18,7 +18,11 @@ Stop strings: the decoded characters form one stream. The stop fires at the firs
 position where any stop string is complete (if several complete there, the longest wins), so
 the result does not depend on how the text was split into tokens. Text that could still be
 the beginning of a stop string is held back, so nothing is ever emitted and then retracted,
-and nothing after a stop string is ever emitted. With ``min_tokens`` (as vLLM) a stop string
+and nothing after a stop string is ever emitted. What is held back: the longest end of the
+text that begins a stop string, while the stop strings hold at most ``EXACT_HOLD_CHARS``
+characters in all; past that (a request sending thousands of long stop strings, where that
+search costs the engine thread time quadratic in their lengths on every token), vLLM's
+fixed hold-back of the longest stop string's length less one. With ``min_tokens`` (as vLLM) a stop string
 counts only where it ends past the text of the first ``min_tokens`` output tokens.
 
 Invariant: the concatenation of every returned piece equals ``output_text`` and equals
@@ -37,6 +41,9 @@ from tpserve.model.sampling_params import SamplingParams
 _INCOMPLETE = "\ufffd"
 _CONTEXT_TOKENS = range(4, 24)  # the prompt suffixes tried as context, shortest first
 _FALLBACK_CONTEXT = 5  # the context without a whole-character suffix
+# stop strings of at most this many characters in all get the exact hold-back (its search
+# costs up to about this many string comparisons a token); more get vLLM's fixed one
+EXACT_HOLD_CHARS = 4096
 
 
 class IncrementalDetokenizer:
@@ -48,6 +55,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = tuple(params.stop)
+        # None: hold back exactly what may begin a stop string; else this many characters
+        self._fixed_hold = None if sum(map(len, self._stops)) <= EXACT_HOLD_CHARS else (
+            max(map(len, self._stops)) - 1)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._count = 0  # output tokens added
@@ -139,7 +149,8 @@ class IncrementalDetokenizer:
             cut = start + len(stop) if self._include_stop else start
             self._stop_reason = stop
         else:
-            cut = len(text) if final else len(text) - self._partial_stop_len()
+            cut = len(text) if final else len(text) - (
+                self._partial_stop_len() if self._fixed_hold is None else self._fixed_hold)
         self._scanned = len(text)
         cut = max(cut, self._emitted)
         piece = text[self._emitted : cut]

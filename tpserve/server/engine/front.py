@@ -189,6 +189,12 @@ class EngineFront:
         # each of the n sibling sequences holds the whole prompt (their K/V is shared only
         # while the prefix cache keeps it), so the request counts n times its prompt
         tokens = len(prompt_token_ids) * params.n
+        if tokens > self.max_outstanding_tokens:  # not even an idle engine lets it in
+            raise InvalidRequestError(
+                f"this request's n x prompt tokens ({params.n} x {len(prompt_token_ids)} = "
+                f"{tokens}) exceed what this server admits at once "
+                f"({self.max_outstanding_tokens}: --max-num-queued-tokens + "
+                "--max-num-batched-tokens); a retry cannot succeed")
         if not self.fits(len(prompt_token_ids), params):
             raise EngineOverloadedError(
                 f"server is at capacity ({self.outstanding} requests, "
