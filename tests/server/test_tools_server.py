@@ -317,7 +317,7 @@ def test_auto_tool_choice_enabled(servers):
             assert finish == [choice.finish_reason]
             assert (content or None) == choice.message.content
             assert [(t["name"], t["arguments"]) for t in calls] == [
-                (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+                (t.function.name, t.function.arguments) for t in choice.message.tool_calls or ()]
     finally:
         assert s.stop() == 0, s.output()
 

@@ -87,6 +87,26 @@ def test_arguments_go_out_as_soon_as_written():
         CallStart(0, "f"), CallArguments(0, '{"a": [1, 2')]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_then_says_what_may_follow_the_calls(seed):
+    """``then``: with ``";"`` (llama3_json's) objects follow one another after blanks and
+    at most one ``;``, and any other text ends the reading; with ``""`` (mistral's and
+    phi4_mini_json's) one value is read, nothing after it; without it, every call object
+    of the text is read. vLLM's parsers of these formats return the calls and ignore the
+    text after them."""
+    rng = random.Random(seed)
+    a, b = '{"name": "a", "parameters": {}}', '{"name": "b", "parameters": {"x": 1}}'
+    names = [("streamed", "a", "{}", True), ("streamed", "b", '{"x": 1}', True)]
+    for then, text, count in [(";", f" {a} ;\n{b}", 2), (";", f"{a}{b}", 2),
+                              (";", f"{a};;{b}", 1), (";", f"{a} so {b}", 1),
+                              (";", f"so {a}", 0), ("", f"{a} {b}", 1), ("", f"{a};{b}", 1),
+                              (None, f"{a} so {b}", 2)]:
+        assert calls_of(CallScanner(1, ("parameters",), then), pieces(text, rng)) == (
+            names[:count]), (then, text)
+    assert calls_of(CallScanner(2, ("parameters",), ""), pieces(f"[{a}] [{b}]", rng)) == (
+        names[:1])
+
+
 def test_streamed_arguments_of_a_whole_text():
     assert streamed_arguments(CallScanner(2, ("parameters",)), MIXED) == [
         ("a", '{"k": "}]"}'), ("b", None), ("c", None), ("d", None), ("e", "{}")]
@@ -175,7 +195,17 @@ MORE_CALLS = [("mistral", '[TOOL_CALLS] {"name": "a", "arguments": {"x": 1}}'),
               ("llama3_json", '  {"name": "a", "parameters": {"x":1}}'),
               ("pythonic", '<|python_start|> [f(a="x,y")]<|python_end|>'),
               # left open by the output's end, which the format reads as a call
-              ("qwen3_coder", '<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n')]
+              ("qwen3_coder", '<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n'),
+              # a first call without its <tool_call>; a value without its </parameter>
+              ("qwen3_coder", 'Write <function=a>\n<parameter=x>\n1\n</parameter>\n</function>'),
+              ("qwen3_coder", '<tool_call>\n<function=a>\n<parameter=x>\n1\n<parameter=y>\n'
+                              'two\n</function>\n</tool_call>'),
+              ("mistral", 'Ok[TOOL_CALLS]a[ARGS]{"x": "}"}[TOOL_CALLS]b[CALL_ID]x1y2z3w4v{}'),
+              # text after the calls, which the format ignores
+              ("llama3_json", '{"name": "a", "parameters": {"x":1}}; {"name": "b", "parameters": {}}'
+                              ' Thanks! {"name": "c", "parameters": {}}'),
+              ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}] [{"name": "b"}]'),
+              ("phi4_mini_json", 'functools[{"name": "a", "arguments": {}}] [{"name": "b"}]')]
 CONTENT = [("hermes", 'no call here {"name": "a", "arguments": {}}'),
            ("hermes", 'Try <tool_call>{"name": "a", "arguments": {"x": y}}</tool_call>'),
            ("hermes", 'Cut <tool_call>{"name": "a", "arguments": {"x": [1'),
@@ -189,7 +219,10 @@ CONTENT = [("hermes", 'no call here {"name": "a", "arguments": {}}'),
            ("llama3_json", 'As said: <|python_tag|>{"name": "a", "parameters": {}}'),
            ("pythonic", 'Call [f(a=1)] now'),
            ("pythonic", '[f(1), g(a=2)]'),  # a positional argument: no call at all
-           ("qwen3_coder", 'Write <function=a>\n<parameter=x>\n1\n</parameter>\n</function>')]
+           ("qwen3_coder", 'Write <function=a> like that, or <tool_call>'),
+           ("qwen3_coder", '<tool_call>\n<function=a>\nstray\n<parameter=x>\n1\n</parameter>'),
+           ("mistral", '[TOOL_CALLS]a[ARGS]{"x": one}'),
+           ("llama3_json", '<|python_tag|>[{"name": "a", "parameters": {}}]')]
 
 
 @pytest.mark.parametrize(("parser", "text"), [*CALLS.items(), *MORE_CALLS])

@@ -108,3 +108,45 @@ def test_a_stream_that_sent_a_call_finishes_with_tool_calls():
     assert added_up(deltas)[1][0] == ("a", '{"x": "1"}')
     assert finish == "tool_calls"
     assert plan.extract(bad, "stop") == (bad, [], "stop")
+
+
+WEATHER = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "int"}}}}}]
+SPLIT = [  # (parser, the request's tools, an output with calls)
+    ("qwen3_coder", WEATHER, "Let me check:\n<tool_call>\n<function=weather>\n"
+     "<parameter=city>\nDallas\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+    ("qwen3_coder", WEATHER, "<tool_call>\n<function=weather>\n<parameter=city>\nDallas\n"
+     "</parameter>\n<parameter=days>\n3\n</function>\n</tool_call>"),
+    ("qwen3_coder", WEATHER, "I'll check.\n\n<function=weather>\n<parameter=city>\nDallas\n"
+     "</parameter>\n</function>\n</tool_call>"),
+    ("llama3_json", [], '{"name": "a", "parameters": {"q": "x"}}\n{"name": "b", "parameters": '
+     '{}} Would you like more?'),
+    ("mistral", [], '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}]\nDone.'),
+    ("mistral", [], 'Ok. [TOOL_CALLS]add[ARGS]{"a": 3.5}[TOOL_CALLS]mul[CALL_ID]abcdefghi'
+     '[ARGS]{"b": 6}'),
+    ("phi4_mini_json", [], 'functools[{"name": "a", "arguments": {"x": 1}}]\nDone.'),
+]
+
+
+@pytest.mark.parametrize("name, tools, text", SPLIT)
+@pytest.mark.parametrize("seed", range(8))
+def test_a_streamed_answer_is_the_whole_answer(name, tools, text, seed):
+    """A value missing its ``</parameter>``, a Qwen call missing its ``<tool_call>``, text
+    after JSON calls, Mistral's v11 form: whatever the split, the stream's content, calls
+    and finish reason are the whole answer's (vLLM's whole-answer parsers return these
+    calls; its streams send them), each call with one id; Mistral's ids are 9 letters and
+    digits (vLLM's ``MistralToolCall``), which Mistral's chat templates insist on."""
+    plan = ToolPlan("auto", tools, parser=TOOL_PARSERS[name]())
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), len(text) - 1 if seed == 0 else 12))
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    deltas, finish = run(plan, parts)
+    content, calls, whole_finish = plan.extract(text, "stop")
+    assert calls and finish == whole_finish == "tool_calls"
+    assert added_up(deltas) == (content or "", [(c.function.name, c.function.arguments)
+                                                for c in calls])
+    ids = [tc["id"] for d in deltas for tc in d.tool_calls or () if tc.get("id")]
+    assert len(ids) == len(set(ids)) == len(calls)
+    if name == "mistral":
+        assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids + [
+            c.id for c in calls])

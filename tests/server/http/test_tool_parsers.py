@@ -61,11 +61,37 @@ def test_llama3_json(text, calls):
     "Sure, it is sunny.",
     'I would call {"name": "a", "parameters": {}}',    # a call must start the output
     '{"name": "a", "parameters": {"x": 1}',            # malformed JSON
-    '{"name": "a", "parameters": {}} and more',        # trailing text
     '{"city": "Paris"}',                               # no name
+    '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": }}',  # a later call
 ])
 def test_llama3_json_plain_content(text):
     assert parse("llama3_json", text) == ExtractedToolCalls(text, [])
+
+
+@pytest.mark.parametrize("name, text, calls", [
+    ("llama3_json", '{"name": "a", "parameters": {}} and more', [ParsedCall("a", "{}")]),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}}\n{"name": "b", "parameters": {}}',
+     [ParsedCall("a", '{"x": 1}'), ParsedCall("b", "{}")]),
+    ("llama3_json", '{"name": "a", "parameters": {}} ;\n{"name": "b", "parameters": {}}; ok',
+     [ParsedCall("a", "{}"), ParsedCall("b", "{}")]),
+    ("llama3_json", '{"name": "a", "parameters": {}};; {"name": "b", "parameters": {}}',
+     [ParsedCall("a", "{}")]),  # a second ';' is other text: the calls ended
+    ("llama3_json", '{"name": "a", "parameters": {}} I said {"name": "b", "parameters": {}}',
+     [ParsedCall("a", "{}")]),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}]\nDone.',
+     [ParsedCall("a", '{"x": 1}')]),
+    ("mistral", '[TOOL_CALLS]{"name": "a", "arguments": {}} {"name": "b", "arguments": {}}',
+     [ParsedCall("a", "{}")]),  # one JSON value after the marker
+    ("phi4_mini_json", 'functools[{"name": "a", "arguments": {"x": 1}}] then [1]',
+     [ParsedCall("a", '{"x": 1}')]),
+])
+def test_text_after_json_calls_is_ignored(name, text, calls):
+    """Text after a JSON format's calls is ignored, whole as streamed: vLLM's parsers
+    return the calls (``llama3_json`` every object, ``mistral`` the JSON value it decodes
+    at the marker, ``phi4_mini_json`` the ``functools[...]`` list) and drop what follows.
+    Llama's calls follow one another after blanks and at most one ``;``; any other text
+    ends them."""
+    assert parse(name, text) == ExtractedToolCalls(None, calls)
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -87,6 +113,56 @@ def test_mistral(text, content, calls):
 ])
 def test_mistral_plain_content(text):
     assert parse("mistral", text) == ExtractedToolCalls(text, [])
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS]add_this_and_that[ARGS]{"a": 3.5, "b": 4}', None,
+     [ParsedCall("add_this_and_that", '{"a": 3.5, "b": 4}')]),
+    ('Sure. [TOOL_CALLS]add[ARGS]{"a": 1}\n[TOOL_CALLS]mul[ARGS]{"b": {"c": "}"}}', "Sure. ",
+     [ParsedCall("add", '{"a": 1}'), ParsedCall("mul", '{"b": {"c": "}"}}')]),
+    ('[TOOL_CALLS]add{"a":1}', None, [ParsedCall("add", '{"a":1}')]),  # no [ARGS]
+    ('[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{}', None, [ParsedCall("add", "{}")]),
+    ('[TOOL_CALLS] add [ARGS] {"a": 1} and more', None, [ParsedCall("add", '{"a": 1}')]),
+    ('[TOOL_CALLS]add{"a": 1}[TOOL_CALLS]', None, [ParsedCall("add", '{"a": 1}')]),
+])
+def test_mistral_v11(text, content, calls):
+    """Mistral's v11 tokenizers' form (Mistral Small 3.2, Magistral, Devstral), which
+    vLLM reads: ``[TOOL_CALLS]NAME[ARGS]{...}`` per call, ``[ARGS]`` optional, an optional
+    ``[CALL_ID]ID`` (the model's id is not kept), the arguments as written, text after
+    them ignored."""
+    assert parse("mistral", text) == ExtractedToolCalls(content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS]add[ARGS]{"a": 1',                      # left open
+    '[TOOL_CALLS]add[ARGS]{"a": one}',                   # not JSON
+    '[TOOL_CALLS]add[ARGS]["a"]',                        # not an object
+    '[TOOL_CALLS]I will add{"a": 1}',                    # a name with blanks
+    '[TOOL_CALLS]add[ARG]{"a": 1}',                      # not a marker
+    '[TOOL_CALLS]add{"a": 1}[TOOL_CALLS]mul',            # the second call unfinished
+    '[TOOL_CALLS]add{"a": 1}[TOOL_CALLS][{"name": "b", "arguments": {}}]',
+])
+def test_mistral_v11_plain_content(text):
+    """A v11 call that is not complete, or whose name or arguments are not a call's, makes
+    the whole output content (vLLM returns such calls as written)."""
+    assert parse("mistral", text) == ExtractedToolCalls(text, [])
+
+
+def test_mistral_call_ids_are_nine_alphanumerics():
+    """Mistral's chat templates refuse a tool call id that is not 9 letters and digits
+    when the client sends the calls back (vLLM's mistral parser gives its calls such
+    ids, ``MistralToolCall``); a forced call's id is the usual one, as vLLM gives it on
+    the Hugging Face path (its Mistral form there only with a Mistral tokenizer)."""
+    auto = ToolPlan("auto", [], parser=TOOL_PARSERS["mistral"]())
+    text = '[TOOL_CALLS]a{}[TOOL_CALLS]b{}'
+    ids = [c.id for c in auto.extract(text, "stop")[1]] + [auto.call_id() for _ in range(50)]
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids)
+    assert len(set(ids)) == len(ids)
+    hermes = ToolPlan("auto", [], parser=TOOL_PARSERS["hermes"]())
+    assert hermes.call_id().startswith("call_") and len(hermes.call_id()) == 29
+    named = ToolPlan("named", [])
+    _, calls, _ = named.extract('{"name": "a", "parameters": {}}', "stop")
+    assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
 
 
 @pytest.mark.parametrize("text, calls", [
@@ -154,7 +230,6 @@ def test_phi4_mini_json(text, content, calls):
     'functools[{"name": "a", "arguments": {}}',       # unclosed
     "functools[]",                                    # no call
     'functools[{"arguments": {}}]',                   # no name
-    'functools[{"name": "a", "arguments": {}}] then',  # text after the list
 ])
 def test_phi4_mini_json_plain_content(text):
     assert parse("phi4_mini_json", text) == ExtractedToolCalls(text, [])
@@ -196,12 +271,89 @@ def test_qwen3_coder_types_values_by_the_requests_schema():
         == ExtractedToolCalls(None, [ParsedCall("get_weather", '{"days": "3"}')])
 
 
+WEATHER = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "code": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("body, args", [
+    # vLLM's test_extract_tool_calls_missing_closing_parameter_tag
+    ("<parameter=city>\nDallas\n<parameter=days>\n3\n</parameter>\n</function>",
+     {"city": "Dallas", "days": 3}),
+    ("<parameter=city>\nDallas\n</parameter>\n<parameter=days>\n3\n</function>",
+     {"city": "Dallas", "days": 3}),
+    ("<parameter=city>\nDallas\n</parameter>\n<parameter=days>\n3\n",
+     {"city": "Dallas", "days": 3}),
+    # only a <parameter= that starts a line ends a value; a </function> not at the call's
+    # end is the value's own text
+    ("<parameter=code>\nx = '<parameter=days>'\n</function> y\n</parameter>\n</function>",
+     {"code": "x = '<parameter=days>'\n</function> y"}),
+    ("<parameter=code>\nx = '<parameter=days>'\n</function>", {"code": "x = '<parameter=days>'"}),
+])
+def test_qwen3_coder_a_value_missing_its_end_tag(body, args):
+    """A value whose ``</parameter>`` the model left out ends before the next
+    ``<parameter=`` that starts a line, or at the call's end (vLLM ends it at the next
+    ``<parameter=``, at ``</function>`` or at the output's end; its structural reading,
+    like this one, takes only a ``<parameter=`` that starts a line and a ``</function>``
+    that ends the call): the next parameter is its own member, and the call is a call."""
+    for tail in ("\n</tool_call>", ""):
+        text = "Hi.\n<tool_call>\n<function=weather>\n" + body + tail
+        got = TOOL_PARSERS["qwen3_coder"]().extract(text, WEATHER)
+        assert (got.content, [(c.name, json.loads(c.arguments)) for c in got.calls]) == (
+            "Hi.\n", [("weather", args)])
+
+
+@pytest.mark.parametrize("text, content, names", [
+    # vLLM's test_extract_tool_calls_fallback_no_tags and ..._streaming_missing_opening_tag
+    ("I'll check.\n\n<function=weather>\n<parameter=city>\nDallas\n</parameter>\n"
+     "</function>\n</tool_call>", "I'll check.\n\n", ["weather"]),
+    ("<function=weather>\n</function>", None, ["weather"]),
+    # only the first call may lack its tag; what follows a call up to a <tool_call> is not
+    # read (vLLM reads one tagless call)
+    ("<function=a>\n</function>\n<function=b>\n</function>", None, ["a"]),
+    ("<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n</function>\n"
+     "</tool_call>", None, ["a", "b"]),
+    ("<tool_call>\n<function=a>\n</function>\n</tool_call>\n<function=b>\n</function>",
+     None, ["a"]),
+])
+def test_qwen3_coder_a_call_without_its_tool_call_tag(text, content, names):
+    """A first ``<function=...>`` without ``<tool_call>`` is a call (vLLM's back-off when
+    an output has no tool-call tags), the text before it content."""
+    got = TOOL_PARSERS["qwen3_coder"]().extract(text, WEATHER)
+    assert (got.content, [c.name for c in got.calls]) == (content, names)
+
+
+def test_qwen3_coder_type_names_as_vllm_normalizes_them():
+    """vLLM reads a declared type by its name's family: ``int*``, ``uint*``, ``long*``,
+    ``short*``, ``unsigned*`` integers; ``num*``, ``float*`` numbers; ``bool``, ``binary``
+    booleans; ``arr``, ``list*`` arrays, ``dict*`` objects; ``str``, ``text``, ``varchar``,
+    ``char``, ``enum`` strings (case and blanks aside). A value JSON cannot hold (``inf``)
+    stays the string written."""
+    types = {"i": "int", "u": "uint32", "l": "long", "s": "short", "n": "unsigned int",
+             "f": "float", "g": "Float64", "m": "num", "b": "bool", "y": "binary",
+             "a": "arr", "t": "list[str]", "d": "dict", "e": " Dictionary ", "x": "text",
+             "v": "varchar", "c": "char", "z": "enum", "w": "widget", "q": "number"}
+    values = {"i": "4", "u": "5", "l": "6", "s": "7", "n": "8", "f": "3.5", "g": "2",
+              "m": "-1e3", "b": "True", "y": "false", "a": "[1]", "t": "['x']",
+              "d": '{"k": 1}', "e": "{'k': (1,)}", "x": "7", "v": "true", "c": "[1]",
+              "z": "null", "w": "5", "q": "inf"}
+    tools = [{"type": "function", "function": {"name": "t", "parameters": {"properties": {
+        k: {"type": v} for k, v in types.items()}}}}]
+    got = TOOL_PARSERS["qwen3_coder"]().extract(_qwen_call("t", values), tools)
+    assert json.loads(got.calls[0].arguments) == {
+        "i": 4, "u": 5, "l": 6, "s": 7, "n": 8, "f": 3.5, "g": 2, "m": -1000.0, "b": True,
+        "y": False, "a": [1], "t": ["x"], "d": {"k": 1}, "e": {"k": [1]}, "x": "7",
+        "v": "true", "c": "[1]", "z": "null", "w": "5", "q": "inf"}
+
+
 @pytest.mark.parametrize("text", [
     "No call here.",
     "<tool_call>\n<function=f>\nstray text\n<parameter=a>\n1\n</parameter>\n</function>",
     "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>",      # no function
-    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",  # unclosed
     '<tool_call>{"name": "f", "arguments": {}}</tool_call>',           # hermes' JSON
+    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nstray\n</function>",
+    "Use <function=f> like this.",                     # text inside a tagless call
+    "<tool_call>\n<function=f>\n</function>\n</tool_call><tool_call>\n</tool_call>",
 ])
 def test_qwen3_coder_plain_content(text):
     assert parse("qwen3_coder", text) == ExtractedToolCalls(text, [])
@@ -226,6 +378,9 @@ def test_qwen3_coder_plain_content(text):
     ("granite", "Hi <tool_call>[", len("Hi ")),
     ("qwen3_coder", "Ok <tool_ca", len("Ok ")),
     ("qwen3_coder", "Ok <tool_call>\n<function=", len("Ok ")),
+    ("qwen3_coder", "Ok <func", len("Ok ")),
+    ("qwen3_coder", "Ok <function=f>", len("Ok ")),
+    ("qwen3_coder", "Ok <b>", len("Ok <b>")),
     ("granite", "Hi [x]", len("Hi [x]")),
 ])
 def test_content_prefix_len(name, text, expected):
@@ -313,6 +468,9 @@ STREAMED = [  # (parser, a whole output) that streaming sends piece by piece
     ("phi4_mini_json", 'Ok. functools[{"name": "a", "arguments": {}}]'),
     ("qwen3_coder", "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"
                     "</function>\n</tool_call>"),
+    ("qwen3_coder", "Sure.\n<function=f>\n<parameter=a>\n1\n</function>"),
+    ("qwen3_coder", "Use <function=f> here."),
+    ("mistral", 'Ok. [TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b{}'),
 ]
 
 

@@ -68,11 +68,22 @@ class _Call:
 
 class CallScanner:
     """Reads calls at nesting ``depth`` (1: the text is one call object; 2: an array of
-    them) whose arguments are under the first of ``argument_keys`` present."""
+    them) whose arguments are under the first of ``argument_keys`` present.
 
-    def __init__(self, depth: int, argument_keys: tuple[str, ...]):
+    ``then`` says what the text may hold outside its top-level values (the call objects
+    at depth 1, the arrays at depth 2): None, anything (read on); ``""``: one value,
+    blanks before it, nothing read after it; ``";"``: values one after another, each
+    after blanks and at most one ``;``. With ``then`` set, a character outside a value
+    that it does not allow ends the reading (``ended``): the rest of the text is no
+    call."""
+
+    def __init__(self, depth: int, argument_keys: tuple[str, ...], then: str | None = None):
         self.call_depth = depth
         self.argument_keys = argument_keys
+        self.then = then
+        self.ended = False
+        self.values = 0  # top-level values closed
+        self.separated = False  # a ';' came since the last value closed
         self.depth = 0
         self.in_string = False
         self.escape = False
@@ -92,6 +103,9 @@ class CallScanner:
         return events
 
     def _char(self, ch: str, events: list[CallEvent]) -> None:
+        if self.ended or (self.then is not None and self.depth == 0
+                          and not self._opens_value(ch)):
+            return
         call = self.call
         if self.in_string:
             self._string_char(ch, call)
@@ -111,6 +125,9 @@ class CallScanner:
             self.depth += 1
         elif ch in "}]":
             self.depth -= 1
+            if self.depth == 0:
+                self.values += 1
+                self.separated = False
             if call is not None and call.raw_open and self.depth == self.call_depth:
                 call.raw.append(ch)  # the arguments' closing brace
                 self._arguments_end(call, events)
@@ -127,6 +144,19 @@ class CallScanner:
             return
         if call is not None and call.raw_open:
             call.raw.append(ch)
+
+    def _opens_value(self, ch: str) -> bool:
+        """With ``then`` set, whether ``ch`` (outside any value) opens the next value;
+        otherwise it is skipped (a blank, an allowed ``;``) or ends the reading."""
+        if ch in _SPACE:
+            return False
+        if ch == "{["[self.call_depth - 1] and (self.values == 0 or self.then == ";"):
+            return True
+        if ch == ";" and self.then == ";" and self.values and not self.separated:
+            self.separated = True
+            return False
+        self.ended = True
+        return False
 
     def _string_char(self, ch: str, call: _Call | None) -> None:
         if call is not None and call.raw_open:
@@ -266,16 +296,19 @@ class AfterMarker:
     ``anywhere`` false only at the output's start, after blanks), or, with ``bare``, from
     the output's start when its first non-blank character is ``bare``: one object, objects
     one after another, or an array of them (which, the first character after the marker
-    says). The text before goes nowhere. Streamable calls are reported when they close
-    (``ParsedCalls``)."""
+    says; with ``then`` ``";"`` always objects). The text before goes nowhere; what may
+    come after is ``then``'s (``CallScanner``). Streamable calls are reported when they
+    close (``ParsedCalls``)."""
 
     def __init__(self, markers: tuple[str, ...], argument_keys: tuple[str, ...], *,
-                 bare: str | None = None, anywhere: bool = True, keep: str = ""):
+                 bare: str | None = None, anywhere: bool = True, keep: str = "",
+                 then: str | None = None):
         self.markers = markers
         self.keep = keep  # the marker's end that is the calls' own start (``[``)
         self.argument_keys = argument_keys
         self.bare = bare
         self.anywhere = anywhere
+        self.then = then
         self.scanner: CallScanner | None = None
         self.started = False  # the marker (or a bare start) was found
         self.never = False  # the output began without one: no calls will follow
@@ -300,7 +333,8 @@ class AfterMarker:
         if not body:
             return []
         self.pending = ""
-        self.scanner = CallScanner(2 if body[0] == "[" else 1, self.argument_keys)
+        depth = 2 if body[0] == "[" and self.then != ";" else 1
+        self.scanner = CallScanner(depth, self.argument_keys, self.then)
         return self.parsed.passed(self.scanner.feed(body))
 
     def _start(self) -> bool:

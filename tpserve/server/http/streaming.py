@@ -35,7 +35,7 @@ from tpserve.server.http.replies import (
     DeltaMessage,
     UsageInfo,
 )
-from tpserve.server.http.tools import ToolPlan, new_call_id
+from tpserve.server.http.tools import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ class _HeldChoice:
                 continue
             if isinstance(e, CallStart):
                 self.streamed.add(e.index)
-                deltas.append({"index": e.index, "id": new_call_id(), "type": "function",
+                deltas.append({"index": e.index, "id": self.plan.call_id(), "type": "function",
                                "function": {"name": e.name, "arguments": ""}})
             elif isinstance(e, CallArguments):
                 deltas.append({"index": e.index, "function": {"arguments": e.text}})

@@ -25,7 +25,7 @@ written so far have gone out already (``call_scanner.py``), and nothing follows 
 from __future__ import annotations
 
 import json
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,16 +35,12 @@ from tpserve.server.http.call_scanner import CallScanner, CallStream, streamed_a
 from tpserve.server.http.http_errors import APIError
 from tpserve.server.http.protocol import ChatCompletionRequest, ChatTool, FunctionCall, ToolCall
 from tpserve.server.http.tool_parsers import ParsedCall, ToolParser
-from tpserve.server.http.tool_parsers.base import as_call
+from tpserve.server.http.tool_parsers.base import as_call, new_call_id
 
 ToolMode = Literal["none", "auto", "required", "named"]
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 # where a JSON schema keeps the subschemas its root pointers (``#/$defs/NAME``) name
 DEFINITIONS = ("$defs", "definitions")
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def call_schema(tool: ChatTool) -> dict[str, Any]:
@@ -87,8 +83,10 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     return with_definitions(schema, tools)
 
 
-def tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
-    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+def tool_calls(calls: list[ParsedCall], call_id: Callable[[], str] = new_call_id
+               ) -> list[ToolCall]:
+    """``calls`` as OpenAI tool calls, each with a new ``call_id()``."""
+    return [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]
 
 
@@ -133,7 +131,18 @@ class ToolPlan:
         return None, self._kept(calls), finish_reason
 
     def _kept(self, calls: list[ParsedCall]) -> list[ToolCall]:
-        return tool_calls([c for i, c in enumerate(calls) if self.keeps(i)])
+        return tool_calls([c for i, c in enumerate(calls) if self.keeps(i)], self.call_id)
+
+    def call_id(self) -> str:
+        """A new id for one of the output's calls, whole or streamed: the ``auto`` parser's
+        (Mistral's templates take only 9 alphanumerics); a constrained call's is always
+        ``new_call_id``'s, whatever ``--tool-call-parser`` says, as vLLM's: it gives the
+        Mistral form to a forced call only on its Mistral-tokenizer path (a whole answer's
+        named call there), never on the Hugging Face path this server serves."""
+        if self.mode == "auto":
+            assert self.parser is not None
+            return self.parser.call_id()
+        return new_call_id()
 
     def call_stream(self) -> CallStream | None:
         """What reads the output's calls as they are written (``call_scanner.py``):

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tpserve.server.http.call_scanner import CallStream, held_suffix
+
+
+def new_call_id() -> str:
+    """A tool call's id, as OpenAI writes them (``call_`` and 24 hex digits)."""
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,11 @@ class ToolParser:
         (None: its calls are sent whole when the output ends); ``tools`` as ``extract``
         takes them."""
         return None
+
+    def call_id(self) -> str:
+        """A new id for one of this format's calls, whole or streamed (the model's chat
+        template reads it back on the next turn, and some templates insist on a form)."""
+        return new_call_id()
 
 
 class MarkerToolParser(ToolParser):

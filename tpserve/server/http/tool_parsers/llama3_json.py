@@ -1,6 +1,8 @@
-"""Llama 3 JSON format: the whole output is ``{"name": ..., "parameters": {...}}`` (or
-``"arguments"``), optionally after ``<|python_tag|>``; several calls are separated by
-``;``. Output that does not start with a call is content (as vLLM's ``llama3_json``)."""
+"""Llama 3 JSON format: the output is ``{"name": ..., "parameters": {...}}`` (or
+``"arguments"``), optionally after ``<|python_tag|>``; more calls may follow, each after
+blanks and at most one ``;``. The calls end where anything else comes: the rest of the
+output is ignored (vLLM's ``llama3_json`` returns the calls and drops the text around
+them). Output that does not start with a call is content."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from tpserve.server.http.tool_parsers.base import (
 )
 
 PYTHON_TAG = "<|python_tag|>"
+_SPACE = " \t\r\n"  # JSON's blanks, as ``CallScanner`` skips them between calls
 
 
 class Llama3JsonToolParser(ToolParser):
     def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
         return AfterMarker((PYTHON_TAG,), ("parameters", "arguments"), bare="{",
-                           anywhere=False)
+                           anywhere=False, then=";")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip()
@@ -41,12 +44,12 @@ class Llama3JsonToolParser(ToolParser):
             if call is None:
                 return ExtractedToolCalls(text)
             calls.append(call)
-            rest = body[end:].lstrip()
-            if not rest:
+            rest = body[end:].lstrip(_SPACE)
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip(_SPACE)
+            if not rest.startswith("{"):  # the calls ended
                 return ExtractedToolCalls(None, calls)
-            if not rest.startswith(";"):
-                return ExtractedToolCalls(text)
-            pos = len(body) - len(rest[1:].lstrip())
+            pos = len(body) - len(rest)
 
     def content_prefix_len(self, text: str) -> int:
         """A call can only start the output: hold it while it is blank, starts with ``{``

@@ -1,7 +1,7 @@
 """Phi-4-mini format (vLLM's ``phi4_mini_json``): ``functools[{"name": ..., "arguments":
-{...}}, ...]``, a JSON list after the word ``functools``; text before it is content.
-Output without it, or whose list does not parse to calls (or has text after it), is
-content."""
+{...}}, ...]``, a JSON list after the word ``functools``; text before it is content, text
+after it is ignored (as vLLM's parser reads only the list). Output without it, or whose
+list does not parse to calls, is content."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class Phi4MiniJsonToolParser(MarkerToolParser):
     marker = "functools["
 
     def call_stream(self, tools: Sequence[dict[str, Any]] = ()) -> AfterMarker:
-        return AfterMarker((self.marker,), ("arguments", "parameters"), keep="[")
+        return AfterMarker((self.marker,), ("arguments", "parameters"), keep="[", then="")
 
     def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         at = text.find(self.marker)
@@ -25,10 +25,10 @@ class Phi4MiniJsonToolParser(MarkerToolParser):
             return ExtractedToolCalls(text)
         start = at + len(self.marker) - 1  # the list's "["
         try:
-            decoded, end = json.JSONDecoder().raw_decode(text, start)
+            decoded, _ = json.JSONDecoder().raw_decode(text, start)
         except ValueError:
             return ExtractedToolCalls(text)
-        if not isinstance(decoded, list) or text[end:].strip():
+        if not isinstance(decoded, list):
             return ExtractedToolCalls(text)
         return self.calls_in(text, decoded, lambda item: as_call(item, "arguments",
                                                                  "parameters"))
