@@ -151,8 +151,9 @@ def test_mistral_v11_plain_content(text):
 def test_mistral_call_ids_are_nine_alphanumerics():
     """Mistral's chat templates refuse a tool call id that is not 9 letters and digits
     when the client sends the calls back (vLLM's mistral parser gives its calls such
-    ids, ``MistralToolCall``); a forced call's id is the usual one, as vLLM gives it on
-    the Hugging Face path (its Mistral form there only with a Mistral tokenizer)."""
+    ids, ``MistralToolCall``); a forced call's too where the server's parser is mistral
+    (vLLM gives it the usual id on the Hugging Face path, whose next turn then fails); the
+    usual ``call_`` ids elsewhere."""
     auto = ToolPlan("auto", [], parser=TOOL_PARSERS["mistral"]())
     text = '[TOOL_CALLS]a{}[TOOL_CALLS]b{}'
     ids = [c.id for c in auto.extract(text, "stop")[1]] + [auto.call_id() for _ in range(50)]
@@ -163,6 +164,9 @@ def test_mistral_call_ids_are_nine_alphanumerics():
     named = ToolPlan("named", [])
     _, calls, _ = named.extract('{"name": "a", "parameters": {}}', "stop")
     assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
+    named = ToolPlan("named", [], id_parser=TOOL_PARSERS["mistral"]())
+    _, calls, _ = named.extract('{"name": "a", "parameters": {}}', "stop")
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum() and named.call_id().isalnum()
 
 
 @pytest.mark.parametrize("text, calls", [

@@ -102,6 +102,8 @@ class ToolPlan:
     structured: StructuredOutput | None = None
     parser: ToolParser | None = None
     parallel: bool = True
+    # the server's --tool-call-parser, for a constrained call's id (its form: Mistral's)
+    id_parser: ToolParser | None = None
 
     @property
     def parses_output(self) -> bool:
@@ -134,15 +136,13 @@ class ToolPlan:
         return tool_calls([c for i, c in enumerate(calls) if self.keeps(i)], self.call_id)
 
     def call_id(self) -> str:
-        """A new id for one of the output's calls, whole or streamed: the ``auto`` parser's
-        (Mistral's templates take only 9 alphanumerics); a constrained call's is always
-        ``new_call_id``'s, whatever ``--tool-call-parser`` says, as vLLM's: it gives the
-        Mistral form to a forced call only on its Mistral-tokenizer path (a whole answer's
-        named call there), never on the Hugging Face path this server serves."""
-        if self.mode == "auto":
-            assert self.parser is not None
-            return self.parser.call_id()
-        return new_call_id()
+        """A new id for one of the output's calls, whole or streamed: the server's
+        ``--tool-call-parser``'s (Mistral's templates take only 9 alphanumerics, so the
+        calls can come back in the next turn), for a constrained call too (vLLM gives a
+        forced call the Mistral form only on its Mistral-tokenizer path, so on the Hugging
+        Face path its next turn fails there), else ``new_call_id``'s."""
+        parser = self.parser if self.mode == "auto" else self.id_parser
+        return new_call_id() if parser is None else parser.call_id()
 
     def call_stream(self) -> CallStream | None:
         """What reads the output's calls as they are written (``call_scanner.py``):
@@ -243,4 +243,4 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolParser | None
         check_structured_output(spec)
     except GrammarError as exc:
         raise APIError.bad_request(f"invalid JSON schema in tools: {exc}", "tools") from exc
-    return ToolPlan(mode, shown, structured=spec, parallel=parallel)
+    return ToolPlan(mode, shown, structured=spec, parallel=parallel, id_parser=auto_parser)
