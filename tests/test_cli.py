@@ -105,6 +105,11 @@ def test_a_mistyped_flag_gets_the_closest_one():
     assert out.returncode == 2
     assert "unrecognized argument --num-promtps; did you mean --num-prompts?" in out.stderr
     assert "unrecognized argument --no-such-thing-at-all\n" in out.stderr
+    # another vLLM flag that merely shares words with one gets no false lead
+    out = tpserve("serve", "--hf-config-path", "x", "--scheduler-cls", "y")
+    assert out.returncode == 2
+    assert ("unrecognized argument --hf-config-path\nunrecognized argument --scheduler-cls\n"
+            in out.stderr), out.stderr
 
 
 def test_a_port_in_use_stops_the_start_before_the_model_loads():
@@ -267,6 +272,9 @@ def test_vllm_command_lines_are_taken(tiny_folder):
     over = _cfg(str(tiny_folder), "--override-generation-config",
                 '{"temperature": 0.6, "max_new_tokens": 64}').server.generation_overrides
     assert over == (("temperature", 0.6), ("max_tokens", 64))
+    # vLLM's --hf-token: a token, or bare for the stored one
+    assert _cfg(str(tiny_folder), "--hf-token", "hf_x") == _cfg(str(tiny_folder))
+    assert _cfg("--hf-token", "--model", str(tiny_folder)) == _cfg(str(tiny_folder))
     # a folder's generation_config.json: its eos ids end generations on every rank
     assert _cfg(str(tiny_folder), "--generation-config", str(tiny_folder)
                 ).runner.generation_config == str(tiny_folder)

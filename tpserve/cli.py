@@ -40,7 +40,9 @@ def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> 
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--"):
             continue
-        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+        # 0.75: a typo (--max-model-length) still finds its flag; another flag of vLLM
+        # that merely shares words (--hf-config-path, --scheduler-cls) gets no false lead
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else ""
         hints.append(f"unrecognized argument {flag}{hint}")
     return "\n".join(hints) or f"unrecognized arguments: {' '.join(extras)}"
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"tpserve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler is installed
+        print("tpserve: interrupted during start-up", file=sys.stderr)
+        return 130
     _exit_without_finalization(code)
 
 

@@ -205,3 +205,33 @@ def test_sigterm_exits_0_without_a_leaked_semaphore(request, name):
     assert "drained: all requests finished" in out
     assert "leaked semaphore" not in out and "resource_tracker" not in out, out[-2000:]
 
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback():
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the model
+    loads, before the server's own handler is installed: one line and exit 130 (a shell's
+    code for SIGINT), no traceback, the engine process gone with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "serve", "--port", "0",
+                             "--log-level", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    try:
+        for line in proc.stdout:  # until the weights start loading
+            out.append(line)
+            if "loading " in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out.extend(proc.stdout)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(out)
+    assert code == 130, text[-2000:]
+    assert text.rstrip().endswith("tpserve: interrupted during start-up"), text[-2000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]

@@ -51,6 +51,7 @@ def cache(tmp_path_factory, smollm2_tokenizer) -> Path:
 
 def test_a_repository_id_is_served_from_the_cache_under_its_name(cache):
     s = ServerProcess("tpserve-test/tiny-llama", "--download-dir", str(cache),
+                      "--hf-token", "hf_unused",  # vLLM's flag, for gated repositories
                       "--max-model-len", "256", "--no-engine-process",
                       "--override-generation-config",
                       '{"temperature": 0, "max_new_tokens": 5}',

@@ -105,6 +105,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="with a Hugging Face repository id as the model: the branch, tag "
                         "or commit to serve (default: main)")
+    p.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                   help="vLLM's: the Hugging Face token for a gated repository (the model, "
+                        "--tokenizer, --lora-modules); without a value the one "
+                        "`hf auth login` stored (default: $HF_TOKEN, else that one)")
     p.add_argument("--download-dir", default=None,
                    help="with a repository id: where to keep its files (default: the "
                         "Hugging Face cache, $HF_HOME); HF_TOKEN for gated ones, "

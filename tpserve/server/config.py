@@ -263,7 +263,7 @@ def resolve_lora(a: argparse.Namespace, dtype: str) -> LoraConfig | None:
     if a.lora_dtype != "auto" and DTYPES.get(a.lora_dtype) != DTYPES[dtype]:
         raise ValueError(f"--lora-dtype {a.lora_dtype}: the adapters are held in the model's "
                          f"dtype ({dtype}); use auto")
-    modules = tuple(replace(m, path=local_folder(m.path, a.download_dir))  # a repo id too
+    modules = tuple(replace(m, path=local_folder(m.path, a.download_dir, a.hf_token))  # a repo id too
                     for m in map(LoraModule.parse, a.lora_modules or ()))
     for m in modules:
         if not Path(m.path).is_dir():
@@ -361,7 +361,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         if serves_http:  # a taken port stops the start before the fetch
             check_port_free(a.host, a.port)
         model_path = fetch_model(model_path, a.revision, a.download_dir,
-                                 weights=a.load_format != "dummy")
+                                 weights=a.load_format != "dummy", token=a.hf_token)
     elif model_path is not None and names[0] is None:
         # vLLM serves a model under the argument as given (/models/x): requests may name
         # it so; its folder or file name stays the one listed and answered with
@@ -369,7 +369,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     tokenizer = a.tokenizer
     if tokenizer is not None and is_repo_id(tokenizer):
         tokenizer = fetch_model(tokenizer, a.tokenizer_revision, a.download_dir,
-                                weights=False)
+                                weights=False, token=a.hf_token)
     elif a.tokenizer_revision is not None:
         raise ValueError("--tokenizer-revision needs a repository id as --tokenizer")
     hf_overrides = canonical_overrides(a.hf_overrides)

@@ -16,10 +16,18 @@ def completion(**fields) -> CompletionRequest:
     return CompletionRequest(prompt="hi", **fields)
 
 
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
 def test_defaults_fill_omitted_fields():
-    p = build_sampling_params(completion(), 10, 4096, DEFAULTS)
+    p = build_sampling_params(chat(), 10, 4096, DEFAULTS)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (
         0.6, 0.9, 20, 0.05, 1.1, 128)
+    # completions: at most 16 unless asked (OpenAI's and vLLM's default there)
+    assert build_sampling_params(completion(), 10, 4096, DEFAULTS).max_tokens == 16
+    assert build_sampling_params(completion(max_tokens=None), 10, 4096,
+                                 DEFAULTS).max_tokens == 128
 
 
 def test_request_values_win():
@@ -35,13 +43,18 @@ def test_request_values_win():
 
 
 def test_without_defaults_openai_defaults_apply():
+    """OpenAI's and vLLM's defaults: a completion of 16 tokens at most (an explicit null:
+    the room the prompt leaves), a chat answer up to the room."""
     p = build_sampling_params(completion(), 10, 4096, {})
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 4086)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 16)
     assert build_sampling_params(completion(), 10, 4096) == p
+    assert build_sampling_params(completion(), 4090, 4096).max_tokens == 6  # the room
+    assert build_sampling_params(completion(max_tokens=None), 10, 4096).max_tokens == 4086
+    assert build_sampling_params(chat(), 10, 4096).max_tokens == 4086
 
 
 def test_a_default_max_tokens_is_cut_to_the_room_left():
-    assert build_sampling_params(completion(), 4000, 4096, DEFAULTS).max_tokens == 96
+    assert build_sampling_params(chat(), 4000, 4096, DEFAULTS).max_tokens == 96
     with pytest.raises(APIError, match="maximum context length is 4096"):
         build_sampling_params(completion(max_tokens=128), 4000, 4096, DEFAULTS)
 

@@ -25,10 +25,12 @@ def is_repo_id(model: str) -> bool:
 
 
 def fetch_model(repo_id: str, revision: str | None = None,
-                download_dir: str | None = None, weights: bool = True) -> str:
+                download_dir: str | None = None, weights: bool = True,
+                token: str | bool | None = None) -> str:
     """The local snapshot folder of ``repo_id`` at ``revision`` (default: main), fetched
     if the cache lacks it (without ``weights``: all but the safetensors, for dummy
-    weights of the repository's shape). FileNotFoundError (exit 2) naming the repository when it
+    weights of the repository's shape), with ``token`` (``--hf-token``: a token, True for
+    the stored one, None for the hub's own choice: ``HF_TOKEN``, else the stored one). FileNotFoundError (exit 2) naming the repository when it
     cannot be had: unknown, gated without a token (``HF_TOKEN``), offline and not cached."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars
@@ -42,7 +44,7 @@ def fetch_model(repo_id: str, revision: str | None = None,
         patterns = SERVED_FILES if weights else [p for p in SERVED_FILES
                                                   if p != "*.safetensors"]
         folder = snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                   allow_patterns=patterns)
+                                   allow_patterns=patterns, token=token)
     except Exception as exc:  # the hub's errors: not found, gated, offline, HTTP
         raise FileNotFoundError(
             f"model not found: {repo_id!r} is not a local path, and the Hugging Face "
@@ -52,8 +54,9 @@ def fetch_model(repo_id: str, revision: str | None = None,
     return folder
 
 
-def local_folder(path: str, download_dir: str | None = None) -> str:
+def local_folder(path: str, download_dir: str | None = None,
+                 token: str | bool | None = None) -> str:
     """``path`` itself, or where it names a repository (``is_repo_id``) its snapshot folder
     in the cache, fetched if missing (``fetch_model``), as vLLM resolves an adapter's
     path."""
-    return fetch_model(path, None, download_dir) if is_repo_id(path) else path
+    return fetch_model(path, None, download_dir, token=token) if is_repo_id(path) else path

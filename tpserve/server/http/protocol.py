@@ -221,6 +221,9 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
+    """``max_tokens`` left out: 16 at most, OpenAI's and vLLM's default for completions
+    (``request_params.COMPLETIONS_MAX_TOKENS``); null: the room the prompt leaves."""
+
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = None
     echo: bool | None = False

@@ -12,6 +12,9 @@ from tpserve.server.http.protocol import ChatCompletionRequest, CompletionReques
 
 # the fields a model's generation config may default (max_tokens is handled apart)
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# a completions request that leaves max_tokens out gets at most this many (OpenAI's legacy
+# Completions and vLLM's default; chat's is the room the prompt leaves, as vLLM's)
+COMPLETIONS_MAX_TOKENS = 16
 
 
 def _max_tokens(req: SamplingRequest) -> tuple[int | None, str]:
@@ -122,7 +125,8 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
 
     ``defaults`` (the model's generation config, by ``SamplingParams`` field) fill only
     the sampling fields the request omits; a default ``max_tokens`` is cut to the room
-    the prompt leaves, while a requested one over the room is refused. ``constraints``
+    the prompt leaves (and a completions request's to ``COMPLETIONS_MAX_TOKENS``, as
+    vLLM's), while a requested one over the room is refused. ``constraints``
     (``logit_bias``, ``structured``) were validated by ``http/structured``."""
     defaults = defaults or {}
     max_tokens, max_tokens_field = _max_tokens(req)
@@ -145,7 +149,10 @@ def build_sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: 
                 f"This model's maximum context length is {max_model_len} tokens. However, "
                 f"your prompt has {prompt_len} tokens, which leaves no room for the completion.",
                 "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-        max_tokens = min(room, int(defaults.get("max_tokens", room)))
+        cap = int(defaults.get("max_tokens", room))
+        if isinstance(req, CompletionRequest) and "max_tokens" not in req.model_fields_set:
+            cap = min(cap, COMPLETIONS_MAX_TOKENS)  # left out (an explicit null: the room)
+        max_tokens = min(room, cap)
     elif max_tokens > room and max_tokens >= 1:
         raise APIError.bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
