@@ -62,6 +62,14 @@ def stacked_name(name: str) -> tuple[str, str | int | None]:
     return name, None
 
 
+def stacked_parts(name: str) -> list[str]:
+    """The names before fusing of a fused parameter's parts (``STACKED``; the inverse of
+    ``stacked_name``): ``...qkv_proj.weight`` -> its q, k and v_proj names; [] for any
+    other parameter."""
+    return [name.replace(fused, frag) for frag, (fused, _) in STACKED.items()
+            if fused in name]
+
+
 def is_zero(source: TensorSource) -> bool:
     """Whether every element of ``source`` is zero (AutoGPTQ's zero biases)."""
     return not bool(as_source(source).read().any())

@@ -41,11 +41,11 @@ from tpserve.model.attention.backend import AttentionBackend
 from tpserve.model.attention.metadata import AttentionMetadata
 from tpserve.model.checkpoint_names import (
     FUSED,
-    STACKED,
     is_zero,
     load_kv_scale,
     model_name,
     stacked_name,
+    stacked_parts,
 )
 from tpserve.model.config import ModelConfig
 from tpserve.model.families import LANGUAGE_MODEL_OF
@@ -403,8 +403,8 @@ class LlamaForCausalLM(nn.Module):
         """Loads checkpoint tensors by Hugging Face name; returns the names loaded: the
         parameters, and each part of a fused one (``checkpoint_names.STACKED``: q/k/v,
         gate/up) by its name before fusing. A fused parameter counts as loaded only once
-        every part has (its rows are uninitialised memory until then), so a caller can
-        name the parts a checkpoint lacks.
+        every part has (``checkpoint_names.stacked_parts``; its rows are uninitialised
+        memory until then), so a caller can name the parts a checkpoint lacks.
 
         Names the model does not have (rotary tables, a tied ``lm_head``, any ``lm_head``
         without a head) are skipped; other names are mapped by ``checkpoint_names``: a base
@@ -472,7 +472,7 @@ class LlamaForCausalLM(nn.Module):
                 parts.setdefault(name, set()).add(part)
         for name, got in parts.items():
             loaded |= got
-            if len(got) == sum(frag in name for frag, _ in STACKED.values()):
+            if got == set(stacked_parts(name)):
                 loaded.add(name)
         loaded |= experts.complete()
         return loaded

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tpserve.model.checkpoint_names import FUSED, STACKED
+from tpserve.model.checkpoint_names import FUSED, stacked_parts
 from tpserve.model.config import ModelConfig
 from tpserve.model.generation_config import generation_eos_token_ids
 from tpserve.model.kv_cache_dtype import is_kv_scale_name
@@ -105,8 +105,7 @@ def _lacked(name: str, loaded: set[str]) -> list[str]:
     of a fused parameter's (``STACKED``) missing parts when some part was loaded (e.g.
     ``...k_proj.weight``; also where an index names a tensor no shard holds), else the
     parameter's own name."""
-    parts = [name.replace(fused, frag) for frag, (fused, _) in STACKED.items()
-             if fused in name]
+    parts = stacked_parts(name)
     if not any(p in loaded for p in parts):
         return [name]
     return [p for p in parts if p not in loaded]

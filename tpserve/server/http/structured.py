@@ -97,6 +97,7 @@ def structured_output(req: SamplingRequest) -> StructuredOutput | None:
             f"at most one structured-output constraint per request; got {names}",
             found[1][0])
     field, kind, value = found[0]
+    lark = kind == "grammar" and looks_like_lark(value)
     try:
         if kind == "choice":
             spec = StructuredOutput("grammar", choice_grammar(value))
@@ -104,15 +105,14 @@ def structured_output(req: SamplingRequest) -> StructuredOutput | None:
             spec = StructuredOutput("json", _schema_text(value))
         elif kind == "structural_tag":
             spec = StructuredOutput(kind, structural_tag(value))
-        elif kind == "grammar" and looks_like_lark(value):
+        elif lark:
             spec = StructuredOutput(kind, lark_to_ebnf(value))
         else:
             spec = StructuredOutput(kind, value)
         check_structured_output(spec)
     except GrammarError as exc:
-        lark = " (read as Lark: it has no ::=)" if kind == "grammar" and looks_like_lark(
-            value) else ""
-        raise APIError.bad_request(f"invalid {_WHAT.get(kind, kind)} in {field}{lark}: "
+        read_as = " (read as Lark: it has no ::=)" if lark else ""
+        raise APIError.bad_request(f"invalid {_WHAT.get(kind, kind)} in {field}{read_as}: "
                                    f"{exc}", field) from exc
     if so is not None and so.disable_additional_properties and kind == "json":
         _check_no_additional_properties(spec.value)
